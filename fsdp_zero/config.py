@@ -1,0 +1,346 @@
+"""The typed configuration schema: dataclasses, YAML deltas and dotlist overrides.
+
+A run's config is the dataclass defaults below, merged with an optional YAML file
+that holds only the keys it changes, merged with ``key=value`` overrides from the
+command line. Every user mistake (an unknown key, a value of the wrong type, a bad
+choice, a batch that does not divide) is a ``ValueError`` naming the key, the bad
+value and what would be valid, raised before anything is built or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class WrapPolicy(str, enum.Enum):
+    """Which submodules become FSDP units (each unit all-gathers its parameters as one)."""
+
+    transformer = "transformer"  # modules whose class name is in `classes`
+    size_based = "size_based"  # modules holding >= `min_params` not already wrapped
+    modules = "modules"  # modules whose FQN matches one of the regexes in `modules`
+    none = "none"  # only the root: the whole model is one unit
+
+
+class Strategy(str, enum.Enum):
+    """How model state is partitioned across data-parallel ranks.
+
+    full_shard (ZeRO-3): parameters, gradients and optimizer state sharded; each unit's
+        parameters are all-gathered for forward, freed, and all-gathered again for
+        backward (``reshard_after_forward=True``). Least memory, one extra all-gather.
+    shard_grad_op (ZeRO-2): as full_shard, but parameters stay gathered from forward
+        to backward (``reshard_after_forward=False``). Less communication, the full
+        parameters of every unit are held between forward and backward.
+    """
+
+    full_shard = "full_shard"
+    shard_grad_op = "shard_grad_op"
+
+
+class DataSource(str, enum.Enum):
+    synthetic = "synthetic"  # a seeded random bigram process: learnable, no files needed
+    text = "text"  # a local file or folder read as byte-level tokens (vocab 256)
+
+
+class Backend(str, enum.Enum):
+    auto = "auto"  # nccl on CUDA, gloo on CPU
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Device(str, enum.Enum):
+    auto = "auto"  # cuda when a GPU is visible, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class OptimizerImpl(str, enum.Enum):
+    auto = "auto"  # fused on CUDA, foreach on CPU
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
+
+@dataclass
+class ModelConfig:
+    """The built-in decoder-only transformer. ``None`` fields take the preset's value."""
+
+    preset: str = "gpt_tiny"
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden_dim: int | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = DataSource.synthetic
+    path: str | None = None  # file or folder, for source=text
+    seq_len: int = 128
+    # synthetic: each token is followed by one of `branching` successors (skewed odds),
+    # so the loss falls from ln(vocab) towards ~ln(branching).
+    branching: int = 4
+
+
+@dataclass
+class WrapConfig:
+    policy: WrapPolicy = WrapPolicy.transformer
+    classes: list[str] = field(default_factory=list)  # empty: the model's block class
+    min_params: int = 1_000_000
+    modules: list[str] = field(default_factory=list)  # FQN regexes (re.fullmatch)
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Strategy = Strategy.full_shard
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
+    implementation: OptimizerImpl = OptimizerImpl.auto
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 150
+    global_batch_size: int = 16  # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 4  # sequences per forward/backward on one rank
+    log_every: int = 10
+    seed: int | None = 1234  # None: rank 0 draws one and broadcasts it
+
+
+@dataclass
+class RunConfig:
+    root: str = "runs"
+    name: str | None = None  # None: a timestamp; the run directory is root/name
+
+
+@dataclass
+class DistConfig:
+    backend: Backend = Backend.auto
+    device: Device = Device.auto
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+# ---------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(config_path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file's deltas, then ``key=value`` overrides.
+
+    Raises:
+        ValueError: a missing file, an unknown key, a wrong type or a bad choice; the
+            message names the key, the value and the valid choices.
+    """
+    layers: list[tuple[str, DictConfig]] = []
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ValueError(f"--config: file not found: {str(path)!r}")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:  # yaml errors carry the line number
+            raise ValueError(f"--config {str(path)!r}: not valid YAML: {e}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ValueError(f"--config {str(path)!r}: must hold a mapping of keys, got {type(loaded).__name__}")
+        layers.append((str(path), loaded))
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ValueError(f"override {item!r}: expected key=value, e.g. train.steps=50")
+        try:
+            layers.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
+        except Exception as e:
+            raise ValueError(f"override {item!r}: {e}") from None
+
+    merged = OmegaConf.structured(Config)
+    for origin, layer in layers:
+        _check_keys(layer, Config, prefix="", origin=origin)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise ValueError(_explain(e, origin)) from None
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, Config)
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _check_keys(node: DictConfig, schema: type, prefix: str, origin: str) -> None:
+    """Unknown keys are errors that suggest the closest known key."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            valid = ", ".join(f"{prefix}{k}" for k in fields)
+            raise ValueError(f"{origin}: unknown config key '{full}'{hint} (valid keys here: {valid})")
+        ftype = _field_type(schema, key)
+        value = node._get_node(key)
+        if dataclasses.is_dataclass(ftype):
+            if not isinstance(value, DictConfig):
+                raise ValueError(f"{origin}: '{full}' is a section; set its keys, e.g. {full}.<key>=...")
+            _check_keys(value, ftype, prefix=f"{full}.", origin=origin)
+        elif isinstance(ftype, type) and issubclass(ftype, enum.Enum):
+            raw = value._value() if hasattr(value, "_value") else value
+            if isinstance(raw, str) and raw not in ftype.__members__:
+                choices = ", ".join(ftype.__members__)
+                raise ValueError(f"{origin}: {full}={raw!r} is not a valid choice; valid choices: {choices}")
+
+
+def _field_type(schema: type, name: str) -> Any:
+    hints = typing.get_type_hints(schema)
+    ftype = hints[name]
+    args = [a for a in typing.get_args(ftype) if a is not type(None)]
+    if typing.get_origin(ftype) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+        return args[0]
+    return ftype
+
+
+def _explain(e: OmegaConfBaseException, origin: str) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(e).split("\n")[0]
+    return f"{origin}: bad value for '{key}': {msg}"
+
+
+# ---------------------------------------------------------------------------------
+# Semantic checks that do not depend on the world size (see `batch_layout` for those)
+
+
+def validate(cfg: Config) -> None:
+    from fsdp_zero.model import PRESETS  # the presets live with the model
+
+    def positive(key: str, value: int | float | None) -> None:
+        if value is not None and value <= 0:
+            raise ValueError(f"{key}={value}: must be > 0")
+
+    if cfg.model.preset not in PRESETS:
+        close = difflib.get_close_matches(cfg.model.preset, PRESETS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ValueError(f"model.preset={cfg.model.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
+        positive(f"model.{name}", getattr(cfg.model, name))
+    for key, value in [
+        ("data.seq_len", cfg.data.seq_len),
+        ("data.branching", cfg.data.branching),
+        ("train.steps", cfg.train.steps),
+        ("train.global_batch_size", cfg.train.global_batch_size),
+        ("train.micro_batch_size", cfg.train.micro_batch_size),
+        ("train.log_every", cfg.train.log_every),
+        ("optim.lr", cfg.optim.lr),
+        ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
+    ]:
+        positive(key, value)
+    if cfg.optim.warmup_steps < 0:
+        raise ValueError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be >= 0")
+    if cfg.optim.grad_clip < 0:
+        raise ValueError(f"optim.grad_clip={cfg.optim.grad_clip}: must be >= 0 (0 disables clipping)")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio}: must be in [0, 1]")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        raise ValueError(f"optim.betas={list(cfg.optim.betas)}: must be two numbers in [0, 1)")
+    if cfg.train.global_batch_size % cfg.train.micro_batch_size:
+        raise ValueError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={cfg.train.micro_batch_size}"
+        )
+    if cfg.data.source is DataSource.text:
+        if not cfg.data.path:
+            raise ValueError("data.source=text needs data.path (a text file or a folder of them)")
+        if not Path(cfg.data.path).exists():
+            raise ValueError(f"data.path={cfg.data.path!r}: no such file or folder")
+    elif cfg.data.path:
+        raise ValueError(f"data.path={cfg.data.path!r} is set but data.source=synthetic; set data.source=text")
+    if cfg.parallel.wrap.policy is WrapPolicy.modules and not cfg.parallel.wrap.modules:
+        raise ValueError(
+            "parallel.wrap.policy=modules needs parallel.wrap.modules, a list of FQN regexes, "
+            "e.g. 'parallel.wrap.modules=[layers\\.\\d+]'"
+        )
+    if cfg.run.name is not None and ("/" in cfg.run.name or cfg.run.name in ("", ".", "..")):
+        raise ValueError(f"run.name={cfg.run.name!r}: must be a plain folder name (set run.root for the parent)")
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's global batch splits over ranks and micro-batches."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    dp_size: int
+    grad_accum_steps: int
+
+    def describe(self, seq_len: int) -> str:
+        return (
+            f"global batch {self.global_batch_size} sequences = micro-batch {self.micro_batch_size} "
+            f"x grad-accum {self.grad_accum_steps} x data-parallel ranks {self.dp_size} "
+            f"({self.global_batch_size * seq_len:,} tokens per step)"
+        )
+
+
+def batch_layout(cfg: TrainConfig, dp_size: int) -> BatchLayout:
+    """Derives the gradient-accumulation steps, as DeepSpeed does from train_batch_size.
+
+    Raises:
+        ValueError: the global batch does not split evenly over ``dp_size`` ranks.
+    """
+    per_step = cfg.micro_batch_size * dp_size
+    if cfg.global_batch_size % per_step:
+        valid = [m for m in range(1, cfg.global_batch_size + 1) if cfg.global_batch_size % (m * dp_size) == 0]
+        hint = f"valid train.micro_batch_size values at {dp_size} ranks: {valid}" if valid else (
+            f"train.global_batch_size must be a multiple of the {dp_size} ranks"
+        )
+        raise ValueError(
+            f"train.global_batch_size={cfg.global_batch_size} does not divide into "
+            f"train.micro_batch_size={cfg.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
+        )
+    return BatchLayout(cfg.global_batch_size, cfg.micro_batch_size, dp_size, cfg.global_batch_size // per_step)
+
+
+def as_plain(value: Any) -> Any:
+    """OmegaConf containers to plain Python (for printing in errors)."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value)
+    return value

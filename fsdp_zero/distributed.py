@@ -1,0 +1,109 @@
+"""Process-group set-up from torchrun's environment, and the one place that knows ranks.
+
+``torchrun`` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. A plain
+``python scripts/train.py`` has none of them and runs as world size 1 over a
+single-rank gloo/NCCL group, so every code path (FSDP included) is the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_zero.config import Backend, Device, DistConfig
+
+logger = logging.getLogger("fsdp_zero")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: DistConfig) -> DistEnv:
+    """Joins (or, outside torchrun, creates) the default process group.
+
+    Raises:
+        ValueError: dist.device=cuda or dist.backend=nccl without a visible GPU.
+    """
+    if "RANK" not in os.environ:  # plain `python`: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    cuda = torch.cuda.is_available()
+    if cfg.device is Device.cuda and not cuda:
+        raise ValueError("dist.device=cuda but no CUDA device is visible; valid choices here: auto, cpu")
+    device_type = "cuda" if (cfg.device is Device.cuda or (cfg.device is Device.auto and cuda)) else "cpu"
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = cfg.backend.value
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl" and device_type != "cuda":
+        raise ValueError("dist.backend=nccl needs dist.device=cuda; on CPU use dist.backend=gloo (or auto)")
+
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def data_parallel_mesh(env: DistEnv) -> DeviceMesh:
+    """A 1-D mesh over all ranks: every rank is a data-parallel (sharding) rank."""
+    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp_shard",))
+
+
+def broadcast_object(obj: object, env: DistEnv) -> object:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=env.device if env.backend == "nccl" else None)
+    return box[0]
+
+
+def agree_on_seed(seed: int | None, env: DistEnv) -> int:
+    """The run's seed: the configured one, or one drawn by rank 0; seeds every RNG with it."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    seed = int(broadcast_object(seed, env))
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return seed
+
+
+def setup_logging(env: DistEnv) -> None:
+    """Rank 0 logs at INFO; the other ranks only warnings and errors."""
+    logging.basicConfig(
+        level=logging.INFO if env.is_rank0 else logging.WARNING,
+        format=f"[rank{env.rank}] %(message)s" if env.world_size > 1 else "%(message)s",
+        force=True,
+    )

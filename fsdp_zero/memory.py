@@ -1,0 +1,129 @@
+"""Memory as the user sees it: model-state bytes counted from tensors, and process/device memory.
+
+Model state is what ZeRO partitions: parameters, gradients and optimizer states. For
+fp32 AdamW that is 4 + 4 + 8 = 16 bytes per parameter, 16 P / N per rank when all three
+are sharded over N ranks. ``model_state_bytes`` counts the storages a rank actually
+holds (a DTensor's local shard, padding included; shared storages counted once), so
+it can be checked against that formula.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch import nn
+
+MIB = 2**20
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer states held by this rank."""
+    seen: set[int] = set()
+    params = list(model.parameters())
+    p = _storage_bytes(params, seen)
+    g = _storage_bytes([q.grad for q in params if q.grad is not None], seen)
+    o = 0
+    if optimizer is not None:
+        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        o = _storage_bytes(states, seen)
+    return ModelStateBytes(p, g, o)
+
+
+def zero3_expected_bytes(num_params: int, world_size: int, bytes_per_param: int = 16) -> float:
+    """ZeRO-3 model state per rank: (2 + 2 + K) P / N in the paper; 16 P / N for fp32 AdamW."""
+    return bytes_per_param * num_params / world_size
+
+
+def _clear_peak_rss() -> bool:
+    """Resets the kernel's peak-RSS mark (VmHWM) for this process; False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class MemoryMonitor:
+    """Reads this rank's memory; peaks cover the time since the last ``reset_peaks``.
+
+    CUDA: allocated, reserved, their peaks and the allocator's retries (cudaMalloc
+    failures that forced a cache flush: a sign of fragmentation under pressure).
+    CPU: process RSS and peak RSS (on Linux the peak is reset through
+    /proc/self/clear_refs; elsewhere it is the lifetime peak).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.process = psutil.Process(os.getpid())
+        self.reset_peaks()
+
+    def reset_peaks(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        _clear_peak_rss()
+
+    def read(self) -> dict[str, float]:
+        """Current figures in MiB (retries as a count)."""
+        out: dict[str, float] = {}
+        if self.device.type == "cuda":
+            s = torch.cuda.memory_stats(self.device)
+            out["cuda_allocated_mib"] = s.get("allocated_bytes.all.current", 0) / MIB
+            out["cuda_reserved_mib"] = s.get("reserved_bytes.all.current", 0) / MIB
+            out["cuda_peak_allocated_mib"] = s.get("allocated_bytes.all.peak", 0) / MIB
+            out["cuda_peak_reserved_mib"] = s.get("reserved_bytes.all.peak", 0) / MIB
+            out["cuda_alloc_retries"] = float(s.get("num_alloc_retries", 0))
+        rss = self.process.memory_info().rss
+        peak = _peak_rss()
+        out["cpu_rss_mib"] = rss / MIB
+        out["cpu_peak_rss_mib"] = max(rss, peak if peak is not None else rss) / MIB
+        return out
+
+    def peak_mib(self) -> float:
+        """The headline per-rank peak: peak reserved on CUDA (what the device must have), else peak RSS."""
+        m = self.read()
+        return m["cuda_peak_reserved_mib"] if self.device.type == "cuda" else m["cpu_peak_rss_mib"]

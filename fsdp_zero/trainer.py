@@ -1,0 +1,311 @@
+"""Building a sharded model and the one training loop.
+
+``train(cfg, env)`` does, in order: agree on a seed, size the batch, prepare the run
+directory, build the model on the meta device, plan and apply sharding, materialise
+and initialise each rank's shards, then step. Everything a reader needs to follow a
+step (accumulation, clipping with sharded gradients, the sync points) is in
+``train_step`` and the loop in ``train``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fsdp_zero
+from fsdp_zero.config import BatchLayout, Config, OptimConfig, OptimizerImpl, batch_layout, to_yaml
+from fsdp_zero.data import BatchCursor, build_source
+from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object, data_parallel_mesh
+from fsdp_zero.memory import MemoryMonitor, model_state_bytes, zero3_expected_bytes, MIB
+from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, MultiLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
+from fsdp_zero.model import build_model, model_args
+from fsdp_zero.parallelize import parallelize
+from fsdp_zero.wrap import WrapPlan, build_wrap_plan
+
+logger = logging.getLogger("fsdp_zero")
+
+
+# ---------------------------------------------------------------------------------
+# Optimizer, schedule, clipping
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices and embeddings, none on norm gains (1-D)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    impl = cfg.implementation
+    if impl is OptimizerImpl.auto:
+        impl = OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        fused=impl is OptimizerImpl.fused,
+        foreach=impl is OptimizerImpl.foreach,
+    )
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, then cosine."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients, sharded or not; clips to ``max_norm`` when > 0.
+
+    With FSDP each rank holds a shard of each gradient (a DTensor). The norm of a
+    sharded DTensor is a partial value; ``full_tensor()`` all-reduces it into the norm
+    of the whole model's gradient, the same on every rank. Clipping each rank's shard by
+    that global norm is then exactly clipping the unsharded gradient.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
+
+
+# ---------------------------------------------------------------------------------
+# One step
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the micro-batch (computed in fp32)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    grad_clip: float,
+    device: torch.device,
+    on_phase: Callable[[str], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward over this rank's micro-batches, then one optimizer step.
+
+    Returns this rank's mean loss and the global gradient norm (before clipping), both
+    as tensors: reading them (``.item()``) is a sync point left to the caller.
+    """
+    params = [p for p in model.parameters()]
+    loss_sum = torch.zeros((), device=device)
+    for inputs, targets in micro_batches:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        loss = loss_fn(model(inputs), targets)
+        # Scale so the accumulated gradient is the mean over micro-batches; FSDP's
+        # reduce-scatter then averages over ranks, giving the global-batch mean. Each
+        # backward reduce-scatters into the sharded gradient (no unsharded gradient is
+        # kept across micro-batches: more communication, ZeRO-3 memory).
+        (loss / len(micro_batches)).backward()
+        loss_sum += loss.detach()
+    if on_phase:
+        on_phase("after_backward")
+    grad_norm = clip_grad_norm_(params, grad_clip)  # one all-reduce
+    optimizer.step()
+    if on_phase:  # parameters, gradients and optimizer states all live: the model-state peak
+        on_phase("after_optimizer_step")
+    optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
+    scheduler.step()
+    return loss_sum / len(micro_batches), grad_norm
+
+
+# ---------------------------------------------------------------------------------
+# Set-up
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    plan: WrapPlan
+    layout: BatchLayout
+    num_params: int
+    losses: dict[int, float] = field(default_factory=dict)  # logged steps (1-based)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+
+
+def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:
+    """Creates root/name (rank 0) and writes the resolved config into it.
+
+    Raises:
+        ValueError: the folder holds a run with a different config (nothing is overwritten).
+    """
+    if cfg.run.name is None:
+        cfg.run.name = broadcast_object(datetime.now().strftime("%Y%m%d-%H%M%S"), env)
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    error = None
+    if env.is_rank0:
+        text = to_yaml(cfg)
+        saved = run_dir / "config.yaml"
+        if saved.exists() and saved.read_text() != text:
+            error = (
+                f"run directory {str(run_dir)!r} already holds a run with a different config "
+                f"({saved}); choose another run.name, or delete that folder to start over"
+            )
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = saved.with_suffix(".yaml.tmp")
+            tmp.write_text(text)
+            tmp.replace(saved)
+    error = broadcast_object(error, env)
+    if error:
+        raise ValueError(error)
+    return run_dir
+
+
+def build_logger(cfg: Config, env: DistEnv, run_dir: Path) -> MetricLogger:
+    sinks: list[MetricLogger] = []
+    if cfg.metrics.tensorboard:
+        sinks.append(TensorBoardLogger(tensorboard_dir(run_dir, env.rank)))
+    return MultiLogger(*sinks) if sinks else NoOpLogger()
+
+
+def _memory_scalars(monitor: MemoryMonitor, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    state = model_state_bytes(model, optimizer)
+    out = {f"memory/{k}": v for k, v in monitor.read().items()}
+    out["memory/model_state_mib"] = state.total / MIB
+    out["memory/model_state_params_mib"] = state.params / MIB
+    out["memory/model_state_grads_mib"] = state.grads / MIB
+    out["memory/model_state_optimizer_mib"] = state.optimizer / MIB
+    return out
+
+
+# ---------------------------------------------------------------------------------
+# The loop
+
+
+def train(cfg: Config, env: DistEnv) -> TrainResult:
+    """Builds everything from ``cfg`` and trains for ``cfg.train.steps`` optimizer steps.
+
+    Raises:
+        ValueError: a setting that only turns out wrong once the world size or the model
+            is known (a batch that does not divide, a wrap class the model lacks, ...).
+    """
+    layout = batch_layout(cfg.train, env.world_size)
+    args = model_args(
+        cfg.model.preset,
+        **{k: getattr(cfg.model, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
+                                              "ffn_hidden_dim", "max_seq_len", "tie_embeddings")},
+    )
+    if cfg.data.seq_len > args.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={args.max_seq_len}; lower one or raise the other")
+    seed = agree_on_seed(cfg.train.seed, env)
+
+    # Meta device: shapes only. Plan and shard before any memory is allocated.
+    model = build_model(args, device="meta")
+    plan = build_wrap_plan(model, cfg.parallel.wrap, env.world_size)
+    source = build_source(cfg.data, args.vocab_size, seed)
+    run_dir = prepare_run_dir(cfg, env)
+    num_params = sum(p.numel() for p in model.parameters())
+
+    logger.info("fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
+                fsdp_zero.__version__, torch.__version__, env.world_size, env.backend, env.device.type)
+    logger.info("model %s: %s parameters (%.1f MiB fp32) | strategy %s", cfg.model.preset, f"{num_params:,}",
+                num_params * 4 / MIB, cfg.parallel.strategy.value)
+    logger.info("%s", layout.describe(cfg.data.seq_len))
+    logger.info("%s", plan.table())
+    logger.info("run dir %s | tensorboard --logdir %s", run_dir, run_dir / "tb")
+
+    mesh = data_parallel_mesh(env)
+    parallelize(model, cfg.parallel, plan, mesh)
+    model.to_empty(device=env.device)  # each rank allocates only its shards
+    model.init_weights(seed)
+    optimizer = build_optimizer(model, cfg.optim, env.device)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    cursor = BatchCursor(source, layout, env.rank)
+
+    metrics = build_logger(cfg, env, run_dir)
+    history = JsonLinesLogger(run_dir / "metrics.jsonl") if env.is_rank0 else NoOpLogger()
+    monitor = MemoryMonitor(env.device)
+    result = TrainResult(run_dir, model, optimizer, plan, layout, num_params)
+
+    # "Before and after" of the first step, as users check with torch.cuda.memory_summary().
+    phases = ["after_build", "after_backward", "after_optimizer_step"]
+    phase_state: dict[str, float] = {}
+
+    def first_step_phase(name: str) -> None:
+        scalars = _memory_scalars(monitor, model, optimizer)
+        phase_state[name] = scalars["memory/model_state_mib"] * MIB
+        metrics.log({k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()}, phases.index(name))
+        logger.info("memory %-21s model state %8.2f MiB/rank | %s", name, scalars["memory/model_state_mib"],
+                    ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k))
+
+    first_step_phase("after_build")
+    tokens_per_rank_step = layout.global_batch_size // layout.dp_size * cfg.data.seq_len
+    interval_start, interval_steps = time.perf_counter(), 0
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            micro_batches = cursor.next_batch()
+            loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip,
+                                         env.device, on_phase=first_step_phase if step == 1 else None)
+            interval_steps += 1
+            if step % cfg.train.log_every and step != cfg.train.steps:
+                continue
+
+            # Log step: the only sync points of the loop (.item() and one all-gather).
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - interval_start
+            local_tps = tokens_per_rank_step * interval_steps / elapsed
+            mem = _memory_scalars(monitor, model, optimizer)
+            peak = mem["memory/cuda_peak_reserved_mib" if env.device.type == "cuda" else "memory/cpu_peak_rss_mib"]
+            gathered = torch.zeros(env.world_size, 3, dtype=torch.float64, device=env.device)
+            mine = torch.stack([loss.double(), torch.tensor(peak, dtype=torch.float64, device=env.device),
+                                torch.tensor(local_tps, dtype=torch.float64, device=env.device)])
+            dist.all_gather(list(gathered.unbind(0)), mine)
+            gathered = gathered.cpu()
+            mean_loss = gathered[:, 0].mean().item()
+            peaks = gathered[:, 1].tolist()
+            global_tps = gathered[:, 2].sum().item()
+            lr = scheduler.get_last_lr()[0]
+            norm = grad_norm.item()
+            result.losses[step] = mean_loss
+            result.grad_norms[step] = norm
+
+            metrics.log({"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": norm,
+                         "train/tokens_per_s": local_tps, **mem}, step)
+            history.log({"loss": mean_loss, "lr": lr, "grad_norm": norm, "tokens_per_s": global_tps,
+                         "peak_mem_mib": peaks, "model_state_mib": mem["memory/model_state_mib"]}, step)
+            logger.info("step %5d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | peak mem/rank MiB %s",
+                        step, mean_loss, lr, norm, f"{global_tps:,.0f}", "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]")
+            monitor.reset_peaks()
+            interval_start, interval_steps = time.perf_counter(), 0
+    finally:
+        metrics.close()
+        history.close()
+
+    # Model state at its peak (after the first optimizer step, gradients not yet freed).
+    state = phase_state["after_optimizer_step"]
+    expected = zero3_expected_bytes(num_params, env.world_size)
+    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x 16P/N (%.2f MiB)", state / MIB,
+                state / expected, expected / MIB)
+    summary = {"steps": cfg.train.steps, "final_loss": result.losses.get(cfg.train.steps), "num_params": num_params,
+               "world_size": env.world_size, "model_state_bytes_rank0": state, "zero3_expected_bytes": expected}
+    if env.is_rank0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return result

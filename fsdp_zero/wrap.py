@@ -1,0 +1,186 @@
+"""Wrap policies: which submodules become FSDP units, decided as data before any sharding.
+
+A unit's parameters are all-gathered together before its forward and backward and
+freed together after (ZeRO-3), so the largest unit bounds the extra memory of the
+gathered parameters; with policy ``none`` the whole model is one unit and every rank
+briefly holds the full model. The plan lists the units bottom-up, then the root,
+which is the order ``fully_shard`` must be applied in.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fsdp_zero.config import WrapConfig, WrapPolicy
+
+ROOT = ""
+
+
+@dataclass(frozen=True)
+class Unit:
+    fqn: str  # "" for the root
+    class_name: str
+    num_params: int  # parameters this unit owns (not those of units nested in it)
+    full_bytes: int
+    bytes_per_rank: int  # padded shard, as FSDP2 allocates it (dim 0 split in ceil(rows / N))
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    policy: WrapPolicy
+    world_size: int
+    units: list[Unit]  # bottom-up, root last
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def submodule_fqns(self) -> list[str]:
+        return [u.fqn for u in self.units if u.fqn != ROOT]
+
+    def table(self) -> str:
+        """The plan as a fixed-width table, one row a unit."""
+        rows = [("unit", "class", "params", "full MiB", f"MiB/rank (N={self.world_size})")]
+        for u in self.units:
+            rows.append((u.fqn or "<root>", u.class_name, f"{u.num_params:,}", _mib(u.full_bytes), _mib(u.bytes_per_rank)))
+        total = sum(u.num_params for u in self.units)
+        rows.append(
+            ("total", f"{len(self.units)} units", f"{total:,}", _mib(sum(u.full_bytes for u in self.units)),
+             _mib(sum(u.bytes_per_rank for u in self.units)))
+        )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"wrap plan: policy={self.policy.value}, {len(self.units)} FSDP units"]
+        for i, r in enumerate(rows):
+            cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(r[2:], widths[2:])]
+            lines.append("  " + "  ".join(cells))
+            if i == 0 or i == len(rows) - 2:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
+    """FQNs of the submodules the policy picks (not the root).
+
+    Raises:
+        ValueError: an unknown class name, or a policy that matches no module.
+    """
+    named = [(fqn, m) for fqn, m in model.named_modules() if fqn != ROOT]
+    if cfg.policy is WrapPolicy.none:
+        return []
+    if cfg.policy is WrapPolicy.transformer:
+        block = getattr(type(model), "block_class", None)
+        classes = list(cfg.classes) or ([block.__name__] if block is not None else [])
+        if not classes:
+            raise ValueError("parallel.wrap.policy=transformer: set parallel.wrap.classes; this model names no block class")
+        present = sorted({type(m).__name__ for _, m in named})
+        unknown = [c for c in classes if c not in present]
+        if unknown:
+            raise ValueError(
+                f"parallel.wrap.classes: unknown module class {', '.join(map(repr, unknown))}; "
+                f"this model has: {', '.join(present)}"
+            )
+        return [fqn for fqn, m in named if type(m).__name__ in classes]
+    if cfg.policy is WrapPolicy.modules:
+        fqns = [fqn for fqn, _ in named]
+        chosen: list[str] = []
+        for pattern in cfg.modules:
+            try:
+                rx = re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"parallel.wrap.modules: {pattern!r} is not a valid regex: {e}") from None
+            hits = [f for f in fqns if rx.fullmatch(f)]
+            if not hits:
+                sample = ", ".join(fqns[:12]) + (", ..." if len(fqns) > 12 else "")
+                raise ValueError(
+                    f"parallel.wrap.modules: {pattern!r} matches no module (patterns must match the whole FQN); "
+                    f"module FQNs: {sample}"
+                )
+            chosen += [f for f in hits if f not in chosen]
+        return [f for f in fqns if f in chosen]  # model order
+    if cfg.policy is WrapPolicy.size_based:
+        # FSDP1's size_based_auto_wrap_policy: bottom-up, a module becomes a unit when the
+        # parameters it holds outside units already chosen below it reach min_params.
+        chosen, owned = [], set()
+        largest = 0
+        for fqn, module in sorted(named, key=lambda x: -x[0].count(".") if x[0] else 0):
+            params = {id(p): p.numel() for p in module.parameters() if id(p) not in owned}
+            remaining = sum(params.values())
+            largest = max(largest, remaining)
+            if remaining >= cfg.min_params:
+                chosen.append(fqn)
+                owned |= params.keys()
+        if not chosen:
+            raise ValueError(
+                f"parallel.wrap.min_params={cfg.min_params:,} matches no module "
+                f"(the largest submodule holds {largest:,} parameters); lower it or use parallel.wrap.policy=none"
+            )
+        return [fqn for fqn, _ in named if fqn in chosen]
+    raise AssertionError(cfg.policy)
+
+
+def _depth(fqn: str) -> int:
+    return -1 if fqn == ROOT else fqn.count(".")
+
+
+def _is_under(fqn: str, unit: str) -> bool:
+    return unit == ROOT or fqn == unit or fqn.startswith(unit + ".")
+
+
+def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapPlan:
+    """Chooses the units and what each owns. Works on the meta device.
+
+    A parameter shared by modules in different units (tied embeddings) must be sharded
+    once: any chosen unit that holds only some of a shared parameter's users is dropped,
+    so the parameter falls to the closest unit above that holds them all.
+
+    Raises:
+        ValueError: as `_select`.
+    """
+    selected = _select(model, cfg)
+    notes: list[str] = []
+
+    # Every module path through which each parameter is reachable (tied weights: several).
+    users: dict[int, list[str]] = {}
+    params: dict[int, object] = {}
+    for mod_fqn, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            users.setdefault(id(p), []).append(f"{mod_fqn}.{name}" if mod_fqn else name)
+            params[id(p)] = p
+    for pid, paths in users.items():
+        if len(paths) < 2:
+            continue
+        for unit in list(selected):
+            inside = [q for q in paths if _is_under(q, unit)]
+            if inside and len(inside) < len(paths):
+                selected.remove(unit)
+                notes.append(
+                    f"'{unit}' is not a unit of its own: it shares {inside[0]} with {', '.join(q for q in paths if q not in inside)}"
+                )
+
+    # Each parameter belongs to the deepest chosen unit above its first path.
+    units = sorted(selected, key=_depth, reverse=True) + [ROOT]  # bottom-up, root last
+    owned: dict[str, list[object]] = {u: [] for u in units}
+    for pid, paths in users.items():
+        owner = next(u for u in units if all(_is_under(q, u) for q in paths))
+        owned[owner].append(params[pid])
+
+    plan_units = []
+    for fqn in units:
+        ps = owned[fqn]
+        module = model.get_submodule(fqn) if fqn else model
+        full = sum(p.numel() * p.element_size() for p in ps)
+        per_rank = sum(
+            math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * p.element_size() if p.dim() else p.element_size()
+            for p in ps
+        )
+        plan_units.append(Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank))
+    if cfg.policy is WrapPolicy.none:
+        notes.append("one unit: every rank gathers the whole model for forward and backward")
+    return WrapPlan(policy=cfg.policy, world_size=world_size, units=plan_units, notes=notes)

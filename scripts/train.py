@@ -1,0 +1,56 @@
+"""Train a transformer with its model state sharded over the ranks (ZeRO-3 by default).
+
+    torchrun --nproc_per_node=2 scripts/train.py [--config configs/X.yaml] [key=value ...]
+    python scripts/train.py ...   # world size 1
+
+A bad setting prints one line naming the key and the valid choices, and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from fsdp_zero.config import load_config
+from fsdp_zero.distributed import destroy_distributed, init_distributed, setup_logging
+from fsdp_zero.trainer import train
+
+USAGE_ERROR = 2
+
+
+def _fail(message: str) -> int:
+    # Every rank hits the same user error; one copy of the message is enough.
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML file of settings that differ from the defaults")
+    parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. train.steps=50")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as e:
+        return _fail(str(e))
+    try:
+        env = init_distributed(cfg.dist)
+    except ValueError as e:
+        return _fail(str(e))
+    try:
+        setup_logging(env)
+        train(cfg, env)
+    except ValueError as e:
+        return _fail(str(e))
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
