@@ -73,9 +73,19 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
-def destroy_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_distributed(barrier: bool = True) -> None:
+    """Leaves the process group; after a barrier on a clean exit.
+
+    Without the barrier a rank that finishes first tears down its gloo connections
+    while rank 0 still writes files, and gloo aborts the process (SIGABRT,
+    "terminate called without an active exception"). On an error path the other
+    ranks may never arrive, so no barrier is taken there.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def data_parallel_mesh(env: DistEnv) -> DeviceMesh:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from fsdp_zero.config import ParallelConfig, Strategy
 from fsdp_zero.wrap import WrapPlan
@@ -33,4 +33,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, mesh: Dev
     # FSDP2 keeps the root's parameters gathered between forward and backward whatever
     # this flag says (they would be re-gathered at once), so the root costs no extra all-gather.
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
+    assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)
     return model

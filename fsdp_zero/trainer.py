@@ -138,15 +138,26 @@ def train_step(
 
 
 @dataclass
-class TrainResult:
+class Components:
+    """Everything `train` steps, built by `setup`."""
+
     run_dir: Path
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    cursor: BatchCursor
     plan: WrapPlan
     layout: BatchLayout
     num_params: int
+    seed: int
+
+
+@dataclass
+class TrainResult:
+    components: Components
     losses: dict[int, float] = field(default_factory=dict)  # logged steps (1-based)
     grad_norms: dict[int, float] = field(default_factory=dict)
+    model_state_bytes: int = 0  # this rank's, after the first optimizer step
 
 
 def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:
@@ -199,8 +210,8 @@ def _memory_scalars(monitor: MemoryMonitor, model: nn.Module, optimizer: torch.o
 # The loop
 
 
-def train(cfg: Config, env: DistEnv) -> TrainResult:
-    """Builds everything from ``cfg`` and trains for ``cfg.train.steps`` optimizer steps.
+def setup(cfg: Config, env: DistEnv) -> Components:
+    """Builds the sharded, initialised model and everything else a run steps.
 
     Raises:
         ValueError: a setting that only turns out wrong once the world size or the model
@@ -229,6 +240,8 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
                 num_params * 4 / MIB, cfg.parallel.strategy.value)
     logger.info("%s", layout.describe(cfg.data.seq_len))
     logger.info("%s", plan.table())
+    if env.is_rank0:
+        (run_dir / "wrap_plan.txt").write_text(plan.table() + "\n")
     logger.info("run dir %s | tensorboard --logdir %s", run_dir, run_dir / "tb")
 
     mesh = data_parallel_mesh(env)
@@ -239,10 +252,22 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     cursor = BatchCursor(source, layout, env.rank)
 
+    return Components(run_dir, model, optimizer, scheduler, cursor, plan, layout, num_params, seed)
+
+
+def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainResult:
+    """Trains for ``cfg.train.steps`` optimizer steps (building with `setup` unless given ``parts``).
+
+    Raises:
+        ValueError: as `setup`.
+    """
+    parts = parts or setup(cfg, env)
+    model, optimizer, scheduler, cursor = parts.model, parts.optimizer, parts.scheduler, parts.cursor
+    run_dir, layout, num_params = parts.run_dir, parts.layout, parts.num_params
     metrics = build_logger(cfg, env, run_dir)
     history = JsonLinesLogger(run_dir / "metrics.jsonl") if env.is_rank0 else NoOpLogger()
     monitor = MemoryMonitor(env.device)
-    result = TrainResult(run_dir, model, optimizer, plan, layout, num_params)
+    result = TrainResult(parts)
 
     # "Before and after" of the first step, as users check with torch.cuda.memory_summary().
     phases = ["after_build", "after_backward", "after_optimizer_step"]
@@ -300,7 +325,7 @@ def train(cfg: Config, env: DistEnv) -> TrainResult:
         history.close()
 
     # Model state at its peak (after the first optimizer step, gradients not yet freed).
-    state = phase_state["after_optimizer_step"]
+    state = result.model_state_bytes = int(phase_state["after_optimizer_step"])
     expected = zero3_expected_bytes(num_params, env.world_size)
     logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x 16P/N (%.2f MiB)", state / MIB,
                 state / expected, expected / MIB)

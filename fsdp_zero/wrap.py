@@ -18,6 +18,8 @@ from torch import nn
 from fsdp_zero.config import WrapConfig, WrapPolicy
 
 ROOT = ""
+# Containers have no forward of their own, so FSDP hooks on them would never fire.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,9 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
         # parameters it holds outside units already chosen below it reach min_params.
         chosen, owned = [], set()
         largest = 0
-        for fqn, module in sorted(named, key=lambda x: -x[0].count(".") if x[0] else 0):
+        for fqn, module in sorted(named, key=lambda x: -x[0].count(".")):
+            if isinstance(module, _CONTAINERS):
+                continue
             params = {id(p): p.numel() for p in module.parameters() if id(p) not in owned}
             remaining = sum(params.values())
             largest = max(largest, remaining)
@@ -144,6 +148,13 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         ValueError: as `_select`.
     """
     selected = _select(model, cfg)
+    for fqn in selected:
+        module = model.get_submodule(fqn)
+        if isinstance(module, _CONTAINERS):
+            raise ValueError(
+                f"parallel.wrap: '{fqn}' is a {type(module).__name__}, a container that is never called; FSDP "
+                f"gathers parameters in forward hooks, so wrap its children instead (e.g. '{fqn}\\.\\d+')"
+            )
     notes: list[str] = []
 
     # Every module path through which each parameter is reachable (tied weights: several).

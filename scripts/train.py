@@ -42,13 +42,18 @@ def main(argv: list[str] | None = None) -> int:
         env = init_distributed(cfg.dist)
     except ValueError as e:
         return _fail(str(e))
+    # A user error is raised by every rank alike, so they can still meet at the exit
+    # barrier; after any other exception a rank may be gone, so none is taken.
+    consistent = False
     try:
         setup_logging(env)
         train(cfg, env)
+        consistent = True
     except ValueError as e:
+        consistent = True
         return _fail(str(e))
     finally:
-        destroy_distributed()
+        destroy_distributed(barrier=consistent)
     return 0
 
 

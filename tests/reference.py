@@ -1,0 +1,49 @@
+"""Single-process training of the built-in model on the whole global batch: the ground truth.
+
+Written independently of fsdp_zero.trainer on purpose (plain torch: one forward over the
+global batch, torch's own clip_grad_norm_), sharing only the model, the data source and
+the learning-rate formula, so that parity tests check the sharded loop against it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fsdp_zero.config import Config
+from fsdp_zero.data import build_source
+from fsdp_zero.model import build_model, model_args
+from fsdp_zero.trainer import lr_factor
+
+
+def reference_run(cfg: Config) -> dict:
+    torch.manual_seed(cfg.train.seed)
+    m = cfg.model
+    args = model_args(m.preset, vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
+                      n_kv_heads=m.n_kv_heads, ffn_hidden_dim=m.ffn_hidden_dim, max_seq_len=m.max_seq_len,
+                      tie_embeddings=m.tie_embeddings)
+    model = build_model(args, device="cpu")
+    model.init_weights(cfg.train.seed)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": o.weight_decay},
+         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+        lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True,
+    )
+    source = build_source(cfg.data, args.vocab_size, cfg.train.seed)
+    gbs = cfg.train.global_batch_size
+    losses, norms = {}, {}
+    for step in range(1, cfg.train.steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = o.lr * lr_factor(step - 1, o, cfg.train.steps)
+        tokens = source.samples(range((step - 1) * gbs, step * gbs))
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses[step], norms[step] = loss.item(), norm.item()
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "grad_norms": norms, "initial": initial, "final": final}

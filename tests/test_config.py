@@ -1,0 +1,86 @@
+"""The config schema: YAML deltas, dotlist overrides and the errors users see."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsdp_zero.config import Config, DataSource, Strategy, TrainConfig, WrapPolicy, batch_layout, load_config, to_yaml
+from tests.conftest import REPO
+
+
+def test_defaults_are_a_full_shard_transformer_run():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.parallel.strategy is Strategy.full_shard
+    assert cfg.parallel.wrap.policy is WrapPolicy.transformer
+    assert cfg.data.source is DataSource.synthetic
+
+
+def test_yaml_then_overrides(tmp_path: Path):
+    path = tmp_path / "x.yaml"
+    path.write_text("train:\n  steps: 7\n  micro_batch_size: 2\nparallel:\n  wrap:\n    policy: none\n")
+    cfg = load_config(path, ["train.steps=9", "parallel.wrap.classes=[TransformerBlock,FeedForward]"])
+    assert cfg.train.steps == 9 and cfg.train.micro_batch_size == 2
+    assert cfg.parallel.wrap.policy is WrapPolicy.none
+    assert cfg.parallel.wrap.classes == ["TransformerBlock", "FeedForward"]
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.setps=5", r"unknown config key 'train\.setps'; did you mean 'train\.steps'\?"),
+        ("trian.steps=5", r"unknown config key 'trian'; did you mean 'train'\?"),
+        ("parallel.wrap.polcy=none", r"did you mean 'parallel\.wrap\.policy'\?"),
+        ("parallel.wrap.policy=sized", r"parallel\.wrap\.policy='sized' is not a valid choice; valid choices: transformer, size_based, modules, none"),
+        ("parallel.strategy=zero9", r"valid choices: full_shard, shard_grad_op"),
+        ("train.steps=abc", r"bad value for 'train\.steps'"),
+        ("train.steps=0", r"train\.steps=0: must be > 0"),
+        ("train.global_batch_size=10", r"train\.global_batch_size=10 is not a multiple of train\.micro_batch_size=4"),
+        ("model.preset=gpt_2b", r"model\.preset='gpt_2b' is unknown; did you mean 'gpt_1b'\?; valid choices: gpt_nano"),
+        ("data.source=text", r"data\.source=text needs data\.path"),
+        ("train", r"expected key=value"),
+        ("train=5", r"'train' is a section"),
+    ],
+)
+def test_bad_input_names_the_key_and_the_choices(override: str, message: str):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_bad_yaml_key_names_the_file(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*unknown config key 'optim\.learning_rate'"):
+        load_config(path)
+    with pytest.raises(ValueError, match=r"--config: file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("dp,accum", [(1, 4), (2, 2), (4, 1)])
+def test_batch_layout_derives_grad_accumulation(dp: int, accum: int):
+    layout = batch_layout(TrainConfig(global_batch_size=16, micro_batch_size=4), dp)
+    assert layout.grad_accum_steps == accum
+    assert layout.micro_batch_size * layout.grad_accum_steps * layout.dp_size == 16
+
+
+def test_batch_that_does_not_divide_over_ranks_lists_valid_micro_batches():
+    with pytest.raises(ValueError, match=r"does not divide into train\.micro_batch_size=3 x 3 data-parallel ranks; valid train\.micro_batch_size values at 3 ranks: \[1, 2, 4\]"):
+        batch_layout(TrainConfig(global_batch_size=12, micro_batch_size=3), 3)
+    with pytest.raises(ValueError, match=r"multiple of the 5 ranks"):
+        batch_layout(TrainConfig(global_batch_size=12, micro_batch_size=4), 5)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path: Path):
+    cfg = load_config(None, ["train.steps=3", "parallel.wrap.policy=size_based"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load_and_start_with_their_command(path: Path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# torchrun") and f"--config configs/{path.name}" in first, first
+    load_config(path)

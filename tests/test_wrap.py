@@ -1,0 +1,94 @@
+"""Wrap plans on the built-in model (meta device: no memory, no process group)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_zero.config import WrapConfig, WrapPolicy
+from fsdp_zero.model import build_model, model_args
+from fsdp_zero.wrap import build_wrap_plan
+
+
+def nano(**kw):
+    return build_model(model_args("gpt_nano", **kw))
+
+
+def units(plan):
+    return [u.fqn for u in plan.units]
+
+
+def test_transformer_policy_wraps_each_block_then_root():
+    plan = build_wrap_plan(nano(), WrapConfig(), world_size=2)
+    assert units(plan) == ["layers.0", "layers.1", ""]
+    model = nano()
+    assert sum(u.num_params for u in plan.units) == sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    assert plan.units[0].num_params == block
+    assert plan.units[0].full_bytes == 4 * block
+    assert plan.units[0].bytes_per_rank == 2 * block  # every dim-0 size of nano divides by 2
+
+
+def test_transformer_policy_with_explicit_classes_bottom_up():
+    plan = build_wrap_plan(nano(), WrapConfig(classes=["TransformerBlock", "FeedForward"]), world_size=2)
+    assert units(plan) == ["layers.0.feed_forward", "layers.1.feed_forward", "layers.0", "layers.1", ""]
+
+
+def test_unknown_class_lists_the_model_classes():
+    with pytest.raises(ValueError, match=r"parallel\.wrap\.classes: unknown module class 'Block'.*TransformerBlock"):
+        build_wrap_plan(nano(), WrapConfig(classes=["Block"]), world_size=2)
+
+
+def test_size_based_follows_fsdp1_semantics():
+    # Attention holds 16,384 and FeedForward 36,864 parameters in gpt_nano: with a
+    # threshold of 20,000 only the feed-forwards qualify; each block then keeps
+    # attention + norms (16,512) < 20,000, so blocks are not units; the embeddings
+    # (16,384 each) are not either.
+    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=20_000), world_size=2)
+    assert units(plan) == ["layers.0.feed_forward", "layers.1.feed_forward", ""]
+    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=16_000), world_size=2)
+    assert units(plan) == [
+        "layers.0.attention", "layers.0.feed_forward", "layers.1.attention", "layers.1.feed_forward",
+        "tok_embeddings", "output", "",
+    ]
+
+
+def test_size_based_that_matches_nothing_is_an_error():
+    with pytest.raises(ValueError, match=r"parallel\.wrap\.min_params=10,000,000 matches no module.*53,376"):
+        build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=10_000_000), world_size=2)
+
+
+def test_modules_policy_by_regex():
+    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=[r"layers\.\d+\.attention", "output"]), 4)
+    assert units(plan) == ["layers.0.attention", "layers.1.attention", "output", ""]
+
+
+@pytest.mark.parametrize("pattern,message", [("layers.9", "matches no module"), ("layers.(", "not a valid regex")])
+def test_modules_policy_errors(pattern, message):
+    with pytest.raises(ValueError, match=rf"parallel\.wrap\.modules: .*{message}"):
+        build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=[pattern]), world_size=2)
+
+
+def test_none_policy_is_root_only():
+    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.none), world_size=2)
+    assert units(plan) == [""]
+    assert plan.units[0].num_params == sum(p.numel() for p in nano().parameters())
+
+
+def test_tied_embeddings_stay_in_one_unit():
+    model = nano(tie_embeddings=True)
+    plan = build_wrap_plan(model, WrapConfig(policy=WrapPolicy.modules, modules=["output", "tok_embeddings", r"layers\.\d+"]), 2)
+    assert units(plan) == ["layers.0", "layers.1", ""]
+    assert any("shares" in n for n in plan.notes)
+    # The shared weight is counted once, in the root.
+    assert sum(u.num_params for u in plan.units) == sum(p.numel() for p in model.parameters())
+
+
+def test_plan_table_lists_units_and_bytes():
+    table = build_wrap_plan(nano(), WrapConfig(), world_size=4).table()
+    assert "policy=transformer" in table and "<root>" in table and "MiB/rank (N=4)" in table
+    assert table.count("TransformerBlock") == 2
+
+
+def test_containers_are_not_units():
+    with pytest.raises(ValueError, match=r"'layers' is a ModuleList, a container"):
+        build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=["layers"]), world_size=2)

@@ -1,0 +1,46 @@
+"""Trains through fsdp_zero.trainer and saves what the parity tests compare.
+
+    torchrun --nproc_per_node=N tests/workers/parity_worker.py OUT.pt key=value ...
+
+OUT.pt (rank 0): per-step losses and grad norms, the full weights before and after
+training, and every rank's model-state bytes after the first optimizer step.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from fsdp_zero.config import load_config
+from fsdp_zero.distributed import destroy_distributed, init_distributed, setup_logging
+from fsdp_zero.trainer import setup, train
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # Cloned: at world size 1 on CPU the "full" tensors alias the live parameters.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() for k, v in full.items()}
+
+
+def main() -> None:
+    out, overrides = sys.argv[1], sys.argv[2:]
+    cfg = load_config(None, overrides)
+    env = init_distributed(cfg.dist)
+    try:
+        setup_logging(env)
+        parts = setup(cfg, env)
+        initial = full_weights(parts.model)
+        result = train(cfg, env, parts)
+        final = full_weights(parts.model)
+        states = [None] * env.world_size
+        dist.all_gather_object(states, result.model_state_bytes)
+        if env.is_rank0:
+            torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "initial": initial,
+                        "final": final, "model_state_bytes": states, "num_params": parts.num_params}, out)
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
