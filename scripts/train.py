@@ -15,7 +15,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import destroy_distributed, init_distributed, setup_logging
+from fsdp_zero.distributed import destroy_distributed, exit_process, init_distributed, setup_logging
 from fsdp_zero.trainer import train
 
 USAGE_ERROR = 2
@@ -58,4 +58,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import destroy_distributed, init_distributed, setup_logging
+from fsdp_zero.distributed import destroy_distributed, exit_process, init_distributed, setup_logging
 from fsdp_zero.trainer import setup, train
 
 
@@ -44,3 +44,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -1,0 +1,121 @@
+"""`scripts/train.py` end to end: real torchrun launches, real run directories and event files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from fsdp_zero.model import PRESETS
+from tests.conftest import TRAIN, check, launch
+
+NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "train.steps=4", "train.log_every=2"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def scalars(event_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(event_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The smoke test: `torchrun --nproc_per_node=2 scripts/train.py` with the default config."""
+    root = tmp_path_factory.mktemp("runs")
+    proc = check(launch(2, TRAIN, f"run.root={root}", "run.name=default"))
+    return root / "default", proc.stdout + proc.stderr
+
+
+def test_default_run_trains_and_the_loss_falls(default_run):
+    run_dir, output = default_run
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(10, 151, 10))
+    assert rows[0]["loss"] < math.log(PRESETS["gpt_tiny"].vocab_size)
+    assert rows[-1]["loss"] < 2.0 < rows[0]["loss"]  # ln 512 = 6.24 at init; the chain's entropy is 1.19
+    assert all(len(r["peak_mem_mib"]) == 2 and min(r["peak_mem_mib"]) > 0 for r in rows)
+    # Start-up prints the batch arithmetic and the wrap plan; each log line has its fields.
+    assert "global batch 16 sequences = micro-batch 4 x grad-accum 2 x data-parallel ranks 2" in output
+    assert "layers.3  TransformerBlock" in output and "<root>" in output
+    assert "step   150 | loss" in output and "tok/s | peak mem/rank MiB [" in output
+    assert (run_dir / "config.yaml").read_text().startswith("model:")
+    assert "policy=transformer" in (run_dir / "wrap_plan.txt").read_text()
+
+
+def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
+    run_dir, _ = default_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    expected_mib = 16 * summary["num_params"] / 2 / 2**20
+    for rank in (0, 1):
+        tags = scalars(run_dir / "tb" / f"rank{rank}")
+        for tag in ["train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "memory/cpu_rss_mib",
+                    "memory/cpu_peak_rss_mib", "memory/model_state_mib", "memory/model_state_params_mib",
+                    "memory/model_state_grads_mib", "memory/model_state_optimizer_mib"]:
+            assert [s for s, _ in tags[tag]] == list(range(10, 151, 10)), (rank, tag)
+        assert all(v > 100 for _, v in tags["memory/cpu_peak_rss_mib"])  # a real process, not zeros
+        assert all(p >= r - 1 for (_, p), (_, r) in zip(tags["memory/cpu_peak_rss_mib"], tags["memory/cpu_rss_mib"]))
+        # First step: after build (params only), after backward (+ grads), after the optimizer step (+ Adam).
+        first = dict(tags["memory_first_step/model_state_mib"])
+        assert sorted(first) == [0, 1, 2]
+        assert first[0] == pytest.approx(expected_mib / 4, rel=0.02)
+        assert first[1] == pytest.approx(expected_mib / 2, rel=0.02)
+        assert first[2] == pytest.approx(expected_mib, rel=0.02)
+        assert "memory_first_step/cpu_rss_mib" in tags
+
+
+def test_plain_python_runs_as_world_size_one(tmp_path: Path):
+    proc = check(launch(0, TRAIN, *NANO, f"run.root={tmp_path}", "run.name=one"))
+    assert "world size 1" in proc.stderr + proc.stdout
+    assert [r["step"] for r in read_jsonl(tmp_path / "one" / "metrics.jsonl")] == [2, 4]
+
+
+def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
+    check(launch(2, TRAIN, *NANO, "parallel.wrap.policy=size_based", "parallel.wrap.min_params=20000",
+                 f"run.root={tmp_path}", "run.name=size"))
+    plan = (tmp_path / "size" / "wrap_plan.txt").read_text()
+    assert "policy=size_based, 3 FSDP units" in plan
+    assert "layers.0.feed_forward" in plan and "layers.1.feed_forward" in plan and "layers.0 " not in plan
+    assert [r["step"] for r in read_jsonl(tmp_path / "size" / "metrics.jsonl")] == [2, 4]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train.stesp=3"], "unknown config key 'train.stesp'; did you mean 'train.steps'?"),
+        (["parallel.wrap.policy=blocks"], "valid choices: transformer, size_based, modules, none"),
+        (["parallel.wrap.classes=[Block]"], "unknown module class 'Block'; this model has: Attention, Embedding"),
+        (["train.global_batch_size=6", "train.micro_batch_size=4"], "not a multiple of train.micro_batch_size=4"),
+    ],
+)
+def test_user_errors_exit_2_with_one_clear_line_and_write_nothing(tmp_path: Path, args, message):
+    proc = launch(0, TRAIN, *NANO, *args, f"run.root={tmp_path}", "run.name=bad")
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_batch_that_does_not_divide_over_ranks_fails_under_torchrun(tmp_path: Path):
+    proc = launch(2, TRAIN, *NANO, "train.global_batch_size=6", "train.micro_batch_size=2",
+                  f"run.root={tmp_path}", "run.name=bad")
+    assert proc.returncode != 0
+    assert ("train.global_batch_size=6 does not divide into train.micro_batch_size=2 x 2 data-parallel ranks; "
+            "valid train.micro_batch_size values at 2 ranks: [1, 3]") in proc.stderr
+    assert "exitcode  : 2" in proc.stderr  # torchrun reports each rank's exit code
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_run_directory_with_another_config_is_never_overwritten(tmp_path: Path):
+    check(launch(0, TRAIN, *NANO, f"run.root={tmp_path}", "run.name=keep"))
+    saved = (tmp_path / "keep" / "config.yaml").read_text()
+    proc = launch(0, TRAIN, *NANO, "train.steps=6", f"run.root={tmp_path}", "run.name=keep")
+    assert proc.returncode == 2
+    assert "already holds a run with a different config" in proc.stderr
+    assert (tmp_path / "keep" / "config.yaml").read_text() == saved
