@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -235,7 +236,7 @@ def _field_type(schema: type, name: str) -> Any:
     hints = typing.get_type_hints(schema)
     ftype = hints[name]
     args = [a for a in typing.get_args(ftype) if a is not type(None)]
-    if typing.get_origin(ftype) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+    if typing.get_origin(ftype) in (typing.Union, types.UnionType) and len(args) == 1:
         return args[0]
     return ftype
 
@@ -337,10 +338,3 @@ def batch_layout(cfg: TrainConfig, dp_size: int) -> BatchLayout:
             f"train.micro_batch_size={cfg.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
         )
     return BatchLayout(cfg.global_batch_size, cfg.micro_batch_size, dp_size, cfg.global_batch_size // per_step)
-
-
-def as_plain(value: Any) -> Any:
-    """OmegaConf containers to plain Python (for printing in errors)."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value)
-    return value

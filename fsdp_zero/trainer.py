@@ -9,6 +9,7 @@ step (accumulation, clipping with sharded gradients, the sync points) is in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -24,16 +25,22 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp_zero
-from fsdp_zero.config import BatchLayout, Config, OptimConfig, OptimizerImpl, batch_layout, to_yaml
+from fsdp_zero.config import BatchLayout, Config, ModelConfig, OptimConfig, OptimizerImpl, batch_layout, to_yaml
 from fsdp_zero.data import BatchCursor, build_source
 from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object, data_parallel_mesh
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes, zero3_expected_bytes, MIB
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, MultiLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
-from fsdp_zero.model import build_model, model_args
+from fsdp_zero.model import TransformerArgs, build_model, model_args
 from fsdp_zero.parallelize import parallelize
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
 logger = logging.getLogger("fsdp_zero")
+
+
+def transformer_args(cfg: ModelConfig) -> TransformerArgs:
+    """The preset named by ``model.preset`` with the ``model.*`` fields that are set applied."""
+    overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "preset"}
+    return model_args(cfg.preset, **overrides)
 
 
 # ---------------------------------------------------------------------------------
@@ -218,11 +225,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
             is known (a batch that does not divide, a wrap class the model lacks, ...).
     """
     layout = batch_layout(cfg.train, env.world_size)
-    args = model_args(
-        cfg.model.preset,
-        **{k: getattr(cfg.model, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
-                                              "ffn_hidden_dim", "max_seq_len", "tie_embeddings")},
-    )
+    args = transformer_args(cfg.model)
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={args.max_seq_len}; lower one or raise the other")
     seed = agree_on_seed(cfg.train.seed, env)

@@ -12,16 +12,13 @@ import torch.nn.functional as F
 
 from fsdp_zero.config import Config
 from fsdp_zero.data import build_source
-from fsdp_zero.model import build_model, model_args
-from fsdp_zero.trainer import lr_factor
+from fsdp_zero.model import build_model
+from fsdp_zero.trainer import lr_factor, transformer_args
 
 
 def reference_run(cfg: Config) -> dict:
     torch.manual_seed(cfg.train.seed)
-    m = cfg.model
-    args = model_args(m.preset, vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
-                      n_kv_heads=m.n_kv_heads, ffn_hidden_dim=m.ffn_hidden_dim, max_seq_len=m.max_seq_len,
-                      tie_embeddings=m.tie_embeddings)
+    args = transformer_args(cfg.model)
     model = build_model(args, device="cpu")
     model.init_weights(cfg.train.seed)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}

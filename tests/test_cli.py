@@ -119,3 +119,22 @@ def test_a_run_directory_with_another_config_is_never_overwritten(tmp_path: Path
     assert proc.returncode == 2
     assert "already holds a run with a different config" in proc.stderr
     assert (tmp_path / "keep" / "config.yaml").read_text() == saved
+
+
+def test_text_source_trains_on_a_local_file(tmp_path: Path):
+    proc = check(launch(0, TRAIN, "--config", "configs/bytes_readme.yaml", "model.preset=gpt_nano", "data.seq_len=32",
+                        "train.steps=4", "train.log_every=4", f"run.root={tmp_path}", "run.name=text"))
+    rows = read_jsonl(tmp_path / "text" / "metrics.jsonl")
+    assert rows[-1]["step"] == 4 and rows[-1]["loss"] < math.log(256) + 0.1
+    assert "source: text" in (tmp_path / "text" / "config.yaml").read_text()
+    assert "world size 1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_run_logs_the_allocator_curves(tmp_path: Path):
+    check(launch(0, TRAIN, *NANO, "dist.device=cuda", f"run.root={tmp_path}", "run.name=gpu"))
+    tags = scalars(tmp_path / "gpu" / "tb" / "rank0")
+    for tag in ["memory/cuda_allocated_mib", "memory/cuda_reserved_mib", "memory/cuda_peak_allocated_mib",
+                "memory/cuda_peak_reserved_mib", "memory/cuda_alloc_retries"]:
+        assert [s for s, _ in tags[tag]] == [2, 4], tag
+    assert tags["memory/cuda_peak_reserved_mib"][-1][1] >= tags["memory/cuda_peak_allocated_mib"][-1][1] > 0

@@ -1,0 +1,122 @@
+"""Our training loop against a minimal hand-written FSDP2 loop: same model, batch, world size.
+
+    torchrun --nproc_per_node=2 bench/step_time.py [key=value ...]   # default: gpt_tiny
+    torchrun --nproc_per_node=2 bench/step_time.py model.preset=gpt_small data.seq_len=256 \
+        train.global_batch_size=8 train.micro_batch_size=2 train.steps=6
+
+Both loops run in one process group, alternating (raw, ours, raw, ours, ...) so drift in
+the machine's speed hits both; each repeat builds its model afresh. "Ours" is the whole
+`fsdp_zero.trainer.train` loop with its logging (TensorBoard, memory reads, one
+all-gather every log_every steps); "raw" is fully_shard per block + root, AdamW,
+clip_grad_norm_, nothing else. Both fetch the same batches from the same data source.
+Prints seconds per step, the ratio ours / raw (median over repeats), and the model
+state each rank holds after an optimizer step against 16 P / N.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+from fsdp_zero.config import load_config
+from fsdp_zero.distributed import (
+    agree_on_seed, broadcast_object, data_parallel_mesh, destroy_distributed, exit_process, init_distributed, setup_logging,
+)
+from fsdp_zero.memory import model_state_bytes, zero3_expected_bytes
+from fsdp_zero.model import build_model
+from fsdp_zero.trainer import setup, train
+
+REPEATS = 3
+
+
+def raw_loop(parts, cfg, env) -> tuple[float, int]:
+    """The hand-written baseline; returns (seconds, model-state bytes after the last step's optimizer step)."""
+    args = parts.model.args  # the same architecture, sharded by hand
+    mesh = data_parallel_mesh(env)
+    model = build_model(args, device="meta")
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=env.device)
+    model.init_weights(parts.seed)
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                            weight_decay=o.weight_decay, foreach=True)
+    cursor = parts.cursor
+    dist.barrier()
+    start = time.perf_counter()
+    state = 0
+    for _ in range(cfg.train.steps):
+        micro = cursor.next_batch()
+        for x, y in micro:
+            x, y = x.to(env.device), y.to(env.device)
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            (loss / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        state = model_state_bytes(model, opt).total
+        opt.zero_grad(set_to_none=True)
+    loss.item()
+    dist.barrier()
+    return time.perf_counter() - start, state
+
+
+def main() -> None:
+    defaults = ["train.steps=40", "train.log_every=10"]
+    cfg = load_config(None, defaults + sys.argv[1:])
+    env = init_distributed(cfg.dist)
+    setup_logging(env)
+    seed = agree_on_seed(cfg.train.seed, env)
+    cfg.train.seed = seed
+    root = tempfile.mkdtemp(prefix="fsdp-zero-bench-") if env.is_rank0 else None
+    cfg.run.root = str(broadcast_object(root, env))
+    ours, raw, state = [], [], 0
+    for rep in range(REPEATS):
+        cfg.run.name = f"raw{rep}"
+        raw_parts = setup(cfg, env)
+        t, state_raw = raw_loop(raw_parts, cfg, env)
+        raw.append(t)
+        del raw_parts
+
+        cfg.run.name = f"ours{rep}"
+        parts = setup(cfg, env)
+        dist.barrier()
+        start = time.perf_counter()
+        result = train(cfg, env, parts)
+        dist.barrier()
+        ours.append(time.perf_counter() - start)
+        state, num_params_of_run = result.model_state_bytes, parts.num_params
+        del parts, result
+
+    states = [None] * env.world_size
+    dist.all_gather_object(states, state)
+    if env.is_rank0:
+        num_params = num_params_of_run
+        expected = zero3_expected_bytes(num_params, env.world_size)
+        steps = cfg.train.steps
+        print("\n## step time: fsdp-zero loop vs hand-written fully_shard loop")
+        print(f"model {cfg.model.preset} ({num_params:,} params), world size {env.world_size}, device {env.device.type}, "
+              f"{steps} steps x {REPEATS} repeats, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens")
+        print(f"{'repeat':>6} {'raw s/step':>11} {'ours s/step':>12} {'ours/raw':>9}")
+        for i, (r, o) in enumerate(zip(raw, ours)):
+            print(f"{i:>6} {r / steps:>11.4f} {o / steps:>12.4f} {o / r:>9.3f}")
+        ratio = statistics.median(o / r for o, r in zip(ours, raw))
+        print(f"median ours/raw step-time ratio: {ratio:.3f} (target <= 1.03)")
+        print("model state per rank after an optimizer step / (16 P / N): "
+              + ", ".join(f"rank{i} {s / expected:.4f}" for i, s in enumerate(states)))
+        print(f"(16 P / N = {expected / 2**20:.2f} MiB; raw loop holds {state_raw / expected:.4f} x on rank 0)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        destroy_distributed()
+    exit_process(0)

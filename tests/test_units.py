@@ -1,0 +1,155 @@
+"""Model, init, data and memory pieces on their own (single process)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_zero import init
+from fsdp_zero.config import BatchLayout, OptimConfig
+from fsdp_zero.data import BatchCursor, ByteText, SyntheticBigram
+from fsdp_zero.memory import MemoryMonitor, model_state_bytes
+from fsdp_zero.model import PRESETS, build_model, model_args
+from fsdp_zero.trainer import lr_factor
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_count_their_parameters(preset: str):
+    args = PRESETS[preset]
+    model = build_model(args)  # meta: no memory even for gpt_1b
+    assert sum(p.numel() for p in model.parameters()) == args.num_params()
+
+
+def test_gpt_1b_has_at_least_a_billion_parameters():
+    assert PRESETS["gpt_1b"].num_params() >= 1_000_000_000
+
+
+def test_forward_shapes_tied_weights_and_gqa():
+    args = model_args("gpt_nano", tie_embeddings=True, n_kv_heads=2)
+    model = build_model(args, device="cpu")
+    model.init_weights(seed=0)
+    assert model.output.weight is model.tok_embeddings.weight
+    logits = model(torch.randint(0, args.vocab_size, (2, 16)))
+    assert logits.shape == (2, 16, args.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_causal_a_token_does_not_see_the_future():
+    model = build_model(model_args("gpt_nano"), device="cpu")
+    model.init_weights(seed=0)
+    x = torch.randint(0, 256, (1, 12))
+    y = x.clone()
+    y[0, 8:] = (y[0, 8:] + 1) % 256
+    torch.testing.assert_close(model(x)[0, :8], model(y)[0, :8])
+
+
+def test_init_is_seeded_named_and_blockwise_invariant():
+    a = torch.empty(5000, 300)  # 300 floats a row -> 3,495 rows a block: two blocks
+    init.normal_(a, std=0.02, seed=7, name="w")
+    b = torch.empty(5000, 300)
+    init.normal_(b, std=0.02, seed=7, name="w")
+    assert torch.equal(a, b)
+    c = torch.empty(5000, 300)
+    init.normal_(c, std=0.02, seed=7, name="other")
+    assert not torch.equal(a, c)
+    assert a.std().item() == pytest.approx(0.02, rel=0.01)
+    # Distinct blocks are distinct streams (no repeated rows across a block boundary).
+    assert not torch.equal(a[:10], a[3495:3505])
+
+
+def test_init_weights_follow_gpt2_scales():
+    model = build_model(model_args("gpt_small", n_layers=2, vocab_size=1024), device="cpu")
+    model.init_weights(seed=1)
+    assert model.layers[0].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    assert model.layers[0].feed_forward.w2.weight.std().item() == pytest.approx(0.02 / 2, rel=0.02)
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+
+
+def test_synthetic_data_is_deterministic_per_index_and_learnable():
+    src = SyntheticBigram(vocab_size=64, seq_len=16, seed=3)
+    assert torch.equal(src.samples(range(5, 9)), torch.cat([src.samples(range(i, i + 1)) for i in range(5, 9)]))
+    assert not torch.equal(src.samples(range(0, 1)), src.samples(range(1, 2)))
+    assert src.entropy() < math.log(64) / 2
+    t = src.samples(range(0, 4))
+    # Every transition is one of the token's fixed successors.
+    for row in t:
+        for a, b in zip(row[:-1], row[1:]):
+            assert b in src.successors[a]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_ranks_read_disjoint_parts_that_make_up_the_global_batch(dp: int):
+    src = SyntheticBigram(vocab_size=64, seq_len=8, seed=0)
+    layout = BatchLayout(global_batch_size=8, micro_batch_size=2 if dp < 4 else 1, dp_size=dp,
+                         grad_accum_steps=8 // ((2 if dp < 4 else 1) * dp))
+    for step in range(2):
+        parts = []
+        for rank in range(dp):
+            cursor = BatchCursor(src, layout, rank, position=8 * step)
+            micro = cursor.next_batch()
+            assert len(micro) == layout.grad_accum_steps
+            assert cursor.position == 8 * (step + 1)
+            parts += [torch.cat([x, y[:, -1:]], dim=1) for x, y in micro]
+        assert torch.equal(torch.cat(parts), src.samples(range(8 * step, 8 * step + 8)))
+
+
+def test_byte_text_reads_a_folder_as_bytes(tmp_path: Path):
+    (tmp_path / "a.txt").write_text("hello world, " * 20)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("more text " * 20)
+    src = ByteText(tmp_path, seq_len=16, seed=0)
+    t = src.samples(range(0, 40))  # more than one pass: the order reshuffles
+    assert t.shape == (40, 17) and t.max() < 256
+    text = (tmp_path / "a.txt").read_bytes() + (tmp_path / "sub" / "b.txt").read_bytes()
+    assert bytes(t[0].tolist()) in text
+    with pytest.raises(ValueError, match="fewer than data.seq_len"):
+        ByteText(tmp_path / "a.txt", seq_len=10_000, seed=0)
+
+
+def test_lr_warms_up_then_decays_to_the_floor():
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    f = [lr_factor(s, cfg, total_steps=20) for s in range(20)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert lr_factor(20, cfg, 20) == pytest.approx(0.1)
+
+
+def test_model_state_bytes_for_adamw_is_16_per_param():
+    model = build_model(model_args("gpt_nano", tie_embeddings=True), device="cpu")
+    model.init_weights(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    model(torch.randint(0, 256, (1, 8))).sum().backward()
+    opt.step()
+    state = model_state_bytes(model, opt)
+    n = sum(p.numel() for p in model.parameters())  # the tied weight once
+    assert state.params == 4 * n and state.grads == 4 * n
+    assert state.optimizer == pytest.approx(8 * n, abs=8 * 64)  # + one scalar `step` per tensor
+
+
+def test_cpu_memory_monitor_reads_rss_and_resets_its_peak():
+    monitor = MemoryMonitor(torch.device("cpu"))
+    before = monitor.read()
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB touched
+    during = monitor.read()
+    assert during["cpu_peak_rss_mib"] >= before["cpu_rss_mib"] + 60
+    del big
+    monitor.reset_peaks()
+    after = monitor.read()
+    if Path("/proc/self/clear_refs").exists():
+        assert after["cpu_peak_rss_mib"] < during["cpu_peak_rss_mib"] - 30
+    assert "cuda_allocated_mib" not in after
+
+
+@pytest.mark.gpu
+def test_cuda_memory_monitor_reports_the_allocator():
+    monitor = MemoryMonitor(torch.device("cuda", 0))
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    m = monitor.read()
+    assert m["cuda_allocated_mib"] >= 256 and m["cuda_peak_reserved_mib"] >= m["cuda_peak_allocated_mib"] >= 256
+    del x
+    torch.cuda.empty_cache()
+    monitor.reset_peaks()
+    assert monitor.read()["cuda_peak_allocated_mib"] < 256
