@@ -83,6 +83,9 @@ class ModelConfig:
     ffn_hidden_dim: int | None = None
     max_seq_len: int | None = None
     tie_embeddings: bool | None = None
+    # A standard, non-sharded state dict to start from: a torch.save(model.state_dict())
+    # .pt file, a .safetensors file, or a folder of safetensors shards with an index.
+    init_from: str | None = None
 
 
 @dataclass
@@ -129,7 +132,24 @@ class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, over all ranks
     micro_batch_size: int = 4  # sequences per forward/backward on one rank
     log_every: int = 10
+    # Stop this invocation after this step (saving a checkpoint) while the LR schedule
+    # still spans train.steps: for jobs cut into pieces by a time limit. None: train.steps.
+    stop_after: int | None = None
     seed: int | None = 1234  # None: rank 0 draws one and broadcasts it
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded DCP checkpoints under <run dir>/checkpoints/step-NNNNNNN/."""
+
+    enabled: bool = True
+    every: int = 50  # steps between saves (and always one at the end); 0: only at the end
+    keep_last: int = 2  # complete checkpoints kept; 0 keeps all
+    # auto: continue from the newest complete checkpoint in the run directory, if any;
+    # none: start fresh (refused if the run directory already holds checkpoints);
+    # anything else: the path of a checkpoint folder to continue from.
+    resume: str = "auto"
+    async_save: bool = False  # write in a background thread while training goes on
 
 
 @dataclass
@@ -156,6 +176,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -271,10 +292,23 @@ def validate(cfg: Config) -> None:
         ("train.global_batch_size", cfg.train.global_batch_size),
         ("train.micro_batch_size", cfg.train.micro_batch_size),
         ("train.log_every", cfg.train.log_every),
+        ("train.stop_after", cfg.train.stop_after),
         ("optim.lr", cfg.optim.lr),
         ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
     ]:
         positive(key, value)
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
+        raise ValueError(
+            f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 0 (0: "
+            "only at the end / keep all)"
+        )
+    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_dir():
+        raise ValueError(
+            f"checkpoint.resume={cfg.checkpoint.resume!r}: no such checkpoint folder; valid choices: auto, none, "
+            "or the path of a checkpoint (…/checkpoints/step-NNNNNNN)"
+        )
+    if cfg.model.init_from is not None and not Path(cfg.model.init_from).exists():
+        raise ValueError(f"model.init_from={cfg.model.init_from!r}: no such file or folder")
     if cfg.optim.warmup_steps < 0:
         raise ValueError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be >= 0")
     if cfg.optim.grad_clip < 0:

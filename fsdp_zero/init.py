@@ -23,7 +23,7 @@ _BLOCK_ELEMS = 1 << 20
 _MASK64 = (1 << 64) - 1
 
 
-def _row_range(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """The local tensor to write and the global rows [start, stop) it holds."""
     try:
         from torch.distributed.tensor import DTensor, Shard
@@ -71,7 +71,7 @@ def normal_(param: torch.Tensor, *, std: float, seed: int, name: str, mean: floa
         name: a stable name for the parameter (its FQN), so each parameter gets its own stream.
         mean: the mean.
     """
-    local, start, stop = _row_range(param)
+    local, start, stop = local_rows(param)
     if stop <= start:
         return
     full_rows = param.shape[0]
@@ -91,5 +91,5 @@ def normal_(param: torch.Tensor, *, std: float, seed: int, name: str, mean: floa
 @torch.no_grad()
 def constant_(param: torch.Tensor, value: float) -> None:
     """Fills ``param`` (plain or DTensor) with ``value``."""
-    local, _, _ = _row_range(param)
+    local, _, _ = local_rows(param)
     local.fill_(value)

@@ -18,20 +18,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 import fsdp_zero
 from fsdp_zero.config import BatchLayout, Config, ModelConfig, OptimConfig, OptimizerImpl, batch_layout, to_yaml
+from fsdp_zero.checkpoint import Checkpointer, checkpoint_step, list_checkpoints, load_checkpoint, read_train_state
 from fsdp_zero.data import BatchCursor, build_source
 from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object, data_parallel_mesh
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes, zero3_expected_bytes, MIB
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, MultiLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
 from fsdp_zero.model import TransformerArgs, build_model, model_args
 from fsdp_zero.parallelize import parallelize
+from fsdp_zero.weights import load_full_weights
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
 logger = logging.getLogger("fsdp_zero")
@@ -39,7 +43,7 @@ logger = logging.getLogger("fsdp_zero")
 
 def transformer_args(cfg: ModelConfig) -> TransformerArgs:
     """The preset named by ``model.preset`` with the ``model.*`` fields that are set applied."""
-    overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "preset"}
+    overrides = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("preset", "init_from")}
     return model_args(cfg.preset, **overrides)
 
 
@@ -157,6 +161,7 @@ class Components:
     layout: BatchLayout
     num_params: int
     seed: int
+    step: int = 0  # optimizer steps already taken (non-zero after a resume)
 
 
 @dataclass
@@ -167,33 +172,100 @@ class TrainResult:
     model_state_bytes: int = 0  # this rank's, after the first optimizer step
 
 
-def prepare_run_dir(cfg: Config, env: DistEnv) -> Path:
-    """Creates root/name (rank 0) and writes the resolved config into it.
+# Settings a checkpoint cannot be continued under: they change the parameters' shapes
+# or what the saved data position means.
+INCOMPATIBLE = ("model.", "data.", "train.global_batch_size", "train.seed")
+IGNORED_IN_DIFF = ("run.", "checkpoint.resume", "model.init_from")
+
+
+def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ between two resolved configs (as plain dicts)."""
+    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(old), flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not k.startswith(IGNORED_IN_DIFF)}
+
+
+def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> tuple[Path | None, str]:
+    """Rank 0's decision: which checkpoint to resume from, and the config text to write.
 
     Raises:
-        ValueError: the folder holds a run with a different config (nothing is overwritten).
+        ValueError: a run directory or checkpoint that this config must not continue or overwrite.
+    """
+    saved_cfg = run_dir / "config.yaml"
+    ckpts = list_checkpoints(run_dir / "checkpoints")
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        if ckpts:
+            raise ValueError(
+                f"checkpoint.resume=none but run directory {str(run_dir)!r} holds checkpoints (newest "
+                f"{ckpts[-1].name}) that a fresh run would overwrite; use checkpoint.resume=auto, or another run.name"
+            )
+        resume_from = None
+    elif resume == "auto":
+        resume_from = ckpts[-1] if ckpts else None
+    else:
+        resume_from = Path(resume)
+        read_train_state(resume_from)  # a clear error for a partial or missing checkpoint
+
+    if resume_from is not None:
+        old = OmegaConf.to_container(OmegaConf.load(resume_from / "config.yaml"))
+        new = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
+        if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
+            new["train"]["seed"] = old["train"]["seed"]
+            cfg.train.seed = old["train"]["seed"]
+        diff = config_diff(old, new)
+        bad = {k: v for k, v in diff.items() if k.startswith(INCOMPATIBLE)}
+        if bad:
+            changes = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items())
+            raise ValueError(f"cannot continue checkpoint {str(resume_from)!r} with a changed config: {changes}")
+        if diff:
+            logger.info("resuming with changed settings: %s",
+                        "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()))
+    elif saved_cfg.exists() and saved_cfg.read_text() != to_yaml(cfg):
+        raise ValueError(
+            f"run directory {str(run_dir)!r} already holds a run with a different config "
+            f"({saved_cfg}); choose another run.name, or delete that folder to start over"
+        )
+    return resume_from, to_yaml(cfg)
+
+
+def prepare_run_dir(cfg: Config, env: DistEnv, seed_was_set: bool) -> tuple[Path, Path | None]:
+    """Creates root/name, decides what to resume from and writes the resolved config.
+
+    A config.yaml that a compatible resume changes is kept as config.yaml.<step>.
+
+    Raises:
+        ValueError: as `_plan_run_dir` (raised on every rank; nothing is written).
     """
     if cfg.run.name is None:
         cfg.run.name = broadcast_object(datetime.now().strftime("%Y%m%d-%H%M%S"), env)
     run_dir = Path(cfg.run.root) / cfg.run.name
-    error = None
+    decision: tuple[str | None, str | None, int | None] = (None, None, None)  # resume path, error, seed
     if env.is_rank0:
-        text = to_yaml(cfg)
-        saved = run_dir / "config.yaml"
-        if saved.exists() and saved.read_text() != text:
-            error = (
-                f"run directory {str(run_dir)!r} already holds a run with a different config "
-                f"({saved}); choose another run.name, or delete that folder to start over"
-            )
-        else:
+        try:
+            resume_from, text = _plan_run_dir(cfg, run_dir, seed_was_set)
             run_dir.mkdir(parents=True, exist_ok=True)
+            saved = run_dir / "config.yaml"
+            if saved.exists() and saved.read_text() != text:
+                step = checkpoint_step(resume_from) if resume_from else 0
+                saved.replace(run_dir / f"config.yaml.{step}")
             tmp = saved.with_suffix(".yaml.tmp")
             tmp.write_text(text)
             tmp.replace(saved)
-    error = broadcast_object(error, env)
+            decision = (str(resume_from) if resume_from else None, None, cfg.train.seed)
+        except ValueError as e:
+            decision = (None, str(e), None)
+    resume, error, seed = broadcast_object(decision, env)
     if error:
         raise ValueError(error)
-    return run_dir
+    cfg.train.seed = seed
+    return run_dir, Path(resume) if resume else None
 
 
 def build_logger(cfg: Config, env: DistEnv, run_dir: Path) -> MetricLogger:
@@ -228,13 +300,15 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     args = transformer_args(cfg.model)
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={args.max_seq_len}; lower one or raise the other")
-    seed = agree_on_seed(cfg.train.seed, env)
+    seed_was_set = cfg.train.seed is not None
+    cfg.train.seed = agree_on_seed(cfg.train.seed, env)
 
     # Meta device: shapes only. Plan and shard before any memory is allocated.
     model = build_model(args, device="meta")
     plan = build_wrap_plan(model, cfg.parallel.wrap, env.world_size)
+    run_dir, resume_from = prepare_run_dir(cfg, env, seed_was_set)
+    seed = agree_on_seed(cfg.train.seed, env)  # a resumed run may have adopted the checkpoint's seed
     source = build_source(cfg.data, args.vocab_size, seed)
-    run_dir = prepare_run_dir(cfg, env)
     num_params = sum(p.numel() for p in model.parameters())
 
     logger.info("fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
@@ -254,8 +328,22 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     optimizer = build_optimizer(model, cfg.optim, env.device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     cursor = BatchCursor(source, layout, env.rank)
+    step = 0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer, env.rank, env.device)
+        scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr  # LambdaLR's state does not carry the optimizer's current lr
+        cursor.position, step = state["data_position"], state["step"]
+        logger.info("resumed from %s: step %d, data position %d (saved at world size %d, now %d)",
+                    resume_from, step, cursor.position, state["world_size"], env.world_size)
+        if cfg.model.init_from:
+            logger.warning("model.init_from is ignored: the run continues from checkpoint %s", resume_from)
+    elif cfg.model.init_from:
+        load_full_weights(model, Path(cfg.model.init_from))
+        logger.info("initialised from %s", cfg.model.init_from)
 
-    return Components(run_dir, model, optimizer, scheduler, cursor, plan, layout, num_params, seed)
+    return Components(run_dir, model, optimizer, scheduler, cursor, plan, layout, num_params, seed, step)
 
 
 def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainResult:
@@ -283,16 +371,31 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
         logger.info("memory %-21s model state %8.2f MiB/rank | %s", name, scalars["memory/model_state_mib"],
                     ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k))
 
+    checkpointer = None
+    if cfg.checkpoint.enabled:
+        checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                    env.rank, env.device)
+    config_yaml = to_yaml(cfg)
+
+    def save(step: int) -> None:
+        state = {"step": step, "data_position": cursor.position, "seed": parts.seed,
+                 "scheduler": scheduler.state_dict()}
+        checkpointer.save(step, model, optimizer, state, config_yaml)
+
     first_step_phase("after_build")
     tokens_per_rank_step = layout.global_batch_size // layout.dp_size * cfg.data.seq_len
     interval_start, interval_steps = time.perf_counter(), 0
+    first = parts.step + 1
+    last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     try:
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
             loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip,
-                                         env.device, on_phase=first_step_phase if step == 1 else None)
+                                         env.device, on_phase=first_step_phase if step == first else None)
             interval_steps += 1
-            if step % cfg.train.log_every and step != cfg.train.steps:
+            if checkpointer and (step == last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
+                save(step)
+            if step % cfg.train.log_every and step != last:
                 continue
 
             # Log step: the only sync points of the loop (.item() and one all-gather).
@@ -323,16 +426,20 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                         step, mean_loss, lr, norm, f"{global_tps:,.0f}", "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]")
             monitor.reset_peaks()
             interval_start, interval_steps = time.perf_counter(), 0
+        if checkpointer:
+            checkpointer.close()  # an async save in flight completes here
     finally:
         metrics.close()
         history.close()
 
     # Model state at its peak (after the first optimizer step, gradients not yet freed).
+    if not phase_state.get("after_optimizer_step"):  # nothing left to train after a resume
+        return result
     state = result.model_state_bytes = int(phase_state["after_optimizer_step"])
     expected = zero3_expected_bytes(num_params, env.world_size)
     logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x 16P/N (%.2f MiB)", state / MIB,
                 state / expected, expected / MIB)
-    summary = {"steps": cfg.train.steps, "final_loss": result.losses.get(cfg.train.steps), "num_params": num_params,
+    summary = {"steps": last, "final_loss": result.losses.get(last), "num_params": num_params,
                "world_size": env.world_size, "model_state_bytes_rank0": state, "zero3_expected_bytes": expected}
     if env.is_rank0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

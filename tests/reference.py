@@ -16,11 +16,14 @@ from fsdp_zero.model import build_model
 from fsdp_zero.trainer import lr_factor, transformer_args
 
 
-def reference_run(cfg: Config) -> dict:
+def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None) -> dict:
+    """Trains from ``init_weights`` (or from ``initial`` weights) and returns losses, norms and weights."""
     torch.manual_seed(cfg.train.seed)
     args = transformer_args(cfg.model)
     model = build_model(args, device="cpu")
     model.init_weights(cfg.train.seed)
+    if initial is not None:
+        model.load_state_dict(initial)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     o = cfg.optim
     optimizer = torch.optim.AdamW(

@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=N tests/workers/parity_worker.py OUT.pt key=value ...
 
 OUT.pt (rank 0): per-step losses and grad norms, the full weights before and after
-training, and every rank's model-state bytes after the first optimizer step.
+training, the final model's logits on a fixed batch, and every rank's model-state
+bytes after the first optimizer step.
 """
 
 import sys
@@ -33,11 +34,14 @@ def main() -> None:
         initial = full_weights(parts.model)
         result = train(cfg, env, parts)
         final = full_weights(parts.model)
+        with torch.no_grad():  # the sharded model's outputs on a fixed batch
+            tokens = torch.arange(64).remainder(parts.model.args.vocab_size).view(2, 32)
+            logits = parts.model(tokens.to(env.device)).cpu()
         states = [None] * env.world_size
         dist.all_gather_object(states, result.model_state_bytes)
         if env.is_rank0:
             torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "initial": initial,
-                        "final": final, "model_state_bytes": states, "num_params": parts.num_params}, out)
+                        "final": final, "logits": logits, "model_state_bytes": states, "num_params": parts.num_params}, out)
     finally:
         destroy_distributed()
 

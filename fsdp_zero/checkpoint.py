@@ -1,0 +1,339 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic save, exact resume, reshard.
+
+Layout of one checkpoint, ``<run dir>/checkpoints/step-0000050/``:
+
+    __R_0.distcp ...   each rank's own shards of the model and AdamW states (DCP)
+    .metadata          DCP's index of every tensor and chunk
+    train_state.json   step, global data position, LR scheduler, world size, versions
+    config.yaml        the resolved config the run had
+
+Only tensors go through DCP: its loader unpickles non-tensor items with
+``weights_only=False``, so step, data position and scheduler live in JSON, and DCP's
+``.metadata`` is read through an allow-listed unpickler (`SafeFileSystemReader`).
+
+A save writes into ``.partial-step-0000050`` and is renamed by rank 0 once DCP has
+written the metadata, which it does only after every rank reported its files. A crash
+mid-save leaves a hidden partial folder that discovery never picks up; the previous
+checkpoint is untouched. Model and optimizer tensors are keyed by parameter FQN with
+their global shapes, so a checkpoint saved at N ranks loads at any M.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+
+import fsdp_zero
+
+logger = logging.getLogger("fsdp_zero")
+
+STATE_FILE = "train_state.json"
+CONFIG_FILE = "config.yaml"
+_NAME = re.compile(r"step-(\d{7})")
+_PARTIAL_PREFIX = ".partial-"
+
+
+# ---------------------------------------------------------------------------------
+# Folder naming, discovery, retention (pure functions of the file tree)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a complete-looking checkpoint folder name, else None (partials included)."""
+    m = _NAME.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(path: Path) -> bool:
+    return checkpoint_step(path) is not None and (path / ".metadata").is_file() and (path / STATE_FILE).is_file()
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def apply_retention(root: Path, keep_last: int) -> list[Path]:
+    """Deletes all but the newest ``keep_last`` complete checkpoints (0 keeps all); returns those deleted."""
+    found = list_checkpoints(root)
+    doomed = found[:-keep_last] if keep_last > 0 else []
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+# ---------------------------------------------------------------------------------
+# Safe reading
+
+
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing any class outside DCP's own metadata types."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with an allow-listed unpickler for ``.metadata``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise ValueError(f"{self.path}: not a checkpoint (no .metadata)") from None
+        except Exception as e:
+            raise ValueError(f"{self.path}/.metadata is corrupt or not DCP metadata: {e}") from None
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{self.path}/.metadata is not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_train_state(path: Path) -> dict:
+    """The JSON side of a checkpoint.
+
+    Raises:
+        ValueError: a missing, partial or corrupt checkpoint.
+    """
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r}: no such folder")
+    if path.name.startswith(_PARTIAL_PREFIX):
+        raise ValueError(f"checkpoint {str(path)!r} is a partial save (interrupted before it completed)")
+    missing = [f for f in (".metadata", STATE_FILE) if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is incomplete: {', '.join(missing)} missing")
+    try:
+        return json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {str(path)!r}: {STATE_FILE} is corrupt: {e}") from None
+
+
+# ---------------------------------------------------------------------------------
+# State
+
+
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer tensors, sharded (DTensor), keyed by parameter FQN."""
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd["state"]}
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng_rank{rank}"
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Size]:
+    out: dict[str, torch.Size] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat_shapes(value, prefix=f"{name}."))
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.shape
+    return out
+
+
+def check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
+    """Raises a ValueError listing missing, unexpected and mis-shaped tensors, if any."""
+    saved = {k: v.size for k, v in metadata.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata) and k.split(".")[0] in ("model", "optim")}
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    misshaped = sorted(f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
+                       for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k]))
+    if missing or unexpected or misshaped:
+        parts = [f"checkpoint {str(path)!r} does not fit this model"]
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if items:
+                shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+                parts.append(f"{label}: {shown}")
+        raise ValueError("; ".join(parts))
+
+
+# ---------------------------------------------------------------------------------
+# Save
+
+
+@dataclass
+class PendingSave:
+    future: Future
+    partial: Path
+    final: Path
+
+
+class Checkpointer:
+    """Saves and loads a run's checkpoints; one per run, on every rank."""
+
+    def __init__(self, root: Path, keep_last: int, async_save: bool, rank: int, device: torch.device) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self.rank = rank
+        self.device = device
+        self.pending: PendingSave | None = None
+        # Async saves run their collectives in a background thread: on a group of their
+        # own, so they never interleave with the training step's collectives.
+        self.async_group = dist.new_group(backend="gloo") if async_save else None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
+             config_yaml: str) -> None:
+        """Writes checkpoint ``step``; returns at once when saving asynchronously."""
+        self.wait()  # one save in flight at a time
+        final = self.root / checkpoint_name(step)
+        partial = self.root / f"{_PARTIAL_PREFIX}{final.name}"
+        if self.rank == 0:
+            if final.exists():
+                raise ValueError(f"checkpoint {final} already exists; it is never overwritten")
+            if partial.exists():  # left by a crash: garbage by construction
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+            state = {**train_state, "world_size": dist.get_world_size(),
+                     "versions": {"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__}}
+            (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+            (partial / CONFIG_FILE).write_text(config_yaml)
+        dist.barrier()
+        state = {**_tensor_state(model, optimizer), _rng_key(self.rank): _rng_state(self.device)}
+        _fault_point("before_write", step)
+        writer = dcp.FileSystemWriter(str(partial))
+        if self.async_group is not None:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
+            self.pending = PendingSave(future, partial, final)
+            return
+        dcp.save(state, storage_writer=writer)
+        _fault_point("after_write", step)
+        self._commit(partial, final)
+        dist.barrier()
+
+    def wait(self) -> None:
+        """Completes the save in flight, if any (rank 0 renames it when all ranks are done)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.future.result()
+        self._commit(pending.partial, pending.final)
+        dist.barrier()
+
+    def _commit(self, partial: Path, final: Path) -> None:
+        # DCP writes .metadata on rank 0 only after gathering every rank's write results,
+        # so once rank 0's save returns the folder is complete: the rename publishes it.
+        if self.rank != 0:
+            return
+        os.replace(partial, final)
+        _fsync_dir(self.root)
+        for old in apply_retention(self.root, self.keep_last):
+            logger.info("checkpoint: removed %s (checkpoint.keep_last=%d)", old.name, self.keep_last)
+        logger.info("checkpoint: saved %s", final)
+
+    def close(self) -> None:
+        self.wait()
+        if self.async_group is not None:
+            dist.destroy_process_group(self.async_group)
+            self.async_group = None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fault_point(where: str, step: int) -> None:
+    """Test hook: FSDP_ZERO_FAULT=<where>:<step> kills this process there (SIGKILL, no clean-up)."""
+    if os.environ.get("FSDP_ZERO_FAULT") == f"{where}:{step}":
+        os.kill(os.getpid(), 9)
+
+
+# ---------------------------------------------------------------------------------
+# Load
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                    device: torch.device) -> dict:
+    """Loads model, optimizer and this rank's RNG from ``path``; returns its train state (JSON).
+
+    Works at any world size: DCP reads, for each rank, the parts of the saved chunks
+    that overlap the rank's shards.
+
+    Raises:
+        ValueError: a missing, partial or corrupt checkpoint, or one of another model.
+    """
+    train_state = read_train_state(path)
+    reader = SafeFileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    state = _tensor_state(model, optimizer)  # the structure (and shards) to load into
+    check_matches(metadata, _flat_shapes(state), path)
+    rng_key = _rng_key(rank)
+    if any(k.startswith(f"{rng_key}.") for k in metadata.state_dict_metadata):
+        state[rng_key] = _rng_state(device)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except Exception as e:  # DCP gathers every rank's failure and raises on all ranks
+        raise ValueError(f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {e}") from None
+    set_model_state_dict(model, state["model"])
+    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": groups})
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key]["cpu"])
+        if "cuda" in state[rng_key] and device.type == "cuda":
+            torch.cuda.set_rng_state(state[rng_key]["cuda"], device)
+    return train_state

@@ -1,0 +1,274 @@
+"""Full (non-sharded) weights in and out: import into a sharded model, streaming export.
+
+Import: ``model.init_from`` names a ``torch.save(model.state_dict())`` file, a
+``.safetensors`` file, or a folder of safetensors shards with a
+``model.safetensors.index.json``. Each rank reads only the rows of each tensor that
+fall in its own shard (safetensors slices; ``torch.load(mmap=True, weights_only=True)``
+for .pt, which maps the file rather than reading it), so no rank builds the full model.
+
+Export: tensors are read from a DCP checkpoint one at a time and written straight into
+safetensors files, so peak memory is about the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fsdp_zero.init import local_rows
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '500MB', '1.5GiB', '1000' -> bytes.
+
+    Raises:
+        ValueError: an unreadable size.
+    """
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 2GB, 500MB or 1GiB")
+    unit = m.group(2).upper().rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    return int(float(m.group(1)) * base**power)
+
+
+# ---------------------------------------------------------------------------------
+# Reading a full state dict lazily
+
+
+class FullWeights:
+    """Name -> shape, and row ranges read on demand, from a .pt, a .safetensors or a shard folder."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._files: dict[str, Path] = {}
+        self._pt: dict[str, torch.Tensor] | None = None
+        if path.is_dir():
+            index = path / INDEX_FILE
+            if index.is_file():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self._files = {name: path / file for name, file in weight_map.items()}
+            elif (path / SINGLE_FILE).is_file():
+                self._files = {name: path / SINGLE_FILE for name in _safetensors_names(path / SINGLE_FILE)}
+            else:
+                raise ValueError(f"model.init_from={str(path)!r}: a folder needs {INDEX_FILE} or {SINGLE_FILE}")
+        elif path.suffix == ".safetensors":
+            self._files = {name: path for name in _safetensors_names(path)}
+        else:
+            try:
+                loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:
+                raise ValueError(f"model.init_from={str(path)!r}: not a loadable state dict ({e})") from None
+            if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+                raise ValueError(f"model.init_from={str(path)!r}: expected a dict of tensors (torch.save(model.state_dict()))")
+            self._pt = loaded
+        self.shapes = self._read_shapes()
+
+    def _read_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._pt is not None:
+            return {k: tuple(v.shape) for k, v in self._pt.items()}
+        from safetensors import safe_open
+
+        shapes = {}
+        for file in sorted(set(self._files.values())):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        return shapes
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor ``name`` (the whole of a 0-d tensor)."""
+        if self._pt is not None:
+            t = self._pt[name]
+            return t if t.dim() == 0 else t[start:stop]
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="pt") as f:
+            sl = f.get_slice(name)
+            return f.get_tensor(name) if len(sl.get_shape()) == 0 else sl[start:stop]
+
+
+def _safetensors_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:
+        raise ValueError(f"{str(path)!r}: not a readable safetensors file ({e})") from None
+
+
+def check_state_dict_fits(model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str) -> None:
+    """Raises a ValueError listing missing, unexpected and mis-shaped keys, if any."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    misshaped = sorted(f"{k}: file {shapes[k]} vs model {expected[k]}" for k in set(shapes) & set(expected)
+                       if shapes[k] != expected[k])
+    if missing or unexpected or misshaped:
+        parts = [f"{origin} does not fit this model"]
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if items:
+                parts.append(f"{label}: " + ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else ""))
+        raise ValueError("; ".join(parts))
+
+
+@torch.no_grad()
+def load_full_weights(model: nn.Module, path: Path) -> None:
+    """Copies a full state dict into the (sharded or plain) model, each rank reading only its rows.
+
+    Raises:
+        ValueError: an unreadable file, or keys/shapes that do not fit the model.
+    """
+    weights = FullWeights(path)
+    origin = f"model.init_from={str(path)!r}"
+    check_state_dict_fits(model, weights.shapes, origin)
+    for name, param in model.named_parameters():  # tied weights: copied once, through their first name
+        local, start, stop = local_rows(param)
+        if stop > start or param.dim() == 0:
+            local.copy_(weights.rows(name, start, stop).to(local.dtype))
+
+
+# ---------------------------------------------------------------------------------
+# Writing safetensors, one tensor at a time
+
+
+def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
+    meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset, sizes = 0, []
+    for name, dtype, shape in entries:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        meta[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+        sizes.append(size)
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data must start 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, sizes
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                      fetch: Callable[[str], torch.Tensor]) -> None:
+    """Writes ``entries`` (name, dtype, shape) to ``path``, calling ``fetch(name)`` for one tensor at a time."""
+    header, sizes = _header(entries)
+    with open(path, "wb") as f:
+        f.write(header)
+        for (name, dtype, shape), size in zip(entries, sizes):
+            t = fetch(name)
+            assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, shape, t.dtype, dtype)
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            assert len(data) == size
+            f.write(data)
+            del t, data
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int) -> list[list[int]]:
+    """Groups entry indices into files of at most ``max_bytes`` (a tensor larger than that gets a file of its own)."""
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, (_, dtype, shape) in enumerate(entries):
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += size
+    return shards
+
+
+def iter_shard_files(n: int) -> Iterator[str]:
+    for i in range(n):
+        yield SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------
+# Export from a DCP checkpoint
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = None,
+                      max_shard_bytes: int | None = None) -> list[Path]:
+    """Consolidates a checkpoint's model weights into safetensors, one tensor in memory at a time.
+
+    ``out`` ending in .safetensors is one file; otherwise a new folder holding
+    model.safetensors, or numbered shards and model.safetensors.index.json when the
+    weights exceed ``max_shard_bytes``. Needs no GPU and no process group. Writes into
+    a temporary name and renames at the end: an interrupted export leaves nothing
+    that looks finished, and an existing ``out`` is never overwritten.
+
+    Raises:
+        ValueError: an unreadable checkpoint, an existing ``out``, or a single file over the size limit.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fsdp_zero.checkpoint import SafeFileSystemReader, read_train_state
+
+    read_train_state(checkpoint)
+    if out.exists():
+        raise ValueError(f"--out {str(out)!r} already exists; it is never overwritten")
+    metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
+    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not saved:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} holds no model weights")
+    entries = [(name, dtype if (dtype and md.properties.dtype.is_floating_point) else md.properties.dtype, tuple(md.size))
+               for name, md in saved.items()]
+
+    def fetch(name: str) -> torch.Tensor:
+        md = saved[name]
+        t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {name: t}}, storage_reader=SafeFileSystemReader(str(checkpoint)), no_dist=True)
+        return t.to(dtype) if (dtype and t.is_floating_point()) else t
+
+    single = out.suffix == ".safetensors"
+    shards = plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
+    if single and len(shards) > 1:
+        total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in entries)
+        raise ValueError(f"--out {str(out)!r} is one file, but the weights ({total:,} bytes) exceed --max-shard-size; "
+                         "give a folder to write shards into")
+    tmp = out.with_name(f".{out.name}.partial")
+    if tmp.exists():
+        if tmp.is_dir():
+            import shutil
+
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink()
+    if single:
+        write_safetensors(tmp, entries, fetch)
+        tmp.replace(out)
+        return [out]
+    tmp.mkdir(parents=True)
+    names = list(iter_shard_files(len(shards)))
+    weight_map = {}
+    for file, idx in zip(names, shards):
+        write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
+        weight_map.update({entries[i][0]: file for i in idx})
+    if len(shards) > 1:
+        total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    tmp.replace(out)
+    return [out / n for n in names]
