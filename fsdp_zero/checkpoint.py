@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
@@ -327,8 +328,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         state[rng_key] = _rng_state(device)
     try:
         dcp.load(state, storage_reader=reader)
-    except Exception as e:  # DCP gathers every rank's failure and raises on all ranks
-        raise ValueError(f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {e}") from None
+    except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure and raises on all ranks
+        # (CheckpointException derives from BaseException.) Keep the first line of each rank's cause.
+        causes = sorted({line for line in str(e).splitlines() if line.startswith(("RuntimeError", "OSError", "ValueError"))})
+        detail = "; ".join(causes) or str(e).splitlines()[0]
+        raise ValueError(f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {detail}") from None
     set_model_state_dict(model, state["model"])
     groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
     set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": groups})

@@ -162,8 +162,11 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Not a parameter and not saved: recomputed by init_weights after to_empty.
-        self.register_buffer("rope", torch.empty(args.max_seq_len, args.dim // args.n_heads), persistent=False)
+        # Not a parameter and not saved. Computed here (free on the meta device) so a model
+        # built on a real device works without init_weights; init_weights recomputes it
+        # after to_empty.
+        rope = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, self.output.weight.device)
+        self.register_buffer("rope", rope, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(batch, seq) token ids -> (batch, seq, vocab) logits."""

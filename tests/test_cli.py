@@ -112,13 +112,23 @@ def test_batch_that_does_not_divide_over_ranks_fails_under_torchrun(tmp_path: Pa
     assert not (tmp_path / "bad").exists()
 
 
-def test_a_run_directory_with_another_config_is_never_overwritten(tmp_path: Path):
+def test_a_run_directory_is_continued_or_refused_never_overwritten(tmp_path: Path):
     check(launch(0, TRAIN, *NANO, f"run.root={tmp_path}", "run.name=keep"))
-    saved = (tmp_path / "keep" / "config.yaml").read_text()
-    proc = launch(0, TRAIN, *NANO, "train.steps=6", f"run.root={tmp_path}", "run.name=keep")
+    run_dir = tmp_path / "keep"
+    saved = (run_dir / "config.yaml").read_text()
+    # An incompatible change (the data) is refused before anything is written.
+    proc = launch(0, TRAIN, *NANO, "data.seq_len=16", f"run.root={tmp_path}", "run.name=keep")
     assert proc.returncode == 2
-    assert "already holds a run with a different config" in proc.stderr
-    assert (tmp_path / "keep" / "config.yaml").read_text() == saved
+    assert "cannot continue checkpoint" in proc.stderr and "data.seq_len: 32 in the checkpoint, 16 now" in proc.stderr
+    # A fresh start over existing checkpoints is refused.
+    proc = launch(0, TRAIN, *NANO, "checkpoint.resume=none", f"run.root={tmp_path}", "run.name=keep")
+    assert proc.returncode == 2 and "holds checkpoints (newest step-0000004)" in proc.stderr
+    assert (run_dir / "config.yaml").read_text() == saved
+    # A compatible change (more steps) continues; the old config is kept beside the new one.
+    proc = check(launch(0, TRAIN, *NANO, "train.steps=6", f"run.root={tmp_path}", "run.name=keep"))
+    assert "resumed from" in proc.stderr and "train.steps 4 -> 6" in proc.stderr
+    assert (run_dir / "config.yaml.4").read_text() == saved
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [2, 4, 6]
 
 
 def test_text_source_trains_on_a_local_file(tmp_path: Path):
