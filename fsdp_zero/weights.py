@@ -174,9 +174,10 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[in
         for (name, dtype, shape), size in zip(entries, sizes):
             t = fetch(name)
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, shape, t.dtype, dtype)
-            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            # Written from the tensor's own buffer: no second copy of the tensor in memory.
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
             assert len(data) == size
-            f.write(data)
+            f.write(memoryview(data))
             del t, data
         f.flush()
         os.fsync(f.fileno())

@@ -262,3 +262,18 @@ def test_init_from_that_does_not_fit_lists_the_keys(tmp_path: Path):
     proc = launch(0, TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'pickle.pt'}",
                   f"run.root={tmp_path}", "run.name=bad2")
     assert proc.returncode == 2 and "not a loadable state dict" in proc.stderr
+
+
+def test_async_save_writes_the_same_checkpoints_while_training_goes_on(runs, tmp_path: Path):
+    out = tmp_path / "async.pt"
+    check(launch(2, WORKER, str(out), *BASE, "checkpoint.async_save=true", "checkpoint.every=2", "checkpoint.keep_last=2",
+                 f"run.root={tmp_path}", "run.name=async"))
+    got = torch.load(out, weights_only=True)
+    assert got["losses"] == runs["straight"]["losses"]  # saving in the background changes nothing
+    ckpts = list_checkpoints(tmp_path / "async" / "checkpoints")
+    assert [p.name for p in ckpts] == ["step-0000008", "step-0000010"]
+    single = tmp_path / "final.safetensors"
+    check(launch(0, EXPORT, str(ckpts[-1]), "--out", str(single)))
+    exported = load_file(single)
+    for name, value in runs["straight"]["final"].items():
+        assert torch.equal(exported[name], value), name
