@@ -27,10 +27,11 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_zero.config import load_config
 from fsdp_zero.distributed import (
-    agree_on_seed, broadcast_object, data_parallel_mesh, destroy_distributed, exit_process, init_distributed, setup_logging,
+    agree_on_seed, broadcast_object, destroy_distributed, exit_process, init_distributed, setup_logging,
 )
 from fsdp_zero.memory import model_state_bytes, zero3_expected_bytes
 from fsdp_zero.model import build_model
+from fsdp_zero.parallelize import device_mesh
 from fsdp_zero.trainer import setup, train
 
 REPEATS = 3
@@ -38,8 +39,8 @@ REPEATS = 3
 
 def raw_loop(parts, cfg, env) -> tuple[float, int]:
     """The hand-written baseline; returns (seconds, model-state bytes after the last step's optimizer step)."""
-    args = parts.model.args  # the same architecture, sharded by hand
-    mesh = data_parallel_mesh(env)
+    args = parts.args  # the same architecture, sharded by hand
+    mesh = device_mesh(cfg.parallel, env)
     model = build_model(args, device="meta")
     for block in model.layers:
         fully_shard(block, mesh=mesh)

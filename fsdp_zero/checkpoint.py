@@ -38,11 +38,15 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import _init_optim_state  # also used by get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
 import fsdp_zero
+from fsdp_zero.parallelize import unwrap
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -162,10 +166,21 @@ def read_train_state(path: Path) -> dict:
 
 
 def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and optimizer tensors, sharded (DTensor), keyed by parameter FQN."""
+    """Model and optimizer tensors keyed by parameter FQN (sharded DTensors under FSDP).
+
+    The values are the live tensors (or views of them), so DCP loads in place.
+    ZeroRedundancyOptimizer (zero1) is not covered by torch's state-dict API: each rank
+    contributes the AdamW states of its own partition, under the same FQN keys, so the
+    checkpoint holds every parameter's state once, in full, like a DDP one.
+    """
     model_sd = get_model_state_dict(model)
-    optim_sd = get_optimizer_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd["state"]}
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        local = optimizer.optim  # this rank's AdamW over its partition
+        if not local.state:
+            _init_optim_state(local)  # lazily created states must exist to be loaded into
+        names = {id(p): fqn for fqn, p in unwrap(model).named_parameters()}
+        return {"model": model_sd, "optim": {names[id(p)]: dict(st) for p, st in local.state.items()}}
+    return {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer)["state"]}
 
 
 def _rng_key(rank: int) -> str:
@@ -195,7 +210,8 @@ def check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Pat
     saved = {k: v.size for k, v in metadata.state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata) and k.split(".")[0] in ("model", "optim")}
     missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
+    # Only model keys can be unexpected: under zero1 a rank asks for its partition's optimizer states alone.
+    unexpected = sorted(k for k in set(saved) - set(expected) if k.startswith("model."))
     misshaped = sorted(f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
                        for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k]))
     if missing or unexpected or misshaped:
@@ -334,8 +350,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         detail = "; ".join(causes) or str(e).splitlines()[0]
         raise ValueError(f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {detail}") from None
     set_model_state_dict(model, state["model"])
-    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
-    set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": groups})
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states were loaded in place
+        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+        set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": groups})
     if rng_key in state:
         torch.set_rng_state(state[rng_key]["cpu"])
         if "cuda" in state[rng_key] and device.type == "cuda":

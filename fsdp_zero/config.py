@@ -40,10 +40,25 @@ class Strategy(str, enum.Enum):
     shard_grad_op (ZeRO-2): as full_shard, but parameters stay gathered from forward
         to backward (``reshard_after_forward=False``). Less communication, the full
         parameters of every unit are held between forward and backward.
+    hybrid_shard (HSDP): full_shard within groups of ``parallel.shard_size`` ranks,
+        replicated across groups (a 2-D mesh): all-gathers stay inside a group (a node),
+        at the price of 16 P / shard_size instead of 16 P / N.
+    zero1 (ZeRO-1): DDP with torch's ZeroRedundancyOptimizer: only the optimizer states
+        are sharded (by whole parameters); every rank holds all parameters and gradients.
+    ddp: plain DistributedDataParallel, the baseline: 16 P on every rank.
     """
 
     full_shard = "full_shard"
     shard_grad_op = "shard_grad_op"
+    hybrid_shard = "hybrid_shard"
+    zero1 = "zero1"
+    ddp = "ddp"
+
+
+# The names users bring from FSDP1 and DeepSpeed.
+STRATEGY_ALIASES = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "HYBRID_SHARD": "hybrid_shard",
+                    "NO_SHARD": "ddp"}
+ZERO_STAGES = {0: Strategy.ddp, 1: Strategy.zero1, 2: Strategy.shard_grad_op, 3: Strategy.full_shard}
 
 
 class DataSource(str, enum.Enum):
@@ -109,6 +124,9 @@ class WrapConfig:
 @dataclass
 class ParallelConfig:
     strategy: Strategy = Strategy.full_shard
+    # DeepSpeed's name for the same choice: 0 ddp, 1 zero1, 2 shard_grad_op, 3 full_shard.
+    zero_stage: int | None = None
+    shard_size: int = 2  # hybrid_shard: ranks per sharding group (usually the GPUs of a node)
     wrap: WrapConfig = field(default_factory=WrapConfig)
 
 
@@ -215,6 +233,7 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] = ()
 
     merged = OmegaConf.structured(Config)
     for origin, layer in layers:
+        _apply_aliases(layer)
         _check_keys(layer, Config, prefix="", origin=origin)
         try:
             merged = OmegaConf.merge(merged, layer)
@@ -228,6 +247,25 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] = ()
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _apply_aliases(layer: DictConfig) -> None:
+    """FSDP1 strategy names (FULL_SHARD, NO_SHARD, ...) to ours; DeepSpeed's zero_stage to a strategy."""
+    parallel = layer.get("parallel") if isinstance(layer.get("parallel", None), DictConfig) else None
+    if parallel is None:
+        return
+    strategy = parallel.get("strategy", None)
+    if isinstance(strategy, str) and strategy.upper() in STRATEGY_ALIASES:
+        parallel.strategy = STRATEGY_ALIASES[strategy.upper()]
+    stage = parallel.get("zero_stage", None)
+    if stage is not None:
+        if stage not in ZERO_STAGES:
+            raise ValueError(f"parallel.zero_stage={stage!r} is not a valid choice; valid choices: 0, 1, 2, 3")
+        mapped = ZERO_STAGES[stage].value
+        if strategy is not None and parallel.strategy != mapped:
+            raise ValueError(f"parallel.zero_stage={stage} means parallel.strategy={mapped}, but "
+                             f"parallel.strategy={strategy} is also set; set one of them")
+        parallel.strategy = mapped
 
 
 def _check_keys(node: DictConfig, schema: type, prefix: str, origin: str) -> None:
@@ -329,6 +367,9 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"data.path={cfg.data.path!r}: no such file or folder")
     elif cfg.data.path:
         raise ValueError(f"data.path={cfg.data.path!r} is set but data.source=synthetic; set data.source=text")
+    if cfg.parallel.zero_stage is not None and ZERO_STAGES.get(cfg.parallel.zero_stage) is not cfg.parallel.strategy:
+        raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} contradicts "
+                         f"parallel.strategy={cfg.parallel.strategy.value}; set one of them")
     if cfg.parallel.wrap.policy is WrapPolicy.modules and not cfg.parallel.wrap.modules:
         raise ValueError(
             "parallel.wrap.policy=modules needs parallel.wrap.modules, a list of FQN regexes, "

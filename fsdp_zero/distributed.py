@@ -17,7 +17,6 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_zero.config import Backend, Device, DistConfig
 
@@ -107,11 +106,6 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def data_parallel_mesh(env: DistEnv) -> DeviceMesh:
-    """A 1-D mesh over all ranks: every rank is a data-parallel (sharding) rank."""
-    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp_shard",))
 
 
 def broadcast_object(obj: object, env: DistEnv) -> object:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 MIB = 2**20
 
@@ -57,7 +58,9 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     g = _storage_bytes([q.grad for q in params if q.grad is not None], seen)
     o = 0
     if optimizer is not None:
-        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        # ZeroRedundancyOptimizer (zero1) keeps this rank's partition in its inner optimizer.
+        inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         o = _storage_bytes(states, seen)
     return ModelStateBytes(p, g, o)
 

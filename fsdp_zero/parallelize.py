@@ -1,32 +1,88 @@
-"""The one function that applies sharding to a model.
+"""The one function that applies a data-parallel strategy to a model.
 
-Order matters and is fixed: (later: activation checkpointing, then compile), then
-``fully_shard`` on each unit of the wrap plan bottom-up, then on the root. Options such
-as mixed precision and CPU offload become arguments of the ``fully_shard`` calls here;
-other strategies (DDP, ZeRO-1, HSDP) become branches of this function.
+| strategy        | ZeRO  | how                                   | model state per rank (fp32 AdamW) |
+|-----------------|-------|---------------------------------------|-----------------------------------|
+| full_shard      | 3     | FSDP2, reshard_after_forward=True     | 16 P / N                          |
+| shard_grad_op   | 2     | FSDP2, reshard_after_forward=False    | 16 P / N (+ gathered params fwd->bwd) |
+| hybrid_shard    | 3 x R | FSDP2 on a 2-D mesh (replicate, shard)| 16 P / shard_size                 |
+| zero1           | 1     | DDP + ZeroRedundancyOptimizer         | 4 P + 4 P + 8 P / N               |
+| ddp             | 0     | DistributedDataParallel               | 16 P                              |
+
+Order matters and is fixed. FSDP strategies shard the meta-device model unit by unit
+(bottom-up, then the root) and only then materialise it, so no rank allocates more
+than its shards. DDP strategies need real tensors to wrap, so they materialise the
+whole model first (every rank holds all of it: that is what DDP is).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_zero.config import ParallelConfig, Strategy
+from fsdp_zero.distributed import DistEnv
 from fsdp_zero.wrap import WrapPlan
+
+FSDP_STRATEGIES = (Strategy.full_shard, Strategy.shard_grad_op, Strategy.hybrid_shard)
+
+
+def is_fsdp(strategy: Strategy) -> bool:
+    return strategy in FSDP_STRATEGIES
+
+
+def shard_degree(cfg: ParallelConfig, world_size: int) -> int:
+    """Over how many ranks each parameter is split.
+
+    Raises:
+        ValueError: hybrid_shard with a shard size that does not divide the world size.
+    """
+    if cfg.strategy is Strategy.hybrid_shard:
+        size = cfg.shard_size
+        if size < 1 or world_size % size:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"parallel.shard_size={size} must divide the world size {world_size}; valid choices: {divisors}"
+            )
+        return size
+    return world_size if is_fsdp(cfg.strategy) else 1
 
 
 def reshard_after_forward(strategy: Strategy) -> bool:
-    """ZeRO-3 (full_shard) frees gathered parameters after forward; ZeRO-2 keeps them to backward."""
-    return strategy is Strategy.full_shard
+    """ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them until backward."""
+    return strategy is not Strategy.shard_grad_op
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, mesh: DeviceMesh) -> nn.Module:
-    """Shards ``model`` in place over ``mesh`` following ``plan``; returns it.
+def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
+    """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
+    if cfg.strategy is Strategy.hybrid_shard:
+        shard = shard_degree(cfg, env.world_size)
+        return init_device_mesh(env.device.type, (env.world_size // shard, shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp_shard",))
 
-    Call on the meta-device model, before ``to_empty`` and ``init_weights``: then no
-    rank ever allocates more than its shards.
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: DistEnv,
+                materialize: Callable[[nn.Module], None]) -> nn.Module:
+    """Applies ``cfg.strategy`` to the meta-device ``model``; returns the module to train.
+
+    Args:
+        model: the model, on the meta device.
+        cfg: the parallel settings.
+        plan: the FSDP units (used by the FSDP strategies).
+        env: ranks and device.
+        materialize: allocates and initialises the model's (local) tensors in place.
     """
+    if not is_fsdp(cfg.strategy):
+        materialize(model)
+        # Gradients as views into DDP's buckets: one copy of the gradients, not two.
+        return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
+
+    mesh = device_mesh(cfg, env)
     reshard = reshard_after_forward(cfg.strategy)
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard)
@@ -35,4 +91,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, mesh: Dev
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     units = [fqn for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
     assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)
+    materialize(model)
     return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model itself, without a DDP wrapper."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -9,6 +9,7 @@ step (accumulation, clipping with sharded gradients, the sync points) is in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,16 +26,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_zero
-from fsdp_zero.config import BatchLayout, Config, ModelConfig, OptimConfig, OptimizerImpl, batch_layout, to_yaml
+from fsdp_zero.config import (
+    BatchLayout, Config, ModelConfig, OptimConfig, OptimizerImpl, Strategy, WrapConfig, WrapPolicy, batch_layout, to_yaml,
+)
 from fsdp_zero.checkpoint import Checkpointer, checkpoint_step, list_checkpoints, load_checkpoint, read_train_state
 from fsdp_zero.data import BatchCursor, build_source
-from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object, data_parallel_mesh
+from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes, zero3_expected_bytes, MIB
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, MultiLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
 from fsdp_zero.model import TransformerArgs, build_model, model_args
-from fsdp_zero.parallelize import parallelize
+from fsdp_zero.parallelize import is_fsdp, parallelize, shard_degree, unwrap
 from fsdp_zero.weights import load_full_weights
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
@@ -51,21 +56,24 @@ def transformer_args(cfg: ModelConfig) -> TransformerArgs:
 # Optimizer, schedule, clipping
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings, none on norm gains (1-D)."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and embeddings, none on norm gains (1-D).
+
+    With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
+    its own partition of the parameters (whole tensors, balanced by size) and broadcasts
+    its updated parameters after the step.
+    """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     impl = cfg.implementation
     if impl is OptimizerImpl.auto:
         impl = OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
-        fused=impl is OptimizerImpl.fused,
-        foreach=impl is OptimizerImpl.foreach,
-    )
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=impl is OptimizerImpl.fused,
+                  foreach=impl is OptimizerImpl.foreach)
+    if zero1:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -124,14 +132,18 @@ def train_step(
     """
     params = [p for p in model.parameters()]
     loss_sum = torch.zeros((), device=device)
-    for inputs, targets in micro_batches:
+    ddp = isinstance(model, DistributedDataParallel)
+    for i, (inputs, targets) in enumerate(micro_batches):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        loss = loss_fn(model(inputs), targets)
-        # Scale so the accumulated gradient is the mean over micro-batches; FSDP's
-        # reduce-scatter then averages over ranks, giving the global-batch mean. Each
-        # backward reduce-scatters into the sharded gradient (no unsharded gradient is
-        # kept across micro-batches: more communication, ZeRO-3 memory).
-        (loss / len(micro_batches)).backward()
+        # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
+        # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
+        # sharded gradient, so no unsharded gradient is kept across micro-batches (more
+        # communication, ZeRO-3 memory).
+        with model.no_sync() if ddp and i < len(micro_batches) - 1 else contextlib.nullcontext():
+            loss = loss_fn(model(inputs), targets)
+            # Scaled so the accumulated gradient is the mean over micro-batches; the
+            # reduction over ranks averages, giving the global-batch mean.
+            (loss / len(micro_batches)).backward()
         loss_sum += loss.detach()
     if on_phase:
         on_phase("after_backward")
@@ -153,7 +165,8 @@ class Components:
     """Everything `train` steps, built by `setup`."""
 
     run_dir: Path
-    model: nn.Module
+    model: nn.Module  # what to call: the sharded model, or its DDP wrapper
+    args: TransformerArgs
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     cursor: BatchCursor
@@ -305,7 +318,10 @@ def setup(cfg: Config, env: DistEnv) -> Components:
 
     # Meta device: shapes only. Plan and shard before any memory is allocated.
     model = build_model(args, device="meta")
-    plan = build_wrap_plan(model, cfg.parallel.wrap, env.world_size)
+    strategy = cfg.parallel.strategy
+    degree = shard_degree(cfg.parallel, env.world_size)
+    wrap_cfg = cfg.parallel.wrap if is_fsdp(strategy) else WrapConfig(policy=WrapPolicy.none)
+    plan = build_wrap_plan(model, wrap_cfg, degree)
     run_dir, resume_from = prepare_run_dir(cfg, env, seed_was_set)
     seed = agree_on_seed(cfg.train.seed, env)  # a resumed run may have adopted the checkpoint's seed
     source = build_source(cfg.data, args.vocab_size, seed)
@@ -316,16 +332,20 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     logger.info("model %s: %s parameters (%.1f MiB fp32) | strategy %s", cfg.model.preset, f"{num_params:,}",
                 num_params * 4 / MIB, cfg.parallel.strategy.value)
     logger.info("%s", layout.describe(cfg.data.seq_len))
-    logger.info("%s", plan.table())
-    if env.is_rank0:
-        (run_dir / "wrap_plan.txt").write_text(plan.table() + "\n")
+    if is_fsdp(strategy):
+        logger.info("%s", plan.table())
+        if env.is_rank0:
+            (run_dir / "wrap_plan.txt").write_text(plan.table() + "\n")
+    else:
+        logger.info("strategy %s: no FSDP units; every rank holds all %s parameters", strategy.value, f"{num_params:,}")
     logger.info("run dir %s | tensorboard --logdir %s", run_dir, run_dir / "tb")
 
-    mesh = data_parallel_mesh(env)
-    parallelize(model, cfg.parallel, plan, mesh)
-    model.to_empty(device=env.device)  # each rank allocates only its shards
-    model.init_weights(seed)
-    optimizer = build_optimizer(model, cfg.optim, env.device)
+    def materialize(m: nn.Module) -> None:
+        m.to_empty(device=env.device)  # FSDP: each rank allocates only its shards
+        m.init_weights(seed)
+
+    model = parallelize(model, cfg.parallel, plan, env, materialize)
+    optimizer = build_optimizer(model, cfg.optim, env.device, zero1=strategy is Strategy.zero1)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     cursor = BatchCursor(source, layout, env.rank)
     step = 0
@@ -340,10 +360,10 @@ def setup(cfg: Config, env: DistEnv) -> Components:
         if cfg.model.init_from:
             logger.warning("model.init_from is ignored: the run continues from checkpoint %s", resume_from)
     elif cfg.model.init_from:
-        load_full_weights(model, Path(cfg.model.init_from))
+        load_full_weights(unwrap(model), Path(cfg.model.init_from))
         logger.info("initialised from %s", cfg.model.init_from)
 
-    return Components(run_dir, model, optimizer, scheduler, cursor, plan, layout, num_params, seed, step)
+    return Components(run_dir, model, args, optimizer, scheduler, cursor, plan, layout, num_params, seed, step)
 
 
 def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainResult:

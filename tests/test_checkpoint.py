@@ -277,3 +277,24 @@ def test_async_save_writes_the_same_checkpoints_while_training_goes_on(runs, tmp
     exported = load_file(single)
     for name, value in runs["straight"]["final"].items():
         assert torch.equal(exported[name], value), name
+
+
+def test_zero1_resumes_exactly_and_its_checkpoint_continues_as_zero3_on_4_ranks(runs, tmp_path: Path):
+    """ZeRO-1 saves each rank's optimizer partition under parameter names: a full checkpoint."""
+    zero1 = ["parallel.strategy=zero1", "checkpoint.every=0", f"run.root={tmp_path}"]
+
+    def worker(nproc: int, name: str, *extra: str) -> dict:
+        path = tmp_path / f"{name}.pt"
+        check(launch(nproc, WORKER, str(path), *BASE, *extra, f"run.root={tmp_path}", f"run.name={name}"))
+        return torch.load(path, weights_only=True)
+
+    worker(2, "z1", *zero1, "train.stop_after=5")
+    resumed = worker(2, "z1", *zero1)
+    for step, loss in resumed["losses"].items():
+        assert loss == runs["straight"]["losses"][step], step  # zero1 trains like ZeRO-3, to the bit here
+    moved = worker(4, "z1-as-z3", "checkpoint.every=0",
+                   f"checkpoint.resume={tmp_path / 'z1' / 'checkpoints' / 'step-0000005'}")
+    for step, loss in moved["losses"].items():
+        assert loss == pytest.approx(runs["straight"]["losses"][step], abs=RESHARD_LOSS_ATOL), step
+    for name, value in runs["straight"]["final"].items():
+        torch.testing.assert_close(moved["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name)

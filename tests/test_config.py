@@ -34,7 +34,8 @@ def test_yaml_then_overrides(tmp_path: Path):
         ("trian.steps=5", r"unknown config key 'trian'; did you mean 'train'\?"),
         ("parallel.wrap.polcy=none", r"did you mean 'parallel\.wrap\.policy'\?"),
         ("parallel.wrap.policy=sized", r"parallel\.wrap\.policy='sized' is not a valid choice; valid choices: transformer, size_based, modules, none"),
-        ("parallel.strategy=zero9", r"valid choices: full_shard, shard_grad_op"),
+        ("parallel.strategy=zero9", r"valid choices: full_shard, shard_grad_op, hybrid_shard, zero1, ddp"),
+        ("parallel.zero_stage=4", r"parallel\.zero_stage=4 is not a valid choice; valid choices: 0, 1, 2, 3"),
         ("train.steps=abc", r"bad value for 'train\.steps'"),
         ("train.steps=0", r"train\.steps=0: must be > 0"),
         ("train.global_batch_size=10", r"train\.global_batch_size=10 is not a multiple of train\.micro_batch_size=4"),
@@ -84,3 +85,35 @@ def test_shipped_configs_load_and_start_with_their_command(path: Path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# torchrun") and f"--config configs/{path.name}" in first, first
     load_config(path)
+
+
+@pytest.mark.parametrize(
+    "overrides,strategy",
+    [
+        (["parallel.strategy=FULL_SHARD"], Strategy.full_shard),
+        (["parallel.strategy=shard_grad_op"], Strategy.shard_grad_op),
+        (["parallel.strategy=HYBRID_SHARD"], Strategy.hybrid_shard),
+        (["parallel.strategy=NO_SHARD"], Strategy.ddp),
+        (["parallel.zero_stage=0"], Strategy.ddp),
+        (["parallel.zero_stage=1"], Strategy.zero1),
+        (["parallel.zero_stage=2"], Strategy.shard_grad_op),
+        (["parallel.zero_stage=3"], Strategy.full_shard),
+    ],
+)
+def test_fsdp1_and_deepspeed_names_are_aliases(overrides, strategy):
+    assert load_config(None, overrides).parallel.strategy is strategy
+
+
+def test_zero_stage_and_strategy_must_agree():
+    with pytest.raises(ValueError, match=r"parallel\.zero_stage=1 means parallel\.strategy=zero1, but parallel\.strategy=ddp"):
+        load_config(None, ["parallel.strategy=ddp", "parallel.zero_stage=1"])
+    assert load_config(None, ["parallel.strategy=zero1", "parallel.zero_stage=1"]).parallel.strategy is Strategy.zero1
+
+
+def test_hybrid_shard_size_must_divide_the_world():
+    from fsdp_zero.parallelize import shard_degree
+
+    cfg = load_config(None, ["parallel.strategy=hybrid_shard", "parallel.shard_size=3"]).parallel
+    with pytest.raises(ValueError, match=r"parallel\.shard_size=3 must divide the world size 4; valid choices: \[1, 2, 4\]"):
+        shard_degree(cfg, 4)
+    assert shard_degree(cfg, 6) == 3

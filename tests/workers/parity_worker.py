@@ -35,7 +35,7 @@ def main() -> None:
         result = train(cfg, env, parts)
         final = full_weights(parts.model)
         with torch.no_grad():  # the sharded model's outputs on a fixed batch
-            tokens = torch.arange(64).remainder(parts.model.args.vocab_size).view(2, 32)
+            tokens = torch.arange(64).remainder(parts.args.vocab_size).view(2, 32)
             logits = parts.model(tokens.to(env.device)).cpu()
         states = [None] * env.world_size
         dist.all_gather_object(states, result.model_state_bytes)
