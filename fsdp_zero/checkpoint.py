@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +71,11 @@ def checkpoint_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_REQUIRED = (".metadata", STATE_FILE, CONFIG_FILE)
+
+
 def is_complete(path: Path) -> bool:
-    return checkpoint_step(path) is not None and (path / ".metadata").is_file() and (path / STATE_FILE).is_file()
+    return checkpoint_step(path) is not None and all((path / f).is_file() for f in _REQUIRED)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -112,14 +116,26 @@ _ALLOWED = {
 }
 
 
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing any class outside DCP's own metadata types."""
+    """Unpickles DCP metadata, admitting only DCP's own metadata classes and a few torch types.
+
+    Names are matched exactly: a dotted name (pickle protocol 4 resolves
+    ``metadata.os.system`` through the module's imports) or anything else is refused.
+    """
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if "." not in name:
+            if (module, name) in _ALLOWED:
+                return super().find_class(module, name)
+            if module == _METADATA_MODULE:
+                obj = getattr(sys.modules[_METADATA_MODULE], name, None)
+                if isinstance(obj, type) and obj.__module__ == _METADATA_MODULE:
+                    return obj
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
 
 
@@ -137,6 +153,11 @@ class SafeFileSystemReader(FileSystemReader):
             raise ValueError(f"{self.path}/.metadata is corrupt or not DCP metadata: {e}") from None
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{self.path}/.metadata is not DCP metadata")
+        # We never save anything but tensors; DCP would torch.load(weights_only=False) any byte item.
+        not_tensors = sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
+        if not_tensors:
+            raise ValueError(f"{self.path}: holds non-tensor items ({', '.join(not_tensors[:5])}); "
+                             "refusing to load them (they would be unpickled)")
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -152,7 +173,7 @@ def read_train_state(path: Path) -> dict:
         raise ValueError(f"checkpoint {str(path)!r}: no such folder")
     if path.name.startswith(_PARTIAL_PREFIX):
         raise ValueError(f"checkpoint {str(path)!r} is a partial save (interrupted before it completed)")
-    missing = [f for f in (".metadata", STATE_FILE) if not (path / f).is_file()]
+    missing = [f for f in _REQUIRED if not (path / f).is_file()]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} is incomplete: {', '.join(missing)} missing")
     try:
@@ -253,17 +274,22 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         final = self.root / checkpoint_name(step)
         partial = self.root / f"{_PARTIAL_PREFIX}{final.name}"
+        error = None
         if self.rank == 0:
             if final.exists():
-                raise ValueError(f"checkpoint {final} already exists; it is never overwritten")
-            if partial.exists():  # left by a crash: garbage by construction
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
-            state = {**train_state, "world_size": dist.get_world_size(),
-                     "versions": {"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__}}
-            (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-            (partial / CONFIG_FILE).write_text(config_yaml)
-        dist.barrier()
+                error = f"checkpoint {final} already exists; it is never overwritten"
+            else:
+                if partial.exists():  # left by a crash: garbage by construction
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+                state = {**train_state, "world_size": dist.get_world_size(),
+                         "versions": {"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__}}
+                (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+                (partial / CONFIG_FILE).write_text(config_yaml)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)  # every rank stops, or none does
+        if box[0]:
+            raise ValueError(box[0])
         state = {**_tensor_state(model, optimizer), _rng_key(self.rank): _rng_state(self.device)}
         _fault_point("before_write", step)
         writer = dcp.FileSystemWriter(str(partial))
@@ -276,14 +302,23 @@ class Checkpointer:
         self._commit(partial, final)
         dist.barrier()
 
+    def poll(self) -> None:
+        """Publishes a finished async save at once (called every step; no collectives)."""
+        if self.pending is not None and self.pending.future.done():
+            self.wait()
+
     def wait(self) -> None:
-        """Completes the save in flight, if any (rank 0 renames it when all ranks are done)."""
+        """Completes the save in flight, if any.
+
+        No collective here: rank 0's save returns only after DCP gathered every rank's
+        write results and wrote the metadata, so rank 0 alone may publish it, whenever
+        it sees its own future done; the other ranks just drop theirs.
+        """
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
         pending.future.result()
         self._commit(pending.partial, pending.final)
-        dist.barrier()
 
     def _commit(self, partial: Path, final: Path) -> None:
         # DCP writes .metadata on rank 0 only after gathering every rank's write results,

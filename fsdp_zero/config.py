@@ -239,7 +239,10 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] = ()
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             raise ValueError(_explain(e, origin)) from None
-    cfg = OmegaConf.to_object(merged)
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:  # e.g. a ${...} interpolation that does not resolve
+        raise ValueError(_explain(e, "config")) from None
     assert isinstance(cfg, Config)
     validate(cfg)
     return cfg
@@ -349,6 +352,12 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: no such file or folder")
     if cfg.optim.warmup_steps < 0:
         raise ValueError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be >= 0")
+    if cfg.optim.eps <= 0:
+        raise ValueError(f"optim.eps={cfg.optim.eps}: must be > 0")
+    if cfg.optim.weight_decay < 0:
+        raise ValueError(f"optim.weight_decay={cfg.optim.weight_decay}: must be >= 0")
+    if cfg.train.stop_after is not None and not cfg.checkpoint.enabled:
+        raise ValueError("train.stop_after needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
     if cfg.optim.grad_clip < 0:
         raise ValueError(f"optim.grad_clip={cfg.optim.grad_clip}: must be >= 0 (0 disables clipping)")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:

@@ -126,7 +126,8 @@ class MemoryMonitor:
         out["cpu_peak_rss_mib"] = max(rss, peak if peak is not None else rss) / MIB
         return out
 
-    def peak_mib(self) -> float:
-        """The headline per-rank peak: peak reserved on CUDA (what the device must have), else peak RSS."""
-        m = self.read()
-        return m["cuda_peak_reserved_mib"] if self.device.type == "cuda" else m["cpu_peak_rss_mib"]
+    def headline_peak(self, scalars: dict[str, float]) -> float:
+        """The per-rank peak in MiB from memory scalars: peak reserved on CUDA (what the device
+        must have), else peak RSS."""
+        key = "cuda_peak_reserved_mib" if self.device.type == "cuda" else "cpu_peak_rss_mib"
+        return scalars[f"memory/{key}"]

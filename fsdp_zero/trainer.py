@@ -124,11 +124,12 @@ def train_step(
     grad_clip: float,
     device: torch.device,
     on_phase: Callable[[str], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Forward/backward over this rank's micro-batches, then one optimizer step.
 
     Returns this rank's mean loss and the global gradient norm (before clipping), both
-    as tensors: reading them (``.item()``) is a sync point left to the caller.
+    as tensors (reading them with ``.item()`` is a sync point left to the caller), and
+    the learning rate the step used.
     """
     params = [p for p in model.parameters()]
     loss_sum = torch.zeros((), device=device)
@@ -148,12 +149,13 @@ def train_step(
     if on_phase:
         on_phase("after_backward")
     grad_norm = clip_grad_norm_(params, grad_clip)  # one all-reduce
+    lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves on below)
     optimizer.step()
     if on_phase:  # parameters, gradients and optimizer states all live: the model-state peak
         on_phase("after_optimizer_step")
     optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
     scheduler.step()
-    return loss_sum / len(micro_batches), grad_norm
+    return loss_sum / len(micro_batches), grad_norm, lr
 
 
 # ---------------------------------------------------------------------------------
@@ -204,8 +206,8 @@ def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
             if a.get(k) != b.get(k) and not k.startswith(IGNORED_IN_DIFF)}
 
 
-def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> tuple[Path | None, str]:
-    """Rank 0's decision: which checkpoint to resume from, and the config text to write.
+def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
+    """Rank 0's decision: which checkpoint to resume from (None: a fresh start).
 
     Raises:
         ValueError: a run directory or checkpoint that this config must not continue or overwrite.
@@ -224,7 +226,14 @@ def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> tuple[Path 
         resume_from = ckpts[-1] if ckpts else None
     else:
         resume_from = Path(resume)
-        read_train_state(resume_from)  # a clear error for a partial or missing checkpoint
+        step = read_train_state(resume_from)["step"]  # a clear error for a partial or missing checkpoint
+        newer = [p for p in ckpts if checkpoint_step(p) > step]
+        if newer:
+            raise ValueError(
+                f"checkpoint.resume={resume}: run directory {str(run_dir)!r} holds newer checkpoints "
+                f"({', '.join(p.name for p in newer)}) that continuing from step {step} would overwrite; "
+                "continue into another run.name"
+            )
 
     if resume_from is not None:
         old = OmegaConf.to_container(OmegaConf.load(resume_from / "config.yaml"))
@@ -245,16 +254,14 @@ def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> tuple[Path 
             f"run directory {str(run_dir)!r} already holds a run with a different config "
             f"({saved_cfg}); choose another run.name, or delete that folder to start over"
         )
-    return resume_from, to_yaml(cfg)
+    return resume_from
 
 
-def prepare_run_dir(cfg: Config, env: DistEnv, seed_was_set: bool) -> tuple[Path, Path | None]:
-    """Creates root/name, decides what to resume from and writes the resolved config.
-
-    A config.yaml that a compatible resume changes is kept as config.yaml.<step>.
+def decide_run_dir(cfg: Config, env: DistEnv, seed_was_set: bool) -> tuple[Path, Path | None]:
+    """The run directory and the checkpoint to resume from, if any; writes nothing.
 
     Raises:
-        ValueError: as `_plan_run_dir` (raised on every rank; nothing is written).
+        ValueError: as `_plan_run_dir`, on every rank (rank 0 decides and broadcasts).
     """
     if cfg.run.name is None:
         cfg.run.name = broadcast_object(datetime.now().strftime("%Y%m%d-%H%M%S"), env)
@@ -262,23 +269,38 @@ def prepare_run_dir(cfg: Config, env: DistEnv, seed_was_set: bool) -> tuple[Path
     decision: tuple[str | None, str | None, int | None] = (None, None, None)  # resume path, error, seed
     if env.is_rank0:
         try:
-            resume_from, text = _plan_run_dir(cfg, run_dir, seed_was_set)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            saved = run_dir / "config.yaml"
-            if saved.exists() and saved.read_text() != text:
-                step = checkpoint_step(resume_from) if resume_from else 0
-                saved.replace(run_dir / f"config.yaml.{step}")
-            tmp = saved.with_suffix(".yaml.tmp")
-            tmp.write_text(text)
-            tmp.replace(saved)
+            resume_from = _plan_run_dir(cfg, run_dir, seed_was_set)
             decision = (str(resume_from) if resume_from else None, None, cfg.train.seed)
-        except ValueError as e:
-            decision = (None, str(e), None)
+        except Exception as e:  # any failure must reach the other ranks, or they wait forever
+            decision = (None, str(e) if isinstance(e, ValueError) else f"run directory {str(run_dir)!r}: {e!r}", None)
     resume, error, seed = broadcast_object(decision, env)
     if error:
         raise ValueError(error)
     cfg.train.seed = seed
     return run_dir, Path(resume) if resume else None
+
+
+def _keep(path: Path, tag: str) -> None:
+    """Moves ``path`` aside as path.<tag> (path.<tag>.1, ... if taken): nothing is overwritten."""
+    target, n = path.with_name(f"{path.name}.{tag}"), 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{tag}.{n}")
+    path.replace(target)
+
+
+def write_run_dir(run_dir: Path, files: dict[str, str], tag: str) -> None:
+    """Rank 0 writes the run's files once set-up has succeeded; a changed one is kept as name.<tag>."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        path = run_dir / name
+        if path.exists():
+            if path.read_text() == text:
+                continue
+            _keep(path, tag)
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
 
 
 def build_logger(cfg: Config, env: DistEnv, run_dir: Path) -> MetricLogger:
@@ -322,7 +344,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     degree = shard_degree(cfg.parallel, env.world_size)
     wrap_cfg = cfg.parallel.wrap if is_fsdp(strategy) else WrapConfig(policy=WrapPolicy.none)
     plan = build_wrap_plan(model, wrap_cfg, degree)
-    run_dir, resume_from = prepare_run_dir(cfg, env, seed_was_set)
+    run_dir, resume_from = decide_run_dir(cfg, env, seed_was_set)
     seed = agree_on_seed(cfg.train.seed, env)  # a resumed run may have adopted the checkpoint's seed
     source = build_source(cfg.data, args.vocab_size, seed)
     num_params = sum(p.numel() for p in model.parameters())
@@ -334,8 +356,6 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     logger.info("%s", layout.describe(cfg.data.seq_len))
     if is_fsdp(strategy):
         logger.info("%s", plan.table())
-        if env.is_rank0:
-            (run_dir / "wrap_plan.txt").write_text(plan.table() + "\n")
     else:
         logger.info("strategy %s: no FSDP units; every rank holds all %s parameters", strategy.value, f"{num_params:,}")
     logger.info("run dir %s | tensorboard --logdir %s", run_dir, run_dir / "tb")
@@ -352,8 +372,13 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, env.rank, env.device)
         scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr  # LambdaLR's state does not carry the optimizer's current lr
+        # The schedule follows the config now in force (optim.lr, warm-up, train.steps may
+        # have changed): LambdaLR's saved state would keep the old base lr.
+        scheduler.base_lrs = [cfg.optim.lr for _ in optimizer.param_groups]
+        for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["initial_lr"] = base
+            group["lr"] = base * lr_factor(scheduler.last_epoch, cfg.optim, cfg.train.steps)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
         cursor.position, step = state["data_position"], state["step"]
         logger.info("resumed from %s: step %d, data position %d (saved at world size %d, now %d)",
                     resume_from, step, cursor.position, state["world_size"], env.world_size)
@@ -363,6 +388,13 @@ def setup(cfg: Config, env: DistEnv) -> Components:
         load_full_weights(unwrap(model), Path(cfg.model.init_from))
         logger.info("initialised from %s", cfg.model.init_from)
 
+    # Only now, with everything built and loaded, does the run leave a trace on disk.
+    if env.is_rank0:
+        files = {"config.yaml": to_yaml(cfg)}
+        if is_fsdp(strategy):
+            files["wrap_plan.txt"] = plan.table() + "\n"
+        write_run_dir(run_dir, files, tag=str(step))
+    dist.barrier()
     return Components(run_dir, model, args, optimizer, scheduler, cursor, plan, layout, num_params, seed, step)
 
 
@@ -410,9 +442,11 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
-            loss, grad_norm = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip,
-                                         env.device, on_phase=first_step_phase if step == first else None)
+            loss, grad_norm, lr = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip,
+                                             env.device, on_phase=first_step_phase if step == first else None)
             interval_steps += 1
+            if checkpointer:
+                checkpointer.poll()  # publishes a finished async save
             if checkpointer and (step == last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
                 save(step)
             if step % cfg.train.log_every and step != last:
@@ -424,7 +458,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             elapsed = time.perf_counter() - interval_start
             local_tps = tokens_per_rank_step * interval_steps / elapsed
             mem = _memory_scalars(monitor, model, optimizer)
-            peak = mem["memory/cuda_peak_reserved_mib" if env.device.type == "cuda" else "memory/cpu_peak_rss_mib"]
+            peak = monitor.headline_peak(mem)
             gathered = torch.zeros(env.world_size, 3, dtype=torch.float64, device=env.device)
             mine = torch.stack([loss.double(), torch.tensor(peak, dtype=torch.float64, device=env.device),
                                 torch.tensor(local_tps, dtype=torch.float64, device=env.device)])
@@ -433,7 +467,6 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             mean_loss = gathered[:, 0].mean().item()
             peaks = gathered[:, 1].tolist()
             global_tps = gathered[:, 2].sum().item()
-            lr = scheduler.get_last_lr()[0]
             norm = grad_norm.item()
             result.losses[step] = mean_loss
             result.grad_norms[step] = norm

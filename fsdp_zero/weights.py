@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import warnings
 from collections.abc import Callable, Iterator
@@ -65,8 +66,11 @@ class FullWeights:
         if path.is_dir():
             index = path / INDEX_FILE
             if index.is_file():
-                weight_map = json.loads(index.read_text())["weight_map"]
-                self._files = {name: path / file for name, file in weight_map.items()}
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                    self._files = {name: path / file for name, file in weight_map.items()}
+                except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+                    raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}") from None
             elif (path / SINGLE_FILE).is_file():
                 self._files = {name: path / SINGLE_FILE for name in _safetensors_names(path / SINGLE_FILE)}
             else:
@@ -220,6 +224,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
         ValueError: an unreadable checkpoint, an existing ``out``, or a single file over the size limit.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from fsdp_zero.checkpoint import SafeFileSystemReader, read_train_state
@@ -235,12 +240,18 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
     entries = [(name, dtype if (dtype and md.properties.dtype.is_floating_point) else md.properties.dtype, tuple(md.size))
                for name, md in saved.items()]
 
+    reader = SafeFileSystemReader(str(checkpoint))
+
     def fetch(name: str) -> torch.Tensor:
         md = saved[name]
         t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": {name: t}}, storage_reader=SafeFileSystemReader(str(checkpoint)), no_dist=True)
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({"model": {name: t}}, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise ValueError(f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated file?): "
+                             f"{str(e).strip().splitlines()[-1]}") from None
         return t.to(dtype) if (dtype and t.is_floating_point()) else t
 
     single = out.suffix == ".safetensors"
@@ -250,26 +261,31 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
         raise ValueError(f"--out {str(out)!r} is one file, but the weights ({total:,} bytes) exceed --max-shard-size; "
                          "give a folder to write shards into")
     tmp = out.with_name(f".{out.name}.partial")
-    if tmp.exists():
-        if tmp.is_dir():
-            import shutil
-
-            shutil.rmtree(tmp)
-        else:
-            tmp.unlink()
-    if single:
-        write_safetensors(tmp, entries, fetch)
+    _remove(tmp)
+    try:
+        if single:
+            write_safetensors(tmp, entries, fetch)
+            tmp.replace(out)
+            return [out]
+        tmp.mkdir(parents=True)
+        names = list(iter_shard_files(len(shards)))
+        weight_map = {}
+        for file, idx in zip(names, shards):
+            write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
+            weight_map.update({entries[i][0]: file for i in idx})
+        if len(shards) > 1:
+            total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in entries)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         tmp.replace(out)
-        return [out]
-    tmp.mkdir(parents=True)
-    names = list(iter_shard_files(len(shards)))
-    weight_map = {}
-    for file, idx in zip(names, shards):
-        write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
-        weight_map.update({entries[i][0]: file for i in idx})
-    if len(shards) > 1:
-        total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in entries)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    tmp.replace(out)
-    return [out / n for n in names]
+        return [out / n for n in names]
+    except BaseException:
+        _remove(tmp)  # an interrupted export leaves nothing behind
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -95,7 +95,11 @@ def test_naming_discovery_and_retention_are_plain_functions(tmp_path: Path):
         d.mkdir()
         (d / ".metadata").write_bytes(b"x")
         (d / "train_state.json").write_text("{}")
+        (d / "config.yaml").write_text("{}")
     (tmp_path / "step-0000011").mkdir()  # no metadata: incomplete
+    (tmp_path / "step-0000013").mkdir()
+    (tmp_path / "step-0000013" / ".metadata").write_bytes(b"x")
+    (tmp_path / "step-0000013" / "train_state.json").write_text("{}")  # no config.yaml: incomplete
     (tmp_path / ".partial-step-0000012").mkdir()
     assert latest_checkpoint(tmp_path).name == "step-0000010"
     assert [p.name for p in apply_retention(tmp_path, keep_last=1)] == ["step-0000003", "step-0000007"]
@@ -298,3 +302,62 @@ def test_zero1_resumes_exactly_and_its_checkpoint_continues_as_zero3_on_4_ranks(
         assert loss == pytest.approx(runs["straight"]["losses"][step], abs=RESHARD_LOSS_ATOL), step
     for name, value in runs["straight"]["final"].items():
         torch.testing.assert_close(moved["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name)
+
+
+def _metadata_payload(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle calling module.name(arg): dotted names resolve through the module's imports."""
+    def s(x: str) -> bytes:
+        b = x.encode()
+        return b"\x8c" + bytes([len(b)]) + b
+    return b"\x80\x04" + s(module) + s(name) + b"\x93" + s(arg) + b"\x85R."
+
+
+def test_a_dotted_name_through_the_metadata_module_is_refused(runs, tmp_path: Path):
+    evil = _copy(runs["step5"], tmp_path / "step-0000005")
+    marker = tmp_path / "pwned"
+    (evil / ".metadata").write_bytes(_metadata_payload("torch.distributed.checkpoint.metadata", "os.system",
+                                                      f"touch {marker}"))
+    proc = _resume(tmp_path, evil)
+    assert proc.returncode == 2 and "refusing to unpickle torch.distributed.checkpoint.metadata.os.system" in proc.stderr
+    assert not marker.exists()
+
+
+def test_non_tensor_items_in_a_checkpoint_are_refused(runs, tmp_path: Path):
+    """DCP would torch.load(weights_only=False) a byte item; we never write one, so none is read."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    evil = _copy(runs["step5"], tmp_path / "step-0000005")
+    metadata = pickle.loads((evil / ".metadata").read_bytes())  # our own, trusted file
+    metadata.state_dict_metadata["rng_rank0.cpu"] = BytesStorageMetadata()
+    (evil / ".metadata").write_bytes(pickle.dumps(metadata))
+    proc = _resume(tmp_path, evil)
+    assert proc.returncode == 2 and "holds non-tensor items (rng_rank0.cpu)" in proc.stderr
+
+
+def test_a_changed_learning_rate_applies_on_resume(runs, tmp_path: Path):
+    from fsdp_zero.config import OptimConfig
+    from fsdp_zero.trainer import lr_factor
+
+    rows = [json.loads(x) for x in (runs["root"] / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[0]["lr"] == pytest.approx(3e-3 * 0.5)  # the rate step 1 used (warm-up 1/2)
+    check(_resume(tmp_path, runs["step5"], "optim.lr=1e-3", "checkpoint.enabled=false", "train.steps=10"))
+    rows = [json.loads(x) for x in (tmp_path / "err" / "metrics.jsonl").read_text().splitlines()]
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2)
+    assert rows[0]["step"] == 6
+    assert rows[0]["lr"] == pytest.approx(1e-3 * lr_factor(5, cfg, 10))
+
+
+def test_resuming_an_older_checkpoint_over_newer_ones_is_refused(runs):
+    split = runs["root"] / "split"
+    proc = launch(0, TRAIN, *BASE, f"checkpoint.resume={split / 'checkpoints' / 'step-0000005'}",
+                  f"run.root={runs['root']}", "run.name=split")
+    assert proc.returncode == 2 and "holds newer checkpoints (step-0000010)" in proc.stderr
+
+
+def test_export_of_a_corrupt_checkpoint_fails_cleanly(runs, tmp_path: Path):
+    bad = _copy(runs["root"] / "straight" / "checkpoints" / "step-0000010", tmp_path / "step-0000010")
+    shard = bad / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 4])
+    proc = launch(0, EXPORT, str(bad), "--out", str(tmp_path / "x.safetensors"))
+    assert proc.returncode == 2 and "corrupt or truncated file?" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000010"]  # no partial output left

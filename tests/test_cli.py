@@ -148,3 +148,14 @@ def test_cuda_run_logs_the_allocator_curves(tmp_path: Path):
                 "memory/cuda_peak_reserved_mib", "memory/cuda_alloc_retries"]:
         assert [s for s, _ in tags[tag]] == [2, 4], tag
     assert tags["memory/cuda_peak_reserved_mib"][-1][1] >= tags["memory/cuda_peak_allocated_mib"][-1][1] > 0
+
+
+def test_a_failed_set_up_leaves_no_trace_so_the_fixed_run_starts(tmp_path: Path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short for the window")
+    args = ["--config", "configs/bytes_readme.yaml", "model.preset=gpt_nano", "train.steps=2", f"data.path={short}",
+            f"run.root={tmp_path}", "run.name=fix"]
+    proc = launch(0, TRAIN, *args, "data.seq_len=64")
+    assert proc.returncode == 2 and "fewer than data.seq_len + 1 = 65" in proc.stderr
+    assert not (tmp_path / "fix").exists()
+    check(launch(0, TRAIN, *args, "data.seq_len=8"))

@@ -104,10 +104,15 @@ def test_fsdp1_and_deepspeed_names_are_aliases(overrides, strategy):
     assert load_config(None, overrides).parallel.strategy is strategy
 
 
-def test_zero_stage_and_strategy_must_agree():
+def test_zero_stage_and_strategy_must_agree(tmp_path: Path):
+    path = tmp_path / "both.yaml"
+    path.write_text("parallel:\n  strategy: ddp\n  zero_stage: 1\n")
     with pytest.raises(ValueError, match=r"parallel\.zero_stage=1 means parallel\.strategy=zero1, but parallel\.strategy=ddp"):
-        load_config(None, ["parallel.strategy=ddp", "parallel.zero_stage=1"])
-    assert load_config(None, ["parallel.strategy=zero1", "parallel.zero_stage=1"]).parallel.strategy is Strategy.zero1
+        load_config(path)
+    with pytest.raises(ValueError, match=r"parallel\.zero_stage=1 contradicts parallel\.strategy=ddp"):
+        load_config(None, ["parallel.zero_stage=1", "parallel.strategy=ddp"])
+    # A later override of the same choice wins, as overrides do.
+    assert load_config(None, ["parallel.strategy=ddp", "parallel.zero_stage=1"]).parallel.strategy is Strategy.zero1
 
 
 def test_hybrid_shard_size_must_divide_the_world():
