@@ -188,6 +188,15 @@ class MetricsConfig:
 
 
 @dataclass
+class MemoryConfig:
+    # glibc only: allocations of at least this many bytes get their own mmap and go back to
+    # the system when freed (see fsdp_zero.memory.set_malloc_mmap_threshold). "auto": 8 MiB on
+    # CPU runs, glibc's default on CUDA runs (tensors live in CUDA memory there); "default":
+    # glibc's default; or a byte count.
+    malloc_mmap_threshold: str = "auto"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -198,6 +207,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 # ---------------------------------------------------------------------------------
@@ -338,6 +348,9 @@ def validate(cfg: Config) -> None:
         ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
     ]:
         positive(key, value)
+    threshold = cfg.memory.malloc_mmap_threshold
+    if threshold not in ("auto", "default") and not (threshold.isdigit() and int(threshold) > 0):
+        raise ValueError(f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
         raise ValueError(
             f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 0 (0: "

@@ -36,7 +36,7 @@ from fsdp_zero.config import (
 from fsdp_zero.checkpoint import Checkpointer, checkpoint_step, list_checkpoints, load_checkpoint, read_train_state
 from fsdp_zero.data import BatchCursor, build_source
 from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object
-from fsdp_zero.memory import MemoryMonitor, model_state_bytes, zero3_expected_bytes, MIB
+from fsdp_zero.memory import MIB, MemoryMonitor, model_state_bytes, set_malloc_mmap_threshold, zero3_expected_bytes
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, MultiLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
 from fsdp_zero.model import TransformerArgs, build_model, model_args
 from fsdp_zero.parallelize import is_fsdp, parallelize, shard_degree, unwrap
@@ -303,6 +303,18 @@ def write_run_dir(run_dir: Path, files: dict[str, str], tag: str) -> None:
         tmp.replace(path)
 
 
+def apply_malloc_policy(setting: str, device: torch.device) -> None:
+    """memory.malloc_mmap_threshold: before any model memory is allocated."""
+    if setting == "default" or (setting == "auto" and device.type == "cuda"):
+        return
+    # 8 MiB, measured on gpt_small (134M), 2 ranks, CPU: full_shard peak RSS 3.0 GB (glibc's
+    # default: 3.8-4.0 GB, DDP 4.1 GB) at the same speed; 1 MiB gives 2.7 GB but ~19% slower
+    # steps (every mmap'd tensor is page-faulted in afresh); 32 MiB changes nothing.
+    nbytes = 8 << 20 if setting == "auto" else int(setting)
+    if not set_malloc_mmap_threshold(nbytes):
+        logger.warning("memory.malloc_mmap_threshold=%s has no effect: the C allocator is not glibc", setting)
+
+
 def build_logger(cfg: Config, env: DistEnv, run_dir: Path) -> MetricLogger:
     sinks: list[MetricLogger] = []
     if cfg.metrics.tensorboard:
@@ -332,6 +344,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
             is known (a batch that does not divide, a wrap class the model lacks, ...).
     """
     layout = batch_layout(cfg.train, env.world_size)
+    apply_malloc_policy(cfg.memory.malloc_mmap_threshold, env.device)
     args = transformer_args(cfg.model)
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} > model.max_seq_len={args.max_seq_len}; lower one or raise the other")

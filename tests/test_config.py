@@ -42,6 +42,7 @@ def test_yaml_then_overrides(tmp_path: Path):
         ("model.preset=gpt_2b", r"model\.preset='gpt_2b' is unknown; did you mean 'gpt_1b'\?; valid choices: gpt_nano"),
         ("data.source=text", r"data\.source=text needs data\.path"),
         ("train", r"expected key=value"),
+        ("memory.malloc_mmap_threshold=lots", r"memory\.malloc_mmap_threshold='lots': valid choices: auto, default, or a byte count"),
         ("train=5", r"'train' is a section"),
     ],
 )
