@@ -194,6 +194,10 @@ class MemoryConfig:
     # CPU runs, glibc's default on CUDA runs (tensors live in CUDA memory there); "default":
     # glibc's default; or a byte count.
     malloc_mmap_threshold: str = "auto"
+    # The step whose memory is broken down by category (params, gathered params, grads,
+    # optimizer, activations, comm buffers) with PyTorch's MemTracker; 0: none. One step
+    # only: the tracker intercepts every op and is slow.
+    profile_step: int = 2
 
 
 @dataclass
@@ -351,6 +355,8 @@ def validate(cfg: Config) -> None:
     threshold = cfg.memory.malloc_mmap_threshold
     if threshold not in ("auto", "default") and not (threshold.isdigit() and int(threshold) > 0):
         raise ValueError(f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0")
+    if cfg.memory.profile_step < 0:
+        raise ValueError(f"memory.profile_step={cfg.memory.profile_step}: must be >= 0 (0: no profiling)")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
         raise ValueError(
             f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 0 (0: "

@@ -120,6 +120,8 @@ class MemoryMonitor:
             out["cuda_peak_allocated_mib"] = s.get("allocated_bytes.all.peak", 0) / MIB
             out["cuda_peak_reserved_mib"] = s.get("reserved_bytes.all.peak", 0) / MIB
             out["cuda_alloc_retries"] = float(s.get("num_alloc_retries", 0))
+            # Cached but unused: what the caching allocator holds beyond live tensors.
+            out["cuda_fragmentation_mib"] = out["cuda_reserved_mib"] - out["cuda_allocated_mib"]
         rss = self.process.memory_info().rss
         peak = _peak_rss()
         out["cpu_rss_mib"] = rss / MIB
@@ -160,3 +162,77 @@ def set_malloc_mmap_threshold(nbytes: int) -> bool:
         return ok
     except (OSError, AttributeError):
         return False
+
+
+# ---------------------------------------------------------------------------------
+# Where the bytes of one step go, by category (PyTorch's own memory tracker)
+
+CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations", "comm_buffers", "other")
+# params: what the rank keeps between steps (its shards; the whole model under DDP/ZeRO-1).
+# gathered_params: FSDP's all-gathered (unsharded) parameters, alive while a unit runs.
+# comm_buffers: FSDP's all-gather and reduce-scatter buffers.
+# other: temporaries, module buffers (RoPE tables), inputs.
+_FSDP_MAP = {"SHARDED_PARAM": "params", "UNSHARDED_PARAM": "gathered_params", "SHARDED_GRAD": "grads",
+             "UNSHARDED_GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "ALL_GATHER": "comm_buffers",
+             "REDUCE_SCATTER": "comm_buffers", "TEMP": "other", "BUFFER": "other", "INP": "other"}
+_PLAIN_MAP = {"PARAM": "params", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "TEMP": "other",
+              "BUFFER": "other", "OTH": "other"}
+
+
+class StepProfiler:
+    """Tracks one training step with torch.distributed._tools' MemTracker (FSDPMemTracker for FSDP).
+
+    Counts tensor bytes by category (not RSS: no allocator cache, no library code) and
+    records a snapshot at each phase the step reports. Slow (it intercepts every op),
+    so it runs on one configurable step only. Use as a context manager around the step
+    and pass ``phase`` as the step's phase callback.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.device = device
+        if isinstance(model, FSDPModule):
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            self.tracker = FSDPMemTracker(model, optimizer)
+            self.mapping = _FSDP_MAP
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self.tracker = MemTracker()
+            # zero1: the states live in ZeroRedundancyOptimizer's inner optimizer.
+            inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+            self.tracker.track_external(model, inner)
+            self.mapping = _PLAIN_MAP
+        self.phases: dict[str, dict[str, int]] = {}
+
+    def __enter__(self) -> "StepProfiler":
+        self.tracker.__enter__()
+        self.phases["start"] = self._categories("current")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tracker.__exit__(*exc)
+
+    def phase(self, name: str) -> None:
+        if name == "after_micro_batch":
+            # Several forwards in one tracked step (gradient accumulation) are allowed once
+            # the per-module stats are cleared; the step's peak is kept.
+            self.tracker.reset_mod_stats()
+            return
+        self.phases.setdefault(name, self._categories("current"))
+
+    def _categories(self, kind: str) -> dict[str, int]:
+        snap = self.tracker.get_tracker_snapshot(kind)
+        per_device = snap.get(self.device) or snap.get(torch.device(self.device.type)) or {}
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key, value in per_device.items():
+            name = getattr(key, "name", None)
+            if name in self.mapping:
+                out[self.mapping[name]] += int(value)
+        return out
+
+    def peak(self) -> dict[str, int]:
+        """Bytes per category at the step's peak (of their sum)."""
+        return self._categories("peak")

@@ -36,7 +36,9 @@ from fsdp_zero.config import (
 from fsdp_zero.checkpoint import Checkpointer, checkpoint_step, list_checkpoints, load_checkpoint, read_train_state
 from fsdp_zero.data import BatchCursor, build_source
 from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object
-from fsdp_zero.memory import MIB, MemoryMonitor, model_state_bytes, set_malloc_mmap_threshold, zero3_expected_bytes
+from fsdp_zero.memory import (
+    MIB, MemoryMonitor, StepProfiler, model_state_bytes, set_malloc_mmap_threshold, zero3_expected_bytes,
+)
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, MultiLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
 from fsdp_zero.model import TransformerArgs, build_model, model_args
 from fsdp_zero.parallelize import is_fsdp, parallelize, shard_degree, unwrap
@@ -142,10 +144,14 @@ def train_step(
         # communication, ZeRO-3 memory).
         with model.no_sync() if ddp and i < len(micro_batches) - 1 else contextlib.nullcontext():
             loss = loss_fn(model(inputs), targets)
+            if on_phase and i == 0:
+                on_phase("after_forward")
             # Scaled so the accumulated gradient is the mean over micro-batches; the
             # reduction over ranks averages, giving the global-batch mean.
             (loss / len(micro_batches)).backward()
         loss_sum += loss.detach()
+        if on_phase and i < len(micro_batches) - 1:
+            on_phase("after_micro_batch")
     if on_phase:
         on_phase("after_backward")
     grad_norm = clip_grad_norm_(params, grad_clip)  # one all-reduce
@@ -185,6 +191,9 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # logged steps (1-based)
     grad_norms: dict[int, float] = field(default_factory=dict)
     model_state_bytes: int = 0  # this rank's, after the first optimizer step
+    breakdown: dict[str, int] = field(default_factory=dict)  # tensor bytes by category at the profiled peak
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # ... at the profiled step's phases
+    peak_rss_mib: float = 0.0  # this rank's highest peak RSS over the log intervals
 
 
 # Settings a checkpoint cannot be continued under: they change the parameters' shapes
@@ -301,6 +310,24 @@ def write_run_dir(run_dir: Path, files: dict[str, str], tag: str) -> None:
         tmp = path.with_name(f".{name}.tmp")
         tmp.write_text(text)
         tmp.replace(path)
+
+
+PROFILE_PHASES = ("start", "after_forward", "after_backward", "after_optimizer_step")
+
+
+def log_profile(profiler: StepProfiler, step: int, metrics: MetricLogger, result: "TrainResult") -> None:
+    """The profiled step: peak by category at ``step``, and the within-step curve at x = 0..3."""
+    peak = profiler.peak()
+    result.breakdown, result.phases = peak, profiler.phases
+    metrics.log({f"memory_breakdown/{k}_mib": v / MIB for k, v in peak.items()}
+                | {"memory_breakdown/tracked_peak_mib": sum(peak.values()) / MIB}, step)
+    for x, name in enumerate(PROFILE_PHASES):
+        if name in profiler.phases:
+            cats = profiler.phases[name]
+            metrics.log({f"memory_within_step/{k}_mib": v / MIB for k, v in cats.items()}
+                        | {"memory_within_step/total_mib": sum(cats.values()) / MIB}, x)
+    logger.info("memory at step %d's peak (tensors, MiB): %s | total %.1f", step,
+                ", ".join(f"{k} {v / MIB:,.1f}" for k, v in peak.items()), sum(peak.values()) / MIB)
 
 
 def apply_malloc_policy(setting: str, device: torch.device) -> None:
@@ -430,6 +457,8 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     phase_state: dict[str, float] = {}
 
     def first_step_phase(name: str) -> None:
+        if name not in phases:
+            return
         scalars = _memory_scalars(monitor, model, optimizer)
         phase_state[name] = scalars["memory/model_state_mib"] * MIB
         metrics.log({k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()}, phases.index(name))
@@ -455,8 +484,16 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
-            loss, grad_norm, lr = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip,
-                                             env.device, on_phase=first_step_phase if step == first else None)
+            hooks = [first_step_phase] if step == first else []
+            profiler = StepProfiler(model, optimizer, env.device) if step == cfg.memory.profile_step else None
+            if profiler:
+                hooks.append(profiler.phase)
+            on_phase = (lambda name: [h(name) for h in hooks]) if hooks else None
+            with profiler or contextlib.nullcontext():
+                loss, grad_norm, lr = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip,
+                                                 env.device, on_phase=on_phase)
+            if profiler:
+                log_profile(profiler, step, metrics, result)
             interval_steps += 1
             if checkpointer:
                 checkpointer.poll()  # publishes a finished async save
@@ -472,6 +509,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             local_tps = tokens_per_rank_step * interval_steps / elapsed
             mem = _memory_scalars(monitor, model, optimizer)
             peak = monitor.headline_peak(mem)
+            result.peak_rss_mib = max(result.peak_rss_mib, mem["memory/cpu_peak_rss_mib"])
             gathered = torch.zeros(env.world_size, 3, dtype=torch.float64, device=env.device)
             mine = torch.stack([loss.double(), torch.tensor(peak, dtype=torch.float64, device=env.device),
                                 torch.tensor(local_tps, dtype=torch.float64, device=env.device)])

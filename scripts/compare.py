@@ -1,0 +1,208 @@
+"""The ZeRO lesson in one command: the same model and batch under DDP, ZeRO-1, ZeRO-2 and ZeRO-3.
+
+    torchrun --nproc_per_node=N scripts/compare.py [--config configs/X.yaml] [--out DIR] [key=value ...]
+
+Runs each strategy in turn in this process group (smallest memory first; peaks are
+reset before each), then writes into DIR (default runs/compare-<timestamp>):
+    compare.md    per-rank peak memory, model state, gathered-parameter peak, step time,
+                  final loss, each also as a ratio to DDP
+    compare.png   per-rank memory by category for each strategy (tensors, from PyTorch's
+                  MemTracker on the profiled step), with each rank's peak RSS marked
+    tb/compare    the same figures for TensorBoard; each strategy's own run is in DIR/<strategy>
+On CUDA it also writes torch.cuda.memory_summary() before and after each model's set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from fsdp_zero.config import Strategy, load_config
+from fsdp_zero.distributed import (
+    broadcast_object, destroy_distributed, exit_process, init_distributed, setup_logging,
+)
+from fsdp_zero.memory import CATEGORIES, MIB
+from fsdp_zero.trainer import setup, train
+
+ZERO = {Strategy.ddp: "0 (DDP)", Strategy.zero1: "1", Strategy.shard_grad_op: "2", Strategy.full_shard: "3"}
+ORDER = [Strategy.full_shard, Strategy.shard_grad_op, Strategy.zero1, Strategy.ddp]
+DEFAULTS = ["train.steps=6", "train.log_every=2", "memory.profile_step=2", "checkpoint.enabled=false"]
+
+
+def expected_state(strategy: Strategy, num_params: int, n: int) -> float:
+    """Model state per rank for fp32 AdamW (bytes)."""
+    return {Strategy.ddp: 16 * num_params, Strategy.zero1: 8 * num_params + 8 * num_params / n,
+            Strategy.shard_grad_op: 16 * num_params / n, Strategy.full_shard: 16 * num_params / n}[strategy]
+
+
+def run_strategy(cfg, env, strategy: Strategy, out: Path) -> dict:
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.strategy, cfg.parallel.zero_stage = strategy, None
+    cfg.run.root, cfg.run.name = str(out), strategy.value
+    cuda = env.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_summary(env.device)
+    parts = setup(cfg, env)
+    if cuda and env.is_rank0:
+        (out / strategy.value / "cuda_memory_summary.txt").write_text(
+            "== before model set-up ==\n" + before + "\n== after model set-up ==\n" + torch.cuda.memory_summary(env.device))
+    dist.barrier()
+    start = time.perf_counter()
+    result = train(cfg, env, parts)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    row = {
+        "strategy": strategy.value, "num_params": parts.num_params, "steps": cfg.train.steps,
+        "step_s": elapsed / cfg.train.steps, "final_loss": result.losses.get(cfg.train.steps),
+        "model_state": result.model_state_bytes, "breakdown": result.breakdown,
+        "peak_rss_mib": result.peak_rss_mib,
+        "peak_reserved_mib": torch.cuda.max_memory_reserved(env.device) / MIB if cuda else None,
+    }
+    del parts, result
+    gc.collect()
+    return row
+
+
+def table(rows: dict[str, list[dict]], n: int) -> str:
+    ddp = rows[Strategy.ddp.value]
+    ddp_peak = max(r["peak_rss_mib"] for r in ddp)
+    ddp_time = ddp[0]["step_s"]
+    first = ddp[0]
+    lines = [
+        f"# DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, fp32 AdamW",
+        "",
+        "| strategy | ZeRO | peak RSS / rank (MiB) | vs DDP | model state / rank (MiB) | formula (MiB) | "
+        "gathered params peak (MiB) | tracked tensor peak (MiB) | step (s) | vs DDP | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for strategy in reversed(ORDER):  # DDP first, as in the lesson
+        rs = rows[strategy.value]
+        peak = max(r["peak_rss_mib"] for r in rs)
+        state = max(r["model_state"] for r in rs) / MIB
+        formula = expected_state(strategy, first["num_params"], n) / MIB
+        gathered = max(r["breakdown"].get("gathered_params", 0) for r in rs) / MIB
+        tracked = max(sum(r["breakdown"].values()) for r in rs) / MIB
+        lines.append(
+            f"| {strategy.value} | {ZERO[strategy]} | {peak:,.0f} | {peak / ddp_peak:.2f} | {state:,.1f} | {formula:,.1f} | "
+            f"{gathered:,.1f} | {tracked:,.1f} | {rs[0]['step_s']:.3f} | {rs[0]['step_s'] / ddp_time:.2f} | "
+            f"{rs[0]['final_loss']:.4f} |"
+        )
+    if first["peak_reserved_mib"] is not None:
+        lines += ["", "| strategy | peak reserved / rank (MiB) |", "|---|---|"]
+        lines += [f"| {s.value} | {max(r['peak_reserved_mib'] for r in rows[s.value]):,.0f} |" for s in reversed(ORDER)]
+    lines += ["", "Peak RSS: the process's highest resident memory over the run (libraries included). Model state:",
+              "parameters + gradients + AdamW states held by a rank after an optimizer step. Tracked tensor peak:",
+              "the sum of live tensors at the profiled step's peak (PyTorch's MemTracker)."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
+    """Left: tensor bytes by category per rank (MemTracker). Right: each rank's peak RSS. Own scales:
+    on small models the process's libraries dwarf the tensors."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    strategies = [s.value for s in reversed(ORDER)]
+    labels = [f"{s}\nZeRO-{ZERO[Strategy(s)][0]}" for s in strategies]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / n
+    colours = plt.get_cmap("tab10").colors
+    for r in range(n):
+        xs = [i + (r - (n - 1) / 2) * width for i in range(len(strategies))]
+        bottom = [0.0] * len(strategies)
+        for c, cat in enumerate(CATEGORIES):
+            vals = [rows[s][r]["breakdown"].get(cat, 0) / MIB for s in strategies]
+            left.bar(xs, vals, width * 0.92, bottom=bottom, color=colours[c], label=cat if r == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        right.bar(xs, [rows[s][r]["peak_rss_mib"] for s in strategies], width * 0.92,
+                  color=colours[r % len(colours)], label=f"rank {r}")
+    first = rows[strategies[0]][0]
+    left.set_title(f"Tensors by category at the profiled step's peak (one bar per rank)")
+    right.set_title("Peak RSS per rank (the process, libraries included)")
+    for ax in (left, right):
+        ax.set_xticks(range(len(strategies)), labels)
+        ax.set_ylabel("MiB per rank")
+        ax.grid(axis="y", alpha=0.3)
+    left.legend(fontsize=8, loc="upper right")
+    right.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, fp32 AdamW")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def to_tensorboard(rows: dict[str, list[dict]], md: str, out: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(out / "tb" / "compare"))
+    writer.add_text("compare", md)
+    for strategy, rs in rows.items():
+        for r, row in enumerate(rs):
+            scalars = {"peak_rss_mib": row["peak_rss_mib"], "model_state_mib": row["model_state"] / MIB,
+                       "step_s": row["step_s"], **{f"{k}_mib": v / MIB for k, v in row["breakdown"].items()}}
+            for tag, value in scalars.items():
+                writer.add_scalar(f"compare_{strategy}/{tag}", value, r)  # x = rank
+    writer.close()
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config")
+    parser.add_argument("--out", help="output folder (default runs/compare-<timestamp>); must not exist")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, DEFAULTS + args.overrides)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    env = init_distributed(cfg.dist)
+    ok = False
+    try:
+        setup_logging(env)
+        out = Path(broadcast_object(args.out or f"runs/compare-{datetime.now():%Y%m%d-%H%M%S}", env))
+        if env.is_rank0 and out.exists():
+            print(f"error: --out {str(out)!r} already exists; it is never overwritten", file=sys.stderr)
+        if broadcast_object(out.exists(), env):
+            ok = True
+            return 2
+        dist.barrier()
+        rows: dict[str, list[dict]] = {}
+        for strategy in ORDER:
+            row = run_strategy(cfg, env, strategy, out)
+            gathered = [None] * env.world_size
+            dist.all_gather_object(gathered, row)
+            rows[strategy.value] = gathered
+        if env.is_rank0:
+            md = table(rows, env.world_size)
+            (out / "compare.md").write_text(md)
+            chart(rows, env.world_size, out / "compare.png")
+            to_tensorboard(rows, md, out)
+            print(md)
+            print(f"wrote {out / 'compare.md'}, {out / 'compare.png'}, {out / 'tb'}")
+        ok = True
+    except ValueError as e:
+        ok = True
+        if env.is_rank0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed(barrier=ok)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_process(main())
