@@ -66,7 +66,7 @@ def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: DistEnv,
-                materialize: Callable[[nn.Module], None]) -> nn.Module:
+                materialize: Callable[[nn.Module], None], mesh: DeviceMesh | None = None) -> nn.Module:
     """Applies ``cfg.strategy`` to the meta-device ``model``; returns the module to train.
 
     Args:
@@ -75,6 +75,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
         plan: the FSDP units (used by the FSDP strategies).
         env: ranks and device.
         materialize: allocates and initialises the model's (local) tensors in place.
+        mesh: the FSDP device mesh, if already built (default: `device_mesh(cfg, env)`).
     """
     if not is_fsdp(cfg.strategy):
         materialize(model)
@@ -82,7 +83,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
         return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                                        gradient_as_bucket_view=True)
 
-    mesh = device_mesh(cfg, env)
+    mesh = mesh or device_mesh(cfg, env)
     reshard = reshard_after_forward(cfg.strategy)
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard)

@@ -1,0 +1,82 @@
+"""Predict per-rank memory before a run, for each strategy: no training, no GPU.
+
+    python scripts/plan.py [--config configs/X.yaml] --world-size N [--strategy full_shard ...]
+                           [--device-memory 80GB] [--json out.json] [key=value ...]
+
+Simulates one rank of N with fake tensors and a fake process group (fsdp_zero.planner),
+then prints the peak by category, what a rank will show (on CPU: the process's peak RSS,
+its measured baseline included; on CUDA: device memory), whether it fits
+--device-memory, and for reference the ZeRO paper's model-state formulas and DeepSpeed's
+ZeRO-3 estimate for this parameter count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fsdp_zero.config import Strategy, load_config
+from fsdp_zero.memory import CATEGORIES, MIB
+from fsdp_zero.model import build_model
+from fsdp_zero.planner import deepspeed_zero3_estimate, format_bytes, simulate, zero_formulas
+from fsdp_zero.trainer import transformer_args
+from fsdp_zero.weights import parse_size
+
+ALL = [Strategy.ddp, Strategy.zero1, Strategy.shard_grad_op, Strategy.full_shard]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--strategy", action="append", choices=[s.value for s in Strategy],
+                        help="repeatable; default: ddp, zero1, shard_grad_op, full_shard")
+    parser.add_argument("--device-memory", help="memory per rank to fit in, e.g. 80GB")
+    parser.add_argument("--json", help="also write the predictions here")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        if args.world_size < 1:
+            raise ValueError(f"--world-size={args.world_size}: must be >= 1")
+        cfg = load_config(args.config, args.overrides)
+        limit = parse_size(args.device_memory) if args.device_memory else None
+        strategies = [Strategy(s) for s in args.strategy] if args.strategy else ALL
+        preds = simulate(cfg, args.world_size, strategies)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    model = build_model(transformer_args(cfg.model))
+    num_params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in b.parameters()) for b in model.layers)
+    n = args.world_size
+    kind = "device memory" if cfg.dist.device.value == "cuda" else "peak RSS (process)"
+    print(f"# memory plan: {cfg.model.preset}, {num_params:,} parameters, {n} ranks, "
+          f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, fp32 AdamW\n")
+    head = ["strategy"] + [f"{c} MiB" for c in CATEGORIES] + ["tensors MiB", "baseline MiB", f"{kind} MiB", "model state MiB"]
+    if limit:
+        head.append(f"fits {format_bytes(limit)}")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for p in preds:
+        cells = [p.strategy] + [f"{p.tensors[c] / MIB:,.1f}" for c in CATEGORIES]
+        cells += [f"{sum(p.tensors.values()) / MIB:,.1f}", f"{p.baseline / MIB:,.0f}", f"{p.peak / MIB:,.0f}",
+                  f"{p.model_state / MIB:,.1f}"]
+        if limit:
+            cells.append("yes" if p.peak <= limit else f"no (needs {format_bytes(p.peak)})")
+        print("| " + " | ".join(cells) + " |")
+    print("\nZeRO paper, model states per rank (parameters, gradients, optimizer states):")
+    for precision, rows in zero_formulas(num_params, n).items():
+        print(f"  {precision}: " + "; ".join(f"{k} {format_bytes(v)}" for k, v in rows.items()))
+    print(f"DeepSpeed estimate_zero3_model_states_mem_needs (no offload; largest layer {largest:,} params): "
+          f"{format_bytes(deepspeed_zero3_estimate(num_params, largest, n))} per GPU")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"strategy": p.strategy, "world_size": n, "tensors": p.tensors, "baseline": p.baseline,
+                        "peak": p.peak, "model_state": p.model_state} for p in preds], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
