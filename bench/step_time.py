@@ -72,8 +72,8 @@ def raw_loop(parts, cfg, env) -> tuple[float, int]:
 
 
 def main() -> None:
-    # Checkpoints off: a save is not part of a training step.
-    defaults = ["train.steps=40", "train.log_every=10", "checkpoint.enabled=false"]
+    # Checkpoints and the memory profile off: diagnostics, not part of a training step.
+    defaults = ["train.steps=40", "train.log_every=10", "checkpoint.enabled=false", "memory.profile_step=0"]
     cfg = load_config(None, defaults + sys.argv[1:])
     env = init_distributed(cfg.dist)
     setup_logging(env)

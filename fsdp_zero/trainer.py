@@ -33,7 +33,9 @@ import fsdp_zero
 from fsdp_zero.config import (
     BatchLayout, Config, ModelConfig, OptimConfig, OptimizerImpl, Strategy, WrapConfig, WrapPolicy, batch_layout, to_yaml,
 )
-from fsdp_zero.checkpoint import Checkpointer, checkpoint_step, list_checkpoints, load_checkpoint, read_train_state
+from fsdp_zero.checkpoint import (
+    Checkpointer, checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint, read_train_state,
+)
 from fsdp_zero.data import BatchCursor, build_source
 from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object
 from fsdp_zero.memory import (
@@ -232,7 +234,7 @@ def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None
             )
         resume_from = None
     elif resume == "auto":
-        resume_from = ckpts[-1] if ckpts else None
+        resume_from = latest_checkpoint(run_dir / "checkpoints")
     else:
         resume_from = Path(resume)
         step = read_train_state(resume_from)["step"]  # a clear error for a partial or missing checkpoint
@@ -433,6 +435,12 @@ def setup(cfg: Config, env: DistEnv) -> Components:
         files = {"config.yaml": to_yaml(cfg)}
         if is_fsdp(strategy):
             files["wrap_plan.txt"] = plan.table() + "\n"
+        history = run_dir / "metrics.jsonl"
+        if history.exists():  # after a crash, steps past the checkpoint are trained again
+            lines = history.read_text().splitlines(keepends=True)
+            kept = "".join(line for line in lines if json.loads(line)["step"] <= step)
+            if len(kept) != sum(map(len, lines)):
+                files["metrics.jsonl"] = kept  # the full old log is kept as metrics.jsonl.<step>
         write_run_dir(run_dir, files, tag=str(step))
     dist.barrier()
     return Components(run_dir, model, args, optimizer, scheduler, cursor, plan, layout, num_params, seed, step)

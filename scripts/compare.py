@@ -2,21 +2,26 @@
 
     torchrun --nproc_per_node=N scripts/compare.py [--config configs/X.yaml] [--out DIR] [key=value ...]
 
-Runs each strategy in turn in this process group (smallest memory first; peaks are
-reset before each), then writes into DIR (default runs/compare-<timestamp>):
+Runs each strategy in turn, each in fresh processes (one per rank, in a process group of
+their own), so each peak is what a user of that strategy sees; then writes into DIR
+(default runs/compare-<timestamp>):
     compare.md    per-rank peak memory, model state, gathered-parameter peak, step time,
                   final loss, each also as a ratio to DDP
     compare.png   per-rank memory by category for each strategy (tensors, from PyTorch's
                   MemTracker on the profiled step), with each rank's peak RSS marked
     tb/compare    the same figures for TensorBoard; each strategy's own run is in DIR/<strategy>
-On CUDA it also writes torch.cuda.memory_summary() before and after each model's set-up.
+On CUDA it also writes torch.cuda.memory_summary() before and after each model's set-up; run
+as one process with several GPUs visible, it adds torch.nn.DataParallel over all of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import gc
+import json
+import os
+import socket
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -69,8 +74,48 @@ def run_strategy(cfg, env, strategy: Strategy, out: Path) -> dict:
         "peak_reserved_mib": torch.cuda.max_memory_reserved(env.device) / MIB if cuda else None,
     }
     del parts, result
-    gc.collect()
     return row
+
+
+def run_dataparallel(cfg, env, out: Path) -> dict:
+    """torch.nn.DataParallel over every visible GPU from this one process: the lesson's first baseline.
+
+    One process drives all GPUs: the model lives on cuda:0 and is copied to every GPU at each
+    forward; the "per-rank" peak is the highest peak reserved over the GPUs.
+    """
+    from fsdp_zero.config import batch_layout
+    from fsdp_zero.data import BatchCursor, build_source
+    from fsdp_zero.memory import model_state_bytes
+    from fsdp_zero.model import build_model
+    from fsdp_zero.trainer import build_optimizer, build_scheduler, train_step, transformer_args
+
+    devices = list(range(torch.cuda.device_count()))
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+    args = transformer_args(cfg.model)
+    model = build_model(args, device=env.device)
+    model.init_weights(cfg.train.seed)
+    parallel = torch.nn.DataParallel(model, device_ids=devices)
+    optimizer = build_optimizer(model, cfg.optim, env.device)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    cursor = BatchCursor(build_source(cfg.data, args.vocab_size, cfg.train.seed), batch_layout(cfg.train, 1), 0)
+    state: dict[str, int] = {}
+
+    def on_phase(name: str) -> None:
+        if name == "after_optimizer_step":
+            state["bytes"] = model_state_bytes(model, optimizer).total
+
+    start = time.perf_counter()
+    for step in range(1, cfg.train.steps + 1):
+        loss, _, _ = train_step(parallel, optimizer, scheduler, cursor.next_batch(), cfg.optim.grad_clip, env.device,
+                                on_phase=on_phase if step == 1 else None)
+    final = loss.item()
+    elapsed = time.perf_counter() - start
+    peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB
+    del parallel, model, optimizer
+    return {"strategy": "dataparallel", "num_params": args.num_params(), "steps": cfg.train.steps,
+            "step_s": elapsed / cfg.train.steps, "final_loss": final, "model_state": state.get("bytes", 0),
+            "breakdown": dict.fromkeys(CATEGORIES, 0), "peak_rss_mib": peak, "peak_reserved_mib": peak}
 
 
 def table(rows: dict[str, list[dict]], n: int) -> str:
@@ -97,6 +142,12 @@ def table(rows: dict[str, list[dict]], n: int) -> str:
             f"{gathered:,.1f} | {tracked:,.1f} | {rs[0]['step_s']:.3f} | {rs[0]['step_s'] / ddp_time:.2f} | "
             f"{rs[0]['final_loss']:.4f} |"
         )
+    if "dataparallel" in rows:
+        dp = rows["dataparallel"][0]
+        lines.append(f"| dataparallel (1 process, {torch.cuda.device_count()} GPUs) | - | {dp['peak_rss_mib']:,.0f} (GPU) | "
+                     f"{dp['peak_rss_mib'] / ddp_peak:.2f} | {dp['model_state'] / MIB:,.1f} | "
+                     f"{expected_state(Strategy.ddp, first['num_params'], 1) / MIB:,.1f} | 0.0 | - | "
+                     f"{dp['step_s']:.3f} | {dp['step_s'] / ddp_time:.2f} | {dp['final_loss']:.4f} |")
     if first["peak_reserved_mib"] is not None:
         lines += ["", "| strategy | peak reserved / rank (MiB) |", "|---|---|"]
         lines += [f"| {s.value} | {max(r['peak_reserved_mib'] for r in rows[s.value]):,.0f} |" for s in reversed(ORDER)]
@@ -157,13 +208,60 @@ def to_tensorboard(rows: dict[str, list[dict]], md: str, out: Path) -> None:
     writer.close()
 
 
+def run_in_fresh_processes(args: argparse.Namespace, env, strategy: Strategy, out: Path) -> dict:
+    """Runs one strategy in a new process per rank, joined in a new process group; returns this rank's row.
+
+    A process never gives all its freed memory back, so running strategies one after
+    another in the same ranks would charge each with what the previous ones left
+    (measured: DDP's peak RSS read 5.4 GB that way against 4.1 GB alone). Fresh
+    processes measure the peak a user of that strategy sees.
+    """
+    port = broadcast_object(_free_port(), env)
+    row_file = out / f".row-{strategy.value}-{env.rank}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", strategy.value, "--out", str(out)]
+    cmd += (["--config", args.config] if args.config else []) + args.overrides
+    # Not torchrun's agent store (TORCHELASTIC_*): the children's rank 0 hosts their own.
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    child_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FSDP_ZERO_ROW=str(row_file))
+    proc = subprocess.run(cmd, env=child_env)
+    if proc.returncode != 0:
+        raise ValueError(f"strategy {strategy.value} failed on rank {env.rank} (exit {proc.returncode}); see above")
+    row = json.loads(row_file.read_text())
+    row_file.unlink()
+    return row
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One strategy, in this (fresh) process: the row goes to $FSDP_ZERO_ROW."""
+    cfg = load_config(args.config, DEFAULTS + args.overrides)
+    env = init_distributed(cfg.dist)
+    ok = False
+    try:
+        setup_logging(env)
+        row = run_strategy(cfg, env, Strategy(args.worker), Path(args.out))
+        Path(os.environ["FSDP_ZERO_ROW"]).write_text(json.dumps(row))
+        ok = True
+    finally:
+        destroy_distributed(barrier=ok)
+    return 0
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config")
     parser.add_argument("--out", help="output folder (default runs/compare-<timestamp>); must not exist")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one strategy
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
     try:
         cfg = load_config(args.config, DEFAULTS + args.overrides)
     except ValueError as e:
@@ -182,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         rows: dict[str, list[dict]] = {}
         for strategy in ORDER:
-            row = run_strategy(cfg, env, strategy, out)
+            row = run_in_fresh_processes(args, env, strategy, out)
             gathered = [None] * env.world_size
             dist.all_gather_object(gathered, row)
             rows[strategy.value] = gathered
+        if env.world_size == 1 and env.device.type == "cuda" and torch.cuda.device_count() > 1:
+            rows["dataparallel"] = [run_dataparallel(cfg, env, out)]
         if env.is_rank0:
             md = table(rows, env.world_size)
             (out / "compare.md").write_text(md)
