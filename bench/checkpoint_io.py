@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from fsdp_zero.checkpoint import Checkpointer, load_checkpoint

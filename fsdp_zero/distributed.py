@@ -18,7 +18,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from fsdp_zero.config import Backend, Device, DistConfig
+from fsdp_zero.config import Device, DistConfig
 
 logger = logging.getLogger("fsdp_zero")
 

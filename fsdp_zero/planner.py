@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_zero.config import Config, Strategy
-from fsdp_zero.memory import CATEGORIES, StepProfiler
+from fsdp_zero.memory import StepProfiler
 
 # Allocator slack on top of the live tensors at the step's peak: freed blocks the allocator
 # keeps, autograd's bookkeeping. Calibrated on CPU runs here (glibc, 8 MiB mmap threshold,
@@ -155,7 +155,7 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
                 profiler = StepProfiler(model, optimizer, device)
                 state: dict[str, int] = {}
 
-                def on_phase(name: str) -> None:
+                def on_phase(name: str, profiler: StepProfiler = profiler, state: dict[str, int] = state) -> None:
                     profiler.phase(name)
                     if name == "after_optimizer_step":
                         cats = profiler.phases[name]

@@ -496,7 +496,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             profiler = StepProfiler(model, optimizer, env.device) if step == cfg.memory.profile_step else None
             if profiler:
                 hooks.append(profiler.phase)
-            on_phase = (lambda name: [h(name) for h in hooks]) if hooks else None
+            on_phase = (lambda name, hooks=hooks: [h(name) for h in hooks]) if hooks else None
             with profiler or contextlib.nullcontext():
                 loss, grad_norm, lr = train_step(model, optimizer, scheduler, micro_batches, cfg.optim.grad_clip,
                                                  env.device, on_phase=on_phase)

@@ -164,7 +164,7 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
             users.setdefault(id(p), []).append(f"{mod_fqn}.{name}" if mod_fqn else name)
             params[id(p)] = p
-    for pid, paths in users.items():
+    for paths in users.values():
         if len(paths) < 2:
             continue
         for unit in list(selected):

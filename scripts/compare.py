@@ -112,7 +112,6 @@ def run_dataparallel(cfg, env, out: Path) -> dict:
     final = loss.item()
     elapsed = time.perf_counter() - start
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB
-    del parallel, model, optimizer
     return {"strategy": "dataparallel", "num_params": args.num_params(), "steps": cfg.train.steps,
             "step_s": elapsed / cfg.train.steps, "final_loss": final, "model_state": state.get("bytes", 0),
             "breakdown": dict.fromkeys(CATEGORIES, 0), "peak_rss_mib": peak, "peak_reserved_mib": peak}
@@ -180,7 +179,7 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
         right.bar(xs, [rows[s][r]["peak_rss_mib"] for s in strategies], width * 0.92,
                   color=colours[r % len(colours)], label=f"rank {r}")
     first = rows[strategies[0]][0]
-    left.set_title(f"Tensors by category at the profiled step's peak (one bar per rank)")
+    left.set_title("Tensors by category at the profiled step's peak (one bar per rank)")
     right.set_title("Peak RSS per rank (the process, libraries included)")
     for ax in (left, right):
         ax.set_xticks(range(len(strategies)), labels)
