@@ -196,6 +196,7 @@ class TrainResult:
     breakdown: dict[str, int] = field(default_factory=dict)  # tensor bytes by category at the profiled peak
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # ... at the profiled step's phases
     peak_rss_mib: float = 0.0  # this rank's highest peak RSS over the log intervals
+    step_seconds: float = 0.0  # mean step time over the last log interval
 
 
 # Settings a checkpoint cannot be continued under: they change the parameters' shapes
@@ -515,6 +516,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - interval_start
             local_tps = tokens_per_rank_step * interval_steps / elapsed
+            result.step_seconds = elapsed / interval_steps
             mem = _memory_scalars(monitor, model, optimizer)
             peak = monitor.headline_peak(mem)
             result.peak_rss_mib = max(result.peak_rss_mib, mem["memory/cpu_peak_rss_mib"])
