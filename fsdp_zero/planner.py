@@ -125,8 +125,11 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
     from fsdp_zero.trainer import build_optimizer, build_scheduler, train_step, transformer_args
     from fsdp_zero.wrap import build_wrap_plan
 
-    device = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
-    baseline = measure_baseline(device)
+    target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
+    # Planning for GPUs from a machine without one: the tensors are the same (fp32), so the
+    # step is simulated on the CPU; what is predicted is still device memory (no baseline).
+    device = target if target.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
+    baseline = measure_baseline(target)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device, backend="fake")
     layout = batch_layout(cfg.train, world_size)

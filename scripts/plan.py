@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+import torch
+
 from fsdp_zero.config import Strategy, load_config
 from fsdp_zero.memory import CATEGORIES, MIB
 from fsdp_zero.model import build_model
@@ -51,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     num_params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in b.parameters()) for b in model.layers)
     n = args.world_size
-    kind = "device memory" if cfg.dist.device.value == "cuda" else "peak RSS (process)"
+    cuda = cfg.dist.device.value == "cuda"
+    kind = "device memory" if cuda else "peak RSS (process)"
+    if cuda and not torch.cuda.is_available():
+        print("(no GPU visible: the step was simulated on the CPU; tensor sizes are the same, CUDA kernels'"
+              " workspaces are not included)\n")
     print(f"# memory plan: {cfg.model.preset}, {num_params:,} parameters, {n} ranks, "
           f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, fp32 AdamW\n")
     head = ["strategy"] + [f"{c} MiB" for c in CATEGORIES] + ["tensors MiB", "baseline MiB", f"{kind} MiB", "model state MiB"]

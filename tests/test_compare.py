@@ -105,3 +105,13 @@ def test_dataparallel_row_with_several_gpus_in_one_process(tmp_path: Path):
     check(launch(0, COMPARE, "--out", str(out), *CONFIG))
     md = (out / "compare.md").read_text()
     assert "| dataparallel (1 process," in md and "(GPU)" in md
+
+
+def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
+    out = tmp_path / "gpu.json"
+    proc = check(launch(0, PLAN, "--world-size", "8", "--json", str(out), "--device-memory", "80GB",
+                        "model.preset=gpt_nano", "train.global_batch_size=16", "train.micro_batch_size=2",
+                        "data.seq_len=32", "dist.device=cuda"))
+    assert "device memory MiB" in proc.stdout and "fits" in proc.stdout
+    for p in json.loads(out.read_text()):
+        assert p["baseline"] == 0 and p["peak"] > sum(p["tensors"].values()) > 0, p["strategy"]
