@@ -51,6 +51,14 @@ def shard_degree(cfg: ParallelConfig, world_size: int) -> int:
     return world_size if is_fsdp(cfg.strategy) else 1
 
 
+def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int) -> float:
+    """Bytes of parameters + gradients + AdamW states (fp32) a rank holds after an optimizer step."""
+    p = num_params
+    if cfg.strategy is Strategy.zero1:
+        return 8 * p + 8 * p / world_size
+    return 16 * p / shard_degree(cfg, world_size)
+
+
 def reshard_after_forward(strategy: Strategy) -> bool:
     """ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them until backward."""
     return strategy is not Strategy.shard_grad_op

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_zero
 from fsdp_zero.config import (
-    BatchLayout, Config, ModelConfig, OptimConfig, OptimizerImpl, Strategy, WrapConfig, WrapPolicy, batch_layout, to_yaml,
+    BatchLayout, Config, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, Strategy, WrapConfig, WrapPolicy, batch_layout, to_yaml,
 )
 from fsdp_zero.checkpoint import (
     Checkpointer, checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint, read_train_state,
@@ -385,6 +385,9 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     model = build_model(args, device="meta")
     strategy = cfg.parallel.strategy
     degree = shard_degree(cfg.parallel, env.world_size)
+    if strategy is not Strategy.hybrid_shard and cfg.parallel.shard_size != ParallelConfig().shard_size:
+        logger.warning("parallel.shard_size=%d has no effect with parallel.strategy=%s (only hybrid_shard uses it)",
+                       cfg.parallel.shard_size, strategy.value)
     wrap_cfg = cfg.parallel.wrap if is_fsdp(strategy) else WrapConfig(policy=WrapPolicy.none)
     plan = build_wrap_plan(model, wrap_cfg, degree)
     run_dir, resume_from = decide_run_dir(cfg, env, seed_was_set)

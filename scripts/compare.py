@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fsdp_zero.config import Strategy, load_config
+from fsdp_zero.config import ParallelConfig, Strategy, load_config
+from fsdp_zero.parallelize import model_state_formula
 from fsdp_zero.distributed import (
     broadcast_object, destroy_distributed, exit_process, init_distributed, setup_logging,
 )
@@ -41,12 +42,6 @@ from fsdp_zero.trainer import setup, train
 ZERO = {Strategy.ddp: "0 (DDP)", Strategy.zero1: "1", Strategy.shard_grad_op: "2", Strategy.full_shard: "3"}
 ORDER = [Strategy.full_shard, Strategy.shard_grad_op, Strategy.zero1, Strategy.ddp]
 DEFAULTS = ["train.steps=6", "train.log_every=2", "memory.profile_step=2", "checkpoint.enabled=false"]
-
-
-def expected_state(strategy: Strategy, num_params: int, n: int) -> float:
-    """Model state per rank for fp32 AdamW (bytes)."""
-    return {Strategy.ddp: 16 * num_params, Strategy.zero1: 8 * num_params + 8 * num_params / n,
-            Strategy.shard_grad_op: 16 * num_params / n, Strategy.full_shard: 16 * num_params / n}[strategy]
 
 
 def run_strategy(cfg, env, strategy: Strategy, out: Path) -> dict:
@@ -130,7 +125,7 @@ def table(rows: dict[str, list[dict]], n: int) -> str:
         rs = rows[strategy.value]
         peak = max(r["peak_rss_mib"] for r in rs)
         state = max(r["model_state"] for r in rs) / MIB
-        formula = expected_state(strategy, first["num_params"], n) / MIB
+        formula = model_state_formula(ParallelConfig(strategy=strategy), first["num_params"], n) / MIB
         gathered = max(r["breakdown"].get("gathered_params", 0) for r in rs) / MIB
         tracked = max(sum(r["breakdown"].values()) for r in rs) / MIB
         lines.append(
@@ -142,7 +137,7 @@ def table(rows: dict[str, list[dict]], n: int) -> str:
         dp = rows["dataparallel"][0]
         lines.append(f"| dataparallel (1 process, {torch.cuda.device_count()} GPUs) | - | {dp['peak_rss_mib']:,.0f} (GPU) | "
                      f"{dp['peak_rss_mib'] / ddp_peak:.2f} | {dp['model_state'] / MIB:,.1f} | "
-                     f"{expected_state(Strategy.ddp, first['num_params'], 1) / MIB:,.1f} | 0.0 | - | "
+                     f"{model_state_formula(ParallelConfig(strategy=Strategy.ddp), first['num_params'], 1) / MIB:,.1f} | 0.0 | - | "
                      f"{dp['step_s']:.3f} | {dp['step_s'] / ddp_time:.2f} | {dp['final_loss']:.4f} |")
     if first["peak_reserved_mib"] is not None:
         lines += ["", "| strategy | peak reserved / rank (MiB) |", "|---|---|"]
