@@ -39,15 +39,14 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import _init_optim_state  # also used by get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
-
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fsdp_zero
 from fsdp_zero.parallelize import unwrap
+from fsdp_zero.torch_private import _init_optim_state
 
 logger = logging.getLogger("fsdp_zero")
 

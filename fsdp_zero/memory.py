@@ -103,6 +103,9 @@ class MemoryMonitor:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.process = psutil.Process(os.getpid())
+        if device.type == "cuda":
+            # Resetting the allocator's peaks before CUDA is initialised is an error.
+            torch.cuda.init()
         self.reset_peaks()
 
     def reset_peaks(self) -> None:
@@ -123,9 +126,10 @@ class MemoryMonitor:
             # Cached but unused: what the caching allocator holds beyond live tensors.
             out["cuda_fragmentation_mib"] = out["cuda_reserved_mib"] - out["cuda_allocated_mib"]
         rss = self.process.memory_info().rss
+        # Read after the RSS: the kernel's high-water mark only grows, so it is >= that reading.
         peak = _peak_rss()
         out["cpu_rss_mib"] = rss / MIB
-        out["cpu_peak_rss_mib"] = max(rss, peak if peak is not None else rss) / MIB
+        out["cpu_peak_rss_mib"] = (peak if peak is not None else rss) / MIB
         return out
 
     def headline_peak(self, scalars: dict[str, float]) -> float:
@@ -138,6 +142,38 @@ class MemoryMonitor:
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+
+
+AUTO_MMAP_THRESHOLD = 8 << 20
+GLIBC_MAX_MMAP_THRESHOLD = 32 << 20  # where glibc's own dynamic threshold stops growing (64-bit)
+
+
+def mmap_threshold(setting: str) -> int | None:
+    """The fixed threshold `memory.malloc_mmap_threshold` asks for on CPU runs; None: glibc's default.
+
+    8 MiB for ``auto``: measured by bench/malloc_threshold.py on configs/gpt_small.yaml, it
+    lowers full_shard's peak RSS at the same speed; 1 MiB lowers it a little more, at the
+    price of slower steps (each mmapped tensor is page-faulted in afresh).
+    """
+    if setting == "default":
+        return None
+    return AUTO_MMAP_THRESHOLD if setting == "auto" else int(setting)
+
+
+def release_free_heap() -> bool:
+    """Gives the pages of glibc's free heap chunks back to the system (``malloc_trim(0)``).
+
+    Used once, after the profiled step: the memory tracker's bookkeeping (Python objects,
+    hundreds of MiB on a 134M-parameter model) is freed into the heap, which would keep it
+    resident and inflate every later step's RSS. The training's own heap use grows back
+    within a step. Returns False where glibc is not the allocator.
+    """
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 def set_malloc_mmap_threshold(nbytes: int) -> bool:
@@ -186,26 +222,30 @@ class StepProfiler:
     records a snapshot at each phase the step reports. Slow (it intercepts every op),
     so it runs on one configurable step only. Use as a context manager around the step
     and pass ``phase`` as the step's phase callback.
+
+    With ``heap_threshold`` it also splits the bytes by size: tensors smaller than the
+    threshold come from glibc's heap, larger ones from their own mmap (see
+    `set_malloc_mmap_threshold`); `heap_peak` and `heap_phases` hold the heap's share.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 heap_threshold: int | None = None) -> None:
         from torch.distributed.fsdp import FSDPModule
 
+        from fsdp_zero.torch_private import SizeClasses, fsdp_mem_tracker, mem_tracker
+
         self.device = device
-        if isinstance(model, FSDPModule):
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-            self.tracker = FSDPMemTracker(model, optimizer)
-            self.mapping = _FSDP_MAP
-        else:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self.tracker = MemTracker()
+        fsdp = isinstance(model, FSDPModule)
+        self.tracker = fsdp_mem_tracker()(model, optimizer) if fsdp else mem_tracker()()
+        self.mapping = _FSDP_MAP if fsdp else _PLAIN_MAP
+        # Installed before anything is tracked, so that it sees every tensor the tracker does.
+        self.sizes = SizeClasses(self.tracker, heap_threshold) if heap_threshold else None
+        if not fsdp:
             # zero1: the states live in ZeroRedundancyOptimizer's inner optimizer.
             inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
             self.tracker.track_external(model, inner)
-            self.mapping = _PLAIN_MAP
         self.phases: dict[str, dict[str, int]] = {}
+        self.heap_phases: dict[str, dict[str, int]] = {}
 
     def __enter__(self) -> "StepProfiler":
         self.tracker.__enter__()
@@ -214,6 +254,8 @@ class StepProfiler:
 
     def __exit__(self, *exc: object) -> None:
         self.tracker.__exit__(*exc)
+        self._peak = self._categories("peak")
+        self._heap_peak = self._heap(self.sizes.at_peak) if self.sizes is not None else None
 
     def phase(self, name: str) -> None:
         if name == "after_micro_batch":
@@ -222,6 +264,29 @@ class StepProfiler:
             self.tracker.reset_mod_stats()
             return
         self.phases.setdefault(name, self._categories("current"))
+        if self.sizes is not None:
+            self.heap_phases.setdefault(name, self._heap(self.sizes.current))
+
+    def _heap(self, split: dict[tuple[str, bool], int]) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for (reftype, heap), nbytes in split.items():
+            if heap and reftype in self.mapping:
+                out[self.mapping[reftype]] += nbytes
+        return out
+
+    def release(self) -> None:
+        """Drops the tracker and its bookkeeping, and returns the memory they held to the system."""
+        import gc
+
+        self.tracker = self.sizes = None
+        gc.collect()
+        if self.device.type == "cpu":
+            release_free_heap()
+
+    def heap_peak(self) -> dict[str, int]:
+        """Bytes per category in tensors below the heap threshold, at the step's peak."""
+        assert self._heap_peak is not None, "StepProfiler(heap_threshold=...) splits by size"
+        return self._heap_peak
 
     def _categories(self, kind: str) -> dict[str, int]:
         snap = self.tracker.get_tracker_snapshot(kind)
@@ -235,4 +300,4 @@ class StepProfiler:
 
     def peak(self) -> dict[str, int]:
         """Bytes per category at the step's peak (of their sum)."""
-        return self._categories("peak")
+        return self._peak

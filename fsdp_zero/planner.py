@@ -5,34 +5,50 @@ return at once), FakeTensorMode (tensors have shapes and devices but no storage)
 two steps of the real training step (`fsdp_zero.trainer.train_step`: the same
 parallelize, optimizer, clipping) under PyTorch's MemTracker, which attributes every
 tensor to a category. The first step creates the AdamW states; the peak of the second
-is the steady state. The same approach as torchtitan's memory estimation. DDP strategies are simulated on the bare
-model (DDP's constructor cannot take fake tensors) plus its gradient buckets.
+is the steady state. The same approach as torchtitan's memory estimation. DDP strategies
+are simulated on a stand-in with DDP's gradient buckets (DDP's constructor cannot take
+fake tensors), and FSDP's reduce-scatters on CPU allocate the copy gloo makes. Checked
+against the tracker in real runs: the same tensor peak, to the MiB (tests/test_compare.py).
 
 What users see is more than tensors: on CPU the process's resident memory also holds
-the PyTorch libraries and the allocator's free lists; on CUDA, the CUDA context and the
-caching allocator's reserve. `predict_peak` adds a measured baseline for the first and
-a margin for the second (see its docstring for the figures).
+the PyTorch libraries and what glibc's heap keeps of freed tensors; on CUDA, the caching
+allocator's reserve (and, outside it, the CUDA context). `predict_peak` adds a baseline
+measured on the spot for the libraries and a retention term for the heap (see
+`HEAP_RETENTION` for how it was fitted and how well it holds on models it was not).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fsdp_zero.config import Config, Strategy
-from fsdp_zero.memory import StepProfiler
+from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 
-# Allocator slack on top of the live tensors at the step's peak: freed blocks the allocator
-# keeps, autograd's bookkeeping. Calibrated on CPU runs here (glibc, 8 MiB mmap threshold,
-# torch 2.15, fresh processes per strategy): (peak RSS - baseline) / tracked tensor peak was
-# 1.35-1.40 for the FSDP strategies, which allocate and free gathered parameters and
-# reduce-scatter buffers every step, and 1.13-1.17 for DDP and ZeRO-1 (gpt_small, 2 ranks);
-# gpt_tiny at 2 and 4 ranks sits inside those bands.
-ALLOCATOR_SLACK = {"fsdp": 0.35, "ddp": 0.15}
+# What glibc's heap keeps resident beyond the live tensors, on CPU. Tensors smaller than the
+# mmap threshold come from the heap, which returns freed memory to the system only from its
+# top: the pages of the forward's activations, freed during backward while gradients and
+# temporaries are allocated around them, stay resident; FSDP strategies also allocate and
+# free every unit's gathered parameters and communication buffers each step. So:
+#   peak RSS = baseline + tensors at the peak
+#              + HEAP_RETENTION["activations"] x heap-allocated activations after a forward
+#              + HEAP_RETENTION["fsdp"] x heap-allocated tensors at the peak (FSDP strategies)
+# Fitted by least squares on `bench/planner_accuracy.py`'s configuration `fit` (GPT-2-small
+# shaped, 134M parameters, 2 and 4 ranks, every strategy; glibc, 8 MiB threshold, torch 2.15):
+# 0.83 and 0.30. A constant fraction of the tensors fits `fit` as well but was off by up
+# to 31% of the model-dependent memory on the held-out configurations; this by at most 7.4%.
+HEAP_RETENTION = {"activations": 0.83, "fsdp": 0.30}
+# CUDA: the caching allocator's reserve over the live tensors (block rounding, cached free
+# blocks). Not calibrated in this project (no GPU has been lent to it yet); a common
+# figure for training loops, checked by tests/test_gpu.py where a GPU is visible.
+CUDA_ALLOCATOR_SLACK = 0.10
 
 
 @dataclass
@@ -41,8 +57,10 @@ class Prediction:
     world_size: int
     tensors: dict[str, int]  # bytes by category at the simulated step's peak
     baseline: int  # the process before any model memory (libraries, runtime)
-    peak: int = 0  # what the rank will show: baseline + tensors x (1 + slack)
+    peak: int = 0  # what the rank will show (see `predict_peak`)
     model_state: int = 0  # parameters + gradients + optimizer states after an optimizer step
+    heap_at_peak: int = 0  # CPU: bytes of the peak's tensors that glibc serves from its heap
+    heap_activations: int = 0  # CPU: heap-allocated activations after the first forward
     notes: list[str] = field(default_factory=list)
 
 
@@ -105,23 +123,109 @@ def measure_baseline(device: torch.device) -> int:
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    # Not this process's rendezvous (under torchrun, TORCHELASTIC_USE_AGENT_STORE would make the
+    # probe wait for an agent store that is not its own).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True,
                           env={**env, "OMP_NUM_THREADS": "1"})
     return int(proc.stdout.strip().splitlines()[-1])
 
 
+class DDPStandIn(nn.Module):
+    """``DistributedDataParallel(gradient_as_bucket_view=True)`` as memory sees it, for fake tensors.
+
+    DDP's constructor checks shapes across ranks in C++ and cannot take fake tensors, so
+    the simulation wraps the bare model in this instead. What it reproduces is DDP's
+    memory: one flat bucket holding every gradient, allocated at construction and alive
+    for the whole run (``zero_grad(set_to_none=True)`` drops the references, not the
+    bucket). In a synchronising backward each gradient, once accumulated, is copied into
+    its bucket view and becomes that view, so fresh gradients live one parameter at a
+    time; under ``no_sync`` (the first micro-batches of gradient accumulation) they are
+    ordinary tensors beside the bucket until the last micro-batch copies them in.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad]
+        dtype = params[0].dtype
+        assert all(p.dtype == dtype for p in params), "one bucket dtype"
+        # A plain attribute, not a buffer: DDP's buckets are no part of the model's state.
+        self.__dict__["bucket"] = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        self._views: dict[nn.Parameter, torch.Tensor] = {}
+        offset = 0
+        for p in params:
+            self._views[p] = self.bucket[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.register_post_accumulate_grad_hook(self._into_bucket)
+        self._sync = True
+
+    def _into_bucket(self, param: nn.Parameter) -> None:
+        view = self._views[param]
+        if self._sync and param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    @contextlib.contextmanager
+    def bucket_as_gradients(self) -> Iterator[None]:
+        """Makes every gradient its bucket view for a moment: a tracker created inside counts the
+        bucket, as gradients, from the start of the step (as DDP holds it), not from the first
+        gradient it happens to see."""
+        saved = {p: p.grad for p in self._views}
+        for p, view in self._views.items():
+            p.grad = view
+        try:
+            yield
+        finally:
+            for p, grad in saved.items():
+                p.grad = grad
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self.module(*args, **kwargs)
+
+
+def gloo_reduce_scatter_footprint(model: nn.Module) -> None:
+    """Makes FSDP's reduce-scatters in ``model`` allocate what gloo's allocate.
+
+    gloo's reduce-scatter (``ProcessGroupGloo::_reduce_scatter_base``) first copies its
+    whole input, a unit's unsharded gradients, into per-rank chunks: a transient as large
+    as the input, seen by the memory tracker on real CPU runs (an ``aten.split`` and
+    ``copy_`` inside the collective). The fake process group returns at once, so the
+    simulation adds that copy. NCCL reduces in place in its own buffers (nothing to add).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_zero.torch_private import DefaultReduceScatter
+
+    class GlooReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            scratch = torch.empty_like(input_tensor)  # the chunked copy, made inside gloo's collective
+            del scratch
+            return work
+
+    comm = GlooReduceScatter()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(comm)
+
+
 def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[Prediction]:
     """Simulates rank 0 of ``world_size`` ranks for each strategy; see the module docstring."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    # A testing utility, but the documented way to simulate N ranks in one process
-    # (torchtitan's estimation and FSDPMemTracker's own tests use it).
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from fsdp_zero.config import WrapConfig, WrapPolicy, batch_layout
     from fsdp_zero.distributed import DistEnv
     from fsdp_zero.model import build_model
     from fsdp_zero.parallelize import device_mesh, is_fsdp, parallelize, shard_degree
+    from fsdp_zero.torch_private import FakeStore, FakeTensorMode
     from fsdp_zero.trainer import build_optimizer, build_scheduler, train_step, transformer_args
     from fsdp_zero.wrap import build_wrap_plan
 
@@ -130,6 +234,8 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
     # step is simulated on the CPU; what is predicted is still device memory (no baseline).
     device = target if target.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
     baseline = measure_baseline(target)
+    # glibc serves tensors below this from its heap (CPU); the split decides what the heap keeps.
+    heap_threshold = mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device, backend="fake")
     layout = batch_layout(cfg.train, world_size)
@@ -147,18 +253,17 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
                 plan = build_wrap_plan(model, wrap, degree)
                 if is_fsdp(strategy):
                     model = parallelize(model, c.parallel, plan, env, lambda m: m.to_empty(device=device), mesh=mesh)
+                    if target.type == "cpu":  # CPU runs use gloo
+                        gloo_reduce_scatter_footprint(model)
                 else:
-                    # DDP's constructor checks shapes across ranks in C++ and cannot take fake
-                    # tensors. A DDP rank holds what the bare model holds (its gradients are
-                    # views into DDP's buckets), so the bare model, built straight on the
-                    # (fake) device, stands in for it.
-                    model = build_model(args, device=device)
+                    model = DDPStandIn(build_model(args, device=device))
                 optimizer = build_optimizer(model, c.optim, device, zero1=strategy is Strategy.zero1)
                 scheduler = build_scheduler(optimizer, c.optim, c.train.steps)
                 micro = [(torch.randint(0, args.vocab_size, (layout.micro_batch_size, c.data.seq_len), device=device),) * 2
                          for _ in range(layout.grad_accum_steps)]
                 train_step(model, optimizer, scheduler, micro, c.optim.grad_clip, device)  # creates AdamW states
-                profiler = StepProfiler(model, optimizer, device)
+                with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
+                    profiler = StepProfiler(model, optimizer, device, heap_threshold=heap_threshold)
                 state: dict[str, int] = {}
 
                 def on_phase(name: str, profiler: StepProfiler = profiler, state: dict[str, int] = state) -> None:
@@ -170,13 +275,10 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
                 with profiler:
                     train_step(model, optimizer, scheduler, micro, c.optim.grad_clip, device, on_phase=on_phase)
                 tensors = profiler.peak()
-            if not is_fsdp(strategy):
-                # DDP keeps gradient buckets (one fp32 copy of every gradient) for the whole run;
-                # the bare model standing in for it has none. zero_grad(set_to_none=True) makes
-                # backward allocate fresh gradients beside them.
-                tensors["comm_buffers"] += 4 * args.num_params()
-            pred = Prediction(strategy.value, world_size, tensors, baseline, model_state=state.get("bytes", 0))
-            pred.peak = predict_peak(tensors, baseline, "fsdp" if is_fsdp(strategy) else "ddp")
+            pred = Prediction(strategy.value, world_size, tensors, baseline, model_state=state.get("bytes", 0),
+                              heap_at_peak=sum(profiler.heap_peak().values()),
+                              heap_activations=profiler.heap_phases["after_forward"]["activations"])
+            pred.peak = predict_peak(pred, target, fsdp=is_fsdp(strategy))
             out.append(pred)
             del model, optimizer, scheduler
     finally:
@@ -184,9 +286,17 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
     return out
 
 
-def predict_peak(tensors: dict[str, int], baseline: int, family: str) -> int:
-    """The peak a user sees: the process baseline + live tensors at the step's peak + allocator slack."""
-    return int(baseline + sum(tensors.values()) * (1 + ALLOCATOR_SLACK[family]))
+def predict_peak(pred: Prediction, device: torch.device, fsdp: bool) -> int:
+    """The peak a user sees. CPU (peak RSS): the process baseline, the live tensors at the step's
+    peak, and what glibc's heap keeps (`HEAP_RETENTION`). CUDA (peak reserved): the live tensors
+    and the caching allocator's reserve (`CUDA_ALLOCATOR_SLACK`)."""
+    tensors = sum(pred.tensors.values())
+    if device.type == "cuda":
+        return int(tensors * (1 + CUDA_ALLOCATOR_SLACK))
+    retained = HEAP_RETENTION["activations"] * pred.heap_activations
+    if fsdp:
+        retained += HEAP_RETENTION["fsdp"] * pred.heap_at_peak
+    return int(pred.baseline + tensors + retained)
 
 
 def format_bytes(n: float) -> str:

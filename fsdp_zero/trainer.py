@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
 
 import fsdp_zero
 from fsdp_zero.config import (
@@ -39,7 +38,8 @@ from fsdp_zero.checkpoint import (
 from fsdp_zero.data import BatchCursor, build_source
 from fsdp_zero.distributed import DistEnv, agree_on_seed, broadcast_object
 from fsdp_zero.memory import (
-    MIB, MemoryMonitor, StepProfiler, model_state_bytes, set_malloc_mmap_threshold, zero3_expected_bytes,
+    MIB, MemoryMonitor, StepProfiler, mmap_threshold, model_state_bytes, set_malloc_mmap_threshold,
+    zero3_expected_bytes,
 )
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, MultiLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
 from fsdp_zero.model import TransformerArgs, build_model, model_args
@@ -137,14 +137,14 @@ def train_step(
     """
     params = [p for p in model.parameters()]
     loss_sum = torch.zeros((), device=device)
-    ddp = isinstance(model, DistributedDataParallel)
+    no_sync = getattr(model, "no_sync", None)  # DDP (and the planner's stand-in for it)
     for i, (inputs, targets) in enumerate(micro_batches):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
         # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
         # sharded gradient, so no unsharded gradient is kept across micro-batches (more
         # communication, ZeRO-3 memory).
-        with model.no_sync() if ddp and i < len(micro_batches) - 1 else contextlib.nullcontext():
+        with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
             loss = loss_fn(model(inputs), targets)
             if on_phase and i == 0:
                 on_phase("after_forward")
@@ -195,7 +195,9 @@ class TrainResult:
     model_state_bytes: int = 0  # this rank's, after the first optimizer step
     breakdown: dict[str, int] = field(default_factory=dict)  # tensor bytes by category at the profiled peak
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # ... at the profiled step's phases
-    peak_rss_mib: float = 0.0  # this rank's highest peak RSS over the log intervals
+    # This rank's highest peak RSS over the log intervals without the profiled step (whose
+    # tracker holds its own bookkeeping: hundreds of MiB on gpt_small, not the model's).
+    peak_rss_mib: float = 0.0
     step_seconds: float = 0.0  # mean step time over the last log interval
 
 
@@ -335,12 +337,9 @@ def log_profile(profiler: StepProfiler, step: int, metrics: MetricLogger, result
 
 def apply_malloc_policy(setting: str, device: torch.device) -> None:
     """memory.malloc_mmap_threshold: before any model memory is allocated."""
-    if setting == "default" or (setting == "auto" and device.type == "cuda"):
+    nbytes = mmap_threshold(setting)
+    if nbytes is None or (setting == "auto" and device.type == "cuda"):  # CUDA: tensors are not malloc'd
         return
-    # 8 MiB, measured on gpt_small (134M), 2 ranks, CPU: full_shard peak RSS 3.0 GB (glibc's
-    # default: 3.8-4.0 GB, DDP 4.1 GB) at the same speed; 1 MiB gives 2.7 GB but ~19% slower
-    # steps (every mmap'd tensor is page-faulted in afresh); 32 MiB changes nothing.
-    nbytes = 8 << 20 if setting == "auto" else int(setting)
     if not set_malloc_mmap_threshold(nbytes):
         logger.warning("memory.malloc_mmap_threshold=%s has no effect: the C allocator is not glibc", setting)
 
@@ -506,6 +505,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                                                  env.device, on_phase=on_phase)
             if profiler:
                 log_profile(profiler, step, metrics, result)
+                profiler.release()  # its bookkeeping must not stay in later steps' memory
             interval_steps += 1
             if checkpointer:
                 checkpointer.poll()  # publishes a finished async save
@@ -522,7 +522,8 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             result.step_seconds = elapsed / interval_steps
             mem = _memory_scalars(monitor, model, optimizer)
             peak = monitor.headline_peak(mem)
-            result.peak_rss_mib = max(result.peak_rss_mib, mem["memory/cpu_peak_rss_mib"])
+            if not step - interval_steps < cfg.memory.profile_step <= step:
+                result.peak_rss_mib = max(result.peak_rss_mib, mem["memory/cpu_peak_rss_mib"])
             gathered = torch.zeros(env.world_size, 3, dtype=torch.float64, device=env.device)
             mine = torch.stack([loss.double(), torch.tensor(peak, dtype=torch.float64, device=env.device),
                                 torch.tensor(local_tps, dtype=torch.float64, device=env.device)])

@@ -7,6 +7,7 @@ their own), so each peak is what a user of that strategy sees; then writes into 
 (default runs/compare-<timestamp>):
     compare.md    per-rank peak memory, model state, gathered-parameter peak, step time,
                   final loss, each also as a ratio to DDP
+    compare.json  the same figures per strategy and rank, for scripts
     compare.png   per-rank memory by category for each strategy (tensors, from PyTorch's
                   MemTracker on the profiled step), with each rank's peak RSS marked
     tb/compare    the same figures for TensorBoard; each strategy's own run is in DIR/<strategy>
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if env.is_rank0:
             md = table(rows, env.world_size)
             (out / "compare.md").write_text(md)
+            (out / "compare.json").write_text(json.dumps(rows, indent=1) + "\n")
             chart(rows, env.world_size, out / "compare.png")
             to_tensorboard(rows, md, out)
             print(md)

@@ -13,6 +13,7 @@ ZeRO-3 estimate for this parameter count.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -60,15 +61,19 @@ def main(argv: list[str] | None = None) -> int:
               " workspaces are not included)\n")
     print(f"# memory plan: {cfg.model.preset}, {num_params:,} parameters, {n} ranks, "
           f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, fp32 AdamW\n")
-    head = ["strategy"] + [f"{c} MiB" for c in CATEGORIES] + ["tensors MiB", "baseline MiB", f"{kind} MiB", "model state MiB"]
+    retained = "" if cuda else "heap kept MiB"  # what glibc's heap keeps beyond the live tensors
+    head = ["strategy"] + [f"{c} MiB" for c in CATEGORIES] + ["tensors MiB", "baseline MiB"] + [retained] * (not cuda)
+    head += [f"{kind} MiB", "model state MiB"]
     if limit:
         head.append(f"fits {format_bytes(limit)}")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for p in preds:
         cells = [p.strategy] + [f"{p.tensors[c] / MIB:,.1f}" for c in CATEGORIES]
-        cells += [f"{sum(p.tensors.values()) / MIB:,.1f}", f"{p.baseline / MIB:,.0f}", f"{p.peak / MIB:,.0f}",
-                  f"{p.model_state / MIB:,.1f}"]
+        tensors = sum(p.tensors.values())
+        cells += [f"{tensors / MIB:,.1f}", f"{p.baseline / MIB:,.0f}"]
+        cells += [f"{(p.peak - p.baseline - tensors) / MIB:,.0f}"] * (not cuda)
+        cells += [f"{p.peak / MIB:,.0f}", f"{p.model_state / MIB:,.1f}"]
         if limit:
             cells.append("yes" if p.peak <= limit else f"no (needs {format_bytes(p.peak)})")
         print("| " + " | ".join(cells) + " |")
@@ -79,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{format_bytes(deepspeed_zero3_estimate(num_params, largest, n))} per GPU")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"strategy": p.strategy, "world_size": n, "tensors": p.tensors, "baseline": p.baseline,
-                        "peak": p.peak, "model_state": p.model_state} for p in preds], f, indent=2)
+            json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k != "notes"} for p in preds], f, indent=2)
     return 0
 
 

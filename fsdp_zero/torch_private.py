@@ -1,0 +1,97 @@
+"""Every private PyTorch API fsdp-zero uses, in one place, each with what it is for.
+
+Private names move between releases. Importing them here (and nowhere else) means a
+torch upgrade breaks one module, loudly, and `tests/test_units.py` checks each is still
+where we expect it. The memory trackers are imported on first use: importing
+``torch.distributed._tools`` costs about a second, which a run without profiling skips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
+# a training step on them to count memory without allocating any.
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# Creates an optimizer's lazily-created states (DCP's state-dict API calls it for the same
+# reason): a ZeroRedundancyOptimizer's partition must have states before a checkpoint can
+# be loaded into them.
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+# FSDP2's default reduce-scatter. The public hook `FSDPModule.set_custom_reduce_scatter`
+# takes an instance of the private `ReduceScatter` interface; the planner subclasses the
+# default to add gloo's scratch copy to the simulated step.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+# The planner simulates one rank of N in one process with a process group whose
+# collectives return at once. A testing utility, but the documented way to do this
+# (torchtitan's memory estimation and FSDPMemTracker's own tests use it).
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+def mem_tracker() -> Any:
+    """PyTorch's MemTracker: attributes every live tensor to a category (params, grads,
+    optimizer states, activations, temporaries) at each op, and records the peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker
+
+
+def fsdp_mem_tracker() -> Any:
+    """FSDPMemTracker: MemTracker that also knows FSDP2's sharded and gathered parameters
+    and its all-gather and reduce-scatter buffers."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    return FSDPMemTracker
+
+
+class SizeClasses:
+    """Live tensor bytes a MemTracker sees, split by category and by size: below ``threshold``
+    (what glibc serves from its heap) or at and above it (its own mmap). ``at_peak`` is the
+    split at the moment the tracker's total peaked; `fsdp_zero.planner` uses it to predict
+    what the heap keeps resident beyond the live tensors.
+
+    Hooks two private methods of the tracker instance: ``_update_snap``, through which every
+    change to its running snapshot passes (a storage added, freed, resized or re-categorised),
+    and ``_update_peak_stats``, which it calls after each op.
+    """
+
+    def __init__(self, tracker: Any, threshold: int) -> None:
+        self.threshold = threshold
+        self.current: dict[tuple[str, bool], int] = {}
+        self.at_peak: dict[tuple[str, bool], int] = {}
+        self._peak_total = -1
+        update_snap, update_peak = tracker._update_snap, tracker._update_peak_stats
+
+        def on_update(u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None) -> None:
+            update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+            name, kind = winfo.reftype.name, u_type.name
+            if kind == "ADD":
+                self._add(name, winfo.mem_consumed)
+            elif kind == "DEL":
+                self._add(name, -winfo.mem_consumed)
+            elif kind == "REF":
+                self._add(old_reftype.name, -winfo.mem_consumed)
+                self._add(name, winfo.mem_consumed)
+            elif kind == "SIZE":
+                self._add(name, -old_mem_consumed)
+                self._add(name, winfo.mem_consumed)
+
+        def on_op(*args: Any, **kwargs: Any) -> None:
+            update_peak(*args, **kwargs)
+            total = sum(self.current.values())
+            if total > self._peak_total:
+                self._peak_total, self.at_peak = total, dict(self.current)
+
+        tracker._update_snap = on_update
+        tracker._update_peak_stats = on_op
+
+    def _add(self, reftype: str, nbytes: int) -> None:
+        if nbytes:
+            key = (reftype, abs(nbytes) < self.threshold)
+            self.current[key] = self.current.get(key, 0) + nbytes
+
+
+__all__ = ["SizeClasses", "DefaultReduceScatter", "FakeStore", "FakeTensorMode", "_init_optim_state", "fsdp_mem_tracker",
+           "mem_tracker"]
