@@ -1,9 +1,9 @@
 """Sharded checkpoints end to end: real DCP files written by real multi-process gloo runs.
 
-Measured on CPU/gloo, torch 2.15 (gpt_nano, 10 steps): resume at the same world size is
-bit-identical (losses and weights); resuming a 2-rank checkpoint at 1 or 4 ranks gives
-losses within 2.4e-7 and weights within 6e-8 of continuing at 2 (reduction order
-only). The reshard tolerances below are 10x to 100x those figures.
+Resume at the same world size is bit-identical (losses and weights); a 2-rank checkpoint
+continued at 1 or 4 ranks differs from continuing at 2 only by the order of reductions
+(`make test` prints the measured differences; about 1e-7 on CPU/gloo with torch 2.15),
+well inside the 1e-5 tolerances below.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fsdp_zero.checkpoint import apply_retention, checkpoint_name, checkpoint_st
 from fsdp_zero.config import load_config
 from fsdp_zero.model import build_model
 from fsdp_zero.trainer import transformer_args
-from tests.conftest import REPO, TRAIN, check, launch
+from tests.conftest import REPO, TRAIN, check, figure, launch
 from tests.reference import reference_run
 
 WORKER = REPO / "tests" / "workers" / "parity_worker.py"
@@ -34,24 +34,26 @@ RESHARD_LOSS_ATOL = 1e-5
 RESHARD_WEIGHT_ATOL = 1e-5
 
 
+def _worker(root: Path, nproc: int, name: str, *extra: str) -> dict:
+    """tests/workers/parity_worker.py on ``nproc`` ranks (BASE settings), as run ``name`` under ``root``."""
+    path = root / f"{name}-{nproc}-{len(list(root.glob('*.pt')))}.pt"
+    check(launch(nproc, WORKER, str(path), *BASE, f"run.root={root}", f"run.name={name}", *extra, torchrun=False))
+    return torch.load(path, weights_only=True)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """10 steps straight; 5 steps + resume + 5 steps; the step-5 checkpoint continued at 1 and 4 ranks."""
     root = tmp_path_factory.mktemp("ckpt")
     out: dict = {"root": root}
 
-    def worker(nproc: int, name: str, *extra: str) -> dict:
-        path = root / f"{name}-{nproc}.pt"
-        check(launch(nproc, WORKER, str(path), *BASE, f"run.root={root}", f"run.name={name}", *extra))
-        return torch.load(path, weights_only=True)
-
-    out["straight"] = worker(2, "straight", "checkpoint.every=2", "checkpoint.keep_last=2")
-    worker(2, "split", "train.stop_after=5", "checkpoint.every=0")
-    out["resumed"] = worker(2, "split", "checkpoint.every=0")
+    out["straight"] = _worker(root, 2, "straight", "checkpoint.every=2", "checkpoint.keep_last=2")
+    _worker(root, 2, "split", "train.stop_after=5", "checkpoint.every=0")
+    out["resumed"] = _worker(root, 2, "split", "checkpoint.every=0")
     step5 = root / "split" / "checkpoints" / "step-0000005"
     out["step5"] = step5
     for n in (1, 4):
-        out[f"reshard{n}"] = worker(n, f"reshard{n}", f"checkpoint.resume={step5}", "checkpoint.every=0")
+        out[f"reshard{n}"] = _worker(root, n, f"reshard{n}", f"checkpoint.resume={step5}", "checkpoint.every=0")
     return out
 
 
@@ -72,6 +74,10 @@ def test_a_two_rank_checkpoint_continues_at_another_world_size(runs, world):
         assert loss == pytest.approx(straight["losses"][step], abs=RESHARD_LOSS_ATOL), step
     for name, value in straight["final"].items():
         torch.testing.assert_close(got["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name)
+    loss_diff = max(abs(loss - straight["losses"][step]) for step, loss in got["losses"].items())
+    weight_diff = max((got["final"][k] - v).abs().max().item() for k, v in straight["final"].items())
+    figure(f"checkpoint saved at 2 ranks, continued at {world}", f"losses within {loss_diff:.1e}, weights within "
+           f"{weight_diff:.1e} of continuing at 2 (tolerance {RESHARD_LOSS_ATOL:.0e})")
 
 
 def test_checkpoint_holds_train_state_config_and_versions(runs):
@@ -150,7 +156,7 @@ def test_import_a_torch_save_state_dict_at_two_ranks(runs, tmp_path: Path):
     torch.save(model.state_dict(), pt)
     args = [*BASE, "train.steps=4", "checkpoint.enabled=false", f"model.init_from={pt}"]
     out = tmp_path / "imported.pt"
-    check(launch(2, WORKER, str(out), *args, f"run.root={tmp_path}", "run.name=imp"))
+    check(launch(2, WORKER, str(out), *args, f"run.root={tmp_path}", "run.name=imp", torchrun=False))
     got = torch.load(out, weights_only=True)
     for name, value in model.state_dict().items():
         assert torch.equal(got["initial"][name], value), name  # each rank got exactly its slices
@@ -165,7 +171,7 @@ def test_export_then_import_round_trips_bit_for_bit(runs, tmp_path: Path):
     check(launch(0, EXPORT, str(ckpt), "--out", str(shards), "--max-shard-size", "100KB"))
     out = tmp_path / "imported.pt"
     check(launch(2, WORKER, str(out), *BASE, "train.steps=1", "checkpoint.enabled=false", f"model.init_from={shards}",
-                 f"run.root={tmp_path}", "run.name=rt"))
+                 f"run.root={tmp_path}", "run.name=rt", torchrun=False))
     got = torch.load(out, weights_only=True)
     for name, value in runs["straight"]["final"].items():
         assert torch.equal(got["initial"][name], value), name
@@ -276,7 +282,7 @@ def test_init_from_that_does_not_fit_lists_the_keys(tmp_path: Path):
 def test_async_save_writes_the_same_checkpoints_while_training_goes_on(runs, tmp_path: Path):
     out = tmp_path / "async.pt"
     check(launch(2, WORKER, str(out), *BASE, "checkpoint.async_save=true", "checkpoint.every=2", "checkpoint.keep_last=2",
-                 f"run.root={tmp_path}", "run.name=async"))
+                 f"run.root={tmp_path}", "run.name=async", torchrun=False))
     got = torch.load(out, weights_only=True)
     assert got["losses"] == runs["straight"]["losses"]  # saving in the background changes nothing
     ckpts = list_checkpoints(tmp_path / "async" / "checkpoints")
@@ -288,24 +294,54 @@ def test_async_save_writes_the_same_checkpoints_while_training_goes_on(runs, tmp
         assert torch.equal(exported[name], value), name
 
 
-def test_zero1_resumes_exactly_and_its_checkpoint_continues_as_zero3_on_4_ranks(runs, tmp_path: Path):
+@pytest.fixture(scope="module")
+def zero1(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """ZeRO-1 straight through, and 5 steps + resume + 5 steps."""
+    root = tmp_path_factory.mktemp("zero1")
+    args = ["parallel.strategy=zero1", "checkpoint.every=0"]
+    out = {"straight": _worker(root, 2, "straight", *args)}
+    _worker(root, 2, "split", *args, "train.stop_after=5")
+    out["resumed"] = _worker(root, 2, "split", *args)
+    out["step5"] = root / "split" / "checkpoints" / "step-0000005"
+    return out
+
+
+def test_zero1_resumes_exactly(zero1):
     """ZeRO-1 saves each rank's optimizer partition under parameter names: a full checkpoint."""
-    zero1 = ["parallel.strategy=zero1", "checkpoint.every=0", f"run.root={tmp_path}"]
-
-    def worker(nproc: int, name: str, *extra: str) -> dict:
-        path = tmp_path / f"{name}.pt"
-        check(launch(nproc, WORKER, str(path), *BASE, *extra, f"run.root={tmp_path}", f"run.name={name}"))
-        return torch.load(path, weights_only=True)
-
-    worker(2, "z1", *zero1, "train.stop_after=5")
-    resumed = worker(2, "z1", *zero1)
+    straight, resumed = zero1["straight"], zero1["resumed"]
+    assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
     for step, loss in resumed["losses"].items():
-        assert loss == runs["straight"]["losses"][step], step  # zero1 trains like ZeRO-3, to the bit here
-    moved = worker(4, "z1-as-z3", "checkpoint.every=0",
-                   f"checkpoint.resume={tmp_path / 'z1' / 'checkpoints' / 'step-0000005'}")
+        assert loss == straight["losses"][step], step  # bit-identical to ZeRO-1 straight through
+    for name, value in straight["final"].items():
+        assert torch.equal(resumed["final"][name], value), name
+
+
+# A checkpoint saved under one strategy at 2 ranks, continued under another: (from, to, ranks).
+MOVES = [
+    ("zero1", "full_shard", 4),
+    ("ddp", "full_shard", 1),
+    ("full_shard", "ddp", 4),
+]
+
+
+@pytest.mark.parametrize("source,target,ranks", MOVES, ids=[f"{a}-to-{b}-n{n}" for a, b, n in MOVES])
+def test_a_checkpoint_moves_between_strategies_and_world_sizes(runs, zero1, tmp_path: Path, source, target, ranks):
+    """Saved at 2 ranks under ``source`` (step 5), continued at ``ranks`` under ``target``: the same
+    training as ZeRO-3 at 2 ranks straight through, up to the order of reductions."""
+    if source == "full_shard":
+        step5 = runs["step5"]
+    elif source == "zero1":
+        step5 = zero1["step5"]
+    else:
+        _worker(tmp_path, 2, "src", f"parallel.strategy={source}", "train.stop_after=5", "checkpoint.every=0")
+        step5 = tmp_path / "src" / "checkpoints" / "step-0000005"
+    moved = _worker(tmp_path, ranks, "moved", f"parallel.strategy={target}", "checkpoint.every=0",
+                    f"checkpoint.resume={step5}")
+    straight = runs["straight"]
+    assert sorted(moved["losses"]) == [6, 7, 8, 9, 10]
     for step, loss in moved["losses"].items():
-        assert loss == pytest.approx(runs["straight"]["losses"][step], abs=RESHARD_LOSS_ATOL), step
-    for name, value in runs["straight"]["final"].items():
+        assert loss == pytest.approx(straight["losses"][step], abs=RESHARD_LOSS_ATOL), step
+    for name, value in straight["final"].items():
         torch.testing.assert_close(moved["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name)
 
 
@@ -341,7 +377,7 @@ def test_non_tensor_items_in_a_checkpoint_are_refused(runs, tmp_path: Path):
 
 def test_a_changed_learning_rate_applies_on_resume(runs, tmp_path: Path):
     from fsdp_zero.config import OptimConfig
-    from fsdp_zero.trainer import lr_factor
+    from tests.reference import reference_lr
 
     rows = [json.loads(x) for x in (runs["root"] / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 1 and rows[0]["lr"] == pytest.approx(3e-3 * 0.5)  # the rate step 1 used (warm-up 1/2)
@@ -349,7 +385,7 @@ def test_a_changed_learning_rate_applies_on_resume(runs, tmp_path: Path):
     rows = [json.loads(x) for x in (tmp_path / "err" / "metrics.jsonl").read_text().splitlines()]
     cfg = OptimConfig(lr=1e-3, warmup_steps=2)
     assert rows[0]["step"] == 6
-    assert rows[0]["lr"] == pytest.approx(1e-3 * lr_factor(5, cfg, 10))
+    assert rows[0]["lr"] == pytest.approx(reference_lr(cfg, 6, 10))
 
 
 def test_resuming_an_older_checkpoint_over_newer_ones_is_refused(runs):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fsdp_zero.model import PRESETS
-from tests.conftest import TRAIN, check, launch
+from tests.conftest import REPO, TRAIN, check, launch
 
 NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.steps=4", "train.log_every=2"]
@@ -60,7 +61,11 @@ def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
                     "memory/model_state_grads_mib", "memory/model_state_optimizer_mib"]:
             assert [s for s, _ in tags[tag]] == list(range(10, 151, 10)), (rank, tag)
         assert all(v > 100 for _, v in tags["memory/cpu_peak_rss_mib"])  # a real process, not zeros
-        assert all(p >= r - 1 for (_, p), (_, r) in zip(tags["memory/cpu_peak_rss_mib"], tags["memory/cpu_rss_mib"]))
+        # Two sinks, one reading: TensorBoard's per-rank peak is this rank's entry in the gathered
+        # metrics.jsonl row (the cross-rank gather keeps ranks apart).
+        rows = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
+        for step, peak in tags["memory/cpu_peak_rss_mib"]:
+            assert rows[step]["peak_mem_mib"][rank] == pytest.approx(peak, abs=0.01), (rank, step)
         # First step: after build (params only), after backward (+ grads), after the optimizer step (+ Adam).
         first = dict(tags["memory_first_step/model_state_mib"])
         assert sorted(first) == [0, 1, 2]
@@ -68,6 +73,26 @@ def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
         assert first[1] == pytest.approx(expected_mib / 2, rel=0.02)
         assert first[2] == pytest.approx(expected_mib, rel=0.02)
         assert "memory_first_step/cpu_rss_mib" in tags
+
+
+# A GPU machine, simulated: torch in the launched process reports two GPUs (tests/fake_gpu).
+FAKE_GPUS = {"FSDP_ZERO_FAKE_GPUS": "2", "PYTHONPATH": os.pathsep.join(
+    [str(REPO / "tests" / "fake_gpu"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def test_cpu_tests_stay_on_the_cpu_where_gpus_are_visible(tmp_path: Path):
+    """launch() pins un-marked tests to CPU/gloo; here on a simulated 2-GPU machine."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\nprint('cuda', torch.cuda.is_available(), torch.cuda.device_count())\n")
+    assert "cuda True 2" in check(launch(0, probe, gpu=True, env=FAKE_GPUS)).stdout  # the simulation works
+    assert "cuda False 0" in check(launch(0, probe, env=FAKE_GPUS)).stdout  # pinned: no GPU visible
+    proc = check(launch(0, TRAIN, *NANO, "train.steps=2", f"run.root={tmp_path}", "run.name=pinned", env=FAKE_GPUS))
+    assert "backend gloo | device cpu" in proc.stdout + proc.stderr
+    if not __import__("torch").cuda.is_available():
+        # Unpinned, the same run takes the (simulated) GPU and fails on it: the pin is what keeps it on CPU.
+        proc = launch(0, TRAIN, *NANO, "train.steps=2", f"run.root={tmp_path}", "run.name=unpinned", gpu=True,
+                      env=FAKE_GPUS)
+        assert proc.returncode != 0 and "cuda" in proc.stderr.lower()
 
 
 def test_plain_python_runs_as_world_size_one(tmp_path: Path):
@@ -142,7 +167,7 @@ def test_text_source_trains_on_a_local_file(tmp_path: Path):
 
 @pytest.mark.gpu
 def test_cuda_run_logs_the_allocator_curves(tmp_path: Path):
-    check(launch(0, TRAIN, *NANO, "dist.device=cuda", f"run.root={tmp_path}", "run.name=gpu"))
+    check(launch(0, TRAIN, *NANO, "dist.device=cuda", f"run.root={tmp_path}", "run.name=gpu", gpu=True))
     tags = scalars(tmp_path / "gpu" / "tb" / "rank0")
     for tag in ["memory/cuda_allocated_mib", "memory/cuda_reserved_mib", "memory/cuda_peak_allocated_mib",
                 "memory/cuda_peak_reserved_mib", "memory/cuda_alloc_retries"]:

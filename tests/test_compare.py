@@ -1,35 +1,68 @@
-"""scripts/compare.py at 4 ranks: the DDP vs ZeRO-1/2/3 lesson, with its table, chart and curves."""
+"""scripts/compare.py and scripts/plan.py on a model whose memory is mostly its own.
+
+At 46M parameters (wide and shallow, vocabulary 32768, short sequences, gradient
+accumulation of 2 at 2 ranks) model state and activations are well above the ~720 MiB a
+rank holds for the PyTorch libraries, so the comparison's ordering shows in peak RSS and
+the planner's prediction of the model-dependent memory can be told apart from the
+baseline. The planner's heap-retention constants were fitted on a GPT-2-small-shaped model
+(`bench/planner_accuracy.py`, configuration `fit`): this configuration is held out.
+"""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO, check, launch
+from fsdp_zero.model import model_args
+from fsdp_zero.planner import HEAP_RETENTION
+from tests.conftest import REPO, check, figure, launch
 
 COMPARE = REPO / "scripts" / "compare.py"
-
-
 PLAN = REPO / "scripts" / "plan.py"
-CONFIG = ["model.preset=gpt_tiny", "train.global_batch_size=16", "train.steps=4", "train.log_every=2"]
+MIB = 2**20
+STRATEGIES = ["ddp", "zero1", "shard_grad_op", "full_shard"]
+FSDP = ("shard_grad_op", "full_shard")
+CONFIG = ["model.preset=gpt_small", "model.dim=512", "model.n_layers=4", "model.n_heads=8", "model.vocab_size=32768",
+          "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1"]
+# Tensors by category from step 2, whose forward is where DDP rebuilds its gradient buckets, so
+# that the tracker sees them whole; peak RSS from steps 1 and 3 (the profiled step's tracker
+# holds bookkeeping of its own, which is not the model's).
+RUN = ["train.steps=3", "train.log_every=1", "memory.profile_step=2"]
+N = 2
+# The model-dependent memory, (peak RSS - baseline), against the planner's tensors x (1 + slack).
+TERM_TOLERANCE = 0.08
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"n{n}")
-def compared(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cmp") / f"out{request.param}"
-    check(launch(request.param, COMPARE, "--out", str(out), *CONFIG))
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cmp") / "out"
+    check(launch(N, COMPARE, "--out", str(out), *CONFIG, *RUN))
     return out
 
 
-def rows(md: str) -> dict[str, list[str]]:
+@pytest.fixture(scope="module")
+def measured(compared: Path) -> dict[str, list[dict]]:
+    rows = json.loads((compared / "compare.json").read_text())
+    assert list(rows) == ["full_shard", "shard_grad_op", "zero1", "ddp"]  # the order they ran in
+    assert all(len(ranks) == N for ranks in rows.values())
+    return rows
+
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict], str]:
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    proc = check(launch(0, PLAN, "--world-size", str(N), "--json", str(out), "--device-memory", "24GB", *CONFIG))
+    return {p["strategy"]: p for p in json.loads(out.read_text())}, proc.stdout
+
+
+def table_rows(md: str) -> dict[str, list[str]]:
     out = {}
     for line in md.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 11 and cells[0] in ("ddp", "zero1", "shard_grad_op", "full_shard"):
+        if len(cells) == 11 and cells[0] in STRATEGIES:
             out[cells[0]] = cells
     return out
 
@@ -38,22 +71,27 @@ def num(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def test_table_orders_memory_ddp_zero1_zero2_zero3_at_4_ranks(compared: Path):
-    table = rows((compared / "compare.md").read_text())
-    assert list(table) == ["ddp", "zero1", "shard_grad_op", "full_shard"]
+def peak_mib(ranks: list[dict]) -> float:
+    return max(r["peak_rss_mib"] for r in ranks)
+
+
+def test_table_orders_the_strategies_by_memory(compared: Path, measured):
+    table = table_rows((compared / "compare.md").read_text())
+    assert list(table) == STRATEGIES  # DDP first, as in the lesson
+    for s, cells in table.items():  # the table shows the measured rows
+        assert num(cells[2]) == pytest.approx(peak_mib(measured[s]), abs=0.5), s
+        assert num(cells[4]) == pytest.approx(max(r["model_state"] for r in measured[s]) / MIB, abs=0.05), s
     state = {k: num(v[4]) for k, v in table.items()}
     formula = {k: num(v[5]) for k, v in table.items()}
-    for k in state:  # model state follows the ZeRO formula within 2%
+    for k in state:  # model state follows each strategy's ZeRO formula within 2%
         assert state[k] == pytest.approx(formula[k], rel=0.02), k
     assert state["ddp"] > state["zero1"] > state["shard_grad_op"] == state["full_shard"]
-    tracked = {k: num(v[7]) for k, v in table.items()}  # tensor bytes at the step's peak
+    tracked = {k: num(v[7]) for k, v in table.items()}  # tensor bytes at the profiled step's peak
     assert tracked["ddp"] > tracked["zero1"] > tracked["shard_grad_op"] >= tracked["full_shard"]
-    # Peak RSS: at 1M parameters the libraries (~800 MiB) dwarf the model, so only "not above DDP"
-    # is asserted here; the benchmark in the README shows the gap on a 134M model.
-    peak_rss = {k: num(v[2]) for k, v in table.items()}
-    assert peak_rss["full_shard"] <= peak_rss["ddp"] * 1.01
-    # ZeRO-2 keeps every unit's parameters gathered from forward to backward; ZeRO-3 one unit at a time.
-    assert num(table["shard_grad_op"][6]) > num(table["full_shard"][6]) > 0 == num(table["ddp"][6])
+    # What a user sees: DDP's peak RSS is the highest and ZeRO-3's the lowest.
+    peak = {k: num(v[2]) for k, v in table.items()}
+    assert peak["ddp"] == max(peak.values()) and peak["full_shard"] == min(peak.values())
+    assert peak["full_shard"] < 0.95 * peak["ddp"]
     losses = {v[10] for v in table.values()}
     assert len(losses) == 1, losses  # the same training, whatever the strategy
 
@@ -66,35 +104,72 @@ def test_chart_is_a_readable_png(compared: Path):
     assert image[..., :3].std() > 0.1  # not blank
 
 
-def test_tensorboard_holds_the_breakdown(compared: Path):
+def test_tensorboard_holds_the_figures_of_the_table(compared: Path, measured):
     acc = EventAccumulator(str(compared / "tb" / "compare"))
     acc.Reload()
-    tags = acc.Tags()["scalars"]
-    assert {"compare_ddp/peak_rss_mib", "compare_full_shard/gathered_params_mib", "compare_zero1/optimizer_mib"} <= set(tags)
-    n = int(compared.name[3:])
-    assert [e.step for e in acc.Scalars("compare_ddp/peak_rss_mib")] == list(range(n))  # x = rank
-    run = EventAccumulator(str(compared / "full_shard" / "tb" / f"rank{n - 1}"))
+    for s in STRATEGIES:
+        peaks = acc.Scalars(f"compare_{s}/peak_rss_mib")
+        assert [e.step for e in peaks] == list(range(N))  # x = rank
+        for e in peaks:
+            assert e.value == pytest.approx(measured[s][e.step]["peak_rss_mib"], abs=0.01), (s, e.step)
+        optimizer = acc.Scalars(f"compare_{s}/optimizer_mib")
+        for e in optimizer:
+            assert e.value == pytest.approx(measured[s][e.step]["breakdown"]["optimizer"] / MIB, abs=0.01), (s, e.step)
+    run = EventAccumulator(str(compared / "full_shard" / "tb" / f"rank{N - 1}"))
     run.Reload()
     scalars = run.Tags()["scalars"]
     assert {f"memory_breakdown/{c}_mib" for c in ("params", "gathered_params", "grads", "optimizer", "activations",
                                                  "comm_buffers", "other")} <= set(scalars)
     assert [e.step for e in run.Scalars("memory_within_step/total_mib")] == [0, 1, 2, 3]
-    assert re.search(r"\d", (compared / "compare.md").read_text())
 
 
-def test_planner_predicts_the_measured_peak_within_10_percent(compared: Path, tmp_path: Path):
-    """scripts/plan.py simulates one rank (fake tensors, fake process group) before any run."""
-    n = int(compared.name[3:])
-    out = tmp_path / "plan.json"
-    proc = check(launch(0, PLAN, "--world-size", str(n), "--json", str(out), "--device-memory", "24GB", *CONFIG))
-    assert "ZeRO paper" in proc.stdout and "DeepSpeed estimate_zero3_model_states_mem_needs" in proc.stdout
-    predicted = {p["strategy"]: p for p in json.loads(out.read_text())}
-    measured = rows((compared / "compare.md").read_text())
-    for strategy, cells in measured.items():
-        p = predicted[strategy]
-        assert p["peak"] / 2**20 == pytest.approx(num(cells[2]), rel=0.10), strategy  # peak RSS per rank
-        assert p["model_state"] / 2**20 == pytest.approx(num(cells[4]), rel=0.02), strategy
-        assert sum(p["tensors"].values()) / 2**20 == pytest.approx(num(cells[7]), rel=0.15), strategy
+def _error(predicted_term: float, measured_term: float) -> float:
+    return predicted_term / measured_term - 1
+
+
+def test_planner_predicts_the_model_dependent_memory(measured, predicted):
+    """(peak RSS - baseline) against the planner's tensors + heap retention, strategy by strategy; and
+    the same comparison catches a planner whose simulated tensors are halved. (This model's heap keeps
+    little: the retention term is 1-5% of the memory here, so a planner without it would pass too; on
+    bench/planner_accuracy.py's `deep` it is 20-45%, and leaving it out misses by that much.)"""
+    preds, stdout = predicted
+    assert "ZeRO paper" in stdout and "DeepSpeed estimate_zero3_model_states_mem_needs" in stdout
+    assert set(preds) == set(measured) == set(STRATEGIES)
+    errors, without_retention = {}, {}
+    for s in STRATEGIES:
+        p, peak = preds[s], peak_mib(measured[s]) * MIB
+        assert p["baseline"] / MIB == pytest.approx(720, rel=0.15)  # the PyTorch runtime, measured by a probe
+        term = peak - p["baseline"]
+        assert term > p["baseline"]  # the model's memory dominates here, by construction of CONFIG
+        tensors = sum(p["tensors"].values())
+        retained = HEAP_RETENTION["activations"] * p["heap_activations"]
+        retained += HEAP_RETENTION["fsdp"] * p["heap_at_peak"] if s in FSDP else 0
+        assert p["peak"] - p["baseline"] == pytest.approx(tensors + retained, abs=1)
+        errors[s] = _error(p["peak"] - p["baseline"], term)
+        assert abs(errors[s]) <= TERM_TOLERANCE, f"{s}: {errors[s]:+.1%}"
+        assert p["peak"] == pytest.approx(peak, rel=0.10), s  # the whole peak, baseline included
+        without_retention[s] = _error(tensors, term)
+        # A planner that simulated half the tensors fails, whatever it adds on top.
+        assert abs(_error(tensors / 2 + retained, term)) > TERM_TOLERANCE, s
+        # Model state after an optimizer step, simulated against measured.
+        assert p["model_state"] == pytest.approx(max(r["model_state"] for r in measured[s]), rel=0.01), s
+    figure(f"planner vs measured, held-out 46M model, N={N}: (peak - baseline) vs predicted",
+           ", ".join(f"{s} {e:+.1%}" for s, e in errors.items())
+           + " (without heap retention: " + ", ".join(f"{e:+.1%}" for e in without_retention.values()) + ")")
+
+
+def test_simulated_tensors_match_the_tracker(measured, predicted):
+    """The simulation runs the real step on fake tensors and sees, at the step's peak, what the tracker
+    sees in a real run: to the MiB, category by category, under FSDP (gloo's reduce-scatter copy
+    included), and in total under DDP and ZeRO-1 (the real tracker files the gradient buckets DDP
+    rebuilds in step 2's forward as activations; the simulation, as gradients)."""
+    preds, _ = predicted
+    for s in STRATEGIES:
+        tracked = max(sum(r["breakdown"].values()) for r in measured[s])
+        assert sum(preds[s]["tensors"].values()) == pytest.approx(tracked, rel=0.01), s
+        if s in FSDP:
+            for cat, value in preds[s]["tensors"].items():
+                assert value == pytest.approx(measured[s][0]["breakdown"][cat], abs=MIB), (s, cat)
 
 
 @pytest.mark.gpu
@@ -102,16 +177,28 @@ def test_planner_predicts_the_measured_peak_within_10_percent(compared: Path, tm
                     reason="needs 2 or more GPUs in one process")
 def test_dataparallel_row_with_several_gpus_in_one_process(tmp_path: Path):
     out = tmp_path / "dp"
-    check(launch(0, COMPARE, "--out", str(out), *CONFIG))
+    check(launch(0, COMPARE, "--out", str(out), "model.preset=gpt_tiny", "train.steps=4", gpu=True))
     md = (out / "compare.md").read_text()
     assert "| dataparallel (1 process," in md and "(GPU)" in md
 
 
 def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
+    """dist.device=cuda on a CPU machine: device memory, no process baseline, the formulas still hold."""
     out = tmp_path / "gpu.json"
-    proc = check(launch(0, PLAN, "--world-size", "8", "--json", str(out), "--device-memory", "80GB",
-                        "model.preset=gpt_nano", "train.global_batch_size=16", "train.micro_batch_size=2",
-                        "data.seq_len=32", "dist.device=cuda"))
-    assert "device memory MiB" in proc.stdout and "fits" in proc.stdout
-    for p in json.loads(out.read_text()):
-        assert p["baseline"] == 0 and p["peak"] > sum(p["tensors"].values()) > 0, p["strategy"]
+    args = ["--world-size", "8", "--json", str(out), "model.preset=gpt_nano", "train.global_batch_size=16",
+            "train.micro_batch_size=2", "data.seq_len=32", "dist.device=cuda"]
+    proc = check(launch(0, PLAN, "--device-memory", "80GB", *args))
+    assert "device memory MiB" in proc.stdout and "| yes |" in proc.stdout
+    preds = {p["strategy"]: p for p in json.loads(out.read_text())}
+    assert set(preds) == set(STRATEGIES)
+    num_params = model_args("gpt_nano").num_params()
+    for s, p in preds.items():
+        assert p["baseline"] == 0, s  # device memory holds no libraries
+        bytes_per_param = p["model_state"] / num_params
+        if s == "zero1":  # AdamW states split by whole tensors: rank 0's share of 8P is uneven at N=8
+            assert 8 < bytes_per_param < 16, s
+        else:
+            assert bytes_per_param == pytest.approx(16 if s == "ddp" else 16 / 8, rel=0.01), s
+    assert preds["ddp"]["peak"] > preds["zero1"]["peak"] > preds["full_shard"]["peak"]
+    tight = check(launch(0, PLAN, "--device-memory", "1MB", *args)).stdout
+    assert "| no (needs " in tight

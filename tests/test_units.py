@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fsdp_zero import init
+from tests.conftest import REPO
 from fsdp_zero.config import BatchLayout, OptimConfig
 from fsdp_zero.data import BatchCursor, ByteText, SyntheticBigram
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes
@@ -114,7 +115,21 @@ def test_lr_warms_up_then_decays_to_the_floor():
     f = [lr_factor(s, cfg, total_steps=20) for s in range(20)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    # Worked out by hand: 0-based step 12 is half-way through the 16 decay steps,
+    # 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55; step 8 a quarter of the way,
+    # 0.1 + 0.9 * (1 + cos(pi / 4)) / 2 = 0.8681980515...
+    assert f[12] == pytest.approx(0.55, abs=1e-12)
+    assert f[8] == pytest.approx(0.8681980515339464, abs=1e-12)
     assert lr_factor(20, cfg, 20) == pytest.approx(0.1)
+
+
+def test_reference_schedule_agrees_with_the_hand_worked_values():
+    from tests.reference import reference_lr
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    assert reference_lr(cfg, 1, 20) == 0.25 and reference_lr(cfg, 4, 20) == 1.0
+    assert reference_lr(cfg, 13, 20) == pytest.approx(0.55, abs=1e-12)
+    assert reference_lr(cfg, 9, 20) == pytest.approx(0.8681980515339464, abs=1e-12)
 
 
 def test_model_state_bytes_for_adamw_is_16_per_param():
@@ -134,7 +149,10 @@ def test_cpu_memory_monitor_reads_rss_and_resets_its_peak():
     before = monitor.read()
     big = torch.ones(64 * 2**20 // 4)  # 64 MiB touched
     during = monitor.read()
-    assert during["cpu_peak_rss_mib"] >= before["cpu_rss_mib"] + 60
+    assert during["cpu_rss_mib"] >= before["cpu_rss_mib"] + 60
+    # The kernel's high-water mark, read after the RSS: never below it (and in the same unit).
+    assert during["cpu_peak_rss_mib"] >= during["cpu_rss_mib"]
+    assert during["cpu_peak_rss_mib"] < during["cpu_rss_mib"] + 1024
     del big
     monitor.reset_peaks()
     after = monitor.read()
@@ -143,8 +161,36 @@ def test_cpu_memory_monitor_reads_rss_and_resets_its_peak():
     assert "cuda_allocated_mib" not in after
 
 
+def test_private_torch_apis_are_where_we_expect_them():
+    """fsdp_zero.torch_private imports every private torch API we use; a torch upgrade that moves
+    one fails here, by name, not somewhere deep in a run."""
+    import inspect
+
+    from fsdp_zero import torch_private
+
+    assert callable(torch_private._init_optim_state)
+    assert "optim" in inspect.signature(torch_private._init_optim_state).parameters
+    from torch.distributed.fsdp import FSDPModule
+
+    assert hasattr(FSDPModule, "set_custom_reduce_scatter")
+    assert inspect.signature(torch_private.DefaultReduceScatter.__call__).parameters.keys() >= {
+        "output_tensor", "input_tensor", "group", "op", "async_op"}
+    assert torch_private.FakeStore() is not None
+    assert torch_private.FakeTensorMode is not None
+    assert {"track_external", "get_tracker_snapshot", "reset_mod_stats"} <= set(dir(torch_private.mem_tracker()))
+    assert issubclass(torch_private.fsdp_mem_tracker(), torch_private.mem_tracker())
+    # No other module imports a private torch name.
+    for path in (REPO / "fsdp_zero").glob("*.py"):
+        if path.name == "torch_private.py":
+            continue
+        for line in path.read_text().splitlines():
+            if line.lstrip().startswith(("import torch", "from torch")):
+                assert "._" not in line.split(" import ")[0] and " import _" not in line, f"{path.name}: {line}"
+
+
 @pytest.mark.gpu
 def test_cuda_memory_monitor_reports_the_allocator():
+    # Built before anything touched CUDA in this process: the monitor initialises it itself.
     monitor = MemoryMonitor(torch.device("cuda", 0))
     x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     m = monitor.read()

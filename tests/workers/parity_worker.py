@@ -2,11 +2,12 @@
 
     torchrun --nproc_per_node=N tests/workers/parity_worker.py OUT.pt key=value ...
 
-OUT.pt (rank 0): per-step losses and grad norms, the full weights before and after
+OUT.pt (rank 0): per-step losses, grad norms and learning rates, the full weights before and after
 training, the final model's logits on a fixed batch, and every rank's model-state
 bytes after the first optimizer step.
 """
 
+import json
 import sys
 
 import torch
@@ -40,7 +41,9 @@ def main() -> None:
         states = [None] * env.world_size
         dist.all_gather_object(states, result.model_state_bytes)
         if env.is_rank0:
-            torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "initial": initial,
+            log = [json.loads(line) for line in (parts.run_dir / "metrics.jsonl").read_text().splitlines()]
+            lrs = {row["step"]: row["lr"] for row in log}  # the rate each logged step used
+            torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "lrs": lrs, "initial": initial,
                         "final": final, "logits": logits, "model_state_bytes": states, "num_params": parts.num_params}, out)
     finally:
         destroy_distributed()
