@@ -43,7 +43,8 @@ from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_thresh
 # Fitted by least squares on `bench/planner_accuracy.py`'s configuration `fit` (GPT-2-small
 # shaped, 134M parameters, 2 and 4 ranks, every strategy; glibc, 8 MiB threshold, torch 2.15):
 # 0.83 and 0.30. A constant fraction of the tensors fits `fit` as well but was off by up
-# to 31% of the model-dependent memory on the held-out configurations; this by at most 7.4%.
+# to 31% of the model-dependent memory on the held-out configurations; this by at most 10.2%
+# (`deep`, N = 2, full_shard; every other held-out run within 5.6%; README, "plan before you run").
 HEAP_RETENTION = {"activations": 0.83, "fsdp": 0.30}
 # CUDA: the caching allocator's reserve over the live tensors (block rounding, cached free
 # blocks). Not calibrated in this project (no GPU has been lent to it yet); a common
