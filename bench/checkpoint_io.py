@@ -77,7 +77,7 @@ def main() -> None:
     train(cfg, env, parts)  # one step, so AdamW states exist
     ckroot = root / "checkpoints"
     checkpointer = Checkpointer(ckroot, keep_last=0, async_save=False, rank=env.rank, device=env.device)
-    state = {"step": 1, "data_position": parts.cursor.position, "seed": parts.seed, "scheduler": parts.scheduler.state_dict()}
+    state = {"step": 1, "data_position": parts.cursor.position, "seed": parts.seed}
 
     # 2. sharded save, then load into the same model
     dist.barrier()

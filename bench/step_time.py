@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_zero.config import load_config
@@ -30,8 +29,9 @@ from fsdp_zero.distributed import (
     agree_on_seed, broadcast_object, destroy_distributed, exit_process, init_distributed, setup_logging,
 )
 from fsdp_zero.memory import model_state_bytes, zero3_expected_bytes
-from fsdp_zero.model import build_model
+from fsdp_zero.build import construct, materializer, real_buffers
 from fsdp_zero.parallelize import device_mesh
+from fsdp_zero.tasks import to_device
 from fsdp_zero.trainer import setup, train
 
 REPEATS = 3
@@ -39,14 +39,12 @@ REPEATS = 3
 
 def raw_loop(parts, cfg, env) -> tuple[float, int]:
     """The hand-written baseline; returns (seconds, model-state bytes after the last step's optimizer step)."""
-    args = parts.args  # the same architecture, sharded by hand
     mesh = device_mesh(cfg.parallel, env)
-    model = build_model(args, device="meta")
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
+    model = construct(cfg.model)  # the same model and units, sharded by hand
+    for fqn in parts.plan.submodule_fqns:
+        fully_shard(model.get_submodule(fqn), mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.to_empty(device=env.device)
-    model.init_weights(parts.seed)
+    materializer(env.device, cfg.model.init, parts.seed, real_buffers(model), [])(model)  # to_empty, buffers, init
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                             weight_decay=o.weight_decay, foreach=True)
@@ -55,9 +53,8 @@ def raw_loop(parts, cfg, env) -> tuple[float, int]:
     start = time.perf_counter()
     for step in range(cfg.train.steps):
         micro = cursor.next_batch()
-        for x, y in micro:
-            x, y = x.to(env.device), y.to(env.device)
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        for batch in micro:
+            loss, _ = parts.loss_fn(model, to_device(batch, env.device))
             (loss / len(micro)).backward()
         if o.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
@@ -106,7 +103,7 @@ def main() -> None:
         expected = zero3_expected_bytes(num_params, env.world_size)
         steps = cfg.train.steps
         print("\n## step time: fsdp-zero loop vs hand-written fully_shard loop")
-        print(f"model {cfg.model.preset} ({num_params:,} params), world size {env.world_size}, device {env.device.type}, "
+        print(f"model {cfg.model.target or cfg.model.preset} ({num_params:,} params), world size {env.world_size}, device {env.device.type}, "
               f"{steps} steps x {REPEATS} repeats, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens")
         print(f"{'repeat':>6} {'raw s/step':>11} {'ours s/step':>12} {'ours/raw':>9}")
         for i, (r, o) in enumerate(zip(raw, ours)):

@@ -4,11 +4,11 @@ Layout of one checkpoint, ``<run dir>/checkpoints/step-0000050/``:
 
     __R_0.distcp ...   each rank's own shards of the model and AdamW states (DCP)
     .metadata          DCP's index of every tensor and chunk
-    train_state.json   step, global data position, LR scheduler, world size, versions
+    train_state.json   step, global data position, seed, world size, versions
     config.yaml        the resolved config the run had
 
 Only tensors go through DCP: its loader unpickles non-tensor items with
-``weights_only=False``, so step, data position and scheduler live in JSON, and DCP's
+``weights_only=False``, so step, data position and seed live in JSON, and DCP's
 ``.metadata`` is read through an allow-listed unpickler (`SafeFileSystemReader`).
 
 A save writes into ``.partial-step-0000050`` and is renamed by rank 0 once DCP has

@@ -64,6 +64,25 @@ ZERO_STAGES = {0: Strategy.ddp, 1: Strategy.zero1, 2: Strategy.shard_grad_op, 3:
 class DataSource(str, enum.Enum):
     synthetic = "synthetic"  # a seeded random bigram process: learnable, no files needed
     text = "text"  # a local file or folder read as byte-level tokens (vocab 256)
+    tokens = "tokens"  # a pre-tokenized file of token ids (.bin as nanoGPT writes it, or .npy), memory-mapped
+    images = "images"  # a torchvision ImageFolder directory (class per sub-folder), for classification
+    fake_images = "fake_images"  # torchvision's FakeData: random images and labels, for tests and demos
+
+
+class Task(str, enum.Enum):
+    """What a batch is and how the loss is computed from it (see fsdp_zero.tasks)."""
+
+    causal_lm = "causal_lm"  # tokens in, next-token cross-entropy
+    classification = "classification"  # images (or features) and labels in, cross-entropy; accuracy logged
+    custom = "custom"  # model.loss(model, batch) returns the loss
+
+
+class Init(str, enum.Enum):
+    """How a model's parameters get their initial values after materialisation (see fsdp_zero.init)."""
+
+    auto = "auto"  # the model's own init_weights(seed) if it has one, else standard
+    standard = "standard"  # each standard layer's reset_parameters distribution, identical at any world size
+    model = "model"  # the model's own initialiser (init_weights(seed), or Hugging Face's _init_weights)
 
 
 class Backend(str, enum.Enum):
@@ -87,9 +106,17 @@ class OptimizerImpl(str, enum.Enum):
 
 @dataclass
 class ModelConfig:
-    """The built-in decoder-only transformer. ``None`` fields take the preset's value."""
+    """The built-in decoder-only transformer (``preset`` and its fields; ``None`` fields take the
+    preset's value), or any model: ``target`` names a class or factory, called with ``kwargs``."""
 
     preset: str = "gpt_tiny"
+    # package.module:callable returning an nn.Module, e.g. torchvision.models:VisionTransformer or
+    # transformers:LlamaForCausalLM (a Hugging Face class is given its config built from kwargs).
+    target: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    task: Task = Task.causal_lm
+    loss: str | None = None  # task=custom: package.module:function(model, batch) -> loss
+    init: Init = Init.auto
     vocab_size: int | None = None
     dim: int | None = None
     n_layers: int | None = None
@@ -108,6 +135,14 @@ class DataConfig:
     source: DataSource = DataSource.synthetic
     path: str | None = None  # file or folder, for source=text
     seq_len: int = 128
+    # tokens: the dtype of a .bin file (a .npy file carries its own).
+    token_dtype: str = "uint16"
+    # images / fake_images: square side in pixels after resizing and cropping.
+    image_size: int = 32
+    num_classes: int = 10  # fake_images: how many label values FakeData draws
+    num_samples: int = 1000  # fake_images: how many distinct images before they repeat
+    # DataLoader worker processes per rank; None: 2 for images (decoding), 0 otherwise.
+    num_workers: int | None = None
     # synthetic: each token is followed by one of `branching` successors (skewed odds),
     # so the loss falls from ln(vocab) towards ~ln(branching).
     branching: int = 4
@@ -334,15 +369,39 @@ def validate(cfg: Config) -> None:
         if value is not None and value <= 0:
             raise ValueError(f"{key}={value}: must be > 0")
 
-    if cfg.model.preset not in PRESETS:
-        close = difflib.get_close_matches(cfg.model.preset, PRESETS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ValueError(f"model.preset={cfg.model.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
-    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len"):
-        positive(f"model.{name}", getattr(cfg.model, name))
+    m = cfg.model
+    if m.target is None:
+        if m.preset not in PRESETS:
+            close = difflib.get_close_matches(m.preset, PRESETS, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"model.preset={m.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
+        if m.kwargs:
+            raise ValueError(f"model.kwargs={dict(m.kwargs)} is set without model.target; the built-in model takes "
+                             f"model.{', model.'.join(BUILTIN_FIELDS)}")
+    else:
+        if not _is_target(m.target):
+            raise ValueError(f"model.target={m.target!r}: expected package.module:callable, e.g. "
+                             "torchvision.models:VisionTransformer")
+        builtin = [f"model.{k}={getattr(m, k)!r}" for k in BUILTIN_FIELDS if getattr(m, k) is not None]
+        if builtin:
+            raise ValueError(f"{', '.join(builtin)} only applies to the built-in model, not to model.target={m.target}; "
+                             "pass the model's own arguments in model.kwargs")
+    if m.task is Task.custom and m.loss is None:
+        raise ValueError("model.task=custom needs model.loss: package.module:function taking (model, batch), returning the loss")
+    if m.loss is not None:
+        if m.task is not Task.custom:
+            raise ValueError(f"model.loss={m.loss!r} is set but model.task={m.task.value}; set model.task=custom to use it")
+        if not _is_target(m.loss):
+            raise ValueError(f"model.loss={m.loss!r}: expected package.module:function")
+    for name in BUILTIN_FIELDS:
+        if name != "tie_embeddings":
+            positive(f"model.{name}", getattr(m, name))
     for key, value in [
         ("data.seq_len", cfg.data.seq_len),
         ("data.branching", cfg.data.branching),
+        ("data.image_size", cfg.data.image_size),
+        ("data.num_classes", cfg.data.num_classes),
+        ("data.num_samples", cfg.data.num_samples),
         ("train.steps", cfg.train.steps),
         ("train.global_batch_size", cfg.train.global_batch_size),
         ("train.micro_batch_size", cfg.train.micro_batch_size),
@@ -388,13 +447,7 @@ def validate(cfg: Config) -> None:
             f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
             f"train.micro_batch_size={cfg.train.micro_batch_size}"
         )
-    if cfg.data.source is DataSource.text:
-        if not cfg.data.path:
-            raise ValueError("data.source=text needs data.path (a text file or a folder of them)")
-        if not Path(cfg.data.path).exists():
-            raise ValueError(f"data.path={cfg.data.path!r}: no such file or folder")
-    elif cfg.data.path:
-        raise ValueError(f"data.path={cfg.data.path!r} is set but data.source=synthetic; set data.source=text")
+    _validate_data(cfg.data, m.task)
     if cfg.parallel.zero_stage is not None and ZERO_STAGES.get(cfg.parallel.zero_stage) is not cfg.parallel.strategy:
         raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} contradicts "
                          f"parallel.strategy={cfg.parallel.strategy.value}; set one of them")
@@ -407,6 +460,48 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"run.name={cfg.run.name!r}: must be a plain folder name (set run.root for the parent)")
 
 
+# The built-in transformer's own settings (the preset's fields).
+BUILTIN_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len",
+                  "tie_embeddings")
+TOKEN_SOURCES = (DataSource.synthetic, DataSource.text, DataSource.tokens)
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+# What each source needs in data.path, and which tasks it feeds (custom takes any).
+_PATHS = {DataSource.text: "a text file or a folder of them", DataSource.tokens: "a .bin or .npy file of token ids",
+          DataSource.images: "an ImageFolder directory, one sub-folder of images per class"}
+_TASK_SOURCES = {Task.causal_lm: TOKEN_SOURCES,
+                 Task.classification: (DataSource.images, DataSource.fake_images)}
+
+
+def _is_target(text: str) -> bool:
+    module, _, name = text.partition(":")
+    return bool(module and name) and all(part.isidentifier() for part in module.split(".") + name.split("."))
+
+
+def _validate_data(d: DataConfig, task: Task) -> None:
+    sources = _TASK_SOURCES.get(task)
+    if sources and d.source not in sources:
+        raise ValueError(f"data.source={d.source.value} does not feed model.task={task.value}; valid choices: "
+                         f"{', '.join(s.value for s in sources)}")
+    if d.source in _PATHS:
+        if not d.path:
+            raise ValueError(f"data.source={d.source.value} needs data.path ({_PATHS[d.source]})")
+        path = Path(d.path)
+        if not path.exists():
+            raise ValueError(f"data.path={d.path!r}: no such file or folder")
+        if d.source is DataSource.tokens and (not path.is_file() or path.suffix not in (".bin", ".npy")):
+            raise ValueError(f"data.path={d.path!r}: data.source=tokens needs {_PATHS[d.source]}")
+        if d.source is DataSource.images and not path.is_dir():
+            raise ValueError(f"data.path={d.path!r}: data.source=images needs {_PATHS[d.source]}")
+    elif d.path:
+        valid = ", ".join(s.value for s in _PATHS)
+        raise ValueError(f"data.path={d.path!r} is set but data.source={d.source.value} reads no files; "
+                         f"data.source with a path: {valid}")
+    if d.token_dtype not in TOKEN_DTYPES:
+        raise ValueError(f"data.token_dtype={d.token_dtype!r} is not a valid choice; valid choices: {', '.join(TOKEN_DTYPES)}")
+    if d.num_workers is not None and d.num_workers < 0:
+        raise ValueError(f"data.num_workers={d.num_workers}: must be >= 0 (0: load in the training process)")
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """How one optimizer step's global batch splits over ranks and micro-batches."""
@@ -416,11 +511,12 @@ class BatchLayout:
     dp_size: int
     grad_accum_steps: int
 
-    def describe(self, seq_len: int) -> str:
+    def describe(self, seq_len: int | None) -> str:
+        """``seq_len``: tokens per sample, for token data (None: samples are not sequences)."""
+        tokens = f" ({self.global_batch_size * seq_len:,} tokens per step)" if seq_len else ""
         return (
-            f"global batch {self.global_batch_size} sequences = micro-batch {self.micro_batch_size} "
-            f"x grad-accum {self.grad_accum_steps} x data-parallel ranks {self.dp_size} "
-            f"({self.global_batch_size * seq_len:,} tokens per step)"
+            f"global batch {self.global_batch_size} samples = micro-batch {self.micro_batch_size} "
+            f"x grad-accum {self.grad_accum_steps} x data-parallel ranks {self.dp_size}{tokens}"
         )
 
 

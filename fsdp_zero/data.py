@@ -1,6 +1,8 @@
-"""Token sources addressed by a global sample index, and the per-rank slice of each batch.
+"""Data sources addressed by a global sample index, and the per-rank slice of each batch.
 
-Every sample is a pure function of (source, seed, sample index). A step's global batch
+Sources: synthetic tokens, byte-level text, pre-tokenized token files (memory-mapped),
+image folders and torchvision's FakeData. Every sample is a pure function of (source,
+seed, sample index). A step's global batch
 is the samples [cursor, cursor + global_batch_size); rank r of N reads the contiguous
 block r of that range, split into micro-batches. The only state is the global cursor,
 so the same samples make up a step at any world size (and a later resume can change
@@ -9,20 +11,20 @@ the world size without losing its place).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from fsdp_zero.config import BatchLayout, DataConfig, DataSource
+from fsdp_zero.config import TOKEN_SOURCES, BatchLayout, DataConfig, DataSource
 
 
-class TokenSource(Protocol):
-    vocab_size: int
-
-    def samples(self, indices: range) -> torch.Tensor:
-        """(len(indices), seq_len + 1) int64 tokens: inputs are [:, :-1], targets [:, 1:]."""
+class Source(Protocol):
+    def batch(self, indices: range) -> tuple[torch.Tensor, ...]:
+        """The samples at these global indices, collated: e.g. (inputs, targets), or (images, labels)."""
         ...
 
 
@@ -62,27 +64,24 @@ class SyntheticBigram:
             out[:, pos + 1] = self.successors[out[:, pos], choices[:, pos]]
         return out
 
+    def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
+        return next_token_pairs(self.samples(indices))
 
-class ByteText:
-    """A local text file, or every file under a folder (sorted), read as bytes (vocab 256).
 
-    Sample i is a window of seq_len + 1 bytes; windows are visited in a seeded random
-    order, a fresh order each pass over the data.
-    """
+class Windows:
+    """Sample i is a window of seq_len + 1 tokens of a 1-D token array; windows are visited in
+    a seeded random order, a fresh order each pass over the data."""
 
-    vocab_size = 256
-
-    def __init__(self, path: str | Path, seq_len: int, seed: int) -> None:
-        path = Path(path)
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        data = b"".join(f.read_bytes() for f in files)
-        if len(data) < seq_len + 1:
-            raise ValueError(f"data.path={str(path)!r} holds {len(data)} bytes, fewer than data.seq_len + 1 = {seq_len + 1}")
-        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    def __init__(self, num_tokens: int, seq_len: int, seed: int, origin: str) -> None:
+        if num_tokens < seq_len + 1:
+            raise ValueError(f"{origin} holds {num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}")
         self.seq_len = seq_len
         self.seed = seed
-        self.num_windows = (len(data) - 1) // seq_len
+        self.num_windows = (num_tokens - 1) // seq_len
         self._order: tuple[int, torch.Tensor] | None = None
+
+    def tokens(self, start: int, stop: int) -> torch.Tensor:
+        raise NotImplementedError
 
     def _window(self, index: int) -> int:
         epoch, pos = divmod(index, self.num_windows)
@@ -95,41 +94,206 @@ class ByteText:
         rows = []
         for index in indices:
             start = self._window(index) * self.seq_len
-            rows.append(self.tokens[start : start + self.seq_len + 1])
+            rows.append(self.tokens(start, start + self.seq_len + 1))
         return torch.stack(rows).long()
 
+    def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
+        return next_token_pairs(self.samples(indices))
 
-def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
-    """The configured source.
+
+class ByteText(Windows):
+    """A local text file, or every file under a folder (sorted), read as bytes (vocab 256)."""
+
+    vocab_size = 256
+
+    def __init__(self, path: str | Path, seq_len: int, seed: int) -> None:
+        path = Path(path)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        data = b"".join(f.read_bytes() for f in files)
+        super().__init__(len(data), seq_len, seed, f"data.path={str(path)!r}")
+        self._bytes = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def tokens(self, start: int, stop: int) -> torch.Tensor:
+        return self._bytes[start:stop]
+
+
+class TokenFile(Windows):
+    """Pre-tokenized token ids on disk, memory-mapped: a flat ``.bin`` of ``dtype`` (what nanoGPT's
+    prepare.py writes: uint16 GPT-2 ids) or a 1-D ``.npy``. Only the windows read are paged in."""
+
+    def __init__(self, path: str | Path, seq_len: int, seed: int, dtype: str) -> None:
+        self.path, self.dtype = Path(path), dtype
+        super().__init__(len(self._array), seq_len, seed, f"data.path={str(path)!r}")
+
+    @property
+    def _array(self) -> np.ndarray:
+        if getattr(self, "_mapped", None) is None:  # opened lazily: a DataLoader worker maps its own
+            try:
+                if self.path.suffix == ".npy":
+                    arr = np.load(self.path, mmap_mode="r")
+                else:
+                    arr = np.memmap(self.path, dtype=np.dtype(self.dtype), mode="r") if self.path.stat().st_size \
+                        else np.empty(0, dtype=self.dtype)
+            except ValueError as e:
+                raise ValueError(f"data.path={str(self.path)!r}: not a token file of data.token_dtype={self.dtype}: {e}") \
+                    from None
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(f"data.path={str(self.path)!r}: expected a 1-D array of integer token ids, "
+                                 f"got shape {arr.shape} of {arr.dtype}")
+            self._mapped = arr
+        return self._mapped
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_mapped"}
+
+    def max_token(self, chunk: int = 1 << 26) -> int:
+        arr = self._array
+        return max(int(arr[i : i + chunk].max()) for i in range(0, len(arr), chunk))
+
+    def tokens(self, start: int, stop: int) -> torch.Tensor:
+        return torch.from_numpy(self._array[start:stop].astype(np.int64))
+
+
+class ImageSamples:
+    """(image, label) samples of a torchvision dataset, by global index.
+
+    ``shuffle``: a seeded random order, fresh each pass (ImageFolder); otherwise sample i is
+    item i mod len (FakeData, so a plain DataLoader over the same dataset reads the same
+    global batches). Random augmentations draw from a generator seeded by (seed, index), so
+    a sample is the same whoever reads it and whenever.
+    """
+
+    def __init__(self, dataset: "torch.utils.data.Dataset", seed: int, shuffle: bool) -> None:
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
+        self.num_classes = len(getattr(dataset, "classes", [])) or getattr(dataset, "num_classes", 0)
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def _item(self, index: int) -> int:
+        epoch, pos = divmod(index, len(self.dataset))
+        if not self.shuffle:
+            return pos
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch)))
+        return int(self._order[1][pos])
+
+    def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = [], []
+        for index in indices:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed * 1_000_003 + index)
+                image, label = self.dataset[self._item(index)]
+            images.append(image)
+            labels.append(int(label))
+        return torch.stack(images), torch.tensor(labels, dtype=torch.long)
+
+
+# ImageNet statistics, as torchvision's classification references normalise with.
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def image_transform(size: int, train: bool) -> Callable:
+    """Resize, crop (random and flipped when training), to tensor, normalise."""
+    from torchvision import transforms as T
+
+    crop = [T.RandomResizedCrop(size, scale=(0.35, 1.0)), T.RandomHorizontalFlip()] if train else \
+        [T.Resize(size), T.CenterCrop(size)]
+    return T.Compose([*crop, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+
+def fake_images(cfg: DataConfig, seed: int) -> ImageSamples:
+    """torchvision's FakeData as fsdp-zero reads it: ``data.num_samples`` images of
+    ``data.image_size`` pixels, labels in [0, data.num_classes), normalised to mean 0.5, std 0.5."""
+    from torchvision import transforms as T
+    from torchvision.datasets import FakeData
+
+    dataset = FakeData(size=cfg.num_samples, image_size=(3, cfg.image_size, cfg.image_size), num_classes=cfg.num_classes,
+                       transform=T.Compose([T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)]), random_offset=seed)
+    return ImageSamples(dataset, seed, shuffle=False)
+
+
+def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> Source:
+    """The configured source, checked against the model's vocabulary (token sources).
 
     Raises:
-        ValueError: byte-level text with a model vocabulary smaller than 256.
+        ValueError: an empty or unreadable file, token ids the model cannot embed, an empty image folder.
     """
+    if cfg.source in TOKEN_SOURCES and vocab_size is None:
+        raise ValueError(f"data.source={cfg.source.value} feeds token ids, but the model has no vocabulary to "
+                         "check them against (no config.vocab_size, no nn.Embedding)")
     if cfg.source is DataSource.synthetic:
         return SyntheticBigram(vocab_size, cfg.seq_len, seed, cfg.branching)
-    if vocab_size < ByteText.vocab_size:
-        raise ValueError(f"data.source=text needs model.vocab_size >= 256 (bytes), got {vocab_size}")
-    return ByteText(cfg.path, cfg.seq_len, seed)
+    if cfg.source is DataSource.text:
+        if vocab_size < ByteText.vocab_size:
+            raise ValueError(f"data.source=text needs a model vocabulary >= 256 (bytes), got {vocab_size}")
+        return ByteText(cfg.path, cfg.seq_len, seed)
+    if cfg.source is DataSource.tokens:
+        source = TokenFile(cfg.path, cfg.seq_len, seed, cfg.token_dtype)
+        largest = source.max_token()
+        if largest >= vocab_size:
+            raise ValueError(f"data.path={cfg.path!r} holds token id {largest}, but the model's vocabulary has "
+                             f"{vocab_size} entries (ids 0..{vocab_size - 1}); tokenize for this model, or "
+                             "enlarge its vocabulary")
+        return source
+    if cfg.source is DataSource.fake_images:
+        return fake_images(cfg, seed)
+    from torchvision.datasets import ImageFolder
+
+    try:
+        dataset = ImageFolder(cfg.path, transform=image_transform(cfg.image_size, train=True))
+    except (FileNotFoundError, RuntimeError) as e:
+        raise ValueError(f"data.path={cfg.path!r}: not an ImageFolder directory: {e}") from None
+    return ImageSamples(dataset, seed, shuffle=True)
 
 
-@dataclass
+def next_token_pairs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, seq_len + 1) tokens -> (inputs, targets), each (n, seq_len)."""
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class _StepSlices(torch.utils.data.Dataset):
+    """Item ``position``: this rank's samples of the global batch that starts at sample ``position``."""
+
+    def __init__(self, source: Source, layout: BatchLayout, rank: int) -> None:
+        self.source, self.per_rank, self.rank = source, layout.global_batch_size // layout.dp_size, rank
+
+    def __getitem__(self, position: int) -> tuple:
+        start = position + self.rank * self.per_rank
+        return self.source.batch(range(start, start + self.per_rank))
+
+
 class BatchCursor:
     """Hands each rank its micro-batches of the next global batch.
+
+    A DataLoader fetches this rank's slice of each global batch (with ``num_workers``
+    processes, ahead of the training step); which samples make up a step depends only on
+    the global position, so a resume at any world size continues where the run left off.
 
     Attributes:
         position: global samples consumed so far, the whole of the data state.
     """
 
-    source: TokenSource
-    layout: BatchLayout
-    rank: int
-    position: int = 0
+    def __init__(self, source: Source, layout: BatchLayout, rank: int, num_workers: int = 0, position: int = 0) -> None:
+        self.source, self.layout, self.rank, self.num_workers = source, layout, rank, num_workers
+        self._position = position
+        self._batches: Iterator | None = None
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches of the next global batch, as (inputs, targets) pairs."""
-        per_rank = self.layout.global_batch_size // self.layout.dp_size
-        start = self.position + self.rank * per_rank
-        tokens = self.source.samples(range(start, start + per_rank))
-        self.position += self.layout.global_batch_size
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._position, self._batches = value, None  # the loader restarts from there
+
+    def next_batch(self) -> list[tuple]:
+        """This rank's micro-batches of the next global batch, e.g. (inputs, targets) pairs."""
+        if self._batches is None:
+            loader = torch.utils.data.DataLoader(
+                _StepSlices(self.source, self.layout, self.rank), batch_size=None,
+                sampler=itertools.count(self._position, self.layout.global_batch_size), num_workers=self.num_workers,
+                prefetch_factor=2 if self.num_workers else None, persistent_workers=False)
+            self._batches = iter(loader)
+        batch = next(self._batches)
+        self._position += self.layout.global_batch_size
         micro = self.layout.micro_batch_size
-        return [(t[:, :-1], t[:, 1:]) for t in tokens.split(micro)]
+        return list(zip(*(t.split(micro) for t in batch)))

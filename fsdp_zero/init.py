@@ -1,5 +1,8 @@
 """Parameter initialisation that gives the same weights at every world size.
 
+`init_standard` initialises any model's standard layers this way, following each layer's
+own ``reset_parameters`` distribution (see its docstring for the rule).
+
 ``nn.init.normal_`` on a sharded DTensor draws each rank's shard from the rank's own
 generator, so the initial weights depend on how many ranks there are (seen on CPU with
 torch 2.15: world size 1 and 2 differ from the second row on). Here every parameter is
@@ -16,6 +19,7 @@ import math
 import zlib
 
 import torch
+from torch import nn
 
 # Elements per generated block: large enough to keep the per-block overhead small,
 # small enough that the temporary block is negligible next to a shard.
@@ -60,6 +64,27 @@ def _block_seed(seed: int, name: str, block: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
+def _fill(param: torch.Tensor, seed: int, name: str, draw) -> None:  # noqa: ANN001
+    """Fills ``param`` block by block; ``draw(values, generator)`` fills one block in place."""
+    local, start, stop = local_rows(param)
+    if param.dim() == 0:
+        raise AssertionError(f"{name}: 0-d parameters are filled with constant_")
+    if stop <= start:
+        return
+    full_rows = param.shape[0]
+    row_numel = max(1, math.prod(param.shape[1:]))
+    rows_per_block = max(1, _BLOCK_ELEMS // row_numel)
+    gen = torch.Generator(device=local.device)
+    for block in range(start // rows_per_block, (stop - 1) // rows_per_block + 1):
+        b_lo = block * rows_per_block
+        b_hi = min(b_lo + rows_per_block, full_rows)
+        gen.manual_seed(_block_seed(seed, name, block))
+        values = torch.empty((b_hi - b_lo, *param.shape[1:]), dtype=torch.float32, device=local.device)
+        draw(values, gen)
+        lo, hi = max(start, b_lo), min(stop, b_hi)
+        local[lo - start : hi - start].copy_(values[lo - b_lo : hi - b_lo])
+
+
 @torch.no_grad()
 def normal_(param: torch.Tensor, *, std: float, seed: int, name: str, mean: float = 0.0) -> None:
     """Fills ``param`` (plain or dim-0-sharded DTensor) with N(mean, std^2), world-size invariant.
@@ -71,21 +96,13 @@ def normal_(param: torch.Tensor, *, std: float, seed: int, name: str, mean: floa
         name: a stable name for the parameter (its FQN), so each parameter gets its own stream.
         mean: the mean.
     """
-    local, start, stop = local_rows(param)
-    if stop <= start:
-        return
-    full_rows = param.shape[0]
-    row_numel = math.prod(param.shape[1:])
-    rows_per_block = max(1, _BLOCK_ELEMS // row_numel)
-    gen = torch.Generator(device=local.device)
-    for block in range(start // rows_per_block, (stop - 1) // rows_per_block + 1):
-        b_lo = block * rows_per_block
-        b_hi = min(b_lo + rows_per_block, full_rows)
-        gen.manual_seed(_block_seed(seed, name, block))
-        values = torch.empty((b_hi - b_lo, *param.shape[1:]), dtype=torch.float32, device=local.device)
-        values.normal_(mean, std, generator=gen)
-        lo, hi = max(start, b_lo), min(stop, b_hi)
-        local[lo - start : hi - start].copy_(values[lo - b_lo : hi - b_lo])
+    _fill(param, seed, name, lambda v, g: v.normal_(mean, std, generator=g))
+
+
+@torch.no_grad()
+def uniform_(param: torch.Tensor, *, bound: float, seed: int, name: str) -> None:
+    """Fills ``param`` with U(-bound, bound), world-size invariant (as `normal_`)."""
+    _fill(param, seed, name, lambda v, g: v.uniform_(-bound, bound, generator=g))
 
 
 @torch.no_grad()
@@ -93,3 +110,98 @@ def constant_(param: torch.Tensor, value: float) -> None:
     """Fills ``param`` (plain or DTensor) with ``value``."""
     local, _, _ = local_rows(param)
     local.fill_(value)
+
+
+@torch.no_grad()
+def zero_row_(param: torch.Tensor, row: int) -> None:
+    """Zeroes global row ``row`` of ``param`` on the rank that holds it (an embedding's padding_idx)."""
+    local, start, stop = local_rows(param)
+    if start <= row < stop:
+        local[row - start].zero_()
+
+
+# ---------------------------------------------------------------------------------
+# Standard layers
+
+
+def _fans(shape: torch.Size) -> tuple[int, int]:
+    """torch.nn.init's fan_in and fan_out for a weight of this shape."""
+    receptive = math.prod(shape[2:]) if len(shape) > 2 else 1
+    return shape[1] * receptive, shape[0] * receptive
+
+
+# Classes outside torch.nn that are norms by convention (Hugging Face's LlamaRMSNorm, T5LayerNorm, ...).
+_NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "GroupNorm")
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+_CONVS = (nn.modules.conv._ConvNd,)
+
+
+@torch.no_grad()
+def init_standard(model: nn.Module, seed: int, linear_std: float | None = None) -> list[str]:
+    """Initialises every standard layer of ``model`` (plain or sharded) as its ``reset_parameters``
+    would, drawing each parameter block-wise (see the module docstring): identical for a seed at
+    any world size. Returns the names of parameters no standard layer owns (they get N(0, 0.02^2)).
+
+    Linear and Conv weights and biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming_uniform with
+    a = sqrt(5)). Embedding: N(0, 1), padding row 0. LayerNorm, RMSNorm, GroupNorm, BatchNorm and
+    classes named *RMSNorm/*LayerNorm: weight 1, bias 0. MultiheadAttention: in-projection
+    xavier_uniform, its biases 0. ``linear_std`` (a Hugging Face config's initializer_range):
+    Linear, Conv and Embedding weights N(0, linear_std^2) and their biases 0 instead, which is
+    what Hugging Face's _init_weights does for most models.
+
+    Buffers are not touched: they keep the values the model's constructor gave them.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}  # tied weights: one name, one stream
+    done: set[int] = set()
+
+    def normal(p: torch.Tensor, std: float) -> None:
+        normal_(p, std=std, seed=seed, name=names[id(p)])
+        done.add(id(p))
+
+    def uniform(p: torch.Tensor, bound: float) -> None:
+        uniform_(p, bound=bound, seed=seed, name=names[id(p)])
+        done.add(id(p))
+
+    def const(p: torch.Tensor | None, value: float) -> None:
+        if p is not None:
+            constant_(p, value)
+            done.add(id(p))
+
+    # Children before parents: a parent's rule (MultiheadAttention's out_proj bias) has the last word.
+    for _, m in reversed(list(model.named_modules())):
+        if isinstance(m, (nn.Linear, *_CONVS)) and isinstance(getattr(m, "weight", None), torch.Tensor):
+            fan_in, _ = _fans(m.weight.shape)
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+            if linear_std is None:
+                uniform(m.weight, bound)
+                if m.bias is not None:
+                    uniform(m.bias, bound)
+            else:
+                normal(m.weight, linear_std)
+                const(m.bias, 0.0)
+        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            normal(m.weight, 1.0 if linear_std is None else linear_std)
+            if m.padding_idx is not None:
+                zero_row_(m.weight, m.padding_idx)
+        elif isinstance(m, _NORMS) or type(m).__name__.endswith(_NORM_SUFFIXES):
+            const(getattr(m, "weight", None), 1.0)
+            const(getattr(m, "bias", None), 0.0)
+        elif isinstance(m, nn.MultiheadAttention):
+            for w in (m.in_proj_weight, m.q_proj_weight, m.k_proj_weight, m.v_proj_weight):
+                if w is not None:
+                    fan_in, fan_out = _fans(w.shape)
+                    uniform(w, math.sqrt(6.0 / (fan_in + fan_out)))
+            const(m.in_proj_bias, 0.0)
+            const(m.out_proj.bias, 0.0)
+            for b in (m.bias_k, m.bias_v):
+                if b is not None:
+                    fan_in, fan_out = _fans(b.shape)
+                    normal(b, math.sqrt(2.0 / (fan_in + fan_out)))
+    leftover = [n for n, p in model.named_parameters() if id(p) not in done]
+    for n, p in model.named_parameters():
+        if id(p) not in done:
+            if p.dim() == 0:
+                constant_(p, 0.0)
+            else:
+                normal(p, 0.02)
+    return leftover

@@ -65,6 +65,17 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     return ModelStateBytes(p, g, o)
 
 
+def memory_scalars(monitor: MemoryMonitor, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    """What the trainer logs as memory/* each log step: the monitor's figures and the model state, in MiB."""
+    state = model_state_bytes(model, optimizer)
+    out = {f"memory/{k}": v for k, v in monitor.read().items()}
+    out["memory/model_state_mib"] = state.total / MIB
+    out["memory/model_state_params_mib"] = state.params / MIB
+    out["memory/model_state_grads_mib"] = state.grads / MIB
+    out["memory/model_state_optimizer_mib"] = state.optimizer / MIB
+    return out
+
+
 def zero3_expected_bytes(num_params: int, world_size: int, bytes_per_param: int = 16) -> float:
     """ZeRO-3 model state per rank: (2 + 2 + K) P / N in the paper; 16 P / N for fp32 AdamW."""
     return bytes_per_param * num_params / world_size

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fsdp_zero import init
+
+if TYPE_CHECKING:
+    from fsdp_zero.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -162,11 +166,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Not a parameter and not saved. Computed here (free on the meta device) so a model
-        # built on a real device works without init_weights; init_weights recomputes it
-        # after to_empty.
-        rope = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, self.output.weight.device)
+        # Not a parameter and not saved. Computed on the default device, so a model whose
+        # parameters are built on the meta device still has it (init_weights recomputes it).
+        rope = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, torch.get_default_device())
         self.register_buffer("rope", rope, persistent=False)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.args.max_seq_len
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(batch, seq) token ids -> (batch, seq, vocab) logits."""
@@ -193,6 +200,18 @@ class Transformer(nn.Module):
                 init.normal_(param, std=residual_std, seed=seed, name=name)
             else:
                 init.normal_(param, std=0.02, seed=seed, name=name)
+
+
+def args_from_config(cfg: "ModelConfig") -> TransformerArgs:
+    """The preset named by ``model.preset`` with the ``model.*`` fields that are set applied."""
+    from fsdp_zero.config import BUILTIN_FIELDS
+
+    return model_args(cfg.preset, **{name: getattr(cfg, name) for name in BUILTIN_FIELDS})
+
+
+def from_config(cfg: "ModelConfig") -> Transformer:
+    """The built-in model for ``model.preset`` and its fields, on the current default device."""
+    return Transformer(args_from_config(cfg))
 
 
 def build_model(args: TransformerArgs, device: torch.device | str = "meta") -> Transformer:

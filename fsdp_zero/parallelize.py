@@ -74,7 +74,8 @@ def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: DistEnv,
-                materialize: Callable[[nn.Module], None], mesh: DeviceMesh | None = None) -> nn.Module:
+                materialize: Callable[[nn.Module], None], mesh: DeviceMesh | None = None,
+                ddp: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
     """Applies ``cfg.strategy`` to the meta-device ``model``; returns the module to train.
 
     Args:
@@ -84,10 +85,13 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
         env: ranks and device.
         materialize: allocates and initialises the model's (local) tensors in place.
         mesh: the FSDP device mesh, if already built (default: `device_mesh(cfg, env)`).
+        ddp: wraps the materialised model for the DDP strategies (default: DistributedDataParallel
+            with gradients as views into its buckets: one copy of the gradients, not two).
     """
     if not is_fsdp(cfg.strategy):
         materialize(model)
-        # Gradients as views into DDP's buckets: one copy of the gradients, not two.
+        if ddp is not None:
+            return ddp(model)
         return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                                        gradient_as_bucket_view=True)
 

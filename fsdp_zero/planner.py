@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config import Config, Strategy
+from fsdp_zero.config import BatchLayout, Config, Strategy
 from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 
 # What glibc's heap keeps resident beyond the live tensors, on CPU. Tensors smaller than the
@@ -220,15 +220,23 @@ def gloo_reduce_scatter_footprint(model: nn.Module) -> None:
             module.set_custom_reduce_scatter(comm)
 
 
+def plan_layout(cfg: Config, world_size: int) -> BatchLayout:
+    """One rank's share of the batch. Planning is per rank: a global batch that does not divide
+    over ``world_size`` ranks is planned with the micro-batch and the accumulation it rounds to."""
+    t = cfg.train
+    accum = max(1, t.global_batch_size // (t.micro_batch_size * world_size))
+    return BatchLayout(t.micro_batch_size * accum * world_size, t.micro_batch_size, world_size, accum)
+
+
 def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[Prediction]:
     """Simulates rank 0 of ``world_size`` ranks for each strategy; see the module docstring."""
-    from fsdp_zero.config import WrapConfig, WrapPolicy, batch_layout
+    from fsdp_zero.build import build, construct
+    from fsdp_zero.data import BatchCursor, build_source
     from fsdp_zero.distributed import DistEnv
-    from fsdp_zero.model import build_model
-    from fsdp_zero.parallelize import device_mesh, is_fsdp, parallelize, shard_degree
+    from fsdp_zero.parallelize import device_mesh, is_fsdp
+    from fsdp_zero.tasks import build_task, vocab_size
     from fsdp_zero.torch_private import FakeStore, FakeTensorMode
-    from fsdp_zero.trainer import build_optimizer, build_scheduler, train_step, transformer_args
-    from fsdp_zero.wrap import build_wrap_plan
+    from fsdp_zero.trainer import train_step
 
     target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
     # Planning for GPUs from a machine without one: the tensors are the same (fp32), so the
@@ -239,30 +247,23 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
     heap_threshold = mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device, backend="fake")
-    layout = batch_layout(cfg.train, world_size)
-    args = transformer_args(cfg.model)
+    layout = plan_layout(cfg, world_size)
+    loss_fn = build_task(cfg.model)
     out = []
     try:
         for strategy in strategies:
             c = copy.deepcopy(cfg)
             c.parallel.strategy, c.parallel.zero_stage = strategy, None
-            degree = shard_degree(c.parallel, world_size)
             mesh = device_mesh(c.parallel, env) if is_fsdp(strategy) else None  # needs real tensors
+            meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
+            # Real batches of the configured data (their shapes and dtypes are what matter).
+            micro = BatchCursor(build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0).next_batch()
             with FakeTensorMode(allow_non_fake_inputs=True):
-                model = build_model(args, device="meta")
-                wrap = c.parallel.wrap if is_fsdp(strategy) else WrapConfig(policy=WrapPolicy.none)
-                plan = build_wrap_plan(model, wrap, degree)
-                if is_fsdp(strategy):
-                    model = parallelize(model, c.parallel, plan, env, lambda m: m.to_empty(device=device), mesh=mesh)
-                    if target.type == "cpu":  # CPU runs use gloo
-                        gloo_reduce_scatter_footprint(model)
-                else:
-                    model = DDPStandIn(build_model(args, device=device))
-                optimizer = build_optimizer(model, c.optim, device, zero1=strategy is Strategy.zero1)
-                scheduler = build_scheduler(optimizer, c.optim, c.train.steps)
-                micro = [(torch.randint(0, args.vocab_size, (layout.micro_batch_size, c.data.seq_len), device=device),) * 2
-                         for _ in range(layout.grad_accum_steps)]
-                train_step(model, optimizer, scheduler, micro, c.optim.grad_clip, device)  # creates AdamW states
+                built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
+                model, optimizer = built.model, built.optimizer
+                if is_fsdp(strategy) and target.type == "cpu":  # CPU runs use gloo
+                    gloo_reduce_scatter_footprint(model)
+                train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device)  # creates AdamW states
                 with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
                     profiler = StepProfiler(model, optimizer, device, heap_threshold=heap_threshold)
                 state: dict[str, int] = {}
@@ -274,14 +275,14 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
                         state["bytes"] = cats["params"] + cats["grads"] + cats["optimizer"]
 
                 with profiler:
-                    train_step(model, optimizer, scheduler, micro, c.optim.grad_clip, device, on_phase=on_phase)
+                    train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, on_phase=on_phase)
                 tensors = profiler.peak()
             pred = Prediction(strategy.value, world_size, tensors, baseline, model_state=state.get("bytes", 0),
                               heap_at_peak=sum(profiler.heap_peak().values()),
                               heap_activations=profiler.heap_phases["after_forward"]["activations"])
             pred.peak = predict_peak(pred, target, fsdp=is_fsdp(strategy))
             out.append(pred)
-            del model, optimizer, scheduler
+            del model, optimizer, built
     finally:
         dist.destroy_process_group()
     return out

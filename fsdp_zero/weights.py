@@ -121,35 +121,90 @@ def _safetensors_names(path: Path) -> list[str]:
         raise ValueError(f"{str(path)!r}: not a readable safetensors file ({e})") from None
 
 
-def check_state_dict_fits(model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str) -> None:
-    """Raises a ValueError listing missing, unexpected and mis-shaped keys, if any."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(shapes))
-    unexpected = sorted(set(shapes) - set(expected))
-    misshaped = sorted(f"{k}: file {shapes[k]} vs model {expected[k]}" for k in set(shapes) & set(expected)
-                       if shapes[k] != expected[k])
-    if missing or unexpected or misshaped:
-        parts = [f"{origin} does not fit this model"]
+def _state_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """Every tensor of the model's state dict once, with all the names it goes by (tied weights:
+    several; Hugging Face saves only one of them)."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    return [(names[i], tensors[i]) for i in names]
+
+
+def _common_prefixes(keys: list[str]) -> list[str]:
+    """'' and each leading dotted path ('a.', 'a.b.') that every key starts with."""
+    out, first = [""], keys[0].split(".")[:-1] if keys else []
+    for depth in range(1, min(3, len(first) + 1)):
+        prefix = ".".join(first[:depth]) + "."
+        if all(k.startswith(prefix) for k in keys):
+            out.append(prefix)
+    return out
+
+
+def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str) -> tuple[dict[str, str], str]:
+    """Which file tensor fills each of the model's state tensors: {model name: file name}, and the
+    renaming applied ('' if none).
+
+    Names may differ by a prefix a wrapper adds or removes (DDP's 'module.', torch.compile's
+    '_orig_mod.', a Hugging Face base model's 'model.'): every way of stripping a prefix all file
+    names share and adding one all model names share is tried, and the one that fits is used.
+    A tied weight needs only one of its names in the file.
+
+    Raises:
+        ValueError: no renaming fits; lists missing, unexpected and mis-shaped keys.
+    """
+    state = _state_tensors(model)
+    model_names = {n for names, _ in state for n in names}
+    files = list(shapes)
+    best: tuple[int, dict[str, str], list[str], list[str], list[str], str] | None = None
+    for strip in _common_prefixes(files):
+        for add in _common_prefixes(sorted(model_names)):
+            renamed = {add + k[len(strip):]: k for k in files}
+            mapping, missing, misshaped = {}, [], []
+            for names, t in state:
+                hit = next((n for n in names if n in renamed), None)
+                if hit is None:
+                    missing.append(names[0])
+                elif tuple(shapes[renamed[hit]]) != tuple(t.shape):
+                    misshaped.append(f"{names[0]}: file {tuple(shapes[renamed[hit]])} vs model {tuple(t.shape)}")
+                else:
+                    mapping[names[0]] = renamed[hit]
+            unexpected = sorted(renamed[k] for k in renamed if k not in model_names)
+            how = "" if not (strip or add) else f"file names {strip or ''!r} -> {add or ''!r}"
+            errors = len(missing) + len(misshaped) + len(unexpected)
+            if best is None or errors < best[0]:
+                best = (errors, mapping, sorted(missing), unexpected, sorted(misshaped), how)
+    errors, mapping, missing, unexpected, misshaped, how = best
+    if errors:
+        parts = [f"{origin} does not fit this model" + (f" (with the renaming {how})" if how else "")]
         for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
             if items:
                 parts.append(f"{label}: " + ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else ""))
         raise ValueError("; ".join(parts))
+    return mapping, how
 
 
 @torch.no_grad()
-def load_full_weights(model: nn.Module, path: Path) -> None:
-    """Copies a full state dict into the (sharded or plain) model, each rank reading only its rows.
+def load_full_weights(model: nn.Module, path: Path) -> str:
+    """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
+    model, each rank reading only its rows; returns the renaming applied (see `match_state_dict`).
 
     Raises:
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
     """
     weights = FullWeights(path)
-    origin = f"model.init_from={str(path)!r}"
-    check_state_dict_fits(model, weights.shapes, origin)
-    for name, param in model.named_parameters():  # tied weights: copied once, through their first name
-        local, start, stop = local_rows(param)
-        if stop > start or param.dim() == 0:
-            local.copy_(weights.rows(name, start, stop).to(local.dtype))
+    mapping, how = match_state_dict(model, weights.shapes, f"model.init_from={str(path)!r}")
+    state = model.state_dict(keep_vars=True)
+    for name, file_name in mapping.items():
+        tensor = state[name]
+        if tensor.dim() == 0:  # e.g. BatchNorm's num_batches_tracked
+            tensor.copy_(weights.rows(file_name, 0, 0).to(tensor.dtype))
+            continue
+        local, start, stop = local_rows(tensor)
+        if stop > start:
+            local.copy_(weights.rows(file_name, start, stop).to(local.dtype))
+    return how
 
 
 # ---------------------------------------------------------------------------------

@@ -67,6 +67,18 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
+def default_block_classes(model: nn.Module) -> list[str]:
+    """The block classes a model declares: a ``block_class`` attribute (the built-in model), or
+    Hugging Face's ``_no_split_modules`` (what Accelerate wraps by default), keeping the names
+    of classes the model actually holds."""
+    block = getattr(type(model), "block_class", None)
+    if block is not None:
+        return [block.__name__]
+    declared = getattr(model, "_no_split_modules", None) or []
+    present = {type(m).__name__ for m in model.modules()}
+    return [c for c in declared if c in present]
+
+
 def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
     """FQNs of the submodules the policy picks (not the root).
 
@@ -77,11 +89,14 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
     if cfg.policy is WrapPolicy.none:
         return []
     if cfg.policy is WrapPolicy.transformer:
-        block = getattr(type(model), "block_class", None)
-        classes = list(cfg.classes) or ([block.__name__] if block is not None else [])
-        if not classes:
-            raise ValueError("parallel.wrap.policy=transformer: set parallel.wrap.classes; this model names no block class")
         present = sorted({type(m).__name__ for _, m in named})
+        classes = list(cfg.classes) or default_block_classes(model)
+        if not classes:
+            raise ValueError(
+                f"parallel.wrap.policy=transformer: {type(model).__name__} declares no block class (no "
+                "_no_split_modules, no block_class); set parallel.wrap.classes to the repeated block, e.g. "
+                f"parallel.wrap.classes=[...]; this model's module classes: {', '.join(present)}"
+            )
         unknown = [c for c in classes if c not in present]
         if unknown:
             raise ValueError(

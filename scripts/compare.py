@@ -76,22 +76,23 @@ def run_dataparallel(cfg, env, out: Path) -> dict:
     One process drives all GPUs: the model lives on cuda:0 and is copied to every GPU at each
     forward; the "per-rank" peak is the highest peak reserved over the GPUs.
     """
+    from fsdp_zero.build import build_optimizer, construct, materializer, real_buffers
     from fsdp_zero.config import batch_layout
     from fsdp_zero.data import BatchCursor, build_source
     from fsdp_zero.memory import model_state_bytes
-    from fsdp_zero.model import build_model
-    from fsdp_zero.trainer import build_optimizer, build_scheduler, train_step, transformer_args
+    from fsdp_zero.tasks import build_task, vocab_size
+    from fsdp_zero.trainer import set_lr, train_step
 
     devices = list(range(torch.cuda.device_count()))
     for d in devices:
         torch.cuda.reset_peak_memory_stats(d)
-    args = transformer_args(cfg.model)
-    model = build_model(args, device=env.device)
-    model.init_weights(cfg.train.seed)
+    model = construct(cfg.model)
+    materializer(env.device, cfg.model.init, cfg.train.seed, real_buffers(model), [])(model)
     parallel = torch.nn.DataParallel(model, device_ids=devices)
     optimizer = build_optimizer(model, cfg.optim, env.device)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    cursor = BatchCursor(build_source(cfg.data, args.vocab_size, cfg.train.seed), batch_layout(cfg.train, 1), 0)
+    source = build_source(cfg.data, cfg.train.seed, vocab_size(model))
+    cursor = BatchCursor(source, batch_layout(cfg.train, 1), 0)
+    loss_fn = build_task(cfg.model)
     state: dict[str, int] = {}
 
     def on_phase(name: str) -> None:
@@ -100,12 +101,13 @@ def run_dataparallel(cfg, env, out: Path) -> dict:
 
     start = time.perf_counter()
     for step in range(1, cfg.train.steps + 1):
-        loss, _, _ = train_step(parallel, optimizer, scheduler, cursor.next_batch(), cfg.optim.grad_clip, env.device,
+        set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
+        loss, _, _ = train_step(parallel, optimizer, loss_fn, cursor.next_batch(), cfg.optim.grad_clip, env.device,
                                 on_phase=on_phase if step == 1 else None)
     final = loss.item()
     elapsed = time.perf_counter() - start
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB
-    return {"strategy": "dataparallel", "num_params": args.num_params(), "steps": cfg.train.steps,
+    return {"strategy": "dataparallel", "num_params": sum(p.numel() for p in model.parameters()), "steps": cfg.train.steps,
             "step_s": elapsed / cfg.train.steps, "final_loss": final, "model_state": state.get("bytes", 0),
             "breakdown": dict.fromkeys(CATEGORIES, 0), "peak_rss_mib": peak, "peak_reserved_mib": peak}
 

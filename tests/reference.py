@@ -1,8 +1,9 @@
-"""Single-process training of the built-in model on the whole global batch: the ground truth.
+"""Single-process training of the configured model on the whole global batch: the ground truth.
 
 Written independently of fsdp_zero.trainer on purpose (plain torch: one forward over the
-global batch, torch's own clip_grad_norm_, its own learning-rate schedule), sharing only
-the model and the data source, so that parity tests check the sharded loop against it.
+global batch, its own loss, torch's own clip_grad_norm_, its own learning-rate schedule),
+sharing only the model's construction and initialisation and the data source, so that
+parity tests check the sharded loop against it.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fsdp_zero.config import Config, OptimConfig
+from fsdp_zero.build import construct, materializer, real_buffers
+from fsdp_zero.config import Config, OptimConfig, Task
 from fsdp_zero.data import build_source
-from fsdp_zero.model import build_model
-from fsdp_zero.trainer import transformer_args
+from fsdp_zero.tasks import vocab_size
 
 
 def reference_lr(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -31,12 +32,11 @@ def reference_lr(cfg: OptimConfig, step: int, total_steps: int) -> float:
 
 
 def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, device: str = "cpu") -> dict:
-    """Trains from ``init_weights`` (or from ``initial`` weights) and returns losses, norms and weights
-    (on the CPU, whatever ``device`` trained them)."""
+    """Trains from the model's initial weights for the seed (or from ``initial`` weights) and returns
+    losses, norms and weights (on the CPU, whatever ``device`` trained them)."""
     torch.manual_seed(cfg.train.seed)
-    args = transformer_args(cfg.model)
-    model = build_model(args, device=device)
-    model.init_weights(cfg.train.seed)
+    model = construct(cfg.model)
+    materializer(torch.device(device), cfg.model.init, cfg.train.seed, real_buffers(model), [])(model)
     if initial is not None:
         model.load_state_dict(initial)
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -46,15 +46,18 @@ def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, d
          {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
         lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True,
     )
-    source = build_source(cfg.data, args.vocab_size, cfg.train.seed)
+    source = build_source(cfg.data, cfg.train.seed, vocab_size(model))
     gbs = cfg.train.global_batch_size
     losses, norms, lrs = {}, {}, {}
     for step in range(1, cfg.train.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = reference_lr(o, step, cfg.train.steps)
-        tokens = source.samples(range((step - 1) * gbs, step * gbs)).to(device)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        inputs, targets = (t.to(device) for t in source.batch(range((step - 1) * gbs, step * gbs)))
+        out = model(inputs)
+        logits = getattr(out, "logits", out).float()  # Hugging Face models return an object
+        if cfg.model.task is Task.causal_lm:
+            logits, targets = logits.flatten(0, 1), targets.flatten()
+        loss = F.cross_entropy(logits, targets)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
         optimizer.step()

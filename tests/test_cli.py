@@ -43,7 +43,7 @@ def test_default_run_trains_and_the_loss_falls(default_run):
     assert rows[-1]["loss"] < 2.0 < rows[0]["loss"]  # ln 512 = 6.24 at init; the chain's entropy is 1.19
     assert all(len(r["peak_mem_mib"]) == 2 and min(r["peak_mem_mib"]) > 0 for r in rows)
     # Start-up prints the batch arithmetic and the wrap plan; each log line has its fields.
-    assert "global batch 16 sequences = micro-batch 4 x grad-accum 2 x data-parallel ranks 2" in output
+    assert "global batch 16 samples = micro-batch 4 x grad-accum 2 x data-parallel ranks 2" in output
     assert "layers.3  TransformerBlock" in output and "<root>" in output
     assert "step   150 | loss" in output and "tok/s | peak mem/rank MiB [" in output
     assert (run_dir / "config.yaml").read_text().startswith("model:")

@@ -51,6 +51,49 @@ def test_bad_input_names_the_key_and_the_choices(override: str, message: str):
         load_config(None, [override])
 
 
+VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classification", "data.source=fake_images"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.kwargs.dim=8"], r"model\.kwargs=\{'dim': 8\} is set without model\.target"),
+        (["model.target=torchvision.models.VisionTransformer"], r"model\.target='torchvision\.models\.VisionTransformer': "
+                                                                r"expected package\.module:callable"),
+        ([*VIT, "model.dim=64"], r"model\.dim=64 only applies to the built-in model"),
+        (["model.task=custom"], r"model\.task=custom needs model\.loss"),
+        (["model.loss=a.b:c"], r"model\.loss='a\.b:c' is set but model\.task=causal_lm; set model\.task=custom"),
+        (["data.source=tokens"], r"data\.source=tokens needs data\.path \(a \.bin or \.npy file of token ids\)"),
+        (["data.source=tokens", "data.path=pyproject.toml"], r"data\.source=tokens needs a \.bin or \.npy file"),
+        (["data.source=images"], r"data\.source=images does not feed model\.task=causal_lm; valid choices: synthetic, text, tokens"),
+        ([*VIT[:2]], r"data\.source=synthetic does not feed model\.task=classification; valid choices: images, fake_images"),
+        (["data.token_dtype=float32"], r"data\.token_dtype='float32' is not a valid choice; valid choices: uint16, uint32"),
+        ([*VIT, "data.num_workers=-1"], r"data\.num_workers=-1: must be >= 0"),
+        (["model.init=random"], r"model\.init='random' is not a valid choice; valid choices: auto, standard, model"),
+    ],
+)
+def test_bad_model_and_data_settings_name_the_key(overrides: list[str], message: str):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.target=no_such_pkg.mod:Model"], r"model\.target='no_such_pkg\.mod:Model': cannot import 'no_such_pkg\.mod'"),
+        (["model.target=torch.nn:NoSuchModel"], r"model\.target='torch\.nn:NoSuchModel': 'torch\.nn' has no 'NoSuchModel'"),
+        (["model.target=torch.nn:Linear", "model.kwargs.width=3"], r"model\.target=torch\.nn:Linear does not accept "
+                                                                     r"model\.kwargs=\{'width': 3\}"),
+        (["model.target=math:pi"], r"model\.target='math:pi' is a float, not a class or function"),
+    ],
+)
+def test_a_model_target_that_does_not_build_names_the_key(overrides: list[str], message: str):
+    from fsdp_zero.build import construct
+
+    with pytest.raises(ValueError, match=message):
+        construct(load_config(None, overrides).model)
+
+
 def test_bad_yaml_key_names_the_file(tmp_path: Path):
     path = tmp_path / "bad.yaml"
     path.write_text("optim:\n  learning_rate: 0.1\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -199,3 +200,61 @@ def test_cuda_memory_monitor_reports_the_allocator():
     torch.cuda.empty_cache()
     monitor.reset_peaks()
     assert monitor.read()["cuda_peak_allocated_mib"] < 256
+
+
+def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
+    """The files that make a checkpoint folder complete (its tensors do not matter to the policy)."""
+    from fsdp_zero.config import to_yaml
+
+    path = run_dir / "checkpoints" / f"step-{step:07d}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    (path / "train_state.json").write_text(json.dumps({"step": step, "data_position": 8 * step, "seed": cfg.train.seed}))
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    return path
+
+
+def test_run_directory_policy_in_process(tmp_path: Path):
+    from fsdp_zero.config import load_config, to_yaml
+    from fsdp_zero.rundir import plan_run_dir, run_files, write_run_dir
+
+    base = ["model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=r"]
+    run_dir = tmp_path / "r"
+    cfg = load_config(None, base)
+    assert plan_run_dir(cfg, run_dir, seed_was_set=True) is None  # nothing there: a fresh start
+    write_run_dir(run_dir, run_files(cfg, run_dir, 0, "plan"), tag="0")
+    assert (run_dir / "config.yaml").read_text() == to_yaml(cfg) and (run_dir / "wrap_plan.txt").read_text() == "plan\n"
+    with pytest.raises(ValueError, match="already holds a run with a different config"):
+        plan_run_dir(load_config(None, base + ["train.steps=7"]), run_dir, seed_was_set=True)
+
+    _checkpoint(run_dir, 2, cfg)
+    latest = _checkpoint(run_dir, 4, cfg)
+    assert plan_run_dir(load_config(None, base + ["optim.lr=1e-3", "data.num_workers=1"]), run_dir, True) == latest
+    with pytest.raises(ValueError, match=r"checkpoint\.resume=none but run directory .* holds checkpoints \(newest step-0000004\)"):
+        plan_run_dir(load_config(None, base + ["checkpoint.resume=none"]), run_dir, True)
+    with pytest.raises(ValueError, match=r"model\.n_layers: None in the checkpoint, 3 now"):
+        plan_run_dir(load_config(None, base + ["model.n_layers=3"]), run_dir, True)
+    older = load_config(None, base + [f"checkpoint.resume={run_dir / 'checkpoints' / 'step-0000002'}"])
+    with pytest.raises(ValueError, match=r"holds newer checkpoints \(step-0000004\)"):
+        plan_run_dir(older, run_dir, True)
+    unseeded = load_config(None, base + ["train.seed=null"])
+    plan_run_dir(unseeded, run_dir, seed_was_set=False)
+    assert unseeded.train.seed == cfg.train.seed  # inherits the checkpoint's seed
+
+    # After a crash at step 6, metrics past the step-4 checkpoint are dropped; the old log is kept.
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
+    write_run_dir(run_dir, run_files(cfg, run_dir, 4, "plan"), tag="4")
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert len((run_dir / "metrics.jsonl.4").read_text().splitlines()) == 6
+
+
+def test_learning_rate_is_set_from_the_step_alone():
+    from fsdp_zero.config import OptimConfig
+    from fsdp_zero.trainer import set_lr
+    from tests.reference import reference_lr
+
+    cfg = OptimConfig(lr=1e-2, warmup_steps=3, min_lr_ratio=0.1)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
+    for step in (7, 0, 19, 3):  # any order: no state carried between calls
+        assert set_lr(opt, cfg, step, 20) == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-15)
+        assert opt.param_groups[0]["lr"] == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-15)

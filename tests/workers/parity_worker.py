@@ -1,10 +1,10 @@
-"""Trains through fsdp_zero.trainer and saves what the parity tests compare.
+"""Trains any configured model through fsdp_zero.trainer and saves what the parity tests compare.
 
-    torchrun --nproc_per_node=N tests/workers/parity_worker.py OUT.pt key=value ...
+    torchrun --nproc_per_node=N tests/workers/parity_worker.py OUT.pt [--config X.yaml] key=value ...
 
 OUT.pt (rank 0): per-step losses, grad norms and learning rates, the full weights before and after
-training, the final model's logits on a fixed batch, and every rank's model-state
-bytes after the first optimizer step.
+training, the final model's logits on a fixed batch (the data's first two samples), every rank's
+model-state bytes after the first optimizer step, and the wrap plan's padded shard bytes per rank.
 """
 
 import json
@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fsdp_zero.config import load_config
 from fsdp_zero.distributed import destroy_distributed, exit_process, init_distributed, setup_logging
+from fsdp_zero.tasks import logits_of
 from fsdp_zero.trainer import setup, train
 
 
@@ -27,7 +28,10 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     out, overrides = sys.argv[1], sys.argv[2:]
-    cfg = load_config(None, overrides)
+    path = None
+    if overrides[:1] == ["--config"]:
+        path, overrides = overrides[1], overrides[2:]
+    cfg = load_config(path, overrides)
     env = init_distributed(cfg.dist)
     try:
         setup_logging(env)
@@ -36,15 +40,16 @@ def main() -> None:
         result = train(cfg, env, parts)
         final = full_weights(parts.model)
         with torch.no_grad():  # the sharded model's outputs on a fixed batch
-            tokens = torch.arange(64).remainder(parts.args.vocab_size).view(2, 32)
-            logits = parts.model(tokens.to(env.device)).cpu()
+            inputs = parts.cursor.source.batch(range(2))[0]
+            logits = logits_of(parts.model(inputs.to(env.device))).cpu()
         states = [None] * env.world_size
         dist.all_gather_object(states, result.model_state_bytes)
         if env.is_rank0:
             log = [json.loads(line) for line in (parts.run_dir / "metrics.jsonl").read_text().splitlines()]
             lrs = {row["step"]: row["lr"] for row in log}  # the rate each logged step used
             torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "lrs": lrs, "initial": initial,
-                        "final": final, "logits": logits, "model_state_bytes": states, "num_params": parts.num_params}, out)
+                        "final": final, "logits": logits, "model_state_bytes": states, "num_params": parts.num_params,
+                        "shard_bytes": [u.bytes_per_rank for u in parts.plan.units]}, out)
     finally:
         destroy_distributed()
 

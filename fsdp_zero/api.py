@@ -1,0 +1,129 @@
+"""Your own training loop, with fsdp-zero's sharding, checkpoints and memory curves.
+
+For users coming from ``deepspeed.initialize(...)`` who keep their loop. The same code
+the trainer uses (`fsdp_zero.build.shard`, `fsdp_zero.checkpoint`, `fsdp_zero.memory`),
+with plain arguments instead of a config::
+
+    import fsdp_zero.api as fz
+
+    env = fz.init_distributed()                       # torchrun's ranks; CPU/gloo or CUDA/NCCL
+    with fz.meta_init():                              # optional: parameters take no memory yet
+        model = MyModel()
+    model = fz.shard(model, env, wrap=["Block"], seed=0)   # ZeRO-3; materialised and initialised
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    checkpoints = fz.Checkpoints("runs/mine/checkpoints", env)
+    start, state = checkpoints.resume(model, optimizer)   # (0, {}) when there is none
+    memory = fz.MemoryLog("runs/mine", env)
+    for step in range(start + 1, steps + 1):
+        loss = ...; loss.backward()
+        fz.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step(); optimizer.zero_grad()
+        memory.log(step, model, optimizer, loss=loss.item())
+        checkpoints.save(step, model, optimizer, {"samples_seen": ...})
+    memory.close(); checkpoints.close(); fz.finish()
+
+`scripts/own_loop.py` is a complete example. Checkpoints are the trainer's (sharded DCP,
+resumable at another world size, exportable with scripts/export.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fsdp_zero.build import meta_parameters
+from fsdp_zero.build import shard as _shard
+from fsdp_zero.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from fsdp_zero.config import Backend, Device, DistConfig, Init, ParallelConfig, Strategy, WrapConfig, WrapPolicy
+from fsdp_zero.distributed import DistEnv, destroy_distributed
+from fsdp_zero.distributed import init_distributed as _init_distributed
+from fsdp_zero.memory import MemoryMonitor, memory_scalars
+from fsdp_zero.metrics import TensorBoardLogger, tensorboard_dir
+from fsdp_zero.trainer import clip_grad_norm_
+
+__all__ = ["Checkpoints", "MemoryLog", "clip_grad_norm_", "finish", "init_distributed", "meta_init", "shard"]
+
+meta_init = meta_parameters
+
+
+def init_distributed(device: str = "auto", backend: str = "auto") -> DistEnv:
+    """Joins torchrun's process group (plain ``python``: a group of one) and picks the device.
+
+    Raises:
+        ValueError: device="cuda" or backend="nccl" without a visible GPU.
+    """
+    return _init_distributed(DistConfig(backend=Backend(backend), device=Device(device)))
+
+
+def finish() -> None:
+    """Leaves the process group (after a barrier)."""
+    destroy_distributed()
+
+
+def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: list[str] | None = None,
+          seed: int | None = 0, init: str = "auto", shard_size: int = 2) -> nn.Module:
+    """Shards ``model`` over ``env``'s ranks with ``strategy`` (full_shard = ZeRO-3, shard_grad_op,
+    hybrid_shard, zero1, ddp) and returns the module to train.
+
+    ``wrap``: the classes whose instances become FSDP units (default: the model's declared block
+    class or Hugging Face's ``_no_split_modules``). A model built under `meta_init` is then
+    materialised, each rank allocating only its shards, and initialised from ``seed`` (``init``:
+    auto, standard or model; see `fsdp_zero.build.initialize`). A model built with real weights
+    keeps them: FSDP shards what is there. zero1: build the optimizer with
+    ``torch.distributed.optim.ZeroRedundancyOptimizer`` yourself.
+
+    Raises:
+        ValueError: an unknown strategy, or wrap classes the model does not have.
+    """
+    try:
+        parallel = ParallelConfig(strategy=Strategy(strategy), shard_size=shard_size,
+                                  wrap=WrapConfig(policy=WrapPolicy.transformer, classes=list(wrap or [])))
+    except ValueError:
+        raise ValueError(f"strategy={strategy!r} is not a valid choice; valid choices: "
+                         f"{', '.join(s.value for s in Strategy)}") from None
+    return _shard(model, parallel, env, seed=seed, init=Init(init))[0]
+
+
+class Checkpoints:
+    """Sharded checkpoints under ``root``/step-NNNNNNN, the newest ``keep_last`` kept (0: all)."""
+
+    def __init__(self, root: str | Path, env: DistEnv, keep_last: int = 2, async_save: bool = False) -> None:
+        self.root, self.env = Path(root), env
+        self._writer = Checkpointer(self.root, keep_last, async_save, env.rank, env.device)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict | None = None) -> None:
+        """Saves model, optimizer, RNG and ``state`` (JSON-serialisable: your loop's position) as ``step``."""
+        self._writer.save(step, model, optimizer, {"step": step, **(state or {})}, config_yaml="{}\n")
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path | None = None) -> tuple[int, dict]:
+        """Loads ``path`` (default: the newest complete checkpoint under root) into model and optimizer,
+        at any world size; returns (its step, the state saved with it), or (0, {}) if there is none."""
+        path = Path(path) if path else latest_checkpoint(self.root)
+        if path is None:
+            return 0, {}
+        state = load_checkpoint(path, model, optimizer, self.env.rank, self.env.device)
+        return state["step"], state
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MemoryLog:
+    """Per-rank memory curves in TensorBoard, under the trainer's tags (memory/*): run
+    ``tensorboard --logdir <run_dir>``. Peaks cover the time since the previous `log`."""
+
+    def __init__(self, run_dir: str | Path, env: DistEnv) -> None:
+        self.monitor = MemoryMonitor(env.device)
+        self.writer = TensorBoardLogger(tensorboard_dir(Path(run_dir), env.rank))
+
+    def log(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **scalars: float) -> dict:
+        """Logs memory (and ``scalars``, as train/<name>) at ``step``; returns the memory figures (MiB)."""
+        mem = memory_scalars(self.monitor, model, optimizer)
+        self.writer.log({**mem, **{f"train/{k}": v for k, v in scalars.items()}}, step)
+        self.monitor.reset_peaks()
+        return mem
+
+    def close(self) -> None:
+        self.writer.close()

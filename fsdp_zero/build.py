@@ -1,0 +1,274 @@
+"""The one build path: a config in, the sharded, initialised model and its optimizer out.
+
+    model = construct(cfg.model)              # parameters on the meta device, buffers real
+    built = build(cfg, env, seed)             # wrap plan, parallelize, materialise, init, optimizer
+
+`construct` imports ``model.target`` (any class or factory returning an ``nn.Module``) or
+builds the built-in transformer, with every parameter on the meta device (shapes only:
+a model larger than one rank's memory never exists whole) and every buffer computed as
+the constructor computes it (BatchNorm statistics, rotary tables), so buffers are right
+after materialisation without any initialiser knowing them. `shard` applies a strategy to
+such a model and materialises each rank's shards; `build` adds the optimizer. No file
+I/O, no broadcasts: the trainer, the planner, scripts/compare.py, the benchmarks and the
+own-loop API (`fsdp_zero.api`) all build through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from fsdp_zero import init as init_lib
+from fsdp_zero.config import (
+    Config, Init, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, Strategy, WrapConfig, WrapPolicy,
+)
+from fsdp_zero.distributed import DistEnv
+from fsdp_zero.parallelize import is_fsdp, parallelize, shard_degree
+from fsdp_zero.wrap import WrapPlan, build_wrap_plan
+
+logger = logging.getLogger("fsdp_zero")
+
+
+def import_target(target: str, key: str) -> Callable:
+    """``package.module:attr`` (attr may be dotted) -> the object. The module is looked for on the
+    Python path, then in the current directory (``torchrun scripts/train.py`` puts only scripts/ on
+    the path, so a module of the user's project would not be found otherwise).
+
+    Raises:
+        ValueError: a module that does not import, or a missing attribute; names ``key``.
+    """
+    module_name, _, attr = target.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if os.getcwd() in sys.path or not module_name.startswith(e.name or "\0"):
+            raise ValueError(f"{key}={target!r}: cannot import {module_name!r}: {e}") from None
+        sys.path.append(os.getcwd())
+        return import_target(target, key)
+    except ImportError as e:
+        raise ValueError(f"{key}={target!r}: cannot import {module_name!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(obj) if not n.startswith("_"))[:20]
+            raise ValueError(f"{key}={target!r}: {module_name!r} has no {attr!r} (it has: {', '.join(names)}, ...)")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{key}={target!r} is a {type(obj).__name__}, not a class or function")
+    return obj
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Inside, every parameter a module registers moves to the meta device at once; buffers stay
+    where the constructor made them (CPU), with their values. (Accelerate's init_empty_weights
+    with include_buffers=False does the same.) A parameter already on the meta device is kept
+    as it is, so weights tied by assigning one Parameter to two modules stay tied."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def construct(cfg: ModelConfig) -> nn.Module:
+    """The configured model, parameters on the meta device, buffers real (see the module docstring).
+
+    A Hugging Face model class (one with a ``config_class``) is given its config built from
+    ``model.kwargs``; any other target is called with ``model.kwargs`` as keyword arguments.
+
+    Raises:
+        ValueError: a target that does not import, does not accept the kwargs, or returns no nn.Module.
+    """
+    with meta_parameters():
+        if cfg.target is None:
+            from fsdp_zero.model import from_config
+
+            return from_config(cfg)
+        factory = import_target(cfg.target, "model.target")
+        kwargs = dict(cfg.kwargs)
+        try:
+            config_class = getattr(factory, "config_class", None)
+            if inspect.isclass(factory) and config_class is not None and hasattr(config_class, "to_dict"):
+                model = factory(config_class(**kwargs))  # Hugging Face: MyModel(MyConfig(**kwargs))
+            else:
+                model = factory(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"model.target={cfg.target} does not accept model.kwargs={kwargs}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model.target={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers the constructor computed (not on the meta device), by name, to restore after ``to_empty``."""
+    return {name: b for name, b in model.named_buffers() if not b.is_meta}
+
+
+def _own_init_takes_seed(model: nn.Module) -> bool:
+    fn = getattr(model, "init_weights", None)
+    return callable(fn) and "seed" in inspect.signature(fn).parameters
+
+
+def initialize(model: nn.Module, how: Init, seed: int) -> str:
+    """Gives the materialised (plain or sharded) ``model`` its initial parameters; returns what was done.
+
+    auto: the model's own ``init_weights(seed)`` if it has one (the built-in model), else standard.
+    standard: `fsdp_zero.init.init_standard`, identical for a seed at any world size; for a Hugging
+        Face model (a config with initializer_range) with that std, as its _init_weights does.
+    model: the model's own initialiser on each rank's shards: ``init_weights(seed)``, or Hugging
+        Face's ``_init_weights`` applied to every module after ``torch.manual_seed(seed)``. What it
+        guarantees across world sizes is what its random calls on sharded tensors guarantee: on CUDA,
+        DTensor's random ops are world-size invariant; on CPU they are not.
+
+    Raises:
+        ValueError: model.init=model for a model with no initialiser of its own.
+    """
+    if how is Init.auto:
+        how = Init.model if _own_init_takes_seed(model) else Init.standard
+    if how is Init.model:
+        if _own_init_takes_seed(model):
+            model.init_weights(seed)
+            return f"{type(model).__name__}.init_weights(seed={seed})"
+        if callable(getattr(model, "_init_weights", None)):
+            torch.manual_seed(seed)
+            for m in model.modules():  # Hugging Face skips modules it marked as initialised
+                m.__dict__.pop("_is_hf_initialized", None)
+            for p in list(model.parameters()) + list(model.buffers()):
+                p.__dict__.pop("_is_hf_initialized", None)
+            with torch.no_grad():
+                model.apply(model._init_weights)
+            return f"{type(model).__name__}._init_weights (torch.manual_seed({seed}))"
+        raise ValueError(f"model.init=model: {type(model).__name__} has no init_weights(seed) or _init_weights; "
+                         "valid choices: auto, standard")
+    std = getattr(getattr(model, "config", None), "initializer_range", None)
+    leftover = init_lib.init_standard(model, seed, linear_std=std)
+    note = "standard layers" + (f" (Hugging Face initializer_range {std})" if std is not None else "")
+    if leftover:
+        shown = ", ".join(leftover[:6]) + (f", ... ({len(leftover)} in all)" if len(leftover) > 6 else "")
+        note += f"; N(0, 0.02^2) for parameters of no standard layer: {shown}"
+    return note
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter shared by several modules (tied weights), first name first."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def materializer(device: torch.device, how: Init, seed: int | None, buffers: dict[str, torch.Tensor],
+                 notes: list[str]) -> Callable[[nn.Module], None]:
+    """What `parallelize` calls once the model is sharded: allocate each rank's shards on ``device``,
+    put the constructor's buffers back, initialise (``seed`` None: leave the memory as allocated)."""
+
+    def materialize(model: nn.Module) -> None:
+        tied = _tied_names(model)
+        model.to_empty(device=device)  # FSDP: each rank allocates only its shards
+        for first, *others in tied:  # to_empty gives each module a tensor of its own: tie them again
+            for name in others:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+        with torch.no_grad():
+            for name, value in buffers.items():
+                model.get_buffer(name).copy_(value)
+        if seed is not None:
+            notes.append(initialize(model, how, seed))
+
+    return materialize
+
+
+# ---------------------------------------------------------------------------------
+# Sharding and the optimizer
+
+
+def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int | None, init: Init = Init.auto,
+          mesh: DeviceMesh | None = None, ddp: Callable[[nn.Module], nn.Module] | None = None) -> tuple[nn.Module, WrapPlan, str]:
+    """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
+    a model with real weights keeps them (FSDP shards what is there).
+
+    Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
+    parameters were initialised. ``seed`` None leaves them uninitialised (the planner, or weights
+    loaded next). ``ddp`` replaces DistributedDataParallel for the DDP strategies (the planner's
+    stand-in).
+
+    Raises:
+        ValueError: a wrap setting the model does not fit (see `fsdp_zero.wrap.build_wrap_plan`).
+    """
+    degree = shard_degree(parallel, env.world_size)
+    wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
+    plan = build_wrap_plan(model, wrap, degree)
+    notes: list[str] = []
+    if any(p.is_meta for p in model.parameters()):
+        materialize = materializer(env.device, init, seed, real_buffers(model), notes)
+    else:
+        materialize = lambda m: m.to(env.device)  # noqa: E731 - weights given: only moved
+        notes.append("weights as given")
+    model = parallelize(model, parallel, plan, env, materialize, mesh=mesh, ddp=ddp)
+    return model, plan, "; ".join(notes)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and embeddings, none on 1-D parameters (norm gains, biases).
+
+    With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
+    its own partition of the parameters (whole tensors, balanced by size) and broadcasts
+    its updated parameters after the step.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    impl = cfg.implementation
+    if impl is OptimizerImpl.auto:
+        impl = OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=impl is OptimizerImpl.fused,
+                  foreach=impl is OptimizerImpl.foreach)
+    if zero1:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+@dataclass
+class Built:
+    model: nn.Module  # what to call: the sharded model, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+    plan: WrapPlan
+    num_params: int
+    init_note: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | None = None,
+          ddp: Callable[[nn.Module], nn.Module] | None = None, model: nn.Module | None = None) -> Built:
+    """The configured model, sharded by ``cfg.parallel`` over ``env``'s ranks and initialised with
+    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``mesh`` and ``ddp``;
+    ``model``: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor mode).
+
+    Raises:
+        ValueError: a model.target that does not build, or a wrap setting the model does not fit.
+    """
+    model = model if model is not None else construct(cfg.model)
+    num_params = sum(p.numel() for p in model.parameters())
+    model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, mesh=mesh, ddp=ddp)
+    optimizer = build_optimizer(model, cfg.optim, env.device, zero1=cfg.parallel.strategy is Strategy.zero1)
+    return Built(model, optimizer, plan, num_params, note)

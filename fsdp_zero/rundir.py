@@ -1,0 +1,160 @@
+"""The run directory: whether a run starts fresh, continues, or is refused; what it writes.
+
+Rank 0 decides (`plan_run_dir`, plain and testable in-process), every rank learns the
+decision (`decide_run_dir`), and nothing is written until set-up has succeeded
+(`write_run_dir`). A config that would overwrite a user's run, or continue a checkpoint
+with settings that change what it means, is refused with the reason; a file that changes
+is kept beside the new one (name.<step>), never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from fsdp_zero.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints, read_train_state
+from fsdp_zero.config import Config, to_yaml
+from fsdp_zero.distributed import DistEnv, broadcast_object
+
+logger = logging.getLogger("fsdp_zero")
+
+
+# Settings a checkpoint cannot be continued under: they change the parameters' shapes
+# or what the saved data position means.
+INCOMPATIBLE = ("model.", "data.", "train.global_batch_size", "train.seed")
+# ... except these, which change how, not what, and those that matter only at the start.
+COMPATIBLE = ("data.num_workers",)
+IGNORED_IN_DIFF = ("run.", "checkpoint.resume", "model.init_from", "model.init")
+
+
+def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ between two resolved configs (as plain dicts)."""
+    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(old), flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not k.startswith(IGNORED_IN_DIFF)}
+
+
+def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
+    """Rank 0's decision: which checkpoint to resume from (None: a fresh start).
+
+    Raises:
+        ValueError: a run directory or checkpoint that this config must not continue or overwrite.
+    """
+    saved_cfg = run_dir / "config.yaml"
+    ckpts = list_checkpoints(run_dir / "checkpoints")
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        if ckpts:
+            raise ValueError(
+                f"checkpoint.resume=none but run directory {str(run_dir)!r} holds checkpoints (newest "
+                f"{ckpts[-1].name}) that a fresh run would overwrite; use checkpoint.resume=auto, or another run.name"
+            )
+        resume_from = None
+    elif resume == "auto":
+        resume_from = latest_checkpoint(run_dir / "checkpoints")
+    else:
+        resume_from = Path(resume)
+        step = read_train_state(resume_from)["step"]  # a clear error for a partial or missing checkpoint
+        newer = [p for p in ckpts if checkpoint_step(p) > step]
+        if newer:
+            raise ValueError(
+                f"checkpoint.resume={resume}: run directory {str(run_dir)!r} holds newer checkpoints "
+                f"({', '.join(p.name for p in newer)}) that continuing from step {step} would overwrite; "
+                "continue into another run.name"
+            )
+
+    if resume_from is not None:
+        old = OmegaConf.to_container(OmegaConf.load(resume_from / "config.yaml"))
+        new = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
+        if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
+            new["train"]["seed"] = old["train"]["seed"]
+            cfg.train.seed = old["train"]["seed"]
+        diff = config_diff(old, new)
+        bad = {k: v for k, v in diff.items() if k.startswith(INCOMPATIBLE) and not k.startswith(COMPATIBLE)}
+        if bad:
+            changes = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items())
+            raise ValueError(f"cannot continue checkpoint {str(resume_from)!r} with a changed config: {changes}")
+        if diff:
+            logger.info("resuming with changed settings: %s",
+                        "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()))
+    elif saved_cfg.exists() and saved_cfg.read_text() != to_yaml(cfg):
+        raise ValueError(
+            f"run directory {str(run_dir)!r} already holds a run with a different config "
+            f"({saved_cfg}); choose another run.name, or delete that folder to start over"
+        )
+    return resume_from
+
+
+def decide_run_dir(cfg: Config, env: DistEnv, seed_was_set: bool) -> tuple[Path, Path | None]:
+    """The run directory and the checkpoint to resume from, if any; writes nothing.
+
+    Raises:
+        ValueError: as `plan_run_dir`, on every rank (rank 0 decides and broadcasts).
+    """
+    if cfg.run.name is None:
+        cfg.run.name = broadcast_object(datetime.now().strftime("%Y%m%d-%H%M%S"), env)
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    decision: tuple[str | None, str | None, int | None] = (None, None, None)  # resume path, error, seed
+    if env.is_rank0:
+        try:
+            resume_from = plan_run_dir(cfg, run_dir, seed_was_set)
+            decision = (str(resume_from) if resume_from else None, None, cfg.train.seed)
+        except Exception as e:  # any failure must reach the other ranks, or they wait forever
+            decision = (None, str(e) if isinstance(e, ValueError) else f"run directory {str(run_dir)!r}: {e!r}", None)
+    resume, error, seed = broadcast_object(decision, env)
+    if error:
+        raise ValueError(error)
+    cfg.train.seed = seed
+    return run_dir, Path(resume) if resume else None
+
+
+def _keep(path: Path, tag: str) -> None:
+    """Moves ``path`` aside as path.<tag> (path.<tag>.1, ... if taken): nothing is overwritten."""
+    target, n = path.with_name(f"{path.name}.{tag}"), 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{tag}.{n}")
+    path.replace(target)
+
+
+def write_run_dir(run_dir: Path, files: dict[str, str], tag: str) -> None:
+    """Rank 0 writes the run's files once set-up has succeeded; a changed one is kept as name.<tag>."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        path = run_dir / name
+        if path.exists():
+            if path.read_text() == text:
+                continue
+            _keep(path, tag)
+        tmp = path.with_name(f".{name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+def run_files(cfg: Config, run_dir: Path, step: int, wrap_table: str | None) -> dict[str, str]:
+    """What rank 0 writes into the run directory once set-up has succeeded (see `write_run_dir`).
+
+    After a crash, steps past the checkpoint are trained again: metrics.jsonl keeps only the
+    steps up to ``step`` (the full old log is kept as metrics.jsonl.<step>).
+    """
+    files = {"config.yaml": to_yaml(cfg)}
+    if wrap_table:
+        files["wrap_plan.txt"] = wrap_table + "\n"
+    history = run_dir / "metrics.jsonl"
+    if history.exists():
+        lines = history.read_text().splitlines(keepends=True)
+        kept = "".join(line for line in lines if json.loads(line)["step"] <= step)
+        if len(kept) != sum(map(len, lines)):
+            files["metrics.jsonl"] = kept
+    return files

@@ -1,0 +1,46 @@
+"""A user's own model and loss, as `model.target` and `model.loss` name them in the tests.
+
+Nothing here knows about fsdp-zero: a plain nn.Module with standard layers (an embedding, a
+1-D convolution, BatchNorm with its running statistics, Linear layers with biases) and a
+loss function taking (model, batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, kernel_size=3, padding=2)  # causal after the crop below
+        self.norm = nn.BatchNorm1d(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, seq, dim)
+        h = self.conv(x.transpose(1, 2))[..., : x.shape[1]]
+        return x + self.proj(F.gelu(self.norm(h)).transpose(1, 2))
+
+
+class ConvLM(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Cross-entropy, and the share of targets the model ranks first, logged as train/top1."""
+    inputs, targets = batch
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return loss, {"top1": (logits.argmax(-1) == targets).float().mean()}
