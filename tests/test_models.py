@@ -271,6 +271,10 @@ def test_init_from_a_hugging_face_folder_and_a_prefixed_state_dict(tmp_path: Pat
 
     cfg = _cfg("llama")
     source = built(cfg, 5)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plain = LlamaForCausalLM(LlamaConfig(**cfg.model.kwargs))  # built the ordinary way, on the CPU
+    assert torch.equal(source.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)  # buffers as constructed
     source.save_pretrained(tmp_path / "hf")
     target = built(cfg, 6)
     assert load_full_weights(target, tmp_path / "hf") == ""
