@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from fsdp_zero.checkpoint import Checkpointer, load_checkpoint
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import broadcast_object, destroy_distributed, exit_process, init_distributed, setup_logging
+from fsdp_zero.distributed import broadcast_object, distributed, exit_process
 from fsdp_zero.trainer import setup, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,8 +69,11 @@ def main() -> None:
     defaults = ["model.preset=gpt_small", "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1",
                 "train.steps=1", "checkpoint.enabled=false", "metrics.tensorboard=false"]
     cfg = load_config(None, defaults + sys.argv[1:])
-    env = init_distributed(cfg.dist)
-    setup_logging(env)
+    with distributed(cfg.dist) as env:
+        run(cfg, env)
+
+
+def run(cfg, env) -> None:  # noqa: ANN001
     root = Path(broadcast_object(tempfile.mkdtemp(prefix="fsdp-zero-ckpt-bench-", dir=".") if env.is_rank0 else None, env))
     cfg.run.root, cfg.run.name = str(root), "run"
     parts = setup(cfg, env)
@@ -123,8 +126,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        destroy_distributed()
+    main()
     exit_process(0)

@@ -42,8 +42,8 @@ def run(nproc: int, overrides: list[str], root: Path, name: str) -> tuple[float,
     config = [line for line in (root / name / "config.yaml").read_text().splitlines()]
     seq = int(next(line.split(":")[1] for line in config if line.strip().startswith("seq_len")))
     gbs = int(next(line.split(":")[1] for line in config if line.strip().startswith("global_batch_size")))
-    peak = max(max(r["peak_mem_mib"]) for r in rows)
-    step_s = sum(gbs * seq / r["tokens_per_s"] for r in rows[1:]) / len(rows[1:])
+    peak = max(max(r["peak_mem_mib_per_rank"]) for r in rows)
+    step_s = sum(gbs * seq / r["tokens_per_s_all_ranks"] for r in rows[1:]) / len(rows[1:])
     return peak, step_s
 
 

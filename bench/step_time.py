@@ -25,10 +25,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import (
-    agree_on_seed, broadcast_object, destroy_distributed, exit_process, init_distributed, setup_logging,
-)
-from fsdp_zero.memory import model_state_bytes, zero3_expected_bytes
+from fsdp_zero.distributed import agree_on_seed, broadcast_object, distributed, exit_process
+from fsdp_zero.memory import model_state_bytes
+from fsdp_zero.parallelize import model_state_formula
 from fsdp_zero.build import construct, materializer, real_buffers
 from fsdp_zero.parallelize import device_mesh
 from fsdp_zero.tasks import to_device
@@ -72,8 +71,11 @@ def main() -> None:
     # Checkpoints and the memory profile off: diagnostics, not part of a training step.
     defaults = ["train.steps=40", "train.log_every=10", "checkpoint.enabled=false", "memory.profile_step=0"]
     cfg = load_config(None, defaults + sys.argv[1:])
-    env = init_distributed(cfg.dist)
-    setup_logging(env)
+    with distributed(cfg.dist) as env:
+        run(cfg, env)
+
+
+def run(cfg, env) -> None:  # noqa: ANN001
     seed = agree_on_seed(cfg.train.seed, env)
     cfg.train.seed = seed
     root = tempfile.mkdtemp(prefix="fsdp-zero-bench-") if env.is_rank0 else None
@@ -100,7 +102,7 @@ def main() -> None:
     dist.all_gather_object(states, state)
     if env.is_rank0:
         num_params = num_params_of_run
-        expected = zero3_expected_bytes(num_params, env.world_size)
+        expected = model_state_formula(cfg.parallel, num_params, env.world_size)
         steps = cfg.train.steps
         print("\n## step time: fsdp-zero loop vs hand-written fully_shard loop")
         print(f"model {cfg.model.target or cfg.model.preset} ({num_params:,} params), world size {env.world_size}, device {env.device.type}, "
@@ -116,8 +118,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        destroy_distributed()
+    main()
     exit_process(0)

@@ -6,21 +6,21 @@ with plain arguments instead of a config::
 
     import fsdp_zero.api as fz
 
-    env = fz.init_distributed()                       # torchrun's ranks; CPU/gloo or CUDA/NCCL
-    with fz.meta_init():                              # optional: parameters take no memory yet
-        model = MyModel()
-    model = fz.shard(model, env, wrap=["Block"], seed=0)   # ZeRO-3; materialised and initialised
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    checkpoints = fz.Checkpoints("runs/mine/checkpoints", env)
-    start, state = checkpoints.resume(model, optimizer)   # (0, {}) when there is none
-    memory = fz.MemoryLog("runs/mine", env)
-    for step in range(start + 1, steps + 1):
-        loss = ...; loss.backward()
-        fz.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step(); optimizer.zero_grad()
-        memory.log(step, model, optimizer, loss=loss.item())
-        checkpoints.save(step, model, optimizer, {"samples_seen": ...})
-    memory.close(); checkpoints.close(); fz.finish()
+    with fz.distributed() as env:                         # torchrun's ranks; CPU/gloo or CUDA/NCCL
+        with fz.meta_init():                              # optional: parameters take no memory yet
+            model = MyModel()
+        model = fz.shard(model, env, wrap=["Block"], seed=0)   # ZeRO-3; materialised and initialised
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        checkpoints = fz.Checkpoints("runs/mine/checkpoints", env)
+        start, state = checkpoints.resume(model, optimizer)   # (0, {}) when there is none
+        memory = fz.MemoryLog("runs/mine", env)
+        for step in range(start + 1, steps + 1):
+            loss = ...; loss.backward()
+            fz.clip_grad_norm_(list(model.parameters()), 1.0)
+            optimizer.step(); optimizer.zero_grad()
+            memory.log(step, model, optimizer, loss=loss.item())
+            checkpoints.save(step, model, optimizer, {"samples_seen": ...})
+        memory.close(); checkpoints.close()
 
 `scripts/own_loop.py` is a complete example. Checkpoints are the trainer's (sharded DCP,
 resumable at another world size, exportable with scripts/export.py).
@@ -28,6 +28,7 @@ resumable at another world size, exportable with scripts/export.py).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -37,29 +38,25 @@ from fsdp_zero.build import meta_parameters
 from fsdp_zero.build import shard as _shard
 from fsdp_zero.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from fsdp_zero.config import Backend, Device, DistConfig, Init, ParallelConfig, Strategy, WrapConfig, WrapPolicy
-from fsdp_zero.distributed import DistEnv, destroy_distributed
-from fsdp_zero.distributed import init_distributed as _init_distributed
+from fsdp_zero.distributed import DistEnv
+from fsdp_zero.distributed import distributed as _distributed
 from fsdp_zero.memory import MemoryMonitor, memory_scalars
 from fsdp_zero.metrics import TensorBoardLogger, tensorboard_dir
 from fsdp_zero.trainer import clip_grad_norm_
 
-__all__ = ["Checkpoints", "MemoryLog", "clip_grad_norm_", "finish", "init_distributed", "meta_init", "shard"]
+__all__ = ["Checkpoints", "MemoryLog", "clip_grad_norm_", "distributed", "meta_init", "shard"]
 
 meta_init = meta_parameters
 
 
-def init_distributed(device: str = "auto", backend: str = "auto") -> DistEnv:
-    """Joins torchrun's process group (plain ``python``: a group of one) and picks the device.
+def distributed(device: str = "auto", backend: str = "auto") -> AbstractContextManager[DistEnv]:
+    """``with fz.distributed() as env:`` joins torchrun's process group (plain ``python``: a group of
+    one), picks the device, and leaves the group at the end (no barrier after an error).
 
     Raises:
         ValueError: device="cuda" or backend="nccl" without a visible GPU.
     """
-    return _init_distributed(DistConfig(backend=Backend(backend), device=Device(device)))
-
-
-def finish() -> None:
-    """Leaves the process group (after a barrier)."""
-    destroy_distributed()
+    return _distributed(DistConfig(backend=Backend(backend), device=Device(device)))
 
 
 def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: list[str] | None = None,

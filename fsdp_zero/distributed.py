@@ -7,12 +7,14 @@ single-rank gloo/NCCL group, so every code path (FSDP included) is the same.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import socket
 import sys
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import NoReturn
 
 import torch
@@ -87,6 +89,25 @@ def destroy_distributed(barrier: bool = True) -> None:
     if barrier:
         dist.barrier()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(cfg: DistConfig) -> Iterator[DistEnv]:
+    """The process group's life-cycle, for every entry point: joins it, sets up logging, and leaves
+    it on the way out, after a barrier when the body finished and without one after an error (a
+    rank that failed may be gone, and a barrier would wait for it forever).
+
+    Raises:
+        ValueError: as `init_distributed`; whatever the body raises, after leaving the group.
+    """
+    env = init_distributed(cfg)
+    setup_logging(env)
+    finished = False
+    try:
+        yield env
+        finished = True
+    finally:
+        destroy_distributed(barrier=finished)
 
 
 def exit_process(code: int) -> NoReturn:

@@ -9,7 +9,10 @@ it can be checked against that formula.
 
 from __future__ import annotations
 
+import enum
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -74,11 +77,6 @@ def memory_scalars(monitor: MemoryMonitor, model: nn.Module, optimizer: torch.op
     out["memory/model_state_grads_mib"] = state.grads / MIB
     out["memory/model_state_optimizer_mib"] = state.optimizer / MIB
     return out
-
-
-def zero3_expected_bytes(num_params: int, world_size: int, bytes_per_param: int = 16) -> float:
-    """ZeRO-3 model state per rank: (2 + 2 + K) P / N in the paper; 16 P / N for fp32 AdamW."""
-    return bytes_per_param * num_params / world_size
 
 
 def _clear_peak_rss() -> bool:
@@ -222,8 +220,31 @@ CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations", 
 _FSDP_MAP = {"SHARDED_PARAM": "params", "UNSHARDED_PARAM": "gathered_params", "SHARDED_GRAD": "grads",
              "UNSHARDED_GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "ALL_GATHER": "comm_buffers",
              "REDUCE_SCATTER": "comm_buffers", "TEMP": "other", "BUFFER": "other", "INP": "other"}
+class Phase(str, enum.Enum):
+    """The points of a training step that report themselves (see `fsdp_zero.trainer.train_step`)."""
+
+    START = "start"  # before the step (the profiler's own snapshot)
+    AFTER_BUILD = "after_build"  # the model built, before the first step (the trainer reports it)
+    AFTER_FORWARD = "after_forward"  # the first micro-batch's forward
+    AFTER_MICRO_BATCH = "after_micro_batch"  # each micro-batch but the last, after its backward
+    AFTER_BACKWARD = "after_backward"  # the last micro-batch's backward
+    AFTER_OPTIMIZER_STEP = "after_optimizer_step"  # parameters, gradients and optimizer states all live
+
+
+PhaseHook = Callable[[Phase], None]
+
+
 _PLAIN_MAP = {"PARAM": "params", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "TEMP": "other",
               "BUFFER": "other", "OTH": "other"}
+
+
+def apply_malloc_policy(setting: str, device: torch.device) -> None:
+    """memory.malloc_mmap_threshold: before any model memory is allocated."""
+    nbytes = mmap_threshold(setting)
+    if nbytes is None or (setting == "auto" and device.type == "cuda"):  # CUDA: tensors are not malloc'd
+        return
+    if not set_malloc_mmap_threshold(nbytes):
+        logging.getLogger("fsdp_zero").warning("memory.malloc_mmap_threshold=%s has no effect: the C allocator is not glibc", setting)
 
 
 class StepProfiler:
@@ -260,7 +281,7 @@ class StepProfiler:
 
     def __enter__(self) -> "StepProfiler":
         self.tracker.__enter__()
-        self.phases["start"] = self._categories("current")
+        self.phases[Phase.START] = self._categories("current")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -268,8 +289,8 @@ class StepProfiler:
         self._peak = self._categories("peak")
         self._heap_peak = self._heap(self.sizes.at_peak) if self.sizes is not None else None
 
-    def phase(self, name: str) -> None:
-        if name == "after_micro_batch":
+    def phase(self, name: Phase) -> None:
+        if name is Phase.AFTER_MICRO_BATCH:
             # Several forwards in one tracked step (gradient accumulation) are allowed once
             # the per-module stats are cleared; the step's peak is kept.
             self.tracker.reset_mod_stats()

@@ -51,12 +51,24 @@ def shard_degree(cfg: ParallelConfig, world_size: int) -> int:
     return world_size if is_fsdp(cfg.strategy) else 1
 
 
-def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int) -> float:
-    """Bytes of parameters + gradients + AdamW states (fp32) a rank holds after an optimizer step."""
+# Bytes per parameter of (parameters, gradients, optimizer states): fp32 AdamW holds 4 + 4 + 8.
+FP32_ADAMW = (4, 4, 8)
+
+
+def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int,
+                        bytes_per_param: tuple[int, int, int] = FP32_ADAMW) -> float:
+    """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
+    the one model-state formula per strategy (the trainer's report, compare.py and the planner use it).
+
+    ``bytes_per_param`` = (w, g, k): fp32 AdamW (4, 4, 8); the ZeRO paper's mixed-precision Adam
+    (2, 2, 12). FSDP strategies shard all three over the shard degree; zero1 only the optimizer
+    states; ddp none.
+    """
+    w, g, k = bytes_per_param
     p = num_params
     if cfg.strategy is Strategy.zero1:
-        return 8 * p + 8 * p / world_size
-    return 16 * p / shard_degree(cfg, world_size)
+        return (w + g) * p + k * p / world_size
+    return (w + g + k) * p / shard_degree(cfg, world_size)
 
 
 def reshard_after_forward(strategy: Strategy) -> bool:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_zero.config import BatchLayout, Config, Strategy
-from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
+from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, Phase, StepProfiler, mmap_threshold
 
 # What glibc's heap keeps resident beyond the live tensors, on CPU. Tensors smaller than the
 # mmap threshold come from the heap, which returns freed memory to the system only from its
@@ -66,23 +66,19 @@ class Prediction:
 
 
 def zero_formulas(num_params: int, n: int) -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank from the ZeRO paper (Rajbhandari et al., 2020), Psi = num_params.
-
-    Mixed-precision Adam: 2 (fp16 params) + 2 (fp16 grads) + K = 12 (fp32 params, momentum,
-    variance) bytes per parameter. fp32 AdamW: 4 + 4 + K = 8. The paper's stage 2 keeps
-    parameters replicated; FSDP2's SHARD_GRAD_OP shards them at rest too, so our
-    shard_grad_op holds (4 + 4 + 8) Psi / N between steps.
+    """Model-state bytes per rank for each strategy (`fsdp_zero.parallelize.model_state_formula`), for
+    fp32 AdamW (4 + 4 + K = 8 bytes per parameter) and the ZeRO paper's mixed-precision Adam
+    (2 + 2 + K = 12). FSDP's shard_grad_op shards parameters at rest too, unlike the paper's
+    stage 2 (P_os+g), so it reads as ZeRO-3 here.
     """
-    p = num_params
-    out = {}
-    for name, (w, g, k) in {"fp32 AdamW (K=8)": (4, 4, 8), "mixed-precision Adam (K=12)": (2, 2, 12)}.items():
-        out[name] = {
-            "DDP (stage 0)": (w + g + k) * p,
-            "ZeRO-1 (P_os)": (w + g) * p + k * p / n,
-            "ZeRO-2 (P_os+g)": w * p + (g + k) * p / n,
-            "ZeRO-3 (P_os+g+p)": (w + g + k) * p / n,
-        }
-    return out
+    from fsdp_zero.config import ParallelConfig
+    from fsdp_zero.parallelize import model_state_formula
+
+    names = {Strategy.ddp: "DDP (stage 0)", Strategy.zero1: "ZeRO-1", Strategy.shard_grad_op: "ZeRO-2 (FSDP)",
+             Strategy.full_shard: "ZeRO-3"}
+    return {precision: {name: model_state_formula(ParallelConfig(strategy=s), num_params, n, per_param)
+                        for s, name in names.items()}
+            for precision, per_param in {"fp32 AdamW (K=8)": (4, 4, 8), "mixed-precision Adam (K=12)": (2, 2, 12)}.items()}
 
 
 def deepspeed_zero3_estimate(num_params: int, largest_layer_params: int, n: int) -> int:
@@ -97,14 +93,13 @@ def deepspeed_zero3_estimate(num_params: int, largest_layer_params: int, n: int)
 _PROBE = """
 import sys, tempfile
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import destroy_distributed, exit_process, init_distributed
+from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.trainer import train
 cfg = load_config(None, ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=2",
                          "train.micro_batch_size=2", "train.steps=2", "train.log_every=1", "checkpoint.enabled=false",
                          "memory.profile_step=0", f"run.root={tempfile.mkdtemp()}", "run.name=probe"])
-env = init_distributed(cfg.dist)
-result = train(cfg, env)
-destroy_distributed()
+with distributed(cfg.dist) as env:
+    result = train(cfg, env)
 print(int(result.peak_rss_mib * 2**20), flush=True)
 exit_process(0)
 """
@@ -268,18 +263,18 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
                     profiler = StepProfiler(model, optimizer, device, heap_threshold=heap_threshold)
                 state: dict[str, int] = {}
 
-                def on_phase(name: str, profiler: StepProfiler = profiler, state: dict[str, int] = state) -> None:
+                def on_phase(name: Phase, profiler: StepProfiler = profiler, state: dict[str, int] = state) -> None:
                     profiler.phase(name)
-                    if name == "after_optimizer_step":
+                    if name is Phase.AFTER_OPTIMIZER_STEP:
                         cats = profiler.phases[name]
                         state["bytes"] = cats["params"] + cats["grads"] + cats["optimizer"]
 
                 with profiler:
-                    train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, on_phase=on_phase)
+                    train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase])
                 tensors = profiler.peak()
             pred = Prediction(strategy.value, world_size, tensors, baseline, model_state=state.get("bytes", 0),
                               heap_at_peak=sum(profiler.heap_peak().values()),
-                              heap_activations=profiler.heap_phases["after_forward"]["activations"])
+                              heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"])
             pred.peak = predict_peak(pred, target, fsdp=is_fsdp(strategy))
             out.append(pred)
             del model, optimizer, built

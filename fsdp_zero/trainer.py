@@ -15,9 +15,8 @@ import contextlib
 import json
 import logging
 import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,12 +29,9 @@ from fsdp_zero.checkpoint import Checkpointer, load_checkpoint
 from fsdp_zero.config import TOKEN_SOURCES, BatchLayout, Config, DataSource, Task, OptimConfig, ParallelConfig, Strategy, batch_layout, to_yaml
 from fsdp_zero.data import BatchCursor, build_source
 from fsdp_zero.distributed import DistEnv, agree_on_seed
-from fsdp_zero.memory import (
-    MIB, MemoryMonitor, StepProfiler, memory_scalars, mmap_threshold, set_malloc_mmap_threshold,
-    zero3_expected_bytes,
-)
-from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, MultiLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
-from fsdp_zero.parallelize import is_fsdp, unwrap
+from fsdp_zero.memory import MIB, Phase, PhaseHook, apply_malloc_policy
+from fsdp_zero.parallelize import is_fsdp, model_state_formula, unwrap
+from fsdp_zero.steplog import StepRecord, StepLogger
 from fsdp_zero.rundir import decide_run_dir, run_files, write_run_dir
 from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, to_device, vocab_size
 from fsdp_zero.weights import load_full_weights
@@ -88,6 +84,11 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Te
 # One step
 
 
+def _report(hooks: Sequence[PhaseHook], phase: Phase) -> None:
+    for hook in hooks:
+        hook(phase)
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -95,7 +96,7 @@ def train_step(
     micro_batches: list,
     grad_clip: float,
     device: torch.device,
-    on_phase: Callable[[str], None] | None = None,
+    hooks: Sequence[PhaseHook] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Forward/backward over this rank's micro-batches, then one optimizer step (at the
     learning rate already set, see `set_lr`).
@@ -116,22 +117,20 @@ def train_step(
         # communication, ZeRO-3 memory).
         with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
             loss, extra = loss_fn(model, batch)
-            if on_phase and i == 0:
-                on_phase("after_forward")
+            if i == 0:
+                _report(hooks, Phase.AFTER_FORWARD)
             # Scaled so the accumulated gradient is the mean over micro-batches; the
             # reduction over ranks averages, giving the global-batch mean.
             (loss / len(micro_batches)).backward()
         loss_sum += loss.detach()
         for k, v in extra.items():
             extra_sum[k] = extra_sum.get(k, 0) + v.float()
-        if on_phase and i < len(micro_batches) - 1:
-            on_phase("after_micro_batch")
-    if on_phase:
-        on_phase("after_backward")
+        if i < len(micro_batches) - 1:
+            _report(hooks, Phase.AFTER_MICRO_BATCH)
+    _report(hooks, Phase.AFTER_BACKWARD)
     grad_norm = clip_grad_norm_(params, grad_clip)  # one all-reduce
     optimizer.step()
-    if on_phase:  # parameters, gradients and optimizer states all live: the model-state peak
-        on_phase("after_optimizer_step")
+    _report(hooks, Phase.AFTER_OPTIMIZER_STEP)  # parameters, gradients and optimizer states all live
     optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
     n = len(micro_batches)
     return loss_sum / n, grad_norm, {k: v / n for k, v in extra_sum.items()}
@@ -155,54 +154,6 @@ class Components:
     num_params: int
     seed: int
     step: int = 0  # optimizer steps already taken (non-zero after a resume)
-
-
-@dataclass
-class TrainResult:
-    components: Components
-    losses: dict[int, float] = field(default_factory=dict)  # logged steps (1-based)
-    grad_norms: dict[int, float] = field(default_factory=dict)
-    model_state_bytes: int = 0  # this rank's, after the first optimizer step
-    breakdown: dict[str, int] = field(default_factory=dict)  # tensor bytes by category at the profiled peak
-    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # ... at the profiled step's phases
-    # This rank's highest peak RSS over the log intervals without the profiled step (whose
-    # tracker holds its own bookkeeping: hundreds of MiB on gpt_small, not the model's).
-    peak_rss_mib: float = 0.0
-    step_seconds: float = 0.0  # mean step time over the last log interval
-
-
-PROFILE_PHASES = ("start", "after_forward", "after_backward", "after_optimizer_step")
-
-
-def log_profile(profiler: StepProfiler, step: int, metrics: MetricLogger, result: "TrainResult") -> None:
-    """The profiled step: peak by category at ``step``, and the within-step curve at x = 0..3."""
-    peak = profiler.peak()
-    result.breakdown, result.phases = peak, profiler.phases
-    metrics.log({f"memory_breakdown/{k}_mib": v / MIB for k, v in peak.items()}
-                | {"memory_breakdown/tracked_peak_mib": sum(peak.values()) / MIB}, step)
-    for x, name in enumerate(PROFILE_PHASES):
-        if name in profiler.phases:
-            cats = profiler.phases[name]
-            metrics.log({f"memory_within_step/{k}_mib": v / MIB for k, v in cats.items()}
-                        | {"memory_within_step/total_mib": sum(cats.values()) / MIB}, x)
-    logger.info("memory at step %d's peak (tensors, MiB): %s | total %.1f", step,
-                ", ".join(f"{k} {v / MIB:,.1f}" for k, v in peak.items()), sum(peak.values()) / MIB)
-
-
-def apply_malloc_policy(setting: str, device: torch.device) -> None:
-    """memory.malloc_mmap_threshold: before any model memory is allocated."""
-    nbytes = mmap_threshold(setting)
-    if nbytes is None or (setting == "auto" and device.type == "cuda"):  # CUDA: tensors are not malloc'd
-        return
-    if not set_malloc_mmap_threshold(nbytes):
-        logger.warning("memory.malloc_mmap_threshold=%s has no effect: the C allocator is not glibc", setting)
-
-
-def build_logger(cfg: Config, env: DistEnv, run_dir: Path) -> MetricLogger:
-    sinks: list[MetricLogger] = []
-    if cfg.metrics.tensorboard:
-        sinks.append(TensorBoardLogger(tensorboard_dir(run_dir, env.rank)))
-    return MultiLogger(*sinks) if sinks else NoOpLogger()
 
 
 # ---------------------------------------------------------------------------------
@@ -286,6 +237,11 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step)
 
 
+@dataclass
+class TrainResult(StepRecord):
+    components: Components | None = None
+
+
 def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainResult:
     """Trains for ``cfg.train.steps`` optimizer steps (building with `setup` unless given ``parts``).
 
@@ -294,115 +250,51 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     """
     parts = parts or setup(cfg, env)
     model, optimizer, cursor = parts.model, parts.optimizer, parts.cursor
-    run_dir, layout, num_params = parts.run_dir, parts.layout, parts.num_params
-    metrics = build_logger(cfg, env, run_dir)
-    history = JsonLinesLogger(run_dir / "metrics.jsonl") if env.is_rank0 else NoOpLogger()
-    monitor = MemoryMonitor(env.device)
-    result = TrainResult(parts)
-
-    # "Before and after" of the first step, as users check with torch.cuda.memory_summary().
-    phases = ["after_build", "after_backward", "after_optimizer_step"]
-    phase_state: dict[str, float] = {}
-
-    def first_step_phase(name: str) -> None:
-        if name not in phases:
-            return
-        scalars = memory_scalars(monitor, model, optimizer)
-        phase_state[name] = scalars["memory/model_state_mib"] * MIB
-        metrics.log({k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()}, phases.index(name))
-        logger.info("memory %-21s model state %8.2f MiB/rank | %s", name, scalars["memory/model_state_mib"],
-                    ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k))
-
-    checkpointer = None
-    if cfg.checkpoint.enabled:
-        checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-                                    env.rank, env.device)
-    config_yaml = to_yaml(cfg)
-
-    def save(step: int) -> None:
-        state = {"step": step, "data_position": cursor.position, "seed": parts.seed}
-        checkpointer.save(step, model, optimizer, state, config_yaml)
-
-    first_step_phase("after_build")
-    # Throughput in tokens for token data, in samples (images) otherwise.
-    tokens = cfg.data.source in TOKEN_SOURCES
-    unit = "tokens" if tokens else "samples"
-    items_per_rank_step = layout.global_batch_size // layout.dp_size * (cfg.data.seq_len if tokens else 1)
-    interval_start, interval_steps = time.perf_counter(), 0
-    first = parts.step + 1
-    last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    first, last = parts.step + 1, min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    tokens = cfg.data.source in TOKEN_SOURCES  # throughput in tokens, or in samples (images)
+    per_rank = parts.layout.global_batch_size // parts.layout.dp_size * (cfg.data.seq_len if tokens else 1)
+    log = StepLogger(env, parts.run_dir, model, optimizer, log_every=cfg.train.log_every, last_step=last,
+                     profile_step=cfg.memory.profile_step, items_per_rank_step=per_rank,
+                     unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard)
+    checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                env.rank, env.device) if cfg.checkpoint.enabled else None
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
-            hooks = [first_step_phase] if step == first else []
-            profiler = StepProfiler(model, optimizer, env.device) if step == cfg.memory.profile_step else None
-            if profiler:
-                hooks.append(profiler.phase)
-            on_phase = (lambda name, hooks=hooks: [h(name) for h in hooks]) if hooks else None
+            hooks = log.hooks(step)  # the first step's memory reads; the profiler on memory.profile_step
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
-            with profiler or contextlib.nullcontext():
+            with log.profiler or contextlib.nullcontext():
                 loss, grad_norm, extra = train_step(model, optimizer, parts.loss_fn, micro_batches, cfg.optim.grad_clip,
-                                                    env.device, on_phase=on_phase)
-            if profiler:
-                log_profile(profiler, step, metrics, result)
-                profiler.release()  # its bookkeeping must not stay in later steps' memory
-            interval_steps += 1
+                                                    env.device, hooks)
             if checkpointer:
                 checkpointer.poll()  # publishes a finished async save
-            if checkpointer and (step == last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
-                save(step)
-            if step % cfg.train.log_every and step != last:
-                continue
-
-            # Log step: the only sync points of the loop (.item() and one all-gather).
-            if env.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - interval_start
-            local_tps = items_per_rank_step * interval_steps / elapsed
-            result.step_seconds = elapsed / interval_steps
-            mem = memory_scalars(monitor, model, optimizer)
-            peak = monitor.headline_peak(mem)
-            if not step - interval_steps < cfg.memory.profile_step <= step:
-                result.peak_rss_mib = max(result.peak_rss_mib, mem["memory/cpu_peak_rss_mib"])
-            names = sorted(extra)
-            gathered = torch.zeros(env.world_size, 3 + len(names), dtype=torch.float64, device=env.device)
-            scalars = [torch.tensor(v, dtype=torch.float64, device=env.device) for v in (peak, local_tps)]
-            mine = torch.stack([loss.double(), *scalars, *(extra[k].double() for k in names)])
-            dist.all_gather(list(gathered.unbind(0)), mine)
-            gathered = gathered.cpu()
-            mean_loss = gathered[:, 0].mean().item()
-            peaks = gathered[:, 1].tolist()
-            global_tps = gathered[:, 2].sum().item()
-            means = {k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)}  # e.g. accuracy
-            norm = grad_norm.item()
-            result.losses[step] = mean_loss
-            result.grad_norms[step] = norm
-
-            metrics.log({"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": norm,
-                         f"train/{unit}_per_s": local_tps, **{f"train/{k}": v for k, v in means.items()}, **mem}, step)
-            history.log({"loss": mean_loss, "lr": lr, "grad_norm": norm, f"{unit}_per_s": global_tps, **means,
-                         "peak_mem_mib": peaks, "model_state_mib": mem["memory/model_state_mib"]}, step)
-            logger.info("step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s",
-                        step, mean_loss, "".join(f" | {k} {v:.4f}" for k, v in means.items()), lr, norm,
-                        f"{global_tps:,.0f}", "tok" if tokens else "samples",
-                        "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]")
-            monitor.reset_peaks()
-            interval_start, interval_steps = time.perf_counter(), 0
+                if step == last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    state = {"step": step, "data_position": cursor.position, "seed": parts.seed}
+                    checkpointer.save(step, model, optimizer, state, to_yaml(cfg))
+            log.step(step, loss, grad_norm, lr, extra)  # on log steps: the loop's only sync points
         if checkpointer:
             checkpointer.close()  # an async save in flight completes here
     finally:
-        metrics.close()
-        history.close()
-
-    # Model state at its peak (after the first optimizer step, gradients not yet freed).
-    if not phase_state.get("after_optimizer_step"):  # nothing left to train after a resume
-        return result
-    state = result.model_state_bytes = int(phase_state["after_optimizer_step"])
-    expected = zero3_expected_bytes(num_params, env.world_size)
-    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x 16P/N (%.2f MiB)", state / MIB,
-                state / expected, expected / MIB)
-    summary = {"steps": last, "final_loss": result.losses.get(last), "num_params": num_params,
-               "world_size": env.world_size, "model_state_bytes_rank0": state, "zero3_expected_bytes": expected}
-    if env.is_rank0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log.close()
+    result = TrainResult(**vars(log.record), components=parts)
+    if first <= last:  # something was trained (a resume may find nothing left)
+        write_summary(cfg, env, parts, result, last)
     return result
+
+
+def write_summary(cfg: Config, env: DistEnv, parts: Components, result: TrainResult, last: int) -> None:
+    """The end-of-run line (model state against the strategy's own formula) and summary.json (rank 0),
+    with every rank's figures: what scripts/compare.py reads."""
+    formula = model_state_formula(cfg.parallel, parts.num_params, env.world_size)
+    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s formula (%.2f MiB)",
+                result.model_state_bytes / MIB, result.model_state_bytes / formula, cfg.parallel.strategy.value,
+                formula / MIB)
+    mine = {"model_state_bytes": result.model_state_bytes, "peak_rss_mib": result.peak_rss_mib,
+            "peak_reserved_mib": result.peak_reserved_mib, "step_s": result.step_seconds, "breakdown": result.breakdown}
+    ranks = [None] * env.world_size
+    dist.all_gather_object(ranks, mine)
+    if env.is_rank0:
+        summary = {"strategy": cfg.parallel.strategy.value, "steps": last, "final_loss": result.losses.get(last),
+                   "num_params": parts.num_params, "world_size": env.world_size, "model_state_formula_bytes": formula,
+                   "ranks": ranks}
+        (parts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

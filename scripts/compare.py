@@ -37,7 +37,7 @@ from fsdp_zero.parallelize import model_state_formula
 from fsdp_zero.distributed import (
     broadcast_object, destroy_distributed, exit_process, init_distributed, setup_logging,
 )
-from fsdp_zero.memory import CATEGORIES, MIB
+from fsdp_zero.memory import CATEGORIES, MIB, Phase
 from fsdp_zero.trainer import setup, train
 
 ZERO = {Strategy.ddp: "0 (DDP)", Strategy.zero1: "1", Strategy.shard_grad_op: "2", Strategy.full_shard: "3"}
@@ -95,15 +95,15 @@ def run_dataparallel(cfg, env, out: Path) -> dict:
     loss_fn = build_task(cfg.model)
     state: dict[str, int] = {}
 
-    def on_phase(name: str) -> None:
-        if name == "after_optimizer_step":
+    def on_phase(name: Phase) -> None:
+        if name is Phase.AFTER_OPTIMIZER_STEP:
             state["bytes"] = model_state_bytes(model, optimizer).total
 
     start = time.perf_counter()
     for step in range(1, cfg.train.steps + 1):
         set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
         loss, _, _ = train_step(parallel, optimizer, loss_fn, cursor.next_batch(), cfg.optim.grad_clip, env.device,
-                                on_phase=on_phase if step == 1 else None)
+                                [on_phase] if step == 1 else [])
     final = loss.item()
     elapsed = time.perf_counter() - start
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB

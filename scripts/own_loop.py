@@ -25,6 +25,7 @@ from torchvision.datasets import FakeData
 from torchvision.models import VisionTransformer
 
 import fsdp_zero.api as fz
+from fsdp_zero.distributed import exit_process
 
 
 def main() -> None:
@@ -36,43 +37,43 @@ def main() -> None:
     parser.add_argument("--run-dir", default="runs/own-loop")
     args = parser.parse_args()
 
-    env = fz.init_distributed()
-    with fz.meta_init():  # no memory for the parameters until each rank materialises its shards
-        model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
-                                  mlp_dim=64, num_classes=10)
-    model = fz.shard(model, env, strategy="full_shard", wrap=["EncoderBlock"], seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    with fz.distributed() as env:
+        with fz.meta_init():  # no memory for the parameters until each rank materialises its shards
+            model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                      mlp_dim=64, num_classes=10)
+        model = fz.shard(model, env, strategy="full_shard", wrap=["EncoderBlock"], seed=args.seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
 
-    data = FakeData(size=1000, image_size=(3, 32, 32), num_classes=10, random_offset=args.seed,
-                    transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]))
-    sampler = DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, shuffle=False)
-    loader = DataLoader(data, batch_size=args.batch_size // env.world_size, sampler=sampler, drop_last=True)
+        data = FakeData(size=1000, image_size=(3, 32, 32), num_classes=10, random_offset=args.seed,
+                        transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]))
+        sampler = DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, shuffle=False)
+        loader = DataLoader(data, batch_size=args.batch_size // env.world_size, sampler=sampler, drop_last=True)
 
-    checkpoints = fz.Checkpoints(f"{args.run_dir}/checkpoints", env, keep_last=2)
-    start, _ = checkpoints.resume(model, optimizer)  # (0, {}) on a fresh run
-    memory = fz.MemoryLog(args.run_dir, env)
-    batches = iter(loader)
-    for _ in range(start):  # skip what the checkpoint has seen (1000 images: one pass is enough here)
-        next(batches)
-    for step in range(start + 1, args.steps + 1):
-        images, labels = next(batches)
-        loss = F.cross_entropy(model(images.to(env.device)), labels.to(env.device))
-        loss.backward()
-        fz.clip_grad_norm_(list(model.parameters()), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # the global batch's loss, for the log
-        mean = mean.item() / env.world_size
-        mem = memory.log(step, model, optimizer, loss=mean)
-        if env.rank == 0:
-            print(f"step {step} loss {mean:.8f} peak rss MiB {mem['memory/cpu_peak_rss_mib']:.0f}", flush=True)
-        if step % 10 == 0 or step == args.steps:
-            checkpoints.save(step, model, optimizer, {"images_seen": step * args.batch_size})
-    memory.close()
-    checkpoints.close()
-    fz.finish()
+        checkpoints = fz.Checkpoints(f"{args.run_dir}/checkpoints", env, keep_last=2)
+        start, _ = checkpoints.resume(model, optimizer)  # (0, {}) on a fresh run
+        memory = fz.MemoryLog(args.run_dir, env)
+        batches = iter(loader)
+        for _ in range(start):  # skip what the checkpoint has seen (1000 images: one pass is enough here)
+            next(batches)
+        for step in range(start + 1, args.steps + 1):
+            images, labels = next(batches)
+            loss = F.cross_entropy(model(images.to(env.device)), labels.to(env.device))
+            loss.backward()
+            fz.clip_grad_norm_(list(model.parameters()), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # the global batch's loss, for the log
+            mean = mean.item() / env.world_size
+            mem = memory.log(step, model, optimizer, loss=mean)
+            if env.rank == 0:
+                print(f"step {step} loss {mean:.8f} peak rss MiB {mem['memory/cpu_peak_rss_mib']:.0f}", flush=True)
+            if step % 10 == 0 or step == args.steps:
+                checkpoints.save(step, model, optimizer, {"images_seen": step * args.batch_size})
+        memory.close()
+        checkpoints.close()
 
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # skips a gloo teardown race at interpreter exit (see fsdp_zero.distributed.exit_process)

@@ -15,7 +15,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import destroy_distributed, exit_process, init_distributed, setup_logging
+from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.trainer import train
 
 USAGE_ERROR = 2
@@ -36,24 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ValueError as e:
+        with distributed(cfg.dist) as env:
+            train(cfg, env)
+    except ValueError as e:  # a user error: every rank raises the same one
         return _fail(str(e))
-    try:
-        env = init_distributed(cfg.dist)
-    except ValueError as e:
-        return _fail(str(e))
-    # A user error is raised by every rank alike, so they can still meet at the exit
-    # barrier; after any other exception a rank may be gone, so none is taken.
-    consistent = False
-    try:
-        setup_logging(env)
-        train(cfg, env)
-        consistent = True
-    except ValueError as e:
-        consistent = True
-        return _fail(str(e))
-    finally:
-        destroy_distributed(barrier=consistent)
     return 0
 
 

@@ -41,7 +41,7 @@ def test_default_run_trains_and_the_loss_falls(default_run):
     assert [r["step"] for r in rows] == list(range(10, 151, 10))
     assert rows[0]["loss"] < math.log(PRESETS["gpt_tiny"].vocab_size)
     assert rows[-1]["loss"] < 2.0 < rows[0]["loss"]  # ln 512 = 6.24 at init; the chain's entropy is 1.19
-    assert all(len(r["peak_mem_mib"]) == 2 and min(r["peak_mem_mib"]) > 0 for r in rows)
+    assert all(len(r["peak_mem_mib_per_rank"]) == 2 and min(r["peak_mem_mib_per_rank"]) > 0 for r in rows)
     # Start-up prints the batch arithmetic and the wrap plan; each log line has its fields.
     assert "global batch 16 samples = micro-batch 4 x grad-accum 2 x data-parallel ranks 2" in output
     assert "layers.3  TransformerBlock" in output and "<root>" in output
@@ -56,7 +56,7 @@ def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
     expected_mib = 16 * summary["num_params"] / 2 / 2**20
     for rank in (0, 1):
         tags = scalars(run_dir / "tb" / f"rank{rank}")
-        for tag in ["train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "memory/cpu_rss_mib",
+        for tag in ["train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s_rank", "train/tokens_per_s_all_ranks", "memory/cpu_rss_mib",
                     "memory/cpu_peak_rss_mib", "memory/model_state_mib", "memory/model_state_params_mib",
                     "memory/model_state_grads_mib", "memory/model_state_optimizer_mib"]:
             assert [s for s, _ in tags[tag]] == list(range(10, 151, 10)), (rank, tag)
@@ -65,7 +65,7 @@ def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
         # metrics.jsonl row (the cross-rank gather keeps ranks apart).
         rows = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
         for step, peak in tags["memory/cpu_peak_rss_mib"]:
-            assert rows[step]["peak_mem_mib"][rank] == pytest.approx(peak, abs=0.01), (rank, step)
+            assert rows[step]["peak_mem_mib_per_rank"][rank] == pytest.approx(peak, abs=0.01), (rank, step)
         # First step: after build (params only), after backward (+ grads), after the optimizer step (+ Adam).
         first = dict(tags["memory_first_step/model_state_mib"])
         assert sorted(first) == [0, 1, 2]

@@ -68,7 +68,7 @@ def test_planner_predicts_cuda_memory(tmp_path: Path):
     check(launch(0, TRAIN, *config, "train.steps=4", "train.log_every=1", "memory.profile_step=3",
                  "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=run", gpu=True))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    peak_reserved = max(r["peak_mem_mib"][0] for r in rows)
+    peak_reserved = max(r["peak_mem_mib_per_rank"][0] for r in rows)
     acc = EventAccumulator(str(tmp_path / "run" / "tb" / "rank0"))
     acc.Reload()
     tracked = acc.Scalars("memory_breakdown/tracked_peak_mib")[-1].value

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import destroy_distributed, exit_process, init_distributed, setup_logging
+from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.tasks import logits_of
 from fsdp_zero.trainer import setup, train
 
@@ -32,9 +32,7 @@ def main() -> None:
     if overrides[:1] == ["--config"]:
         path, overrides = overrides[1], overrides[2:]
     cfg = load_config(path, overrides)
-    env = init_distributed(cfg.dist)
-    try:
-        setup_logging(env)
+    with distributed(cfg.dist) as env:
         parts = setup(cfg, env)
         initial = full_weights(parts.model)
         result = train(cfg, env, parts)
@@ -50,8 +48,6 @@ def main() -> None:
             torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "lrs": lrs, "initial": initial,
                         "final": final, "logits": logits, "model_state_bytes": states, "num_params": parts.num_params,
                         "shard_bytes": [u.bytes_per_rank for u in parts.plan.units]}, out)
-    finally:
-        destroy_distributed()
 
 
 if __name__ == "__main__":

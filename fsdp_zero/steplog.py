@@ -1,0 +1,155 @@
+"""What the training loop reports, in one object: the loop calls `StepLogger.step` once a step.
+
+On a log step (every ``train.log_every`` steps, and the last) it reads the interval's time and
+this rank's memory, gathers loss, peak memory, throughput and the task's scalars from every
+rank in one all-gather (with ``.item()``, the loop's only sync points), and writes the same
+names to TensorBoard (per rank, under tb/rank<R>) and to metrics.jsonl (rank 0):
+
+    loss, lr, grad_norm                global: the mean over ranks, the rate, the global norm
+    <unit>_per_s_rank                  this rank's throughput (tokens, or samples for images)
+    <unit>_per_s_all_ranks             the sum over ranks
+    accuracy, <custom scalars>         the mean over ranks
+    peak_mem_mib_per_rank (jsonl)      every rank's peak (peak reserved on CUDA, peak RSS on CPU)
+
+It also records the first step's memory at three phases (memory_first_step/*), the profiled
+step's breakdown (memory_breakdown/*, memory_within_step/*), and the model state after the
+first optimizer step, which `summary` reports against the strategy's own formula.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_zero.distributed import DistEnv
+from fsdp_zero.memory import MIB, MemoryMonitor, Phase, StepProfiler, memory_scalars
+from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
+
+logger = logging.getLogger("fsdp_zero")
+
+FIRST_STEP_PHASES = (Phase.AFTER_BUILD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)  # x = 0, 1, 2
+PROFILE_PHASES = (Phase.START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)
+
+
+@dataclass
+class StepRecord:
+    """What the run measured, for callers (compare, tests, benchmarks)."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # logged steps (1-based)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    model_state_bytes: int = 0  # this rank's, after the first optimizer step
+    breakdown: dict[str, int] = field(default_factory=dict)  # tensor bytes by category at the profiled peak
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # ... at the profiled step's phases
+    # This rank's highest peak RSS over the log intervals without the profiled step (whose
+    # tracker holds its own bookkeeping: hundreds of MiB on gpt_small, not the model's).
+    peak_rss_mib: float = 0.0
+    peak_reserved_mib: float | None = None  # CUDA: the highest peak reserved over the run
+    step_seconds: float = 0.0  # mean step time over the last log interval
+
+
+class StepLogger:
+    def __init__(self, env: DistEnv, run_dir, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # noqa: ANN001
+                 log_every: int, last_step: int, profile_step: int, items_per_rank_step: int, unit: str,
+                 tensorboard: bool) -> None:
+        self.env, self.model, self.optimizer = env, model, optimizer
+        self.log_every, self.last_step, self.profile_step = log_every, last_step, profile_step
+        self.items_per_rank_step, self.unit = items_per_rank_step, unit
+        self.tb: MetricLogger = TensorBoardLogger(tensorboard_dir(run_dir, env.rank)) if tensorboard else NoOpLogger()
+        self.history: MetricLogger = JsonLinesLogger(run_dir / "metrics.jsonl") if env.is_rank0 else NoOpLogger()
+        self.monitor = MemoryMonitor(env.device)
+        self.record = StepRecord()
+        self.profiler: StepProfiler | None = None
+        self._first = True
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+        self.first_step_phase(Phase.AFTER_BUILD)
+
+    # -- hooks for train_step ------------------------------------------------------
+
+    def hooks(self, step: int) -> list:
+        """The phase hooks for ``step``: the first step's memory reads, the profiler on the profiled step."""
+        out = [self.first_step_phase] if self._first else []
+        self._first = False
+        self.profiler = StepProfiler(self.model, self.optimizer, self.env.device) if step == self.profile_step else None
+        if self.profiler:
+            out.append(self.profiler.phase)
+        return out
+
+    def first_step_phase(self, phase: Phase) -> None:
+        if phase not in FIRST_STEP_PHASES:
+            return
+        scalars = memory_scalars(self.monitor, self.model, self.optimizer)
+        if phase is Phase.AFTER_OPTIMIZER_STEP:  # model state at its peak: gradients not yet freed
+            self.record.model_state_bytes = int(scalars["memory/model_state_mib"] * MIB)
+        self.tb.log({k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()},
+                    FIRST_STEP_PHASES.index(phase))
+        logger.info("memory %-21s model state %8.2f MiB/rank | %s", phase.value, scalars["memory/model_state_mib"],
+                    ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k))
+
+    # -- once a step ---------------------------------------------------------------
+
+    def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
+             extra: dict[str, torch.Tensor]) -> None:
+        """Called after every optimizer step; logs on log steps only."""
+        if self.profiler is not None:
+            self._log_profile(step)
+        self._interval_steps += 1
+        if step % self.log_every and step != self.last_step:
+            return
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._interval_start
+        rank_rate = self.items_per_rank_step * self._interval_steps / elapsed
+        self.record.step_seconds = elapsed / self._interval_steps
+        mem = memory_scalars(self.monitor, self.model, self.optimizer)
+        peak = self.monitor.headline_peak(mem)
+        if not step - self._interval_steps < self.profile_step <= step:
+            self.record.peak_rss_mib = max(self.record.peak_rss_mib, mem["memory/cpu_peak_rss_mib"])
+        if "memory/cuda_peak_reserved_mib" in mem:
+            self.record.peak_reserved_mib = max(self.record.peak_reserved_mib or 0.0, mem["memory/cuda_peak_reserved_mib"])
+
+        names = sorted(extra)
+        mine = torch.stack([loss.double(), *(torch.tensor(v, dtype=torch.float64, device=loss.device) for v in (peak, rank_rate)),
+                            *(extra[k].double() for k in names)])
+        gathered = torch.zeros(self.env.world_size, mine.numel(), dtype=torch.float64, device=loss.device)
+        dist.all_gather(list(gathered.unbind(0)), mine)
+        gathered = gathered.cpu()
+        scalars = {"loss": gathered[:, 0].mean().item(), "lr": lr, "grad_norm": grad_norm.item(),
+                   f"{self.unit}_per_s_rank": rank_rate, f"{self.unit}_per_s_all_ranks": gathered[:, 2].sum().item(),
+                   **{k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)}}
+        peaks = gathered[:, 1].tolist()
+        self.record.losses[step], self.record.grad_norms[step] = scalars["loss"], scalars["grad_norm"]
+
+        self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem, step)
+        rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"}
+        self.history.log(rank0 | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]}, step)
+        logger.info("step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s", step,
+                    scalars["loss"], "".join(f" | {k} {scalars[k]:.4f}" for k in names), lr, scalars["grad_norm"],
+                    f"{scalars[f'{self.unit}_per_s_all_ranks']:,.0f}", "tok" if self.unit == "tokens" else self.unit,
+                    "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]")
+        self.monitor.reset_peaks()
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+
+    def _log_profile(self, step: int) -> None:
+        """The profiled step: peak by category at ``step``, and the within-step curve at x = 0..3."""
+        profiler, self.profiler = self.profiler, None
+        peak = profiler.peak()
+        self.record.breakdown, self.record.phases = peak, profiler.phases
+        self.tb.log({f"memory_breakdown/{k}_mib": v / MIB for k, v in peak.items()}
+                    | {"memory_breakdown/tracked_peak_mib": sum(peak.values()) / MIB}, step)
+        for x, phase in enumerate(PROFILE_PHASES):
+            if phase in profiler.phases:
+                cats = profiler.phases[phase]
+                self.tb.log({f"memory_within_step/{k}_mib": v / MIB for k, v in cats.items()}
+                            | {"memory_within_step/total_mib": sum(cats.values()) / MIB}, x)
+        logger.info("memory at step %d's peak (tensors, MiB): %s | total %.1f", step,
+                    ", ".join(f"{k} {v / MIB:,.1f}" for k, v in peak.items()), sum(peak.values()) / MIB)
+        profiler.release()  # its bookkeeping must not stay in later steps' memory
+
+    def close(self) -> None:
+        self.tb.close()
+        self.history.close()
