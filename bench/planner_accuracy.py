@@ -64,8 +64,7 @@ def measure(name: str, n: int, out: Path, reuse: bool) -> list[dict]:
     overrides = CONFIGS[name] + COMMON
     cmp_dir, plan_json = out / f"{name}-n{n}", out / f"{name}-n{n}-plan.json"
     if not (reuse and (cmp_dir / "compare.json").exists()):
-        run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-             "scripts/compare.py", "--out", str(cmp_dir), *overrides])
+        run([sys.executable, "scripts/compare.py", f"--nproc-per-node={n}", "--out", str(cmp_dir), *overrides])
     run([sys.executable, "scripts/plan.py", "--world-size", str(n), "--json", str(plan_json), *overrides])
     measured = json.loads((cmp_dir / "compare.json").read_text())
     predicted = {p["strategy"]: p for p in json.loads(plan_json.read_text())}

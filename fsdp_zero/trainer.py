@@ -233,6 +233,8 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     # Only now, with everything built and loaded, does the run leave a trace on disk.
     if env.is_rank0:
         write_run_dir(run_dir, run_files(cfg, run_dir, step, plan.table() if is_fsdp(strategy) else None), tag=str(step))
+        if env.device.type == "cuda":  # what users check with torch.cuda.memory_summary()
+            (run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
     return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step)
 

@@ -39,7 +39,7 @@ TERM_TOLERANCE = 0.08
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cmp") / "out"
-    check(launch(N, COMPARE, "--out", str(out), *CONFIG, *RUN))
+    check(launch(0, COMPARE, "--nproc-per-node", str(N), "--out", str(out), *CONFIG, *RUN))
     return out
 
 
@@ -177,7 +177,7 @@ def test_simulated_tensors_match_the_tracker(measured, predicted):
                     reason="needs 2 or more GPUs in one process")
 def test_dataparallel_row_with_several_gpus_in_one_process(tmp_path: Path):
     out = tmp_path / "dp"
-    check(launch(0, COMPARE, "--out", str(out), "model.preset=gpt_tiny", "train.steps=4", gpu=True))
+    check(launch(0, COMPARE, "--nproc-per-node", "1", "--out", str(out), "model.preset=gpt_tiny", "train.steps=4", gpu=True))
     md = (out / "compare.md").read_text()
     assert "| dataparallel (1 process," in md and "(GPU)" in md
 
@@ -202,3 +202,45 @@ def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
     assert preds["ddp"]["peak"] > preds["zero1"]["peak"] > preds["full_shard"]["peak"]
     tight = check(launch(0, PLAN, "--device-memory", "1MB", *args)).stdout
     assert "| no (needs " in tight
+
+
+def _rows(n: int) -> dict[str, list[dict]]:
+    """Synthetic per-rank rows, as fsdp_zero.compare.read_rows returns them."""
+    state = {"ddp": 16, "zero1": 8 + 8 / n, "shard_grad_op": 16 / n, "full_shard": 16 / n}
+    rows = {}
+    for s, per_param in state.items():
+        rows[s] = [{"strategy": s, "num_params": 1_000_000, "steps": 6, "step_s": 0.5 + 0.1 * (s != "ddp"),
+                    "final_loss": 4.25, "model_state": int(per_param * 1_000_000), "peak_rss_mib": 900 + 10 * per_param + r,
+                    "peak_reserved_mib": None,
+                    "breakdown": {"params": 100, "gathered_params": 0, "grads": 100, "optimizer": 200 * MIB,
+                                  "activations": 50, "comm_buffers": 0, "other": 1}} for r in range(n)]
+    return rows
+
+
+def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
+    from fsdp_zero.compare import ORDER, read_rows, report
+
+    md = report(_rows(2), 2, tmp_path)
+    table = table_rows(md)
+    assert list(table) == STRATEGIES
+    assert table["ddp"][3] == "1.00" and num(table["full_shard"][4]) == pytest.approx(16 / 2 * 1e6 / MIB, abs=0.05)
+    assert num(table["zero1"][5]) == pytest.approx((8 + 8 / 2) * 1e6 / MIB, abs=0.05)  # the strategy's formula
+    assert json.loads((tmp_path / "compare.json").read_text()) == _rows(2)
+    acc = EventAccumulator(str(tmp_path / "tb" / "compare"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("compare_ddp/optimizer_mib")] == [200.0, 200.0]
+    # read_rows: the runs' summary.json files, as scripts/train.py writes them, back into rows.
+    for s in ORDER:
+        (tmp_path / s.value).mkdir()
+        ranks = [{k: r[k] for k in ("peak_rss_mib", "peak_reserved_mib", "step_s", "breakdown")}
+                 | {"model_state_bytes": r["model_state"]} for r in _rows(2)[s.value]]
+        (tmp_path / s.value / "summary.json").write_text(json.dumps(
+            {"strategy": s.value, "steps": 6, "final_loss": 4.25, "num_params": 1_000_000, "ranks": ranks}))
+    assert read_rows(tmp_path) == {s.value: _rows(2)[s.value] for s in ORDER}
+
+
+def test_compare_refuses_an_existing_folder_and_bad_settings(tmp_path: Path):
+    proc = launch(0, COMPARE, "--out", str(tmp_path))
+    assert proc.returncode == 2 and "already exists; it is never overwritten" in proc.stderr
+    proc = launch(0, COMPARE, "--out", str(tmp_path / "new"), "train.setps=3")
+    assert proc.returncode == 2 and "did you mean 'train.steps'" in proc.stderr and not (tmp_path / "new").exists()
