@@ -21,6 +21,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdp_zero.torch_private import config_value
+
 
 class WrapPolicy(str, enum.Enum):
     """Which submodules become FSDP units (each unit all-gathers its parameters as one)."""
@@ -331,13 +333,13 @@ def _check_keys(node: DictConfig, schema: type, prefix: str, origin: str) -> Non
             valid = ", ".join(f"{prefix}{k}" for k in fields)
             raise ValueError(f"{origin}: unknown config key '{full}'{hint} (valid keys here: {valid})")
         ftype = _field_type(schema, key)
-        value = node._get_node(key)
         if dataclasses.is_dataclass(ftype):
+            value = node[key]
             if not isinstance(value, DictConfig):
                 raise ValueError(f"{origin}: '{full}' is a section; set its keys, e.g. {full}.<key>=...")
             _check_keys(value, ftype, prefix=f"{full}.", origin=origin)
         elif isinstance(ftype, type) and issubclass(ftype, enum.Enum):
-            raw = value._value() if hasattr(value, "_value") else value
+            raw = config_value(node, key)
             if isinstance(raw, str) and raw not in ftype.__members__:
                 choices = ", ".join(ftype.__members__)
                 raise ValueError(f"{origin}: {full}={raw!r} is not a valid choice; valid choices: {choices}")

@@ -21,6 +21,8 @@ import zlib
 import torch
 from torch import nn
 
+from fsdp_zero.torch_private import ConvNd, NormBase
+
 # Elements per generated block: large enough to keep the per-block overhead small,
 # small enough that the temporary block is negligible next to a shard.
 _BLOCK_ELEMS = 1 << 20
@@ -132,8 +134,8 @@ def _fans(shape: torch.Size) -> tuple[int, int]:
 
 # Classes outside torch.nn that are norms by convention (Hugging Face's LlamaRMSNorm, T5LayerNorm, ...).
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "GroupNorm")
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
-_CONVS = (nn.modules.conv._ConvNd,)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, NormBase)
+_CONVS = (ConvNd,)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Every private PyTorch API fsdp-zero uses, in one place, each with what it is for.
+"""Every private PyTorch (and OmegaConf) API fsdp-zero uses, in one place, each with what it is for.
 
 Private names move between releases. Importing them here (and nowhere else) means a
 torch upgrade breaks one module, loudly, and `tests/test_units.py` checks each is still
@@ -9,6 +9,9 @@ where we expect it. The memory trackers are imported on first use: importing
 from __future__ import annotations
 
 from typing import Any
+
+__all__ = ["ConvNd", "DefaultReduceScatter", "FakeStore", "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state",
+           "config_value", "fsdp_mem_tracker", "mem_tracker"]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
 # a training step on them to count memory without allocating any.
@@ -28,6 +31,19 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 # collectives return at once. A testing utility, but the documented way to do this
 # (torchtitan's memory estimation and FSDPMemTracker's own tests use it).
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# The base classes of Conv1d/2d/3d and ConvTranspose*, and of BatchNorm/InstanceNorm/SyncBatchNorm:
+# `fsdp_zero.init.init_standard` recognises every standard convolution and norm through them.
+from torch.nn.modules.batchnorm import _NormBase as NormBase
+from torch.nn.modules.conv import _ConvNd as ConvNd
+
+
+def config_value(node: Any, key: str) -> Any:
+    """The raw value of ``key`` in an OmegaConf DictConfig, without resolving or validating it
+    (OmegaConf's private ``_get_node``/``_value``): the config loader checks an enum's value against
+    its choices before OmegaConf's merge would reject it with a less helpful message."""
+    value = node._get_node(key)
+    return value._value() if hasattr(value, "_value") else value
 
 
 def mem_tracker() -> Any:

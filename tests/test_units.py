@@ -180,13 +180,24 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert torch_private.FakeTensorMode is not None
     assert {"track_external", "get_tracker_snapshot", "reset_mod_stats"} <= set(dir(torch_private.mem_tracker()))
     assert issubclass(torch_private.fsdp_mem_tracker(), torch_private.mem_tracker())
-    # No other module imports a private torch name.
+    assert issubclass(torch.nn.Conv2d, torch_private.ConvNd) and issubclass(torch.nn.BatchNorm1d, torch_private.NormBase)
+    from omegaconf import OmegaConf
+
+    assert torch_private.config_value(OmegaConf.create({"a": "${b}", "b": 1}), "a") == "${b}"  # unresolved
+    # No other module imports a private torch or OmegaConf name, or reaches one through attributes.
+    import ast
+
     for path in (REPO / "fsdp_zero").glob("*.py"):
         if path.name == "torch_private.py":
             continue
         for line in path.read_text().splitlines():
-            if line.lstrip().startswith(("import torch", "from torch")):
+            if line.lstrip().startswith(("import torch", "from torch", "from omegaconf")):
                 assert "._" not in line.split(" import ")[0] and " import _" not in line, f"{path.name}: {line}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = ast.unparse(node.value)
+                assert not base.startswith(("torch", "nn.")) and node.attr not in ("_get_node", "_value"), \
+                    f"{path.name}: {base}.{node.attr}"
 
 
 @pytest.mark.gpu
