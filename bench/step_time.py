@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_zero.config import load_config
 from fsdp_zero.distributed import agree_on_seed, broadcast_object, distributed, exit_process
-from fsdp_zero.memory import model_state_bytes
+from fsdp_zero.memory import MemoryMonitor, model_state_bytes
 from fsdp_zero.parallelize import model_state_formula
 from fsdp_zero.build import construct, materializer, real_buffers
 from fsdp_zero.parallelize import device_mesh
@@ -81,25 +81,33 @@ def run(cfg, env) -> None:  # noqa: ANN001
     root = tempfile.mkdtemp(prefix="fsdp-zero-bench-") if env.is_rank0 else None
     cfg.run.root = str(broadcast_object(root, env))
     ours, raw, state = [], [], 0
+    monitor = MemoryMonitor(env.device)
+    peaks = {"raw": 0.0, "ours": 0.0}  # this rank's peak RSS (MiB) during each loop, set-up included
     for rep in range(REPEATS):
         cfg.run.name = f"raw{rep}"
+        monitor.reset_peaks()
         raw_parts = setup(cfg, env)
         t, state_raw = raw_loop(raw_parts, cfg, env)
+        peaks["raw"] = max(peaks["raw"], monitor.read()["cpu_peak_rss_mib"])
         raw.append(t)
         del raw_parts
 
         cfg.run.name = f"ours{rep}"
+        monitor.reset_peaks()
         parts = setup(cfg, env)
         dist.barrier()
         start = time.perf_counter()
         result = train(cfg, env, parts)
         dist.barrier()
         ours.append(time.perf_counter() - start)
+        peaks["ours"] = max(peaks["ours"], monitor.read()["cpu_peak_rss_mib"])
         state, num_params_of_run = result.model_state_bytes, parts.num_params
         del parts, result
 
     states = [None] * env.world_size
     dist.all_gather_object(states, state)
+    all_peaks = [None] * env.world_size
+    dist.all_gather_object(all_peaks, peaks)
     if env.is_rank0:
         num_params = num_params_of_run
         expected = model_state_formula(cfg.parallel, num_params, env.world_size)
@@ -112,9 +120,12 @@ def run(cfg, env) -> None:  # noqa: ANN001
             print(f"{i:>6} {r / steps:>11.4f} {o / steps:>12.4f} {o / r:>9.3f}")
         ratio = statistics.median(o / r for o, r in zip(ours, raw))
         print(f"median ours/raw step-time ratio: {ratio:.3f} (target <= 1.03)")
-        print("model state per rank after an optimizer step / (16 P / N): "
+        print("model state per rank after an optimizer step / the strategy's formula: "
               + ", ".join(f"rank{i} {s / expected:.4f}" for i, s in enumerate(states)))
-        print(f"(16 P / N = {expected / 2**20:.2f} MiB; raw loop holds {state_raw / expected:.4f} x on rank 0)")
+        print(f"(formula = {expected / 2**20:.2f} MiB; raw loop holds {state_raw / expected:.4f} x on rank 0)")
+        print("peak RSS per rank during each loop (MiB; the loops alternate in the same processes, so each "
+              "inherits what glibc kept of the other's): raw " + ", ".join(f"{p['raw']:,.0f}" for p in all_peaks)
+              + " | ours " + ", ".join(f"{p['ours']:,.0f}" for p in all_peaks))
 
 
 if __name__ == "__main__":

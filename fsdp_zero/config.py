@@ -165,6 +165,13 @@ class ParallelConfig:
     zero_stage: int | None = None
     shard_size: int = 2  # hybrid_shard: ranks per sharding group (usually the GPUs of a node)
     wrap: WrapConfig = field(default_factory=WrapConfig)
+    # Explicit prefetch: each unit starts the all-gather of the next `prefetch` units (forward), and
+    # of the previous ones (backward), before it computes. 0: FSDP2's own scheduling.
+    prefetch: int = 0
+    # full_shard only: after forward, keep each unit's parameters sharded over groups of this many
+    # ranks instead of all of them (ZeRO++'s hierarchical partitioning, hpZ): backward all-gathers
+    # stay within a group (a node), at 16 P / N + 4 P / reshard_after_forward bytes. None: over all.
+    reshard_after_forward: int | None = None
 
 
 @dataclass
@@ -411,11 +418,17 @@ def validate(cfg: Config) -> None:
         ("train.stop_after", cfg.train.stop_after),
         ("optim.lr", cfg.optim.lr),
         ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
+        ("parallel.reshard_after_forward", cfg.parallel.reshard_after_forward),
     ]:
         positive(key, value)
     threshold = cfg.memory.malloc_mmap_threshold
     if threshold not in ("auto", "default") and not (threshold.isdigit() and int(threshold) > 0):
         raise ValueError(f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0")
+    if cfg.parallel.prefetch < 0:
+        raise ValueError(f"parallel.prefetch={cfg.parallel.prefetch}: must be >= 0 (0: FSDP2's own scheduling)")
+    if cfg.parallel.reshard_after_forward is not None and cfg.parallel.strategy is not Strategy.full_shard:
+        raise ValueError(f"parallel.reshard_after_forward={cfg.parallel.reshard_after_forward} applies to "
+                         f"parallel.strategy=full_shard only, not {cfg.parallel.strategy.value}")
     if cfg.memory.profile_step < 0:
         raise ValueError(f"memory.profile_step={cfg.memory.profile_step}: must be >= 0 (0: no profiling)")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:

@@ -71,9 +71,29 @@ def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int,
     return (w + g + k) * p / shard_degree(cfg, world_size)
 
 
-def reshard_after_forward(strategy: Strategy) -> bool:
-    """ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them until backward."""
-    return strategy is not Strategy.shard_grad_op
+def reshard_after_forward(cfg: ParallelConfig, world_size: int) -> bool | int:
+    """ZeRO-3 frees gathered parameters after forward (or, with ``parallel.reshard_after_forward=k``,
+    keeps them sharded over groups of k ranks: ZeRO++'s hpZ); ZeRO-2 keeps them until backward.
+
+    Raises:
+        ValueError: a group size that is not a proper divisor of the world size.
+    """
+    k = cfg.reshard_after_forward
+    if k is None or k == world_size:
+        return cfg.strategy is not Strategy.shard_grad_op
+    if world_size % k or k >= world_size:
+        divisors = [d for d in range(1, world_size) if world_size % d == 0]
+        raise ValueError(f"parallel.reshard_after_forward={k} must divide the world size {world_size} and be "
+                         f"smaller; valid choices: {divisors} (or null)")
+    return k
+
+
+def set_prefetch(units: list[FSDPModule], depth: int) -> None:
+    """Each unit, in forward order, prefetches the next ``depth`` units' all-gathers in forward and
+    the previous ``depth`` in backward (FSDP2's explicit prefetching)."""
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
+        unit.set_modules_to_backward_prefetch(units[max(0, i - depth) : i][::-1])
 
 
 def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
@@ -108,9 +128,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
                                        gradient_as_bucket_view=True)
 
     mesh = mesh or device_mesh(cfg, env)
-    reshard = reshard_after_forward(cfg.strategy)
+    reshard = reshard_after_forward(cfg, env.world_size)
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard)
+    if cfg.prefetch:
+        order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}  # registration ~ execution order
+        set_prefetch([model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)], cfg.prefetch)
     # FSDP2 keeps the root's parameters gathered between forward and backward whatever
     # this flag says (they would be re-gathered at once), so the root costs no extra all-gather.
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)

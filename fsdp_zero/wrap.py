@@ -103,7 +103,8 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
                 f"parallel.wrap.classes: unknown module class {', '.join(map(repr, unknown))}; "
                 f"this model has: {', '.join(present)}"
             )
-        return [fqn for fqn, m in named if type(m).__name__ in classes]
+        blocks = [fqn for fqn, m in named if type(m).__name__ in classes]
+        return _with_large_outsiders(named, blocks)
     if cfg.policy is WrapPolicy.modules:
         fqns = [fqn for fqn, _ in named]
         chosen: list[str] = []
@@ -142,6 +143,24 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
             )
         return [fqn for fqn, _ in named if fqn in chosen]
     raise AssertionError(cfg.policy)
+
+
+def _with_large_outsiders(named: list[tuple[str, nn.Module]], blocks: list[str]) -> list[str]:
+    """The blocks, plus each outermost module outside them (not a block's ancestor either) that holds
+    at least as many parameters as the largest block: a language model's embedding table and output
+    head. As units of their own their gathered parameters, unsharded gradients and reduce-scatter
+    buffers are each one table, not both at once in the root (torchtitan shards them the same way).
+    Tied ones fall back to the root (see `build_wrap_plan`)."""
+    if not blocks:
+        return blocks
+    sizes = {fqn: sum(p.numel() for p in m.parameters()) for fqn, m in named}
+    largest = max(sizes[b] for b in blocks)
+    chosen: list[str] = []
+    for fqn, module in named:
+        related = any(_is_under(fqn, b) or _is_under(b, fqn) for b in blocks + chosen)
+        if not related and not isinstance(module, _CONTAINERS) and sizes[fqn] >= largest > 0:
+            chosen.append(fqn)
+    return [fqn for fqn, _ in named if fqn in blocks or fqn in chosen]
 
 
 def _depth(fqn: str) -> int:

@@ -70,6 +70,9 @@ VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classifi
         (["data.token_dtype=float32"], r"data\.token_dtype='float32' is not a valid choice; valid choices: uint16, uint32"),
         ([*VIT, "data.num_workers=-1"], r"data\.num_workers=-1: must be >= 0"),
         (["model.init=random"], r"model\.init='random' is not a valid choice; valid choices: auto, standard, model"),
+        (["parallel.prefetch=-1"], r"parallel\.prefetch=-1: must be >= 0"),
+        (["parallel.strategy=ddp", "parallel.reshard_after_forward=2"],
+         r"parallel\.reshard_after_forward=2 applies to parallel\.strategy=full_shard only, not ddp"),
     ],
 )
 def test_bad_model_and_data_settings_name_the_key(overrides: list[str], message: str):
@@ -166,3 +169,14 @@ def test_hybrid_shard_size_must_divide_the_world():
     with pytest.raises(ValueError, match=r"parallel\.shard_size=3 must divide the world size 4; valid choices: \[1, 2, 4\]"):
         shard_degree(cfg, 4)
     assert shard_degree(cfg, 6) == 3
+
+
+def test_reshard_after_forward_groups_must_divide_the_world():
+    from fsdp_zero.config import ParallelConfig
+    from fsdp_zero.parallelize import reshard_after_forward
+
+    assert reshard_after_forward(ParallelConfig(reshard_after_forward=2), 4) == 2
+    assert reshard_after_forward(ParallelConfig(reshard_after_forward=4), 4) is True  # the whole world: plain ZeRO-3
+    with pytest.raises(ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4 and be "
+                                         r"smaller; valid choices: \[1, 2\]"):
+        reshard_after_forward(ParallelConfig(reshard_after_forward=3), 4)

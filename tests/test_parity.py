@@ -38,6 +38,8 @@ RUNS = [
     ("zero1", 2, ["parallel.zero_stage=1"]),  # DeepSpeed's name for it
     ("zero2", 2, ["parallel.strategy=SHARD_GRAD_OP"]),  # FSDP1's name for it
     ("hsdp", 4, ["parallel.strategy=hybrid_shard", "parallel.shard_size=2"]),
+    # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
+    ("hpz-prefetch", 4, ["parallel.reshard_after_forward=2", "parallel.prefetch=1"]),
 ]
 NAMES = [name for name, _, _ in RUNS]
 
@@ -101,7 +103,7 @@ def test_record_the_measured_differences(runs, references):
         loss = max(loss, *(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]))
         norm = max(norm, *(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]))
         weight = max(weight, *((got["final"][k] - v).abs().max().item() for k, v in ref["final"].items()))
-    figure("parity vs single process, fp32 (max over N=1/2/4, tied, ddp, zero1, zero2, hsdp)",
+    figure("parity vs single process, fp32 (max over N=1/2/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch)",
            f"losses {loss:.1e} (tolerance {LOSS_ATOL:.0e}), grad norms {norm:.1e} ({NORM_ATOL:.0e}), "
            f"final weights {weight:.1e} ({WEIGHT_ATOL:.0e})")
     assert loss <= LOSS_ATOL and norm <= NORM_ATOL and weight <= WEIGHT_ATOL
@@ -112,6 +114,7 @@ def test_record_the_measured_differences(runs, references):
 # moments (by whole tensors, so a rank's share is 8P/N up to the partition's balance); DDP none.
 EXPECTED_BYTES_PER_PARAM = {
     "n1": 16, "n2": 16 / 2, "n4": 16 / 4, "zero2": 16 / 2, "hsdp": 16 / 2, "zero1": 8 + 8 / 2, "ddp": 16,
+    "hpz-prefetch": 16 / 4,  # hpZ's extra 4 P / 2 lives only between forward and backward
 }
 
 
@@ -119,7 +122,7 @@ EXPECTED_BYTES_PER_PARAM = {
 def test_model_state_per_rank_follows_the_zero_formula(runs, name):
     run = runs[name]
     expected = EXPECTED_BYTES_PER_PARAM[name] * run["num_params"]
-    assert len(run["model_state_bytes"]) == {"n1": 1, "n4": 4, "hsdp": 4}.get(name, 2)
+    assert len(run["model_state_bytes"]) == {"n1": 1, "n4": 4, "hsdp": 4, "hpz-prefetch": 4}.get(name, 2)
     for rank, got in enumerate(run["model_state_bytes"]):
         assert got == pytest.approx(expected, rel=0.02), rank
     figure(f"model state / formula, {name}", ", ".join(f"{b / expected:.5f}" for b in run["model_state_bytes"]))
