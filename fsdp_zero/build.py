@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -255,7 +255,6 @@ class Built:
     plan: WrapPlan
     num_params: int
     init_note: str = ""
-    notes: list[str] = field(default_factory=list)
 
 
 def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | None = None,

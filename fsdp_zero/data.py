@@ -68,6 +68,16 @@ class SyntheticBigram:
         return next_token_pairs(self.samples(indices))
 
 
+def epoch_order(index: int, n: int, seed: int, cached: tuple[int, torch.Tensor] | None
+                ) -> tuple[tuple[int, torch.Tensor], int]:
+    """Global sample ``index`` -> an item of ``n``: a seeded permutation, a fresh one each pass (epoch).
+    Returns the (epoch, permutation) to cache for the next call, and the item."""
+    epoch, pos = divmod(index, n)
+    if cached is None or cached[0] != epoch:
+        cached = (epoch, torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)))
+    return cached, int(cached[1][pos])
+
+
 class Windows:
     """Sample i is a window of seq_len + 1 tokens of a 1-D token array; windows are visited in
     a seeded random order, a fresh order each pass over the data."""
@@ -84,11 +94,8 @@ class Windows:
         raise NotImplementedError
 
     def _window(self, index: int) -> int:
-        epoch, pos = divmod(index, self.num_windows)
-        if self._order is None or self._order[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._order = (epoch, torch.randperm(self.num_windows, generator=gen))
-        return int(self._order[1][pos])
+        self._order, window = epoch_order(index, self.num_windows, self.seed, self._order)
+        return window
 
     def samples(self, indices: range) -> torch.Tensor:
         rows = []
@@ -169,12 +176,10 @@ class ImageSamples:
         self._order: tuple[int, torch.Tensor] | None = None
 
     def _item(self, index: int) -> int:
-        epoch, pos = divmod(index, len(self.dataset))
         if not self.shuffle:
-            return pos
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch)))
-        return int(self._order[1][pos])
+            return index % len(self.dataset)
+        self._order, item = epoch_order(index, len(self.dataset), self.seed, self._order)
+        return item
 
     def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = [], []
@@ -191,13 +196,12 @@ class ImageSamples:
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def image_transform(size: int, train: bool) -> Callable:
-    """Resize, crop (random and flipped when training), to tensor, normalise."""
+def train_transform(size: int) -> Callable:
+    """A random resized crop and flip, to tensor, normalise (torchvision's classification recipe)."""
     from torchvision import transforms as T
 
-    crop = [T.RandomResizedCrop(size, scale=(0.35, 1.0)), T.RandomHorizontalFlip()] if train else \
-        [T.Resize(size), T.CenterCrop(size)]
-    return T.Compose([*crop, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return T.Compose([T.RandomResizedCrop(size, scale=(0.35, 1.0)), T.RandomHorizontalFlip(), T.ToTensor(),
+                      T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
 def fake_images(cfg: DataConfig, seed: int) -> ImageSamples:
@@ -239,7 +243,7 @@ def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> S
     from torchvision.datasets import ImageFolder
 
     try:
-        dataset = ImageFolder(cfg.path, transform=image_transform(cfg.image_size, train=True))
+        dataset = ImageFolder(cfg.path, transform=train_transform(cfg.image_size))
     except (FileNotFoundError, RuntimeError) as e:
         raise ValueError(f"data.path={cfg.path!r}: not an ImageFolder directory: {e}") from None
     return ImageSamples(dataset, seed, shuffle=True)

@@ -62,8 +62,9 @@ def build_task(cfg: ModelConfig) -> LossFn:
     def custom(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = user(model, batch)
         loss, extra = out if isinstance(out, tuple) else (out, {})
-        assert isinstance(loss, torch.Tensor) and loss.dim() == 0, \
-            f"model.loss={cfg.loss} must return a scalar tensor (or (loss, dict)), got {type(loss).__name__}"
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):  # the same on every rank: a user error
+            raise ValueError(f"model.loss={cfg.loss} must return a scalar tensor (or (loss, dict of scalars)), "
+                             f"got {type(loss).__name__}")
         return loss, {k: v.detach() for k, v in extra.items()}
 
     return custom
