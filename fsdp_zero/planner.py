@@ -7,7 +7,8 @@ parallelize, optimizer, clipping) under PyTorch's MemTracker, which attributes e
 tensor to a category. The first step creates the AdamW states; the peak of the second
 is the steady state. The same approach as torchtitan's memory estimation. DDP strategies
 are simulated on a stand-in with DDP's gradient buckets (DDP's constructor cannot take
-fake tensors), and FSDP's reduce-scatters on CPU allocate the copy gloo makes. Checked
+fake tensors). FSDP's reduce-scatter allocates the same tensors on the fake group as on
+gloo (our all-reduce form, `fsdp_zero.parallelize.AllReduceScatter`) and NCCL. Checked
 against the tracker in real runs: the same tensor peak, to the MiB (tests/test_compare.py).
 
 What users see is more than tensors: on CPU the process's resident memory also holds
@@ -190,32 +191,6 @@ class DDPStandIn(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def gloo_reduce_scatter_footprint(model: nn.Module) -> None:
-    """Makes FSDP's reduce-scatters in ``model`` allocate what gloo's allocate.
-
-    gloo's reduce-scatter (``ProcessGroupGloo::_reduce_scatter_base``) first copies its
-    whole input, a unit's unsharded gradients, into per-rank chunks: a transient as large
-    as the input, seen by the memory tracker on real CPU runs (an ``aten.split`` and
-    ``copy_`` inside the collective). The fake process group returns at once, so the
-    simulation adds that copy. NCCL reduces in place in its own buffers (nothing to add).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    from fsdp_zero.torch_private import DefaultReduceScatter
-
-    class GlooReduceScatter(DefaultReduceScatter):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
-            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-            scratch = torch.empty_like(input_tensor)  # the chunked copy, made inside gloo's collective
-            del scratch
-            return work
-
-    comm = GlooReduceScatter()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(comm)
-
-
 def plan_layout(cfg: Config, world_size: int) -> BatchLayout:
     """One rank's share of the batch. Planning is per rank: a global batch that does not divide
     over ``world_size`` ranks is planned with the micro-batch and the accumulation it rounds to."""
@@ -257,8 +232,6 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
             with FakeTensorMode(allow_non_fake_inputs=True):
                 built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
                 model, optimizer = built.model, built.optimizer
-                if is_fsdp(strategy) and target.type == "cpu":  # CPU runs use gloo
-                    gloo_reduce_scatter_footprint(model)
                 train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device)  # creates AdamW states
                 with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
                     profiler = StepProfiler(model, optimizer, device, heap_threshold=heap_threshold)

@@ -23,8 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 # FSDP2's default reduce-scatter. The public hook `FSDPModule.set_custom_reduce_scatter`
-# takes an instance of the private `ReduceScatter` interface; the planner subclasses the
-# default to add gloo's scratch copy to the simulated step.
+# takes an instance of the private `ReduceScatter` interface; gloo runs install a subclass
+# that reduces with an all-reduce (`fsdp_zero.parallelize.AllReduceScatter`).
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 # The planner simulates one rank of N in one process with a process group whose
@@ -107,7 +107,3 @@ class SizeClasses:
         if nbytes:
             key = (reftype, abs(nbytes) < self.threshold)
             self.current[key] = self.current.get(key, 0) + nbytes
-
-
-__all__ = ["SizeClasses", "DefaultReduceScatter", "FakeStore", "FakeTensorMode", "_init_optim_state", "fsdp_mem_tracker",
-           "mem_tracker"]

@@ -95,6 +95,13 @@ def test_final_weights_match_single_process(runs, references, name):
         assert not torch.equal(value, references[tied]["initial"][key]), f"{key} did not train"
 
 
+@pytest.mark.parametrize("name", ["n2", "n4"])
+def test_gloo_runs_reduce_scatter_equals_gloos_own_bit_for_bit(runs, name):
+    """FSDP runs on gloo reduce gradients with an all-reduce (faster and lighter there than gloo's
+    reduce-scatter, see fsdp_zero.parallelize.AllReduceScatter); the sums must be the same bits."""
+    assert runs[name]["same_reduce_scatter"] is True
+
+
 def test_record_the_measured_differences(runs, references):
     """The largest differences over every run, printed at the end of `make test` (the README quotes them)."""
     loss = norm = weight = 0.0
