@@ -31,10 +31,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fsdp_zero import init as init_lib
 from fsdp_zero.config import (
-    Config, Init, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, Strategy, WrapConfig, WrapPolicy,
+    Config, Init, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Strategy, WrapConfig,
+    WrapPolicy,
 )
 from fsdp_zero.distributed import DistEnv
 from fsdp_zero.parallelize import is_fsdp, parallelize, shard_degree
+from fsdp_zero.precision import Precision, resolve
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
 logger = logging.getLogger("fsdp_zero")
@@ -176,13 +178,19 @@ def _tied_names(model: nn.Module) -> list[list[str]]:
 
 
 def materializer(device: torch.device, how: Init, seed: int | None, buffers: dict[str, torch.Tensor],
-                 notes: list[str]) -> Callable[[nn.Module], None]:
+                 notes: list[str], buffer_device: torch.device | None = None) -> Callable[[nn.Module], None]:
     """What `parallelize` calls once the model is sharded: allocate each rank's shards on ``device``,
-    put the constructor's buffers back, initialise (``seed`` None: leave the memory as allocated)."""
+    put the constructor's buffers back (on ``buffer_device``, default ``device``: with CPU offload the
+    shards live on the CPU and the buffers on the GPU), initialise (``seed`` None: leave the memory as
+    allocated)."""
 
     def materialize(model: nn.Module) -> None:
         tied = _tied_names(model)
         model.to_empty(device=device)  # FSDP: each rank allocates only its shards
+        if buffer_device is not None and buffer_device != device:
+            for module in model.modules():
+                for name, b in module.named_buffers(recurse=False):
+                    setattr(module, name, b.to(buffer_device))  # a registered buffer stays one (same persistence)
         for first, *others in tied:  # to_empty gives each module a tensor of its own: tie them again
             for name in others:
                 owner, _, attr = name.rpartition(".")
@@ -201,9 +209,12 @@ def materializer(device: torch.device, how: Init, seed: int | None, buffers: dic
 
 
 def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int | None, init: Init = Init.auto,
-          mesh: DeviceMesh | None = None, ddp: Callable[[nn.Module], nn.Module] | None = None) -> tuple[nn.Module, WrapPlan, str]:
+          mesh: DeviceMesh | None = None, ddp: Callable[[nn.Module], nn.Module] | None = None,
+          precision: Precision | None = None, compile: bool = False) -> tuple[nn.Module, WrapPlan, str]:
     """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
-    a model with real weights keeps them (FSDP shards what is there).
+    a model with real weights keeps them (FSDP shards what is there). ``precision``: the stored
+    dtype the model is cast to first, and FSDP2's mixed-precision policy (default fp32);
+    ``compile``: torch.compile each block (see `parallelize`).
 
     Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
     parameters were initialised. ``seed`` None leaves them uninitialised (the planner, or weights
@@ -213,16 +224,22 @@ def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int
     Raises:
         ValueError: a wrap setting the model does not fit (see `fsdp_zero.wrap.build_wrap_plan`).
     """
+    precision = precision or resolve(PrecisionConfig())
+    if precision.stored != torch.float32:
+        model.to(precision.stored)  # bf16-true: parameters and buffers (as Lightning's bf16-true)
     degree = shard_degree(parallel, env.world_size)
     wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
     plan = build_wrap_plan(model, wrap, degree)
     notes: list[str] = []
+    # With CPU offload FSDP2 wants the shards in host memory from the start; buffers stay on the device.
+    device = torch.device("cpu") if parallel.cpu_offload else env.device
     if any(p.is_meta for p in model.parameters()):
-        materialize = materializer(env.device, init, seed, real_buffers(model), notes)
+        materialize = materializer(device, init, seed, real_buffers(model), notes, buffer_device=env.device)
     else:
-        materialize = lambda m: m.to(env.device)  # noqa: E731 - weights given: only moved
+        materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
         notes.append("weights as given")
-    model = parallelize(model, parallel, plan, env, materialize, mesh=mesh, ddp=ddp)
+    model = parallelize(model, parallel, plan, env, materialize, mesh=mesh, ddp=ddp, mp_policy=precision.mp_policy(),
+                        compile=compile)
     return model, plan, "; ".join(notes)
 
 
@@ -268,6 +285,9 @@ def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | Non
     """
     model = model if model is not None else construct(cfg.model)
     num_params = sum(p.numel() for p in model.parameters())
-    model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, mesh=mesh, ddp=ddp)
-    optimizer = build_optimizer(model, cfg.optim, env.device, zero1=cfg.parallel.strategy is Strategy.zero1)
+    model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, mesh=mesh, ddp=ddp,
+                              precision=resolve(cfg.precision), compile=cfg.train.compile)
+    # With CPU offload the optimizer steps on the CPU, where the shards are.
+    device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
+    optimizer = build_optimizer(model, cfg.optim, device, zero1=cfg.parallel.strategy is Strategy.zero1)
     return Built(model, optimizer, plan, num_params, note)

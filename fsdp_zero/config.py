@@ -99,6 +99,22 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
+class ActivationCheckpointing(str, enum.Enum):
+    """Which units recompute their activations in backward instead of keeping them (see fsdp_zero.parallelize)."""
+
+    none = "none"
+    full = "full"  # every block unit of the wrap plan
+    selective = "selective"  # every k-th block unit (parallel.activation_checkpointing_every)
+
+
+class Schedule(str, enum.Enum):
+    """The learning rate after the linear warm-up, towards ``min_lr_ratio * lr`` at the last step."""
+
+    cosine = "cosine"  # half a cosine period (DeepSpeed's WarmupCosineLR)
+    linear = "linear"  # a straight line (DeepSpeed's WarmupDecayLR)
+    constant = "constant"  # stays at lr (DeepSpeed's WarmupLR)
+
+
 class OptimizerImpl(str, enum.Enum):
     auto = "auto"  # fused on CUDA, foreach on CPU
     fused = "fused"
@@ -172,15 +188,50 @@ class ParallelConfig:
     # ranks instead of all of them (ZeRO++'s hierarchical partitioning, hpZ): backward all-gathers
     # stay within a group (a node), at 16 P / N + 4 P / reshard_after_forward bytes. None: over all.
     reshard_after_forward: int | None = None
+    # FSDP strategies: sharded parameters, gradients and optimizer states live in host memory and the
+    # optimizer steps on the CPU (DeepSpeed's offload_param + offload_optimizer to cpu); each unit is
+    # copied to the device for its forward and backward.
+    cpu_offload: bool = False
+    # Recompute activations in backward: none, full (every block of the wrap plan), or selective
+    # (every k-th block, k = activation_checkpointing_every). Applied before compiling and sharding.
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    activation_checkpointing_every: int = 2
+
+
+# precision.mode: how model state is stored, computed and reduced (see fsdp_zero.precision).
+PRECISION_MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+PRECISION_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class PrecisionConfig:
+    """``precision=bf16-mixed`` is short for ``precision.mode=bf16-mixed``.
+
+    fp32: everything fp32. bf16-mixed / fp16-mixed: fp32 sharded master weights, gradients and
+    AdamW states; each unit's parameters gathered in bf16/fp16 for forward and backward; gradients
+    reduced in fp32. bf16-true: parameters, gradients and AdamW states all bf16 (half the memory,
+    and the precision to match). fp16 gradients are loss-scaled (a dynamic scale, as DeepSpeed's).
+    """
+
+    mode: str = "fp32"
+    param_dtype: str | None = None  # the gathered (compute) dtype; None: the mode's
+    reduce_dtype: str | None = None  # the gradient reduction dtype; None: fp32 (bf16 for bf16-true)
+    # fp16 loss scaling: 0 = dynamic, starting at 2**initial_scale_power, doubled after
+    # loss_scale_window steps without overflow, halved (and the step skipped) on an overflow;
+    # > 0 = a fixed scale (overflowing steps are still skipped).
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
 
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``."""
+    """AdamW with linear warm-up, then a cosine (or linear, or no) decay to ``min_lr_ratio * lr``."""
 
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
+    schedule: Schedule = Schedule.cosine
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -198,6 +249,8 @@ class TrainConfig:
     # still spans train.steps: for jobs cut into pieces by a time limit. None: train.steps.
     stop_after: int | None = None
     seed: int | None = 1234  # None: rank 0 draws one and broadcasts it
+    # torch.compile each block unit (after activation checkpointing, before sharding); off by default.
+    compile: bool = False
 
 
 @dataclass
@@ -249,6 +302,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -311,7 +365,10 @@ def to_yaml(cfg: Config) -> str:
 
 
 def _apply_aliases(layer: DictConfig) -> None:
-    """FSDP1 strategy names (FULL_SHARD, NO_SHARD, ...) to ours; DeepSpeed's zero_stage to a strategy."""
+    """``precision=MODE`` to ``precision.mode=MODE``; FSDP1 strategy names (FULL_SHARD, NO_SHARD, ...) to
+    ours; DeepSpeed's zero_stage to a strategy."""
+    if "precision" in layer and isinstance(config_value(layer, "precision"), str):
+        layer.precision = {"mode": config_value(layer, "precision")}
     parallel = layer.get("parallel") if isinstance(layer.get("parallel", None), DictConfig) else None
     if parallel is None:
         return
@@ -419,6 +476,8 @@ def validate(cfg: Config) -> None:
         ("optim.lr", cfg.optim.lr),
         ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
         ("parallel.reshard_after_forward", cfg.parallel.reshard_after_forward),
+        ("parallel.activation_checkpointing_every", cfg.parallel.activation_checkpointing_every),
+        ("precision.loss_scale_window", cfg.precision.loss_scale_window),
     ]:
         positive(key, value)
     threshold = cfg.memory.malloc_mmap_threshold
@@ -463,6 +522,11 @@ def validate(cfg: Config) -> None:
             f"train.micro_batch_size={cfg.train.micro_batch_size}"
         )
     _validate_data(cfg.data, m.task)
+    _validate_precision(cfg.precision, cfg.parallel.strategy)
+    if cfg.parallel.cpu_offload and cfg.parallel.strategy not in (Strategy.full_shard, Strategy.shard_grad_op,
+                                                                   Strategy.hybrid_shard):
+        raise ValueError(f"parallel.cpu_offload=true needs an FSDP strategy (full_shard, shard_grad_op, hybrid_shard), "
+                         f"not parallel.strategy={cfg.parallel.strategy.value}")
     if cfg.parallel.zero_stage is not None and ZERO_STAGES.get(cfg.parallel.zero_stage) is not cfg.parallel.strategy:
         raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} contradicts "
                          f"parallel.strategy={cfg.parallel.strategy.value}; set one of them")
@@ -490,6 +554,22 @@ _TASK_SOURCES = {Task.causal_lm: TOKEN_SOURCES,
 def _is_target(text: str) -> bool:
     module, _, name = text.partition(":")
     return bool(module and name) and all(part.isidentifier() for part in module.split(".") + name.split("."))
+
+
+def _validate_precision(p: PrecisionConfig, strategy: Strategy) -> None:
+    if p.mode not in PRECISION_MODES:
+        raise ValueError(f"precision.mode={p.mode!r} is not a valid choice; valid choices: {', '.join(PRECISION_MODES)}")
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(p, key)
+        if value is not None and value not in PRECISION_DTYPES:
+            raise ValueError(f"precision.{key}={value!r} is not a valid choice; valid choices: {', '.join(PRECISION_DTYPES)}")
+    mixed = p.mode.endswith("-mixed") or p.param_dtype not in (None, "fp32") or p.reduce_dtype not in (None, "fp32")
+    if mixed and p.mode != "bf16-true" and strategy in (Strategy.ddp, Strategy.zero1):
+        raise ValueError(f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored ones) needs "
+                         f"an FSDP strategy (full_shard, shard_grad_op, hybrid_shard), not parallel.strategy="
+                         f"{strategy.value}; with {strategy.value} use precision.mode=fp32 or bf16-true")
+    if p.loss_scale < 0:
+        raise ValueError(f"precision.loss_scale={p.loss_scale}: must be >= 0 (0: dynamic loss scaling)")
 
 
 def _validate_data(d: DataConfig, task: Task) -> None:

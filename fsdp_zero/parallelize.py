@@ -8,9 +8,10 @@
 | zero1           | 1     | DDP + ZeroRedundancyOptimizer         | 4 P + 4 P + 8 P / N               |
 | ddp             | 0     | DistributedDataParallel               | 16 P                              |
 
-Order matters and is fixed. FSDP strategies shard the meta-device model unit by unit
-(bottom-up, then the root) and only then materialise it, so no rank allocates more
-than its shards. DDP strategies need real tensors to wrap, so they materialise the
+Order matters and is fixed: activation checkpointing on the block units, then
+``torch.compile`` of each block (if on), then sharding (torchtitan's order). FSDP strategies
+shard the meta-device model unit by unit (bottom-up, then the root) and only then
+materialise it, so no rank allocates more than its shards. DDP strategies need real tensors to wrap, so they materialise the
 whole model first (every rank holds all of it: that is what DDP is).
 """
 
@@ -22,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_zero.config import ParallelConfig, Strategy
+from fsdp_zero.config import ActivationCheckpointing, ParallelConfig, Strategy
 from fsdp_zero.distributed import DistEnv
-from fsdp_zero.torch_private import DefaultReduceScatter
-from fsdp_zero.wrap import WrapPlan
+from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
+from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
 FSDP_STRATEGIES = (Strategy.full_shard, Strategy.shard_grad_op, Strategy.hybrid_shard)
 
@@ -72,6 +73,15 @@ def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int,
     if cfg.strategy is Strategy.zero1:
         return (w + g) * p + k * p / world_size
     return (w + g + k) * p / shard_degree(cfg, world_size)
+
+
+def formula_note(cfg: ParallelConfig, world_size: int) -> str:
+    """How `model_state_formula` divides the bytes per parameter, in words (for the precision manifest)."""
+    if cfg.strategy is Strategy.zero1:
+        return f"(optimizer states / N={world_size})"
+    degree = shard_degree(cfg, world_size)
+    return f"/ {degree}" + (" (hybrid_shard's shard size)" if cfg.strategy is Strategy.hybrid_shard else
+                            f" (N={degree})" if degree > 1 else " (not sharded)")
 
 
 def reshard_after_forward(cfg: ParallelConfig, world_size: int) -> bool | int:
@@ -119,6 +129,22 @@ class AllReduceScatter(DefaultReduceScatter):
         output_tensor.copy_(chunks[group.rank()].view_as(output_tensor))
 
 
+def checkpointed(cfg: ParallelConfig, blocks: list[str]) -> list[str]:
+    """The blocks (in forward order) whose activations are recomputed in backward: all of them
+    (``full``), every k-th (``selective``: the k-th, 2k-th, ...), or none."""
+    if cfg.activation_checkpointing is ActivationCheckpointing.full:
+        return list(blocks)
+    if cfg.activation_checkpointing is ActivationCheckpointing.selective:
+        k = cfg.activation_checkpointing_every
+        return [b for i, b in enumerate(blocks, start=1) if i % k == 0]
+    return []
+
+
+def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
+    """CPU offload: sharded state in host memory, pinned on CUDA (for asynchronous copies)."""
+    return CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+
+
 def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
     """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
     if cfg.strategy is Strategy.hybrid_shard:
@@ -130,8 +156,10 @@ def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: DistEnv,
                 materialize: Callable[[nn.Module], None], mesh: DeviceMesh | None = None,
-                ddp: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
-    """Applies ``cfg.strategy`` to the meta-device ``model``; returns the module to train.
+                ddp: Callable[[nn.Module], nn.Module] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
+                compile: bool = False) -> nn.Module:
+    """Applies activation checkpointing, compilation and ``cfg.strategy`` to the meta-device ``model``;
+    returns the module to train.
 
     Args:
         model: the model, on the meta device.
@@ -142,7 +170,19 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
         mesh: the FSDP device mesh, if already built (default: `device_mesh(cfg, env)`).
         ddp: wraps the materialised model for the DDP strategies (default: DistributedDataParallel
             with gradients as views into its buckets: one copy of the gradients, not two).
+        mp_policy: FSDP2's mixed precision (see `fsdp_zero.precision`).
+        compile: ``torch.compile`` each block unit.
     """
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}  # registration ~ execution order
+    blocks = plan.block_fqns
+    if not is_fsdp(cfg.strategy) and (compile or cfg.activation_checkpointing is not ActivationCheckpointing.none):
+        blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns  # DDP has no units, but the same blocks
+    blocks = sorted(blocks, key=order.get)
+    for fqn in checkpointed(cfg, blocks):
+        checkpoint_activations(model.get_submodule(fqn))
+    if compile:
+        for fqn in blocks:
+            model.get_submodule(fqn).compile()  # in place: parameter names do not change
     if not is_fsdp(cfg.strategy):
         materialize(model)
         if ddp is not None:
@@ -151,15 +191,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
                                        gradient_as_bucket_view=True)
 
     mesh = mesh or device_mesh(cfg, env)
-    reshard = reshard_after_forward(cfg, env.world_size)
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward(cfg, env.world_size),
+                  mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy(cfg, env))
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
-        fully_shard(model.get_submodule(fqn), mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model.get_submodule(fqn), **kwargs)
     if cfg.prefetch:
-        order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}  # registration ~ execution order
         set_prefetch([model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)], cfg.prefetch)
     # FSDP2 keeps the root's parameters gathered between forward and backward whatever
     # this flag says (they would be re-gathered at once), so the root costs no extra all-gather.
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, **kwargs)
     units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)
     if env.backend == "gloo":

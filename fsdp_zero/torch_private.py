@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConvNd", "DefaultReduceScatter", "FakeStore", "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state",
+__all__ = ["ConvNd", "DefaultReduceScatter", "checkpoint_activations", "FakeStore", "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state",
            "config_value", "fsdp_mem_tracker", "mem_tracker"]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
@@ -26,6 +26,12 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state
 # takes an instance of the private `ReduceScatter` interface; gloo runs install a subclass
 # that reduces with an all-reduce (`fsdp_zero.parallelize.AllReduceScatter`).
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+# Activation checkpointing as a composable API: marks a module so that its forward is recomputed
+# in backward (non-reentrant) without wrapping it, so parameter names, and with them checkpoints,
+# are the same with and without it (FSDP's CheckpointWrapper adds `_checkpoint_wrapped_module.`).
+# It composes with fully_shard on the same module, as FSDP2's own tests use it.
+from torch.distributed._composable import checkpoint as checkpoint_activations
 
 # The planner simulates one rank of N in one process with a process group whose
 # collectives return at once. A testing utility, but the documented way to do this

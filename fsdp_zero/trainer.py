@@ -26,11 +26,15 @@ from torch import nn
 import fsdp_zero
 from fsdp_zero.build import build
 from fsdp_zero.checkpoint import Checkpointer, load_checkpoint
-from fsdp_zero.config import TOKEN_SOURCES, BatchLayout, Config, DataSource, Task, OptimConfig, ParallelConfig, Strategy, batch_layout, to_yaml
+from fsdp_zero.config import (
+    TOKEN_SOURCES, BatchLayout, Config, DataSource, OptimConfig, ParallelConfig, Schedule, Strategy, Task, batch_layout,
+    to_yaml,
+)
 from fsdp_zero.data import BatchCursor, build_source
 from fsdp_zero.distributed import DistEnv, agree_on_seed
 from fsdp_zero.memory import MIB, Phase, PhaseHook, apply_malloc_policy
-from fsdp_zero.parallelize import is_fsdp, model_state_formula, unwrap
+from fsdp_zero.parallelize import formula_note, is_fsdp, model_state_formula, unwrap
+from fsdp_zero.precision import LossScaler, loss_scaler, resolve
 from fsdp_zero.steplog import StepRecord, StepLogger
 from fsdp_zero.rundir import decide_run_dir, run_files, write_run_dir
 from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, to_device, vocab_size
@@ -45,12 +49,16 @@ logger = logging.getLogger("fsdp_zero")
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, then cosine."""
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, then
+    ``cfg.schedule`` (cosine, linear or constant)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
+    if cfg.schedule is Schedule.constant:
+        return 1.0
     span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule is Schedule.cosine else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -97,13 +105,17 @@ def train_step(
     grad_clip: float,
     device: torch.device,
     hooks: Sequence[PhaseHook] = (),
+    scaler: LossScaler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Forward/backward over this rank's micro-batches, then one optimizer step (at the
     learning rate already set, see `set_lr`).
 
     Returns this rank's mean loss, the global gradient norm (before clipping) and the
     task's other scalars (mean over micro-batches), all tensors: reading them with
-    ``.item()`` is a sync point left to the caller.
+    ``.item()`` is a sync point left to the caller. With a ``scaler`` (fp16) the loss is
+    scaled before backward and the gradients unscaled before clipping; a step whose
+    gradients overflowed on any rank is skipped by every rank (``loss_scale`` and
+    ``skipped_steps`` join the scalars).
     """
     params = [p for p in model.parameters()]
     loss_sum = torch.zeros((), device=device)
@@ -121,19 +133,29 @@ def train_step(
                 _report(hooks, Phase.AFTER_FORWARD)
             # Scaled so the accumulated gradient is the mean over micro-batches; the
             # reduction over ranks averages, giving the global-batch mean.
-            (loss / len(micro_batches)).backward()
+            scaled = loss / len(micro_batches)
+            (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
         for k, v in extra.items():
             extra_sum[k] = extra_sum.get(k, 0) + v.float()
         if i < len(micro_batches) - 1:
             _report(hooks, Phase.AFTER_MICRO_BATCH)
     _report(hooks, Phase.AFTER_BACKWARD)
-    grad_norm = clip_grad_norm_(params, grad_clip)  # one all-reduce
-    optimizer.step()
+    n = len(micro_batches)
+    extra = {k: v / n for k, v in extra_sum.items()}
+    if scaler:
+        scaler.unscale_(optimizer)  # true gradients (inf/NaN if they overflowed on any rank) for the norm
+        grad_norm = clip_grad_norm_(params, grad_clip)
+        scaler.step(optimizer)  # skipped when any rank's gradients overflowed
+        scaler.count(grad_norm)
+        extra |= scaler.scalars()  # the scale this step used, and the steps skipped so far
+        scaler.update()  # halves the scale after an overflow, grows it after a window without one
+    else:
+        grad_norm = clip_grad_norm_(params, grad_clip)  # one all-reduce
+        optimizer.step()
     _report(hooks, Phase.AFTER_OPTIMIZER_STEP)  # parameters, gradients and optimizer states all live
     optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
-    n = len(micro_batches)
-    return loss_sum / n, grad_norm, {k: v / n for k, v in extra_sum.items()}
+    return loss_sum / n, grad_norm, extra
 
 
 # ---------------------------------------------------------------------------------
@@ -154,6 +176,7 @@ class Components:
     num_params: int
     seed: int
     step: int = 0  # optimizer steps already taken (non-zero after a resume)
+    scaler: LossScaler | None = None  # fp16's loss scaling
 
 
 # ---------------------------------------------------------------------------------
@@ -210,6 +233,10 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     logger.info("model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s", name, f"{built.num_params:,}",
                 built.num_params * 4 / MIB, cfg.model.task.value, strategy.value)
     logger.info("initialised: %s", built.init_note)
+    precision = resolve(cfg.precision)
+    state_bytes = model_state_formula(cfg.parallel, built.num_params, env.world_size, precision.bytes_per_param)
+    logger.info("%s", precision.manifest(built.num_params, state_bytes, formula_note(cfg.parallel, env.world_size)))
+    scaler = loss_scaler(cfg.precision, precision, env.device)
     logger.info("%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None))
     if is_fsdp(strategy):
         logger.info("%s", plan.table())
@@ -222,6 +249,8 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, built.optimizer, env.rank, env.device)
         cursor.position, step = state["data_position"], state["step"]
+        if scaler is not None and "loss_scaler" in state:
+            scaler.load_state_dict(state["loss_scaler"])
         logger.info("resumed from %s: step %d, data position %d (saved at world size %d, now %d)",
                     resume_from, step, cursor.position, state["world_size"], env.world_size)
         if cfg.model.init_from:
@@ -236,7 +265,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
         if env.device.type == "cuda":  # what users check with torch.cuda.memory_summary()
             (run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
-    return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step)
+    return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step, scaler)
 
 
 @dataclass
@@ -267,11 +296,13 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
             with log.profiler or contextlib.nullcontext():
                 loss, grad_norm, extra = train_step(model, optimizer, parts.loss_fn, micro_batches, cfg.optim.grad_clip,
-                                                    env.device, hooks)
+                                                    env.device, hooks, parts.scaler)
             if checkpointer:
                 checkpointer.poll()  # publishes a finished async save
                 if step == last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                     state = {"step": step, "data_position": cursor.position, "seed": parts.seed}
+                    if parts.scaler:
+                        state["loss_scaler"] = parts.scaler.state_dict()
                     checkpointer.save(step, model, optimizer, state, to_yaml(cfg))
             log.step(step, loss, grad_norm, lr, extra)  # on log steps: the loop's only sync points
         if checkpointer:
@@ -287,10 +318,10 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
 def write_summary(cfg: Config, env: DistEnv, parts: Components, result: TrainResult, last: int) -> None:
     """The end-of-run line (model state against the strategy's own formula) and summary.json (rank 0),
     with every rank's figures: what scripts/compare.py reads."""
-    formula = model_state_formula(cfg.parallel, parts.num_params, env.world_size)
-    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s formula (%.2f MiB)",
+    formula = model_state_formula(cfg.parallel, parts.num_params, env.world_size, resolve(cfg.precision).bytes_per_param)
+    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
                 result.model_state_bytes / MIB, result.model_state_bytes / formula, cfg.parallel.strategy.value,
-                formula / MIB)
+                cfg.precision.mode, formula / MIB)
     mine = {"model_state_bytes": result.model_state_bytes, "peak_rss_mib": result.peak_rss_mib,
             "peak_reserved_mib": result.peak_reserved_mib, "step_s": result.step_seconds, "breakdown": result.breakdown}
     ranks = [None] * env.world_size

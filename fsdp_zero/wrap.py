@@ -29,6 +29,10 @@ class Unit:
     num_params: int  # parameters this unit owns (not those of units nested in it)
     full_bytes: int
     bytes_per_rank: int  # padded shard, as FSDP2 allocates it (dim 0 split in ceil(rows / N))
+    # Chosen by the policy for itself (a transformer block), not as a large module outside the blocks
+    # (an embedding table, an output head) nor the root: where activation checkpointing and
+    # per-unit compilation apply.
+    block: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class WrapPlan:
     @property
     def submodule_fqns(self) -> list[str]:
         return [u.fqn for u in self.units if u.fqn != ROOT]
+
+    @property
+    def block_fqns(self) -> list[str]:
+        return [u.fqn for u in self.units if u.block]
 
     def table(self) -> str:
         """The plan as a fixed-width table, one row a unit."""
@@ -216,6 +224,8 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         owner = next(u for u in units if all(_is_under(q, u) for q in paths))
         owned[owner].append(params[pid])
 
+    # The transformer policy's large outsiders (see `_with_large_outsiders`) are not blocks.
+    classes = (list(cfg.classes) or default_block_classes(model)) if cfg.policy is WrapPolicy.transformer else None
     plan_units = []
     for fqn in units:
         ps = owned[fqn]
@@ -225,7 +235,8 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
             math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * p.element_size() if p.dim() else p.element_size()
             for p in ps
         )
-        plan_units.append(Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank))
+        block = fqn != ROOT and (classes is None or type(module).__name__ in classes)
+        plan_units.append(Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank, block))
     if cfg.policy is WrapPolicy.none:
         notes.append("one unit: every rank gathers the whole model for forward and backward")
     return WrapPlan(policy=cfg.policy, world_size=world_size, units=plan_units, notes=notes)

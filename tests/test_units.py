@@ -131,6 +131,23 @@ def test_reference_schedule_agrees_with_the_hand_worked_values():
     assert reference_lr(cfg, 1, 20) == 0.25 and reference_lr(cfg, 4, 20) == 1.0
     assert reference_lr(cfg, 13, 20) == pytest.approx(0.55, abs=1e-12)
     assert reference_lr(cfg, 9, 20) == pytest.approx(0.8681980515339464, abs=1e-12)
+    # Linear decay: step 13 is half-way from 1.0 to 0.1; constant stays at 1.0.
+    from fsdp_zero.config import Schedule
+
+    linear, constant = (OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(s)) for s in ("linear", "constant"))
+    assert reference_lr(linear, 13, 20) == pytest.approx(0.55, abs=1e-12) and reference_lr(linear, 1, 20) == 0.25
+    assert reference_lr(constant, 13, 20) == reference_lr(constant, 20, 20) == 1.0
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_every_schedule_agrees_with_the_reference(schedule):
+    from fsdp_zero.config import Schedule
+    from fsdp_zero.trainer import lr_factor
+    from tests.reference import reference_lr
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(schedule))
+    for step in range(20):
+        assert lr_factor(step, cfg, 20) == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-12), step
 
 
 def test_model_state_bytes_for_adamw_is_16_per_param():

@@ -58,13 +58,22 @@ def main() -> None:
             inputs = parts.cursor.source.batch(range(2))[0]
             logits = logits_of(parts.model(inputs.to(env.device))).cpu()
         same_reduce_scatter = reduce_scatter_matches_gloo(env.world_size, env.rank) if env.backend == "gloo" else None
+        # Every rank's model state, and the optimizer steps its AdamW states counted (skipped fp16 steps not).
+        opt_states = parts.optimizer.state.values()
+        mine = (result.model_state_bytes, sorted({int(st["step"]) for st in opt_states}),
+                sorted({str(st["exp_avg"].dtype) for st in opt_states}))
         states = [None] * env.world_size
-        dist.all_gather_object(states, result.model_state_bytes)
+        dist.all_gather_object(states, mine)
         if env.is_rank0:
             log = [json.loads(line) for line in (parts.run_dir / "metrics.jsonl").read_text().splitlines()]
             lrs = {row["step"]: row["lr"] for row in log}  # the rate each logged step used
             torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "lrs": lrs, "initial": initial,
-                        "final": final, "logits": logits, "model_state_bytes": states, "num_params": parts.num_params,
+                        "final": final, "logits": logits, "model_state_bytes": [b for b, _, _ in states],
+                        "adam_steps": [n for _, n, _ in states], "adam_dtypes": [d for _, _, d in states], "breakdown": result.breakdown,
+                        "phases": {phase.value: dict(cats) for phase, cats in result.phases.items()},
+                        "dtypes": sorted({str(v.dtype) for v in final.values() if v.is_floating_point()}),
+                        "loss_scale": {r["step"]: r["loss_scale"] for r in log if "loss_scale" in r},
+                        "skipped_steps": {r["step"]: r["skipped_steps"] for r in log if "skipped_steps" in r}, "num_params": parts.num_params,
                         "shard_bytes": [u.bytes_per_rank for u in parts.plan.units],
                         "same_reduce_scatter": same_reduce_scatter}, out)
 
