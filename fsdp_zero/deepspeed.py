@@ -173,7 +173,7 @@ def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[s
             section = key.split(".")[0]
             hint = f"; keys of '{section}' read here: " + ", ".join(
                 k for k, _, _ in MAPPED if k.startswith(section + ".")) if section in SECTIONS else ""
-            raise bad(key, f"unknown DeepSpeed key (not read by fsdp-zero){hint}")
+            raise bad(key, f"unknown DeepSpeed key{hint}")
         tail = key.split(".", 1)[-1] if key.startswith("zero_optimization.") else key
         if key in UNSUPPORTED or tail in UNSUPPORTED:
             if value in (False, None, 0) or (isinstance(value, dict) and not value.get("enabled", True)):
@@ -305,6 +305,9 @@ def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[s
         out.append(f"optim.min_lr_ratio={floor if floor is not None else 1.0 if sched == 'WarmupLR' else 0.0}")
     if lr is not None:
         out.append(f"optim.lr={lr}")
+    if get("wall_clock_breakdown"):
+        notes.append("ds_config wall_clock_breakdown=true: step time and tokens/s are always logged (every "
+                     "train.log_every steps); the memory breakdown at memory.profile_step")
     tb = get("tensorboard.enabled")
     if tb is not None:
         out.append(f"metrics.tensorboard={str(bool(tb)).lower()}")

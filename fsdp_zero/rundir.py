@@ -32,6 +32,11 @@ COMPATIBLE = ("data.num_workers",)
 IGNORED_IN_DIFF = ("run.", "checkpoint.resume", "model.init_from", "model.init")
 
 
+def to_plain(cfg: Config) -> dict:
+    """A resolved config as nested dicts of plain values (enums by value)."""
+    return OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
+
+
 def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """Dotted keys whose values differ between two resolved configs (as plain dicts)."""
     def flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -76,7 +81,7 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
 
     if resume_from is not None:
         old = OmegaConf.to_container(OmegaConf.load(resume_from / "config.yaml"))
-        new = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
+        new = to_plain(cfg)
         if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
             new["train"]["seed"] = old["train"]["seed"]
             cfg.train.seed = old["train"]["seed"]

@@ -36,7 +36,7 @@ from fsdp_zero.memory import MIB, Phase, PhaseHook, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, is_fsdp, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, loss_scaler, resolve
 from fsdp_zero.steplog import StepRecord, StepLogger
-from fsdp_zero.rundir import decide_run_dir, run_files, write_run_dir
+from fsdp_zero.rundir import config_diff, decide_run_dir, run_files, to_plain, write_run_dir
 from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, to_device, vocab_size
 from fsdp_zero.weights import load_full_weights
 from fsdp_zero.wrap import WrapPlan
@@ -233,6 +233,9 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     logger.info("model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s", name, f"{built.num_params:,}",
                 built.num_params * 4 / MIB, cfg.model.task.value, strategy.value)
     logger.info("initialised: %s", built.init_note)
+    changed = config_diff(to_plain(Config()), to_plain(cfg))
+    logger.info("settings that differ from the defaults (all in %s): %s", run_dir / "config.yaml",
+                ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none")
     precision = resolve(cfg.precision)
     state_bytes = model_state_formula(cfg.parallel, built.num_params, env.world_size, precision.bytes_per_param)
     logger.info("%s", precision.manifest(built.num_params, state_bytes, formula_note(cfg.parallel, env.world_size)))

@@ -1,7 +1,11 @@
 """Train a transformer with its model state sharded over the ranks (ZeRO-3 by default).
 
     torchrun --nproc_per_node=2 scripts/train.py [--config configs/X.yaml] [key=value ...]
+    torchrun --nproc_per_node=2 scripts/train.py --deepspeed ds_config.json [key=value ...]
     python scripts/train.py ...   # world size 1
+
+Settings apply in order: defaults, --config, --deepspeed (a DeepSpeed JSON config read as-is,
+see fsdp_zero/deepspeed.py), then key=value.
 
 A bad setting prints one line naming the key and the valid choices, and exits with 2.
 """
@@ -15,6 +19,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_zero.config import load_config
+from fsdp_zero.deepspeed import read_deepspeed
 from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.trainer import train
 
@@ -32,10 +37,19 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file of settings that differ from the defaults")
+    parser.add_argument("--deepspeed", metavar="JSON", help="a DeepSpeed config (ds_config.json), read as-is")
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. train.steps=50")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        overrides = args.overrides
+        if args.deepspeed:
+            mapped, notes = read_deepspeed(args.deepspeed, int(os.environ.get("WORLD_SIZE", "1")))
+            overrides = mapped + overrides
+            if os.environ.get("RANK", "0") == "0":
+                print(f"--deepspeed {args.deepspeed}: " + (" ".join(mapped) or "nothing mapped"), file=sys.stderr)
+                for note in notes:
+                    print(note, file=sys.stderr)
+        cfg = load_config(args.config, overrides)
         with distributed(cfg.dist) as env:
             train(cfg, env)
     except ValueError as e:  # a user error: every rank raises the same one

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_zero.config import Config, DataSource, Strategy, TrainConfig, WrapPolicy, batch_layout, load_config, to_yaml
 from tests.conftest import REPO
@@ -73,11 +74,32 @@ VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classifi
         (["parallel.prefetch=-1"], r"parallel\.prefetch=-1: must be >= 0"),
         (["parallel.strategy=ddp", "parallel.reshard_after_forward=2"],
          r"parallel\.reshard_after_forward=2 applies to parallel\.strategy=full_shard only, not ddp"),
+        (["precision=fp8"], r"precision\.mode='fp8' is not a valid choice; valid choices: fp32, bf16-mixed, fp16-mixed, bf16-true"),
+        (["precision.param_dtype=half"], r"precision\.param_dtype='half' is not a valid choice; valid choices: fp32, bf16, fp16"),
+        (["precision=bf16-mixed", "parallel.strategy=zero1"], r"precision\.mode=bf16-mixed \(gathered parameters in a "
+                                                               r"lower precision than the stored ones\) needs an FSDP strategy"),
+        (["precision.loss_scale=-1"], r"precision\.loss_scale=-1\.0: must be >= 0"),
+        (["parallel.cpu_offload=true", "parallel.strategy=ddp"], r"parallel\.cpu_offload=true needs an FSDP strategy"),
+        (["parallel.activation_checkpointing=some"], r"parallel\.activation_checkpointing='some' is not a valid choice; "
+                                                    r"valid choices: none, full, selective"),
+        (["parallel.activation_checkpointing_every=0"], r"parallel\.activation_checkpointing_every=0: must be > 0"),
+        (["optim.schedule=step"], r"optim\.schedule='step' is not a valid choice; valid choices: cosine, linear, constant"),
     ],
 )
 def test_bad_model_and_data_settings_name_the_key(overrides: list[str], message: str):
     with pytest.raises(ValueError, match=message):
         load_config(None, overrides)
+
+
+def test_precision_shorthand_and_dtypes():
+    from fsdp_zero.precision import resolve
+
+    assert load_config(None, ["precision=bf16-mixed"]).precision.mode == "bf16-mixed"
+    p = resolve(load_config(None, ["precision=bf16-mixed", "precision.reduce_dtype=bf16"]).precision)
+    assert (p.stored, p.compute, p.reduce, p.bytes_per_param) == (torch.float32, torch.bfloat16, torch.bfloat16, (4, 4, 8))
+    p = resolve(load_config(None, ["precision=bf16-true"]).precision)
+    assert (p.stored, p.compute, p.reduce, p.bytes_per_param, p.loss_scaling) == (torch.bfloat16,) * 3 + ((2, 2, 4), False)
+    assert resolve(load_config(None, ["precision=fp16-mixed"]).precision).loss_scaling
 
 
 @pytest.mark.parametrize(

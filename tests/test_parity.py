@@ -10,6 +10,9 @@ the tolerances are set at about 10x those figures.
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -44,6 +47,8 @@ RUNS = [
     ("offload", 2, ["parallel.cpu_offload=true"]),
     ("ac-full", 2, ["parallel.activation_checkpointing=full"]),
     ("ac-selective", 2, ["parallel.activation_checkpointing=selective", "parallel.activation_checkpointing_every=2"]),
+    # torch.compile of each block (inductor on CPU: about 25 s of compilation in this run).
+    ("compile", 2, ["train.compile=true"]),
     # Precision modes, each against a single-process run in the same mode (tests/reference.py).
     ("bf16-mixed", 2, ["precision=bf16-mixed"]),
     ("fp16-mixed", 2, ["precision=fp16-mixed"]),
@@ -98,7 +103,7 @@ def _atol(name: str) -> tuple[float, float, float]:
 @pytest.mark.parametrize("name", NAMES)
 def test_initial_weights_are_identical_at_every_world_size(runs, references, name):
     got, ref = runs[name]["initial"], references[_key(name)]["initial"]
-    assert set(ref) <= set(got)
+    assert set(ref) == set(got)  # the same names with checkpointing and compile (AC-2)
     for key, value in ref.items():
         assert torch.equal(got[key], value), key
 
@@ -211,7 +216,7 @@ def test_record_the_measured_differences(runs, references):
 EXPECTED_BYTES_PER_PARAM = {
     "n1": 16, "n2": 16 / 2, "n4": 16 / 4, "zero2": 16 / 2, "hsdp": 16 / 2, "zero1": 8 + 8 / 2, "ddp": 16,
     "hpz-prefetch": 16 / 4,  # hpZ's extra 4 P / 2 lives only between forward and backward
-    "offload": 16 / 2, "bf16-mixed": 16 / 2, "fp16-mixed": 16 / 2,  # fp32 weights, grads, AdamW (in host memory)
+    "offload": 16 / 2, "compile": 16 / 2, "bf16-mixed": 16 / 2, "fp16-mixed": 16 / 2,  # fp32 weights, grads, AdamW (in host memory)
     "bf16-true": 8 / 2,  # bf16 weights, grads and AdamW states
 }
 
@@ -224,3 +229,25 @@ def test_model_state_per_rank_follows_the_zero_formula(runs, name):
     for rank, got in enumerate(run["model_state_bytes"]):
         assert got == pytest.approx(expected, rel=0.02), rank
     figure(f"model state / formula, {name}", ", ".join(f"{b / expected:.5f}" for b in run["model_state_bytes"]))
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """MP-2: rank 1's gradients overflow at step 3 (tests/user_model.py:overflow_on_rank1). Every
+    rank skips that optimizer step (AdamW counts 7 steps of 8 on both), the scale halves, the
+    skipped step is counted (metrics.jsonl; TensorBoard has the same train/skipped_steps and
+    train/loss_scale), and the loss scaler's state is
+    saved with the checkpoint and restored on resume."""
+    args = [*BASE, "precision=fp16-mixed", "model.task=custom", "model.loss=tests.user_model:overflow_on_rank1",
+            f"run.root={tmp_path}", "run.name=overflow"]
+    check(launch(2, WORKER, str(tmp_path / "a.pt"), *args, torchrun=False))
+    run = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert run["adam_steps"] == [[7], [7]]
+    assert run["skipped_steps"] == {s: float(s >= 3) for s in range(1, 9)}
+    assert run["loss_scale"] == {s: 2.0**16 if s <= 3 else 2.0**15 for s in range(1, 9)}
+    assert not math.isfinite(run["grad_norms"][3]) and all(math.isfinite(run["grad_norms"][s]) for s in (1, 2, 4, 8))
+    saved = json.loads((tmp_path / "overflow" / "checkpoints" / "step-0000008" / "train_state.json").read_text())
+    assert saved["loss_scaler"]["scale"] == 2.0**15 and saved["loss_scaler"]["skipped_steps"] == 1
+    # Resumed for two more steps: the scale and the count carry on from the checkpoint.
+    check(launch(2, WORKER, str(tmp_path / "b.pt"), *args, "train.steps=10", torchrun=False))
+    resumed = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert resumed["loss_scale"][10] == 2.0**15 and resumed["skipped_steps"][10] == 1.0

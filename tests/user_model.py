@@ -44,3 +44,20 @@ def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
     logits = model(inputs)
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     return loss, {"top1": (logits.argmax(-1) == targets).float().mean()}
+
+
+_calls = [0]
+
+
+def overflow_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Next-token cross-entropy, multiplied by 1e8 on rank 1 at its 5th call only (step 3 at 2
+    micro-batches per step): under fp16 loss scaling that rank's gradients overflow at that step."""
+    import torch.distributed as dist
+
+    inputs, targets = batch
+    logits = model(inputs).float()
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    _calls[0] += 1
+    if dist.get_rank() == 1 and _calls[0] == 5:
+        loss = loss * 1e8
+    return loss

@@ -1,0 +1,162 @@
+"""A DeepSpeed JSON config read as-is (fsdp_zero/deepspeed.py, scripts/train.py --deepspeed).
+
+Each mapped key resolves to the same Config as the equivalent native overrides; keys FSDP2 makes
+unnecessary are listed with what we do instead; unknown keys, unsupported values and
+contradictions are one-line errors naming the key. The ZeRO-3 tutorial's config runs unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdp_zero.config import load_config
+from fsdp_zero.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, read_deepspeed
+from tests.conftest import REPO, check, launch
+
+TRAIN = REPO / "scripts" / "train.py"
+# The ZeRO-3 example of DeepSpeed's tutorials, as users copy it.
+TUTORIAL = {
+    "train_batch_size": 32,
+    "fp16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": 5e8},
+}
+
+
+def _read(tmp_path: Path, ds: dict, world_size: int = 2) -> tuple[list[str], list[str]]:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    return read_deepspeed(path, world_size)
+
+
+def _same(tmp_path: Path, ds: dict, native: list[str], world_size: int = 2) -> list[str]:
+    """The config DeepSpeed's keys resolve to equals the one the native overrides give."""
+    mapped, notes = _read(tmp_path, ds, world_size)
+    assert load_config(None, mapped) == load_config(None, native), (mapped, native)
+    return notes
+
+
+def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
+    full = {
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+        "gradient_clipping": 0.5, "steps_per_print": 7, "wall_clock_breakdown": True,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "communication_data_type": "fp32",
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 5,
+                                                           "cos_min_ratio": 0.05}},
+        "tensorboard": {"enabled": False, "output_path": "logs/"},
+    }
+    notes = _same(tmp_path, full, [
+        "train.global_batch_size=32", "train.micro_batch_size=4", "optim.grad_clip=0.5", "train.log_every=7",
+        "parallel.zero_stage=2", "parallel.cpu_offload=true", "precision.reduce_dtype=fp32",
+        "precision=bf16-mixed", "optim.lr=2e-4", "optim.betas=[0.9,0.98]", "optim.eps=1e-6", "optim.weight_decay=0.01",
+        "optim.schedule=cosine", "optim.warmup_steps=5", "train.steps=100", "optim.min_lr_ratio=0.05",
+        "metrics.tensorboard=false",
+    ])
+    joined = "\n".join(notes)
+    for key in ("wall_clock_breakdown", "offload_optimizer.pin_memory", "tensorboard.output_path",
+                "offload_optimizer: FSDP2's CPU offload moves the parameter shards"):
+        assert key in joined, key
+    # fp16 with its loss-scale settings; DeepSpeed's Adam (AdamW by default); WarmupLR and WarmupDecayLR.
+    _same(tmp_path, {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+                              "hysteresis": 2, "min_loss_scale": 1},
+                     "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 5e-4,
+                                                                  "warmup_num_steps": 20}}},
+          ["precision=fp16-mixed", "precision.loss_scale=0", "precision.initial_scale_power=12",
+           "precision.loss_scale_window=500", "optim.lr=5e-4", "optim.schedule=constant", "optim.warmup_steps=20",
+           "optim.min_lr_ratio=1.0"])
+    _same(tmp_path, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 40, "warmup_num_steps": 4}},
+                     "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+          ["optim.schedule=linear", "optim.warmup_steps=4", "train.steps=40", "optim.min_lr_ratio=0.0",
+           "parallel.zero_stage=3", "parallel.reshard_after_forward=2"], world_size=4)
+    _same(tmp_path, {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+          ["parallel.strategy=hybrid_shard", "parallel.shard_size=2"], world_size=4)
+    for stage, strategy in ((0, "ddp"), (1, "zero1"), (2, "shard_grad_op"), (3, "full_shard")):
+        mapped, _ = _read(tmp_path, {"zero_optimization": {"stage": stage}})
+        assert load_config(None, mapped).parallel.strategy.value == strategy
+
+
+def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(tmp_path):
+    # Two of the three: the third follows (train_batch_size = micro x accumulation x ranks).
+    _same(tmp_path, {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
+          ["train.global_batch_size=12", "train.micro_batch_size=3"])
+    _same(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 4},
+          ["train.global_batch_size=32", "train.micro_batch_size=4"])
+    _same(tmp_path, {"train_batch_size": 32}, ["train.global_batch_size=32", "train.micro_batch_size=16"])
+    # "auto" is ours to decide: the defaults stay, and the key is listed.
+    notes = _same(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                             "gradient_clipping": "auto"}, [])
+    assert sum("=auto: fsdp-zero's value is used" in n for n in notes) == 3
+    with pytest.raises(ValueError, match=r"ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4 x "
+                                         r"gradient_accumulation_steps 2 x 2 ranks = 16"):
+        _read(tmp_path, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+    with pytest.raises(ValueError, match=r"ds_config train_batch_size=30: does not divide over gradient_accumulation_steps 4"):
+        _read(tmp_path, {"train_batch_size": 30, "gradient_accumulation_steps": 4})
+
+
+def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):
+    mapped, notes = _read(tmp_path, TUTORIAL)
+    assert mapped == ["train.global_batch_size=32", "train.micro_batch_size=16", "parallel.zero_stage=3",
+                      "precision.mode=fp16-mixed"]
+    assert [n.split("=")[0] for n in notes] == [f"ds_config zero_optimization.{k}" for k in
+                                                ("overlap_comm", "contiguous_gradients", "sub_group_size", "reduce_bucket_size")]
+    assert all(": no effect; " in n and n.count("\n") == 0 for n in notes)
+    stage3 = {k: 1 for k in NO_EFFECT if k.startswith("stage3_")}
+    _, notes = _read(tmp_path, {"zero_optimization": {"stage": 3, **stage3}})
+    assert len(notes) == len(stage3)
+
+
+@pytest.mark.parametrize("ds, message", [
+    ({"train_batchsize": 8}, "ds_config train_batchsize=8: unknown DeepSpeed key"),
+    ({"zero_optimization": {"stagee": 3}}, "ds_config zero_optimization.stagee=3: unknown DeepSpeed key; keys of "
+                                           "'zero_optimization' read here: zero_optimization.stage"),
+    ({"zero_optimization": {"stage": 4}}, "ds_config zero_optimization.stage=4: valid choices: 0, 1, 2, 3"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "ds_config zero_optimization.offload_param.device='nvme': valid choices: cpu, none"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+     "ds_config zero_optimization.offload_optimizer.device='cpu': offload needs ZeRO stage 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+     "ds_config zero_optimization.zero_quantized_weights=True: ZeRO++ quantized weights: not supported"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "ds_config fp16.enabled=True: fp16 and bf16 are both enabled"),
+    ({"optimizer": {"type": "Lamb"}}, "ds_config optimizer.type='Lamb': valid choices: Adam, AdamW"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "ds_config optimizer.params.adam_w_mode=False"),
+    ({"scheduler": {"type": "OneCycle"}}, "ds_config scheduler.type='OneCycle': valid choices: WarmupLR"),
+    ({"gradient_clipping": "one"}, "ds_config gradient_clipping='one': expected a number"),
+    ({"communication_data_type": "int8"}, "ds_config communication_data_type='int8': valid choices: fp32"),
+])
+def test_bad_deepspeed_configs_are_errors_naming_the_key(tmp_path, ds, message):
+    with pytest.raises(ValueError) as e:
+        _read(tmp_path, ds)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_every_deepspeed_key_in_the_readme_table():
+    readme = (REPO / "README.md").read_text()
+    assert mapping_table() in readme, "README: paste fsdp_zero.deepspeed.mapping_table()"
+    assert len(MAPPED) + len(NO_EFFECT) + len(UNSUPPORTED) == mapping_table().count("\n") - 1
+
+
+def test_the_zero3_tutorial_config_runs_unchanged(tmp_path):
+    """The tutorial's JSON, 2 ranks, key=value on top (a small model, 2 steps; overrides win)."""
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps(TUTORIAL))
+    proc = check(launch(2, TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", "data.seq_len=32", "train.steps=2",
+                        "train.log_every=1", f"run.root={tmp_path}", "run.name=ds", "memory.profile_step=0"))
+    out = proc.stdout + proc.stderr
+    assert "ds_config zero_optimization.overlap_comm=true: no effect" in out
+    assert "precision fp16-mixed: stored weights fp32" in out and "loss_scale 65536" in out
+    saved = yaml.safe_load((tmp_path / "ds" / "config.yaml").read_text())
+    assert saved["precision"]["mode"] == "fp16-mixed" and saved["parallel"]["strategy"] == "full_shard"
+    assert (saved["train"]["global_batch_size"], saved["train"]["micro_batch_size"], saved["train"]["steps"]) == (32, 16, 2)
+    # A contradiction with the world size fails before anything is written.
+    ds.write_text(json.dumps(TUTORIAL | {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
+    bad = launch(2, TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=bad")
+    assert bad.returncode != 0 and "error: ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4" in bad.stderr
+    assert not (tmp_path / "bad").exists()
