@@ -208,6 +208,14 @@ def materializer(device: torch.device, how: Init, seed: int | None, buffers: dic
 # Sharding and the optimizer
 
 
+def cast_to_stored(model: nn.Module, precision: Precision) -> None:
+    """bf16-true: parameters and floating buffers in bf16 (as Lightning's bf16-true); a no-op when
+    they are already (the planner casts before it enters fake-tensor mode)."""
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    if precision.stored != torch.float32 and any(t.dtype != precision.stored for t in tensors):
+        model.to(precision.stored)
+
+
 def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int | None, init: Init = Init.auto,
           mesh: DeviceMesh | None = None, ddp: Callable[[nn.Module], nn.Module] | None = None,
           precision: Precision | None = None, compile: bool = False) -> tuple[nn.Module, WrapPlan, str]:
@@ -225,8 +233,7 @@ def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int
         ValueError: a wrap setting the model does not fit (see `fsdp_zero.wrap.build_wrap_plan`).
     """
     precision = precision or resolve(PrecisionConfig())
-    if precision.stored != torch.float32:
-        model.to(precision.stored)  # bf16-true: parameters and buffers (as Lightning's bf16-true)
+    cast_to_stored(model, precision)
     degree = shard_degree(parallel, env.world_size)
     wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
     plan = build_wrap_plan(model, wrap, degree)

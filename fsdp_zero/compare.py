@@ -26,13 +26,18 @@ DEFAULTS = ["train.steps=6", "train.log_every=2", "memory.profile_step=2", "chec
 
 
 def read_rows(out: Path, strategies: list[Strategy] = ORDER) -> dict[str, list[dict]]:
-    """Each strategy's per-rank rows, from ``out/<strategy>/summary.json``."""
+    """Each strategy's per-rank rows, from ``out/<strategy>/summary.json`` (strategies without one,
+    e.g. skipped because the settings do not apply to them, are left out)."""
     rows = {}
     for strategy in strategies:
-        summary = json.loads((out / strategy.value / "summary.json").read_text())
+        path = out / strategy.value / "summary.json"
+        if not path.exists():
+            continue
+        summary = json.loads(path.read_text())
         rows[strategy.value] = [
             {"strategy": strategy.value, "num_params": summary["num_params"], "steps": summary["steps"],
              "final_loss": summary["final_loss"], "step_s": r["step_s"], "model_state": r["model_state_bytes"],
+             "formula": summary["model_state_formula_bytes"], "precision": summary["precision"],
              "breakdown": r["breakdown"], "peak_rss_mib": r["peak_rss_mib"], "peak_reserved_mib": r["peak_reserved_mib"]}
             for r in summary["ranks"]]
     return rows
@@ -88,42 +93,48 @@ def dataparallel_row(cfg: Config) -> dict:
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB
     return {"strategy": "dataparallel", "num_params": sum(p.numel() for p in model.parameters()), "steps": cfg.train.steps,
             "step_s": elapsed / cfg.train.steps, "final_loss": final, "model_state": state.get("bytes", 0),
+            "formula": model_state_formula(ParallelConfig(strategy=Strategy.ddp), sum(p.numel() for p in model.parameters()), 1),
+            "precision": "fp32",
             "breakdown": dict.fromkeys(CATEGORIES, 0), "peak_rss_mib": peak, "peak_reserved_mib": peak}
 
 
 def table(rows: dict[str, list[dict]], n: int) -> str:
-    ddp = rows[Strategy.ddp.value]
-    ddp_peak = max(r["peak_rss_mib"] for r in ddp)
-    ddp_time = ddp[0]["step_s"]
-    first = ddp[0]
+    """The comparison, each figure also as a ratio to DDP's (or, where DDP was not run, to the first
+    strategy's); the formula column is each run's own (its strategy and precision)."""
+    present = [s for s in reversed(ORDER) if s.value in rows]  # DDP first, as in the lesson
+    base = present[0].value
+    base_peak = max(r["peak_rss_mib"] for r in rows[base])
+    base_time = rows[base][0]["step_s"]
+    first = rows[base][0]
+    vs = "vs DDP" if base == Strategy.ddp.value else f"vs {base}"
     lines = [
-        f"# DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, fp32 AdamW",
+        f"# DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, {first['precision']} AdamW",
         "",
-        "| strategy | ZeRO | peak RSS / rank (MiB) | vs DDP | model state / rank (MiB) | formula (MiB) | "
-        "gathered params peak (MiB) | tracked tensor peak (MiB) | step (s) | vs DDP | final loss |",
+        f"| strategy | ZeRO | peak RSS / rank (MiB) | {vs} | model state / rank (MiB) | formula (MiB) | "
+        f"gathered params peak (MiB) | tracked tensor peak (MiB) | step (s) | {vs} | final loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for strategy in reversed(ORDER):  # DDP first, as in the lesson
+    for strategy in present:
         rs = rows[strategy.value]
         peak = max(r["peak_rss_mib"] for r in rs)
         state = max(r["model_state"] for r in rs) / MIB
-        formula = model_state_formula(ParallelConfig(strategy=strategy), first["num_params"], n) / MIB
+        formula = rs[0]["formula"] / MIB
         gathered = max(r["breakdown"].get("gathered_params", 0) for r in rs) / MIB
         tracked = max(sum(r["breakdown"].values()) for r in rs) / MIB
         lines.append(
-            f"| {strategy.value} | {ZERO[strategy]} | {peak:,.0f} | {peak / ddp_peak:.2f} | {state:,.1f} | {formula:,.1f} | "
-            f"{gathered:,.1f} | {tracked:,.1f} | {rs[0]['step_s']:.3f} | {rs[0]['step_s'] / ddp_time:.2f} | "
+            f"| {strategy.value} | {ZERO[strategy]} | {peak:,.0f} | {peak / base_peak:.2f} | {state:,.1f} | {formula:,.1f} | "
+            f"{gathered:,.1f} | {tracked:,.1f} | {rs[0]['step_s']:.3f} | {rs[0]['step_s'] / base_time:.2f} | "
             f"{rs[0]['final_loss']:.4f} |"
         )
     if "dataparallel" in rows:
         dp = rows["dataparallel"][0]
         lines.append(f"| dataparallel (1 process, {torch.cuda.device_count()} GPUs) | - | {dp['peak_rss_mib']:,.0f} (GPU) | "
-                     f"{dp['peak_rss_mib'] / ddp_peak:.2f} | {dp['model_state'] / MIB:,.1f} | "
-                     f"{model_state_formula(ParallelConfig(strategy=Strategy.ddp), first['num_params'], 1) / MIB:,.1f} | 0.0 | - | "
-                     f"{dp['step_s']:.3f} | {dp['step_s'] / ddp_time:.2f} | {dp['final_loss']:.4f} |")
+                     f"{dp['peak_rss_mib'] / base_peak:.2f} | {dp['model_state'] / MIB:,.1f} | "
+                     f"{dp['formula'] / MIB:,.1f} | 0.0 | - | "
+                     f"{dp['step_s']:.3f} | {dp['step_s'] / base_time:.2f} | {dp['final_loss']:.4f} |")
     if first["peak_reserved_mib"] is not None:
         lines += ["", "| strategy | peak reserved / rank (MiB) |", "|---|---|"]
-        lines += [f"| {s.value} | {max(r['peak_reserved_mib'] for r in rows[s.value]):,.0f} |" for s in reversed(ORDER)]
+        lines += [f"| {s.value} | {max(r['peak_reserved_mib'] for r in rows[s.value]):,.0f} |" for s in present]
     lines += ["", "Peak RSS: the process's highest resident memory over the run (libraries included). Model state:",
               "parameters + gradients + AdamW states held by a rank after an optimizer step. Tracked tensor peak:",
               "the sum of live tensors at the profiled step's peak (PyTorch's MemTracker)."]
@@ -138,7 +149,7 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    strategies = [s.value for s in reversed(ORDER)]
+    strategies = [s.value for s in reversed(ORDER) if s.value in rows]
     labels = [f"{s}\nZeRO-{ZERO[Strategy(s)][0]}" for s in strategies]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / n
@@ -161,7 +172,7 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     left.legend(fontsize=8, loc="upper right")
     right.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, fp32 AdamW")
+    fig.suptitle(f"DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, {first['precision']} AdamW")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

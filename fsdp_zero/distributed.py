@@ -72,7 +72,10 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
         raise ValueError("dist.backend=nccl needs dist.device=cuda; on CPU use dist.backend=gloo (or auto)")
 
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    # NCCL for CUDA tensors, gloo for CPU ones (torch's own default when no backend is named): with
+    # CPU offload the gradient norm's all-reduce runs on CPU shards, which NCCL alone cannot take.
+    spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+    dist.init_process_group(backend=spec, rank=rank, world_size=world_size, **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 

@@ -21,6 +21,7 @@ measured on the spot for the libraries and a retention term for the heap (see
 from __future__ import annotations
 
 import contextlib
+import logging
 import copy
 import os
 from collections.abc import Iterator
@@ -30,8 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config import BatchLayout, Config, Strategy
+from fsdp_zero.config import BatchLayout, Config, Strategy, validate
 from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, Phase, StepProfiler, mmap_threshold
+
+logger = logging.getLogger("fsdp_zero")
 
 # What glibc's heap keeps resident beyond the live tensors, on CPU. Tensors smaller than the
 # mmap threshold come from the heap, which returns freed memory to the system only from its
@@ -62,6 +65,7 @@ class Prediction:
     baseline: int  # the process before any model memory (libraries, runtime)
     peak: int = 0  # what the rank will show (see `predict_peak`)
     model_state: int = 0  # parameters + gradients + optimizer states after an optimizer step
+    host_state: int = 0  # CPU offload: the model state, in host memory (on CUDA, outside device memory)
     heap_at_peak: int = 0  # CPU: bytes of the peak's tensors that glibc serves from its heap
     heap_activations: int = 0  # CPU: heap-allocated activations after the first forward
     notes: list[str] = field(default_factory=list)
@@ -201,7 +205,8 @@ def plan_layout(cfg: Config, world_size: int) -> BatchLayout:
 
 def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[Prediction]:
     """Simulates rank 0 of ``world_size`` ranks for each strategy; see the module docstring."""
-    from fsdp_zero.build import build, construct
+    from fsdp_zero.build import build, cast_to_stored, construct
+    from fsdp_zero.precision import resolve
     from fsdp_zero.data import BatchCursor, build_source
     from fsdp_zero.distributed import DistEnv
     from fsdp_zero.parallelize import device_mesh, is_fsdp
@@ -225,8 +230,16 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
         for strategy in strategies:
             c = copy.deepcopy(cfg)
             c.parallel.strategy, c.parallel.zero_stage = strategy, None
+            try:
+                validate(c)
+            except ValueError as e:  # e.g. bf16-mixed or CPU offload under DDP
+                if len(strategies) == 1:
+                    raise
+                logger.warning("not planned: %s", e)
+                continue
             mesh = device_mesh(c.parallel, env) if is_fsdp(strategy) else None  # needs real tensors
             meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
+            cast_to_stored(meta, resolve(c.precision))  # (bf16-true) also outside it
             # Real batches of the configured data (their shapes and dtypes are what matter).
             micro = BatchCursor(build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0).next_batch()
             with FakeTensorMode(allow_non_fake_inputs=True):
@@ -247,6 +260,7 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
                     train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase])
                 tensors = profiler.peak()
             pred = Prediction(strategy.value, world_size, tensors, baseline, model_state=state.get("bytes", 0),
+                              host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,
                               heap_at_peak=sum(profiler.heap_peak().values()),
                               heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"])
             pred.peak = predict_peak(pred, target, fsdp=is_fsdp(strategy))
@@ -262,8 +276,8 @@ def predict_peak(pred: Prediction, device: torch.device, fsdp: bool) -> int:
     peak, and what glibc's heap keeps (`HEAP_RETENTION`). CUDA (peak reserved): the live tensors
     and the caching allocator's reserve (`CUDA_ALLOCATOR_SLACK`)."""
     tensors = sum(pred.tensors.values())
-    if device.type == "cuda":
-        return int(tensors * (1 + CUDA_ALLOCATOR_SLACK))
+    if device.type == "cuda":  # offloaded shards, gradients and AdamW states are in host memory
+        return int((tensors - pred.host_state) * (1 + CUDA_ALLOCATOR_SLACK))
     retained = HEAP_RETENTION["activations"] * pred.heap_activations
     if fsdp:
         retained += HEAP_RETENTION["fsdp"] * pred.heap_at_peak

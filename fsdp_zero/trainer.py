@@ -330,7 +330,7 @@ def write_summary(cfg: Config, env: DistEnv, parts: Components, result: TrainRes
     ranks = [None] * env.world_size
     dist.all_gather_object(ranks, mine)
     if env.is_rank0:
-        summary = {"strategy": cfg.parallel.strategy.value, "steps": last, "final_loss": result.losses.get(last),
+        summary = {"strategy": cfg.parallel.strategy.value, "precision": cfg.precision.mode, "steps": last, "final_loss": result.losses.get(last),
                    "num_params": parts.num_params, "world_size": env.world_size, "model_state_formula_bytes": formula,
                    "ranks": ranks}
         (parts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

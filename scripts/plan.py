@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         print("(no GPU visible: the step was simulated on the CPU; tensor sizes are the same, CUDA kernels'"
               " workspaces are not included)\n")
     print(f"# memory plan: {cfg.model.target or cfg.model.preset}, {num_params:,} parameters, {n} ranks, "
-          f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, fp32 AdamW\n")
+          f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.precision.mode} AdamW"
+          + (", CPU offload" if cfg.parallel.cpu_offload else "") + "\n")
     retained = "" if cuda else "heap kept MiB"  # what glibc's heap keeps beyond the live tensors
     head = ["strategy"] + [f"{c} MiB" for c in CATEGORIES] + ["tensors MiB", "baseline MiB"] + [retained] * (not cuda)
     head += [f"{kind} MiB", "model state MiB"]
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             cells.append("yes" if p.peak <= limit else f"no (needs {format_bytes(p.peak)})")
         print("| " + " | ".join(cells) + " |")
     print()
+    if cfg.parallel.cpu_offload:
+        print("CPU offload: the model state (sharded parameters, gradients, AdamW states) lives in host memory"
+              + ("; device memory is the tensors less that" if cuda else "") + ": "
+              + "; ".join(f"{p.strategy} {p.host_state / MIB:,.1f} MiB" for p in preds) + " per rank\n")
     formulas(num_params, largest, n)
     if args.json:
         with open(args.json, "w") as f:

@@ -211,6 +211,7 @@ def _rows(n: int) -> dict[str, list[dict]]:
     for s, per_param in state.items():
         rows[s] = [{"strategy": s, "num_params": 1_000_000, "steps": 6, "step_s": 0.5 + 0.1 * (s != "ddp"),
                     "final_loss": 4.25, "model_state": int(per_param * 1_000_000), "peak_rss_mib": 900 + 10 * per_param + r,
+                    "formula": per_param * 1_000_000, "precision": "fp32",
                     "peak_reserved_mib": None,
                     "breakdown": {"params": 100, "gathered_params": 0, "grads": 100, "optimizer": 200 * MIB,
                                   "activations": 50, "comm_buffers": 0, "other": 1}} for r in range(n)]
@@ -235,8 +236,18 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
         ranks = [{k: r[k] for k in ("peak_rss_mib", "peak_reserved_mib", "step_s", "breakdown")}
                  | {"model_state_bytes": r["model_state"]} for r in _rows(2)[s.value]]
         (tmp_path / s.value / "summary.json").write_text(json.dumps(
-            {"strategy": s.value, "steps": 6, "final_loss": 4.25, "num_params": 1_000_000, "ranks": ranks}))
+            {"strategy": s.value, "precision": "fp32", "steps": 6, "final_loss": 4.25, "num_params": 1_000_000,
+             "model_state_formula_bytes": _rows(2)[s.value][0]["formula"], "ranks": ranks}))
     assert read_rows(tmp_path) == {s.value: _rows(2)[s.value] for s in ORDER}
+    # Without DDP (bf16-mixed, say, which DDP does not run) the ratios are to the first strategy run.
+    rows = {k: v for k, v in _rows(2).items() if k not in ("ddp", "zero1")}
+    for rs in rows.values():
+        for r in rs:
+            r["precision"] = "bf16-mixed"
+    (tmp_path / "mixed").mkdir()
+    md = report(rows, 2, tmp_path / "mixed")
+    assert "bf16-mixed AdamW" in md and "| vs shard_grad_op |" in md
+    assert list(table_rows(md)) == ["shard_grad_op", "full_shard"] and table_rows(md)["shard_grad_op"][3] == "1.00"
 
 
 def test_compare_refuses_an_existing_folder_and_bad_settings(tmp_path: Path):
@@ -244,3 +255,18 @@ def test_compare_refuses_an_existing_folder_and_bad_settings(tmp_path: Path):
     assert proc.returncode == 2 and "already exists; it is never overwritten" in proc.stderr
     proc = launch(0, COMPARE, "--out", str(tmp_path / "new"), "train.setps=3")
     assert proc.returncode == 2 and "did you mean 'train.steps'" in proc.stderr and not (tmp_path / "new").exists()
+
+
+def test_planner_follows_the_precision_and_offload():
+    """bf16-true halves the model state the planner predicts (8 bytes per parameter: bf16 weights,
+    gradients and AdamW states), within 2% of the formula; under CPU offload all of it is host memory,
+    outside the device memory predicted for CUDA."""
+    from fsdp_zero.config import Strategy, load_config
+    from fsdp_zero.model import model_args
+    from fsdp_zero.planner import simulate
+
+    cfg = load_config(None, ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=4",
+                             "train.micro_batch_size=2", "precision=bf16-true", "parallel.cpu_offload=true"])
+    (pred,) = simulate(cfg, 2, [Strategy.full_shard])
+    expected = 8 * model_args("gpt_nano").num_params() / 2
+    assert pred.model_state == pytest.approx(expected, rel=0.02) and pred.host_state == pred.model_state
