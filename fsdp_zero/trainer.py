@@ -326,7 +326,8 @@ def write_summary(cfg: Config, env: DistEnv, parts: Components, result: TrainRes
                 result.model_state_bytes / MIB, result.model_state_bytes / formula, cfg.parallel.strategy.value,
                 cfg.precision.mode, formula / MIB)
     mine = {"model_state_bytes": result.model_state_bytes, "peak_rss_mib": result.peak_rss_mib,
-            "peak_reserved_mib": result.peak_reserved_mib, "step_s": result.step_seconds, "breakdown": result.breakdown}
+            "peak_reserved_mib": result.peak_reserved_mib, "step_s": result.step_seconds, "breakdown": result.breakdown,
+            "activations_after_forward": result.phases.get(Phase.AFTER_FORWARD, {}).get("activations")}
     ranks = [None] * env.world_size
     dist.all_gather_object(ranks, mine)
     if env.is_rank0:
