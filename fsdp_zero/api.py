@@ -37,11 +37,15 @@ from torch import nn
 from fsdp_zero.build import meta_parameters
 from fsdp_zero.build import shard as _shard
 from fsdp_zero.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
-from fsdp_zero.config import Backend, Device, DistConfig, Init, ParallelConfig, Strategy, WrapConfig, WrapPolicy
+from fsdp_zero.config import (
+    PRECISION_MODES, ActivationCheckpointing, Backend, Device, DistConfig, Init, ParallelConfig, PrecisionConfig, Strategy,
+    WrapConfig, WrapPolicy,
+)
 from fsdp_zero.distributed import DistEnv
 from fsdp_zero.distributed import distributed as _distributed
 from fsdp_zero.memory import MemoryMonitor, memory_scalars
 from fsdp_zero.metrics import TensorBoardLogger, tensorboard_dir
+from fsdp_zero.precision import resolve
 from fsdp_zero.trainer import clip_grad_norm_
 
 __all__ = ["Checkpoints", "MemoryLog", "clip_grad_norm_", "distributed", "meta_init", "shard"]
@@ -60,7 +64,8 @@ def distributed(device: str = "auto", backend: str = "auto") -> AbstractContextM
 
 
 def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: list[str] | None = None,
-          seed: int | None = 0, init: str = "auto", shard_size: int = 2) -> nn.Module:
+          seed: int | None = 0, init: str = "auto", shard_size: int = 2, precision: str = "fp32",
+          cpu_offload: bool = False, activation_checkpointing: str = "none") -> nn.Module:
     """Shards ``model`` over ``env``'s ranks with ``strategy`` (full_shard = ZeRO-3, shard_grad_op,
     hybrid_shard, zero1, ddp) and returns the module to train.
 
@@ -69,18 +74,24 @@ def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: li
     materialised, each rank allocating only its shards, and initialised from ``seed`` (``init``:
     auto, standard or model; see `fsdp_zero.build.initialize`). A model built with real weights
     keeps them: FSDP shards what is there. zero1: build the optimizer with
-    ``torch.distributed.optim.ZeroRedundancyOptimizer`` yourself.
+    ``torch.distributed.optim.ZeroRedundancyOptimizer`` yourself. ``precision``, ``cpu_offload`` and
+    ``activation_checkpointing`` are the trainer's (`precision.mode`, `parallel.cpu_offload`,
+    `parallel.activation_checkpointing`); fp16-mixed needs a ``torch.amp.GradScaler`` in your loop.
 
     Raises:
-        ValueError: an unknown strategy, or wrap classes the model does not have.
+        ValueError: an unknown strategy, precision or checkpointing choice, or wrap classes the
+            model does not have.
     """
-    try:
-        parallel = ParallelConfig(strategy=Strategy(strategy), shard_size=shard_size,
-                                  wrap=WrapConfig(policy=WrapPolicy.transformer, classes=list(wrap or [])))
-    except ValueError:
-        raise ValueError(f"strategy={strategy!r} is not a valid choice; valid choices: "
-                         f"{', '.join(s.value for s in Strategy)}") from None
-    return _shard(model, parallel, env, seed=seed, init=Init(init))[0]
+    choices = {"strategy": (strategy, Strategy), "activation_checkpointing": (activation_checkpointing, ActivationCheckpointing)}
+    for name, (value, kind) in choices.items():
+        if value not in kind.__members__:
+            raise ValueError(f"{name}={value!r} is not a valid choice; valid choices: {', '.join(kind.__members__)}")
+    if precision not in PRECISION_MODES:
+        raise ValueError(f"precision={precision!r} is not a valid choice; valid choices: {', '.join(PRECISION_MODES)}")
+    parallel = ParallelConfig(strategy=Strategy(strategy), shard_size=shard_size, cpu_offload=cpu_offload,
+                              activation_checkpointing=ActivationCheckpointing(activation_checkpointing),
+                              wrap=WrapConfig(policy=WrapPolicy.transformer, classes=list(wrap or [])))
+    return _shard(model, parallel, env, seed=seed, init=Init(init), precision=resolve(PrecisionConfig(mode=precision)))[0]
 
 
 class Checkpoints:

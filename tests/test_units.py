@@ -286,3 +286,16 @@ def test_learning_rate_is_set_from_the_step_alone():
     for step in (7, 0, 19, 3):  # any order: no state carried between calls
         assert set_lr(opt, cfg, step, 20) == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-15)
         assert opt.param_groups[0]["lr"] == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-15)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"strategy": "zero9"}, "strategy='zero9' is not a valid choice; valid choices: full_shard, shard_grad_op"),
+    ({"precision": "fp8"}, "precision='fp8' is not a valid choice; valid choices: fp32, bf16-mixed, fp16-mixed, bf16-true"),
+    ({"activation_checkpointing": "some"}, "activation_checkpointing='some' is not a valid choice; valid choices: none"),
+])
+def test_own_loop_shard_names_a_bad_argument(kwargs, message):
+    from fsdp_zero.api import shard
+
+    with pytest.raises(ValueError) as e:
+        shard(torch.nn.Linear(2, 2), None, **kwargs)  # checked before anything is built
+    assert str(e.value).startswith(message)
