@@ -251,6 +251,9 @@ class TrainConfig:
     seed: int | None = 1234  # None: rank 0 draws one and broadcasts it
     # torch.compile each block unit (after activation checkpointing, before sharding); off by default.
     compile: bool = False
+    # A time budget: after this many minutes of training the run saves a checkpoint and stops (exit
+    # code 4, as on SIGTERM), before a scheduler's wall-clock limit; leave a save's time of margin.
+    max_minutes: float | None = None
 
 
 @dataclass
@@ -473,6 +476,7 @@ def validate(cfg: Config) -> None:
         ("train.micro_batch_size", cfg.train.micro_batch_size),
         ("train.log_every", cfg.train.log_every),
         ("train.stop_after", cfg.train.stop_after),
+        ("train.max_minutes", cfg.train.max_minutes),
         ("optim.lr", cfg.optim.lr),
         ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
         ("parallel.reshard_after_forward", cfg.parallel.reshard_after_forward),
@@ -508,8 +512,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"optim.eps={cfg.optim.eps}: must be > 0")
     if cfg.optim.weight_decay < 0:
         raise ValueError(f"optim.weight_decay={cfg.optim.weight_decay}: must be >= 0")
-    if cfg.train.stop_after is not None and not cfg.checkpoint.enabled:
-        raise ValueError("train.stop_after needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
+    for key in ("stop_after", "max_minutes"):
+        if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
+            raise ValueError(f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
     if cfg.optim.grad_clip < 0:
         raise ValueError(f"optim.grad_clip={cfg.optim.grad_clip}: must be >= 0 (0 disables clipping)")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:

@@ -136,13 +136,14 @@ def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _tail(key: str) -> str:
+    """A zero_optimization key without its section (the tables list those by their own name)."""
+    return key.split(".", 1)[-1] if key.startswith("zero_optimization.") else key
+
+
 def _known(key: str) -> bool:
     mapped = {k.split("=")[0] for k, _, _ in MAPPED}
-    tail = key.split(".", 1)[-1] if key.startswith("zero_optimization.") else key
-    return key in mapped or key in NO_EFFECT or tail in NO_EFFECT or key in UNSUPPORTED or tail in UNSUPPORTED or \
-        key in ("zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device",
-                "scheduler.type", "scheduler.params.warmup_max_lr", "scheduler.params.total_num_steps",
-                "fp16.enabled", "bf16.enabled", "optimizer.type", "optimizer.params.adam_w_mode", "train_batch_size")
+    return key in mapped or any(k in NO_EFFECT or k in UNSUPPORTED for k in (key, _tail(key)))
 
 
 def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[str]]:
@@ -174,7 +175,7 @@ def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[s
             hint = f"; keys of '{section}' read here: " + ", ".join(
                 k for k, _, _ in MAPPED if k.startswith(section + ".")) if section in SECTIONS else ""
             raise bad(key, f"unknown DeepSpeed key{hint}")
-        tail = key.split(".", 1)[-1] if key.startswith("zero_optimization.") else key
+        tail = _tail(key)
         if key in UNSUPPORTED or tail in UNSUPPORTED:
             if value in (False, None, 0) or (isinstance(value, dict) and not value.get("enabled", True)):
                 continue

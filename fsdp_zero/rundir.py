@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -50,12 +52,33 @@ def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
             if a.get(k) != b.get(k) and not k.startswith(IGNORED_IN_DIFF)}
 
 
+def check_writable(run_dir: Path, root: str) -> None:
+    """That the run directory can be created (or, if it exists, written), leaving no trace: a folder
+    made and removed in the nearest existing ancestor.
+
+    Raises:
+        ValueError: naming run.root and the reason.
+    """
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"run.root={root!r}: cannot create the run directory {str(run_dir)!r}: {str(existing)!r} is "
+                         "not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fsdp-zero-probe-", dir=existing))
+    except OSError as e:
+        raise ValueError(f"run.root={root!r}: cannot create the run directory {str(run_dir)!r}: "
+                         f"{e.strerror or e} in {str(existing)!r}") from None
+
+
 def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
     """Rank 0's decision: which checkpoint to resume from (None: a fresh start).
 
     Raises:
         ValueError: a run directory or checkpoint that this config must not continue or overwrite.
     """
+    check_writable(run_dir, cfg.run.root)
     saved_cfg = run_dir / "config.yaml"
     ckpts = list_checkpoints(run_dir / "checkpoints")
     resume = cfg.checkpoint.resume

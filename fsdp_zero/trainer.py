@@ -25,7 +25,7 @@ from torch import nn
 
 import fsdp_zero
 from fsdp_zero.build import build
-from fsdp_zero.checkpoint import Checkpointer, load_checkpoint
+from fsdp_zero.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from fsdp_zero.config import (
     TOKEN_SOURCES, BatchLayout, Config, DataSource, OptimConfig, ParallelConfig, Schedule, Strategy, Task, batch_layout,
     to_yaml,
@@ -36,6 +36,7 @@ from fsdp_zero.memory import MIB, Phase, PhaseHook, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, is_fsdp, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, loss_scaler, resolve
 from fsdp_zero.steplog import StepRecord, StepLogger
+from fsdp_zero.stopping import StopRequest, Stopped
 from fsdp_zero.rundir import config_diff, decide_run_dir, run_files, to_plain, write_run_dir
 from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, to_device, vocab_size
 from fsdp_zero.weights import load_full_weights
@@ -271,6 +272,36 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step, scaler)
 
 
+class Diverged(RuntimeError):
+    """Training produced a non-finite loss or gradient norm; scripts/train.py exits with code 3."""
+
+
+def finite_step(loss: torch.Tensor, grad_norm: torch.Tensor, scaler: LossScaler | None) -> bool:
+    """Whether a step trained on finite numbers, answered the same on every rank (one sync).
+
+    The global gradient norm is non-finite on every rank as soon as any rank's loss or gradients
+    are. Under fp16 that is an overflow the loss scaler skips, not divergence: there the ranks'
+    losses decide (one all-reduce).
+    """
+    if scaler is None:
+        return bool(torch.isfinite(grad_norm))
+    ok = torch.isfinite(loss.detach()).float()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok)
+
+
+def diverged(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, checkpointer: Checkpointer | None,
+             root: Path) -> Diverged:
+    """The error to stop with, once any save in flight has finished (its step was finite)."""
+    if checkpointer:
+        checkpointer.close()
+    good = latest_checkpoint(root)
+    where = (f"the newest checkpoint, {good}, holds the last finite weights (continue from it with a lower "
+             f"optim.lr or with optim.grad_clip > 0)" if good else "no checkpoint was saved before it")
+    return Diverged(f"training diverged at step {step}: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}; "
+                    f"nothing was saved at this step and {where}")
+
+
 @dataclass
 class TrainResult(StepRecord):
     components: Components | None = None
@@ -281,6 +312,8 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
 
     Raises:
         ValueError: as `setup`.
+        Diverged: a non-finite loss or gradient norm (the run stops at that step without saving).
+        Stopped: SIGTERM or train.max_minutes (the run saved the step it was in, then stopped).
     """
     parts = parts or setup(cfg, env)
     model, optimizer, cursor = parts.model, parts.optimizer, parts.cursor
@@ -292,6 +325,8 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                      unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard)
     checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 env.rank, env.device) if cfg.checkpoint.enabled else None
+    stop = StopRequest(cfg.train.max_minutes)  # SIGTERM or the time budget: save this step and stop
+    stopping = None
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
@@ -300,18 +335,27 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             with log.profiler or contextlib.nullcontext():
                 loss, grad_norm, extra = train_step(model, optimizer, parts.loss_fn, micro_batches, cfg.optim.grad_clip,
                                                     env.device, hooks, parts.scaler)
+            if not finite_step(loss, grad_norm, parts.scaler):  # nothing non-finite is ever saved
+                raise diverged(step, loss, grad_norm, checkpointer, parts.run_dir / "checkpoints")
+            stopping = stop.agreed()  # one small all-reduce: every rank stops after the same step
             if checkpointer:
                 checkpointer.poll()  # publishes a finished async save
-                if step == last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                if step == last or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                     state = {"step": step, "data_position": cursor.position, "seed": parts.seed}
                     if parts.scaler:
                         state["loss_scaler"] = parts.scaler.state_dict()
                     checkpointer.save(step, model, optimizer, state, to_yaml(cfg))
-            log.step(step, loss, grad_norm, lr, extra)  # on log steps: the loop's only sync points
+            log.step(step, loss, grad_norm, lr, extra)  # on log steps: the loop's other sync points
+            if stopping:
+                break
         if checkpointer:
             checkpointer.close()  # an async save in flight completes here
     finally:
+        stop.close()
         log.close()
+    if stopping and step < last:
+        raise Stopped(f"stopped after step {step} ({stopping}); checkpoint {parts.run_dir / 'checkpoints'} holds it: "
+                      "launch the same command again to continue")
     result = TrainResult(**vars(log.record), components=parts)
     if first <= last:  # something was trained (a resume may find nothing left)
         write_summary(cfg, env, parts, result, last)

@@ -7,7 +7,10 @@
 Settings apply in order: defaults, --config, --deepspeed (a DeepSpeed JSON config read as-is,
 see fsdp_zero/deepspeed.py), then key=value.
 
-A bad setting prints one line naming the key and the valid choices, and exits with 2.
+A bad setting prints one line naming the key and the valid choices, and exits with 2; a run that
+diverges (a non-finite loss or gradient norm) stops at that step without saving it and exits with 3;
+on SIGTERM or after train.max_minutes every rank finishes its step, the step is saved, and the run
+exits with 4 (launch it again to continue).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fsdp_zero.config import load_config
 from fsdp_zero.deepspeed import read_deepspeed
 from fsdp_zero.distributed import distributed, exit_process
-from fsdp_zero.trainer import train
+from fsdp_zero.stopping import EXIT_STOPPED, Stopped
+from fsdp_zero.trainer import Diverged, train
 
-USAGE_ERROR = 2
+USAGE_ERROR = 2  # a bad setting, file or path: nothing was written
+DIVERGED = 3  # a non-finite loss or gradient norm: stopped at that step, no checkpoint of it saved
+# EXIT_STOPPED = 4: SIGTERM or train.max_minutes; the step was saved, launch again to continue
 
 
 def _fail(message: str) -> int:
@@ -54,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             train(cfg, env)
     except ValueError as e:  # a user error: every rank raises the same one
         return _fail(str(e))
+    except Diverged as e:  # every rank stops at the same step (the check is collective)
+        _fail(str(e))
+        return DIVERGED
+    except Stopped as e:  # SIGTERM or train.max_minutes, with a checkpoint saved
+        if os.environ.get("RANK", "0") == "0":
+            print(str(e), file=sys.stderr)
+        return EXIT_STOPPED
     return 0
 
 

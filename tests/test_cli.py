@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fsdp_zero.model import PRESETS
@@ -184,3 +186,77 @@ def test_a_failed_set_up_leaves_no_trace_so_the_fixed_run_starts(tmp_path: Path)
     assert proc.returncode == 2 and "fewer than data.seq_len + 1 = 65" in proc.stderr
     assert not (tmp_path / "fix").exists()
     check(launch(0, TRAIN, *args, "data.seq_len=8"))
+
+
+def test_a_run_root_that_cannot_be_created_is_one_line_naming_it(tmp_path: Path):
+    """Checked before anything is built (a folder made and removed in the nearest existing ancestor)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for root, reason in ((f"{blocker}/runs", "is not a directory"), ("/proc/x", "No such file or directory in '/proc'")):
+        proc = launch(0, TRAIN, *NANO, f"run.root={root}", "run.name=r")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"error: run.root={root!r}: cannot create the run directory" in proc.stderr and reason in proc.stderr
+    assert not list(tmp_path.glob(".fsdp-zero-probe-*"))
+
+
+def test_divergence_stops_at_the_step_and_keeps_the_finite_checkpoints(tmp_path: Path):
+    """The new user's run from issue 11: lr 1e6 without clipping. It stops at the first non-finite step on
+    both ranks (exit code 3), names that step and the newest checkpoint, writes no checkpoint of it, and
+    retention keeps the last two finite ones; their weights are finite."""
+    from safetensors.torch import load_file
+
+    proc = launch(2, TRAIN, *NANO, "optim.lr=1e6", "optim.grad_clip=0", "train.steps=30", "train.log_every=1",
+                  "checkpoint.every=1", "checkpoint.keep_last=2", f"run.root={tmp_path}", "run.name=nan")
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 3") == 2, proc.stderr[-3000:]
+    match = re.search(r"error: training diverged at step (\d+): loss \S+, gradient norm \S+; nothing was saved at "
+                      r"this step and the newest checkpoint, (\S+), holds the last finite weights", proc.stderr)
+    assert match, proc.stderr[-3000:]
+    step, newest = int(match[1]), Path(match[2].rstrip(","))
+    kept = sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir())
+    assert step >= 2 and kept == [f"step-{s:07d}" for s in range(max(1, step - 2), step)] and newest.name == kept[-1]
+    logged = [r["step"] for r in read_jsonl(tmp_path / "nan" / "metrics.jsonl")]
+    assert logged == list(range(1, step))  # the diverged step is not logged as a result either
+    out = tmp_path / "w.safetensors"
+    check(launch(0, REPO / "scripts" / "export.py", str(newest), "--out", str(out)))
+    assert all(torch.isfinite(t).all() for t in load_file(out).values())
+
+
+def test_a_time_budget_saves_the_step_and_exits_4_then_the_next_launch_continues(tmp_path: Path):
+    args = [*NANO, "train.log_every=1", f"run.root={tmp_path}", "run.name=budget"]
+    proc = launch(0, TRAIN, *args, "train.max_minutes=0.0001")  # 6 ms: spent within the first step
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "stopped after step 1 (the time budget (train.max_minutes) ran out)" in proc.stderr
+    assert [p.name for p in (tmp_path / "budget" / "checkpoints").iterdir()] == ["step-0000001"]
+    check(launch(0, TRAIN, *args))  # the same command without the budget: continues and finishes
+    assert [r["step"] for r in read_jsonl(tmp_path / "budget" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_sigterm_to_torchrun_saves_the_current_step_and_the_next_launch_continues(tmp_path: Path):
+    """What a scheduler does before it kills a job: SIGTERM to the launcher, which passes it to the
+    ranks; they finish their step together, save it, and exit 4."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [*NANO, "train.steps=500", "train.log_every=1", "checkpoint.every=1000", f"run.root={tmp_path}",
+            "run.name=term"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not get going"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    saved = [p.name for p in (tmp_path / "term" / "checkpoints").iterdir()]
+    assert len(saved) == 1, (saved, err[-3000:])
+    step = int(saved[0].split("-")[1])
+    assert 3 <= step < 500 and f"stopped after step {step} (SIGTERM)" in err, err[-3000:]
+    assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, step + 1))
+    # The next launch continues from that step (here with a shorter schedule: train.steps may change).
+    check(launch(2, TRAIN, *args, f"train.steps={step + 2}"))
+    assert [r["step"] for r in read_jsonl(metrics)][-2:] == [step + 1, step + 2]
