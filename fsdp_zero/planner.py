@@ -46,10 +46,11 @@ logger = logging.getLogger("fsdp_zero")
 #              + HEAP_RETENTION["fsdp"] x heap-allocated tensors at the peak (FSDP strategies)
 # Fitted by least squares on `bench/planner_accuracy.py`'s configuration `fit` (GPT-2-small
 # shaped, 134M parameters, 2 and 4 ranks, every strategy; glibc, 8 MiB threshold, torch 2.15,
-# embedding and output head as units of their own): 0.75 and 0.05. Held out, it is within 10%
-# of the model-dependent memory for DDP/ZeRO-1 and within 5% on `wide` but for ZeRO-2 at N = 4, but 15-26% low for the FSDP
-# strategies on `deep` (activation-heavy, gradient accumulation), whose heap keeps more:
-# the README ("plan before you run") has the table.
+# embedding and output head as units of their own, gloo's reduction as an all-reduce): 0.75 and
+# 0.13. Held out, every peak is within 10%; the model-dependent memory is within 10% for DDP/ZeRO-1
+# and on `wide` (but ZeRO-3 at N = 4: 15% low), and 12-18% low for the FSDP strategies on `deep`
+# (activation-heavy, gradient accumulation), whose heap keeps more: the README ("plan before you
+# run") has the table.
 HEAP_RETENTION = {"activations": 0.75, "fsdp": 0.13}
 # CUDA: the caching allocator's reserve over the live tensors (block rounding, cached free
 # blocks). Not calibrated in this project (no GPU has been lent to it yet); a common
