@@ -196,7 +196,7 @@ def test_record_the_measured_differences(runs, references):
                      for k, v in ref["final"].items() if v.dim() >= 2))
         figure(f"parity vs single process, {name} (N=2)", "losses {:.1e}, grad norms {:.1e}, final weights "
                "|w - w_ref| / |w_ref - w_0| {:.1e}".format(*diffs)
-               + " (tolerances {:.0e}, {:.0e}, {:.0e})".format(*PRECISION_ATOL[name]))
+               + " (tolerances {:.0e}, {:.0e}, {:.2g})".format(*PRECISION_ATOL[name]))
     for name in FP32:
         got, ref = runs[name], references[_key(name)]
         loss = max(loss, *(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]))
