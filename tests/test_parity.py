@@ -252,7 +252,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_like_plain_zero3(runs, references, tmp_path):
+def test_compiled_blocks_train_like_plain_zero3(references, tmp_path):
     """train.compile=true (torch.compile of each block, inductor; about 25 s of compilation on 2 cores):
     within the fp32 tolerances of the single-process reference, with the same parameter names."""
     check(launch(2, WORKER, str(tmp_path / "c.pt"), *BASE, "train.compile=true", f"run.root={tmp_path}",
