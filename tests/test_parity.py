@@ -263,3 +263,35 @@ def test_compiled_blocks_train_like_plain_zero3(references, tmp_path):
         assert got["losses"][step] == pytest.approx(ref["losses"][step], abs=LOSS_ATOL), step
     for key, value in ref["final"].items():
         torch.testing.assert_close(got["final"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["full_shard", "hybrid_shard"])
+def test_a_two_node_launch_trains_like_one_process(references, tmp_path, strategy):
+    """Two torchrun "nodes" of 2 ranks on this machine, met through c10d rendezvous, as on a cluster
+    (README, "Launching"): FULL_SHARD over all 4 ranks, and HYBRID_SHARD sharding within a node and
+    replicating across; both against the single-process run."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run.pt"
+    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
+         "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=two-nodes", str(WORKER), str(out),
+         *BASE, f"parallel.strategy={strategy}", "parallel.shard_size=2", f"run.root={tmp_path}", "run.name=run"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    got, ref = torch.load(out, weights_only=True), references["fp32"]
+    assert len(got["model_state_bytes"]) == 4
+    for step in ref["losses"]:
+        assert got["losses"][step] == pytest.approx(ref["losses"][step], abs=LOSS_ATOL), step
+    for key, value in ref["final"].items():
+        torch.testing.assert_close(got["final"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
