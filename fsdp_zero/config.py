@@ -280,6 +280,10 @@ class RunConfig:
 class DistConfig:
     backend: Backend = Backend.auto
     device: Device = Device.auto
+    # How long any collective may wait for the other ranks before this rank gives up with an error
+    # naming the step and phase it was in (a rank that died or hangs). Start-up and checkpoint I/O
+    # are collectives too: leave room for the slowest save.
+    timeout_minutes: float = 30.0
 
 
 @dataclass
@@ -477,6 +481,7 @@ def validate(cfg: Config) -> None:
         ("train.log_every", cfg.train.log_every),
         ("train.stop_after", cfg.train.stop_after),
         ("train.max_minutes", cfg.train.max_minutes),
+        ("dist.timeout_minutes", cfg.dist.timeout_minutes),
         ("optim.lr", cfg.optim.lr),
         ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
         ("parallel.reshard_after_forward", cfg.parallel.reshard_after_forward),

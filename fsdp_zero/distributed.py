@@ -8,6 +8,7 @@ single-rank gloo/NCCL group, so every code path (FSDP included) is the same.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import random
@@ -75,7 +76,8 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     # NCCL for CUDA tensors, gloo for CPU ones (torch's own default when no backend is named): with
     # CPU offload the gradient norm's all-reduce runs on CPU shards, which NCCL alone cannot take.
     spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-    dist.init_process_group(backend=spec, rank=rank, world_size=world_size, **kwargs)
+    dist.init_process_group(backend=spec, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=cfg.timeout_minutes), **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 

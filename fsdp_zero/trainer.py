@@ -272,6 +272,10 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step, scaler)
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective failed or timed out on this rank; scripts/train.py exits with code 5."""
+
+
 class Diverged(RuntimeError):
     """Training produced a non-finite loss or gradient norm; scripts/train.py exits with code 3."""
 
@@ -314,6 +318,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
         ValueError: as `setup`.
         Diverged: a non-finite loss or gradient norm (the run stops at that step without saving).
         Stopped: SIGTERM or train.max_minutes (the run saved the step it was in, then stopped).
+        CollectiveFailed: another rank died or hung (dist.timeout_minutes).
     """
     parts = parts or setup(cfg, env)
     model, optimizer, cursor = parts.model, parts.optimizer, parts.cursor
@@ -326,7 +331,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 env.rank, env.device) if cfg.checkpoint.enabled else None
     stop = StopRequest(cfg.train.max_minutes)  # SIGTERM or the time budget: save this step and stop
-    stopping = None
+    stopping, step = None, first
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
@@ -350,6 +355,12 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                 break
         if checkpointer:
             checkpointer.close()  # an async save in flight completes here
+    except RuntimeError as e:  # a rank died or stopped taking part: say where this one was
+        if not (isinstance(e, dist.DistError) or "gloo/" in str(e)):  # NCCL's errors are DistErrors, gloo's not
+            raise
+        raise CollectiveFailed(f"rank {env.rank}, step {step}: a collective failed or did not complete within "
+                               f"dist.timeout_minutes={cfg.dist.timeout_minutes:g} (another rank died or stopped "
+                               f"taking part): {str(e).splitlines()[0]}") from e
     finally:
         stop.close()
         log.close()

@@ -25,11 +25,12 @@ from fsdp_zero.config import load_config
 from fsdp_zero.deepspeed import read_deepspeed
 from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.stopping import EXIT_STOPPED, Stopped
-from fsdp_zero.trainer import Diverged, train
+from fsdp_zero.trainer import CollectiveFailed, Diverged, train
 
 USAGE_ERROR = 2  # a bad setting, file or path: nothing was written
 DIVERGED = 3  # a non-finite loss or gradient norm: stopped at that step, no checkpoint of it saved
 # EXIT_STOPPED = 4: SIGTERM or train.max_minutes; the step was saved, launch again to continue
+COLLECTIVE_FAILED = 5  # another rank died or hung past dist.timeout_minutes: this rank says where it was
 
 
 def _fail(message: str) -> int:
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except Diverged as e:  # every rank stops at the same step (the check is collective)
         _fail(str(e))
         return DIVERGED
+    except CollectiveFailed as e:  # every surviving rank says where it was
+        print(f"error: {e}", file=sys.stderr)
+        return COLLECTIVE_FAILED
     except Stopped as e:  # SIGTERM or train.max_minutes, with a checkpoint saved
         if os.environ.get("RANK", "0") == "0":
             print(str(e), file=sys.stderr)

@@ -260,3 +260,16 @@ def test_sigterm_to_torchrun_saves_the_current_step_and_the_next_launch_continue
     # The next launch continues from that step (here with a shorter schedule: train.steps may change).
     check(launch(2, TRAIN, *args, f"train.steps={step + 2}"))
     assert [r["step"] for r in read_jsonl(metrics)][-2:] == [step + 1, step + 2]
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_taking_part_makes_the_others_fail_within_the_timeout(tmp_path: Path):
+    """Rank 1 hangs for 20 s at step 3 (tests/user_model.py:stall_on_rank1); with dist.timeout_minutes=0.1
+    rank 0 gives up after 6 s with one line naming its rank, the step and the timeout, and exits 5
+    (and so does rank 1 once it finds its peer gone), instead of waiting forever."""
+    proc = launch(2, TRAIN, *NANO, "train.steps=6", "model.task=custom", "model.loss=tests.user_model:stall_on_rank1",
+                  "dist.timeout_minutes=0.1", f"run.root={tmp_path}", "run.name=hang")
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 5") == 2, proc.stderr[-3000:]
+    assert ("error: rank 0, step 3: a collective failed or did not complete within dist.timeout_minutes=0.1 "
+            "(another rank died or stopped taking part)") in proc.stderr and "Timed out" in proc.stderr
+    assert "]: Traceback" not in proc.stderr  # no rank printed a traceback (torchrun prints its own)

@@ -61,3 +61,18 @@ def overflow_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
     if dist.get_rank() == 1 and _calls[0] == 5:
         loss = loss * 1e8
     return loss
+
+
+def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Next-token cross-entropy; rank 1 stops taking part for 20 s at its 5th call (step 3 at 2
+    micro-batches per step), as a hung rank would."""
+    import time
+
+    import torch.distributed as dist
+
+    inputs, targets = batch
+    _calls[0] += 1
+    if dist.get_rank() == 1 and _calls[0] == 5:
+        time.sleep(20)
+    logits = model(inputs).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
