@@ -206,8 +206,8 @@ def test_divergence_stops_at_the_step_and_keeps_the_finite_checkpoints(tmp_path:
     from safetensors.torch import load_file
 
     proc = launch(2, TRAIN, *NANO, "optim.lr=1e6", "optim.grad_clip=0", "train.steps=30", "train.log_every=1",
-                  "checkpoint.every=1", "checkpoint.keep_last=2", f"run.root={tmp_path}", "run.name=nan")
-    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 3") == 2, proc.stderr[-3000:]
+                  "checkpoint.every=1", "checkpoint.keep_last=2", f"run.root={tmp_path}", "run.name=nan", torchrun=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
     match = re.search(r"error: training diverged at step (\d+): loss \S+, gradient norm \S+; nothing was saved at "
                       r"this step and the newest checkpoint, (\S+), holds the last finite weights", proc.stderr)
     assert match, proc.stderr[-3000:]
@@ -221,6 +221,7 @@ def test_divergence_stops_at_the_step_and_keeps_the_finite_checkpoints(tmp_path:
     assert all(torch.isfinite(t).all() for t in load_file(out).values())
 
 
+@pytest.mark.slow
 def test_a_time_budget_saves_the_step_and_exits_4_then_the_next_launch_continues(tmp_path: Path):
     args = [*NANO, "train.log_every=1", f"run.root={tmp_path}", "run.name=budget"]
     proc = launch(0, TRAIN, *args, "train.max_minutes=0.0001")  # 6 ms: spent within the first step
@@ -231,6 +232,7 @@ def test_a_time_budget_saves_the_step_and_exits_4_then_the_next_launch_continues
     assert [r["step"] for r in read_jsonl(tmp_path / "budget" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_saves_the_current_step_and_the_next_launch_continues(tmp_path: Path):
     """What a scheduler does before it kills a job: SIGTERM to the launcher, which passes it to the
     ranks; they finish their step together, save it, and exit 4."""

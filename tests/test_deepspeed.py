@@ -18,13 +18,8 @@ from fsdp_zero.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, r
 from tests.conftest import REPO, check, launch
 
 TRAIN = REPO / "scripts" / "train.py"
-# The ZeRO-3 example of DeepSpeed's tutorials, as users copy it.
-TUTORIAL = {
-    "train_batch_size": 32,
-    "fp16": {"enabled": True},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-                          "reduce_bucket_size": 5e8},
-}
+# The ZeRO-3 example of DeepSpeed's tutorials, as users copy it (configs/ds_zero3.json).
+TUTORIAL = json.loads((REPO / "configs" / "ds_zero3.json").read_text())
 
 
 def _read(tmp_path: Path, ds: dict, world_size: int = 2) -> tuple[list[str], list[str]]:
