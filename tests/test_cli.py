@@ -190,13 +190,18 @@ def test_a_failed_set_up_leaves_no_trace_so_the_fixed_run_starts(tmp_path: Path)
 
 def test_a_run_root_that_cannot_be_created_is_one_line_naming_it(tmp_path: Path):
     """Checked before anything is built (a folder made and removed in the nearest existing ancestor)."""
+    from fsdp_zero.rundir import check_writable
+
+    proc = launch(0, TRAIN, *NANO, "run.root=/proc/x", "run.name=r")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("error: run.root='/proc/x': cannot create the run directory '/proc/x/r': No such file or directory in "
+            "'/proc'") in proc.stderr
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    for root, reason in ((f"{blocker}/runs", "is not a directory"), ("/proc/x", "No such file or directory in '/proc'")):
-        proc = launch(0, TRAIN, *NANO, f"run.root={root}", "run.name=r")
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert f"error: run.root={root!r}: cannot create the run directory" in proc.stderr and reason in proc.stderr
-    assert not list(tmp_path.glob(".fsdp-zero-probe-*"))
+    with pytest.raises(ValueError, match=r"run\.root='.*/a-file/runs': cannot create the run directory .*is not a directory"):
+        check_writable(blocker / "runs" / "r", f"{blocker}/runs")
+    check_writable(tmp_path / "new" / "r", str(tmp_path / "new"))  # creatable: passes, and leaves no trace
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_divergence_stops_at_the_step_and_keeps_the_finite_checkpoints(tmp_path: Path):

@@ -138,6 +138,7 @@ def test_every_deepspeed_key_in_the_readme_table():
     assert len(MAPPED) + len(NO_EFFECT) + len(UNSUPPORTED) == mapping_table().count("\n") - 1
 
 
+@pytest.mark.slow
 def test_the_zero3_tutorial_config_runs_unchanged(tmp_path):
     """The tutorial's JSON, 2 ranks, key=value on top (a small model, 2 steps; overrides win)."""
     ds = tmp_path / "ds_config.json"
