@@ -141,9 +141,11 @@ def _tail(key: str) -> str:
     return key.split(".", 1)[-1] if key.startswith("zero_optimization.") else key
 
 
+_MAPPED_KEYS = {k.split("=")[0] for k, _, _ in MAPPED}
+
+
 def _known(key: str) -> bool:
-    mapped = {k.split("=")[0] for k, _, _ in MAPPED}
-    return key in mapped or any(k in NO_EFFECT or k in UNSUPPORTED for k in (key, _tail(key)))
+    return key in _MAPPED_KEYS or any(k in NO_EFFECT or k in UNSUPPORTED for k in (key, _tail(key)))
 
 
 def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[str]]:
