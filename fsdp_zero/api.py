@@ -95,7 +95,8 @@ def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: li
 
 
 class Checkpoints:
-    """Sharded checkpoints under ``root``/step-NNNNNNN, the newest ``keep_last`` kept (0: all)."""
+    """Sharded checkpoints under ``root``/step-NNNNNNN; of those it saves, the newest ``keep_last`` are kept
+    (0: all), and checkpoints it did not save are never deleted."""
 
     def __init__(self, root: str | Path, env: DistEnv, keep_last: int = 2, async_save: bool = False) -> None:
         self.root, self.env = Path(root), env

@@ -90,9 +90,16 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def apply_retention(root: Path, keep_last: int) -> list[Path]:
-    """Deletes all but the newest ``keep_last`` complete checkpoints (0 keeps all); returns those deleted."""
-    found = list_checkpoints(root)
+def apply_retention(root: Path, keep_last: int, written: list[Path]) -> list[Path]:
+    """Deletes all but the newest ``keep_last`` of the complete checkpoints among ``written`` (0 keeps
+    all); returns those deleted.
+
+    Only what this launch wrote is ever deleted: the checkpoints of earlier launches or restarts
+    (the one resumed from included) stay, so a restart that goes wrong again cannot prune the good
+    ones away.
+    """
+    ours = {path.name for path in written}
+    found = [path for path in list_checkpoints(root) if path.name in ours]
     doomed = found[:-keep_last] if keep_last > 0 else []
     for path in doomed:
         shutil.rmtree(path)
@@ -263,6 +270,7 @@ class Checkpointer:
         self.rank = rank
         self.device = device
         self.pending: PendingSave | None = None
+        self.written: list[Path] = []  # what this launch saved: all that retention may delete
         # Async saves run their collectives in a background thread: on a group of their
         # own, so they never interleave with the training step's collectives.
         self.async_group = dist.new_group(backend="gloo") if async_save else None
@@ -326,8 +334,9 @@ class Checkpointer:
             return
         os.replace(partial, final)
         _fsync_dir(self.root)
-        for old in apply_retention(self.root, self.keep_last):
-            logger.info("checkpoint: removed %s (checkpoint.keep_last=%d)", old.name, self.keep_last)
+        self.written.append(final)
+        for old in apply_retention(self.root, self.keep_last, self.written):
+            logger.info("checkpoint: removed %s (checkpoint.keep_last=%d of this launch's)", old.name, self.keep_last)
         logger.info("checkpoint: saved %s", final)
 
     def close(self) -> None:

@@ -45,6 +45,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store the ranks meet in, kept apart from earlier attempts' keys; None: torch's default.
+
+    torchrun's agent lends the workers its own rendezvous store (TORCHELASTIC_USE_AGENT_STORE)
+    and keeps it across ``--max-restarts`` restarts, so the addresses a killed attempt's ranks
+    published are still there when the restarted ranks connect: a restarted rank can read a
+    dead one's address and fail ("Connection refused") or wait for it (pytorch#135712; seen
+    here in 1 of 4 restarts). On one node all ranks share the agent's TORCHELASTIC_RESTART_COUNT,
+    and a prefix of it keeps each attempt's keys apart. Across nodes the counts differ (an
+    agent whose own workers did not fail does not count the restart): there torchrun needs
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every attempt a store of its own.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("RANK") == "0":
+            print("warning: torchrun --max-restarts over several nodes: launch it with "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or restarted ranks may find the dead ranks' addresses "
+                  "in the shared store and fail to connect (pytorch#135712)", file=sys.stderr)
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"fsdp_zero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+
+
 def init_distributed(cfg: DistConfig) -> DistEnv:
     """Joins (or, outside torchrun, creates) the default process group.
 
@@ -72,12 +96,13 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     if backend == "nccl" and device_type != "cuda":
         raise ValueError("dist.backend=nccl needs dist.device=cuda; on CPU use dist.backend=gloo (or auto)")
 
+    timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     # NCCL for CUDA tensors, gloo for CPU ones (torch's own default when no backend is named): with
     # CPU offload the gradient norm's all-reduce runs on CPU shards, which NCCL alone cannot take.
     spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-    dist.init_process_group(backend=spec, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(minutes=cfg.timeout_minutes), **kwargs)
+    dist.init_process_group(backend=spec, rank=rank, world_size=world_size, timeout=timeout,
+                            store=_store_of_this_attempt(timeout), **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 

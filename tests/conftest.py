@@ -45,7 +45,8 @@ def _cpu_tests_leave_cuda_alone(request: pytest.FixtureRequest):
 
 
 def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool = False,
-           env: dict[str, str] | None = None, torchrun: bool = True) -> subprocess.CompletedProcess:
+           env: dict[str, str] | None = None, torchrun: bool = True,
+           torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Runs ``script`` on ``nproc`` ranks with torchrun (or plain python when nproc == 0).
 
     Args:
@@ -55,6 +56,7 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool
         torchrun: False starts the ranks as torchrun does (the same RANK, WORLD_SIZE,
             LOCAL_RANK, MASTER_ADDR and MASTER_PORT) without its agent process, about 2 s
             less a run on 2 cores; for test workers, not for the command users run.
+        torchrun_args: more of torchrun's own options (e.g. ``--max-restarts=1``).
     """
     run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     run_env.pop("RANK", None)
@@ -66,7 +68,7 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool
         return _spawn(nproc, [sys.executable, str(script), *args], run_env, timeout, gpu)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), *args]
+               *torchrun_args, str(script), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
     _check_device(proc, cmd, gpu)
     return proc

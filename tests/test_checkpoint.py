@@ -108,9 +108,11 @@ def test_naming_discovery_and_retention_are_plain_functions(tmp_path: Path):
     (tmp_path / "step-0000013" / "train_state.json").write_text("{}")  # no config.yaml: incomplete
     (tmp_path / ".partial-step-0000012").mkdir()
     assert latest_checkpoint(tmp_path).name == "step-0000010"
-    assert [p.name for p in apply_retention(tmp_path, keep_last=1)] == ["step-0000003", "step-0000007"]
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000010"]
-    assert apply_retention(tmp_path, keep_last=0) == []
+    # Only what this launch wrote may go (here steps 7 and 10; step 3 came from an earlier launch).
+    ours = [tmp_path / checkpoint_name(7), tmp_path / checkpoint_name(10), tmp_path / "step-0000011"]
+    assert apply_retention(tmp_path, keep_last=0, written=ours) == []
+    assert [p.name for p in apply_retention(tmp_path, keep_last=1, written=ours)] == ["step-0000007"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000003", "step-0000010"]
 
 
 def _plain_model(cfg_args: list[str]):
@@ -199,6 +201,31 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path):
     assert [json.loads(x)["step"] for x in (history.parent / "metrics.jsonl.3").read_text().splitlines()] == list(range(1, 6))
     assert [p.name for p in list_checkpoints(ckpts)] == ["step-0000003", "step-0000006"]
     assert not (ckpts / ".partial-step-0000006").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrupted_weights(tmp_path: Path):
+    """REL-2: under ``torchrun --max-restarts=1`` rank 1 is SIGKILLed in the forward of step 8
+    (tests/user_model.py:killed_on_rank1); the job restarts, resumes from step 6 and ends with the
+    losses and weights of an uninterrupted run, bit for bit. The restart keeps the first attempt's
+    checkpoints (it never deletes what it did not write)."""
+    args = [f"run.root={tmp_path}", "train.seed=7", "model.task=custom", "model.loss=tests.user_model:killed_on_rank1",
+            "checkpoint.every=2", "checkpoint.keep_last=2"]
+    straight = _worker(tmp_path, 2, "straight", *args)  # ranks started without torchrun: nobody is killed
+    out = tmp_path / "elastic.pt"
+    proc = check(launch(2, WORKER, str(out), *BASE, *args, "run.name=elastic", torchrun_args=("--max-restarts=1",)))
+    # Two attempts started; the agent saw the first fail (rank 1 killed, or rank 0 exiting 5 on its loss).
+    assert proc.stderr.count("] fsdp-zero ") == 2 and "failed (exitcode: " in proc.stderr, proc.stderr[-3000:]
+    assert "checkpoints/step-0000006: step 6" in proc.stderr, proc.stderr[-3000:]
+    elastic = torch.load(out, weights_only=True)
+    assert sorted(elastic["losses"]) == [7, 8, 9, 10]
+    for step, loss in elastic["losses"].items():
+        assert loss == straight["losses"][step], step
+    for name, value in straight["final"].items():
+        assert torch.equal(elastic["final"][name], value), name
+    # The first attempt saved 2, 4, 6 (2 pruned, keep_last=2); the second 8, 10 and deleted none of 4, 6.
+    saved = [p.name for p in list_checkpoints(tmp_path / "elastic" / "checkpoints")]
+    assert saved == [checkpoint_name(s) for s in (4, 6, 8, 10)]
 
 
 # ---------------------------------------------------------------------------------

@@ -76,3 +76,21 @@ def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
         time.sleep(20)
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def killed_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Next-token cross-entropy; in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0)
+    rank 1 kills itself with SIGKILL at its 15th call (in the forward of step 8 at 2 micro-batches per
+    step), as the OOM killer or a lost node would: no clean-up, no message. Elsewhere (a restarted
+    attempt, ranks started without torchrun) it is the plain loss."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    inputs, targets = batch
+    _calls[0] += 1
+    if dist.get_rank() == 1 and _calls[0] == 15 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    logits = model(inputs).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
