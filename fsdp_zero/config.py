@@ -254,6 +254,10 @@ class TrainConfig:
     # A time budget: after this many minutes of training the run saves a checkpoint and stops (exit
     # code 4, as on SIGTERM), before a scheduler's wall-clock limit; leave a save's time of margin.
     max_minutes: float | None = None
+    # Non-finite steps (a NaN or inf loss on any rank, or gradient norm) to skip over the whole run
+    # before stopping as diverged (exit code 3); a skipped step leaves weights and AdamW states as
+    # they were. 0: stop at the first. Counted in TensorBoard (train/skipped_nonfinite).
+    skip_nonfinite: int = 0
 
 
 @dataclass
@@ -280,10 +284,12 @@ class RunConfig:
 class DistConfig:
     backend: Backend = Backend.auto
     device: Device = Device.auto
-    # How long any collective may wait for the other ranks before this rank gives up with an error
-    # naming the step and phase it was in (a rank that died or hangs). Start-up and checkpoint I/O
-    # are collectives too: leave room for the slowest save.
+    # How long a collective may wait for the other ranks before this rank gives up with one line
+    # naming its step and the collective it was in (a rank that died or hangs): timeout_minutes
+    # during start-up (building, loading a checkpoint) and checkpoint saves, which wait for the
+    # slowest rank's I/O; step_timeout_minutes from the end of the first step on.
     timeout_minutes: float = 30.0
+    step_timeout_minutes: float = 5.0
 
 
 @dataclass
@@ -482,6 +488,7 @@ def validate(cfg: Config) -> None:
         ("train.stop_after", cfg.train.stop_after),
         ("train.max_minutes", cfg.train.max_minutes),
         ("dist.timeout_minutes", cfg.dist.timeout_minutes),
+        ("dist.step_timeout_minutes", cfg.dist.step_timeout_minutes),
         ("optim.lr", cfg.optim.lr),
         ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
         ("parallel.reshard_after_forward", cfg.parallel.reshard_after_forward),
@@ -520,6 +527,9 @@ def validate(cfg: Config) -> None:
     for key in ("stop_after", "max_minutes"):
         if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
             raise ValueError(f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
+    if cfg.train.skip_nonfinite < 0:
+        raise ValueError(f"train.skip_nonfinite={cfg.train.skip_nonfinite}: must be >= 0 (0: stop at the first "
+                         "non-finite step)")
     if cfg.optim.grad_clip < 0:
         raise ValueError(f"optim.grad_clip={cfg.optim.grad_clip}: must be >= 0 (0 disables clipping)")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:

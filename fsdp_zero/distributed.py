@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import os
 import random
@@ -16,6 +17,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -138,6 +140,54 @@ def distributed(cfg: DistConfig) -> Iterator[DistEnv]:
         finished = True
     finally:
         destroy_distributed(barrier=finished)
+
+
+def set_collective_timeout(minutes: float, model: torch.nn.Module | None = None) -> None:
+    """How long the collectives of the default group, and of the mesh ``model`` is sharded over
+    (HSDP's shard and replicate groups), may wait for the other ranks from now on."""
+    groups = [dist.group.WORLD]
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None) if model else None
+    if mesh is not None:
+        groups += [g for g in mesh.get_all_groups() if g is not dist.group.WORLD]
+    for group in groups:
+        dist.set_timeout(datetime.timedelta(minutes=minutes), group)
+
+
+class CollectiveTimeout:
+    """Which of ``dist.timeout_minutes`` (start-up, checkpoint saves) and ``dist.step_timeout_minutes``
+    applies to the collectives of the default group and of ``model``'s mesh; ``key`` names it."""
+
+    def __init__(self, cfg: DistConfig, model: torch.nn.Module) -> None:
+        self.cfg, self.model, self.key = cfg, model, "timeout_minutes"  # what init_process_group set
+
+    def use(self, key: str) -> None:
+        if key != self.key:
+            set_collective_timeout(getattr(self.cfg, key), self.model)
+            self.key = key
+
+
+def last_collective(out: Path, backend: str) -> str:
+    """The collective this rank waited in last, from its flight recorder (op, group, sequence
+    number, sizes), or "" if it holds none; the whole record is written to ``out`` (JSON, one per
+    rank: comparing the ranks' files shows which rank fell behind, as torch's fr_trace tool does)."""
+    from fsdp_zero.torch_private import flight_recorder_json
+
+    entries, records = [], {}
+    for name in dict.fromkeys(["gloo", backend]):  # gloo: CPU runs, and the CPU side of NCCL ones
+        try:
+            records[name] = json.loads(flight_recorder_json(backend=name))
+        except Exception:  # noqa: BLE001 - a backend without a recorder here: nothing to report
+            continue
+        entries += records[name].get("entries", [])
+    if not entries:
+        return ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    pending = [e for e in entries if not e.get("retired", True)] or entries
+    e = max(pending, key=lambda e: e.get("time_created_ns", 0))
+    group = (e.get("process_group") or ["", "?"])[-1]
+    return (f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} on group {group} "
+            f"(sizes {e.get('input_sizes', [])}; flight recorder: {out})")
 
 
 def exit_process(code: int) -> NoReturn:

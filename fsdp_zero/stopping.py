@@ -1,10 +1,16 @@
-"""Stopping early and cleanly: on SIGTERM (what schedulers send before they kill a job) or when
-``train.max_minutes`` have passed, every rank finishes the step it is in, a checkpoint of that step is
-saved, and the run exits with `EXIT_STOPPED` so that a wrapper script knows to launch it again
+"""Stopping early: cleanly, or on divergence, every rank at the same step.
+
+Cleanly: on SIGTERM (what schedulers send before they kill a job) or when
+``train.max_minutes`` have passed, every rank finishes the step it is in, a checkpoint of that step
+is saved, and the run exits with `EXIT_STOPPED` so that a wrapper script knows to launch it again
 (the next launch continues from that checkpoint).
 
-A signal reaches the ranks at different moments, so they agree once a step, with one small
-all-reduce, whether any of them was asked to stop.
+On divergence: a non-finite loss on any rank, or a non-finite global gradient norm, is found
+before the optimizer step, which every rank then skips; the run stops there (nothing of the step
+is saved) unless ``train.skip_nonfinite`` still allows skipping it.
+
+A signal reaches the ranks at different moments and a NaN may appear on one rank only, so the
+ranks agree on both once a step, in one small all-reduce (`StepGuard.check`).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from types import FrameType
 
 import torch
@@ -21,12 +28,28 @@ EXIT_STOPPED = 4  # stopped early with a checkpoint saved: launch again to conti
 REASONS = {1: "the time budget (train.max_minutes) ran out", 2: "SIGTERM"}
 
 
-class StopRequest:
-    """SIGTERM or the time budget, agreed across ranks once a step (`agreed`)."""
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank learned about a step, the same on all of them."""
 
-    def __init__(self, max_minutes: float | None) -> None:
+    finite: bool  # every rank's loss and the global gradient norm are finite (fp16: the losses)
+    stop: str | None  # why the ranks stop after this step, or None to go on
+
+
+class StepGuard:
+    """SIGTERM, the time budget and non-finite numbers, agreed across ranks once a step.
+
+    Args:
+        max_minutes: the time budget (None: none).
+        overflow_is_skip: fp16 loss scaling, where a non-finite gradient norm is an overflow that
+            the loss scaler skips and counts, not divergence: only the losses decide.
+    """
+
+    def __init__(self, max_minutes: float | None, overflow_is_skip: bool = False) -> None:
         self.signalled = False
         self.deadline = time.monotonic() + 60 * max_minutes if max_minutes else None
+        self.overflow_is_skip = overflow_is_skip
+        self.last = Verdict(True, None)
         self._previous = None
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -34,12 +57,19 @@ class StopRequest:
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = True
 
-    def agreed(self) -> str | None:
-        """Why the ranks stop after this step (the same on every rank), or None to go on."""
-        mine = 2 if self.signalled else 1 if self.deadline is not None and time.monotonic() >= self.deadline else 0
-        flag = torch.tensor([mine], dtype=torch.int32)  # on the CPU: gloo (CPU runs, or cpu:gloo beside NCCL)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return REASONS.get(int(flag))
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether to take the optimizer step (the step's numbers are finite on every rank); the
+        whole answer, stop request included, is kept in ``last``. One all-reduce of two integers,
+        on the loss's device, and one sync to read them."""
+        stop = 2 if self.signalled else 1 if self.deadline is not None and time.monotonic() >= self.deadline else 0
+        bad = ~torch.isfinite(loss.detach())
+        if not self.overflow_is_skip:
+            bad |= ~torch.isfinite(grad_norm.detach()).to(loss.device)  # CPU with offload
+        flags = torch.stack([bad.to(torch.int32), torch.tensor(stop, dtype=torch.int32, device=loss.device)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, stop = flags.tolist()
+        self.last = Verdict(not nonfinite, REASONS.get(stop))
+        return self.last.finite
 
     def close(self) -> None:
         if self._previous is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["ConvNd", "DefaultReduceScatter", "checkpoint_activations", "FakeStore", "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state",
-           "config_value", "fsdp_mem_tracker", "mem_tracker"]
+           "config_value", "flight_recorder_json", "fsdp_mem_tracker", "mem_tracker"]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
 # a training step on them to count memory without allocating any.
@@ -32,6 +32,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 # are the same with and without it (FSDP's CheckpointWrapper adds `_checkpoint_wrapped_module.`).
 # It composes with fully_shard on the same module, as FSDP2's own tests use it.
 from torch.distributed._composable import checkpoint as checkpoint_activations
+
+# The flight recorder: every process group's recent collectives (op, group, sequence number, sizes,
+# whether it completed), recorded by gloo and NCCL themselves. Read when a collective fails or times
+# out, to say which one this rank was in and to leave the record beside the run.
+from torch._C._distributed_c10d import _dump_fr_trace_json as flight_recorder_json
 
 # The planner simulates one rank of N in one process with a process group whose
 # collectives return at once. A testing utility, but the documented way to do this

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +31,12 @@ from fsdp_zero.config import (
     to_yaml,
 )
 from fsdp_zero.data import BatchCursor, build_source
-from fsdp_zero.distributed import DistEnv, agree_on_seed
+from fsdp_zero.distributed import CollectiveTimeout, DistEnv, agree_on_seed, last_collective
 from fsdp_zero.memory import MIB, Phase, PhaseHook, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, is_fsdp, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, loss_scaler, resolve
 from fsdp_zero.steplog import StepRecord, StepLogger
-from fsdp_zero.stopping import StopRequest, Stopped
+from fsdp_zero.stopping import StepGuard, Stopped
 from fsdp_zero.rundir import config_diff, decide_run_dir, run_files, to_plain, write_run_dir
 from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, to_device, vocab_size
 from fsdp_zero.weights import load_full_weights
@@ -72,20 +72,30 @@ def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all gradients, sharded or not; clips to ``max_norm`` when > 0.
+def grad_norm_(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of all gradients, sharded or not, the same on every rank.
 
     With FSDP each rank holds a shard of each gradient (a DTensor). The norm of a
     sharded DTensor is a partial value; ``full_tensor()`` all-reduces it into the norm
-    of the whole model's gradient, the same on every rank. Clipping each rank's shard by
-    that global norm is then exactly clipping the unsharded gradient.
+    of the whole model's gradient.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
+    return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+
+@torch.no_grad()
+def clip_grads_(parameters: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    """Scales the gradients so that their global norm ``total`` is at most ``max_norm`` (0: no
+    clipping). Clipping each rank's shard by the global norm is exactly clipping the whole gradient."""
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`grad_norm_` then `clip_grads_`: returns the global norm before clipping (one all-reduce)."""
+    total = grad_norm_(parameters)
+    clip_grads_(parameters, max_norm, total)
     return total
 
 
@@ -107,6 +117,7 @@ def train_step(
     device: torch.device,
     hooks: Sequence[PhaseHook] = (),
     scaler: LossScaler | None = None,
+    gate: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Forward/backward over this rank's micro-batches, then one optimizer step (at the
     learning rate already set, see `set_lr`).
@@ -116,7 +127,9 @@ def train_step(
     ``.item()`` is a sync point left to the caller. With a ``scaler`` (fp16) the loss is
     scaled before backward and the gradients unscaled before clipping; a step whose
     gradients overflowed on any rank is skipped by every rank (``loss_scale`` and
-    ``skipped_steps`` join the scalars).
+    ``skipped_steps`` join the scalars). ``gate(loss, grad_norm)``, asked between the
+    gradient norm and the optimizer step, may skip the step (False): the parameters and
+    optimizer states stay as they were.
     """
     params = [p for p in model.parameters()]
     loss_sum = torch.zeros((), device=device)
@@ -144,19 +157,23 @@ def train_step(
     _report(hooks, Phase.AFTER_BACKWARD)
     n = len(micro_batches)
     extra = {k: v / n for k, v in extra_sum.items()}
+    loss = loss_sum / n
     if scaler:
         scaler.unscale_(optimizer)  # true gradients (inf/NaN if they overflowed on any rank) for the norm
-        grad_norm = clip_grad_norm_(params, grad_clip)
-        scaler.step(optimizer)  # skipped when any rank's gradients overflowed
+    grad_norm = grad_norm_(params)  # one all-reduce
+    if gate is None or gate(loss, grad_norm):
+        clip_grads_(params, grad_clip, grad_norm)
+        if scaler:
+            scaler.step(optimizer)  # skipped when any rank's gradients overflowed
+        else:
+            optimizer.step()
+    if scaler:
         scaler.count(grad_norm)
         extra |= scaler.scalars()  # the scale this step used, and the steps skipped so far
         scaler.update()  # halves the scale after an overflow, grows it after a window without one
-    else:
-        grad_norm = clip_grad_norm_(params, grad_clip)  # one all-reduce
-        optimizer.step()
     _report(hooks, Phase.AFTER_OPTIMIZER_STEP)  # parameters, gradients and optimizer states all live
     optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
-    return loss_sum / n, grad_norm, extra
+    return loss, grad_norm, extra
 
 
 # ---------------------------------------------------------------------------------
@@ -177,6 +194,7 @@ class Components:
     num_params: int
     seed: int
     step: int = 0  # optimizer steps already taken (non-zero after a resume)
+    skipped_nonfinite: int = 0  # non-finite steps skipped so far (train.skip_nonfinite)
     scaler: LossScaler | None = None  # fp16's loss scaling
 
 
@@ -249,10 +267,10 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     logger.info("run dir %s | tensorboard --logdir %s", run_dir, run_dir / "tb")
 
     cursor = BatchCursor(source, layout, env.rank, num_workers=data_workers(cfg))
-    step = 0
+    step = skipped = 0
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, built.optimizer, env.rank, env.device)
-        cursor.position, step = state["data_position"], state["step"]
+        cursor.position, step, skipped = state["data_position"], state["step"], state.get("skipped_nonfinite", 0)
         if scaler is not None and "loss_scaler" in state:
             scaler.load_state_dict(state["loss_scaler"])
         logger.info("resumed from %s: step %d, data position %d (saved at world size %d, now %d)",
@@ -269,7 +287,8 @@ def setup(cfg: Config, env: DistEnv) -> Components:
         if env.device.type == "cuda":  # what users check with torch.cuda.memory_summary()
             (run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
-    return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step, scaler)
+    return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step,
+                      skipped, scaler)
 
 
 class CollectiveFailed(RuntimeError):
@@ -280,21 +299,7 @@ class Diverged(RuntimeError):
     """Training produced a non-finite loss or gradient norm; scripts/train.py exits with code 3."""
 
 
-def finite_step(loss: torch.Tensor, grad_norm: torch.Tensor, scaler: LossScaler | None) -> bool:
-    """Whether a step trained on finite numbers, answered the same on every rank (one sync).
-
-    The global gradient norm is non-finite on every rank as soon as any rank's loss or gradients
-    are. Under fp16 that is an overflow the loss scaler skips, not divergence: there the ranks'
-    losses decide (one all-reduce).
-    """
-    if scaler is None:
-        return bool(torch.isfinite(grad_norm))
-    ok = torch.isfinite(loss.detach()).float()
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok)
-
-
-def diverged(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, checkpointer: Checkpointer | None,
+def diverged(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, skipped: int, checkpointer: Checkpointer | None,
              root: Path) -> Diverged:
     """The error to stop with, once any save in flight has finished (its step was finite)."""
     if checkpointer:
@@ -302,8 +307,32 @@ def diverged(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, checkpointe
     good = latest_checkpoint(root)
     where = (f"the newest checkpoint, {good}, holds the last finite weights (continue from it with a lower "
              f"optim.lr or with optim.grad_clip > 0)" if good else "no checkpoint was saved before it")
-    return Diverged(f"training diverged at step {step}: loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g}; "
-                    f"nothing was saved at this step and {where}")
+    skips = f" after {skipped - 1} skipped (train.skip_nonfinite={skipped - 1})" if skipped > 1 else ""
+    return Diverged(f"training diverged at step {step}{skips}: loss {loss.item():.4g}, gradient norm "
+                    f"{grad_norm.item():.4g}; nothing was saved at this step and {where}")
+
+
+def collective_failed(error: RuntimeError, cfg: Config, env: DistEnv, step: int, key: str,
+                      run_dir: Path) -> CollectiveFailed | None:
+    """The one line a rank ends with when a collective failed or timed out (None: ``error`` is not
+    a collective's): its rank and step, the collective it was in (from its flight recorder, whose
+    whole record goes to <run dir>/flight_recorder/rank<R>.json) and the timeout ``key`` that applied."""
+    if not (isinstance(error, dist.DistError) or "gloo/" in str(error)):  # NCCL's are DistErrors, gloo's not
+        return None
+    where = last_collective(run_dir / "flight_recorder" / f"rank{env.rank}.json", env.backend)
+    return CollectiveFailed(
+        f"rank {env.rank}, step {step}: {where or 'a collective'} failed or did not complete within "
+        f"dist.{key}={getattr(cfg.dist, key):g} (another rank died or stopped taking part): "
+        f"{str(error).splitlines()[0]}")
+
+
+def train_state(step: int, parts: Components) -> dict:
+    """What a checkpoint holds besides tensors (JSON): where the run is."""
+    state = {"step": step, "data_position": parts.cursor.position, "seed": parts.seed,
+             "skipped_nonfinite": parts.skipped_nonfinite}
+    if parts.scaler:
+        state["loss_scaler"] = parts.scaler.state_dict()
+    return state
 
 
 @dataclass
@@ -318,7 +347,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
         ValueError: as `setup`.
         Diverged: a non-finite loss or gradient norm (the run stops at that step without saving).
         Stopped: SIGTERM or train.max_minutes (the run saved the step it was in, then stopped).
-        CollectiveFailed: another rank died or hung (dist.timeout_minutes).
+        CollectiveFailed: another rank died or hung (dist.timeout_minutes, dist.step_timeout_minutes).
     """
     parts = parts or setup(cfg, env)
     model, optimizer, cursor = parts.model, parts.optimizer, parts.cursor
@@ -330,7 +359,8 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                      unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard)
     checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 env.rank, env.device) if cfg.checkpoint.enabled else None
-    stop = StopRequest(cfg.train.max_minutes)  # SIGTERM or the time budget: save this step and stop
+    guard = StepGuard(cfg.train.max_minutes, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
+    timeout = CollectiveTimeout(cfg.dist, model)  # start-up's until the first step is done, and for saves
     stopping, step = None, first
     try:
         for step in range(first, last + 1):
@@ -339,30 +369,33 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
             with log.profiler or contextlib.nullcontext():
                 loss, grad_norm, extra = train_step(model, optimizer, parts.loss_fn, micro_batches, cfg.optim.grad_clip,
-                                                    env.device, hooks, parts.scaler)
-            if not finite_step(loss, grad_norm, parts.scaler):  # nothing non-finite is ever saved
-                raise diverged(step, loss, grad_norm, checkpointer, parts.run_dir / "checkpoints")
-            stopping = stop.agreed()  # one small all-reduce: every rank stops after the same step
+                                                    env.device, hooks, parts.scaler, gate=guard.check)
+            if not guard.last.finite:  # every rank skipped the optimizer step; nothing non-finite is ever saved
+                parts.skipped_nonfinite += 1
+                if parts.skipped_nonfinite > cfg.train.skip_nonfinite:
+                    raise diverged(step, loss, grad_norm, parts.skipped_nonfinite, checkpointer,
+                                   parts.run_dir / "checkpoints")
+                logger.warning("step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
+                               step, parts.skipped_nonfinite, cfg.train.skip_nonfinite)
+            if cfg.train.skip_nonfinite:
+                extra["skipped_nonfinite"] = torch.tensor(float(parts.skipped_nonfinite))
+            stopping = guard.last.stop  # every rank stops after the same step
             if checkpointer:
                 checkpointer.poll()  # publishes a finished async save
                 if step == last or stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    state = {"step": step, "data_position": cursor.position, "seed": parts.seed}
-                    if parts.scaler:
-                        state["loss_scaler"] = parts.scaler.state_dict()
-                    checkpointer.save(step, model, optimizer, state, to_yaml(cfg))
+                    timeout.use("timeout_minutes")  # the save waits for the slowest rank's I/O
+                    checkpointer.save(step, model, optimizer, train_state(step, parts), to_yaml(cfg))
+            timeout.use("step_timeout_minutes")
             log.step(step, loss, grad_norm, lr, extra)  # on log steps: the loop's other sync points
             if stopping:
                 break
         if checkpointer:
+            timeout.use("timeout_minutes")
             checkpointer.close()  # an async save in flight completes here
     except RuntimeError as e:  # a rank died or stopped taking part: say where this one was
-        if not (isinstance(e, dist.DistError) or "gloo/" in str(e)):  # NCCL's errors are DistErrors, gloo's not
-            raise
-        raise CollectiveFailed(f"rank {env.rank}, step {step}: a collective failed or did not complete within "
-                               f"dist.timeout_minutes={cfg.dist.timeout_minutes:g} (another rank died or stopped "
-                               f"taking part): {str(e).splitlines()[0]}") from e
+        raise collective_failed(e, cfg, env, step, timeout.key, parts.run_dir) or e
     finally:
-        stop.close()
+        guard.close()
         log.close()
     if stopping and step < last:
         raise Stopped(f"stopped after step {step} ({stopping}); checkpoint {parts.run_dir / 'checkpoints'} holds it: "

@@ -226,6 +226,37 @@ def test_divergence_stops_at_the_step_and_keeps_the_finite_checkpoints(tmp_path:
     assert all(torch.isfinite(t).all() for t in load_file(out).values())
 
 
+def test_a_nan_on_one_rank_is_skipped_by_every_rank_and_the_next_stops_the_run(tmp_path: Path):
+    """REL-4 with train.skip_nonfinite=1: rank 1's loss is NaN at steps 3 and 4
+    (tests/user_model.py:nan_on_rank1). Both ranks skip step 3's optimizer step (its checkpoint holds
+    step 2's weights and AdamW states, bit for bit) and count it; step 4 exceeds the allowance and stops
+    the run as diverged, exit 3."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    proc = launch(2, TRAIN, *NANO, "train.steps=6", "train.log_every=1", "model.task=custom",
+                  "model.loss=tests.user_model:nan_on_rank1", "train.skip_nonfinite=1", "checkpoint.every=1",
+                  "checkpoint.keep_last=3", f"run.root={tmp_path}", "run.name=skip", torchrun=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "step 3: non-finite loss or gradient norm, step skipped (1 of train.skip_nonfinite=1)" in proc.stderr
+    assert "error: training diverged at step 4 after 1 skipped (train.skip_nonfinite=1): loss " in proc.stderr
+    ckpts = tmp_path / "skip" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000001", "step-0000002", "step-0000003"]
+    assert json.loads((ckpts / "step-0000003" / "train_state.json").read_text())["skipped_nonfinite"] == 1
+    assert [r["skipped_nonfinite"] for r in read_jsonl(tmp_path / "skip" / "metrics.jsonl")] == [0, 0, 1]
+
+    def tensors(step: int) -> dict[str, torch.Tensor]:
+        dcp_to_torch_save(ckpts / f"step-{step:07d}", tmp_path / f"{step}.pt")
+        state = torch.load(tmp_path / f"{step}.pt", weights_only=True)
+        flat = {f"model.{k}": v for k, v in state["model"].items()}
+        flat |= {f"optim.{p}.{k}": v for p, states in state["optim"].items() for k, v in states.items()}
+        return flat
+
+    one, two, three = tensors(1), tensors(2), tensors(3)
+    assert len(two) == 4 * len([k for k in two if k.startswith("model.")])  # weights, exp_avg, exp_avg_sq, step
+    assert all(torch.equal(two[k], three[k]) for k in two)  # the skipped step changed nothing
+    assert not all(torch.equal(one[k], two[k]) for k in one)  # while a taken step does
+
+
 @pytest.mark.slow
 def test_a_time_budget_saves_the_step_and_exits_4_then_the_next_launch_continues(tmp_path: Path):
     args = [*NANO, "train.log_every=1", f"run.root={tmp_path}", "run.name=budget"]
@@ -271,12 +302,16 @@ def test_sigterm_to_torchrun_saves_the_current_step_and_the_next_launch_continue
 
 @pytest.mark.slow
 def test_a_rank_that_stops_taking_part_makes_the_others_fail_within_the_timeout(tmp_path: Path):
-    """Rank 1 hangs for 20 s at step 3 (tests/user_model.py:stall_on_rank1); with dist.timeout_minutes=0.1
-    rank 0 gives up after 6 s with one line naming its rank, the step and the timeout, and exits 5
-    (and so does rank 1 once it finds its peer gone), instead of waiting forever."""
+    """REL-3: rank 1 hangs for 20 s at step 3 (tests/user_model.py:stall_on_rank1); with
+    dist.step_timeout_minutes=0.1 (start-up keeps dist.timeout_minutes) rank 0 gives up after 6 s with
+    one line naming its rank, the step, the collective it was in and the timeout, writes its flight
+    recorder, and exits 5 (and so does rank 1 once it finds its peer gone), instead of waiting forever."""
     proc = launch(2, TRAIN, *NANO, "train.steps=6", "model.task=custom", "model.loss=tests.user_model:stall_on_rank1",
-                  "dist.timeout_minutes=0.1", f"run.root={tmp_path}", "run.name=hang")
+                  "dist.step_timeout_minutes=0.1", f"run.root={tmp_path}", "run.name=hang")
     assert proc.returncode != 0 and proc.stderr.count("exitcode  : 5") == 2, proc.stderr[-3000:]
-    assert ("error: rank 0, step 3: a collective failed or did not complete within dist.timeout_minutes=0.1 "
-            "(another rank died or stopped taking part)") in proc.stderr and "Timed out" in proc.stderr
-    assert "]: Traceback" not in proc.stderr  # no rank printed a traceback (torchrun prints its own)
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("error: rank 0, step 3: "))
+    assert re.search(r"gloo:\w+ #\d+ on group \w+ \(sizes .*; flight recorder: .*rank0.json\) failed or did not "
+                     r"complete within dist.step_timeout_minutes=0.1 \(another rank died", line), line
+    assert "Timed out" in line and "]: Traceback" not in proc.stderr  # no rank printed a traceback (torchrun does)
+    record = json.loads((tmp_path / "hang" / "flight_recorder" / "rank0.json").read_text())
+    assert record["gloo"]["entries"], record

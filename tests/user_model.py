@@ -94,3 +94,17 @@ def killed_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
         os.kill(os.getpid(), signal.SIGKILL)
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def nan_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Next-token cross-entropy, NaN on rank 1 at its 5th and 7th calls (steps 3 and 4 at 2
+    micro-batches per step), as a bad batch or an overflow on one rank would make it."""
+    import torch.distributed as dist
+
+    inputs, targets = batch
+    logits = model(inputs).float()
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    _calls[0] += 1
+    if dist.get_rank() == 1 and _calls[0] in (5, 7):
+        loss = loss * float("nan")
+    return loss
