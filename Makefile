@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 NPROC ?= 2
 ARGS ?=
-# Tests marked slow (a 160M model under a memory cap, compiled blocks, a two-node launch, a hung rank,
+# Tests marked slow (a 160M model under a memory cap, compiled blocks, a two-node launch, a hung rank, an elastic restart,
 # SIGTERM and a time budget: about 3 minutes) are left out of the default run to keep it under CI's
 # 10 minutes on 2 cores: `make test MARK=slow` runs them, `make test MARK=` runs everything.
 MARK ?= not slow

@@ -20,6 +20,7 @@ their global shapes, so a checkpoint saved at N ranks loads at any M.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -254,6 +255,19 @@ def check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Pat
 # Save
 
 
+class CheckpointFailed(Exception):
+    """A save failed on some rank (disk full, quota, I/O error); scripts/train.py exits with code 6.
+    Nothing of that save was kept and the checkpoints before it are untouched."""
+
+
+def _causes(error: BaseException) -> str:
+    """Each failing rank's error in one line, from DCP's gathered exception (or the error itself)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                         for rank, (exc, _) in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
 @dataclass
 class PendingSave:
     future: Future
@@ -264,7 +278,8 @@ class PendingSave:
 class Checkpointer:
     """Saves and loads a run's checkpoints; one per run, on every rank."""
 
-    def __init__(self, root: Path, keep_last: int, async_save: bool, rank: int, device: torch.device) -> None:
+    def __init__(self, root: Path, keep_last: int, async_save: bool, rank: int, device: torch.device,
+                 timeout: datetime.timedelta | None = None) -> None:
         self.root = root
         self.keep_last = keep_last
         self.rank = rank
@@ -272,8 +287,9 @@ class Checkpointer:
         self.pending: PendingSave | None = None
         self.written: list[Path] = []  # what this launch saved: all that retention may delete
         # Async saves run their collectives in a background thread: on a group of their
-        # own, so they never interleave with the training step's collectives.
-        self.async_group = dist.new_group(backend="gloo") if async_save else None
+        # own, so they never interleave with the training step's collectives (``timeout``: how long
+        # they may wait for the slowest rank's I/O; None: torch's default).
+        self.async_group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
              config_yaml: str) -> None:
@@ -304,7 +320,10 @@ class Checkpointer:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
             self.pending = PendingSave(future, partial, final)
             return
-        dcp.save(state, storage_writer=writer)
+        try:
+            dcp.save(state, storage_writer=writer)
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank once any rank's write failed
+            raise self._failed(partial, final, e) from None
         _fault_point("after_write", step)
         self._commit(partial, final)
         dist.barrier()
@@ -324,8 +343,20 @@ class Checkpointer:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        pending.future.result()
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as e:
+            raise self._failed(pending.partial, pending.final, e) from None
         self._commit(pending.partial, pending.final)
+
+    def _failed(self, partial: Path, final: Path, error: BaseException) -> CheckpointFailed:
+        """Removes what the failed save wrote (rank 0) and says what is left."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        good = latest_checkpoint(self.root)
+        kept = f"{good} is intact (launch again to continue from it)" if good else "no earlier checkpoint exists"
+        return CheckpointFailed(f"checkpoint {final.name} could not be written ({_causes(error)}); nothing of it "
+                                f"was kept and {kept}; free space in {self.root} or point run.root elsewhere")
 
     def _commit(self, partial: Path, final: Path) -> None:
         # DCP writes .metadata on rank 0 only after gathering every rank's write results,
@@ -389,9 +420,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure and raises on all ranks
         # (CheckpointException derives from BaseException.) Keep the first line of each rank's cause.
-        causes = sorted({line for line in str(e).splitlines() if line.startswith(("RuntimeError", "OSError", "ValueError"))})
-        detail = "; ".join(causes) or str(e).splitlines()[0]
-        raise ValueError(f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {detail}") from None
+        raise ValueError(f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {_causes(e)}") from None
     set_model_state_dict(model, state["model"])
     if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states were loaded in place
         groups = get_optimizer_state_dict(model, optimizer)["param_groups"]

@@ -343,8 +343,11 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] = ()
             raise ValueError(f"--config: file not found: {str(path)!r}")
         try:
             loaded = OmegaConf.load(path)
-        except Exception as e:  # yaml errors carry the line number
-            raise ValueError(f"--config {str(path)!r}: not valid YAML: {e}") from None
+        except Exception as e:  # yaml's errors carry the line and column
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"--config {str(path)!r}: not valid YAML{where}: {problem}") from None
         if not isinstance(loaded, DictConfig):
             raise ValueError(f"--config {str(path)!r}: must hold a mapping of keys, got {type(loaded).__name__}")
         layers.append((str(path), loaded))

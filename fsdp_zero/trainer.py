@@ -12,6 +12,7 @@ step (accumulation, clipping with sharded gradients, the sync points) is in
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import math
@@ -358,7 +359,8 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                      profile_step=cfg.memory.profile_step, items_per_rank_step=per_rank,
                      unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard)
     checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-                                env.rank, env.device) if cfg.checkpoint.enabled else None
+                                env.rank, env.device, datetime.timedelta(minutes=cfg.dist.timeout_minutes),
+                                ) if cfg.checkpoint.enabled else None
     guard = StepGuard(cfg.train.max_minutes, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
     timeout = CollectiveTimeout(cfg.dist, model)  # start-up's until the first step is done, and for saves
     stopping, step = None, first

@@ -10,7 +10,8 @@ see fsdp_zero/deepspeed.py), then key=value.
 A bad setting prints one line naming the key and the valid choices, and exits with 2; a run that
 diverges (a non-finite loss or gradient norm) stops at that step without saving it and exits with 3;
 on SIGTERM or after train.max_minutes every rank finishes its step, the step is saved, and the run
-exits with 4 (launch it again to continue).
+exits with 4 (launch it again to continue); a rank that died or hung makes the others exit with 5; a
+checkpoint that cannot be written (disk full) ends the run with 6, the checkpoints before it intact.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fsdp_zero.checkpoint import CheckpointFailed
 from fsdp_zero.config import load_config
 from fsdp_zero.deepspeed import read_deepspeed
 from fsdp_zero.distributed import distributed, exit_process
@@ -31,6 +33,7 @@ USAGE_ERROR = 2  # a bad setting, file or path: nothing was written
 DIVERGED = 3  # a non-finite loss or gradient norm: stopped at that step, no checkpoint of it saved
 # EXIT_STOPPED = 4: SIGTERM or train.max_minutes; the step was saved, launch again to continue
 COLLECTIVE_FAILED = 5  # another rank died or hung past dist.timeout_minutes: this rank says where it was
+SAVE_FAILED = 6  # a checkpoint could not be written (disk full, quota): the ones before it are intact
 
 
 def _fail(message: str) -> int:
@@ -67,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     except CollectiveFailed as e:  # every surviving rank says where it was
         print(f"error: {e}", file=sys.stderr)
         return COLLECTIVE_FAILED
+    except CheckpointFailed as e:  # every rank learns it from DCP; the partial save was removed
+        _fail(str(e))
+        return SAVE_FAILED
     except Stopped as e:  # SIGTERM or train.max_minutes, with a checkpoint saved
         if os.environ.get("RANK", "0") == "0":
             print(str(e), file=sys.stderr)

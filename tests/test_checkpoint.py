@@ -228,6 +228,23 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrupted_
     assert saved == [checkpoint_name(s) for s in (4, 6, 8, 10)]
 
 
+def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path: Path):
+    """Disk full during a save: rank 1's write of the step-4 checkpoint is refused by the kernel
+    (tests/user_model.py:disk_full_on_rank1). Every rank stops with exit code 6 and one line naming
+    the checkpoint, the cause and the intact one before it; nothing of the failed save is left, and the
+    next launch continues from step 2 to the end."""
+    args = [*BASE, "train.steps=4", "checkpoint.every=2", "model.task=custom", "model.loss=tests.user_model:disk_full_on_rank1",
+            f"run.root={tmp_path}", "run.name=full"]
+    proc = launch(2, TRAIN, *args, torchrun=False)
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    ckpts = tmp_path / "full" / "checkpoints"
+    assert ("error: checkpoint step-0000004 could not be written (rank 1: OSError: [Errno 27] File too large)" in proc.stderr
+            and f"nothing of it was kept and {ckpts / 'step-0000002'} is intact" in proc.stderr), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and sorted(p.name for p in ckpts.iterdir()) == ["step-0000002"]
+    proc = check(launch(2, TRAIN, *args, torchrun=False))  # the loss's 7th call is not reached from step 2
+    assert "step-0000002: step 2" in proc.stderr and latest_checkpoint(ckpts).name == "step-0000004"
+
+
 # ---------------------------------------------------------------------------------
 # Errors that say what is wrong (world size 1, plain python: fast)
 

@@ -66,6 +66,7 @@ VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classifi
         (["model.loss=a.b:c"], r"model\.loss='a\.b:c' is set but model\.task=causal_lm; set model\.task=custom"),
         (["data.source=tokens"], r"data\.source=tokens needs data\.path \(a \.bin or \.npy file of token ids\)"),
         (["data.source=tokens", "data.path=pyproject.toml"], r"data\.source=tokens needs a \.bin or \.npy file"),
+        (["data.source=tokens", "data.path=/no/such.bin"], r"data\.path='/no/such\.bin': no such file or folder"),
         (["data.source=images"], r"data\.source=images does not feed model\.task=causal_lm; valid choices: synthetic, text, tokens"),
         ([*VIT[:2]], r"data\.source=synthetic does not feed model\.task=classification; valid choices: images, fake_images"),
         (["data.token_dtype=float32"], r"data\.token_dtype='float32' is not a valid choice; valid choices: uint16, uint32"),
@@ -126,6 +127,10 @@ def test_bad_yaml_key_names_the_file(tmp_path: Path):
         load_config(path)
     with pytest.raises(ValueError, match=r"--config: file not found"):
         load_config(tmp_path / "missing.yaml")
+    path.write_text("train:\n  steps: [1,\n")  # a list left open
+    with pytest.raises(ValueError, match=r"^--config '.*bad\.yaml': not valid YAML at line 3, column 1: did not find "
+                                         r"expected node content$"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("dp,accum", [(1, 4), (2, 2), (4, 1)])

@@ -108,3 +108,19 @@ def nan_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
     if dist.get_rank() == 1 and _calls[0] in (5, 7):
         loss = loss * float("nan")
     return loss
+
+
+def disk_full_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Next-token cross-entropy; at its 7th call (step 4 at 2 micro-batches per step) rank 1 lowers its
+    file-size limit to 64 KiB (RLIMIT_FSIZE), so that the kernel refuses its next checkpoint write
+    (EFBIG; Python ignores SIGXFSZ) as a full disk would (ENOSPC)."""
+    import resource
+
+    import torch.distributed as dist
+
+    inputs, targets = batch
+    _calls[0] += 1
+    if dist.get_rank() == 1 and _calls[0] == 7:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    logits = model(inputs).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
