@@ -15,6 +15,7 @@ ranks agree on both once a step, in one small all-reduce (`StepGuard.check`).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -36,18 +37,38 @@ class Verdict:
     stop: str | None  # why the ranks stop after this step, or None to go on
 
 
+def budget_deadline(max_minutes: float | None, saved: dict | None) -> float | None:
+    """When the time budget ends (seconds since the epoch; None: no budget): ``max_minutes`` from now,
+    except in ranks that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) resuming from a
+    checkpoint that an earlier attempt of the same torchrun job saved (``saved``: its train state):
+    those keep that attempt's deadline, so a restart never gets a fresh budget (and one after the
+    budget ran out stops at once)."""
+    if not max_minutes:
+        return None
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if saved and saved.get("deadline") and job and saved.get("job") == job and \
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return float(saved["deadline"])
+    return time.time() + 60 * max_minutes
+
+
+def budget_state(deadline: float | None) -> dict:
+    """What a checkpoint carries of the time budget, for `budget_deadline` after a restart."""
+    return {"deadline": deadline, "job": os.environ.get("TORCHELASTIC_RUN_ID")} if deadline else {}
+
+
 class StepGuard:
     """SIGTERM, the time budget and non-finite numbers, agreed across ranks once a step.
 
     Args:
-        max_minutes: the time budget (None: none).
+        deadline: the end of the time budget (`budget_deadline`; None: none).
         overflow_is_skip: fp16 loss scaling, where a non-finite gradient norm is an overflow that
             the loss scaler skips and counts, not divergence: only the losses decide.
     """
 
-    def __init__(self, max_minutes: float | None, overflow_is_skip: bool = False) -> None:
+    def __init__(self, deadline: float | None, overflow_is_skip: bool = False) -> None:
         self.signalled = False
-        self.deadline = time.monotonic() + 60 * max_minutes if max_minutes else None
+        self.deadline = deadline
         self.overflow_is_skip = overflow_is_skip
         self.last = Verdict(True, None)
         self._previous = None
@@ -61,7 +82,7 @@ class StepGuard:
         """Whether to take the optimizer step (the step's numbers are finite on every rank); the
         whole answer, stop request included, is kept in ``last``. One all-reduce of two integers,
         on the loss's device, and one sync to read them."""
-        stop = 2 if self.signalled else 1 if self.deadline is not None and time.monotonic() >= self.deadline else 0
+        stop = 2 if self.signalled else 1 if self.deadline is not None and time.time() >= self.deadline else 0
         bad = ~torch.isfinite(loss.detach())
         if not self.overflow_is_skip:
             bad |= ~torch.isfinite(grad_norm.detach()).to(loss.device)  # CPU with offload

@@ -16,6 +16,7 @@ import datetime
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from fsdp_zero.memory import MIB, Phase, PhaseHook, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, is_fsdp, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, loss_scaler, resolve
 from fsdp_zero.steplog import StepRecord, StepLogger
-from fsdp_zero.stopping import StepGuard, Stopped
+from fsdp_zero.stopping import StepGuard, Stopped, budget_deadline, budget_state
 from fsdp_zero.rundir import config_diff, decide_run_dir, run_files, to_plain, write_run_dir
 from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, to_device, vocab_size
 from fsdp_zero.weights import load_full_weights
@@ -196,6 +197,7 @@ class Components:
     seed: int
     step: int = 0  # optimizer steps already taken (non-zero after a resume)
     skipped_nonfinite: int = 0  # non-finite steps skipped so far (train.skip_nonfinite)
+    deadline: float | None = None  # the end of the time budget (train.max_minutes), seconds since the epoch
     scaler: LossScaler | None = None  # fp16's loss scaling
 
 
@@ -269,6 +271,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
 
     cursor = BatchCursor(source, layout, env.rank, num_workers=data_workers(cfg))
     step = skipped = 0
+    state = None
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, built.optimizer, env.rank, env.device)
         cursor.position, step, skipped = state["data_position"], state["step"], state.get("skipped_nonfinite", 0)
@@ -282,6 +285,11 @@ def setup(cfg: Config, env: DistEnv) -> Components:
         renamed = load_full_weights(unwrap(model), Path(cfg.model.init_from))
         logger.info("initialised from %s%s", cfg.model.init_from, f" ({renamed})" if renamed else "")
 
+    deadline = budget_deadline(cfg.train.max_minutes, state)
+    if deadline is not None and deadline <= time.time():  # every rank resumed from the same checkpoint
+        raise Stopped(f"the time budget (train.max_minutes) of this torchrun job ran out before it restarted these "
+                      f"ranks; {resume_from} holds step {step}: launch again to continue")
+
     # Only now, with everything built and loaded, does the run leave a trace on disk.
     if env.is_rank0:
         write_run_dir(run_dir, run_files(cfg, run_dir, step, plan.table() if is_fsdp(strategy) else None), tag=str(step))
@@ -289,7 +297,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
             (run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
     return Components(run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params, seed, step,
-                      skipped, scaler)
+                      skipped, deadline, scaler)
 
 
 class CollectiveFailed(RuntimeError):
@@ -330,7 +338,7 @@ def collective_failed(error: RuntimeError, cfg: Config, env: DistEnv, step: int,
 def train_state(step: int, parts: Components) -> dict:
     """What a checkpoint holds besides tensors (JSON): where the run is."""
     state = {"step": step, "data_position": parts.cursor.position, "seed": parts.seed,
-             "skipped_nonfinite": parts.skipped_nonfinite}
+             "skipped_nonfinite": parts.skipped_nonfinite, **budget_state(parts.deadline)}
     if parts.scaler:
         state["loss_scaler"] = parts.scaler.state_dict()
     return state
@@ -361,7 +369,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 env.rank, env.device, datetime.timedelta(minutes=cfg.dist.timeout_minutes),
                                 ) if cfg.checkpoint.enabled else None
-    guard = StepGuard(cfg.train.max_minutes, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
+    guard = StepGuard(parts.deadline, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
     timeout = CollectiveTimeout(cfg.dist, model)  # start-up's until the first step is done, and for saves
     stopping, step = None, first
     try:

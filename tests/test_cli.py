@@ -269,6 +269,19 @@ def test_a_time_budget_saves_the_step_and_exits_4_then_the_next_launch_continues
 
 
 @pytest.mark.slow
+def test_a_restart_by_torchrun_keeps_the_jobs_time_budget(tmp_path: Path):
+    """Under --max-restarts torchrun restarts ranks that stopped on the budget (exit 4 is a failure to
+    it); the restarted ranks find the deadline their checkpoint carries passed and stop before training."""
+    proc = launch(2, TRAIN, *NANO, "train.log_every=1", "train.max_minutes=0.0001", f"run.root={tmp_path}", "run.name=budget",
+                  torchrun_args=("--max-restarts=1",))
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 4") == 2, proc.stderr[-3000:]
+    assert "stopped after step 1 (the time budget (train.max_minutes) ran out)" in proc.stderr
+    assert "the time budget (train.max_minutes) of this torchrun job ran out before it restarted these ranks" in proc.stderr
+    assert [p.name for p in (tmp_path / "budget" / "checkpoints").iterdir()] == ["step-0000001"]
+    assert [r["step"] for r in read_jsonl(tmp_path / "budget" / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.slow
 def test_sigterm_to_torchrun_saves_the_current_step_and_the_next_launch_continues(tmp_path: Path):
     """What a scheduler does before it kills a job: SIGTERM to the launcher, which passes it to the
     ranks; they finish their step together, save it, and exit 4."""
