@@ -23,6 +23,18 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model and AdamW tensors, whole, keyed model.<fqn> and optim.<fqn>.<state>."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(path, out)
+    state = torch.load(out, weights_only=True)
+    out.unlink()
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    return flat | {f"optim.{p}.{k}": v for p, states in state["optim"].items() for k, v in states.items()}
+
+
 def scalars(event_dir: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(event_dir), size_guidance={"scalars": 0})
     acc.Reload()
@@ -231,8 +243,6 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank_and_the_next_stops_the_run(t
     (tests/user_model.py:nan_on_rank1). Both ranks skip step 3's optimizer step (its checkpoint holds
     step 2's weights and AdamW states, bit for bit) and count it; step 4 exceeds the allowance and stops
     the run as diverged, exit 3."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     proc = launch(2, TRAIN, *NANO, "train.steps=6", "train.log_every=1", "model.task=custom",
                   "model.loss=tests.user_model:nan_on_rank1", "train.skip_nonfinite=1", "checkpoint.every=1",
                   "checkpoint.keep_last=3", f"run.root={tmp_path}", "run.name=skip", torchrun=False)
@@ -244,14 +254,7 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank_and_the_next_stops_the_run(t
     assert json.loads((ckpts / "step-0000003" / "train_state.json").read_text())["skipped_nonfinite"] == 1
     assert [r["skipped_nonfinite"] for r in read_jsonl(tmp_path / "skip" / "metrics.jsonl")] == [0, 0, 1]
 
-    def tensors(step: int) -> dict[str, torch.Tensor]:
-        dcp_to_torch_save(ckpts / f"step-{step:07d}", tmp_path / f"{step}.pt")
-        state = torch.load(tmp_path / f"{step}.pt", weights_only=True)
-        flat = {f"model.{k}": v for k, v in state["model"].items()}
-        flat |= {f"optim.{p}.{k}": v for p, states in state["optim"].items() for k, v in states.items()}
-        return flat
-
-    one, two, three = tensors(1), tensors(2), tensors(3)
+    one, two, three = (checkpoint_tensors(ckpts / f"step-{step:07d}") for step in (1, 2, 3))
     assert len(two) == 4 * len([k for k in two if k.startswith("model.")])  # weights, exp_avg, exp_avg_sq, step
     assert all(torch.equal(two[k], three[k]) for k in two)  # the skipped step changed nothing
     assert not all(torch.equal(one[k], two[k]) for k in one)  # while a taken step does
@@ -311,6 +314,26 @@ def test_sigterm_to_torchrun_saves_the_current_step_and_the_next_launch_continue
     # The next launch continues from that step (here with a shorter schedule: train.steps may change).
     check(launch(2, TRAIN, *args, f"train.steps={step + 2}"))
     assert [r["step"] for r in read_jsonl(metrics)][-2:] == [step + 1, step + 2]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_after_that_step_and_the_resume_is_exact(tmp_path: Path):
+    """REL-1: rank 1 alone gets SIGTERM in step 3 (tests/user_model.py:sigterm_to_rank1). Both ranks
+    finish step 3, save it, and exit 4; the next launch ends with the losses and the weights and AdamW
+    states of an uninterrupted run, bit for bit."""
+    args = [*NANO, "train.steps=6", "train.log_every=1", "checkpoint.every=0", "model.task=custom",
+            "model.loss=tests.user_model:sigterm_to_rank1", f"run.root={tmp_path}"]
+    check(launch(2, TRAIN, *args, "run.name=straight", torchrun=False))
+    proc = launch(2, TRAIN, *args, "run.name=term", env={"SIGTERM_RANK1_AT_CALL": "5"}, torchrun=False)
+    assert proc.returncode == 4 and "stopped after step 3 (SIGTERM)" in proc.stderr, proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "term" / "checkpoints").iterdir()] == ["step-0000003"]
+    check(launch(2, TRAIN, *args, "run.name=term", torchrun=False))
+    losses = {name: {r["step"]: r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")}
+              for name in ("straight", "term")}
+    assert losses["term"] == losses["straight"] and sorted(losses["term"]) == [1, 2, 3, 4, 5, 6]
+    straight, resumed = (checkpoint_tensors(tmp_path / name / "checkpoints" / "step-0000006")
+                         for name in ("straight", "term"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 @pytest.mark.slow

@@ -124,3 +124,19 @@ def disk_full_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def sigterm_to_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Next-token cross-entropy; when SIGTERM_RANK1_AT_CALL=K is set, rank 1 sends itself SIGTERM at
+    its K-th call (mid-step, as a scheduler signalling one process would); the others get none."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    inputs, targets = batch
+    _calls[0] += 1
+    if dist.get_rank() == 1 and str(_calls[0]) == os.environ.get("SIGTERM_RANK1_AT_CALL"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    logits = model(inputs).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
