@@ -15,6 +15,7 @@ import os
 import random
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,6 +189,28 @@ def last_collective(out: Path, backend: str) -> str:
     group = (e.get("process_group") or ["", "?"])[-1]
     return (f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} on group {group} "
             f"(sizes {e.get('input_sizes', [])}; flight recorder: {out})")
+
+
+def silent_ranks(env: DistEnv, wait_seconds: float = 5.0) -> list[int]:
+    """The ranks that died or hang, as far as this rank can tell after a collective failed on it.
+
+    Every rank whose collective fails says so through the store the ranks met in, and waits up to
+    ``wait_seconds`` for the others to say the same: a rank that died, or that is stuck outside the
+    collective, never does. [] if the store is gone too (its host died).
+    """
+    from fsdp_zero.torch_private import default_store
+
+    try:
+        store = default_store()
+        store.set(f"fsdp_zero/collective_failed/{env.rank}", "1")
+        waiting = [r for r in range(env.world_size) if r != env.rank]
+        deadline = time.monotonic() + wait_seconds
+        while waiting and time.monotonic() < deadline:
+            waiting = [r for r in waiting if not store.check([f"fsdp_zero/collective_failed/{r}"])]
+            time.sleep(0.1 if waiting else 0)
+        return waiting
+    except Exception:  # noqa: BLE001 - the store's host died: nothing more to learn
+        return []
 
 
 def exit_process(code: int) -> NoReturn:

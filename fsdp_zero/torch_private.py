@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["ConvNd", "DefaultReduceScatter", "checkpoint_activations", "FakeStore", "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state",
-           "config_value", "flight_recorder_json", "fsdp_mem_tracker", "mem_tracker"]
+           "config_value", "default_store", "flight_recorder_json", "fsdp_mem_tracker", "mem_tracker"]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
 # a training step on them to count memory without allocating any.
@@ -37,6 +37,10 @@ from torch.distributed._composable import checkpoint as checkpoint_activations
 # whether it completed), recorded by gloo and NCCL themselves. Read when a collective fails or times
 # out, to say which one this rank was in and to leave the record beside the run.
 from torch._C._distributed_c10d import _dump_fr_trace_json as flight_recorder_json
+
+# The store the ranks met in at init_process_group: after a collective failed, the ranks that can
+# still say so tell each other through it, which names the ranks that died or hang.
+from torch.distributed.distributed_c10d import _get_default_store as default_store
 
 # The planner simulates one rank of N in one process with a process group whose
 # collectives return at once. A testing utility, but the documented way to do this

@@ -33,7 +33,7 @@ from fsdp_zero.config import (
     to_yaml,
 )
 from fsdp_zero.data import BatchCursor, build_source
-from fsdp_zero.distributed import CollectiveTimeout, DistEnv, agree_on_seed, last_collective
+from fsdp_zero.distributed import CollectiveTimeout, DistEnv, agree_on_seed, last_collective, silent_ranks
 from fsdp_zero.memory import MIB, Phase, PhaseHook, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, is_fsdp, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, loss_scaler, resolve
@@ -329,10 +329,12 @@ def collective_failed(error: RuntimeError, cfg: Config, env: DistEnv, step: int,
     if not (isinstance(error, dist.DistError) or "gloo/" in str(error)):  # NCCL's are DistErrors, gloo's not
         return None
     where = last_collective(run_dir / "flight_recorder" / f"rank{env.rank}.json", env.backend)
+    silent = silent_ranks(env)
+    cause = (f"rank {', '.join(map(str, silent))} died or is stuck (it did not report failing too)" if silent
+             else "another rank died or stopped taking part")
     return CollectiveFailed(
         f"rank {env.rank}, step {step}: {where or 'a collective'} failed or did not complete within "
-        f"dist.{key}={getattr(cfg.dist, key):g} (another rank died or stopped taking part): "
-        f"{str(error).splitlines()[0]}")
+        f"dist.{key}={getattr(cfg.dist, key):g} ({cause}): {str(error).splitlines()[0]}")
 
 
 def train_state(step: int, parts: Components) -> dict:

@@ -194,6 +194,7 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert inspect.signature(torch_private.DefaultReduceScatter.__call__).parameters.keys() >= {
         "output_tensor", "input_tensor", "group", "op", "async_op"}
     assert "backend" in torch_private.flight_recorder_json.__doc__  # pybind: no inspectable signature
+    assert callable(torch_private.default_store)
     assert torch_private.FakeStore() is not None
     assert torch_private.FakeTensorMode is not None
     assert {"track_external", "get_tracker_snapshot", "reset_mod_stats"} <= set(dir(torch_private.mem_tracker()))
