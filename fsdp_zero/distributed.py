@@ -169,8 +169,8 @@ class CollectiveTimeout:
 
 def last_collective(out: Path, backend: str) -> str:
     """The collective this rank waited in last, from its flight recorder (op, group, sequence
-    number, sizes), or "" if it holds none; the whole record is written to ``out`` (JSON, one per
-    rank: comparing the ranks' files shows which rank fell behind, as torch's fr_trace tool does)."""
+    number, sizes), or "" if it holds none; the whole record is written to ``out`` (JSON, one file
+    per rank: the ranks' last sequence numbers on a group show which rank fell behind)."""
     from fsdp_zero.torch_private import flight_recorder_json
 
     entries, records = [], {}
