@@ -266,7 +266,7 @@ class CheckpointConfig:
 
     enabled: bool = True
     every: int = 50  # steps between saves (and always one at the end); 0: only at the end
-    keep_last: int = 2  # complete checkpoints kept; 0 keeps all
+    keep_last: int = 2  # of the checkpoints this launch saves, the newest kept (0: all); others' are never deleted
     # auto: continue from the newest complete checkpoint in the run directory, if any;
     # none: start fresh (refused if the run directory already holds checkpoints);
     # anything else: the path of a checkpoint folder to continue from.
