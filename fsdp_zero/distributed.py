@@ -143,27 +143,22 @@ def distributed(cfg: DistConfig) -> Iterator[DistEnv]:
         destroy_distributed(barrier=finished)
 
 
-def set_collective_timeout(minutes: float, model: torch.nn.Module | None = None) -> None:
-    """How long the collectives of the default group, and of the mesh ``model`` is sharded over
-    (HSDP's shard and replicate groups), may wait for the other ranks from now on."""
-    groups = [dist.group.WORLD]
-    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None) if model else None
-    if mesh is not None:
-        groups += [g for g in mesh.get_all_groups() if g is not dist.group.WORLD]
-    for group in groups:
-        dist.set_timeout(datetime.timedelta(minutes=minutes), group)
-
-
 class CollectiveTimeout:
     """Which of ``dist.timeout_minutes`` (start-up, checkpoint saves) and ``dist.step_timeout_minutes``
-    applies to the collectives of the default group and of ``model``'s mesh; ``key`` names it."""
+    applies to the collectives of the default group and of the mesh ``model`` is sharded over (HSDP's
+    shard and replicate groups); ``key`` names it."""
 
     def __init__(self, cfg: DistConfig, model: torch.nn.Module) -> None:
-        self.cfg, self.model, self.key = cfg, model, "timeout_minutes"  # what init_process_group set
+        self.cfg, self.key = cfg, "timeout_minutes"  # what init_process_group set
+        self.groups = [dist.group.WORLD]
+        mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+        if mesh is not None:
+            self.groups += [g for g in mesh.get_all_groups() if g is not dist.group.WORLD]
 
     def use(self, key: str) -> None:
         if key != self.key:
-            set_collective_timeout(getattr(self.cfg, key), self.model)
+            for group in self.groups:
+                dist.set_timeout(datetime.timedelta(minutes=getattr(self.cfg, key)), group)
             self.key = key
 
 

@@ -131,7 +131,8 @@ def train_step(
     gradients overflowed on any rank is skipped by every rank (``loss_scale`` and
     ``skipped_steps`` join the scalars). ``gate(loss, grad_norm)``, asked between the
     gradient norm and the optimizer step, may skip the step (False): the parameters and
-    optimizer states stay as they were.
+    optimizer states stay as they were. The training loop's gate (`StepGuard.check`) is the
+    step's one sync point before logging.
     """
     params = [p for p in model.parameters()]
     loss_sum = torch.zeros((), device=device)
