@@ -8,9 +8,9 @@ generator, so the initial weights depend on how many ranks there are (seen on CP
 torch 2.15: world size 1 and 2 differ from the second row on). Here every parameter is
 cut along dim 0 into fixed blocks of rows whose size depends only on the parameter's
 shape; each block is drawn from a generator seeded by (seed, parameter name, block
-index). A rank draws only the blocks that overlap its own rows, so no rank ever
-materialises more than its shard plus one block, and the full tensor is identical
-whether it is built whole or in shards of any number.
+index), on the CPU. A rank draws only the blocks that overlap its own rows, so no rank
+ever materialises more than its shard plus one block, and the full tensor is identical
+whether it is built whole or in shards of any number, on the CPU or on a GPU.
 """
 
 from __future__ import annotations
@@ -76,12 +76,15 @@ def _fill(param: torch.Tensor, seed: int, name: str, draw) -> None:  # noqa: ANN
     full_rows = param.shape[0]
     row_numel = max(1, math.prod(param.shape[1:]))
     rows_per_block = max(1, _BLOCK_ELEMS // row_numel)
-    gen = torch.Generator(device=local.device)
+    # Drawn on the CPU whatever the device: CPU and CUDA generators give different numbers for one
+    # seed, and the initial weights must not depend on where the shards live (CUDA or, with CPU
+    # offload, host memory) any more than on how many ranks hold them.
+    gen = torch.Generator()
     for block in range(start // rows_per_block, (stop - 1) // rows_per_block + 1):
         b_lo = block * rows_per_block
         b_hi = min(b_lo + rows_per_block, full_rows)
         gen.manual_seed(_block_seed(seed, name, block))
-        values = torch.empty((b_hi - b_lo, *param.shape[1:]), dtype=torch.float32, device=local.device)
+        values = torch.empty((b_hi - b_lo, *param.shape[1:]), dtype=torch.float32)
         draw(values, gen)
         lo, hi = max(start, b_lo), min(stop, b_hi)
         local[lo - start : hi - start].copy_(values[lo - b_lo : hi - b_lo])

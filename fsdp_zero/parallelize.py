@@ -198,9 +198,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
         fully_shard(model.get_submodule(fqn), **kwargs)
     if cfg.prefetch:
         set_prefetch([model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)], cfg.prefetch)
-    # FSDP2 keeps the root's parameters gathered between forward and backward whatever
-    # this flag says (they would be re-gathered at once), so the root costs no extra all-gather.
-    fully_shard(model, **kwargs)
+    # The root keeps its parameters gathered from forward to backward, whatever the strategy:
+    # backward needs them first, so freeing them would only buy a second all-gather at once. (FSDP2
+    # does this by itself only when reshard_after_forward is left unset; an explicit True reshards
+    # the root too: measured by tests/test_parity.py's parameter bytes after forward.)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)
     if env.backend == "gloo":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import copy
 import os
 from collections.abc import Iterator
@@ -72,20 +73,111 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
 
 
-def zero_formulas(num_params: int, n: int) -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank for each strategy (`fsdp_zero.parallelize.model_state_formula`), for
-    fp32 AdamW (4 + 4 + K = 8 bytes per parameter) and the ZeRO paper's mixed-precision Adam
-    (2 + 2 + K = 12). FSDP's shard_grad_op shards parameters at rest too, unlike the paper's
-    stage 2 (P_os+g), so it reads as ZeRO-3 here.
-    """
-    from fsdp_zero.config import ParallelConfig
-    from fsdp_zero.parallelize import model_state_formula
+# The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+# Parameter Models", Table 1 and Figure 1) sizes model states for mixed-precision Adam: fp16
+# parameters (2 bytes) and gradients (2 bytes) and K = 12 bytes of fp32 optimizer state (master
+# parameters, momentum, variance) per parameter.
+PAPER_K = 12
+# The precision modes the plan sets side by side (fp16-mixed stores and gathers the same bytes as
+# bf16-mixed; tests/test_plan_formulas.py keeps that true).
+PLAN_MODES = ("fp32", "bf16-mixed", "bf16-true")
 
-    names = {Strategy.ddp: "DDP (stage 0)", Strategy.zero1: "ZeRO-1", Strategy.shard_grad_op: "ZeRO-2 (FSDP)",
-             Strategy.full_shard: "ZeRO-3"}
-    return {precision: {name: model_state_formula(ParallelConfig(strategy=s), num_params, n, per_param)
-                        for s, name in names.items()}
-            for precision, per_param in {"fp32 AdamW (K=8)": (4, 4, 8), "mixed-precision Adam (K=12)": (2, 2, 12)}.items()}
+
+@dataclass(frozen=True)
+class PaperStage:
+    """One stage of the ZeRO paper's Table 1: model-state bytes per device."""
+
+    name: str  # the paper's: baseline, P_os, P_os+g, P_os+g+p
+    formula: str  # as the paper writes it: Psi parameters, N_d data-parallel ranks
+    bytes: float
+
+
+def zero_paper_stages(num_params: int, n: int) -> dict[int, PaperStage]:
+    """The ZeRO paper's model states per device for each ZeRO-DP stage, as the paper states them.
+
+    Mixed-precision Adam, ``PAPER_K`` = 12. The paper's stage 2 (P_os+g) keeps every fp16 parameter
+    on every device; FSDP's shard_grad_op shards them at rest and holds them gathered from forward
+    to backward, so the paper's figure is what it needs inside the step (`strategy_states`).
+
+    Args:
+        num_params: Psi, the model's parameters.
+        n: N_d, the data-parallel ranks.
+
+    Returns:
+        The stages by ZeRO stage (0: the baseline), the keys of `fsdp_zero.config.ZERO_STAGES`.
+    """
+    psi, k = num_params, PAPER_K
+    return {0: PaperStage("baseline", "(2 + 2 + K) Psi", (2 + 2 + k) * psi),
+            1: PaperStage("P_os", "2 Psi + 2 Psi + K Psi / N_d", 2 * psi + 2 * psi + k * psi / n),
+            2: PaperStage("P_os+g", "2 Psi + (2 + K) Psi / N_d", 2 * psi + (2 + k) * psi / n),
+            3: PaperStage("P_os+g+p", "(2 + 2 + K) Psi / N_d", (2 + 2 + k) * psi / n)}
+
+
+@dataclass(frozen=True)
+class StrategyState:
+    """One strategy's model state per rank under one precision mode, in bytes."""
+
+    strategy: Strategy
+    stage: int  # its ZeRO stage (`fsdp_zero.config.ZERO_STAGES`)
+    mode: str  # precision.mode
+    at_rest: float  # after the optimizer step: `fsdp_zero.parallelize.model_state_formula`
+    gathered: float | None  # held on top between forward and backward; None: one or two units, size unknown
+    refused: str | None = None  # the config's error when it rejects this strategy with this mode
+
+    @property
+    def in_step(self) -> float | None:
+        """The model state inside the step: at rest plus the gathered parameters (None: not known)."""
+        return None if self.gathered is None else self.at_rest + self.gathered
+
+
+def strategy_states(num_params: int, n: int, largest_unit: int | None = None, root_unit: int = 0,
+                    modes: tuple[str, ...] = PLAN_MODES) -> list[StrategyState]:
+    """Each ZeRO stage's strategy (`fsdp_zero.config.ZERO_STAGES`), per precision mode: the model state
+    per rank at rest and inside the step.
+
+    At rest is `model_state_formula` with the mode's bytes per parameter. Inside the step FSDP holds
+    gathered parameters too, in the compute dtype: shard_grad_op (``reshard_after_forward=False``)
+    every unit's, from forward to backward; full_shard the root unit (kept gathered: backward needs it
+    first, `fsdp_zero.parallelize`), one unit computing and the next prefetched: root + 2 x the largest
+    unit. DDP and ZeRO-1 hold whole parameters already.
+
+    Args:
+        num_params: the model's parameters.
+        n: ranks.
+        largest_unit: the largest FSDP unit's parameters besides the root; None: not known
+            (full_shard's ``gathered`` is None).
+        root_unit: the root unit's own parameters (those of no other unit), when known.
+        modes: precision modes (`fsdp_zero.config.PRECISION_MODES`).
+
+    Returns:
+        One state per strategy and mode, strategies in ZeRO stage order.
+    """
+    from fsdp_zero.config import ZERO_STAGES, ParallelConfig, PrecisionConfig
+    from fsdp_zero.parallelize import is_fsdp, model_state_formula, reshard_after_forward
+    from fsdp_zero.precision import resolve
+
+    out = []
+    for stage, strategy in ZERO_STAGES.items():
+        parallel = ParallelConfig(strategy=strategy)
+        for mode in modes:
+            precision = resolve(PrecisionConfig(mode=mode))
+            compute = precision.compute.itemsize
+            at_rest = model_state_formula(parallel, num_params, n, precision.bytes_per_param)
+            if not is_fsdp(strategy):
+                gathered: float | None = 0.0
+            elif not reshard_after_forward(parallel, n):
+                gathered = compute * num_params
+            elif largest_unit is None:
+                gathered = None
+            else:  # a model of one or two units never has more than itself gathered
+                gathered = compute * min(root_unit + 2 * largest_unit, num_params)
+            try:
+                validate(Config(parallel=parallel, precision=PrecisionConfig(mode=mode)))
+                refused = None
+            except ValueError as e:  # e.g. bf16-mixed under DDP
+                refused = str(e)
+            out.append(StrategyState(strategy, stage, mode, at_rest, gathered, refused))
+    return out
 
 
 def deepspeed_zero3_estimate(num_params: int, largest_layer_params: int, n: int) -> int:
@@ -104,7 +196,7 @@ from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.trainer import train
 cfg = load_config(None, ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=2",
                          "train.micro_batch_size=2", "train.steps=2", "train.log_every=1", "checkpoint.enabled=false",
-                         "memory.profile_step=0", f"run.root={tempfile.mkdtemp()}", "run.name=probe"])
+                         "memory.profile_step=0", "dist.device=cpu", f"run.root={tempfile.mkdtemp()}", "run.name=probe"])
 with distributed(cfg.dist) as env:
     result = train(cfg, env)
 print(int(result.peak_rss_mib * 2**20), flush=True)
@@ -127,11 +219,13 @@ def measure_baseline(device: torch.device) -> int:
     import sys
 
     # Not this process's rendezvous (under torchrun, TORCHELASTIC_USE_AGENT_STORE would make the
-    # probe wait for an agent store that is not its own).
+    # probe wait for an agent store that is not its own). No GPU either: the probe trains on the CPU
+    # (dist.device=cpu), and a process that sees one starts a CUDA context anyway (torch's optimizers
+    # ask the accelerator for its stream), hundreds of MiB that a CPU rank does not hold.
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True,
-                          env={**env, "OMP_NUM_THREADS": "1"})
+                          env={**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     return int(proc.stdout.strip().splitlines()[-1])
 
 
@@ -287,3 +381,9 @@ def predict_peak(pred: Prediction, device: torch.device, fsdp: bool) -> int:
 
 def format_bytes(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def format_gb(n: float) -> str:
+    """Bytes as the ZeRO paper prints them: decimal GB (10^9 bytes), three significant digits."""
+    gb = n / 1e9
+    return f"{gb:,.{max(0, 2 - math.floor(math.log10(gb))) if gb > 0 else 0}f} GB"

@@ -7,8 +7,9 @@
 Simulates one rank of N with fake tensors and a fake process group (fsdp_zero.planner),
 then prints the peak by category, what a rank will show (on CPU: the process's peak RSS,
 its measured baseline included; on CUDA: device memory), whether it fits
---device-memory, and for reference the ZeRO paper's model-state formulas and DeepSpeed's
-ZeRO-3 estimate for this parameter count.
+--device-memory, and for reference the ZeRO paper's model states per device (its Table 1)
+beside each strategy's model state at rest and inside the step (fsdp_zero.planner's
+`zero_paper_stages` and `strategy_states`), and DeepSpeed's ZeRO-3 estimate.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 from fsdp_zero.build import construct
 from fsdp_zero.config import Strategy, load_config
 from fsdp_zero.memory import CATEGORIES, MIB
-from fsdp_zero.planner import deepspeed_zero3_estimate, format_bytes, simulate, zero_formulas
+from fsdp_zero.planner import (PAPER_K, PLAN_MODES, deepspeed_zero3_estimate, format_bytes, format_gb, simulate,
+                               strategy_states, zero_paper_stages)
 from fsdp_zero.weights import parse_size
 from fsdp_zero.wrap import build_wrap_plan
 
@@ -50,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.params <= 0 or args.config or args.overrides or args.strategy:
                 raise ValueError(f"--params={args.params:g}: a count > 0, with --world-size alone (no config, "
                                  "no strategies: nothing is built)")
-            formulas(int(args.params), int(args.largest_layer or 0), args.world_size)
+            if args.largest_layer is not None and not 0 < args.largest_layer <= args.params:
+                raise ValueError(f"--largest-layer={args.largest_layer:g}: the largest unit's parameters, > 0 and "
+                                 f"<= --params={args.params:g}")
+            formulas(int(args.params), int(args.largest_layer) if args.largest_layer else None, args.world_size)
             return 0
         cfg = load_config(args.config, args.overrides)
         limit = parse_size(args.device_memory) if args.device_memory else None
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     num_params = sum(p.numel() for p in model.parameters())
-    largest = max((u.num_params for u in units if u.fqn), default=units[-1].num_params)  # the root when alone
+    root = next(u.num_params for u in units if not u.fqn)
+    largest = max((u.num_params for u in units if u.fqn), default=0)  # 0: the root is the only unit
     n = args.world_size
     cuda = cfg.dist.device.value == "cuda"
     kind = "device memory" if cuda else "peak RSS (process)"
@@ -94,21 +100,52 @@ def main(argv: list[str] | None = None) -> int:
         print("CPU offload: the model state (sharded parameters, gradients, AdamW states) lives in host memory"
               + ("; device memory is the tensors less that" if cuda else "") + ": "
               + "; ".join(f"{p.strategy} {p.host_state / MIB:,.1f} MiB" for p in preds) + " per rank\n")
-    formulas(num_params, largest, n)
+    formulas(num_params, largest, n, root)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k != "notes"} for p in preds], f, indent=2)
     return 0
 
 
-def formulas(num_params: int, largest: int, n: int) -> None:
-    """The ZeRO paper's model-state bytes per rank, and DeepSpeed's ZeRO-3 estimate."""
-    print(f"ZeRO paper, model states per rank for {num_params:,} parameters over {n} ranks "
-          "(parameters, gradients, optimizer states):")
-    for precision, rows in zero_formulas(num_params, n).items():
-        print(f"  {precision}: " + "; ".join(f"{k} {format_bytes(v)}" for k, v in rows.items()))
-    print(f"DeepSpeed estimate_zero3_model_states_mem_needs (no offload; largest layer {largest:,} params): "
-          f"{format_bytes(deepspeed_zero3_estimate(num_params, largest, n))} per GPU")
+def formulas(num_params: int, largest: int | None, n: int, root: int = 0) -> None:
+    """The ZeRO paper's model states per device (its Table 1) beside ours per strategy, at rest and
+    inside the step, and DeepSpeed's ZeRO-3 estimate. ``largest``: the largest unit's parameters
+    besides the root (None: not known); ``root``: the root unit's own."""
+    paper = zero_paper_stages(num_params, n)
+    states = strategy_states(num_params, n, largest, root)
+    print(f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n")
+    print(f"- ZeRO paper (Rajbhandari et al. 2020), Table 1, as it states them: mixed-precision Adam (fp16 parameters "
+          f"2 B, fp16 gradients 2 B, K = {PAPER_K} B of fp32 optimizer states per parameter), Psi parameters over N_d "
+          "ranks, GB = 10^9 bytes.")
+    print("- ours, AdamW, GiB = 2^30 bytes (MiB = 2^20): at rest = after the optimizer step; in step = at rest + the "
+          "parameters held gathered, in the compute dtype, between forward and backward: shard_grad_op every unit, "
+          "full_shard " + (f"the root unit ({root:,} parameters, kept gathered for backward) + 2 x the largest other "
+                           f"unit ({largest:,}: one computing, the next prefetched)" if largest is not None
+                           else "one or two units (--largest-layer gives their size)")
+          + ", ddp and zero1 nothing beyond their whole copy.")
+    print("- fp16-mixed: as bf16-mixed (the same bytes).\n")
+    head = ["ZeRO", "paper stage", "paper formula", "paper"]
+    head += ["ours"] + [f"{m} {when}" for m in PLAN_MODES for when in ("at rest", "in step")]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for stage, p in paper.items():
+        row = [s for s in states if s.stage == stage]
+        cells = [str(stage), p.name, p.formula, format_gb(p.bytes), row[0].strategy.value]
+        for s in row:
+            if s.refused:
+                cells += ["refused"] * 2
+            else:
+                in_step = format_bytes(s.at_rest) + " + 1-2 units" if s.in_step is None else format_bytes(s.in_step)
+                cells += [format_bytes(s.at_rest), in_step]
+        print("| " + " | ".join(cells) + " |")
+    for mode in PLAN_MODES:  # one line per mode: the reasons differ only in the strategy they name
+        refused = [s for s in states if s.mode == mode and s.refused]
+        if refused:
+            print(f"\nrefused ({mode} with {', '.join(s.strategy.value for s in refused)}): {refused[0].refused}")
+    biggest = largest or root  # DeepSpeed's largest layer: the largest unit besides the root, or the root alone
+    layer = f"largest layer {biggest:,} params" if biggest else "largest layer not given, counted as 0"
+    print(f"\nDeepSpeed estimate_zero3_model_states_mem_needs (no offload; {layer}): "
+          f"{format_bytes(deepspeed_zero3_estimate(num_params, biggest, n))} per GPU")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""The ZeRO paper's model states (its Table 1) and ours at rest and inside the step, as
+`scripts/plan.py` prints them: arithmetic only, in this process, nothing built."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from fsdp_zero.config import ParallelConfig, PrecisionConfig, Strategy
+from fsdp_zero.parallelize import model_state_formula
+from fsdp_zero.planner import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
+from fsdp_zero.precision import resolve
+from tests.conftest import REPO
+
+P, N = 7_500_000_000, 64  # the paper's Table 1 and Figure 1: Psi = 7.5B, N_d = 64
+_spec = importlib.util.spec_from_file_location("plan_script", REPO / "scripts" / "plan.py")
+plan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan)
+
+
+def _states(largest: int | None = None) -> dict[tuple[Strategy, str], object]:
+    return {(s.strategy, s.mode): s for s in strategy_states(P, N, largest)}
+
+
+def test_the_paper_stages_are_its_table_1():
+    stages = zero_paper_stages(P, N)
+    assert [(s.name, format_gb(s.bytes)) for s in stages.values()] == [
+        ("baseline", "120 GB"), ("P_os", "31.4 GB"), ("P_os+g", "16.6 GB"), ("P_os+g+p", "1.88 GB")]
+    assert stages[2].formula == "2 Psi + (2 + K) Psi / N_d"
+    # Exactly, not just to the printed digits: 2 + 2 + 12 bytes, the fp16 parameters whole from stage 2 down.
+    assert stages[2].bytes == 2 * P + 14 * P / N and stages[3].bytes == 16 * P / N
+
+
+def test_shard_grad_op_holds_every_gathered_parameter_inside_the_step():
+    s = _states()
+    assert s[Strategy.shard_grad_op, "fp32"].at_rest == 16 * P / N
+    assert s[Strategy.shard_grad_op, "fp32"].in_step == 16 * P / N + 4 * P
+    assert s[Strategy.shard_grad_op, "bf16-mixed"].in_step == 16 * P / N + 2 * P
+    assert s[Strategy.shard_grad_op, "bf16-true"].in_step == 8 * P / N + 2 * P
+
+
+def test_full_shard_gathers_two_units_inside_the_step():
+    unknown, known = _states(), _states(largest=200_000_000)
+    assert unknown[Strategy.full_shard, "fp32"].in_step is None  # printed as "+ 1-2 units"
+    assert known[Strategy.full_shard, "fp32"].in_step == 16 * P / N + 4 * 2 * 200_000_000
+    assert known[Strategy.full_shard, "bf16-mixed"].in_step == 16 * P / N + 2 * 2 * 200_000_000
+    whole = {(s.strategy, s.mode): s for s in strategy_states(P, N, largest_unit=P)}  # one unit: no next one
+    assert whole[Strategy.full_shard, "fp32"].gathered == 4 * P
+    # The root unit stays gathered from forward to backward on top (fsdp_zero.parallelize).
+    rooted = {(s.strategy, s.mode): s for s in strategy_states(P, N, 200_000_000, root_unit=50_000_000)}
+    assert rooted[Strategy.full_shard, "fp32"].gathered == 4 * (50_000_000 + 2 * 200_000_000)
+
+
+def test_ddp_and_zero1_are_their_formula_at_rest_and_in_the_step():
+    s = _states()
+    assert s[Strategy.ddp, "fp32"].in_step == s[Strategy.ddp, "fp32"].at_rest == 16 * P
+    assert s[Strategy.zero1, "fp32"].in_step == s[Strategy.zero1, "fp32"].at_rest == 8 * P + 8 * P / N
+    assert s[Strategy.zero1, "bf16-true"].in_step == 4 * P + 4 * P / N
+    for (strategy, mode), state in s.items():
+        bytes_per_param = resolve(PrecisionConfig(mode=mode)).bytes_per_param
+        assert state.at_rest == model_state_formula(ParallelConfig(strategy=strategy), P, N, bytes_per_param)
+        # The config takes bf16-mixed only with an FSDP strategy.
+        assert bool(state.refused) == (mode == "bf16-mixed" and strategy in (Strategy.ddp, Strategy.zero1))
+
+
+def test_fp16_mixed_needs_no_column_of_its_own():
+    fp16, bf16 = resolve(PrecisionConfig(mode="fp16-mixed")), resolve(PrecisionConfig(mode="bf16-mixed"))
+    assert "fp16-mixed" not in PLAN_MODES and "bf16-mixed" in PLAN_MODES
+    assert (fp16.bytes_per_param, fp16.compute.itemsize) == (bf16.bytes_per_param, bf16.compute.itemsize)
+
+
+def test_plan_prints_the_paper_beside_ours(capsys: pytest.CaptureFixture[str]):
+    assert plan.main(["--params", "7.5e9", "--world-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO paper (Rajbhandari et al. 2020), Table 1" in out and "GB = 10^9 bytes" in out and "GiB = 2^30" in out
+    assert "| 0 | baseline | (2 + 2 + K) Psi | 120 GB | ddp | 111.76 GiB | 111.76 GiB |" in out
+    assert "| 1 | P_os | 2 Psi + 2 Psi + K Psi / N_d | 31.4 GB | zero1 | 56.75 GiB | 56.75 GiB |" in out
+    # fp32 at rest, in step; bf16-mixed at rest, in step
+    assert ("| 2 | P_os+g | 2 Psi + (2 + K) Psi / N_d | 16.6 GB | shard_grad_op | 1.75 GiB | 29.69 GiB | 1.75 GiB "
+            "| 15.72 GiB |") in out
+    assert "| 3 | P_os+g+p | (2 + 2 + K) Psi / N_d | 1.88 GB | full_shard | 1.75 GiB | 1.75 GiB + 1-2 units |" in out
+    assert "fp16-mixed: as bf16-mixed" in out
+    assert "DeepSpeed estimate_zero3_model_states_mem_needs" in out
+
+    assert plan.main(["--params", "7.5e9", "--world-size", "64", "--largest-layer", "2e8"]) == 0
+    out = capsys.readouterr().out
+    assert "| full_shard | 1.75 GiB | 3.24 GiB | 1.75 GiB | 2.49 GiB |" in out  # + 4 (then 2) x 2 x 2e8 bytes
+    assert "largest layer 200,000,000 params" in out
+
+    assert plan.main(["--params", "7.5e9", "--world-size", "64", "--largest-layer", "8e9"]) == 2
+    assert "--largest-layer=8e+09" in capsys.readouterr().err
