@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["ConvNd", "DefaultReduceScatter", "checkpoint_activations", "FakeStore", "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state",
-           "config_value", "default_store", "flight_recorder_json", "fsdp_mem_tracker", "mem_tracker"]
+           "config_value", "default_store", "flight_recorder_json", "fsdp_mem_tracker", "fsdp_unit_settings", "mem_tracker"]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
 # a training step on them to count memory without allocating any.
@@ -59,6 +59,26 @@ def config_value(node: Any, key: str) -> Any:
     its choices before OmegaConf's merge would reject it with a less helpful message."""
     value = node._get_node(key)
     return value._value() if hasattr(value, "_value") else value
+
+
+def fsdp_unit_settings(module: Any) -> dict[str, Any]:
+    """What FSDP2 applies to one unit (a module ``fully_shard`` was called on), read back from its state
+    (``_get_fsdp_state()._fsdp_param_group``): the dtypes its parameters are gathered in and its
+    gradients reduced in (None: the stored dtype), whether its shards are offloaded to the CPU (and
+    pinned), and what it reshards to after forward (True: its full shard group, ZeRO-3; False: stays
+    gathered until backward, ZeRO-2; k: groups of k ranks, hpZ). The tests read it to check that each
+    setting reached FSDP2; ``{}`` for a unit that holds no parameters of its own."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return {}
+    policy = group.fsdp_params[0].mp_policy
+    post = group.post_forward_mesh_info
+    reshard = False if post is None else True if post == group.mesh_info else post.shard_mesh_size
+    offload = isinstance(group.offload_policy, CPUOffloadPolicy)
+    return {"param_dtype": policy.param_dtype, "reduce_dtype": policy.reduce_dtype, "offload": offload,
+            "pin_memory": offload and group.offload_policy.pin_memory, "reshard_after_forward": reshard}
 
 
 def mem_tracker() -> Any:

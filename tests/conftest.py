@@ -24,6 +24,7 @@ TRAIN = REPO / "scripts" / "train.py"
 
 _DEVICE_LINE = re.compile(r"\| backend \w+ \| device (\w+)")  # the trainer's start-up line
 _FIGURES: list[tuple[str, str]] = []
+_COLLECTED: set[str] = set()  # the test modules this session runs (file stems)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,6 +34,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _COLLECTED.update(Path(str(item.fspath)).stem for item in session.items)
+
+
+@pytest.fixture(scope="session")
+def batches(tmp_path_factory: pytest.TempPathFactory):
+    """The training runs the test modules read, launched in batches (tests/batches.py)."""
+    from tests.batches import Batches
+
+    return Batches(tmp_path_factory.mktemp("batches"), _COLLECTED)
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +129,51 @@ def _check_device(proc: subprocess.CompletedProcess, cmd: list[str], gpu: bool) 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     return proc
+
+
+_SCRIPTS: dict[str, object] = {}
+
+
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``script``'s ``main(argv)`` called in this process, as ``python script args`` would run it (world
+    size 1), with its stdout and stderr captured and the environment restored afterwards: for the
+    paths that end before training (a bad setting, file or checkpoint), which need no process of
+    their own to show their one line and exit code. At least one subprocess per exit code stays.
+    """
+    import contextlib
+    import importlib.util
+    import io
+    import logging
+    import warnings
+
+    if script.name == "train.py":
+        args = (*args, "dist.device=cpu")  # this process may see a GPU; the run must not use it
+    module = _SCRIPTS.get(str(script))
+    if module is None:
+        spec = importlib.util.spec_from_file_location(f"_script_{script.stem}", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _SCRIPTS[str(script)] = module
+    saved_env, out, err = dict(os.environ), io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    saved_logging = (list(root.handlers), root.level)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    cwd = os.getcwd()
+    os.chdir(REPO)  # as launch() runs scripts: relative paths (configs/...) from the repository
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # (the run's logging writes to the redirected stderr too; torchrun's error handler cannot
+            # install a fault handler on it, and says so)
+            warnings.filterwarnings("ignore", message="Unable to enable fault handler")
+            code = module.main(list(args))
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        root.handlers[:], root.level = saved_logging
+    return subprocess.CompletedProcess([str(script), *args], code, out.getvalue(), err.getvalue())
 
 
 def figure(name: str, value: str) -> None:

@@ -3,7 +3,11 @@
 Resume at the same world size is bit-identical (losses and weights); a 2-rank checkpoint
 continued at 1 or 4 ranks differs from continuing at 2 only by the order of reductions
 (`make test` prints the measured differences; about 1e-7 on CPU/gloo with torch 2.15),
-well inside the 1e-5 tolerances below.
+well inside the 1e-5 tolerances below. The runs (ZeRO-3 at 2 ranks straight through, saving
+every 2 steps; the same stopped after step 4 and resumed in a fresh process; ZeRO-1 and DDP
+checkpoints continued under other strategies and world sizes) are tests/batches.py's, shared
+with tests/test_parity.py. Start-up errors (a missing, corrupt or foreign checkpoint) run
+scripts/train.py's main in this process: they end before training, with one line and exit 2.
 """
 
 from __future__ import annotations
@@ -23,43 +27,30 @@ from fsdp_zero.checkpoint import apply_retention, checkpoint_name, checkpoint_st
 from fsdp_zero.config import load_config
 from fsdp_zero.data import build_source
 from fsdp_zero.model import args_from_config, build_model
-from tests.conftest import REPO, TRAIN, check, figure, launch
+from tests.batches import BASE, WORKER
+from tests.conftest import REPO, TRAIN, check, figure, launch, run_script
 from tests.reference import reference_run
 
-WORKER = REPO / "tests" / "workers" / "parity_worker.py"
+BASE = list(BASE)
 EXPORT = REPO / "scripts" / "export.py"
-BASE = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.log_every=1", "optim.warmup_steps=2", "metrics.tensorboard=false", "train.steps=10"]
 RESHARD_LOSS_ATOL = 1e-5
 RESHARD_WEIGHT_ATOL = 1e-5
 
 
-def _worker(root: Path, nproc: int, name: str, *extra: str) -> dict:
-    """tests/workers/parity_worker.py on ``nproc`` ranks (BASE settings), as run ``name`` under ``root``."""
-    path = root / f"{name}-{nproc}-{len(list(root.glob('*.pt')))}.pt"
-    check(launch(nproc, WORKER, str(path), *BASE, f"run.root={root}", f"run.name={name}", *extra, torchrun=False))
-    return torch.load(path, weights_only=True)
+@pytest.fixture(scope="module")
+def runs(batches):
+    return batches
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """10 steps straight; 5 steps + resume + 5 steps; the step-5 checkpoint continued at 1 and 4 ranks."""
-    root = tmp_path_factory.mktemp("ckpt")
-    out: dict = {"root": root}
-
-    out["straight"] = _worker(root, 2, "straight", "checkpoint.every=2", "checkpoint.keep_last=2")
-    _worker(root, 2, "split", "train.stop_after=5", "checkpoint.every=0")
-    out["resumed"] = _worker(root, 2, "split", "checkpoint.every=0")
-    step5 = root / "split" / "checkpoints" / "step-0000005"
-    out["step5"] = step5
-    for n in (1, 4):
-        out[f"reshard{n}"] = _worker(root, n, f"reshard{n}", f"checkpoint.resume={step5}", "checkpoint.every=0")
-    return out
+def step4(batches) -> Path:
+    """ZeRO-3 at 2 ranks, saved after step 4 of 8 (train.stop_after=4)."""
+    return batches.path("split") / "checkpoints" / "step-0000004"
 
 
 def test_resume_is_exact(runs):
-    straight, resumed = runs["straight"], runs["resumed"]
-    assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
+    straight, resumed = runs["n2"], runs["resumed"]
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8]
     for step, loss in resumed["losses"].items():
         assert loss == straight["losses"][step], step  # bit-identical
     for name, value in straight["final"].items():
@@ -68,8 +59,8 @@ def test_resume_is_exact(runs):
 
 @pytest.mark.parametrize("world", [1, 4])
 def test_a_two_rank_checkpoint_continues_at_another_world_size(runs, world):
-    straight, got = runs["straight"], runs[f"reshard{world}"]
-    assert sorted(got["losses"]) == [6, 7, 8, 9, 10]
+    straight, got = runs["n2"], runs[f"reshard{world}"]
+    assert sorted(got["losses"]) == [5, 6, 7, 8]
     for step, loss in got["losses"].items():
         assert loss == pytest.approx(straight["losses"][step], abs=RESHARD_LOSS_ATOL), step
     for name, value in straight["final"].items():
@@ -80,17 +71,15 @@ def test_a_two_rank_checkpoint_continues_at_another_world_size(runs, world):
            f"{weight_diff:.1e} of continuing at 2 (tolerance {RESHARD_LOSS_ATOL:.0e})")
 
 
-def test_checkpoint_holds_train_state_config_and_versions(runs):
-    step5 = runs["step5"]
-    state = json.loads((step5 / "train_state.json").read_text())
-    assert state["step"] == 5 and state["data_position"] == 5 * 8 and state["world_size"] == 2
+def test_checkpoint_holds_train_state_config_and_versions(runs, step4):
+    state = json.loads((step4 / "train_state.json").read_text())
+    assert state["step"] == 4 and state["data_position"] == 4 * 8 and state["world_size"] == 2
     assert state["seed"] == 1234 and "scheduler" not in state  # the learning rate comes from the step
     assert set(state["versions"]) == {"torch", "fsdp_zero"}
-    assert load_config(step5 / "config.yaml").train.stop_after == 5
-    assert sorted(p.name for p in step5.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # one file a rank
-    # every=2, keep_last=2: of 2, 4, 6, 8, 10 the newest two remain.
-    assert [p.name for p in list_checkpoints(runs["root"] / "straight" / "checkpoints")] == [
-        "step-0000008", "step-0000010"]
+    assert load_config(step4 / "config.yaml").train.stop_after == 4
+    assert sorted(p.name for p in step4.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # one file a rank
+    # every=2, keep_last=2: of 2, 4, 6, 8 the newest two remain.
+    assert [p.name for p in list_checkpoints(runs.path("n2") / "checkpoints")] == ["step-0000006", "step-0000008"]
 
 
 def test_naming_discovery_and_retention_are_plain_functions(tmp_path: Path):
@@ -120,10 +109,10 @@ def _plain_model(cfg_args: list[str]):
 
 
 def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: Path):
-    ckpt = runs["root"] / "straight" / "checkpoints" / "step-0000010"
-    straight = runs["straight"]
+    ckpt = runs.path("n2") / "checkpoints" / "step-0000008"
+    straight = runs["n2"]
     single = tmp_path / "model.safetensors"
-    check(launch(0, EXPORT, str(ckpt), "--out", str(single)))
+    check(run_script(EXPORT, str(ckpt), "--out", str(single)))
     model = _plain_model(BASE)
     model.load_state_dict(load_file(single))  # strict: every key, right shapes
     cfg = load_config(None, BASE)
@@ -135,7 +124,7 @@ def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: P
 
     # Sharded export: several files and an index; bf16 cast.
     shards = tmp_path / "shards"
-    check(launch(0, EXPORT, str(ckpt), "--out", str(shards), "--max-shard-size", "150KB", "--dtype", "bf16"))
+    check(run_script(EXPORT, str(ckpt), "--out", str(shards), "--max-shard-size", "150KB", "--dtype", "bf16"))
     index = json.loads((shards / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all((shards / f).stat().st_size <= 150_000 + 4096 for f in files[:-1])
@@ -145,39 +134,29 @@ def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: P
     torch.testing.assert_close(merged["norm.weight"], straight["final"]["norm.weight"].bfloat16())
 
     # Never overwrites; a single file cannot hold more than --max-shard-size.
-    proc = launch(0, EXPORT, str(ckpt), "--out", str(single))
+    proc = run_script(EXPORT, str(ckpt), "--out", str(single))
     assert proc.returncode == 2 and "already exists; it is never overwritten" in proc.stderr
-    proc = launch(0, EXPORT, str(ckpt), "--out", str(tmp_path / "x.safetensors"), "--max-shard-size", "10KB")
+    proc = run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "x.safetensors"), "--max-shard-size", "10KB")
     assert proc.returncode == 2 and "give a folder" in proc.stderr
 
 
-def test_import_a_torch_save_state_dict_at_two_ranks(runs, tmp_path: Path):
-    # A standard full state dict: the step-10 weights saved with torch.save(model.state_dict()).
-    model = _plain_model(BASE)
-    model.load_state_dict(runs["straight"]["final"])
-    pt = tmp_path / "weights.pt"
-    torch.save(model.state_dict(), pt)
-    args = [*BASE, "train.steps=4", "checkpoint.enabled=false", f"model.init_from={pt}"]
-    out = tmp_path / "imported.pt"
-    check(launch(2, WORKER, str(out), *args, f"run.root={tmp_path}", "run.name=imp", torchrun=False))
-    got = torch.load(out, weights_only=True)
-    for name, value in model.state_dict().items():
-        assert torch.equal(got["initial"][name], value), name  # each rank got exactly its slices
-    ref = reference_run(load_config(None, args), initial=model.state_dict())
+def test_import_a_torch_save_state_dict_at_two_ranks(runs):
+    """A standard full state dict (the straight run's final weights, torch.save(model.state_dict())) as
+    model.init_from at 2 ranks: each rank gets exactly its slices, and training goes on from them as a
+    single process does."""
+    final = runs["n2"]["final"]
+    got = runs["imported"]
+    for name, value in final.items():
+        assert torch.equal(got["initial"][name], value), name
+    ref = reference_run(load_config(None, [*BASE, "train.steps=4"]), initial=final)
     for step, loss in ref["losses"].items():
         assert got["losses"][step] == pytest.approx(loss, abs=5e-6), step
 
 
-def test_export_then_import_round_trips_bit_for_bit(runs, tmp_path: Path):
-    ckpt = runs["root"] / "straight" / "checkpoints" / "step-0000010"
-    shards = tmp_path / "exported"
-    check(launch(0, EXPORT, str(ckpt), "--out", str(shards), "--max-shard-size", "100KB"))
-    out = tmp_path / "imported.pt"
-    check(launch(2, WORKER, str(out), *BASE, "train.steps=1", "checkpoint.enabled=false", f"model.init_from={shards}",
-                 f"run.root={tmp_path}", "run.name=rt", torchrun=False))
-    got = torch.load(out, weights_only=True)
-    for name, value in runs["straight"]["final"].items():
-        assert torch.equal(got["initial"][name], value), name
+def test_export_then_import_round_trips_bit_for_bit(runs):
+    """The straight run's step-8 checkpoint exported in 100 KB shards, then imported at 2 ranks."""
+    for name, value in runs["n2"]["final"].items():
+        assert torch.equal(runs["round-trip"]["initial"][name], value), name
 
 
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path):
@@ -204,28 +183,27 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrupted_weights(tmp_path: Path):
+def test_a_killed_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrupted_weights(runs, tmp_path: Path):
     """REL-2: under ``torchrun --max-restarts=1`` rank 1 is SIGKILLed in the forward of step 8
     (tests/user_model.py:killed_on_rank1); the job restarts, resumes from step 6 and ends with the
-    losses and weights of an uninterrupted run, bit for bit. The restart keeps the first attempt's
-    checkpoints (it never deletes what it did not write)."""
-    args = [f"run.root={tmp_path}", "train.seed=7", "model.task=custom", "model.loss=tests.user_model:killed_on_rank1",
-            "checkpoint.every=2", "checkpoint.keep_last=2"]
-    straight = _worker(tmp_path, 2, "straight", *args)  # ranks started without torchrun: nobody is killed
+    losses and weights of an uninterrupted run (the straight run: the same loss, computed alike), bit
+    for bit. The restart keeps the first attempt's checkpoints (it never deletes what it did not write)."""
     out = tmp_path / "elastic.pt"
-    proc = check(launch(2, WORKER, str(out), *BASE, *args, "run.name=elastic", torchrun_args=("--max-restarts=1",)))
+    proc = check(launch(2, WORKER, str(out), *BASE, "model.task=custom", "model.loss=tests.user_model:killed_on_rank1",
+                        "checkpoint.every=2", "checkpoint.keep_last=2", f"run.root={tmp_path}", "run.name=elastic",
+                        torchrun_args=("--max-restarts=1",)))
     # Two attempts started; the agent saw the first fail (rank 1 killed, or rank 0 exiting 5 on its loss).
     assert proc.stderr.count("] fsdp-zero ") == 2 and "failed (exitcode: " in proc.stderr, proc.stderr[-3000:]
     assert "checkpoints/step-0000006: step 6" in proc.stderr, proc.stderr[-3000:]
-    elastic = torch.load(out, weights_only=True)
-    assert sorted(elastic["losses"]) == [7, 8, 9, 10]
+    elastic, straight = torch.load(out, weights_only=True), runs["n2"]
+    assert sorted(elastic["losses"]) == [7, 8]
     for step, loss in elastic["losses"].items():
         assert loss == straight["losses"][step], step
     for name, value in straight["final"].items():
         assert torch.equal(elastic["final"][name], value), name
-    # The first attempt saved 2, 4, 6 (2 pruned, keep_last=2); the second 8, 10 and deleted none of 4, 6.
+    # The first attempt saved 2, 4, 6 (2 pruned, keep_last=2); the second 8 and deleted none of 4, 6.
     saved = [p.name for p in list_checkpoints(tmp_path / "elastic" / "checkpoints")]
-    assert saved == [checkpoint_name(s) for s in (4, 6, 8, 10)]
+    assert saved == [checkpoint_name(s) for s in (4, 6, 8)]
 
 
 def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path: Path):
@@ -246,12 +224,12 @@ def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_chec
 
 
 # ---------------------------------------------------------------------------------
-# Errors that say what is wrong (world size 1, plain python: fast)
+# Errors that say what is wrong (world size 1, in this process: they end before training)
 
 
 def _resume(tmp_path: Path, ckpt: Path, *extra: str):
-    return launch(0, TRAIN, *BASE, "train.steps=6", f"checkpoint.resume={ckpt}", f"run.root={tmp_path}",
-                  "run.name=err", *extra)
+    return run_script(TRAIN, *BASE, "train.steps=6", f"checkpoint.resume={ckpt}", f"run.root={tmp_path}",
+                      "run.name=err", *extra)
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -259,42 +237,42 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_missing_partial_and_incomplete_checkpoints(runs, tmp_path: Path):
+def test_missing_partial_and_incomplete_checkpoints(step4, tmp_path: Path):
     proc = _resume(tmp_path, tmp_path / "nope")
     assert proc.returncode == 2 and "checkpoint.resume=" in proc.stderr and "no such checkpoint folder" in proc.stderr
-    partial = _copy(runs["step5"], tmp_path / ".partial-step-0000005")
+    partial = _copy(step4, tmp_path / ".partial-step-0000004")
     proc = _resume(tmp_path, partial)
     assert proc.returncode == 2 and "is a partial save" in proc.stderr
-    incomplete = _copy(runs["step5"], tmp_path / "step-0000005")
+    incomplete = _copy(step4, tmp_path / "step-0000004")
     (incomplete / ".metadata").unlink()
     proc = _resume(tmp_path, incomplete)
     assert proc.returncode == 2 and "is incomplete: .metadata missing" in proc.stderr
     assert not (tmp_path / "err").exists()
 
 
-def test_corrupt_checkpoint_file(runs, tmp_path: Path):
-    bad = _copy(runs["step5"], tmp_path / "step-0000005")
+def test_corrupt_checkpoint_file(step4, tmp_path: Path):
+    bad = _copy(step4, tmp_path / "step-0000004")
     shard = bad / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])  # truncated
     proc = _resume(tmp_path, bad)
     assert proc.returncode == 2 and "could not be read (corrupt or truncated file?)" in proc.stderr
 
 
-def test_checkpoint_of_another_model_lists_the_keys(runs, tmp_path: Path):
-    other = _copy(runs["step5"], tmp_path / "step-0000005")
+def test_checkpoint_of_another_model_lists_the_keys(step4, tmp_path: Path):
+    other = _copy(step4, tmp_path / "step-0000004")
     cfg = other / "config.yaml"  # a checkpoint whose config claims 3 layers, as the run now asks
     cfg.write_text(cfg.read_text().replace("n_layers: null", "n_layers: 3"))
     proc = _resume(tmp_path, other, "model.n_layers=3")
     assert proc.returncode == 2
     assert "does not fit this model; missing: model.layers.2.attention.wk.weight" in proc.stderr
     assert "(36 in all)" in proc.stderr  # layer 2's 9 weights + their AdamW step, exp_avg, exp_avg_sq
-    other2 = _copy(runs["step5"], tmp_path / "step-0000005b")
+    other2 = _copy(step4, tmp_path / "step-0000004b")
     proc = _resume(tmp_path, other2, "model.dim=32")
     assert proc.returncode == 2 and "model.dim: None in the checkpoint, 32 now" in proc.stderr
 
 
-def test_metadata_is_never_unpickled_beyond_dcp_types(runs, tmp_path: Path):
-    evil = _copy(runs["step5"], tmp_path / "step-0000005")
+def test_metadata_is_never_unpickled_beyond_dcp_types(step4, tmp_path: Path):
+    evil = _copy(step4, tmp_path / "step-0000004")
 
     class Boom:
         def __reduce__(self):
@@ -313,55 +291,50 @@ def test_init_from_that_does_not_fit_lists_the_keys(tmp_path: Path):
     sd["extra.weight"] = torch.zeros(2)
     sd["output.weight"] = torch.zeros(3, 3)
     torch.save(sd, tmp_path / "bad.pt")
-    proc = launch(0, TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'bad.pt'}",
-                  f"run.root={tmp_path}", "run.name=bad")
+    proc = run_script(TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'bad.pt'}",
+                      f"run.root={tmp_path}", "run.name=bad")
     assert proc.returncode == 2
     assert ("does not fit this model; missing: norm.weight; unexpected: extra.weight; "
             "mis-shaped: output.weight: file (3, 3) vs model (256, 64)") in proc.stderr
     (tmp_path / "pickle.pt").write_bytes(pickle.dumps({"a": 1}))
-    proc = launch(0, TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'pickle.pt'}",
-                  f"run.root={tmp_path}", "run.name=bad2")
+    proc = run_script(TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'pickle.pt'}",
+                      f"run.root={tmp_path}", "run.name=bad2")
     assert proc.returncode == 2 and "not a loadable state dict" in proc.stderr
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
 
 
 def test_async_save_writes_the_same_checkpoints_while_training_goes_on(runs, tmp_path: Path):
-    out = tmp_path / "async.pt"
-    check(launch(2, WORKER, str(out), *BASE, "checkpoint.async_save=true", "checkpoint.every=2", "checkpoint.keep_last=2",
-                 f"run.root={tmp_path}", "run.name=async", torchrun=False))
-    got = torch.load(out, weights_only=True)
-    assert got["losses"] == runs["straight"]["losses"]  # saving in the background changes nothing
-    ckpts = list_checkpoints(tmp_path / "async" / "checkpoints")
-    assert [p.name for p in ckpts] == ["step-0000008", "step-0000010"]
+    """checkpoint.async_save=true, saving every 2 steps with every write made 0.3 s slower (a slow disk):
+    each save returns at once and training goes on while it is written (the next step's forward comes
+    before the checkpoint is published, which a synchronous save cannot do), and the run and its
+    checkpoints are the straight run's."""
+    got, straight = runs["async"], runs["n2"]
+    assert got["losses"] == straight["losses"]  # saving in the background changes nothing
+    assert [s for s, *_ in got["save_times"]] == [2, 4, 6, 8]
+    for step, called, returned, published in got["save_times"][:-1]:
+        # Training went on: a later forward ran while the save was being written.
+        assert any(returned < t < published for _, t in got["loss_times"]), step
+        assert returned - called < published - returned, step
+    ckpts = list_checkpoints(runs.path("async") / "checkpoints")
+    assert [p.name for p in ckpts] == ["step-0000006", "step-0000008"]
     single = tmp_path / "final.safetensors"
-    check(launch(0, EXPORT, str(ckpts[-1]), "--out", str(single)))
+    check(run_script(EXPORT, str(ckpts[-1]), "--out", str(single)))
     exported = load_file(single)
-    for name, value in runs["straight"]["final"].items():
+    for name, value in straight["final"].items():
         assert torch.equal(exported[name], value), name
 
 
-@pytest.fixture(scope="module")
-def zero1(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """ZeRO-1 straight through, and 5 steps + resume + 5 steps."""
-    root = tmp_path_factory.mktemp("zero1")
-    args = ["parallel.strategy=zero1", "checkpoint.every=0"]
-    out = {"straight": _worker(root, 2, "straight", *args)}
-    _worker(root, 2, "split", *args, "train.stop_after=5")
-    out["resumed"] = _worker(root, 2, "split", *args)
-    out["step5"] = root / "split" / "checkpoints" / "step-0000005"
-    return out
-
-
-def test_zero1_resumes_exactly(zero1):
+def test_zero1_resumes_exactly(runs):
     """ZeRO-1 saves each rank's optimizer partition under parameter names: a full checkpoint."""
-    straight, resumed = zero1["straight"], zero1["resumed"]
-    assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
+    straight, resumed = runs["zero1"], runs["zero1-resumed"]
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8]
     for step, loss in resumed["losses"].items():
         assert loss == straight["losses"][step], step  # bit-identical to ZeRO-1 straight through
     for name, value in straight["final"].items():
         assert torch.equal(resumed["final"][name], value), name
 
 
-# A checkpoint saved under one strategy at 2 ranks, continued under another: (from, to, ranks).
+# A checkpoint saved under one strategy at 2 ranks (step 4), continued under another: (from, to, ranks).
 MOVES = [
     ("zero1", "full_shard", 4),
     ("ddp", "full_shard", 1),
@@ -370,20 +343,11 @@ MOVES = [
 
 
 @pytest.mark.parametrize("source,target,ranks", MOVES, ids=[f"{a}-to-{b}-n{n}" for a, b, n in MOVES])
-def test_a_checkpoint_moves_between_strategies_and_world_sizes(runs, zero1, tmp_path: Path, source, target, ranks):
-    """Saved at 2 ranks under ``source`` (step 5), continued at ``ranks`` under ``target``: the same
+def test_a_checkpoint_moves_between_strategies_and_world_sizes(runs, source, target, ranks):
+    """Saved at 2 ranks under ``source`` (step 4), continued at ``ranks`` under ``target``: the same
     training as ZeRO-3 at 2 ranks straight through, up to the order of reductions."""
-    if source == "full_shard":
-        step5 = runs["step5"]
-    elif source == "zero1":
-        step5 = zero1["step5"]
-    else:
-        _worker(tmp_path, 2, "src", f"parallel.strategy={source}", "train.stop_after=5", "checkpoint.every=0")
-        step5 = tmp_path / "src" / "checkpoints" / "step-0000005"
-    moved = _worker(tmp_path, ranks, "moved", f"parallel.strategy={target}", "checkpoint.every=0",
-                    f"checkpoint.resume={step5}")
-    straight = runs["straight"]
-    assert sorted(moved["losses"]) == [6, 7, 8, 9, 10]
+    moved, straight = runs[f"{source}-to-{target}-n{ranks}"], runs["n2"]
+    assert sorted(moved["losses"]) == [5, 6, 7, 8]
     for step, loss in moved["losses"].items():
         assert loss == pytest.approx(straight["losses"][step], abs=RESHARD_LOSS_ATOL), step
     for name, value in straight["final"].items():
@@ -398,8 +362,8 @@ def _metadata_payload(module: str, name: str, arg: str) -> bytes:
     return b"\x80\x04" + s(module) + s(name) + b"\x93" + s(arg) + b"\x85R."
 
 
-def test_a_dotted_name_through_the_metadata_module_is_refused(runs, tmp_path: Path):
-    evil = _copy(runs["step5"], tmp_path / "step-0000005")
+def test_a_dotted_name_through_the_metadata_module_is_refused(step4, tmp_path: Path):
+    evil = _copy(step4, tmp_path / "step-0000004")
     marker = tmp_path / "pwned"
     (evil / ".metadata").write_bytes(_metadata_payload("torch.distributed.checkpoint.metadata", "os.system",
                                                       f"touch {marker}"))
@@ -408,11 +372,11 @@ def test_a_dotted_name_through_the_metadata_module_is_refused(runs, tmp_path: Pa
     assert not marker.exists()
 
 
-def test_non_tensor_items_in_a_checkpoint_are_refused(runs, tmp_path: Path):
+def test_non_tensor_items_in_a_checkpoint_are_refused(step4, tmp_path: Path):
     """DCP would torch.load(weights_only=False) a byte item; we never write one, so none is read."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    evil = _copy(runs["step5"], tmp_path / "step-0000005")
+    evil = _copy(step4, tmp_path / "step-0000004")
     metadata = pickle.loads((evil / ".metadata").read_bytes())  # our own, trusted file
     metadata.state_dict_metadata["rng_rank0.cpu"] = BytesStorageMetadata()
     (evil / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -420,30 +384,30 @@ def test_non_tensor_items_in_a_checkpoint_are_refused(runs, tmp_path: Path):
     assert proc.returncode == 2 and "holds non-tensor items (rng_rank0.cpu)" in proc.stderr
 
 
-def test_a_changed_learning_rate_applies_on_resume(runs, tmp_path: Path):
+def test_a_changed_learning_rate_applies_on_resume(runs, step4, tmp_path: Path):
     from fsdp_zero.config import OptimConfig
     from tests.reference import reference_lr
 
-    rows = [json.loads(x) for x in (runs["root"] / "straight" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (runs.path("n2") / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 1 and rows[0]["lr"] == pytest.approx(3e-3 * 0.5)  # the rate step 1 used (warm-up 1/2)
-    check(_resume(tmp_path, runs["step5"], "optim.lr=1e-3", "checkpoint.enabled=false", "train.steps=10"))
-    rows = [json.loads(x) for x in (tmp_path / "err" / "metrics.jsonl").read_text().splitlines()]
+    check(run_script(TRAIN, *BASE, f"checkpoint.resume={step4}", f"run.root={tmp_path}", "run.name=lr",
+                     "optim.lr=1e-3", "checkpoint.enabled=false"))
+    rows = [json.loads(x) for x in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
     cfg = OptimConfig(lr=1e-3, warmup_steps=2)
-    assert rows[0]["step"] == 6
-    assert rows[0]["lr"] == pytest.approx(reference_lr(cfg, 6, 10))
+    assert [r["step"] for r in rows] == [5, 6, 7, 8]
+    assert rows[0]["lr"] == pytest.approx(reference_lr(cfg, 5, 8))
 
 
-def test_resuming_an_older_checkpoint_over_newer_ones_is_refused(runs):
-    split = runs["root"] / "split"
-    proc = launch(0, TRAIN, *BASE, f"checkpoint.resume={split / 'checkpoints' / 'step-0000005'}",
-                  f"run.root={runs['root']}", "run.name=split")
-    assert proc.returncode == 2 and "holds newer checkpoints (step-0000010)" in proc.stderr
+def test_resuming_an_older_checkpoint_over_newer_ones_is_refused(runs, step4):
+    split = runs.path("resumed")  # the split run's folder, continued to step 8
+    proc = run_script(TRAIN, *BASE, f"checkpoint.resume={step4}", f"run.root={split.parent}", f"run.name={split.name}")
+    assert proc.returncode == 2 and "holds newer checkpoints (step-0000008)" in proc.stderr
 
 
 def test_export_of_a_corrupt_checkpoint_fails_cleanly(runs, tmp_path: Path):
-    bad = _copy(runs["root"] / "straight" / "checkpoints" / "step-0000010", tmp_path / "step-0000010")
+    bad = _copy(runs.path("n2") / "checkpoints" / "step-0000008", tmp_path / "step-0000008")
     shard = bad / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 4])
-    proc = launch(0, EXPORT, str(bad), "--out", str(tmp_path / "x.safetensors"))
+    proc = run_script(EXPORT, str(bad), "--out", str(tmp_path / "x.safetensors"))
     assert proc.returncode == 2 and "corrupt or truncated file?" in proc.stderr and "Traceback" not in proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000010"]  # no partial output left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000008"]  # no partial output left

@@ -15,7 +15,7 @@ import yaml
 
 from fsdp_zero.config import load_config
 from fsdp_zero.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, read_deepspeed
-from tests.conftest import REPO, check, launch
+from tests.conftest import REPO, check, launch, run_script
 
 TRAIN = REPO / "scripts" / "train.py"
 # The ZeRO-3 example of DeepSpeed's tutorials, as users copy it (configs/ds_zero3.json).
@@ -138,21 +138,22 @@ def test_every_deepspeed_key_in_the_readme_table():
     assert len(MAPPED) + len(NO_EFFECT) + len(UNSUPPORTED) == mapping_table().count("\n") - 1
 
 
-@pytest.mark.slow
 def test_the_zero3_tutorial_config_runs_unchanged(tmp_path):
-    """The tutorial's JSON, 2 ranks, key=value on top (a small model, 2 steps; overrides win)."""
+    """The tutorial's JSON, key=value on top (a small model, 2 steps; overrides win), as `python
+    scripts/train.py --deepspeed` runs it at world size 1 ("auto" micro-batch: the whole batch of 32)."""
     ds = tmp_path / "ds_config.json"
     ds.write_text(json.dumps(TUTORIAL))
-    proc = check(launch(2, TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", "data.seq_len=32", "train.steps=2",
+    proc = check(launch(0, TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", "data.seq_len=32", "train.steps=2",
                         "train.log_every=1", f"run.root={tmp_path}", "run.name=ds", "memory.profile_step=0"))
     out = proc.stdout + proc.stderr
     assert "ds_config zero_optimization.overlap_comm=true: no effect" in out
     assert "precision fp16-mixed: stored weights fp32" in out and "loss_scale 65536" in out
+    assert "global batch 32 samples = micro-batch 32 x grad-accum 1 x data-parallel ranks 1" in out
     saved = yaml.safe_load((tmp_path / "ds" / "config.yaml").read_text())
     assert saved["precision"]["mode"] == "fp16-mixed" and saved["parallel"]["strategy"] == "full_shard"
-    assert (saved["train"]["global_batch_size"], saved["train"]["micro_batch_size"], saved["train"]["steps"]) == (32, 16, 2)
+    assert (saved["train"]["global_batch_size"], saved["train"]["micro_batch_size"], saved["train"]["steps"]) == (32, 32, 2)
     # A contradiction with the world size fails before anything is written.
     ds.write_text(json.dumps(TUTORIAL | {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
-    bad = launch(2, TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=bad")
-    assert bad.returncode != 0 and "error: ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4" in bad.stderr
+    bad = run_script(TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=bad")
+    assert bad.returncode == 2 and "error: ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4" in bad.stderr
     assert not (tmp_path / "bad").exists()

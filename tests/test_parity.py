@@ -1,11 +1,19 @@
 """Sharded training (FSDP2, ZeRO-3) against single-process training of the same model and global batch.
 
 8 AdamW steps with clipping active on every step. Initial weights are bit-identical at
-N = 1, 2, 4; losses, gradient norms and final weights differ from the reference only by
+N = 1, 2, 3, 4; losses, gradient norms and final weights differ from the reference only by
 the order of reductions (reduce-scatter over ranks, accumulation over micro-batches),
 amplified slightly by Adam's normalisation. `make test` prints the largest differences
 measured (on CPU/gloo, torch 2.15: about 1e-6 for losses, 1e-7 for norms, 1e-5 for weights);
 the tolerances are set at about 10x those figures.
+
+Numbers alone cannot tell some wrong levers from right ones (a reduction in bf16 is one rounding
+among many, offload changes nothing on a CPU, ZeRO-2 trains exactly like ZeRO-3), so the runs
+also record what reached FSDP2 and what it did (tests/workers/jobs.py): the dtype of the gradients
+at the reduction, the policy every unit holds, the parameter bytes held between forward and
+backward, and the order of all-gathers and computations.
+
+The runs are declared in tests/batches.py and shared with the other test modules.
 """
 
 from __future__ import annotations
@@ -17,44 +25,21 @@ import pytest
 import torch
 
 from fsdp_zero.config import load_config
-from tests.conftest import REPO, check, figure, launch
+from tests.batches import BASE, TIED, WORKER
+from tests.conftest import REPO, figure
 from tests.reference import reference_run
 
-WORKER = REPO / "tests" / "workers" / "parity_worker.py"
-BASE = [
-    "model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-    "train.steps=8", "train.log_every=1", "optim.warmup_steps=2", "optim.grad_clip=0.5", "metrics.tensorboard=false",
-]
-TIED = ["model.tie_embeddings=true"]
+BASE = list(BASE)
 LOSS_ATOL = 5e-6
 NORM_ATOL = 2e-6
 WEIGHT_ATOL = 3e-5
 
-
-# (name, processes (0: plain python, world size 1), extra overrides)
-RUNS = [
-    ("n1", 0, []),
-    ("n2", 2, []),
-    ("n4", 4, []),
-    ("n2-tied", 2, TIED),
-    ("ddp", 2, ["parallel.strategy=ddp"]),
-    ("zero1", 2, ["parallel.zero_stage=1"]),  # DeepSpeed's name for it
-    ("zero2", 2, ["parallel.strategy=SHARD_GRAD_OP"]),  # FSDP1's name for it
-    ("hsdp", 4, ["parallel.strategy=hybrid_shard", "parallel.shard_size=2"]),
-    # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
-    ("hpz-prefetch", 4, ["parallel.reshard_after_forward=2", "parallel.prefetch=1"]),
-    # The memory levers: the same numbers as plain ZeRO-3 at N=2 ("n2"), bit for bit (asserted below);
-    # CPU offload and full checkpointing share a run (each alone is the same claim).
-    ("ac-full", 2, ["parallel.activation_checkpointing=full", "parallel.cpu_offload=true"]),
-    ("ac-selective", 2, ["parallel.activation_checkpointing=selective", "parallel.activation_checkpointing_every=2"]),
-    # Precision modes, each against a single-process run in the same mode (tests/reference.py).
-    ("bf16-mixed", 2, ["precision=bf16-mixed"]),
-    ("fp16-mixed", 2, ["precision=fp16-mixed"]),
-    ("bf16-true", 2, ["precision=bf16-true"]),
-]
-NAMES = [name for name, _, _ in RUNS]
+# Each run of tests/batches.py this module compares with single-process training.
+NAMES = ["n1", "n2", "n3", "n4", "n2-tied", "ddp", "zero1", "zero2", "hsdp", "hpz-prefetch", "ac-full", "ac-selective",
+         "bf16-mixed", "fp16-mixed", "bf16-true"]
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 FP32 = [name for name in NAMES if name not in PRECISIONS]
+FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1")]  # gloo runs with FSDP2 units (n1: one rank)
 
 # Tolerances under lower precision, against the single-process run in the same mode. Both runs
 # round the same values to bf16/fp16 but not in the same places: the reference computes the whole
@@ -64,7 +49,9 @@ FP32 = [name for name in NAMES if name not in PRECISIONS]
 # Losses and gradient norms: absolute. Weights: Adam turns a gradient's sign into a full step of
 # size lr, so elementwise differences of near-zero gradients reach lr; the bound is instead on the
 # whole tensor, |w - w_ref| <= tol x |w_ref - w_0| (the difference of the updates, relative to the
-# update). Each tolerance is 3-5x the largest difference measured (make test prints them).
+# update). Each tolerance is 3-5x the largest difference measured (make test prints them). These
+# bounds cannot see a reduction done in bf16 instead of fp32 (one more rounding of the same size):
+# the dtype at the reduction is asserted directly below.
 PRECISION_ATOL = {  # (loss, grad norm, final weights relative to the update)
     "bf16-mixed": (1e-3, 5e-3, 0.15),
     "fp16-mixed": (5e-4, 1e-3, 0.05),
@@ -73,24 +60,19 @@ PRECISION_ATOL = {  # (loss, grad norm, final weights relative to the update)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("parity")
-    out = {}
-    for name, nproc, extra in RUNS:
-        path = tmp / f"{name}.pt"
-        check(launch(nproc, WORKER, str(path), *BASE, *extra, f"run.root={tmp}", f"run.name={name}", torchrun=False))
-        out[name] = torch.load(path, weights_only=True)
-    return out
+def runs(batches):
+    return batches
 
 
 def _key(name: str) -> str:
     """Which single-process reference a run compares with."""
-    return "tied" if name.endswith("tied") else name if name in PRECISIONS else "fp32"
+    return "tied" if name.endswith("tied") else name if name in PRECISIONS + ("n3",) else "fp32"
 
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    extra = {"fp32": [], "tied": TIED} | {mode: [f"precision={mode}"] for mode in PRECISIONS}
+    extra = ({"fp32": [], "tied": list(TIED), "n3": ["train.global_batch_size=12"]}
+             | {mode: [f"precision={mode}"] for mode in PRECISIONS})
     return {key: reference_run(load_config(None, BASE + overrides)) for key, overrides in extra.items()}
 
 
@@ -178,11 +160,94 @@ def test_precision_dtypes_and_optimizer_states(runs, name):
         assert not run["loss_scale"]
 
 
-@pytest.mark.parametrize("name", ["n2", "n4"])
+@pytest.mark.parametrize("name", ["n2", "n3", "n4"])
 def test_gloo_runs_reduce_scatter_equals_gloos_own_bit_for_bit(runs, name):
     """FSDP runs on gloo reduce gradients with an all-reduce (faster and lighter there than gloo's
-    reduce-scatter, see fsdp_zero.parallelize.AllReduceScatter); the sums must be the same bits."""
+    reduce-scatter, see fsdp_zero.parallelize.AllReduceScatter); the sums must be the same bits, at
+    2, 3 (uneven chunks of gpt_nano's 64 rows, padded) and 4 ranks."""
     assert runs[name]["same_reduce_scatter"] is True
+
+
+# The dtype each mode's gradients must have when they reach the reduction (fsdp_zero/precision.py):
+# fp32 everywhere but bf16-true, whose gradients are bf16 end to end.
+REDUCE_DTYPE = {name: "torch.bfloat16" if name == "bf16-true" else "torch.float32" for name in FSDP}
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_gradients_reach_the_reduction_in_the_reduce_dtype(runs, name):
+    """What the gloo reduction (AllReduceScatter) was handed, recorded as it was called: bf16-mixed and
+    fp16-mixed compute in 16 bits and must still reduce in fp32 (one more rounding per micro-batch
+    otherwise, which the tolerances above cannot see); and the policy every unit holds says the same."""
+    assert runs[name]["reduce_dtypes"] == [REDUCE_DTYPE[name]]
+    mixed = {"bf16-mixed": "torch.bfloat16", "fp16-mixed": "torch.float16"}.get(name)
+    for unit, held in runs[name]["units"].items():
+        assert held["param_dtype"] == mixed, unit
+        assert held["reduce_dtype"] == (REDUCE_DTYPE[name] if mixed else None), unit
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_cpu_offload_reaches_every_unit_and_the_shards_live_on_the_cpu(runs, name):
+    """parallel.cpu_offload: FSDP2's CPUOffloadPolicy on every unit (unpinned on a CPU-only run), and the
+    parameter shards and AdamW states on the CPU. On a CPU-only machine the numbers cannot tell offload
+    from none (tested bit for bit below); the policy FSDP2 holds can, and tests/test_gpu.py measures
+    the device memory it frees where a GPU is lent."""
+    offload = name == "ac-full"
+    assert {unit: held["offload"] for unit, held in runs[name]["units"].items()} == dict.fromkeys(runs[name]["units"], offload)
+    assert not any(held["pin_memory"] for held in runs[name]["units"].values())
+    assert all(devices == ["cpu"] for devices in runs[name]["shard_devices"])
+
+
+def _held_after_forward(run: dict, reshard: bool | int, compute_bytes: int, stored_bytes: int, degree: int) -> float:
+    """Parameter bytes a rank holds between forward and backward: every unit's shard (stored dtype, over
+    the shard degree), except what stays gathered (compute dtype): the root always, every unit under
+    ZeRO-2 (``reshard`` False), 1/k of each unit under hpZ (``reshard`` k); none under ZeRO-3 (True)."""
+    units = run["unit_params"]
+    root, others = units["<root>"], sum(n for unit, n in units.items() if unit != "<root>")
+    if reshard is False:
+        return compute_bytes * (root + others)
+    if reshard is True:
+        return compute_bytes * root + stored_bytes * others / degree
+    return compute_bytes * root + compute_bytes * others / reshard
+
+
+# (what FSDP2 must reshard non-root units to after forward, compute bytes, stored bytes, shard degree)
+GATHERED = {"n2": (True, 4, 4, 2), "n4": (True, 4, 4, 4), "hsdp": (True, 4, 4, 2),
+            "zero2": (False, 4, 4, 2), "hpz-prefetch": (2, 4, 4, 4), "bf16-mixed": (True, 2, 4, 2),
+            "bf16-true": (True, 2, 2, 2)}
+
+
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_what_stays_gathered_between_forward_and_backward(runs, name):
+    """ZeRO-3 frees each unit's gathered parameters after its forward, ZeRO-2 keeps every unit gathered
+    until its backward, hpZ keeps 1/k of each; the root stays gathered under all three (backward needs
+    it first). Measured as the bytes of the parameters the modules hold after step 1's first forward,
+    against each strategy's count; the memory tracker's gathered parameters at that point agree."""
+    run = runs[name]
+    reshard, compute, stored, degree = GATHERED[name]
+    expected = _held_after_forward(run, reshard, compute, stored, degree)
+    for rank, held in enumerate(run["param_bytes"]):
+        assert held["after_forward"] == pytest.approx(expected, rel=0.01), rank  # uneven rows: rank shares differ
+        assert held["before_step"] == pytest.approx(stored * run["num_params"] / degree, rel=0.01), rank
+    assert {unit: held["reshard_after_forward"] for unit, held in run["units"].items()} == (
+        {unit: reshard for unit in run["units"]} | {"<root>": False})
+    # The tracker (profiled step, rank 0) counts the gathered copies alone: the root's, or every unit's.
+    gathered = run["phases"]["after_forward"]["gathered_params"]
+    if reshard is False:
+        assert gathered == compute * run["num_params"]
+    elif reshard is True:
+        assert gathered == compute * run["unit_params"]["<root>"]
+
+
+def test_explicit_prefetch_starts_the_next_units_all_gather_before_a_unit_computes(runs):
+    """parallel.prefetch=1: when a unit starts computing in forward, the next unit's all-gather has been
+    issued already (one more all-gather before each unit's compute than without prefetching)."""
+    def all_gathers_before_each_unit(order: list[str]) -> list[int]:
+        return [order[:i].count("ag") for i, event in enumerate(order) if event not in ("ag", "<root>")]
+
+    plain, prefetched = (all_gathers_before_each_unit(runs[name]["gather_order"]) for name in ("n4", "hpz-prefetch"))
+    units = len(runs["n4"]["unit_params"]) - 1  # non-root units, in forward order
+    assert plain == [2 + i for i in range(units)]  # the root's, then one per unit up to this one
+    assert prefetched == [3 + i for i in range(units - 1)] + [1 + units]  # the last has no next unit
 
 
 def test_record_the_measured_differences(runs, references):
@@ -202,7 +267,7 @@ def test_record_the_measured_differences(runs, references):
         loss = max(loss, *(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]))
         norm = max(norm, *(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]))
         weight = max(weight, *((got["final"][k] - v).abs().max().item() for k, v in ref["final"].items()))
-    figure("parity vs single process, fp32 (max over N=1/2/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, AC)",
+    figure("parity vs single process, fp32 (max over N=1/2/3/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, AC)",
            f"losses {loss:.1e} (tolerance {LOSS_ATOL:.0e}), grad norms {norm:.1e} ({NORM_ATOL:.0e}), "
            f"final weights {weight:.1e} ({WEIGHT_ATOL:.0e})")
     assert loss <= LOSS_ATOL and norm <= NORM_ATOL and weight <= WEIGHT_ATOL
@@ -212,7 +277,7 @@ def test_record_the_measured_differences(runs, references):
 # per parameter): ZeRO-3/ZeRO-2 shard all three over N; HSDP over its shard group; ZeRO-1 only the
 # moments (by whole tensors, so a rank's share is 8P/N up to the partition's balance); DDP none.
 EXPECTED_BYTES_PER_PARAM = {
-    "n1": 16, "n2": 16 / 2, "n4": 16 / 4, "zero2": 16 / 2, "hsdp": 16 / 2, "zero1": 8 + 8 / 2, "ddp": 16,
+    "n1": 16, "n2": 16 / 2, "n3": 16 / 3, "n4": 16 / 4, "zero2": 16 / 2, "hsdp": 16 / 2, "zero1": 8 + 8 / 2, "ddp": 16,
     "hpz-prefetch": 16 / 4,  # hpZ's extra 4 P / 2 lives only between forward and backward
     "ac-full": 16 / 2, "bf16-mixed": 16 / 2, "fp16-mixed": 16 / 2,  # fp32 weights, grads, AdamW (in host memory)
     "bf16-true": 8 / 2,  # bf16 weights, grads and AdamW states
@@ -223,41 +288,34 @@ EXPECTED_BYTES_PER_PARAM = {
 def test_model_state_per_rank_follows_the_zero_formula(runs, name):
     run = runs[name]
     expected = EXPECTED_BYTES_PER_PARAM[name] * run["num_params"]
-    assert len(run["model_state_bytes"]) == {"n1": 1, "n4": 4, "hsdp": 4, "hpz-prefetch": 4}.get(name, 2)
+    assert len(run["model_state_bytes"]) == {"n1": 1, "n3": 3, "n4": 4, "hsdp": 4, "hpz-prefetch": 4}.get(name, 2)
     for rank, got in enumerate(run["model_state_bytes"]):
         assert got == pytest.approx(expected, rel=0.02), rank
     figure(f"model state / formula, {name}", ", ".join(f"{b / expected:.5f}" for b in run["model_state_bytes"]))
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs):
     """MP-2: rank 1's gradients overflow at step 3 (tests/user_model.py:overflow_on_rank1). Every
     rank skips that optimizer step (AdamW counts 7 steps of 8 on both), the scale halves, the
     skipped step is counted (metrics.jsonl; TensorBoard has the same train/skipped_steps and
-    train/loss_scale), and the loss scaler's state is
-    saved with the checkpoint and restored on resume."""
-    args = [*BASE, "precision=fp16-mixed", "model.task=custom", "model.loss=tests.user_model:overflow_on_rank1",
-            f"run.root={tmp_path}", "run.name=overflow"]
-    check(launch(2, WORKER, str(tmp_path / "a.pt"), *args, torchrun=False))
-    run = torch.load(tmp_path / "a.pt", weights_only=True)
+    train/loss_scale), and the loss scaler's state is saved with the checkpoint and restored on
+    resume (two more steps in a fresh process)."""
+    run = runs["overflow"]
     assert run["adam_steps"] == [[7], [7]]
     assert run["skipped_steps"] == {s: float(s >= 3) for s in range(1, 9)}
     assert run["loss_scale"] == {s: 2.0**16 if s <= 3 else 2.0**15 for s in range(1, 9)}
     assert not math.isfinite(run["grad_norms"][3]) and all(math.isfinite(run["grad_norms"][s]) for s in (1, 2, 4, 8))
-    saved = json.loads((tmp_path / "overflow" / "checkpoints" / "step-0000008" / "train_state.json").read_text())
+    saved = json.loads((runs.path("overflow") / "checkpoints" / "step-0000008" / "train_state.json").read_text())
     assert saved["loss_scaler"]["scale"] == 2.0**15 and saved["loss_scaler"]["skipped_steps"] == 1
-    # Resumed for two more steps: the scale and the count carry on from the checkpoint.
-    check(launch(2, WORKER, str(tmp_path / "b.pt"), *args, "train.steps=10", torchrun=False))
-    resumed = torch.load(tmp_path / "b.pt", weights_only=True)
+    resumed = runs["overflow-resumed"]
+    assert sorted(resumed["losses"]) == [9, 10]  # continued from the step-8 checkpoint
     assert resumed["loss_scale"][10] == 2.0**15 and resumed["skipped_steps"][10] == 1.0
 
 
-@pytest.mark.slow
-def test_compiled_blocks_train_like_plain_zero3(references, tmp_path):
+def test_compiled_blocks_train_like_plain_zero3(runs, references):
     """train.compile=true (torch.compile of each block, inductor; about 25 s of compilation on 2 cores):
     within the fp32 tolerances of the single-process reference, with the same parameter names."""
-    check(launch(2, WORKER, str(tmp_path / "c.pt"), *BASE, "train.compile=true", f"run.root={tmp_path}",
-                 "run.name=compile", torchrun=False))
-    got, ref = torch.load(tmp_path / "c.pt", weights_only=True), references["fp32"]
+    got, ref = runs["compile"], references["fp32"]
     assert set(got["final"]) == set(ref["final"])
     for step in ref["losses"]:
         assert got["losses"][step] == pytest.approx(ref["losses"][step], abs=LOSS_ATOL), step
@@ -266,11 +324,12 @@ def test_compiled_blocks_train_like_plain_zero3(references, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["full_shard", "hybrid_shard"])
-def test_a_two_node_launch_trains_like_one_process(references, tmp_path, strategy):
+def test_a_two_node_launch_trains_like_one_process(references, tmp_path):
     """Two torchrun "nodes" of 2 ranks on this machine, met through c10d rendezvous, as on a cluster
-    (README, "Launching"): FULL_SHARD over all 4 ranks, and HYBRID_SHARD sharding within a node and
-    replicating across; both against the single-process run."""
+    (README, "Launching"), running FULL_SHARD over all 4 ranks, then HYBRID_SHARD sharding within a
+    node and replicating across (two jobs of one launch); both against the single-process run."""
+    import json as json_lib
+    import os
     import socket
     import subprocess
     import sys
@@ -278,20 +337,25 @@ def test_a_two_node_launch_trains_like_one_process(references, tmp_path, strateg
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    out = tmp_path / "run.pt"
-    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    strategies = ("full_shard", "hybrid_shard")
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json_lib.dumps([[str(tmp_path / f"{s}.pt"), [*BASE, f"parallel.strategy={s}", "parallel.shard_size=2",
+                                                                  f"run.root={tmp_path}", f"run.name={s}"]]
+                                    for s in strategies]))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
-         "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=two-nodes", str(WORKER), str(out),
-         *BASE, f"parallel.strategy={strategy}", "parallel.shard_size=2", f"run.root={tmp_path}", "run.name=run"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+         "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=two-nodes", str(WORKER), "--jobs",
+         str(jobs)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
-    got, ref = torch.load(out, weights_only=True), references["fp32"]
-    assert len(got["model_state_bytes"]) == 4
-    for step in ref["losses"]:
-        assert got["losses"][step] == pytest.approx(ref["losses"][step], abs=LOSS_ATOL), step
-    for key, value in ref["final"].items():
-        torch.testing.assert_close(got["final"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
+    ref = references["fp32"]
+    for strategy in strategies:
+        got = torch.load(tmp_path / f"{strategy}.pt", weights_only=True)
+        assert len(got["model_state_bytes"]) == 4
+        for step in ref["losses"]:
+            assert got["losses"][step] == pytest.approx(ref["losses"][step], abs=LOSS_ATOL), (strategy, step)
+        for key, value in ref["final"].items():
+            torch.testing.assert_close(got["final"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=f"{strategy} {key}")

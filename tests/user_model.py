@@ -64,8 +64,9 @@ def overflow_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 
 
 def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
-    """Next-token cross-entropy; rank 1 stops taking part for 20 s at its 5th call (step 3 at 2
-    micro-batches per step), as a hung rank would."""
+    """Next-token cross-entropy; rank 1 stops taking part for 12 s at its 5th call (step 3 at 2
+    micro-batches per step), as a hung rank would: longer than the test's step timeout (3 s) and the
+    5 s the failing ranks wait for each other's reports, so it is the one named."""
     import time
 
     import torch.distributed as dist
@@ -73,7 +74,7 @@ def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
     inputs, targets = batch
     _calls[0] += 1
     if dist.get_rank() == 1 and _calls[0] == 5:
-        time.sleep(20)
+        time.sleep(12)
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 

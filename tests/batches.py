@@ -1,0 +1,175 @@
+"""The suite's training runs, batched: one launch per world size runs every configuration that needs it.
+
+A process start costs 3-6 s of a 2-core machine, a gpt_nano configuration about 2 s, so the
+runs that the tests only read (parity, checkpoints, moves between strategies, foreign models) are
+declared here and run by `tests/workers/jobs.py`, several per launch, in sequence and each from
+scratch (its own model, optimizer, data and run directory). A launch runs when a test first asks
+for one of its runs, after the launches it reads checkpoints from; the runs of a launch that no
+collected test module reads are left out, so a single test file launches only what it needs.
+
+Resumes are in launches of their own (``2-resume``, and the 1- and 4-rank ones that continue
+2-rank checkpoints): a resume shows that a checkpoint carries the state only in a process that
+never held it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tests.conftest import REPO, check, launch
+
+WORKER = REPO / "tests" / "workers" / "jobs.py"
+
+# tests/test_parity.py's base: 8 AdamW steps, clipping active on every step (asserted there).
+BASE = ("model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "train.steps=8", "train.log_every=1", "optim.warmup_steps=2", "optim.grad_clip=0.5", "metrics.tensorboard=false")
+TIED = ("model.tie_embeddings=true",)
+# tests/test_models.py's: foreign models, 4 steps, a constant learning rate without weight decay.
+COMMON = ("train.steps=4", "train.log_every=1", "checkpoint.every=2", "checkpoint.keep_last=0",
+          "metrics.tensorboard=false", "memory.profile_step=0", "optim.weight_decay=0", "optim.warmup_steps=0",
+          "optim.min_lr_ratio=1")
+VIT = ("--config", "configs/vit_fake.yaml")  # a torchvision VisionTransformer on FakeData, units EncoderBlock
+LLAMA = ("model.target=transformers:LlamaForCausalLM", "model.kwargs.vocab_size=101", "model.kwargs.hidden_size=32",
+         "model.kwargs.intermediate_size=64", "model.kwargs.num_hidden_layers=2", "model.kwargs.num_attention_heads=4",
+         "model.kwargs.num_key_value_heads=2", "model.kwargs.max_position_embeddings=64",
+         "model.kwargs.tie_word_embeddings=true", "data.seq_len=16")  # units: _no_split_modules
+SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved after step 4 of 8
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    launch: str
+    args: tuple[str, ...]
+    readers: tuple[str, ...]  # the test modules that read it
+    run_name: str = ""  # the run directory under the launch root (default: name)
+    options: dict = field(default_factory=dict)  # tests/workers/jobs.py's per-job options
+
+
+@dataclass(frozen=True)
+class Launch:
+    nproc: int  # 0: plain python (world size 1)
+    after: tuple[str, ...] = ()  # launches whose checkpoints its runs read
+    prepare: Callable[[Path], None] | None = None  # files its runs read, made first in the test process
+
+
+P, C, M = "test_parity", "test_checkpoint", "test_models"
+
+
+def _weights_to_import(root: Path) -> None:
+    """n2's final weights as a torch.save state dict and as an exported safetensors folder (when this
+    session ran n2: only the checkpoint tests import them)."""
+    from fsdp_zero.config import load_config
+    from fsdp_zero.model import args_from_config, build_model
+    from fsdp_zero.weights import export_checkpoint
+
+    if not (root / "n2.pt").exists():
+        return
+    model = build_model(args_from_config(load_config(None, list(BASE)).model), device="cpu")
+    model.load_state_dict(torch.load(root / "n2.pt", weights_only=True)["final"])
+    torch.save(model.state_dict(), root / "weights.pt")
+    export_checkpoint(root / "n2" / "checkpoints" / "step-0000008", root / "exported", max_shard_bytes=100_000)
+
+
+LAUNCHES = {
+    "2": Launch(2),
+    "2-resume": Launch(2, after=("2",), prepare=_weights_to_import),
+    "4": Launch(4, after=("2",)),
+    "1": Launch(0, after=("2",)),
+    "3": Launch(3),
+}
+
+RUNS = [
+    # ZeRO-3 straight through, saving every 2 steps (retention keeps 6 and 8): the parity run and the
+    # checkpoint tests' straight run.
+    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli")),
+    Run("n2-tied", "2", (*BASE, *TIED), (P,)),
+    Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4"), (P, C)),
+    Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C)),  # DeepSpeed's name for it
+    Run("zero2", "2", (*BASE, "parallel.strategy=SHARD_GRAD_OP"), (P,)),  # FSDP1's name for it
+    # The memory levers: plain ZeRO-3's numbers bit for bit; CPU offload and full checkpointing share a run.
+    Run("ac-full", "2", (*BASE, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)),
+    Run("ac-selective", "2", (*BASE, "parallel.activation_checkpointing=selective",
+                              "parallel.activation_checkpointing_every=2"), (P,)),
+    Run("bf16-mixed", "2", (*BASE, "precision=bf16-mixed"), (P,)),
+    Run("fp16-mixed", "2", (*BASE, "precision=fp16-mixed"), (P,)),
+    Run("bf16-true", "2", (*BASE, "precision=bf16-true"), (P,)),
+    Run("overflow", "2", (*BASE, "precision=fp16-mixed", "model.task=custom",
+                          "model.loss=tests.user_model:overflow_on_rank1"), (P,)),
+    Run("split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C,)),
+    Run("async", "2", (*BASE, "checkpoint.async_save=true", "checkpoint.every=2", "checkpoint.keep_last=2"), (C,),
+        options={"slow_writes": 0.3}),
+    Run("vit", "2", (*VIT, *COMMON), (M,)),
+    Run("llama", "2", (*LLAMA, *COMMON), (M,)),
+    Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
+    # Each continues a checkpoint of launch "2" in a fresh process.
+    Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
+    Run("zero1-resumed", "2-resume", (*BASE, "parallel.zero_stage=1", "checkpoint.every=0",
+                                      "checkpoint.resume={root}/zero1/checkpoints/step-0000004"), (C,)),
+    Run("overflow-resumed", "2-resume", (*BASE, "precision=fp16-mixed", "model.task=custom", "train.steps=10",
+                                         "model.loss=tests.user_model:overflow_on_rank1"), (P,), run_name="overflow"),
+    Run("llama-resumed", "2-resume", (*LLAMA, *COMMON, "checkpoint.resume={root}/llama/checkpoints/step-0000002"), (M,)),
+    Run("imported", "2-resume", (*BASE, "train.steps=4", "checkpoint.enabled=false",
+                                 "model.init_from={root}/weights.pt"), (C,)),
+    Run("round-trip", "2-resume", (*BASE, "train.steps=1", "checkpoint.enabled=false",
+                                   "model.init_from={root}/exported"), (C,)),
+    Run("n4", "4", BASE, (P,)),
+    Run("hsdp", "4", (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P,)),
+    # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
+    Run("hpz-prefetch", "4", (*BASE, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P,)),
+    Run("vit-n4", "4", (*VIT, *COMMON, "train.steps=1", "checkpoint.enabled=false"), (M,)),
+    Run("reshard4", "4", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
+    Run("zero1-to-full_shard-n4", "4", (*BASE, "checkpoint.every=0",
+                                        "checkpoint.resume={root}/zero1/checkpoints/step-0000004"), (C,)),
+    Run("full_shard-to-ddp-n4", "4", (*BASE, "parallel.strategy=ddp", "checkpoint.every=0",
+                                      f"checkpoint.resume={SPLIT}"), (C,)),
+    Run("n1", "1", BASE, (P,)),
+    Run("reshard1", "1", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
+    Run("ddp-to-full_shard-n1", "1", (*BASE, "checkpoint.every=0",
+                                      "checkpoint.resume={root}/ddp/checkpoints/step-0000004"), (C,)),
+    # gloo's reduction at 3 ranks: uneven shards (64 rows over 3) and padding; 2 micro-batches of 2 a rank.
+    Run("n3", "3", (*BASE, "train.global_batch_size=12"), (P,)),
+]
+BY_NAME = {run.name: run for run in RUNS}
+assert len(BY_NAME) == len(RUNS)
+
+
+class Batches:
+    """Runs each launch once per session, when one of its runs is first asked for."""
+
+    def __init__(self, root: Path, modules: set[str]) -> None:
+        self.root = root
+        self.modules = modules  # the collected test modules (file stems): whose runs to include
+        self.done: set[str] = set()
+
+    def __getitem__(self, name: str) -> dict:
+        run = BY_NAME[name]
+        self._launch(run.launch)
+        return torch.load(self.root / f"{name}.pt", weights_only=True)
+
+    def path(self, name: str) -> Path:
+        """The run directory of ``name`` (its launch has run)."""
+        self[name]
+        return self.root / (BY_NAME[name].run_name or name)
+
+    def _launch(self, key: str) -> None:
+        if key in self.done:
+            return
+        spec = LAUNCHES[key]
+        for before in spec.after:
+            self._launch(before)
+        self.done.add(key)
+        if spec.prepare:
+            spec.prepare(self.root)
+        jobs = [[str(self.root / f"{r.name}.pt"),
+                 [a.format(root=self.root) for a in r.args] + [f"run.root={self.root}", f"run.name={r.run_name or r.name}"],
+                 r.options]
+                for r in RUNS if r.launch == key and set(r.readers) & self.modules]
+        spec_file = self.root / f"launch-{key}.json"
+        spec_file.write_text(json.dumps(jobs, indent=1))
+        check(launch(spec.nproc, WORKER, "--jobs", str(spec_file), torchrun=False, timeout=600))

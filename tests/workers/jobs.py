@@ -1,0 +1,256 @@
+"""Trains configured models through fsdp_zero.trainer and saves what the tests compare, several per launch.
+
+    python tests/workers/jobs.py OUT.pt [--config X.yaml] key=value ...    # one job
+    python tests/workers/jobs.py --jobs JOBS.json      # [[OUT.pt, [args ...], {options}], ...] in order
+
+Options: ``slow_writes`` (seconds each checkpoint write is delayed: a slow disk, to show that an
+async save overlaps training).
+
+The ranks are started by torchrun, or by tests/conftest.py's `launch` (torchrun's variables
+without its agent). The jobs of a launch run one after another in one process group (the first
+job's ``dist`` settings); each builds its model, optimizer, data and run directory afresh, as a
+launch of its own would, so the process start-up (3-6 s of a 2-core machine) is paid once per
+launch instead of once per configuration. Nothing a job measures comes from the process's RSS,
+which earlier jobs would inflate. A job that resumes from a checkpoint belongs in a later launch
+than the job that saved it: only a process that never held the state shows that the checkpoint
+carries it.
+
+OUT.pt (rank 0): per-step losses, grad norms and learning rates, the full weights before and after
+training, the final model's logits on a fixed batch (the data's first two samples), every rank's
+model-state bytes after the first optimizer step, the wrap plan's units (padded shard bytes per rank,
+parameters per unit), and
+what the tests observe of the run itself (each observation is of the effect, not of the config):
+
+    reduce_dtypes       the dtypes of the gradients that reached gloo's reduction (AllReduceScatter)
+    units               per FSDP unit, what FSDP2 applied (fsdp_zero.torch_private.fsdp_unit_settings)
+    shard_devices       every rank's devices of its parameter shards and AdamW states
+    param_bytes         every rank's bytes of the parameters its modules hold at the start of step 1
+                        and between the first forward and its backward (gathered units counted whole)
+    gather_order        step 1's first forward: 'ag' for each all-gather issued, and each unit's name
+                        when it starts computing (FSDP's own pre-forward hook, which gathers and
+                        prefetches, runs before it)
+    same_reduce_scatter gloo runs: whether AllReduceScatter equals gloo's own reduce-scatter bit for bit
+    save_times          each save: (step, time save() was called, time it returned, time the checkpoint
+                        was published); monotonic seconds
+    loss_times          (call, time) at the end of each loss computation (a forward)
+"""
+
+import gc
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_zero import checkpoint as checkpoint_lib
+from fsdp_zero.config import load_config
+from fsdp_zero.distributed import distributed, exit_process
+from fsdp_zero.parallelize import AllReduceScatter
+from fsdp_zero.tasks import logits_of
+from fsdp_zero.torch_private import fsdp_unit_settings
+from fsdp_zero.trainer import setup, train
+
+# ---------------------------------------------------------------------------------
+# Observers: they wrap the real thing and record what passes through; nothing is replaced.
+
+_seen: dict = {}
+
+
+def _reset_observations() -> None:
+    _seen.clear()
+    _seen.update(reduce_dtypes=set(), gather_order=[], recording=False, save_times=[], loss_times=[])
+
+
+_reduce = AllReduceScatter.__call__
+
+
+def _recording_reduce(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
+    _seen["reduce_dtypes"].add(str(input_tensor.dtype))
+    return _reduce(self, output_tensor, input_tensor, group, op, async_op)
+
+
+AllReduceScatter.__call__ = _recording_reduce
+
+_all_gather_single = dist.all_gather_single  # what FSDP2's default all-gather calls
+
+
+def _recording_all_gather(*args, **kwargs):  # noqa: ANN002, ANN003
+    if _seen["recording"]:
+        _seen["gather_order"].append("ag")
+    return _all_gather_single(*args, **kwargs)
+
+
+dist.all_gather_single = _recording_all_gather
+
+_save, _commit = checkpoint_lib.Checkpointer.save, checkpoint_lib.Checkpointer._commit
+
+
+def _timed_save(self, step, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    record = [step, time.monotonic(), None, None]
+    _seen["save_times"].append(record)
+    out = _save(self, step, *args, **kwargs)
+    record[2] = time.monotonic()
+    return out
+
+
+def _timed_commit(self, partial, final):  # noqa: ANN001
+    _commit(self, partial, final)
+    for record in _seen["save_times"]:
+        if record[0] == checkpoint_lib.checkpoint_step(final):
+            record[3] = time.monotonic()
+
+
+checkpoint_lib.Checkpointer.save, checkpoint_lib.Checkpointer._commit = _timed_save, _timed_commit
+
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
+
+_write_data = FileSystemWriter.write_data
+
+
+def _slow_writes(seconds: float) -> None:
+    """Every checkpoint write of this job takes ``seconds`` longer (a slow disk); 0 restores them."""
+
+    def slow(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        time.sleep(seconds)
+        return _write_data(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = slow if seconds else _write_data
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters the modules hold now: a shard's local part, a gathered unit whole."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _observe_first_forward(parts) -> dict:  # noqa: ANN001
+    """Wraps the loss so that step 1's first forward records the all-gather order and the
+    parameter bytes held before the step and after that forward."""
+    observed = {"before_step": _param_bytes(parts.model), "after_forward": None}
+    def computing(name: str) -> None:
+        if _seen["recording"]:
+            _seen["gather_order"].append(name)
+
+    for name, module in parts.model.named_modules():
+        if isinstance(module, FSDPModule):
+            module.register_forward_pre_hook(lambda m, a, name=name or "<root>": computing(name))
+    loss_fn, calls = parts.loss_fn, [0]
+
+    def observed_loss(model, batch):  # noqa: ANN001
+        calls[0] += 1
+        _seen["recording"] = calls[0] == 1
+        try:
+            out = loss_fn(model, batch)
+        finally:
+            _seen["recording"] = False
+        _seen["loss_times"].append([calls[0], time.monotonic()])
+        if calls[0] == 1:
+            observed["after_forward"] = _param_bytes(parts.model)
+        return out
+
+    parts.loss_fn = observed_loss
+    return observed
+
+
+# ---------------------------------------------------------------------------------
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # Cloned: at world size 1 on CPU the "full" tensors alias the live parameters.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() for k, v in full.items()}
+
+
+def reduce_scatter_matches_gloo(world_size: int, rank: int) -> bool:
+    """Our all-reduce form against gloo's reduce-scatter, on values spanning 12 orders of magnitude."""
+    equal = True
+    for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+        numel = world_size * 100_003
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-6, 6, numel)
+        ours, theirs = torch.empty(numel // world_size), torch.empty(numel // world_size)
+        _reduce(AllReduceScatter(), ours, x.clone(), dist.group.WORLD, op)
+        dist.reduce_scatter_tensor(theirs, x.clone(), op=op)
+        equal &= torch.equal(ours, theirs)
+    flag = torch.tensor(int(equal))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
+def _config(args: list[str]):  # noqa: ANN202
+    return load_config(*((args[1], args[2:]) if args[:1] == ["--config"] else (None, args)))
+
+
+def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  # noqa: ANN001
+    cfg = _config(args)
+    _slow_writes(slow_writes)
+    _reset_observations()
+    parts = setup(cfg, env)
+    initial = full_weights(parts.model)
+    held = _observe_first_forward(parts)
+    result = train(cfg, env, parts)
+    final = full_weights(parts.model)
+    with torch.no_grad():  # the sharded model's outputs on a fixed batch
+        inputs = parts.cursor.source.batch(range(2))[0]
+        logits = logits_of(parts.model(inputs.to(env.device))).cpu()
+    same_reduce_scatter = reduce_scatter_matches_gloo(env.world_size, env.rank) if env.backend == "gloo" else None
+    # Every rank's model state, AdamW step counts and dtypes, and where its shards live.
+    opt_states = parts.optimizer.state.values()
+    devices = {str((p.to_local() if hasattr(p, "to_local") else p).device) for p in parts.model.parameters()}
+    devices |= {str(v.device) for st in opt_states for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
+    mine = (result.model_state_bytes, sorted({int(st["step"]) for st in opt_states}),
+            sorted({str(st["exp_avg"].dtype) for st in opt_states}), sorted(devices), held,
+            sorted(_seen["reduce_dtypes"]))
+    states = [None] * env.world_size
+    dist.all_gather_object(states, mine)
+    units = {name or "<root>": fsdp_unit_settings(m) for name, m in parts.model.named_modules()
+             if isinstance(m, FSDPModule)}
+    if env.is_rank0:
+        log = [json.loads(line) for line in (parts.run_dir / "metrics.jsonl").read_text().splitlines()]
+        lrs = {row["step"]: row["lr"] for row in log}  # the rate each logged step used
+        torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "lrs": lrs, "initial": initial,
+                    "final": final, "logits": logits, "model_state_bytes": [s[0] for s in states],
+                    "adam_steps": [s[1] for s in states], "adam_dtypes": [s[2] for s in states],
+                    "shard_devices": [s[3] for s in states], "param_bytes": [s[4] for s in states],
+                    "reduce_dtypes": sorted({d for s in states for d in s[5]}),
+                    "units": {k: {n: str(v) if isinstance(v, torch.dtype) else v for n, v in u.items()}
+                              for k, u in units.items()},
+                    "gather_order": list(_seen["gather_order"]), "save_times": _seen["save_times"],
+                    "loss_times": _seen["loss_times"], "breakdown": result.breakdown,
+                    "phases": {phase.value: dict(cats) for phase, cats in result.phases.items()},
+                    "dtypes": sorted({str(v.dtype) for v in final.values() if v.is_floating_point()}),
+                    "loss_scale": {r["step"]: r["loss_scale"] for r in log if "loss_scale" in r},
+                    "skipped_steps": {r["step"]: r["skipped_steps"] for r in log if "skipped_steps" in r},
+                    "num_params": parts.num_params, "shard_bytes": [u.bytes_per_rank for u in parts.plan.units],
+                    "unit_params": {u.fqn or "<root>": u.num_params for u in parts.plan.units},
+                    "same_reduce_scatter": same_reduce_scatter}, out)
+
+
+def main() -> None:
+    if sys.argv[1] == "--jobs":
+        with open(sys.argv[2]) as f:
+            jobs = json.load(f)
+    else:
+        jobs = [[sys.argv[1], sys.argv[2:]]]
+    with distributed(_config(jobs[0][1]).dist) as env:
+        for out, args, *options in jobs:
+            try:
+                run_job(out, args, env, **(options[0] if options else {}))
+            except Exception:
+                print(f"[rank{env.rank}] job {out} failed: {' '.join(args)}", file=sys.stderr, flush=True)
+                raise
+            user_model = sys.modules.get("tests.user_model")  # a loss with a call counter: each job from 0
+            if user_model is not None:
+                user_model._calls[0] = 0
+            gc.collect()
+            dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
+    exit_process(0)
