@@ -106,6 +106,9 @@ RUNS = [
         options={"slow_writes": 0.3}),
     Run("vit", "2", (*VIT, *COMMON), (M,)),
     Run("llama", "2", (*LLAMA, *COMMON), (M,)),
+    # The ViT with the default optimizer: weight decay on matrices only, warm-up and cosine decay.
+    Run("vit-defaults", "2", (*VIT, "train.steps=4", "train.log_every=1", "checkpoint.enabled=false",
+                              "metrics.tensorboard=false", "memory.profile_step=0", "optim.warmup_steps=2"), (M,)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),

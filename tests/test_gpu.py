@@ -52,6 +52,22 @@ def test_one_rank_on_cuda_trains_like_a_plain_cuda_loop(tmp_path: Path):
     figure("CUDA parity at N=1", f"losses within {max(abs(got['losses'][s] - l) for s, l in ref['losses'].items()):.1e}")
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_on_cuda_train_like_a_plain_cuda_loop(tmp_path: Path):
+    """N = 2 over NCCL: FSDP2's own reduce-scatter (gloo runs use fsdp_zero's AllReduceScatter) against one
+    CUDA process on the whole batch."""
+    out = tmp_path / "n2.pt"
+    check(launch(2, WORKER, str(out), *BASE, "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=n2",
+                 gpu=True, torchrun=False))
+    got, ref = torch.load(out, weights_only=True), reference_run(load_config(None, BASE), device="cuda")
+    for key, value in ref["initial"].items():
+        assert torch.equal(got["initial"][key], value), key
+    for step, loss in ref["losses"].items():
+        assert got["losses"][step] == pytest.approx(loss, abs=CUDA_LOSS_ATOL), step
+    for key, value in ref["final"].items():
+        torch.testing.assert_close(got["final"][key], value, atol=CUDA_WEIGHT_ATOL, rtol=0, msg=key)
+
+
 def test_resume_on_cuda_continues_the_same_training(tmp_path: Path):
     straight = _worker(tmp_path, "straight", "checkpoint.every=0")
     _worker(tmp_path, "split", "train.stop_after=4", "checkpoint.every=0")

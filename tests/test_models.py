@@ -25,24 +25,21 @@ from fsdp_zero.config import DataConfig, DataSource, load_config
 from fsdp_zero.data import build_source
 from fsdp_zero.tasks import logits_of
 from fsdp_zero.weights import export_checkpoint
-from tests.batches import COMMON, LLAMA, VIT
+from tests.batches import BY_NAME, VIT
 from tests.conftest import REPO, TRAIN, check, figure, launch, run_script
 from tests.reference import reference_run
 
 HAS_HF = importlib.util.find_spec("transformers") is not None  # the `hf` extra (in `dev`)
 needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs transformers (pip install -e '.[hf]')")
-MODELS = {"vit": VIT, "llama": LLAMA}
 PARAMS = [pytest.param("vit"), pytest.param("llama", marks=needs_hf)]
 LOSS_ATOL, WEIGHT_ATOL = 5e-6, 3e-5
 
 
-def _overrides(args: tuple[str, ...]) -> tuple[str | None, list[str]]:
-    return (args[1], list(args[2:])) if args[:1] == ("--config",) else (None, list(args))
-
-
 def _cfg(name: str):
-    path, extra = _overrides(MODELS[name])
-    return load_config(path and str(REPO / path), extra + list(COMMON))
+    """The config of tests/batches.py's run ``name``."""
+    args = BY_NAME[name].args
+    path, extra = (args[1], list(args[2:])) if args[:1] == ("--config",) else (None, list(args))
+    return load_config(path and str(REPO / path), extra)
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +51,10 @@ def runs(batches):
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return {name: reference_run(_cfg(name)) for name in MODELS if name != "llama" or HAS_HF}
+    return {name: reference_run(_cfg(name)) for name in ("vit", "vit-defaults", "llama") if name != "llama" or HAS_HF}
 
 
-@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("name", [*PARAMS, "vit-defaults"])  # vit-defaults: weight decay, warm-up, cosine
 def test_foreign_model_trains_like_single_process(runs, references, name):
     got, ref = runs[name], references[name]
     for key, value in ref["initial"].items():  # N = 2 initialises exactly as N = 1

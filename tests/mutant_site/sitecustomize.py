@@ -1,0 +1,164 @@
+"""A wrong behaviour injected into every Python process of a test run (tests/mutants.py).
+
+On the PYTHONPATH with FSDP_ZERO_MUTANT=<name>, Python imports this at start-up in the test
+process and in every process a test launches (torchrun's agent, its ranks, plain runs). Each
+mutant wraps a public torch API (or one function of ours) so that a setting is silently ignored
+or done wrongly, as a bug would, and writes a line to $FSDP_ZERO_MUTANT_LOG the first time it
+changes something, so tests/mutants.py can tell a mutant the suite caught from one that never ran.
+Without FSDP_ZERO_MUTANT nothing happens.
+"""
+
+import os
+
+_NAME = os.environ.get("FSDP_ZERO_MUTANT")
+_applied = False
+
+
+def _applied_once() -> None:
+    global _applied
+    if not _applied and os.environ.get("FSDP_ZERO_MUTANT_LOG"):
+        _applied = True
+        with open(os.environ["FSDP_ZERO_MUTANT_LOG"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _wrap_fully_shard(change) -> None:  # noqa: ANN001
+    """fully_shard with its keyword arguments changed by ``change(kwargs) -> bool`` (True: changed)."""
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+
+    def fully_shard(module, **kwargs):  # noqa: ANN001, ANN003
+        if change(kwargs):
+            _applied_once()
+        return original(module, **kwargs)
+
+    fsdp.fully_shard = fully_shard
+
+
+def _reduce_in_param_dtype(kwargs: dict) -> bool:
+    """Mixed precision reduces gradients in the 16-bit compute dtype instead of fp32."""
+    import dataclasses
+
+    policy = kwargs.get("mp_policy")
+    if policy is None or policy.param_dtype is None or policy.reduce_dtype == policy.param_dtype:
+        return False
+    kwargs["mp_policy"] = dataclasses.replace(policy, reduce_dtype=policy.param_dtype)
+    return True
+
+
+def _offload_ignored(kwargs: dict) -> bool:
+    """parallel.cpu_offload reaches the config but not FSDP2."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy):
+        return False
+    kwargs["offload_policy"] = OffloadPolicy()
+    return True
+
+
+def _always_reshard(kwargs: dict) -> bool:
+    """reshard_after_forward forced to True: ZeRO-2 and hpZ silently become ZeRO-3."""
+    if kwargs.get("reshard_after_forward", True) is True:
+        return False
+    kwargs["reshard_after_forward"] = True
+    return True
+
+
+def _prefetch_ignored() -> None:
+    """parallel.prefetch: the explicit prefetch lists are never set."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def ignore(self, modules):  # noqa: ANN001
+        if modules:
+            _applied_once()
+
+    FSDPModule.set_modules_to_forward_prefetch = ignore
+    FSDPModule.set_modules_to_backward_prefetch = ignore
+
+
+def _clipping_ignored() -> None:
+    """optim.grad_clip: the norm is computed and logged, the gradients are never scaled."""
+    import torch.nn.utils
+
+    def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):  # noqa: ANN001
+        _applied_once()
+
+    torch.nn.utils.clip_grads_with_norm_ = clip_grads_with_norm_
+
+
+def _checkpointing_ignored() -> None:
+    """parallel.activation_checkpointing: the blocks are never marked for recomputation."""
+    import torch.distributed._composable as composable
+
+    def checkpoint(module, **kwargs):  # noqa: ANN001, ANN003
+        _applied_once()
+        return module
+
+    composable.checkpoint = checkpoint
+
+
+def _async_save_waits() -> None:
+    """checkpoint.async_save: the save is written before training goes on (a synchronous save)."""
+    import torch.distributed.checkpoint as dcp
+
+    original = dcp.async_save
+
+    def async_save(*args, **kwargs):  # noqa: ANN002, ANN003
+        future = original(*args, **kwargs)
+        future.result()
+        _applied_once()
+        return future
+
+    dcp.async_save = async_save
+
+
+def _schedule_one_step_late() -> None:
+    """The learning-rate schedule one step behind (the warm-up starts a step late): ours, patched
+    when fsdp_zero.trainer is imported."""
+    import importlib.abc
+    import sys
+
+    class Patch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):  # noqa: ANN001
+            if name != "fsdp_zero.trainer":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            loader = spec.loader
+
+            class Loader(importlib.abc.Loader):
+                def create_module(self, spec):  # noqa: ANN001
+                    return loader.create_module(spec)
+
+                def exec_module(self, module):  # noqa: ANN001
+                    loader.exec_module(module)
+                    original = module.lr_factor
+
+                    def lr_factor(step, cfg, total_steps):  # noqa: ANN001
+                        _applied_once()
+                        return original(max(step - 1, 0), cfg, total_steps)
+
+                    module.lr_factor = lr_factor
+
+            spec.loader = Loader()
+            return spec
+
+    import importlib.util
+
+    sys.meta_path.insert(0, Patch())
+
+
+MUTANTS = {
+    "reduce-in-bf16": lambda: _wrap_fully_shard(_reduce_in_param_dtype),
+    "offload-ignored": lambda: _wrap_fully_shard(_offload_ignored),
+    "always-reshard": lambda: _wrap_fully_shard(_always_reshard),
+    "prefetch-ignored": _prefetch_ignored,
+    "clipping-ignored": _clipping_ignored,
+    "checkpointing-ignored": _checkpointing_ignored,
+    "async-save-waits": _async_save_waits,
+    "schedule-one-step-late": _schedule_one_step_late,
+}
+
+if _NAME:
+    MUTANTS[_NAME]()
