@@ -2,7 +2,7 @@
 
 | strategy        | ZeRO  | how                                   | model state per rank (fp32 AdamW) |
 |-----------------|-------|---------------------------------------|-----------------------------------|
-| full_shard      | 3     | FSDP2, reshard_after_forward=True     | 16 P / N                          |
+| full_shard      | 3     | FSDP2, reshard_after_forward=True     | 16 P / N (+ the root unit gathered fwd->bwd) |
 | shard_grad_op   | 2     | FSDP2, reshard_after_forward=False    | 16 P / N (+ gathered params fwd->bwd) |
 | hybrid_shard    | 3 x R | FSDP2 on a 2-D mesh (replicate, shard)| 16 P / shard_size                 |
 | zero1           | 1     | DDP + ZeroRedundancyOptimizer         | 4 P + 4 P + 8 P / N               |
@@ -201,7 +201,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
     # The root keeps its parameters gathered from forward to backward, whatever the strategy:
     # backward needs them first, so freeing them would only buy a second all-gather at once. (FSDP2
     # does this by itself only when reshard_after_forward is left unset; an explicit True reshards
-    # the root too: measured by tests/test_parity.py's parameter bytes after forward.)
+    # the root too: measured by tests/test_parity.py's parameter bytes after forward.) A forward
+    # without backward (evaluation) leaves them gathered until the next forward's backward.
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)

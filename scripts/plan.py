@@ -107,21 +107,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def formulas(num_params: int, largest: int | None, n: int, root: int = 0) -> None:
+def formulas(num_params: int, largest: int | None, n: int, root: int | None = None) -> None:
     """The ZeRO paper's model states per device (its Table 1) beside ours per strategy, at rest and
     inside the step, and DeepSpeed's ZeRO-3 estimate. ``largest``: the largest unit's parameters
-    besides the root (None: not known); ``root``: the root unit's own."""
+    besides the root (None: not known); ``root``: the root unit's own (None: not known, counted as 0)."""
     paper = zero_paper_stages(num_params, n)
-    states = strategy_states(num_params, n, largest, root)
+    states = strategy_states(num_params, n, largest, root or 0)
     print(f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n")
     print(f"- ZeRO paper (Rajbhandari et al. 2020), Table 1, as it states them: mixed-precision Adam (fp16 parameters "
           f"2 B, fp16 gradients 2 B, K = {PAPER_K} B of fp32 optimizer states per parameter), Psi parameters over N_d "
           "ranks, GB = 10^9 bytes.")
     print("- ours, AdamW, GiB = 2^30 bytes (MiB = 2^20): at rest = after the optimizer step; in step = at rest + the "
           "parameters held gathered, in the compute dtype, between forward and backward: shard_grad_op every unit, "
-          "full_shard " + (f"the root unit ({root:,} parameters, kept gathered for backward) + 2 x the largest other "
-                           f"unit ({largest:,}: one computing, the next prefetched)" if largest is not None
-                           else "one or two units (--largest-layer gives their size)")
+          "full_shard " + ("one or two units (--largest-layer gives their size)" if largest is None else
+                           f"2 x the largest unit ({largest:,} parameters: one computing, the next prefetched)"
+                           + (f" + the root unit ({root:,}, kept gathered for backward)" if root is not None
+                              else " (+ the root unit's own parameters, kept gathered for backward: not known here)"))
           + ", ddp and zero1 nothing beyond their whole copy.")
     print("- fp16-mixed: as bf16-mixed (the same bytes).\n")
     head = ["ZeRO", "paper stage", "paper formula", "paper"]
@@ -142,7 +143,7 @@ def formulas(num_params: int, largest: int | None, n: int, root: int = 0) -> Non
         refused = [s for s in states if s.mode == mode and s.refused]
         if refused:
             print(f"\nrefused ({mode} with {', '.join(s.strategy.value for s in refused)}): {refused[0].refused}")
-    biggest = largest or root  # DeepSpeed's largest layer: the largest unit besides the root, or the root alone
+    biggest = largest or root or 0  # DeepSpeed's largest layer: the largest unit besides the root, or the root alone
     layer = f"largest layer {biggest:,} params" if biggest else "largest layer not given, counted as 0"
     print(f"\nDeepSpeed estimate_zero3_model_states_mem_needs (no offload; {layer}): "
           f"{format_bytes(deepspeed_zero3_estimate(num_params, biggest, n))} per GPU")

@@ -14,7 +14,9 @@ never held it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from tests.conftest import REPO, check, launch
 
 WORKER = REPO / "tests" / "workers" / "jobs.py"
+HAS_HF = importlib.util.find_spec("transformers") is not None  # the `hf` extra (in `dev`): the llama runs
 
 # tests/test_parity.py's base: 8 AdamW steps, clipping active on every step (asserted there).
 BASE = ("model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -149,6 +152,7 @@ class Batches:
         self.root = root
         self.modules = modules  # the collected test modules (file stems): whose runs to include
         self.done: set[str] = set()
+        self.failed: dict[str, str] = {}  # launch -> why, for every test that reads one of its runs
 
     def __getitem__(self, name: str) -> dict:
         run = BY_NAME[name]
@@ -161,18 +165,25 @@ class Batches:
         return self.root / (BY_NAME[name].run_name or name)
 
     def _launch(self, key: str) -> None:
+        if key in self.failed:
+            raise AssertionError(f"launch {key!r} failed earlier in this session:\n{self.failed[key]}")
         if key in self.done:
             return
         spec = LAUNCHES[key]
         for before in spec.after:
             self._launch(before)
-        self.done.add(key)
         if spec.prepare:
             spec.prepare(self.root)
         jobs = [[str(self.root / f"{r.name}.pt"),
                  [a.format(root=self.root) for a in r.args] + [f"run.root={self.root}", f"run.name={r.run_name or r.name}"],
                  r.options]
-                for r in RUNS if r.launch == key and set(r.readers) & self.modules]
+                for r in RUNS if r.launch == key and set(r.readers) & self.modules
+                and (HAS_HF or "model.target=transformers:LlamaForCausalLM" not in r.args)]
         spec_file = self.root / f"launch-{key}.json"
         spec_file.write_text(json.dumps(jobs, indent=1))
-        check(launch(spec.nproc, WORKER, "--jobs", str(spec_file), torchrun=False, timeout=600))
+        try:
+            check(launch(spec.nproc, WORKER, "--jobs", str(spec_file), torchrun=False, timeout=600))
+        except (AssertionError, subprocess.TimeoutExpired) as e:
+            self.failed[key] = str(e)[-6000:]
+            raise
+        self.done.add(key)

@@ -144,10 +144,13 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
     import importlib.util
     import io
     import logging
+    import random
     import warnings
 
     if script.name == "train.py":
-        args = (*args, "dist.device=cpu")  # this process may see a GPU; the run must not use it
+        # This process may see a GPU, which the run must not use; and glibc's malloc settings would
+        # stay with the test process for the rest of the session.
+        args = (*args, "dist.device=cpu", "memory.malloc_mmap_threshold=default")
     module = _SCRIPTS.get(str(script))
     if module is None:
         spec = importlib.util.spec_from_file_location(f"_script_{script.stem}", script)
@@ -157,6 +160,8 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
     saved_env, out, err = dict(os.environ), io.StringIO(), io.StringIO()
     root = logging.getLogger()
     saved_logging = (list(root.handlers), root.level)
+    root.handlers = []  # the run's logging.basicConfig(force=True) would close pytest's capture handlers
+    saved_rng = (torch.get_rng_state(), random.getstate())  # the run seeds both
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -173,6 +178,8 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
         os.environ.clear()
         os.environ.update(saved_env)
         root.handlers[:], root.level = saved_logging
+        torch.set_rng_state(saved_rng[0])
+        random.setstate(saved_rng[1])
     return subprocess.CompletedProcess([str(script), *args], code, out.getvalue(), err.getvalue())
 
 

@@ -9,7 +9,9 @@ Each mutant is injected into every process of a pytest run by tests/mutant_site/
 (on PYTHONPATH, chosen by FSDP_ZERO_MUTANT): the test process and every run a test launches. The
 tests run first without a mutant (they must pass), then once per mutant (they must fail). A mutant
 that no process applied is reported as such: the suite cannot be credited with catching a wrong
-behaviour that never happened. Exit code 0 when the clean run passes and every mutant is caught.
+behaviour that never happened. A mutant counts as caught only when a test named for that behaviour
+fails (and nothing errors: a crashed launch would fail tests for the wrong reason). Exit code 0 when
+the clean run passes and every mutant is caught.
 """
 
 from __future__ import annotations
@@ -26,18 +28,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / "tests" / "mutant_site"
 
-# name: (the wrong behaviour, the test files expected to catch it)
+# name: (the wrong behaviour, the test files to run, the tests (function names) that must catch it)
 MUTANTS = {
-    "reduce-in-bf16": ("bf16-mixed and fp16-mixed reduce gradients in 16 bits, not fp32", ["tests/test_parity.py"]),
-    "offload-ignored": ("parallel.cpu_offload never reaches FSDP2", ["tests/test_parity.py"]),
-    "always-reshard": ("reshard_after_forward forced to True: ZeRO-2 and hpZ run as ZeRO-3",
-                       ["tests/test_parity.py", "tests/test_compare.py"]),
-    "prefetch-ignored": ("parallel.prefetch: FSDP2's prefetch lists never set", ["tests/test_parity.py"]),
-    "clipping-ignored": ("optim.grad_clip: the norm is logged, the gradients never scaled", ["tests/test_parity.py"]),
-    "checkpointing-ignored": ("parallel.activation_checkpointing: no block is recomputed", ["tests/test_parity.py"]),
+    "reduce-in-bf16": ("bf16-mixed and fp16-mixed reduce gradients in 16 bits, not fp32", ["tests/test_parity.py"],
+                       ["test_gradients_reach_the_reduction_in_the_reduce_dtype"]),
+    "offload-ignored": ("parallel.cpu_offload never reaches FSDP2", ["tests/test_parity.py"],
+                        ["test_cpu_offload_policy_reaches_every_unit"]),
+    "always-reshard": ("reshard_after_forward forced to True on the units: ZeRO-2 and hpZ run as ZeRO-3",
+                       ["tests/test_parity.py", "tests/test_compare.py"],
+                       ["test_what_stays_gathered_between_forward_and_backward", "test_table_orders_the_strategies_by_memory"]),
+    "root-resharded": ("the root unit freed after forward, gathered again at once for backward",
+                       ["tests/test_parity.py"], ["test_what_stays_gathered_between_forward_and_backward"]),
+    "prefetch-ignored": ("parallel.prefetch: FSDP2's prefetch lists never set", ["tests/test_parity.py"],
+                         ["test_explicit_prefetch_starts_the_next_units_all_gather_before_a_unit_computes"]),
+    "clipping-ignored": ("optim.grad_clip: the norm is logged, the gradients never scaled", ["tests/test_parity.py"],
+                         ["test_losses_grad_norms_and_learning_rates_match_single_process"]),
+    "checkpointing-ignored": ("parallel.activation_checkpointing: no block is recomputed", ["tests/test_parity.py"],
+                              ["test_activation_checkpointing_lowers_the_activation_peak"]),
     "async-save-waits": ("checkpoint.async_save: each save written before training goes on",
-                         ["tests/test_checkpoint.py"]),
-    "schedule-one-step-late": ("the learning-rate schedule runs one step behind", ["tests/test_parity.py"]),
+                         ["tests/test_checkpoint.py"], ["test_async_save_writes_the_same_checkpoints_while_training_goes_on"]),
+    "schedule-one-step-late": ("the learning-rate schedule runs one step behind", ["tests/test_parity.py"],
+                               ["test_losses_grad_norms_and_learning_rates_match_single_process"]),
 }
 
 
@@ -50,14 +61,15 @@ def run_tests(files: list[str], mutant: str | None) -> dict:
         env.update(FSDP_ZERO_MUTANT=mutant, FSDP_ZERO_MUTANT_LOG=str(log),
                    PYTHONPATH=os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])]))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *files],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files],
                           cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - start
     failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
+    errors = re.findall(r"^ERROR (\S+)", proc.stdout, re.M)
     summary = (re.findall(r"^=* ?(\d+ (?:passed|failed).*?) in [\d.]+s", proc.stdout, re.M) or [proc.stdout[-300:]])[-1]
     applied = len(log.read_text().split()) if log.exists() else 0
     log.unlink(missing_ok=True)
-    return {"code": proc.returncode, "failed": failed, "summary": summary, "seconds": seconds, "applied": applied,
+    return {"code": proc.returncode, "failed": failed, "errors": errors, "summary": summary, "seconds": seconds, "applied": applied,
             "output": proc.stdout[-3000:] + proc.stderr[-2000:]}
 
 
@@ -72,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = args.names or list(MUTANTS)
     files = (lambda name: []) if args.full else (lambda name: MUTANTS[name][1])
+    name_of = lambda test: test.split("::")[-1].split("[")[0]  # noqa: E731 - a test id's function name
     everything = sorted({f for name in names for f in files(name)})
 
     ok = True
@@ -82,15 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the tests fail without a mutant; fix that first", file=sys.stderr)
         return 1
     for name in names:
-        what, _ = MUTANTS[name]
+        what, _, catchers = MUTANTS[name]
         result = run_tests(files(name), name)
-        caught = result["code"] != 0 and result["applied"] > 0
+        named = any(name_of(test) in catchers for test in result["failed"])
+        caught = named and not result["errors"] and result["applied"] > 0
         ok &= caught
         verdict = ("CAUGHT" if caught else "NOT APPLIED (no process changed anything)" if not result["applied"]
-                   else "SURVIVED")
+                   else f"ERRORS ({len(result['errors'])} tests could not run)" if result["errors"]
+                   else "SURVIVED" if result["code"] == 0 else f"FAILED, BUT NOT BY {', '.join(catchers)}")
         print(f"{name:24} {verdict}: {result['summary']} in {result['seconds']:.0f} s; applied in "
               f"{result['applied']} processes ({what})")
-        for test in result["failed"]:
+        for test in result["failed"] + [f"{t} (error)" for t in result["errors"]]:
             print(f"{'':24}   failed: {test}")
     return 0 if ok else 1
 

@@ -145,7 +145,8 @@ def test_planner_predicts_the_model_dependent_memory(measured, predicted):
     errors, without_retention = {}, {}
     for s in STRATEGIES:
         p, peak = preds[s], peak_mib(measured[s]) * MIB
-        assert p["baseline"] == preds["ddp"]["baseline"] > 0  # the PyTorch runtime, measured once by a probe
+        # The PyTorch runtime, measured by a probe process: hundreds of MiB, below any real run's peak.
+        assert 200 * MIB < p["baseline"] < min(peak_mib(ranks) for ranks in measured.values()) * MIB
         term = peak - p["baseline"]
         assert term > 0.75 * p["baseline"]  # the model's memory is of the baseline's order, by construction
         tensors = sum(p["tensors"].values())

@@ -17,6 +17,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fsdp_zero.config import load_config
+from tests import batches
 from tests.conftest import REPO, TRAIN, check, figure, launch
 from tests.reference import reference_run
 
@@ -24,9 +25,7 @@ pytestmark = pytest.mark.gpu
 
 WORKER = REPO / "tests" / "workers" / "jobs.py"
 PLAN = REPO / "scripts" / "plan.py"
-BASE = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.steps=8", "train.log_every=1", "optim.warmup_steps=2", "optim.grad_clip=0.5", "metrics.tensorboard=false",
-        "dist.device=cuda"]
+BASE = [*batches.BASE, "dist.device=cuda"]  # tests/test_parity.py's runs, on the GPU
 CUDA_LOSS_ATOL = 1e-4
 CUDA_WEIGHT_ATOL = 1e-4
 
@@ -40,7 +39,7 @@ def _worker(root: Path, name: str, *extra: str) -> dict:
 def test_one_rank_on_cuda_trains_like_a_plain_cuda_loop(tmp_path: Path):
     got = _worker(tmp_path, "cuda", "checkpoint.enabled=false")
     ref = reference_run(load_config(None, BASE), device="cuda")
-    cpu_initial = reference_run(load_config(None, [a for a in BASE if a != "dist.device=cuda"] + ["train.steps=1"]))["initial"]
+    cpu_initial = reference_run(load_config(None, [*batches.BASE, "train.steps=1"]))["initial"]
     for key, value in ref["initial"].items():
         assert torch.equal(got["initial"][key], value), key  # the same blocks, drawn on the CPU
         assert torch.equal(cpu_initial[key], value), key  # and the same weights as a CPU run's

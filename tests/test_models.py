@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
 import json
 from pathlib import Path
 
@@ -25,11 +24,10 @@ from fsdp_zero.config import DataConfig, DataSource, load_config
 from fsdp_zero.data import build_source
 from fsdp_zero.tasks import logits_of
 from fsdp_zero.weights import export_checkpoint
-from tests.batches import BY_NAME, VIT
+from tests.batches import BY_NAME, HAS_HF, VIT
 from tests.conftest import REPO, TRAIN, check, figure, launch, run_script
 from tests.reference import reference_run
 
-HAS_HF = importlib.util.find_spec("transformers") is not None  # the `hf` extra (in `dev`)
 needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs transformers (pip install -e '.[hf]')")
 PARAMS = [pytest.param("vit"), pytest.param("llama", marks=needs_hf)]
 LOSS_ATOL, WEIGHT_ATOL = 5e-6, 3e-5

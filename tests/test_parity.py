@@ -186,11 +186,11 @@ def test_gradients_reach_the_reduction_in_the_reduce_dtype(runs, name):
 
 
 @pytest.mark.parametrize("name", FSDP)
-def test_cpu_offload_reaches_every_unit_and_the_shards_live_on_the_cpu(runs, name):
-    """parallel.cpu_offload: FSDP2's CPUOffloadPolicy on every unit (unpinned on a CPU-only run), and the
-    parameter shards and AdamW states on the CPU. On a CPU-only machine the numbers cannot tell offload
-    from none (tested bit for bit below); the policy FSDP2 holds can, and tests/test_gpu.py measures
-    the device memory it frees where a GPU is lent."""
+def test_cpu_offload_policy_reaches_every_unit(runs, name):
+    """parallel.cpu_offload: FSDP2's CPUOffloadPolicy on every unit (unpinned on a CPU-only run), and
+    none without it. On a CPU-only machine neither the numbers (tested bit for bit below) nor where the
+    shards live (the CPU, either way) can tell offload from none: only the policy FSDP2 holds can.
+    tests/test_gpu.py checks the shards' device and the device memory offload frees where a GPU is lent."""
     offload = name == "ac-full"
     assert {unit: held["offload"] for unit, held in runs[name]["units"].items()} == dict.fromkeys(runs[name]["units"], offload)
     assert not any(held["pin_memory"] for held in runs[name]["units"].values())

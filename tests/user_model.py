@@ -1,8 +1,10 @@
 """A user's own model and loss, as `model.target` and `model.loss` name them in the tests.
 
-Nothing here knows about fsdp-zero: a plain nn.Module with standard layers (an embedding, a
-1-D convolution, BatchNorm with its running statistics, Linear layers with biases) and a
-loss function taking (model, batch).
+The model and its loss know nothing about fsdp-zero: a plain nn.Module with standard layers (an
+embedding, a 1-D convolution, BatchNorm with its running statistics, Linear layers with biases)
+and a loss function taking (model, batch). The losses after them inject faults (an overflow, a
+NaN, a hang, a kill, a full disk, SIGTERM) on one rank at a given call; the hang waits for the
+store key through which fsdp-zero's ranks report a failed collective.
 """
 
 from __future__ import annotations
@@ -64,17 +66,22 @@ def overflow_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 
 
 def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
-    """Next-token cross-entropy; rank 1 stops taking part for 12 s at its 5th call (step 3 at 2
-    micro-batches per step), as a hung rank would: longer than the test's step timeout (3 s) and the
-    5 s the failing ranks wait for each other's reports, so it is the one named."""
+    """Next-token cross-entropy; rank 1 stops taking part at its 5th call (step 3 at 2 micro-batches per
+    step), as a hung rank would, until rank 0 has given up on its collective and reported so, and then
+    8 s more: past the 5 s the failing ranks wait for each other's reports, so rank 1 is the one named."""
     import time
 
     import torch.distributed as dist
 
+    from fsdp_zero.torch_private import default_store
+
     inputs, targets = batch
     _calls[0] += 1
     if dist.get_rank() == 1 and _calls[0] == 5:
-        time.sleep(12)
+        store, deadline = default_store(), time.monotonic() + 60
+        while not store.check(["fsdp_zero/collective_failed/0"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(8)
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 

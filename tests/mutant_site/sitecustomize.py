@@ -22,14 +22,16 @@ def _applied_once() -> None:
             f.write(f"{os.getpid()}\n")
 
 
-def _wrap_fully_shard(change) -> None:  # noqa: ANN001
-    """fully_shard with its keyword arguments changed by ``change(kwargs) -> bool`` (True: changed)."""
+def _wrap_fully_shard(change, units: bool = True, root: bool = True) -> None:  # noqa: ANN001
+    """fully_shard with its keyword arguments changed by ``change(kwargs) -> bool`` (True: changed), on
+    the inner units, the root (the module that already holds units), or both."""
     import torch.distributed.fsdp as fsdp
 
     original = fsdp.fully_shard
 
     def fully_shard(module, **kwargs):  # noqa: ANN001, ANN003
-        if change(kwargs):
+        is_root = any(isinstance(m, fsdp.FSDPModule) for m in module.modules() if m is not module)
+        if (root if is_root else units) and change(kwargs):
             _applied_once()
         return original(module, **kwargs)
 
@@ -58,7 +60,8 @@ def _offload_ignored(kwargs: dict) -> bool:
 
 
 def _always_reshard(kwargs: dict) -> bool:
-    """reshard_after_forward forced to True: ZeRO-2 and hpZ silently become ZeRO-3."""
+    """reshard_after_forward forced to True: on the units, ZeRO-2 and hpZ silently become ZeRO-3; on
+    the root, it is freed after forward and gathered again at once for backward."""
     if kwargs.get("reshard_after_forward", True) is True:
         return False
     kwargs["reshard_after_forward"] = True
@@ -152,7 +155,8 @@ def _schedule_one_step_late() -> None:
 MUTANTS = {
     "reduce-in-bf16": lambda: _wrap_fully_shard(_reduce_in_param_dtype),
     "offload-ignored": lambda: _wrap_fully_shard(_offload_ignored),
-    "always-reshard": lambda: _wrap_fully_shard(_always_reshard),
+    "always-reshard": lambda: _wrap_fully_shard(_always_reshard, root=False),
+    "root-resharded": lambda: _wrap_fully_shard(_always_reshard, units=False),
     "prefetch-ignored": _prefetch_ignored,
     "clipping-ignored": _clipping_ignored,
     "checkpointing-ignored": _checkpointing_ignored,

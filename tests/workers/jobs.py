@@ -32,6 +32,7 @@ what the tests observe of the run itself (each observation is of the effect, not
     same_reduce_scatter gloo runs: whether AllReduceScatter equals gloo's own reduce-scatter bit for bit
     save_times          each save: (step, time save() was called, time it returned, time the checkpoint
                         was published); monotonic seconds
+    writes_done         with ``slow_writes``: when each of this rank's checkpoint writes finished
     loss_times          (call, time) at the end of each loss computation (a forward)
 """
 
@@ -42,6 +43,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
@@ -61,7 +63,7 @@ _seen: dict = {}
 
 def _reset_observations() -> None:
     _seen.clear()
-    _seen.update(reduce_dtypes=set(), gather_order=[], recording=False, save_times=[], loss_times=[])
+    _seen.update(reduce_dtypes=set(), gather_order=[], recording=False, save_times=[], loss_times=[], writes_done=[])
 
 
 _reduce = AllReduceScatter.__call__
@@ -105,8 +107,6 @@ def _timed_commit(self, partial, final):  # noqa: ANN001
 
 checkpoint_lib.Checkpointer.save, checkpoint_lib.Checkpointer._commit = _timed_save, _timed_commit
 
-from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
-
 _write_data = FileSystemWriter.write_data
 
 
@@ -115,7 +115,9 @@ def _slow_writes(seconds: float) -> None:
 
     def slow(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
         time.sleep(seconds)
-        return _write_data(self, *args, **kwargs)
+        out = _write_data(self, *args, **kwargs)
+        _seen["writes_done"].append(time.monotonic())  # this rank's shards of one save are on disk
+        return out
 
     FileSystemWriter.write_data = slow if seconds else _write_data
 
@@ -195,14 +197,16 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     held = _observe_first_forward(parts)
     result = train(cfg, env, parts)
     final = full_weights(parts.model)
+    opt_states = parts.optimizer.state.values()
+    # Where this rank's shards and AdamW states live, read before the forward below: a forward without
+    # backward leaves the root unit gathered (on the device), since its backward never comes.
+    devices = {str((p.to_local() if hasattr(p, "to_local") else p).device) for p in parts.model.parameters()}
+    devices |= {str(v.device) for st in opt_states for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
     with torch.no_grad():  # the sharded model's outputs on a fixed batch
         inputs = parts.cursor.source.batch(range(2))[0]
         logits = logits_of(parts.model(inputs.to(env.device))).cpu()
     same_reduce_scatter = reduce_scatter_matches_gloo(env.world_size, env.rank) if env.backend == "gloo" else None
     # Every rank's model state, AdamW step counts and dtypes, and where its shards live.
-    opt_states = parts.optimizer.state.values()
-    devices = {str((p.to_local() if hasattr(p, "to_local") else p).device) for p in parts.model.parameters()}
-    devices |= {str(v.device) for st in opt_states for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
     mine = (result.model_state_bytes, sorted({int(st["step"]) for st in opt_states}),
             sorted({str(st["exp_avg"].dtype) for st in opt_states}), sorted(devices), held,
             sorted(_seen["reduce_dtypes"]))
@@ -221,7 +225,8 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
                     "units": {k: {n: str(v) if isinstance(v, torch.dtype) else v for n, v in u.items()}
                               for k, u in units.items()},
                     "gather_order": list(_seen["gather_order"]), "save_times": _seen["save_times"],
-                    "loss_times": _seen["loss_times"], "breakdown": result.breakdown,
+                    "loss_times": _seen["loss_times"], "writes_done": _seen["writes_done"],
+                    "breakdown": result.breakdown,
                     "phases": {phase.value: dict(cats) for phase, cats in result.phases.items()},
                     "dtypes": sorted({str(v.dtype) for v in final.values() if v.is_floating_point()}),
                     "loss_scale": {r["step"]: r["loss_scale"] for r in log if "loss_scale" in r},
@@ -237,7 +242,10 @@ def main() -> None:
             jobs = json.load(f)
     else:
         jobs = [[sys.argv[1], sys.argv[2:]]]
-    with distributed(_config(jobs[0][1]).dist) as env:
+    settings = _config(jobs[0][1]).dist
+    for out, args, *_ in jobs:  # one process group serves them all
+        assert _config(args).dist == settings, f"{out}: dist settings differ from the launch's first job"
+    with distributed(settings) as env:
         for out, args, *options in jobs:
             try:
                 run_job(out, args, env, **(options[0] if options else {}))
