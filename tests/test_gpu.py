@@ -23,7 +23,7 @@ from tests.reference import reference_run
 
 pytestmark = pytest.mark.gpu
 
-WORKER = REPO / "tests" / "workers" / "jobs.py"
+WORKER = batches.WORKER
 PLAN = REPO / "scripts" / "plan.py"
 BASE = [*batches.BASE, "dist.device=cuda"]  # tests/test_parity.py's runs, on the GPU
 CUDA_LOSS_ATOL = 1e-4
