@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fsdp_zero.checkpoint import Checkpointer, load_checkpoint
+from fsdp_zero.checkpoint import Checkpointer, TrainState, load_checkpoint
 from fsdp_zero.config import load_config
 from fsdp_zero.distributed import broadcast_object, distributed, exit_process
 from fsdp_zero.trainer import setup, train
@@ -80,7 +80,7 @@ def run(cfg, env) -> None:  # noqa: ANN001
     train(cfg, env, parts)  # one step, so AdamW states exist
     ckroot = root / "checkpoints"
     checkpointer = Checkpointer(ckroot, keep_last=0, async_save=False, rank=env.rank, device=env.device)
-    state = {"step": 1, "data_position": parts.cursor.position, "seed": parts.seed}
+    state = TrainState(step=1, data_position=parts.cursor.position)
 
     # 2. sharded save, then load into the same model
     dist.barrier()

@@ -36,7 +36,7 @@ from torch import nn
 
 from fsdp_zero.build import meta_parameters
 from fsdp_zero.build import shard as _shard
-from fsdp_zero.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+from fsdp_zero.checkpoint import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
 from fsdp_zero.config import (
     PRECISION_MODES, ActivationCheckpointing, Backend, Device, DistConfig, Init, ParallelConfig, PrecisionConfig, Strategy,
     WrapConfig, WrapPolicy,
@@ -46,7 +46,7 @@ from fsdp_zero.distributed import distributed as _distributed
 from fsdp_zero.memory import MemoryMonitor, memory_scalars
 from fsdp_zero.metrics import TensorBoardLogger, tensorboard_dir
 from fsdp_zero.precision import resolve
-from fsdp_zero.trainer import clip_grad_norm_
+from fsdp_zero.step import clip_grad_norm_
 
 __all__ = ["Checkpoints", "MemoryLog", "clip_grad_norm_", "distributed", "meta_init", "shard"]
 
@@ -104,7 +104,7 @@ class Checkpoints:
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict | None = None) -> None:
         """Saves model, optimizer, RNG and ``state`` (JSON-serialisable: your loop's position) as ``step``."""
-        self._writer.save(step, model, optimizer, {"step": step, **(state or {})}, config_yaml="{}\n")
+        self._writer.save(step, model, optimizer, TrainState(step, extra=dict(state or {})), config_yaml="{}\n")
 
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path | None = None) -> tuple[int, dict]:
         """Loads ``path`` (default: the newest complete checkpoint under root) into model and optimizer,
@@ -113,7 +113,7 @@ class Checkpoints:
         if path is None:
             return 0, {}
         state = load_checkpoint(path, model, optimizer, self.env.rank, self.env.device)
-        return state["step"], state
+        return state.step, {"step": state.step, **state.extra, "world_size": state.world_size, "versions": state.versions}
 
     def close(self) -> None:
         self._writer.close()

@@ -278,6 +278,7 @@ class Built:
     optimizer: torch.optim.Optimizer
     plan: WrapPlan
     num_params: int
+    precision: Precision  # how the model state is stored, computed and reduced
     init_note: str = ""
 
 
@@ -292,9 +293,10 @@ def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | Non
     """
     model = model if model is not None else construct(cfg.model)
     num_params = sum(p.numel() for p in model.parameters())
+    precision = resolve(cfg.precision)
     model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, mesh=mesh, ddp=ddp,
-                              precision=resolve(cfg.precision), compile=cfg.train.compile)
+                              precision=precision, compile=cfg.train.compile)
     # With CPU offload the optimizer steps on the CPU, where the shards are.
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
     optimizer = build_optimizer(model, cfg.optim, device, zero1=cfg.parallel.strategy is Strategy.zero1)
-    return Built(model, optimizer, plan, num_params, note)
+    return Built(model, optimizer, plan, num_params, precision, note)

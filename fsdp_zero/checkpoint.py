@@ -4,11 +4,12 @@ Layout of one checkpoint, ``<run dir>/checkpoints/step-0000050/``:
 
     __R_0.distcp ...   each rank's own shards of the model and AdamW states (DCP)
     .metadata          DCP's index of every tensor and chunk
-    train_state.json   step, global data position, seed, world size, versions
+    train_state.json   `TrainState`: step, data position, skipped steps, loss scale, time budget,
+                       world size, versions
     config.yaml        the resolved config the run had
 
 Only tensors go through DCP: its loader unpickles non-tensor items with
-``weights_only=False``, so step, data position and seed live in JSON, and DCP's
+``weights_only=False``, so the train state lives in JSON (`TrainState`), and DCP's
 ``.metadata`` is read through an allow-listed unpickler (`SafeFileSystemReader`).
 
 A save writes into ``.partial-step-0000050`` and is renamed by rank 0 once DCP has
@@ -29,7 +30,7 @@ import re
 import shutil
 import sys
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fsdp_zero
 from fsdp_zero.parallelize import unwrap
+from fsdp_zero.stopping import RunEnded
 from fsdp_zero.torch_private import _init_optim_state
 
 logger = logging.getLogger("fsdp_zero")
@@ -170,7 +172,38 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def read_train_state(path: Path) -> dict:
+@dataclass
+class TrainState:
+    """What a checkpoint holds besides tensors: where the run is. ``train_state.json`` is written by
+    `to_json` and read by `from_json`, nowhere else."""
+
+    step: int  # optimizer steps taken
+    data_position: int = 0  # samples of the global batch order consumed (the data cursor's position)
+    skipped_nonfinite: int = 0  # non-finite steps skipped so far (train.skip_nonfinite)
+    loss_scaler: dict | None = None  # fp16's dynamic loss scale and its counters
+    deadline: float | None = None  # the end of the time budget (train.max_minutes), seconds since the epoch
+    job: str | None = None  # the torchrun job whose budget that is (a restart of it keeps the deadline)
+    world_size: int | None = None  # the save's (set by `Checkpointer.save`)
+    versions: dict[str, str] = field(default_factory=dict)  # torch's and ours, at the save
+    extra: dict[str, Any] = field(default_factory=dict)  # the own-loop API's keys (`fsdp_zero.api.Checkpoints`)
+
+    def to_json(self) -> str:
+        plain = asdict(self)
+        extra = plain.pop("extra")
+        return json.dumps({**{k: v for k, v in plain.items() if v is not None}, **extra}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainState:
+        """Raises ValueError (or json.JSONDecodeError) for text that is not a train state."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict) or not isinstance(raw.get("step"), int):
+            raise ValueError("no integer 'step'")
+        raw.pop("seed", None)  # written until 2026-11, never read: a run's seed is in its config.yaml
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: raw.pop(k) for k in list(raw) if k in known}, extra=raw)
+
+
+def read_train_state(path: Path) -> TrainState:
     """The JSON side of a checkpoint.
 
     Raises:
@@ -184,8 +217,8 @@ def read_train_state(path: Path) -> dict:
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} is incomplete: {', '.join(missing)} missing")
     try:
-        return json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        return TrainState.from_json((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"checkpoint {str(path)!r}: {STATE_FILE} is corrupt: {e}") from None
 
 
@@ -255,9 +288,11 @@ def check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Pat
 # Save
 
 
-class CheckpointFailed(Exception):
-    """A save failed on some rank (disk full, quota, I/O error); scripts/train.py exits with code 6.
-    Nothing of that save was kept and the checkpoints before it are untouched."""
+class CheckpointFailed(RunEnded):
+    """A save failed on some rank (disk full, quota, I/O error). Nothing of that save was kept and the
+    checkpoints before it are untouched."""
+
+    exit_code = 6
 
 
 def _causes(error: BaseException) -> str:
@@ -291,9 +326,10 @@ class Checkpointer:
         # they may wait for the slowest rank's I/O; None: torch's default).
         self.async_group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState,
              config_yaml: str) -> None:
-        """Writes checkpoint ``step``; returns at once when saving asynchronously."""
+        """Writes checkpoint ``step`` (``train_state`` with this world size and the versions); returns
+        at once when saving asynchronously."""
         self.wait()  # one save in flight at a time
         final = self.root / checkpoint_name(step)
         partial = self.root / f"{_PARTIAL_PREFIX}{final.name}"
@@ -305,9 +341,9 @@ class Checkpointer:
                 if partial.exists():  # left by a crash: garbage by construction
                     shutil.rmtree(partial)
                 partial.mkdir(parents=True)
-                state = {**train_state, "world_size": dist.get_world_size(),
-                         "versions": {"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__}}
-                (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+                state = replace(train_state, world_size=dist.get_world_size(),
+                                versions={"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__})
+                (partial / STATE_FILE).write_text(state.to_json())
                 (partial / CONFIG_FILE).write_text(config_yaml)
         box = [error]
         dist.broadcast_object_list(box, src=0)  # every rank stops, or none does
@@ -399,8 +435,8 @@ def _fault_point(where: str, step: int) -> None:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                    device: torch.device) -> dict:
-    """Loads model, optimizer and this rank's RNG from ``path``; returns its train state (JSON).
+                    device: torch.device) -> TrainState:
+    """Loads model, optimizer and this rank's RNG from ``path``; returns its train state.
 
     Works at any world size: DCP reads, for each rank, the parts of the saved chunks
     that overlap the rank's shards.

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from fsdp_zero.config import Config, ParallelConfig, Strategy
-from fsdp_zero.memory import CATEGORIES, MIB, Phase
+from fsdp_zero.memory import CATEGORIES, MIB
 from fsdp_zero.parallelize import model_state_formula
+from fsdp_zero.step import Phase, set_lr, train_step
 
 ZERO = {Strategy.ddp: "0 (DDP)", Strategy.zero1: "1", Strategy.shard_grad_op: "2", Strategy.full_shard: "3"}
 ORDER = [Strategy.full_shard, Strategy.shard_grad_op, Strategy.zero1, Strategy.ddp]  # the order they run in
@@ -64,7 +65,6 @@ def dataparallel_row(cfg: Config) -> dict:
     from fsdp_zero.data import BatchCursor, build_source
     from fsdp_zero.memory import model_state_bytes
     from fsdp_zero.tasks import build_task, vocab_size
-    from fsdp_zero.trainer import set_lr, train_step
 
     device = torch.device("cuda", 0)
     devices = list(range(torch.cuda.device_count()))
@@ -86,8 +86,8 @@ def dataparallel_row(cfg: Config) -> dict:
     start = time.perf_counter()
     for step in range(1, cfg.train.steps + 1):
         set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
-        loss, _, _ = train_step(parallel, optimizer, loss_fn, cursor.next_batch(), cfg.optim.grad_clip, device,
-                                [on_phase] if step == 1 else [])
+        loss = train_step(parallel, optimizer, loss_fn, cursor.next_batch(), cfg.optim.grad_clip, device,
+                          [on_phase] if step == 1 else []).loss
     final = loss.item()
     elapsed = time.perf_counter() - start
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB

@@ -235,13 +235,19 @@ def broadcast_object(obj: object, env: DistEnv) -> object:
 
 
 def agree_on_seed(seed: int | None, env: DistEnv) -> int:
-    """The run's seed: the configured one, or one drawn by rank 0; seeds every RNG with it."""
+    """The configured seed, or one drawn by rank 0, on every rank; seeds every RNG with it (for the
+    benchmarks; the trainer's seed comes from `fsdp_zero.rundir.decide`)."""
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
     seed = int(broadcast_object(seed, env))
+    seed_all(seed)
+    return seed
+
+
+def seed_all(seed: int) -> None:
+    """Seeds Python's and torch's RNGs (every device's)."""
     random.seed(seed)
     torch.manual_seed(seed)
-    return seed
 
 
 def setup_logging(env: DistEnv) -> None:

@@ -20,6 +20,7 @@ import zlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_zero.torch_private import ConvNd, NormBase
 
@@ -31,11 +32,7 @@ _MASK64 = (1 << 64) - 1
 
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """The local tensor to write and the global rows [start, stop) it holds."""
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # pragma: no cover - torch built without distributed
-        DTensor = None  # noqa: N806
-    if DTensor is not None and isinstance(param, DTensor):
+    if isinstance(param, DTensor):
         local = param.to_local()
         start = 0
         rows = param.shape[0]

@@ -9,25 +9,22 @@ it can be checked against that formula.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from fsdp_zero.step import Phase
 
 MIB = 2**20
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return t
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -220,20 +217,6 @@ CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations", 
 _FSDP_MAP = {"SHARDED_PARAM": "params", "UNSHARDED_PARAM": "gathered_params", "SHARDED_GRAD": "grads",
              "UNSHARDED_GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "ALL_GATHER": "comm_buffers",
              "REDUCE_SCATTER": "comm_buffers", "TEMP": "other", "BUFFER": "other", "INP": "other"}
-class Phase(str, enum.Enum):
-    """The points of a training step that report themselves (see `fsdp_zero.trainer.train_step`)."""
-
-    START = "start"  # before the step (the profiler's own snapshot)
-    AFTER_BUILD = "after_build"  # the model built, before the first step (the trainer reports it)
-    AFTER_FORWARD = "after_forward"  # the first micro-batch's forward
-    AFTER_MICRO_BATCH = "after_micro_batch"  # each micro-batch but the last, after its backward
-    AFTER_BACKWARD = "after_backward"  # the last micro-batch's backward
-    AFTER_OPTIMIZER_STEP = "after_optimizer_step"  # parameters, gradients and optimizer states all live
-
-
-PhaseHook = Callable[[Phase], None]
-
-
 _PLAIN_MAP = {"PARAM": "params", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "TEMP": "other",
               "BUFFER": "other", "OTH": "other"}
 

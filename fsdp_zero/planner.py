@@ -2,7 +2,7 @@
 
 One rank of an N-rank job is simulated: a fake process group of N ranks (collectives
 return at once), FakeTensorMode (tensors have shapes and devices but no storage), and
-two steps of the real training step (`fsdp_zero.trainer.train_step`: the same
+two steps of the real training step (`fsdp_zero.step.train_step`: the same
 parallelize, optimizer, clipping) under PyTorch's MemTracker, which attributes every
 tensor to a category. The first step creates the AdamW states; the peak of the second
 is the steady state. The same approach as torchtitan's memory estimation. DDP strategies
@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_zero.config import BatchLayout, Config, Strategy, validate
-from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, Phase, StepProfiler, mmap_threshold
+from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
+from fsdp_zero.step import Phase, train_step
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -307,7 +308,6 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
     from fsdp_zero.parallelize import device_mesh, is_fsdp
     from fsdp_zero.tasks import build_task, vocab_size
     from fsdp_zero.torch_private import FakeStore, FakeTensorMode
-    from fsdp_zero.trainer import train_step
 
     target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
     # Planning for GPUs from a machine without one: the tensors are the same (fp32), so the

@@ -1,8 +1,9 @@
 """The run directory: whether a run starts fresh, continues, or is refused; what it writes.
 
-Rank 0 decides (`plan_run_dir`, plain and testable in-process), every rank learns the
-decision (`decide_run_dir`), and nothing is written until set-up has succeeded
-(`write_run_dir`). A config that would overwrite a user's run, or continue a checkpoint
+Rank 0 decides the run's name, seed and resume point (`plan_run_dir`, plain and testable
+in-process), every rank learns the `RunDecision` in one broadcast (`decide`), and nothing is
+written until set-up has succeeded (`write_run_dir`). The config is never changed: the decided
+name and seed reach config.yaml through `RunDecision.resolve`. A config that would overwrite a user's run, or continue a checkpoint
 with settings that change what it means, is refused with the reason; a file that changes
 is kept beside the new one (name.<step>), never overwritten.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import tempfile
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -72,8 +75,22 @@ def check_writable(run_dir: Path, root: str) -> None:
                          f"{e.strerror or e} in {str(existing)!r}") from None
 
 
-def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
-    """Rank 0's decision: which checkpoint to resume from (None: a fresh start).
+@dataclass(frozen=True)
+class RunDecision:
+    """Where a run lives, what it continues, and its seed: decided once, by rank 0."""
+
+    run_dir: Path
+    resume: Path | None  # the checkpoint to continue from (None: a fresh start)
+    seed: int  # train.seed, one drawn by rank 0, or (train.seed=null) the resumed checkpoint's
+
+    def resolve(self, cfg: Config) -> Config:
+        """``cfg`` with the decided run.name and train.seed, as config.yaml records it."""
+        return replace(cfg, run=replace(cfg.run, name=self.run_dir.name), train=replace(cfg.train, seed=self.seed))
+
+
+def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
+    """Rank 0's decision for ``cfg`` (its run.name and train.seed already chosen): which checkpoint
+    to resume from, and the seed (the checkpoint's when ``seed_was_set`` is false).
 
     Raises:
         ValueError: a run directory or checkpoint that this config must not continue or overwrite.
@@ -81,7 +98,7 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
     check_writable(run_dir, cfg.run.root)
     saved_cfg = run_dir / "config.yaml"
     ckpts = list_checkpoints(run_dir / "checkpoints")
-    resume = cfg.checkpoint.resume
+    resume, seed = cfg.checkpoint.resume, cfg.train.seed
     if resume == "none":
         if ckpts:
             raise ValueError(
@@ -93,7 +110,7 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
         resume_from = latest_checkpoint(run_dir / "checkpoints")
     else:
         resume_from = Path(resume)
-        step = read_train_state(resume_from)["step"]  # a clear error for a partial or missing checkpoint
+        step = read_train_state(resume_from).step  # a clear error for a partial or missing checkpoint
         newer = [p for p in ckpts if checkpoint_step(p) > step]
         if newer:
             raise ValueError(
@@ -106,8 +123,7 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
         old = OmegaConf.to_container(OmegaConf.load(resume_from / "config.yaml"))
         new = to_plain(cfg)
         if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
-            new["train"]["seed"] = old["train"]["seed"]
-            cfg.train.seed = old["train"]["seed"]
+            seed = new["train"]["seed"] = old["train"]["seed"]
         diff = config_diff(old, new)
         bad = {k: v for k, v in diff.items() if k.startswith(INCOMPATIBLE) and not k.startswith(COMPATIBLE)}
         if bad:
@@ -121,30 +137,31 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> Path | None:
             f"run directory {str(run_dir)!r} already holds a run with a different config "
             f"({saved_cfg}); choose another run.name, or delete that folder to start over"
         )
-    return resume_from
+    return RunDecision(run_dir, resume_from, seed)
 
 
-def decide_run_dir(cfg: Config, env: DistEnv, seed_was_set: bool) -> tuple[Path, Path | None]:
-    """The run directory and the checkpoint to resume from, if any; writes nothing.
+def decide(cfg: Config, env: DistEnv) -> RunDecision:
+    """The run directory, the checkpoint to resume from and the seed: rank 0 decides (a timestamp
+    for an unset run.name, a drawn seed for an unset train.seed) and every rank learns it in one
+    broadcast. Writes nothing, and leaves ``cfg`` as it is.
 
     Raises:
-        ValueError: as `plan_run_dir`, on every rank (rank 0 decides and broadcasts).
+        ValueError: as `plan_run_dir`, on every rank.
     """
-    if cfg.run.name is None:
-        cfg.run.name = broadcast_object(datetime.now().strftime("%Y%m%d-%H%M%S"), env)
-    run_dir = Path(cfg.run.root) / cfg.run.name
-    decision: tuple[str | None, str | None, int | None] = (None, None, None)  # resume path, error, seed
+    decision: RunDecision | str | None = None
     if env.is_rank0:
+        name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
+        seed = cfg.train.seed if cfg.train.seed is not None else random.SystemRandom().randrange(2**31)
+        run_dir = Path(cfg.run.root) / name
+        chosen = RunDecision(run_dir, None, seed).resolve(cfg)
         try:
-            resume_from = plan_run_dir(cfg, run_dir, seed_was_set)
-            decision = (str(resume_from) if resume_from else None, None, cfg.train.seed)
+            decision = plan_run_dir(chosen, run_dir, seed_was_set=cfg.train.seed is not None)
         except Exception as e:  # any failure must reach the other ranks, or they wait forever
-            decision = (None, str(e) if isinstance(e, ValueError) else f"run directory {str(run_dir)!r}: {e!r}", None)
-    resume, error, seed = broadcast_object(decision, env)
-    if error:
-        raise ValueError(error)
-    cfg.train.seed = seed
-    return run_dir, Path(resume) if resume else None
+            decision = str(e) if isinstance(e, ValueError) else f"run directory {str(run_dir)!r}: {e!r}"
+    decision = broadcast_object(decision, env)
+    if isinstance(decision, str):
+        raise ValueError(decision)
+    return decision
 
 
 def _keep(path: Path, tag: str) -> None:

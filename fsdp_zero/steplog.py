@@ -2,8 +2,9 @@
 
 On a log step (every ``train.log_every`` steps, and the last) it reads the interval's time and
 this rank's memory, gathers loss, peak memory, throughput and the task's scalars from every
-rank in one all-gather (with ``.item()``, the loop's only sync points), and writes the same
-names to TensorBoard (per rank, under tb/rank<R>) and to metrics.jsonl (rank 0):
+rank in one all-gather (with ``.item()``: the loop's sync points besides the step's gate, see
+`fsdp_zero.step`), and writes the same names to TensorBoard (per rank, under tb/rank<R>) and
+to metrics.jsonl (rank 0):
 
     loss, lr, grad_norm                global: the mean over ranks, the rate, the global norm
     <unit>_per_s_rank                  this rank's throughput (tokens, or samples for images)
@@ -27,8 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_zero.distributed import DistEnv
-from fsdp_zero.memory import MIB, MemoryMonitor, Phase, StepProfiler, memory_scalars
+from fsdp_zero.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
+from fsdp_zero.step import Phase
 
 logger = logging.getLogger("fsdp_zero")
 

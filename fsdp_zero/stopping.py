@@ -2,7 +2,7 @@
 
 Cleanly: on SIGTERM (what schedulers send before they kill a job) or when
 ``train.max_minutes`` have passed, every rank finishes the step it is in, a checkpoint of that step
-is saved, and the run exits with `EXIT_STOPPED` so that a wrapper script knows to launch it again
+is saved, and the run exits with `Stopped.exit_code` so that a wrapper script knows to launch it again
 (the next launch continues from that checkpoint).
 
 On divergence: a non-finite loss on any rank, or a non-finite global gradient norm, is found
@@ -25,7 +25,6 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-EXIT_STOPPED = 4  # stopped early with a checkpoint saved: launch again to continue
 REASONS = {1: "the time budget (train.max_minutes) ran out", 2: "SIGTERM"}
 
 
@@ -37,24 +36,24 @@ class Verdict:
     stop: str | None  # why the ranks stop after this step, or None to go on
 
 
-def budget_deadline(max_minutes: float | None, saved: dict | None) -> float | None:
+def budget_deadline(max_minutes: float | None, saved_deadline: float | None = None,
+                    saved_job: str | None = None) -> float | None:
     """When the time budget ends (seconds since the epoch; None: no budget): ``max_minutes`` from now,
     except in ranks that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) resuming from a
-    checkpoint that an earlier attempt of the same torchrun job saved (``saved``: its train state):
-    those keep that attempt's deadline, so a restart never gets a fresh budget (and one after the
-    budget ran out stops at once)."""
+    checkpoint that an earlier attempt of the same torchrun job saved (``saved_*``: its train
+    state's deadline and job): those keep that attempt's deadline, so a restart never gets a fresh
+    budget (and one after the budget ran out stops at once)."""
     if not max_minutes:
         return None
-    job = os.environ.get("TORCHELASTIC_RUN_ID")
-    if saved and saved.get("deadline") and job and saved.get("job") == job and \
+    if saved_deadline and saved_job and saved_job == budget_job() and \
             int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return float(saved["deadline"])
+        return float(saved_deadline)
     return time.time() + 60 * max_minutes
 
 
-def budget_state(deadline: float | None) -> dict:
-    """What a checkpoint carries of the time budget, for `budget_deadline` after a restart."""
-    return {"deadline": deadline, "job": os.environ.get("TORCHELASTIC_RUN_ID")} if deadline else {}
+def budget_job() -> str | None:
+    """The torchrun job a time budget belongs to (saved with it in the train state)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 class StepGuard:
@@ -70,7 +69,6 @@ class StepGuard:
         self.signalled = False
         self.deadline = deadline
         self.overflow_is_skip = overflow_is_skip
-        self.last = Verdict(True, None)
         self._previous = None
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -78,10 +76,10 @@ class StepGuard:
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = True
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether to take the optimizer step (the step's numbers are finite on every rank); the
-        whole answer, stop request included, is kept in ``last``. One all-reduce of two integers,
-        on the loss's device, and one sync to read them."""
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
+        """What every rank agreed on about this step: whether its numbers are finite on every rank
+        (the optimizer step is taken only then) and whether to stop after it. One all-reduce of two
+        integers, on the loss's device, and one sync to read them (`train_step`'s gate)."""
         stop = 2 if self.signalled else 1 if self.deadline is not None and time.time() >= self.deadline else 0
         bad = ~torch.isfinite(loss.detach())
         if not self.overflow_is_skip:
@@ -89,8 +87,7 @@ class StepGuard:
         flags = torch.stack([bad.to(torch.int32), torch.tensor(stop, dtype=torch.int32, device=loss.device)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, stop = flags.tolist()
-        self.last = Verdict(not nonfinite, REASONS.get(stop))
-        return self.last.finite
+        return Verdict(not nonfinite, REASONS.get(stop))
 
     def close(self) -> None:
         if self._previous is not None:
@@ -98,5 +95,30 @@ class StepGuard:
             self._previous = None
 
 
-class Stopped(Exception):
-    """The run stopped early with a checkpoint saved (`EXIT_STOPPED`)."""
+class RunEnded(Exception):
+    """A run that ended before its last step; ``scripts/train.py`` prints the message and exits with
+    ``exit_code`` (a bad setting, a ValueError, exits with 2)."""
+
+    exit_code: int
+    prefix = "error: "  # how the message is printed
+    every_rank = False  # whether every rank prints it (each has its own), or rank 0 only
+
+
+class Diverged(RunEnded):
+    """Training produced a non-finite loss or gradient norm; no checkpoint of that step was saved."""
+
+    exit_code = 3
+
+
+class Stopped(RunEnded):
+    """SIGTERM or train.max_minutes: the run saved the step it was in, then stopped (launch it again)."""
+
+    exit_code = 4
+    prefix = ""
+
+
+class CollectiveFailed(RunEnded):
+    """A collective failed or timed out on this rank: another rank died or hung."""
+
+    exit_code = 5
+    every_rank = True  # each surviving rank says where it was

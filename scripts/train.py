@@ -22,18 +22,13 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fsdp_zero.checkpoint import CheckpointFailed
 from fsdp_zero.config import load_config
 from fsdp_zero.deepspeed import read_deepspeed
 from fsdp_zero.distributed import distributed, exit_process
-from fsdp_zero.stopping import EXIT_STOPPED, Stopped
-from fsdp_zero.trainer import CollectiveFailed, Diverged, train
+from fsdp_zero.stopping import RunEnded
+from fsdp_zero.trainer import train
 
-USAGE_ERROR = 2  # a bad setting, file or path: nothing was written
-DIVERGED = 3  # a non-finite loss or gradient norm: stopped at that step, no checkpoint of it saved
-# EXIT_STOPPED = 4: SIGTERM or train.max_minutes; the step was saved, launch again to continue
-COLLECTIVE_FAILED = 5  # another rank died or hung past dist.timeout_minutes: this rank says where it was
-SAVE_FAILED = 6  # a checkpoint could not be written (disk full, quota): the ones before it are intact
+USAGE_ERROR = 2  # a bad setting, file or path: nothing was written; the other codes are RunEnded's
 
 
 def _fail(message: str) -> int:
@@ -64,19 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             train(cfg, env)
     except ValueError as e:  # a user error: every rank raises the same one
         return _fail(str(e))
-    except Diverged as e:  # every rank stops at the same step (the check is collective)
-        _fail(str(e))
-        return DIVERGED
-    except CollectiveFailed as e:  # every surviving rank says where it was
-        print(f"error: {e}", file=sys.stderr)
-        return COLLECTIVE_FAILED
-    except CheckpointFailed as e:  # every rank learns it from DCP; the partial save was removed
-        _fail(str(e))
-        return SAVE_FAILED
-    except Stopped as e:  # SIGTERM or train.max_minutes, with a checkpoint saved
-        if os.environ.get("RANK", "0") == "0":
-            print(str(e), file=sys.stderr)
-        return EXIT_STOPPED
+    except RunEnded as e:  # diverged (3), stopped with a save (4), a collective failed (5), a save failed (6)
+        if e.every_rank or os.environ.get("RANK", "0") == "0":
+            print(f"{e.prefix}{e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

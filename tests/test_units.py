@@ -15,7 +15,7 @@ from fsdp_zero.config import BatchLayout, OptimConfig
 from fsdp_zero.data import BatchCursor, ByteText, SyntheticBigram
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes
 from fsdp_zero.model import PRESETS, build_model, model_args
-from fsdp_zero.trainer import lr_factor
+from fsdp_zero.step import lr_factor
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -142,7 +142,7 @@ def test_reference_schedule_agrees_with_the_hand_worked_values():
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_every_schedule_agrees_with_the_reference(schedule):
     from fsdp_zero.config import Schedule
-    from fsdp_zero.trainer import lr_factor
+    from fsdp_zero.step import lr_factor
     from tests.reference import reference_lr
 
     cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(schedule))
@@ -246,12 +246,12 @@ def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
 
 def test_run_directory_policy_in_process(tmp_path: Path):
     from fsdp_zero.config import load_config, to_yaml
-    from fsdp_zero.rundir import plan_run_dir, run_files, write_run_dir
+    from fsdp_zero.rundir import RunDecision, plan_run_dir, run_files, write_run_dir
 
     base = ["model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=r"]
     run_dir = tmp_path / "r"
     cfg = load_config(None, base)
-    assert plan_run_dir(cfg, run_dir, seed_was_set=True) is None  # nothing there: a fresh start
+    assert plan_run_dir(cfg, run_dir, seed_was_set=True) == RunDecision(run_dir, None, 1234)  # nothing there: fresh
     write_run_dir(run_dir, run_files(cfg, run_dir, 0, "plan"), tag="0")
     assert (run_dir / "config.yaml").read_text() == to_yaml(cfg) and (run_dir / "wrap_plan.txt").read_text() == "plan\n"
     with pytest.raises(ValueError, match="already holds a run with a different config"):
@@ -259,7 +259,7 @@ def test_run_directory_policy_in_process(tmp_path: Path):
 
     _checkpoint(run_dir, 2, cfg)
     latest = _checkpoint(run_dir, 4, cfg)
-    assert plan_run_dir(load_config(None, base + ["optim.lr=1e-3", "data.num_workers=1"]), run_dir, True) == latest
+    assert plan_run_dir(load_config(None, base + ["optim.lr=1e-3", "data.num_workers=1"]), run_dir, True).resume == latest
     with pytest.raises(ValueError, match=r"checkpoint\.resume=none but run directory .* holds checkpoints \(newest step-0000004\)"):
         plan_run_dir(load_config(None, base + ["checkpoint.resume=none"]), run_dir, True)
     with pytest.raises(ValueError, match=r"model\.n_layers: None in the checkpoint, 3 now"):
@@ -267,9 +267,10 @@ def test_run_directory_policy_in_process(tmp_path: Path):
     older = load_config(None, base + [f"checkpoint.resume={run_dir / 'checkpoints' / 'step-0000002'}"])
     with pytest.raises(ValueError, match=r"holds newer checkpoints \(step-0000004\)"):
         plan_run_dir(older, run_dir, True)
-    unseeded = load_config(None, base + ["train.seed=null"])
-    plan_run_dir(unseeded, run_dir, seed_was_set=False)
-    assert unseeded.train.seed == cfg.train.seed  # inherits the checkpoint's seed
+    drawn = load_config(None, base + ["train.seed=99"])  # train.seed=null, with rank 0's draw (99)
+    decision = plan_run_dir(drawn, run_dir, seed_was_set=False)
+    assert decision.seed == cfg.train.seed and drawn.train.seed == 99  # the checkpoint's seed; the config untouched
+    assert decision.resolve(drawn).train.seed == cfg.train.seed and decision.resolve(drawn).run.name == "r"
 
     # After a crash at step 6, metrics past the step-4 checkpoint are dropped; the old log is kept.
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
@@ -280,7 +281,7 @@ def test_run_directory_policy_in_process(tmp_path: Path):
 
 def test_learning_rate_is_set_from_the_step_alone():
     from fsdp_zero.config import OptimConfig
-    from fsdp_zero.trainer import set_lr
+    from fsdp_zero.step import set_lr
     from tests.reference import reference_lr
 
     cfg = OptimConfig(lr=1e-2, warmup_steps=3, min_lr_ratio=0.1)
@@ -301,3 +302,26 @@ def test_own_loop_shard_names_a_bad_argument(kwargs, message):
     with pytest.raises(ValueError) as e:
         shard(torch.nn.Linear(2, 2), None, **kwargs)  # checked before anything is built
     assert str(e.value).startswith(message)
+
+
+def test_train_state_round_trips_and_reads_checkpoints_written_before_it(tmp_path: Path):
+    from fsdp_zero.checkpoint import TrainState, read_train_state
+
+    state = TrainState(step=7, data_position=56, skipped_nonfinite=1, loss_scaler={"scale": 1024.0}, deadline=1.5e9,
+                       job="j", world_size=2, versions={"torch": "x"}, extra={"samples_seen": 3})
+    text = state.to_json()
+    assert TrainState.from_json(text) == state
+    assert json.loads(text)["samples_seen"] == 3 and "extra" not in json.loads(text)  # the own loop's keys, flat
+    assert "deadline" not in TrainState(step=1).to_json()  # no budget: nothing of it written, as before
+    # A train_state.json as the trainer wrote it before TrainState (an unread "seed", the budget's keys):
+    old = {"step": 4, "data_position": 32, "seed": 1234, "skipped_nonfinite": 0, "deadline": 2.0, "job": "a",
+           "loss_scaler": {"scale": 8.0}, "world_size": 2, "versions": {"torch": "2.15", "fsdp_zero": "0.1.0"}}
+    ckpt = tmp_path / "step-0000004"
+    ckpt.mkdir()
+    for name in (".metadata", "config.yaml"):
+        (ckpt / name).write_text("")
+    (ckpt / "train_state.json").write_text(json.dumps(old))
+    assert read_train_state(ckpt) == TrainState(4, 32, 0, {"scale": 8.0}, 2.0, "a", 2, old["versions"])
+    (ckpt / "train_state.json").write_text(json.dumps({"data_position": 1}))
+    with pytest.raises(ValueError, match="train_state.json is corrupt: no integer 'step'"):
+        read_train_state(ckpt)

@@ -118,13 +118,13 @@ def _async_save_waits() -> None:
 
 def _schedule_one_step_late() -> None:
     """The learning-rate schedule one step behind (the warm-up starts a step late): ours, patched
-    when fsdp_zero.trainer is imported."""
+    when fsdp_zero.step is imported."""
     import importlib.abc
     import sys
 
     class Patch(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):  # noqa: ANN001
-            if name != "fsdp_zero.trainer":
+            if name != "fsdp_zero.step":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
