@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_zero.config import Config, DataSource, Strategy, TrainConfig, WrapPolicy, batch_layout, load_config, to_yaml
+from fsdp_zero.config import Config, DataSource, Strategy, TrainConfig, WrapPolicy
+from fsdp_zero.config_loader import load_config, to_yaml
+from fsdp_zero.data import batch_layout
 from tests.conftest import REPO
 
 
