@@ -23,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fsdp_zero.checkpoint import Checkpointer, TrainState, load_checkpoint
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.distributed import broadcast_object, distributed, exit_process
 from fsdp_zero.trainer import setup, train
 

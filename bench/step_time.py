@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.distributed import agree_on_seed, broadcast_object, distributed, exit_process
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes
 from fsdp_zero.parallelize import model_state_formula

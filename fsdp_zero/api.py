@@ -29,6 +29,7 @@ resumable at another world size, exportable with scripts/export.py).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,8 +39,8 @@ from fsdp_zero.build import meta_parameters
 from fsdp_zero.build import shard as _shard
 from fsdp_zero.checkpoint import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
 from fsdp_zero.config import (
-    PRECISION_MODES, ActivationCheckpointing, Backend, Device, DistConfig, Init, ParallelConfig, PrecisionConfig, Strategy,
-    WrapConfig, WrapPolicy,
+    ActivationCheckpointing, Backend, Device, DistConfig, Init, ParallelConfig, PrecisionConfig, Strategy, WrapConfig,
+    WrapPolicy,
 )
 from fsdp_zero.distributed import DistEnv
 from fsdp_zero.distributed import distributed as _distributed
@@ -79,19 +80,35 @@ def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: li
     `parallel.activation_checkpointing`); fp16-mixed needs a ``torch.amp.GradScaler`` in your loop.
 
     Raises:
-        ValueError: an unknown strategy, precision or checkpointing choice, or wrap classes the
-            model does not have.
+        ValueError: an unknown strategy, precision or checkpointing choice, CPU offload without an
+            FSDP strategy (the trainer's `ParallelConfig.check` and `PrecisionConfig.check`), or wrap
+            classes the model does not have.
     """
-    choices = {"strategy": (strategy, Strategy), "activation_checkpointing": (activation_checkpointing, ActivationCheckpointing)}
-    for name, (value, kind) in choices.items():
-        if value not in kind.__members__:
-            raise ValueError(f"{name}={value!r} is not a valid choice; valid choices: {', '.join(kind.__members__)}")
-    if precision not in PRECISION_MODES:
-        raise ValueError(f"precision={precision!r} is not a valid choice; valid choices: {', '.join(PRECISION_MODES)}")
-    parallel = ParallelConfig(strategy=Strategy(strategy), shard_size=shard_size, cpu_offload=cpu_offload,
-                              activation_checkpointing=ActivationCheckpointing(activation_checkpointing),
+    parallel = ParallelConfig(strategy=strategy, shard_size=shard_size, cpu_offload=cpu_offload,
+                              activation_checkpointing=activation_checkpointing,
                               wrap=WrapConfig(policy=WrapPolicy.transformer, classes=list(wrap or [])))
-    return _shard(model, parallel, env, seed=seed, init=Init(init), precision=resolve(PrecisionConfig(mode=precision)))[0]
+    precision_cfg = PrecisionConfig(mode=precision)
+    _check_as_keywords(parallel, precision_cfg)
+    parallel = replace(parallel, strategy=Strategy(strategy),
+                       activation_checkpointing=ActivationCheckpointing(activation_checkpointing))
+    return _shard(model, parallel, env, seed=seed, init=Init(init), precision=resolve(precision_cfg))[0]
+
+
+# `shard`'s keywords, by the config key each one sets.
+_KEYWORDS = {"parallel.strategy": "strategy", "parallel.activation_checkpointing": "activation_checkpointing",
+             "parallel.shard_size": "shard_size", "parallel.cpu_offload": "cpu_offload", "precision.mode": "precision"}
+
+
+def _check_as_keywords(*sections: ParallelConfig | PrecisionConfig) -> None:
+    """The trainer's rules for these config sections (their ``check()``), with errors in `shard`'s keywords."""
+    try:
+        for section in sections:
+            section.check()
+    except ValueError as e:
+        message = str(e)
+        for key, keyword in _KEYWORDS.items():
+            message = message.replace(f"{key}=", f"{keyword}=")
+        raise ValueError(message) from None
 
 
 class Checkpoints:

@@ -61,8 +61,7 @@ def dataparallel_row(cfg: Config) -> dict:
     forward; the "per-rank" peak is the highest peak reserved over the GPUs.
     """
     from fsdp_zero.build import build_optimizer, construct, materializer, real_buffers
-    from fsdp_zero.config import batch_layout
-    from fsdp_zero.data import BatchCursor, build_source
+    from fsdp_zero.data import BatchCursor, batch_layout, build_source
     from fsdp_zero.memory import model_state_bytes
     from fsdp_zero.tasks import build_task, vocab_size
 

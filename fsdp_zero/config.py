@@ -1,27 +1,23 @@
-"""The typed configuration schema: dataclasses, YAML deltas and dotlist overrides.
+"""The typed configuration schema: each section's fields, and beside them the rules they obey.
 
 A run's config is the dataclass defaults below, merged with an optional YAML file
 that holds only the keys it changes, merged with ``key=value`` overrides from the
-command line. Every user mistake (an unknown key, a value of the wrong type, a bad
-choice, a batch that does not divide) is a ``ValueError`` naming the key, the bad
+command line (`fsdp_zero.config_loader`). Every user mistake (an unknown key, a value of the wrong
+type, a bad choice, a batch that does not divide) is a ``ValueError`` naming the key, the bad
 value and what would be valid, raised before anything is built or written.
+
+Each section checks its own keys in ``check()``, written right under its fields (as FSDP2's policy
+dataclasses validate themselves); the rules that need the world size are its ``check_world(n)``.
+`validate` runs every section's check and the few rules that span sections. The built-in model's
+own rules (a known preset, its fields) live with the model: `fsdp_zero.model.check_model_config`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import enum
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from fsdp_zero.torch_private import config_value
 
 
 class WrapPolicy(str, enum.Enum):
@@ -122,6 +118,8 @@ class OptimizerImpl(str, enum.Enum):
     for_loop = "for_loop"
 
 
+
+
 @dataclass
 class ModelConfig:
     """The built-in decoder-only transformer (``preset`` and its fields; ``None`` fields take the
@@ -147,6 +145,31 @@ class ModelConfig:
     # .pt file, a .safetensors file, or a folder of safetensors shards with an index.
     init_from: str | None = None
 
+    def check(self) -> None:
+        """The rules that need no model; the built-in model's (preset, its fields, kwargs) are
+        `fsdp_zero.model.check_model_config`'s."""
+        if self.target is not None and not _is_target(self.target):
+            raise ValueError(f"model.target={self.target!r}: expected package.module:callable, e.g. "
+                             "torchvision.models:VisionTransformer")
+        if self.task is Task.custom and self.loss is None:
+            raise ValueError("model.task=custom needs model.loss: package.module:function taking (model, batch), returning the loss")
+        if self.loss is not None:
+            if self.task is not Task.custom:
+                raise ValueError(f"model.loss={self.loss!r} is set but model.task={self.task.value}; set model.task=custom to use it")
+            if not _is_target(self.loss):
+                raise ValueError(f"model.loss={self.loss!r}: expected package.module:function")
+        if self.init_from is not None and not Path(self.init_from).exists():
+            raise ValueError(f"model.init_from={self.init_from!r}: no such file or folder")
+
+
+TOKEN_SOURCES = (DataSource.synthetic, DataSource.text, DataSource.tokens)
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+# What each source needs in data.path, and which tasks it feeds (custom takes any).
+_PATHS = {DataSource.text: "a text file or a folder of them", DataSource.tokens: "a .bin or .npy file of token ids",
+          DataSource.images: "an ImageFolder directory, one sub-folder of images per class"}
+_TASK_SOURCES = {Task.causal_lm: TOKEN_SOURCES,
+                 Task.classification: (DataSource.images, DataSource.fake_images)}
+
 
 @dataclass
 class DataConfig:
@@ -165,6 +188,30 @@ class DataConfig:
     # so the loss falls from ln(vocab) towards ~ln(branching).
     branching: int = 4
 
+    def check(self) -> None:
+        """Sizes > 0, and a path that exists and suits the source (only sources that read files take one)."""
+        for key in ("seq_len", "branching", "image_size", "num_classes", "num_samples"):
+            check_positive(f"data.{key}", getattr(self, key))
+        if self.source in _PATHS:
+            if not self.path:
+                raise ValueError(f"data.source={self.source.value} needs data.path ({_PATHS[self.source]})")
+            path = Path(self.path)
+            if not path.exists():
+                raise ValueError(f"data.path={self.path!r}: no such file or folder")
+            if self.source is DataSource.tokens and (not path.is_file() or path.suffix not in (".bin", ".npy")):
+                raise ValueError(f"data.path={self.path!r}: data.source=tokens needs {_PATHS[self.source]}")
+            if self.source is DataSource.images and not path.is_dir():
+                raise ValueError(f"data.path={self.path!r}: data.source=images needs {_PATHS[self.source]}")
+        elif self.path:
+            valid = ", ".join(s.value for s in _PATHS)
+            raise ValueError(f"data.path={self.path!r} is set but data.source={self.source.value} reads no files; "
+                             f"data.source with a path: {valid}")
+        if self.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(f"data.token_dtype={self.token_dtype!r} is not a valid choice; valid choices: "
+                             f"{', '.join(TOKEN_DTYPES)}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0 (0: load in the training process)")
+
 
 @dataclass
 class WrapConfig:
@@ -172,6 +219,14 @@ class WrapConfig:
     classes: list[str] = field(default_factory=list)  # empty: the model's block class
     min_params: int = 1_000_000
     modules: list[str] = field(default_factory=list)  # FQN regexes (re.fullmatch)
+
+    def check(self) -> None:
+        check_positive("parallel.wrap.min_params", self.min_params)
+        if self.policy is WrapPolicy.modules and not self.modules:
+            raise ValueError(
+                "parallel.wrap.policy=modules needs parallel.wrap.modules, a list of FQN regexes, "
+                "e.g. 'parallel.wrap.modules=[layers\\.\\d+]'"
+            )
 
 
 @dataclass
@@ -196,6 +251,52 @@ class ParallelConfig:
     # (every k-th block, k = activation_checkpointing_every). Applied before compiling and sharding.
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     activation_checkpointing_every: int = 2
+
+    def check(self) -> None:
+        """The choices (a section built by hand, as `fsdp_zero.api.shard` does, may name them), and the
+        levers each strategy takes."""
+        strategy = _choice("parallel.strategy", self.strategy, Strategy)
+        _choice("parallel.activation_checkpointing", self.activation_checkpointing, ActivationCheckpointing)
+        check_positive("parallel.reshard_after_forward", self.reshard_after_forward)
+        check_positive("parallel.activation_checkpointing_every", self.activation_checkpointing_every)
+        if self.prefetch < 0:
+            raise ValueError(f"parallel.prefetch={self.prefetch}: must be >= 0 (0: FSDP2's own scheduling)")
+        if self.reshard_after_forward is not None and strategy is not Strategy.full_shard:
+            raise ValueError(f"parallel.reshard_after_forward={self.reshard_after_forward} applies to "
+                             f"parallel.strategy=full_shard only, not {strategy.value}")
+        if self.cpu_offload and strategy not in (Strategy.full_shard, Strategy.shard_grad_op, Strategy.hybrid_shard):
+            raise ValueError(f"parallel.cpu_offload=true needs an FSDP strategy (full_shard, shard_grad_op, hybrid_shard), "
+                             f"not parallel.strategy={strategy.value}")
+        if self.zero_stage is not None and ZERO_STAGES.get(self.zero_stage) is not strategy:
+            raise ValueError(f"parallel.zero_stage={self.zero_stage} contradicts "
+                             f"parallel.strategy={strategy.value}; set one of them")
+        self.wrap.check()
+
+    def check_world(self, world_size: int) -> list[str]:
+        """The rules that need the world size.
+
+        Returns:
+            Warnings for settings that have no effect (to log).
+
+        Raises:
+            ValueError: a hybrid_shard shard size, or a reshard_after_forward group size, that does
+                not divide the world size.
+        """
+        size = self.shard_size
+        if self.strategy is Strategy.hybrid_shard and (size < 1 or world_size % size):
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"parallel.shard_size={size} must divide the world size {world_size}; valid choices: {divisors}"
+            )
+        k = self.reshard_after_forward
+        if k is not None and k != world_size and (world_size % k or k >= world_size):
+            divisors = [d for d in range(1, world_size) if world_size % d == 0]
+            raise ValueError(f"parallel.reshard_after_forward={k} must divide the world size {world_size} and be "
+                             f"smaller; valid choices: {divisors} (or null)")
+        if self.strategy is not Strategy.hybrid_shard and size != ParallelConfig.shard_size:
+            return [f"parallel.shard_size={size} has no effect with parallel.strategy={self.strategy.value} "
+                    "(only hybrid_shard uses it)"]
+        return []
 
 
 # precision.mode: how model state is stored, computed and reduced (see fsdp_zero.precision).
@@ -223,6 +324,19 @@ class PrecisionConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
 
+    def check(self) -> None:
+        check_positive("precision.loss_scale_window", self.loss_scale_window)
+        if self.mode not in PRECISION_MODES:
+            raise ValueError(f"precision.mode={self.mode!r} is not a valid choice; valid choices: "
+                             f"{', '.join(PRECISION_MODES)}")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in PRECISION_DTYPES:
+                raise ValueError(f"precision.{key}={value!r} is not a valid choice; valid choices: "
+                                 f"{', '.join(PRECISION_DTYPES)}")
+        if self.loss_scale < 0:
+            raise ValueError(f"precision.loss_scale={self.loss_scale}: must be >= 0 (0: dynamic loss scaling)")
+
 
 @dataclass
 class OptimConfig:
@@ -237,6 +351,21 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
     implementation: OptimizerImpl = OptimizerImpl.auto
+
+    def check(self) -> None:
+        check_positive("optim.lr", self.lr)
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
+        if self.eps <= 0:
+            raise ValueError(f"optim.eps={self.eps}: must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas={list(self.betas)}: must be two numbers in [0, 1)")
 
 
 @dataclass
@@ -259,6 +388,32 @@ class TrainConfig:
     # they were. 0: stop at the first. Counted in TensorBoard (train/skipped_nonfinite).
     skip_nonfinite: int = 0
 
+    def check(self) -> None:
+        for key in ("steps", "global_batch_size", "micro_batch_size", "log_every", "stop_after", "max_minutes"):
+            check_positive(f"train.{key}", getattr(self, key))
+        if self.skip_nonfinite < 0:
+            raise ValueError(f"train.skip_nonfinite={self.skip_nonfinite}: must be >= 0 (0: stop at the first "
+                             "non-finite step)")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}"
+            )
+
+    def check_world(self, dp_size: int) -> None:
+        """Raises a ValueError when the global batch does not split evenly over ``dp_size`` ranks
+        (`fsdp_zero.data.batch_layout` derives the gradient accumulation from it)."""
+        if self.global_batch_size % (self.micro_batch_size * dp_size):
+            g = self.global_batch_size
+            valid = [m for m in range(1, g + 1) if g % (m * dp_size) == 0]
+            hint = f"valid train.micro_batch_size values at {dp_size} ranks: {valid}" if valid else (
+                f"train.global_batch_size must be a multiple of the {dp_size} ranks"
+            )
+            raise ValueError(
+                f"train.global_batch_size={g} does not divide into "
+                f"train.micro_batch_size={self.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
+            )
+
 
 @dataclass
 class CheckpointConfig:
@@ -273,11 +428,27 @@ class CheckpointConfig:
     resume: str = "auto"
     async_save: bool = False  # write in a background thread while training goes on
 
+    def check(self) -> None:
+        if self.every < 0 or self.keep_last < 0:
+            raise ValueError(
+                f"checkpoint.every={self.every}, checkpoint.keep_last={self.keep_last}: must be >= 0 (0: "
+                "only at the end / keep all)"
+            )
+        if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
+            raise ValueError(
+                f"checkpoint.resume={self.resume!r}: no such checkpoint folder; valid choices: auto, none, "
+                "or the path of a checkpoint (…/checkpoints/step-NNNNNNN)"
+            )
+
 
 @dataclass
 class RunConfig:
     root: str = "runs"
     name: str | None = None  # None: a timestamp; the run directory is root/name
+
+    def check(self) -> None:
+        if self.name is not None and ("/" in self.name or self.name in ("", ".", "..")):
+            raise ValueError(f"run.name={self.name!r}: must be a plain folder name (set run.root for the parent)")
 
 
 @dataclass
@@ -291,10 +462,17 @@ class DistConfig:
     timeout_minutes: float = 30.0
     step_timeout_minutes: float = 5.0
 
+    def check(self) -> None:
+        check_positive("dist.timeout_minutes", self.timeout_minutes)
+        check_positive("dist.step_timeout_minutes", self.step_timeout_minutes)
+
 
 @dataclass
 class MetricsConfig:
     tensorboard: bool = True
+
+    def check(self) -> None:
+        """Nothing to check: a switch."""
 
 
 @dataclass
@@ -308,6 +486,13 @@ class MemoryConfig:
     # optimizer, activations, comm buffers) with PyTorch's MemTracker; 0: none. One step
     # only: the tracker intercepts every op and is slow.
     profile_step: int = 2
+
+    def check(self) -> None:
+        threshold = self.malloc_mmap_threshold
+        if threshold not in ("auto", "default") and not (threshold.isdigit() and int(threshold) > 0):
+            raise ValueError(f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0")
+        if self.profile_step < 0:
+            raise ValueError(f"memory.profile_step={self.profile_step}: must be >= 0 (0: no profiling)")
 
 
 @dataclass
@@ -325,333 +510,51 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
-# ---------------------------------------------------------------------------------
-# Loading
-
-
-def load_config(config_path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file's deltas, then ``key=value`` overrides.
+def validate(cfg: Config) -> None:
+    """Every section's ``check()``, and the rules that span sections. The built-in model's rules are
+    `fsdp_zero.model.check_model_config`'s (`fsdp_zero.config_loader.load_config` runs both);
+    those that need the world size are the sections' ``check_world``.
 
     Raises:
-        ValueError: a missing file, an unknown key, a wrong type or a bad choice; the
-            message names the key, the value and the valid choices.
+        ValueError: naming the key, the bad value and the valid choices.
     """
-    layers: list[tuple[str, DictConfig]] = []
-    if config_path is not None:
-        path = Path(config_path)
-        if not path.is_file():
-            raise ValueError(f"--config: file not found: {str(path)!r}")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as e:  # yaml's errors carry the line and column
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ValueError(f"--config {str(path)!r}: not valid YAML{where}: {problem}") from None
-        if not isinstance(loaded, DictConfig):
-            raise ValueError(f"--config {str(path)!r}: must hold a mapping of keys, got {type(loaded).__name__}")
-        layers.append((str(path), loaded))
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ValueError(f"override {item!r}: expected key=value, e.g. train.steps=50")
-        try:
-            layers.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
-        except Exception as e:
-            raise ValueError(f"override {item!r}: {e}") from None
-
-    merged = OmegaConf.structured(Config)
-    for origin, layer in layers:
-        _apply_aliases(layer)
-        _check_keys(layer, Config, prefix="", origin=origin)
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as e:
-            raise ValueError(_explain(e, origin)) from None
-    try:
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:  # e.g. a ${...} interpolation that does not resolve
-        raise ValueError(_explain(e, "config")) from None
-    assert isinstance(cfg, Config)
-    validate(cfg)
-    return cfg
-
-
-def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def _apply_aliases(layer: DictConfig) -> None:
-    """``precision=MODE`` to ``precision.mode=MODE``; FSDP1 strategy names (FULL_SHARD, NO_SHARD, ...) to
-    ours; DeepSpeed's zero_stage to a strategy."""
-    if "precision" in layer and isinstance(config_value(layer, "precision"), str):
-        layer.precision = {"mode": config_value(layer, "precision")}
-    parallel = layer.get("parallel") if isinstance(layer.get("parallel", None), DictConfig) else None
-    if parallel is None:
-        return
-    strategy = parallel.get("strategy", None)
-    if isinstance(strategy, str) and strategy.upper() in STRATEGY_ALIASES:
-        parallel.strategy = STRATEGY_ALIASES[strategy.upper()]
-    stage = parallel.get("zero_stage", None)
-    if stage is not None:
-        if stage not in ZERO_STAGES:
-            raise ValueError(f"parallel.zero_stage={stage!r} is not a valid choice; valid choices: 0, 1, 2, 3")
-        mapped = ZERO_STAGES[stage].value
-        if strategy is not None and parallel.strategy != mapped:
-            raise ValueError(f"parallel.zero_stage={stage} means parallel.strategy={mapped}, but "
-                             f"parallel.strategy={strategy} is also set; set one of them")
-        parallel.strategy = mapped
-
-
-def _check_keys(node: DictConfig, schema: type, prefix: str, origin: str) -> None:
-    """Unknown keys are errors that suggest the closest known key."""
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    for key in node.keys():
-        full = f"{prefix}{key}"
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            valid = ", ".join(f"{prefix}{k}" for k in fields)
-            raise ValueError(f"{origin}: unknown config key '{full}'{hint} (valid keys here: {valid})")
-        ftype = _field_type(schema, key)
-        if dataclasses.is_dataclass(ftype):
-            value = node[key]
-            if not isinstance(value, DictConfig):
-                raise ValueError(f"{origin}: '{full}' is a section; set its keys, e.g. {full}.<key>=...")
-            _check_keys(value, ftype, prefix=f"{full}.", origin=origin)
-        elif isinstance(ftype, type) and issubclass(ftype, enum.Enum):
-            raw = config_value(node, key)
-            if isinstance(raw, str) and raw not in ftype.__members__:
-                choices = ", ".join(ftype.__members__)
-                raise ValueError(f"{origin}: {full}={raw!r} is not a valid choice; valid choices: {choices}")
-
-
-def _field_type(schema: type, name: str) -> Any:
-    hints = typing.get_type_hints(schema)
-    ftype = hints[name]
-    args = [a for a in typing.get_args(ftype) if a is not type(None)]
-    if typing.get_origin(ftype) in (typing.Union, types.UnionType) and len(args) == 1:
-        return args[0]
-    return ftype
-
-
-def _explain(e: OmegaConfBaseException, origin: str) -> str:
-    key = getattr(e, "full_key", None) or "?"
-    msg = str(e).split("\n")[0]
-    return f"{origin}: bad value for '{key}': {msg}"
-
-
-# ---------------------------------------------------------------------------------
-# Semantic checks that do not depend on the world size (see `batch_layout` for those)
-
-
-def validate(cfg: Config) -> None:
-    from fsdp_zero.model import PRESETS  # the presets live with the model
-
-    def positive(key: str, value: int | float | None) -> None:
-        if value is not None and value <= 0:
-            raise ValueError(f"{key}={value}: must be > 0")
-
-    m = cfg.model
-    if m.target is None:
-        if m.preset not in PRESETS:
-            close = difflib.get_close_matches(m.preset, PRESETS, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"model.preset={m.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
-        if m.kwargs:
-            raise ValueError(f"model.kwargs={dict(m.kwargs)} is set without model.target; the built-in model takes "
-                             f"model.{', model.'.join(BUILTIN_FIELDS)}")
-    else:
-        if not _is_target(m.target):
-            raise ValueError(f"model.target={m.target!r}: expected package.module:callable, e.g. "
-                             "torchvision.models:VisionTransformer")
-        builtin = [f"model.{k}={getattr(m, k)!r}" for k in BUILTIN_FIELDS if getattr(m, k) is not None]
-        if builtin:
-            raise ValueError(f"{', '.join(builtin)} only applies to the built-in model, not to model.target={m.target}; "
-                             "pass the model's own arguments in model.kwargs")
-    if m.task is Task.custom and m.loss is None:
-        raise ValueError("model.task=custom needs model.loss: package.module:function taking (model, batch), returning the loss")
-    if m.loss is not None:
-        if m.task is not Task.custom:
-            raise ValueError(f"model.loss={m.loss!r} is set but model.task={m.task.value}; set model.task=custom to use it")
-        if not _is_target(m.loss):
-            raise ValueError(f"model.loss={m.loss!r}: expected package.module:function")
-    for name in BUILTIN_FIELDS:
-        if name != "tie_embeddings":
-            positive(f"model.{name}", getattr(m, name))
-    for key, value in [
-        ("data.seq_len", cfg.data.seq_len),
-        ("data.branching", cfg.data.branching),
-        ("data.image_size", cfg.data.image_size),
-        ("data.num_classes", cfg.data.num_classes),
-        ("data.num_samples", cfg.data.num_samples),
-        ("train.steps", cfg.train.steps),
-        ("train.global_batch_size", cfg.train.global_batch_size),
-        ("train.micro_batch_size", cfg.train.micro_batch_size),
-        ("train.log_every", cfg.train.log_every),
-        ("train.stop_after", cfg.train.stop_after),
-        ("train.max_minutes", cfg.train.max_minutes),
-        ("dist.timeout_minutes", cfg.dist.timeout_minutes),
-        ("dist.step_timeout_minutes", cfg.dist.step_timeout_minutes),
-        ("optim.lr", cfg.optim.lr),
-        ("parallel.wrap.min_params", cfg.parallel.wrap.min_params),
-        ("parallel.reshard_after_forward", cfg.parallel.reshard_after_forward),
-        ("parallel.activation_checkpointing_every", cfg.parallel.activation_checkpointing_every),
-        ("precision.loss_scale_window", cfg.precision.loss_scale_window),
-    ]:
-        positive(key, value)
-    threshold = cfg.memory.malloc_mmap_threshold
-    if threshold not in ("auto", "default") and not (threshold.isdigit() and int(threshold) > 0):
-        raise ValueError(f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0")
-    if cfg.parallel.prefetch < 0:
-        raise ValueError(f"parallel.prefetch={cfg.parallel.prefetch}: must be >= 0 (0: FSDP2's own scheduling)")
-    if cfg.parallel.reshard_after_forward is not None and cfg.parallel.strategy is not Strategy.full_shard:
-        raise ValueError(f"parallel.reshard_after_forward={cfg.parallel.reshard_after_forward} applies to "
-                         f"parallel.strategy=full_shard only, not {cfg.parallel.strategy.value}")
-    if cfg.memory.profile_step < 0:
-        raise ValueError(f"memory.profile_step={cfg.memory.profile_step}: must be >= 0 (0: no profiling)")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 0:
-        raise ValueError(
-            f"checkpoint.every={cfg.checkpoint.every}, checkpoint.keep_last={cfg.checkpoint.keep_last}: must be >= 0 (0: "
-            "only at the end / keep all)"
-        )
-    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_dir():
-        raise ValueError(
-            f"checkpoint.resume={cfg.checkpoint.resume!r}: no such checkpoint folder; valid choices: auto, none, "
-            "or the path of a checkpoint (…/checkpoints/step-NNNNNNN)"
-        )
-    if cfg.model.init_from is not None and not Path(cfg.model.init_from).exists():
-        raise ValueError(f"model.init_from={cfg.model.init_from!r}: no such file or folder")
-    if cfg.optim.warmup_steps < 0:
-        raise ValueError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be >= 0")
-    if cfg.optim.eps <= 0:
-        raise ValueError(f"optim.eps={cfg.optim.eps}: must be > 0")
-    if cfg.optim.weight_decay < 0:
-        raise ValueError(f"optim.weight_decay={cfg.optim.weight_decay}: must be >= 0")
+    cfg.model.check()
+    sources = _TASK_SOURCES.get(cfg.model.task)  # before data.check(): with the wrong source, its path is moot
+    if sources and cfg.data.source not in sources:
+        raise ValueError(f"data.source={cfg.data.source.value} does not feed model.task={cfg.model.task.value}; "
+                         f"valid choices: {', '.join(s.value for s in sources)}")
+    for section in (cfg.data, cfg.train, cfg.dist, cfg.optim, cfg.parallel, cfg.precision, cfg.memory, cfg.checkpoint,
+                    cfg.run, cfg.metrics):
+        section.check()
     for key in ("stop_after", "max_minutes"):
         if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
             raise ValueError(f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
-    if cfg.train.skip_nonfinite < 0:
-        raise ValueError(f"train.skip_nonfinite={cfg.train.skip_nonfinite}: must be >= 0 (0: stop at the first "
-                         "non-finite step)")
-    if cfg.optim.grad_clip < 0:
-        raise ValueError(f"optim.grad_clip={cfg.optim.grad_clip}: must be >= 0 (0 disables clipping)")
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio}: must be in [0, 1]")
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ValueError(f"optim.betas={list(cfg.optim.betas)}: must be two numbers in [0, 1)")
-    if cfg.train.global_batch_size % cfg.train.micro_batch_size:
-        raise ValueError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size={cfg.train.micro_batch_size}"
-        )
-    _validate_data(cfg.data, m.task)
-    _validate_precision(cfg.precision, cfg.parallel.strategy)
-    if cfg.parallel.cpu_offload and cfg.parallel.strategy not in (Strategy.full_shard, Strategy.shard_grad_op,
-                                                                   Strategy.hybrid_shard):
-        raise ValueError(f"parallel.cpu_offload=true needs an FSDP strategy (full_shard, shard_grad_op, hybrid_shard), "
-                         f"not parallel.strategy={cfg.parallel.strategy.value}")
-    if cfg.parallel.zero_stage is not None and ZERO_STAGES.get(cfg.parallel.zero_stage) is not cfg.parallel.strategy:
-        raise ValueError(f"parallel.zero_stage={cfg.parallel.zero_stage} contradicts "
-                         f"parallel.strategy={cfg.parallel.strategy.value}; set one of them")
-    if cfg.parallel.wrap.policy is WrapPolicy.modules and not cfg.parallel.wrap.modules:
-        raise ValueError(
-            "parallel.wrap.policy=modules needs parallel.wrap.modules, a list of FQN regexes, "
-            "e.g. 'parallel.wrap.modules=[layers\\.\\d+]'"
-        )
-    if cfg.run.name is not None and ("/" in cfg.run.name or cfg.run.name in ("", ".", "..")):
-        raise ValueError(f"run.name={cfg.run.name!r}: must be a plain folder name (set run.root for the parent)")
-
-
-# The built-in transformer's own settings (the preset's fields).
-BUILTIN_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len",
-                  "tie_embeddings")
-TOKEN_SOURCES = (DataSource.synthetic, DataSource.text, DataSource.tokens)
-TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
-# What each source needs in data.path, and which tasks it feeds (custom takes any).
-_PATHS = {DataSource.text: "a text file or a folder of them", DataSource.tokens: "a .bin or .npy file of token ids",
-          DataSource.images: "an ImageFolder directory, one sub-folder of images per class"}
-_TASK_SOURCES = {Task.causal_lm: TOKEN_SOURCES,
-                 Task.classification: (DataSource.images, DataSource.fake_images)}
-
-
-def _is_target(text: str) -> bool:
-    module, _, name = text.partition(":")
-    return bool(module and name) and all(part.isidentifier() for part in module.split(".") + name.split("."))
-
-
-def _validate_precision(p: PrecisionConfig, strategy: Strategy) -> None:
-    if p.mode not in PRECISION_MODES:
-        raise ValueError(f"precision.mode={p.mode!r} is not a valid choice; valid choices: {', '.join(PRECISION_MODES)}")
-    for key in ("param_dtype", "reduce_dtype"):
-        value = getattr(p, key)
-        if value is not None and value not in PRECISION_DTYPES:
-            raise ValueError(f"precision.{key}={value!r} is not a valid choice; valid choices: {', '.join(PRECISION_DTYPES)}")
+    p, strategy = cfg.precision, cfg.parallel.strategy
     mixed = p.mode.endswith("-mixed") or p.param_dtype not in (None, "fp32") or p.reduce_dtype not in (None, "fp32")
     if mixed and p.mode != "bf16-true" and strategy in (Strategy.ddp, Strategy.zero1):
         raise ValueError(f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored ones) needs "
                          f"an FSDP strategy (full_shard, shard_grad_op, hybrid_shard), not parallel.strategy="
                          f"{strategy.value}; with {strategy.value} use precision.mode=fp32 or bf16-true")
-    if p.loss_scale < 0:
-        raise ValueError(f"precision.loss_scale={p.loss_scale}: must be >= 0 (0: dynamic loss scaling)")
 
 
-def _validate_data(d: DataConfig, task: Task) -> None:
-    sources = _TASK_SOURCES.get(task)
-    if sources and d.source not in sources:
-        raise ValueError(f"data.source={d.source.value} does not feed model.task={task.value}; valid choices: "
-                         f"{', '.join(s.value for s in sources)}")
-    if d.source in _PATHS:
-        if not d.path:
-            raise ValueError(f"data.source={d.source.value} needs data.path ({_PATHS[d.source]})")
-        path = Path(d.path)
-        if not path.exists():
-            raise ValueError(f"data.path={d.path!r}: no such file or folder")
-        if d.source is DataSource.tokens and (not path.is_file() or path.suffix not in (".bin", ".npy")):
-            raise ValueError(f"data.path={d.path!r}: data.source=tokens needs {_PATHS[d.source]}")
-        if d.source is DataSource.images and not path.is_dir():
-            raise ValueError(f"data.path={d.path!r}: data.source=images needs {_PATHS[d.source]}")
-    elif d.path:
-        valid = ", ".join(s.value for s in _PATHS)
-        raise ValueError(f"data.path={d.path!r} is set but data.source={d.source.value} reads no files; "
-                         f"data.source with a path: {valid}")
-    if d.token_dtype not in TOKEN_DTYPES:
-        raise ValueError(f"data.token_dtype={d.token_dtype!r} is not a valid choice; valid choices: {', '.join(TOKEN_DTYPES)}")
-    if d.num_workers is not None and d.num_workers < 0:
-        raise ValueError(f"data.num_workers={d.num_workers}: must be >= 0 (0: load in the training process)")
+# ---------------------------------------------------------------------------------
+# What the checks share
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    """How one optimizer step's global batch splits over ranks and micro-batches."""
-
-    global_batch_size: int
-    micro_batch_size: int
-    dp_size: int
-    grad_accum_steps: int
-
-    def describe(self, seq_len: int | None) -> str:
-        """``seq_len``: tokens per sample, for token data (None: samples are not sequences)."""
-        tokens = f" ({self.global_batch_size * seq_len:,} tokens per step)" if seq_len else ""
-        return (
-            f"global batch {self.global_batch_size} samples = micro-batch {self.micro_batch_size} "
-            f"x grad-accum {self.grad_accum_steps} x data-parallel ranks {self.dp_size}{tokens}"
-        )
+def check_positive(key: str, value: int | float | None) -> None:
+    """Raises a ValueError naming ``key`` when ``value`` is set and not > 0."""
+    if value is not None and value <= 0:
+        raise ValueError(f"{key}={value}: must be > 0")
 
 
-def batch_layout(cfg: TrainConfig, dp_size: int) -> BatchLayout:
-    """Derives the gradient-accumulation steps, as DeepSpeed does from train_batch_size.
+def _choice(key: str, value: object, kind: type[enum.Enum]) -> enum.Enum:
+    """``value`` as a member of ``kind`` (a section built by hand may hold a choice's name)."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is not a valid choice; valid choices: {', '.join(kind.__members__)}") from None
 
-    Raises:
-        ValueError: the global batch does not split evenly over ``dp_size`` ranks.
-    """
-    per_step = cfg.micro_batch_size * dp_size
-    if cfg.global_batch_size % per_step:
-        valid = [m for m in range(1, cfg.global_batch_size + 1) if cfg.global_batch_size % (m * dp_size) == 0]
-        hint = f"valid train.micro_batch_size values at {dp_size} ranks: {valid}" if valid else (
-            f"train.global_batch_size must be a multiple of the {dp_size} ranks"
-        )
-        raise ValueError(
-            f"train.global_batch_size={cfg.global_batch_size} does not divide into "
-            f"train.micro_batch_size={cfg.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
-        )
-    return BatchLayout(cfg.global_batch_size, cfg.micro_batch_size, dp_size, cfg.global_batch_size // per_step)
+
+def _is_target(text: str) -> bool:
+    module, _, name = text.partition(":")
+    return bool(module and name) and all(part.isidentifier() for part in module.split(".") + name.split("."))

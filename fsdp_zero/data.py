@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from fsdp_zero.config import TOKEN_SOURCES, BatchLayout, DataConfig, DataSource
+from fsdp_zero.config import TOKEN_SOURCES, DataConfig, DataSource, TrainConfig
 
 
 class Source(Protocol):
@@ -252,6 +253,35 @@ def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> S
 def next_token_pairs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, seq_len + 1) tokens -> (inputs, targets), each (n, seq_len)."""
     return tokens[:, :-1], tokens[:, 1:]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's global batch splits over ranks and micro-batches."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    dp_size: int
+    grad_accum_steps: int
+
+    def describe(self, seq_len: int | None) -> str:
+        """``seq_len``: tokens per sample, for token data (None: samples are not sequences)."""
+        tokens = f" ({self.global_batch_size * seq_len:,} tokens per step)" if seq_len else ""
+        return (
+            f"global batch {self.global_batch_size} samples = micro-batch {self.micro_batch_size} "
+            f"x grad-accum {self.grad_accum_steps} x data-parallel ranks {self.dp_size}{tokens}"
+        )
+
+
+def batch_layout(cfg: TrainConfig, dp_size: int) -> BatchLayout:
+    """Derives the gradient-accumulation steps, as DeepSpeed does from train_batch_size.
+
+    Raises:
+        ValueError: the global batch does not split evenly over ``dp_size`` ranks (`TrainConfig.check_world`).
+    """
+    cfg.check_world(dp_size)
+    per_step = cfg.micro_batch_size * dp_size
+    return BatchLayout(cfg.global_batch_size, cfg.micro_batch_size, dp_size, cfg.global_batch_size // per_step)
 
 
 class _StepSlices(torch.utils.data.Dataset):

@@ -7,18 +7,17 @@ meta device, sharded, then materialised with ``to_empty`` and ``init_weights``.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fsdp_zero import init
-
-if TYPE_CHECKING:
-    from fsdp_zero.config import ModelConfig
+from fsdp_zero.config import ModelConfig, check_positive
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,12 @@ PRESETS: dict[str, TransformerArgs] = {
     "gpt_medium": TransformerArgs(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, max_seq_len=2048),
     "gpt_1b": TransformerArgs(vocab_size=32000, dim=2048, n_layers=18, n_heads=16, max_seq_len=2048),
 }
+
+
+# The built-in model's settings that model.* exposes (set there, each replaces the preset's value):
+# TransformerArgs's fields that ModelConfig also has (rope_theta and norm_eps are not exposed).
+BUILTIN_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerArgs)
+                       if f.name in {g.name for g in dataclasses.fields(ModelConfig)})
 
 
 def model_args(preset: str, **overrides: int | bool | None) -> TransformerArgs:
@@ -202,14 +207,42 @@ class Transformer(nn.Module):
                 init.normal_(param, std=0.02, seed=seed, name=name)
 
 
-def args_from_config(cfg: "ModelConfig") -> TransformerArgs:
-    """The preset named by ``model.preset`` with the ``model.*`` fields that are set applied."""
-    from fsdp_zero.config import BUILTIN_FIELDS
+def check_model_config(cfg: ModelConfig) -> None:
+    """The built-in model's rules for ``model.*``: a known preset; its fields (> 0) only without
+    model.target; model.kwargs only with it. `fsdp_zero.config_loader.load_config` runs them.
 
+    Raises:
+        ValueError: naming the key, the bad value and the valid choices.
+    """
+    if cfg.target is None:
+        if cfg.preset not in PRESETS:
+            close = difflib.get_close_matches(cfg.preset, PRESETS, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"model.preset={cfg.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
+        if cfg.kwargs:
+            raise ValueError(f"model.kwargs={dict(cfg.kwargs)} is set without model.target; the built-in model takes "
+                             f"model.{', model.'.join(BUILTIN_FIELDS)}")
+    else:
+        builtin = [f"model.{k}={getattr(cfg, k)!r}" for k in BUILTIN_FIELDS if getattr(cfg, k) is not None]
+        if builtin:
+            raise ValueError(f"{', '.join(builtin)} only applies to the built-in model, not to model.target={cfg.target}; "
+                             "pass the model's own arguments in model.kwargs")
+    for name in BUILTIN_FIELDS:
+        if name != "tie_embeddings":
+            check_positive(f"model.{name}", getattr(cfg, name))
+
+
+def args_from_config(cfg: ModelConfig) -> TransformerArgs:
+    """The preset named by ``model.preset`` with the ``model.*`` fields that are set applied.
+
+    Raises:
+        ValueError: as `check_model_config`.
+    """
+    check_model_config(cfg)
     return model_args(cfg.preset, **{name: getattr(cfg, name) for name in BUILTIN_FIELDS})
 
 
-def from_config(cfg: "ModelConfig") -> Transformer:
+def from_config(cfg: ModelConfig) -> Transformer:
     """The built-in model for ``model.preset`` and its fields, on the current default device."""
     return Transformer(args_from_config(cfg))
 

@@ -42,16 +42,12 @@ def shard_degree(cfg: ParallelConfig, world_size: int) -> int:
     """Over how many ranks each parameter is split.
 
     Raises:
-        ValueError: hybrid_shard with a shard size that does not divide the world size.
+        ValueError: as `ParallelConfig.check_world` (e.g. a hybrid_shard shard size that does not
+            divide the world size).
     """
+    cfg.check_world(world_size)
     if cfg.strategy is Strategy.hybrid_shard:
-        size = cfg.shard_size
-        if size < 1 or world_size % size:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(
-                f"parallel.shard_size={size} must divide the world size {world_size}; valid choices: {divisors}"
-            )
-        return size
+        return cfg.shard_size
     return world_size if is_fsdp(cfg.strategy) else 1
 
 
@@ -89,15 +85,13 @@ def reshard_after_forward(cfg: ParallelConfig, world_size: int) -> bool | int:
     keeps them sharded over groups of k ranks: ZeRO++'s hpZ); ZeRO-2 keeps them until backward.
 
     Raises:
-        ValueError: a group size that is not a proper divisor of the world size.
+        ValueError: as `ParallelConfig.check_world` (e.g. a group size that is not a proper divisor
+            of the world size).
     """
+    cfg.check_world(world_size)
     k = cfg.reshard_after_forward
     if k is None or k == world_size:
         return cfg.strategy is not Strategy.shard_grad_op
-    if world_size % k or k >= world_size:
-        divisors = [d for d in range(1, world_size) if world_size % d == 0]
-        raise ValueError(f"parallel.reshard_after_forward={k} must divide the world size {world_size} and be "
-                         f"smaller; valid choices: {divisors} (or null)")
     return k
 
 

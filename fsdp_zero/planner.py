@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config import BatchLayout, Config, Strategy, validate
+from fsdp_zero.config import Config, Strategy, validate
+from fsdp_zero.data import BatchLayout
 from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 from fsdp_zero.step import Phase, train_step
 
@@ -192,7 +193,7 @@ def deepspeed_zero3_estimate(num_params: int, largest_layer_params: int, n: int)
 
 _PROBE = """
 import sys, tempfile
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.trainer import train
 cfg = load_config(None, ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=2",

@@ -23,7 +23,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from fsdp_zero.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints, read_train_state
-from fsdp_zero.config import Config, to_yaml
+from fsdp_zero.config import Config
+from fsdp_zero.config_loader import to_yaml
 from fsdp_zero.distributed import DistEnv, broadcast_object
 
 logger = logging.getLogger("fsdp_zero")

@@ -25,10 +25,9 @@ from torch import nn
 import fsdp_zero
 from fsdp_zero.build import build
 from fsdp_zero.checkpoint import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
-from fsdp_zero.config import (
-    TOKEN_SOURCES, BatchLayout, Config, DataSource, ParallelConfig, Strategy, Task, batch_layout, to_yaml,
-)
-from fsdp_zero.data import BatchCursor, build_source
+from fsdp_zero.config import TOKEN_SOURCES, Config, DataSource, Task
+from fsdp_zero.config_loader import to_yaml
+from fsdp_zero.data import BatchCursor, BatchLayout, batch_layout, build_source
 from fsdp_zero.distributed import CollectiveTimeout, DistEnv, last_collective, seed_all, silent_ranks
 from fsdp_zero.memory import MIB, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, is_fsdp, model_state_formula, unwrap
@@ -97,9 +96,8 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     layout = batch_layout(cfg.train, env.world_size)
     apply_malloc_policy(cfg.memory.malloc_mmap_threshold, env.device)
     strategy = cfg.parallel.strategy
-    if strategy is not Strategy.hybrid_shard and cfg.parallel.shard_size != ParallelConfig().shard_size:
-        logger.warning("parallel.shard_size=%d has no effect with parallel.strategy=%s (only hybrid_shard uses it)",
-                       cfg.parallel.shard_size, strategy.value)
+    for note in cfg.parallel.check_world(env.world_size):
+        logger.warning("%s", note)
     decision = decide(cfg, env)
     cfg = decision.resolve(cfg)
     seed_all(decision.seed)

@@ -22,7 +22,8 @@ import sys
 import torch
 
 from fsdp_zero.build import construct
-from fsdp_zero.config import Strategy, load_config
+from fsdp_zero.config import Strategy
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.memory import CATEGORIES, MIB
 from fsdp_zero.planner import (PAPER_K, PLAN_MODES, deepspeed_zero3_estimate, format_bytes, format_gb, simulate,
                                strategy_states, zero_paper_stages)

@@ -22,7 +22,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.deepspeed import read_deepspeed
 from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.stopping import RunEnded

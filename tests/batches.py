@@ -67,7 +67,7 @@ P, C, M = "test_parity", "test_checkpoint", "test_models"
 def _weights_to_import(root: Path) -> None:
     """n2's final weights as a torch.save state dict and as an exported safetensors folder (when this
     session ran n2: only the checkpoint tests import them)."""
-    from fsdp_zero.config import load_config
+    from fsdp_zero.config_loader import load_config
     from fsdp_zero.model import args_from_config, build_model
     from fsdp_zero.weights import export_checkpoint
 

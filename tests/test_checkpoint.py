@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from fsdp_zero.checkpoint import apply_retention, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.data import build_source
 from fsdp_zero.model import args_from_config, build_model
 from tests.batches import BASE, WORKER

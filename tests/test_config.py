@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from fsdp_zero.config import Config, DataSource, Strategy, TrainConfig, WrapPolicy, batch_layout, load_config, to_yaml
+from fsdp_zero.config import Config, DataSource, Strategy, Task, TrainConfig, WrapPolicy
+from fsdp_zero.config_loader import load_config, to_yaml
+from fsdp_zero.data import batch_layout
 from tests.conftest import REPO
 
 
@@ -207,3 +214,153 @@ def test_reshard_after_forward_groups_must_divide_the_world():
     with pytest.raises(ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4 and be "
                                          r"smaller; valid choices: \[1, 2\]"):
         reshard_after_forward(ParallelConfig(reshard_after_forward=3), 4)
+
+
+# One bad value per key, set on a default config: (dotted key, bad value, a fragment of the error).
+SECTION_RULES = [
+    ("model.target", "a.b", "model.target='a.b': expected package.module:callable"),
+    ("model.task", Task.custom, "model.task=custom needs model.loss"),
+    ("model.loss", "a.b:c", "model.loss='a.b:c' is set but model.task=causal_lm"),
+    ("model.init_from", "/no/such/weights.pt", "model.init_from='/no/such/weights.pt': no such file or folder"),
+    ("data.seq_len", 0, "data.seq_len=0: must be > 0"),
+    ("data.branching", -1, "data.branching=-1: must be > 0"),
+    ("data.image_size", 0, "data.image_size=0: must be > 0"),
+    ("data.num_classes", 0, "data.num_classes=0: must be > 0"),
+    ("data.num_samples", 0, "data.num_samples=0: must be > 0"),
+    ("data.source", DataSource.text, "data.source=text needs data.path"),
+    ("data.path", "x.txt", "data.path='x.txt' is set but data.source=synthetic reads no files"),
+    ("data.token_dtype", "float32", "data.token_dtype='float32' is not a valid choice; valid choices: uint16"),
+    ("data.num_workers", -1, "data.num_workers=-1: must be >= 0"),
+    ("parallel.strategy", "zero9", "parallel.strategy='zero9' is not a valid choice; valid choices: full_shard"),
+    ("parallel.activation_checkpointing", "some", "parallel.activation_checkpointing='some' is not a valid choice"),
+    ("parallel.zero_stage", 1, "parallel.zero_stage=1 contradicts parallel.strategy=full_shard"),
+    ("parallel.prefetch", -1, "parallel.prefetch=-1: must be >= 0"),
+    ("parallel.reshard_after_forward", 0, "parallel.reshard_after_forward=0: must be > 0"),
+    ("parallel.activation_checkpointing_every", 0, "parallel.activation_checkpointing_every=0: must be > 0"),
+    ("parallel.wrap.min_params", 0, "parallel.wrap.min_params=0: must be > 0"),
+    ("parallel.wrap.policy", WrapPolicy.modules, "parallel.wrap.policy=modules needs parallel.wrap.modules"),
+    ("precision.mode", "fp8", "precision.mode='fp8' is not a valid choice; valid choices: fp32, bf16-mixed"),
+    ("precision.param_dtype", "half", "precision.param_dtype='half' is not a valid choice"),
+    ("precision.reduce_dtype", "fp64", "precision.reduce_dtype='fp64' is not a valid choice"),
+    ("precision.loss_scale", -1.0, "precision.loss_scale=-1.0: must be >= 0"),
+    ("precision.loss_scale_window", 0, "precision.loss_scale_window=0: must be > 0"),
+    ("optim.lr", 0.0, "optim.lr=0.0: must be > 0"),
+    ("optim.warmup_steps", -1, "optim.warmup_steps=-1: must be >= 0"),
+    ("optim.eps", 0.0, "optim.eps=0.0: must be > 0"),
+    ("optim.weight_decay", -0.1, "optim.weight_decay=-0.1: must be >= 0"),
+    ("optim.grad_clip", -1.0, "optim.grad_clip=-1.0: must be >= 0"),
+    ("optim.min_lr_ratio", 1.5, "optim.min_lr_ratio=1.5: must be in [0, 1]"),
+    ("optim.betas", [0.9], "optim.betas=[0.9]: must be two numbers in [0, 1)"),
+    ("train.steps", 0, "train.steps=0: must be > 0"),
+    ("train.global_batch_size", 10, "train.global_batch_size=10 is not a multiple of train.micro_batch_size=4"),
+    ("train.micro_batch_size", 0, "train.micro_batch_size=0: must be > 0"),
+    ("train.log_every", 0, "train.log_every=0: must be > 0"),
+    ("train.stop_after", 0, "train.stop_after=0: must be > 0"),
+    ("train.max_minutes", -1.0, "train.max_minutes=-1.0: must be > 0"),
+    ("train.skip_nonfinite", -1, "train.skip_nonfinite=-1: must be >= 0"),
+    ("checkpoint.every", -1, "checkpoint.every=-1, checkpoint.keep_last=2: must be >= 0"),
+    ("checkpoint.keep_last", -1, "checkpoint.every=50, checkpoint.keep_last=-1: must be >= 0"),
+    ("checkpoint.resume", "/no/such/step-0000001", "checkpoint.resume='/no/such/step-0000001': no such checkpoint folder"),
+    ("run.name", "a/b", "run.name='a/b': must be a plain folder name"),
+    ("dist.timeout_minutes", 0.0, "dist.timeout_minutes=0.0: must be > 0"),
+    ("dist.step_timeout_minutes", -1.0, "dist.step_timeout_minutes=-1.0: must be > 0"),
+    ("memory.malloc_mmap_threshold", "lots", "memory.malloc_mmap_threshold='lots': valid choices: auto, default"),
+    ("memory.profile_step", -1, "memory.profile_step=-1: must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("key,value,fragment", SECTION_RULES, ids=[row[0] for row in SECTION_RULES])
+def test_each_section_checks_its_own_keys(key: str, value: object, fragment: str):
+    """A section's check(), written under its fields, rejects a bad value of its own keys by name;
+    the same config with the default value passes."""
+    section_name, *inner, leaf = key.split(".")
+    section = getattr(Config(), section_name)
+    section.check()
+    owner = section
+    for name in inner:
+        owner = getattr(owner, name)
+    setattr(owner, leaf, value)
+    with pytest.raises(ValueError) as e:
+        section.check()
+    assert fragment in str(e.value) and key in str(e.value), str(e.value)
+
+
+def test_every_section_has_a_check_and_the_table_covers_every_section():
+    from dataclasses import fields
+
+    sections = {f.name for f in fields(Config)}
+    assert all(callable(getattr(getattr(Config(), name), "check", None)) for name in sections)
+    assert {key.split(".")[0] for key, _, _ in SECTION_RULES} == sections - {"metrics"}  # metrics: one switch
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("model.preset", "gpt_2b", "model.preset='gpt_2b' is unknown; did you mean 'gpt_1b'?"),
+    ("model.kwargs", {"dim": 8}, "model.kwargs={'dim': 8} is set without model.target"),
+    ("model.n_layers", 0, "model.n_layers=0: must be > 0"),
+])
+def test_the_built_in_model_checks_its_own_fields(key: str, value: object, fragment: str):
+    from fsdp_zero.config import ModelConfig
+    from fsdp_zero.model import check_model_config
+
+    check_model_config(ModelConfig())
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        check_model_config(ModelConfig(**{key.split(".")[1]: value}))
+    with pytest.raises(ValueError, match=r"model\.dim=64 only applies to the built-in model"):
+        check_model_config(ModelConfig(target="torch.nn:Linear", dim=64))
+
+
+def test_built_in_fields_come_from_the_model():
+    """model.* holds the built-in model's fields (TransformerArgs's) plus the settings of any model."""
+    from dataclasses import fields
+
+    from fsdp_zero.config import ModelConfig
+    from fsdp_zero.model import BUILTIN_FIELDS, TransformerArgs
+
+    assert set(BUILTIN_FIELDS) <= {f.name for f in fields(TransformerArgs)}
+    assert {f.name for f in fields(ModelConfig)} - set(BUILTIN_FIELDS) == {
+        "preset", "target", "kwargs", "task", "loss", "init", "init_from"}
+
+
+def test_world_size_rules_and_warnings():
+    from fsdp_zero.config import ParallelConfig
+
+    assert ParallelConfig(strategy=Strategy.hybrid_shard, shard_size=4).check_world(8) == []
+    assert ParallelConfig(shard_size=4).check_world(8) == [
+        "parallel.shard_size=4 has no effect with parallel.strategy=full_shard (only hybrid_shard uses it)"]
+    assert ParallelConfig(reshard_after_forward=4).check_world(4) == []
+    with pytest.raises(ValueError, match=r"parallel\.shard_size=3 must divide the world size 4"):
+        ParallelConfig(strategy=Strategy.hybrid_shard, shard_size=3).check_world(4)
+    with pytest.raises(ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4"):
+        ParallelConfig(reshard_after_forward=3).check_world(4)
+    TrainConfig(global_batch_size=16, micro_batch_size=4).check_world(4)
+    with pytest.raises(ValueError, match=r"train\.global_batch_size=16 does not divide into train\.micro_batch_size=4 x 3"):
+        TrainConfig(global_batch_size=16, micro_batch_size=4).check_world(3)
+
+
+def test_the_schema_imports_no_model_and_no_torch():
+    """fsdp_zero.config is the schema alone: the model knows the config, not the other way round."""
+    code = ("import sys, fsdp_zero.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('fsdp_zero') or m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    assert out.strip() == "['fsdp_zero', 'fsdp_zero.config']", out
+
+
+def test_the_package_has_no_import_cycle():
+    """Counting imports inside functions too: a cycle hidden in a function is still a cycle."""
+    graph = {}
+    for path in (REPO / "fsdp_zero").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_zero."):
+                deps.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.module == "fsdp_zero":
+                deps |= {f"fsdp_zero.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("fsdp_zero.")}
+        graph[f"fsdp_zero.{path.stem}"] = deps
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen))) for d in graph.get(start, ()))
+
+    assert [m for m in sorted(graph) if reaches(m, m, set())] == []

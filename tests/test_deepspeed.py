@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, read_deepspeed
 from tests.conftest import REPO, check, launch, run_script
 

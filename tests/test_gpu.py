@@ -16,7 +16,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from tests import batches
 from tests.conftest import REPO, TRAIN, check, figure, launch
 from tests.reference import reference_run

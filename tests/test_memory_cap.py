@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.model import args_from_config
 from tests.conftest import REPO, TRAIN, figure, launch
 

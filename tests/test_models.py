@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from fsdp_zero.build import construct, materializer, real_buffers
-from fsdp_zero.config import DataConfig, DataSource, load_config
+from fsdp_zero.config import DataConfig, DataSource
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.data import build_source
 from fsdp_zero.tasks import logits_of
 from fsdp_zero.weights import export_checkpoint

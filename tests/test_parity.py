@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from tests.batches import BASE, TIED, WORKER
 from tests.conftest import REPO, figure
 from tests.reference import reference_run

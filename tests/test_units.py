@@ -11,8 +11,8 @@ import torch
 
 from fsdp_zero import init
 from tests.conftest import REPO
-from fsdp_zero.config import BatchLayout, OptimConfig
-from fsdp_zero.data import BatchCursor, ByteText, SyntheticBigram
+from fsdp_zero.config import OptimConfig
+from fsdp_zero.data import BatchCursor, BatchLayout, ByteText, SyntheticBigram
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes
 from fsdp_zero.model import PRESETS, build_model, model_args
 from fsdp_zero.step import lr_factor
@@ -234,7 +234,7 @@ def test_cuda_memory_monitor_reports_the_allocator():
 
 def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
     """The files that make a checkpoint folder complete (its tensors do not matter to the policy)."""
-    from fsdp_zero.config import to_yaml
+    from fsdp_zero.config_loader import to_yaml
 
     path = run_dir / "checkpoints" / f"step-{step:07d}"
     path.mkdir(parents=True)
@@ -245,7 +245,7 @@ def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
 
 
 def test_run_directory_policy_in_process(tmp_path: Path):
-    from fsdp_zero.config import load_config, to_yaml
+    from fsdp_zero.config_loader import load_config, to_yaml
     from fsdp_zero.rundir import RunDecision, plan_run_dir, run_files, write_run_dir
 
     base = ["model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=r"]

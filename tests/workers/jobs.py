@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_zero import checkpoint as checkpoint_lib
-from fsdp_zero.config import load_config
+from fsdp_zero.config_loader import load_config
 from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.parallelize import AllReduceScatter
 from fsdp_zero.tasks import logits_of
