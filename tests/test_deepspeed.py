@@ -2,17 +2,22 @@
 
 Each mapped key resolves to the same Config as the equivalent native overrides; keys FSDP2 makes
 unnecessary are listed with what we do instead; unknown keys, unsupported values and
-contradictions are one-line errors naming the key. The ZeRO-3 tutorial's config runs unchanged.
+contradictions are one-line errors naming the key, and so is a value of the wrong kind (NaN, 1e400,
+a bool or a string where a number goes, except where DeepSpeed reads strings as numbers). Every key
+of ours the rows name is a field of the schema. The ZeRO-3 tutorial's config runs unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
+from fsdp_zero.config import Config
 from fsdp_zero.config_loader import load_config
 from fsdp_zero.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, read_deepspeed
 from tests.conftest import REPO, check, launch, run_script
@@ -23,8 +28,13 @@ TUTORIAL = json.loads((REPO / "configs" / "ds_zero3.json").read_text())
 
 
 def _read(tmp_path: Path, ds: dict, world_size: int = 2) -> tuple[list[str], list[str]]:
+    return _read_text(tmp_path, json.dumps(ds), world_size)
+
+
+def _read_text(tmp_path: Path, text: str, world_size: int = 2) -> tuple[list[str], list[str]]:
+    """As `_read`, from the JSON text as written (json.dumps cannot write 1e400)."""
     path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps(ds))
+    path.write_text(text)
     return read_deepspeed(path, world_size)
 
 
@@ -130,6 +140,104 @@ def test_bad_deepspeed_configs_are_errors_naming_the_key(tmp_path, ds, message):
     with pytest.raises(ValueError) as e:
         _read(tmp_path, ds)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+# A value of the wrong kind: (the JSON with @ where the value goes, the value as written, the key, what the
+# message says is valid). Python's json reads NaN and Infinity, and 1e400 as inf.
+WRONG_KIND = [
+    ('{"train_batch_size": @}', value, "train_batch_size", "expected an integer >= 1")
+    for value in ("NaN", "1e400", "-1", "0", "2.5", "true", '"32"', '"abc"', "[32]")
+] + [
+    ('{"gradient_clipping": @}', value, "gradient_clipping", "expected a number >= 0")
+    for value in ("NaN", "-Infinity", "1e400", "-1", "true", '"1.0"', '"abc"')
+] + [
+    ('{"zero_optimization": {"stage": @}}', value, "zero_optimization.stage", "valid choices: 0, 1, 2, 3")
+    for value in ("NaN", "1e400", "-1", "2.5", "true", '"abc"', '"4"')
+] + [
+    ('{"fp16": {"enabled": true, "initial_scale_power": @}}', value, "fp16.initial_scale_power",
+     "expected an integer >= 0") for value in ("NaN", "1e400", "-1", "12.5", "true", '"abc"', '"nan"')
+] + [
+    ('{"optimizer": {"params": {"lr": @}}}', value, "optimizer.params.lr", "expected a number >= 0")
+    for value in ("NaN", "1e400", "-1", "true", '"1e-4"', '"abc"')
+] + [
+    ('{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": @}}}', value,
+     "scheduler.params.warmup_num_steps", "expected an integer >= 0") for value in ("1e400", "-1", "2.5", '"5"')
+] + [
+    ('{"optimizer": {"params": {"betas": @}}}', value, "optimizer.params.betas", "expected two numbers")
+    for value in ("[NaN, 0.9]", "[0.9, 1e400]", "[true, 0.9]", '["0.9", 0.99]', "0.9")
+] + [
+    ('{"fp16": {"enabled": @}}', value, "fp16.enabled", "expected true or false") for value in ("2", '"abc"', "[]")
+] + [
+    ('{"scheduler": {"type": @}}', value, "scheduler.type", "valid choices: WarmupLR") for value in ("[1]", "3")
+]
+
+
+@pytest.mark.parametrize("text, value, key, valid", WRONG_KIND)
+def test_values_of_the_wrong_kind_are_one_line_errors_naming_the_key(tmp_path, text, value, key, valid):
+    with pytest.raises(ValueError) as e:
+        _read_text(tmp_path, text.replace("@", value))
+    message = str(e.value)
+    assert message.startswith(f"ds_config {key}={json.loads(value)!r}: {valid}") and "\n" not in message, message
+    # A number written as a string where DeepSpeed does not read it as one: the message says so.
+    assert ("not a string" in message) == (value in ('"32"', '"1.0"', '"1e-4"', '"5"')), message
+
+
+def test_numbers_as_strings_are_read_where_deepspeed_reads_them(tmp_path):
+    """DeepSpeed's pydantic sections (zero_optimization, fp16, bf16, tensorboard) read "3" as 3 and
+    "true" as true; "auto" still leaves the value to us."""
+    _same(tmp_path, {"zero_optimization": {"stage": "3", "zero_hpz_partition_size": "2", "mics_shard_size": "-1"},
+                     "fp16": {"enabled": "true", "loss_scale": "128", "initial_scale_power": "12.0"},
+                     "tensorboard": {"enabled": "false"}},
+          ["parallel.zero_stage=3", "parallel.reshard_after_forward=2", "precision=fp16-mixed",
+           "precision.loss_scale=128", "precision.initial_scale_power=12", "metrics.tensorboard=false"], world_size=4)
+    mapped, _ = _read(tmp_path, {"zero_optimization": {"stage": "3"}, "bf16": {"enabled": "off"}})
+    assert mapped == ["parallel.zero_stage=3"]
+    mapped, notes = _read(tmp_path, {"zero_optimization": {"stage": "auto"}, "fp16": {"enabled": "auto"}})
+    assert mapped == [] and len(notes) == 2
+
+
+def _schema_field(key: str) -> bool:
+    """Whether a dotted key names a setting of `Config`, section by section (a section is not a setting)."""
+    node: typing.Any = Config
+    for part in key.split("."):
+        if not (dataclasses.is_dataclass(node) and part in {f.name for f in dataclasses.fields(node)}):
+            return False
+        node = typing.get_type_hints(node)[part]
+    return not dataclasses.is_dataclass(node)
+
+
+def test_every_key_of_ours_in_the_rows_is_a_field_of_the_schema():
+    # Each "ours" is one key, several joined by ", ", a fixed "key=value", or "(...)" for none. The one
+    # shorthand: precision=MODE is load_config's spelling of precision.mode=MODE.
+    shorthand = {"precision": "precision.mode"}
+    for rule in MAPPED:
+        keys = [] if rule.ours.startswith("(") else [part.split("=")[0] for part in rule.ours.split(", ")]
+        keys = [shorthand.get(key, key) for key in keys]
+        assert keys == list(rule.targets), rule
+        assert all(_schema_field(key) for key in keys), rule
+    assert not _schema_field("precision") and _schema_field("precision.mode") and not _schema_field("optim.lr.x")
+    assert sum(not rule.targets for rule in MAPPED) == 3  # gradient_accumulation_steps, optimizer.type, wall_clock
+
+
+def test_the_overrides_set_only_the_keys_their_rows_name(tmp_path):
+    """What read_deepspeed writes comes from the rows: no key of ours is spelled outside the table."""
+    named = {key for rule in MAPPED for key in rule.targets}
+    configs = [TUTORIAL, {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1, "steps_per_print": 3,
+                          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                                "zero_hpz_partition_size": 2, "mics_shard_size": 2},
+                          "bf16": {"enabled": True}, "communication_data_type": "bf16",
+                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                                    "weight_decay": 0.1}},
+                          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 9,
+                                                                           "warmup_max_lr": 1e-3}},
+                          "tensorboard": {"enabled": True}},
+               {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 10}}]
+    seen = set()
+    for ds in configs:
+        mapped, _ = _read(tmp_path, ds)
+        seen |= {override.split("=")[0] for override in mapped}
+    assert seen <= named, seen - named
+    assert len(seen) >= 20, seen
 
 
 def test_every_deepspeed_key_in_the_readme_table():
