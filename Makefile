@@ -8,6 +8,7 @@ ARGS ?=
 # stays under 8 minutes on 2 cores. `make test-quick` leaves out the tests marked slow (a 160M model
 # under a memory cap, a two-node launch, a hung rank, an elastic restart, SIGTERM): about 2 minutes
 # less, for a developer's own loop. `make mutants` injects wrong behaviours and shows the suite fails.
+# `make docs` regenerates the reference blocks in docs/ (scripts/docs.py); tests/test_docs.py fails when one is stale.
 MARK ?=
 
 $(VENV)/.installed: pyproject.toml
@@ -15,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: install train test test-quick mutants bench
+.PHONY: install train test test-quick mutants bench docs
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -32,3 +33,6 @@ mutants: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) bench/step_time.py $(ARGS)
+
+docs: $(VENV)/.installed
+	$(VENV)/bin/python scripts/docs.py $(ARGS)

@@ -5,7 +5,7 @@
 Each setting trains in fresh processes (`torchrun scripts/train.py`), checkpoints and the
 memory profile off, and is read back from its metrics.jsonl: the highest peak RSS of any
 rank over the run, and the mean step time over the log intervals after the first (past
-the warm-up and the AdamW states' creation). Prints the README's table of them.
+the warm-up and the AdamW states' creation). Prints docs/memory.md's table of them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ twice a second: resident memory, open file descriptors and threads, against the 
 reached (metrics.jsonl, one line a step). Prints, per rank, the RSS slope fitted over the steps after
 the warm-up (MiB per 100 steps; a leak of one activation a step would show as several MiB), and the
 descriptors and threads at the start and the end of that span. Nothing here is asserted: the figures
-go into the README and the issue notes.
+go into docs/benchmarks.md and the issue notes.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def figure(name: str, value: str) -> None:
-    """Records a measured figure; `make test` prints them all at the end (the README quotes them)."""
+    """Records a measured figure; `make test` prints them all at the end (docs/testing.md quotes them)."""
     _FIGURES.append((name, value))
 
 

@@ -24,7 +24,7 @@ from fsdp_zero.tasks import vocab_size
 
 
 def reference_lr(cfg: OptimConfig, step: int, total_steps: int) -> float:
-    """The learning rate of optimizer step ``step`` (1-based), from the README's words: linear
+    """The learning rate of optimizer step ``step`` (1-based), from docs/configuration.md's words: linear
     warm-up to ``lr`` over ``warmup_steps`` steps, then half a cosine period (or a straight line)
     from ``lr`` towards ``min_lr_ratio * lr``, which the step after the last would reach; or ``lr``
     throughout (constant)."""

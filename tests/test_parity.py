@@ -251,7 +251,7 @@ def test_explicit_prefetch_starts_the_next_units_all_gather_before_a_unit_comput
 
 
 def test_record_the_measured_differences(runs, references):
-    """The largest differences over every run, printed at the end of `make test` (the README quotes them)."""
+    """The largest differences over every run, printed at the end of `make test` (docs/testing.md quotes them)."""
     loss = norm = weight = 0.0
     for name in PRECISIONS:
         got, ref = runs[name], references[name]
