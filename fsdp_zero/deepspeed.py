@@ -13,7 +13,7 @@ Each key we read is a `Rule` row: the DeepSpeed key, ours, the converter that ch
 and what it means. `TABLE` holds them in the order their overrides are printed; a row read on its
 own applies itself, and rows that only mean something together (the batch arithmetic, ZeRO's
 layout, offload, precision, the schedule) are read by one named function each (a `Joint`). The
-README's table is `mapping_table()`, built from the same rows.
+docs/deepspeed.md's table is `mapping_table()`, built from the same rows.
 """
 
 from __future__ import annotations
@@ -237,14 +237,14 @@ class _Reader:
 
 @dataclass(frozen=True)
 class Rule:
-    """One DeepSpeed key with an equivalent here: a row of the README's table.
+    """One DeepSpeed key with an equivalent here: a row of docs/deepspeed.md's table.
 
     Attributes:
         ds: the DeepSpeed key, dotted (``zero_optimization.stage``).
-        ours: the key of ours it sets, as the README shows it: ``key``, ``key=value`` (the value
+        ours: the key of ours it sets, as docs/deepspeed.md shows it: ``key``, ``key=value`` (the value
             is fixed), several of them joined by ", ", or ``(...)`` when it sets none (why, in brackets).
         convert: checks and converts the JSON value (see `number`, `flag`, `choice`).
-        meaning: the README's last column.
+        meaning: the table's last column.
     """
 
     ds: str
@@ -457,7 +457,7 @@ TABLE: tuple[Rule | Joint, ...] = (
     Joint(_wall_clock, (WALL_CLOCK,)),
     Rule("tensorboard.enabled", "metrics.tensorboard", flag),
 )
-# The rows, as the README lists them.
+# The rows, as docs/deepspeed.md lists them.
 MAPPED = tuple(rule for entry in TABLE for rule in entry.rules)
 _MAPPED_KEYS = {rule.ds for rule in MAPPED}
 # Sections whose unknown keys are answered with the keys of theirs we read.
@@ -542,7 +542,7 @@ def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[s
 
 
 def mapping_table() -> str:
-    """The README's table: each DeepSpeed key and ours, then the keys without effect."""
+    """docs/deepspeed.md's table: each DeepSpeed key and ours, then the keys without effect."""
     rows = ["| DeepSpeed key | fsdp-zero | meaning |", "|---|---|---|"]
     rows += [f"| `{rule.ds}` | `{rule.ours}` | {rule.meaning} |" for rule in MAPPED]
     rows += [f"| `{ds}` | no effect | {why} |" for ds, why in NO_EFFECT.items()]

@@ -215,11 +215,9 @@ def exit_process(code: int) -> NoReturn:
     release drops the last reference to a tensor created in Python, the thread must
     take the GIL; during interpreter finalization that ends the thread inside a
     noexcept destructor, and the process dies with SIGABRT after a successful run
-    ("terminate called without an active exception"; seen in about 1 run in 16 on a
-    loaded 2-core machine with torch 2.15, backtrace ProcessGroupGloo::runLoop ->
-    ~AsyncBarrierWork -> ~AsyncAllgatherWork -> decref_pyobject -> take_gil ->
-    pthread_exit). Call it after `destroy_distributed` and after every file is closed:
-    nothing is then left for the teardown to do.
+    ("terminate called without an active exception", from ProcessGroupGloo::runLoop through
+    decref_pyobject -> take_gil -> pthread_exit). Call it after `destroy_distributed` and after
+    every file is closed: nothing is then left for the teardown to do.
     """
     logging.shutdown()
     sys.stdout.flush()

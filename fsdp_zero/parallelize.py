@@ -108,12 +108,10 @@ class AllReduceScatter(DefaultReduceScatter):
     then a copy of this rank's chunk: installed on gloo runs, where it is faster and lighter.
 
     gloo's reduce-scatter first copies its whole input into per-rank chunks (a transient as large
-    as the unit's gradients) and is slower than its all-reduce of the same bytes (256 MiB on the
-    2-core CI machine: about 0.35 s vs 0.19 s). The sums are the same per element, so the gradients
-    are bit-identical (checked against gloo's own at 2, 3 and 4 ranks in tests/test_parity.py; on the
-    GPT-2-small shape bench/step_time.py's ours/raw went from 1.025 to 0.906, and ZeRO-3's peak RSS
-    fell by 40 MiB). NCCL keeps
-    FSDP2's own reduce-scatter: there it moves 1/N of the bytes an all-reduce moves.
+    as the unit's gradients) and is slower than its all-reduce of the same bytes. The sums are the
+    same per element, so the gradients are bit-identical (tests/test_parity.py checks it against
+    gloo's own at 2, 3 and 4 ranks; the measured gains are in docs/sharding.md). NCCL keeps FSDP2's
+    own reduce-scatter: there it moves 1/N of the bytes an all-reduce moves.
     """
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,

@@ -47,17 +47,12 @@ logger = logging.getLogger("fsdp_zero")
 #   peak RSS = baseline + tensors at the peak
 #              + HEAP_RETENTION["activations"] x heap-allocated activations after a forward
 #              + HEAP_RETENTION["fsdp"] x heap-allocated tensors at the peak (FSDP strategies)
-# Fitted by least squares on `bench/planner_accuracy.py`'s configuration `fit` (GPT-2-small
-# shaped, 134M parameters, 2 and 4 ranks, every strategy; glibc, 8 MiB threshold, torch 2.15,
-# embedding and output head as units of their own, gloo's reduction as an all-reduce): 0.75 and
-# 0.13. Held out, every peak is within 10%; the model-dependent memory is within 10% for DDP/ZeRO-1
-# and on `wide` (but ZeRO-3 at N = 4: 15% low), and 12-18% low for the FSDP strategies on `deep`
-# (activation-heavy, gradient accumulation), whose heap keeps more: the README ("plan before you
-# run") has the table.
+# Fitted by least squares on `bench/planner_accuracy.py`'s configuration `fit`, which prints the
+# fit and the held-out errors; docs/compare-and-plan.md ("How well the planner holds") keeps them.
 HEAP_RETENTION = {"activations": 0.75, "fsdp": 0.13}
 # CUDA: the caching allocator's reserve over the live tensors (block rounding, cached free
-# blocks). Not calibrated in this project (no GPU has been lent to it yet); a common
-# figure for training loops, checked by tests/test_gpu.py where a GPU is visible.
+# blocks). Not calibrated on a GPU here; a common figure for training loops, checked by
+# tests/test_gpu.py where a GPU is visible.
 CUDA_ALLOCATOR_SLACK = 0.10
 
 
