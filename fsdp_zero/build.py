@@ -31,11 +31,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fsdp_zero import init as init_lib
 from fsdp_zero.config import (
-    Config, Init, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Strategy, WrapConfig,
-    WrapPolicy,
+    STRATEGIES, Config, Init, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, WrapConfig,
+    WrapPolicy, is_fsdp,
 )
 from fsdp_zero.distributed import DistEnv
-from fsdp_zero.parallelize import is_fsdp, parallelize, shard_degree
+from fsdp_zero.parallelize import parallelize, shard_degree
 from fsdp_zero.precision import Precision, resolve
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
@@ -298,5 +298,6 @@ def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | Non
                               precision=precision, compile=cfg.train.compile)
     # With CPU offload the optimizer steps on the CPU, where the shards are.
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
-    optimizer = build_optimizer(model, cfg.optim, device, zero1=cfg.parallel.strategy is Strategy.zero1)
+    optimizer = build_optimizer(model, cfg.optim, device,
+                                zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer)
     return Built(model, optimizer, plan, num_params, precision, note)

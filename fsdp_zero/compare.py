@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 
-from fsdp_zero.config import Config, ParallelConfig, Strategy
+from fsdp_zero.config import STRATEGIES, ZERO_STAGES, Config, ParallelConfig, Strategy
 from fsdp_zero.memory import CATEGORIES, MIB
 from fsdp_zero.parallelize import model_state_formula
 from fsdp_zero.step import Phase, set_lr, train_step
 
-ZERO = {Strategy.ddp: "0 (DDP)", Strategy.zero1: "1", Strategy.shard_grad_op: "2", Strategy.full_shard: "3"}
-ORDER = [Strategy.full_shard, Strategy.shard_grad_op, Strategy.zero1, Strategy.ddp]  # the order they run in
+ORDER = list(reversed(ZERO_STAGES.values()))  # the ZeRO stages' strategies, in the order they run: ZeRO-3 first
 # Short runs: the profiled step (2) for the breakdown, steps around it for peak RSS and step time.
 DEFAULTS = ["train.steps=6", "train.log_every=2", "memory.profile_step=2", "checkpoint.enabled=false"]
 
@@ -121,7 +120,7 @@ def table(rows: dict[str, list[dict]], n: int) -> str:
         gathered = max(r["breakdown"].get("gathered_params", 0) for r in rs) / MIB
         tracked = max(sum(r["breakdown"].values()) for r in rs) / MIB
         lines.append(
-            f"| {strategy.value} | {ZERO[strategy]} | {peak:,.0f} | {peak / base_peak:.2f} | {state:,.1f} | {formula:,.1f} | "
+            f"| {strategy.value} | {STRATEGIES[strategy].zero_stage} ({STRATEGIES[strategy].label}) | {peak:,.0f} | {peak / base_peak:.2f} | {state:,.1f} | {formula:,.1f} | "
             f"{gathered:,.1f} | {tracked:,.1f} | {rs[0]['step_s']:.3f} | {rs[0]['step_s'] / base_time:.2f} | "
             f"{rs[0]['final_loss']:.4f} |"
         )
@@ -149,7 +148,7 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     strategies = [s.value for s in reversed(ORDER) if s.value in rows]
-    labels = [f"{s}\nZeRO-{ZERO[Strategy(s)][0]}" for s in strategies]
+    labels = [f"{s}\n{STRATEGIES[Strategy(s)].label}" for s in strategies]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / n
     colours = plt.get_cmap("tab10").colors

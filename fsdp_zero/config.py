@@ -53,10 +53,56 @@ class Strategy(str, enum.Enum):
     ddp = "ddp"
 
 
-# The names users bring from FSDP1 and DeepSpeed.
-STRATEGY_ALIASES = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "HYBRID_SHARD": "hybrid_shard",
-                    "NO_SHARD": "ddp"}
-ZERO_STAGES = {0: Strategy.ddp, 1: Strategy.zero1, 2: Strategy.shard_grad_op, 3: Strategy.full_shard}
+@dataclass(frozen=True)
+class StrategySpec:
+    """What a strategy is. Every module that needs a strategy's meaning (how it is applied, its
+    model-state formula, the levers it allows, its DeepSpeed stage, its label) reads `STRATEGIES`."""
+
+    zero_stage: int  # the ZeRO-DP stage it implements (hybrid_shard: stage 3 within each group)
+    label: str  # its name in reports and charts
+    fsdp: bool  # FSDP2's fully_shard, unit by unit; else DistributedDataParallel over the whole model
+    reshard_after_forward: bool  # FSDP2 frees each unit's gathered parameters after its forward
+    sharded: tuple[bool, bool, bool]  # which of (parameters, gradients, optimizer states) each rank holds a part of
+    hybrid: bool  # sharded within groups of parallel.shard_size ranks, replicated across them (2-D mesh)
+    deepspeed_stage: int | None  # the zero_optimization.stage (parallel.zero_stage) that selects it
+    aliases: tuple[str, ...] = ()  # the names users bring from FSDP1
+    hpz: bool = False  # takes parallel.reshard_after_forward=k (ZeRO++'s hierarchical partitioning)
+
+    # The -mixed precisions (parameters gathered in a lower precision than stored) and CPU offload
+    # need FSDP's units: `fsdp` says whether a strategy allows them.
+
+    @property
+    def zero_redundancy_optimizer(self) -> bool:
+        """Optimizer states sharded outside FSDP, by torch's ZeroRedundancyOptimizer."""
+        return not self.fsdp and self.sharded[2]
+
+
+STRATEGIES: dict[Strategy, StrategySpec] = {
+    Strategy.full_shard: StrategySpec(3, "ZeRO-3", fsdp=True, reshard_after_forward=True, sharded=(True, True, True),
+                                      hybrid=False, deepspeed_stage=3, aliases=("FULL_SHARD",), hpz=True),
+    Strategy.shard_grad_op: StrategySpec(2, "ZeRO-2", fsdp=True, reshard_after_forward=False,
+                                         sharded=(True, True, True), hybrid=False, deepspeed_stage=2,
+                                         aliases=("SHARD_GRAD_OP",)),
+    Strategy.hybrid_shard: StrategySpec(3, "HSDP", fsdp=True, reshard_after_forward=True, sharded=(True, True, True),
+                                        hybrid=True, deepspeed_stage=None, aliases=("HYBRID_SHARD",)),
+    Strategy.zero1: StrategySpec(1, "ZeRO-1", fsdp=False, reshard_after_forward=False, sharded=(False, False, True),
+                                 hybrid=False, deepspeed_stage=1),
+    Strategy.ddp: StrategySpec(0, "DDP", fsdp=False, reshard_after_forward=False, sharded=(False, False, False),
+                               hybrid=False, deepspeed_stage=0, aliases=("NO_SHARD",)),
+}
+# DeepSpeed's stage -> ours, in stage order (hybrid_shard is DeepSpeed's MiCS, chosen by mics_shard_size).
+ZERO_STAGES = {spec.deepspeed_stage: s for s, spec in sorted(STRATEGIES.items(), key=lambda kv: kv[1].zero_stage)
+               if spec.deepspeed_stage is not None}
+STRATEGY_ALIASES = {alias: s.value for s, spec in STRATEGIES.items() for alias in spec.aliases}
+
+
+def is_fsdp(strategy: Strategy) -> bool:
+    return STRATEGIES[strategy].fsdp
+
+
+def strategies_that(allow: str) -> str:
+    """The strategies whose spec has ``allow`` true, as an error message lists them."""
+    return ", ".join(s.value for s, spec in STRATEGIES.items() if getattr(spec, allow))
 
 
 class DataSource(str, enum.Enum):
@@ -261,11 +307,11 @@ class ParallelConfig:
         check_positive("parallel.activation_checkpointing_every", self.activation_checkpointing_every)
         if self.prefetch < 0:
             raise ValueError(f"parallel.prefetch={self.prefetch}: must be >= 0 (0: FSDP2's own scheduling)")
-        if self.reshard_after_forward is not None and strategy is not Strategy.full_shard:
+        if self.reshard_after_forward is not None and not STRATEGIES[strategy].hpz:
             raise ValueError(f"parallel.reshard_after_forward={self.reshard_after_forward} applies to "
-                             f"parallel.strategy=full_shard only, not {strategy.value}")
-        if self.cpu_offload and strategy not in (Strategy.full_shard, Strategy.shard_grad_op, Strategy.hybrid_shard):
-            raise ValueError(f"parallel.cpu_offload=true needs an FSDP strategy (full_shard, shard_grad_op, hybrid_shard), "
+                             f"parallel.strategy={strategies_that('hpz')} only, not {strategy.value}")
+        if self.cpu_offload and not is_fsdp(strategy):
+            raise ValueError(f"parallel.cpu_offload=true needs an FSDP strategy ({strategies_that('fsdp')}), "
                              f"not parallel.strategy={strategy.value}")
         if self.zero_stage is not None and ZERO_STAGES.get(self.zero_stage) is not strategy:
             raise ValueError(f"parallel.zero_stage={self.zero_stage} contradicts "
@@ -283,7 +329,7 @@ class ParallelConfig:
                 not divide the world size.
         """
         size = self.shard_size
-        if self.strategy is Strategy.hybrid_shard and (size < 1 or world_size % size):
+        if STRATEGIES[self.strategy].hybrid and (size < 1 or world_size % size):
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(
                 f"parallel.shard_size={size} must divide the world size {world_size}; valid choices: {divisors}"
@@ -293,9 +339,9 @@ class ParallelConfig:
             divisors = [d for d in range(1, world_size) if world_size % d == 0]
             raise ValueError(f"parallel.reshard_after_forward={k} must divide the world size {world_size} and be "
                              f"smaller; valid choices: {divisors} (or null)")
-        if self.strategy is not Strategy.hybrid_shard and size != ParallelConfig.shard_size:
+        if not STRATEGIES[self.strategy].hybrid and size != ParallelConfig.shard_size:
             return [f"parallel.shard_size={size} has no effect with parallel.strategy={self.strategy.value} "
-                    "(only hybrid_shard uses it)"]
+                    f"(only {strategies_that('hybrid')} uses it)"]
         return []
 
 
@@ -531,9 +577,9 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
     p, strategy = cfg.precision, cfg.parallel.strategy
     mixed = p.mode.endswith("-mixed") or p.param_dtype not in (None, "fp32") or p.reduce_dtype not in (None, "fp32")
-    if mixed and p.mode != "bf16-true" and strategy in (Strategy.ddp, Strategy.zero1):
+    if mixed and p.mode != "bf16-true" and not is_fsdp(strategy):
         raise ValueError(f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored ones) needs "
-                         f"an FSDP strategy (full_shard, shard_grad_op, hybrid_shard), not parallel.strategy="
+                         f"an FSDP strategy ({strategies_that('fsdp')}), not parallel.strategy="
                          f"{strategy.value}; with {strategy.value} use precision.mode=fp32 or bf16-true")
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_zero.config import ZERO_STAGES
+from fsdp_zero.config import ZERO_STAGES, is_fsdp
 
 # The one place that knows what a ZeRO stage is here: stage -> our strategy's name.
 STAGES = {stage: strategy.value for stage, strategy in ZERO_STAGES.items()}
@@ -351,8 +351,9 @@ def _offload(ds: _Reader, stage: int | None) -> list[str]:
     parts = [rule for rule in (OFFLOAD_OPTIMIZER, OFFLOAD_PARAM) if ds[rule] == "cpu"]
     if not parts:
         return []
-    if stage in (0, 1):
-        raise ds.bad(parts[0].ds, f"offload needs ZeRO stage 2 or 3 here (FSDP2); {STAGE.ds}={stage}")
+    if stage is not None and not is_fsdp(ZERO_STAGES[stage]):
+        fsdp = " or ".join(str(s) for s, strategy in ZERO_STAGES.items() if is_fsdp(strategy))
+        raise ds.bad(parts[0].ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {STAGE.ds}={stage}")
     if parts == [OFFLOAD_OPTIMIZER]:
         ds.notes.append("ds_config zero_optimization.offload_optimizer: FSDP2's CPU offload moves the parameter "
                         "shards to host memory too (as offload_param would)")

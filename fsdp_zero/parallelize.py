@@ -1,18 +1,12 @@
-"""The one function that applies a data-parallel strategy to a model.
-
-| strategy        | ZeRO  | how                                   | model state per rank (fp32 AdamW) |
-|-----------------|-------|---------------------------------------|-----------------------------------|
-| full_shard      | 3     | FSDP2, reshard_after_forward=True     | 16 P / N (+ the root unit gathered fwd->bwd) |
-| shard_grad_op   | 2     | FSDP2, reshard_after_forward=False    | 16 P / N (+ gathered params fwd->bwd) |
-| hybrid_shard    | 3 x R | FSDP2 on a 2-D mesh (replicate, shard)| 16 P / shard_size                 |
-| zero1           | 1     | DDP + ZeroRedundancyOptimizer         | 4 P + 4 P + 8 P / N               |
-| ddp             | 0     | DistributedDataParallel               | 16 P                              |
+"""The one function that applies a data-parallel strategy to a model, and each strategy's
+model-state formula, both read from the strategy table (`fsdp_zero.config.STRATEGIES`; its
+rendering, with the formulas, is docs/sharding.md's table).
 
 Order matters and is fixed: activation checkpointing on the block units, then
 ``torch.compile`` of each block (if on), then sharding (torchtitan's order). FSDP strategies
-shard the meta-device model unit by unit (bottom-up, then the root) and only then
-materialise it, so no rank allocates more than its shards. DDP strategies need real tensors to wrap, so they materialise the
-whole model first (every rank holds all of it: that is what DDP is).
+shard the meta-device model unit by unit (bottom-up, then the root) and only then materialise
+it, so no rank allocates more than its shards. DDP strategies need real tensors to wrap, so they
+materialise the whole model first (every rank holds all of it: that is what DDP is).
 """
 
 from __future__ import annotations
@@ -26,33 +20,34 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_zero.config import ActivationCheckpointing, ParallelConfig, Strategy
+from fsdp_zero.config import STRATEGIES, ActivationCheckpointing, ParallelConfig, StrategySpec, is_fsdp
 from fsdp_zero.distributed import DistEnv
 from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
-FSDP_STRATEGIES = (Strategy.full_shard, Strategy.shard_grad_op, Strategy.hybrid_shard)
-
-
-def is_fsdp(strategy: Strategy) -> bool:
-    return strategy in FSDP_STRATEGIES
-
-
-def shard_degree(cfg: ParallelConfig, world_size: int) -> int:
-    """Over how many ranks each parameter is split.
+def split_over(cfg: ParallelConfig, world_size: int) -> int:
+    """Over how many ranks a sharded state is split: the shard group (hybrid_shard) or all ranks.
 
     Raises:
         ValueError: as `ParallelConfig.check_world` (e.g. a hybrid_shard shard size that does not
             divide the world size).
     """
     cfg.check_world(world_size)
-    if cfg.strategy is Strategy.hybrid_shard:
-        return cfg.shard_size
-    return world_size if is_fsdp(cfg.strategy) else 1
+    return cfg.shard_size if STRATEGIES[cfg.strategy].hybrid else world_size
+
+
+def shard_degree(cfg: ParallelConfig, world_size: int) -> int:
+    """Over how many ranks each parameter is split (1: every rank holds all of them).
+
+    Raises:
+        ValueError: as `split_over`.
+    """
+    return split_over(cfg, world_size) if STRATEGIES[cfg.strategy].sharded[0] else 1
 
 
 # Bytes per parameter of (parameters, gradients, optimizer states): fp32 AdamW holds 4 + 4 + 8.
 FP32_ADAMW = (4, 4, 8)
+_STATE_NAMES = ("weights", "gradients", "AdamW states")
 
 
 def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int,
@@ -61,23 +56,56 @@ def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int,
     the one model-state formula per strategy (the trainer's report, compare.py and the planner use it).
 
     ``bytes_per_param`` = (w, g, k): fp32 AdamW (4, 4, 8); the ZeRO paper's mixed-precision Adam
-    (2, 2, 12). FSDP strategies shard all three over the shard degree; zero1 only the optimizer
-    states; ddp none.
+    (2, 2, 12). Each of the three is whole on every rank or split over `split_over`'s ranks, as the
+    strategy's ``sharded`` says (FSDP strategies: all three; zero1: the optimizer states; ddp: none).
     """
-    w, g, k = bytes_per_param
-    p = num_params
-    if cfg.strategy is Strategy.zero1:
-        return (w + g) * p + k * p / world_size
-    return (w + g + k) * p / shard_degree(cfg, world_size)
+    sharded = STRATEGIES[cfg.strategy].sharded
+    whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
+    split = sum(b for b, split in zip(bytes_per_param, sharded) if split)
+    return whole * num_params + split * num_params / split_over(cfg, world_size)
 
 
 def formula_note(cfg: ParallelConfig, world_size: int) -> str:
     """How `model_state_formula` divides the bytes per parameter, in words (for the precision manifest)."""
-    if cfg.strategy is Strategy.zero1:
-        return f"(weights and gradients whole, AdamW states / N={world_size})"
+    spec = STRATEGIES[cfg.strategy]
+    if any(spec.sharded) and not all(spec.sharded):
+        whole = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if not split)
+        split = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if split)
+        return f"({whole} whole, {split} / N={split_over(cfg, world_size)})"
     degree = shard_degree(cfg, world_size)
-    return f"/ {degree}" + (" (hybrid_shard's shard size)" if cfg.strategy is Strategy.hybrid_shard else
+    return f"/ {degree}" + (f" ({cfg.strategy.value}'s shard size)" if spec.hybrid else
                             f" (N={degree})" if degree > 1 else " (not sharded)")
+
+
+def formula_text(spec: StrategySpec, bytes_per_param: tuple[int, int, int] = FP32_ADAMW) -> str:
+    """`model_state_formula` in symbols: P parameters, N ranks (shard_size: hybrid_shard's group)."""
+    n = "shard_size" if spec.hybrid else "N"
+    whole = [b for b, split in zip(bytes_per_param, spec.sharded) if not split]
+    split = [b for b, split in zip(bytes_per_param, spec.sharded) if split]
+    if not split:
+        return f"{sum(whole)} P"
+    if not whole:
+        return f"{sum(split)} P / {n}"
+    return f"{sum(whole)} P + {sum(split)} P / {n}"
+
+
+def strategy_table() -> str:
+    """docs/sharding.md's table of the strategies, rendered from `STRATEGIES`."""
+    rows = ["| `parallel.strategy` | ZeRO stage | how | model state per rank (fp32 AdamW) | -mixed precision, CPU "
+            "offload | DeepSpeed |", "|---|---|---|---|---|---|"]
+    for strategy, spec in STRATEGIES.items():
+        if spec.fsdp:
+            how = f"FSDP2, `reshard_after_forward={spec.reshard_after_forward}`" + (
+                ", 2-D mesh (replicate, shard)" if spec.hybrid else "") + (
+                "; `parallel.reshard_after_forward=k`: hpZ" if spec.hpz else "")
+        else:
+            how = "DDP + ZeroRedundancyOptimizer" if spec.zero_redundancy_optimizer else "DistributedDataParallel"
+        names = ", ".join(f"`{a}`" for a in spec.aliases)
+        deepspeed = (f"`zero_optimization.stage={spec.deepspeed_stage}`" if spec.deepspeed_stage is not None else
+                     "MiCS (`mics_shard_size`)")
+        rows.append(f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} ({spec.label}) | {how} "
+                    f"| {formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | {deepspeed} |")
+    return "\n".join(rows) + "\n"
 
 
 def reshard_after_forward(cfg: ParallelConfig, world_size: int) -> bool | int:
@@ -91,7 +119,7 @@ def reshard_after_forward(cfg: ParallelConfig, world_size: int) -> bool | int:
     cfg.check_world(world_size)
     k = cfg.reshard_after_forward
     if k is None or k == world_size:
-        return cfg.strategy is not Strategy.shard_grad_op
+        return STRATEGIES[cfg.strategy].reshard_after_forward
     return k
 
 
@@ -140,7 +168,7 @@ def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
 
 def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
     """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
-    if cfg.strategy is Strategy.hybrid_shard:
+    if STRATEGIES[cfg.strategy].hybrid:
         shard = shard_degree(cfg, env.world_size)
         return init_device_mesh(env.device.type, (env.world_size // shard, shard),
                                 mesh_dim_names=("dp_replicate", "dp_shard"))

@@ -149,8 +149,8 @@ def strategy_states(num_params: int, n: int, largest_unit: int | None = None, ro
     Returns:
         One state per strategy and mode, strategies in ZeRO stage order.
     """
-    from fsdp_zero.config import ZERO_STAGES, ParallelConfig, PrecisionConfig
-    from fsdp_zero.parallelize import is_fsdp, model_state_formula, reshard_after_forward
+    from fsdp_zero.config import ZERO_STAGES, ParallelConfig, PrecisionConfig, is_fsdp
+    from fsdp_zero.parallelize import model_state_formula, reshard_after_forward
     from fsdp_zero.precision import resolve
 
     out = []
@@ -301,7 +301,8 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
     from fsdp_zero.precision import resolve
     from fsdp_zero.data import BatchCursor, build_source
     from fsdp_zero.distributed import DistEnv
-    from fsdp_zero.parallelize import device_mesh, is_fsdp
+    from fsdp_zero.config import is_fsdp
+    from fsdp_zero.parallelize import device_mesh
     from fsdp_zero.tasks import build_task, vocab_size
     from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 

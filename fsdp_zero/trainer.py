@@ -25,12 +25,12 @@ from torch import nn
 import fsdp_zero
 from fsdp_zero.build import build
 from fsdp_zero.checkpoint import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
-from fsdp_zero.config import TOKEN_SOURCES, Config, DataSource, Task
+from fsdp_zero.config import TOKEN_SOURCES, Config, DataSource, Task, is_fsdp
 from fsdp_zero.config_loader import to_yaml
 from fsdp_zero.data import BatchCursor, BatchLayout, batch_layout, build_source
 from fsdp_zero.distributed import CollectiveTimeout, DistEnv, last_collective, seed_all, silent_ranks
 from fsdp_zero.memory import MIB, apply_malloc_policy
-from fsdp_zero.parallelize import formula_note, is_fsdp, model_state_formula, unwrap
+from fsdp_zero.parallelize import formula_note, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, Precision, loss_scaler
 from fsdp_zero.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
 from fsdp_zero.step import Phase, StepResult, set_lr, train_step

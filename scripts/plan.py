@@ -22,7 +22,7 @@ import sys
 import torch
 
 from fsdp_zero.build import construct
-from fsdp_zero.config import Strategy
+from fsdp_zero.config import ZERO_STAGES, Strategy
 from fsdp_zero.config_loader import load_config
 from fsdp_zero.memory import CATEGORIES, MIB
 from fsdp_zero.planner import (PAPER_K, PLAN_MODES, deepspeed_zero3_estimate, format_bytes, format_gb, simulate,
@@ -30,7 +30,7 @@ from fsdp_zero.planner import (PAPER_K, PLAN_MODES, deepspeed_zero3_estimate, fo
 from fsdp_zero.weights import parse_size
 from fsdp_zero.wrap import build_wrap_plan
 
-ALL = [Strategy.ddp, Strategy.zero1, Strategy.shard_grad_op, Strategy.full_shard]
+ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
 
 
 def main(argv: list[str] | None = None) -> int:

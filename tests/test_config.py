@@ -364,3 +364,36 @@ def test_the_package_has_no_import_cycle():
         return any(d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen))) for d in graph.get(start, ()))
 
     assert [m for m in sorted(graph) if reaches(m, m, set())] == []
+
+
+def test_the_strategy_table_is_where_a_strategy_means_something():
+    """Every strategy has one row; the DeepSpeed stages, the FSDP1 aliases and the formulas come from
+    it; and no module but config.py names a strategy to decide what it does (compare.py's DDP
+    baseline, a choice of row, is the one exception)."""
+    import ast
+
+    from fsdp_zero.config import STRATEGIES, STRATEGY_ALIASES, ZERO_STAGES, ParallelConfig, Strategy, is_fsdp
+    from fsdp_zero.parallelize import formula_note, model_state_formula, shard_degree
+
+    assert list(STRATEGIES) == list(Strategy)
+    assert ZERO_STAGES == {0: Strategy.ddp, 1: Strategy.zero1, 2: Strategy.shard_grad_op, 3: Strategy.full_shard}
+    assert STRATEGY_ALIASES == {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op",
+                                "HYBRID_SHARD": "hybrid_shard", "NO_SHARD": "ddp"}
+    P, N = 1000, 4
+    expected = {Strategy.full_shard: 16 * P / N, Strategy.shard_grad_op: 16 * P / N, Strategy.hybrid_shard: 16 * P / 2,
+                Strategy.zero1: 8 * P + 8 * P / N, Strategy.ddp: 16 * P}
+    for strategy, formula in expected.items():
+        cfg = ParallelConfig(strategy=strategy, shard_size=2)
+        assert model_state_formula(cfg, P, N) == formula, strategy
+        assert shard_degree(cfg, N) == (2 if strategy is Strategy.hybrid_shard else N if is_fsdp(strategy) else 1)
+    assert formula_note(ParallelConfig(strategy=Strategy.zero1), N) == "(weights and gradients whole, AdamW states / N=4)"
+    assert formula_note(ParallelConfig(strategy=Strategy.hybrid_shard), N) == "/ 2 (hybrid_shard's shard size)"
+    named = []
+    for path in sorted((REPO / "fsdp_zero").glob("*.py")):
+        if path.name == "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Strategy" \
+                    and node.attr in Strategy.__members__:
+                named.append(f"{path.name}:{node.lineno}:{node.attr}")
+    assert [n.split(":")[0] + ":" + n.split(":")[2] for n in named] == ["compare.py:ddp", "compare.py:ddp"], named
