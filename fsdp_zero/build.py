@@ -9,8 +9,9 @@ a model larger than one rank's memory never exists whole) and every buffer compu
 the constructor computes it (BatchNorm statistics, rotary tables), so buffers are right
 after materialisation without any initialiser knowing them. `shard` applies a strategy to
 such a model and materialises each rank's shards; `build` adds the optimizer. No file
-I/O, no broadcasts: the trainer, the planner, scripts/compare.py, the benchmarks and the
-own-loop API (`fsdp_zero.api`) all build through here.
+I/O, no broadcasts: the trainer, the planner, the benchmarks and the own-loop API
+(`fsdp_zero.api`) all build through here, and compare.py's single-process DataParallel
+baseline through its parts (`construct`, `materializer`, `build_optimizer`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from fsdp_zero.config import (
 from fsdp_zero.distributed import DistEnv
 from fsdp_zero.parallelize import parallelize, shard_degree
 from fsdp_zero.precision import Precision, resolve
+from fsdp_zero.torch_private import hf_init_weights
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
 logger = logging.getLogger("fsdp_zero")
@@ -79,9 +81,9 @@ def meta_parameters() -> Iterator[None]:
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
         if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
 
     nn.Module.register_parameter = register_on_meta
     try:
@@ -149,14 +151,7 @@ def initialize(model: nn.Module, how: Init, seed: int) -> str:
         if _own_init_takes_seed(model):
             model.init_weights(seed)
             return f"{type(model).__name__}.init_weights(seed={seed})"
-        if callable(getattr(model, "_init_weights", None)):
-            torch.manual_seed(seed)
-            for m in model.modules():  # Hugging Face skips modules it marked as initialised
-                m.__dict__.pop("_is_hf_initialized", None)
-            for p in list(model.parameters()) + list(model.buffers()):
-                p.__dict__.pop("_is_hf_initialized", None)
-            with torch.no_grad():
-                model.apply(model._init_weights)
+        if hf_init_weights(model, seed):
             return f"{type(model).__name__}._init_weights (torch.manual_seed({seed}))"
         raise ValueError(f"model.init=model: {type(model).__name__} has no init_weights(seed) or _init_weights; "
                          "valid choices: auto, standard")

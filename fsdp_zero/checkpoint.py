@@ -49,7 +49,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 import fsdp_zero
 from fsdp_zero.parallelize import unwrap
 from fsdp_zero.stopping import RunEnded
-from fsdp_zero.torch_private import _init_optim_state
+from fsdp_zero.torch_private import DCP_METADATA_PRIVATE, _init_optim_state
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -113,10 +113,8 @@ def apply_retention(root: Path, keep_last: int, written: list[Path]) -> list[Pat
 # Safe reading
 
 
-_ALLOWED = {
+_ALLOWED = DCP_METADATA_PRIVATE | {
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"),
@@ -276,12 +274,18 @@ def check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Pat
     misshaped = sorted(f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
                        for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k]))
     if missing or unexpected or misshaped:
-        parts = [f"checkpoint {str(path)!r} does not fit this model"]
-        for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
-            if items:
-                shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
-                parts.append(f"{label}: {shown}")
-        raise ValueError("; ".join(parts))
+        raise does_not_fit(f"checkpoint {str(path)!r}", missing, unexpected, misshaped)
+
+
+def does_not_fit(what: str, missing: list[str], unexpected: list[str], misshaped: list[str],
+                 how: str = "") -> ValueError:
+    """One line naming what does not fit the model (``how``: after a renaming of its keys): the first
+    8 of each kind of mismatch, and how many."""
+    parts = [f"{what} does not fit this model" + (f" (with the renaming {how})" if how else "")]
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+        if items:
+            parts.append(f"{label}: " + ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else ""))
+    return ValueError("; ".join(parts))
 
 
 # ---------------------------------------------------------------------------------

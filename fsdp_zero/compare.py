@@ -15,10 +15,13 @@ from pathlib import Path
 
 import torch
 
+from fsdp_zero.build import build_optimizer, construct, materializer, real_buffers
 from fsdp_zero.config import STRATEGIES, ZERO_STAGES, Config, ParallelConfig, Strategy
-from fsdp_zero.memory import CATEGORIES, MIB
+from fsdp_zero.data import BatchCursor, batch_layout, build_source
+from fsdp_zero.memory import CATEGORIES, MIB, model_state_bytes
 from fsdp_zero.parallelize import model_state_formula
 from fsdp_zero.step import Phase, set_lr, train_step
+from fsdp_zero.tasks import build_task, vocab_size
 
 ORDER = list(reversed(ZERO_STAGES.values()))  # the ZeRO stages' strategies, in the order they run: ZeRO-3 first
 # Short runs: the profiled step (2) for the breakdown, steps around it for peak RSS and step time.
@@ -59,10 +62,6 @@ def dataparallel_row(cfg: Config) -> dict:
     One process drives all GPUs: the model lives on cuda:0 and is copied to every GPU at each
     forward; the "per-rank" peak is the highest peak reserved over the GPUs.
     """
-    from fsdp_zero.build import build_optimizer, construct, materializer, real_buffers
-    from fsdp_zero.data import BatchCursor, batch_layout, build_source
-    from fsdp_zero.memory import model_state_bytes
-    from fsdp_zero.tasks import build_task, vocab_size
 
     device = torch.device("cuda", 0)
     devices = list(range(torch.cuda.device_count()))

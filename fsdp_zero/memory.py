@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import psutil
@@ -22,6 +23,21 @@ from torch.distributed.tensor import DTensor
 from fsdp_zero.step import Phase
 
 MIB = 2**20
+
+
+def parse_size(text: str, key: str) -> int:
+    """'2GB', '500MB', '1.5GiB', '1000' -> bytes (``key``: the option it came from, for the error).
+
+    Raises:
+        ValueError: an unreadable size.
+    """
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{key} {text!r}: expected a size such as 2GB, 500MB or 1GiB")
+    unit = m.group(2).upper().rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    return int(float(m.group(1)) * base**power)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

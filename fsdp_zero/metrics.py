@@ -56,18 +56,5 @@ class JsonLinesLogger:
         self.file.close()
 
 
-class MultiLogger:
-    def __init__(self, *sinks: MetricLogger) -> None:
-        self.sinks = sinks
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        for s in self.sinks:
-            s.log(scalars, step)
-
-    def close(self) -> None:
-        for s in self.sinks:
-            s.close()
-
-
 def tensorboard_dir(run_dir: Path, rank: int) -> Path:
     return run_dir / "tb" / f"rank{rank}"

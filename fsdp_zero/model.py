@@ -245,9 +245,3 @@ def args_from_config(cfg: ModelConfig) -> TransformerArgs:
 def from_config(cfg: ModelConfig) -> Transformer:
     """The built-in model for ``model.preset`` and its fields, on the current default device."""
     return Transformer(args_from_config(cfg))
-
-
-def build_model(args: TransformerArgs, device: torch.device | str = "meta") -> Transformer:
-    """The model on ``device`` (meta by default: shapes only, no memory)."""
-    with torch.device(device):
-        return Transformer(args)

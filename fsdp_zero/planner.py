@@ -25,6 +25,8 @@ import logging
 import math
 import copy
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -32,10 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config import Config, Strategy, validate
-from fsdp_zero.data import BatchLayout
+from fsdp_zero.build import build, cast_to_stored, construct
+from fsdp_zero.config import ZERO_STAGES, Config, ParallelConfig, PrecisionConfig, Strategy, is_fsdp, validate
+from fsdp_zero.data import BatchCursor, BatchLayout, build_source
+from fsdp_zero.distributed import DistEnv
 from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
+from fsdp_zero.parallelize import device_mesh, model_state_formula, reshard_after_forward
+from fsdp_zero.precision import resolve
 from fsdp_zero.step import Phase, train_step
+from fsdp_zero.tasks import build_task, vocab_size
+from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -149,9 +157,6 @@ def strategy_states(num_params: int, n: int, largest_unit: int | None = None, ro
     Returns:
         One state per strategy and mode, strategies in ZeRO stage order.
     """
-    from fsdp_zero.config import ZERO_STAGES, ParallelConfig, PrecisionConfig, is_fsdp
-    from fsdp_zero.parallelize import model_state_formula, reshard_after_forward
-    from fsdp_zero.precision import resolve
 
     out = []
     for stage, strategy in ZERO_STAGES.items():
@@ -212,8 +217,6 @@ def measure_baseline(device: torch.device) -> int:
     """
     if device.type == "cuda":
         return 0
-    import subprocess
-    import sys
 
     # Not this process's rendezvous (under torchrun, TORCHELASTIC_USE_AGENT_STORE would make the
     # probe wait for an agent store that is not its own). No GPU either: the probe trains on the CPU
@@ -297,14 +300,6 @@ def plan_layout(cfg: Config, world_size: int) -> BatchLayout:
 
 def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[Prediction]:
     """Simulates rank 0 of ``world_size`` ranks for each strategy; see the module docstring."""
-    from fsdp_zero.build import build, cast_to_stored, construct
-    from fsdp_zero.precision import resolve
-    from fsdp_zero.data import BatchCursor, build_source
-    from fsdp_zero.distributed import DistEnv
-    from fsdp_zero.config import is_fsdp
-    from fsdp_zero.parallelize import device_mesh
-    from fsdp_zero.tasks import build_task, vocab_size
-    from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 
     target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
     # Planning for GPUs from a machine without one: the tensors are the same (fp32), so the

@@ -1,4 +1,5 @@
-"""Every private PyTorch (and OmegaConf) API fsdp-zero uses, in one place, each with what it is for.
+"""Every private PyTorch (and OmegaConf, and Hugging Face) API fsdp-zero uses, in one place, each with
+what it is for.
 
 Private names move between releases. Importing them here (and nowhere else) means a
 torch upgrade breaks one module, loudly, and `tests/test_units.py` checks each is still
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConvNd", "DefaultReduceScatter", "checkpoint_activations", "FakeStore", "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state",
-           "config_value", "default_store", "flight_recorder_json", "fsdp_mem_tracker", "fsdp_unit_settings", "mem_tracker"]
+__all__ = ["ConvNd", "DCP_METADATA_PRIVATE", "DefaultReduceScatter", "checkpoint_activations", "FakeStore",
+           "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state", "config_value", "default_store",
+           "flight_recorder_json", "fsdp_mem_tracker", "fsdp_unit_settings", "hf_init_weights", "hf_no_split_modules",
+           "mem_tracker"]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
 # a training step on them to count memory without allocating any.
@@ -51,6 +54,37 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 # `fsdp_zero.init.init_standard` recognises every standard convolution and norm through them.
 from torch.nn.modules.batchnorm import _NormBase as NormBase
 from torch.nn.modules.conv import _ConvNd as ConvNd
+
+
+# Private names that DCP's own .metadata pickles (a tensor's storage layout, a chunk's place in
+# a file): the checkpoint reader's allow-listed unpickler admits them by these exact names.
+DCP_METADATA_PRIVATE = {("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+def hf_init_weights(model: Any, seed: int) -> bool:
+    """Initialises a Hugging Face model with its own initialiser (``PreTrainedModel._init_weights``,
+    applied module by module, after ``torch.manual_seed(seed)``); False: the model has none. Modules
+    and tensors that Hugging Face marked as initialised (``_is_hf_initialized``) are unmarked first,
+    or it would skip them."""
+    import torch
+
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        return False
+    torch.manual_seed(seed)
+    for m in model.modules():
+        m.__dict__.pop("_is_hf_initialized", None)
+    for p in list(model.parameters()) + list(model.buffers()):
+        p.__dict__.pop("_is_hf_initialized", None)
+    with torch.no_grad():
+        model.apply(init)
+    return True
+
+
+def hf_no_split_modules(model: Any) -> list[str]:
+    """The block classes a Hugging Face model declares must not be split (``_no_split_modules``,
+    what Accelerate wraps by default); [] for any other model."""
+    return list(getattr(model, "_no_split_modules", None) or [])
 
 
 def config_value(node: Any, key: str) -> Any:

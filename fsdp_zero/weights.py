@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import struct
 import warnings
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fsdp_zero.checkpoint import SafeFileSystemReader, does_not_fit, read_train_state
 from fsdp_zero.init import local_rows
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,21 +35,6 @@ _ST_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_size(text: str) -> int:
-    """'2GB', '500MB', '1.5GiB', '1000' -> bytes.
-
-    Raises:
-        ValueError: an unreadable size.
-    """
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 2GB, 500MB or 1GiB")
-    unit = m.group(2).upper().rstrip("B")
-    base = 1024 if unit.endswith("I") else 1000
-    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
-    return int(float(m.group(1)) * base**power)
 
 
 # ---------------------------------------------------------------------------------
@@ -177,11 +162,7 @@ def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origi
                 best = (errors, mapping, sorted(missing), unexpected, sorted(misshaped), how)
     errors, mapping, missing, unexpected, misshaped, how = best
     if errors:
-        parts = [f"{origin} does not fit this model" + (f" (with the renaming {how})" if how else "")]
-        for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
-            if items:
-                parts.append(f"{label}: " + ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else ""))
-        raise ValueError("; ".join(parts))
+        raise does_not_fit(origin, missing, unexpected, misshaped, how)
     return mapping, how
 
 
@@ -215,7 +196,7 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[by
     meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset, sizes = 0, []
     for name, dtype, shape in entries:
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         meta[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
         sizes.append(size)
@@ -247,7 +228,7 @@ def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_byt
     shards: list[list[int]] = [[]]
     used = 0
     for i, (_, dtype, shape) in enumerate(entries):
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         if shards[-1] and used + size > max_bytes:
             shards.append([])
             used = 0
@@ -282,7 +263,6 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from fsdp_zero.checkpoint import SafeFileSystemReader, read_train_state
 
     read_train_state(checkpoint)
     if out.exists():
@@ -312,7 +292,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
     single = out.suffix == ".safetensors"
     shards = plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
     if single and len(shards) > 1:
-        total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in entries)
+        total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
         raise ValueError(f"--out {str(out)!r} is one file, but the weights ({total:,} bytes) exceed --max-shard-size; "
                          "give a folder to write shards into")
     tmp = out.with_name(f".{out.name}.partial")
@@ -329,7 +309,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
             write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
             weight_map.update({entries[i][0]: file for i in idx})
         if len(shards) > 1:
-            total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in entries)
+            total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         tmp.replace(out)

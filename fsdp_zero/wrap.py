@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from fsdp_zero.config import WrapConfig, WrapPolicy
+from fsdp_zero.torch_private import hf_no_split_modules
 
 ROOT = ""
 # Containers have no forward of their own, so FSDP hooks on them would never fire.
@@ -82,7 +83,7 @@ def default_block_classes(model: nn.Module) -> list[str]:
     block = getattr(type(model), "block_class", None)
     if block is not None:
         return [block.__name__]
-    declared = getattr(model, "_no_split_modules", None) or []
+    declared = hf_no_split_modules(model)
     present = {type(m).__name__ for m in model.modules()}
     return [c for c in declared if c in present]
 

@@ -13,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_zero.weights import EXPORT_DTYPES, export_checkpoint, parse_size
+from fsdp_zero.memory import parse_size
+from fsdp_zero.weights import EXPORT_DTYPES, export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", help="split into files of at most this size, e.g. 2GB (default: one file)")
     args = parser.parse_args(argv)
     try:
-        limit = parse_size(args.max_shard_size) if args.max_shard_size else None
+        limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
         files = export_checkpoint(args.checkpoint, args.out, EXPORT_DTYPES.get(args.dtype), limit)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

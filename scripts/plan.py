@@ -24,10 +24,9 @@ import torch
 from fsdp_zero.build import construct
 from fsdp_zero.config import ZERO_STAGES, Strategy
 from fsdp_zero.config_loader import load_config
-from fsdp_zero.memory import CATEGORIES, MIB
+from fsdp_zero.memory import CATEGORIES, MIB, parse_size
 from fsdp_zero.planner import (PAPER_K, PLAN_MODES, deepspeed_zero3_estimate, format_bytes, format_gb, simulate,
                                strategy_states, zero_paper_stages)
-from fsdp_zero.weights import parse_size
 from fsdp_zero.wrap import build_wrap_plan
 
 ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             formulas(int(args.params), int(args.largest_layer) if args.largest_layer else None, args.world_size)
             return 0
         cfg = load_config(args.config, args.overrides)
-        limit = parse_size(args.device_memory) if args.device_memory else None
+        limit = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
         strategies = [Strategy(s) for s in args.strategy] if args.strategy else ALL
         preds = simulate(cfg, args.world_size, strategies)
         model = construct(cfg.model)  # meta parameters: free at any size

@@ -193,3 +193,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.section("measured figures")
         for name, value in _FIGURES:
             terminalreporter.write_line(f"{name}: {value}")
+
+
+def build_model(args, device: str = "meta"):  # noqa: ANN001, ANN201
+    """The built-in transformer on ``device`` (meta by default: shapes only, no memory)."""
+    from fsdp_zero.model import Transformer
+
+    with torch.device(device):
+        return Transformer(args)

@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 from fsdp_zero.checkpoint import apply_retention, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints
 from fsdp_zero.config_loader import load_config
 from fsdp_zero.data import build_source
-from fsdp_zero.model import args_from_config, build_model
+from fsdp_zero.model import args_from_config
 from tests.batches import BASE, WORKER
-from tests.conftest import REPO, TRAIN, check, figure, launch, run_script
+from tests.conftest import REPO, TRAIN, build_model, check, figure, launch, run_script
 from tests.reference import reference_run
 
 BASE = list(BASE)

@@ -285,3 +285,9 @@ def test_planner_follows_the_precision_and_offload():
     # Device memory without the host-resident state, the allocator's slack on what is left.
     drop = plain.peak - offload.peak
     assert drop == pytest.approx(offload.host_state * (1 + CUDA_ALLOCATOR_SLACK), rel=0.05)
+
+
+def test_a_bad_size_names_the_option_it_came_from():
+    proc = run_script(PLAN, "--world-size", "2", "--device-memory", "lots", "model.preset=gpt_nano")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --device-memory 'lots': expected a size such as 2GB, 500MB or 1GiB"), proc.stderr

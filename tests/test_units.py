@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from fsdp_zero import init
-from tests.conftest import REPO
+from tests.batches import HAS_HF
+from tests.conftest import REPO, build_model
 from fsdp_zero.config import OptimConfig
 from fsdp_zero.data import BatchCursor, BatchLayout, ByteText, SyntheticBigram
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes
-from fsdp_zero.model import PRESETS, build_model, model_args
+from fsdp_zero.model import PRESETS, model_args
 from fsdp_zero.step import lr_factor
 
 
@@ -203,9 +205,23 @@ def test_private_torch_apis_are_where_we_expect_them():
     from omegaconf import OmegaConf
 
     assert torch_private.config_value(OmegaConf.create({"a": "${b}", "b": 1}), "a") == "${b}"  # unresolved
+    import importlib
+
+    for module, name in torch_private.DCP_METADATA_PRIVATE:  # what the checkpoint reader's unpickler admits
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+    if HAS_HF:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+        assert torch_private.hf_no_split_modules(llama) == ["LlamaDecoderLayer"]
+        before = llama.lm_head.weight.detach().clone()
+        assert torch_private.hf_init_weights(llama, 0) and not torch.equal(before, llama.lm_head.weight)
+    assert not torch_private.hf_init_weights(torch.nn.Linear(2, 2), 0) and torch_private.hf_no_split_modules(torch.nn.Linear(2, 2)) == []
     # No other module imports a private torch or OmegaConf name, or reaches one through attributes.
     import ast
 
+    outside = set()
     for path in (REPO / "fsdp_zero").glob("*.py"):
         if path.name == "torch_private.py":
             continue
@@ -217,6 +233,13 @@ def test_private_torch_apis_are_where_we_expect_them():
                 base = ast.unparse(node.value)
                 assert not base.startswith(("torch", "nn.")) and node.attr not in ("_get_node", "_value"), \
                     f"{path.name}: {base}.{node.attr}"
+                if base not in ("self", "cls"):
+                    outside.add(f"{path.name}: {base}.{node.attr}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") and \
+                    isinstance(node.args[1], ast.Constant) and re.match(r"_[A-Za-z]", str(node.args[1].value)):
+                outside.add(f"{path.name}: '{node.args[1].value}'")  # getattr(x, "_private")
+    # Only our own private names (a data source's memory map) and os._exit remain outside.
+    assert outside == {"data.py: '_mapped'", "distributed.py: os._exit"}, outside
 
 
 @pytest.mark.gpu

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fsdp_zero.config import WrapConfig, WrapPolicy
-from fsdp_zero.model import build_model, model_args
+from fsdp_zero.model import model_args
 from fsdp_zero.wrap import build_wrap_plan
+from tests.conftest import build_model
 
 
 def nano(**kw):
