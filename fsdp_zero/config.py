@@ -164,8 +164,6 @@ class OptimizerImpl(str, enum.Enum):
     for_loop = "for_loop"
 
 
-
-
 @dataclass
 class ModelConfig:
     """The built-in decoder-only transformer (``preset`` and its fields; ``None`` fields take the

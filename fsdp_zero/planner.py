@@ -23,12 +23,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import copy
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -315,8 +314,7 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
     out = []
     try:
         for strategy in strategies:
-            c = copy.deepcopy(cfg)
-            c.parallel.strategy, c.parallel.zero_stage = strategy, None
+            c = replace(cfg, parallel=replace(cfg.parallel, strategy=strategy, zero_stage=None))
             try:
                 validate(c)
             except ValueError as e:  # e.g. bf16-mixed or CPU offload under DDP

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import REPO, check, launch
+from tests.conftest import REPO, build_model, check, launch
 
 WORKER = REPO / "tests" / "workers" / "jobs.py"
 HAS_HF = importlib.util.find_spec("transformers") is not None  # the `hf` extra (in `dev`): the llama runs
@@ -68,7 +68,7 @@ def _weights_to_import(root: Path) -> None:
     """n2's final weights as a torch.save state dict and as an exported safetensors folder (when this
     session ran n2: only the checkpoint tests import them)."""
     from fsdp_zero.config_loader import load_config
-    from fsdp_zero.model import args_from_config, build_model
+    from fsdp_zero.model import args_from_config
     from fsdp_zero.weights import export_checkpoint
 
     if not (root / "n2.pt").exists():
