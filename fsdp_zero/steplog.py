@@ -19,17 +19,22 @@ first optimizer step, which `summary` reports against the strategy's own formula
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_zero.config import Config
 from fsdp_zero.distributed import DistEnv
 from fsdp_zero.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
+from fsdp_zero.parallelize import model_state_formula
+from fsdp_zero.precision import Precision
 from fsdp_zero.step import Phase
 
 logger = logging.getLogger("fsdp_zero")
@@ -155,3 +160,23 @@ class StepLogger:
     def close(self) -> None:
         self.tb.close()
         self.history.close()
+
+
+def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int, precision: Precision, run_dir: Path,
+                  last: int) -> None:
+    """The end-of-run line (model state against the strategy's own formula) and summary.json (rank 0),
+    with every rank's figures: what scripts/compare.py reads."""
+    formula = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param)
+    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
+                record.model_state_bytes / MIB, record.model_state_bytes / formula, cfg.parallel.strategy.value,
+                cfg.precision.mode, formula / MIB)
+    mine = {"model_state_bytes": record.model_state_bytes, "peak_rss_mib": record.peak_rss_mib,
+            "peak_reserved_mib": record.peak_reserved_mib, "step_s": record.step_seconds, "breakdown": record.breakdown,
+            "activations_after_forward": record.phases.get(Phase.AFTER_FORWARD, {}).get("activations")}
+    ranks = [None] * env.world_size
+    dist.all_gather_object(ranks, mine)
+    if env.is_rank0:
+        summary = {"strategy": cfg.parallel.strategy.value, "precision": cfg.precision.mode, "steps": last,
+                   "final_loss": record.losses.get(last), "num_params": num_params, "world_size": env.world_size,
+                   "model_state_formula_bytes": formula, "ranks": ranks}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -33,8 +32,8 @@ from fsdp_zero.memory import MIB, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, Precision, loss_scaler
 from fsdp_zero.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
-from fsdp_zero.step import Phase, StepResult, set_lr, train_step
-from fsdp_zero.steplog import StepLogger, StepRecord
+from fsdp_zero.step import StepResult, set_lr, train_step
+from fsdp_zero.steplog import StepLogger, StepRecord, write_summary
 from fsdp_zero.stopping import CollectiveFailed, Diverged, StepGuard, Stopped, budget_deadline, budget_job
 from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, vocab_size
 from fsdp_zero.weights import load_full_weights
@@ -271,24 +270,5 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                       "it: launch the same command again to continue")
     result = TrainResult(**vars(log.record), components=parts)
     if first <= last:  # something was trained (a resume may find nothing left)
-        write_summary(cfg, env, parts, result, last)
+        write_summary(cfg, env, result, parts.num_params, parts.precision, parts.run_dir, last)
     return result
-
-
-def write_summary(cfg: Config, env: DistEnv, parts: Components, result: TrainResult, last: int) -> None:
-    """The end-of-run line (model state against the strategy's own formula) and summary.json (rank 0),
-    with every rank's figures: what scripts/compare.py reads."""
-    formula = model_state_formula(cfg.parallel, parts.num_params, env.world_size, parts.precision.bytes_per_param)
-    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
-                result.model_state_bytes / MIB, result.model_state_bytes / formula, cfg.parallel.strategy.value,
-                cfg.precision.mode, formula / MIB)
-    mine = {"model_state_bytes": result.model_state_bytes, "peak_rss_mib": result.peak_rss_mib,
-            "peak_reserved_mib": result.peak_reserved_mib, "step_s": result.step_seconds, "breakdown": result.breakdown,
-            "activations_after_forward": result.phases.get(Phase.AFTER_FORWARD, {}).get("activations")}
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, mine)
-    if env.is_rank0:
-        summary = {"strategy": cfg.parallel.strategy.value, "precision": cfg.precision.mode, "steps": last, "final_loss": result.losses.get(last),
-                   "num_params": parts.num_params, "world_size": env.world_size, "model_state_formula_bytes": formula,
-                   "ranks": ranks}
-        (parts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
