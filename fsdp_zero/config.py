@@ -539,6 +539,49 @@ class MemoryConfig:
             raise ValueError(f"memory.profile_step={self.profile_step}: must be >= 0 (0: no profiling)")
 
 
+# What eval.path holds for each task that can be evaluated (fsdp_zero.evaluate).
+_EVAL_PATHS = {Task.causal_lm: "a token file (.bin or .npy) as data.source=tokens reads one",
+               Task.classification: "an ImageFolder directory, one sub-folder of images per class"}
+
+
+@dataclass
+class EvalConfig:
+    """Validation on held-out data at every ``every``-th step and at the last (see fsdp_zero.evaluate)."""
+
+    every: int = 0  # steps between evaluations, and one at the last step; 0: no evaluation
+    # causal_lm: a token file (.bin of data.token_dtype, or .npy), cut into windows of data.seq_len + 1
+    # tokens at stride data.seq_len; classification: an ImageFolder directory (resized, centre-cropped).
+    path: str | None = None
+    # Evaluate only the first max_batches x train.global_batch_size windows (images): the same set at
+    # any world size and micro-batch size. 0: the whole file.
+    max_batches: int = 0
+
+    def check(self) -> None:
+        """Counts >= 0, and a path that exists whenever evaluation is on."""
+        for key in ("every", "max_batches"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"eval.{key}={getattr(self, key)}: must be >= 0 (0: "
+                                 f"{'no evaluation' if key == 'every' else 'the whole file'})")
+        if self.every and not self.path:
+            raise ValueError(f"eval.every={self.every} needs eval.path: {_EVAL_PATHS[Task.causal_lm]} for "
+                             f"model.task=causal_lm, {_EVAL_PATHS[Task.classification]} for classification")
+        if self.path and not Path(self.path).exists():
+            raise ValueError(f"eval.path={self.path!r}: no such file or folder")
+
+    def check_task(self, task: Task) -> None:
+        """The rule that needs model.task: evaluation on, for a task it can evaluate, on a path that suits it."""
+        if not self.every:
+            return
+        if task not in _EVAL_PATHS:
+            raise ValueError(f"eval.every={self.every}: model.task={task.value} cannot be evaluated (its batches "
+                             f"are the loss function's own); valid choices: {', '.join(t.value for t in _EVAL_PATHS)}, "
+                             "or eval.every=0")
+        path = Path(self.path)
+        fits = path.is_dir() if task is Task.classification else path.is_file() and path.suffix in (".bin", ".npy")
+        if not fits:
+            raise ValueError(f"eval.path={self.path!r}: model.task={task.value} evaluates {_EVAL_PATHS[task]}")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -552,6 +595,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def validate(cfg: Config) -> None:
@@ -568,8 +612,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"data.source={cfg.data.source.value} does not feed model.task={cfg.model.task.value}; "
                          f"valid choices: {', '.join(s.value for s in sources)}")
     for section in (cfg.data, cfg.train, cfg.dist, cfg.optim, cfg.parallel, cfg.precision, cfg.memory, cfg.checkpoint,
-                    cfg.run, cfg.metrics):
+                    cfg.run, cfg.metrics, cfg.eval):
         section.check()
+    cfg.eval.check_task(cfg.model.task)
     for key in ("stop_after", "max_minutes"):
         if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
             raise ValueError(f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")

@@ -12,6 +12,8 @@ to metrics.jsonl (rank 0):
     accuracy, <custom scalars>         the mean over ranks
     peak_mem_mib_per_rank (jsonl)      every rank's peak (peak reserved on CUDA, peak RSS on CPU)
 
+After an evaluation (`evaluation`), eval/loss and eval/perplexity or eval/accuracy, in a row of their own.
+
 It also records the first step's memory at three phases (memory_first_step/*), the profiled
 step's breakdown (memory_breakdown/*, memory_within_step/*), and the model state after the
 first optimizer step, which `summary` reports against the strategy's own formula.
@@ -31,6 +33,7 @@ from torch import nn
 
 from fsdp_zero.config import Config
 from fsdp_zero.distributed import DistEnv
+from fsdp_zero.evaluate import EvalResult
 from fsdp_zero.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
 from fsdp_zero.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
 from fsdp_zero.parallelize import model_state_formula
@@ -57,6 +60,8 @@ class StepRecord:
     peak_rss_mib: float = 0.0
     peak_reserved_mib: float | None = None  # CUDA: the highest peak reserved over the run
     step_seconds: float = 0.0  # mean step time over the last log interval
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval/* scalars
+    eval_peak_mib: float = 0.0  # this rank's highest peak (as peak_mem) from the last log step through an evaluation
 
 
 class StepLogger:
@@ -140,6 +145,18 @@ class StepLogger:
                     "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]")
         self.monitor.reset_peaks()
         self._interval_start, self._interval_steps = time.perf_counter(), 0
+
+    def evaluation(self, step: int, result: EvalResult) -> None:
+        """An evaluation after step ``step`` (its scalars the same on every rank): TensorBoard, metrics.jsonl
+        (a row of its own, at the same step) and one line. Its time is left out of the throughput."""
+        mem = self.monitor.read()  # peaks since the last log step: with log_every=1, the evaluation's own
+        self.record.eval_peak_mib = max(self.record.eval_peak_mib,
+                                        self.monitor.headline_peak({f"memory/{k}": v for k, v in mem.items()}))
+        self.record.evals[step] = result.scalars
+        self.tb.log(result.scalars, step)
+        self.history.log(result.scalars, step)
+        logger.info("step %5d | %s", step, result.describe())
+        self._interval_start += result.seconds
 
     def _log_profile(self, step: int) -> None:
         """The profiled step: peak by category at ``step``, and the within-step curve at x = 0..3."""

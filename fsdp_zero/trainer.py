@@ -28,6 +28,7 @@ from fsdp_zero.config import TOKEN_SOURCES, Config, DataSource, Task, is_fsdp
 from fsdp_zero.config_loader import to_yaml
 from fsdp_zero.data import BatchCursor, BatchLayout, batch_layout, build_source
 from fsdp_zero.distributed import CollectiveTimeout, DistEnv, last_collective, seed_all, silent_ranks
+from fsdp_zero.evaluate import Evaluator, build_evaluator
 from fsdp_zero.memory import MIB, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, Precision, loss_scaler
@@ -63,6 +64,7 @@ class Components:
     seed: int
     state: TrainState  # step 0, or the resumed checkpoint's
     scaler: LossScaler | None = None  # fp16's loss scaling
+    evaluator: Evaluator | None = None  # eval.every > 0: validation on eval.path
 
 
 def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
@@ -109,6 +111,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     _check_data_fits(cfg, unwrap(model), source)
     scaler = loss_scaler(cfg.precision, built.precision, env.device)
     _log_setup(cfg, env, decision, built.num_params, built.init_note, built.precision, layout, plan)
+    evaluator = build_evaluator(cfg, env, unwrap(model), source)
 
     cursor = BatchCursor(source, layout, env.rank, num_workers=data_workers(cfg))
     state = _resume(cfg, env, decision, model, built.optimizer, scaler)
@@ -127,7 +130,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
             (decision.run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
     return Components(cfg, decision.run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params,
-                      built.precision, decision.seed, state, scaler)
+                      built.precision, decision.seed, state, scaler, evaluator)
 
 
 def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, num_params: int, init_note: str,
@@ -255,6 +258,8 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                     checkpointer.save(step, model, optimizer, state, to_yaml(cfg))
             timeout.use("step_timeout_minutes")
             log.step(step, out.loss, out.grad_norm, lr, out.extra)  # on log steps: the loop's other sync points
+            if parts.evaluator and parts.evaluator.due(step, last) and not verdict.stop:  # no_grad, eval mode
+                log.evaluation(step, parts.evaluator.run(model))
             if verdict.stop:
                 break
         if checkpointer:

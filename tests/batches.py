@@ -42,6 +42,10 @@ LLAMA = ("model.target=transformers:LlamaForCausalLM", "model.kwargs.vocab_size=
          "model.kwargs.num_key_value_heads=2", "model.kwargs.max_position_embeddings=64",
          "model.kwargs.tie_word_embeddings=true", "data.seq_len=16")  # units: _no_split_modules
 SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved after step 4 of 8
+# tests/test_eval.py's validation: 5 windows of 33 tokens (170 tokens: a tail no window reaches), after
+# steps 3, 6 and 8; at 2 ranks and micro-batch 2, rank 0 forwards 2 + 1 windows, rank 1 2 and a dummy.
+EVAL = ("eval.every=3", "eval.path={root}/val.bin")
+EVAL_TOKENS = 170
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Launch:
     prepare: Callable[[Path], None] | None = None  # files its runs read, made first in the test process
 
 
-P, C, M = "test_parity", "test_checkpoint", "test_models"
+P, C, M, E = "test_parity", "test_checkpoint", "test_models", "test_eval"
 
 
 def _weights_to_import(root: Path) -> None:
@@ -79,18 +83,27 @@ def _weights_to_import(root: Path) -> None:
     export_checkpoint(root / "n2" / "checkpoints" / "step-0000008", root / "exported", max_shard_bytes=100_000)
 
 
+def _eval_tokens(root: Path) -> None:
+    """The held-out token file the eval runs read: seeded uint16 ids below gpt_nano's vocabulary of 256."""
+    if not (root / "val.bin").exists():
+        torch.randint(0, 256, (EVAL_TOKENS,), generator=torch.Generator().manual_seed(19),
+                      dtype=torch.int32).numpy().astype("uint16").tofile(root / "val.bin")
+
+
 LAUNCHES = {
-    "2": Launch(2),
+    "2": Launch(2, prepare=_eval_tokens),
     "2-resume": Launch(2, after=("2",), prepare=_weights_to_import),
     "4": Launch(4, after=("2",)),
-    "1": Launch(0, after=("2",)),
+    "1": Launch(0, after=("2",), prepare=_eval_tokens),
     "3": Launch(3),
 }
 
 RUNS = [
     # ZeRO-3 straight through, saving every 2 steps (retention keeps 6 and 8): the parity run and the
     # checkpoint tests' straight run.
-    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli")),
+    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E)),
+    # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
+    Run("eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E,)),
     Run("n2-tied", "2", (*BASE, *TIED), (P,)),
     Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4"), (P, C)),
     Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C)),  # DeepSpeed's name for it
@@ -135,6 +148,7 @@ RUNS = [
     Run("full_shard-to-ddp-n4", "4", (*BASE, "parallel.strategy=ddp", "checkpoint.every=0",
                                       f"checkpoint.resume={SPLIT}"), (C,)),
     Run("n1", "1", BASE, (P,)),
+    Run("eval-n1", "1", (*BASE, "train.micro_batch_size=4", *EVAL), (E,)),  # one rank: forwards of 4 and 1 windows
     Run("reshard1", "1", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
     Run("ddp-to-full_shard-n1", "1", (*BASE, "checkpoint.every=0",
                                       "checkpoint.resume={root}/ddp/checkpoints/step-0000004"), (C,)),

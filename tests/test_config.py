@@ -266,6 +266,9 @@ SECTION_RULES = [
     ("dist.step_timeout_minutes", -1.0, "dist.step_timeout_minutes=-1.0: must be > 0"),
     ("memory.malloc_mmap_threshold", "lots", "memory.malloc_mmap_threshold='lots': valid choices: auto, default"),
     ("memory.profile_step", -1, "memory.profile_step=-1: must be >= 0"),
+    ("eval.every", 5, "eval.every=5 needs eval.path"),
+    ("eval.max_batches", -1, "eval.max_batches=-1: must be >= 0"),
+    ("eval.path", "/no/such/val.bin", "eval.path='/no/such/val.bin': no such file or folder"),
 ]
 
 

@@ -34,6 +34,8 @@ what the tests observe of the run itself (each observation is of the effect, not
                         was published); monotonic seconds
     writes_done         with ``slow_writes``: when each of this rank's checkpoint writes finished
     loss_times          (call, time) at the end of each loss computation (a forward)
+    evals               eval.every > 0: the eval/* scalars by step (fsdp_zero.evaluate)
+    peak_mib            every rank's (peak over the training's log intervals, peak through its evaluations)
 """
 
 import gc
@@ -196,6 +198,7 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     initial = full_weights(parts.model)
     held = _observe_first_forward(parts)
     result = train(cfg, env, parts)
+    held["after_train"] = _param_bytes(parts.model)  # an evaluation at the last step must leave every unit sharded
     final = full_weights(parts.model)
     opt_states = parts.optimizer.state.values()
     # Where this rank's shards and AdamW states live, read before the forward below: a forward without
@@ -209,14 +212,14 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     # Every rank's model state, AdamW step counts and dtypes, and where its shards live.
     mine = (result.model_state_bytes, sorted({int(st["step"]) for st in opt_states}),
             sorted({str(st["exp_avg"].dtype) for st in opt_states}), sorted(devices), held,
-            sorted(_seen["reduce_dtypes"]))
+            sorted(_seen["reduce_dtypes"]), (result.peak_rss_mib, result.eval_peak_mib))
     states = [None] * env.world_size
     dist.all_gather_object(states, mine)
     units = {name or "<root>": fsdp_unit_settings(m) for name, m in parts.model.named_modules()
              if isinstance(m, FSDPModule)}
     if env.is_rank0:
         log = [json.loads(line) for line in (parts.run_dir / "metrics.jsonl").read_text().splitlines()]
-        lrs = {row["step"]: row["lr"] for row in log}  # the rate each logged step used
+        lrs = {row["step"]: row["lr"] for row in log if "lr" in row}  # the rate each logged step used (not eval rows)
         torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "lrs": lrs, "initial": initial,
                     "final": final, "logits": logits, "model_state_bytes": [s[0] for s in states],
                     "adam_steps": [s[1] for s in states], "adam_dtypes": [s[2] for s in states],
@@ -233,7 +236,8 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
                     "skipped_steps": {r["step"]: r["skipped_steps"] for r in log if "skipped_steps" in r},
                     "num_params": parts.num_params, "shard_bytes": [u.bytes_per_rank for u in parts.plan.units],
                     "unit_params": {u.fqn or "<root>": u.num_params for u in parts.plan.units},
-                    "same_reduce_scatter": same_reduce_scatter}, out)
+                    "same_reduce_scatter": same_reduce_scatter, "evals": result.evals,
+                    "peak_mib": [s[6] for s in states]}, out)
 
 
 def main() -> None:

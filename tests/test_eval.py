@@ -1,0 +1,187 @@
+"""Validation (eval.*): the loss every eval.every steps and at the last, split over ranks, training untouched.
+
+The runs are tests/batches.py's ``eval`` (n2 with validation: ZeRO-3 at 2 ranks, 5 windows, so
+rank 0 evaluates 3 and rank 1 2 and a dummy batch) and ``eval-n1`` (one rank, micro-batch 4).
+Each evaluation at the last step is compared with a single-process computation written here in
+plain torch on the run's final full weights; the training losses, gradient norms and weights of
+``eval`` with those of ``n2``, bit for bit. Bad settings run scripts/train.py's main in this process.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from fsdp_zero.config_loader import load_config
+from fsdp_zero.distributed import DistEnv
+from fsdp_zero.evaluate import FolderImages, build_evaluator, rank_batches
+from fsdp_zero.model import args_from_config
+from tests.batches import BASE, EVAL_TOKENS
+from tests.conftest import TRAIN, build_model, figure, run_script
+
+SEQ_LEN = 32  # BASE's data.seq_len
+EVAL_STEPS = [3, 6, 8]  # eval.every=3 over 8 steps, and the last
+EVAL_ATOL = 1e-5
+
+
+def single_process_eval_loss(final: dict[str, torch.Tensor], val: Path) -> float:
+    """The token-weighted mean next-token cross-entropy over windows of SEQ_LEN + 1 tokens at stride SEQ_LEN,
+    computed from the definition: one window at a time, the whole model in this process."""
+    model = build_model(args_from_config(load_config(None, list(BASE)).model), device="cpu")
+    model.load_state_dict(final)
+    model.eval()
+    tokens = torch.from_numpy(np.fromfile(val, dtype=np.uint16).astype(np.int64))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for k in range((len(tokens) - 1) // SEQ_LEN):
+            window = tokens[k * SEQ_LEN:k * SEQ_LEN + SEQ_LEN + 1]
+            logits = model(window[None, :-1])[0].double()
+            total += F.cross_entropy(logits, window[1:], reduction="sum").item()
+            count += SEQ_LEN
+    assert count == 5 * SEQ_LEN
+    return total / count
+
+
+@pytest.mark.parametrize("name", ["eval", "eval-n1"])
+def test_the_eval_loss_equals_a_single_process_computation(batches, name):
+    run = batches[name]
+    assert sorted(run["evals"]) == EVAL_STEPS, run["evals"]
+    val = batches.root / "val.bin"
+    assert val.stat().st_size == EVAL_TOKENS * 2
+    expected = single_process_eval_loss(run["final"], val)
+    got = run["evals"][8]
+    diff = abs(got["eval/loss"] - expected)
+    figure(f"eval/loss against a single process ({name})", f"{diff:.2e} (loss {expected:.6f})")
+    assert diff < EVAL_ATOL, (got, expected)
+    assert got["eval/perplexity"] == pytest.approx(math.exp(got["eval/loss"]), rel=1e-12)
+
+
+def test_the_eval_loss_is_the_same_at_one_and_two_ranks(batches):
+    # Different runs (2 ranks x micro-batch 2, 1 rank x 4): their weights differ by the order of reductions.
+    one, two = batches["eval-n1"]["evals"], batches["eval"]["evals"]
+    assert all(abs(one[s]["eval/loss"] - two[s]["eval/loss"]) < EVAL_ATOL for s in EVAL_STEPS), (one, two)
+
+
+def test_training_is_bit_identical_with_evaluation_on_and_off(batches):
+    on, off = batches["eval"], batches["n2"]
+    assert on["losses"] == off["losses"] and on["grad_norms"] == off["grad_norms"]
+    assert all(torch.equal(on["final"][k], off["final"][k]) for k in off["final"])
+    assert not off["evals"]
+
+
+def test_evaluation_leaves_every_unit_sharded(batches):
+    # The last step evaluates after its optimizer step: a forward without backward would leave the root unit
+    # gathered (parallelize.py), its parameters held whole until the next forward's backward.
+    for held in batches["eval"]["param_bytes"]:
+        assert held["after_train"] == held["before_step"], held
+
+
+def test_eval_scalars_reach_metrics_jsonl_and_tensorboard_at_every_k_and_the_last(batches):
+    import json
+
+    run_dir = batches.path("eval")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in rows if "eval/loss" in r}
+    assert sorted(evals) == EVAL_STEPS
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))  # the training rows as before
+    expected = batches["eval"]["evals"]
+    for rank in (0, 1):
+        acc = EventAccumulator(str(run_dir / "tb" / f"rank{rank}"), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in ("eval/loss", "eval/perplexity"):
+            events = acc.Scalars(tag)
+            assert [e.step for e in events] == EVAL_STEPS, (rank, tag)
+            assert all(e.value == pytest.approx(expected[e.step][tag], rel=1e-6) for e in events)
+            assert all(e.value == pytest.approx(evals[e.step][tag], rel=1e-6) for e in events)
+
+
+def test_evaluation_does_not_raise_the_peak_memory(batches):
+    """Peak RSS per rank at 2 ranks (gpt_nano, ZeRO-3): the run without evaluation, the run with it, and
+    the peak from a log step through an evaluation (log_every=1: the evaluation's own)."""
+    (off_peak, _), (on_peak, eval_peak) = batches["n2"]["peak_mib"][0], batches["eval"]["peak_mib"][0]
+    figure("peak RSS rank 0, gpt_nano at 2 ranks (MiB)",
+           f"without eval {off_peak:.1f}, with eval {on_peak:.1f}, through each evaluation {eval_peak:.1f}")
+    for (training, evaluating) in batches["eval"]["peak_mib"]:
+        assert 0 < evaluating <= training  # within the run: evaluating needs less than a training step
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["eval.every=-1"], "eval.every=-1: must be >= 0 (0: no evaluation)"),
+        (["eval.max_batches=-2", "eval.path=VAL"], "eval.max_batches=-2: must be >= 0 (0: the whole file)"),
+        (["eval.every=5"], "eval.every=5 needs eval.path: a token file (.bin or .npy)"),
+        (["eval.every=5", "eval.path=NOPE"], "no such file or folder"),
+        (["eval.every=5", "eval.path=DIR"], "model.task=causal_lm evaluates a token file (.bin or .npy)"),
+        (["eval.every=5", "eval.path=DIR", "model.task=custom", "model.loss=tests.user_model:overflow_on_rank1"],
+         "model.task=custom cannot be evaluated"),
+        (["eval.every=5", "eval.path=BIG"], "eval.path='BIG' holds token id 300, but the model's vocabulary has 256"),
+        (["eval.every=5", "eval.path=SHORT"], "eval.path='SHORT' holds 20 tokens, fewer than data.seq_len + 1 = 33"),
+    ],
+)
+def test_bad_eval_settings_exit_2_with_one_line_and_write_nothing(tmp_path: Path, args, message):
+    files = {"VAL": tmp_path / "val.bin", "NOPE": tmp_path / "nope.bin", "DIR": tmp_path,
+             "BIG": tmp_path / "big.bin", "SHORT": tmp_path / "short.bin"}
+    np.arange(100, dtype=np.uint16).tofile(files["VAL"])
+    np.full(100, 300, dtype=np.uint16).tofile(files["BIG"])
+    np.arange(20, dtype=np.uint16).tofile(files["SHORT"])
+    for key, path in files.items():  # the placeholders, in the arguments and the expected line
+        args = [a.replace(f"={key}", f"={path}") for a in args]
+        message = message.replace(f"'{key}'", repr(str(path)))
+    proc = run_script(TRAIN, *BASE, *args, f"run.root={tmp_path}", "run.name=bad")
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("num_items,world_size,micro", [(5, 2, 2), (5, 2, 1), (1, 4, 2), (7, 3, 2), (8, 4, 4), (3, 1, 2)])
+def test_every_item_is_evaluated_once_and_every_rank_forwards_as_often(num_items, world_size, micro):
+    shares = [rank_batches(num_items, world_size, rank, micro) for rank in range(world_size)]
+    assert len({len(share) for share in shares}) == 1  # the same number of forwards (all-gathers) on every rank
+    assert sorted(i for share in shares for batch in share for i in batch) == list(range(num_items))
+    assert all(len(batch) <= micro for share in shares for batch in share)
+    if (num_items, world_size, micro) == (5, 2, 2):
+        assert shares == [[[0, 2], [4]], [[1, 3], []]]  # rank 1's second forward is the dummy
+
+
+def _image_folder(root: Path, classes: tuple[str, ...] = ("ant", "bee", "cat"), per_class: int = 2) -> Path:
+    from PIL import Image
+
+    gen = np.random.default_rng(0)
+    for name in classes:
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(gen.integers(0, 256, (12, 10, 3), dtype=np.uint8)).save(root / name / f"{i}.png")
+    return root
+
+
+def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing_random_numbers(tmp_path: Path):
+    folder = _image_folder(tmp_path / "val")
+    cfg = load_config(None, ["model.task=classification", "data.source=fake_images", "data.image_size=8",
+                             "eval.every=1", f"eval.path={folder}", "train.global_batch_size=4",
+                             "train.micro_batch_size=2"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(3 * 8 * 8, 3))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    whole = build_evaluator(cfg, env, model, None)
+    rng = torch.get_rng_state()
+    result = whole.run(model)  # 6 images: forwards of 2, 2 and 2
+    assert torch.equal(torch.get_rng_state(), rng) and model.training
+
+    images, labels = FolderImages(str(folder), 8).batch(range(6))
+    model.eval()
+    with torch.no_grad():
+        logits = model(images).double()
+    assert result.items == 6 and result.scalars["eval/loss"] == pytest.approx(F.cross_entropy(logits, labels).item(),
+                                                                              abs=1e-6)
+    assert result.scalars["eval/accuracy"] == (logits.argmax(-1) == labels).double().mean().item()
+
+    cfg.eval.max_batches = 1  # one global batch of 4: the same 4 images at any world size
+    assert build_evaluator(cfg, env, model, None).num_items == 4
