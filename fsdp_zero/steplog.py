@@ -188,6 +188,7 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int
                 record.model_state_bytes / MIB, record.model_state_bytes / formula, cfg.parallel.strategy.value,
                 cfg.precision.mode, formula / MIB)
     mine = {"model_state_bytes": record.model_state_bytes, "peak_rss_mib": record.peak_rss_mib,
+            "eval_peak_mib": record.eval_peak_mib or None,
             "peak_reserved_mib": record.peak_reserved_mib, "step_s": record.step_seconds, "breakdown": record.breakdown,
             "activations_after_forward": record.phases.get(Phase.AFTER_FORWARD, {}).get("activations")}
     ranks = [None] * env.world_size

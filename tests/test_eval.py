@@ -103,12 +103,20 @@ def test_eval_scalars_reach_metrics_jsonl_and_tensorboard_at_every_k_and_the_las
 
 def test_evaluation_does_not_raise_the_peak_memory(batches):
     """Peak RSS per rank at 2 ranks (gpt_nano, ZeRO-3): the run without evaluation, the run with it, and
-    the peak from a log step through an evaluation (log_every=1: the evaluation's own)."""
+    from a log step through an evaluation (log_every=1: the evaluation's own). At this size both are
+    the process's heap, flat to within a MiB: the bound is a gross one (an evaluation that held on to
+    activations or gathered units at gpt_small's size would break it by hundreds of MiB), and
+    docs/fine-tuning.md gives the figures of a 21M-parameter model."""
+    import json
+
     (off_peak, _), (on_peak, eval_peak) = batches["n2"]["peak_mib"][0], batches["eval"]["peak_mib"][0]
     figure("peak RSS rank 0, gpt_nano at 2 ranks (MiB)",
            f"without eval {off_peak:.1f}, with eval {on_peak:.1f}, through each evaluation {eval_peak:.1f}")
-    for (training, evaluating) in batches["eval"]["peak_mib"]:
-        assert 0 < evaluating <= training  # within the run: evaluating needs less than a training step
+    rows = [json.loads(line) for line in (batches.path("eval") / "metrics.jsonl").read_text().splitlines()]
+    # Intervals of training alone: not the profiled step 2, nor 4 and 7 (they hold the evaluations after 3 and 6).
+    training = [r["peak_mem_mib_per_rank"] for r in rows if r["step"] in (1, 3, 5, 6, 8) and "loss" in r]
+    for rank, (_, evaluating) in enumerate(batches["eval"]["peak_mib"]):
+        assert 0 < evaluating <= max(t[rank] for t in training) + 2.0, (rank, evaluating, training)
 
 
 @pytest.mark.parametrize(
@@ -171,8 +179,11 @@ def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(3 * 8 * 8, 3))
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     whole = build_evaluator(cfg, env, model, None)
-    rng = torch.get_rng_state()
+    rng, grad_modes = torch.get_rng_state(), []
+    hook = model.register_forward_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
     result = whole.run(model)  # 6 images: forwards of 2, 2 and 2
+    hook.remove()
+    assert grad_modes == [False] * 3  # no autograd graph: no activations kept for a backward that never comes
     assert torch.equal(torch.get_rng_state(), rng) and model.training
 
     images, labels = FolderImages(str(folder), 8).batch(range(6))
