@@ -220,8 +220,9 @@ class DataConfig:
     source: DataSource = DataSource.synthetic
     path: str | None = None  # file or folder, for source=text
     seq_len: int = 128
-    # tokens: the dtype of a .bin file (a .npy file carries its own).
-    token_dtype: str = "uint16"
+    # tokens: the dtype of a .bin file (a .npy file carries its own). None: the dtype that the
+    # meta.json beside the file names (scripts/prepare_data.py writes one), else uint16.
+    token_dtype: str | None = None
     # images / fake_images: square side in pixels after resizing and cropping.
     image_size: int = 32
     num_classes: int = 10  # fake_images: how many label values FakeData draws
@@ -250,7 +251,7 @@ class DataConfig:
             valid = ", ".join(s.value for s in _PATHS)
             raise ValueError(f"data.path={self.path!r} is set but data.source={self.source.value} reads no files; "
                              f"data.source with a path: {valid}")
-        if self.token_dtype not in TOKEN_DTYPES:
+        if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
             raise ValueError(f"data.token_dtype={self.token_dtype!r} is not a valid choice; valid choices: "
                              f"{', '.join(TOKEN_DTYPES)}")
         if self.num_workers is not None and self.num_workers < 0:
