@@ -220,7 +220,7 @@ def check_model_config(cfg: ModelConfig) -> None:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ValueError(f"model.preset={cfg.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
         if cfg.kwargs:
-            raise ValueError(f"model.kwargs={dict(cfg.kwargs)} is set without model.target; the built-in model takes "
+            raise ValueError(f"model.kwargs={dict(cfg.kwargs)} is set without model.target or model.pretrained; the built-in model takes "
                              f"model.{', model.'.join(BUILTIN_FIELDS)}")
     else:
         builtin = [f"model.{k}={getattr(cfg, k)!r}" for k in BUILTIN_FIELDS if getattr(cfg, k) is not None]

@@ -200,7 +200,7 @@ def test_weights_that_do_not_fit_the_config_name_the_key(folder: Path, tmp_path:
     weights = load_file(bad / "model.safetensors")
     weights["model.norm.weight"] = torch.ones(31)
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
-    _one_line_exit_2(_train(tmp_path, f"model.pretrained={bad}"), tmp_path, "does not fit this model",
+    _one_line_exit_2(_train(tmp_path, f"model.pretrained={bad}"), tmp_path, f"model.pretrained={str(bad)!r} does not fit",
                      "mis-shaped: model.norm.weight: file (31,) vs model (32,)")
 
 
@@ -229,3 +229,12 @@ def test_kwargs_override_the_folders_config(folder: Path):
     model = construct(load_config(None, [f"model.pretrained={folder}", "model.kwargs.num_hidden_layers=1"]).model)
     assert len(model.model.layers) == 1 and model.config.hidden_size == 32
     assert all(p.is_meta for p in model.parameters())  # built like every model: shapes only
+
+
+def test_a_pytorch_model_bin_loads_with_weights_only(folder: Path, tmp_path: Path):
+    """A folder with pytorch_model.bin instead of safetensors: read by torch.load(weights_only=True)."""
+    old = shutil.copytree(folder, tmp_path / "bin")
+    torch.save(load_file(old / "model.safetensors"), old / "pytorch_model.bin")
+    (old / "model.safetensors").unlink()
+    proc = check(_train(tmp_path, f"model.pretrained={old}", "checkpoint.enabled=false"))
+    assert f"initialised from {old / 'pytorch_model.bin'}" in proc.stderr
