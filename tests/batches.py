@@ -82,7 +82,7 @@ def _weights_to_import(root: Path) -> None:
 def _hf_folder(root: Path) -> None:
     """The tiny Hugging Face folder that model.pretrained reads (when test_pretrained runs)."""
     if HAS_HF and "test_pretrained" in _COLLECTED and not (root / "tiny-llama").exists():
-        from tests.hf_folder import tiny_llama
+        from tests.hf_fixtures import tiny_llama
 
         tiny_llama(root / "tiny-llama")
 

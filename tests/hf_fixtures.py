@@ -1,10 +1,16 @@
-"""Hugging Face artefacts made inside the tests, in seconds, with no network: a tiny tokenizer.
+"""Hugging Face artefacts made inside the tests, in seconds, with no network: a tiny tokenizer, and
+a tiny Llama folder that uses it.
 
 `tiny_tokenizer_dir` (session-scoped; tests/conftest.py makes it visible to every test module) is a
 byte-level BPE tokenizer trained here with `tokenizers` (a vocabulary of 400, special tokens
 ``<s>`` (BOS, prepended by ``tokenizer(text)``), ``</s>`` (EOS) and ``<pad>``), wrapped as
 transformers' ``PreTrainedTokenizerFast`` and saved with ``save_pretrained``, so that
-``AutoTokenizer.from_pretrained(dir)`` loads it. Nothing here imports transformers at module level.
+``AutoTokenizer.from_pretrained(dir)`` loads it.
+
+`tiny_llama` saves a 2-layer Llama (the tokenizer's vocabulary, tied embeddings) with
+``save_pretrained`` (config.json, generation_config.json, model.safetensors), that tokenizer, and a
+binary tokenizer.model stand-in, so the copy into the run directory is shown byte for byte: what
+``model.pretrained`` reads. Nothing here imports transformers at module level.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import pytest
 
 SPECIALS = ("<s>", "</s>", "<pad>")
 VOCAB_SIZE = 400
+LLAMA_CONFIG = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+BINARY = bytes(range(256)) * 4  # tokenizer.model stand-in: every byte value
 _WORDS = ("the model shards its parameters over every rank and gathers them for each unit before the forward "
           "pass; gradients are reduced and scattered so that no rank holds the whole state. Zürich naïve café "
           "résumé 東京 🙂").split()
@@ -51,6 +60,18 @@ def make_tiny_tokenizer(folder: Path) -> Path:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     wrapped.save_pretrained(folder)
+    return folder
+
+
+def tiny_llama(folder: Path, seed: int = 0) -> Path:
+    """Writes the Llama folder (see the module docstring) and returns it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG)).save_pretrained(folder)
+    make_tiny_tokenizer(folder)
+    (folder / "tokenizer.model").write_bytes(BINARY)
     return folder
 
 

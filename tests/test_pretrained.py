@@ -1,6 +1,6 @@
 """A Hugging Face folder in (model.pretrained), a from_pretrained folder out (scripts/export.py).
 
-One ZeRO-3 run at N = 2 from a tiny Llama folder saved in the test (tests/hf_folder.py; the run in
+One ZeRO-3 run at N = 2 from a tiny Llama folder saved in the test (tests/hf_fixtures.py; the run in
 tests/batches.py's 2-rank launch, its resume from step 2 in the 2-resume launch): it starts from the
 folder's weights and trains as a single process does from `from_pretrained`'s model; its export loads
 with `AutoModelForCausalLM.from_pretrained` with no missing or unexpected keys and the trained
@@ -23,6 +23,7 @@ from fsdp_zero.config_loader import load_config
 from fsdp_zero.data import build_source
 from tests.batches import BY_NAME, HAS_HF
 from tests.conftest import REPO, TRAIN, check, figure, run_script
+from tests.hf_fixtures import LLAMA_CONFIG
 from tests.reference import reference_run
 
 pytestmark = pytest.mark.skipif(not HAS_HF, reason="needs transformers (pip install -e '.[hf]')")
@@ -36,7 +37,7 @@ def _cfg(name: str, root: Path):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.hf_folder import tiny_llama
+    from tests.hf_fixtures import tiny_llama
 
     return tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
 
@@ -93,7 +94,7 @@ def _from_pretrained(out: Path):  # noqa: ANN202
 
 
 def _logits_diff(model, cfg, logits) -> float:  # noqa: ANN001
-    inputs = build_source(cfg.data, cfg.train.seed, 101).batch(range(2))[0]
+    inputs = build_source(cfg.data, cfg.train.seed, LLAMA_CONFIG["vocab_size"]).batch(range(2))[0]
     with torch.no_grad():
         return (model.eval()(inputs).logits - logits).abs().max().item()
 
@@ -138,7 +139,6 @@ def _as_model(ckpt: Path, dest: Path, **model: object) -> Path:
 
 
 def test_a_transformers_target_exports_a_config_built_from_its_kwargs(batches, tmp_path: Path):
-    from tests.hf_folder import LLAMA_CONFIG
 
     ckpt = _as_model(batches.path("pretrained") / "checkpoints" / "step-0000004", tmp_path / "run" / "ckpt",
                      target="transformers:LlamaForCausalLM", kwargs=LLAMA_CONFIG)
