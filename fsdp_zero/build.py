@@ -97,11 +97,16 @@ def construct(cfg: ModelConfig) -> nn.Module:
 
     A Hugging Face model class (one with a ``config_class``) is given its config built from
     ``model.kwargs``; any other target is called with ``model.kwargs`` as keyword arguments.
+    ``model.pretrained``: the folder's class and config (`fsdp_zero.pretrained.build_pretrained`).
 
     Raises:
         ValueError: a target that does not import, does not accept the kwargs, or returns no nn.Module.
     """
     with meta_parameters():
+        if cfg.pretrained is not None:  # a Hugging Face folder: the class and config from its config.json
+            from fsdp_zero.pretrained import build_pretrained
+
+            return build_pretrained(cfg)
         if cfg.target is None:
             from fsdp_zero.model import from_config
 

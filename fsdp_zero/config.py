@@ -188,6 +188,12 @@ class ModelConfig:
     # A standard, non-sharded state dict to start from: a torch.save(model.state_dict())
     # .pt file, a .safetensors file, or a folder of safetensors shards with an index.
     init_from: str | None = None
+    # A Hugging Face model folder (config.json, *.safetensors): the class from config.json's
+    # architectures, its config from config.json (model.kwargs override keys), its weights streamed
+    # into the shards as model.init_from's; instead of model.target and model.init_from.
+    pretrained: str | None = None
+    # model.pretrained only: run the folder's own code when its config.json has an auto_map (read it first).
+    trust_remote_code: bool = False
 
     def check(self) -> None:
         """The rules that need no model; the built-in model's (preset, its fields, kwargs) are
@@ -204,6 +210,26 @@ class ModelConfig:
                 raise ValueError(f"model.loss={self.loss!r}: expected package.module:function")
         if self.init_from is not None and not Path(self.init_from).exists():
             raise ValueError(f"model.init_from={self.init_from!r}: no such file or folder")
+        if self.pretrained is not None:
+            self._check_pretrained()
+        elif self.trust_remote_code:
+            raise ValueError("model.trust_remote_code=true applies only to model.pretrained (a folder whose "
+                             "config.json has an auto_map); set model.pretrained or drop it")
+
+    def _check_pretrained(self) -> None:
+        """model.pretrained names a folder with a config.json, and brings its own class and weights."""
+        for key, why in (("target", "the class comes from the folder's config.json (architectures)"),
+                         ("init_from", "the weights come from the folder")):
+            if getattr(self, key) is not None:
+                raise ValueError(f"model.pretrained={self.pretrained!r} and model.{key}={getattr(self, key)!r} are both "
+                                 f"set; {why}: set one of them")
+        folder = Path(self.pretrained)
+        if not folder.is_dir():
+            raise ValueError(f"model.pretrained={self.pretrained!r}: no such folder (a Hugging Face model folder, "
+                             "save_pretrained's output)")
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model.pretrained={self.pretrained!r}: no config.json in it; a Hugging Face model folder "
+                             "(save_pretrained's output) holds config.json and *.safetensors")
 
 
 TOKEN_SOURCES = (DataSource.synthetic, DataSource.text, DataSource.tokens)
@@ -220,8 +246,9 @@ class DataConfig:
     source: DataSource = DataSource.synthetic
     path: str | None = None  # file or folder, for source=text
     seq_len: int = 128
-    # tokens: the dtype of a .bin file (a .npy file carries its own).
-    token_dtype: str = "uint16"
+    # tokens: the dtype of a .bin file (a .npy file carries its own). None: the dtype that the
+    # meta.json beside the file names (scripts/prepare_data.py writes one), else uint16.
+    token_dtype: str | None = None
     # images / fake_images: square side in pixels after resizing and cropping.
     image_size: int = 32
     num_classes: int = 10  # fake_images: how many label values FakeData draws
@@ -250,7 +277,7 @@ class DataConfig:
             valid = ", ".join(s.value for s in _PATHS)
             raise ValueError(f"data.path={self.path!r} is set but data.source={self.source.value} reads no files; "
                              f"data.source with a path: {valid}")
-        if self.token_dtype not in TOKEN_DTYPES:
+        if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
             raise ValueError(f"data.token_dtype={self.token_dtype!r} is not a valid choice; valid choices: "
                              f"{', '.join(TOKEN_DTYPES)}")
         if self.num_workers is not None and self.num_workers < 0:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fsdp_zero.config import TOKEN_SOURCES, DataConfig, DataSource, TrainConfig
+from fsdp_zero.prepare import META, read_meta
 
 
 class Source(Protocol):
@@ -127,10 +128,22 @@ class ByteText(Windows):
 
 class TokenFile(Windows):
     """Pre-tokenized token ids on disk, memory-mapped: a flat ``.bin`` of ``dtype`` (what nanoGPT's
-    prepare.py writes: uint16 GPT-2 ids) or a 1-D ``.npy``. Only the windows read are paged in."""
+    prepare.py writes: uint16 GPT-2 ids) or a 1-D ``.npy``. Only the windows read are paged in.
 
-    def __init__(self, path: str | Path, seq_len: int, seed: int, dtype: str) -> None:
-        self.path, self.dtype = Path(path), dtype
+    A ``meta.json`` beside the file (`fsdp_zero.prepare` writes one) names the ``.bin``'s dtype and
+    the tokenizer's vocabulary size; ``dtype`` None follows it (uint16 without one).
+
+    Raises:
+        ValueError: a ``dtype`` that contradicts meta.json's; an unreadable file.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, seed: int, dtype: str | None = None) -> None:
+        self.path, self.meta = Path(path), read_meta(path)
+        written = self.meta["dtype"] if self.meta and self.path.suffix == ".bin" else None
+        if dtype is not None and written is not None and dtype != written:
+            raise ValueError(f"data.token_dtype={dtype}, but {self.path.with_name(META)} says {self.path.name} holds "
+                             f"{written}; set data.token_dtype={written}, or leave it unset (null) to follow meta.json")
+        self.dtype = dtype or written or "uint16"
         super().__init__(len(self._array), seq_len, seed, f"data.path={str(path)!r}")
 
     @property
@@ -157,6 +170,19 @@ class TokenFile(Windows):
     def max_token(self, chunk: int = 1 << 26) -> int:
         arr = self._array
         return max(int(arr[i : i + chunk].max()) for i in range(0, len(arr), chunk))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises a ValueError when the model cannot embed every id: a tokenizer vocabulary (meta.json's)
+        larger than the model's, or an id in the file at or above ``vocab_size``."""
+        if self.meta and self.meta["vocab_size"] > vocab_size:
+            raise ValueError(f"data.path={str(self.path)!r} was tokenized with a vocabulary of "
+                             f"{self.meta['vocab_size']} entries ({self.path.with_name(META)}), but the model's has "
+                             f"{vocab_size}; tokenize with the model's own tokenizer, or enlarge its vocabulary")
+        largest = self.max_token()
+        if largest >= vocab_size:
+            raise ValueError(f"data.path={str(self.path)!r} holds token id {largest}, but the model's vocabulary has "
+                             f"{vocab_size} entries (ids 0..{vocab_size - 1}); tokenize for this model, or "
+                             "enlarge its vocabulary")
 
     def tokens(self, start: int, stop: int) -> torch.Tensor:
         return torch.from_numpy(self._array[start:stop].astype(np.int64))
@@ -233,11 +259,7 @@ def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> S
         return ByteText(cfg.path, cfg.seq_len, seed)
     if cfg.source is DataSource.tokens:
         source = TokenFile(cfg.path, cfg.seq_len, seed, cfg.token_dtype)
-        largest = source.max_token()
-        if largest >= vocab_size:
-            raise ValueError(f"data.path={cfg.path!r} holds token id {largest}, but the model's vocabulary has "
-                             f"{vocab_size} entries (ids 0..{vocab_size - 1}); tokenize for this model, or "
-                             "enlarge its vocabulary")
+        source.check_vocab(vocab_size)
         return source
     if cfg.source is DataSource.fake_images:
         return fake_images(cfg, seed)

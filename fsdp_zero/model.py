@@ -209,23 +209,24 @@ class Transformer(nn.Module):
 
 def check_model_config(cfg: ModelConfig) -> None:
     """The built-in model's rules for ``model.*``: a known preset; its fields (> 0) only without
-    model.target; model.kwargs only with it. `fsdp_zero.config_loader.load_config` runs them.
+    model.target or model.pretrained; model.kwargs only with one of them. `fsdp_zero.config_loader.load_config` runs them.
 
     Raises:
         ValueError: naming the key, the bad value and the valid choices.
     """
-    if cfg.target is None:
+    if cfg.target is None and cfg.pretrained is None:
         if cfg.preset not in PRESETS:
             close = difflib.get_close_matches(cfg.preset, PRESETS, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ValueError(f"model.preset={cfg.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
         if cfg.kwargs:
-            raise ValueError(f"model.kwargs={dict(cfg.kwargs)} is set without model.target; the built-in model takes "
+            raise ValueError(f"model.kwargs={dict(cfg.kwargs)} is set without model.target or model.pretrained; the built-in model takes "
                              f"model.{', model.'.join(BUILTIN_FIELDS)}")
     else:
         builtin = [f"model.{k}={getattr(cfg, k)!r}" for k in BUILTIN_FIELDS if getattr(cfg, k) is not None]
         if builtin:
-            raise ValueError(f"{', '.join(builtin)} only applies to the built-in model, not to model.target={cfg.target}; "
+            foreign = f"model.target={cfg.target}" if cfg.target else f"model.pretrained={cfg.pretrained}"
+            raise ValueError(f"{', '.join(builtin)} only applies to the built-in model, not to {foreign}; "
                              "pass the model's own arguments in model.kwargs")
     for name in BUILTIN_FIELDS:
         if name != "tie_embeddings":

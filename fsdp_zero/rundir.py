@@ -26,6 +26,7 @@ from fsdp_zero.checkpoint import checkpoint_step, latest_checkpoint, list_checkp
 from fsdp_zero.config import Config
 from fsdp_zero.config_loader import to_yaml
 from fsdp_zero.distributed import DistEnv, broadcast_object
+from fsdp_zero.pretrained import run_dir_files
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -174,27 +175,31 @@ def _keep(path: Path, tag: str) -> None:
     path.replace(target)
 
 
-def write_run_dir(run_dir: Path, files: dict[str, str], tag: str) -> None:
-    """Rank 0 writes the run's files once set-up has succeeded; a changed one is kept as name.<tag>."""
+def write_run_dir(run_dir: Path, files: dict[str, str | bytes], tag: str) -> None:
+    """Rank 0 writes the run's files (text, or bytes; a name may hold a sub-folder) once set-up has
+    succeeded; a changed one is kept as name.<tag>."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
+    for name, data in files.items():
         path = run_dir / name
+        data = data.encode() if isinstance(data, str) else data
         if path.exists():
-            if path.read_text() == text:
+            if path.read_bytes() == data:
                 continue
             _keep(path, tag)
-        tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text(text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(data)
         tmp.replace(path)
 
 
-def run_files(cfg: Config, run_dir: Path, step: int, wrap_table: str | None) -> dict[str, str]:
-    """What rank 0 writes into the run directory once set-up has succeeded (see `write_run_dir`).
+def run_files(cfg: Config, run_dir: Path, step: int, wrap_table: str | None) -> dict[str, str | bytes]:
+    """What rank 0 writes into the run directory once set-up has succeeded (see `write_run_dir`);
+    with model.pretrained, the folder's config and tokenizer files in hf/ (for the export).
 
     After a crash, steps past the checkpoint are trained again: metrics.jsonl keeps only the
     steps up to ``step`` (the full old log is kept as metrics.jsonl.<step>).
     """
-    files = {"config.yaml": to_yaml(cfg)}
+    files: dict[str, str | bytes] = {"config.yaml": to_yaml(cfg), **run_dir_files(cfg.model)}
     if wrap_table:
         files["wrap_plan.txt"] = wrap_table + "\n"
     history = run_dir / "metrics.jsonl"

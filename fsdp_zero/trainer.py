@@ -32,6 +32,7 @@ from fsdp_zero.evaluate import Evaluator, build_evaluator
 from fsdp_zero.memory import MIB, apply_malloc_policy
 from fsdp_zero.parallelize import formula_note, model_state_formula, unwrap
 from fsdp_zero.precision import LossScaler, Precision, loss_scaler
+from fsdp_zero.pretrained import weights_path
 from fsdp_zero.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
 from fsdp_zero.step import StepResult, set_lr, train_step
 from fsdp_zero.steplog import StepLogger, StepRecord, write_summary
@@ -140,7 +141,7 @@ def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, num_params: int
     strategy, run_dir = cfg.parallel.strategy, decision.run_dir
     logger.info("fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
                 fsdp_zero.__version__, torch.__version__, env.world_size, env.backend, env.device.type)
-    logger.info("model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s", cfg.model.target or cfg.model.preset,
+    logger.info("model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s", cfg.model.pretrained or cfg.model.target or cfg.model.preset,
                 f"{num_params:,}", num_params * 4 / MIB, cfg.model.task.value, strategy.value)
     logger.info("initialised: %s", init_note)
     changed = config_diff(to_plain(Config()), to_plain(cfg))
@@ -158,19 +159,23 @@ def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, num_params: int
 
 def _resume(cfg: Config, env: DistEnv, decision: RunDecision, model: nn.Module, optimizer: torch.optim.Optimizer,
             scaler: LossScaler | None) -> TrainState:
-    """Loads the decided checkpoint (or imports model.init_from's weights); returns where the run is."""
+    """Loads the decided checkpoint (or imports model.init_from's or model.pretrained's weights);
+    returns where the run is."""
+    key = "model.pretrained" if cfg.model.pretrained else "model.init_from"
+    given = cfg.model.pretrained or cfg.model.init_from
     if decision.resume is None:
-        if cfg.model.init_from:
-            renamed = load_full_weights(unwrap(model), Path(cfg.model.init_from))
-            logger.info("initialised from %s%s", cfg.model.init_from, f" ({renamed})" if renamed else "")
+        if given:
+            path = weights_path(Path(given)) if key == "model.pretrained" else Path(given)
+            renamed = load_full_weights(unwrap(model), path, key)
+            logger.info("initialised from %s%s", path, f" ({renamed})" if renamed else "")
         return TrainState(step=0)
     state = load_checkpoint(decision.resume, model, optimizer, env.rank, env.device)
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
     logger.info("resumed from %s: step %d, data position %d (saved at world size %d, now %d)",
                 decision.resume, state.step, state.data_position, state.world_size, env.world_size)
-    if cfg.model.init_from:
-        logger.warning("model.init_from is ignored: the run continues from checkpoint %s", decision.resume)
+    if given:
+        logger.warning("%s's weights are ignored: the run continues from checkpoint %s", key, decision.resume)
     return state
 
 

@@ -44,7 +44,7 @@ EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 class FullWeights:
     """Name -> shape, and row ranges read on demand, from a .pt, a .safetensors or a shard folder."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, key: str = "model.init_from") -> None:
         self.path = path
         self._files: dict[str, Path] = {}
         self._pt: dict[str, torch.Tensor] | None = None
@@ -59,16 +59,16 @@ class FullWeights:
             elif (path / SINGLE_FILE).is_file():
                 self._files = {name: path / SINGLE_FILE for name in _safetensors_names(path / SINGLE_FILE)}
             else:
-                raise ValueError(f"model.init_from={str(path)!r}: a folder needs {INDEX_FILE} or {SINGLE_FILE}")
+                raise ValueError(f"{key}={str(path)!r}: a folder needs {INDEX_FILE} or {SINGLE_FILE}")
         elif path.suffix == ".safetensors":
             self._files = {name: path for name in _safetensors_names(path)}
         else:
             try:
                 loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:
-                raise ValueError(f"model.init_from={str(path)!r}: not a loadable state dict ({e})") from None
+                raise ValueError(f"{key}={str(path)!r}: not a loadable state dict ({e})") from None
             if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-                raise ValueError(f"model.init_from={str(path)!r}: expected a dict of tensors (torch.save(model.state_dict()))")
+                raise ValueError(f"{key}={str(path)!r}: expected a dict of tensors (torch.save(model.state_dict()))")
             self._pt = loaded
         self.shapes = self._read_shapes()
 
@@ -167,15 +167,16 @@ def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origi
 
 
 @torch.no_grad()
-def load_full_weights(model: nn.Module, path: Path) -> str:
+def load_full_weights(model: nn.Module, path: Path, key: str = "model.init_from") -> str:
     """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
     model, each rank reading only its rows; returns the renaming applied (see `match_state_dict`).
+    ``key``: the setting that named ``path``, for the errors.
 
     Raises:
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
     """
-    weights = FullWeights(path)
-    mapping, how = match_state_dict(model, weights.shapes, f"model.init_from={str(path)!r}")
+    weights = FullWeights(path, key)
+    mapping, how = match_state_dict(model, weights.shapes, f"{key}={str(path)!r}")
     state = model.state_dict(keep_vars=True)
     for name, file_name in mapping.items():
         tensor = state[name]
@@ -247,12 +248,15 @@ def iter_shard_files(n: int) -> Iterator[str]:
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = None,
-                      max_shard_bytes: int | None = None) -> list[Path]:
+                      max_shard_bytes: int | None = None,
+                      extra_files: Callable[[torch.dtype | None], dict[str, bytes]] | None = None) -> list[Path]:
     """Consolidates a checkpoint's model weights into safetensors, one tensor in memory at a time.
 
     ``out`` ending in .safetensors is one file; otherwise a new folder holding
     model.safetensors, or numbered shards and model.safetensors.index.json when the
-    weights exceed ``max_shard_bytes``. Needs no GPU and no process group. Writes into
+    weights exceed ``max_shard_bytes``, and (folders only) ``extra_files(the exported
+    floating-point dtype)``: {name: bytes} written beside them (a Hugging Face model's
+    config.json and tokenizer, `fsdp_zero.pretrained.export_files`). Needs no GPU and no process group. Writes into
     a temporary name and renames at the end: an interrupted export leaves nothing
     that looks finished, and an existing ``out`` is never overwritten.
 
@@ -304,6 +308,9 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
             return [out]
         tmp.mkdir(parents=True)
         names = list(iter_shard_files(len(shards)))
+        extras = extra_files(next((d for _, d, _ in entries if d.is_floating_point), None)) if extra_files else {}
+        for name, data in extras.items():
+            (tmp / name).write_bytes(data)
         weight_map = {}
         for file, idx in zip(names, shards):
             write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
@@ -313,7 +320,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         tmp.replace(out)
-        return [out / n for n in names]
+        return [out / n for n in [*names, *extras]]
     except BaseException:
         _remove(tmp)  # an interrupted export leaves nothing behind
         raise

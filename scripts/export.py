@@ -3,8 +3,12 @@
     python scripts/export.py runs/NAME/checkpoints/step-0000150 --out exported/ [--dtype bf16] [--max-shard-size 2GB]
 
 Needs no GPU and no torch.distributed; holds about one tensor in memory at a time.
-The result loads with a plain `model.load_state_dict(safetensors.torch.load_file(...))`
-(or, for shards, file by file following model.safetensors.index.json).
+A Hugging Face model (model.pretrained, or a model.target class with a config_class) exported
+into a folder is a from_pretrained folder: config.json (its class in architectures, the exported
+dtype), and the generation config and tokenizer files the run copied from model.pretrained.
+Otherwise (or with --weights-only) the weights load with a plain
+`model.load_state_dict(safetensors.torch.load_file(...))` (or, for shards, file by file following
+model.safetensors.index.json).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from fsdp_zero.build import import_target
 from fsdp_zero.memory import parse_size
+from fsdp_zero.pretrained import export_files
 from fsdp_zero.weights import EXPORT_DTYPES, export_checkpoint
 
 
@@ -23,10 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="a new folder, or a file name ending in .safetensors")
     parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating-point weights (default: as saved)")
     parser.add_argument("--max-shard-size", help="split into files of at most this size, e.g. 2GB (default: one file)")
+    parser.add_argument("--weights-only", action="store_true",
+                        help="only the safetensors, even for a Hugging Face model (no config.json, no tokenizer)")
     args = parser.parse_args(argv)
     try:
         limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
-        files = export_checkpoint(args.checkpoint, args.out, EXPORT_DTYPES.get(args.dtype), limit)
+        extra = None if args.weights_only or not (args.checkpoint / "config.yaml").is_file() else (
+            export_files(args.checkpoint, import_target))
+        if callable(extra) and args.out.suffix == ".safetensors":
+            extra = f"--out {str(args.out)!r} is one file; give a folder for a from_pretrained folder"
+        if isinstance(extra, str):
+            print(f"note: no config.json: {extra}; the weights only", file=sys.stderr)
+        files = export_checkpoint(args.checkpoint, args.out, EXPORT_DTYPES.get(args.dtype), limit,
+                                  extra if callable(extra) else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

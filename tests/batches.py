@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import REPO, build_model, check, launch
+from tests.conftest import _COLLECTED, REPO, build_model, check, launch
 
 WORKER = REPO / "tests" / "workers" / "jobs.py"
 HAS_HF = importlib.util.find_spec("transformers") is not None  # the `hf` extra (in `dev`): the llama runs
@@ -83,6 +83,14 @@ def _weights_to_import(root: Path) -> None:
     export_checkpoint(root / "n2" / "checkpoints" / "step-0000008", root / "exported", max_shard_bytes=100_000)
 
 
+def _hf_folder(root: Path) -> None:
+    """The tiny Hugging Face folder that model.pretrained reads (when test_pretrained runs)."""
+    if HAS_HF and "test_pretrained" in _COLLECTED and not (root / "tiny-llama").exists():
+        from tests.hf_fixtures import tiny_llama
+
+        tiny_llama(root / "tiny-llama")
+
+
 def _eval_tokens(root: Path) -> None:
     """The held-out token file the eval runs read: seeded uint16 ids below gpt_nano's vocabulary of 256."""
     if not (root / "val.bin").exists():
@@ -90,8 +98,13 @@ def _eval_tokens(root: Path) -> None:
                       dtype=torch.int32).numpy().astype("uint16").tofile(root / "val.bin")
 
 
+def _launch2_files(root: Path) -> None:
+    _hf_folder(root)
+    _eval_tokens(root)
+
+
 LAUNCHES = {
-    "2": Launch(2, prepare=_eval_tokens),
+    "2": Launch(2, prepare=_launch2_files),
     "2-resume": Launch(2, after=("2",), prepare=_weights_to_import),
     "4": Launch(4, after=("2",)),
     "1": Launch(0, after=("2",), prepare=_eval_tokens),
@@ -125,6 +138,7 @@ RUNS = [
     # The ViT with the default optimizer: weight decay on matrices only, warm-up and cosine decay.
     Run("vit-defaults", "2", (*VIT, "train.steps=4", "train.log_every=1", "checkpoint.enabled=false",
                               "metrics.tensorboard=false", "memory.profile_step=0", "optim.warmup_steps=2"), (M,)),
+    Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
@@ -133,6 +147,9 @@ RUNS = [
     Run("overflow-resumed", "2-resume", (*BASE, "precision=fp16-mixed", "model.task=custom", "train.steps=10",
                                          "model.loss=tests.user_model:overflow_on_rank1"), (P,), run_name="overflow"),
     Run("llama-resumed", "2-resume", (*LLAMA, *COMMON, "checkpoint.resume={root}/llama/checkpoints/step-0000002"), (M,)),
+    Run("pretrained-resumed", "2-resume", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON,
+                                           "checkpoint.resume={root}/pretrained/checkpoints/step-0000002"),
+        ("test_pretrained",)),
     Run("imported", "2-resume", (*BASE, "train.steps=4", "checkpoint.enabled=false",
                                  "model.init_from={root}/weights.pt"), (C,)),
     Run("round-trip", "2-resume", (*BASE, "train.steps=1", "checkpoint.enabled=false",
@@ -192,7 +209,7 @@ class Batches:
                  [a.format(root=self.root) for a in r.args] + [f"run.root={self.root}", f"run.name={r.run_name or r.name}"],
                  r.options]
                 for r in RUNS if r.launch == key and set(r.readers) & self.modules
-                and (HAS_HF or "model.target=transformers:LlamaForCausalLM" not in r.args)]
+                and (HAS_HF or not any(a.startswith(("model.target=transformers:", "model.pretrained=")) for a in r.args))]
         spec_file = self.root / f"launch-{key}.json"
         spec_file.write_text(json.dumps(jobs, indent=1))
         try:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hf_fixtures import tiny_tokenizer_dir  # noqa: F401 (a fixture: every test module may ask for it)
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
 

@@ -5,6 +5,12 @@ rank 0 evaluates 3 and rank 1 2 and a dummy batch) and ``eval-n1`` (one rank, mi
 Each evaluation at the last step is compared with a single-process computation written here in
 plain torch on the run's final full weights; the training losses, gradient norms and weights of
 ``eval`` with those of ``n2``, bit for bit. Bad settings run scripts/train.py's main in this process.
+
+Seen failing: counting the dummy batch (the 2-rank loss moves off the reference); leaving out FSDP2's
+``reset_iter_state`` (the root stays gathered, and the training losses after the first evaluation
+change); leaving out ``eval()`` or ``no_grad`` (the in-process classification test). Leaving out the
+dummy forward hangs rank 0 in an all-gather while rank 1 waits in the all-reduce, until
+dist.step_timeout_minutes ends the run with exit code 5 (tried by hand at 0.25 minutes: 20 s).
 """
 
 from __future__ import annotations
@@ -196,3 +202,26 @@ def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing
 
     cfg.eval.max_batches = 1  # one global batch of 4: the same 4 images at any world size
     assert build_evaluator(cfg, env, model, None).num_items == 4
+
+
+def test_a_token_file_is_read_as_its_meta_json_says_in_file_order(tmp_path: Path):
+    # uint32 ids with prepare_data's meta.json beside them: the training's own reader follows it
+    tokens = np.random.default_rng(1).integers(0, 256, 3 * SEQ_LEN + 7).astype(np.uint32)
+    tokens.tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.json").write_text('{"dtype": "uint32", "vocab_size": 256}')
+    cfg = load_config(None, ["model.preset=gpt_nano", f"data.seq_len={SEQ_LEN}", "eval.every=2",
+                             f"eval.path={tmp_path / 'val.bin'}", "train.global_batch_size=4", "train.micro_batch_size=2"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    evaluator = build_evaluator(cfg, env, model, None)
+    assert evaluator.num_items == 3 and evaluator.batches == [[0, 1], [2]]
+    inputs, targets = evaluator.items.batch([2])
+    assert inputs[0].tolist() == tokens[2 * SEQ_LEN:3 * SEQ_LEN].tolist()
+    assert targets[0].tolist() == tokens[2 * SEQ_LEN + 1:3 * SEQ_LEN + 1].tolist()
+    result = evaluator.run(model)
+    windows = torch.from_numpy(tokens[:3 * SEQ_LEN + 1].astype(np.int64))
+    with torch.no_grad():
+        expected = F.cross_entropy(model(windows[:-1]).double(), windows[1:]).item()  # the windows join end to end
+    assert result.count == 3 * SEQ_LEN and result.scalars["eval/loss"] == pytest.approx(expected, abs=1e-6)
+    assert [evaluator.due(s, 5) for s in range(1, 6)] == [False, True, False, True, True]

@@ -1,0 +1,333 @@
+"""Raw text in, token files out: what ``scripts/prepare_data.py`` does, and the ``meta.json`` it leaves.
+
+Inputs are ``.txt`` files (one document each), ``.jsonl`` files (one document per line, its text
+in a field) or folders of them, read in sorted order. Each document is tokenized as the Hugging Face
+tokenizer's ``tokenizer(text)`` tokenizes it (its own special tokens, e.g. BOS) and followed by the
+tokenizer's EOS id; whole documents go to validation by a seeded choice. The output folder holds
+``train.bin`` and ``val.bin`` in nanoGPT's raw layout (a flat array of uint16 ids, uint32 for a
+vocabulary over 65,536 entries), which ``data.source=tokens`` memory-maps, and ``meta.json``
+(dtype, vocabulary, EOS id, the tokenizer's path and a hash of its files, documents and tokens per
+split), which ``data.source=tokens`` reads when it sits beside the ``.bin``.
+
+Reading ``meta.json`` needs nothing but the standard library; ``transformers`` is imported only
+inside the functions that tokenize (the ``hf`` extra), so the core imports this module without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+META = "meta.json"
+SPLITS = ("train", "val")
+SUFFIXES = (".txt", ".jsonl")
+# Hugging Face's run_clm.py holds out 5% (validation_split_percentage): enough documents for a
+# steady validation loss on a fine-tuning set of a few thousand, little taken from training.
+DEFAULT_VAL_FRACTION = 0.05
+# The files a tokenizer folder may hold (a model folder also holds weights, which are not hashed).
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
+                   "chat_template.*")
+_CHUNK = 64  # documents per task handed to a worker: few enough messages, small enough to keep order cheap
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest unsigned dtype that holds every id of a ``vocab_size`` vocabulary (nanoGPT's uint16 for GPT-2)."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def read_meta(token_file: str | Path) -> dict[str, Any] | None:
+    """The ``meta.json`` beside ``token_file``, or None when there is none.
+
+    Raises:
+        ValueError: a ``meta.json`` that is not JSON, or lacks ``dtype`` or ``vocab_size``.
+    """
+    path = Path(token_file).with_name(META)
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:
+        meta = f"not JSON: {e}"
+    missing = [k for k in ("dtype", "vocab_size") if k not in meta] if isinstance(meta, dict) else meta
+    if missing:
+        raise ValueError(f"{path}: not a meta.json that scripts/prepare_data.py writes (lacks {missing}); "
+                         "remove it, or prepare the data again")
+    return meta
+
+
+# ---------------------------------------------------------------------------------
+# Inputs
+
+
+def input_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The ``.txt`` and ``.jsonl`` files named, and those under the folders named (recursively, sorted).
+
+    Raises:
+        ValueError: a path that does not exist, a file of another kind, or no files at all.
+    """
+    files: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+        elif path.is_file():
+            if path.suffix not in SUFFIXES:
+                raise ValueError(f"--input {path}: not a .txt or .jsonl file (valid: {', '.join(SUFFIXES)}, "
+                                 "or a folder of them)")
+            files.append(path)
+        else:
+            raise ValueError(f"--input {path}: no such file or folder")
+    if not files:
+        raise ValueError(f"--input {' '.join(map(str, paths))}: no .txt or .jsonl files, so no documents")
+    return files
+
+
+def documents(files: list[Path], field: str) -> Iterator[str]:
+    """Every document of ``files`` in order: a ``.txt`` file whole, each non-blank line of a ``.jsonl`` file.
+
+    Raises:
+        ValueError: naming file:line, for malformed JSON, a line without ``field``, or a field that is not
+            text; naming the file, for bytes that are not UTF-8.
+    """
+    for path in files:
+        try:
+            yield from _documents_of(path, field)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
+
+
+def _documents_of(path: Path, field: str) -> Iterator[str]:
+    """The documents of one input file (see `documents`)."""
+    if path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8")
+        if text.strip():  # an empty file is no document, as a blank JSONL line is none
+            yield text
+        return
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue  # a trailing newline or a blank separator is no document
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: malformed JSON at column {e.pos + 1}: {e.msg}") from None
+            if not isinstance(record, dict) or field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(f"{path}:{number}: no field {field!r} (--field); the line has {keys}")
+            if not isinstance(record[field], str):
+                raise ValueError(f"{path}:{number}: field {field!r} holds {type(record[field]).__name__}, not text")
+            yield record[field]
+
+
+def validation_documents(count: int, fraction: float, seed: int) -> set[int]:
+    """Which of ``count`` documents go to validation: round(fraction * count) of them, chosen by ``seed``,
+    at least one when fraction > 0 and there are two documents or more, and never all of them."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"--val-fraction={fraction}: must be in [0, 1) (0: no validation documents)")
+    if fraction == 0 or count < 2:
+        return set()
+    n = min(max(1, round(fraction * count)), count - 1)
+    return {int(i) for i in np.random.default_rng(seed).choice(count, size=n, replace=False)}
+
+
+# ---------------------------------------------------------------------------------
+# The tokenizer
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """``AutoTokenizer.from_pretrained(directory)``, from disk only.
+
+    Raises:
+        ValueError: transformers not installed, a folder that does not exist or holds no tokenizer,
+            a tokenizer without an EOS token.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"--tokenizer {directory}: no such folder (a folder that save_pretrained wrote)")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError('scripts/prepare_data.py needs transformers: pip install -e ".[hf]"') from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 (transformers raises OSError, ValueError, KeyError... for a bad folder)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--tokenizer {directory}: not a tokenizer folder ({first})") from None
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"--tokenizer {directory}: the tokenizer has no EOS token to end each document with")
+    return tokenizer
+
+
+def tokenizer_hash(directory: str | Path) -> tuple[str, list[str]]:
+    """A sha256 over the tokenizer's files in ``directory`` (names and bytes, sorted), and their names."""
+    folder = Path(directory)
+    names = sorted({p.name for pattern in TOKENIZER_FILES for p in folder.glob(pattern) if p.is_file()})
+    digest = hashlib.sha256()
+    for name in names:
+        data = (folder / name).read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())  # the name and length delimit one file from the next
+        digest.update(data)
+    return digest.hexdigest(), names
+
+
+# Each worker's tokenizer, loaded once by `_start_worker` (or by `prepare` itself with one worker).
+_WORKER: dict[str, Any] = {}
+
+
+def _start_worker(directory: str, dtype: str) -> None:
+    _WORKER.update(tokenizer=load_tokenizer(directory), dtype=np.dtype(dtype))
+
+
+def _encode(text: str) -> np.ndarray:
+    """One document's ids as ``tokenizer(text)`` gives them, then EOS, in the output dtype."""
+    tokenizer = _WORKER["tokenizer"]
+    ids = tokenizer(text)["input_ids"]
+    ids.append(tokenizer.eos_token_id)
+    out = np.asarray(ids, dtype=np.int64)
+    assert out.min() >= 0 and out.max() < np.iinfo(_WORKER["dtype"]).max + 1, "ids the output dtype cannot hold"
+    return out.astype(_WORKER["dtype"])
+
+
+# ---------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass
+class _Progress:
+    """Documents done, on stderr: tqdm's bar when it is installed, else a line every few seconds;
+    nothing for a run shorter than that."""
+
+    total: int
+    every_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        self._start = self._last = time.monotonic()
+        self.done = self.tokens = 0
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._bar = None
+        else:
+            self._bar = tqdm(total=self.total, unit="doc", file=sys.stderr, delay=self.every_s, leave=False)
+
+    def update(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        if self._bar is not None:
+            self._bar.update()
+            return
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            rate = self.tokens / (now - self._start)
+            print(f"prepare: {self.done:,}/{self.total:,} documents, {self.tokens:,} tokens ({rate:,.0f} tokens/s)",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _encoded(docs: Iterator[str], count: int, workers: int, tokenizer_dir: str, dtype: str) -> Iterator[np.ndarray]:
+    """The ``count`` documents' ids in input order, tokenized by ``workers`` processes (1: in this one, with
+    the tokenizer `prepare` loaded; each worker loads its own from ``tokenizer_dir``)."""
+    chunk = max(1, min(_CHUNK, count // (4 * workers)))  # a small input still spreads over every worker
+    if workers == 1:
+        yield from map(_encode, docs)
+        return
+    # imap keeps the input order whichever worker finishes first: the output does not depend on `workers`.
+    with multiprocessing.get_context().Pool(workers, _start_worker, (tokenizer_dir, dtype)) as pool:
+        yield from pool.imap(_encode, docs, chunksize=chunk)
+
+
+def prepare(tokenizer_dir: str | Path, inputs: list[str | Path], out: str | Path,
+            val_fraction: float = DEFAULT_VAL_FRACTION, field: str = "text", workers: int = 1, seed: int = 0
+            ) -> tuple[dict, float]:
+    """Tokenizes ``inputs`` into ``out``/train.bin, val.bin and meta.json; the same bytes for any ``workers``.
+
+    Everything is written into a temporary folder beside ``out``, renamed to ``out`` at the end: a
+    run that fails leaves nothing behind.
+
+    Returns:
+        The meta.json written, and the seconds spent tokenizing and writing (start-up, the first pass
+        over the inputs and loading the tokenizer left out: a throughput figure's denominator).
+
+    Raises:
+        ValueError: a bad input, tokenizer or setting, naming it; an ``out`` that already holds data.
+    """
+    out = Path(out)
+    if workers < 1:
+        raise ValueError(f"--workers={workers}: must be >= 1 (1: tokenize in this process)")
+    _check_out(out)
+    files = input_files(inputs)
+    count = sum(1 for _ in documents(files, field))  # a first pass: bad lines fail before any tokenizing
+    if count == 0:
+        raise ValueError(f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)")
+    val = validation_documents(count, val_fraction, seed)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    vocab_size = len(tokenizer)  # the base vocabulary and the added tokens: every id it can emit
+    dtype = token_dtype(vocab_size)
+    _WORKER.update(tokenizer=tokenizer, dtype=np.dtype(dtype))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        start = time.perf_counter()
+        encoded = _encoded(documents(files, field), count, workers, str(tokenizer_dir), dtype)
+        totals = _write_splits(staging, encoded, val, count)
+        seconds = time.perf_counter() - start
+        sha, names = tokenizer_hash(tokenizer_dir)
+        meta = {"dtype": dtype, "vocab_size": vocab_size, "eos_id": tokenizer.eos_token_id,
+                "bos_id": tokenizer.bos_token_id,
+                "tokenizer": {"name": tokenizer.name_or_path, "path": str(Path(tokenizer_dir).resolve()),
+                              "class": type(tokenizer).__name__, "sha256": sha, "files": names},
+                "inputs": [str(f) for f in files], "field": field, "val_fraction": val_fraction, "seed": seed,
+                **totals}
+        (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
+        _check_out(out)  # again: another process may have written there while this one tokenized
+        if out.exists():
+            out.rmdir()  # empty, as checked: the rename needs the name free
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        _WORKER.clear()
+    return meta, seconds
+
+
+def _check_out(out: Path) -> None:
+    """Refuses an ``out`` that is a file or a folder with anything in it: what a user saved is never overwritten."""
+    if (out / "train.bin").exists():
+        raise ValueError(f"--out {out}: already holds train.bin; choose a new folder (prepared data is never "
+                         "overwritten)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out}: exists and is not an empty folder; choose a new one (nothing is overwritten)")
+
+
+def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], count: int) -> dict:
+    """Appends each document's ids to train.bin or val.bin; the documents and tokens per split."""
+    totals = {split: {"documents": 0, "tokens": 0} for split in SPLITS}
+    progress = _Progress(count)
+    try:
+        with open(folder / "train.bin", "wb") as train, open(folder / "val.bin", "wb") as held_out:
+            for index, ids in enumerate(encoded):
+                split, f = ("val", held_out) if index in val else ("train", train)
+                f.write(ids.tobytes())
+                totals[split]["documents"] += 1
+                totals[split]["tokens"] += len(ids)
+                progress.update(len(ids))
+    finally:
+        progress.close()
+    assert totals["train"]["documents"] + totals["val"]["documents"] == count, "the second pass saw other documents"
+    return totals
