@@ -61,7 +61,7 @@ def _cpu_tests_leave_cuda_alone(request: pytest.FixtureRequest):
 
 def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool = False,
            env: dict[str, str] | None = None, torchrun: bool = True,
-           torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+           torchrun_args: tuple[str, ...] = (), cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Runs ``script`` on ``nproc`` ranks with torchrun (or plain python when nproc == 0).
 
     Args:
@@ -72,6 +72,7 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool
             LOCAL_RANK, MASTER_ADDR and MASTER_PORT) without its agent process, about 2 s
             less a run on 2 cores; for test workers, not for the command users run.
         torchrun_args: more of torchrun's own options (e.g. ``--max-restarts=1``).
+        cwd: where the command runs (relative paths in its arguments and config resolve there).
     """
     run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     run_env.pop("RANK", None)
@@ -84,7 +85,7 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *torchrun_args, str(script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=timeout)
     _check_device(proc, cmd, gpu)
     return proc
 
@@ -136,7 +137,7 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 _SCRIPTS: dict[str, object] = {}
 
 
-def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+def run_script(script: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """``script``'s ``main(argv)`` called in this process, as ``python script args`` would run it (world
     size 1), with its stdout and stderr captured and the environment restored afterwards: for the
     paths that end before training (a bad setting, file or checkpoint), which need no process of
@@ -167,8 +168,8 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    cwd = os.getcwd()
-    os.chdir(REPO)  # as launch() runs scripts: relative paths (configs/...) from the repository
+    before = os.getcwd()
+    os.chdir(cwd)  # as launch() runs scripts: relative paths (configs/...) from the repository by default
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             # (the run's logging writes to the redirected stderr too; torchrun's error handler cannot
@@ -176,7 +177,7 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
             warnings.filterwarnings("ignore", message="Unable to enable fault handler")
             code = module.main(list(args))
     finally:
-        os.chdir(cwd)
+        os.chdir(before)
         os.environ.clear()
         os.environ.update(saved_env)
         root.handlers[:], root.level = saved_logging

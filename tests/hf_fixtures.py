@@ -23,7 +23,8 @@ import pytest
 SPECIALS = ("<s>", "</s>", "<pad>")
 VOCAB_SIZE = 400
 LLAMA_CONFIG = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                    bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the tokenizer's <s>, </s>, <pad>
 BINARY = bytes(range(256)) * 4  # tokenizer.model stand-in: every byte value
 _WORDS = ("the model shards its parameters over every rank and gathers them for each unit before the forward "
           "pass; gradients are reduced and scattered so that no rank holds the whole state. Zürich naïve café "

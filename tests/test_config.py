@@ -161,7 +161,10 @@ def test_resolved_config_round_trips_through_yaml(tmp_path: Path):
     assert load_config(path) == cfg
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+# configs/finetune.yaml reads the files its walkthrough makes (a model folder, token files): the test
+# that runs the walkthrough's commands as written (tests/test_finetune.py) loads and runs it.
+@pytest.mark.parametrize("path", sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "finetune.yaml"),
+                         ids=lambda p: p.name)
 def test_shipped_configs_load_and_start_with_their_command(path: Path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# torchrun") and f"--config configs/{path.name}" in first, first
