@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from fsdp_zero.config import TOKEN_SOURCES, DataConfig, DataSource, TrainConfig
-from fsdp_zero.prepare import META, read_meta
+from fsdp_zero.prepare import META, mask_file, read_meta
+from fsdp_zero.tasks import IGNORE
 
 
 class Source(Protocol):
@@ -100,14 +101,17 @@ class Windows:
         return window
 
     def samples(self, indices: range) -> torch.Tensor:
-        rows = []
-        for index in indices:
-            start = self._window(index) * self.seq_len
-            rows.append(self.tokens(start, start + self.seq_len + 1))
-        return torch.stack(rows).long()
+        return self._rows([self._window(index) * self.seq_len for index in indices])
+
+    def _rows(self, starts: list[int]) -> torch.Tensor:
+        return torch.stack([self.tokens(start, start + self.seq_len + 1) for start in starts]).long()
+
+    def pairs(self, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows that start at these token offsets."""
+        return next_token_pairs(self._rows(starts))
 
     def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
-        return next_token_pairs(self.samples(indices))
+        return self.pairs([self._window(index) * self.seq_len for index in indices])
 
 
 class ByteText(Windows):
@@ -133,8 +137,13 @@ class TokenFile(Windows):
     A ``meta.json`` beside the file (`fsdp_zero.prepare` writes one) names the ``.bin``'s dtype and
     the tokenizer's vocabulary size; ``dtype`` None follows it (uint16 without one).
 
+    A mask file beside a ``.bin`` (``train.mask.bin``, see `fsdp_zero.prepare.mask_file`: uint8, one
+    byte a token) marks the tokens trained on: a target whose mask byte is 0 becomes `IGNORE`, which
+    the loss leaves out (the mask applies to the predicted token: window tokens [s, s + L + 1) predict
+    s + 1 .. s + L, and target s + j counts iff mask[s + j] == 1). ``masked`` says whether there is one.
+
     Raises:
-        ValueError: a ``dtype`` that contradicts meta.json's; an unreadable file.
+        ValueError: a ``dtype`` that contradicts meta.json's; an unreadable file; a mask of another length.
     """
 
     def __init__(self, path: str | Path, seq_len: int, seed: int, dtype: str | None = None) -> None:
@@ -144,7 +153,26 @@ class TokenFile(Windows):
             raise ValueError(f"data.token_dtype={dtype}, but {self.path.with_name(META)} says {self.path.name} holds "
                              f"{written}; set data.token_dtype={written}, or leave it unset (null) to follow meta.json")
         self.dtype = dtype or written or "uint16"
+        self.mask_path = mask_file(self.path) if self.path.suffix == ".bin" else None
+        self.masked = self.mask_path is not None and self.mask_path.is_file()
         super().__init__(len(self._array), seq_len, seed, f"data.path={str(path)!r}")
+        if self.masked and len(self._mask) != len(self._array):
+            raise ValueError(f"{self.mask_path} holds {len(self._mask)} mask bytes but {self.path} holds "
+                             f"{len(self._array)} tokens: not its mask; prepare the data again")
+
+    @property
+    def _mask(self) -> np.ndarray:
+        if getattr(self, "_mask_mapped", None) is None:  # lazily, as the tokens: a loader worker maps its own
+            size = self.mask_path.stat().st_size
+            self._mask_mapped = np.memmap(self.mask_path, dtype=np.uint8, mode="r") if size else np.empty(0, np.uint8)
+        return self._mask_mapped
+
+    def pairs(self, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = super().pairs(starts)
+        if self.masked:  # unmasked data never comes here: its targets are today's, bit for bit
+            trained = np.stack([self._mask[s + 1 : s + self.seq_len + 1] for s in starts]).astype(bool)
+            targets = targets.masked_fill(~torch.from_numpy(trained), IGNORE)
+        return inputs, targets
 
     @property
     def _array(self) -> np.ndarray:
@@ -165,7 +193,7 @@ class TokenFile(Windows):
         return self._mapped
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_mapped"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_mapped", "_mask_mapped")}
 
     def max_token(self, chunk: int = 1 << 26) -> int:
         arr = self._array

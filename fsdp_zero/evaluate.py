@@ -42,10 +42,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_zero.config import Config, DataSource, Task
-from fsdp_zero.data import IMAGENET_MEAN, IMAGENET_STD, build_source, next_token_pairs
+from fsdp_zero.data import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.distributed import DistEnv
 from fsdp_zero.parallelize import unwrap
-from fsdp_zero.tasks import logits_of, num_outputs, to_device, vocab_size
+from fsdp_zero.tasks import IGNORE, logits_of, num_outputs, to_device, vocab_size
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -74,8 +74,7 @@ class TokenWindows:
         return self.source.num_windows  # floor((T - 1) / seq_len)
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [self.source.tokens(k * self.seq_len, k * self.seq_len + self.seq_len + 1) for k in indices]
-        return next_token_pairs(torch.stack(rows).long())
+        return self.source.pairs([k * self.seq_len for k in indices])  # a mask file's untrained targets: IGNORE
 
 
 class FolderImages:
@@ -106,8 +105,9 @@ def lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     (`fsdp_zero.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of averaged."""
     inputs, targets = batch
     logits = logits_of(model(inputs)).float()
-    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    return torch.stack([losses.double().sum(), torch.tensor(targets.numel(), dtype=torch.float64, device=losses.device),
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # 0 where IGNORE
+    counted = (targets != IGNORE).sum().double()  # every target, unless a mask file leaves some out
+    return torch.stack([losses.double().sum(), counted,
                         torch.zeros((), dtype=torch.float64, device=losses.device)])
 
 
@@ -193,7 +193,7 @@ class Evaluator:
         if dist.is_initialized():
             dist.all_reduce(totals)  # the evaluation's one reduction: loss sum, count, right
         loss_sum, count, right = totals.tolist()  # a sync point, once per evaluation
-        loss = loss_sum / count
+        loss = loss_sum / count if count else math.nan  # a masked held-out set without one trained token
         if self.task is Task.causal_lm:
             scalars = {"eval/loss": loss, "eval/perplexity": math.exp(loss) if loss < 700 else math.inf}
         else:

@@ -38,12 +38,20 @@ DEFAULT_VAL_FRACTION = 0.05
 # The files a tokenizer folder may hold (a model folder also holds weights, which are not hashed).
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
                    "chat_template.*")
+FORMATS = ("text", "prompt_completion", "chat")
+MASK_SUFFIX = ".mask.bin"  # train.bin -> train.mask.bin: uint8, one byte per token, 1 where it is trained on
 _CHUNK = 64  # documents per task handed to a worker: few enough messages, small enough to keep order cheap
 
 
 def token_dtype(vocab_size: int) -> str:
     """The narrowest unsigned dtype that holds every id of a ``vocab_size`` vocabulary (nanoGPT's uint16 for GPT-2)."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def mask_file(token_file: str | Path) -> Path:
+    """Where the mask of ``token_file`` lies: ``train.bin`` -> ``train.mask.bin`` (whether or not it exists)."""
+    path = Path(token_file)
+    return path.with_name(path.name.removesuffix(".bin") + MASK_SUFFIX)
 
 
 def read_meta(token_file: str | Path) -> dict[str, Any] | None:
@@ -93,8 +101,11 @@ def input_files(paths: Iterable[str | Path]) -> list[Path]:
     return files
 
 
-def documents(files: list[Path], field: str) -> Iterator[str]:
+def documents(files: list[Path], field: str | tuple[str, str], fmt: str = "text") -> Iterator[Any]:
     """Every document of ``files`` in order: a ``.txt`` file whole, each non-blank line of a ``.jsonl`` file.
+
+    ``fmt`` text: the text in ``field``; prompt_completion: the pair of texts in ``field``, a
+    (prompt, completion) pair of names; chat: the list of messages in ``field`` ("messages").
 
     Raises:
         ValueError: naming file:line, for malformed JSON, a line without ``field``, or a field that is not
@@ -102,12 +113,14 @@ def documents(files: list[Path], field: str) -> Iterator[str]:
     """
     for path in files:
         try:
-            yield from _documents_of(path, field)
+            if fmt != "text" and path.suffix != ".jsonl":
+                raise ValueError(f"--input {path}: --format {fmt} reads .jsonl files only (a record a line)")
+            yield from _documents_of(path, field, fmt)
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
 
 
-def _documents_of(path: Path, field: str) -> Iterator[str]:
+def _documents_of(path: Path, field: str | tuple[str, str], fmt: str = "text") -> Iterator[Any]:
     """The documents of one input file (see `documents`)."""
     if path.suffix == ".txt":
         text = path.read_text(encoding="utf-8")
@@ -122,12 +135,37 @@ def _documents_of(path: Path, field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: malformed JSON at column {e.pos + 1}: {e.msg}") from None
+            if fmt != "text":
+                yield _record(record, field, fmt, f"{path}:{number}")
+                continue
             if not isinstance(record, dict) or field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise ValueError(f"{path}:{number}: no field {field!r} (--field); the line has {keys}")
             if not isinstance(record[field], str):
                 raise ValueError(f"{path}:{number}: field {field!r} holds {type(record[field]).__name__}, not text")
             yield record[field]
+
+
+def _record(record: Any, fields: str | tuple[str, str], fmt: str, where: str) -> Any:
+    """One instruction record, checked: (prompt, completion) texts, or a list of {role, content} messages."""
+    names = (fields,) if isinstance(fields, str) else fields
+    flags = {"prompt_completion": "--prompt-field/--completion-field", "chat": "--field"}[fmt]
+    missing = [n for n in names if not isinstance(record, dict) or n not in record]
+    if missing:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where}: no field {missing[0]!r} ({flags}); the line has {keys}")
+    if fmt == "prompt_completion":
+        for n in names:
+            if not isinstance(record[n], str):
+                raise ValueError(f"{where}: field {n!r} holds {type(record[n]).__name__}, not text")
+        return tuple(record[n] for n in names)
+    messages = record[names[0]]
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise ValueError(f"{where}: field {names[0]!r} must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
+                         "messages")
+    return messages
 
 
 def validation_documents(count: int, fraction: float, seed: int) -> set[int]:
@@ -185,18 +223,70 @@ def tokenizer_hash(directory: str | Path) -> tuple[str, list[str]]:
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(directory: str, dtype: str) -> None:
-    _WORKER.update(tokenizer=load_tokenizer(directory), dtype=np.dtype(dtype))
+def _start_worker(directory: str, dtype: str, fmt: str = "text") -> None:
+    _WORKER.update(tokenizer=load_tokenizer(directory), dtype=np.dtype(dtype), format=fmt)
 
 
-def _encode(text: str) -> np.ndarray:
-    """One document's ids as ``tokenizer(text)`` gives them, then EOS, in the output dtype."""
-    tokenizer = _WORKER["tokenizer"]
-    ids = tokenizer(text)["input_ids"]
-    ids.append(tokenizer.eos_token_id)
+def _encode(doc: Any) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """One document's ids as ``tokenizer(text)`` gives them, then EOS, in the output dtype; for the
+    instruction formats also its mask (uint8, 1 on the tokens trained on)."""
+    tokenizer, fmt = _WORKER["tokenizer"], _WORKER.get("format", "text")
+    if fmt == "text":
+        ids = tokenizer(doc)["input_ids"]
+        ids.append(tokenizer.eos_token_id)
+        return _ids(ids)
+    ids, mask = _prompt_completion(tokenizer, *doc) if fmt == "prompt_completion" else _chat(tokenizer, doc)
+    return _ids(ids), np.asarray(mask, dtype=np.uint8)
+
+
+def _ids(ids: list[int]) -> np.ndarray:
     out = np.asarray(ids, dtype=np.int64)
     assert out.min() >= 0 and out.max() < np.iinfo(_WORKER["dtype"]).max + 1, "ids the output dtype cannot hold"
     return out.astype(_WORKER["dtype"])
+
+
+def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """``tokenizer(prompt)`` (its special tokens, e.g. BOS), the completion's tokens without special
+    tokens, then EOS; trained on: the completion and the EOS. The two are tokenized apart, so the
+    boundary is exact (a merge across it would blur which token is whose)."""
+    head = tokenizer(prompt)["input_ids"]
+    tail = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return head + tail, [0] * len(head) + [1] * len(tail)
+
+
+def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5 may return a BatchEncoding
+
+
+def _chat(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """A conversation rendered by the tokenizer's chat template, then EOS; trained on: each assistant
+    turn's tokens (its content and what the template closes it with) and the EOS after a last assistant turn.
+
+    How the turns are found: the template renders the conversation prefix by prefix, and a turn's
+    tokens are those the next prefix adds, so no template's markup is parsed. An assistant turn
+    starts after the header the template writes for it (the prefix before it rendered with
+    ``add_generation_prompt=True``): the header is the prompt, not the answer. A template whose
+    shorter renders are not prefixes of the longer (one that rewrites earlier turns) is an error.
+    """
+    if tokenizer.chat_template is None:
+        raise ValueError(f"--format chat: the tokenizer ({tokenizer.name_or_path}) has no chat template "
+                         "(chat_template in tokenizer_config.json or chat_template.jinja)")
+    full = _render(tokenizer, messages)
+    mask, done = [0] * len(full), 0
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            header = _render(tokenizer, messages[:i], generation_prompt=True) if i else []
+            start = len(header) if full[:len(header)] == header else done
+        upto = _render(tokenizer, messages[: i + 1])
+        if full[:len(upto)] != upto:
+            raise ValueError("--format chat: the chat template renders a conversation's first "
+                             f"{i + 1} messages as other tokens than the start of the whole; its turns cannot be "
+                             "told apart (use --format prompt_completion)")
+        if message["role"] == "assistant":
+            mask[start:len(upto)] = [1] * (len(upto) - start)
+        done = len(upto)
+    return full + [tokenizer.eos_token_id], mask + [int(messages[-1]["role"] == "assistant")]
 
 
 # ---------------------------------------------------------------------------------
@@ -239,7 +329,8 @@ class _Progress:
             self._bar.close()
 
 
-def _encoded(docs: Iterator[str], count: int, workers: int, tokenizer_dir: str, dtype: str) -> Iterator[np.ndarray]:
+def _encoded(docs: Iterator[Any], count: int, workers: int, tokenizer_dir: str, dtype: str, fmt: str = "text"
+             ) -> Iterator[Any]:
     """The ``count`` documents' ids in input order, tokenized by ``workers`` processes (1: in this one, with
     the tokenizer `prepare` loaded; each worker loads its own from ``tokenizer_dir``)."""
     chunk = max(1, min(_CHUNK, count // (4 * workers)))  # a small input still spreads over every worker
@@ -247,14 +338,19 @@ def _encoded(docs: Iterator[str], count: int, workers: int, tokenizer_dir: str, 
         yield from map(_encode, docs)
         return
     # imap keeps the input order whichever worker finishes first: the output does not depend on `workers`.
-    with multiprocessing.get_context().Pool(workers, _start_worker, (tokenizer_dir, dtype)) as pool:
+    with multiprocessing.get_context().Pool(workers, _start_worker, (tokenizer_dir, dtype, fmt)) as pool:
         yield from pool.imap(_encode, docs, chunksize=chunk)
 
 
 def prepare(tokenizer_dir: str | Path, inputs: list[str | Path], out: str | Path,
-            val_fraction: float = DEFAULT_VAL_FRACTION, field: str = "text", workers: int = 1, seed: int = 0
+            val_fraction: float = DEFAULT_VAL_FRACTION, field: str | None = None, workers: int = 1, seed: int = 0,
+            fmt: str = "text", prompt_field: str = "prompt", completion_field: str = "completion"
             ) -> tuple[dict, float]:
     """Tokenizes ``inputs`` into ``out``/train.bin, val.bin and meta.json; the same bytes for any ``workers``.
+
+    ``fmt`` text: documents (``field``, default "text"); prompt_completion (``prompt_field``,
+    ``completion_field``) and chat (``field``, default "messages"): instruction records, each split's
+    mask written beside its ``.bin`` (`mask_file`).
 
     Everything is written into a temporary folder beside ``out``, renamed to ``out`` at the end: a
     run that fails leaves nothing behind.
@@ -269,21 +365,25 @@ def prepare(tokenizer_dir: str | Path, inputs: list[str | Path], out: str | Path
     out = Path(out)
     if workers < 1:
         raise ValueError(f"--workers={workers}: must be >= 1 (1: tokenize in this process)")
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt}: not a format (valid: {', '.join(FORMATS)})")
+    field = field or ("messages" if fmt == "chat" else "text")
+    fields = (prompt_field, completion_field) if fmt == "prompt_completion" else field
     _check_out(out)
     files = input_files(inputs)
-    count = sum(1 for _ in documents(files, field))  # a first pass: bad lines fail before any tokenizing
+    count = sum(1 for _ in documents(files, fields, fmt))  # a first pass: bad lines fail before any tokenizing
     if count == 0:
         raise ValueError(f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)")
     val = validation_documents(count, val_fraction, seed)
     tokenizer = load_tokenizer(tokenizer_dir)
     vocab_size = len(tokenizer)  # the base vocabulary and the added tokens: every id it can emit
     dtype = token_dtype(vocab_size)
-    _WORKER.update(tokenizer=tokenizer, dtype=np.dtype(dtype))
+    _WORKER.update(tokenizer=tokenizer, dtype=np.dtype(dtype), format=fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         start = time.perf_counter()
-        encoded = _encoded(documents(files, field), count, workers, str(tokenizer_dir), dtype)
+        encoded = _encoded(documents(files, fields, fmt), count, workers, str(tokenizer_dir), dtype, fmt)
         totals = _write_splits(staging, encoded, val, count)
         seconds = time.perf_counter() - start
         sha, names = tokenizer_hash(tokenizer_dir)
@@ -291,7 +391,8 @@ def prepare(tokenizer_dir: str | Path, inputs: list[str | Path], out: str | Path
                 "bos_id": tokenizer.bos_token_id,
                 "tokenizer": {"name": tokenizer.name_or_path, "path": str(Path(tokenizer_dir).resolve()),
                               "class": type(tokenizer).__name__, "sha256": sha, "files": names},
-                "inputs": [str(f) for f in files], "field": field, "val_fraction": val_fraction, "seed": seed,
+                "inputs": [str(f) for f in files], "format": fmt,
+                "field": list(fields) if isinstance(fields, tuple) else fields, "val_fraction": val_fraction, "seed": seed,
                 **totals}
         (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
         _check_out(out)  # again: another process may have written there while this one tokenized
@@ -319,15 +420,25 @@ def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], co
     """Appends each document's ids to train.bin or val.bin; the documents and tokens per split."""
     totals = {split: {"documents": 0, "tokens": 0} for split in SPLITS}
     progress = _Progress(count)
+    masks: dict[str, Any] = {}  # split -> its open mask file, made at the first masked document
     try:
         with open(folder / "train.bin", "wb") as train, open(folder / "val.bin", "wb") as held_out:
             for index, ids in enumerate(encoded):
                 split, f = ("val", held_out) if index in val else ("train", train)
+                if isinstance(ids, tuple):  # an instruction format: (ids, mask)
+                    ids, mask = ids
+                    if not masks:
+                        masks = {s: open(mask_file(folder / f"{s}.bin"), "wb") for s in SPLITS}
+                    masks[split].write(mask.tobytes())
+                    totals[split]["trained_tokens"] = totals[split].get("trained_tokens", 0) + int(mask.sum())
                 f.write(ids.tobytes())
                 totals[split]["documents"] += 1
                 totals[split]["tokens"] += len(ids)
                 progress.update(len(ids))
     finally:
         progress.close()
+        for split, m in masks.items():
+            m.close()
+            totals[split].setdefault("trained_tokens", 0)
     assert totals["train"]["documents"] + totals["val"]["documents"] == count, "the second pass saw other documents"
     return totals

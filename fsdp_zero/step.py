@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_zero.config import OptimConfig, Schedule
@@ -108,6 +109,19 @@ def _report(hooks: Sequence[PhaseHook], phase: Phase) -> None:
         hook(phase)
 
 
+def _token_weight(count: Callable[[object], torch.Tensor], micro_batches: list, device: torch.device
+                  ) -> tuple[float, int]:
+    """N / (trained tokens of the global batch) and that count: this rank's count over its micro-batches
+    (their targets, still on the host), one all-reduce, and one read of the sum (a sync point, masked data only)."""
+    total = torch.tensor(float(sum(int(count(b)) for b in micro_batches)), dtype=torch.float64, device=device)
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        world = dist.get_world_size()  # the ranks FSDP (or DDP) averages gradients over
+    trained = int(total.item())
+    return world / max(trained, 1), trained
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -118,6 +132,7 @@ def train_step(
     hooks: Sequence[PhaseHook] = (),
     scaler: LossScaler | None = None,
     gate: Callable[[torch.Tensor, torch.Tensor], Verdict] | None = None,
+    token_count: Callable[[object], torch.Tensor] | None = None,
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches, then one optimizer step (at the
     learning rate already set, see `set_lr`).
@@ -129,8 +144,11 @@ def train_step(
     the scalars). ``gate(loss, grad_norm)``, asked between the gradient norm and the optimizer
     step, returns the `Verdict` every rank agreed on: a step it finds non-finite is skipped (the
     parameters and optimizer states stay as they were); its ``stop`` is the caller's to act on.
+    ``token_count`` (masked data, `fsdp_zero.tasks.trained_tokens`): ``loss_fn`` returns summed
+    losses, and the step's loss is their mean over the trained tokens of the whole global batch.
     """
     params = [p for p in model.parameters()]
+    weight, trained = _token_weight(token_count, micro_batches, device) if token_count else (None, None)
     loss_sum = torch.zeros((), device=device)
     extra_sum: dict[str, torch.Tensor] = {}
     no_sync = getattr(model, "no_sync", None)  # DDP (and the planner's stand-in for it)
@@ -145,8 +163,10 @@ def train_step(
             if i == 0:
                 _report(hooks, Phase.AFTER_FORWARD)
             # Scaled so the accumulated gradient is the mean over micro-batches; the
-            # reduction over ranks averages, giving the global-batch mean.
-            scaled = loss / len(micro_batches)
+            # reduction over ranks averages, giving the global-batch mean. Masked data: a
+            # summed loss times N / (the global batch's trained tokens), so that the average
+            # over ranks is the mean over every trained token of the global batch.
+            scaled = loss * weight if weight is not None else loss / len(micro_batches)
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
         for k, v in extra.items():
@@ -156,12 +176,14 @@ def train_step(
     _report(hooks, Phase.AFTER_BACKWARD)
     n = len(micro_batches)
     extra = {k: v / n for k, v in extra_sum.items()}
-    loss = loss_sum / n
+    loss = loss_sum * weight if weight is not None else loss_sum / n  # masked: the ranks' mean is the token mean
     if scaler:
         scaler.unscale_(optimizer)  # true gradients (inf/NaN if they overflowed on any rank) for the norm
     grad_norm = grad_norm_(params)  # one all-reduce
     verdict = gate(loss, grad_norm) if gate else TAKEN
-    if verdict.finite:
+    # A global batch without one trained token has nothing to learn from: its loss and gradients are 0,
+    # and the optimizer step is skipped (AdamW would still move the weights by momentum and decay).
+    if verdict.finite and trained != 0:
         clip_grads_(params, grad_clip, grad_norm)
         if scaler:
             scaler.step(optimizer)  # skipped when any rank's gradients overflowed

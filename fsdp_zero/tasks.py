@@ -8,6 +8,11 @@ classification  batch (images or features, labels); cross-entropy on the logits;
 custom          ``model.loss``: a function (model, batch) -> loss, or (loss, {name: scalar}).
 
 A task returns the loss and a dict of scalar tensors (detached) to log, averaged like the loss.
+
+Masked token data (a mask file beside the ``.bin``, `fsdp_zero.data.TokenFile`) marks the targets
+left out with `IGNORE`; its task is `masked_causal_lm`, which returns the *summed* loss over the
+trained targets, and `trained_tokens` counts them, which `fsdp_zero.step.train_step` (its ``token_count``)
+uses to divide by the trained tokens of the whole global batch.
 """
 
 from __future__ import annotations
@@ -38,6 +43,23 @@ def causal_lm(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tup
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), {}
 
 
+IGNORE = -100  # a target left out of the loss: F.cross_entropy's default ignore_index
+
+
+def masked_causal_lm(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """causal_lm's cross-entropy summed over the trained targets (those not `IGNORE`; 0 when none is)."""
+    inputs, targets = batch
+    logits = logits_of(model(inputs))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"), {}
+
+
+def trained_tokens(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The targets of a causal_lm batch that the loss counts."""
+    return (batch[1] != IGNORE).sum()
+
+
+
 def classification(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     inputs, labels = batch
     logits = logits_of(model(inputs)).float()
@@ -45,14 +67,17 @@ def classification(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     return F.cross_entropy(logits, labels), {"accuracy": accuracy}
 
 
-def build_task(cfg: ModelConfig) -> LossFn:
-    """The loss function for ``model.task``.
+def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
+    """The loss function for ``model.task``; ``masked``: the token data has a mask file (`masked_causal_lm`).
 
     Raises:
-        ValueError: a model.loss that does not import.
+        ValueError: a model.loss that does not import; a mask file under another task than causal_lm.
     """
+    if masked and cfg.task is not Task.causal_lm:
+        raise ValueError(f"model.task={cfg.task.value}: the token file has a mask file beside it, which only "
+                         "model.task=causal_lm reads (valid: causal_lm, or remove the mask file)")
     if cfg.task is Task.causal_lm:
-        return causal_lm
+        return masked_causal_lm if masked else causal_lm
     if cfg.task is Task.classification:
         return classification
     from fsdp_zero.build import import_target

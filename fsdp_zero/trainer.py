@@ -37,7 +37,7 @@ from fsdp_zero.rundir import RunDecision, config_diff, decide, run_files, to_pla
 from fsdp_zero.step import StepResult, set_lr, train_step
 from fsdp_zero.steplog import StepLogger, StepRecord, write_summary
 from fsdp_zero.stopping import CollectiveFailed, Diverged, StepGuard, Stopped, budget_deadline, budget_job
-from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, vocab_size
+from fsdp_zero.tasks import LossFn, build_task, max_seq_len, num_outputs, trained_tokens, vocab_size
 from fsdp_zero.weights import load_full_weights
 from fsdp_zero.wrap import WrapPlan
 
@@ -103,13 +103,13 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     decision = decide(cfg, env)
     cfg = decision.resolve(cfg)
     seed_all(decision.seed)
-    loss_fn = build_task(cfg.model)
 
     # Parameters on the meta device: shapes only, sharded before any memory is allocated.
     built = build(cfg, env, decision.seed)
     model, plan = built.model, built.plan
     source = build_source(cfg.data, decision.seed, vocab_size(unwrap(model)))
     _check_data_fits(cfg, unwrap(model), source)
+    loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))  # a mask file: token-weighted loss
     scaler = loss_scaler(cfg.precision, built.precision, env.device)
     _log_setup(cfg, env, decision, built.num_params, built.init_note, built.precision, layout, plan)
     evaluator = build_evaluator(cfg, env, unwrap(model), source)
@@ -237,6 +237,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
     timeout = CollectiveTimeout(cfg.dist, model)  # start-up's until the first step is done, and for saves
     verdict, step = None, first
+    count = trained_tokens if getattr(cursor.source, "masked", False) else None  # a mask file: token-weighted loss
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
@@ -244,7 +245,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
             with log.profiler or contextlib.nullcontext():
                 out = train_step(model, optimizer, parts.loss_fn, micro_batches, cfg.optim.grad_clip, env.device, hooks,
-                                 parts.scaler, gate=guard.check)
+                                 parts.scaler, gate=guard.check, token_count=count)
             verdict = out.verdict  # the same on every rank: they skip, stop and save at the same step
             if not verdict.finite:  # every rank skipped the optimizer step; nothing non-finite is ever saved
                 state.skipped_nonfinite += 1

@@ -1,12 +1,19 @@
 """Tokenize text or JSONL with a Hugging Face tokenizer into the token files data.source=tokens reads.
 
     python scripts/prepare_data.py --tokenizer MODEL_DIR --input corpus/ [more.jsonl ...] --out data/mine \\
-        [--val-fraction 0.05] [--field text] [--workers 4] [--seed 0]
+        [--val-fraction 0.05] [--field text] [--workers 4] [--seed 0] \\
+        [--format text|prompt_completion|chat] [--prompt-field prompt] [--completion-field completion]
 
 Each .txt file is one document, each line of a .jsonl file one (its text in --field); folders are
 read recursively in sorted order. Writes OUT/train.bin, OUT/val.bin and OUT/meta.json (see
 fsdp_zero.prepare); train with data.source=tokens data.path=OUT/train.bin. The output is the same,
 byte for byte, for any --workers. Needs the `hf` extra (transformers).
+
+--format prompt_completion reads JSONL records with a prompt and a completion; --format chat
+records with a list of messages (--field, default messages), rendered by the tokenizer's chat
+template. Both write OUT/train.mask.bin and OUT/val.mask.bin beside the token files (one byte
+a token, 1 where it is trained on: the completion, or the assistant turns, and the EOS after
+them), which data.source=tokens and eval.path read: the loss leaves the other tokens out.
 """
 
 from __future__ import annotations
@@ -26,21 +33,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="a new folder for train.bin, val.bin and meta.json")
     parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                         help=f"the share of documents held out for validation (default {DEFAULT_VAL_FRACTION})")
-    parser.add_argument("--field", default="text", help="the JSONL field that holds the text (default: text)")
+    parser.add_argument("--field", default=None,
+                        help="the JSONL field that holds the text (default: text; --format chat: messages)")
+    parser.add_argument("--format", default="text", choices=("text", "prompt_completion", "chat"),
+                        help="text: documents (default); prompt_completion or chat: instruction records, masked")
+    parser.add_argument("--prompt-field", default="prompt", help="--format prompt_completion: the prompt's field")
+    parser.add_argument("--completion-field", default="completion",
+                        help="--format prompt_completion: the completion's field")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: this one)")
     parser.add_argument("--seed", type=int, default=0, help="chooses the validation documents (default 0)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
         meta, seconds = prepare(args.tokenizer, args.input, args.out, args.val_fraction, args.field, args.workers,
-                                args.seed)
+                                args.seed, args.format, args.prompt_field, args.completion_field)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tokens = meta["train"]["tokens"] + meta["val"]["tokens"]
     for split in ("train", "val"):
         print(f"{args.out}/{split}.bin: {meta[split]['documents']:,} documents, {meta[split]['tokens']:,} tokens "
-              f"({meta['dtype']})")
+              f"({meta['dtype']})" + (f", {meta[split]['trained_tokens']:,} trained on" if args.format != "text" else ""))
     print(f"{tokens:,} tokens at {tokens / seconds:,.0f} tokens/s ({args.workers} worker(s); {seconds:.1f} s "
           f"tokenizing, {time.perf_counter() - start:.1f} s in all); vocabulary {meta['vocab_size']:,}, "
           f"EOS id {meta['eos_id']}")

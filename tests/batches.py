@@ -98,16 +98,47 @@ def _eval_tokens(root: Path) -> None:
                       dtype=torch.int32).numpy().astype("uint16").tofile(root / "val.bin")
 
 
+# tests/test_masked.py's instruction data: 64 windows of 33 tokens (every window read once in 8 steps of 8),
+# a mask file beside it (documents: a prompt left out, a completion trained on) and window 10 all prompt.
+MASKED = ("data.source=tokens", "data.path={root}/masked/train.bin")
+MASKED_TOKENS = 64 * 32 + 1
+
+
+def _masked_tokens(root: Path) -> None:
+    """The masked token file: seeded uint16 ids below gpt_nano's 256; its mask 0 on each document's
+    first 60% (the prompt), 1 on the rest (the completion and its EOS), 0 on window 10's targets."""
+    folder = root / "masked"
+    if (folder / "train.mask.bin").exists():
+        return
+    folder.mkdir(exist_ok=True)
+    gen = torch.Generator().manual_seed(20)
+    torch.randint(0, 256, (MASKED_TOKENS,), generator=gen, dtype=torch.int32).numpy().astype("uint16").tofile(
+        folder / "train.bin")
+    mask, done = torch.zeros(MASKED_TOKENS, dtype=torch.uint8), 0
+    while done < MASKED_TOKENS:
+        length = int(torch.randint(8, 60, (1,), generator=gen))
+        mask[done + int(0.6 * length): done + length] = 1
+        done += length
+    mask[10 * 32 + 1: 11 * 32 + 1] = 0  # window 10 predicts tokens 321..352: none trained
+    mask.numpy().tofile(folder / "train.mask.bin")
+
+
 def _launch2_files(root: Path) -> None:
     _hf_folder(root)
     _eval_tokens(root)
+    _masked_tokens(root)
+
+
+def _launch1_files(root: Path) -> None:
+    _eval_tokens(root)
+    _masked_tokens(root)
 
 
 LAUNCHES = {
     "2": Launch(2, prepare=_launch2_files),
     "2-resume": Launch(2, after=("2",), prepare=_weights_to_import),
     "4": Launch(4, after=("2",)),
-    "1": Launch(0, after=("2",), prepare=_eval_tokens),
+    "1": Launch(0, after=("2",), prepare=_launch1_files),
     "3": Launch(3),
 }
 
@@ -139,6 +170,8 @@ RUNS = [
     Run("vit-defaults", "2", (*VIT, "train.steps=4", "train.log_every=1", "checkpoint.enabled=false",
                               "metrics.tensorboard=false", "memory.profile_step=0", "optim.warmup_steps=2"), (M,)),
     Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
+    # Masked instruction data (tests/test_masked.py): the token-weighted loss at N = 2, micro-batch 2.
+    Run("masked", "2", (*BASE, *MASKED), ("test_masked",)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
@@ -165,6 +198,9 @@ RUNS = [
     Run("full_shard-to-ddp-n4", "4", (*BASE, "parallel.strategy=ddp", "checkpoint.every=0",
                                       f"checkpoint.resume={SPLIT}"), (C,)),
     Run("n1", "1", BASE, (P,)),
+    # The same at N = 1 with micro-batches of 2 (4 accumulated) and of 8 (one).
+    Run("masked-n1", "1", (*BASE, *MASKED), ("test_masked",)),
+    Run("masked-n1-mb8", "1", (*BASE, *MASKED, "train.micro_batch_size=8"), ("test_masked",)),
     Run("eval-n1", "1", (*BASE, "train.micro_batch_size=4", *EVAL), (E,)),  # one rank: forwards of 4 and 1 windows
     Run("reshard1", "1", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
     Run("ddp-to-full_shard-n1", "1", (*BASE, "checkpoint.every=0",

@@ -1,0 +1,205 @@
+"""Instruction data with masked prompts (issue 20, point 4): prepare's two formats and their mask files,
+the token-weighted loss over the global batch, and validation on a masked held-out file.
+
+The training runs are batched (`tests/batches.py`: ``masked`` at N = 2 and micro-batch 2,
+``masked-n1`` at N = 1 with 4 accumulated micro-batches of 2, ``masked-n1-mb8`` with one of 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsdp_zero.config import Task
+from fsdp_zero.config_loader import load_config
+from fsdp_zero.data import TokenFile
+from fsdp_zero.evaluate import lm_sums
+from fsdp_zero.model import args_from_config
+from fsdp_zero.prepare import mask_file, prepare
+from fsdp_zero.step import train_step
+from fsdp_zero.tasks import IGNORE, build_task, masked_causal_lm, trained_tokens
+from tests.batches import BASE, MASKED
+from tests.conftest import build_model
+from tests.reference import reference_run
+
+# A chat template of the simplest kind: a header line per turn, the content, an end marker.
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+RECORDS = [("Say hello to the world", "hello world and all the rest"),
+           ("Count from one to three", "one two three"),
+           ("Name a colour", "the sky is blue"),
+           ("What is two and two", "two and two make four")]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _read(out: Path, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+    meta = json.loads((out / "meta.json").read_text())
+    return np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]), np.fromfile(mask_file(out / f"{split}.bin"), np.uint8)
+
+
+def _trained_spans(ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    """The runs of consecutive trained tokens, as id lists."""
+    spans, current = [], []
+    for token, m in zip(ids.tolist(), mask.tolist()):
+        if m:
+            current.append(token)
+        elif current:
+            spans, current = [*spans, current], []
+    return spans + ([current] if current else [])
+
+
+def test_prompt_completion_marks_exactly_the_completion_and_its_eos(tmp_path: Path, tiny_tokenizer_dir: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    data = _write_jsonl(tmp_path / "sft.jsonl", [{"q": p, "a": c} for p, c in RECORDS])
+    meta, _ = prepare(tiny_tokenizer_dir, [data], tmp_path / "out", val_fraction=0, fmt="prompt_completion",
+                      prompt_field="q", completion_field="a")
+    ids, mask = _read(tmp_path / "out")
+    assert len(mask) == len(ids) == meta["train"]["tokens"] and meta["format"] == "prompt_completion"
+    spans = _trained_spans(ids, mask)
+    assert [tok.decode(s) for s in spans] == [c + "</s>" for _, c in RECORDS]  # each completion, then EOS
+    assert meta["train"]["trained_tokens"] == int(mask.sum()) == sum(map(len, spans))
+    untrained = tok.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if not m])
+    assert untrained == "".join("<s>" + p for p, _ in RECORDS)  # the prompts, each after its BOS
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["val"]["trained_tokens"] == 0
+
+
+def test_chat_marks_exactly_the_assistant_turns(tmp_path: Path, tiny_tokenizer_dir: Path):
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(tiny_tokenizer_dir, tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+    chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": p},
+              {"role": "assistant", "content": c}, {"role": "user", "content": "and again"},
+              {"role": "assistant", "content": c.upper()}] for p, c in RECORDS]
+    data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
+    meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0, fmt="chat")
+    ids, mask = _read(tmp_path / "out")
+    assert len(mask) == len(ids) and meta["format"] == "chat" and meta["field"] == "messages"
+    expected = [t for _, c in RECORDS for t in (f"{c}<|end|>\n", f"{c.upper()}<|end|>\n</s>")]
+    # the assistant's content and the template's close of its turn; not its header, not the user's turns
+    assert [tok.decode(s) for s in _trained_spans(ids, mask)] == expected
+    assert meta["train"]["trained_tokens"] == int(mask.sum())
+
+
+def test_text_format_writes_no_mask_and_a_bad_format_is_one_line(tmp_path: Path, tiny_tokenizer_dir: Path):
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"text": p} for p, _ in RECORDS])
+    meta, _ = prepare(tiny_tokenizer_dir, [data], tmp_path / "out", val_fraction=0)
+    assert not mask_file(tmp_path / "out" / "train.bin").exists() and meta["format"] == "text"
+    assert set(meta["train"]) == {"documents", "tokens"}
+    with pytest.raises(ValueError, match=r"--format chatml: not a format \(valid: text, prompt_completion, chat\)"):
+        prepare(tiny_tokenizer_dir, [data], tmp_path / "bad", fmt="chatml")
+    with pytest.raises(ValueError, match=r"no field 'prompt' \(--prompt-field/--completion-field\)"):
+        prepare(tiny_tokenizer_dir, [data], tmp_path / "bad", fmt="prompt_completion")
+    assert not (tmp_path / "bad").exists()
+
+
+def _token_file(folder: Path, tokens: np.ndarray, mask: np.ndarray | None) -> Path:
+    folder.mkdir()
+    tokens.astype(np.uint16).tofile(folder / "train.bin")
+    if mask is not None:
+        mask.astype(np.uint8).tofile(folder / "train.mask.bin")
+    return folder / "train.bin"
+
+
+def test_a_mask_file_of_another_length_is_one_line_naming_both(tmp_path: Path):
+    path = _token_file(tmp_path / "d", np.arange(100), np.ones(99))
+    with pytest.raises(ValueError) as info:
+        TokenFile(path, 8, 0)
+    message = str(info.value)
+    assert "\n" not in message and f"{path.with_name('train.mask.bin')} holds 99 mask bytes" in message
+    assert f"{path} holds 100 tokens" in message
+
+
+def test_the_mask_applies_to_the_predicted_token_and_unmasked_data_is_unchanged(tmp_path: Path):
+    tokens, mask = np.arange(100) % 50, (np.arange(100) % 3 == 0)
+    masked = TokenFile(_token_file(tmp_path / "m", tokens, mask), 8, 0)
+    plain = TokenFile(_token_file(tmp_path / "p", tokens, None), 8, 0)
+    assert masked.masked and not plain.masked
+    inputs, targets = masked.pairs([16])
+    assert inputs.tolist() == [list(range(16, 24))]
+    assert targets.tolist() == [[t if t % 3 == 0 else IGNORE for t in range(17, 25)]]  # mask[17..24]
+    assert torch.equal(plain.pairs([16])[1], torch.arange(17, 25)[None])
+
+
+def _nano() -> torch.nn.Module:
+    return build_model(args_from_config(load_config(None, list(BASE)).model), device="cpu")
+
+
+def test_a_global_batch_without_a_trained_token_is_loss_0_and_no_step(tmp_path: Path):
+    model = _nano()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    source = TokenFile(_token_file(tmp_path / "d", np.arange(200) % 256, np.zeros(200)), 32, 0)
+    batch = source.pairs([0, 32])
+    loss, _ = masked_causal_lm(model, batch)
+    assert loss.item() == 0.0  # no NaN: a sum over nothing
+    out = train_step(model, optimizer, masked_causal_lm, [batch, source.pairs([64])], 1.0, torch.device("cpu"),
+                     token_count=trained_tokens)
+    assert out.loss.item() == 0.0 and out.grad_norm.item() == 0.0 and out.verdict.finite
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # AdamW's decay did not move them
+    assert not optimizer.state
+    assert lm_sums(model, batch)[1].item() == 0  # validation counts none of it
+
+
+def test_a_mask_file_under_another_task_is_an_error():
+    cfg = dataclasses.replace(load_config(None, list(BASE)).model, task=Task.custom, loss="tests.user_model:nowhere")
+    with pytest.raises(ValueError, match="model.task=custom: the token file has a mask file"):
+        build_task(cfg, masked=True)
+
+
+def _hand_loss(initial: dict, root: Path, step: int, micro: int | None = None) -> float:
+    """Step ``step``'s loss from the raw files: plain torch on the whole model at ``initial``, the windows
+    of the global batch (the seeded order `fsdp_zero.data.epoch_order` defines), targets masked by hand;
+    ``micro``: the mean of micro-batch means instead (what a token-weighted loss must not be)."""
+    cfg = load_config(None, [*BASE, *(a.format(root=root) for a in MASKED)])
+    model = _nano()
+    model.load_state_dict(initial)
+    tokens = np.fromfile(root / "masked" / "train.bin", np.uint16).astype(np.int64)
+    mask = np.fromfile(root / "masked" / "train.mask.bin", np.uint8)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(cfg.train.seed))
+    gbs, seq = cfg.train.global_batch_size, cfg.data.seq_len
+    starts = [int(order[i]) * seq for i in range((step - 1) * gbs, step * gbs)]
+    x = torch.tensor(np.stack([tokens[s: s + seq] for s in starts]))
+    y = torch.tensor(np.stack([tokens[s + 1: s + seq + 1] for s in starts]))
+    keep = torch.tensor(np.stack([mask[s + 1: s + seq + 1] for s in starts])).bool()
+    with torch.no_grad():
+        losses = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    if micro:
+        parts = [(losses[i:i + micro] * keep[i:i + micro]).sum() / keep[i:i + micro].sum() for i in range(0, gbs, micro)]
+        return float(torch.stack(parts).mean())
+    return float((losses * keep).sum() / keep.sum())
+
+
+def test_the_masked_loss_equals_a_hand_computation(batches):
+    run, root = batches["masked"], batches.root
+    hand = _hand_loss(run["initial"], root, 1)
+    assert abs(run["losses"][1] - hand) < 5e-6
+    # what it must not be: the unweighted mean of micro-batch means (the pre-mask scaling), or all tokens
+    assert abs(_hand_loss(run["initial"], root, 1, micro=2) - hand) > 1e-3
+    cfg = load_config(None, [*BASE, *(a.format(root=root) for a in MASKED)])
+    ref = reference_run(cfg, run["initial"])  # independent single-process loop: one mean over the global batch
+    assert max(abs(run["losses"][s] - ref["losses"][s]) for s in ref["losses"]) < 5e-6
+    assert max((run["final"][k] - ref["final"][k]).abs().max().item() for k in ref["final"]) < 3e-5
+
+
+@pytest.mark.parametrize("other", ["masked-n1", "masked-n1-mb8"])
+def test_the_masked_loss_is_the_same_at_one_and_two_ranks_and_any_micro_batch(batches, other):
+    two, one = batches["masked"], batches[other]
+    assert all(torch.equal(two["initial"][k], one["initial"][k]) for k in two["initial"])
+    assert max(abs(two["losses"][s] - one["losses"][s]) for s in two["losses"]) < 5e-6
+    assert max((two["final"][k] - one["final"][k]).abs().max().item() for k in two["final"]) < 3e-5
