@@ -99,8 +99,9 @@ def _eval_tokens(root: Path) -> None:
 
 
 # tests/test_masked.py's instruction data: 64 windows of 33 tokens (every window read once in 8 steps of 8),
-# a mask file beside it (documents: a prompt left out, a completion trained on) and window 10 all prompt.
-MASKED = ("data.source=tokens", "data.path={root}/masked/train.bin")
+# a mask file beside it (documents: a prompt left out, a completion trained on) and window 10 all prompt;
+# validation on the same file after the last step (its 64 windows in file order).
+MASKED = ("data.source=tokens", "data.path={root}/masked/train.bin", "eval.every=8", "eval.path={root}/masked/train.bin")
 MASKED_TOKENS = 64 * 32 + 1
 
 

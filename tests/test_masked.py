@@ -26,7 +26,7 @@ from fsdp_zero.prepare import mask_file, prepare
 from fsdp_zero.step import train_step
 from fsdp_zero.tasks import IGNORE, build_task, masked_causal_lm, trained_tokens
 from tests.batches import BASE, MASKED
-from tests.conftest import build_model
+from tests.conftest import build_model, figure
 from tests.reference import reference_run
 
 # A chat template of the simplest kind: a header line per turn, the content, an end marker.
@@ -188,18 +188,43 @@ def _hand_loss(initial: dict, root: Path, step: int, micro: int | None = None) -
 def test_the_masked_loss_equals_a_hand_computation(batches):
     run, root = batches["masked"], batches.root
     hand = _hand_loss(run["initial"], root, 1)
+    figure("masked loss at step 1 against a hand computation (N = 2)", f"{abs(run['losses'][1] - hand):.2e} "
+           f"(loss {hand:.6f})")
     assert abs(run["losses"][1] - hand) < 5e-6
     # what it must not be: the unweighted mean of micro-batch means (the pre-mask scaling), or all tokens
     assert abs(_hand_loss(run["initial"], root, 1, micro=2) - hand) > 1e-3
     cfg = load_config(None, [*BASE, *(a.format(root=root) for a in MASKED)])
     ref = reference_run(cfg, run["initial"])  # independent single-process loop: one mean over the global batch
-    assert max(abs(run["losses"][s] - ref["losses"][s]) for s in ref["losses"]) < 5e-6
-    assert max((run["final"][k] - ref["final"][k]).abs().max().item() for k in ref["final"]) < 3e-5
+    losses = max(abs(run["losses"][s] - ref["losses"][s]) for s in ref["losses"])
+    weights = max((run["final"][k] - ref["final"][k]).abs().max().item() for k in ref["final"])
+    figure("masked training against the single-process loop (N = 2, 8 steps)", f"losses {losses:.2e}, "
+           f"weights {weights:.2e}")
+    assert losses < 5e-6 and weights < 3e-5
+
+
+@pytest.mark.parametrize("name", ["masked", "masked-n1"])
+def test_validation_counts_only_the_trained_tokens(batches, name):
+    run, root = batches[name], batches.root
+    model = _nano()
+    model.load_state_dict(run["final"])
+    tokens = torch.from_numpy(np.fromfile(root / "masked" / "train.bin", np.uint16).astype(np.int64))
+    keep = torch.from_numpy(np.fromfile(root / "masked" / "train.mask.bin", np.uint8)).bool()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for k in range(64):  # window k: tokens [32 k, 32 k + 33), its targets' mask bytes 32 k + 1 ..
+            x, y, m = tokens[32 * k: 32 * k + 32], tokens[32 * k + 1: 32 * k + 33], keep[32 * k + 1: 32 * k + 33]
+            losses = F.cross_entropy(model(x[None])[0].double(), y, reduction="none")
+            total, count = total + losses[m].sum().item(), count + int(m.sum())
+    got = run["evals"][8]["eval/loss"]
+    figure(f"masked eval/loss against a hand computation ({name})", f"{abs(got - total / count):.2e}")
+    assert abs(got - total / count) < 1e-5
 
 
 @pytest.mark.parametrize("other", ["masked-n1", "masked-n1-mb8"])
 def test_the_masked_loss_is_the_same_at_one_and_two_ranks_and_any_micro_batch(batches, other):
     two, one = batches["masked"], batches[other]
     assert all(torch.equal(two["initial"][k], one["initial"][k]) for k in two["initial"])
-    assert max(abs(two["losses"][s] - one["losses"][s]) for s in two["losses"]) < 5e-6
-    assert max((two["final"][k] - one["final"][k]).abs().max().item() for k in two["final"]) < 3e-5
+    losses = max(abs(two["losses"][s] - one["losses"][s]) for s in two["losses"])
+    weights = max((two["final"][k] - one["final"][k]).abs().max().item() for k in two["final"])
+    figure(f"masked training, N = 2 micro-batch 2 against {other}", f"losses {losses:.2e}, weights {weights:.2e}")
+    assert losses < 5e-6 and weights < 3e-5
