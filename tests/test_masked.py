@@ -74,6 +74,10 @@ def test_prompt_completion_marks_exactly_the_completion_and_its_eos(tmp_path: Pa
     untrained = tok.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if not m])
     assert untrained == "".join("<s>" + p for p, _ in RECORDS)  # the prompts, each after its BOS
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["val"]["trained_tokens"] == 0
+    prepare(tiny_tokenizer_dir, [data], tmp_path / "two", val_fraction=0, fmt="prompt_completion",
+            prompt_field="q", completion_field="a", workers=2)  # each worker told the format
+    for name in ("train.bin", "train.mask.bin", "val.mask.bin"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "out" / name).read_bytes()
 
 
 def test_chat_marks_exactly_the_assistant_turns(tmp_path: Path, tiny_tokenizer_dir: Path):
