@@ -155,6 +155,7 @@ class TokenFile(Windows):
         self.dtype = dtype or written or "uint16"
         self.mask_path = mask_file(self.path) if self.path.suffix == ".bin" else None
         self.masked = self.mask_path is not None and self.mask_path.is_file()
+        self._mask_mapped: np.ndarray | None = None
         super().__init__(len(self._array), seq_len, seed, f"data.path={str(path)!r}")
         if self.masked and len(self._mask) != len(self._array):
             raise ValueError(f"{self.mask_path} holds {len(self._mask)} mask bytes but {self.path} holds "
@@ -162,7 +163,7 @@ class TokenFile(Windows):
 
     @property
     def _mask(self) -> np.ndarray:
-        if getattr(self, "_mask_mapped", None) is None:  # lazily, as the tokens: a loader worker maps its own
+        if self._mask_mapped is None:  # lazily, as the tokens: a loader worker maps its own
             size = self.mask_path.stat().st_size
             self._mask_mapped = np.memmap(self.mask_path, dtype=np.uint8, mode="r") if size else np.empty(0, np.uint8)
         return self._mask_mapped
@@ -193,7 +194,7 @@ class TokenFile(Windows):
         return self._mapped
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_mapped", "_mask_mapped")}
+        return {k: None if k == "_mask_mapped" else v for k, v in self.__dict__.items() if k != "_mapped"}
 
     def max_token(self, chunk: int = 1 << 26) -> int:
         arr = self._array
