@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -232,3 +233,21 @@ def test_the_masked_loss_is_the_same_at_one_and_two_ranks_and_any_micro_batch(ba
     weights = max((two["final"][k] - one["final"][k]).abs().max().item() for k in two["final"])
     figure(f"masked training, N = 2 micro-batch 2 against {other}", f"losses {losses:.2e}, weights {weights:.2e}")
     assert losses < 5e-6 and weights < 3e-5
+
+
+@pytest.mark.parametrize("case, extra, message", [
+    ("no template", ("--format", "chat"), "--format chat: the tokenizer (.*) has no chat template"),
+    ("a .txt", ("--format", "prompt_completion"), r"--format prompt_completion reads \.jsonl files only"),
+    ("not messages", ("--format", "chat", "--field", "text"), r"field 'text' must be a non-empty list of"),
+])
+def test_bad_instruction_inputs_are_one_line_and_exit_2(tmp_path: Path, tiny_tokenizer_dir: Path, case, extra,
+                                                          message):
+    from tests.test_prepare import _refused
+
+    if case == "a .txt":
+        data = tmp_path / "d.txt"
+        data.write_text("some text")
+    else:
+        data = _write_jsonl(tmp_path / "d.jsonl", [{"text": "hi", "messages": [{"role": "user", "content": "hi"}]}])
+    line = _refused(tiny_tokenizer_dir, tmp_path, str(data), extra=extra)
+    assert re.search(message, line), line
