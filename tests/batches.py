@@ -65,7 +65,10 @@ class Launch:
     prepare: Callable[[Path], None] | None = None  # files its runs read, made first in the test process
 
 
-P, C, M, E = "test_parity", "test_checkpoint", "test_models", "test_eval"
+P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
+# tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm trained.
+FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
+LORA = ("model.lora.rank=4", "model.lora.targets=[wq,wv,w2]", "model.lora.train=[norm.weight]")
 
 
 def _weights_to_import(root: Path) -> None:
@@ -139,6 +142,9 @@ RUNS = [
     Run("vit-defaults", "2", (*VIT, "train.steps=4", "train.log_every=1", "checkpoint.enabled=false",
                               "metrics.tensorboard=false", "memory.profile_step=0", "optim.warmup_steps=2"), (M,)),
     Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
+    Run("freeze", "2", (*BASE, *FREEZE), (L,)),
+    Run("lora", "2", (*BASE, *LORA), (L,)),
+    Run("lora-split", "2", (*BASE, *LORA, "train.stop_after=4", "checkpoint.every=0"), (L,)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
@@ -150,11 +156,13 @@ RUNS = [
     Run("pretrained-resumed", "2-resume", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON,
                                            "checkpoint.resume={root}/pretrained/checkpoints/step-0000002"),
         ("test_pretrained",)),
+    Run("lora-resumed", "2-resume", (*BASE, *LORA, "checkpoint.every=0"), (L,), run_name="lora-split"),
     Run("imported", "2-resume", (*BASE, "train.steps=4", "checkpoint.enabled=false",
                                  "model.init_from={root}/weights.pt"), (C,)),
     Run("round-trip", "2-resume", (*BASE, "train.steps=1", "checkpoint.enabled=false",
                                    "model.init_from={root}/exported"), (C,)),
     Run("n4", "4", BASE, (P,)),
+    Run("lora-n4", "4", (*BASE, *LORA), (L,)),
     Run("hsdp", "4", (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P,)),
     # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
     Run("hpz-prefetch", "4", (*BASE, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P,)),
@@ -165,6 +173,7 @@ RUNS = [
     Run("full_shard-to-ddp-n4", "4", (*BASE, "parallel.strategy=ddp", "checkpoint.every=0",
                                       f"checkpoint.resume={SPLIT}"), (C,)),
     Run("n1", "1", BASE, (P,)),
+    Run("lora-n1", "1", (*BASE, *LORA), (L,)),
     Run("eval-n1", "1", (*BASE, "train.micro_batch_size=4", *EVAL), (E,)),  # one rank: forwards of 4 and 1 windows
     Run("reshard1", "1", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
     Run("ddp-to-full_shard-n1", "1", (*BASE, "checkpoint.every=0",
