@@ -14,8 +14,10 @@ their Linear, so they sit in its FSDP unit. The model's own code knows nothing o
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +121,90 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             init_lib.constant_(m.lora_B.weight, 0.0)
 
 
+def adapter_names(model: nn.Module) -> frozenset[str]:
+    """The state-dict names of the LoRA adapters (a base model's weights do not hold them)."""
+    return frozenset(f"{name}.{ab}.weight" for name, m in model.named_modules() if isinstance(m, LoRALinear)
+                     for ab in ("lora_A", "lora_B"))
+
+
 def frozen_count(model: nn.Module) -> int:
     """Parameters (elements) that do not train."""
     return sum(p.numel() for p in model.parameters() if not p.requires_grad)
+
+
+# ---------------------------------------------------------------------------------
+# Export (scripts/export.py): the adapters merged into their weights, or alone under PEFT's names
+
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+PEFT_PREFIX = "base_model.model."  # PEFT's names: this, then ours (its adapter name is dropped in files)
+
+
+def adapted_modules(names: list[str]) -> list[str]:
+    """The FQNs of the modules whose adapters are among the state-dict ``names``."""
+    return sorted(n[: -len(_A)] for n in names if n.endswith(_A))
+
+
+def export_view(scaling: float, adapters_only: bool, seen: list[str]):  # noqa: ANN201 - a weights.ExportView
+    """What `fsdp_zero.weights.export_checkpoint` writes for a LoRA checkpoint: every base tensor with
+    each adapted ``X.weight`` merged, ``W + scaling * B A`` (computed in fp32, stored in W's dtype),
+    adapter keys dropped; or (``adapters_only``) only the adapters, named ``base_model.model.X.lora_A.weight``.
+    The adapted modules' FQNs are appended to ``seen``."""
+
+    def view(names: list[str], read):  # noqa: ANN001, ANN202
+        adapted = set(adapted_modules(names))
+        seen.extend(sorted(adapted))
+        if adapters_only:
+            return {PEFT_PREFIX + n: n for n in names if n.endswith((_A, _B))}, lambda name: read(name[len(PEFT_PREFIX):])
+
+        def merged(name: str) -> torch.Tensor:
+            w = read(name)
+            fqn = name[: -len(".weight")]
+            if name.endswith(".weight") and fqn in adapted:
+                delta = read(fqn + _B).float() @ read(fqn + _A).float()
+                w = (w.float() + scaling * delta).to(w.dtype)
+            return w
+
+        return {n: n for n in names if not n.endswith((_A, _B))}, merged
+
+    return view
+
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # what PeftModel.from_pretrained reads
+
+
+def export_plan(checkpoint: Path, adapters_only: bool):  # noqa: ANN201
+    """For scripts/export.py: the checkpoint's config.yaml's ``model.lora`` turned into (the export view,
+    or None for a run without LoRA; with ``adapters_only``, the function giving adapter_config.json).
+
+    Raises:
+        ValueError: ``adapters_only`` for a run without LoRA, or one that trained more than its adapters
+            (``model.lora.train``: those parameters are only in the merged export).
+    """
+    from omegaconf import OmegaConf
+
+    try:
+        model = OmegaConf.to_container(OmegaConf.load(checkpoint / "config.yaml"))["model"]
+    except Exception:
+        model = {}
+    lora = model.get("lora") or {}
+    if not lora.get("rank"):
+        if adapters_only:
+            raise ValueError(f"--adapters-only: checkpoint {str(checkpoint)!r} has no LoRA adapters (its config.yaml "
+                             "has no model.lora.rank); export it without --adapters-only")
+        return None, None
+    if adapters_only and lora.get("train"):
+        raise ValueError(f"--adapters-only: the run also trained model.lora.train={lora['train']}, which an adapter "
+                         "file does not hold; export without --adapters-only (merged) to keep them")
+    seen: list[str] = []
+    view = export_view(lora["alpha"] / lora["rank"], adapters_only, seen)
+    if not adapters_only:
+        return view, None
+
+    def adapter_files(dtype: torch.dtype | None) -> dict[str, bytes]:
+        # target_modules as full names: PEFT adapts a module whose name equals one (or ends with "." + one).
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
+                  "lora_dropout": lora["dropout"], "target_modules": seen, "bias": "none", "fan_in_fan_out": False,
+                  "inference_mode": True, "base_model_name_or_path": model.get("pretrained"), "modules_to_save": None}
+        return {ADAPTER_FILES[1]: (json.dumps(config, indent=2) + "\n").encode()}
+
+    return view, adapter_files

@@ -88,7 +88,7 @@ def _weights_to_import(root: Path) -> None:
 
 def _hf_folder(root: Path) -> None:
     """The tiny Hugging Face folder that model.pretrained reads (when test_pretrained runs)."""
-    if HAS_HF and "test_pretrained" in _COLLECTED and not (root / "tiny-llama").exists():
+    if HAS_HF and {"test_pretrained", L} & _COLLECTED and not (root / "tiny-llama").exists():
         from tests.hf_fixtures import tiny_llama
 
         tiny_llama(root / "tiny-llama")
@@ -144,6 +144,9 @@ RUNS = [
     Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
     Run("freeze", "2", (*BASE, *FREEZE), (L,)),
     Run("lora", "2", (*BASE, *LORA), (L,)),
+    # LoRA on a Hugging Face folder's Llama (q_proj, v_proj): the base weights loaded, then the exports.
+    Run("pretrained-lora", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON, "model.lora.rank=4",
+                                 "model.lora.targets=[q_proj,v_proj]"), (L,)),
     Run("lora-split", "2", (*BASE, *LORA, "train.stop_after=4", "checkpoint.every=0"), (L,)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.

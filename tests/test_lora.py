@@ -7,6 +7,7 @@ the single-process reference (tests/reference.py) that freezes the same paramete
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -15,9 +16,11 @@ import torch
 
 from fsdp_zero.config import ParallelConfig
 from fsdp_zero.config_loader import load_config
+from fsdp_zero.data import build_source
 from fsdp_zero.parallelize import model_state_formula
-from tests.batches import BASE, FREEZE, LORA
-from tests.conftest import TRAIN, figure, run_script
+from tests.batches import BASE, BY_NAME, FREEZE, HAS_HF, LORA
+from tests.conftest import TRAIN, check, figure, run_script
+from tests.hf_fixtures import LLAMA_CONFIG
 from tests.reference import reference_run
 from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
 
@@ -137,3 +140,54 @@ def test_formula_without_frozen_parameters_is_unchanged():
     assert model_state_formula(ParallelConfig(), 1000, 4, frozen=600) == (4 * 600 + 16 * 400) / 4
     # zero1: weights and gradients whole, AdamW states split; frozen ones hold only their weights.
     assert model_state_formula(ParallelConfig(strategy="zero1"), 1000, 4, frozen=600) == 4 * 1000 + 4 * 400 + 8 * 400 / 4
+
+
+EXPORT = TRAIN.parent / "export.py"
+
+
+@pytest.mark.skipif(not HAS_HF or importlib.util.find_spec("peft") is None,
+                    reason="needs the hf extra (transformers, peft)")
+def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_path: Path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run, root = batches["pretrained-lora"], batches.root
+    base = load_file(root / "tiny-llama" / "model.safetensors")
+    for name, value in base.items():  # the base weights loaded; the adapters initialised, not loaded
+        assert torch.equal(run["initial"][name], value), name
+    adapted = sorted({k.rpartition(".lora_A.")[0] for k in run["final"] if ".lora_A." in k})
+    assert len(adapted) == 4 and all(k.endswith(("q_proj", "v_proj")) for k in adapted), adapted
+    ckpt = batches.path("pretrained-lora") / "checkpoints" / "step-0000004"
+
+    # Merged (the default): only the adapted weights differ from the base, each by alpha/rank x B A.
+    merged = tmp_path / "merged"
+    check(run_script(EXPORT, str(ckpt), "--out", str(merged)))
+    weights = load_file(merged / "model.safetensors")
+    assert not any(".lora_" in k for k in weights)
+    final = run["final"]
+    for name, value in base.items():
+        module = name.removesuffix(".weight")
+        if module in adapted:
+            delta = (16 / 4) * final[f"{module}.lora_B.weight"] @ final[f"{module}.lora_A.weight"]
+            assert delta.abs().max() > 0, name
+            torch.testing.assert_close(weights[name], base[name] + delta, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(weights[name], value), name
+    cfg = load_config(None, [a.format(root=root) for a in BY_NAME["pretrained-lora"].args])
+    inputs = build_source(cfg.data, cfg.train.seed, LLAMA_CONFIG["vocab_size"]).batch(range(2))[0]
+    with torch.no_grad():
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged).eval()(inputs).logits
+    diff = (merged_logits - run["logits"]).abs().max().item()
+    assert diff <= 1e-5, diff
+
+    # Adapters only: PEFT loads them onto the base and gives the merged model's outputs.
+    adapters = tmp_path / "adapters"
+    check(run_script(EXPORT, str(ckpt), "--out", str(adapters), "--adapters-only"))
+    assert sorted(p.name for p in adapters.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "tiny-llama"), adapters).eval()
+    with torch.no_grad():
+        peft_diff = (peft(inputs).logits - merged_logits).abs().max().item()
+    figure("LoRA export: from_pretrained(merged) vs the trained model; PEFT vs merged (logits, max abs diff)",
+           f"{diff:.1e}; {peft_diff:.1e}")
+    assert peft_diff <= 1e-5, peft_diff
