@@ -152,7 +152,9 @@ def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, l
                 ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none")
     state_bytes = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param,
                                       built.num_frozen)
-    logger.info("%s", precision.manifest(num_params, state_bytes, formula_note(cfg.parallel, env.world_size)))
+    where = formula_note(cfg.parallel, env.world_size) + (
+        f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)" if built.num_frozen else "")
+    logger.info("%s", precision.manifest(num_params, state_bytes, where))
     logger.info("%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None))
     if is_fsdp(strategy):
         logger.info("%s", plan.table())

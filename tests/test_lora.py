@@ -132,6 +132,14 @@ def test_bad_freeze_and_lora_settings_exit_2_with_one_line(tmp_path: Path, args,
     assert not (tmp_path / "bad").exists()
 
 
+def test_the_start_up_lines_say_what_trains(tmp_path: Path):
+    proc = check(run_script(TRAIN, *NANO, *LORA, "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=ok"))
+    assert re.search(r"trained: LoRA rank 4, alpha 16 on 6 Linear modules \(layers\.0\.attention\.wq, .*\); "
+                     r"[\d,]+ trainable parameters, [\d,]+ frozen", proc.stderr), proc.stderr
+    assert re.search(r"model state 16 B x [\d,]+ params / 1 \(not sharded\), [\d,]+ of them frozen \(weights only, "
+                     r"4 B\) = ", proc.stderr), proc.stderr
+
+
 def test_formula_without_frozen_parameters_is_unchanged():
     for strategy in ("full_shard", "zero1", "ddp", "hybrid_shard"):
         cfg = ParallelConfig(strategy=strategy)
