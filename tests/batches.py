@@ -166,6 +166,8 @@ RUNS = [
                                    "model.init_from={root}/exported"), (C,)),
     Run("n4", "4", BASE, (P,)),
     Run("lora-n4", "4", (*BASE, *LORA), (L,)),
+    Run("lora-reshard4", "4", (*BASE, *LORA, "checkpoint.every=0",
+                               "checkpoint.resume={root}/lora-split/checkpoints/step-0000004"), (L,)),
     Run("hsdp", "4", (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P,)),
     # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
     Run("hpz-prefetch", "4", (*BASE, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P,)),

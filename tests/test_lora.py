@@ -110,6 +110,16 @@ def test_lora_resume_is_exact(batches):
         assert torch.equal(resumed["final"][name], value), name
 
 
+def test_lora_checkpoint_continues_at_another_world_size(batches):
+    straight, resharded = batches["lora"], batches["lora-reshard4"]  # saved at 2 ranks after step 4, continued at 4
+    assert sorted(resharded["losses"]) == [5, 6, 7, 8]
+    for step, loss in resharded["losses"].items():
+        assert abs(loss - straight["losses"][step]) < LOSS_ATOL, step
+    for name, value in straight["final"].items():
+        assert (resharded["final"][name] - value).abs().max() < WEIGHT_ATOL, name
+    assert resharded["optim_names"] == straight["optim_names"]
+
+
 NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.steps=1"]
 
