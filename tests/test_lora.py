@@ -209,3 +209,8 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
     figure("LoRA export: from_pretrained(merged) vs the trained model; PEFT vs merged (logits, max abs diff)",
            f"{diff:.1e}; {peft_diff:.1e}")
     assert peft_diff <= 1e-5, peft_diff
+    # The planner's formulas take the same count.
+    from fsdp_zero.planner import strategy_states
+
+    rows = {(s.strategy.value, s.mode): s.at_rest for s in strategy_states(1000, 4, modes=("fp32",), frozen=600)}
+    assert rows[("full_shard", "fp32")] == (4 * 600 + 16 * 400) / 4 and rows[("ddp", "fp32")] == 4 * 1000 + 12 * 400
