@@ -36,6 +36,7 @@ from fsdp_zero.config import (
     WrapPolicy, is_fsdp,
 )
 from fsdp_zero.distributed import DistEnv
+from fsdp_zero.lora import frozen_count, init_adapters, make_trainable
 from fsdp_zero.parallelize import parallelize, shard_degree
 from fsdp_zero.precision import Precision, resolve
 from fsdp_zero.torch_private import hf_init_weights
@@ -200,6 +201,7 @@ def materializer(device: torch.device, how: Init, seed: int | None, buffers: dic
                 model.get_buffer(name).copy_(value)
         if seed is not None:
             notes.append(initialize(model, how, seed))
+            init_adapters(model, seed)  # LoRA's A and B (none without model.lora)
 
     return materialize
 
@@ -280,6 +282,8 @@ class Built:
     num_params: int
     precision: Precision  # how the model state is stored, computed and reduced
     init_note: str = ""
+    num_frozen: int = 0  # parameters that do not train (model.freeze, model.lora)
+    trainable_note: str = ""  # what model.freeze and model.lora did ('' when neither is set)
 
 
 def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | None = None,
@@ -292,7 +296,8 @@ def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | Non
         ValueError: a model.target that does not build, or a wrap setting the model does not fit.
     """
     model = model if model is not None else construct(cfg.model)
-    num_params = sum(p.numel() for p in model.parameters())
+    trainable_note = make_trainable(model, cfg.model)  # before sharding: FSDP2 shards adapters with their Linear
+    num_params, num_frozen = sum(p.numel() for p in model.parameters()), frozen_count(model)
     precision = resolve(cfg.precision)
     model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, mesh=mesh, ddp=ddp,
                               precision=precision, compile=cfg.train.compile)
@@ -300,4 +305,4 @@ def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | Non
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
     optimizer = build_optimizer(model, cfg.optim, device,
                                 zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer)
-    return Built(model, optimizer, plan, num_params, precision, note)
+    return Built(model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note)

@@ -18,6 +18,7 @@ import torch
 from fsdp_zero.build import build_optimizer, construct, materializer, real_buffers
 from fsdp_zero.config import STRATEGIES, ZERO_STAGES, Config, ParallelConfig, Strategy
 from fsdp_zero.data import BatchCursor, batch_layout, build_source
+from fsdp_zero.lora import frozen_count, make_trainable
 from fsdp_zero.memory import CATEGORIES, MIB, model_state_bytes
 from fsdp_zero.parallelize import model_state_formula
 from fsdp_zero.step import Phase, set_lr, train_step
@@ -68,6 +69,7 @@ def dataparallel_row(cfg: Config) -> dict:
     for d in devices:
         torch.cuda.reset_peak_memory_stats(d)
     model = construct(cfg.model)
+    make_trainable(model, cfg.model)  # model.freeze, model.lora: as the sharded runs
     materializer(device, cfg.model.init, cfg.train.seed, real_buffers(model), [])(model)
     parallel = torch.nn.DataParallel(model, device_ids=devices)
     optimizer = build_optimizer(model, cfg.optim, device)
@@ -90,7 +92,8 @@ def dataparallel_row(cfg: Config) -> dict:
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB
     return {"strategy": "dataparallel", "num_params": sum(p.numel() for p in model.parameters()), "steps": cfg.train.steps,
             "step_s": elapsed / cfg.train.steps, "final_loss": final, "model_state": state.get("bytes", 0),
-            "formula": model_state_formula(ParallelConfig(strategy=Strategy.ddp), sum(p.numel() for p in model.parameters()), 1),
+            "formula": model_state_formula(ParallelConfig(strategy=Strategy.ddp), sum(p.numel() for p in model.parameters()), 1,
+                                           frozen=frozen_count(model)),
             "precision": "fp32",
             "breakdown": dict.fromkeys(CATEGORIES, 0), "peak_rss_mib": peak, "peak_reserved_mib": peak}
 

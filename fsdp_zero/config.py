@@ -15,6 +15,7 @@ own rules (a known preset, its fields) live with the model: `fsdp_zero.model.che
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,40 @@ class OptimizerImpl(str, enum.Enum):
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA (docs/lora.md): each targeted ``nn.Linear`` X computes ``W x + (alpha / rank) * B(A(dropout(x)))``
+    with ``W`` frozen, ``A`` (rank x in) initialised as PEFT does and ``B`` (out x rank) zero; its
+    adapters are ``X.lora_A.weight`` and ``X.lora_B.weight``. Everything else is frozen unless ``train``
+    names it."""
+
+    rank: int = 0  # 0: off
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # The Linear modules to adapt: a last name component (q_proj) or a regex matching the full name.
+    targets: list[str] = field(default_factory=list)
+    # Regexes (full matches on parameter names) of more parameters to train: norms, the head.
+    train: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"model.lora.rank={self.rank}: must be >= 0 (0: LoRA off)")
+        if self.rank == 0:
+            for key in ("targets", "train"):
+                if getattr(self, key):
+                    raise ValueError(f"model.lora.{key}={getattr(self, key)} is set but model.lora.rank=0 (LoRA off); "
+                                     "set model.lora.rank to a positive integer, e.g. 8")
+            return
+        if not self.targets:
+            raise ValueError(f"model.lora.rank={self.rank} needs model.lora.targets, the Linear modules to adapt, "
+                             "e.g. 'model.lora.targets=[q_proj,v_proj]'")
+        check_positive("model.lora.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout={self.dropout}: must be in [0, 1)")
+        _check_regexes("model.lora.targets", self.targets)
+        _check_regexes("model.lora.train", self.train)
+
+
+@dataclass
 class ModelConfig:
     """The built-in decoder-only transformer (``preset`` and its fields; ``None`` fields take the
     preset's value), or any model: ``target`` names a class or factory, called with ``kwargs``."""
@@ -194,6 +229,10 @@ class ModelConfig:
     pretrained: str | None = None
     # model.pretrained only: run the folder's own code when its config.json has an auto_map (read it first).
     trust_remote_code: bool = False
+    # Parameters not trained (regexes, full matches on parameter names as the checkpoint keys them):
+    # no gradients, no AdamW states, still sharded (docs/lora.md).
+    freeze: list[str] = field(default_factory=list)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def check(self) -> None:
         """The rules that need no model; the built-in model's (preset, its fields, kwargs) are
@@ -215,6 +254,8 @@ class ModelConfig:
         elif self.trust_remote_code:
             raise ValueError("model.trust_remote_code=true applies only to model.pretrained (a folder whose "
                              "config.json has an auto_map); set model.pretrained or drop it")
+        _check_regexes("model.freeze", self.freeze)
+        self.lora.check()
 
     def _check_pretrained(self) -> None:
         """model.pretrained names a folder with a config.json, and brings its own class and weights."""
@@ -646,6 +687,10 @@ def validate(cfg: Config) -> None:
         if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
             raise ValueError(f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
     p, strategy = cfg.precision, cfg.parallel.strategy
+    if cfg.model.lora.rank and p.mode == "bf16-true":
+        raise ValueError(f"model.lora.rank={cfg.model.lora.rank} with precision.mode=bf16-true is not supported (the "
+                         "adapters and their AdamW states would be bf16); LoRA runs with precision.mode=fp32, "
+                         "bf16-mixed or fp16-mixed")
     mixed = p.mode.endswith("-mixed") or p.param_dtype not in (None, "fp32") or p.reduce_dtype not in (None, "fp32")
     if mixed and p.mode != "bf16-true" and not is_fsdp(strategy):
         raise ValueError(f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored ones) needs "
@@ -669,6 +714,15 @@ def _choice(key: str, value: object, kind: type[enum.Enum]) -> enum.Enum:
         return kind(value)
     except ValueError:
         raise ValueError(f"{key}={value!r} is not a valid choice; valid choices: {', '.join(kind.__members__)}") from None
+
+
+def _check_regexes(key: str, patterns: list[str]) -> None:
+    """Each of ``patterns`` compiles as a regular expression."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{key}: {pattern!r} is not a valid regular expression ({e})") from None
 
 
 def _is_target(text: str) -> bool:

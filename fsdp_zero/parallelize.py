@@ -51,18 +51,24 @@ _STATE_NAMES = ("weights", "gradients", "AdamW states")
 
 
 def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int,
-                        bytes_per_param: tuple[int, int, int] = FP32_ADAMW) -> float:
+                        bytes_per_param: tuple[int, int, int] = FP32_ADAMW, frozen: int = 0) -> float:
     """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
     the one model-state formula per strategy (the trainer's report, compare.py and the planner use it).
 
     ``bytes_per_param`` = (w, g, k): fp32 AdamW (4, 4, 8); the ZeRO paper's mixed-precision Adam
     (2, 2, 12). Each of the three is whole on every rank or split over `split_over`'s ranks, as the
     strategy's ``sharded`` says (FSDP strategies: all three; zero1: the optimizer states; ddp: none).
+    ``frozen`` of the ``num_params`` do not train (model.freeze, LoRA): they cost only their stored
+    bytes w (no gradient, no AdamW states).
     """
     sharded = STRATEGIES[cfg.strategy].sharded
     whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
     split = sum(b for b, split in zip(bytes_per_param, sharded) if split)
-    return whole * num_params + split * num_params / split_over(cfg, world_size)
+    n = split_over(cfg, world_size)
+    if not frozen:
+        return whole * num_params + split * num_params / n  # the formula as it always was, bit for bit
+    counts = (num_params, num_params - frozen, num_params - frozen)  # w of all; g and k of the trainable
+    return sum(b * c / n if s else b * c for b, c, s in zip(bytes_per_param, counts, sharded))
 
 
 def formula_note(cfg: ParallelConfig, world_size: int) -> str:

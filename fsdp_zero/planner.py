@@ -135,7 +135,7 @@ class StrategyState:
 
 
 def strategy_states(num_params: int, n: int, largest_unit: int | None = None, root_unit: int = 0,
-                    modes: tuple[str, ...] = PLAN_MODES) -> list[StrategyState]:
+                    modes: tuple[str, ...] = PLAN_MODES, frozen: int = 0) -> list[StrategyState]:
     """Each ZeRO stage's strategy (`fsdp_zero.config.ZERO_STAGES`), per precision mode: the model state
     per rank at rest and inside the step.
 
@@ -152,6 +152,7 @@ def strategy_states(num_params: int, n: int, largest_unit: int | None = None, ro
             (full_shard's ``gathered`` is None).
         root_unit: the root unit's own parameters (those of no other unit), when known.
         modes: precision modes (`fsdp_zero.config.PRECISION_MODES`).
+        frozen: of ``num_params``, those that do not train (model.freeze, LoRA): stored bytes only.
 
     Returns:
         One state per strategy and mode, strategies in ZeRO stage order.
@@ -163,7 +164,7 @@ def strategy_states(num_params: int, n: int, largest_unit: int | None = None, ro
         for mode in modes:
             precision = resolve(PrecisionConfig(mode=mode))
             compute = precision.compute.itemsize
-            at_rest = model_state_formula(parallel, num_params, n, precision.bytes_per_param)
+            at_rest = model_state_formula(parallel, num_params, n, precision.bytes_per_param, frozen)
             if not is_fsdp(strategy):
                 gathered: float | None = 0.0
             elif not reshard_after_forward(parallel, n):

@@ -180,10 +180,10 @@ class StepLogger:
 
 
 def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int, precision: Precision, run_dir: Path,
-                  last: int) -> None:
-    """The end-of-run line (model state against the strategy's own formula) and summary.json (rank 0),
-    with every rank's figures: what scripts/compare.py reads."""
-    formula = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param)
+                  last: int, num_frozen: int = 0) -> None:
+    """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
+    only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
+    formula = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param, num_frozen)
     logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
                 record.model_state_bytes / MIB, record.model_state_bytes / formula, cfg.parallel.strategy.value,
                 cfg.precision.mode, formula / MIB)
@@ -195,6 +195,7 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int
     dist.all_gather_object(ranks, mine)
     if env.is_rank0:
         summary = {"strategy": cfg.parallel.strategy.value, "precision": cfg.precision.mode, "steps": last,
-                   "final_loss": record.losses.get(last), "num_params": num_params, "world_size": env.world_size,
+                   "final_loss": record.losses.get(last), "num_params": num_params, "num_frozen": num_frozen,
+                   "world_size": env.world_size,
                    "model_state_formula_bytes": formula, "ranks": ranks}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_zero
-from fsdp_zero.build import build
+from fsdp_zero.build import Built, build
 from fsdp_zero.checkpoint import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
 from fsdp_zero.config import TOKEN_SOURCES, Config, DataSource, Task, is_fsdp
 from fsdp_zero.config_loader import to_yaml
@@ -66,6 +66,7 @@ class Components:
     state: TrainState  # step 0, or the resumed checkpoint's
     scaler: LossScaler | None = None  # fp16's loss scaling
     evaluator: Evaluator | None = None  # eval.every > 0: validation on eval.path
+    num_frozen: int = 0  # of num_params, those that do not train (model.freeze, model.lora)
 
 
 def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
@@ -111,7 +112,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     _check_data_fits(cfg, unwrap(model), source)
     loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))  # a mask file: token-weighted loss
     scaler = loss_scaler(cfg.precision, built.precision, env.device)
-    _log_setup(cfg, env, decision, built.num_params, built.init_note, built.precision, layout, plan)
+    _log_setup(cfg, env, decision, built, layout)
     evaluator = build_evaluator(cfg, env, unwrap(model), source)
 
     cursor = BatchCursor(source, layout, env.rank, num_workers=data_workers(cfg))
@@ -131,24 +132,29 @@ def setup(cfg: Config, env: DistEnv) -> Components:
             (decision.run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
     return Components(cfg, decision.run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params,
-                      built.precision, decision.seed, state, scaler, evaluator)
+                      built.precision, decision.seed, state, scaler, evaluator, built.num_frozen)
 
 
-def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, num_params: int, init_note: str,
-               precision: Precision, layout: BatchLayout, plan: WrapPlan) -> None:
+def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, layout: BatchLayout) -> None:
     """The start-up lines: versions, the model, what differs from the defaults, the model state's
     formula, the batch, the wrap plan and where the run's files go."""
-    strategy, run_dir = cfg.parallel.strategy, decision.run_dir
+    strategy, run_dir, num_params, precision, plan = (cfg.parallel.strategy, decision.run_dir, built.num_params,
+                                                      built.precision, built.plan)
     logger.info("fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
                 fsdp_zero.__version__, torch.__version__, env.world_size, env.backend, env.device.type)
     logger.info("model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s", cfg.model.pretrained or cfg.model.target or cfg.model.preset,
                 f"{num_params:,}", num_params * 4 / MIB, cfg.model.task.value, strategy.value)
-    logger.info("initialised: %s", init_note)
+    logger.info("initialised: %s", built.init_note)
+    if built.trainable_note:
+        logger.info("trained: %s", built.trainable_note)
     changed = config_diff(to_plain(Config()), to_plain(cfg))
     logger.info("settings that differ from the defaults (all in %s): %s", run_dir / "config.yaml",
                 ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none")
-    state_bytes = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param)
-    logger.info("%s", precision.manifest(num_params, state_bytes, formula_note(cfg.parallel, env.world_size)))
+    state_bytes = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param,
+                                      built.num_frozen)
+    where = formula_note(cfg.parallel, env.world_size) + (
+        f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)" if built.num_frozen else "")
+    logger.info("%s", precision.manifest(num_params, state_bytes, where))
     logger.info("%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None))
     if is_fsdp(strategy):
         logger.info("%s", plan.table())
@@ -281,5 +287,5 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                       "it: launch the same command again to continue")
     result = TrainResult(**vars(log.record), components=parts)
     if first <= last:  # something was trained (a resume may find nothing left)
-        write_summary(cfg, env, result, parts.num_params, parts.precision, parts.run_dir, last)
+        write_summary(cfg, env, result, parts.num_params, parts.precision, parts.run_dir, last, parts.num_frozen)
     return result

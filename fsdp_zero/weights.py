@@ -26,6 +26,7 @@ from torch import nn
 
 from fsdp_zero.checkpoint import SafeFileSystemReader, does_not_fit, read_train_state
 from fsdp_zero.init import local_rows
+from fsdp_zero.lora import adapter_names
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -127,14 +128,16 @@ def _common_prefixes(keys: list[str]) -> list[str]:
     return out
 
 
-def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str) -> tuple[dict[str, str], str]:
+def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str,
+                     optional: frozenset[str] = frozenset()) -> tuple[dict[str, str], str]:
     """Which file tensor fills each of the model's state tensors: {model name: file name}, and the
     renaming applied ('' if none).
 
     Names may differ by a prefix a wrapper adds or removes (DDP's 'module.', torch.compile's
     '_orig_mod.', a Hugging Face base model's 'model.'): every way of stripping a prefix all file
     names share and adding one all model names share is tried, and the one that fits is used.
-    A tied weight needs only one of its names in the file.
+    A tied weight needs only one of its names in the file; the ``optional`` ones (LoRA's adapters,
+    initialised, not loaded) need not be there.
 
     Raises:
         ValueError: no renaming fits; lists missing, unexpected and mis-shaped keys.
@@ -150,7 +153,8 @@ def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origi
             for names, t in state:
                 hit = next((n for n in names if n in renamed), None)
                 if hit is None:
-                    missing.append(names[0])
+                    if names[0] not in optional:
+                        missing.append(names[0])
                 elif tuple(shapes[renamed[hit]]) != tuple(t.shape):
                     misshaped.append(f"{names[0]}: file {tuple(shapes[renamed[hit]])} vs model {tuple(t.shape)}")
                 else:
@@ -176,7 +180,7 @@ def load_full_weights(model: nn.Module, path: Path, key: str = "model.init_from"
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
     """
     weights = FullWeights(path, key)
-    mapping, how = match_state_dict(model, weights.shapes, f"{key}={str(path)!r}")
+    mapping, how = match_state_dict(model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model))
     state = model.state_dict(keep_vars=True)
     for name, file_name in mapping.items():
         tensor = state[name]
@@ -247,9 +251,15 @@ def iter_shard_files(n: int) -> Iterator[str]:
 # Export from a DCP checkpoint
 
 
+# What an export writes: {output name: saved name} and how to read an output tensor, from the saved names
+# and their reader (`fsdp_zero.lora.export_view`: LoRA merged, or the adapters alone under PEFT's names).
+ExportView = Callable[[list[str], Callable[[str], torch.Tensor]], tuple[dict[str, str], Callable[[str], torch.Tensor]]]
+
+
 def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = None,
                       max_shard_bytes: int | None = None,
-                      extra_files: Callable[[torch.dtype | None], dict[str, bytes]] | None = None) -> list[Path]:
+                      extra_files: Callable[[torch.dtype | None], dict[str, bytes]] | None = None,
+                      view: ExportView | None = None) -> list[Path]:
     """Consolidates a checkpoint's model weights into safetensors, one tensor in memory at a time.
 
     ``out`` ending in .safetensors is one file; otherwise a new folder holding
@@ -258,7 +268,8 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
     floating-point dtype)``: {name: bytes} written beside them (a Hugging Face model's
     config.json and tokenizer, `fsdp_zero.pretrained.export_files`). Needs no GPU and no process group. Writes into
     a temporary name and renames at the end: an interrupted export leaves nothing
-    that looks finished, and an existing ``out`` is never overwritten.
+    that looks finished, and an existing ``out`` is never overwritten. ``view``: which tensors to
+    write, under which names (default: every saved one as it is).
 
     Raises:
         ValueError: an unreadable checkpoint, an existing ``out``, or a single file over the size limit.
@@ -266,7 +277,6 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 
     read_train_state(checkpoint)
     if out.exists():
@@ -276,12 +286,9 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     if not saved:
         raise ValueError(f"checkpoint {str(checkpoint)!r} holds no model weights")
-    entries = [(name, dtype if (dtype and md.properties.dtype.is_floating_point) else md.properties.dtype, tuple(md.size))
-               for name, md in saved.items()]
-
     reader = SafeFileSystemReader(str(checkpoint))
 
-    def fetch(name: str) -> torch.Tensor:
+    def fetch_saved(name: str) -> torch.Tensor:
         md = saved[name]
         t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         try:
@@ -291,7 +298,12 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             raise ValueError(f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated file?): "
                              f"{str(e).strip().splitlines()[-1]}") from None
-        return t.to(dtype) if (dtype and t.is_floating_point()) else t
+        return t
+
+    sources, read = view(list(saved), fetch_saved) if view else ({n: n for n in saved}, fetch_saved)
+    entries = [(name, dtype if (dtype and saved[src].properties.dtype.is_floating_point) else
+                saved[src].properties.dtype, tuple(saved[src].size)) for name, src in sources.items()]
+    fetch = lambda name: _cast(read(name), dtype)  # noqa: E731
 
     single = out.suffix == ".safetensors"
     shards = plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
@@ -324,6 +336,11 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
     except BaseException:
         _remove(tmp)  # an interrupted export leaves nothing behind
         raise
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in the export dtype (floating-point tensors only; None: as saved)."""
+    return t.to(dtype) if (dtype and t.is_floating_point()) else t
 
 
 def _remove(path: Path) -> None:

@@ -9,6 +9,12 @@ dtype), and the generation config and tokenizer files the run copied from model.
 Otherwise (or with --weights-only) the weights load with a plain
 `model.load_state_dict(safetensors.torch.load_file(...))` (or, for shards, file by file following
 model.safetensors.index.json).
+
+A LoRA run (model.lora) is merged by default: each adapted weight becomes W + alpha/rank x B A and
+the adapter keys are dropped, a plain model (for a Hugging Face model its from_pretrained folder, in
+which only the adapted weights differ from the base). ``--adapters-only`` writes the adapters alone
+with PEFT's names, adapter_model.safetensors and adapter_config.json, for
+``peft.PeftModel.from_pretrained(base, out)``.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import sys
 from pathlib import Path
 
 from fsdp_zero.build import import_target
+from fsdp_zero.lora import ADAPTER_FILES, export_plan
 from fsdp_zero.memory import parse_size
 from fsdp_zero.pretrained import export_files
-from fsdp_zero.weights import EXPORT_DTYPES, export_checkpoint
+from fsdp_zero.weights import EXPORT_DTYPES, SINGLE_FILE, export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,17 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", help="split into files of at most this size, e.g. 2GB (default: one file)")
     parser.add_argument("--weights-only", action="store_true",
                         help="only the safetensors, even for a Hugging Face model (no config.json, no tokenizer)")
+    parser.add_argument("--adapters-only", action="store_true",
+                        help="a LoRA run: only the adapters, as PEFT's adapter_model.safetensors and adapter_config.json")
     args = parser.parse_args(argv)
     try:
         limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
-        extra = None if args.weights_only or not (args.checkpoint / "config.yaml").is_file() else (
-            export_files(args.checkpoint, import_target))
+        view, adapter_files = export_plan(args.checkpoint, args.adapters_only)
+        if args.adapters_only and (limit or args.out.suffix == ".safetensors"):
+            raise ValueError("--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size")
+        extra = adapter_files or (None if args.weights_only or not (args.checkpoint / "config.yaml").is_file() else (
+            export_files(args.checkpoint, import_target)))
         if callable(extra) and args.out.suffix == ".safetensors":
             extra = f"--out {str(args.out)!r} is one file; give a folder for a from_pretrained folder"
         if isinstance(extra, str):
             print(f"note: no config.json: {extra}; the weights only", file=sys.stderr)
         files = export_checkpoint(args.checkpoint, args.out, EXPORT_DTYPES.get(args.dtype), limit,
-                                  extra if callable(extra) else None)
+                                  extra if callable(extra) else None, view)
+        if adapter_files:  # PEFT's file name for the one safetensors file
+            files = [f.rename(args.out / ADAPTER_FILES[0]) if f.name == SINGLE_FILE else f for f in files]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

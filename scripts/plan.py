@@ -24,6 +24,7 @@ import torch
 from fsdp_zero.build import construct
 from fsdp_zero.config import ZERO_STAGES, Strategy
 from fsdp_zero.config_loader import load_config
+from fsdp_zero.lora import frozen_count, make_trainable
 from fsdp_zero.memory import CATEGORIES, MIB, parse_size
 from fsdp_zero.planner import (PAPER_K, PLAN_MODES, deepspeed_zero3_estimate, format_bytes, format_gb, simulate,
                                strategy_states, zero_paper_stages)
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         strategies = [Strategy(s) for s in args.strategy] if args.strategy else ALL
         preds = simulate(cfg, args.world_size, strategies)
         model = construct(cfg.model)  # meta parameters: free at any size
+        make_trainable(model, cfg.model)  # model.freeze, model.lora: the formulas' frozen count
         units = build_wrap_plan(model, cfg.parallel.wrap, args.world_size).units
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -100,19 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         print("CPU offload: the model state (sharded parameters, gradients, AdamW states) lives in host memory"
               + ("; device memory is the tensors less that" if cuda else "") + ": "
               + "; ".join(f"{p.strategy} {p.host_state / MIB:,.1f} MiB" for p in preds) + " per rank\n")
-    formulas(num_params, largest, n, root)
+    formulas(num_params, largest, n, root, frozen_count(model))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k != "notes"} for p in preds], f, indent=2)
     return 0
 
 
-def formulas(num_params: int, largest: int | None, n: int, root: int | None = None) -> None:
+def formulas(num_params: int, largest: int | None, n: int, root: int | None = None, frozen: int = 0) -> None:
     """The ZeRO paper's model states per device (its Table 1) beside ours per strategy, at rest and
     inside the step, and DeepSpeed's ZeRO-3 estimate. ``largest``: the largest unit's parameters
     besides the root (None: not known); ``root``: the root unit's own (None: not known, counted as 0)."""
     paper = zero_paper_stages(num_params, n)
-    states = strategy_states(num_params, n, largest, root or 0)
+    states = strategy_states(num_params, n, largest, root or 0, frozen=frozen)
     print(f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n")
     print(f"- ZeRO paper (Rajbhandari et al. 2020), Table 1, as it states them: mixed-precision Adam (fp16 parameters "
           f"2 B, fp16 gradients 2 B, K = {PAPER_K} B of fp32 optimizer states per parameter), Psi parameters over N_d "

@@ -65,7 +65,10 @@ class Launch:
     prepare: Callable[[Path], None] | None = None  # files its runs read, made first in the test process
 
 
-P, C, M, E = "test_parity", "test_checkpoint", "test_models", "test_eval"
+P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
+# tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm trained.
+FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
+LORA = ("model.lora.rank=4", "model.lora.targets=[wq,wv,w2]", "model.lora.train=[norm.weight]")
 
 
 def _weights_to_import(root: Path) -> None:
@@ -85,7 +88,7 @@ def _weights_to_import(root: Path) -> None:
 
 def _hf_folder(root: Path) -> None:
     """The tiny Hugging Face folder that model.pretrained reads (when test_pretrained runs)."""
-    if HAS_HF and "test_pretrained" in _COLLECTED and not (root / "tiny-llama").exists():
+    if HAS_HF and {"test_pretrained", L} & _COLLECTED and not (root / "tiny-llama").exists():
         from tests.hf_fixtures import tiny_llama
 
         tiny_llama(root / "tiny-llama")
@@ -173,6 +176,12 @@ RUNS = [
     Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
     # Masked instruction data (tests/test_masked.py): the token-weighted loss at N = 2, micro-batch 2.
     Run("masked", "2", (*BASE, *MASKED), ("test_masked",)),
+    Run("freeze", "2", (*BASE, *FREEZE), (L,)),
+    Run("lora", "2", (*BASE, *LORA), (L,)),
+    # LoRA on a Hugging Face folder's Llama (q_proj, v_proj): the base weights loaded, then the exports.
+    Run("pretrained-lora", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON, "model.lora.rank=4",
+                                 "model.lora.targets=[q_proj,v_proj]"), (L,)),
+    Run("lora-split", "2", (*BASE, *LORA, "train.stop_after=4", "checkpoint.every=0"), (L,)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
@@ -184,11 +193,15 @@ RUNS = [
     Run("pretrained-resumed", "2-resume", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON,
                                            "checkpoint.resume={root}/pretrained/checkpoints/step-0000002"),
         ("test_pretrained",)),
+    Run("lora-resumed", "2-resume", (*BASE, *LORA, "checkpoint.every=0"), (L,), run_name="lora-split"),
     Run("imported", "2-resume", (*BASE, "train.steps=4", "checkpoint.enabled=false",
                                  "model.init_from={root}/weights.pt"), (C,)),
     Run("round-trip", "2-resume", (*BASE, "train.steps=1", "checkpoint.enabled=false",
                                    "model.init_from={root}/exported"), (C,)),
     Run("n4", "4", BASE, (P,)),
+    Run("lora-n4", "4", (*BASE, *LORA), (L,)),
+    Run("lora-reshard4", "4", (*BASE, *LORA, "checkpoint.every=0",
+                               "checkpoint.resume={root}/lora-split/checkpoints/step-0000004"), (L,)),
     Run("hsdp", "4", (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P,)),
     # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
     Run("hpz-prefetch", "4", (*BASE, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P,)),
@@ -202,6 +215,7 @@ RUNS = [
     # The same at N = 1 with micro-batches of 2 (4 accumulated) and of 8 (one).
     Run("masked-n1", "1", (*BASE, *MASKED), ("test_masked",)),
     Run("masked-n1-mb8", "1", (*BASE, *MASKED, "train.micro_batch_size=8"), ("test_masked",)),
+    Run("lora-n1", "1", (*BASE, *LORA), (L,)),
     Run("eval-n1", "1", (*BASE, "train.micro_batch_size=4", *EVAL), (E,)),  # one rank: forwards of 4 and 1 windows
     Run("reshard1", "1", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
     Run("ddp-to-full_shard-n1", "1", (*BASE, "checkpoint.every=0",

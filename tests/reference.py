@@ -1,8 +1,9 @@
 """Single-process training of the configured model on the whole global batch: the ground truth.
 
 Written independently of fsdp_zero.trainer on purpose (plain torch: one forward over the
-global batch, its own loss, torch's own clip_grad_norm_, its own learning-rate schedule),
-sharing only the model's construction and initialisation and the data source, so that
+global batch, its own loss, torch's own clip_grad_norm_, its own learning-rate schedule; model.freeze
+by its own full matches), sharing only the model's construction and initialisation (LoRA's adapters
+included) and the data source, so that
 parity tests check the sharded loop against it. Precision modes are reproduced by hand
 (see `reference_run`); fp16's loss scale is held at its initial value (no overflow in
 the tests that compare with it).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from fsdp_zero.build import construct, materializer, real_buffers
 from fsdp_zero.config import Config, OptimConfig, Task
 from fsdp_zero.data import build_source
+from fsdp_zero.lora import make_trainable
 from fsdp_zero.precision import resolve
 from fsdp_zero.tasks import vocab_size
 
@@ -45,15 +48,22 @@ def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, d
     losses, norms and weights (on the CPU, whatever ``device`` trained them)."""
     torch.manual_seed(cfg.train.seed)
     precision = resolve(cfg.precision)
-    model = construct(cfg.model).to(precision.stored)  # bf16-true: all bf16 (what fsdp_zero.build.shard does)
+    model = construct(cfg.model)
+    if cfg.model.lora.rank:  # the adapters as the build inserts them (their training is what is compared)
+        make_trainable(model, cfg.model)
+    for name, p in model.named_parameters():  # model.freeze, by its own words: full matches on the names
+        if any(re.fullmatch(pattern, name) for pattern in cfg.model.freeze):
+            p.requires_grad_(False)
+    model = model.to(precision.stored)  # bf16-true: all bf16 (what fsdp_zero.build.shard does)
     materializer(torch.device(device), cfg.model.init, cfg.train.seed, real_buffers(model), [])(model)
     if initial is not None:
         model.load_state_dict(initial)
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     o = cfg.optim
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+        [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": o.weight_decay},
+         {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
         lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True,
     )
     source = build_source(cfg.data, cfg.train.seed, vocab_size(model))
@@ -83,8 +93,9 @@ def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, d
         (loss * scale).backward()
         if shadow is not model:
             for ps, pm in zip(shadow.parameters(), model.parameters()):
-                pm.grad, ps.grad = ps.grad.to(pm.dtype) / scale, None
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
+                if ps.grad is not None:
+                    pm.grad, ps.grad = ps.grad.to(pm.dtype) / scale, None
+        norm = torch.nn.utils.clip_grad_norm_(trained, o.grad_clip if o.grad_clip > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses[step], norms[step], lrs[step] = loss.item(), norm.item(), optimizer.param_groups[0]["lr"]

@@ -324,7 +324,8 @@ def test_built_in_fields_come_from_the_model():
 
     assert set(BUILTIN_FIELDS) <= {f.name for f in fields(TransformerArgs)}
     assert {f.name for f in fields(ModelConfig)} - set(BUILTIN_FIELDS) == {
-        "preset", "target", "kwargs", "task", "loss", "init", "init_from", "pretrained", "trust_remote_code"}
+        "preset", "target", "kwargs", "task", "loss", "init", "init_from", "pretrained", "trust_remote_code", "freeze",
+        "lora"}
 
 
 def test_world_size_rules_and_warnings():

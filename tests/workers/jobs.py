@@ -17,7 +17,7 @@ carries it.
 
 OUT.pt (rank 0): per-step losses, grad norms and learning rates, the full weights before and after
 training, the final model's logits on a fixed batch (the data's first two samples), every rank's
-model-state bytes after the first optimizer step, the wrap plan's units (padded shard bytes per rank,
+model-state bytes after the first optimizer step, the names of the parameters with AdamW states, the wrap plan's units (padded shard bytes per rank,
 parameters per unit), and
 what the tests observe of the run itself (each observation is of the effect, not of the config):
 
@@ -201,6 +201,8 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     held["after_train"] = _param_bytes(parts.model)  # an evaluation at the last step must leave every unit sharded
     final = full_weights(parts.model)
     opt_states = parts.optimizer.state.values()
+    names = {id(p): n for n, p in parts.model.named_parameters()}  # (sharded: before the forward below)
+    optim_names = sorted(names[id(p)] for p in parts.optimizer.state)  # the parameters with AdamW states (rank 0)
     # Where this rank's shards and AdamW states live, read before the forward below: a forward without
     # backward leaves the root unit gathered (on the device), since its backward never comes.
     devices = {str((p.to_local() if hasattr(p, "to_local") else p).device) for p in parts.model.parameters()}
@@ -237,7 +239,8 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
                     "num_params": parts.num_params, "shard_bytes": [u.bytes_per_rank for u in parts.plan.units],
                     "unit_params": {u.fqn or "<root>": u.num_params for u in parts.plan.units},
                     "same_reduce_scatter": same_reduce_scatter, "evals": result.evals,
-                    "peak_mib": [s[6] for s in states]}, out)
+                    "peak_mib": [s[6] for s in states], "optim_names": optim_names,
+                    "num_frozen": parts.num_frozen}, out)
 
 
 def main() -> None:

@@ -1,0 +1,216 @@
+"""Frozen parameters (model.freeze) and LoRA (model.lora) on sharded models (docs/lora.md).
+
+The runs are declared in tests/batches.py (``freeze``, ``lora`` and its 1-, 4-rank and resumed
+twins): the parity suite's base, 8 AdamW steps with clipping on every step. Each is compared with
+the single-process reference (tests/reference.py) that freezes the same parameters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_zero.config import ParallelConfig
+from fsdp_zero.config_loader import load_config
+from fsdp_zero.data import build_source
+from fsdp_zero.parallelize import model_state_formula
+from tests.batches import BASE, BY_NAME, FREEZE, HAS_HF, LORA
+from tests.conftest import TRAIN, check, figure, run_script
+from tests.hf_fixtures import LLAMA_CONFIG
+from tests.reference import reference_run
+from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
+
+FROZEN = ("tok_embeddings.weight", r"layers\.0\.attention\..*")
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def _lora_trained(name: str) -> bool:
+    return _is_adapter(name) or name == "norm.weight"
+
+
+def _check_frozen_and_trained(run: dict, trained) -> None:  # noqa: ANN001
+    """Every frozen tensor bit-identical to its start, every trained one changed; AdamW states for
+    the trained ones only."""
+    names = sorted(run["initial"])
+    assert run["optim_names"] == sorted(n for n in names if trained(n))
+    for name in names:
+        same = torch.equal(run["initial"][name], run["final"][name])
+        assert same != trained(name), (name, "changed" if not same else "unchanged")
+
+
+def _check_model_state(run: dict, world_size: int) -> float:
+    """Every rank's model state within 2% of the formula with the run's frozen count; returns the ratio."""
+    formula = model_state_formula(ParallelConfig(), run["num_params"], world_size, frozen=run["num_frozen"])
+    ratios = [b / formula for b in run["model_state_bytes"]]
+    assert all(abs(r - 1) < 0.02 for r in ratios), ratios
+    return max(ratios, key=lambda r: abs(r - 1))
+
+
+def _check_against(run: dict, ref: dict) -> tuple[float, float, float]:
+    """Losses, norms and final weights within the parity suite's fp32 tolerances; returns the largest differences."""
+    dl = max(abs(run["losses"][s] - ref["losses"][s]) for s in ref["losses"])
+    dn = max(abs(run["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["grad_norms"])
+    dw = max((run["final"][k] - v).abs().max().item() for k, v in ref["final"].items())
+    assert sorted(run["losses"]) == sorted(ref["losses"])
+    assert dl < LOSS_ATOL and dn < NORM_ATOL and dw < WEIGHT_ATOL, (dl, dn, dw)
+    return dl, dn, dw
+
+
+def test_freeze_trains_only_the_rest_and_matches_the_reference(batches):
+    run = batches["freeze"]
+    frozen = lambda n: any(re.fullmatch(p, n) for p in FROZEN)  # noqa: E731
+    assert any(frozen(n) for n in run["initial"])
+    _check_frozen_and_trained(run, lambda n: not frozen(n))
+    assert run["num_frozen"] == sum(v.numel() for n, v in run["initial"].items() if frozen(n))
+    ratio = _check_model_state(run, 2)
+    ref = reference_run(load_config(None, [*BASE, *FREEZE]))
+    dl, dn, dw = _check_against(run, ref)
+    figure("model.freeze at N=2 vs reference (loss, norm, weight)", f"{dl:.1e}, {dn:.1e}, {dw:.1e}; "
+           f"model state {ratio:.4f} x the formula")
+
+
+@pytest.fixture(scope="module")
+def lora_reference() -> dict:
+    return reference_run(load_config(None, [*BASE, *LORA]))
+
+
+@pytest.mark.parametrize("name,n", [("lora-n1", 1), ("lora", 2), ("lora-n4", 4)])
+def test_lora_trains_adapters_only_at_any_world_size(batches, lora_reference, name, n):
+    run = batches[name]
+    _check_frozen_and_trained(run, _lora_trained)
+    adapted = {k.rpartition(".lora_B.")[0] for k in run["final"] if ".lora_B." in k}
+    layers = {int(m.group(1)) for k in adapted if (m := re.match(r"layers\.(\d+)\.", k))}
+    assert layers == set(range(2)) and len(adapted) == 6, adapted  # wq, wv, w2 in both layers
+    assert all(not run["final"][f"{k}.lora_B.weight"].eq(0).all() for k in adapted)
+    assert not any("lora" in unit for unit in run["unit_params"]), run["unit_params"]  # inside their block units
+    assert sum(run["unit_params"].values()) == run["num_params"]
+    # The initial adapters do not depend on the world size; B starts at zero.
+    assert all(run["initial"][f"{k}.lora_B.weight"].eq(0).all() for k in adapted)
+    for k, v in lora_reference["initial"].items():
+        assert torch.equal(run["initial"][k], v), k
+    ratio = _check_model_state(run, n)
+    dl, dn, dw = _check_against(run, lora_reference)
+    figure(f"LoRA at N={n} vs reference (loss, norm, weight)", f"{dl:.1e}, {dn:.1e}, {dw:.1e}; "
+           f"model state {ratio:.4f} x the formula")
+
+
+def test_lora_resume_is_exact(batches):
+    straight, resumed = batches["lora"], batches["lora-resumed"]
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+    for step, loss in resumed["losses"].items():
+        assert loss == straight["losses"][step], step
+    for name, value in straight["final"].items():
+        assert torch.equal(resumed["final"][name], value), name
+
+
+def test_lora_checkpoint_continues_at_another_world_size(batches):
+    straight, resharded = batches["lora"], batches["lora-reshard4"]  # saved at 2 ranks after step 4, continued at 4
+    assert sorted(resharded["losses"]) == [5, 6, 7, 8]
+    for step, loss in resharded["losses"].items():
+        assert abs(loss - straight["losses"][step]) < LOSS_ATOL, step
+    for name, value in straight["final"].items():
+        assert (resharded["final"][name] - value).abs().max() < WEIGHT_ATOL, name
+    assert resharded["optim_names"] == straight["optim_names"]
+
+
+NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "train.steps=1"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["model.lora.rank=4", "model.lora.targets=[q_proj]"],
+     "model.lora.targets: 'q_proj' matches no nn.Linear (by last name component or full name); the model's Linear "
+     "modules: layers.0.attention.wq"),
+    (["model.lora.targets=[wq]"], "model.lora.targets=['wq'] is set but model.lora.rank=0 (LoRA off)"),
+    (["model.freeze=[tok_emb.weight]"],
+     "model.freeze: 'tok_emb.weight' matches no parameter (full match); the model's parameters: tok_embeddings.weight"),
+    (["model.lora.rank=4", "model.lora.targets=[wq]", "precision=bf16-true"],
+     "with precision.mode=bf16-true is not supported"),
+])
+def test_bad_freeze_and_lora_settings_exit_2_with_one_line(tmp_path: Path, args, message):
+    proc = run_script(TRAIN, *NANO, *args, f"run.root={tmp_path}", "run.name=bad")
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_start_up_lines_say_what_trains(tmp_path: Path):
+    proc = check(run_script(TRAIN, *NANO, *LORA, "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=ok"))
+    assert re.search(r"trained: LoRA rank 4, alpha 16 on 6 Linear modules \(layers\.0\.attention\.wq, .*\); "
+                     r"[\d,]+ trainable parameters, [\d,]+ frozen", proc.stderr), proc.stderr
+    assert re.search(r"model state 16 B x [\d,]+ params / 1 \(not sharded\), [\d,]+ of them frozen \(weights only, "
+                     r"4 B\) = ", proc.stderr), proc.stderr
+
+
+def test_formula_without_frozen_parameters_is_unchanged():
+    for strategy in ("full_shard", "zero1", "ddp", "hybrid_shard"):
+        cfg = ParallelConfig(strategy=strategy)
+        assert model_state_formula(cfg, 1001, 4) == model_state_formula(cfg, 1001, 4, frozen=0)
+    # fp32 full_shard: 4 B per frozen parameter, 16 per trainable, over N.
+    assert model_state_formula(ParallelConfig(), 1000, 4, frozen=600) == (4 * 600 + 16 * 400) / 4
+    # zero1: weights and gradients whole, AdamW states split; frozen ones hold only their weights.
+    assert model_state_formula(ParallelConfig(strategy="zero1"), 1000, 4, frozen=600) == 4 * 1000 + 4 * 400 + 8 * 400 / 4
+
+
+EXPORT = TRAIN.parent / "export.py"
+
+
+@pytest.mark.skipif(not HAS_HF or importlib.util.find_spec("peft") is None,
+                    reason="needs the hf extra (transformers, peft)")
+def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_path: Path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run, root = batches["pretrained-lora"], batches.root
+    base = load_file(root / "tiny-llama" / "model.safetensors")
+    for name, value in base.items():  # the base weights loaded; the adapters initialised, not loaded
+        assert torch.equal(run["initial"][name], value), name
+    adapted = sorted({k.rpartition(".lora_A.")[0] for k in run["final"] if ".lora_A." in k})
+    assert len(adapted) == 4 and all(k.endswith(("q_proj", "v_proj")) for k in adapted), adapted
+    ckpt = batches.path("pretrained-lora") / "checkpoints" / "step-0000004"
+
+    # Merged (the default): only the adapted weights differ from the base, each by alpha/rank x B A.
+    merged = tmp_path / "merged"
+    check(run_script(EXPORT, str(ckpt), "--out", str(merged)))
+    weights = load_file(merged / "model.safetensors")
+    assert not any(".lora_" in k for k in weights)
+    final = run["final"]
+    for name, value in base.items():
+        module = name.removesuffix(".weight")
+        if module in adapted:
+            delta = (16 / 4) * final[f"{module}.lora_B.weight"] @ final[f"{module}.lora_A.weight"]
+            assert delta.abs().max() > 0, name
+            torch.testing.assert_close(weights[name], base[name] + delta, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(weights[name], value), name
+    cfg = load_config(None, [a.format(root=root) for a in BY_NAME["pretrained-lora"].args])
+    inputs = build_source(cfg.data, cfg.train.seed, LLAMA_CONFIG["vocab_size"]).batch(range(2))[0]
+    with torch.no_grad():
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged).eval()(inputs).logits
+    diff = (merged_logits - run["logits"]).abs().max().item()
+    assert diff <= 1e-5, diff
+
+    # Adapters only: PEFT loads them onto the base and gives the merged model's outputs.
+    adapters = tmp_path / "adapters"
+    check(run_script(EXPORT, str(ckpt), "--out", str(adapters), "--adapters-only"))
+    assert sorted(p.name for p in adapters.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "tiny-llama"), adapters).eval()
+    with torch.no_grad():
+        peft_diff = (peft(inputs).logits - merged_logits).abs().max().item()
+    figure("LoRA export: from_pretrained(merged) vs the trained model; PEFT vs merged (logits, max abs diff)",
+           f"{diff:.1e}; {peft_diff:.1e}")
+    assert peft_diff <= 1e-5, peft_diff
+    # The planner's formulas take the same count.
+    from fsdp_zero.planner import strategy_states
+
+    rows = {(s.strategy.value, s.mode): s.at_rest for s in strategy_states(1000, 4, modes=("fp32",), frozen=600)}
+    assert rows[("full_shard", "fp32")] == (4 * 600 + 16 * 400) / 4 and rows[("ddp", "fp32")] == 4 * 1000 + 12 * 400
