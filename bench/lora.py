@@ -1,0 +1,68 @@
+"""Full fine-tuning against LoRA on a Hugging Face Llama of about 134M parameters, at N ranks.
+
+    python bench/lora.py [--nproc-per-node 2] [--out DIR] [key=value ...]
+
+Runs `scripts/train.py` twice under torchrun, each on fresh processes, on the same model, data and
+batch: every parameter trained, then LoRA on the attention's q_proj and v_proj (rank 16, alpha 32)
+with everything else frozen. Prints one markdown row each from the runs' summary.json: trainable
+parameters, model state per rank against its formula (frozen parameters cost only their stored
+bytes: 4 P_frozen / N + 16 P_trainable / N in fp32), peak RSS per rank, and step time. The model is
+built from `model.kwargs` (GPT-2-small's shape, Llama's blocks, untied head: 134M parameters), so no
+download is needed; `key=value` overrides apply to both runs (e.g. `train.steps=20`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+LLAMA_134M = ("model.target=transformers:LlamaForCausalLM", "model.kwargs.vocab_size=32000",
+              "model.kwargs.hidden_size=768", "model.kwargs.intermediate_size=2048",
+              "model.kwargs.num_hidden_layers=12", "model.kwargs.num_attention_heads=12",
+              "model.kwargs.num_key_value_heads=12", "model.kwargs.max_position_embeddings=512",
+              "model.kwargs.tie_word_embeddings=false")
+COMMON = ("data.seq_len=256", "train.global_batch_size=2", "train.micro_batch_size=1", "train.steps=6",
+          "train.log_every=2", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false")
+RUNS = {"full fine-tuning": (), "LoRA (q_proj, v_proj; rank 16)": (
+    "model.lora.rank=16", "model.lora.alpha=32", "model.lora.targets=[q_proj,v_proj]")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--out", help="output folder (default runs/lora-bench-<timestamp>); must not exist")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    out = Path(args.out or f"runs/lora-bench-{datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists():
+        print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
+        return 2
+    rows = ["| run | trainable params | model state / rank (MiB) | formula (MiB) | peak RSS / rank (MiB) | step (s) "
+            "| final loss |", "|---|---|---|---|---|---|---|"]
+    for i, (name, extra) in enumerate(RUNS.items()):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
+               str(TRAIN), *LLAMA_134M, *COMMON, *extra, *args.overrides, f"run.root={out}", f"run.name=run{i}"]
+        proc = subprocess.run(cmd)
+        if proc.returncode:
+            print(f"error: {name} exited {proc.returncode}", file=sys.stderr)
+            return proc.returncode
+        s = json.loads((out / f"run{i}" / "summary.json").read_text())
+        ranks = s["ranks"]
+        state = max(r["model_state_bytes"] for r in ranks) / 2**20
+        peaks = ", ".join(format(r["peak_rss_mib"], ",.0f") for r in ranks)
+        rows.append(f"| {name} | {s['num_params'] - s['num_frozen']:,} of {s['num_params']:,} | {state:,.1f} | "
+                    f"{s['model_state_formula_bytes'] / 2**20:,.1f} | {peaks} | {ranks[0]['step_s']:.3f} | "
+                    f"{s['final_loss']:.4f} |")
+    table = "\n".join(rows) + "\n"
+    (out / "lora-bench.md").write_text(table)
+    print(f"\n## full fine-tuning vs LoRA, {args.nproc_per_node} ranks\n\n{table}\nwrote {out / 'lora-bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
