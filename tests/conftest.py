@@ -198,6 +198,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             terminalreporter.write_line(f"{name}: {value}")
 
 
+def assert_user_error(tmp_path: Path, message: str, *args: str) -> None:
+    """scripts/train.py with ``args`` exits 2 with ``message`` in one line, no traceback, and writes no
+    run directory (in-process, `run_script`)."""
+    proc = run_script(TRAIN, *args, f"run.root={tmp_path}", "run.name=bad")
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def build_model(args, device: str = "meta"):  # noqa: ANN001, ANN201
     """The built-in transformer on ``device`` (meta by default: shapes only, no memory)."""
     from fsdp_zero.model import Transformer

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fsdp_zero.model import PRESETS
 from tests.batches import BASE
-from tests.conftest import REPO, TRAIN, check, figure, launch, run_script
+from tests.conftest import REPO, TRAIN, assert_user_error, check, figure, launch, run_script
 
 NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.steps=4", "train.log_every=2"]
@@ -149,11 +149,7 @@ def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
     ],
 )
 def test_user_errors_exit_2_with_one_clear_line_and_write_nothing(tmp_path: Path, args, message):
-    proc = run_script(TRAIN, *NANO, *args, f"run.root={tmp_path}", "run.name=bad")
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "bad").exists()
+    assert_user_error(tmp_path, message, *NANO, *args)
 
 
 def test_batch_that_does_not_divide_over_ranks_fails_under_torchrun(tmp_path: Path):

@@ -19,7 +19,7 @@ from fsdp_zero.config_loader import load_config
 from fsdp_zero.data import build_source
 from fsdp_zero.parallelize import model_state_formula
 from tests.batches import BASE, BY_NAME, FREEZE, HAS_HF, LORA
-from tests.conftest import TRAIN, check, figure, run_script
+from tests.conftest import TRAIN, assert_user_error, check, figure, run_script
 from tests.hf_fixtures import LLAMA_CONFIG
 from tests.reference import reference_run
 from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
@@ -135,11 +135,7 @@ NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8",
      "with precision.mode=bf16-true is not supported"),
 ])
 def test_bad_freeze_and_lora_settings_exit_2_with_one_line(tmp_path: Path, args, message):
-    proc = run_script(TRAIN, *NANO, *args, f"run.root={tmp_path}", "run.name=bad")
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "bad").exists()
+    assert_user_error(tmp_path, message, *NANO, *args)
 
 
 def test_the_start_up_lines_say_what_trains(tmp_path: Path):
