@@ -6,7 +6,8 @@ what they measure is what training does.
 
 Sync points: a step waits for the device once, in its gate (`StepGuard.check` reads the verdict
 every rank agreed on, two integers, after one all-reduce), plus fp16's overflow check inside
-the loss scaler's step; the loop's other sync points are the logger's, on log steps only.
+the loss scaler's step and, on masked data only, the read of the global batch's trained-token
+count before the first forward; the loop's other sync points are the logger's, on log steps only.
 """
 
 from __future__ import annotations
