@@ -300,61 +300,87 @@ def plan_layout(cfg: Config, world_size: int) -> BatchLayout:
 
 def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[Prediction]:
     """Simulates rank 0 of ``world_size`` ranks for each strategy; see the module docstring."""
+    configs = []
+    for strategy in strategies:
+        c = replace(cfg, parallel=replace(cfg.parallel, strategy=strategy, zero_stage=None))
+        try:
+            validate(c)
+        except ValueError as e:  # e.g. bf16-mixed or CPU offload under DDP
+            if len(strategies) == 1:
+                raise
+            logger.warning("not planned: %s", e)
+            continue
+        configs.append(c)
+    with Simulator(cfg, world_size) as sim:
+        return [sim.predict(c) for c in configs]
 
-    target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
-    # Planning for GPUs from a machine without one: the tensors are the same (fp32), so the
-    # step is simulated on the CPU; what is predicted is still device memory (no baseline).
-    device = target if target.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
-    baseline = measure_baseline(target)
-    # glibc serves tensors below this from its heap (CPU); the split decides what the heap keeps.
-    heap_threshold = mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device, backend="fake")
-    layout = plan_layout(cfg, world_size)
-    loss_fn = build_task(cfg.model)
-    out = []
-    try:
-        for strategy in strategies:
-            c = replace(cfg, parallel=replace(cfg.parallel, strategy=strategy, zero_stage=None))
-            try:
-                validate(c)
-            except ValueError as e:  # e.g. bf16-mixed or CPU offload under DDP
-                if len(strategies) == 1:
-                    raise
-                logger.warning("not planned: %s", e)
-                continue
-            mesh = device_mesh(c.parallel, env) if is_fsdp(strategy) else None  # needs real tensors
-            meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
-            cast_to_stored(meta, resolve(c.precision))  # (bf16-true) also outside it
-            # Real batches of the configured data (their shapes and dtypes are what matter).
-            micro = BatchCursor(build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0).next_batch()
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
-                model, optimizer = built.model, built.optimizer
-                train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device)  # creates AdamW states
-                with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
-                    profiler = StepProfiler(model, optimizer, device, heap_threshold=heap_threshold)
-                state: dict[str, int] = {}
 
-                def on_phase(name: Phase, profiler: StepProfiler = profiler, state: dict[str, int] = state) -> None:
-                    profiler.phase(name)
-                    if name is Phase.AFTER_OPTIMIZER_STEP:
-                        cats = profiler.phases[name]
-                        state["bytes"] = cats["params"] + cats["grads"] + cats["optimizer"]
+class Simulator:
+    """One rank of ``world_size`` on a fake process group: `predict` simulates a step of any
+    (validated) config of that world size. A context manager: it owns the fake process group.
 
-                with profiler:
-                    train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase])
-                tensors = profiler.peak()
-            pred = Prediction(strategy.value, world_size, tensors, baseline, model_state=state.get("bytes", 0),
-                              host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,
-                              heap_at_peak=sum(profiler.heap_peak().values()),
-                              heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"])
-            pred.peak = predict_peak(pred, target, fsdp=is_fsdp(strategy))
-            out.append(pred)
-            del model, optimizer, built
-    finally:
+    ``baseline``: `measure_baseline`'s bytes, when already measured. ``accum_cap`` bounds the micro-batches simulated per step (the search uses 2: a step's peak
+    is the same from the second micro-batch on, when the previous ones' gradients are held) and
+    the first step, which only creates the AdamW states, runs one micro-batch.
+    """
+
+    def __init__(self, cfg: Config, world_size: int, accum_cap: int | None = None, baseline: int | None = None
+                 ) -> None:
+        self.world_size, self.accum_cap = world_size, accum_cap
+        self.target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
+        # Planning for GPUs from a machine without one: the tensors are the same (fp32), so the
+        # step is simulated on the CPU; what is predicted is still device memory (no baseline).
+        self.device = self.target if self.target.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
+        self.baseline = measure_baseline(self.target) if baseline is None else baseline
+        # glibc serves tensors below this from its heap (CPU); the split decides what the heap keeps.
+        self.heap_threshold = mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
+
+    def __enter__(self) -> "Simulator":
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+        self.env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, device=self.device, backend="fake")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         dist.destroy_process_group()
-    return out
+
+    def predict(self, c: Config) -> Prediction:
+        """Simulates two steps of ``c`` (its strategy, precision, levers, batch); the second's peak."""
+        env, device, strategy = self.env, self.device, c.parallel.strategy
+        layout = plan_layout(c, self.world_size)
+        if self.accum_cap:
+            accum = min(layout.grad_accum_steps, self.accum_cap)
+            layout = replace(layout, grad_accum_steps=accum, global_batch_size=layout.global_batch_size
+                             // layout.grad_accum_steps * accum)
+        loss_fn = build_task(c.model)
+        mesh = device_mesh(c.parallel, env) if is_fsdp(strategy) else None  # needs real tensors
+        meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
+        cast_to_stored(meta, resolve(c.precision))  # (bf16-true) also outside it
+        # Real batches of the configured data (their shapes and dtypes are what matter).
+        micro = BatchCursor(build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0).next_batch()
+        first = micro[:1] if self.accum_cap else micro
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
+            model, optimizer = built.model, built.optimizer
+            train_step(model, optimizer, loss_fn, first, c.optim.grad_clip, device)  # creates AdamW states
+            with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
+                profiler = StepProfiler(model, optimizer, device, heap_threshold=self.heap_threshold)
+            state: dict[str, int] = {}
+
+            def on_phase(name: Phase, profiler: StepProfiler = profiler, state: dict[str, int] = state) -> None:
+                profiler.phase(name)
+                if name is Phase.AFTER_OPTIMIZER_STEP:
+                    cats = profiler.phases[name]
+                    state["bytes"] = cats["params"] + cats["grads"] + cats["optimizer"]
+
+            with profiler:
+                train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase])
+            tensors = profiler.peak()
+        pred = Prediction(strategy.value, self.world_size, tensors, self.baseline, model_state=state.get("bytes", 0),
+                          host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,
+                          heap_at_peak=sum(profiler.heap_peak().values()),
+                          heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"])
+        pred.peak = predict_peak(pred, self.target, fsdp=is_fsdp(strategy))
+        return pred
 
 
 def predict_peak(pred: Prediction, device: torch.device, fsdp: bool) -> int:

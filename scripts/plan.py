@@ -3,13 +3,19 @@
     python scripts/plan.py [--config configs/X.yaml] --world-size N [--strategy full_shard ...]
                            [--device-memory 80GB] [--json out.json] [key=value ...]
     python scripts/plan.py --params 7.5e9 --world-size 64     # formulas only, nothing built
+    python scripts/plan.py [--config X.yaml] --world-size N --fit 3GiB [--json F] [--link-gbps G] [key=value ...]
 
 Simulates one rank of N with fake tensors and a fake process group (fsdp_zero.planner),
 then prints the peak by category, what a rank will show (on CPU: the process's peak RSS,
 its measured baseline included; on CUDA: device memory), whether it fits
 --device-memory, and for reference the ZeRO paper's model states per device (its Table 1)
 beside each strategy's model state at rest and inside the step (fsdp_zero.planner's
-`zero_paper_stages` and `strategy_states`), and DeepSpeed's ZeRO-3 estimate.
+`zero_paper_stages` and `strategy_states`), DeepSpeed's ZeRO-3 estimate, and the bytes each
+strategy and precision mode communicates per step (fsdp_zero.comm) with their time at --link-gbps.
+
+--fit searches strategy x precision x activation checkpointing x CPU offload x micro-batch x
+parallel.grad_sync (fsdp_zero.fit) and prints the candidates ranked by a relative step cost, and
+the cheapest that fits as key=value overrides to paste onto the training command line.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import sys
 import torch
 
 from fsdp_zero.build import construct
-from fsdp_zero.config import ZERO_STAGES, Strategy
+from fsdp_zero.comm import comm_formula, comm_seconds
+from fsdp_zero.config import ZERO_STAGES, Config, Strategy, validate
 from fsdp_zero.config_loader import load_config
 from fsdp_zero.lora import frozen_count, make_trainable
 from fsdp_zero.memory import CATEGORIES, MIB, parse_size
 from fsdp_zero.planner import (PAPER_K, PLAN_MODES, deepspeed_zero3_estimate, format_bytes, format_gb, simulate,
                                strategy_states, zero_paper_stages)
+from fsdp_zero.fit import DIMENSIONS, Rates, search
+from fsdp_zero.precision import resolve
 from fsdp_zero.wrap import build_wrap_plan
 
 ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
@@ -44,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=float, help="a parameter count (e.g. 7.5e9): the ZeRO formulas only")
     parser.add_argument("--largest-layer", type=float, help="with --params: the largest unit's parameters "
                         "(DeepSpeed's estimate; default: none)")
+    parser.add_argument("--fit", help="memory per rank to fit in, e.g. 3GiB: search the settings, print the cheapest "
+                        "that fits")
+    parser.add_argument("--link-gbps", type=float, help="per-rank collective bandwidth, Gbit/s (default: 400 for "
+                        "dist.device=cuda, 20 for cpu)")
+    parser.add_argument("--tflops", type=float, help="--fit: achieved 16-bit compute per rank, TFLOP/s (default: 400 "
+                        "for cuda, 0.05 for cpu)")
+    parser.add_argument("--host-gbps", type=float, help="--fit: host <-> device copies (CPU offload), Gbit/s "
+                        "(default 200)")
+    parser.add_argument("--search", help=f"--fit: the settings to vary, comma-separated (default: all of "
+                        f"{','.join(DIMENSIONS)}); the others stay as the config sets them")
+    parser.add_argument("--show", type=int, default=12, help="--fit: how many fitting candidates to print (default 12)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
@@ -59,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
             formulas(int(args.params), int(args.largest_layer) if args.largest_layer else None, args.world_size)
             return 0
         cfg = load_config(args.config, args.overrides)
+        rates = _rates(args, cfg.dist.device.value)
+        if args.fit:
+            if args.strategy or args.device_memory:
+                raise ValueError("--fit searches every strategy against its own budget: drop --strategy and "
+                                 "--device-memory")
+            dims = tuple(d for d in args.search.split(",") if d) if args.search else DIMENSIONS
+            return fit(cfg, args.world_size, parse_size(args.fit, "--fit"), rates, dims, args.json, args.show)
         limit = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
         strategies = [Strategy(s) for s in args.strategy] if args.strategy else ALL
         preds = simulate(cfg, args.world_size, strategies)
@@ -103,9 +130,72 @@ def main(argv: list[str] | None = None) -> int:
               + ("; device memory is the tensors less that" if cuda else "") + ": "
               + "; ".join(f"{p.strategy} {p.host_state / MIB:,.1f} MiB" for p in preds) + " per rank\n")
     formulas(num_params, largest, n, root, frozen_count(model))
+    communication(cfg, model, n, [Strategy(p.strategy) for p in preds], rates.link_gbps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k != "notes"} for p in preds], f, indent=2)
+    return 0
+
+
+def _rates(args: argparse.Namespace, device: str) -> Rates:
+    given = {"tflops": args.tflops, "link_gbps": args.link_gbps, "host_gbps": args.host_gbps}
+    for key, value in given.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"--{key.replace('_', '-')}={value:g}: must be > 0")
+    return dataclasses.replace(Rates.default(device), **{k: v for k, v in given.items() if v is not None})
+
+
+def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[Strategy], link_gbps: float) -> None:
+    """Bytes per rank per optimizer step by kind (`fsdp_zero.comm.comm_formula`), for each strategy and
+    precision mode, and the time they take at ``link_gbps``."""
+    plan = build_wrap_plan(model, cfg.parallel.wrap, n)
+    accum = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * n))
+    print(f"\n## communication per rank per optimizer step ({accum} micro-batches, parallel.grad_sync="
+          f"{cfg.parallel.grad_sync.value}; time at {link_gbps:g} Gbit/s, ring collectives)\n")
+    print("| strategy | precision | all-gather MiB | reduce-scatter MiB | all-reduce MiB | time ms |")
+    print("|---|---|---|---|---|---|")
+    for strategy in strategies:
+        for mode in PLAN_MODES:
+            c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, zero_stage=None),
+                                    precision=dataclasses.replace(cfg.precision, mode=mode))
+            try:
+                validate(c)
+            except ValueError:  # e.g. bf16-mixed under DDP; grad_sync=once_per_step under DDP
+                continue
+            moved = comm_formula(c, model, plan, n, accum, resolve(c.precision))
+            seconds = sum(comm_seconds(moved, c.parallel, n, link_gbps).values())
+            print(f"| {strategy.value} | {mode} | {moved.all_gather / MIB:,.1f} | {moved.reduce_scatter / MIB:,.1f} | "
+                  f"{moved.all_reduce / MIB:,.1f} | {seconds * 1e3:,.1f} |")
+
+
+def fit(cfg: Config, n: int, budget: int, rates: Rates, dims: tuple[str, ...], json_path: str | None, show: int) -> int:
+    """--fit: the ranked candidates and the pick (fsdp_zero.fit)."""
+    found = search(cfg, n, rates, dims)
+    best = found.fit(budget)
+    scored = found.scored
+    fitting = [s for s in scored if s.fits]
+    print(f"# fit: {cfg.model.pretrained or cfg.model.target or cfg.model.preset}, {n} ranks, global batch "
+          f"{cfg.train.global_batch_size}, budget {format_bytes(budget)} per rank "
+          f"({'device memory' if cfg.dist.device.value == 'cuda' else 'peak RSS'})")
+    print(f"rates: {rates.tflops:g} TFLOP/s (16-bit; fp32 {rates.fp32_speed:g}x slower), link {rates.link_gbps:g} "
+          f"Gbit/s, host {rates.host_gbps:g} Gbit/s; cost = compute + communication + offload copies, no overlap\n")
+    print(f"{len(scored)} candidates ({found.simulations} simulations, {found.seconds:.0f} s), {len(fitting)} fit; "
+          f"the {min(show, len(fitting))} cheapest that fit:\n")
+    print("| # | cost ms | compute ms | comm ms | offload ms | peak | strategy | precision | checkpointing | offload "
+          "| micro-batch | grad_sync |")
+    print("|" + "---|" * 12)
+    for i, s in enumerate(fitting[:show], start=1):
+        c = s.candidate
+        ms = [f"{v * 1e3:,.1f}" for v in (s.cost, s.parts["compute_s"], s.parts["comm_s"], s.parts["offload_s"])]
+        print(f"| {i} | {' | '.join(ms)} "
+              f"| {format_bytes(s.peak)} | {c.strategy.value} | {c.precision} | {c.checkpointing.value} | "
+              f"{'yes' if c.offload else 'no'} | {c.micro_batch} | {c.grad_sync.value} |")
+    print(f"\npick: cost {best.cost * 1e3:,.1f} ms, peak {format_bytes(best.peak)} of {format_bytes(budget)}:")
+    print("  " + " ".join(best.candidate.overrides()))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"candidates": [s.to_json() for s in scored],
+                       "pick": {k: v for k, v in best.to_json().items() if k != "fits"}}, f, indent=2)
     return 0
 
 

@@ -180,6 +180,42 @@ def test_simulated_tensors_match_the_tracker(measured, predicted):
                 assert value == pytest.approx(measured[s][0]["breakdown"][cat], abs=MIB), (s, cat)
 
 
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory, predicted) -> tuple[int, dict]:
+    """plan.py --fit over the strategies, with a budget between ZeRO-1's predicted peak and ZeRO-2's."""
+    preds, _ = predicted
+    budget = (preds["zero1"]["peak"] + preds["shard_grad_op"]["peak"]) // 2 // MIB * MIB
+    out = tmp_path_factory.mktemp("fit") / "fit.json"
+    proc = check(run_script(PLAN, "--world-size", str(N), "--fit", f"{budget // MIB}MiB", "--search", "strategy",
+                            "--json", str(out), *CONFIG))
+    assert "pick: " in proc.stdout
+    return budget, json.loads(out.read_text())
+
+
+def test_the_fit_pick_run_stays_within_the_budget_and_its_prediction(fitted, measured, predicted):
+    """The cheapest strategy predicted to fit is ZeRO-2 (DDP and ZeRO-1 communicate less, but miss the
+    budget); its measured peak (compare.py's run of the same config) is within the budget and 10% of the
+    prediction, and the cheaper ones the search turned away do exceed the budget when run."""
+    budget, found = fitted
+    preds, _ = predicted
+    pick = found["pick"]
+    strategy = next(o.split("=")[1] for o in pick["overrides"] if o.startswith("parallel.strategy="))
+    assert strategy == "shard_grad_op"
+    assert pick["peak_bytes"] == pytest.approx(preds[strategy]["peak"], rel=0.01)  # the planner's own simulation
+    assert peak_mib(measured[strategy]) * MIB <= budget
+    assert peak_mib(measured[strategy]) * MIB == pytest.approx(pick["peak_bytes"], rel=0.10)
+    ranked = [c for c in found["candidates"]]
+    assert [c["cost"] for c in ranked] == sorted(c["cost"] for c in ranked)
+    cheaper = ranked[: next(i for i, c in enumerate(ranked) if c["fits"])]
+    rejected = {next(o.split("=")[1] for o in c["overrides"] if o.startswith("parallel.strategy=")) for c in cheaper}
+    assert rejected == {"ddp", "zero1"}
+    for s in rejected:
+        assert peak_mib(measured[s]) * MIB > budget, s
+    figure(f"fit pick, 46M model, N={N}, budget {budget / MIB:,.0f} MiB",
+           f"{strategy}: predicted {pick['peak_bytes'] / MIB:,.0f} MiB, measured {peak_mib(measured[strategy]):,.0f} "
+           "MiB; rejected cheaper: " + ", ".join(f"{s} measured {peak_mib(measured[s]):,.0f} MiB" for s in sorted(rejected)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
                     reason="needs 2 or more GPUs in one process")

@@ -1,0 +1,305 @@
+"""The cheapest setting that fits a memory budget (`scripts/plan.py --fit`): a search, no training.
+
+Candidates are every valid combination of strategy, precision mode, activation checkpointing,
+CPU offload (CUDA only: on a CPU host it moves nothing), micro-batch size (the global batch
+fixed) and ``parallel.grad_sync``. Each gets a predicted peak per rank and a relative step cost;
+the pick is the cheapest candidate whose peak fits.
+
+The peak. Simulating every candidate (`fsdp_zero.planner.Simulator`, about 4 s each for a 134M
+model) would take too long, so candidates that share tensors share simulations:
+- offload moves the model state to the host: the same tensors (on CUDA the prediction subtracts
+  the model state from device memory); ``replicas_once_per_step`` holds the same tensors as
+  ``every_micro_batch``;
+- activation checkpointing and the micro-batch size change what forward keeps, not what the
+  strategy holds. So each (strategy, precision, grad_sync) is simulated once at a reference
+  micro-batch without checkpointing (its "state" simulation) and each (compute dtype,
+  checkpointing, micro-batch) once on full_shard (its "activation" simulation); a candidate's
+  peak is its state simulation's plus how much its activation simulation differs from the
+  reference one. Micro-batches beyond the two smallest simulated ones are extrapolated linearly.
+  A step of one micro-batch holds no previous micro-batch's gradients at its peak, so candidates
+  without accumulation have their own reference (the micro-batch that is the whole local batch).
+The simulations run in two processes (they are single-threaded Python).
+
+The cost, in seconds of one optimizer step under the stated rates (`Rates`), to rank candidates,
+not to promise a step time: compute (6 x parameters x tokens FLOPs, plus 2 x the checkpointed
+blocks' parameters x tokens recomputed, at ``tflops``; fp32 compute at 1 / ``fp32_speed`` of
+that), plus the bytes each rank moves (`fsdp_zero.comm.comm_formula`) at ``link_gbps``, plus, with
+CPU offload, the host-device copies at ``host_gbps``. It ignores overlap of communication with
+compute (it adds them: a pessimistic bound for FSDP's prefetching), kernel efficiency at small
+micro-batches, and the CPU optimizer step of offload; docs/compare-and-plan.md says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from fsdp_zero.build import construct
+from fsdp_zero.comm import comm_formula, comm_seconds
+from fsdp_zero.config import STRATEGIES, ActivationCheckpointing, Config, GradSync, Strategy, validate
+from fsdp_zero.lora import make_trainable
+from fsdp_zero.parallelize import checkpointed, split_over
+from fsdp_zero.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, measure_baseline
+from fsdp_zero.precision import resolve
+from fsdp_zero.wrap import WrapPlan, build_wrap_plan
+
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the cost assumes of the hardware (scripts/plan.py's --tflops, --link-gbps, --host-gbps)."""
+
+    tflops: float  # achieved compute per rank in 16-bit dtypes, 10^12 FLOP/s
+    link_gbps: float  # per-rank collective bandwidth, Gbit/s
+    host_gbps: float = 200.0  # host <-> device copies (CPU offload), Gbit/s
+    fp32_speed: float = 2.0  # how much faster 16-bit compute runs than fp32 (tensor cores: 2; a CPU: 1)
+
+    @classmethod
+    def default(cls, device: str) -> "Rates":
+        """An H100 over 400 Gbit/s per GPU; a CPU rank over loopback gloo (this project's machines)."""
+        return cls(400.0, 400.0) if device == "cuda" else cls(0.05, 20.0, fp32_speed=1.0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    precision: str
+    checkpointing: ActivationCheckpointing
+    offload: bool
+    micro_batch: int
+    grad_sync: GradSync
+
+    def overrides(self) -> list[str]:
+        """The key=value overrides that select this candidate, to paste onto the command line."""
+        return [f"parallel.strategy={self.strategy.value}", f"precision.mode={self.precision}",
+                f"parallel.activation_checkpointing={self.checkpointing.value}",
+                f"parallel.cpu_offload={str(self.offload).lower()}", f"train.micro_batch_size={self.micro_batch}",
+                f"parallel.grad_sync={self.grad_sync.value}"]
+
+    def config(self, cfg: Config) -> Config:
+        p = replace(cfg.parallel, strategy=self.strategy, zero_stage=None, activation_checkpointing=self.checkpointing,
+                    cpu_offload=self.offload, grad_sync=self.grad_sync)
+        return replace(cfg, parallel=p, precision=replace(cfg.precision, mode=self.precision),
+                       train=replace(cfg.train, micro_batch_size=self.micro_batch))
+
+
+@dataclass
+class Scored:
+    candidate: Candidate
+    peak: int  # predicted bytes per rank (CPU: peak RSS; CUDA: device memory)
+    cost: float  # seconds per optimizer step under the rates: compute + communication + offload copies
+    parts: dict[str, float] = field(default_factory=dict)  # the cost's terms
+    fits: bool = False
+
+    def to_json(self) -> dict:
+        return {"overrides": self.candidate.overrides(), "peak_bytes": self.peak, "fits": self.fits,
+                "cost": self.cost, "cost_parts": self.parts}
+
+
+# What --search may name: the settings a candidate varies (the others stay as the config has them).
+DIMENSIONS = ("strategy", "precision", "checkpointing", "offload", "micro_batch", "grad_sync")
+
+
+def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSIONS) -> list[Candidate]:
+    """Every valid candidate: the config's own model, data, global batch and other settings, with each
+    strategy, precision mode, checkpointing, offload, micro-batch and grad_sync the config allows (those
+    of the dimensions not in ``search`` as the config sets them).
+
+    Raises:
+        ValueError: ``search`` names something other than `DIMENSIONS`.
+    """
+    for name in search:
+        if name not in DIMENSIONS:
+            raise ValueError(f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: "
+                             f"{', '.join(DIMENSIONS)}")
+    local = cfg.train.global_batch_size // world_size
+    p = cfg.parallel
+    axes = {
+        "strategy": list(STRATEGIES),
+        "precision": list(PLAN_MODES),
+        "checkpointing": list(ActivationCheckpointing),
+        # On a CPU host offload moves nothing: not a candidate there.
+        "offload": [False, True] if cfg.dist.device.value == "cuda" else [False],
+        "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
+        "grad_sync": list(GradSync),
+    }
+    fixed = {"strategy": [p.strategy], "precision": [cfg.precision.mode], "checkpointing": [p.activation_checkpointing],
+             "offload": [p.cpu_offload], "micro_batch": [cfg.train.micro_batch_size], "grad_sync": [p.grad_sync]}
+    out = []
+    for values in itertools.product(*(axes[d] if d in search else fixed[d] for d in DIMENSIONS)):
+        cand = Candidate(*values)
+        if "grad_sync" in search and local // cand.micro_batch == 1 and cand.grad_sync is not GradSync.every_micro_batch:
+            continue  # without accumulation every mode reduces once: the default stands for them
+        try:
+            c = cand.config(cfg)
+            validate(c)
+            c.parallel.check_world(world_size)
+            c.train.check_world(world_size)
+        except ValueError:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
+            continue
+        out.append(cand)
+    return out
+
+
+# Worker processes: each owns a Simulator (a fake process group of its own).
+_SIM: Simulator | None = None
+
+
+def _start(cfg: Config, world_size: int, baseline: int) -> None:
+    global _SIM
+    import logging
+
+    logging.getLogger("fsdp_zero").setLevel(logging.ERROR)
+    _SIM = Simulator(cfg, world_size, accum_cap=2, baseline=baseline).__enter__()
+
+
+def _predict(c: Config) -> Prediction:
+    assert _SIM is not None
+    return _SIM.predict(c)
+
+
+def _simulate(cfg: Config, world_size: int, configs: list[Config], processes: int, baseline: int | None
+              ) -> list[Prediction]:
+    """`Simulator.predict` of each config, in ``processes`` worker processes (0: in this one)."""
+    if baseline is None:
+        baseline = measure_baseline(torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu"))
+    if not processes:
+        with Simulator(cfg, world_size, accum_cap=2, baseline=baseline) as sim:
+            return [sim.predict(c) for c in configs]
+    with multiprocessing.get_context("spawn").Pool(processes, _start, (cfg, world_size, baseline)) as pool:
+        return pool.map(_predict, configs, chunksize=1)
+
+
+def _ac_key(c: Candidate) -> tuple:
+    """What an activation simulation shares: the compute dtype (not the mode), checkpointing, micro-batch."""
+    return resolve(replace(Config().precision, mode=c.precision)).compute, c.checkpointing, c.micro_batch
+
+
+def predict_peaks(cfg: Config, world_size: int, cands: list[Candidate], processes: int = 2,
+                  baseline: int | None = None) -> tuple[dict[Candidate, int], int]:
+    """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
+    and how many simulations it took."""
+    local = cfg.train.global_batch_size // world_size
+    micro = sorted({c.micro_batch for c in cands})
+    accumulating = [m for m in micro if local // m > 1]
+
+    def reference(m: int) -> int:  # the micro-batch the state simulations of m's regime run at
+        return accumulating[0] if m in accumulating else m
+
+    def extrapolated(m: int) -> list[int]:  # the simulated micro-batches m's activations come from
+        if m not in accumulating or len(accumulating) < 2 or m in accumulating[:2]:
+            return [m]
+        return accumulating[:2]
+
+    none, every = ActivationCheckpointing.none, GradSync.every_micro_batch
+    fs = next(s for s, spec in STRATEGIES.items() if spec.zero_stage == 3 and not spec.hybrid)
+    rep = {}  # a precision mode per compute dtype, for the activation simulations
+    for c in cands:
+        rep.setdefault(_ac_key(c)[0], c.precision)
+
+    def state(c: Candidate) -> Candidate:
+        sync = c.grad_sync if c.grad_sync is GradSync.once_per_step else every  # replicas_: the same tensors
+        return replace(c, checkpointing=none, offload=False, micro_batch=reference(c.micro_batch), grad_sync=sync)
+
+    def activation(c: Candidate, m: int, ac: ActivationCheckpointing) -> Candidate:
+        return Candidate(fs, rep[_ac_key(c)[0]], ac, False, m, every)
+
+    needed: dict[Candidate, None] = {}
+    for c in cands:
+        needed[state(c)] = None
+        for m in {*extrapolated(c.micro_batch), reference(c.micro_batch)}:
+            needed[activation(c, m, c.checkpointing)] = None
+            needed[activation(c, reference(m), none)] = None
+    sims = list(needed)
+    preds = dict(zip(sims, _simulate(cfg, world_size, [s.config(cfg) for s in sims], processes, baseline)))
+    cuda = cfg.dist.device.value == "cuda"
+
+    def act(c: Candidate, ac: ActivationCheckpointing, m: int) -> float:
+        points = extrapolated(m)
+        if len(points) == 1:
+            return preds[activation(c, m, ac)].peak
+        (m0, m1), (p0, p1) = points, [preds[activation(c, x, ac)].peak for x in points]
+        return p0 + (p1 - p0) * (m - m0) / (m1 - m0)
+
+    out = {}
+    for c in cands:
+        s = preds[state(c)]
+        peak = s.peak + act(c, c.checkpointing, c.micro_batch) - act(c, none, reference(c.micro_batch))
+        if c.offload and cuda:  # the model state lives in host memory
+            peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)
+        out[c] = int(peak)
+    return out, len(sims)
+
+
+def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: nn.Module, plan: WrapPlan
+              ) -> tuple[float, dict[str, float]]:
+    """``c``'s relative step cost in seconds and its terms (see the module docstring). ``model``: the
+    config's model on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
+    cc = c.config(cfg)
+    precision = resolve(cc.precision)
+    local = cc.train.global_batch_size // world_size
+    tokens = local * (cc.data.seq_len or 1)
+    params = sum(p.numel() for p in model.parameters())
+    recomputed = sum(sum(p.numel() for p in model.get_submodule(b).parameters())
+                     for b in checkpointed(cc.parallel, plan.block_fqns))
+    flops = 6 * params * tokens + 2 * recomputed * tokens
+    slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
+    compute = flops * slow / (rates.tflops * 1e12)
+    moved = comm_formula(cc, model, plan, world_size, local // c.micro_batch, precision)
+    comm = sum(comm_seconds(moved, cc.parallel, world_size, rates.link_gbps).values())
+    offload = 0.0
+    if c.offload:  # each gather first copies the shard to the device; each reduction copies it back
+        n = split_over(cc.parallel, world_size)
+        host = moved.all_gather / n * precision.stored.itemsize / precision.compute.itemsize + moved.reduce_scatter / n
+        offload = host * 8 / (rates.host_gbps * 1e9)
+    parts = {"compute_s": compute, "comm_s": comm, "offload_s": offload}
+    return compute + comm + offload, parts
+
+
+@dataclass
+class Search:
+    scored: list[Scored]  # every candidate, cheapest first (ties: the smaller peak)
+    simulations: int  # how many configurations were simulated for them
+    seconds: float  # how long the search took
+
+    def fit(self, budget: int) -> Scored:
+        """Marks the candidates that fit ``budget`` (bytes per rank); returns the cheapest of them.
+
+        Raises:
+            ValueError: none fits: the message names the smallest candidate and by how much it misses.
+        """
+        for s in self.scored:
+            s.fits = s.peak <= budget
+        if not any(s.fits for s in self.scored):
+            small = min(self.scored, key=lambda s: s.peak)
+            raise ValueError(f"--fit={budget / 2**20:,.0f} MiB: no candidate fits; the smallest, "
+                             f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per "
+                             f"rank ({(small.peak - budget) / 2**20:,.0f} MiB over)")
+        return next(s for s in self.scored if s.fits)
+
+
+def search(cfg: Config, world_size: int, rates: Rates, dims: tuple[str, ...] = DIMENSIONS, processes: int = 2,
+           baseline: int | None = None) -> Search:
+    """Every candidate (varying ``dims``) with its predicted peak and cost, cheapest first.
+    ``processes``: worker processes for the simulations (0: this one); ``baseline``:
+    `fsdp_zero.planner.measure_baseline`'s bytes (None: measured now).
+
+    Raises:
+        ValueError: as `candidates`; no candidate is valid.
+    """
+    start = time.perf_counter()
+    cands = candidates(cfg, world_size, dims)
+    if not cands:
+        raise ValueError("no candidate setting is valid for this config and world size")
+    peaks, simulations = predict_peaks(cfg, world_size, cands, processes, baseline)
+    model = construct(cfg.model)  # meta parameters: free at any size
+    make_trainable(model, cfg.model)  # model.freeze, model.lora: frozen parameters are not reduced
+    plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
+    scored = [Scored(c, peaks[c], *step_cost(cfg, c, world_size, rates, model, plan)) for c in cands]
+    scored.sort(key=lambda s: (s.cost, s.peak))
+    return Search(scored, simulations, time.perf_counter() - start)
