@@ -331,7 +331,8 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
             with FakeTensorMode(allow_non_fake_inputs=True):
                 built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
                 model, optimizer = built.model, built.optimizer
-                train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device)  # creates AdamW states
+                train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device,  # creates AdamW states
+                           grad_sync=c.parallel.grad_sync)
                 with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
                     profiler = StepProfiler(model, optimizer, device, heap_threshold=heap_threshold)
                 state: dict[str, int] = {}
@@ -343,7 +344,8 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
                         state["bytes"] = cats["params"] + cats["grads"] + cats["optimizer"]
 
                 with profiler:
-                    train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase])
+                    train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase],
+                               grad_sync=c.parallel.grad_sync)
                 tensors = profiler.peak()
             pred = Prediction(strategy.value, world_size, tensors, baseline, model_state=state.get("bytes", 0),
                               host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,
