@@ -156,6 +156,11 @@ class AllReduceScatter(DefaultReduceScatter):
         output_tensor.copy_(chunks[group.rank()].view_as(output_tensor))
 
 
+def reduce_scatter_comm(backend: str) -> DefaultReduceScatter:
+    """The gradient reduction FSDP2 runs on ``backend``: `AllReduceScatter` on gloo, FSDP2's own elsewhere."""
+    return AllReduceScatter() if backend == "gloo" else DefaultReduceScatter()
+
+
 def checkpointed(cfg: ParallelConfig, blocks: list[str]) -> list[str]:
     """The blocks (in forward order) whose activations are recomputed in backward: all of them
     (``full``), every k-th (``selective``: the k-th, 2k-th, ...), or none."""
@@ -232,8 +237,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)
-    if env.backend == "gloo":
-        comm = AllReduceScatter()
+    if env.backend == "gloo":  # (`fsdp_zero.comm.CommMeter` wraps it to count its bytes)
+        comm = reduce_scatter_comm(env.backend)
         for unit in units.values():
             unit.set_custom_reduce_scatter(comm)
     materialize(model)

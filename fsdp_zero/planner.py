@@ -319,9 +319,10 @@ class Simulator:
     """One rank of ``world_size`` on a fake process group: `predict` simulates a step of any
     (validated) config of that world size. A context manager: it owns the fake process group.
 
-    ``baseline``: `measure_baseline`'s bytes, when already measured. ``accum_cap`` bounds the micro-batches simulated per step (the search uses 2: a step's peak
-    is the same from the second micro-batch on, when the previous ones' gradients are held) and
-    the first step, which only creates the AdamW states, runs one micro-batch.
+    ``baseline``: `measure_baseline`'s bytes, when already measured. ``accum_cap`` bounds the
+    micro-batches simulated per step (the search uses 2: a step's peak is the same from the second
+    micro-batch on, when the previous ones' gradients are held) and the first step, which only
+    creates the AdamW states, runs one micro-batch.
     """
 
     def __init__(self, cfg: Config, world_size: int, accum_cap: int | None = None, baseline: int | None = None
@@ -361,7 +362,8 @@ class Simulator:
         with FakeTensorMode(allow_non_fake_inputs=True):
             built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
             model, optimizer = built.model, built.optimizer
-            train_step(model, optimizer, loss_fn, first, c.optim.grad_clip, device)  # creates AdamW states
+            train_step(model, optimizer, loss_fn, first, c.optim.grad_clip, device,  # creates AdamW states
+                       grad_sync=c.parallel.grad_sync)
             with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
                 profiler = StepProfiler(model, optimizer, device, heap_threshold=self.heap_threshold)
             state: dict[str, int] = {}
@@ -373,7 +375,8 @@ class Simulator:
                     state["bytes"] = cats["params"] + cats["grads"] + cats["optimizer"]
 
             with profiler:
-                train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase])
+                train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase],
+                           grad_sync=c.parallel.grad_sync)
             tensors = profiler.peak()
         pred = Prediction(strategy.value, self.world_size, tensors, self.baseline, model_state=state.get("bytes", 0),
                           host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config import OptimConfig, Schedule
+from fsdp_zero.config import GradSync, OptimConfig, Schedule
 from fsdp_zero.precision import LossScaler
 from fsdp_zero.stopping import Verdict
 from fsdp_zero.tasks import LossFn, to_device
@@ -123,6 +123,17 @@ def _token_weight(count: Callable[[object], torch.Tensor], micro_batches: list, 
     return world / max(trained, 1), trained
 
 
+def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] | None:
+    """What tells FSDP2 whether a micro-batch's backward reduces (called with True for the last one), or
+    None: every backward reduces (every_micro_batch), or the model defers by itself (DDP's ``no_sync``)."""
+    grad_sync = GradSync(grad_sync)
+    if grad_sync is GradSync.once_per_step and hasattr(model, "set_requires_gradient_sync"):
+        return model.set_requires_gradient_sync  # neither reduce-scatter nor all-reduce until the last
+    if grad_sync is GradSync.replicas_once_per_step and hasattr(model, "set_requires_all_reduce"):
+        return model.set_requires_all_reduce  # HSDP: each reduce-scatter's output summed until the last
+    return None
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -134,6 +145,7 @@ def train_step(
     scaler: LossScaler | None = None,
     gate: Callable[[torch.Tensor, torch.Tensor], Verdict] | None = None,
     token_count: Callable[[object], torch.Tensor] | None = None,
+    grad_sync: GradSync = GradSync.every_micro_batch,
 ) -> StepResult:
     """Forward/backward over this rank's micro-batches, then one optimizer step (at the
     learning rate already set, see `set_lr`).
@@ -147,18 +159,23 @@ def train_step(
     parameters and optimizer states stay as they were); its ``stop`` is the caller's to act on.
     ``token_count`` (masked data, `fsdp_zero.tasks.trained_tokens`): ``loss_fn`` returns summed
     losses, and the step's loss is their mean over the trained tokens of the whole global batch.
+    ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients (FSDP models;
+    DDP reduces after the last one whatever it says). The gradients, and so the step, are the same.
     """
     params = [p for p in model.parameters()]
     weight, trained = _token_weight(token_count, micro_batches, device) if token_count else (None, None)
     loss_sum = torch.zeros((), device=device)
     extra_sum: dict[str, torch.Tensor] = {}
     no_sync = getattr(model, "no_sync", None)  # DDP (and the planner's stand-in for it)
+    defer = _deferral(model, grad_sync)
     for i, batch in enumerate(micro_batches):
         batch = to_device(batch, device)
+        if defer:  # off until the last micro-batch, whose backward reduces the sum (and leaves it on)
+            defer(i == len(micro_batches) - 1)
         # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
         # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
         # sharded gradient, so no unsharded gradient is kept across micro-batches (more
-        # communication, ZeRO-3 memory).
+        # communication, ZeRO-3 memory), unless grad_sync defers it (`_deferral`).
         with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
             loss, extra = loss_fn(model, batch)
             if i == 0:

@@ -11,6 +11,9 @@ to metrics.jsonl (rank 0):
     <unit>_per_s_all_ranks             the sum over ranks
     accuracy, <custom scalars>         the mean over ranks
     peak_mem_mib_per_rank (jsonl)      every rank's peak (peak reserved on CUDA, peak RSS on CPU)
+    comm/all_gather_mib, comm/reduce_scatter_mib, comm/all_reduce_mib
+                                       this rank's bytes of that step's collectives (`fsdp_zero.comm`;
+                                       metrics.jsonl: rank 0's)
 
 After an evaluation (`evaluation`), eval/loss and eval/perplexity or eval/accuracy, in a row of their own.
 
@@ -21,9 +24,11 @@ first optimizer step, which `summary` reports against the strategy's own formula
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_zero.comm import KINDS, CommMeter, as_dict, describe
 from fsdp_zero.config import Config
 from fsdp_zero.distributed import DistEnv
 from fsdp_zero.evaluate import EvalResult
@@ -62,19 +68,21 @@ class StepRecord:
     step_seconds: float = 0.0  # mean step time over the last log interval
     evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval/* scalars
     eval_peak_mib: float = 0.0  # this rank's highest peak (as peak_mem) from the last log step through an evaluation
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # this rank's, in the last logged step, by kind
+    comm_formula: dict[str, float] = field(default_factory=dict)  # the strategy's (`fsdp_zero.comm.comm_formula`)
 
 
 class StepLogger:
     def __init__(self, env: DistEnv, run_dir, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # noqa: ANN001
                  log_every: int, last_step: int, profile_step: int, items_per_rank_step: int, unit: str,
-                 tensorboard: bool) -> None:
-        self.env, self.model, self.optimizer = env, model, optimizer
+                 tensorboard: bool, comm: CommMeter | None = None) -> None:
+        self.env, self.model, self.optimizer, self.comm = env, model, optimizer, comm
         self.log_every, self.last_step, self.profile_step = log_every, last_step, profile_step
         self.items_per_rank_step, self.unit = items_per_rank_step, unit
         self.tb: MetricLogger = TensorBoardLogger(tensorboard_dir(run_dir, env.rank)) if tensorboard else NoOpLogger()
         self.history: MetricLogger = JsonLinesLogger(run_dir / "metrics.jsonl") if env.is_rank0 else NoOpLogger()
         self.monitor = MemoryMonitor(env.device)
-        self.record = StepRecord()
+        self.record = StepRecord(comm_formula=as_dict(comm.formula) if comm else {})
         self.profiler: StepProfiler | None = None
         self._first = True
         self._interval_start, self._interval_steps = time.perf_counter(), 0
@@ -90,6 +98,12 @@ class StepLogger:
         if self.profiler:
             out.append(self.profiler.phase)
         return out
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Around one `train_step`: the profiler on the profiled step, and the step's collectives counted."""
+        with self.profiler or contextlib.nullcontext(), self.comm.counting() if self.comm else contextlib.nullcontext():
+            yield
 
     def first_step_phase(self, phase: Phase) -> None:
         if phase not in FIRST_STEP_PHASES:
@@ -135,9 +149,12 @@ class StepLogger:
                    **{k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)}}
         peaks = gathered[:, 1].tolist()
         self.record.losses[step], self.record.grad_norms[step] = scalars["loss"], scalars["grad_norm"]
+        comm = self.comm.counted() if self.comm else None  # this step's (counted on the host)
+        if comm:
+            self.record.comm_bytes = as_dict(comm)
 
-        self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem, step)
-        rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"}
+        self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem | (comm.scalars() if comm else {}), step)
+        rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | (comm.scalars() if comm else {})
         self.history.log(rank0 | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]}, step)
         logger.info("step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s", step,
                     scalars["loss"], "".join(f" | {k} {scalars[k]:.4f}" for k in names), lr, scalars["grad_norm"],
@@ -187,7 +204,11 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int
     logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
                 record.model_state_bytes / MIB, record.model_state_bytes / formula, cfg.parallel.strategy.value,
                 cfg.precision.mode, formula / MIB)
+    if record.comm_bytes:
+        logger.info("%s", describe(record.comm_bytes, record.comm_formula, cfg.parallel.strategy.value,
+                                   cfg.parallel.grad_sync.value))
     mine = {"model_state_bytes": record.model_state_bytes, "peak_rss_mib": record.peak_rss_mib,
+            "comm_bytes": {k: record.comm_bytes[k] for k in KINDS} if record.comm_bytes else None,
             "eval_peak_mib": record.eval_peak_mib or None,
             "peak_reserved_mib": record.peak_reserved_mib, "step_s": record.step_seconds, "breakdown": record.breakdown,
             "activations_after_forward": record.phases.get(Phase.AFTER_FORWARD, {}).get("activations")}
@@ -197,5 +218,6 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int
         summary = {"strategy": cfg.parallel.strategy.value, "precision": cfg.precision.mode, "steps": last,
                    "final_loss": record.losses.get(last), "num_params": num_params, "num_frozen": num_frozen,
                    "world_size": env.world_size,
-                   "model_state_formula_bytes": formula, "ranks": ranks}
+                   "model_state_formula_bytes": formula, "grad_sync": cfg.parallel.grad_sync.value,
+                   "comm_formula_bytes": record.comm_formula or None, "ranks": ranks}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConvNd", "DCP_METADATA_PRIVATE", "DefaultReduceScatter", "checkpoint_activations", "FakeStore",
+__all__ = ["ConvNd", "DCP_METADATA_PRIVATE", "DefaultAllGather", "DefaultReduceScatter", "count_zero_broadcasts", "checkpoint_activations", "FakeStore",
            "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state", "config_value", "default_store",
            "flight_recorder_json", "fsdp_mem_tracker", "fsdp_unit_settings", "hf_init_weights", "hf_no_split_modules",
            "mem_tracker"]
@@ -29,6 +29,10 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state
 # takes an instance of the private `ReduceScatter` interface; gloo runs install a subclass
 # that reduces with an all-reduce (`fsdp_zero.parallelize.AllReduceScatter`).
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+# FSDP2's default all-gather, for the same public hook's twin, `FSDPModule.set_custom_all_gather`:
+# `fsdp_zero.comm` installs a subclass that counts the bytes each unit gathers, then gathers as FSDP2 does.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 # Activation checkpointing as a composable API: marks a module so that its forward is recomputed
 # in backward (non-reentrant) without wrapping it, so parameter names, and with them checkpoints,
@@ -113,6 +117,27 @@ def fsdp_unit_settings(module: Any) -> dict[str, Any]:
     offload = isinstance(group.offload_policy, CPUOffloadPolicy)
     return {"param_dtype": policy.param_dtype, "reduce_dtype": policy.reduce_dtype, "offload": offload,
             "pin_memory": offload and group.offload_policy.pin_memory, "reshard_after_forward": reshard}
+
+
+def count_zero_broadcasts(optimizer: Any, count: Any) -> None:
+    """Counts what a ZeroRedundancyOptimizer broadcasts after its step: ``count(tensor)`` for each tensor
+    it is about to broadcast. Its step calls the private ``_broadcast_params_from_rank(r)`` once for
+    every rank r (``_sync_params``), which broadcasts rank r's bucket (``parameters_as_bucket_view``,
+    ``_buckets``) or the parameters of r's partition (``_partition_parameters()[r]``); the method is
+    wrapped on this instance to count the same tensors, from the same structures, before it runs."""
+    broadcast = optimizer._broadcast_params_from_rank
+
+    def counted(rank: int) -> Any:
+        if optimizer.parameters_as_bucket_view:
+            for per_rank in optimizer._buckets:
+                count(per_rank[rank])
+        else:
+            for group in optimizer._partition_parameters()[rank]:
+                for param in group["params"]:
+                    count(param)
+        return broadcast(rank)
+
+    optimizer._broadcast_params_from_rank = counted
 
 
 def mem_tracker() -> Any:

@@ -10,7 +10,6 @@ is everything a reader needs to follow a run from step to step.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import time
@@ -24,6 +23,7 @@ from torch import nn
 import fsdp_zero
 from fsdp_zero.build import Built, build
 from fsdp_zero.checkpoint import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
+from fsdp_zero.comm import CommMeter
 from fsdp_zero.config import TOKEN_SOURCES, Config, DataSource, Task, is_fsdp
 from fsdp_zero.config_loader import to_yaml
 from fsdp_zero.data import BatchCursor, BatchLayout, batch_layout, build_source
@@ -234,9 +234,10 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     first, last = state.step + 1, min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     tokens = cfg.data.source in TOKEN_SOURCES  # throughput in tokens, or in samples (images)
     per_rank = parts.layout.global_batch_size // parts.layout.dp_size * (cfg.data.seq_len if tokens else 1)
+    comm = CommMeter(cfg, env, model, optimizer, parts.plan, parts.layout.grad_accum_steps, parts.precision)
     log = StepLogger(env, parts.run_dir, model, optimizer, log_every=cfg.train.log_every, last_step=last,
                      profile_step=cfg.memory.profile_step, items_per_rank_step=per_rank,
-                     unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard)
+                     unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard, comm=comm)
     checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 env.rank, env.device, datetime.timedelta(minutes=cfg.dist.timeout_minutes),
                                 ) if cfg.checkpoint.enabled else None
@@ -249,9 +250,9 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             micro_batches = cursor.next_batch()
             hooks = log.hooks(step)  # the first step's memory reads; the profiler on memory.profile_step
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
-            with log.profiler or contextlib.nullcontext():
+            with log.measuring():  # the profiler on its step; the step's collectives counted (not evaluation's)
                 out = train_step(model, optimizer, parts.loss_fn, micro_batches, cfg.optim.grad_clip, env.device, hooks,
-                                 parts.scaler, gate=guard.check, token_count=count)
+                                 parts.scaler, gate=guard.check, token_count=count, grad_sync=cfg.parallel.grad_sync)
             verdict = out.verdict  # the same on every rank: they skip, stop and save at the same step
             if not verdict.finite:  # every rank skipped the optimizer step; nothing non-finite is ever saved
                 state.skipped_nonfinite += 1

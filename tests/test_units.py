@@ -195,6 +195,13 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert hasattr(FSDPModule, "set_custom_reduce_scatter")
     assert inspect.signature(torch_private.DefaultReduceScatter.__call__).parameters.keys() >= {
         "output_tensor", "input_tensor", "group", "op", "async_op"}
+    assert hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_all_reduce_hook")
+    assert inspect.signature(torch_private.DefaultAllGather.__call__).parameters.keys() >= {
+        "output_tensor", "input_tensor", "group", "async_op"}
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # what count_zero_broadcasts wraps and reads
+
+    assert hasattr(ZeroRedundancyOptimizer, "_partition_parameters")
+    assert "rank" in inspect.signature(ZeroRedundancyOptimizer._broadcast_params_from_rank).parameters
     assert "backend" in torch_private.flight_recorder_json.__doc__  # pybind: no inspectable signature
     assert callable(torch_private.default_store)
     assert torch_private.FakeStore() is not None
