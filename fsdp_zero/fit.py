@@ -18,7 +18,7 @@ model) would take too long, so candidates that share tensors share simulations:
   reference one. Micro-batches beyond the two smallest simulated ones are extrapolated linearly.
   A step of one micro-batch holds no previous micro-batch's gradients at its peak, so candidates
   without accumulation have their own reference (the micro-batch that is the whole local batch).
-The simulations run in two processes (they are single-threaded Python).
+The simulations run in two processes (they are single-threaded Python), a handful in this one.
 
 The cost, in seconds of one optimizer step under the stated rates (`Rates`), to rank candidates,
 not to promise a step time: compute (6 x parameters x tokens FLOPs, plus 2 x the checkpointed
@@ -44,7 +44,7 @@ from fsdp_zero.comm import comm_formula, comm_seconds
 from fsdp_zero.config import STRATEGIES, ActivationCheckpointing, Config, GradSync, Strategy, validate
 from fsdp_zero.lora import make_trainable
 from fsdp_zero.parallelize import checkpointed, split_over
-from fsdp_zero.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, measure_baseline
+from fsdp_zero.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline
 from fsdp_zero.precision import resolve
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
@@ -142,10 +142,14 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
             c.train.check_world(world_size)
         except ValueError:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
             continue
+        if STRATEGIES[cand.strategy].hybrid and split_over(c.parallel, world_size) == world_size and "strategy" in search:
+            continue  # one replica: full_shard's twin
         out.append(cand)
     return out
 
 
+# Fewer simulations than this run in this process: starting workers (each imports torch) costs more.
+FEW = 6
 # Worker processes: each owns a Simulator (a fake process group of its own).
 _SIM: Simulator | None = None
 
@@ -167,8 +171,8 @@ def _simulate(cfg: Config, world_size: int, configs: list[Config], processes: in
               ) -> list[Prediction]:
     """`Simulator.predict` of each config, in ``processes`` worker processes (0: in this one)."""
     if baseline is None:
-        baseline = measure_baseline(torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu"))
-    if not processes:
+        baseline = cached_baseline(torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu"))
+    if not processes or len(configs) < FEW:
         with Simulator(cfg, world_size, accum_cap=2, baseline=baseline) as sim:
             return [sim.predict(c) for c in configs]
     with multiprocessing.get_context("spawn").Pool(processes, _start, (cfg, world_size, baseline)) as pool:
@@ -261,25 +265,32 @@ def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: n
     return compute + comm + offload, parts
 
 
+# A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have been
+# within 10% of the measured ones on every configuration measured (docs/compare-and-plan.md).
+MARGIN = 0.10
+
+
 @dataclass
 class Search:
     scored: list[Scored]  # every candidate, cheapest first (ties: the smaller peak)
     simulations: int  # how many configurations were simulated for them
     seconds: float  # how long the search took
 
-    def fit(self, budget: int) -> Scored:
-        """Marks the candidates that fit ``budget`` (bytes per rank); returns the cheapest of them.
+    def fit(self, budget: int, margin: float = MARGIN) -> Scored:
+        """Marks the candidates whose peak plus ``margin`` (a fraction of it) fits ``budget`` (bytes per
+        rank); returns the cheapest of them.
 
         Raises:
             ValueError: none fits: the message names the smallest candidate and by how much it misses.
         """
         for s in self.scored:
-            s.fits = s.peak <= budget
+            s.fits = s.peak * (1 + margin) <= budget
         if not any(s.fits for s in self.scored):
             small = min(self.scored, key=lambda s: s.peak)
+            need = small.peak * (1 + margin)
             raise ValueError(f"--fit={budget / 2**20:,.0f} MiB: no candidate fits; the smallest, "
-                             f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per "
-                             f"rank ({(small.peak - budget) / 2**20:,.0f} MiB over)")
+                             f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per rank "
+                             f"+ {margin:.0%} margin = {need / 2**20:,.0f} MiB ({(need - budget) / 2**20:,.0f} MiB over)")
         return next(s for s in self.scored if s.fits)
 
 

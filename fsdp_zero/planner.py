@@ -21,6 +21,7 @@ measured on the spot for the libraries and a retention term for the heap (see
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -229,6 +230,12 @@ def measure_baseline(device: torch.device) -> int:
     return int(proc.stdout.strip().splitlines()[-1])
 
 
+@functools.cache
+def cached_baseline(device: torch.device) -> int:
+    """`measure_baseline`, once a process: the libraries it measures do not change while it runs."""
+    return measure_baseline(device)
+
+
 class DDPStandIn(nn.Module):
     """``DistributedDataParallel(gradient_as_bucket_view=True)`` as memory sees it, for fake tensors.
 
@@ -332,7 +339,7 @@ class Simulator:
         # Planning for GPUs from a machine without one: the tensors are the same (fp32), so the
         # step is simulated on the CPU; what is predicted is still device memory (no baseline).
         self.device = self.target if self.target.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
-        self.baseline = measure_baseline(self.target) if baseline is None else baseline
+        self.baseline = cached_baseline(self.target) if baseline is None else baseline
         # glibc serves tensors below this from its heap (CPU); the split decides what the heap keeps.
         self.heap_threshold = mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
 

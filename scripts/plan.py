@@ -31,11 +31,11 @@ from fsdp_zero.build import construct
 from fsdp_zero.comm import comm_formula, comm_seconds
 from fsdp_zero.config import ZERO_STAGES, Config, Strategy, validate
 from fsdp_zero.config_loader import load_config
+from fsdp_zero.fit import DIMENSIONS, MARGIN, Rates, search
 from fsdp_zero.lora import frozen_count, make_trainable
 from fsdp_zero.memory import CATEGORIES, MIB, parse_size
-from fsdp_zero.planner import (PAPER_K, PLAN_MODES, deepspeed_zero3_estimate, format_bytes, format_gb, simulate,
-                               strategy_states, zero_paper_stages)
-from fsdp_zero.fit import DIMENSIONS, Rates, search
+from fsdp_zero.planner import (PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb,
+                               simulate, strategy_states, zero_paper_stages)
 from fsdp_zero.precision import resolve
 from fsdp_zero.wrap import build_wrap_plan
 
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 200)")
     parser.add_argument("--search", help=f"--fit: the settings to vary, comma-separated (default: all of "
                         f"{','.join(DIMENSIONS)}); the others stay as the config sets them")
+    parser.add_argument("--margin", type=float, default=MARGIN, help=f"--fit: a candidate fits when its predicted peak "
+                        f"plus this fraction of it does (default {MARGIN:g}: the planner's measured accuracy)")
     parser.add_argument("--show", type=int, default=12, help="--fit: how many fitting candidates to print (default 12)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                                  f"<= --params={args.params:g}")
             formulas(int(args.params), int(args.largest_layer) if args.largest_layer else None, args.world_size)
             return 0
+        if args.search and not args.fit:
+            raise ValueError(f"--search={args.search}: it names what --fit varies; add --fit MEMORY")
         cfg = load_config(args.config, args.overrides)
         rates = _rates(args, cfg.dist.device.value)
         if args.fit:
@@ -85,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--fit searches every strategy against its own budget: drop --strategy and "
                                  "--device-memory")
             dims = tuple(d for d in args.search.split(",") if d) if args.search else DIMENSIONS
-            return fit(cfg, args.world_size, parse_size(args.fit, "--fit"), rates, dims, args.json, args.show)
+            if not 0 <= args.margin < 1:
+                raise ValueError(f"--margin={args.margin:g}: a fraction of the predicted peak, in [0, 1)")
+            return fit(cfg, args.world_size, parse_size(args.fit, "--fit"), args.margin, rates, dims, args.json,
+                       args.show)
         limit = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
         strategies = [Strategy(s) for s in args.strategy] if args.strategy else ALL
         preds = simulate(cfg, args.world_size, strategies)
@@ -100,6 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     root = next(u.num_params for u in units if not u.fqn)
     largest = max((u.num_params for u in units if u.fqn), default=0)  # 0: the root is the only unit
     n = args.world_size
+    memory_table(cfg, preds, num_params, n, limit)
+    formulas(num_params, largest, n, root, frozen_count(model))
+    communication(cfg, model, n, [Strategy(p.strategy) for p in preds], rates.link_gbps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k != "notes"} for p in preds], f, indent=2)
+    return 0
+
+
+def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, limit: int | None) -> None:
+    """Each strategy's predicted peak by category, what a rank will show, and whether it fits ``limit``."""
     cuda = cfg.dist.device.value == "cuda"
     kind = "device memory" if cuda else "peak RSS (process)"
     if cuda and not torch.cuda.is_available():
@@ -129,12 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         print("CPU offload: the model state (sharded parameters, gradients, AdamW states) lives in host memory"
               + ("; device memory is the tensors less that" if cuda else "") + ": "
               + "; ".join(f"{p.strategy} {p.host_state / MIB:,.1f} MiB" for p in preds) + " per rank\n")
-    formulas(num_params, largest, n, root, frozen_count(model))
-    communication(cfg, model, n, [Strategy(p.strategy) for p in preds], rates.link_gbps)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k != "notes"} for p in preds], f, indent=2)
-    return 0
 
 
 def _rates(args: argparse.Namespace, device: str) -> Rates:
@@ -168,15 +180,17 @@ def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[
                   f"{moved.all_reduce / MIB:,.1f} | {seconds * 1e3:,.1f} |")
 
 
-def fit(cfg: Config, n: int, budget: int, rates: Rates, dims: tuple[str, ...], json_path: str | None, show: int) -> int:
+def fit(cfg: Config, n: int, budget: int, margin: float, rates: Rates, dims: tuple[str, ...], json_path: str | None,
+        show: int) -> int:
     """--fit: the ranked candidates and the pick (fsdp_zero.fit)."""
     found = search(cfg, n, rates, dims)
-    best = found.fit(budget)
+    best = found.fit(budget, margin)
     scored = found.scored
     fitting = [s for s in scored if s.fits]
     print(f"# fit: {cfg.model.pretrained or cfg.model.target or cfg.model.preset}, {n} ranks, global batch "
           f"{cfg.train.global_batch_size}, budget {format_bytes(budget)} per rank "
-          f"({'device memory' if cfg.dist.device.value == 'cuda' else 'peak RSS'})")
+          f"({'device memory' if cfg.dist.device.value == 'cuda' else 'peak RSS'}); a candidate fits when its "
+          f"predicted peak + {margin:.0%} does")
     print(f"rates: {rates.tflops:g} TFLOP/s (16-bit; fp32 {rates.fp32_speed:g}x slower), link {rates.link_gbps:g} "
           f"Gbit/s, host {rates.host_gbps:g} Gbit/s; cost = compute + communication + offload copies, no overlap\n")
     print(f"{len(scored)} candidates ({found.simulations} simulations, {found.seconds:.0f} s), {len(fitting)} fit; "
@@ -190,11 +204,12 @@ def fit(cfg: Config, n: int, budget: int, rates: Rates, dims: tuple[str, ...], j
         print(f"| {i} | {' | '.join(ms)} "
               f"| {format_bytes(s.peak)} | {c.strategy.value} | {c.precision} | {c.checkpointing.value} | "
               f"{'yes' if c.offload else 'no'} | {c.micro_batch} | {c.grad_sync.value} |")
-    print(f"\npick: cost {best.cost * 1e3:,.1f} ms, peak {format_bytes(best.peak)} of {format_bytes(budget)}:")
+    print(f"\npick: cost {best.cost * 1e3:,.1f} ms, peak {format_bytes(best.peak)} (+ {margin:.0%}: "
+          f"{format_bytes(best.peak * (1 + margin))}) of {format_bytes(budget)}:")
     print("  " + " ".join(best.candidate.overrides()))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"candidates": [s.to_json() for s in scored],
+            json.dump({"budget_bytes": budget, "margin": margin, "candidates": [s.to_json() for s in scored],
                        "pick": {k: v for k, v in best.to_json().items() if k != "fits"}}, f, indent=2)
     return 0
 

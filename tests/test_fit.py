@@ -51,8 +51,10 @@ def test_the_search_varies_what_it_is_asked_to_and_ranks_by_cost(found):
     assert by[none, 2, GradSync.once_per_step].peak > by[none, 2, every].peak  # unsharded gradients held
     assert result.fit(2**40) is result.scored[0]  # everything fits 1 TiB
     middle = sorted(s.peak for s in result.scored)[len(cands) // 2]
-    pick = result.fit(middle)
+    pick = result.fit(middle, margin=0)
     assert pick.peak <= middle and all(s.peak > middle for s in result.scored[: result.scored.index(pick)])
+    safe = result.fit(middle)  # the default margin: the peak + 10% fits
+    assert safe.peak * 1.1 <= middle and all(s.peak * 1.1 > middle for s in result.scored[: result.scored.index(safe)])
     assert result.simulations < len(cands)
 
 
@@ -73,7 +75,7 @@ def test_a_budget_nothing_fits_names_the_smallest_candidate_and_by_how_much(foun
     cfg, result = found
     smallest = min(result.scored, key=lambda s: s.peak)
     with pytest.raises(ValueError, match=r"--fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard "
-                                         r".*needs [\d,]+ MiB per rank \([\d,]+ MiB over\)") as e:
+                                         r".*needs [\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)") as e:
         result.fit(MIB)
     assert " ".join(smallest.candidate.overrides()) in str(e.value)
 

@@ -1,0 +1,121 @@
+"""The planner's search (`scripts/plan.py --fit`) against real runs: its picks for two budgets, and its
+ranking of candidates against their measured step times, on gpt_small at N ranks.
+
+    python bench/fit.py [--nproc-per-node 2] [--budgets 2.0GiB,2.4GiB] [--ranked 6] [--out DIR]
+                        [--tflops T] [--link-gbps G] [key=value ...]
+
+Searches once (`fsdp_zero.fit.search`: every candidate's predicted peak and cost, budget-free), then:
+1. for each budget, runs the cheapest candidate that fits (scripts/train.py under torchrun, fresh
+   processes) and prints its predicted peak per rank against the measured one (peak RSS, the highest
+   rank's) and the budget;
+2. runs ``--ranked`` candidates spread evenly over the ranked list (cheapest to dearest) and prints
+   their predicted cost against their measured median step time, with the rank correlation
+   (Spearman's rho) of the two.
+The cost's rates are the CPU defaults (`fsdp_zero.fit.Rates.default`) unless --tflops / --link-gbps say
+otherwise. `key=value` overrides change the model and batch for the search and every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from fsdp_zero.config_loader import load_config
+from fsdp_zero.fit import Rates, Scored, search
+from fsdp_zero.memory import parse_size
+
+TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+MODEL = ("model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256", "train.global_batch_size=8",
+         "train.micro_batch_size=1")
+RUN = ("train.steps=4", "train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0",
+       "metrics.tensorboard=false")
+MIB = 2**20
+
+
+def run(out: Path, name: str, nproc: int, overrides: list[str]) -> dict:
+    """One training run of the candidate's overrides; its summary.json."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
+           *overrides, *RUN, f"run.root={out}", f"run.name={name}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"error: {name} ({' '.join(overrides)}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads((out / name / "summary.json").read_text())
+
+
+def short(s: Scored) -> str:
+    c = s.candidate
+    return (f"{c.strategy.value}, {c.precision}, AC {c.checkpointing.value}, mb {c.micro_batch}, {c.grad_sync.value}"
+            + (", offload" if c.offload else ""))
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        for i, j in enumerate(order):
+            r[j] = float(i)
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--budgets", default="2.0GiB,2.4GiB")
+    parser.add_argument("--ranked", type=int, default=6)
+    parser.add_argument("--tflops", type=float)
+    parser.add_argument("--link-gbps", type=float)
+    parser.add_argument("--out", help="output folder (default runs/fit-bench-<timestamp>); must not exist")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    out = Path(args.out or f"runs/fit-bench-{datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists():
+        print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
+        return 2
+    n, model = args.nproc_per_node, [*MODEL, *args.overrides]
+    cfg = load_config(None, model)
+    rates = Rates.default(cfg.dist.device.value)
+    rates = dataclasses.replace(rates, **{k: v for k, v in (("tflops", args.tflops), ("link_gbps", args.link_gbps))
+                                          if v is not None})
+    found = search(cfg, n, rates)
+    lines = [f"# plan.py --fit against real runs: {' '.join(model)}, {n} ranks",
+             f"\nsearch: {len(found.scored)} candidates, {found.simulations} simulations, {found.seconds:.0f} s; "
+             f"rates {rates}\n",
+             "| budget | pick | predicted peak MiB | measured peak MiB | measured / predicted | within budget |",
+             "|---|---|---|---|---|---|"]
+    for i, text in enumerate(args.budgets.split(",")):
+        budget = parse_size(text, "--budgets")
+        pick = found.fit(budget)
+        measured = max(r["peak_rss_mib"] for r in run(out, f"pick{i}", n, [*model, *pick.candidate.overrides()])["ranks"])
+        lines.append(f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
+                     f"{measured * MIB / pick.peak:.3f} | {'yes' if measured * MIB <= budget else 'NO'} |")
+    spread = [found.scored[round(i * (len(found.scored) - 1) / max(1, args.ranked - 1))] for i in range(args.ranked)]
+    lines += ["", "| cost rank | candidate | predicted cost s | measured step s | predicted peak MiB | measured peak MiB |",
+              "|---|---|---|---|---|---|"]
+    costs, times = [], []
+    for s in spread:
+        summary = run(out, f"rank{found.scored.index(s)}", n, [*model, *s.candidate.overrides()])
+        step = summary["ranks"][0]["step_s"]
+        peak = max(r["peak_rss_mib"] for r in summary["ranks"])
+        costs.append(s.cost)
+        times.append(step)
+        lines.append(f"| {found.scored.index(s) + 1} of {len(found.scored)} | {short(s)} | {s.cost:.2f} | {step:.2f} "
+                     f"| {s.peak / MIB:,.0f} | {peak:,.0f} |")
+    lines.append(f"\nrank correlation of predicted cost and measured step time (Spearman): {spearman(costs, times):+.2f}")
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fit-bench.md").write_text(text)
+    print(f"\n{text}\nwrote {out / 'fit-bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
