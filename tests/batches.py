@@ -46,6 +46,7 @@ SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved afte
 # steps 3, 6 and 8; at 2 ranks and micro-batch 2, rank 0 forwards 2 + 1 windows, rank 1 2 and a dummy.
 EVAL = ("eval.every=3", "eval.path={root}/val.bin")
 EVAL_TOKENS = 170
+HSDP_MB1 = ("parallel.strategy=hybrid_shard", "parallel.shard_size=2", "train.micro_batch_size=1")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Launch:
     prepare: Callable[[Path], None] | None = None  # files its runs read, made first in the test process
 
 
-P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
+P, C, M, E, L, T = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora", "test_comm"
 # tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm trained.
 FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
 LORA = ("model.lora.rank=4", "model.lora.targets=[wq,wv,w2]", "model.lora.train=[norm.weight]")
@@ -149,20 +150,20 @@ LAUNCHES = {
 RUNS = [
     # ZeRO-3 straight through, saving every 2 steps (retention keeps 6 and 8): the parity run and the
     # checkpoint tests' straight run.
-    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E)),
+    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T)),
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
-    Run("eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E,)),
-    Run("n2-tied", "2", (*BASE, *TIED), (P,)),
-    Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4"), (P, C)),
-    Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C)),  # DeepSpeed's name for it
-    Run("zero2", "2", (*BASE, "parallel.strategy=SHARD_GRAD_OP"), (P,)),  # FSDP1's name for it
+    Run("eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E, T)),
+    Run("n2-tied", "2", (*BASE, *TIED), (P, T)),
+    Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4"), (P, C, T)),
+    Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T)),  # DeepSpeed's name for it
+    Run("zero2", "2", (*BASE, "parallel.strategy=SHARD_GRAD_OP"), (P, T)),  # FSDP1's name for it
     # The memory levers: plain ZeRO-3's numbers bit for bit; CPU offload and full checkpointing share a run.
     Run("ac-full", "2", (*BASE, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)),
     Run("ac-selective", "2", (*BASE, "parallel.activation_checkpointing=selective",
                               "parallel.activation_checkpointing_every=2"), (P,)),
-    Run("bf16-mixed", "2", (*BASE, "precision=bf16-mixed"), (P,)),
+    Run("bf16-mixed", "2", (*BASE, "precision=bf16-mixed"), (P, T)),
     Run("fp16-mixed", "2", (*BASE, "precision=fp16-mixed"), (P,)),
-    Run("bf16-true", "2", (*BASE, "precision=bf16-true"), (P,)),
+    Run("bf16-true", "2", (*BASE, "precision=bf16-true"), (P, T)),
     Run("overflow", "2", (*BASE, "precision=fp16-mixed", "model.task=custom",
                           "model.loss=tests.user_model:overflow_on_rank1"), (P,)),
     Run("split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C,)),
@@ -176,12 +177,14 @@ RUNS = [
     Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
     # Masked instruction data (tests/test_masked.py): the token-weighted loss at N = 2, micro-batch 2.
     Run("masked", "2", (*BASE, *MASKED), ("test_masked",)),
-    Run("freeze", "2", (*BASE, *FREEZE), (L,)),
-    Run("lora", "2", (*BASE, *LORA), (L,)),
+    Run("freeze", "2", (*BASE, *FREEZE), (L, T)),
+    Run("lora", "2", (*BASE, *LORA), (L, T)),
     # LoRA on a Hugging Face folder's Llama (q_proj, v_proj): the base weights loaded, then the exports.
     Run("pretrained-lora", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON, "model.lora.rank=4",
                                  "model.lora.targets=[q_proj,v_proj]"), (L,)),
     Run("lora-split", "2", (*BASE, *LORA, "train.stop_after=4", "checkpoint.every=0"), (L,)),
+    # parallel.grad_sync=once_per_step (tests/test_comm.py): n2's numbers, half its reduce-scatter bytes.
+    Run("grad-once", "2", (*BASE, "parallel.grad_sync=once_per_step"), (T,)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
@@ -198,20 +201,23 @@ RUNS = [
                                  "model.init_from={root}/weights.pt"), (C,)),
     Run("round-trip", "2-resume", (*BASE, "train.steps=1", "checkpoint.enabled=false",
                                    "model.init_from={root}/exported"), (C,)),
-    Run("n4", "4", BASE, (P,)),
+    Run("n4", "4", BASE, (P, T)),
     Run("lora-n4", "4", (*BASE, *LORA), (L,)),
     Run("lora-reshard4", "4", (*BASE, *LORA, "checkpoint.every=0",
                                "checkpoint.resume={root}/lora-split/checkpoints/step-0000004"), (L,)),
-    Run("hsdp", "4", (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P,)),
+    Run("hsdp", "4", (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P, T)),
     # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
-    Run("hpz-prefetch", "4", (*BASE, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P,)),
+    Run("hpz-prefetch", "4", (*BASE, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P, T)),
+    # HSDP's deferred reductions over micro-batches of 1 (2 a step): the single-process numbers.
+    Run("hsdp-replicas", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=replicas_once_per_step"), (T,)),
+    Run("hsdp-once", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=once_per_step"), (T,)),
     Run("vit-n4", "4", (*VIT, *COMMON, "train.steps=1", "checkpoint.enabled=false"), (M,)),
     Run("reshard4", "4", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
     Run("zero1-to-full_shard-n4", "4", (*BASE, "checkpoint.every=0",
                                         "checkpoint.resume={root}/zero1/checkpoints/step-0000004"), (C,)),
     Run("full_shard-to-ddp-n4", "4", (*BASE, "parallel.strategy=ddp", "checkpoint.every=0",
                                       f"checkpoint.resume={SPLIT}"), (C,)),
-    Run("n1", "1", BASE, (P,)),
+    Run("n1", "1", BASE, (P, T)),
     # The same at N = 1 with micro-batches of 2 (4 accumulated) and of 8 (one).
     Run("masked-n1", "1", (*BASE, *MASKED), ("test_masked",)),
     Run("masked-n1-mb8", "1", (*BASE, *MASKED, "train.micro_batch_size=8"), ("test_masked",)),
@@ -221,7 +227,7 @@ RUNS = [
     Run("ddp-to-full_shard-n1", "1", (*BASE, "checkpoint.every=0",
                                       "checkpoint.resume={root}/ddp/checkpoints/step-0000004"), (C,)),
     # gloo's reduction at 3 ranks: uneven shards (64 rows over 3) and padding; 2 micro-batches of 2 a rank.
-    Run("n3", "3", (*BASE, "train.global_batch_size=12"), (P,)),
+    Run("n3", "3", (*BASE, "train.global_batch_size=12"), (P, T)),
 ]
 BY_NAME = {run.name: run for run in RUNS}
 assert len(BY_NAME) == len(RUNS)
