@@ -83,7 +83,11 @@ def test_a_budget_nothing_fits_names_the_smallest_candidate_and_by_how_much(foun
 def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
     cfg = load_config(None, NANO)
     every = candidates(cfg, 2)
-    assert {c.strategy.value for c in every} == {"ddp", "zero1", "shard_grad_op", "full_shard", "hybrid_shard"}
+    # hybrid_shard (shard_size 2) at 2 ranks has one replica: full_shard's twin, left out.
+    assert {c.strategy.value for c in every} == {"ddp", "zero1", "shard_grad_op", "full_shard"}
+    four = candidates(load_config(None, NANO), 4)
+    assert {c.strategy.value for c in four} == {"ddp", "zero1", "shard_grad_op", "full_shard", "hybrid_shard"}
+    assert {c.strategy.value for c in four if c.grad_sync is GradSync.replicas_once_per_step} == {"hybrid_shard"}
     assert not any(c.strategy.value in ("ddp", "zero1") and c.precision == "bf16-mixed" for c in every)
     assert not any(c.offload for c in every)  # a CPU host: offload moves nothing
     cuda = candidates(load_config(None, NANO + ["dist.device=cuda"]), 2)
