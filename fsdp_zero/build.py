@@ -252,12 +252,46 @@ def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int
     return model, plan, "; ".join(notes)
 
 
+def local_numel(p: torch.Tensor) -> int:
+    """Elements of ``p`` this rank holds: its shard of an FSDP parameter (a DTensor), else all of them."""
+    return (p.to_local() if hasattr(p, "to_local") else p).numel()
+
+
+def step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
+    """``params`` cut, in order, into consecutive groups of at most ``size`` local elements (a tensor
+    larger than ``size`` is a group of its own); ``size`` 0: one group. (DeepSpeed's ZeRO-3 closes a
+    sub-group once it reaches ``sub_group_size``, so its groups may pass it by one tensor; these never do.)
+
+    AdamW's update is elementwise and per tensor (each parameter's own step count and bias
+    correction), so stepping the groups one after another gives the same bits as one step over all
+    of them; foreach AdamW's temporaries (a tensor list as large as the group, e.g. the square roots
+    of ``exp_avg_sq``) are then as large as a group instead of the whole shard.
+    """
+    if size == 0:
+        return [params] if params else []
+    groups: list[list[nn.Parameter]] = []
+    count = 0
+    for p in params:
+        n = local_numel(p)
+        if not groups or count + n > size:
+            groups.append([])
+            count = 0
+        groups[-1].append(p)
+        count += n
+    return groups
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and embeddings, none on 1-D parameters (norm gains, biases).
 
     With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
     its own partition of the parameters (whole tensors, balanced by size) and broadcasts
     its updated parameters after the step.
+
+    ``optim.step_group_size`` > 0 with foreach AdamW: each of the two groups is cut into
+    `step_groups`, which AdamW steps one after another (the same bits, temporaries bounded by a
+    group). Fused and for_loop AdamW make no temporaries larger than one tensor, so they keep the two
+    groups (a warning says the setting has no effect where it would have cut them).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -265,8 +299,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, ze
     impl = cfg.implementation
     if impl is OptimizerImpl.auto:
         impl = OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-              if g["params"]]
+    size = cfg.step_group_size
+    if size and impl is not OptimizerImpl.foreach:
+        if any(len(step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
+            logger.warning("optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than one "
+                           "tensor); it bounds foreach AdamW's", size, impl.value)
+        size = 0
+    groups = [{"params": ps, "weight_decay": wd} for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+              for ps in step_groups(group, size)]
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=impl is OptimizerImpl.fused,
                   foreach=impl is OptimizerImpl.foreach)
     if zero1:

@@ -486,9 +486,19 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
     implementation: OptimizerImpl = OptimizerImpl.auto
+    # A bounded optimizer step (DeepSpeed's sub_group_size): foreach AdamW steps this rank's shard in
+    # groups of at most this many elements (a larger tensor is a group of its own), bit-identical to
+    # one step over the whole shard, so its temporaries (a tensor list as large as what it steps at
+    # once) are bounded by a group. 0: the whole shard at once. Fused AdamW (CUDA's default) and
+    # for_loop make no temporaries larger than one tensor and ignore it (docs/memory-levers.md).
+    step_group_size: int = 0
 
     def check(self) -> None:
         check_positive("optim.lr", self.lr)
+        size = self.step_group_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"optim.step_group_size={size!r}: must be an integer >= 0 (elements per AdamW "
+                             "group; 0: the whole shard at once)")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
         if self.eps <= 0:

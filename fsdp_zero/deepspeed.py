@@ -42,7 +42,6 @@ NO_EFFECT = {
     "allgather_partitions": "FSDP2 always all-gathers a unit's shards as one collective",
     "reduce_scatter": "FSDP2 always reduce-scatters gradients",
     "round_robin_gradients": "no effect with FSDP2",
-    "sub_group_size": "FSDP2 steps each rank's optimizer on its shards as a whole",
     "stage3_prefetch_bucket_size": "FSDP2 prefetches the next unit; explicit depth: parallel.prefetch",
     "stage3_param_persistence_threshold": "every unit is sharded; small units: parallel.wrap.min_params",
     "stage3_max_live_parameters": "at most the gathered units of the current and the prefetched ones live",
@@ -360,6 +359,18 @@ def _offload(ds: _Reader, stage: int | None) -> list[str]:
     return ["parallel.cpu_offload=true"]
 
 
+def _sub_group(key: str, value: Any) -> int:
+    """Elements per optimizer sub-group; DeepSpeed's 0 (every tensor a sub-group of its own) is 1 here."""
+    return max(number(int, min=0)(key, value), 1)
+
+
+# DeepSpeed's ZeRO-3 steps its optimizer sub-group by sub-group (default 1e9 elements: one group for
+# any shard below that); here foreach AdamW steps groups of at most that many, at every stage.
+SUB_GROUP = Rule("zero_optimization.sub_group_size", "optim.step_group_size", _sub_group,
+                 "elements of a rank's shard AdamW steps at once (bit-identical; bounds foreach AdamW's "
+                 "temporaries); 0, one tensor at a time, is 1 here")
+
+
 # Precision.
 FP16 = Rule("fp16.enabled", "precision=fp16-mixed", flag, "fp32 master weights, fp16 compute, loss scaling")
 LOSS_SCALE = Rule("fp16.loss_scale", "precision.loss_scale", number(float, min=0), "0: dynamic")
@@ -446,6 +457,7 @@ TABLE: tuple[Rule | Joint, ...] = (
     Rule("gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"),
     Rule("steps_per_print", "train.log_every", number(int, min=0), "steps between log lines"),
     Joint(_zero, (STAGE, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, HPZ, MICS)),
+    SUB_GROUP,
     Joint(_precision, (FP16, LOSS_SCALE, SCALE_POWER, SCALE_WINDOW, BF16)),
     Rule("communication_data_type", "precision.reduce_dtype",
          choice({"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "float32": "fp32", "float16": "fp16",

@@ -66,10 +66,14 @@ class Launch:
     prepare: Callable[[Path], None] | None = None  # files its runs read, made first in the test process
 
 
-P, C, M, E, L, T = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora", "test_comm"
+P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
+T, S = "test_comm", "test_step_group"
 # tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm trained.
 FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
 LORA = ("model.lora.rank=4", "model.lora.targets=[wq,wv,w2]", "model.lora.train=[norm.weight]")
+# tests/test_step_group.py's bounded optimizer step: groups of at most 5,000 local elements (gpt_nano's
+# ~70k a rank at 2 ranks: 13 groups under FSDP, a 64 x 64 matrix's 2,048-element shards two to a group).
+GROUPED = ("optim.step_group_size=5000",)
 
 
 def _weights_to_import(root: Path) -> None:
@@ -150,23 +154,23 @@ LAUNCHES = {
 RUNS = [
     # ZeRO-3 straight through, saving every 2 steps (retention keeps 6 and 8): the parity run and the
     # checkpoint tests' straight run.
-    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T)),
+    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T, S)),
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
     Run("eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E, T)),
     Run("n2-tied", "2", (*BASE, *TIED), (P, T)),
     Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4"), (P, C, T)),
-    Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T)),  # DeepSpeed's name for it
+    Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T, S)),  # DeepSpeed's name for it
     Run("zero2", "2", (*BASE, "parallel.strategy=SHARD_GRAD_OP"), (P, T)),  # FSDP1's name for it
     # The memory levers: plain ZeRO-3's numbers bit for bit; CPU offload and full checkpointing share a run.
     Run("ac-full", "2", (*BASE, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)),
     Run("ac-selective", "2", (*BASE, "parallel.activation_checkpointing=selective",
                               "parallel.activation_checkpointing_every=2"), (P,)),
-    Run("bf16-mixed", "2", (*BASE, "precision=bf16-mixed"), (P, T)),
+    Run("bf16-mixed", "2", (*BASE, "precision=bf16-mixed"), (P, T, S)),
     Run("fp16-mixed", "2", (*BASE, "precision=fp16-mixed"), (P,)),
     Run("bf16-true", "2", (*BASE, "precision=bf16-true"), (P, T)),
     Run("overflow", "2", (*BASE, "precision=fp16-mixed", "model.task=custom",
                           "model.loss=tests.user_model:overflow_on_rank1"), (P,)),
-    Run("split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C,)),
+    Run("split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C, S)),
     Run("async", "2", (*BASE, "checkpoint.async_save=true", "checkpoint.every=2", "checkpoint.keep_last=2"), (C,),
         options={"slow_writes": 0.3}),
     Run("vit", "2", (*VIT, *COMMON), (M,)),
@@ -185,6 +189,10 @@ RUNS = [
     Run("lora-split", "2", (*BASE, *LORA, "train.stop_after=4", "checkpoint.every=0"), (L,)),
     # parallel.grad_sync=once_per_step (tests/test_comm.py): n2's numbers, half its reduce-scatter bytes.
     Run("grad-once", "2", (*BASE, "parallel.grad_sync=once_per_step"), (T,)),
+    # n2, bf16-mixed and zero1 with the optimizer stepped group by group: the same bits.
+    Run("group", "2", (*BASE, *GROUPED, "checkpoint.every=4"), (S,)),
+    Run("group-bf16", "2", (*BASE, *GROUPED, "precision=bf16-mixed"), (S,)),
+    Run("group-zero1", "2", (*BASE, *GROUPED, "parallel.zero_stage=1", "checkpoint.every=4"), (S,)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
@@ -197,6 +205,11 @@ RUNS = [
                                            "checkpoint.resume={root}/pretrained/checkpoints/step-0000002"),
         ("test_pretrained",)),
     Run("lora-resumed", "2-resume", (*BASE, *LORA, "checkpoint.every=0"), (L,), run_name="lora-split"),
+    # A checkpoint saved whole-shard continued in groups, and one saved in groups continued whole-shard.
+    Run("group-resumed", "2-resume", (*BASE, *GROUPED, "checkpoint.every=0",
+                                      "checkpoint.resume={root}/split/checkpoints/step-0000004"), (S,)),
+    Run("group-to-whole", "2-resume", (*BASE, "checkpoint.every=0",
+                                       "checkpoint.resume={root}/group/checkpoints/step-0000004"), (S,)),
     Run("imported", "2-resume", (*BASE, "train.steps=4", "checkpoint.enabled=false",
                                  "model.init_from={root}/weights.pt"), (C,)),
     Run("round-trip", "2-resume", (*BASE, "train.steps=1", "checkpoint.enabled=false",

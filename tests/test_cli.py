@@ -146,6 +146,7 @@ def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
         (["parallel.wrap.policy=blocks"], "valid choices: transformer, size_based, modules, none"),
         (["parallel.wrap.classes=[Block]"], "unknown module class 'Block'; this model has: Attention, Embedding"),
         (["train.global_batch_size=6", "train.micro_batch_size=4"], "not a multiple of train.micro_batch_size=4"),
+        (["optim.step_group_size=-1"], "optim.step_group_size=-1: must be an integer >= 0 (elements per AdamW group"),
     ],
 )
 def test_user_errors_exit_2_with_one_clear_line_and_write_nothing(tmp_path: Path, args, message):

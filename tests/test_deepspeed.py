@@ -49,7 +49,8 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
     full = {
         "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
         "gradient_clipping": 0.5, "steps_per_print": 7, "wall_clock_breakdown": True,
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "sub_group_size": 4_000_000},
         "communication_data_type": "fp32",
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01}},
@@ -59,7 +60,8 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
     }
     notes = _same(tmp_path, full, [
         "train.global_batch_size=32", "train.micro_batch_size=4", "optim.grad_clip=0.5", "train.log_every=7",
-        "parallel.zero_stage=2", "parallel.cpu_offload=true", "precision.reduce_dtype=fp32",
+        "parallel.zero_stage=2", "parallel.cpu_offload=true", "optim.step_group_size=4000000",
+        "precision.reduce_dtype=fp32",
         "precision=bf16-mixed", "optim.lr=2e-4", "optim.betas=[0.9,0.98]", "optim.eps=1e-6", "optim.weight_decay=0.01",
         "optim.schedule=cosine", "optim.warmup_steps=5", "train.steps=100", "optim.min_lr_ratio=0.05",
         "metrics.tensorboard=false",
@@ -83,6 +85,10 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
            "parallel.zero_stage=3", "parallel.reshard_after_forward=2"], world_size=4)
     _same(tmp_path, {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
           ["parallel.strategy=hybrid_shard", "parallel.shard_size=2"], world_size=4)
+    # sub_group_size: DeepSpeed's default (1e9, one group for any shard below it) as it is; its 0 (one
+    # tensor a sub-group) is 1 here (a group never holds more than one tensor larger than 1 element).
+    for value, ours in ((1e9, 1_000_000_000), (0, 1), ("2e6", 2_000_000)):
+        _same(tmp_path, {"zero_optimization": {"sub_group_size": value}}, [f"optim.step_group_size={ours}"])
     for stage, strategy in ((0, "ddp"), (1, "zero1"), (2, "shard_grad_op"), (3, "full_shard")):
         mapped, _ = _read(tmp_path, {"zero_optimization": {"stage": stage}})
         assert load_config(None, mapped).parallel.strategy.value == strategy
@@ -109,9 +115,9 @@ def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(tmp_path):
 def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):
     mapped, notes = _read(tmp_path, TUTORIAL)
     assert mapped == ["train.global_batch_size=32", "train.micro_batch_size=16", "parallel.zero_stage=3",
-                      "precision.mode=fp16-mixed"]
+                      "optim.step_group_size=1000000000", "precision.mode=fp16-mixed"]
     assert [n.split("=")[0] for n in notes] == [f"ds_config zero_optimization.{k}" for k in
-                                                ("overlap_comm", "contiguous_gradients", "sub_group_size", "reduce_bucket_size")]
+                                                ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")]
     assert all(": no effect; " in n and n.count("\n") == 0 for n in notes)
     stage3 = {k: 1 for k in NO_EFFECT if k.startswith("stage3_")}
     _, notes = _read(tmp_path, {"zero_optimization": {"stage": 3, **stage3}})
@@ -156,6 +162,9 @@ WRONG_KIND = [
 ] + [
     ('{"fp16": {"enabled": true, "initial_scale_power": @}}', value, "fp16.initial_scale_power",
      "expected an integer >= 0") for value in ("NaN", "1e400", "-1", "12.5", "true", '"abc"', '"nan"')
+] + [
+    ('{"zero_optimization": {"sub_group_size": @}}', value, "zero_optimization.sub_group_size",
+     "expected an integer >= 0") for value in ("-1", "2.5", "true", '"abc"')
 ] + [
     ('{"optimizer": {"params": {"lr": @}}}', value, "optimizer.params.lr", "expected a number >= 0")
     for value in ("NaN", "1e400", "-1", "true", '"1e-4"', '"abc"')
