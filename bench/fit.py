@@ -1,8 +1,8 @@
 """The planner's search (`scripts/plan.py --fit`) against real runs: its picks for two budgets, and its
 ranking of candidates against their measured step times, on gpt_small at N ranks.
 
-    python bench/fit.py [--nproc-per-node 2] [--budgets 2.0GiB,2.4GiB] [--ranked 6] [--out DIR]
-                        [--tflops T] [--link-gbps G] [key=value ...]
+    python bench/fit.py [--nproc-per-node 2] [--budgets 2.0GiB,2.4GiB] [--margin 0.1] [--ranked 6]
+                        [--out DIR] [--tflops T] [--link-gbps G] [key=value ...]
 
 Searches once (`fsdp_zero.fit.search`: every candidate's predicted peak and cost, budget-free), then:
 1. for each budget, runs the cheapest candidate that fits (scripts/train.py under torchrun, fresh
@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 from fsdp_zero.config_loader import load_config
-from fsdp_zero.fit import Rates, Scored, search
+from fsdp_zero.fit import MARGIN, Rates, Scored, search
 from fsdp_zero.memory import parse_size
 
 TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--budgets", default="2.0GiB,2.4GiB")
     parser.add_argument("--ranked", type=int, default=6)
+    parser.add_argument("--margin", type=float, default=MARGIN, help="as plan.py --fit's (default 0.1)")
     parser.add_argument("--tflops", type=float)
     parser.add_argument("--link-gbps", type=float)
     parser.add_argument("--out", help="output folder (default runs/fit-bench-<timestamp>); must not exist")
@@ -88,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     found = search(cfg, n, rates)
     lines = [f"# plan.py --fit against real runs: {' '.join(model)}, {n} ranks",
              f"\nsearch: {len(found.scored)} candidates, {found.simulations} simulations, {found.seconds:.0f} s; "
-             f"rates {rates}\n",
+             f"rates {rates}; margin {args.margin:g}\n",
              "| budget | pick | predicted peak MiB | measured peak MiB | measured / predicted | within budget |",
              "|---|---|---|---|---|---|"]
     for i, text in enumerate(args.budgets.split(",")):
         budget = parse_size(text, "--budgets")
-        pick = found.fit(budget)
+        pick = found.fit(budget, args.margin)
         measured = max(r["peak_rss_mib"] for r in run(out, f"pick{i}", n, [*model, *pick.candidate.overrides()])["ranks"])
         lines.append(f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
                      f"{measured * MIB / pick.peak:.3f} | {'yes' if measured * MIB <= budget else 'NO'} |")

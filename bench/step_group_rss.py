@@ -1,0 +1,65 @@
+"""A bounded optimizer step's effect on peak RSS, in fresh processes: scripts/train.py with and without
+optim.step_group_size, alternating, each run under torchrun on processes of its own.
+
+    python bench/step_group_rss.py [--nproc-per-node 1] [--group 4000000] [--repeats 2] [--out DIR] [key=value ...]
+
+bench/step_group.py measures the step's temporaries with PyTorch's tracker, in one process group; its
+peak RSS mixes what glibc kept of the other setting's repeats. Here each run starts from nothing, as
+a user's would, and the figure is each run's summary.json: peak RSS per rank (the whole run, the first
+step's AdamW-state allocation included), the median step time and the final loss (the same bits).
+Default: gpt_small, 32 tokens, one micro-batch of 4, 6 steps, one rank: short sequences and no
+sharding, so the optimizer step (the model state plus foreach AdamW's temporaries) is the step's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+DEFAULT = ("model.preset=gpt_small", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4",
+           "train.steps=6", "train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0",
+           "metrics.tensorboard=false", "optim.implementation=foreach")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--group", type=int, default=4_000_000)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", help="output folder (default runs/step-group-rss-<timestamp>); must not exist")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    out = Path(args.out or f"runs/step-group-rss-{datetime.now():%Y%m%d-%H%M%S}")
+    if out.exists():
+        print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
+        return 2
+    rows = ["| optim.step_group_size | repeat | peak RSS / rank (MiB) | median step (s) | final loss |",
+            "|---|---|---|---|---|"]
+    peaks: dict[int, list[float]] = {0: [], args.group: []}
+    for rep in range(args.repeats):
+        for size in peaks:
+            name = f"group{size}-{rep}"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={args.nproc_per_node}", str(TRAIN), *DEFAULT, *args.overrides,
+                   f"optim.step_group_size={size}", f"run.root={out}", f"run.name={name}"]
+            if subprocess.run(cmd, capture_output=True).returncode:
+                print(f"error: {' '.join(cmd)} failed", file=sys.stderr)
+                return 1
+            s = json.loads((out / name / "summary.json").read_text())
+            rss = [r["peak_rss_mib"] for r in s["ranks"]]
+            peaks[size].append(max(rss))
+            rows.append(f"| {size:,}{' (whole shard)' if size == 0 else ''} | {rep + 1} | "
+                        f"{', '.join(f'{p:,.0f}' for p in rss)} | {s['ranks'][0]['step_s']:.3f} | {s['final_loss']:.6f} |")
+    ratio = (sum(peaks[args.group]) / len(peaks[args.group])) / (sum(peaks[0]) / len(peaks[0]))
+    print(f"\n## peak RSS with and without optim.step_group_size={args.group:,}, {args.nproc_per_node} rank(s), "
+          f"fresh processes\n\n" + "\n".join(rows) + f"\n\ngrouped / whole, mean peak RSS: {ratio:.2f} x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
