@@ -7,13 +7,15 @@ candidates simulated one by one, its cost's order, and its errors.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fsdp_zero.config import ActivationCheckpointing, GradSync
 from fsdp_zero.config_loader import load_config
 from fsdp_zero.fit import DIMENSIONS, Candidate, Rates, candidates, search
 from fsdp_zero.planner import Simulator
-from tests.conftest import figure
+from tests.conftest import REPO, figure, run_script
 
 MIB = 2**20
 # gpt_nano with a wide vocabulary, so that its activations and states are not lost in rounding.
@@ -100,3 +102,19 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
         assert pasted == c.config(cfg)
     with pytest.raises(ValueError, match=r"--search=strategy,ac: 'ac' is not a valid choice; valid choices: strategy, "):
         candidates(cfg, 2, ("strategy", "ac"))
+
+
+def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
+    plan = REPO / "scripts" / "plan.py"
+    proc = run_script(plan, "--world-size", "2", "--fit", "1MiB", "--search", "strategy", *NANO)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert re.fullmatch(r"error: --fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard .* needs "
+                        r"[\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)\n", proc.stderr), proc.stderr
+    for args, message in ((["--search", "strategy,ac"], "--search=strategy,ac: 'ac' is not a valid choice"),
+                          (["--margin", "1.5"], "--margin=1.5: a fraction of the predicted peak, in [0, 1)"),
+                          (["--link-gbps", "0"], "--link-gbps=0: must be > 0")):
+        proc = run_script(plan, "--world-size", "2", "--fit", "1GiB", *args, *NANO)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
+        assert proc.stderr.count("\n") == 1
+    proc = run_script(plan, "--world-size", "2", "--search", "strategy", *NANO)
+    assert proc.returncode == 2 and "--search=strategy: it names what --fit varies; add --fit MEMORY" in proc.stderr
