@@ -113,7 +113,9 @@ def comm_formula(cfg: Config, model: nn.Module, plan: WrapPlan, world_size: int,
         grads = sum(p.numel() for p in model.parameters() if p.requires_grad) * precision.stored.itemsize
         return CommBytes(all_gather=grads if spec.zero_redundancy_optimizer else 0, all_reduce=grads)
     n = split_over(par, world_size)
-    gathers_per_unit = 2 if reshard_after_forward(par, world_size) else 1
+    reshard = reshard_after_forward(par, world_size)
+    # FSDP2 reads an int k as "reshard to groups of k" and k = 1 as False (nothing to reshard to).
+    gathers_per_unit = 2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
     gathered = reduced = held = 0
     for root, params in _unit_params(model, plan):
         gathered += (1 if root else gathers_per_unit) * sum(_padded(p, n) for p in params)
@@ -236,7 +238,7 @@ def describe(counted: dict[str, float], formula: dict[str, float], strategy: str
                                                                      else "") for k in KINDS]
     held = (f"; it held {formula['once_per_step'] / MIB:,.2f} MiB of unsharded gradients between micro-batches"
             if formula["once_per_step"] else "")
-    return (f"communication per rank in the last step: {', '.join(parts)}, against the {strategy} "
+    return (f"communication per rank in the last logged step: {', '.join(parts)}, against the {strategy} "
             f"grad_sync={grad_sync} formula's {', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}")
 
 

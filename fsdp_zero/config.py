@@ -380,7 +380,8 @@ class ParallelConfig:
     # replicas_once_per_step (hybrid_shard): reduce-scatter within the shard group every micro-batch,
     # all-reduce across replicas only after the last; no extra memory. once_per_step (FSDP strategies):
     # no reduction until the last micro-batch; each rank holds its units' unsharded gradients in between
-    # (4 B x P in fp32, and under -mixed precisions: the reduce dtype). Same results; fewer bytes sent.
+    # in the reduce dtype (4 B x P in fp32 and under -mixed precisions; 2 B under bf16-true). The same
+    # results within float rounding (a 16-bit reduce dtype sums the micro-batches in 16 bits); fewer bytes.
     grad_sync: GradSync = GradSync.every_micro_batch
 
     def check(self) -> None:

@@ -44,7 +44,7 @@ from fsdp_zero.comm import comm_formula, comm_seconds
 from fsdp_zero.config import STRATEGIES, ActivationCheckpointing, Config, GradSync, Strategy, validate
 from fsdp_zero.lora import make_trainable
 from fsdp_zero.parallelize import checkpointed, split_over
-from fsdp_zero.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline
+from fsdp_zero.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline, plan_layout
 from fsdp_zero.precision import resolve
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
@@ -57,7 +57,9 @@ class Rates:
     tflops: float  # achieved compute per rank in 16-bit dtypes, 10^12 FLOP/s
     link_gbps: float  # per-rank collective bandwidth, Gbit/s
     host_gbps: float = 200.0  # host <-> device copies (CPU offload), Gbit/s
-    fp32_speed: float = 2.0  # how much faster 16-bit compute runs than fp32 (tensor cores: 2; a CPU: 1)
+    # How much faster 16-bit compute runs than fp32. An H100: 989 dense bf16 TFLOP/s against 67 in fp32 (we
+    # do not turn TF32 on); a CPU: about the same.
+    fp32_speed: float = 15.0
 
     @classmethod
     def default(cls, device: str) -> "Rates":
@@ -82,8 +84,9 @@ class Candidate:
                 f"parallel.grad_sync={self.grad_sync.value}"]
 
     def config(self, cfg: Config) -> Config:
+        hpz = cfg.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None  # full_shard's own
         p = replace(cfg.parallel, strategy=self.strategy, zero_stage=None, activation_checkpointing=self.checkpointing,
-                    cpu_offload=self.offload, grad_sync=self.grad_sync)
+                    cpu_offload=self.offload, grad_sync=self.grad_sync, reshard_after_forward=hpz)
         return replace(cfg, parallel=p, precision=replace(cfg.precision, mode=self.precision),
                        train=replace(cfg.train, micro_batch_size=self.micro_batch))
 
@@ -111,7 +114,7 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
     of the dimensions not in ``search`` as the config sets them).
 
     Raises:
-        ValueError: ``search`` names something other than `DIMENSIONS`.
+        ValueError: ``search`` names something other than `DIMENSIONS`; no candidate is valid.
     """
     for name in search:
         if name not in DIMENSIONS:
@@ -130,7 +133,7 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
     }
     fixed = {"strategy": [p.strategy], "precision": [cfg.precision.mode], "checkpointing": [p.activation_checkpointing],
              "offload": [p.cpu_offload], "micro_batch": [cfg.train.micro_batch_size], "grad_sync": [p.grad_sync]}
-    out = []
+    out, refused = [], None
     for values in itertools.product(*(axes[d] if d in search else fixed[d] for d in DIMENSIONS)):
         cand = Candidate(*values)
         if "grad_sync" in search and local // cand.micro_batch == 1 and cand.grad_sync is not GradSync.every_micro_batch:
@@ -140,30 +143,36 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
             validate(c)
             c.parallel.check_world(world_size)
             c.train.check_world(world_size)
-        except ValueError:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
+        except ValueError as e:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
+            refused = e
             continue
         if STRATEGIES[cand.strategy].hybrid and split_over(c.parallel, world_size) == world_size and "strategy" in search:
             continue  # one replica: full_shard's twin
         out.append(cand)
+    if not out:
+        raise ValueError(f"no setting varying {', '.join(search)} is valid for this config at {world_size} ranks; "
+                         f"the last refused: {refused}")
     return out
 
 
 # Fewer simulations than this run in this process: starting workers (each imports torch) costs more.
 FEW = 6
-# Worker processes: each owns a Simulator (a fake process group of its own).
+# Worker processes: each owns a Simulator (a fake process group of its own), made by its first task
+# (an error there reaches the caller; one in a pool's initializer would have the pool restart it forever).
 _SIM: Simulator | None = None
+_ARGS: tuple = ()
 
 
 def _start(cfg: Config, world_size: int, baseline: int) -> None:
-    global _SIM
-    import logging
-
-    logging.getLogger("fsdp_zero").setLevel(logging.ERROR)
-    _SIM = Simulator(cfg, world_size, accum_cap=2, baseline=baseline).__enter__()
+    global _ARGS
+    _ARGS = (cfg, world_size, baseline)
 
 
 def _predict(c: Config) -> Prediction:
-    assert _SIM is not None
+    global _SIM
+    if _SIM is None:
+        cfg, world_size, baseline = _ARGS
+        _SIM = Simulator(cfg, world_size, accum_cap=2, baseline=baseline).__enter__()
     return _SIM.predict(c)
 
 
@@ -179,9 +188,9 @@ def _simulate(cfg: Config, world_size: int, configs: list[Config], processes: in
         return pool.map(_predict, configs, chunksize=1)
 
 
-def _ac_key(c: Candidate) -> tuple:
-    """What an activation simulation shares: the compute dtype (not the mode), checkpointing, micro-batch."""
-    return resolve(replace(Config().precision, mode=c.precision)).compute, c.checkpointing, c.micro_batch
+def _compute_dtype(cfg: Config, c: Candidate) -> torch.dtype:
+    """What activation simulations share besides checkpointing and micro-batch: the compute dtype (not the mode)."""
+    return resolve(c.config(cfg).precision).compute
 
 
 def predict_peaks(cfg: Config, world_size: int, cands: list[Candidate], processes: int = 2,
@@ -204,14 +213,14 @@ def predict_peaks(cfg: Config, world_size: int, cands: list[Candidate], processe
     fs = next(s for s, spec in STRATEGIES.items() if spec.zero_stage == 3 and not spec.hybrid)
     rep = {}  # a precision mode per compute dtype, for the activation simulations
     for c in cands:
-        rep.setdefault(_ac_key(c)[0], c.precision)
+        rep.setdefault(_compute_dtype(cfg, c), c.precision)
 
     def state(c: Candidate) -> Candidate:
         sync = c.grad_sync if c.grad_sync is GradSync.once_per_step else every  # replicas_: the same tensors
         return replace(c, checkpointing=none, offload=False, micro_batch=reference(c.micro_batch), grad_sync=sync)
 
     def activation(c: Candidate, m: int, ac: ActivationCheckpointing) -> Candidate:
-        return Candidate(fs, rep[_ac_key(c)[0]], ac, False, m, every)
+        return Candidate(fs, rep[_compute_dtype(cfg, c)], ac, False, m, every)
 
     needed: dict[Candidate, None] = {}
     for c in cands:
@@ -246,21 +255,23 @@ def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: n
     config's model on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
     cc = c.config(cfg)
     precision = resolve(cc.precision)
-    local = cc.train.global_batch_size // world_size
-    tokens = local * (cc.data.seq_len or 1)
+    layout = plan_layout(cc, world_size)
+    tokens = layout.global_batch_size // world_size * (cc.data.seq_len or 1)
     params = sum(p.numel() for p in model.parameters())
     recomputed = sum(sum(p.numel() for p in model.get_submodule(b).parameters())
                      for b in checkpointed(cc.parallel, plan.block_fqns))
     flops = 6 * params * tokens + 2 * recomputed * tokens
     slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
     compute = flops * slow / (rates.tflops * 1e12)
-    moved = comm_formula(cc, model, plan, world_size, local // c.micro_batch, precision)
+    accum = layout.grad_accum_steps
+    moved = comm_formula(cc, model, plan, world_size, accum, precision)
     comm = sum(comm_seconds(moved, cc.parallel, world_size, rates.link_gbps).values())
     offload = 0.0
-    if c.offload:  # each gather first copies the shard to the device; each reduction copies it back
-        n = split_over(cc.parallel, world_size)
-        host = moved.all_gather / n * precision.stored.itemsize / precision.compute.itemsize + moved.reduce_scatter / n
-        offload = host * 8 / (rates.host_gbps * 1e9)
+    if c.offload:  # each gather first copies the rank's shard to the device, each reduction copies it back
+        shard = params / split_over(cc.parallel, world_size) * precision.stored.itemsize
+        gathers = accum * (2 if STRATEGIES[c.strategy].reshard_after_forward else 1)
+        reductions = 1 if c.grad_sync is GradSync.once_per_step else accum
+        offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)
     parts = {"compute_s": compute, "comm_s": comm, "offload_s": offload}
     return compute + comm + offload, parts
 
@@ -301,12 +312,10 @@ def search(cfg: Config, world_size: int, rates: Rates, dims: tuple[str, ...] = D
     `fsdp_zero.planner.measure_baseline`'s bytes (None: measured now).
 
     Raises:
-        ValueError: as `candidates`; no candidate is valid.
+        ValueError: as `candidates`.
     """
     start = time.perf_counter()
     cands = candidates(cfg, world_size, dims)
-    if not cands:
-        raise ValueError("no candidate setting is valid for this config and world size")
     peaks, simulations = predict_peaks(cfg, world_size, cands, processes, baseline)
     model = construct(cfg.model)  # meta parameters: free at any size
     make_trainable(model, cfg.model)  # model.freeze, model.lora: frozen parameters are not reduced

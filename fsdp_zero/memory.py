@@ -31,7 +31,7 @@ def parse_size(text: str, key: str) -> int:
     Raises:
         ValueError: an unreadable size.
     """
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
     if not m:
         raise ValueError(f"{key} {text!r}: expected a size such as 2GB, 500MB or 1GiB")
     unit = m.group(2).upper().rstrip("B")

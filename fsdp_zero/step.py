@@ -134,6 +134,45 @@ def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] |
     return None
 
 
+def _accumulate(model: nn.Module, loss_fn: LossFn, micro_batches: list, device: torch.device,
+                hooks: Sequence[PhaseHook], scaler: LossScaler | None, weight: float | None, grad_sync: GradSync
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`train_step`'s forwards and backwards: the gradients of the micro-batches' mean (or, masked, of
+    their token-weighted sum) accumulated; returns the summed losses and the task's summed scalars."""
+    defer = _deferral(model, grad_sync)
+    try:
+        loss_sum = torch.zeros((), device=device)
+        extra_sum: dict[str, torch.Tensor] = {}
+        no_sync = getattr(model, "no_sync", None)  # DDP (and the planner's stand-in for it)
+        for i, batch in enumerate(micro_batches):
+            batch = to_device(batch, device)
+            if defer:  # off until the last micro-batch, whose backward reduces the sum (and leaves it on)
+                defer(i == len(micro_batches) - 1)
+            # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
+            # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
+            # sharded gradient, so no unsharded gradient is kept across micro-batches (more
+            # communication, ZeRO-3 memory), unless grad_sync defers it (`_deferral`).
+            with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
+                loss, extra = loss_fn(model, batch)
+                if i == 0:
+                    _report(hooks, Phase.AFTER_FORWARD)
+                # Scaled so the accumulated gradient is the mean over micro-batches; the
+                # reduction over ranks averages, giving the global-batch mean. Masked data: a
+                # summed loss times N / (the global batch's trained tokens), so that the average
+                # over ranks is the mean over every trained token of the global batch.
+                scaled = loss * weight if weight is not None else loss / len(micro_batches)
+                (scaler.scale(scaled) if scaler else scaled).backward()
+            loss_sum += loss.detach()
+            for k, v in extra.items():
+                extra_sum[k] = extra_sum.get(k, 0) + v.float()
+            if i < len(micro_batches) - 1:
+                _report(hooks, Phase.AFTER_MICRO_BATCH)
+        return loss_sum, extra_sum
+    finally:
+        if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual
+            defer(True)
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -164,33 +203,7 @@ def train_step(
     """
     params = [p for p in model.parameters()]
     weight, trained = _token_weight(token_count, micro_batches, device) if token_count else (None, None)
-    loss_sum = torch.zeros((), device=device)
-    extra_sum: dict[str, torch.Tensor] = {}
-    no_sync = getattr(model, "no_sync", None)  # DDP (and the planner's stand-in for it)
-    defer = _deferral(model, grad_sync)
-    for i, batch in enumerate(micro_batches):
-        batch = to_device(batch, device)
-        if defer:  # off until the last micro-batch, whose backward reduces the sum (and leaves it on)
-            defer(i == len(micro_batches) - 1)
-        # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
-        # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
-        # sharded gradient, so no unsharded gradient is kept across micro-batches (more
-        # communication, ZeRO-3 memory), unless grad_sync defers it (`_deferral`).
-        with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
-            loss, extra = loss_fn(model, batch)
-            if i == 0:
-                _report(hooks, Phase.AFTER_FORWARD)
-            # Scaled so the accumulated gradient is the mean over micro-batches; the
-            # reduction over ranks averages, giving the global-batch mean. Masked data: a
-            # summed loss times N / (the global batch's trained tokens), so that the average
-            # over ranks is the mean over every trained token of the global batch.
-            scaled = loss * weight if weight is not None else loss / len(micro_batches)
-            (scaler.scale(scaled) if scaler else scaled).backward()
-        loss_sum += loss.detach()
-        for k, v in extra.items():
-            extra_sum[k] = extra_sum.get(k, 0) + v.float()
-        if i < len(micro_batches) - 1:
-            _report(hooks, Phase.AFTER_MICRO_BATCH)
+    loss_sum, extra_sum = _accumulate(model, loss_fn, micro_batches, device, hooks, scaler, weight, grad_sync)
     _report(hooks, Phase.AFTER_BACKWARD)
     n = len(micro_batches)
     extra = {k: v / n for k, v in extra_sum.items()}

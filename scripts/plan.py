@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 200)")
     parser.add_argument("--search", help=f"--fit: the settings to vary, comma-separated (default: all of "
                         f"{','.join(DIMENSIONS)}); the others stay as the config sets them")
-    parser.add_argument("--margin", type=float, default=MARGIN, help=f"--fit: a candidate fits when its predicted peak "
-                        f"plus this fraction of it does (default {MARGIN:g}: the planner's measured accuracy)")
-    parser.add_argument("--show", type=int, default=12, help="--fit: how many fitting candidates to print (default 12)")
+    parser.add_argument("--margin", type=float, help=f"--fit: a candidate fits when its predicted peak plus this "
+                        f"fraction of it does (default {MARGIN:g}: the planner's measured accuracy)")
+    parser.add_argument("--show", type=int, help="--fit: how many fitting candidates to print (default 12)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                                  f"<= --params={args.params:g}")
             formulas(int(args.params), int(args.largest_layer) if args.largest_layer else None, args.world_size)
             return 0
-        if args.search and not args.fit:
-            raise ValueError(f"--search={args.search}: it names what --fit varies; add --fit MEMORY")
+        for flag in ("search", "margin", "show", "tflops", "host_gbps"):
+            if getattr(args, flag) is not None and not args.fit:
+                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: it applies to --fit; add --fit MEMORY")
         cfg = load_config(args.config, args.overrides)
         rates = _rates(args, cfg.dist.device.value)
         if args.fit:
@@ -89,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--fit searches every strategy against its own budget: drop --strategy and "
                                  "--device-memory")
             dims = tuple(d for d in args.search.split(",") if d) if args.search else DIMENSIONS
-            if not 0 <= args.margin < 1:
-                raise ValueError(f"--margin={args.margin:g}: a fraction of the predicted peak, in [0, 1)")
-            return fit(cfg, args.world_size, parse_size(args.fit, "--fit"), args.margin, rates, dims, args.json,
-                       args.show)
+            margin, show, budget = (MARGIN if args.margin is None else args.margin, 12 if args.show is None else
+                                    args.show, parse_size(args.fit, "--fit"))
+            if not 0 <= margin < 1:
+                raise ValueError(f"--margin={margin:g}: a fraction of the predicted peak, in [0, 1)")
+            if show < 1:
+                raise ValueError(f"--show={show}: how many fitting candidates to print, >= 1")
+            if budget <= 0:
+                raise ValueError(f"--fit={args.fit}: a memory per rank > 0, e.g. 24GiB")
+            return fit(cfg, args.world_size, budget, margin, rates, dims, args.json, show)
         limit = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
         strategies = [Strategy(s) for s in args.strategy] if args.strategy else ALL
         preds = simulate(cfg, args.world_size, strategies)

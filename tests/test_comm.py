@@ -116,6 +116,9 @@ def test_formula_by_hand():
     assert formula(4, strategy="hybrid_shard", grad_sync="replicas_once_per_step") == CommBytes(
         3 * 4 * (2 * p - root), 3 * 4 * p, 4 * p / 2)
     assert formula(grad_sync="once_per_step") == CommBytes(3 * 4 * (2 * p - root), 4 * p, 0, once_per_step=4 * p)
+    # hpZ: groups of 2 of 4 ranks gather twice; groups of 1 (FSDP2 reads reshard_after_forward=1 as False) once.
+    assert formula(4, reshard_after_forward=2).all_gather == 3 * 4 * (2 * p - root)
+    assert formula(4, reshard_after_forward=1).all_gather == 3 * 4 * p
     assert formula(strategy="ddp") == CommBytes(all_reduce=4 * p)
     assert formula(strategy="zero1") == CommBytes(all_gather=4 * p, all_reduce=4 * p)
     assert formula(1) == CommBytes()  # one rank: FSDP2 issues no collective

@@ -116,5 +116,12 @@ def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
         proc = run_script(plan, "--world-size", "2", "--fit", "1GiB", *args, *NANO)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
         assert proc.stderr.count("\n") == 1
-    proc = run_script(plan, "--world-size", "2", "--search", "strategy", *NANO)
-    assert proc.returncode == 2 and "--search=strategy: it names what --fit varies; add --fit MEMORY" in proc.stderr
+    for args, message in ((["--search", "strategy"], "--search=strategy: it applies to --fit; add --fit MEMORY"),
+                          (["--show", "3"], "--show=3: it applies to --fit")):
+        proc = run_script(plan, "--world-size", "2", *args, *NANO)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    for args, message in ((["--fit", "0"], "--fit=0: a memory per rank > 0"),
+                          (["--fit", "1.2.3GB"], "--fit '1.2.3GB': expected a size such as 2GB"),
+                          (["--fit", "1GiB", "--show", "0"], "--show=0: how many fitting candidates to print, >= 1")):
+        proc = run_script(plan, "--world-size", "2", *args, *NANO)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
