@@ -214,3 +214,15 @@ def build_model(args, device: str = "meta"):  # noqa: ANN001, ANN201
 
     with torch.device(device):
         return Transformer(args)
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model and AdamW tensors, whole, keyed model.<fqn> and optim.<fqn>.<state>."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(path, out)
+    state = torch.load(out, weights_only=True)
+    out.unlink()
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    return flat | {f"optim.{p}.{k}": v for p, states in state["optim"].items() for k, v in states.items()}

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fsdp_zero.model import PRESETS
 from tests.batches import BASE
-from tests.conftest import REPO, TRAIN, assert_user_error, check, figure, launch, run_script
+from tests.conftest import REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, launch, run_script
 
 NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.steps=4", "train.log_every=2"]
@@ -27,18 +27,6 @@ NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8",
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's model and AdamW tensors, whole, keyed model.<fqn> and optim.<fqn>.<state>."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = path.parent / f"{path.name}.pt"
-    dcp_to_torch_save(path, out)
-    state = torch.load(out, weights_only=True)
-    out.unlink()
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
-    return flat | {f"optim.{p}.{k}": v for p, states in state["optim"].items() for k, v in states.items()}
 
 
 def scalars(event_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -11,7 +11,6 @@ planner's fake process group), are one group's instead of the whole shard's.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from fsdp_zero.memory import StepProfiler
 from fsdp_zero.parallelize import device_mesh
 from fsdp_zero.step import Phase
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
-from tests.conftest import figure
+from tests.conftest import checkpoint_tensors, figure
 
 CPU = torch.device("cpu")
 PAIRS = {"group": "n2", "group-bf16": "bf16-mixed", "group-zero1": "zero1"}
@@ -34,18 +33,6 @@ PAIRS = {"group": "n2", "group-bf16": "bf16-mixed", "group-zero1": "zero1"}
 @pytest.fixture(scope="module")
 def runs(batches):
     return batches
-
-
-def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's model and AdamW tensors, whole, keyed model.<fqn> and optim.<fqn>.<state>."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = path.parent / f"{path.name}.pt"
-    dcp_to_torch_save(path, out)
-    state = torch.load(out, weights_only=True)
-    out.unlink()
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
-    return flat | {f"optim.{p}.{k}": v for p, states in state["optim"].items() for k, v in states.items()}
 
 
 @pytest.mark.parametrize("grouped", list(PAIRS))
@@ -58,7 +45,7 @@ def test_grouped_steps_give_the_whole_shard_steps_bits(runs, grouped):
         assert torch.equal(got["final"][key], value), key
         assert not torch.equal(value, whole["initial"][key]), f"{key} did not train"
     final = "checkpoints/step-0000008"
-    ours, theirs = (_checkpoint_tensors(runs.path(name) / final) for name in (grouped, PAIRS[grouped]))
+    ours, theirs = (checkpoint_tensors(runs.path(name) / final) for name in (grouped, PAIRS[grouped]))
     optim = sorted(k for k in theirs if k.startswith("optim."))
     assert len(optim) == 3 * len(whole["final"])  # step, exp_avg, exp_avg_sq of every parameter
     assert sorted(ours) == sorted(theirs)
