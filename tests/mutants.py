@@ -49,6 +49,12 @@ MUTANTS = {
                          ["tests/test_checkpoint.py"], ["test_async_save_writes_the_same_checkpoints_while_training_goes_on"]),
     "schedule-one-step-late": ("the learning-rate schedule runs one step behind", ["tests/test_parity.py"],
                                ["test_losses_grad_norms_and_learning_rates_match_single_process"]),
+    "grad-sync-ignored": ("parallel.grad_sync: FSDP2's deferral switches ignored, every micro-batch reduces",
+                          ["tests/test_comm.py"], ["test_grad_sync_trains_the_same_with_fewer_reductions"]),
+    "all-reduce-uncounted": ("comm/all_reduce_mib: HSDP's all-reduce never counted", ["tests/test_comm.py"],
+                             ["test_counted_bytes_per_step_equal_the_formula"]),
+    "step-groups-ignored": ("optim.step_group_size: AdamW steps the whole shard at once", ["tests/test_step_group.py"],
+                            ["test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards"]),
 }
 
 

@@ -152,6 +152,48 @@ def _schedule_one_step_late() -> None:
     sys.meta_path.insert(0, Patch())
 
 
+def _grad_sync_ignored() -> None:
+    """parallel.grad_sync: FSDP2's deferral switches do nothing, so every micro-batch still reduces
+    (NVIDIA cosmos #161's silent no-op)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def ignore(self, flag, *, recurse=True):  # noqa: ANN001
+        if not flag:
+            _applied_once()
+
+    FSDPModule.set_requires_gradient_sync = ignore
+    FSDPModule.set_requires_all_reduce = ignore
+
+
+def _all_reduce_uncounted() -> None:
+    """comm/all_reduce_mib: FSDP2's hook after HSDP's all-reduce is never installed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def ignore(self, hook, *, stream=None):  # noqa: ANN001
+        _applied_once()
+
+    FSDPModule.set_all_reduce_hook = ignore
+
+
+def _step_groups_ignored() -> None:
+    """optim.step_group_size: AdamW gets its groups merged back into one per weight decay (the whole shard)."""
+    import torch
+
+    original = torch.optim.AdamW.__init__
+
+    def __init__(self, params, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        params = list(params)
+        if params and isinstance(params[0], dict) and len(params) > 2:
+            merged: dict = {}
+            for group in params:
+                merged.setdefault(group["weight_decay"], {**group, "params": []})["params"] += list(group["params"])
+            params = list(merged.values())
+            _applied_once()
+        original(self, params, *args, **kwargs)
+
+    torch.optim.AdamW.__init__ = __init__
+
+
 MUTANTS = {
     "reduce-in-bf16": lambda: _wrap_fully_shard(_reduce_in_param_dtype),
     "offload-ignored": lambda: _wrap_fully_shard(_offload_ignored),
@@ -162,6 +204,9 @@ MUTANTS = {
     "checkpointing-ignored": _checkpointing_ignored,
     "async-save-waits": _async_save_waits,
     "schedule-one-step-late": _schedule_one_step_late,
+    "grad-sync-ignored": _grad_sync_ignored,
+    "all-reduce-uncounted": _all_reduce_uncounted,
+    "step-groups-ignored": _step_groups_ignored,
 }
 
 if _NAME:
