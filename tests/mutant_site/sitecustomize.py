@@ -116,18 +116,18 @@ def _async_save_waits() -> None:
     dcp.async_save = async_save
 
 
-def _schedule_one_step_late() -> None:
-    """The learning-rate schedule one step behind (the warm-up starts a step late): ours, patched
-    when fsdp_zero.step is imported."""
+def _on_import(name: str, patch) -> None:  # noqa: ANN001
+    """Calls ``patch(module)`` once our module ``name`` has been imported (before anyone uses it)."""
     import importlib.abc
+    import importlib.util
     import sys
 
     class Patch(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):  # noqa: ANN001
-            if name != "fsdp_zero.step":
+        def find_spec(self, fullname, path, target=None):  # noqa: ANN001
+            if fullname != name:
                 return None
             sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
+            spec = importlib.util.find_spec(fullname)
             loader = spec.loader
 
             class Loader(importlib.abc.Loader):
@@ -136,20 +136,28 @@ def _schedule_one_step_late() -> None:
 
                 def exec_module(self, module):  # noqa: ANN001
                     loader.exec_module(module)
-                    original = module.lr_factor
-
-                    def lr_factor(step, cfg, total_steps):  # noqa: ANN001
-                        _applied_once()
-                        return original(max(step - 1, 0), cfg, total_steps)
-
-                    module.lr_factor = lr_factor
+                    patch(module)
 
             spec.loader = Loader()
             return spec
 
-    import importlib.util
-
     sys.meta_path.insert(0, Patch())
+
+
+def _schedule_one_step_late() -> None:
+    """The learning-rate schedule one step behind (the warm-up starts a step late): ours, patched
+    when fsdp_zero.step is imported."""
+
+    def patch(module):  # noqa: ANN001
+        original = module.lr_factor
+
+        def lr_factor(step, cfg, total_steps):  # noqa: ANN001
+            _applied_once()
+            return original(max(step - 1, 0), cfg, total_steps)
+
+        module.lr_factor = lr_factor
+
+    _on_import("fsdp_zero.step", patch)
 
 
 def _grad_sync_ignored() -> None:
@@ -176,22 +184,20 @@ def _all_reduce_uncounted() -> None:
 
 
 def _step_groups_ignored() -> None:
-    """optim.step_group_size: AdamW gets its groups merged back into one per weight decay (the whole shard)."""
-    import torch
+    """optim.step_group_size: the groups never cut (ours, patched when fsdp_zero.build is imported): AdamW
+    steps the whole shard at once."""
 
-    original = torch.optim.AdamW.__init__
+    def patch(module):  # noqa: ANN001
+        original = module.step_groups
 
-    def __init__(self, params, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        params = list(params)
-        if params and isinstance(params[0], dict) and len(params) > 2:
-            merged: dict = {}
-            for group in params:
-                merged.setdefault(group["weight_decay"], {**group, "params": []})["params"] += list(group["params"])
-            params = list(merged.values())
-            _applied_once()
-        original(self, params, *args, **kwargs)
+        def step_groups(params, size):  # noqa: ANN001
+            if size and len(original(params, size)) > 1:
+                _applied_once()
+            return original(params, 0)
 
-    torch.optim.AdamW.__init__ = __init__
+        module.step_groups = step_groups
+
+    _on_import("fsdp_zero.build", patch)
 
 
 MUTANTS = {
