@@ -170,7 +170,7 @@ RUNS = [
     Run("bf16-true", "2", (*BASE, "precision=bf16-true"), (P, T)),
     Run("overflow", "2", (*BASE, "precision=fp16-mixed", "model.task=custom",
                           "model.loss=tests.user_model:overflow_on_rank1"), (P,)),
-    Run("split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C, S)),
+    Run("split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C, S, T)),  # T: full_shard-to-ddp-n4 reads it
     Run("async", "2", (*BASE, "checkpoint.async_save=true", "checkpoint.every=2", "checkpoint.keep_last=2"), (C,),
         options={"slow_writes": 0.3}),
     Run("vit", "2", (*VIT, *COMMON), (M,)),
@@ -224,12 +224,15 @@ RUNS = [
     # HSDP's deferred reductions over micro-batches of 1 (2 a step): the single-process numbers.
     Run("hsdp-replicas", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=replicas_once_per_step"), (T,)),
     Run("hsdp-once", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=once_per_step"), (T,)),
+    # ZeRO-1 and ZeRO-2 at 4 ranks for tests/test_comm.py's bytes (DDP's: full_shard-to-ddp-n4): two steps.
+    Run("zero1-n4", "4", (*BASE, "parallel.strategy=zero1", "train.steps=2", "checkpoint.enabled=false"), (T,)),
+    Run("zero2-n4", "4", (*BASE, "parallel.strategy=shard_grad_op", "train.steps=2", "checkpoint.enabled=false"), (T,)),
     Run("vit-n4", "4", (*VIT, *COMMON, "train.steps=1", "checkpoint.enabled=false"), (M,)),
     Run("reshard4", "4", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
     Run("zero1-to-full_shard-n4", "4", (*BASE, "checkpoint.every=0",
                                         "checkpoint.resume={root}/zero1/checkpoints/step-0000004"), (C,)),
     Run("full_shard-to-ddp-n4", "4", (*BASE, "parallel.strategy=ddp", "checkpoint.every=0",
-                                      f"checkpoint.resume={SPLIT}"), (C,)),
+                                      f"checkpoint.resume={SPLIT}"), (C, T)),
     Run("n1", "1", BASE, (P, T)),
     # The same at N = 1 with micro-batches of 2 (4 accumulated) and of 8 (one).
     Run("masked-n1", "1", (*BASE, *MASKED), ("test_masked",)),
