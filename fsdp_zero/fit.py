@@ -49,7 +49,6 @@ from fsdp_zero.precision import resolve
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
 
 
-
 @dataclass(frozen=True)
 class Rates:
     """What the cost assumes of the hardware (scripts/plan.py's --tflops, --link-gbps, --host-gbps)."""

@@ -35,7 +35,7 @@ from fsdp_zero.fit import DIMENSIONS, MARGIN, Rates, search
 from fsdp_zero.lora import frozen_count, make_trainable
 from fsdp_zero.memory import CATEGORIES, MIB, parse_size
 from fsdp_zero.planner import (PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb,
-                               simulate, strategy_states, zero_paper_stages)
+                               plan_layout, simulate, strategy_states, zero_paper_stages)
 from fsdp_zero.precision import resolve
 from fsdp_zero.wrap import build_wrap_plan
 
@@ -167,7 +167,7 @@ def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[
     """Bytes per rank per optimizer step by kind (`fsdp_zero.comm.comm_formula`), for each strategy and
     precision mode, and the time they take at ``link_gbps``."""
     plan = build_wrap_plan(model, cfg.parallel.wrap, n)
-    accum = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * n))
+    accum = plan_layout(cfg, n).grad_accum_steps
     print(f"\n## communication per rank per optimizer step ({accum} micro-batches, parallel.grad_sync="
           f"{cfg.parallel.grad_sync.value}; time at {link_gbps:g} Gbit/s, ring collectives)\n")
     print("| strategy | precision | all-gather MiB | reduce-scatter MiB | all-reduce MiB | time ms |")

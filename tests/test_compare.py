@@ -181,6 +181,23 @@ def test_simulated_tensors_match_the_tracker(measured, predicted):
                 assert value == pytest.approx(measured[s][0]["breakdown"][cat], abs=MIB), (s, cat)
 
 
+def test_the_plan_prints_the_bytes_each_strategys_run_counted(compared: Path, predicted):
+    """plan.py's communication table (`fsdp_zero.comm.comm_formula`, its fp32 rows) against the bytes
+    each strategy's run counted from its collectives in its last step (summary.json)."""
+    _, stdout = predicted
+    printed = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in STRATEGIES and cells[1] == "fp32":
+            printed[cells[0]] = dict(zip(("all_gather", "reduce_scatter", "all_reduce"), map(num, cells[2:5])))
+    assert set(printed) == set(STRATEGIES)
+    for s, kinds in printed.items():
+        counted = json.loads((compared / s / "summary.json").read_text())["ranks"][0]["comm_bytes"]
+        for kind, mib in kinds.items():
+            assert mib == pytest.approx(counted[kind] / MIB, abs=0.05), (s, kind)
+    assert printed["full_shard"]["all_gather"] > printed["shard_grad_op"]["all_gather"] > 0 == printed["ddp"]["all_gather"]
+
+
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory: pytest.TempPathFactory, predicted) -> tuple[int, dict]:
     """plan.py --fit over the strategies, with a budget between ZeRO-1's predicted peak and ZeRO-2's and no
