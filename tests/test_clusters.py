@@ -110,6 +110,41 @@ def test_the_batch_script_outside_an_allocation_is_one_line_and_exit_2(tmp_path:
     assert not list(tmp_path.iterdir())
 
 
+# Stands in for each node's `python -m torch.distributed.run ... scripts/train.py` (PYTHON=this file) to show
+# the batch script's decision alone: node 0 sends SIGNAL to the batch script (unless empty); every node then
+# ends like torchrun whose ranks printed LINE (rank 0's last line), exiting CODE, on SIGTERM or at once.
+RANKS = """#!/bin/bash
+trap 'echo "$LINE" >&2; exit "$CODE"' TERM
+if [[ -n $SIGNAL ]]; then
+    [[ $SLURM_NODEID == 0 ]] && kill -"$SIGNAL" "$PREEMPT_PID"
+    for _ in $(seq 300); do sleep 0.1; done
+fi
+echo "$LINE" >&2
+exit "$CODE"
+"""
+STOPPED = "stopped after step 3 (SIGTERM); checkpoint runs/x/checkpoints holds it: launch the same command again"
+
+
+@pytest.mark.parametrize("signal_, line, requeue, requeued, code", [
+    ("USR1", STOPPED, "1", True, 4),  # the time limit's signal, the step saved: requeued
+    ("TERM", STOPPED, "1", True, 4),  # a pre-emption's (or scancel's) SIGTERM to the script: the same
+    ("USR1", STOPPED, "0", False, 4),  # FSDP_ZERO_REQUEUE=0: saved, not requeued
+    ("USR1", "error: training diverged at step 3 (loss nan) ...", "1", False, 1),  # failed for another reason
+    ("", "stopped after step 1 (the time budget (train.max_minutes) ran out); ...", "1", False, 1),  # no signal
+    ("", "", "1", False, 0),  # finished
+])
+def test_the_batch_script_requeues_only_a_signalled_job_whose_ranks_saved(tmp_path: Path, signal_, line, requeue,
+                                                                            requeued, code):
+    ranks = tmp_path / "ranks"
+    ranks.write_text(RANKS)
+    ranks.chmod(0o755)
+    env = _slurm_env(tmp_path, _job_id(), PYTHON=str(ranks), SIGNAL=signal_, LINE=line, CODE=str(code and 1),
+                     FSDP_ZERO_REQUEUE=requeue)
+    proc, _ = _sbatch(env)
+    assert proc.returncode == code, proc.stderr
+    assert bool(_read_jsonl(tmp_path / "slurm" / "requeue")) == requeued, proc.stderr
+
+
 def test_a_failure_an_earlier_attempt_reported_does_not_hide_a_dead_rank(monkeypatch: pytest.MonkeyPatch):
     """A store that outlives an attempt (torchrun's agent store) still holds the keys through which that
     attempt's ranks reported a failed collective. Rank 1 reported in attempt a and died in attempt b: rank 0
