@@ -6,7 +6,7 @@ NPROC ?= 2
 ARGS ?=
 # `make test` runs every test (those marked gpu skip where no GPU is visible): CI runs it, and it
 # stays under 8 minutes on 2 cores. `make test-quick` leaves out the tests marked slow (a 160M model
-# under a memory cap, a two-node launch, a hung rank, an elastic restart, SIGTERM): about 2 minutes
+# under a memory cap, the Slurm and Kubernetes launches, a hung rank, SIGTERM): about 2 minutes
 # less, for a developer's own loop. `make mutants` injects wrong behaviours and shows the suite fails.
 # `make docs` regenerates the reference blocks in docs/ (scripts/docs.py); tests/test_docs.py fails when one is stale.
 MARK ?=

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import socket
 import sys
 import time
@@ -106,6 +107,9 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     dist.init_process_group(backend=spec, rank=rank, world_size=world_size, timeout=timeout,
                             store=_store_of_this_attempt(timeout), **kwargs)
+    token = [secrets.token_hex(4) if rank == 0 else None]  # this attempt's: see `failure_key`
+    dist.broadcast_object_list(token, src=0, device=device if backend == "nccl" else None)
+    os.environ[ATTEMPT_VAR] = token[0]
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
@@ -186,22 +190,38 @@ def last_collective(out: Path, backend: str) -> str:
             f"(sizes {e.get('input_sizes', [])}; flight recorder: {out})")
 
 
-def silent_ranks(env: DistEnv, wait_seconds: float = 5.0) -> list[int]:
+ATTEMPT_VAR = "FSDP_ZERO_ATTEMPT"  # set by `init_distributed`, the same on every rank of an attempt
+
+
+def failure_key(rank: int) -> str:
+    """The store key through which ``rank`` says a collective failed on it, scoped to this attempt.
+
+    A store can outlive an attempt: torchrun's agent keeps its own across ``--max-restarts`` restarts,
+    and keys an earlier attempt's ranks wrote would still be there. Unscoped, a rank that reported in
+    attempt 1 and died in attempt 2 would look as if it had reported: the dead rank would be hidden.
+    The scope is a token rank 0 draws when the ranks meet (``init_distributed``), in the environment as
+    FSDP_ZERO_ATTEMPT for code that has no `DistEnv` (a user's loss; the tests' fault injection).
+    """
+    return f"fsdp_zero/{os.environ.get(ATTEMPT_VAR, '')}/collective_failed/{rank}"
+
+
+def silent_ranks(env: DistEnv, wait_seconds: float = 5.0, store: dist.Store | None = None) -> list[int]:
     """The ranks that died or hang, as far as this rank can tell after a collective failed on it.
 
-    Every rank whose collective fails says so through the store the ranks met in, and waits up to
-    ``wait_seconds`` for the others to say the same: a rank that died, or that is stuck outside the
-    collective, never does. [] if the store is gone too (its host died).
+    Every rank whose collective fails says so through ``store`` (default: the store the ranks met in;
+    the key `failure_key`), and waits up to ``wait_seconds`` for the others to say the same: a rank
+    that died, or that is stuck outside the collective, never does. [] if the store is gone too (its
+    host died).
     """
     from fsdp_zero.torch_private import default_store
 
     try:
-        store = default_store()
-        store.set(f"fsdp_zero/collective_failed/{env.rank}", "1")
+        store = store or default_store()
+        store.set(failure_key(env.rank), "1")
         waiting = [r for r in range(env.world_size) if r != env.rank]
         deadline = time.monotonic() + wait_seconds
         while waiting and time.monotonic() < deadline:
-            waiting = [r for r in waiting if not store.check([f"fsdp_zero/collective_failed/{r}"])]
+            waiting = [r for r in waiting if not store.check([failure_key(r)])]
             time.sleep(0.1 if waiting else 0)
         return waiting
     except Exception:  # noqa: BLE001 - the store's host died: nothing more to learn

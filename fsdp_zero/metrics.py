@@ -9,6 +9,7 @@ would instead scatter the same quantity over N charts.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -44,13 +45,14 @@ class TensorBoardLogger:
 
 
 class JsonLinesLogger:
-    """``metrics.jsonl``: one object per log step, easy to read back in scripts and tests."""
+    """``metrics.jsonl``: one object per log step, easy to read back in scripts and tests; ``time`` is
+    when it was written (seconds since the epoch), as TensorBoard keeps each scalar's wall time."""
 
     def __init__(self, path: Path) -> None:
         self.file = open(path, "a", buffering=1)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        self.file.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.file.write(json.dumps({"step": step, "time": round(time.time(), 3), **scalars}) + "\n")
 
     def close(self) -> None:
         self.file.close()

@@ -67,7 +67,7 @@ class Launch:
 
 
 P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
-T, S = "test_comm", "test_step_group"
+T, S, K = "test_comm", "test_step_group", "test_clusters"
 # tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm trained.
 FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
 LORA = ("model.lora.rank=4", "model.lora.targets=[wq,wv,w2]", "model.lora.train=[norm.weight]")
@@ -154,7 +154,7 @@ LAUNCHES = {
 RUNS = [
     # ZeRO-3 straight through, saving every 2 steps (retention keeps 6 and 8): the parity run and the
     # checkpoint tests' straight run.
-    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T, S)),
+    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T, S, K)),
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
     Run("eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E, T)),
     Run("n2-tied", "2", (*BASE, *TIED), (P, T)),

@@ -27,7 +27,7 @@ from fsdp_zero.checkpoint import apply_retention, checkpoint_name, checkpoint_st
 from fsdp_zero.config_loader import load_config
 from fsdp_zero.data import build_source
 from fsdp_zero.model import args_from_config
-from tests.batches import BASE, WORKER
+from tests.batches import BASE
 from tests.conftest import REPO, TRAIN, build_model, check, figure, launch, run_script
 from tests.reference import reference_run
 
@@ -181,30 +181,6 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path):
     assert [json.loads(x)["step"] for x in (history.parent / "metrics.jsonl.3").read_text().splitlines()] == list(range(1, 6))
     assert [p.name for p in list_checkpoints(ckpts)] == ["step-0000003", "step-0000006"]
     assert not (ckpts / ".partial-step-0000006").exists()
-
-
-@pytest.mark.slow
-def test_a_killed_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrupted_weights(runs, tmp_path: Path):
-    """REL-2: under ``torchrun --max-restarts=1`` rank 1 is SIGKILLed in the forward of step 8
-    (tests/user_model.py:killed_on_rank1); the job restarts, resumes from step 6 and ends with the
-    losses and weights of an uninterrupted run (the straight run: the same loss, computed alike), bit
-    for bit. The restart keeps the first attempt's checkpoints (it never deletes what it did not write)."""
-    out = tmp_path / "elastic.pt"
-    proc = check(launch(2, WORKER, str(out), *BASE, "model.task=custom", "model.loss=tests.user_model:killed_on_rank1",
-                        "checkpoint.every=2", "checkpoint.keep_last=2", f"run.root={tmp_path}", "run.name=elastic",
-                        torchrun_args=("--max-restarts=1",)))
-    # Two attempts started; the agent saw the first fail (rank 1 killed, or rank 0 exiting 5 on its loss).
-    assert proc.stderr.count("] fsdp-zero ") == 2 and "failed (exitcode: " in proc.stderr, proc.stderr[-3000:]
-    assert "checkpoints/step-0000006: step 6" in proc.stderr, proc.stderr[-3000:]
-    elastic, straight = torch.load(out, weights_only=True), runs["n2"]
-    assert sorted(elastic["losses"]) == [7, 8]
-    for step, loss in elastic["losses"].items():
-        assert loss == straight["losses"][step], step
-    for name, value in straight["final"].items():
-        assert torch.equal(elastic["final"][name], value), name
-    # The first attempt saved 2, 4, 6 (2 pruned, keep_last=2); the second 8 and deleted none of 4, 6.
-    saved = [p.name for p in list_checkpoints(tmp_path / "elastic" / "checkpoints")]
-    assert saved == [checkpoint_name(s) for s in (4, 6, 8)]
 
 
 def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path: Path):

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from fsdp_zero.config_loader import load_config
-from tests.batches import BASE, TIED, WORKER
-from tests.conftest import REPO, figure
+from tests.batches import BASE, TIED
+from tests.conftest import figure
 from tests.reference import reference_run
 
 BASE = list(BASE)
@@ -321,41 +321,3 @@ def test_compiled_blocks_train_like_plain_zero3(runs, references):
         assert got["losses"][step] == pytest.approx(ref["losses"][step], abs=LOSS_ATOL), step
     for key, value in ref["final"].items():
         torch.testing.assert_close(got["final"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
-
-
-@pytest.mark.slow
-def test_a_two_node_launch_trains_like_one_process(references, tmp_path):
-    """Two torchrun "nodes" of 2 ranks on this machine, met through c10d rendezvous, as on a cluster
-    (README, "Launching"), running FULL_SHARD over all 4 ranks, then HYBRID_SHARD sharding within a
-    node and replicating across (two jobs of one launch); both against the single-process run."""
-    import json as json_lib
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    strategies = ("full_shard", "hybrid_shard")
-    jobs = tmp_path / "jobs.json"
-    jobs.write_text(json_lib.dumps([[str(tmp_path / f"{s}.pt"), [*BASE, f"parallel.strategy={s}", "parallel.shard_size=2",
-                                                                  f"run.root={tmp_path}", f"run.name={s}"]]
-                                    for s in strategies]))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
-         "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=two-nodes", str(WORKER), "--jobs",
-         str(jobs)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
-    ref = references["fp32"]
-    for strategy in strategies:
-        got = torch.load(tmp_path / f"{strategy}.pt", weights_only=True)
-        assert len(got["model_state_bytes"]) == 4
-        for step in ref["losses"]:
-            assert got["losses"][step] == pytest.approx(ref["losses"][step], abs=LOSS_ATOL), (strategy, step)
-        for key, value in ref["final"].items():
-            torch.testing.assert_close(got["final"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=f"{strategy} {key}")

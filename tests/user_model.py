@@ -3,8 +3,8 @@
 The model and its loss know nothing about fsdp-zero: a plain nn.Module with standard layers (an
 embedding, a 1-D convolution, BatchNorm with its running statistics, Linear layers with biases)
 and a loss function taking (model, batch). The losses after them inject faults (an overflow, a
-NaN, a hang, a kill, a full disk, SIGTERM) on one rank at a given call; the hang waits for the
-store key through which fsdp-zero's ranks report a failed collective.
+NaN, a hang, a kill, a full disk, SIGTERM, a Slurm job's kill and pre-emption) on one rank at a
+given call; the hang waits for the store key through which fsdp-zero's ranks report a failed collective.
 """
 
 from __future__ import annotations
@@ -73,33 +73,16 @@ def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
 
     import torch.distributed as dist
 
+    from fsdp_zero.distributed import failure_key
     from fsdp_zero.torch_private import default_store
 
     inputs, targets = batch
     _calls[0] += 1
     if dist.get_rank() == 1 and _calls[0] == 5:
         store, deadline = default_store(), time.monotonic() + 60
-        while not store.check(["fsdp_zero/collective_failed/0"]) and time.monotonic() < deadline:
+        while not store.check([failure_key(0)]) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(8)
-    logits = model(inputs).float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def killed_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
-    """Next-token cross-entropy; in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0)
-    rank 1 kills itself with SIGKILL at its 15th call (in the forward of step 8 at 2 micro-batches per
-    step), as the OOM killer or a lost node would: no clean-up, no message. Elsewhere (a restarted
-    attempt, ranks started without torchrun) it is the plain loss."""
-    import os
-    import signal
-
-    import torch.distributed as dist
-
-    inputs, targets = batch
-    _calls[0] += 1
-    if dist.get_rank() == 1 and _calls[0] == 15 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -146,5 +129,49 @@ def sigterm_to_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor])
     _calls[0] += 1
     if dist.get_rank() == 1 and str(_calls[0]) == os.environ.get("SIGTERM_RANK1_AT_CALL"):
         os.kill(os.getpid(), signal.SIGTERM)
+    logits = model(inputs).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+
+def killed_then_preempted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Next-token cross-entropy, and two faults of a Slurm job's life, each once (FAULT_DIR holds when
+    each came, seconds since the epoch, and so whether it came):
+
+    - rank 1 kills itself with SIGKILL at its 9th call (the forward of step 5 at 2 micro-batches per
+      step), as a lost node would; torchrun restarts every node's ranks from the step-4 checkpoint;
+    - in the restarted ranks, rank 0 sends SIGUSR1 to the batch script (PREEMPT_PID) at its 3rd call
+      (step 6), as Slurm does before the time limit, unless the job was requeued (SLURM_RESTART_COUNT),
+      and waits there until the SIGTERM the script passes on (scancel, torchrun) has reached it, so
+      that the ranks stop after step 6 whatever the delay.
+    """
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    inputs, targets = batch
+    _calls[0] += 1
+    killed, signalled = Path(os.environ["FAULT_DIR"], "killed"), Path(os.environ["FAULT_DIR"], "signalled")
+    if dist.get_rank() == 1 and _calls[0] == 9 and not killed.exists():
+        killed.write_text(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if dist.get_rank() == 0 and _calls[0] == 3 and killed.exists() and not signalled.exists() \
+            and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        guard, received = signal.getsignal(signal.SIGTERM), []  # the trainer's (fsdp_zero.stopping.StepGuard)
+
+        def noted(signum, frame):
+            received.append(signum)
+            guard(signum, frame)
+
+        signal.signal(signal.SIGTERM, noted)
+        signalled.write_text(f"{time.time()}\n")
+        os.kill(int(os.environ["PREEMPT_PID"]), signal.SIGUSR1)
+        deadline = time.monotonic() + 120
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        signal.signal(signal.SIGTERM, guard)
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

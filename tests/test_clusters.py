@@ -1,0 +1,275 @@
+"""Clusters (docs/clusters.md): the Slurm batch script and the Kubernetes manifest, run on this machine.
+
+scripts/train.sbatch runs as Slurm would run it, under stand-ins for srun, scancel and scontrol
+(tests/slurm/: one task per "node", both nodes this machine, the SLURM_* variables as Slurm sets them);
+the PyTorchJob manifest in docs/clusters.md runs its own command line, with the variables the Kubeflow
+training operator gives each pod. Both train tests/batches.py's BASE: the Slurm job on 2 nodes x 1 rank,
+through a killed rank, a pre-emption and a requeue, to the losses, weights and AdamW states of the same
+run on one node (n2: 2 ranks, uninterrupted) bit for bit; the manifest's on 2 pods x 2 ranks under
+HYBRID_SHARD (sharded within a pod, replicated across) to the single-process run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import torch.distributed as dist
+
+from fsdp_zero.config_loader import load_config
+from fsdp_zero.distributed import ATTEMPT_VAR, DistEnv, _store_of_this_attempt, silent_ranks
+from tests.batches import BASE
+from tests.conftest import REPO, checkpoint_tensors, figure
+from tests.reference import reference_run
+from tests.test_parity import LOSS_ATOL, WEIGHT_ATOL
+
+SBATCH = REPO / "scripts" / "train.sbatch"
+STAND_INS = REPO / "tests" / "slurm"
+NODES = "localhost,127.0.0.1"  # two "nodes" as Slurm names them, both this machine
+TIMEOUT = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _job_id() -> int:
+    """A job id whose rendezvous port (the script's: 20000 + id % 40000) is free on this machine."""
+    port = _free_port()
+    while not 20000 <= port < 60000:
+        port = _free_port()
+    return 40000 * 1000 + port - 20000
+
+
+def _slurm_env(tmp_path: Path, job: int, **extra: str) -> dict[str, str]:
+    """The batch script's environment as sbatch sets it for a 2-node job, with the stand-ins on PATH."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "FSDP_ZERO_", "PET_", "TORCHELASTIC_")) and k not in ("RANK", "NPROC_PER_NODE")}
+    return env | {
+        "PATH": f"{STAND_INS}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SLURM_DIR": str(tmp_path / "slurm"), "SLURM_JOB_ID": str(job), "SLURM_JOB_NAME": "fsdp-zero",
+        "SLURM_JOB_NODELIST": NODES, "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(REPO),
+        "PYTHON": sys.executable, "FSDP_ZERO_LOG_DIR": str(tmp_path / "logs"), "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _sbatch(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The batch script run as Slurm runs it (its own process id in PREEMPT_PID, for the pre-emption's
+    SIGUSR1); the result and its wall time."""
+    start = time.time()
+    proc = subprocess.run(["bash", "-c", 'export PREEMPT_PID=$$; exec bash "$0" "$@"', str(SBATCH), *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    return proc, start
+
+
+def _logs(tmp_path: Path, restart: int) -> str:
+    """Every node's log of the job's attempt ``restart`` (after ``restart`` requeues)."""
+    paths = sorted((tmp_path / "logs").glob(f"restart{restart}-node*.log"))
+    assert [p.name for p in paths] == [f"restart{restart}-node0.log", f"restart{restart}-node1.log"], paths
+    return "".join(p.read_text() for p in paths)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _assert_uninterrupted(batches, run_dir: Path) -> list[dict]:
+    """The run's logged losses and final checkpoint equal tests/batches.py's n2 (one node, 2 ranks, never
+    stopped), bit for bit; its metrics records."""
+    records = _read_jsonl(run_dir / "metrics.jsonl")
+    assert {r["step"]: r["loss"] for r in records} == batches["n2"]["losses"]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    straight, got = (checkpoint_tensors(path / "checkpoints" / "step-0000008") for path in (batches.path("n2"), run_dir))
+    assert straight.keys() == got.keys() and all(torch.equal(straight[k], got[k]) for k in straight)
+    return records
+
+
+def _fault_time(path: Path) -> float:
+    return float(path.read_text())
+
+
+def test_the_batch_script_outside_an_allocation_is_one_line_and_exit_2(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["bash", str(SBATCH), *BASE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "train.sbatch: error: not inside a Slurm allocation (SLURM_JOB_ID unset): submit with sbatch, or run inside "
+        "salloc"), proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+# Stands in for each node's `python -m torch.distributed.run ... scripts/train.py` (PYTHON=this file) to show
+# the batch script's decision alone: node 0 sends SIGNAL to the batch script (unless empty); every node then
+# ends like torchrun whose ranks printed LINE (rank 0's last line), exiting CODE, on SIGTERM or at once.
+RANKS = """#!/bin/bash
+trap 'echo "$LINE" >&2; exit "$CODE"' TERM
+if [[ -n $SIGNAL ]]; then
+    [[ $SLURM_NODEID == 0 ]] && kill -"$SIGNAL" "$PREEMPT_PID"
+    for _ in $(seq 300); do sleep 0.1; done
+fi
+echo "$LINE" >&2
+exit "$CODE"
+"""
+STOPPED = "stopped after step 3 (SIGTERM); checkpoint runs/x/checkpoints holds it: launch the same command again"
+
+
+@pytest.mark.parametrize("signal_, line, requeue, requeued, code", [
+    ("USR1", STOPPED, "1", True, 4),  # the time limit's signal, the step saved: requeued
+    ("TERM", STOPPED, "1", True, 4),  # a pre-emption's (or scancel's) SIGTERM to the script: the same
+    ("USR1", STOPPED, "0", False, 4),  # FSDP_ZERO_REQUEUE=0: saved, not requeued
+    ("USR1", "error: training diverged at step 3 (loss nan) ...", "1", False, 1),  # failed for another reason
+    ("", "stopped after step 1 (the time budget (train.max_minutes) ran out); ...", "1", False, 1),  # no signal
+    ("", "", "1", False, 0),  # finished
+])
+def test_the_batch_script_requeues_only_a_signalled_job_whose_ranks_saved(tmp_path: Path, signal_, line, requeue,
+                                                                            requeued, code):
+    ranks = tmp_path / "ranks"
+    ranks.write_text(RANKS)
+    ranks.chmod(0o755)
+    env = _slurm_env(tmp_path, _job_id(), PYTHON=str(ranks), SIGNAL=signal_, LINE=line, CODE=str(code and 1),
+                     FSDP_ZERO_REQUEUE=requeue)
+    proc, _ = _sbatch(env)
+    assert proc.returncode == code, proc.stderr
+    assert bool(_read_jsonl(tmp_path / "slurm" / "requeue")) == requeued, proc.stderr
+
+
+def test_a_failure_an_earlier_attempt_reported_does_not_hide_a_dead_rank(monkeypatch: pytest.MonkeyPatch):
+    """A store that outlives an attempt (torchrun's agent store) still holds the keys through which that
+    attempt's ranks reported a failed collective. Rank 1 reported in attempt a and died in attempt b: rank 0
+    of attempt b must still name it, because the keys are scoped to the attempt (FSDP_ZERO_ATTEMPT)."""
+    store = dist.HashStore()
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(ATTEMPT_VAR, "a")
+    assert silent_ranks(DistEnv(1, 2, 1, cpu, "gloo"), wait_seconds=0, store=store) == [0]
+    monkeypatch.setenv(ATTEMPT_VAR, "b")
+    assert silent_ranks(DistEnv(0, 2, 0, cpu, "gloo"), wait_seconds=0.3, store=store) == [1]
+
+
+def test_restarted_ranks_meet_in_their_attempts_part_of_the_agents_store(monkeypatch: pytest.MonkeyPatch, capsys):
+    """On one node torchrun's agent lends its store to every attempt: the ranks of restart 1 must not read
+    what restart 0's ranks wrote (their addresses: pytorch#135712). Across nodes, where agents count
+    restarts differently, fsdp-zero leaves the store to torchrun and warns unless each attempt gets its own."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    _store_of_this_attempt(timedelta(seconds=10)).set("rank/1/address", "a dead rank's")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = _store_of_this_attempt(timedelta(seconds=10))
+    assert not restarted.check(["rank/1/address"]) and agent.check(["fsdp_zero/attempt_0/rank/1/address"])
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert _store_of_this_attempt(timedelta(seconds=10)) is None
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_slurm_job_restarts_a_dead_rank_saves_on_preemption_and_its_requeue_ends_bit_for_bit(batches, tmp_path: Path):
+    """A 2-node job's life (tests/user_model.py:killed_then_preempted), in two launches of the batch script:
+
+    1. rank 1 is SIGKILLed in step 5; rank 0 names it and torchrun (--max-restarts, FSDP_ZERO_MAX_RESTARTS=1)
+       restarts both nodes' ranks, which resume from step 4;
+    2. SIGUSR1 reaches the batch script in step 6 (Slurm's --signal=B:USR1@120): the script passes SIGTERM
+       to both nodes' torchrun (scancel --signal=TERM), every rank finishes step 6, saves it and exits 4,
+       and the script asks Slurm to requeue the job (scontrol requeue) and exits 4;
+    3. the requeued job (the same job id, SLURM_RESTART_COUNT=1) continues its own run from step 6.
+
+    The run ends with the losses, weights and AdamW states of n2 (one node, never stopped), bit for bit.
+    """
+    job = _job_id()
+    args = (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", "model.task=custom",
+            "model.loss=tests.user_model:killed_then_preempted", f"run.root={tmp_path}")
+    env = _slurm_env(tmp_path, job, FSDP_ZERO_MAX_RESTARTS="1", FAULT_DIR=str(tmp_path))
+    proc, _ = _sbatch(env, *args)
+    logs = _logs(tmp_path, 0)
+    assert proc.returncode == 4, proc.stderr[-3000:] + logs[-6000:]
+    assert f"2 node(s) x 1 rank(s), rendezvous localhost:{20000 + job % 40000}" in proc.stderr
+    assert re.search(r"error: rank 0, step 5: .*\(rank 1 died or is stuck", logs), logs[-6000:]
+    assert "checkpoints/step-0000004: step 4" in logs and "stopped after step 6 (SIGTERM)" in logs, logs[-6000:]
+    assert "SIGUSR1 received: SIGTERM to the ranks" in proc.stderr and f"requeueing job {job}" in proc.stderr
+    run_dir = tmp_path / f"slurm-{job}"  # named after the job, so the requeued job finds it
+    # The restarted ranks saved step 6 and kept the first attempt's 2 and 4 (a launch deletes only its own).
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-000000{s}" for s in (2, 4, 6)]
+    requeues = _read_jsonl(tmp_path / "slurm" / "requeue")
+    assert [r["job"] for r in requeues] == [str(job)]
+
+    proc, start = _sbatch(_slurm_env(tmp_path, job, SLURM_RESTART_COUNT="1", FAULT_DIR=str(tmp_path)), *args)
+    logs = _logs(tmp_path, 1)
+    assert proc.returncode == 0, proc.stderr[-3000:] + logs[-6000:]
+    assert "checkpoints/step-0000006: step 6" in logs and len(_read_jsonl(tmp_path / "slurm" / "requeue")) == 1
+    records = _assert_uninterrupted(batches, run_dir)
+    figure("slurm: SIGKILLed rank to the restarted ranks' first step (2 nodes, torchrun --max-restarts)",
+           f"{records[4]['time'] - _fault_time(tmp_path / 'killed'):.1f} s")
+    figure("slurm: SIGUSR1 to the requeue request (step finished, saved, ranks exited)",
+           f"{requeues[0]['time'] - _fault_time(tmp_path / 'signalled'):.1f} s")
+    figure("slurm: requeued job, start to its first step", f"{records[6]['time'] - start:.1f} s")
+
+
+def _manifest() -> dict:
+    """The PyTorchJob in docs/clusters.md (its one YAML block)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "clusters.md").read_text(), flags=re.S)
+    assert len(blocks) == 1, "docs/clusters.md holds one YAML block: the manifest"
+    return yaml.safe_load(blocks[0])
+
+
+@pytest.mark.slow
+def test_the_kubernetes_manifest_runs_its_command_with_the_operators_variables(tmp_path: Path):
+    """The manifest's container command, run for a Master and a Worker pod on this machine with what the
+    training operator sets in each (MASTER_ADDR and MASTER_PORT of the master's service, WORLD_SIZE pods,
+    RANK the pod's index) and the container's own env, 2 ranks a pod: HYBRID_SHARD sharding within a pod
+    and replicating across the two trains like one process (the fp32 tolerances of tests/test_parity.py)."""
+    job = _manifest()
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert list(replicas) == ["Master", "Worker"] and replicas["Master"]["replicas"] == 1
+    pods = [(kind, i) for kind in replicas for i in range(replicas[kind]["replicas"])]
+    specs = [replicas[kind]["template"]["spec"] for kind in replicas]
+    assert specs[0] == specs[1]  # one pod template
+    pod = specs[0]
+    container = pod["containers"][0]
+    assert all(replicas[kind]["restartPolicy"] == "OnFailure" for kind in replicas)  # an evicted pod comes back
+    shutdown = int(re.search(r"--shutdown-timeout=(\d+)", " ".join(container["command"])).group(1))
+    assert pod["terminationGracePeriodSeconds"] > shutdown  # the ranks get their save before the kubelet's SIGKILL
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    claims = {v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    assert any(f"run.root={mounts[name]}" in container["args"] for name in claims)  # checkpoints on the volume
+    # The manifest's own settings load; the test runs its command with BASE's instead.
+    config = container["args"][container["args"].index("--config") + 1]
+    load_config(REPO / config, [a for a in container["args"] if "=" in a])
+
+    settings = (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2")
+    port, procs = _free_port(), []
+    for rank, _ in enumerate(pods):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_"))}
+        env |= {e["name"]: str(e["value"]) for e in container.get("env", [])}
+        env |= {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "WORLD_SIZE": str(len(pods)), "RANK": str(rank),
+                "PYTHONUNBUFFERED": "0", "NPROC_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        procs.append(subprocess.Popen([*container["command"], *settings, f"run.root={tmp_path}", "run.name=k8s"],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == 0, out[-4000:]
+    ref = reference_run(load_config(None, list(BASE)))
+    records = _read_jsonl(tmp_path / "k8s" / "metrics.jsonl")
+    assert [r["step"] for r in records] == sorted(ref["losses"])
+    for r in records:
+        assert r["loss"] == pytest.approx(ref["losses"][r["step"]], abs=LOSS_ATOL), r["step"]
+    final = checkpoint_tensors(tmp_path / "k8s" / "checkpoints" / "step-0000008")
+    for name, value in ref["final"].items():
+        torch.testing.assert_close(final[f"model.{name}"], value, atol=WEIGHT_ATOL, rtol=0, msg=name)
