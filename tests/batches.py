@@ -28,9 +28,12 @@ from tests.conftest import _COLLECTED, REPO, build_model, check, launch
 WORKER = REPO / "tests" / "workers" / "jobs.py"
 HAS_HF = importlib.util.find_spec("transformers") is not None  # the `hf` extra (in `dev`): the llama runs
 
-# tests/test_parity.py's base: 8 AdamW steps, clipping active on every step (asserted there).
+# tests/test_parity.py's base: 8 AdamW steps, clipping active on every step (asserted there). Without the
+# memory tracker's profiled step (about 0.7 s a run): the runs whose tracker figures a test reads profile step 2.
 BASE = ("model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.steps=8", "train.log_every=1", "optim.warmup_steps=2", "optim.grad_clip=0.5", "metrics.tensorboard=false")
+        "train.steps=8", "train.log_every=1", "optim.warmup_steps=2", "optim.grad_clip=0.5", "metrics.tensorboard=false",
+        "memory.profile_step=0")
+PROFILED = ("memory.profile_step=2",)  # tests/test_parity.py: the activations and gathered parameters after forward
 TIED = ("model.tie_embeddings=true",)
 # tests/test_models.py's: foreign models, 4 steps, a constant learning rate without weight decay.
 COMMON = ("train.steps=4", "train.log_every=1", "checkpoint.every=2", "checkpoint.keep_last=0",
@@ -154,20 +157,20 @@ LAUNCHES = {
 RUNS = [
     # ZeRO-3 straight through, saving every 2 steps (retention keeps 6 and 8): the parity run and the
     # checkpoint tests' straight run.
-    Run("n2", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T, S, K)),
+    Run("n2", "2", (*BASE, *PROFILED, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T, S, K)),
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
     Run("eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E, T)),
     Run("n2-tied", "2", (*BASE, *TIED), (P, T)),
     Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4"), (P, C, T)),
     Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T, S)),  # DeepSpeed's name for it
-    Run("zero2", "2", (*BASE, "parallel.strategy=SHARD_GRAD_OP"), (P, T)),  # FSDP1's name for it
+    Run("zero2", "2", (*BASE, *PROFILED, "parallel.strategy=SHARD_GRAD_OP"), (P, T)),  # FSDP1's name for it
     # The memory levers: plain ZeRO-3's numbers bit for bit; CPU offload and full checkpointing share a run.
-    Run("ac-full", "2", (*BASE, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)),
-    Run("ac-selective", "2", (*BASE, "parallel.activation_checkpointing=selective",
+    Run("ac-full", "2", (*BASE, *PROFILED, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)),
+    Run("ac-selective", "2", (*BASE, *PROFILED, "parallel.activation_checkpointing=selective",
                               "parallel.activation_checkpointing_every=2"), (P,)),
-    Run("bf16-mixed", "2", (*BASE, "precision=bf16-mixed"), (P, T, S)),
+    Run("bf16-mixed", "2", (*BASE, *PROFILED, "precision=bf16-mixed"), (P, T, S)),
     Run("fp16-mixed", "2", (*BASE, "precision=fp16-mixed"), (P,)),
-    Run("bf16-true", "2", (*BASE, "precision=bf16-true"), (P, T)),
+    Run("bf16-true", "2", (*BASE, *PROFILED, "precision=bf16-true"), (P, T)),
     Run("overflow", "2", (*BASE, "precision=fp16-mixed", "model.task=custom",
                           "model.loss=tests.user_model:overflow_on_rank1"), (P,)),
     Run("split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C, S, T)),  # T: full_shard-to-ddp-n4 reads it
@@ -214,13 +217,13 @@ RUNS = [
                                  "model.init_from={root}/weights.pt"), (C,)),
     Run("round-trip", "2-resume", (*BASE, "train.steps=1", "checkpoint.enabled=false",
                                    "model.init_from={root}/exported"), (C,)),
-    Run("n4", "4", BASE, (P, T)),
+    Run("n4", "4", (*BASE, *PROFILED), (P, T)),
     Run("lora-n4", "4", (*BASE, *LORA), (L,)),
     Run("lora-reshard4", "4", (*BASE, *LORA, "checkpoint.every=0",
                                "checkpoint.resume={root}/lora-split/checkpoints/step-0000004"), (L,)),
-    Run("hsdp", "4", (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P, T)),
+    Run("hsdp", "4", (*BASE, *PROFILED, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P, T, K)),
     # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
-    Run("hpz-prefetch", "4", (*BASE, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P, T)),
+    Run("hpz-prefetch", "4", (*BASE, *PROFILED, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P, T)),
     # HSDP's deferred reductions over micro-batches of 1 (2 a step): the single-process numbers.
     Run("hsdp-replicas", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=replicas_once_per_step"), (T,)),
     Run("hsdp-once", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=once_per_step"), (T,)),

@@ -18,7 +18,6 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fsdp_zero.model import PRESETS
-from tests.batches import BASE
 from tests.conftest import REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, launch, run_script
 
 NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -282,25 +281,6 @@ def test_a_restart_by_torchrun_keeps_the_jobs_time_budget(tmp_path: Path):
     assert "the time budget (train.max_minutes) of this torchrun job ran out before it restarted these ranks" in proc.stderr
     assert [p.name for p in (tmp_path / "budget" / "checkpoints").iterdir()] == ["step-0000001"]
     assert [r["step"] for r in read_jsonl(tmp_path / "budget" / "metrics.jsonl")] == [1]
-
-
-@pytest.mark.slow
-def test_sigterm_to_one_rank_stops_every_rank_after_that_step_and_the_resume_is_exact(batches, tmp_path: Path):
-    """REL-1: rank 1 alone gets SIGTERM in step 3 (tests/user_model.py:sigterm_to_rank1). Both ranks
-    finish step 3, save it, and exit 4; the next launch ends with the losses and the weights and AdamW
-    states of an uninterrupted run (tests/batches.py's n2: the same settings and loss), bit for bit."""
-    args = [*BASE, "checkpoint.every=0", "model.task=custom", "model.loss=tests.user_model:sigterm_to_rank1",
-            f"run.root={tmp_path}", "run.name=term"]
-    proc = launch(2, TRAIN, *args, env={"SIGTERM_RANK1_AT_CALL": "5"}, torchrun=False)
-    assert proc.returncode == 4 and "stopped after step 3 (SIGTERM)" in proc.stderr, proc.stderr[-3000:]
-    assert [p.name for p in (tmp_path / "term" / "checkpoints").iterdir()] == ["step-0000003"]
-    check(launch(2, TRAIN, *args, torchrun=False))
-    straight = batches["n2"]
-    losses = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "term" / "metrics.jsonl")}
-    assert losses == straight["losses"] and sorted(losses) == list(range(1, 9))
-    straight, resumed = (checkpoint_tensors(path / "checkpoints" / "step-0000008")
-                         for path in (batches.path("n2"), tmp_path / "term"))
-    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 @pytest.mark.slow

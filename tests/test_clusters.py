@@ -6,7 +6,8 @@ the PyTorchJob manifest in docs/clusters.md runs its own command line, with the 
 training operator gives each pod. Both train tests/batches.py's BASE: the Slurm job on 2 nodes x 1 rank,
 through a killed rank, a pre-emption and a requeue, to the losses, weights and AdamW states of the same
 run on one node (n2: 2 ranks, uninterrupted) bit for bit; the manifest's on 2 pods x 2 ranks under
-HYBRID_SHARD (sharded within a pod, replicated across) to the single-process run's.
+HYBRID_SHARD (sharded within a pod, replicated across), through a pod's eviction, to the same run's on
+one node (hsdp: 4 ranks, uninterrupted) bit for bit.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from fsdp_zero.config_loader import load_config
 from fsdp_zero.distributed import ATTEMPT_VAR, DistEnv, _store_of_this_attempt, silent_ranks
 from tests.batches import BASE
 from tests.conftest import REPO, checkpoint_tensors, figure
-from tests.reference import reference_run
-from tests.test_parity import LOSS_ATOL, WEIGHT_ATOL
 
 SBATCH = REPO / "scripts" / "train.sbatch"
 STAND_INS = REPO / "tests" / "slurm"
@@ -227,17 +226,29 @@ def _manifest() -> dict:
     return yaml.safe_load(blocks[0])
 
 
+def _wait_for_port(port: int, proc: subprocess.Popen) -> None:
+    """Until something listens on ``port`` (the Master pod's rendezvous store), or ``proc`` has ended."""
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
-def test_the_kubernetes_manifest_runs_its_command_with_the_operators_variables(tmp_path: Path):
-    """The manifest's container command, run for a Master and a Worker pod on this machine with what the
+def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path: Path):
+    """The manifest's container command, run for its Master and Worker pods on this machine with what the
     training operator sets in each (MASTER_ADDR and MASTER_PORT of the master's service, WORLD_SIZE pods,
-    RANK the pod's index) and the container's own env, 2 ranks a pod: HYBRID_SHARD sharding within a pod
-    and replicating across the two trains like one process (the fp32 tolerances of tests/test_parity.py)."""
+    RANK the pod's index) and the container's own env, 2 ranks a pod, HYBRID_SHARD (sharded within a pod,
+    replicated across). The Worker is evicted in step 3 (SIGTERM to its main process, torchrun;
+    tests/user_model.py:evicted): all four ranks stop after step 3 though only the Worker's were signalled,
+    and save it; the Master's torchrun restarts its ranks and waits; the recreated Worker pod joins, and the
+    run ends with the losses and weights of the same run on one node (tests/batches.py's hsdp), bit for bit."""
     job = _manifest()
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert list(replicas) == ["Master", "Worker"] and replicas["Master"]["replicas"] == 1
-    pods = [(kind, i) for kind in replicas for i in range(replicas[kind]["replicas"])]
+    assert list(replicas) == ["Master", "Worker"] and [r["replicas"] for r in replicas.values()] == [1, 1]
     specs = [replicas[kind]["template"]["spec"] for kind in replicas]
     assert specs[0] == specs[1]  # one pod template
     pod = specs[0]
@@ -252,24 +263,38 @@ def test_the_kubernetes_manifest_runs_its_command_with_the_operators_variables(t
     config = container["args"][container["args"].index("--config") + 1]
     load_config(REPO / config, [a for a in container["args"] if "=" in a])
 
-    settings = (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2")
-    port, procs = _free_port(), []
-    for rank, _ in enumerate(pods):
+    settings = (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2", "checkpoint.every=0",
+                "model.task=custom", "model.loss=tests.user_model:evicted", f"run.root={tmp_path}", "run.name=k8s")
+    port = _free_port()
+
+    def start(rank: int) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_"))}
         env |= {e["name"]: str(e["value"]) for e in container.get("env", [])}
-        env |= {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "WORLD_SIZE": str(len(pods)), "RANK": str(rank),
+        env |= {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
                 "PYTHONUNBUFFERED": "0", "NPROC_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-        procs.append(subprocess.Popen([*container["command"], *settings, f"run.root={tmp_path}", "run.name=k8s"],
-                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for p in procs:
-        out, _ = p.communicate(timeout=TIMEOUT)
-        assert p.returncode == 0, out[-4000:]
-    ref = reference_run(load_config(None, list(BASE)))
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "FAULT_DIR": str(tmp_path),
+                "EVICT": str(rank),  # the Worker (pod 1) is the one evicted
+                # What the operator sets from elasticPolicy.rdzvConf: the rendezvous drops the evicted pod's
+                # torchrun 3 s after its last heartbeat (torch's default: 15 s), for the new pod to take its place.
+                "PET_RDZV_CONF": "keep_alive_interval=1,keep_alive_max_attempt=3"}
+        return subprocess.Popen([*container["command"], *settings], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    master = start(0)
+    _wait_for_port(port, master)  # the Master pod hosts the rendezvous (its service is MASTER_ADDR)
+    worker = start(1)
+    out, _ = worker.communicate(timeout=TIMEOUT)
+    assert worker.returncode != 0 and "got signal: 15" in out, out[-4000:]  # the evicted pod's torchrun
+    ckpts = tmp_path / "k8s" / "checkpoints"
+    assert (tmp_path / "evicted").exists() and [p.name for p in ckpts.iterdir()] == ["step-0000003"], out[-4000:]
+    worker = start(1)  # the operator recreates the pod (restartPolicy: OnFailure)
+    outs = [p.communicate(timeout=TIMEOUT)[0] for p in (worker, master)]
+    assert [p.returncode for p in (worker, master)] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    logs = out + "".join(outs)
+    assert "stopped after step 3 (SIGTERM)" in logs and "checkpoints/step-0000003: step 3" in logs, logs[-4000:]
     records = _read_jsonl(tmp_path / "k8s" / "metrics.jsonl")
-    assert [r["step"] for r in records] == sorted(ref["losses"])
-    for r in records:
-        assert r["loss"] == pytest.approx(ref["losses"][r["step"]], abs=LOSS_ATOL), r["step"]
-    final = checkpoint_tensors(tmp_path / "k8s" / "checkpoints" / "step-0000008")
-    for name, value in ref["final"].items():
-        torch.testing.assert_close(final[f"model.{name}"], value, atol=WEIGHT_ATOL, rtol=0, msg=name)
+    straight = batches["hsdp"]
+    assert {r["step"]: r["loss"] for r in records} == straight["losses"] and len(records) == 8
+    final = checkpoint_tensors(ckpts / "step-0000008")
+    for name, value in straight["final"].items():
+        assert torch.equal(final[f"model.{name}"], value), name

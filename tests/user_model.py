@@ -3,7 +3,7 @@
 The model and its loss know nothing about fsdp-zero: a plain nn.Module with standard layers (an
 embedding, a 1-D convolution, BatchNorm with its running statistics, Linear layers with biases)
 and a loss function taking (model, batch). The losses after them inject faults (an overflow, a
-NaN, a hang, a kill, a full disk, SIGTERM, a Slurm job's kill and pre-emption) on one rank at a
+NaN, a hang, a kill, a full disk, a Slurm job's kill and pre-emption, a pod's eviction) on one rank at a
 given call; the hang waits for the store key through which fsdp-zero's ranks report a failed collective.
 """
 
@@ -117,21 +117,25 @@ def disk_full_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def sigterm_to_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
-    """Next-token cross-entropy; when SIGTERM_RANK1_AT_CALL=K is set, rank 1 sends itself SIGTERM at
-    its K-th call (mid-step, as a scheduler signalling one process would); the others get none."""
-    import os
+
+def _until_sigterm(send) -> None:
+    """Calls ``send()`` (which makes something send this process SIGTERM) and returns once the SIGTERM has
+    arrived and the trainer's handler (fsdp_zero.stopping.StepGuard) has seen it (at most 2 minutes)."""
     import signal
+    import time
 
-    import torch.distributed as dist
+    guard, received = signal.getsignal(signal.SIGTERM), []
 
-    inputs, targets = batch
-    _calls[0] += 1
-    if dist.get_rank() == 1 and str(_calls[0]) == os.environ.get("SIGTERM_RANK1_AT_CALL"):
-        os.kill(os.getpid(), signal.SIGTERM)
-    logits = model(inputs).float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    def noted(signum, frame):
+        received.append(signum)
+        guard(signum, frame)
 
+    signal.signal(signal.SIGTERM, noted)
+    send()
+    deadline = time.monotonic() + 120
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.05)
+    signal.signal(signal.SIGTERM, guard)
 
 
 def killed_then_preempted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
@@ -160,18 +164,28 @@ def killed_then_preempted(model: nn.Module, batch: tuple[torch.Tensor, torch.Ten
         os.kill(os.getpid(), signal.SIGKILL)
     if dist.get_rank() == 0 and _calls[0] == 3 and killed.exists() and not signalled.exists() \
             and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-        guard, received = signal.getsignal(signal.SIGTERM), []  # the trainer's (fsdp_zero.stopping.StepGuard)
-
-        def noted(signum, frame):
-            received.append(signum)
-            guard(signum, frame)
-
-        signal.signal(signal.SIGTERM, noted)
         signalled.write_text(f"{time.time()}\n")
-        os.kill(int(os.environ["PREEMPT_PID"]), signal.SIGUSR1)
-        deadline = time.monotonic() + 120
-        while not received and time.monotonic() < deadline:
-            time.sleep(0.05)
-        signal.signal(signal.SIGTERM, guard)
+        _until_sigterm(lambda: os.kill(int(os.environ["PREEMPT_PID"]), signal.SIGUSR1))
+    logits = model(inputs).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def evicted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
+    """Next-token cross-entropy; in a pod whose environment has EVICT=1 (tests/test_clusters.py's Worker),
+    local rank 0 sends SIGTERM to its torchrun (its parent: the container's main process, which the
+    kubelet signals when it evicts the pod) at its 3rd call (step 3 at one micro-batch a step), once
+    (FAULT_DIR/evicted), and waits until torchrun has passed it on to this rank; the other pod's ranks
+    get no signal."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    inputs, targets = batch
+    _calls[0] += 1
+    marker = Path(os.environ.get("FAULT_DIR", "."), "evicted")
+    if os.environ.get("EVICT") == "1" and os.environ["LOCAL_RANK"] == "0" and _calls[0] == 3 and not marker.exists():
+        marker.write_text(f"{time.time()}\n")
+        _until_sigterm(lambda: os.kill(os.getppid(), signal.SIGTERM))
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
