@@ -76,8 +76,8 @@ def _sbatch(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProces
 
 def _logs(tmp_path: Path, restart: int) -> str:
     """Every node's log of the job's attempt ``restart`` (after ``restart`` requeues)."""
-    paths = sorted((tmp_path / "logs").glob(f"restart{restart}-node*.log"))
-    assert [p.name for p in paths] == [f"restart{restart}-node0.log", f"restart{restart}-node1.log"], paths
+    paths = sorted((tmp_path / "logs").glob(f"*-restart{restart}-node*.log"))
+    assert [p.name.split("-", 2)[2] for p in paths] == [f"restart{restart}-node0.log", f"restart{restart}-node1.log"], paths
     return "".join(p.read_text() for p in paths)
 
 
