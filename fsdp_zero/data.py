@@ -12,6 +12,7 @@ the world size without losing its place).
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,6 +347,13 @@ class _StepSlices(torch.utils.data.Dataset):
         return self.source.batch(range(start, start + self.per_rank))
 
 
+def _ignore_sigterm(worker_id: int) -> None:
+    """A loader worker ignores SIGTERM: a scheduler signals every process of a job (Slurm's time limit and
+    ``scancel --signal`` reach every process of the step), and a worker that died of it would end its
+    rank's run with an error instead of the save that SIGTERM asks the rank for. It ends with its rank."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class BatchCursor:
     """Hands each rank its micro-batches of the next global batch.
 
@@ -376,7 +384,8 @@ class BatchCursor:
             loader = torch.utils.data.DataLoader(
                 _StepSlices(self.source, self.layout, self.rank), batch_size=None,
                 sampler=itertools.count(self._position, self.layout.global_batch_size), num_workers=self.num_workers,
-                prefetch_factor=2 if self.num_workers else None, persistent_workers=False)
+                prefetch_factor=2 if self.num_workers else None, persistent_workers=False,
+                worker_init_fn=_ignore_sigterm if self.num_workers else None)
             self._batches = iter(loader)
         batch = next(self._batches)
         self._position += self.layout.global_batch_size

@@ -186,6 +186,13 @@ def run_script(script: Path, *args: str, cwd: Path = REPO) -> subprocess.Complet
     return subprocess.CompletedProcess([str(script), *args], code, out.getvalue(), err.getvalue())
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """A JSON-lines file's records ([] if there is no such file): metrics.jsonl, for example."""
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def figure(name: str, value: str) -> None:
     """Records a measured figure; `make test` prints them all at the end (docs/testing.md quotes them)."""
     _FIGURES.append((name, value))

@@ -18,14 +18,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fsdp_zero.model import PRESETS
-from tests.conftest import REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, launch, run_script
+from tests.conftest import REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, launch, read_jsonl, run_script
 
 NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.steps=4", "train.log_every=2"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def scalars(event_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -12,9 +12,10 @@ one node (hsdp: 4 ranks, uninterrupted) bit for bit.
 
 from __future__ import annotations
 
-import json
 import os
+import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -29,9 +30,9 @@ import yaml
 import torch.distributed as dist
 
 from fsdp_zero.config_loader import load_config
-from fsdp_zero.distributed import ATTEMPT_VAR, DistEnv, _store_of_this_attempt, silent_ranks
+from fsdp_zero.distributed import ATTEMPT_VAR, DistEnv, _free_port, _store_of_this_attempt, silent_ranks
 from tests.batches import BASE
-from tests.conftest import REPO, checkpoint_tensors, figure
+from tests.conftest import REPO, checkpoint_tensors, figure, read_jsonl
 
 SBATCH = REPO / "scripts" / "train.sbatch"
 STAND_INS = REPO / "tests" / "slurm"
@@ -39,18 +40,13 @@ NODES = "localhost,127.0.0.1"  # two "nodes" as Slurm names them, both this mach
 TIMEOUT = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _job_id() -> int:
-    """A job id whose rendezvous port (the script's: 20000 + id % 40000) is free on this machine."""
-    port = _free_port()
-    while not 20000 <= port < 60000:
-        port = _free_port()
-    return 40000 * 1000 + port - 20000
+    """A job id whose rendezvous port (the script's: 10000 + id % 20000) is free on this machine."""
+    while True:
+        port = random.randrange(10000, 30000)
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:  # nothing listens there
+                return 20000 * 2000 + port - 10000
 
 
 def _slurm_env(tmp_path: Path, job: int, **extra: str) -> dict[str, str]:
@@ -81,14 +77,10 @@ def _logs(tmp_path: Path, restart: int) -> str:
     return "".join(p.read_text() for p in paths)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _assert_uninterrupted(batches, run_dir: Path) -> list[dict]:
     """The run's logged losses and final checkpoint equal tests/batches.py's n2 (one node, 2 ranks, never
     stopped), bit for bit; its metrics records."""
-    records = _read_jsonl(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     assert {r["step"]: r["loss"] for r in records} == batches["n2"]["losses"]
     assert [r["step"] for r in records] == list(range(1, 9))
     straight, got = (checkpoint_tensors(path / "checkpoints" / "step-0000008") for path in (batches.path("n2"), run_dir))
@@ -113,6 +105,7 @@ def test_the_batch_script_outside_an_allocation_is_one_line_and_exit_2(tmp_path:
 # the batch script's decision alone: node 0 sends SIGNAL to the batch script (unless empty); every node then
 # ends like torchrun whose ranks printed LINE (rank 0's last line), exiting CODE, on SIGTERM or at once.
 RANKS = """#!/bin/bash
+echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE PET_LOCAL_ADDR=$PET_LOCAL_ADDR $*" >&2
 trap 'echo "$LINE" >&2; exit "$CODE"' TERM
 if [[ -n $SIGNAL ]]; then
     [[ $SLURM_NODEID == 0 ]] && kill -"$SIGNAL" "$PREEMPT_PID"
@@ -126,7 +119,7 @@ STOPPED = "stopped after step 3 (SIGTERM); checkpoint runs/x/checkpoints holds i
 
 @pytest.mark.parametrize("signal_, line, requeue, requeued, code", [
     ("USR1", STOPPED, "1", True, 4),  # the time limit's signal, the step saved: requeued
-    ("TERM", STOPPED, "1", True, 4),  # a pre-emption's (or scancel's) SIGTERM to the script: the same
+    ("TERM", STOPPED, "1", True, 4),  # SIGTERM to the script alone (scancel --batch): the same
     ("USR1", STOPPED, "0", False, 4),  # FSDP_ZERO_REQUEUE=0: saved, not requeued
     ("USR1", "error: training diverged at step 3 (loss nan) ...", "1", False, 1),  # failed for another reason
     ("", "stopped after step 1 (the time budget (train.max_minutes) ran out); ...", "1", False, 1),  # no signal
@@ -141,7 +134,33 @@ def test_the_batch_script_requeues_only_a_signalled_job_whose_ranks_saved(tmp_pa
                      FSDP_ZERO_REQUEUE=requeue)
     proc, _ = _sbatch(env)
     assert proc.returncode == code, proc.stderr
-    assert bool(_read_jsonl(tmp_path / "slurm" / "requeue")) == requeued, proc.stderr
+    assert bool(read_jsonl(tmp_path / "slurm" / "requeue")) == requeued, proc.stderr
+
+
+@pytest.mark.parametrize("env, nproc", [({}, 1), ({"SLURM_GPUS_ON_NODE": "4"}, 4),
+                                        ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4"}, 2)])
+def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(tmp_path: Path, env, nproc):
+    """Each node's command line (tests/slurm/srun's tasks run RANKS in place of the interpreter, which
+    writes it to the node's log): ranks per node from NPROC_PER_NODE, else SLURM_GPUS_ON_NODE, else 1;
+    the rendezvous on the first host under its Slurm name, the port from the job id; every attempt its
+    own store; the run named after the job unless the command line names it."""
+    ranks = tmp_path / "ranks"
+    ranks.write_text(RANKS)
+    ranks.chmod(0o755)
+    job = _job_id()
+    for args, name in (((), f"run.name=slurm-{job}"), (("run.name=mine",), "run.name=mine")):
+        proc, _ = _sbatch(_slurm_env(tmp_path, job, PYTHON=str(ranks), SIGNAL="", LINE="", CODE="0", **env),
+                          "--config", "configs/gpt_small.yaml", *args)
+        assert proc.returncode == 0, proc.stderr
+        lines = [line for line in _logs(tmp_path, 0).splitlines() if line.startswith("TORCH_DISABLE")]
+        assert sorted(line.split()[1] for line in lines) == ["PET_LOCAL_ADDR=127.0.0.1", "PET_LOCAL_ADDR=localhost"]
+        assert {line.split()[0] for line in lines} == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"}
+        assert {line.split(maxsplit=2)[2] for line in lines} == {
+            f"-m torch.distributed.run --nnodes=2 --nproc-per-node={nproc} --rdzv-backend=c10d "
+            f"--rdzv-endpoint=localhost:{10000 + job % 20000} --rdzv-id={job} --max-restarts=3 --shutdown-timeout=100 "
+            f"scripts/train.py --config configs/gpt_small.yaml {name}"}
+        for log in (tmp_path / "logs").iterdir():
+            log.unlink()
 
 
 def test_a_failure_an_earlier_attempt_reported_does_not_hide_a_dead_rank(monkeypatch: pytest.MonkeyPatch):
@@ -154,6 +173,23 @@ def test_a_failure_an_earlier_attempt_reported_does_not_hide_a_dead_rank(monkeyp
     assert silent_ranks(DistEnv(1, 2, 1, cpu, "gloo"), wait_seconds=0, store=store) == [0]
     monkeypatch.setenv(ATTEMPT_VAR, "b")
     assert silent_ranks(DistEnv(0, 2, 0, cpu, "gloo"), wait_seconds=0.3, store=store) == [1]
+
+
+def test_each_time_the_ranks_meet_they_draw_a_new_attempt_token(monkeypatch: pytest.MonkeyPatch):
+    """The scope of the failure keys: init_distributed (world size 1, gloo, here) sets FSDP_ZERO_ATTEMPT to a
+    token rank 0 drew, a new one each time, so a restarted attempt's keys differ from the last one's."""
+    from fsdp_zero.config import DistConfig
+    from fsdp_zero.distributed import destroy_distributed, init_distributed
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port()), ATTEMPT_VAR: "", "CUDA_VISIBLE_DEVICES": ""}.items():
+        monkeypatch.setenv(key, value)  # restored afterwards
+    tokens = []
+    for _ in range(2):
+        init_distributed(DistConfig())
+        tokens.append(os.environ[ATTEMPT_VAR])
+        destroy_distributed()
+    assert all(tokens) and tokens[0] != tokens[1], tokens
 
 
 def test_restarted_ranks_meet_in_their_attempts_part_of_the_agents_store(monkeypatch: pytest.MonkeyPatch, capsys):
@@ -197,20 +233,20 @@ def test_a_slurm_job_restarts_a_dead_rank_saves_on_preemption_and_its_requeue_en
     proc, _ = _sbatch(env, *args)
     logs = _logs(tmp_path, 0)
     assert proc.returncode == 4, proc.stderr[-3000:] + logs[-6000:]
-    assert f"2 node(s) x 1 rank(s), rendezvous localhost:{20000 + job % 40000}" in proc.stderr
+    assert f"2 node(s) x 1 rank(s), rendezvous localhost:{10000 + job % 20000}" in proc.stderr
     assert re.search(r"error: rank 0, step 5: .*\(rank 1 died or is stuck", logs), logs[-6000:]
     assert "checkpoints/step-0000004: step 4" in logs and "stopped after step 6 (SIGTERM)" in logs, logs[-6000:]
     assert "SIGUSR1 received: SIGTERM to the ranks" in proc.stderr and f"requeueing job {job}" in proc.stderr
     run_dir = tmp_path / f"slurm-{job}"  # named after the job, so the requeued job finds it
     # The restarted ranks saved step 6 and kept the first attempt's 2 and 4 (a launch deletes only its own).
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-000000{s}" for s in (2, 4, 6)]
-    requeues = _read_jsonl(tmp_path / "slurm" / "requeue")
+    requeues = read_jsonl(tmp_path / "slurm" / "requeue")
     assert [r["job"] for r in requeues] == [str(job)]
 
     proc, start = _sbatch(_slurm_env(tmp_path, job, SLURM_RESTART_COUNT="1", FAULT_DIR=str(tmp_path)), *args)
     logs = _logs(tmp_path, 1)
     assert proc.returncode == 0, proc.stderr[-3000:] + logs[-6000:]
-    assert "checkpoints/step-0000006: step 6" in logs and len(_read_jsonl(tmp_path / "slurm" / "requeue")) == 1
+    assert "checkpoints/step-0000006: step 6" in logs and len(read_jsonl(tmp_path / "slurm" / "requeue")) == 1
     records = _assert_uninterrupted(batches, run_dir)
     figure("slurm: SIGKILLed rank to the restarted ranks' first step (2 nodes, torchrun --max-restarts)",
            f"{records[4]['time'] - _fault_time(tmp_path / 'killed'):.1f} s")
@@ -241,10 +277,11 @@ def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path
     """The manifest's container command, run for its Master and Worker pods on this machine with what the
     training operator sets in each (MASTER_ADDR and MASTER_PORT of the master's service, WORLD_SIZE pods,
     RANK the pod's index) and the container's own env, 2 ranks a pod, HYBRID_SHARD (sharded within a pod,
-    replicated across). The Worker is evicted in step 3 (SIGTERM to its main process, torchrun;
-    tests/user_model.py:evicted): all four ranks stop after step 3 though only the Worker's were signalled,
-    and save it; the Master's torchrun restarts its ranks and waits; the recreated Worker pod joins, and the
-    run ends with the losses and weights of the same run on one node (tests/batches.py's hsdp), bit for bit."""
+    replicated across). The Worker is evicted in step 3: SIGTERM to the pod's main process (torchrun, by
+    the command's exec; tests/user_model.py:evicted). All four ranks stop after step 3, though only the
+    Worker's were signalled, and save it; the Master's torchrun restarts its ranks and waits; the recreated
+    Worker joins, and the run ends with the losses and weights of the same run on one node
+    (tests/batches.py's hsdp), bit for bit."""
     job = _manifest()
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     replicas = job["spec"]["pytorchReplicaSpecs"]
@@ -283,6 +320,10 @@ def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path
     master = start(0)
     _wait_for_port(port, master)  # the Master pod hosts the rendezvous (its service is MASTER_ADDR)
     worker = start(1)
+    deadline = time.monotonic() + TIMEOUT
+    while not (tmp_path / "evicted").exists() and worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    worker.send_signal(signal.SIGTERM)  # the kubelet evicts the pod: SIGTERM to its main process
     out, _ = worker.communicate(timeout=TIMEOUT)
     assert worker.returncode != 0 and "got signal: 15" in out, out[-4000:]  # the evicted pod's torchrun
     ckpts = tmp_path / "k8s" / "checkpoints"
@@ -292,7 +333,7 @@ def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path
     assert [p.returncode for p in (worker, master)] == [0, 0], "\n".join(o[-3000:] for o in outs)
     logs = out + "".join(outs)
     assert "stopped after step 3 (SIGTERM)" in logs and "checkpoints/step-0000003: step 3" in logs, logs[-4000:]
-    records = _read_jsonl(tmp_path / "k8s" / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "k8s" / "metrics.jsonl")
     straight = batches["hsdp"]
     assert {r["step"]: r["loss"] for r in records} == straight["losses"] and len(records) == 8
     final = checkpoint_tensors(ckpts / "step-0000008")

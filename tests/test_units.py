@@ -100,6 +100,41 @@ def test_ranks_read_disjoint_parts_that_make_up_the_global_batch(dp: int):
         assert torch.equal(torch.cat(parts), src.samples(range(8 * step, 8 * step + 8)))
 
 
+def _children() -> set[int]:
+    """This process's child processes (from /proc)."""
+    import os
+
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            out.add(int(stat.parent.name))
+    return out
+
+
+def test_loader_workers_outlive_the_sigterm_a_scheduler_sends_every_process():
+    """Slurm signals every process of a job step; the rank must get to its save, so its loader workers
+    ignore SIGTERM and keep handing it batches."""
+    import os
+    import signal
+
+    src = SyntheticBigram(vocab_size=64, seq_len=8, seed=0)
+    layout = BatchLayout(global_batch_size=4, micro_batch_size=2, dp_size=1, grad_accum_steps=2)
+    before = _children()
+    cursor = BatchCursor(src, layout, 0, num_workers=1)
+    cursor.next_batch()
+    workers = _children() - before
+    assert len(workers) == 1
+    os.kill(workers.pop(), signal.SIGTERM)
+    for step in range(1, 5):  # past the two batches the worker had fetched ahead
+        micro = cursor.next_batch()
+        assert torch.equal(torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in micro]),
+                           src.samples(range(4 * step, 4 * step + 4)))
+
+
 def test_byte_text_reads_a_folder_as_bytes(tmp_path: Path):
     (tmp_path / "a.txt").write_text("hello world, " * 20)
     (tmp_path / "sub").mkdir()

@@ -117,7 +117,6 @@ def disk_full_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-
 def _until_sigterm(send) -> None:
     """Calls ``send()`` (which makes something send this process SIGTERM) and returns once the SIGTERM has
     arrived and the trainer's handler (fsdp_zero.stopping.StepGuard) has seen it (at most 2 minutes)."""
@@ -172,12 +171,10 @@ def killed_then_preempted(model: nn.Module, batch: tuple[torch.Tensor, torch.Ten
 
 def evicted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
     """Next-token cross-entropy; in a pod whose environment has EVICT=1 (tests/test_clusters.py's Worker),
-    local rank 0 sends SIGTERM to its torchrun (its parent: the container's main process, which the
-    kubelet signals when it evicts the pod) at its 3rd call (step 3 at one micro-batch a step), once
-    (FAULT_DIR/evicted), and waits until torchrun has passed it on to this rank; the other pod's ranks
-    get no signal."""
+    local rank 0 writes FAULT_DIR/evicted at its 3rd call (step 3 at one micro-batch a step), once, for the
+    test to send SIGTERM to the pod's main process as the kubelet does when it evicts a pod, and waits until
+    torchrun has passed it on to this rank; the other pod's ranks get no signal."""
     import os
-    import signal
     import time
     from pathlib import Path
 
@@ -185,7 +182,6 @@ def evicted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
     _calls[0] += 1
     marker = Path(os.environ.get("FAULT_DIR", "."), "evicted")
     if os.environ.get("EVICT") == "1" and os.environ["LOCAL_RANK"] == "0" and _calls[0] == 3 and not marker.exists():
-        marker.write_text(f"{time.time()}\n")
-        _until_sigterm(lambda: os.kill(os.getppid(), signal.SIGTERM))
+        _until_sigterm(lambda: marker.write_text(f"{time.time()}\n"))
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
