@@ -28,6 +28,7 @@ import torch.distributed as dist
 from fsdp_zero.config import Device, DistConfig
 
 logger = logging.getLogger("fsdp_zero")
+ATTEMPT_VAR = "FSDP_ZERO_ATTEMPT"  # set by `init_distributed`, the same on every rank of an attempt
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,9 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     dist.init_process_group(backend=spec, rank=rank, world_size=world_size, timeout=timeout,
                             store=_store_of_this_attempt(timeout), **kwargs)
-    token = [secrets.token_hex(4) if rank == 0 else None]  # this attempt's: see `failure_key`
-    dist.broadcast_object_list(token, src=0, device=device if backend == "nccl" else None)
-    os.environ[ATTEMPT_VAR] = token[0]
-    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+    os.environ[ATTEMPT_VAR] = broadcast_object(secrets.token_hex(4), env)  # rank 0's: see `failure_key`
+    return env
 
 
 def destroy_distributed(barrier: bool = True) -> None:
@@ -188,9 +188,6 @@ def last_collective(out: Path, backend: str) -> str:
     group = (e.get("process_group") or ["", "?"])[-1]
     return (f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} on group {group} "
             f"(sizes {e.get('input_sizes', [])}; flight recorder: {out})")
-
-
-ATTEMPT_VAR = "FSDP_ZERO_ATTEMPT"  # set by `init_distributed`, the same on every rank of an attempt
 
 
 def failure_key(rank: int) -> str:
