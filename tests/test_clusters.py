@@ -101,6 +101,19 @@ def test_the_batch_script_outside_an_allocation_is_one_line_and_exit_2(tmp_path:
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("var, value, expected", [
+    ("FSDP_ZERO_REQUEUE", "yes", "expected 1 (requeue a pre-empted job whose step was saved) or 0"),
+    ("FSDP_ZERO_MAX_RESTARTS", "three", "expected a whole number"),
+    ("FSDP_ZERO_RDZV_PORT", "-1", "expected a whole number"),
+])
+def test_the_batch_script_refuses_a_bad_setting_in_one_line_before_it_starts_anything(tmp_path: Path, var, value,
+                                                                                      expected):
+    env = _slurm_env(tmp_path, _job_id(), PYTHON="/bin/false", **{var: value})  # were anything started: exit 1
+    proc, _ = _sbatch(env, *BASE)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"train.sbatch: error: {var}='{value}': {expected}", proc.stderr
+    assert not list(tmp_path.iterdir())  # no logs, no stand-in Slurm state: srun never ran
+
+
 # Stands in for each node's `python -m torch.distributed.run ... scripts/train.py` (PYTHON=this file) to show
 # the batch script's decision alone: node 0 sends SIGNAL to the batch script (unless empty); every node then
 # ends like torchrun whose ranks printed LINE (rank 0's last line), exiting CODE, on SIGTERM or at once.
