@@ -293,25 +293,36 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, ze
     group). Fused and for_loop AdamW make no temporaries larger than one tensor, so they keep the two
     groups (a warning says the setting has no effect where it would have cut them).
     """
+    impl = optimizer_impl(cfg, device)
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, impl)]
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=impl is OptimizerImpl.fused,
+                  foreach=impl is OptimizerImpl.foreach)
+    if zero1:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def optimizer_impl(cfg: OptimConfig, device: torch.device) -> OptimizerImpl:
+    """``optim.implementation`` resolved for the device the optimizer steps on: auto is fused on CUDA,
+    foreach elsewhere."""
+    if cfg.implementation is OptimizerImpl.auto:
+        return OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
+    return cfg.implementation
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl) -> list[tuple[list[nn.Parameter], float]]:
+    """AdamW's parameter groups and their weight decay, in order: the trainable matrices and embeddings
+    (``optim.weight_decay``), then the 1-D parameters (none), each cut into `step_groups` for foreach."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    impl = cfg.implementation
-    if impl is OptimizerImpl.auto:
-        impl = OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
     size = cfg.step_group_size
     if size and impl is not OptimizerImpl.foreach:
         if any(len(step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
             logger.warning("optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than one "
                            "tensor); it bounds foreach AdamW's", size, impl.value)
         size = 0
-    groups = [{"params": ps, "weight_decay": wd} for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
-              for ps in step_groups(group, size)]
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=impl is OptimizerImpl.fused,
-                  foreach=impl is OptimizerImpl.foreach)
-    if zero1:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    return [(ps, wd) for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) for ps in step_groups(group, size)]
 
 
 @dataclass

@@ -281,6 +281,8 @@ class StepProfiler:
     def __enter__(self) -> "StepProfiler":
         self.tracker.__enter__()
         self.phases[Phase.START] = self._categories("current")
+        if self.sizes is not None:
+            self.sizes.region = Phase.START.value
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -289,6 +291,8 @@ class StepProfiler:
         self._heap_peak = self._heap(self.sizes.at_peak) if self.sizes is not None else None
 
     def phase(self, name: Phase) -> None:
+        if self.sizes is not None:  # the step's part from here to the next phase
+            self.sizes.region = name.value
         if name is Phase.AFTER_MICRO_BATCH:
             # Several forwards in one tracked step (gradient accumulation) are allowed once
             # the per-module stats are cleared; the step's peak is kept.
@@ -318,6 +322,20 @@ class StepProfiler:
         """Bytes per category in tensors below the heap threshold, at the step's peak."""
         assert self._heap_peak is not None, "StepProfiler(heap_threshold=...) splits by size"
         return self._heap_peak
+
+    def region_peaks(self) -> dict[str, tuple[dict[str, int], int]]:
+        """For each part of the step between two phases (named by the phase it starts after; `Phase.START`:
+        the first forward), bytes per category at that part's own peak and how many of them are in
+        tensors below the heap threshold."""
+        assert self.sizes is not None, "StepProfiler(heap_threshold=...) splits by size"
+        out = {}
+        for region, split in self.sizes.region_peaks.items():
+            cats = dict.fromkeys(CATEGORIES, 0)
+            for (reftype, _), nbytes in split.items():
+                if reftype in self.mapping:
+                    cats[self.mapping[reftype]] += nbytes
+            out[region] = (cats, sum(self._heap(split).values()))
+        return out
 
     def _categories(self, kind: str) -> dict[str, int]:
         snap = self.tracker.get_tracker_snapshot(kind)

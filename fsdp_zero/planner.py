@@ -34,16 +34,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.build import build, cast_to_stored, construct
-from fsdp_zero.config import ZERO_STAGES, Config, ParallelConfig, PrecisionConfig, Strategy, is_fsdp, validate
+from fsdp_zero.build import build, cast_to_stored, construct, optimizer_impl, param_groups
+from fsdp_zero.config import (STRATEGIES, ZERO_STAGES, ActivationCheckpointing, Config, ParallelConfig, PrecisionConfig,
+                              Strategy, WrapConfig, WrapPolicy, is_fsdp, validate)
 from fsdp_zero.data import BatchCursor, BatchLayout, build_source
 from fsdp_zero.distributed import DistEnv
+from fsdp_zero.lora import make_trainable
 from fsdp_zero.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
-from fsdp_zero.parallelize import device_mesh, model_state_formula, reshard_after_forward
+from fsdp_zero.parallelize import device_mesh, model_state_formula, reshard_after_forward, shard_degree
 from fsdp_zero.precision import resolve
 from fsdp_zero.step import Phase, train_step
 from fsdp_zero.tasks import build_task, vocab_size
-from fsdp_zero.torch_private import FakeStore, FakeTensorMode
+from fsdp_zero.torch_private import FakeStore, FakeTensorMode, real_post_forward_meshes
+from fsdp_zero.wrap import build_wrap_plan
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -75,6 +78,10 @@ class Prediction:
     host_state: int = 0  # CPU offload: the model state, in host memory (on CUDA, outside device memory)
     heap_at_peak: int = 0  # CPU: bytes of the peak's tensors that glibc serves from its heap
     heap_activations: int = 0  # CPU: heap-allocated activations after the first forward
+    optimizer_state: int = 0  # of model_state, the AdamW states
+    # The step in parts (from each phase to the next; `fsdp_zero.memory.StepProfiler.region_peaks`): bytes by
+    # category at the part's own peak, and how many of them the heap serves. What `compose` extrapolates.
+    regions: dict[str, tuple[dict[str, int], int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -336,9 +343,11 @@ class Simulator:
                  ) -> None:
         self.world_size, self.accum_cap = world_size, accum_cap
         self.target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
-        # Planning for GPUs from a machine without one: the tensors are the same (fp32), so the
-        # step is simulated on the CPU; what is predicted is still device memory (no baseline).
-        self.device = self.target if self.target.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
+        # The step is simulated on the CPU whatever the target: the tensors are the same, and a process
+        # that plans (a test, a login node) must not start CUDA. What the target changes is applied
+        # explicitly: the optimizer's implementation (`predict`) and what a rank shows (`predict_peak`:
+        # device memory with the allocator's slack and no baseline on CUDA).
+        self.device = torch.device("cpu")
         self.baseline = cached_baseline(self.target) if baseline is None else baseline
         # glibc serves tensors below this from its heap (CPU); the split decides what the heap keeps.
         self.heap_threshold = mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
@@ -351,8 +360,51 @@ class Simulator:
     def __exit__(self, *exc: object) -> None:
         dist.destroy_process_group()
 
-    def predict(self, c: Config) -> Prediction:
-        """Simulates two steps of ``c`` (its strategy, precision, levers, batch); the second's peak."""
+    def predict(self, c: Config, whole: bool = False) -> Prediction:
+        """Simulates two steps of ``c`` (its strategy, precision, levers, batch); the second's peak.
+
+        A model whose blocks repeat (`repeated_blocks`) is simulated with only its first few blocks, at
+        three depths a step apart, and composed (`compose`): from some depth on, each block adds the same
+        bytes at every point of the step, so the whole model's figures lie on the line through two
+        depths. The third depth checks that they do (at the smallest depths the units FSDP2 holds in
+        flight still grow with the blocks); where it misses, the depths move up a step. So the
+        simulation's cost does not grow with the layer count; a model that needs all its blocks to run
+        (or has few), or ``whole``, is simulated whole.
+        """
+        # The optimizer the target runs: fused AdamW on CUDA (foreach would add temporaries as large as
+        # the shard), foreach where it steps on the CPU (CPU offload).
+        stepped_on = torch.device("cpu") if c.parallel.cpu_offload else self.target
+        c = replace(c, optim=replace(c.optim, implementation=optimizer_impl(c.optim, stepped_on)))
+        repeats = None if whole else repeated_blocks(c, shard_degree(c.parallel, self.world_size))
+        if repeats is None:
+            return self._simulate(c)
+        first, step = first_depth(c.parallel)
+        sims: dict[int, Prediction] = {}
+
+        def at(depth: int) -> Prediction:
+            if depth not in sims:
+                sims[depth] = self._simulate(c, (repeats.container, depth))
+            return sims[depth]
+
+        try:
+            depth = first
+            while True:
+                x, y, z = depth, depth + step, depth + 2 * step
+                if x + y + z >= repeats.count:  # no cheaper than the whole model
+                    return self._simulate(c)
+                if on_line(at(x), at(y), at(z), (x, y, z)):
+                    break
+                depth += step
+        except ValueError:  # the config's own error (the whole model would raise it too)
+            raise
+        except Exception as e:  # noqa: BLE001 - a model whose forward needs all its blocks: simulated whole
+            logger.info("planner: %s cannot run with fewer blocks (%s: %s); simulating all %d", repeats.container,
+                        type(e).__name__, e, repeats.count)
+            return self._simulate(c)
+        return compose(at(y), at(z), (y, z), repeats, self.target, zero1_shares(c, self.world_size, repeats, (y, z)))
+
+    def _simulate(self, c: Config, keep: tuple[str, int] | None = None) -> Prediction:
+        """`predict` of ``c`` as it is, or with only the first ``keep[1]`` blocks of container ``keep[0]``."""
         env, device, strategy = self.env, self.device, c.parallel.strategy
         layout = plan_layout(c, self.world_size)
         if self.accum_cap:
@@ -362,12 +414,15 @@ class Simulator:
         loss_fn = build_task(c.model)
         mesh = device_mesh(c.parallel, env) if is_fsdp(strategy) else None  # needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
+        if keep:
+            del meta.get_submodule(keep[0])[keep[1]:]  # (a ModuleList or Sequential renumbers what is left)
         cast_to_stored(meta, resolve(c.precision))  # (bf16-true) also outside it
         # Real batches of the configured data (their shapes and dtypes are what matter).
         micro = BatchCursor(build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0).next_batch()
         first = micro[:1] if self.accum_cap else micro
         with FakeTensorMode(allow_non_fake_inputs=True):
-            built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
+            with real_post_forward_meshes():  # hpZ's meshes
+                built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
             model, optimizer = built.model, built.optimizer
             train_step(model, optimizer, loss_fn, first, c.optim.grad_clip, device,  # creates AdamW states
                        grad_sync=c.parallel.grad_sync)
@@ -380,6 +435,7 @@ class Simulator:
                 if name is Phase.AFTER_OPTIMIZER_STEP:
                     cats = profiler.phases[name]
                     state["bytes"] = cats["params"] + cats["grads"] + cats["optimizer"]
+                    state["optimizer"] = cats["optimizer"]
 
             with profiler:
                 train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase],
@@ -388,9 +444,133 @@ class Simulator:
         pred = Prediction(strategy.value, self.world_size, tensors, self.baseline, model_state=state.get("bytes", 0),
                           host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,
                           heap_at_peak=sum(profiler.heap_peak().values()),
-                          heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"])
+                          heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"],
+                          optimizer_state=state.get("optimizer", 0), regions=profiler.region_peaks())
         pred.peak = predict_peak(pred, self.target, fsdp=is_fsdp(strategy))
         return pred
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """A run of identical blocks filling one container: what the planner composes (`Simulator.predict`)."""
+
+    container: str  # the ModuleList's or Sequential's FQN
+    count: int  # its blocks
+
+
+def _signature(model: nn.Module, prefix: str, units: set[str]) -> tuple:
+    """What makes two blocks the same to memory: class, parameters (shape, dtype, trained or not),
+    buffers, and which of their submodules are FSDP units."""
+    block = model.get_submodule(prefix)
+    return (type(block),
+            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
+            tuple(sorted(u[len(prefix):] for u in units if u == prefix or u.startswith(prefix + "."))))
+
+
+def repeated_blocks(c: Config, shard_degree: int) -> Repeats | None:
+    """The container (an ``nn.ModuleList`` or ``nn.Sequential``) holding the most parameters in blocks that
+    are all the same (`_signature`, after model.freeze and LoRA, under the config's wrap plan), or None.
+    Any model: the blocks are found by their shapes, not by their class."""
+    model = construct(c.model)  # meta: free at any size
+    try:
+        make_trainable(model, c.model)
+        wrap = c.parallel.wrap if is_fsdp(c.parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
+        units = set(build_wrap_plan(model, wrap, shard_degree).submodule_fqns)
+    except ValueError:  # the build will say why, in its own words
+        return None
+    best, size = None, 0
+    for fqn, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2 or fqn in units:
+            continue
+        names = [f"{fqn}.{name}" if fqn else name for name, _ in container.named_children()]
+        first = _signature(model, names[0], units)
+        if all(_signature(model, n, units) == first for n in names[1:]):
+            params = sum(p.numel() for p in container.parameters())
+            if params > size:
+                best, size = Repeats(fqn, len(container)), params
+    return best
+
+
+def first_depth(parallel: ParallelConfig) -> tuple[int, int]:
+    """The smallest depth a composition simulates, and the step between its depths. The smallest holds the
+    units FSDP2 has in flight at once (one computing, one gathered ahead, one reducing) and those explicit
+    prefetch adds; the step is a whole period of selective checkpointing (every k-th block recomputed)."""
+    step = parallel.activation_checkpointing_every if (
+        parallel.activation_checkpointing is ActivationCheckpointing.selective) else 1
+    return step * math.ceil((3 + parallel.prefetch) / step), step
+
+
+# How far the third depth's tensors may lie from the line through the first two (a fraction of them).
+ON_LINE = 0.005
+
+
+def on_line(a: Prediction, b: Prediction, c: Prediction, depths: tuple[int, int, int]) -> bool:
+    """Whether ``c``'s tensors at each part's peak lie on the line through ``a``'s and ``b``'s (`ON_LINE`),
+    AdamW's states left out (`compose` takes them from the share of the parameters a rank steps)."""
+    x, y, z = depths
+    if not a.regions.keys() == b.regions.keys() == c.regions.keys():
+        return False
+    for region in c.regions:
+        ta, tb, tc = (sum(v for k, v in p.regions[region][0].items() if k != "optimizer") for p in (a, b, c))
+        if abs(ta + (tb - ta) * (z - x) / (y - x) - tc) > ON_LINE * tc:
+            return False
+    return True
+
+
+def zero1_shares(c: Config, world_size: int, repeats: Repeats, depths: tuple[int, int]) -> tuple[int, ...] | None:
+    """ZeRO-1 only: rank 0's share of the trainable parameters (elements) at each simulated depth and at the
+    whole model's, as `ZeroRedundancyOptimizer` partitions them (each parameter group's tensors, largest
+    first, each to the rank holding the fewest elements so far). Its AdamW states follow that share, which
+    moves in whole tensors and does not grow evenly with the blocks. None for the other strategies."""
+    if not STRATEGIES[c.parallel.strategy].zero_redundancy_optimizer:
+        return None
+    impl = optimizer_impl(c.optim, torch.device("cpu"))  # the grouping only: the same for every implementation
+    shares = []
+    for keep in (*depths, None):
+        model = construct(c.model)
+        if keep is not None:
+            del model.get_submodule(repeats.container)[keep:]
+        make_trainable(model, c.model)
+        sizes = [0] * world_size
+        for params, _ in param_groups(model, c.optim, impl):
+            for p in sorted(params, key=lambda t: t.numel(), reverse=True):
+                sizes[sizes.index(min(sizes))] += p.numel()
+        shares.append(sizes[0])
+    return tuple(shares)
+
+
+def compose(a: Prediction, b: Prediction, depths: tuple[int, int], repeats: Repeats, target: torch.device,
+            zero1: tuple[int, ...] | None) -> Prediction:
+    """The prediction for all ``repeats.count`` blocks from simulations of the first ``depths`` ones: every
+    figure extrapolated along the line through the two, each part of the step's peak on its own line (the
+    part that peaks can change with the depth: the optimizer step's bytes per block can outgrow the
+    backward's), and the highest of them the step's peak. tests/test_plan_formulas.py checks it against
+    whole simulations. Under ZeRO-1 the AdamW states follow rank 0's share of the parameters instead
+    (``zero1``: at each depth, then the whole model's)."""
+    (da, db), n = depths, repeats.count
+
+    def line(va: float, vb: float) -> int:
+        return round(va + (vb - va) * (n - da) / (db - da))
+
+    def states(bytes_at_b: int, bytes_at_a: int) -> int:  # bytes per element of the share: b's, times the share
+        return round(bytes_at_b * zero1[2] / zero1[1]) if zero1 else line(bytes_at_a, bytes_at_b)
+
+    regions = {}
+    for region, ((cats_a, heap_a), (cats_b, heap_b)) in ((r, (a.regions[r], b.regions[r])) for r in b.regions):
+        cats = {k: line(cats_a[k], cats_b[k]) for k in cats_b}
+        cats["optimizer"] = states(cats_b["optimizer"], cats_a["optimizer"])
+        regions[region] = (cats, line(heap_a, heap_b))
+    tensors, heap_at_peak = max(regions.values(), key=lambda part: sum(part[0].values()))
+    optimizer_state = states(b.optimizer_state, a.optimizer_state)
+    model_state = line(a.model_state - a.optimizer_state, b.model_state - b.optimizer_state) + optimizer_state
+    pred = Prediction(b.strategy, b.world_size, tensors, b.baseline, model_state=model_state,
+                      host_state=model_state if b.host_state else 0, heap_at_peak=heap_at_peak,
+                      heap_activations=line(a.heap_activations, b.heap_activations), optimizer_state=optimizer_state,
+                      regions=regions, notes=[f"composed: {repeats.container} simulated with {da} and {db} of its {n} "
+                                              "blocks"])
+    pred.peak = predict_peak(pred, target, fsdp=is_fsdp(Strategy(b.strategy)))
+    return pred
 
 
 def predict_peak(pred: Prediction, device: torch.device, fsdp: bool) -> int:

@@ -9,12 +9,14 @@ where we expect it. The memory trackers are imported on first use: importing
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["ConvNd", "DCP_METADATA_PRIVATE", "DefaultAllGather", "DefaultReduceScatter", "count_zero_broadcasts", "checkpoint_activations", "FakeStore",
            "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state", "config_value", "default_store",
            "flight_recorder_json", "fsdp_mem_tracker", "fsdp_unit_settings", "hf_init_weights", "hf_no_split_modules",
-           "mem_tracker"]
+           "mem_tracker", "real_post_forward_meshes"]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
 # a training step on them to count memory without allocating any.
@@ -119,6 +121,29 @@ def fsdp_unit_settings(module: Any) -> dict[str, Any]:
             "pin_memory": offload and group.offload_policy.pin_memory, "reshard_after_forward": reshard}
 
 
+@contextlib.contextmanager
+def real_post_forward_meshes() -> Iterator[None]:
+    """hpZ (``reshard_after_forward=k``) under the planner's FakeTensorMode: ``fully_shard`` makes the
+    post-forward mesh from a view of its mesh's rank tensor (``_fsdp_init._get_post_forward_mesh_info``),
+    which fake mode turns into a tensor whose ranks cannot be read (``DataDependentOutputException``).
+    Inside this, that one function runs outside fake mode: the meshes are made of real rank tensors,
+    as outside a simulation."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    original = _fully_shard._get_post_forward_mesh_info
+
+    def outside_fake_mode(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _fully_shard._get_post_forward_mesh_info = outside_fake_mode
+    try:
+        yield
+    finally:
+        _fully_shard._get_post_forward_mesh_info = original
+
+
 def count_zero_broadcasts(optimizer: Any, count: Any) -> None:
     """Counts what a ZeroRedundancyOptimizer broadcasts after its step: ``count(tensor)`` for each tensor
     it is about to broadcast. Its step calls the private ``_broadcast_params_from_rank(r)`` once for
@@ -160,7 +185,9 @@ class SizeClasses:
     """Live tensor bytes a MemTracker sees, split by category and by size: below ``threshold``
     (what glibc serves from its heap) or at and above it (its own mmap). ``at_peak`` is the
     split at the moment the tracker's total peaked; `fsdp_zero.planner` uses it to predict
-    what the heap keeps resident beyond the live tensors.
+    what the heap keeps resident beyond the live tensors. ``region_peaks``: the same at the moment
+    the total peaked within each region of the step, a region being whatever its owner last named
+    ``region`` (the planner composes each region's peak separately).
 
     Hooks two private methods of the tracker instance: ``_update_snap``, through which every
     change to its running snapshot passes (a storage added, freed, resized or re-categorised),
@@ -172,6 +199,9 @@ class SizeClasses:
         self.current: dict[tuple[str, bool], int] = {}
         self.at_peak: dict[tuple[str, bool], int] = {}
         self._peak_total = -1
+        self.region = ""
+        self.region_peaks: dict[str, dict[tuple[str, bool], int]] = {}
+        self._region_totals: dict[str, int] = {}
         update_snap, update_peak = tracker._update_snap, tracker._update_peak_stats
 
         def on_update(u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None) -> None:
@@ -193,6 +223,8 @@ class SizeClasses:
             total = sum(self.current.values())
             if total > self._peak_total:
                 self._peak_total, self.at_peak = total, dict(self.current)
+            if total > self._region_totals.get(self.region, -1):
+                self._region_totals[self.region], self.region_peaks[self.region] = total, dict(self.current)
 
         tracker._update_snap = on_update
         tracker._update_peak_stats = on_op

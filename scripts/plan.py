@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     communication(cfg, model, n, [Strategy(p.strategy) for p in preds], rates.link_gbps)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k != "notes"} for p in preds], f, indent=2)
+            json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k not in ("notes", "regions")} for p in preds],
+                      f, indent=2)
     return 0
 
 
@@ -126,9 +127,9 @@ def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, 
     """Each strategy's predicted peak by category, what a rank will show, and whether it fits ``limit``."""
     cuda = cfg.dist.device.value == "cuda"
     kind = "device memory" if cuda else "peak RSS (process)"
-    if cuda and not torch.cuda.is_available():
-        print("(no GPU visible: the step was simulated on the CPU; tensor sizes are the same, CUDA kernels'"
-              " workspaces are not included)\n")
+    if cuda:
+        print("(the step is simulated on the CPU: tensor sizes are the same, CUDA kernels' workspaces are not "
+              "included)\n")
     print(f"# memory plan: {cfg.model.target or cfg.model.preset}, {num_params:,} parameters, {n} ranks, "
           f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.precision.mode} AdamW"
           + (", CPU offload" if cfg.parallel.cpu_offload else "") + "\n")
@@ -149,6 +150,8 @@ def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, 
             cells.append("yes" if p.peak <= limit else f"no (needs {format_bytes(p.peak)})")
         print("| " + " | ".join(cells) + " |")
     print()
+    for note in sorted({n for p in preds for n in p.notes}):  # a composed simulation says so (fsdp_zero.planner)
+        print(f"({note})\n")
     if cfg.parallel.cpu_offload:
         print("CPU offload: the model state (sharded parameters, gradients, AdamW states) lives in host memory"
               + ("; device memory is the tensors less that" if cuda else "") + ": "

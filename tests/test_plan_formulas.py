@@ -90,3 +90,58 @@ def test_plan_prints_the_paper_beside_ours(capsys: pytest.CaptureFixture[str]):
 
     assert plan.main(["--params", "7.5e9", "--world-size", "64", "--largest-layer", "8e9"]) == 2
     assert "--largest-layer=8e+09" in capsys.readouterr().err
+
+
+# The composition's cases: a gpt_nano with more blocks than a composition simulates (3 + 4 + 5), at 4 ranks.
+DEEP = ["model.preset=gpt_nano", "model.n_layers=13", "data.seq_len=32", "train.global_batch_size=4",
+        "train.micro_batch_size=1"]
+
+
+@pytest.mark.parametrize("case, blocks", [
+    (["parallel.strategy=zero1"], 13),  # rank 0's share of the AdamW states moves in whole tensors
+    # One token a sequence: the backward's part peaks at 4 and 5 blocks, the optimizer step's at 20 (its
+    # bytes per block, the sharded gradients and AdamW's temporaries, outgrow the backward's).
+    (["parallel.strategy=full_shard", "data.seq_len=1", "model.n_layers=20"], 20),
+], ids=["zero1", "zero3-optimizer-step-peaks"])
+def test_a_composed_prediction_equals_the_whole_models_simulation(case, blocks):
+    """The planner simulates a few of the repeated blocks at three depths and composes the rest
+    (`fsdp_zero.planner.compose`): every figure it predicts must equal the whole model's simulation."""
+    from fsdp_zero.config_loader import load_config
+    from fsdp_zero.planner import Simulator
+
+    cfg = load_config(None, [*DEEP, *case])
+    with Simulator(cfg, 4, baseline=0) as sim:
+        composed, whole = sim.predict(cfg), sim.predict(cfg, whole=True)
+    assert composed.notes == [f"composed: layers simulated with 4 and 5 of its {blocks} blocks"] and not whole.notes
+    for name in ("peak", "model_state", "heap_activations", "optimizer_state"):
+        assert getattr(composed, name) == pytest.approx(getattr(whole, name), rel=1e-3, abs=1024), name
+    for cat, value in whole.tensors.items():
+        assert composed.tensors[cat] == pytest.approx(value, rel=1e-3, abs=1024), cat
+
+
+def test_a_composition_starts_past_the_units_in_flight_in_whole_checkpointing_periods():
+    from fsdp_zero.config import ActivationCheckpointing
+    from fsdp_zero.planner import first_depth
+
+    assert first_depth(ParallelConfig()) == (3, 1)  # one unit computing, one gathered ahead, one reducing
+    assert first_depth(ParallelConfig(prefetch=2)) == (5, 1)  # and those explicit prefetch adds
+    every = ParallelConfig(activation_checkpointing=ActivationCheckpointing.selective, activation_checkpointing_every=2)
+    assert first_depth(every) == (4, 2)  # whole periods: the same blocks recomputed at every depth
+
+
+def test_hpz_is_simulated_and_holds_more_between_forward_and_backward_than_zero3():
+    """parallel.reshard_after_forward=k (hpZ) under the planner's fake tensors (its post-forward mesh is
+    made outside fake mode: `fsdp_zero.torch_private.real_post_forward_meshes`): after forward each unit
+    keeps its parameters over k ranks (here 2 of 4: half of each, not a quarter), so the backward's peak
+    holds at least a quarter of a block more than under ZeRO-3 (the tracker files those as activations)."""
+    from fsdp_zero.config_loader import load_config
+    from fsdp_zero.model import model_args
+    from fsdp_zero.planner import Simulator
+
+    base = ["model.preset=gpt_nano", "data.seq_len=8", "train.global_batch_size=4", "train.micro_batch_size=1"]
+    zero3, hpz = (load_config(None, [*base, *extra]) for extra in ([], ["parallel.reshard_after_forward=2"]))
+    with Simulator(zero3, 4, baseline=0) as sim:
+        peak = {name: sum(sim.predict(c).tensors.values()) for name, c in (("zero3", zero3), ("hpz", hpz))}
+    args = model_args("gpt_nano")
+    block = (args.num_params() - 2 * args.vocab_size * args.dim - args.dim) // args.n_layers
+    assert peak["hpz"] - peak["zero3"] >= 4 * block / 4, (peak, block)

@@ -241,6 +241,9 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert callable(torch_private.default_store)
     assert torch_private.FakeStore() is not None
     assert torch_private.FakeTensorMode is not None
+    from torch.distributed.fsdp._fully_shard import _fully_shard  # what real_post_forward_meshes wraps
+
+    assert "reshard_after_forward" in inspect.signature(_fully_shard._get_post_forward_mesh_info).parameters
     assert {"track_external", "get_tracker_snapshot", "reset_mod_stats"} <= set(dir(torch_private.mem_tracker()))
     assert issubclass(torch_private.fsdp_mem_tracker(), torch_private.mem_tracker())
     assert issubclass(torch.nn.Conv2d, torch_private.ConvNd) and issubclass(torch.nn.BatchNorm1d, torch_private.NormBase)
