@@ -2,9 +2,10 @@
 
 Written independently of fsdp_zero.trainer on purpose (plain torch: one forward over the
 global batch, its own loss, torch's own clip_grad_norm_, its own learning-rate schedule; model.freeze
-by its own full matches), sharing only the model's construction and initialisation (LoRA's adapters
-included) and the data source, so that
-parity tests check the sharded loop against it. Precision modes are reproduced by hand
+by its own full matches; LoRA's adapters built, initialised and frozen around by hand from
+docs/lora.md's words, without fsdp_zero.lora), sharing only the model's construction and the base
+model's initialisation and the data source, so that parity tests check the sharded loop (and the
+product's LoRA module and adapter init) against it. Precision modes are reproduced by hand
 (see `reference_run`); fp16's loss scale is held at its initial value (no overflow in
 the tests that compare with it).
 """
@@ -17,13 +18,70 @@ import re
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from fsdp_zero import init as init_lib
 from fsdp_zero.build import construct, materializer, real_buffers
-from fsdp_zero.config import Config, OptimConfig, Task
+from fsdp_zero.config import Config, LoRAConfig, OptimConfig, Task
 from fsdp_zero.data import build_source
-from fsdp_zero.lora import make_trainable
 from fsdp_zero.precision import resolve
 from fsdp_zero.tasks import vocab_size
+
+
+class _Matrix(nn.Module):
+    """One adapter matrix, held as ``weight`` so that its state-dict name ends in ``.weight`` (PEFT's)."""
+
+    def __init__(self, rows: int, cols: int, like: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, device=like.device, dtype=like.dtype))
+
+
+class Adapted(nn.Module):
+    """docs/lora.md's adapted Linear X, by hand: ``W x + b + (alpha / rank) * B(A(dropout(x)))``.
+
+    It holds the replaced Linear's own ``weight`` and ``bias`` Parameters (so the base keys and tied
+    weights are unchanged) and the adapters ``lora_A.weight`` (rank x in) and ``lora_B.weight``
+    (out x rank): the state-dict names the product's checkpoints and exports use.
+    """
+
+    def __init__(self, linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.lora_A = _Matrix(rank, linear.in_features, linear.weight)
+        self.lora_B = _Matrix(linear.out_features, rank, linear.weight)
+        self.dropout, self.scaling = dropout, alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(x, self.dropout, training=True) if self.training and self.dropout > 0 else x
+        return F.linear(x, self.weight, self.bias) + self.scaling * (h @ self.lora_A.weight.T) @ self.lora_B.weight.T
+
+
+def lora_targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+    """The FQNs of the plain ``nn.Linear`` modules that ``model.lora.targets`` names, by the rule of its
+    documentation: an entry equal to a module's last name component, or a regex matching its full name."""
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    hits: set[str] = set()
+    for target in cfg.targets:
+        found = {n for n in linears if n.rpartition(".")[2] == target or re.fullmatch(target, n)}
+        assert found, f"model.lora.targets: {target!r} names no nn.Linear of {linears}"  # the build refuses it
+        hits |= found
+    return sorted(hits)
+
+
+def add_adapters(model: nn.Module, cfg: LoRAConfig, seed: int) -> None:
+    """Replaces each targeted Linear of the materialised ``model`` by an `Adapted` one and initialises its
+    adapters as docs/lora.md says: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming_uniform with a = sqrt(5)),
+    drawn by the generic world-size-invariant primitive from the seed and A's name; B zero."""
+    for fqn in lora_targets(model, cfg):
+        parent, _, child = fqn.rpartition(".")
+        owner = model.get_submodule(parent)
+        adapted = Adapted(getattr(owner, child), cfg.rank, cfg.alpha, cfg.dropout)
+        init_lib.uniform_(adapted.lora_A.weight, bound=1 / math.sqrt(adapted.in_features), seed=seed,
+                          name=f"{fqn}.lora_A.weight")
+        with torch.no_grad():
+            adapted.lora_B.weight.zero_()
+        setattr(owner, child, adapted)
 
 
 def reference_lr(cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -49,13 +107,22 @@ def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, d
     torch.manual_seed(cfg.train.seed)
     precision = resolve(cfg.precision)
     model = construct(cfg.model)
-    if cfg.model.lora.rank:  # the adapters as the build inserts them (their training is what is compared)
-        make_trainable(model, cfg.model)
-    for name, p in model.named_parameters():  # model.freeze, by its own words: full matches on the names
-        if any(re.fullmatch(pattern, name) for pattern in cfg.model.freeze):
-            p.requires_grad_(False)
     model = model.to(precision.stored)  # bf16-true: all bf16 (what fsdp_zero.build.shard does)
+    # The base model's weights, initialised as the build does: the built-in model's init_weights and
+    # init_standard draw per name, so the adapters' presence in the build changes none of them. No LoRA
+    # module exists yet here, so the build's own adapter init (in materializer) finds nothing to do.
     materializer(torch.device(device), cfg.model.init, cfg.train.seed, real_buffers(model), [])(model)
+    lora = cfg.model.lora
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]  # the base model's (tied: every name)
+    full = lambda patterns, name: any(re.fullmatch(p, name) for p in patterns)  # noqa: E731
+    # model.freeze and model.lora.train by their own words: full matches on the names; with LoRA every base
+    # parameter is frozen unless model.lora.train names it (and model.freeze does not).
+    frozen = {n for n in names if full(cfg.model.freeze, n) or (lora.rank and not full(lora.train, n))}
+    if lora.rank:
+        add_adapters(model, lora, cfg.train.seed)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in frozen:
+            p.requires_grad_(False)
     if initial is not None:
         model.load_state_dict(initial)
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -2,21 +2,30 @@
 
 The runs are declared in tests/batches.py (``freeze``, ``lora`` and its 1-, 4-rank and resumed
 twins): the parity suite's base, 8 AdamW steps with clipping on every step. Each is compared with
-the single-process reference (tests/reference.py) that freezes the same parameters.
+the single-process reference (tests/reference.py), which freezes the same parameters and builds and
+initialises its adapters by hand, so a wrong LoRA forward, scaling or adapter init fails the parity.
+The rest runs in process without training: LoRALinear's sum, dropout and init against values computed
+by hand, the full-match rule of model.freeze and model.lora.train, and export.py's --adapters-only refusals.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from fsdp_zero import init as init_lib
+from fsdp_zero.build import construct
 from fsdp_zero.config import ParallelConfig
-from fsdp_zero.config_loader import load_config
+from fsdp_zero.config_loader import load_config, to_yaml
 from fsdp_zero.data import build_source
+from fsdp_zero.lora import LoRALinear, init_adapters, make_trainable
 from fsdp_zero.parallelize import model_state_formula
 from tests.batches import BASE, BY_NAME, FREEZE, HAS_HF, LORA
 from tests.conftest import TRAIN, assert_user_error, check, figure, run_script
@@ -131,6 +140,8 @@ NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8",
     (["model.lora.targets=[wq]"], "model.lora.targets=['wq'] is set but model.lora.rank=0 (LoRA off)"),
     (["model.freeze=[tok_emb.weight]"],
      "model.freeze: 'tok_emb.weight' matches no parameter (full match); the model's parameters: tok_embeddings.weight"),
+    # A prefix of every layer-1 name (and, as a prefix, of nothing else on 2 layers) is no full match of any.
+    ([r"model.freeze=[layers\.1]"], r"model.freeze: 'layers\\.1' matches no parameter (full match)"),
     (["model.lora.rank=4", "model.lora.targets=[wq]", "precision=bf16-true"],
      "with precision.mode=bf16-true is not supported"),
 ])
@@ -210,3 +221,146 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
 
     rows = {(s.strategy.value, s.mode): s.at_rest for s in strategy_states(1000, 4, modes=("fp32",), frozen=600)}
     assert rows[("full_shard", "fp32")] == (4 * 600 + 16 * 400) / 4 and rows[("ddp", "fp32")] == 4 * 1000 + 12 * 400
+
+
+# ---------------------------------------------------------------------------------
+# In process, no training: LoRALinear against values computed by hand, the full-match rule, export refusals
+
+
+def _lora_7_to_5(dropout: float = 0.0) -> LoRALinear:
+    """A seeded ``LoRALinear(nn.Linear(7, 5), rank=2, alpha=6)`` in float64 (scaling alpha/rank = 3) with
+    non-zero A and B, so that the adapter term is as large as the base term and every factor shows."""
+    with torch.random.fork_rng(devices=[]):  # the seed stays with this layer: later tests see the RNG as it was
+        torch.manual_seed(0)
+        m = LoRALinear(nn.Linear(7, 5, dtype=torch.float64), rank=2, alpha=6, dropout=dropout)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        m.lora_A.weight.copy_(torch.randn(2, 7, generator=g, dtype=torch.float64))
+        m.lora_B.weight.copy_(torch.randn(5, 2, generator=g, dtype=torch.float64))
+    return m
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randn(3, 4, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)  # (batch, seq, in)
+
+
+def test_lora_linear_adds_alpha_over_rank_times_b_a_x_by_hand():
+    """Guards LoRALinear's forward, ``W x + b + (alpha / rank) * B(A(x))``, and its scaling alpha/rank
+    (3 here): a scaling of alpha (6), a missing bias or the adapter on the wrong side fails it. The
+    parity tests see the same through the reference; this one needs no training and no extra package."""
+    m, x = _lora_7_to_5(), _inputs()
+    W, b, A, B = m.weight, m.bias, m.lora_A.weight, m.lora_B.weight
+    base = x @ W.T + b
+    expected = base + 3 * (x @ A.T) @ B.T
+    assert (expected - base).abs().max() > 1, "the adapter term must be large next to the tolerance"
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), expected, rtol=0, atol=1e-12)
+
+
+def test_init_adapters_draws_a_within_one_over_sqrt_in_and_zeroes_b():
+    """Guards the adapters' initial values (PEFT's default): A ~ U(-1/sqrt(in), 1/sqrt(in)), drawn by
+    `fsdp_zero.init.uniform_` from the seed and A's name (what makes them world-size invariant), and
+    B = 0 so training starts from the base model; the base weights untouched.
+
+    With in = 7 and out = 5, a bound of 1/sqrt(out) is the larger one: it puts some of A's 14 values
+    above 1/sqrt(7) (and changes every value of the exact draw); a bound too small leaves them all
+    below 0.8/sqrt(7)."""
+    parent = nn.ModuleDict({"proj": _lora_7_to_5()})  # A's name is then "proj.lora_A.weight", as in a model
+    m = parent["proj"]
+    base = m.weight.detach().clone(), m.bias.detach().clone()
+    init_adapters(parent, seed=3)
+    A, B = m.lora_A.weight, m.lora_B.weight
+    assert A.abs().max() <= 1 / math.sqrt(7), A
+    assert A.abs().max() > 0.8 / math.sqrt(7), A
+    assert torch.equal(B, torch.zeros(5, 2, dtype=B.dtype))
+    drawn = torch.empty(2, 7, dtype=A.dtype)
+    init_lib.uniform_(drawn, bound=1 / math.sqrt(7), seed=3, name="proj.lora_A.weight")
+    assert torch.equal(A, drawn)
+    assert torch.equal(m.weight, base[0]) and torch.equal(m.bias, base[1])
+
+
+def test_lora_dropout_masks_only_the_adapter_input_and_only_in_training():
+    """Guards ``model.lora.dropout`` ("B(A(dropout(x)))"): in train() mode each forward drops a fresh
+    mask of x's elements, scaled by 1/(1-p), before A only (the base term sees all of x), so two seeds
+    give two outputs; in eval() there is no dropout and the output is the same for any seed."""
+    m, x = _lora_7_to_5(dropout=0.5), _inputs()
+    W, b, A, B = m.weight, m.bias, m.lora_A.weight, m.lora_B.weight
+    m.train()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(1)
+        out1 = m(x)
+        torch.manual_seed(1)  # the same mask again, as dropout draws it: each kept element is 1 / (1 - p) = 2
+        mask = F.dropout(torch.ones_like(x), 0.5, training=True)
+        torch.manual_seed(2)
+        out2 = m(x)
+    assert set(mask.unique().tolist()) == {0.0, 2.0}
+    assert (out1 - out2).abs().max() > 0.1, "two seeds, two masks: the outputs must differ"
+    torch.testing.assert_close(out1, x @ W.T + b + 3 * ((mask * x) @ A.T) @ B.T, rtol=0, atol=1e-12)
+    m.eval()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(1)
+        eval1 = m(x)
+        torch.manual_seed(2)
+        eval2 = m(x)
+    assert torch.equal(eval1, eval2)
+    torch.testing.assert_close(eval1, x @ W.T + b + 3 * (x @ A.T) @ B.T, rtol=0, atol=1e-12)
+
+
+def _frozen(*overrides: str) -> set[str]:
+    """The parameters `make_trainable` freezes on a 12-layer gpt_nano built on the meta device (no memory)."""
+    cfg = load_config(None, ["model.preset=gpt_nano", "model.n_layers=12", *overrides])
+    model = construct(cfg.model)
+    make_trainable(model, cfg.model)
+    return {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def test_freeze_and_train_patterns_match_whole_names_on_twelve_layers():
+    """Guards "full matches on the parameter names" (docs/lora.md) for ``model.freeze`` and
+    ``model.lora.train``: on 12 layers "layers.1" is a prefix of layers.10 and layers.11 as well, so a
+    prefix match (re.match) or a search would freeze, or refuse, more than the pattern says."""
+    layer1 = {f"layers.1.{m}.weight" for m in ("attention_norm", "ffn_norm", *(f"attention.w{x}" for x in "qkvo"),
+                                                *(f"feed_forward.w{i}" for i in (1, 2, 3)))}
+    assert _frozen(r"model.freeze=[layers\.1\..*]") == layer1
+    # A regex, not a glob: "layers\.1.*" does reach layers 10 and 11 (9 parameters each).
+    assert {n.split(".")[1] for n in _frozen(r"model.freeze=[layers\.1.*]")} == {"1", "10", "11"}
+    with pytest.raises(ValueError, match=r"model.freeze: 'layers\\\\.1' matches no parameter \(full match\)"):
+        _frozen(r"model.freeze=[layers\.1]")
+    # With LoRA every base parameter is frozen except those model.lora.train matches in full.
+    lora = ("model.lora.rank=2", "model.lora.targets=[wq]")
+    frozen = _frozen(*lora, r"model.lora.train=[layers\.1\..*]")
+    assert not frozen & layer1 and {n for n in frozen if n.startswith("layers.1")} >= {"layers.10.ffn_norm.weight",
+                                                                                       "layers.11.ffn_norm.weight"}
+    assert not any(".lora_" in n for n in frozen)
+    with pytest.raises(ValueError, match=r"model.lora.train: 'norm' matches no parameter \(full match\)"):
+        _frozen(*lora, "model.lora.train=[norm]")  # a prefix of norm.weight only
+
+
+LORA_ONLY = ("model.lora.rank=4", "model.lora.targets=[wq]")  # adapters and nothing else trained
+
+
+@pytest.mark.parametrize("overrides,args,out,message", [
+    ((), ("--adapters-only",), "adapters",
+     "--adapters-only: checkpoint {ckpt!r} has no LoRA adapters (its config.yaml has no model.lora.rank); export it "
+     "without --adapters-only"),
+    (LORA, ("--adapters-only",), "adapters",
+     "--adapters-only: the run also trained model.lora.train=['norm.weight'], which an adapter file does not hold; "
+     "export without --adapters-only (merged) to keep them"),
+    (LORA_ONLY, ("--adapters-only", "--max-shard-size", "1MB"), "adapters",
+     "--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size"),
+    (LORA_ONLY, ("--adapters-only",), "adapters.safetensors",
+     "--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size"),
+], ids=["no-lora", "lora-train", "max-shard-size", "safetensors-out"])
+def test_adapters_only_refusals_exit_2_in_one_line_and_write_nothing(tmp_path: Path, overrides, args, out, message):
+    """Guards scripts/export.py's ``--adapters-only`` refusals: a run without LoRA; a run that also
+    trained ``model.lora.train`` (an adapter file would silently lose those weights); a size limit or a
+    single ``.safetensors`` file (the output is PEFT's folder of two files). Each is one line and exit
+    2, decided from config.yaml before any tensor is read (the checkpoint here holds nothing else), and
+    nothing is written."""
+    ckpt = tmp_path / "step-0000004"
+    ckpt.mkdir()
+    (ckpt / "config.yaml").write_text(to_yaml(load_config(None, [*NANO, *overrides])))
+    proc = run_script(EXPORT, str(ckpt), "--out", str(tmp_path / out), *args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"error: {message.format(ckpt=str(ckpt))}"], proc.stderr
+    assert proc.stdout == ""
+    assert [p.name for p in tmp_path.iterdir()] == [ckpt.name] and [p.name for p in ckpt.iterdir()] == ["config.yaml"]
