@@ -184,6 +184,8 @@ RUNS = [
     Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
     # Masked instruction data (tests/test_masked.py): the token-weighted loss at N = 2, micro-batch 2.
     Run("masked", "2", (*BASE, *MASKED), ("test_masked",)),
+    # The same without clipping: AdamW's steps then follow the gradient's scale, which clipping hides.
+    Run("masked-noclip", "2", (*BASE, *MASKED, "optim.grad_clip=0"), ("test_masked",)),
     Run("freeze", "2", (*BASE, *FREEZE), (L, T)),
     Run("lora", "2", (*BASE, *LORA), (L, T)),
     # LoRA on a Hugging Face folder's Llama (q_proj, v_proj): the base weights loaded, then the exports.

@@ -2,7 +2,8 @@
 the token-weighted loss over the global batch, and validation on a masked held-out file.
 
 The training runs are batched (`tests/batches.py`: ``masked`` at N = 2 and micro-batch 2,
-``masked-n1`` at N = 1 with 4 accumulated micro-batches of 2, ``masked-n1-mb8`` with one of 8).
+``masked-noclip`` the same without clipping, ``masked-n1`` at N = 1 with 4 accumulated micro-batches
+of 2, ``masked-n1-mb8`` with one of 8). Each is compared on its losses, gradient norms and weights.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from fsdp_zero.config_loader import load_config
 from fsdp_zero.data import TokenFile
 from fsdp_zero.evaluate import lm_sums
 from fsdp_zero.model import args_from_config
-from fsdp_zero.prepare import mask_file, prepare
+from fsdp_zero.prepare import mask_file, prepare, validation_documents
 from fsdp_zero.step import train_step
 from fsdp_zero.tasks import IGNORE, build_task, masked_causal_lm, trained_tokens
 from tests.batches import BASE, MASKED
 from tests.conftest import build_model, figure
 from tests.reference import reference_run
+from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
 
 # A chat template of the simplest kind: a header line per turn, the content, an end marker.
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -60,6 +62,17 @@ def _trained_spans(ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
     return spans + ([current] if current else [])
 
 
+def _chat_tokenizer(folder: Path, tokenizer_dir: Path, template: str = TEMPLATE) -> Path:
+    """A copy of the test tokenizer's folder whose tokenizer has ``template`` as its chat template."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tokenizer_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = template
+    tok.save_pretrained(folder)
+    return folder
+
+
 def test_prompt_completion_marks_exactly_the_completion_and_its_eos(tmp_path: Path, tiny_tokenizer_dir: Path):
     from transformers import AutoTokenizer
 
@@ -84,10 +97,8 @@ def test_prompt_completion_marks_exactly_the_completion_and_its_eos(tmp_path: Pa
 def test_chat_marks_exactly_the_assistant_turns(tmp_path: Path, tiny_tokenizer_dir: Path):
     from transformers import AutoTokenizer
 
-    folder = shutil.copytree(tiny_tokenizer_dir, tmp_path / "tok")
+    folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir)
     tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(folder)
     chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": p},
               {"role": "assistant", "content": c}, {"role": "user", "content": "and again"},
               {"role": "assistant", "content": c.upper()}] for p, c in RECORDS]
@@ -99,6 +110,86 @@ def test_chat_marks_exactly_the_assistant_turns(tmp_path: Path, tiny_tokenizer_d
     # the assistant's content and the template's close of its turn; not its header, not the user's turns
     assert [tok.decode(s) for s in _trained_spans(ids, mask)] == expected
     assert meta["train"]["trained_tokens"] == int(mask.sum())
+
+
+@pytest.mark.parametrize("fmt", ["prompt_completion", "chat"])
+def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions(tmp_path: Path,
+                                                                                 tiny_tokenizer_dir: Path, fmt):
+    """An instruction-format prepare with a validation split (the default ``--val-fraction`` is 0.05): each
+    split's mask file has one byte per token of its own ``.bin``, `TokenFile` opens both splits masked, and
+    each split's trained spans are its own documents' completions and EOS. With ``val_fraction=0``, as the
+    other prepares here, val.mask.bin is empty whichever split a mask is written to, which hides a mask
+    written to the wrong file; and a mask of another length makes both files unreadable at start-up."""
+    from transformers import AutoTokenizer
+
+    records = [(f"{p} ({i})", f"{c} {i}") for i, (p, c) in enumerate(RECORDS * 2)]  # 8 distinct documents
+    if fmt == "chat":
+        folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir)
+        rows, close = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}
+                       for p, c in records], "<|end|>\n</s>"  # the template closes the assistant's turn
+    else:
+        folder, rows, close = tiny_tokenizer_dir, [{"prompt": p, "completion": c} for p, c in records], "</s>"
+    data = _write_jsonl(tmp_path / "sft.jsonl", rows)
+    meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0.5, fmt=fmt)
+    tok, val = AutoTokenizer.from_pretrained(folder), validation_documents(len(records), 0.5, 0)
+    assert len(val) == 4  # both splits hold documents
+    for split, docs in (("train", [r for i, r in enumerate(records) if i not in val]),
+                        ("val", [records[i] for i in sorted(val)])):
+        bin_path = tmp_path / "out" / f"{split}.bin"
+        ids, mask = _read(tmp_path / "out", split)
+        assert mask_file(bin_path).stat().st_size == len(ids) == meta[split]["tokens"] > 0, split
+        assert [tok.decode(s) for s in _trained_spans(ids, mask)] == [c + close for _, c in docs], split
+        assert meta[split]["documents"] == len(docs) and meta[split]["trained_tokens"] == int(mask.sum())
+        source = TokenFile(bin_path, 4, 0)  # what data.path and eval.path open: refused if the lengths differ
+        assert source.masked
+        targets = source.pairs([0])[1][0].tolist()
+        assert targets == [int(ids[j]) if mask[j] else IGNORE for j in range(1, 5)], split
+
+
+def _turns(last: str, prompt: str, completion: str) -> list[dict]:
+    """A chat of a user turn and an assistant turn, then: a second exchange (``last`` assistant) or one
+    more turn of ``last``'s role (user or system) that no assistant answers."""
+    chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    if last == "assistant":
+        return [*chat, {"role": "user", "content": "and again"}, {"role": "assistant", "content": completion.upper()}]
+    return [*chat, {"role": last, "content": "thanks, that will do"}]
+
+
+@pytest.mark.parametrize("last", ["assistant", "user", "system"])
+def test_the_final_eos_is_trained_only_after_an_assistant_turn(tmp_path: Path, tiny_tokenizer_dir: Path, last):
+    """The EOS that ends a chat is the answer's end only when the assistant spoke last: after a user or a system
+    turn, predicting it would train the model to end a conversation with an unanswered message."""
+    from transformers import AutoTokenizer
+
+    folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir)
+    data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _turns(last, p, c)} for p, c in RECORDS])
+    prepare(folder, [data], tmp_path / "out", val_fraction=0, fmt="chat")
+    ids, mask = _read(tmp_path / "out")
+    tok = AutoTokenizer.from_pretrained(folder)
+    ends = np.flatnonzero(ids == tok.eos_token_id)
+    assert len(ends) == len(RECORDS) and ends[-1] == len(ids) - 1  # one EOS a chat, at its end
+    assert mask[ends].tolist() == [int(last == "assistant")] * len(RECORDS)
+    # the assistant turns are trained on whatever follows them; the last turn, when not the assistant's, is not
+    per_chat = [f"{c}<|end|>\n" + (f"{c.upper()}<|end|>\n</s>" if last == "assistant" else "") for _, c in RECORDS]
+    spans = [tok.decode(s) for s in _trained_spans(ids, mask)]
+    assert "".join(spans) == "".join(per_chat), spans
+
+
+@pytest.mark.parametrize("case, template", [
+    ("a turn count first", "{{ messages | length }} turns\n" + TEMPLATE),
+    ("the last message first", "{{ messages[-1]['content'] }}\n" + TEMPLATE),
+])
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path, tiny_tokenizer_dir: Path, case, template):
+    """A template whose render of a conversation's first turns is not the start of the whole: the turns are found
+    by rendering prefix by prefix, so its mask would mark other tokens than the assistant's. Refused, not guessed."""
+    from tests.test_prepare import _refused
+
+    folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir, template)
+    data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _turns("assistant", p, c)} for p, c in RECORDS])
+    line = _refused(folder, tmp_path, str(data), extra=("--format", "chat"))
+    assert line == ("error: --format chat: the chat template renders a conversation's first 1 messages as "
+                    "other tokens than the start of the whole; its turns cannot be told apart "
+                    "(use --format prompt_completion)")
 
 
 def test_text_format_writes_no_mask_and_a_bad_format_is_one_line(tmp_path: Path, tiny_tokenizer_dir: Path):
@@ -198,13 +289,40 @@ def test_the_masked_loss_equals_a_hand_computation(batches):
     assert abs(run["losses"][1] - hand) < 5e-6
     # what it must not be: the unweighted mean of micro-batch means (the pre-mask scaling), or all tokens
     assert abs(_hand_loss(run["initial"], root, 1, micro=2) - hand) > 1e-3
-    cfg = load_config(None, [*BASE, *(a.format(root=root) for a in MASKED)])
-    ref = reference_run(cfg, run["initial"])  # independent single-process loop: one mean over the global batch
-    losses = max(abs(run["losses"][s] - ref["losses"][s]) for s in ref["losses"])
-    weights = max((run["final"][k] - ref["final"][k]).abs().max().item() for k in ref["final"])
+    losses, norms, weights = _against_reference(run, root)
     figure("masked training against the single-process loop (N = 2, 8 steps)", f"losses {losses:.2e}, "
-           f"weights {weights:.2e}")
-    assert losses < 5e-6 and weights < 3e-5
+           f"grad norms {norms:.2e}, weights {weights:.2e}")
+    assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL
+
+
+def _against_reference(run: dict, root: Path, *overrides: str) -> tuple[float, float, float]:
+    """The largest differences (losses, gradient norms, final weights) between a batched masked run and
+    `tests.reference.reference_run` (an independent single-process loop: one mean over the global batch's
+    trained tokens) of the same configuration, from the same initial weights."""
+    cfg = load_config(None, [*BASE, *(a.format(root=root) for a in MASKED), *overrides])
+    ref = reference_run(cfg, run["initial"])
+    losses = max(abs(run["losses"][s] - ref["losses"][s]) for s in ref["losses"])
+    # The gradient norm is the one figure that sees the gradient's scale: AdamW is invariant to a constant
+    # scale, and BASE's clipping brings every step's norm to 0.5, so a gradient of the wrong magnitude leaves
+    # the losses and weights of a clipped run as they were.
+    norms = max(abs(run["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["grad_norms"])
+    weights = max((run["final"][k] - ref["final"][k]).abs().max().item() for k in ref["final"])
+    return losses, norms, weights
+
+
+def test_unclipped_masked_training_matches_the_single_process_loop(batches):
+    """``masked-noclip`` (``masked`` with ``optim.grad_clip=0``) against the reference: the gradients' true
+    norms, not norms that clipping made equal, and weights that followed unclipped gradients."""
+    run, clipped = batches["masked-noclip"], batches["masked"]
+    losses, norms, weights = _against_reference(run, batches.root, "optim.grad_clip=0")
+    figure("unclipped masked training against the single-process loop (N = 2, 8 steps)",
+           f"losses {losses:.2e}, grad norms {norms:.2e}, weights {weights:.2e}")
+    assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL
+    # the override reached the run: clipping at 0.5 was active in ``masked``, so its weights went elsewhere
+    apart = max((run["final"][k] - clipped["final"][k]).abs().max().item() for k in run["final"])
+    figure("masked-noclip's final weights against masked's", f"{apart:.2e} (smallest clipped grad norm "
+           f"{min(clipped['grad_norms'].values()):.3f})")
+    assert min(clipped["grad_norms"].values()) > 0.5 and apart > 1e-4
 
 
 @pytest.mark.parametrize("name", ["masked", "masked-n1"])
@@ -230,9 +348,11 @@ def test_the_masked_loss_is_the_same_at_one_and_two_ranks_and_any_micro_batch(ba
     two, one = batches["masked"], batches[other]
     assert all(torch.equal(two["initial"][k], one["initial"][k]) for k in two["initial"])
     losses = max(abs(two["losses"][s] - one["losses"][s]) for s in two["losses"])
+    norms = max(abs(two["grad_norms"][s] - one["grad_norms"][s]) for s in two["grad_norms"])
     weights = max((two["final"][k] - one["final"][k]).abs().max().item() for k in two["final"])
-    figure(f"masked training, N = 2 micro-batch 2 against {other}", f"losses {losses:.2e}, weights {weights:.2e}")
-    assert losses < 5e-6 and weights < 3e-5
+    figure(f"masked training, N = 2 micro-batch 2 against {other}", f"losses {losses:.2e}, grad norms {norms:.2e}, "
+           f"weights {weights:.2e}")
+    assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL
 
 
 @pytest.mark.parametrize("case, extra, message", [

@@ -178,6 +178,32 @@ def test_bad_tokenizers_and_outputs_are_one_line_and_leave_nothing(tiny_tokenize
     assert 'needs transformers: pip install -e ".[hf]"' in _refused(tiny_tokenizer_dir, tmp_path, str(good))
 
 
+@pytest.mark.parametrize("kind", ["a folder of other files", "a file"])
+def test_an_out_that_is_not_an_empty_folder_is_refused_and_left_as_it_was(tiny_tokenizer_dir, tmp_path, kind):
+    """``--out`` naming a folder that holds a user's files but no train.bin (or naming a file): refused in
+    one line, nothing written into it or removed from it. The output is renamed into place at the end, so
+    a folder with anything in it would otherwise fail only after tokenizing, or lose what it held."""
+    good = tmp_path / "good.txt"
+    good.write_text("one document")
+    out = tmp_path / "out"
+    if kind == "a file":
+        out.write_bytes(b"a user's file")
+    else:
+        (out / "runs").mkdir(parents=True)
+        (out / "notes.txt").write_bytes(b"a user's notes")
+        (out / "runs" / "val.bin").write_bytes(b"not prepare's")  # a val.bin alone is not prepared data either
+    before = {p: p.read_bytes() if p.is_file() else None for p in [out, *out.rglob("*")]}
+    line = _refused(tiny_tokenizer_dir, tmp_path, str(good), out="out")
+    assert line == f"error: --out {out}: exists and is not an empty folder; choose a new one (nothing is overwritten)"
+    assert {p: p.read_bytes() if p.is_file() else None for p in [out, *out.rglob("*")]} == before
+    # an empty folder is no one's data: prepare writes into it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _prepare(tiny_tokenizer_dir, "--input", str(good), "--out", str(empty))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in empty.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
 def test_a_run_interrupted_while_writing_leaves_nothing(tiny_tokenizer_dir, tmp_path, monkeypatch):
     """Ctrl-C (or a tokenizer's crash) on the 5th document, after the temporary folder holds data."""
     from fsdp_zero import prepare
