@@ -114,12 +114,26 @@ def test_the_batch_script_refuses_a_bad_setting_in_one_line_before_it_starts_any
     assert not list(tmp_path.iterdir())  # no logs, no stand-in Slurm state: srun never ran
 
 
+def test_the_batch_script_refuses_a_node_list_that_names_no_host_in_one_line(tmp_path: Path):
+    """A node list scontrol cannot expand (it prints "Invalid hostlist" and no host) leaves no first node
+    to meet on: the script says so in one line of its own and exits 2 before it starts anything, instead
+    of failing on an unset variable or starting torchruns with no rendezvous host."""
+    env = _slurm_env(tmp_path, _job_id(), PYTHON="/bin/false", SLURM_JOB_NODELIST="n[1-")
+    proc, _ = _sbatch(env, *BASE)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "Invalid hostlist: n[1-",  # scontrol's own line
+        "train.sbatch: error: scontrol show hostnames 'n[1-' named no host"], proc.stderr
+    assert not list(tmp_path.iterdir())  # no logs, no stand-in Slurm state: srun never ran
+
+
 # Stands in for each node's `python -m torch.distributed.run ... scripts/train.py` (PYTHON=this file) to show
 # the batch script's decision alone: node 0 sends SIGNAL to the batch script (unless empty); every node then
-# ends like torchrun whose ranks printed LINE (rank 0's last line), exiting CODE, on SIGTERM or at once.
+# ends like torchrun whose ranks printed LINE (rank 0's last line), exiting CODE, on SIGTERM or at once. On
+# SIGTERM node 0 first sends AGAIN to the batch script (unless empty or unset): a second signal while the
+# ranks save.
 RANKS = """#!/bin/bash
 echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE PET_LOCAL_ADDR=$PET_LOCAL_ADDR $*" >&2
-trap 'echo "$LINE" >&2; exit "$CODE"' TERM
+trap '[[ -n $AGAIN && $SLURM_NODEID == 0 ]] && kill -"$AGAIN" "$PREEMPT_PID"; echo "$LINE" >&2; exit "$CODE"' TERM
 if [[ -n $SIGNAL ]]; then
     [[ $SLURM_NODEID == 0 ]] && kill -"$SIGNAL" "$PREEMPT_PID"
     for _ in $(seq 300); do sleep 0.1; done
@@ -150,29 +164,59 @@ def test_the_batch_script_requeues_only_a_signalled_job_whose_ranks_saved(tmp_pa
     assert bool(read_jsonl(tmp_path / "slurm" / "requeue")) == requeued, proc.stderr
 
 
-@pytest.mark.parametrize("env, nproc", [({}, 1), ({"SLURM_GPUS_ON_NODE": "4"}, 4),
-                                        ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4"}, 2)])
-def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(tmp_path: Path, env, nproc):
-    """Each node's command line (tests/slurm/srun's tasks run RANKS in place of the interpreter, which
-    writes it to the node's log): ranks per node from NPROC_PER_NODE, else SLURM_GPUS_ON_NODE, else 1;
-    the rendezvous on the first host under its Slurm name, the port from the job id; every attempt its
-    own store; the run named after the job unless the command line names it."""
+@pytest.mark.parametrize("again", ["TERM", "USR1"])
+def test_a_second_signal_during_the_save_is_not_passed_on_again(tmp_path: Path, again):
+    """SIGUSR1 (the time limit's), then SIGTERM (scancel --batch) or another SIGUSR1 while the ranks save:
+    the ranks get SIGTERM once (one scancel --signal=TERM): they already have it, and a second would reach
+    each torchrun again while it waits for its ranks to save. The job is still requeued once, on the first
+    signal, which the script names."""
     ranks = tmp_path / "ranks"
     ranks.write_text(RANKS)
     ranks.chmod(0o755)
     job = _job_id()
+    proc, _ = _sbatch(_slurm_env(tmp_path, job, PYTHON=str(ranks), SIGNAL="USR1", AGAIN=again, LINE=STOPPED,
+                                 CODE="1"))
+    assert proc.returncode == 4, proc.stderr
+    assert [r["args"] for r in read_jsonl(tmp_path / "slurm" / "scancel")] == [["--signal=TERM", str(job)]]
+    assert [r["job"] for r in read_jsonl(tmp_path / "slurm" / "requeue")] == [str(job)]
+    assert [line for line in proc.stderr.splitlines() if " received" in line] == [
+        "train.sbatch: SIGUSR1 received: SIGTERM to the ranks, which save their step and stop"], proc.stderr
+
+
+# A site's settings (docs/clusters.md): CPUs per task where nodes are shared, a rendezvous on a faster network.
+SITE = {"SLURM_CPUS_PER_TASK": "6", "FSDP_ZERO_RDZV_HOST": "node1-ib0", "FSDP_ZERO_RDZV_PORT": "29400"}
+
+
+@pytest.mark.parametrize("env, nproc", [({}, 1), ({"SLURM_GPUS_ON_NODE": "4"}, 4),
+                                        ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4", **SITE}, 2)])
+def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(tmp_path: Path, env, nproc):
+    """Each node's command line (tests/slurm/srun's tasks run RANKS in place of the interpreter, which
+    writes it to the node's log): ranks per node from NPROC_PER_NODE, else SLURM_GPUS_ON_NODE, else 1;
+    the rendezvous on the first host under its Slurm name, the port from the job id, unless
+    FSDP_ZERO_RDZV_HOST and FSDP_ZERO_RDZV_PORT name them; every attempt its own store; the run named after
+    the job unless the command line names it. srun is asked for one task a node and, when
+    SLURM_CPUS_PER_TASK is set (sbatch --cpus-per-task, where a site shares nodes), for as many CPUs a
+    task, which the script passes on rather than leave to srun's own defaults."""
+    ranks = tmp_path / "ranks"
+    ranks.write_text(RANKS)
+    ranks.chmod(0o755)
+    job = _job_id()
+    endpoint = f"{env.get('FSDP_ZERO_RDZV_HOST', 'localhost')}:{env.get('FSDP_ZERO_RDZV_PORT', 10000 + job % 20000)}"
+    cpus = {"cpus-per-task": env["SLURM_CPUS_PER_TASK"]} if "SLURM_CPUS_PER_TASK" in env else {}
     for args, name in (((), f"run.name=slurm-{job}"), (("run.name=mine",), "run.name=mine")):
         proc, _ = _sbatch(_slurm_env(tmp_path, job, PYTHON=str(ranks), SIGNAL="", LINE="", CODE="0", **env),
                           "--config", "configs/gpt_small.yaml", *args)
         assert proc.returncode == 0, proc.stderr
+        assert [r["options"] for r in read_jsonl(tmp_path / "slurm" / "srun")] == [
+            {"nodes": "2", "ntasks": "2", "ntasks-per-node": "1", "kill-on-bad-exit": "0", **cpus}]
         lines = [line for line in _logs(tmp_path, 0).splitlines() if line.startswith("TORCH_DISABLE")]
         assert sorted(line.split()[1] for line in lines) == ["PET_LOCAL_ADDR=127.0.0.1", "PET_LOCAL_ADDR=localhost"]
         assert {line.split()[0] for line in lines} == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"}
         assert {line.split(maxsplit=2)[2] for line in lines} == {
             f"-m torch.distributed.run --nnodes=2 --nproc-per-node={nproc} --rdzv-backend=c10d "
-            f"--rdzv-endpoint=localhost:{10000 + job % 20000} --rdzv-id={job} --max-restarts=3 --shutdown-timeout=100 "
+            f"--rdzv-endpoint={endpoint} --rdzv-id={job} --max-restarts=3 --shutdown-timeout=100 "
             f"scripts/train.py --config configs/gpt_small.yaml {name}"}
-        for log in (tmp_path / "logs").iterdir():
+        for log in (*(tmp_path / "logs").iterdir(), tmp_path / "slurm" / "srun"):
             log.unlink()
 
 

@@ -9,9 +9,16 @@ import re
 from pathlib import Path
 
 
+# One entry of a node list: a name, or a prefix and bracketed numbers and ranges ("n[01-03,7]").
+_ENTRY = r"[^,\[\]]+(?:\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])?"
+
+
 def hostnames(nodelist: str) -> list[str]:
     """Slurm's compact node list expanded, as ``scontrol show hostnames`` does: "n[1-3,5],gpu7" ->
-    n1 n2 n3 n5 gpu7 (ranges keep their zero padding)."""
+    n1 n2 n3 n5 gpu7 (ranges keep their zero padding). Raises ValueError for a list Slurm's parser
+    refuses, such as an unclosed bracket ("n[1-")."""
+    if not re.fullmatch(rf"{_ENTRY}(?:,{_ENTRY})*", nodelist):
+        raise ValueError(f"Invalid hostlist: {nodelist}")
     out = []
     for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
         if plain:
