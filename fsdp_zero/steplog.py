@@ -61,9 +61,10 @@ class StepRecord:
     model_state_bytes: int = 0  # this rank's, after the first optimizer step
     breakdown: dict[str, int] = field(default_factory=dict)  # tensor bytes by category at the profiled peak
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # ... at the profiled step's phases
-    # This rank's highest peak RSS over the log intervals without the profiled step (whose
-    # tracker holds its own bookkeeping: hundreds of MiB on gpt_small, not the model's).
-    peak_rss_mib: float = 0.0
+    # This rank's highest peak RSS over the steps other than the profiled one (whose tracker holds its own
+    # bookkeeping: hundreds of MiB on gpt_small, not the model's); None when no other step ran, with why.
+    peak_rss_mib: float | None = None
+    peak_rss_note: str | None = None
     peak_reserved_mib: float | None = None  # CUDA: the highest peak reserved over the run
     step_seconds: float = 0.0  # mean step time over the last log interval
     evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval/* scalars
@@ -84,6 +85,8 @@ class StepLogger:
         self.monitor = MemoryMonitor(env.device)
         self.record = StepRecord(comm_formula=as_dict(comm.formula) if comm else {})
         self.profiler: StepProfiler | None = None
+        self._held: dict[str, float] = {}  # the peaks read when the profiled step ended (before their reset)
+        self._clean_steps = 0  # steps since the peaks were last reset, none of them the profiled one
         self._first = True
         self._interval_start, self._interval_steps = time.perf_counter(), 0
         self.first_step_phase(Phase.AFTER_BUILD)
@@ -97,6 +100,8 @@ class StepLogger:
         self.profiler = StepProfiler(self.model, self.optimizer, self.env.device) if step == self.profile_step else None
         if self.profiler:
             out.append(self.profiler.phase)
+            if self._clean_steps:  # steps since the last reset of the peaks, before the profiled one: theirs
+                self._clean_peak(self.monitor.read()["cpu_peak_rss_mib"])
         return out
 
     @contextlib.contextmanager
@@ -121,9 +126,15 @@ class StepLogger:
     def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
              extra: dict[str, torch.Tensor]) -> None:
         """Called after every optimizer step; logs on log steps only."""
-        if self.profiler is not None:
+        profiled = self.profiler is not None
+        if profiled:
             self._log_profile(step)
+            # The peaks so far (the profiled step's own included, for this interval's log row), then a fresh
+            # start: the steps after it in this interval are measured without the tracker's bookkeeping.
+            self._held = self.monitor.read()
+            self.monitor.reset_peaks()
         self._interval_steps += 1
+        self._clean_steps = 0 if profiled else self._clean_steps + 1
         if step % self.log_every and step != self.last_step:
             return
         if self.env.device.type == "cuda":
@@ -132,9 +143,13 @@ class StepLogger:
         rank_rate = self.items_per_rank_step * self._interval_steps / elapsed
         self.record.step_seconds = elapsed / self._interval_steps
         mem = memory_scalars(self.monitor, self.model, self.optimizer)
+        if self._clean_steps:  # steps since the peaks were last reset, the profiled one not among them
+            self._clean_peak(mem["memory/cpu_peak_rss_mib"])
+        for key, held in self._held.items():  # the interval's peaks over all of it, the profiled step's included
+            if "peak" in key:
+                mem[f"memory/{key}"] = max(mem[f"memory/{key}"], held)
+        self._held = {}
         peak = self.monitor.headline_peak(mem)
-        if not step - self._interval_steps < self.profile_step <= step:
-            self.record.peak_rss_mib = max(self.record.peak_rss_mib, mem["memory/cpu_peak_rss_mib"])
         if "memory/cuda_peak_reserved_mib" in mem:
             self.record.peak_reserved_mib = max(self.record.peak_reserved_mib or 0.0, mem["memory/cuda_peak_reserved_mib"])
 
@@ -161,7 +176,18 @@ class StepLogger:
                     f"{scalars[f'{self.unit}_per_s_all_ranks']:,.0f}", "tok" if self.unit == "tokens" else self.unit,
                     "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]")
         self.monitor.reset_peaks()
-        self._interval_start, self._interval_steps = time.perf_counter(), 0
+        self._interval_start, self._interval_steps, self._clean_steps = time.perf_counter(), 0, 0
+
+    def _clean_peak(self, mib: float) -> None:
+        """A peak RSS measured over steps without the profiled one: the run's `StepRecord.peak_rss_mib`."""
+        self.record.peak_rss_mib = max(self.record.peak_rss_mib or 0.0, mib)
+
+    def finish(self) -> None:
+        """At the end of the run: why no peak RSS was measured, if none was."""
+        if self.record.peak_rss_mib is None:
+            self.record.peak_rss_note = (f"not measured: the only step run was the profiled one (memory.profile_step="
+                                         f"{self.profile_step}), whose memory tracker holds bookkeeping that is not "
+                                         "the model's; run more steps or set memory.profile_step=0")
 
     def evaluation(self, step: int, result: EvalResult) -> None:
         """An evaluation after step ``step`` (its scalars the same on every rank): TensorBoard, metrics.jsonl
@@ -208,6 +234,7 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int
         logger.info("%s", describe(record.comm_bytes, record.comm_formula, cfg.parallel.strategy.value,
                                    cfg.parallel.grad_sync.value))
     mine = {"model_state_bytes": record.model_state_bytes, "peak_rss_mib": record.peak_rss_mib,
+            "peak_rss_note": record.peak_rss_note,
             "comm_bytes": {k: record.comm_bytes[k] for k in KINDS} if record.comm_bytes else None,
             "eval_peak_mib": record.eval_peak_mib or None,
             "peak_reserved_mib": record.peak_reserved_mib, "step_s": record.step_seconds, "breakdown": record.breakdown,

@@ -282,6 +282,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
         raise collective_failed(e, cfg, env, step, timeout.key, parts.run_dir) or e
     finally:
         guard.close()
+        log.finish()
         log.close()
     if verdict and verdict.stop and step < last:
         raise Stopped(f"stopped after step {step} ({verdict.stop}); checkpoint {parts.run_dir / 'checkpoints'} holds "

@@ -165,6 +165,21 @@ def test_a_run_directory_is_continued_or_refused_never_overwritten(tmp_path: Pat
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [2, 4, 6]
 
 
+def test_a_summarys_peak_rss_is_measured_or_null_with_its_reason(tmp_path: Path):
+    """summary.json's peak_rss_mib leaves out the profiled step (its tracker's bookkeeping is not the model's)
+    but never reports 0: the steps before and after it in the same log interval are measured (here the
+    only interval, steps 1-4 with the profiled step 2 and train.log_every=10), and a run whose only step is
+    the profiled one says so."""
+    base = [*NANO[:4], "checkpoint.enabled=false", f"run.root={tmp_path}"]
+    check(run_script(TRAIN, *base, "train.steps=4", "run.name=one-interval"))
+    (rank,) = json.loads((tmp_path / "one-interval" / "summary.json").read_text())["ranks"]
+    assert rank["peak_rss_mib"] > 100 and rank["peak_rss_note"] is None, rank
+    check(run_script(TRAIN, *base, "train.steps=1", "memory.profile_step=1", "run.name=profiled-only"))
+    (rank,) = json.loads((tmp_path / "profiled-only" / "summary.json").read_text())["ranks"]
+    assert rank["peak_rss_mib"] is None and "the only step run was the profiled one (memory.profile_step=1)" in (
+        rank["peak_rss_note"]), rank
+
+
 def test_text_source_trains_on_a_local_file_as_world_size_one(tmp_path: Path):
     """Plain `python scripts/train.py` (no torchrun): world size 1, the same code path."""
     proc = check(launch(0, TRAIN, "--config", "configs/bytes_readme.yaml", "model.preset=gpt_nano", "data.seq_len=32",
