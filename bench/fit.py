@@ -1,18 +1,19 @@
-"""The planner's search (`scripts/plan.py --fit`) against real runs: its picks for two budgets, and its
-ranking of candidates against their measured step times, on gpt_small at N ranks.
+"""The planner's search (`scripts/plan.py --fit`) against real runs: its picks for the budgets, and its
+predicted step cost against each run's measured step time, on gpt_small at N ranks.
 
-    python bench/fit.py [--nproc-per-node 2] [--budgets 2.0GiB,2.4GiB] [--margin 0.1] [--ranked 6]
-                        [--out DIR] [--tflops T] [--link-gbps G] [key=value ...]
+    python bench/fit.py [--nproc-per-node 2] [--budgets 2.2GiB,2.4GiB] [--margin 0.1] [--ranked 6]
+                        [--steps 6] [--out DIR] [--tflops T] [--link-gbps G] [key=value ...]
 
-Searches once (`fsdp_zero.fit.search`: every candidate's predicted peak and cost, budget-free), then:
+Measures the rates as plan.py does (`fsdp_zero.fit.fit_rates`: on a CPU, the probe of
+`fsdp_zero.rates.measure`, unless --tflops / --link-gbps give them), searches once
+(`fsdp_zero.fit.search`: every candidate's predicted peak and cost, budget-free), then:
 1. for each budget, runs the cheapest candidate that fits (scripts/train.py under torchrun, fresh
    processes) and prints its predicted peak per rank against the measured one (peak RSS, the highest
-   rank's) and the budget;
+   rank's) and the budget, and its predicted step time against the measured one;
 2. runs ``--ranked`` candidates spread evenly over the ranked list (cheapest to dearest) and prints
-   their predicted cost against their measured median step time, with the rank correlation
-   (Spearman's rho) of the two.
-The cost's rates are the CPU defaults (`fsdp_zero.fit.Rates.default`) unless --tflops / --link-gbps say
-otherwise. `key=value` overrides change the model and batch for the search and every run.
+   their predicted cost against their measured step time, with the rank correlation (Spearman's rho).
+A measured step time is the median over the steps after the first two (their metrics.jsonl times).
+`key=value` overrides change the model and batch for the search and every run.
 """
 
 from __future__ import annotations
@@ -20,31 +21,34 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
 
 from fsdp_zero.config_loader import load_config
-from fsdp_zero.fit import MARGIN, Rates, Scored, search
+from fsdp_zero.fit import MARGIN, Scored, fit_rates, search
+from fsdp_zero.rates import Rates
 from fsdp_zero.memory import parse_size
 
 TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 MODEL = ("model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256", "train.global_batch_size=8",
          "train.micro_batch_size=1")
-RUN = ("train.steps=4", "train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0",
-       "metrics.tensorboard=false")
+RUN = ("train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false")
 MIB = 2**20
 
 
-def run(out: Path, name: str, nproc: int, overrides: list[str]) -> dict:
-    """One training run of the candidate's overrides; its summary.json."""
+def run(out: Path, name: str, nproc: int, overrides: list[str], steps: int) -> tuple[dict, float]:
+    """One training run of the candidate's overrides: its summary.json and its measured step time."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
-           *overrides, *RUN, f"run.root={out}", f"run.name={name}"]
+           *overrides, *RUN, f"train.steps={steps}", f"run.root={out}", f"run.name={name}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"error: {name} ({' '.join(overrides)}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return json.loads((out / name / "summary.json").read_text())
+    times = [json.loads(line)["time"] for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / name / "summary.json").read_text()), statistics.median(
+        b - a for a, b in zip(times[2:], times[3:]))
 
 
 def short(s: Scored) -> str:
@@ -69,8 +73,9 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("--budgets", default="2.0GiB,2.4GiB")
+    parser.add_argument("--budgets", default="2.2GiB,2.4GiB")
     parser.add_argument("--ranked", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="steps a run (the median is over those after the 2nd)")
     parser.add_argument("--margin", type=float, default=MARGIN, help="as plan.py --fit's (default 0.1)")
     parser.add_argument("--tflops", type=float)
     parser.add_argument("--link-gbps", type=float)
@@ -81,35 +86,38 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
         return 2
+    if args.steps < 4:
+        print(f"error: --steps={args.steps}: at least 4 (the median is over the steps after the 2nd)", file=sys.stderr)
+        return 2
     n, model = args.nproc_per_node, [*MODEL, *args.overrides]
     cfg = load_config(None, model)
-    rates = Rates.default(cfg.dist.device.value)
-    rates = dataclasses.replace(rates, **{k: v for k, v in (("tflops", args.tflops), ("link_gbps", args.link_gbps))
-                                          if v is not None})
+    given = {k: v for k, v in (("tflops", args.tflops), ("link_gbps", args.link_gbps)) if v is not None}
+    rates = dataclasses.replace(Rates.default(cfg.dist.device.value), **given) if given else fit_rates(cfg, n)
     found = search(cfg, n, rates)
     lines = [f"# plan.py --fit against real runs: {' '.join(model)}, {n} ranks",
-             f"\nsearch: {len(found.scored)} candidates, {found.simulations} simulations, {found.seconds:.0f} s; "
-             f"rates {rates}; margin {args.margin:g}\n",
-             "| budget | pick | predicted peak MiB | measured peak MiB | measured / predicted | within budget |",
-             "|---|---|---|---|---|---|"]
+             f"\nrates: {rates.describe()}\n\nsearch: {len(found.scored)} candidates, {found.simulations} simulations, "
+             f"{found.seconds:.0f} s; margin {args.margin:g}; runs of {args.steps} steps\n",
+             "| budget | pick | predicted peak MiB | measured peak MiB | within budget | predicted step s | "
+             "measured step s | measured / predicted |",
+             "|---|---|---|---|---|---|---|---|"]
     for i, text in enumerate(args.budgets.split(",")):
         budget = parse_size(text, "--budgets")
         pick = found.fit(budget, args.margin)
-        measured = max(r["peak_rss_mib"] for r in run(out, f"pick{i}", n, [*model, *pick.candidate.overrides()])["ranks"])
+        summary, step = run(out, f"pick{i}", n, [*model, *pick.candidate.overrides()], args.steps)
+        measured = max(r["peak_rss_mib"] for r in summary["ranks"])
         lines.append(f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
-                     f"{measured * MIB / pick.peak:.3f} | {'yes' if measured * MIB <= budget else 'NO'} |")
+                     f"{'yes' if measured * MIB <= budget else 'NO'} | {pick.cost:.2f} | {step:.2f} | {step / pick.cost:.2f} |")
     spread = [found.scored[round(i * (len(found.scored) - 1) / max(1, args.ranked - 1))] for i in range(args.ranked)]
-    lines += ["", "| cost rank | candidate | predicted cost s | measured step s | predicted peak MiB | measured peak MiB |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| cost rank | candidate | predicted cost s | measured step s | measured / predicted | "
+              "predicted peak MiB | measured peak MiB |", "|---|---|---|---|---|---|---|"]
     costs, times = [], []
     for s in spread:
-        summary = run(out, f"rank{found.scored.index(s)}", n, [*model, *s.candidate.overrides()])
-        step = summary["ranks"][0]["step_s"]
+        summary, step = run(out, f"rank{found.scored.index(s)}", n, [*model, *s.candidate.overrides()], args.steps)
         peak = max(r["peak_rss_mib"] for r in summary["ranks"])
         costs.append(s.cost)
         times.append(step)
         lines.append(f"| {found.scored.index(s) + 1} of {len(found.scored)} | {short(s)} | {s.cost:.2f} | {step:.2f} "
-                     f"| {s.peak / MIB:,.0f} | {peak:,.0f} |")
+                     f"| {step / s.cost:.2f} | {s.peak / MIB:,.0f} | {peak:,.0f} |")
     lines.append(f"\nrank correlation of predicted cost and measured step time (Spearman): {spearman(costs, times):+.2f}")
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)

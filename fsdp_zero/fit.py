@@ -20,13 +20,20 @@ model) would take too long, so candidates that share tensors share simulations:
   without accumulation have their own reference (the micro-batch that is the whole local batch).
 The simulations run in two processes (they are single-threaded Python), a handful in this one.
 
-The cost, in seconds of one optimizer step under the stated rates (`Rates`), to rank candidates,
-not to promise a step time: compute (6 x parameters x tokens FLOPs, plus 2 x the checkpointed
-blocks' parameters x tokens recomputed, at ``tflops``; fp32 compute at 1 / ``fp32_speed`` of
-that), plus the bytes each rank moves (`fsdp_zero.comm.comm_formula`) at ``link_gbps``, plus, with
-CPU offload, the host-device copies at ``host_gbps``. It ignores overlap of communication with
-compute (it adds them: a pessimistic bound for FSDP's prefetching), kernel efficiency at small
-micro-batches, and the CPU optimizer step of offload; docs/compare-and-plan.md says so.
+The cost, in seconds of one optimizer step under the rates (`fsdp_zero.rates.Rates`), to rank candidates:
+- rates measured on this machine (a CPU target without --tflops / --link-gbps: `fit_rates`, the probe of
+  `fsdp_zero.rates.measure`): each sample's forward and backward in the candidate's compute dtype (and each
+  checkpointed block's forward again), each byte of `fsdp_zero.comm.comm_formula` at the rate its
+  collective ran at in the probe (FSDP2's all-gather and reduce-scatter with their copies; DDP's
+  all-reduce), and AdamW's step over the parameters the rank steps. On this project's 2-core machine the
+  pick ran within 10% of it (bench/fit.py, docs/compare-and-plan.md);
+- rates given (and a GPU's: an H100 by default): compute as 6 x parameters x tokens FLOPs, plus 2 x the
+  checkpointed blocks' parameters x tokens recomputed, at ``tflops`` (fp32 at 1 / ``fp32_speed`` of that),
+  plus the bytes each rank moves at ``link_gbps`` as ring collectives, plus, with CPU offload, the
+  host-device copies at ``host_gbps``.
+Both ignore overlap of communication with compute (they add them: a pessimistic bound for FSDP's
+prefetching); the second also kernel efficiency at small micro-batches and the optimizer step;
+docs/compare-and-plan.md says so.
 """
 
 from __future__ import annotations
@@ -46,24 +53,8 @@ from fsdp_zero.lora import make_trainable
 from fsdp_zero.parallelize import checkpointed, split_over
 from fsdp_zero.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline, plan_layout
 from fsdp_zero.precision import resolve
+from fsdp_zero.rates import Measured, Rates, measure
 from fsdp_zero.wrap import WrapPlan, build_wrap_plan
-
-
-@dataclass(frozen=True)
-class Rates:
-    """What the cost assumes of the hardware (scripts/plan.py's --tflops, --link-gbps, --host-gbps)."""
-
-    tflops: float  # achieved compute per rank in 16-bit dtypes, 10^12 FLOP/s
-    link_gbps: float  # per-rank collective bandwidth, Gbit/s
-    host_gbps: float = 200.0  # host <-> device copies (CPU offload), Gbit/s
-    # How much faster 16-bit compute runs than fp32. An H100: 989 dense bf16 TFLOP/s against 67 in fp32 (we
-    # do not turn TF32 on); a CPU: about the same.
-    fp32_speed: float = 15.0
-
-    @classmethod
-    def default(cls, device: str) -> "Rates":
-        """An H100 over 400 Gbit/s per GPU; a CPU rank over loopback gloo (this project's machines)."""
-        return cls(400.0, 400.0) if device == "cuda" else cls(0.05, 20.0, fp32_speed=1.0)
 
 
 @dataclass(frozen=True)
@@ -105,6 +96,13 @@ class Scored:
 
 # What --search may name: the settings a candidate varies (the others stay as the config has them).
 DIMENSIONS = ("strategy", "precision", "checkpointing", "offload", "micro_batch", "grad_sync")
+
+
+def searched_overrides(search: tuple[str, ...]) -> list[str]:
+    """What loading the config for a search adds to its overrides: the micro-batch, when searched (every
+    divisor of the local batch is a candidate), is 1, so that the config's own (a default the user may never
+    have set) cannot refuse a global batch it does not divide."""
+    return ["train.micro_batch_size=1"] if "micro_batch" in search else []
 
 
 def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSIONS) -> list[Candidate]:
@@ -250,11 +248,15 @@ def predict_peaks(cfg: Config, world_size: int, cands: list[Candidate], processe
 
 def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: nn.Module, plan: WrapPlan
               ) -> tuple[float, dict[str, float]]:
-    """``c``'s relative step cost in seconds and its terms (see the module docstring). ``model``: the
-    config's model on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
+    """``c``'s step cost in seconds and its terms (see the module docstring). ``model``: the config's model
+    on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
     cc = c.config(cfg)
     precision = resolve(cc.precision)
     layout = plan_layout(cc, world_size)
+    moved = comm_formula(cc, model, plan, world_size, layout.grad_accum_steps, precision)
+    if rates.measured:
+        parts = _measured_cost(cc, c, world_size, rates.measured, model, plan, moved)
+        return sum(parts.values()), parts
     tokens = layout.global_batch_size // world_size * (cc.data.seq_len or 1)
     params = sum(p.numel() for p in model.parameters())
     recomputed = sum(sum(p.numel() for p in model.get_submodule(b).parameters())
@@ -262,17 +264,48 @@ def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: n
     flops = 6 * params * tokens + 2 * recomputed * tokens
     slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
     compute = flops * slow / (rates.tflops * 1e12)
-    accum = layout.grad_accum_steps
-    moved = comm_formula(cc, model, plan, world_size, accum, precision)
     comm = sum(comm_seconds(moved, cc.parallel, world_size, rates.link_gbps).values())
     offload = 0.0
     if c.offload:  # each gather first copies the rank's shard to the device, each reduction copies it back
         shard = params / split_over(cc.parallel, world_size) * precision.stored.itemsize
-        gathers = accum * (2 if STRATEGIES[c.strategy].reshard_after_forward else 1)
-        reductions = 1 if c.grad_sync is GradSync.once_per_step else accum
+        gathers = layout.grad_accum_steps * (2 if STRATEGIES[c.strategy].reshard_after_forward else 1)
+        reductions = 1 if c.grad_sync is GradSync.once_per_step else layout.grad_accum_steps
         offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)
-    parts = {"compute_s": compute, "comm_s": comm, "offload_s": offload}
+    parts = {"compute_s": compute, "comm_s": comm, "optimizer_s": 0.0, "offload_s": offload}
     return compute + comm + offload, parts
+
+
+def _measured_cost(cc: Config, c: Candidate, world_size: int, m: Measured, model: nn.Module, plan: WrapPlan,
+                   moved) -> dict[str, float]:  # noqa: ANN001 - a CommBytes
+    """The step cost from what the probe measured on this machine (`fsdp_zero.rates.measure`): each sample's
+    forward and backward (and each checkpointed block's forward again) in the compute dtype, each byte the
+    strategy moves (`fsdp_zero.comm.comm_formula`) at the rate its collective ran at, and AdamW's step over
+    the parameters this rank steps."""
+    precision = resolve(cc.precision)
+    samples = plan_layout(cc, world_size).global_batch_size // world_size
+    fixed, block, forward = m.compute[str(precision.compute).removeprefix("torch.")]
+    blocks = checkpointed(cc.parallel, plan.block_fqns)
+    compute = samples * (fixed + m.blocks * block + len(blocks) * forward)
+    spec = STRATEGIES[c.strategy]
+    if spec.fsdp:
+        comm = (moved.all_gather * m.gather_s_per_byte + moved.reduce_scatter * m.reduce_s_per_byte
+                + moved.all_reduce * m.all_reduce_s_per_byte)
+    else:  # DDP's buckets all-reduced; ZeRO-1's updated partitions broadcast (an all-gather's bytes)
+        comm = moved.all_reduce * m.all_reduce_s_per_byte + moved.all_gather * m.all_gather_s_per_byte
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    stepped = trainable if spec.zero_stage == 0 else trainable / split_over(cc.parallel, world_size)
+    optimizer = stepped / m.adamw_params_per_s[str(precision.stored).removeprefix("torch.")]
+    return {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0}
+
+
+def fit_rates(cfg: Config, world_size: int, dims: tuple[str, ...] = DIMENSIONS) -> Rates:
+    """The rates a search for ``cfg`` assumes when none are given: for the CPU, measured on this machine
+    (`fsdp_zero.rates.measure`, in the compute dtypes the candidates use); for CUDA, `Rates.default`'s
+    (an H100: pass --tflops and --link-gbps for other hardware)."""
+    if cfg.dist.device.value == "cuda":
+        return Rates.default("cuda")
+    dtypes = {resolve(c.config(cfg).precision).compute for c in candidates(cfg, world_size, dims)}
+    return measure(cfg, world_size, sorted(dtypes, key=str))
 
 
 # A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have been

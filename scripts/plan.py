@@ -31,7 +31,8 @@ from fsdp_zero.build import construct
 from fsdp_zero.comm import comm_formula, comm_seconds
 from fsdp_zero.config import ZERO_STAGES, Config, Strategy, validate
 from fsdp_zero.config_loader import load_config
-from fsdp_zero.fit import DIMENSIONS, MARGIN, Rates, search
+from fsdp_zero.fit import DIMENSIONS, MARGIN, fit_rates, search, searched_overrides
+from fsdp_zero.rates import Rates
 from fsdp_zero.lora import frozen_count, make_trainable
 from fsdp_zero.memory import CATEGORIES, MIB, parse_size
 from fsdp_zero.planner import (PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb,
@@ -83,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         for flag in ("search", "margin", "show", "tflops", "host_gbps"):
             if getattr(args, flag) is not None and not args.fit:
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: it applies to --fit; add --fit MEMORY")
-        cfg = load_config(args.config, args.overrides)
+        dims = tuple(d for d in args.search.split(",") if d) if args.search else DIMENSIONS
+        cfg = load_config(args.config, [*args.overrides, *(searched_overrides(dims) if args.fit else [])])
         rates = _rates(args, cfg.dist.device.value)
         if args.fit:
             if args.strategy or args.device_memory:
                 raise ValueError("--fit searches every strategy against its own budget: drop --strategy and "
                                  "--device-memory")
-            dims = tuple(d for d in args.search.split(",") if d) if args.search else DIMENSIONS
             margin, show, budget = (MARGIN if args.margin is None else args.margin, 12 if args.show is None else
                                     args.show, parse_size(args.fit, "--fit"))
             if not 0 <= margin < 1:
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--show={show}: how many fitting candidates to print, >= 1")
             if budget <= 0:
                 raise ValueError(f"--fit={args.fit}: a memory per rank > 0, e.g. 24GiB")
-            return fit(cfg, args.world_size, budget, margin, rates, dims, args.json, show)
+            given = any(getattr(args, k) is not None for k in ("tflops", "link_gbps", "host_gbps"))
+            return fit(cfg, args.world_size, budget, margin, None if not given else rates, dims, args.json, show)
         limit = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
         strategies = [Strategy(s) for s in args.strategy] if args.strategy else ALL
         preds = simulate(cfg, args.world_size, strategies)
@@ -189,27 +191,30 @@ def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[
                   f"{moved.all_reduce / MIB:,.1f} | {seconds * 1e3:,.1f} |")
 
 
-def fit(cfg: Config, n: int, budget: int, margin: float, rates: Rates, dims: tuple[str, ...], json_path: str | None,
-        show: int) -> int:
-    """--fit: the ranked candidates and the pick (fsdp_zero.fit)."""
+def fit(cfg: Config, n: int, budget: int, margin: float, rates: Rates | None, dims: tuple[str, ...],
+        json_path: str | None, show: int) -> int:
+    """--fit: the rates (``rates``: the ones given; None: `fsdp_zero.fit.fit_rates`), the ranked candidates
+    and the pick (fsdp_zero.fit)."""
+    print(f"# fit: {cfg.model.pretrained or cfg.model.target or cfg.model.preset}, {n} ranks, global batch "
+          f"{cfg.train.global_batch_size}, budget {format_bytes(budget)} per rank "
+          f"({'device memory' if cfg.dist.device.value == 'cuda' else 'peak RSS'}); a candidate fits when its "
+          f"predicted peak + {margin:.0%} does", flush=True)
+    rates = rates or fit_rates(cfg, n, dims)
+    print(f"rates: {rates.describe()}\ncost = compute + communication + optimizer step + offload copies, no overlap\n",
+          flush=True)
     found = search(cfg, n, rates, dims)
     best = found.fit(budget, margin)
     scored = found.scored
     fitting = [s for s in scored if s.fits]
-    print(f"# fit: {cfg.model.pretrained or cfg.model.target or cfg.model.preset}, {n} ranks, global batch "
-          f"{cfg.train.global_batch_size}, budget {format_bytes(budget)} per rank "
-          f"({'device memory' if cfg.dist.device.value == 'cuda' else 'peak RSS'}); a candidate fits when its "
-          f"predicted peak + {margin:.0%} does")
-    print(f"rates: {rates.tflops:g} TFLOP/s (16-bit; fp32 {rates.fp32_speed:g}x slower), link {rates.link_gbps:g} "
-          f"Gbit/s, host {rates.host_gbps:g} Gbit/s; cost = compute + communication + offload copies, no overlap\n")
     print(f"{len(scored)} candidates ({found.simulations} simulations, {found.seconds:.0f} s), {len(fitting)} fit; "
           f"the {min(show, len(fitting))} cheapest that fit:\n")
-    print("| # | cost ms | compute ms | comm ms | offload ms | peak | strategy | precision | checkpointing | offload "
-          "| micro-batch | grad_sync |")
-    print("|" + "---|" * 12)
+    print("| # | cost ms | compute ms | comm ms | optimizer ms | offload ms | peak | strategy | precision | "
+          "checkpointing | offload | micro-batch | grad_sync |")
+    print("|" + "---|" * 13)
     for i, s in enumerate(fitting[:show], start=1):
         c = s.candidate
-        ms = [f"{v * 1e3:,.1f}" for v in (s.cost, s.parts["compute_s"], s.parts["comm_s"], s.parts["offload_s"])]
+        ms = [f"{v * 1e3:,.1f}" for v in (s.cost, *(s.parts[k] for k in ("compute_s", "comm_s", "optimizer_s",
+                                                                          "offload_s")))]
         print(f"| {i} | {' | '.join(ms)} "
               f"| {format_bytes(s.peak)} | {c.strategy.value} | {c.precision} | {c.checkpointing.value} | "
               f"{'yes' if c.offload else 'no'} | {c.micro_batch} | {c.grad_sync.value} |")

@@ -207,6 +207,8 @@ def fitted(tmp_path_factory: pytest.TempPathFactory, predicted) -> tuple[int, di
     out = tmp_path_factory.mktemp("fit") / "fit.json"
     proc = check(run_script(PLAN, "--world-size", str(N), "--fit", f"{budget // MIB}MiB", "--search", "strategy",
                             "--margin", "0", "--json", str(out), *CONFIG))
+    # On a CPU the rates are measured on this machine, and the plan says so before it searches.
+    assert f"rates: measured on this machine by a probe ({N} ranks x 1 thread(s)" in proc.stdout.split("candidates")[0]
     assert "pick: " in proc.stdout
     return budget, json.loads(out.read_text())
 

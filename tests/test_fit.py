@@ -7,14 +7,19 @@ candidates simulated one by one, its cost's order, and its errors.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
-from fsdp_zero.config import ActivationCheckpointing, GradSync
+from fsdp_zero.config import ActivationCheckpointing, GradSync, ParallelConfig, PrecisionConfig
 from fsdp_zero.config_loader import load_config
-from fsdp_zero.fit import DIMENSIONS, Candidate, Rates, candidates, search
+from fsdp_zero.fit import DIMENSIONS, Candidate, candidates, search
+from fsdp_zero.rates import Rates
+from fsdp_zero.model import model_args
+from fsdp_zero.parallelize import model_state_formula
 from fsdp_zero.planner import Simulator
+from fsdp_zero.precision import resolve
 from tests.conftest import REPO, figure, run_script
 
 MIB = 2**20
@@ -106,7 +111,7 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
 
 def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
     plan = REPO / "scripts" / "plan.py"
-    proc = run_script(plan, "--world-size", "2", "--fit", "1MiB", "--search", "strategy", *NANO)
+    proc = run_script(plan, "--world-size", "2", "--fit", "1MiB", "--search", "strategy", "--tflops", "1", *NANO)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert re.fullmatch(r"error: --fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard .* needs "
                         r"[\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)\n", proc.stderr), proc.stderr
@@ -125,3 +130,93 @@ def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
                           (["--fit", "1GiB", "--show", "0"], "--show=0: how many fitting candidates to print, >= 1")):
         proc = run_script(plan, "--world-size", "2", *args, *NANO)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def on_cuda():
+    """A search planned for GPUs (simulated on this CPU): precision x offload, full_shard, 2 micro-batches."""
+    cfg = load_config(None, NANO + ["dist.device=cuda"])
+    return cfg, search(cfg, 2, Rates.default("cuda"), ("precision", "offload"), processes=0, baseline=0)
+
+
+def test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_for_copies(on_cuda):
+    """What the search says of a GPU, by hand: fp32 compute at 1/15 of bf16's (an H100's 67 against 989
+    TFLOP/s, TF32 off); under CPU offload the model state (16 B x P / N in fp32, 8 B in bf16-true, with the
+    allocator's 10% slack) leaves the device's peak, and each gather and reduction copies the rank's shard
+    across the host link (2 micro-batches: 4 gathers under ZeRO-3 and 2 reductions, at 200 Gbit/s)."""
+    cfg, result = on_cuda
+    by = {(s.candidate.precision, s.candidate.offload): s for s in result.scored}
+    assert set(by) == {(p, o) for p in ("fp32", "bf16-mixed", "bf16-true") for o in (False, True)}
+    params = model_args("gpt_nano", vocab_size=4096).num_params()
+    for offload in (False, True):
+        fp32 = by["fp32", offload].parts["compute_s"]
+        for half in ("bf16-mixed", "bf16-true"):
+            assert by[half, offload].parts["compute_s"] * 15 == pytest.approx(fp32, rel=1e-12), (half, offload)
+    for mode, stored in (("fp32", 4), ("bf16-mixed", 4), ("bf16-true", 2)):
+        plain, offloaded = by[mode, False], by[mode, True]
+        state = model_state_formula(ParallelConfig(), params, 2, resolve(PrecisionConfig(mode=mode)).bytes_per_param)
+        assert plain.peak - offloaded.peak == pytest.approx(state * 1.10, rel=2e-3), mode
+        assert plain.parts["offload_s"] == 0
+        assert offloaded.parts["offload_s"] == pytest.approx((4 + 2) * params / 2 * stored * 8 / 200e9, rel=1e-9), mode
+
+
+def test_equal_costs_go_to_the_smaller_peak():
+    """With free compute and communication every candidate costs 0: the ranking is then by peak, smallest
+    first (the search forms checkpointing none, selective, full: largest peak first)."""
+    cfg = load_config(None, NANO)
+    free = Rates(tflops=float("inf"), link_gbps=float("inf"), fp32_speed=1.0)
+    result = search(cfg, 2, free, ("checkpointing",), processes=0, baseline=0)
+    assert {s.cost for s in result.scored} == {0.0} and len(result.scored) == 3
+    assert [s.candidate.checkpointing for s in result.scored] == [ActivationCheckpointing.full,
+                                                                  ActivationCheckpointing.selective,
+                                                                  ActivationCheckpointing.none]
+    assert [s.peak for s in result.scored] == sorted(s.peak for s in result.scored)
+
+
+def test_a_measured_cost_is_the_probes_seconds_by_hand():
+    """`fsdp_zero.rates.measure`'s figures turned into a step cost (`fsdp_zero.fit.step_cost`): each of the
+    rank's 8 samples forward and backward in the compute dtype (outside the 2 blocks, each block, each
+    checkpointed block's forward again), each byte at its collective's measured rate, and AdamW over the
+    parameters the rank steps."""
+    from fsdp_zero.build import construct
+    from fsdp_zero.config import Strategy
+    from fsdp_zero.fit import step_cost
+    from fsdp_zero.rates import Measured
+    from fsdp_zero.wrap import build_wrap_plan
+
+    cfg = load_config(None, NANO)  # global batch 16 at 2 ranks: 8 samples a rank
+    m = Measured(ranks=2, threads=1, compute={"float32": (0.5, 0.1, 0.03), "bfloat16": (0.2, 0.05, 0.01)}, blocks=2,
+                 gather_s_per_byte=1e-9, reduce_s_per_byte=2e-9, all_reduce_s_per_byte=3e-9, all_gather_s_per_byte=4e-9,
+                 adamw_params_per_s={"float32": 1e8, "bfloat16": 2e8}, seconds=1.0)
+    rates = dataclasses.replace(Rates.default("cpu"), measured=m)
+    model = construct(cfg.model)
+    plan = build_wrap_plan(model, cfg.parallel.wrap, 2)
+    p, root = sum(x.numel() for x in model.parameters()), plan.units[-1].num_params
+    every, none, full = GradSync.every_micro_batch, ActivationCheckpointing.none, ActivationCheckpointing.full
+    cases = {  # candidate: (compute, comm, optimizer) seconds
+        Candidate(Strategy.full_shard, "fp32", full, False, 4, every):  # 2 micro-batches of 4
+            (8 * (0.5 + 2 * 0.1 + 2 * 0.03), 2 * 4 * (2 * p - root) * 1e-9 + 2 * 4 * p * 2e-9, p / 2 / 1e8),
+        Candidate(Strategy.ddp, "bf16-true", none, False, 8, every):  # bf16 gradients all-reduced once
+            (8 * (0.2 + 2 * 0.05), 2 * p * 3e-9, p / 2e8),
+        Candidate(Strategy.zero1, "fp32", none, False, 8, every):  # and the updated partitions broadcast
+            (8 * (0.5 + 2 * 0.1), 4 * p * 3e-9 + 4 * p * 4e-9, p / 2 / 1e8),
+    }
+    for cand, (compute, comm, optimizer) in cases.items():
+        cost, parts = step_cost(cfg, cand, 2, rates, model, plan)
+        assert parts == pytest.approx({"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer,
+                                       "offload_s": 0.0}, rel=1e-9), cand
+        assert cost == pytest.approx(compute + comm + optimizer, rel=1e-12)
+
+
+def test_a_global_batch_the_default_micro_batch_does_not_divide_is_searched():
+    """plan.py --fit searches the micro-batch: a config whose own (here the default, 4, never set) does not
+    divide the global batch is planned over the divisors of the local batch; not searched, it is refused."""
+    plan = REPO / "scripts" / "plan.py"
+    args = ["--world-size", "2", "--fit", "4GiB", "--tflops", "1", "--link-gbps", "100", "model.preset=gpt_nano",
+            "data.seq_len=32", "train.global_batch_size=2"]
+    proc = run_script(plan, *args, "--search", "micro_batch")
+    assert proc.returncode == 0, proc.stderr
+    assert "train.micro_batch_size=1 " in proc.stdout.split("pick: ")[1]
+    proc = run_script(plan, *args, "--search", "strategy")
+    assert proc.returncode == 2 and "train.global_batch_size=2 is not a multiple of train.micro_batch_size=4" in (
+        proc.stderr), proc.stderr
