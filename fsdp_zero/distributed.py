@@ -2,7 +2,8 @@
 
 ``torchrun`` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. A plain
 ``python scripts/train.py`` has none of them and runs as world size 1 over a
-single-rank gloo/NCCL group, so every code path (FSDP included) is the same.
+single-rank gloo/NCCL group (meeting in a store of its own process: no port), so every code path
+(FSDP included) is the same.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     Raises:
         ValueError: dist.device=cuda or dist.backend=nccl without a visible GPU.
     """
-    if "RANK" not in os.environ:  # plain `python`: a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    alone = "RANK" not in os.environ  # plain `python`: a group of one
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -106,8 +107,10 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     # NCCL for CUDA tensors, gloo for CPU ones (torch's own default when no backend is named): with
     # CPU offload the gradient norm's all-reduce runs on CPU shards, which NCCL alone cannot take.
     spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-    dist.init_process_group(backend=spec, rank=rank, world_size=world_size, timeout=timeout,
-                            store=_store_of_this_attempt(timeout), **kwargs)
+    # A group of one meets in a store in this process: no port to pick (two runs started at once could pick
+    # the same free one between its test and its use: seen as EADDRINUSE).
+    store = dist.HashStore() if alone else _store_of_this_attempt(timeout)
+    dist.init_process_group(backend=spec, rank=rank, world_size=world_size, timeout=timeout, store=store, **kwargs)
     env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
     os.environ[ATTEMPT_VAR] = broadcast_object(secrets.token_hex(4), env)  # rank 0's: see `failure_key`
     return env

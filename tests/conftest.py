@@ -1,25 +1,31 @@
 """Shared helpers: launching real multi-process runs with torchrun, the gpu marker, and measured figures.
 
-Tests not marked ``gpu`` run on CPU/gloo whatever the machine has: `launch` hides every
-GPU from the processes it starts (``CUDA_VISIBLE_DEVICES=""``, as a user would) and checks
-that each run it starts reports device cpu, and a fixture fails a test that initialises
-CUDA in the test process itself. Tests marked ``gpu`` skip where no GPU is visible.
+Tests not marked ``gpu`` run on CPU/gloo whatever the machine has. The test process itself never sees
+a GPU (tests/cpu_only.py, imported first: on a GPU host torch would otherwise start CUDA in this process
+by itself, every optimizer step asking the accelerator for its stream). `launch` hides every GPU from the
+processes it starts too (as a user would) and checks that each run it starts reports device cpu; a
+fixture fails a test that initialises CUDA in the test process all the same. Tests marked ``gpu`` do
+their CUDA work in processes of their own (``launch(..., gpu=True)`` gives them the machine's GPUs), run
+last, and skip where no GPU is visible (`visible_gpus`).
 """
 
 from __future__ import annotations
 
-import os
-import re
-import socket
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+from tests.cpu_only import VISIBLE as _VISIBLE  # first: hides the GPUs from this process (isort: skip)
 
-import pytest
-import torch
+import functools  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-from tests.hf_fixtures import tiny_tokenizer_dir  # noqa: F401 (a fixture: every test module may ask for it)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.hf_fixtures import tiny_tokenizer_dir  # noqa: E402, F401 (a fixture: every test module may ask for it)
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
@@ -29,8 +35,28 @@ _FIGURES: list[tuple[str, str]] = []
 _COLLECTED: set[str] = set()  # the test modules this session runs (file stems)
 
 
+def gpu_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the machine's own GPU visibility (what this process had before it hid them)."""
+    env = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return env if _VISIBLE is None else {**env, "CUDA_VISIBLE_DEVICES": _VISIBLE}
+
+
+@functools.cache
+def visible_gpus() -> int:
+    """GPUs a process started by a gpu test sees (asked in a process of its own: this one sees none; not
+    asked at all on a machine without a GPU driver's device files)."""
+    if not any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd")):
+        return 0
+    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                          env=gpu_env(dict(os.environ)), capture_output=True, text=True)
+    return int(proc.stdout.strip() or 0) if proc.returncode == 0 else 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    """Tests marked gpu run last (in their order), after every test the guard below watches; where no GPU
+    is visible they skip."""
+    items.sort(key=lambda item: "gpu" in item.keywords)  # stable: the order within each part is kept
+    if not any("gpu" in item.keywords for item in items) or visible_gpus():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
@@ -76,8 +102,8 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool
     """
     run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     run_env.pop("RANK", None)
-    if not gpu:
-        run_env["CUDA_VISIBLE_DEVICES"] = ""  # what the CUDA driver honours: no GPU for this run
+    # What the CUDA driver honours: no GPU for this run (the test process's own setting), or the machine's.
+    run_env = gpu_env(run_env) if gpu else {**run_env, "CUDA_VISIBLE_DEVICES": ""}
     if nproc == 0:
         cmd = [sys.executable, str(script), *args]
     elif not torchrun:
@@ -158,6 +184,7 @@ def run_script(script: Path, *args: str, cwd: Path = REPO) -> subprocess.Complet
     if module is None:
         spec = importlib.util.spec_from_file_location(f"_script_{script.stem}", script)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (a dataclass in the script looks its module up)
         spec.loader.exec_module(module)
         _SCRIPTS[str(script)] = module
     saved_env, out, err = dict(os.environ), io.StringIO(), io.StringIO()

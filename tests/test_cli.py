@@ -11,6 +11,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fsdp_zero.model import PRESETS
-from tests.conftest import REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, launch, read_jsonl, run_script
+from tests.conftest import (REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, gpu_env, launch,
+                            read_jsonl, run_script)
 
 NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.steps=4", "train.log_every=2"]
@@ -99,6 +102,36 @@ def test_cpu_tests_stay_on_the_cpu_where_gpus_are_visible(tmp_path: Path):
     assert "cuda True 2" in check(launch(0, probe, gpu=True, env=FAKE_GPUS)).stdout  # the simulation works
     proc = check(launch(0, TRAIN, *NANO, "train.steps=2", f"run.root={tmp_path}", "run.name=pinned", env=FAKE_GPUS))
     assert "backend gloo | device cpu" in proc.stdout + proc.stderr
+
+
+# What the suite's own process does on a GPU host, in a process of its own: tests/conftest.py's first import,
+# then an optimizer step (torch asks the accelerator for its stream at every step) and a plan for GPUs.
+ON_A_GPU_HOST = """
+import tests.cpu_only  # noqa: F401 - as tests/conftest.py imports it, before anything else
+import torch
+from fsdp_zero.config import Strategy
+from fsdp_zero.config_loader import load_config
+from fsdp_zero.planner import simulate
+
+param = torch.nn.Parameter(torch.ones(4))
+param.grad = torch.ones(4)
+torch.optim.AdamW([param]).step()
+cfg = load_config(None, ["model.preset=gpt_nano", "data.seq_len=16", "train.global_batch_size=4",
+                         "train.micro_batch_size=2", "dist.device=cuda"])
+(plan,) = simulate(cfg, 2, [Strategy.full_shard])
+print("gpus seen", torch.cuda.device_count(), "cuda started", torch.cuda.is_initialized(), "planned", plan.peak > 0)
+"""
+
+
+def test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host():
+    """On a simulated 2-GPU host (tests/fake_gpu: torch.cuda.is_available() true, any real use of CUDA fails),
+    a process started as the suite's is (its GPUs visible) hides them from itself first (tests/cpu_only.py),
+    so its optimizer steps and its plans for GPUs (simulated on the CPU whatever the target) never start
+    CUDA: what makes every test not marked gpu pass there. `make test-gpu-host` runs the whole suite this way."""
+    proc = subprocess.run([sys.executable, "-c", ON_A_GPU_HOST], cwd=REPO, env=gpu_env({**os.environ, **FAKE_GPUS}),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "gpus seen 0 cuda started False planned True", proc.stdout
 
 
 def test_the_planners_baseline_probe_stays_on_the_cpu_where_gpus_are_visible(monkeypatch):

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from fsdp_zero.model import model_args
 from fsdp_zero.fit import MARGIN
 from fsdp_zero.planner import HEAP_RETENTION
-from tests.conftest import REPO, check, figure, launch, run_script
+from tests.conftest import REPO, check, figure, launch, run_script, visible_gpus
 
 COMPARE = REPO / "scripts" / "compare.py"
 PLAN = REPO / "scripts" / "plan.py"
@@ -242,8 +242,7 @@ def test_the_fit_pick_run_stays_within_the_budget_and_its_prediction(fitted, mea
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
-                    reason="needs 2 or more GPUs in one process")
+@pytest.mark.skipif(visible_gpus() < 2, reason="needs 2 or more GPUs in one process")
 def test_dataparallel_row_with_several_gpus_in_one_process(tmp_path: Path):
     out = tmp_path / "dp"
     check(launch(0, COMPARE, "--nproc-per-node", "1", "--out", str(out), "model.preset=gpt_tiny", "train.steps=4", gpu=True))

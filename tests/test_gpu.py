@@ -5,6 +5,9 @@ one forward over the global batch (the reference) and micro-batches of 2 (the tr
 sum in different orders; the trainer's AdamW is fused on CUDA, the reference's foreach;
 and the memory-efficient attention backward accumulates with atomics, so two runs of the
 same step need not agree to the bit (hence resume is checked to 1e-5, not bit for bit).
+
+Every CUDA computation runs in a process of its own (`launch(..., gpu=True)`; the reference loop through
+tests/workers/reference.py): the suite's own process sees no GPU (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fsdp_zero.config_loader import load_config
 from tests import batches
-from tests.conftest import REPO, TRAIN, check, figure, launch
+from tests.conftest import REPO, TRAIN, check, figure, launch, visible_gpus
 from tests.reference import reference_run
 
 pytestmark = pytest.mark.gpu
@@ -36,9 +39,16 @@ def _worker(root: Path, name: str, *extra: str) -> dict:
     return torch.load(out, weights_only=True)
 
 
+def _cuda_reference(root: Path) -> dict:
+    """tests/reference.py's loop on the GPU, in a process of its own (this one sees no GPU)."""
+    out = root / "reference.pt"
+    check(launch(0, REPO / "tests" / "workers" / "reference.py", str(out), "cuda", *BASE, gpu=True))
+    return torch.load(out, weights_only=True)
+
+
 def test_one_rank_on_cuda_trains_like_a_plain_cuda_loop(tmp_path: Path):
     got = _worker(tmp_path, "cuda", "checkpoint.enabled=false")
-    ref = reference_run(load_config(None, BASE), device="cuda")
+    ref = _cuda_reference(tmp_path)
     cpu_initial = reference_run(load_config(None, [*batches.BASE, "train.steps=1"]))["initial"]
     for key, value in ref["initial"].items():
         assert torch.equal(got["initial"][key], value), key  # the same blocks, drawn on the CPU
@@ -51,14 +61,14 @@ def test_one_rank_on_cuda_trains_like_a_plain_cuda_loop(tmp_path: Path):
     figure("CUDA parity at N=1", f"losses within {max(abs(got['losses'][s] - l) for s, l in ref['losses'].items()):.1e}")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(visible_gpus() < 2, reason="needs 2 GPUs")
 def test_two_ranks_on_cuda_train_like_a_plain_cuda_loop(tmp_path: Path):
     """N = 2 over NCCL: FSDP2's own reduce-scatter (gloo runs use fsdp_zero's AllReduceScatter) against one
     CUDA process on the whole batch."""
     out = tmp_path / "n2.pt"
     check(launch(2, WORKER, str(out), *BASE, "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=n2",
                  gpu=True, torchrun=False))
-    got, ref = torch.load(out, weights_only=True), reference_run(load_config(None, BASE), device="cuda")
+    got, ref = torch.load(out, weights_only=True), _cuda_reference(tmp_path)
     for key, value in ref["initial"].items():
         assert torch.equal(got["initial"][key], value), key
     for step, loss in ref["losses"].items():

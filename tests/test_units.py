@@ -12,7 +12,7 @@ import torch
 
 from fsdp_zero import init
 from tests.batches import HAS_HF
-from tests.conftest import REPO, build_model
+from tests.conftest import REPO, build_model, check, launch
 from fsdp_zero.config import OptimConfig
 from fsdp_zero.data import BatchCursor, BatchLayout, ByteText, SyntheticBigram
 from fsdp_zero.memory import MemoryMonitor, model_state_bytes
@@ -287,17 +287,29 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert outside == {"data.py: '_mapped'", "distributed.py: os._exit"}, outside
 
 
+_MONITOR = """
+import torch
+from fsdp_zero.memory import MemoryMonitor
+assert not torch.cuda.is_initialized()
+monitor = MemoryMonitor(torch.device("cuda", 0))  # built before anything touched CUDA: it initialises it itself
+x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+m = monitor.read()
+assert m["cuda_allocated_mib"] >= 256 and m["cuda_peak_reserved_mib"] >= m["cuda_peak_allocated_mib"] >= 256, m
+del x
+torch.cuda.empty_cache()
+monitor.reset_peaks()
+assert monitor.read()["cuda_peak_allocated_mib"] < 256
+print("ok")
+"""
+
+
 @pytest.mark.gpu
-def test_cuda_memory_monitor_reports_the_allocator():
-    # Built before anything touched CUDA in this process: the monitor initialises it itself.
-    monitor = MemoryMonitor(torch.device("cuda", 0))
-    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    m = monitor.read()
-    assert m["cuda_allocated_mib"] >= 256 and m["cuda_peak_reserved_mib"] >= m["cuda_peak_allocated_mib"] >= 256
-    del x
-    torch.cuda.empty_cache()
-    monitor.reset_peaks()
-    assert monitor.read()["cuda_peak_allocated_mib"] < 256
+def test_cuda_memory_monitor_reports_the_allocator(tmp_path: Path):
+    """In a fresh process, where nothing has started CUDA before the monitor (in the suite's own process a
+    gpu test before it would have, and the monitor's own initialisation would go untested)."""
+    script = tmp_path / "monitor.py"
+    script.write_text(_MONITOR)
+    assert check(launch(0, script, gpu=True)).stdout.strip() == "ok"
 
 
 def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
