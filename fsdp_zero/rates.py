@@ -217,20 +217,20 @@ def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
     for units of ``unit_bytes`` (fp32) over this process group (gloo)."""
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from fsdp_zero.parallelize import reduce_scatter_comm
+    from fsdp_zero.config import ParallelConfig, WrapConfig, WrapPolicy
+    from fsdp_zero.distributed import DistEnv
+    from fsdp_zero.parallelize import parallelize
+    from fsdp_zero.wrap import build_wrap_plan
 
     n, units = dist.get_world_size(), 4
     d = max(64, int(math.sqrt(unit_bytes / 4)) // n * n)
     nbytes = d * d * 4
-    mesh = init_device_mesh("cpu", (n,))
     model = nn.Sequential(*(nn.Linear(d, d, bias=False) for _ in range(units)))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-        layer.set_custom_reduce_scatter(reduce_scatter_comm("gloo"))
-    fully_shard(model, mesh=mesh)
+    parallel = ParallelConfig(wrap=WrapConfig(policy=WrapPolicy.modules, modules=[r"\d+"]))
+    env = DistEnv(rank=dist.get_rank(), world_size=n, local_rank=dist.get_rank(), device=torch.device("cpu"),
+                  backend="gloo")
+    model = parallelize(model, parallel, build_wrap_plan(model, parallel.wrap, n), env, lambda m: None)  # ZeRO-3
     x = torch.randn(1, d)
 
     def forward() -> None:
