@@ -161,9 +161,11 @@ RUNS = [
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
     Run("eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E, T)),
     Run("n2-tied", "2", (*BASE, *TIED), (P, T)),
-    Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4"), (P, C, T)),
+    # DDP and ZeRO-2 evaluate too: DDP through its wrapper, ZeRO-2's units left gathered by a forward without
+    # backward until FSDP2's reset_iter_state (tests/test_eval.py).
+    Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4", *EVAL), (P, C, T, E)),
     Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T, S)),  # DeepSpeed's name for it
-    Run("zero2", "2", (*BASE, *PROFILED, "parallel.strategy=SHARD_GRAD_OP"), (P, T)),  # FSDP1's name for it
+    Run("zero2", "2", (*BASE, *PROFILED, "parallel.strategy=SHARD_GRAD_OP", *EVAL), (P, T, E)),  # FSDP1's name for it
     # The memory levers: plain ZeRO-3's numbers bit for bit; CPU offload and full checkpointing share a run.
     Run("ac-full", "2", (*BASE, *PROFILED, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)),
     Run("ac-selective", "2", (*BASE, *PROFILED, "parallel.activation_checkpointing=selective",
@@ -194,6 +196,9 @@ RUNS = [
     Run("lora-split", "2", (*BASE, *LORA, "train.stop_after=4", "checkpoint.every=0"), (L,)),
     # parallel.grad_sync=once_per_step (tests/test_comm.py): n2's numbers, half its reduce-scatter bytes.
     Run("grad-once", "2", (*BASE, "parallel.grad_sync=once_per_step"), (T,)),
+    # ... under ZeRO-2 in bf16-true: bf16-true's numbers (its gradients accumulated unsharded, in bf16).
+    Run("grad-once-zero2-bf16", "2", (*BASE, "parallel.strategy=shard_grad_op", "precision=bf16-true",
+                                      "parallel.grad_sync=once_per_step"), (T,)),
     # n2, bf16-mixed and zero1 with the optimizer stepped group by group: the same bits.
     Run("group", "2", (*BASE, *GROUPED, "checkpoint.every=4"), (S,)),
     Run("group-bf16", "2", (*BASE, *GROUPED, "precision=bf16-mixed"), (S,)),
@@ -210,6 +215,9 @@ RUNS = [
                                            "checkpoint.resume={root}/pretrained/checkpoints/step-0000002"),
         ("test_pretrained",)),
     Run("lora-resumed", "2-resume", (*BASE, *LORA, "checkpoint.every=0"), (L,), run_name="lora-split"),
+    # A checkpoint saved reducing every micro-batch, continued deferring: n2's steps 5-8 (grad_sync is no part of it).
+    Run("grad-once-resumed", "2-resume", (*BASE, "parallel.grad_sync=once_per_step", "checkpoint.every=0",
+                                          f"checkpoint.resume={SPLIT}"), (T,)),
     # A checkpoint saved whole-shard continued in groups, and one saved in groups continued whole-shard.
     Run("group-resumed", "2-resume", (*BASE, *GROUPED, "checkpoint.every=0",
                                       "checkpoint.resume={root}/split/checkpoints/step-0000004"), (S,)),

@@ -15,6 +15,7 @@ dist.step_timeout_minutes ends the run with exit code 5 (tried by hand at 0.25 m
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def single_process_eval_loss(final: dict[str, torch.Tensor], val: Path) -> float
     return total / count
 
 
-@pytest.mark.parametrize("name", ["eval", "eval-n1"])
+@pytest.mark.parametrize("name", ["eval", "eval-n1", "zero2", "ddp"])
 def test_the_eval_loss_equals_a_single_process_computation(batches, name):
     run = batches[name]
     assert sorted(run["evals"]) == EVAL_STEPS, run["evals"]
@@ -81,10 +82,13 @@ def test_training_is_bit_identical_with_evaluation_on_and_off(batches):
     assert not off["evals"]
 
 
-def test_evaluation_leaves_every_unit_sharded(batches):
+@pytest.mark.parametrize("name", ["eval", "zero2", "ddp"])
+def test_evaluation_leaves_every_unit_sharded(batches, name):
     # The last step evaluates after its optimizer step: a forward without backward would leave the root unit
-    # gathered (parallelize.py), its parameters held whole until the next forward's backward.
-    for held in batches["eval"]["param_bytes"]:
+    # gathered (parallelize.py), under ZeRO-2 every unit (reshard_after_forward=False), their parameters held
+    # whole until the next forward's backward. DDP holds whole parameters throughout (evaluated through its
+    # wrapper's module).
+    for held in batches[name]["param_bytes"]:
         assert held["after_train"] == held["before_step"], held
 
 
@@ -225,3 +229,58 @@ def test_a_token_file_is_read_as_its_meta_json_says_in_file_order(tmp_path: Path
         expected = F.cross_entropy(model(windows[:-1]).double(), windows[1:]).item()  # the windows join end to end
     assert result.count == 3 * SEQ_LEN and result.scalars["eval/loss"] == pytest.approx(expected, abs=1e-6)
     assert [evaluator.due(s, 5) for s in range(1, 6)] == [False, True, False, True, True]
+
+
+def test_image_folders_the_model_cannot_be_evaluated_on_are_refused_and_an_unused_path_is_named(tmp_path: Path, caplog):
+    """An eval folder whose classes are not the training folder's (ImageFolder numbers classes by sorted
+    folder name: one more folder shifts every label), or that has more classes than the model's last layer
+    has outputs, is refused, naming eval.path; an eval.path with eval.every=0 is said to do nothing."""
+    import logging
+
+    train = _image_folder(tmp_path / "train", ("ant", "bee", "cat"))
+    other = _image_folder(tmp_path / "other", ("ant", "bee", "dog"))
+    more = _image_folder(tmp_path / "more", ("ant", "bee", "cat", "dog"))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    base = ["model.task=classification", "data.image_size=8", "eval.every=1", "train.global_batch_size=4",
+            "train.micro_batch_size=2"]
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 3))
+    images = load_config(None, [*base, "data.source=images", f"data.path={train}", f"eval.path={other}"])
+    with pytest.raises(ValueError, match=r"eval.path='.*other' has classes \['ant', 'bee', 'dog'\], but data.path has "
+                                         r"\['ant', 'bee', 'cat'\]; give both the same class folders"):
+        build_evaluator(images, env, model, FolderImages(str(train), 8))
+    fake = load_config(None, [*base, "data.source=fake_images", f"eval.path={more}"])
+    with pytest.raises(ValueError, match=r"eval.path='.*more' has 4 classes but the model's last layer has 3 outputs"):
+        build_evaluator(fake, env, model, None)
+    unused = load_config(None, [*base, "data.source=fake_images", "eval.every=0", f"eval.path={train}"])
+    with caplog.at_level(logging.WARNING, logger="fsdp_zero"):
+        assert build_evaluator(unused, env, model, None) is None
+    assert f"eval.path={train} has no effect with eval.every=0 (no evaluation)" in caplog.text
+
+
+def test_evaluation_time_is_left_out_of_the_throughput(tmp_path: Path, monkeypatch):
+    """The tokens/s of a log interval that held an evaluation count the training steps' time only
+    (`StepLogger.evaluation` moves the interval's start by the evaluation's seconds): a half-second
+    evaluation between two steps of a few milliseconds leaves the rate where it was, in process on a
+    one-rank gloo group."""
+    import time
+
+    import fsdp_zero.api as fz
+    from fsdp_zero.evaluate import EvalResult
+    from fsdp_zero.steplog import StepLogger
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with fz.distributed(device="cpu", backend="gloo") as env:
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        log = StepLogger(env, tmp_path, model, optimizer, log_every=1, last_step=2, profile_step=0,
+                         items_per_rank_step=1000, unit="tokens", tensorboard=False)
+        zero = torch.zeros(())
+        log.step(1, zero, zero, 1e-3, {})
+        time.sleep(0.5)  # the evaluation
+        log.evaluation(1, EvalResult({"eval/loss": 1.0}, 1, "windows", 1, seconds=0.5))
+        log.step(2, zero, zero, 1e-3, {})
+        log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s_all_ranks"] for r in rows if "loss" in r]
+    assert len(rates) == 2 and rates[1] > 10 * 1000 / 0.5, rates  # with the evaluation's 0.5 s: under 2,000 tokens/s

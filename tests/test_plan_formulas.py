@@ -92,27 +92,27 @@ def test_plan_prints_the_paper_beside_ours(capsys: pytest.CaptureFixture[str]):
     assert "--largest-layer=8e+09" in capsys.readouterr().err
 
 
-# The composition's cases: a gpt_nano with more blocks than a composition simulates (3 + 4 + 5), at 4 ranks.
+# The composition's cases: a gpt_nano with more blocks than a composition simulates (3 + 4 + 5), one micro-batch.
 DEEP = ["model.preset=gpt_nano", "model.n_layers=13", "data.seq_len=32", "train.global_batch_size=4",
         "train.micro_batch_size=1"]
 
 
-@pytest.mark.parametrize("case, blocks", [
-    (["parallel.strategy=zero1"], 13),  # rank 0's share of the AdamW states moves in whole tensors
-    # One token a sequence: the backward's part peaks at 4 and 5 blocks, the optimizer step's at 20 (its
-    # bytes per block, the sharded gradients and AdamW's temporaries, outgrow the backward's).
-    (["parallel.strategy=full_shard", "data.seq_len=1", "model.n_layers=20"], 20),
+@pytest.mark.parametrize("case, world", [
+    (["parallel.strategy=zero1", "train.global_batch_size=2"], 2),  # rank 0's share of AdamW's states: whole tensors
+    # One token a sequence: the backward's part of the step peaks at 4 and 5 blocks, the optimizer step's at 13
+    # (its bytes per block, the sharded gradients and AdamW's temporaries, outgrow the backward's).
+    (["parallel.strategy=full_shard", "data.seq_len=1", "model.vocab_size=64", "train.global_batch_size=2"], 2),
 ], ids=["zero1", "zero3-optimizer-step-peaks"])
-def test_a_composed_prediction_equals_the_whole_models_simulation(case, blocks):
+def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     """The planner simulates a few of the repeated blocks at three depths and composes the rest
     (`fsdp_zero.planner.compose`): every figure it predicts must equal the whole model's simulation."""
     from fsdp_zero.config_loader import load_config
     from fsdp_zero.planner import Simulator
 
     cfg = load_config(None, [*DEEP, *case])
-    with Simulator(cfg, 4, baseline=0) as sim:
+    with Simulator(cfg, world, baseline=0) as sim:
         composed, whole = sim.predict(cfg), sim.predict(cfg, whole=True)
-    assert composed.notes == [f"composed: layers simulated with 4 and 5 of its {blocks} blocks"] and not whole.notes
+    assert composed.notes == ["composed: layers simulated with 4 and 5 of its 13 blocks"] and not whole.notes
     for name in ("peak", "model_state", "heap_activations", "optimizer_state"):
         assert getattr(composed, name) == pytest.approx(getattr(whole, name), rel=1e-3, abs=1024), name
     for cat, value in whole.tensors.items():

@@ -122,7 +122,30 @@ def test_the_export_is_a_from_pretrained_folder_with_the_trained_models_outputs(
     index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert _from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    half = _from_pretrained(tmp_path / "bf16")
+    assert half.dtype == torch.bfloat16
+    # The values too: the trained model's logits within bf16's rounding of the weights (8 bits of mantissa,
+    # a relative 2^-9 a weight; measured about 1e-2 on these logits).
+    half_diff = _logits_diff(half.float(), _cfg("pretrained", root), got["logits"])
+    figure("pretrained export in bf16: from_pretrained logits vs the trained model (fp32), max abs diff",
+           f"{half_diff:.1e}")
+    assert 0 < half_diff < 5e-2
+
+
+def test_a_pretrained_runs_export_applies_its_model_kwargs_over_the_folders_config(batches, tmp_path: Path):
+    """A model.pretrained run trained with model.kwargs (here rms_norm_eps=0.1) over the folder's config.json:
+    its export's config.json holds the value the run trained with, not the folder's 1e-6."""
+    from omegaconf import OmegaConf
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-0000004"
+    shutil.copytree(batches.path("pretrained") / "checkpoints" / "step-0000004", ckpt)
+    cfg = OmegaConf.load(ckpt / "config.yaml")
+    cfg.model.kwargs = {"rms_norm_eps": 0.1}
+    OmegaConf.save(cfg, ckpt / "config.yaml")
+    check(run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "out")))
+    assert json.loads((batches.root / "tiny-llama" / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rms_norm_eps"] == 0.1 and config["architectures"] == ["LlamaForCausalLM"]
 
 
 def _as_model(ckpt: Path, dest: Path, **model: object) -> Path:
