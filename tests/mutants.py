@@ -6,7 +6,8 @@
     make mutants [ARGS="--full"]
 
 Each mutant is injected into every process of a pytest run by tests/mutant_site/sitecustomize.py
-(on PYTHONPATH, chosen by FSDP_ZERO_MUTANT): the test process and every run a test launches. The
+(on PYTHONPATH, chosen by FSDP_ZERO_MUTANT): the test process and every run a test launches; a public
+API wrapped, or (where no API carries the lever) one expression of our own source replaced. The
 tests run first without a mutant (they must pass), then once per mutant (they must fail). A mutant
 that no process applied is reported as such: the suite cannot be credited with catching a wrong
 behaviour that never happened. A mutant counts as caught only when a test named for that behaviour
@@ -28,7 +29,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / "tests" / "mutant_site"
 
-# name: (the wrong behaviour, the test files to run, the tests (function names) that must catch it)
+# The tests that catch the source mutants below without a training run (their pytest node ids' last part).
+_SPLITS = "test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions"
+_EOS = "test_the_final_eos_is_trained_only_after_an_assistant_turn"
+_INIT = "test_init_adapters_draws_a_within_one_over_sqrt_in_and_zeroes_b"
+_DROPOUT = "test_lora_dropout_masks_only_the_adapter_input_and_only_in_training"
+_SUM = "test_lora_linear_adds_alpha_over_rank_times_b_a_x_by_hand"
+_ADAPTERS = "test_adapters_only_refusals_exit_2_in_one_line_and_write_nothing"
+_FULL = "test_freeze_and_train_patterns_match_whole_names_on_twelve_layers"
+_CUDA = "test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_for_copies"
+_TIES = "test_equal_costs_go_to_the_smaller_peak"
+_MEASURED = "test_a_measured_cost_is_the_probes_seconds_by_hand"
+_MICRO = "test_a_global_batch_the_default_micro_batch_does_not_divide_is_searched"
+_KWARGS = "test_a_pretrained_runs_export_applies_its_model_kwargs_over_the_folders_config"
+_DEFER = "test_a_micro_batch_that_raises_leaves_the_reduction_on"
+_COMPOSED = "test_a_composed_prediction_equals_the_whole_models_simulation"
+_GPU_HOST = "test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host"
+_GPU_PLAN = "test_planner_plans_for_gpus_from_a_machine_without_one"
+
+# name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
     "reduce-in-bf16": ("bf16-mixed and fp16-mixed reduce gradients in 16 bits, not fp32", ["tests/test_parity.py"],
                        ["test_gradients_reach_the_reduction_in_the_reduce_dtype"]),
@@ -55,6 +74,48 @@ MUTANTS = {
                              ["test_counted_bytes_per_step_equal_the_formula"]),
     "step-groups-ignored": ("optim.step_group_size: AdamW steps the whole shard at once", ["tests/test_step_group.py"],
                             ["test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards"]),
+    # Source mutants (tests/mutant_site/sitecustomize.py's SOURCE): one expression of ours changed. Where the
+    # catchers need no training run, only they run (pytest node ids).
+    "masked-grad-unweighted": ("masked data: the backward's loss not token-weighted (the logged loss still is)",
+                               ["tests/test_masked.py"], ["test_the_masked_loss_equals_a_hand_computation",
+                                                          "test_unclipped_masked_training_matches_the_single_process_loop"]),
+    "val-mask-in-train": ("prepare_data: the validation split's masks written to train.mask.bin",
+                          [f"tests/test_masked.py::{_SPLITS}"], [_SPLITS]),
+    "chat-eos-always-trained": ("prepare_data: a chat's final EOS trained after a user or system turn too",
+                                [f"tests/test_masked.py::{_EOS}"], [_EOS]),
+    "lora-a-bound-out": ("LoRA's A drawn within 1/sqrt(out_features), not in_features",
+                         [f"tests/test_lora.py::{_INIT}"], [_INIT]),
+    "lora-dropout-ignored": ("model.lora.dropout never applied", [f"tests/test_lora.py::{_DROPOUT}"], [_DROPOUT]),
+    "lora-scaling-alpha": ("LoRA scaled by alpha, not alpha / rank", [f"tests/test_lora.py::{_SUM}"], [_SUM]),
+    "adapters-only-drops-lora-train": ("export.py --adapters-only of a run that trained model.lora.train not refused",
+                                       [f"tests/test_lora.py::{_ADAPTERS}"], [_ADAPTERS]),
+    "freeze-prefix-match": ("model.freeze and model.lora.train matched as prefixes (re.match)",
+                            [f"tests/test_lora.py::{_FULL}"], [_FULL]),
+    "comm-seconds-replicas": ("comm_seconds: DDP's and ZeRO-1's all-reduce over one replica (0 s)",
+                              ["tests/test_comm.py::test_formula_by_hand"], ["test_formula_by_hand"]),
+    "fit-fp32-as-fast": ("the fit on CUDA: fp32 computes as fast as bf16", [f"tests/test_fit.py::{_CUDA}"], [_CUDA]),
+    "fit-offload-peak-kept": ("the fit on CUDA: offload's host-resident model state still counted on the device",
+                              [f"tests/test_fit.py::{_CUDA}"], [_CUDA]),
+    "fit-offload-copies-free": ("the fit on CUDA: offload's host-device copies cost nothing",
+                                [f"tests/test_fit.py::{_CUDA}"], [_CUDA]),
+    "fit-ties-unbroken": ("the fit: candidates of equal cost not ranked by their peak", [f"tests/test_fit.py::{_TIES}"],
+                          [_TIES]),
+    "fit-probe-dtype-ignored": ("the fit's measured cost: every precision at fp32's measured speed",
+                                [f"tests/test_fit.py::{_MEASURED}"], [_MEASURED]),
+    "fit-micro-batch-not-freed": ("plan.py --fit: the config's micro-batch refuses a global batch although it is searched",
+                                  [f"tests/test_fit.py::{_MICRO}"], [_MICRO]),
+    "pretrained-kwargs-dropped": ("export of a model.pretrained run: model.kwargs not applied over its config.json",
+                                  [f"tests/test_pretrained.py::{_KWARGS}"], [_KWARGS]),
+    "deferral-not-restored": ("parallel.grad_sync: FSDP2's reduction left deferred after a micro-batch raised",
+                              [f"tests/test_comm.py::{_DEFER}"], [_DEFER]),
+    "compose-one-peak": ("the planner's composition: the step's peak taken from one part of the step at every depth",
+                         [f"tests/test_plan_formulas.py::{_COMPOSED}"], [_COMPOSED]),
+    "compose-zero1-evenly": ("the planner's composition: ZeRO-1's AdamW states grown evenly with the blocks",
+                             [f"tests/test_plan_formulas.py::{_COMPOSED}"], [_COMPOSED]),
+    "planner-simulates-on-the-target": ("the planner simulates a CUDA plan on the target device, not the CPU",
+                                        [f"tests/test_compare.py::{_GPU_PLAN}"], [_GPU_PLAN]),
+    "test-process-sees-gpus": ("the suite's own process keeps the machine's GPUs visible (its optimizer steps "
+                               "start CUDA)", [f"tests/test_cli.py::{_GPU_HOST}"], [_GPU_HOST]),
 }
 
 

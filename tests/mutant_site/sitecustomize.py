@@ -6,6 +6,13 @@ mutant wraps a public torch API (or one function of ours) so that a setting is s
 or done wrongly, as a bug would, and writes a line to $FSDP_ZERO_MUTANT_LOG the first time it
 changes something, so tests/mutants.py can tell a mutant the suite caught from one that never ran.
 Without FSDP_ZERO_MUTANT nothing happens.
+
+Where no public API carries the lever (an expression inside one of our functions), a mutant is a
+source edit: our module is loaded from its own file with one exact piece of text replaced (`SOURCE`;
+the text must occur exactly once, or nothing is applied). The replacement calls ``__mutant__()``
+where the changed code runs, so "applied" means the wrong code ran, not merely that it was loaded.
+For trying a new one without editing this file: ``FSDP_ZERO_MUTANT=source`` with
+``FSDP_ZERO_MUTANT_SOURCE='{"module": "fsdp_zero.x", "old": "...", "new": "..."}'``.
 """
 
 import os
@@ -116,8 +123,10 @@ def _async_save_waits() -> None:
     dcp.async_save = async_save
 
 
-def _on_import(name: str, patch) -> None:  # noqa: ANN001
-    """Calls ``patch(module)`` once our module ``name`` has been imported (before anyone uses it)."""
+def _on_import(name: str, patch, compile_with=None) -> None:  # noqa: ANN001
+    """Calls ``patch(module)`` once our module ``name`` has been imported (before anyone uses it); or,
+    with ``compile_with(spec, loader)``, runs the code object it returns as the module instead of the
+    module's own (None: the module's own)."""
     import importlib.abc
     import importlib.util
     import sys
@@ -135,8 +144,14 @@ def _on_import(name: str, patch) -> None:  # noqa: ANN001
                     return loader.create_module(spec)
 
                 def exec_module(self, module):  # noqa: ANN001
-                    loader.exec_module(module)
-                    patch(module)
+                    code = compile_with(spec, loader) if compile_with else None
+                    if code is None:
+                        loader.exec_module(module)
+                    else:
+                        module.__dict__["__mutant__"] = _mutant
+                        exec(code, module.__dict__)
+                    if patch:
+                        patch(module)
 
             spec.loader = Loader()
             return spec
@@ -215,5 +230,82 @@ MUTANTS = {
     "step-groups-ignored": _step_groups_ignored,
 }
 
-if _NAME:
+def _mutant(value=None):  # noqa: ANN001, ANN202 - what a source mutant's replacement calls where it runs
+    _applied_once()
+    return value
+
+
+def _source(module: str, old: str, new: str) -> None:
+    """Our ``module`` loaded from its source file with ``old`` (which must occur exactly once) replaced by ``new``."""
+
+    def patch(spec, loader):  # noqa: ANN001, ANN202
+        source = open(spec.origin).read()
+        if source.count(old) != 1:  # the code moved: nothing applied, which tests/mutants.py reports
+            return None
+        return compile(source.replace(old, new), spec.origin, "exec")
+
+    _on_import(name=module, patch=None, compile_with=patch)
+
+
+# name: (our module, the exact text, its wrong replacement); tests/mutants.py says what each is and what catches it.
+SOURCE = {
+    "masked-grad-unweighted": ("fsdp_zero.step",
+                               "scaled = loss * weight if weight is not None else loss / len(micro_batches)",
+                               "scaled = (loss if weight is None else __mutant__(loss)) / len(micro_batches)"),
+    "val-mask-in-train": ("fsdp_zero.prepare", "masks[split].write(mask.tobytes())",
+                          'masks["train" if split == "train" else __mutant__("train")].write(mask.tobytes())'),
+    "chat-eos-always-trained": ("fsdp_zero.prepare", 'mask + [int(messages[-1]["role"] == "assistant")]',
+                                'mask + [1 if messages[-1]["role"] == "assistant" else __mutant__(1)]'),
+    "lora-a-bound-out": ("fsdp_zero.lora", "bound=1 / math.sqrt(m.in_features)",
+                         "bound=1 / math.sqrt(__mutant__(m.out_features))"),
+    "lora-dropout-ignored": ("fsdp_zero.lora", "nn.Dropout(dropout) if dropout > 0 else nn.Identity()",
+                             "__mutant__(nn.Identity()) if dropout > 0 else nn.Identity()"),
+    "lora-scaling-alpha": ("fsdp_zero.lora", "self.scaling = alpha / rank", "self.scaling = __mutant__(alpha)"),
+    "adapters-only-drops-lora-train": ("fsdp_zero.lora", 'if adapters_only and lora.get("train"):',
+                                       'if adapters_only and lora.get("train") and __mutant__(False):'),
+    "freeze-prefix-match": ("fsdp_zero.lora", "found = {n for n in names if re.fullmatch(pattern, n)}",
+                            "found = {n for n in names if __mutant__(re.match(pattern, n))}"),
+    "comm-seconds-replicas": ("fsdp_zero.comm",
+                              "replicas = world_size // shard if STRATEGIES[cfg.strategy].fsdp else world_size",
+                              "replicas = __mutant__(world_size // shard)"),
+    "fit-fp32-as-fast": ("fsdp_zero.fit", "slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0",
+                         "slow = 1.0 if precision.compute != torch.float32 else __mutant__(1.0)"),
+    "fit-offload-peak-kept": ("fsdp_zero.fit", "peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)",
+                              "peak -= __mutant__(0)"),
+    "fit-offload-copies-free": ("fsdp_zero.fit", "offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)",
+                                "offload = __mutant__(0.0)"),
+    "fit-ties-unbroken": ("fsdp_zero.fit", "scored.sort(key=lambda s: (s.cost, s.peak))",
+                          "scored.sort(key=lambda s: __mutant__(s.cost))"),
+    "fit-probe-dtype-ignored": ("fsdp_zero.fit",
+                                'fixed, block, forward = m.compute[str(precision.compute).removeprefix("torch.")]',
+                                'fixed, block, forward = m.compute[__mutant__("float32")]'),
+    "fit-micro-batch-not-freed": ("fsdp_zero.fit", 'return ["train.micro_batch_size=1"] if "micro_batch" in search else []',
+                                  'return [] if "micro_batch" not in search else __mutant__([])'),
+    "pretrained-kwargs-dropped": ("fsdp_zero.pretrained",
+                                  "config = {**json.loads((source / CONFIG_FILE).read_text()), **kwargs}",
+                                  "config = {**json.loads((source / CONFIG_FILE).read_text()), **__mutant__({})}"),
+    "deferral-not-restored": ("fsdp_zero.step",
+                              "if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual",
+                              "if defer and __mutant__(False):"),
+    "compose-one-peak": ("fsdp_zero.planner",
+                         "tensors, heap_at_peak = max(regions.values(), key=lambda part: sum(part[0].values()))",
+                         "tensors, heap_at_peak = __mutant__(regions[max(b.regions, key=lambda r: sum("
+                         "b.regions[r][0].values()))])"),
+    "compose-zero1-evenly": ("fsdp_zero.planner",
+                             "return round(bytes_at_b * zero1[2] / zero1[1]) if zero1 else line(bytes_at_a, bytes_at_b)",
+                             "return line(bytes_at_a, bytes_at_b) if not zero1 else __mutant__(line(bytes_at_a, "
+                             "bytes_at_b))"),
+    "planner-simulates-on-the-target": ("fsdp_zero.planner", 'self.device = torch.device("cpu")',
+                                        'self.device = __mutant__(self.target)'),
+    "test-process-sees-gpus": ("tests.cpu_only", 'os.environ["CUDA_VISIBLE_DEVICES"] = ""', "__mutant__()"),
+}
+
+if _NAME == "source":
+    import json
+
+    _spec = json.loads(os.environ["FSDP_ZERO_MUTANT_SOURCE"])
+    _source(_spec["module"], _spec["old"], _spec["new"])
+elif _NAME in SOURCE:
+    _source(*SOURCE[_NAME])
+elif _NAME:
     MUTANTS[_NAME]()
