@@ -14,8 +14,8 @@ The probe starts one process per rank (at most `MAX_PROBE_RANKS`, with the threa
 and measures, all ranks at once as in training:
 - compute: the config's model (the planner's truncation, `fsdp_zero.planner.repeated_blocks`, to 1 and 2
   of its repeated blocks) trained on one sample, forward and backward, in each compute dtype the search
-  asks about: the seconds outside the blocks, per block, and per block's forward (what activation
-  checkpointing recomputes). A dtype whose matmuls run more than `SLOW_DTYPE` times slower than fp32's is
+  asks about, the ranks stepping at once (the shortest of two steps at each depth): the seconds outside
+  the blocks, per block, and per block's forward (what activation checkpointing recomputes). A dtype whose matmuls run more than `SLOW_DTYPE` times slower than fp32's is
   not run through the model (it could take minutes); its times are fp32's scaled by the matmul ratio.
 - communication: FSDP2's all-gather and reduce-scatter of units of the model's typical unit's size (the
   median; at most 64 MiB), in a stack of Linear units whose compute is negligible, with the reduction gloo
@@ -30,6 +30,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,11 +153,13 @@ def _matmul_seconds(dtype: torch.dtype, n: int = 256) -> float:
     return _best_of(lambda: a @ b, 3)
 
 
-def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: torch.dtype  # noqa: ANN001
-                   ) -> list[tuple[float, float]]:
+def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: torch.dtype,  # noqa: ANN001
+                   together=lambda: None) -> list[tuple[float, float]]:  # noqa: ANN001
     """Forward and forward + backward seconds of one sample of the config's model, initialised as the build
     does, in ``dtype``: with ``container`` cut to each of ``depths`` blocks in turn (deepest first: the
-    model is built once, warmed up once, and cut), or whole (``container`` None, ``depths`` (0,))."""
+    model is built once, warmed up once, and cut), or whole (``container`` None, ``depths`` (0,)). Each the
+    shortest of two steps, each step started by ``together()`` (the probe's ranks step at once, as in
+    training, where they share the machine's memory bandwidth)."""
     from fsdp_zero.build import construct, materializer, real_buffers
     from fsdp_zero.data import BatchCursor, BatchLayout, build_source
     from fsdp_zero.lora import make_trainable
@@ -173,6 +176,7 @@ def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: t
     loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
 
     def step() -> tuple[float, float]:
+        together()
         start = time.perf_counter()
         loss, _ = loss_fn(model, batch)
         middle = time.perf_counter()
@@ -185,11 +189,13 @@ def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: t
     for depth in sorted(depths, reverse=True):
         if container is not None:
             del model.get_submodule(container)[depth:]
-        out.append(step())
+        timed = [step(), step()]
+        out.append((min(t[0] for t in timed), min(t[1] for t in timed)))
     return out[::-1]
 
 
-def _compute(cfg, dtypes: list[str]) -> tuple[dict[str, tuple[float, float, float]], int, list[str]]:  # noqa: ANN001
+def _compute(cfg, dtypes: list[str], together=lambda: None  # noqa: ANN001
+             ) -> tuple[dict[str, tuple[float, float, float]], int, list[str]]:
     """Seconds per sample outside the blocks, per block and per block's forward, by dtype name; the blocks; notes."""
     from fsdp_zero.planner import repeated_blocks
 
@@ -203,9 +209,9 @@ def _compute(cfg, dtypes: list[str]) -> tuple[dict[str, tuple[float, float, floa
             fixed, block, fwd = (t * ratio for t in out["float32"])
             notes.append(f"{name} matmuls run {ratio:.0f}x slower than float32 here: scaled from float32's times")
         elif repeats is None:
-            fixed, block, fwd = _model_seconds(cfg, None, (0,), dtype)[0][1], 0.0, 0.0
+            fixed, block, fwd = _model_seconds(cfg, None, (0,), dtype, together)[0][1], 0.0, 0.0
         else:
-            (f1, t1), (f2, t2) = _model_seconds(cfg, repeats.container, (1, 2), dtype)
+            (f1, t1), (f2, t2) = _model_seconds(cfg, repeats.container, (1, 2), dtype, together)
             block, fwd = max(t2 - t1, 0.0), max(f2 - f1, 0.0)
             fixed = max(t1 - block, 0.0)
         out[name] = (fixed, block, fwd)
@@ -237,20 +243,27 @@ def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
         with torch.no_grad():
             model(x)  # every unit gathered and resharded: `units` all-gathers
 
+    backwards = []
+
     def train() -> None:
-        model(x).sum().backward()  # twice as many all-gathers, and one reduce-scatter a unit
+        loss = model(x).sum()
+        start = time.perf_counter()
+        loss.backward()  # each unit gathered again and its gradient reduce-scattered
+        backwards.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
 
     dist.barrier()
     t_forward = _best_of(forward, 3)
-    t_train = _best_of(train, 3)
+    _best_of(train, 3)
     whole, shard = torch.randn(nbytes // 4), torch.randn(nbytes // 4 // n)
     all_reduce = _best_of(lambda: dist.all_reduce(whole), 3) / nbytes
     all_gather = _best_of(lambda: dist.all_gather_into_tensor(whole, shard), 3) / nbytes
     # FSDP2's are the plain collective and its copies: never faster than the plain one (on gloo the reduction
-    # is an all-reduce of the same bytes), which bounds what the difference of two noisy timings gives.
+    # is an all-reduce of the same bytes), which bounds what the difference of two noisy timings gives; the
+    # backward's the median of three (a reduction's time is a difference, and gloo's times on a shared machine
+    # scatter both ways).
     gather = max(t_forward / (units * nbytes), all_gather)
-    reduce = max((t_train - 2 * t_forward) / (units * nbytes), all_reduce)
+    reduce = max((statistics.median(backwards[1:]) - t_forward) / (units * nbytes), all_reduce)
     return gather, reduce, all_reduce, all_gather
 
 
@@ -265,8 +278,6 @@ def _adamw(dtype: torch.dtype, numel: int = 4_000_000) -> float:
 
 def _unit_bytes(cfg) -> int:  # noqa: ANN001
     """The fp32 bytes of the config's typical FSDP unit (the median; gloo's speed a byte depends on the size)."""
-    import statistics
-
     from fsdp_zero.build import construct
     from fsdp_zero.wrap import build_wrap_plan
 
@@ -285,7 +296,7 @@ def _probe_rank(config: str, out: str, dtypes: str) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     try:
         dist.barrier()
-        compute, blocks, notes = _compute(cfg, dtypes.split(","))
+        compute, blocks, notes = _compute(cfg, dtypes.split(","), dist.barrier)
         dist.barrier()
         comm = _comm(min(max(_unit_bytes(cfg), 2**20), 64 * 2**20)) if n > 1 else (0.0,) * 4
         dist.barrier()
