@@ -15,12 +15,14 @@ and measures, all ranks at once as in training:
 - compute: the config's model (the planner's truncation, `fsdp_zero.planner.repeated_blocks`, to 1 and 2
   of its repeated blocks) trained on one sample, forward and backward, in each compute dtype the search
   asks about, the ranks stepping at once (the shortest of two steps at each depth): the seconds outside
-  the blocks, per block, and per block's forward (what activation checkpointing recomputes). A dtype whose matmuls run more than `SLOW_DTYPE` times slower than fp32's is
-  not run through the model (it could take minutes); its times are fp32's scaled by the matmul ratio.
+  the blocks, per block, and per block's forward (what activation checkpointing recomputes). A dtype
+  whose matmuls run more than `SLOW_DTYPE` times slower than fp32's is not run through the model (it
+  could take minutes); its times are fp32's scaled by the matmul ratio.
 - communication: FSDP2's all-gather and reduce-scatter of units of the model's typical unit's size (the
   median; at most 64 MiB), in a stack of Linear units whose compute is negligible, with the reduction gloo
   runs (`AllReduceScatter`); and plain all-reduce and all-gather of the same bytes (DDP's buckets;
-  ZeroRedundancyOptimizer's broadcasts). Each the shortest of three.
+  ZeroRedundancyOptimizer's broadcasts). Each the shortest of three; the reduction, a difference of two
+  timings, the median of three backwards less the gathers.
 - AdamW's step, per parameter, in each stored dtype.
 """
 
@@ -207,7 +209,7 @@ def _compute(cfg, dtypes: list[str], together=lambda: None  # noqa: ANN001
         ratio = _matmul_seconds(dtype) / fp32_matmul
         if name != "float32" and ratio > SLOW_DTYPE:
             fixed, block, fwd = (t * ratio for t in out["float32"])
-            notes.append(f"{name} matmuls run {ratio:.0f}x slower than float32 here: scaled from float32's times")
+            notes.append(f"{name} matmuls run {ratio:.3g}x slower than float32 here: scaled from float32's times")
         elif repeats is None:
             fixed, block, fwd = _model_seconds(cfg, None, (0,), dtype, together)[0][1], 0.0, 0.0
         else:

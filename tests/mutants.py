@@ -41,6 +41,7 @@ _CUDA = "test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_me
 _TIES = "test_equal_costs_go_to_the_smaller_peak"
 _MEASURED = "test_a_measured_cost_is_the_probes_seconds_by_hand"
 _MICRO = "test_a_global_batch_the_default_micro_batch_does_not_divide_is_searched"
+_SLOW = "test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it"
 _KWARGS = "test_a_pretrained_runs_export_applies_its_model_kwargs_over_the_folders_config"
 _DEFER = "test_a_micro_batch_that_raises_leaves_the_reduction_on"
 _COMPOSED = "test_a_composed_prediction_equals_the_whole_models_simulation"
@@ -104,6 +105,9 @@ MUTANTS = {
                                 [f"tests/test_fit.py::{_MEASURED}"], [_MEASURED]),
     "fit-micro-batch-not-freed": ("plan.py --fit: the config's micro-batch refuses a global batch although it is searched",
                                   [f"tests/test_fit.py::{_MICRO}"], [_MICRO]),
+    "fit-slow-dtype-run": ("the rates probe trains the model in a dtype whose matmuls are many times slower than "
+                           "fp32's (minutes on a CPU without bf16 instructions)", [f"tests/test_fit.py::{_SLOW}"],
+                           [_SLOW]),
     "pretrained-kwargs-dropped": ("export of a model.pretrained run: model.kwargs not applied over its config.json",
                                   [f"tests/test_pretrained.py::{_KWARGS}"], [_KWARGS]),
     "deferral-not-restored": ("parallel.grad_sync: FSDP2's reduction left deferred after a micro-batch raised",

@@ -220,3 +220,21 @@ def test_a_global_batch_the_default_micro_batch_does_not_divide_is_searched():
     proc = run_script(plan, *args, "--search", "strategy")
     assert proc.returncode == 2 and "train.global_batch_size=2 is not a multiple of train.micro_batch_size=4" in (
         proc.stderr), proc.stderr
+
+
+def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(monkeypatch: pytest.MonkeyPatch):
+    """On a CPU without bf16 instructions a bf16 matmul runs about 170 times slower than fp32's: the probe
+    must not train the model in it (minutes), but take fp32's times times the matmul ratio, and say so.
+    Here every dtype slower than fp32 by any factor counts as slow (`SLOW_DTYPE` 0), whatever this CPU is."""
+    from fsdp_zero import rates
+
+    monkeypatch.setattr(rates, "SLOW_DTYPE", 0.0)
+    compute, blocks, notes = rates._compute(load_config(None, ["model.preset=gpt_nano", "data.seq_len=16"]),
+                                            ["bfloat16", "float32"])
+    assert blocks == 2 and list(compute) == ["bfloat16", "float32"]
+    assert all(t > 0 for t in compute["float32"][:2])
+    (note,) = notes
+    ratio = float(re.match(r"bfloat16 matmuls run ([\d.]+)x slower than float32 here: scaled from float32's times",
+                           note).group(1))
+    assert [b / f for b, f in zip(compute["bfloat16"], compute["float32"]) if f] == pytest.approx(
+        [ratio] * len([f for f in compute["float32"] if f]), rel=0.01)  # (the note rounds the ratio)

@@ -281,6 +281,8 @@ SOURCE = {
                                 'fixed, block, forward = m.compute[__mutant__("float32")]'),
     "fit-micro-batch-not-freed": ("fsdp_zero.fit", 'return ["train.micro_batch_size=1"] if "micro_batch" in search else []',
                                   'return [] if "micro_batch" not in search else __mutant__([])'),
+    "fit-slow-dtype-run": ("fsdp_zero.rates", 'if name != "float32" and ratio > SLOW_DTYPE:',
+                           'if name != "float32" and ratio > SLOW_DTYPE and __mutant__(False):'),
     "pretrained-kwargs-dropped": ("fsdp_zero.pretrained",
                                   "config = {**json.loads((source / CONFIG_FILE).read_text()), **kwargs}",
                                   "config = {**json.loads((source / CONFIG_FILE).read_text()), **__mutant__({})}"),
