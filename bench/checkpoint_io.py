@@ -13,6 +13,7 @@ Prints GB/s per rank and the ratios.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -68,7 +69,9 @@ def peak_rss_of(argv: list[str] | None, body: str = "runpy.run_path(sys.argv[0],
 def main() -> None:
     defaults = ["model.preset=gpt_small", "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1",
                 "train.steps=1", "checkpoint.enabled=false", "metrics.tensorboard=false"]
-    cfg = load_config(None, defaults + sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="key=value settings over the defaults")
+    cfg = load_config(None, defaults + parser.parse_args().overrides)
     with distributed(cfg.dist) as env:
         run(cfg, env)
 

@@ -15,6 +15,7 @@ state each rank holds after an optimizer step against 16 P / N.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import tempfile
@@ -70,7 +71,9 @@ def raw_loop(parts, cfg, env) -> tuple[float, int]:
 def main() -> None:
     # Checkpoints and the memory profile off: diagnostics, not part of a training step.
     defaults = ["train.steps=40", "train.log_every=10", "checkpoint.enabled=false", "memory.profile_step=0"]
-    cfg = load_config(None, defaults + sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="key=value settings over the defaults")
+    cfg = load_config(None, defaults + parser.parse_args().overrides)
     with distributed(cfg.dist) as env:
         run(cfg, env)
 

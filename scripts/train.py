@@ -67,4 +67,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    code = main()  # None after --help: torch's `record` returns it for argparse's SystemExit(0)
+    exit_process(0 if code is None else code)

@@ -169,6 +169,13 @@ def test_user_errors_exit_2_with_one_clear_line_and_write_nothing(tmp_path: Path
     assert_user_error(tmp_path, message, *NANO, *args)
 
 
+def test_help_prints_the_usage_and_exits_0():
+    """`python scripts/train.py --help` as a user types it (torch's `record` turns argparse's exit into a return
+    of None, which the process's exit code must not take as an error: it once ended in a traceback)."""
+    proc = launch(0, TRAIN, "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: train.py") and not proc.stderr, proc.stderr
+
+
 def test_batch_that_does_not_divide_over_ranks_fails_under_torchrun(tmp_path: Path):
     proc = launch(2, TRAIN, *NANO, "train.global_batch_size=6", "train.micro_batch_size=2",
                   f"run.root={tmp_path}", "run.name=bad")
