@@ -232,7 +232,9 @@ def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(monkeypat
     compute, blocks, notes = rates._compute(load_config(None, ["model.preset=gpt_nano", "data.seq_len=16"]),
                                             ["bfloat16", "float32"])
     assert blocks == 2 and list(compute) == ["bfloat16", "float32"]
-    assert all(t > 0 for t in compute["float32"][:2])
+    # One block's sample took time (its split into the part outside the blocks and the block's is a difference
+    # of two timings, either of which may come out 0 on a loaded machine).
+    assert sum(compute["float32"][:2]) > 0
     (note,) = notes
     ratio = float(re.match(r"bfloat16 matmuls run ([\d.]+)x slower than float32 here: scaled from float32's times",
                            note).group(1))
