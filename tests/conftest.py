@@ -20,6 +20,7 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -100,20 +101,49 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool
         torchrun_args: more of torchrun's own options (e.g. ``--max-restarts=1``).
         cwd: where the command runs (relative paths in its arguments and config resolve there).
     """
-    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    run_env.pop("RANK", None)
-    # What the CUDA driver honours: no GPU for this run (the test process's own setting), or the machine's.
-    run_env = gpu_env(run_env) if gpu else {**run_env, "CUDA_VISIBLE_DEVICES": ""}
+    if nproc and not torchrun:
+        return _spawn(nproc, [sys.executable, str(script), *args], _run_env(env, gpu), timeout, gpu)
+    return start(nproc, script, *args, timeout=timeout, gpu=gpu, env=env, torchrun_args=torchrun_args, cwd=cwd)()
+
+
+def start(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool = False,
+          env: dict[str, str] | None = None, torchrun_args: tuple[str, ...] = (),
+          cwd: Path = REPO) -> Callable[[], subprocess.CompletedProcess]:
+    """`launch`, started now: returns the function that waits for it (and checks it as `launch` does), for a
+    run that the test process works beside."""
     if nproc == 0:
         cmd = [sys.executable, str(script), *args]
-    elif not torchrun:
-        return _spawn(nproc, [sys.executable, str(script), *args], run_env, timeout, gpu)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *torchrun_args, str(script), *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=timeout)
-    _check_device(proc, cmd, gpu)
-    return proc
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills up
+    process = subprocess.Popen(cmd, cwd=cwd, env=_run_env(env, gpu), stdout=out, stderr=err, text=True)
+
+    def wait() -> subprocess.CompletedProcess:
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        finally:
+            out.seek(0)
+            err.seek(0)
+            texts = out.read(), err.read()
+            out.close()
+            err.close()
+        proc = subprocess.CompletedProcess(cmd, process.returncode, *texts)
+        _check_device(proc, cmd, gpu)
+        return proc
+
+    return wait
+
+
+def _run_env(env: dict[str, str] | None, gpu: bool) -> dict[str, str]:
+    run_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    run_env.pop("RANK", None)
+    # What the CUDA driver honours: no GPU for this run (the test process's own setting), or the machine's.
+    return gpu_env(run_env) if gpu else {**run_env, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _spawn(nproc: int, cmd: list[str], env: dict[str, str], timeout: float, gpu: bool) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from fsdp_zero.model import model_args
 from fsdp_zero.fit import MARGIN
 from fsdp_zero.planner import HEAP_RETENTION
-from tests.conftest import REPO, check, figure, launch, run_script, visible_gpus
+from tests.conftest import REPO, check, figure, launch, run_script, start, visible_gpus
 
 COMPARE = REPO / "scripts" / "compare.py"
 PLAN = REPO / "scripts" / "plan.py"
@@ -38,9 +38,14 @@ TERM_TOLERANCE = 0.08
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def compared(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """compare.py's four runs; the planner's fixtures (plan.py in this process, one core) run while they train."""
     out = tmp_path_factory.mktemp("cmp") / "out"
-    check(launch(0, COMPARE, "--nproc-per-node", str(N), "--out", str(out), *CONFIG, *RUN))
+    finished = start(0, COMPARE, "--nproc-per-node", str(N), "--out", str(out), *CONFIG, *RUN)
+    try:
+        request.getfixturevalue("fitted")  # and `predicted`, which it reads
+    finally:
+        check(finished())
     return out
 
 
