@@ -12,8 +12,8 @@ assumes the wrong ones picks a setting that runs 25 times slower than it said (i
 
 The probe starts one process per rank (at most `MAX_PROBE_RANKS`, with the threads torchrun gives each)
 and measures, all ranks at once as in training:
-- compute: the config's model (the planner's truncation, `fsdp_zero.planner.repeated_blocks`, to 1 and 2
-  of its repeated blocks) trained on one sample, forward and backward, in each compute dtype the search
+- compute: the config's model (the planner's truncation, `fsdp_zero.planner.repeated_blocks`, to 1 and
+  `PROBE_DEPTH` of its repeated blocks) trained on one sample, forward and backward, in each compute dtype the search
   asks about, the ranks stepping at once (the shortest of two steps at each depth): the seconds outside
   the blocks, per block, and per block's forward (what activation checkpointing recomputes). A dtype
   whose matmuls run more than `SLOW_DTYPE` times slower than fp32's is not run through the model (it
@@ -46,6 +46,11 @@ import torch
 MAX_PROBE_RANKS = 8
 # A compute dtype whose matmuls run this many times slower than fp32's is scaled from fp32, not run.
 SLOW_DTYPE = 8.0
+# The deeper of the two cuts the compute probe times (or the model's blocks, if fewer): a block's time is a
+# slope over this many minus one blocks, multiplied by the model's depth. Over one block (cuts of 1 and 2)
+# gpt_small's 12-block sample came out between 1.2 and 2.8 s over seven probes; over three, within 10% of
+# the whole model timed (measured 2026-11-26, bench/fit.py's model).
+PROBE_DEPTH = 4
 
 
 @dataclass(frozen=True)
@@ -213,8 +218,9 @@ def _compute(cfg, dtypes: list[str], together=lambda: None  # noqa: ANN001
         elif repeats is None:
             fixed, block, fwd = _model_seconds(cfg, None, (0,), dtype, together)[0][1], 0.0, 0.0
         else:
-            (f1, t1), (f2, t2) = _model_seconds(cfg, repeats.container, (1, 2), dtype, together)
-            block, fwd = max(t2 - t1, 0.0), max(f2 - f1, 0.0)
+            deep = min(PROBE_DEPTH, repeats.count)
+            (f1, t1), (fd, td) = _model_seconds(cfg, repeats.container, (1, deep), dtype, together)
+            block, fwd = max((td - t1) / (deep - 1), 0.0), max((fd - f1) / (deep - 1), 0.0)
             fixed = max(t1 - block, 0.0)
         out[name] = (fixed, block, fwd)
     return {d: out[d] for d in dtypes}, repeats.count if repeats else 0, notes
