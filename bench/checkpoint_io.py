@@ -5,7 +5,7 @@
 In one run, on the same disk:
 1. every rank writes a plain file of the size of its checkpoint shard (write + fsync), all
    ranks at once: the disk's sequential write speed as the save sees it;
-2. a sharded save (fsdp_zero.checkpoint.Checkpointer, fsync'd by DCP) and a load;
+2. a sharded save (fsdp_zero.checkpoint.dcp.Checkpointer, fsync'd by DCP) and a load;
 3. rank 0 exports the checkpoint (scripts/export.py, one process) and reads its peak RSS,
    next to the peak RSS of a process that only imports the same modules.
 Prints GB/s per rank and the ratios.
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fsdp_zero.checkpoint import Checkpointer, TrainState, load_checkpoint
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.distributed import broadcast_object, distributed, exit_process
-from fsdp_zero.trainer import setup, train
+from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.distributed.env import broadcast_object, distributed, exit_process
+from fsdp_zero.training.trainer import setup, train
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -112,7 +112,7 @@ def run(cfg, env) -> None:  # noqa: ANN001
         out = root / "export.safetensors"
         export_rss = peak_rss_of(["scripts/export.py", str(ckpt), "--out", str(out)])
         assert out.stat().st_size > model_bytes, "export did not run"
-        base_rss = peak_rss_of(None, body="import torch, torch.distributed.checkpoint, safetensors, fsdp_zero.weights")
+        base_rss = peak_rss_of(None, body="import torch, torch.distributed.checkpoint, safetensors, fsdp_zero.checkpoint.weights")
         print(f"\n## checkpoint I/O: {cfg.model.preset} ({parts.num_params:,} params), world size {env.world_size}, disk under {root}")
         print(f"{'rank':>4} {'shard GB':>9} {'save GB/s':>10} {'load GB/s':>10} {'plain write GB/s':>17} {'save/plain':>11}")
         for r, (b, s, l, p) in enumerate(rows):

@@ -4,9 +4,9 @@ predicted step cost against each run's measured step time, on gpt_small at N ran
     python bench/fit.py [--nproc-per-node 2] [--budgets 2.2GiB,2.4GiB] [--margin 0.1] [--ranked 6]
                         [--steps 6] [--out DIR] [--tflops T] [--link-gbps G] [key=value ...]
 
-Measures the rates as plan.py does (`fsdp_zero.fit.fit_rates`: on a CPU, the probe of
-`fsdp_zero.rates.measure`, unless --tflops / --link-gbps give them), searches once
-(`fsdp_zero.fit.search`: every candidate's predicted peak and cost, budget-free), then:
+Measures the rates as plan.py does (`fsdp_zero.tools.fit.fit_rates`: on a CPU, the probe of
+`fsdp_zero.tools.rates.measure`, unless --tflops / --link-gbps give them), searches once
+(`fsdp_zero.tools.fit.search`: every candidate's predicted peak and cost, budget-free), then:
 1. for each budget, runs the cheapest candidate that fits (scripts/train.py under torchrun, fresh
    processes) and prints its predicted peak per rank against the measured one (peak RSS, the highest
    rank's) and the budget, and its predicted step time against the measured one;
@@ -27,10 +27,10 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.fit import MARGIN, Scored, fit_rates, search
-from fsdp_zero.rates import Rates
-from fsdp_zero.memory import parse_size
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.tools.fit import MARGIN, Scored, fit_rates, search
+from fsdp_zero.tools.rates import Rates
+from fsdp_zero.monitor.memory import parse_size
 
 TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 MODEL = ("model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256", "train.global_batch_size=8",

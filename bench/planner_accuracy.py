@@ -11,7 +11,7 @@ the planner measured, the prediction and its error; the model-dependent part on 
 would be without the retention term; and the simulated tensor peak against the one the
 tracker measured (the simulation's own fidelity, independent of any constant).
 
-Then fits the heap-retention constants (`fsdp_zero.planner.HEAP_RETENTION`) by least
+Then fits the heap-retention constants (`fsdp_zero.tools.planner.HEAP_RETENTION`) by least
 squares on configuration `fit` and prints them: every other configuration is held out.
 Writes every figure to DIR/planner_accuracy.json. Takes about 45 minutes on a 2-core CPU
 (the GPT-2-small-shaped `fit` most of it); --reuse keeps the runs already in DIR and
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fsdp_zero.planner import HEAP_RETENTION
+from fsdp_zero.tools.planner import HEAP_RETENTION
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -137,7 +137,7 @@ def main() -> None:
     if any(r["config"] == "fit" for r in rows):
         a, b = fit_retention(rows)
         print(f"heap retention fitted on `fit`: activations {a:.2f}, fsdp {b:.2f} "
-              f"(fsdp_zero.planner.HEAP_RETENTION holds {HEAP_RETENTION['activations']:.2f}, {HEAP_RETENTION['fsdp']:.2f})")
+              f"(fsdp_zero.tools.planner.HEAP_RETENTION holds {HEAP_RETENTION['activations']:.2f}, {HEAP_RETENTION['fsdp']:.2f})")
     print(f"(runs and JSON in {out})")
 
 

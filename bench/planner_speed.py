@@ -5,7 +5,7 @@ and (with --check) the composed prediction against simulating every block.
     python bench/planner_speed.py --check    # and each strategy composed against whole (about 6 minutes)
 
 The planner simulates a model whose blocks repeat with its first 3, 4 and 5 blocks and composes the rest
-(`fsdp_zero.planner.Simulator.predict`); before that it simulated every block: the 7.5B shape's four
+(`fsdp_zero.tools.planner.Simulator.predict`); before that it simulated every block: the 7.5B shape's four
 simulations took 65 s here, the plan about 7 minutes on a loaded machine (issue 28). The shapes: the ZeRO paper's 7.5B (36
 layers of d 4096, 32 heads, sequence 2048) and Llama-2-70B's (80 layers of d 8192, 64 heads, 8 KV heads,
 FFN 28672, sequence 4096), micro-batch 1, planned for GPUs (dist.device=cuda: device memory, no process
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check() -> list[str]:
     """Each shape and strategy, simulated composed and whole in this process."""
-    from fsdp_zero.config_loader import load_config
-    from fsdp_zero.planner import Simulator
+    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.tools.planner import Simulator
 
     rows = []
     for name, shape in SHAPES.items():

@@ -5,7 +5,7 @@
 Default model: gpt_small (134M parameters), 256 tokens, 2 sequences per rank in micro-batches of 1,
 foreach AdamW (the CPU default). Both settings run in one process group, alternating (whole,
 grouped, whole, grouped, ...) so drift in the machine's speed hits both; each repeat builds its
-model afresh through `fsdp_zero.trainer.setup` and steps it with `fsdp_zero.step.train_step`.
+model afresh through `fsdp_zero.training.trainer.setup` and steps it with `fsdp_zero.training.step.train_step`.
 Prints, per setting, from every rank: the optimizer step's temporaries as PyTorch's MemTracker counts
 them (the peak of one ``optimizer.step()`` minus what was live before it: a step after the timed
 ones, its states already there), the peak RSS over the timed steps (reset before each repeat, glibc's
@@ -24,12 +24,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.distributed import broadcast_object, distributed, exit_process
-from fsdp_zero.memory import MemoryMonitor, StepProfiler, release_free_heap
-from fsdp_zero.step import Phase, set_lr, train_step
-from fsdp_zero.tasks import to_device
-from fsdp_zero.trainer import setup
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.distributed.env import broadcast_object, distributed, exit_process
+from fsdp_zero.monitor.memory import MemoryMonitor, StepProfiler, release_free_heap
+from fsdp_zero.training.step import Phase, set_lr, train_step
+from fsdp_zero.model.tasks import to_device
+from fsdp_zero.training.trainer import setup
 
 MIB = 2**20
 DEFAULT = ["model.preset=gpt_small", "data.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=1",

@@ -6,7 +6,7 @@
 
 Both loops run in one process group, alternating (raw, ours, raw, ours, ...) so drift in
 the machine's speed hits both; each repeat builds its model afresh. "Ours" is the whole
-`fsdp_zero.trainer.train` loop with its logging (TensorBoard, memory reads, one
+`fsdp_zero.training.trainer.train` loop with its logging (TensorBoard, memory reads, one
 all-gather every log_every steps); "raw" is fully_shard per block + root, AdamW,
 clip_grad_norm_, nothing else. Both fetch the same batches from the same data source.
 Prints seconds per step, the ratio ours / raw (median over repeats), and the model
@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.distributed import agree_on_seed, broadcast_object, distributed, exit_process
-from fsdp_zero.memory import MemoryMonitor, model_state_bytes
-from fsdp_zero.parallelize import model_state_formula
-from fsdp_zero.build import construct, materializer, real_buffers
-from fsdp_zero.parallelize import device_mesh
-from fsdp_zero.tasks import to_device
-from fsdp_zero.trainer import setup, train
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.distributed.env import agree_on_seed, broadcast_object, distributed, exit_process
+from fsdp_zero.monitor.memory import MemoryMonitor, model_state_bytes
+from fsdp_zero.sharding.parallelize import model_state_formula
+from fsdp_zero.sharding.build import construct, materializer, real_buffers
+from fsdp_zero.sharding.parallelize import device_mesh
+from fsdp_zero.model.tasks import to_device
+from fsdp_zero.training.trainer import setup, train
 
 REPEATS = 3
 

@@ -1,7 +1,7 @@
 """Your own training loop, with fsdp-zero's sharding, checkpoints and memory curves.
 
 For users coming from ``deepspeed.initialize(...)`` who keep their loop. The same code
-the trainer uses (`fsdp_zero.build.shard`, `fsdp_zero.checkpoint`, `fsdp_zero.memory`),
+the trainer uses (`fsdp_zero.sharding.build.shard`, `fsdp_zero.checkpoint.dcp`, `fsdp_zero.monitor.memory`),
 with plain arguments instead of a config::
 
     import fsdp_zero.api as fz
@@ -35,19 +35,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_zero.build import meta_parameters
-from fsdp_zero.build import shard as _shard
-from fsdp_zero.checkpoint import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
-from fsdp_zero.config import (
+from fsdp_zero.sharding.build import meta_parameters
+from fsdp_zero.sharding.build import shard as _shard
+from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
+from fsdp_zero.config.schema import (
     ActivationCheckpointing, Backend, Device, DistConfig, Init, ParallelConfig, PrecisionConfig, Strategy, WrapConfig,
     WrapPolicy,
 )
-from fsdp_zero.distributed import DistEnv
-from fsdp_zero.distributed import distributed as _distributed
-from fsdp_zero.memory import MemoryMonitor, memory_scalars
-from fsdp_zero.metrics import TensorBoardLogger, tensorboard_dir
-from fsdp_zero.precision import resolve
-from fsdp_zero.step import clip_grad_norm_
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.distributed.env import distributed as _distributed
+from fsdp_zero.monitor.memory import MemoryMonitor, memory_scalars
+from fsdp_zero.monitor.metrics import TensorBoardLogger, tensorboard_dir
+from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.training.step import clip_grad_norm_
 
 __all__ = ["Checkpoints", "MemoryLog", "clip_grad_norm_", "distributed", "meta_init", "shard"]
 
@@ -73,7 +73,7 @@ def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: li
     ``wrap``: the classes whose instances become FSDP units (default: the model's declared block
     class or Hugging Face's ``_no_split_modules``). A model built under `meta_init` is then
     materialised, each rank allocating only its shards, and initialised from ``seed`` (``init``:
-    auto, standard or model; see `fsdp_zero.build.initialize`). A model built with real weights
+    auto, standard or model; see `fsdp_zero.sharding.build.initialize`). A model built with real weights
     keeps them: FSDP shards what is there. zero1: build the optimizer with
     ``torch.distributed.optim.ZeroRedundancyOptimizer`` yourself. ``precision``, ``cpu_offload`` and
     ``activation_checkpointing`` are the trainer's (`precision.mode`, `parallel.cpu_offload`,

@@ -29,11 +29,11 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 # FSDP2's default reduce-scatter. The public hook `FSDPModule.set_custom_reduce_scatter`
 # takes an instance of the private `ReduceScatter` interface; gloo runs install a subclass
-# that reduces with an all-reduce (`fsdp_zero.parallelize.AllReduceScatter`).
+# that reduces with an all-reduce (`fsdp_zero.sharding.parallelize.AllReduceScatter`).
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 # FSDP2's default all-gather, for the same public hook's twin, `FSDPModule.set_custom_all_gather`:
-# `fsdp_zero.comm` installs a subclass that counts the bytes each unit gathers, then gathers as FSDP2 does.
+# `fsdp_zero.monitor.comm` installs a subclass that counts the bytes each unit gathers, then gathers as FSDP2 does.
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 # Activation checkpointing as a composable API: marks a module so that its forward is recomputed
@@ -57,7 +57,7 @@ from torch.distributed.distributed_c10d import _get_default_store as default_sto
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 # The base classes of Conv1d/2d/3d and ConvTranspose*, and of BatchNorm/InstanceNorm/SyncBatchNorm:
-# `fsdp_zero.init.init_standard` recognises every standard convolution and norm through them.
+# `fsdp_zero.model.init.init_standard` recognises every standard convolution and norm through them.
 from torch.nn.modules.batchnorm import _NormBase as NormBase
 from torch.nn.modules.conv import _ConvNd as ConvNd
 
@@ -184,7 +184,7 @@ def fsdp_mem_tracker() -> Any:
 class SizeClasses:
     """Live tensor bytes a MemTracker sees, split by category and by size: below ``threshold``
     (what glibc serves from its heap) or at and above it (its own mmap). ``at_peak`` is the
-    split at the moment the tracker's total peaked; `fsdp_zero.planner` uses it to predict
+    split at the moment the tracker's total peaked; `fsdp_zero.tools.planner` uses it to predict
     what the heap keeps resident beyond the live tensors. ``region_peaks``: the same at the moment
     the total peaked within each region of the step, a region being whatever its owner last named
     ``region`` (the planner composes each region's peak separately).

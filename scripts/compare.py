@@ -4,7 +4,7 @@
 
 Runs `scripts/train.py` once per strategy (full_shard, shard_grad_op, zero1, ddp), each on N
 fresh processes under torchrun, into DIR/<strategy> (default DIR: runs/compare-<timestamp>),
-each with its own curves; then writes into DIR (`fsdp_zero.compare`):
+each with its own curves; then writes into DIR (`fsdp_zero.tools.compare`):
     compare.md    per-rank peak memory, model state and its formula, gathered-parameter peak,
                   step time, final loss, each also as a ratio to DDP
     compare.json  the same figures per strategy and rank, for scripts
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from fsdp_zero.compare import DEFAULTS, ORDER, dataparallel_row, read_rows, report
-from fsdp_zero.config_loader import load_config
+from fsdp_zero.tools.compare import DEFAULTS, ORDER, dataparallel_row, read_rows, report
+from fsdp_zero.config.loader import load_config
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
 

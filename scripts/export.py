@@ -23,11 +23,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_zero.build import import_target
-from fsdp_zero.lora import ADAPTER_FILES, export_plan
-from fsdp_zero.memory import parse_size
-from fsdp_zero.pretrained import export_files
-from fsdp_zero.weights import EXPORT_DTYPES, SINGLE_FILE, export_checkpoint
+from fsdp_zero.sharding.build import import_target
+from fsdp_zero.model.lora import ADAPTER_FILES, export_plan
+from fsdp_zero.monitor.memory import parse_size
+from fsdp_zero.model.hf import export_files
+from fsdp_zero.checkpoint.weights import EXPORT_DTYPES, SINGLE_FILE, export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from torchvision.datasets import FakeData
 from torchvision.models import VisionTransformer
 
 import fsdp_zero.api as fz
-from fsdp_zero.distributed import exit_process
+from fsdp_zero.distributed.env import exit_process
 
 
 def main() -> None:
@@ -76,4 +76,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_process(0)  # skips a gloo teardown race at interpreter exit (see fsdp_zero.distributed.exit_process)
+    exit_process(0)  # skips a gloo teardown race at interpreter exit (see fsdp_zero.distributed.env.exit_process)

@@ -5,16 +5,16 @@
     python scripts/plan.py --params 7.5e9 --world-size 64     # formulas only, nothing built
     python scripts/plan.py [--config X.yaml] --world-size N --fit 3GiB [--json F] [--link-gbps G] [key=value ...]
 
-Simulates one rank of N with fake tensors and a fake process group (fsdp_zero.planner),
+Simulates one rank of N with fake tensors and a fake process group (fsdp_zero.tools.planner),
 then prints the peak by category, what a rank will show (on CPU: the process's peak RSS,
 its measured baseline included; on CUDA: device memory), whether it fits
 --device-memory, and for reference the ZeRO paper's model states per device (its Table 1)
-beside each strategy's model state at rest and inside the step (fsdp_zero.planner's
+beside each strategy's model state at rest and inside the step (fsdp_zero.tools.planner's
 `zero_paper_stages` and `strategy_states`), DeepSpeed's ZeRO-3 estimate, and the bytes each
-strategy and precision mode communicates per step (fsdp_zero.comm) with their time at --link-gbps.
+strategy and precision mode communicates per step (fsdp_zero.monitor.comm) with their time at --link-gbps.
 
 --fit searches strategy x precision x activation checkpointing x CPU offload x micro-batch x
-parallel.grad_sync (fsdp_zero.fit) and prints the candidates ranked by a relative step cost, and
+parallel.grad_sync (fsdp_zero.tools.fit) and prints the candidates ranked by a relative step cost, and
 the cheapest that fits as key=value overrides to paste onto the training command line.
 """
 
@@ -27,18 +27,18 @@ import sys
 
 import torch
 
-from fsdp_zero.build import construct
-from fsdp_zero.comm import comm_formula, comm_seconds
-from fsdp_zero.config import ZERO_STAGES, Config, Strategy, validate
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.fit import DIMENSIONS, MARGIN, fit_rates, search, searched_overrides
-from fsdp_zero.rates import Rates
-from fsdp_zero.lora import frozen_count, make_trainable
-from fsdp_zero.memory import CATEGORIES, MIB, parse_size
-from fsdp_zero.planner import (PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb,
+from fsdp_zero.sharding.build import construct
+from fsdp_zero.monitor.comm import comm_formula, comm_seconds
+from fsdp_zero.config.schema import ZERO_STAGES, Config, Strategy, validate
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.tools.fit import DIMENSIONS, MARGIN, fit_rates, search, searched_overrides
+from fsdp_zero.tools.rates import Rates
+from fsdp_zero.model.lora import frozen_count, make_trainable
+from fsdp_zero.monitor.memory import CATEGORIES, MIB, parse_size
+from fsdp_zero.tools.planner import (PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb,
                                plan_layout, simulate, strategy_states, zero_paper_stages)
-from fsdp_zero.precision import resolve
-from fsdp_zero.wrap import build_wrap_plan
+from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.wrap import build_wrap_plan
 
 ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
 
@@ -152,7 +152,7 @@ def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, 
             cells.append("yes" if p.peak <= limit else f"no (needs {format_bytes(p.peak)})")
         print("| " + " | ".join(cells) + " |")
     print()
-    for note in sorted({n for p in preds for n in p.notes}):  # a composed simulation says so (fsdp_zero.planner)
+    for note in sorted({n for p in preds for n in p.notes}):  # a composed simulation says so (fsdp_zero.tools.planner)
         print(f"({note})\n")
     if cfg.parallel.cpu_offload:
         print("CPU offload: the model state (sharded parameters, gradients, AdamW states) lives in host memory"
@@ -169,7 +169,7 @@ def _rates(args: argparse.Namespace, device: str) -> Rates:
 
 
 def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[Strategy], link_gbps: float) -> None:
-    """Bytes per rank per optimizer step by kind (`fsdp_zero.comm.comm_formula`), for each strategy and
+    """Bytes per rank per optimizer step by kind (`fsdp_zero.monitor.comm.comm_formula`), for each strategy and
     precision mode, and the time they take at ``link_gbps``."""
     plan = build_wrap_plan(model, cfg.parallel.wrap, n)
     accum = plan_layout(cfg, n).grad_accum_steps
@@ -193,8 +193,8 @@ def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[
 
 def fit(cfg: Config, n: int, budget: int, margin: float, rates: Rates | None, dims: tuple[str, ...],
         json_path: str | None, show: int) -> int:
-    """--fit: the rates (``rates``: the ones given; None: `fsdp_zero.fit.fit_rates`), the ranked candidates
-    and the pick (fsdp_zero.fit)."""
+    """--fit: the rates (``rates``: the ones given; None: `fsdp_zero.tools.fit.fit_rates`), the ranked candidates
+    and the pick (fsdp_zero.tools.fit)."""
     print(f"# fit: {cfg.model.pretrained or cfg.model.target or cfg.model.preset}, {n} ranks, global batch "
           f"{cfg.train.global_batch_size}, budget {format_bytes(budget)} per rank "
           f"({'device memory' if cfg.dist.device.value == 'cuda' else 'peak RSS'}); a candidate fits when its "

@@ -6,7 +6,7 @@
 
 Each .txt file is one document, each line of a .jsonl file one (its text in --field); folders are
 read recursively in sorted order. Writes OUT/train.bin, OUT/val.bin and OUT/meta.json (see
-fsdp_zero.prepare); train with data.source=tokens data.path=OUT/train.bin. The output is the same,
+fsdp_zero.data.prepare); train with data.source=tokens data.path=OUT/train.bin. The output is the same,
 byte for byte, for any --workers. Needs the `hf` extra (transformers).
 
 --format prompt_completion reads JSONL records with a prompt and a completion; --format chat
@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from fsdp_zero.prepare import DEFAULT_VAL_FRACTION, prepare
+from fsdp_zero.data.prepare import DEFAULT_VAL_FRACTION, prepare
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
     python scripts/train.py ...   # world size 1
 
 Settings apply in order: defaults, --config, --deepspeed (a DeepSpeed JSON config read as-is,
-see fsdp_zero/deepspeed.py), then key=value.
+see fsdp_zero/config/deepspeed.py), then key=value.
 
 A bad setting prints one line naming the key and the valid choices, and exits with 2; a run that
 diverges (a non-finite loss or gradient norm) stops at that step without saving it and exits with 3;
@@ -22,11 +22,11 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.deepspeed import read_deepspeed
-from fsdp_zero.distributed import distributed, exit_process
-from fsdp_zero.stopping import RunEnded
-from fsdp_zero.trainer import train
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.deepspeed import read_deepspeed
+from fsdp_zero.distributed.env import distributed, exit_process
+from fsdp_zero.training.stopping import RunEnded
+from fsdp_zero.training.trainer import train
 
 USAGE_ERROR = 2  # a bad setting, file or path: nothing was written; the other codes are RunEnded's
 

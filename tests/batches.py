@@ -82,9 +82,9 @@ GROUPED = ("optim.step_group_size=5000",)
 def _weights_to_import(root: Path) -> None:
     """n2's final weights as a torch.save state dict and as an exported safetensors folder (when this
     session ran n2: only the checkpoint tests import them)."""
-    from fsdp_zero.config_loader import load_config
-    from fsdp_zero.model import args_from_config
-    from fsdp_zero.weights import export_checkpoint
+    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.model.transformer import args_from_config
+    from fsdp_zero.checkpoint.weights import export_checkpoint
 
     if not (root / "n2.pt").exists():
         return

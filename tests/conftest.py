@@ -274,7 +274,7 @@ def assert_user_error(tmp_path: Path, message: str, *args: str) -> None:
 
 def build_model(args, device: str = "meta"):  # noqa: ANN001, ANN201
     """The built-in transformer on ``device`` (meta by default: shapes only, no memory)."""
-    from fsdp_zero.model import Transformer
+    from fsdp_zero.model.transformer import Transformer
 
     with torch.device(device):
         return Transformer(args)

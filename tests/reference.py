@@ -1,9 +1,9 @@
 """Single-process training of the configured model on the whole global batch: the ground truth.
 
-Written independently of fsdp_zero.trainer on purpose (plain torch: one forward over the
+Written independently of fsdp_zero.training.trainer on purpose (plain torch: one forward over the
 global batch, its own loss, torch's own clip_grad_norm_, its own learning-rate schedule; model.freeze
 by its own full matches; LoRA's adapters built, initialised and frozen around by hand from
-docs/lora.md's words, without fsdp_zero.lora), sharing only the model's construction and the base
+docs/lora.md's words, without fsdp_zero.model.lora), sharing only the model's construction and the base
 model's initialisation and the data source, so that parity tests check the sharded loop (and the
 product's LoRA module and adapter init) against it. Precision modes are reproduced by hand
 (see `reference_run`); fp16's loss scale is held at its initial value (no overflow in
@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_zero import init as init_lib
-from fsdp_zero.build import construct, materializer, real_buffers
-from fsdp_zero.config import Config, LoRAConfig, OptimConfig, Task
-from fsdp_zero.data import build_source
-from fsdp_zero.precision import resolve
-from fsdp_zero.tasks import vocab_size
+from fsdp_zero.model import init as init_lib
+from fsdp_zero.sharding.build import construct, materializer, real_buffers
+from fsdp_zero.config.schema import Config, LoRAConfig, OptimConfig, Task
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.model.tasks import vocab_size
 
 
 class _Matrix(nn.Module):
@@ -107,7 +107,7 @@ def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, d
     torch.manual_seed(cfg.train.seed)
     precision = resolve(cfg.precision)
     model = construct(cfg.model)
-    model = model.to(precision.stored)  # bf16-true: all bf16 (what fsdp_zero.build.shard does)
+    model = model.to(precision.stored)  # bf16-true: all bf16 (what fsdp_zero.sharding.build.shard does)
     # The base model's weights, initialised as the build does: the built-in model's init_weights and
     # init_standard draw per name, so the adapters' presence in the build changes none of them. No LoRA
     # module exists yet here, so the build's own adapter init (in materializer) finds nothing to do.

@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_zero.checkpoint import apply_retention, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.data import build_source
-from fsdp_zero.model import args_from_config
+from fsdp_zero.checkpoint.dcp import apply_retention, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.model.transformer import args_from_config
 from tests.batches import BASE
 from tests.conftest import REPO, TRAIN, build_model, check, figure, launch, run_script
 from tests.reference import reference_run
@@ -360,7 +360,7 @@ def test_non_tensor_items_in_a_checkpoint_are_refused(step4, tmp_path: Path):
 
 
 def test_a_changed_learning_rate_applies_on_resume(runs, step4, tmp_path: Path):
-    from fsdp_zero.config import OptimConfig
+    from fsdp_zero.config.schema import OptimConfig
     from tests.reference import reference_lr
 
     rows = [json.loads(x) for x in (runs.path("n2") / "metrics.jsonl").read_text().splitlines()]

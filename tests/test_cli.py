@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fsdp_zero.model import PRESETS
+from fsdp_zero.model.transformer import PRESETS
 from tests.conftest import (REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, gpu_env, launch,
                             read_jsonl, run_script)
 
@@ -109,9 +109,9 @@ def test_cpu_tests_stay_on_the_cpu_where_gpus_are_visible(tmp_path: Path):
 ON_A_GPU_HOST = """
 import tests.cpu_only  # noqa: F401 - as tests/conftest.py imports it, before anything else
 import torch
-from fsdp_zero.config import Strategy
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.planner import simulate
+from fsdp_zero.config.schema import Strategy
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.tools.planner import simulate
 
 param = torch.nn.Parameter(torch.ones(4))
 param.grad = torch.ones(4)
@@ -135,10 +135,10 @@ def test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host():
 
 
 def test_the_planners_baseline_probe_stays_on_the_cpu_where_gpus_are_visible(monkeypatch):
-    """A CPU plan's baseline is a CPU process's (fsdp_zero.planner.measure_baseline runs a small real
+    """A CPU plan's baseline is a CPU process's (fsdp_zero.tools.planner.measure_baseline runs a small real
     training): the probe sees no GPU. Unpinned, on a GPU host it would measure a process holding a CUDA
     context (its optimizer asks the accelerator for a stream); on the simulated GPUs here it fails."""
-    from fsdp_zero.planner import measure_baseline
+    from fsdp_zero.tools.planner import measure_baseline
 
     for key, value in FAKE_GPUS.items():
         monkeypatch.setenv(key, value)
@@ -253,7 +253,7 @@ def test_a_failed_set_up_leaves_no_trace_so_the_fixed_run_starts(tmp_path: Path)
 
 def test_a_run_root_that_cannot_be_created_is_one_line_naming_it(tmp_path: Path):
     """Checked before anything is built (a folder made and removed in the nearest existing ancestor)."""
-    from fsdp_zero.rundir import check_writable
+    from fsdp_zero.training.rundir import check_writable
 
     proc = launch(0, TRAIN, *NANO, "run.root=/proc/x", "run.name=r")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr

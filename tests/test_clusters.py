@@ -29,8 +29,8 @@ import yaml
 
 import torch.distributed as dist
 
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.distributed import ATTEMPT_VAR, DistEnv, _free_port, _store_of_this_attempt, silent_ranks
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.distributed.env import ATTEMPT_VAR, DistEnv, _free_port, _store_of_this_attempt, silent_ranks
 from tests.batches import BASE
 from tests.conftest import REPO, checkpoint_tensors, figure, read_jsonl
 
@@ -235,8 +235,8 @@ def test_a_failure_an_earlier_attempt_reported_does_not_hide_a_dead_rank(monkeyp
 def test_each_time_the_ranks_meet_they_draw_a_new_attempt_token(monkeypatch: pytest.MonkeyPatch):
     """The scope of the failure keys: init_distributed (world size 1, gloo, here) sets FSDP_ZERO_ATTEMPT to a
     token rank 0 drew, a new one each time, so a restarted attempt's keys differ from the last one's."""
-    from fsdp_zero.config import DistConfig
-    from fsdp_zero.distributed import destroy_distributed, init_distributed
+    from fsdp_zero.config.schema import DistConfig
+    from fsdp_zero.distributed.env import destroy_distributed, init_distributed
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port()), ATTEMPT_VAR: "", "CUDA_VISIBLE_DEVICES": ""}.items():

@@ -1,4 +1,4 @@
-"""Communication per step (fsdp_zero/comm.py) and parallel.grad_sync.
+"""Communication per step (fsdp_zero/monitor/comm.py) and parallel.grad_sync.
 
 The counted bytes come from the collectives FSDP2, DDP and ZeroRedundancyOptimizer issue in real gloo
 runs (tests/batches.py's, shared with the other modules: every run writes comm/*_mib to
@@ -14,15 +14,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fsdp_zero.build import construct
-from fsdp_zero.comm import KINDS, CommBytes, comm_formula, comm_seconds
-from fsdp_zero.config import GradSync
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.data import batch_layout
-from fsdp_zero.lora import make_trainable
-from fsdp_zero.memory import MIB
-from fsdp_zero.precision import resolve
-from fsdp_zero.wrap import build_wrap_plan
+from fsdp_zero.sharding.build import construct
+from fsdp_zero.monitor.comm import KINDS, CommBytes, comm_formula, comm_seconds
+from fsdp_zero.config.schema import GradSync
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.data.batches import batch_layout
+from fsdp_zero.model.lora import make_trainable
+from fsdp_zero.monitor.memory import MIB
+from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.wrap import build_wrap_plan
 from tests.batches import BASE
 from tests.conftest import TRAIN, assert_user_error, check, figure, run_script
 from tests.reference import reference_run
@@ -172,7 +172,7 @@ def test_a_checkpoint_continues_under_another_grad_sync(batches):
 def test_the_start_up_line_says_what_once_per_step_holds(tmp_path):
     """parallel.grad_sync=once_per_step holds each unit's unsharded gradients between micro-batches: the
     start-up line says how much, 4 B x the trainable parameters in fp32 (gpt_nano: every parameter)."""
-    from fsdp_zero.model import model_args
+    from fsdp_zero.model.transformer import model_args
 
     proc = check(run_script(TRAIN, *BASE, "train.steps=1", "parallel.grad_sync=once_per_step",
                             "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=once"))
@@ -195,13 +195,13 @@ def test_grad_sync_user_errors(tmp_path):
 
 def test_a_micro_batch_that_raises_leaves_the_reduction_on(monkeypatch):
     """parallel.grad_sync=once_per_step turns FSDP2's reduction off for every micro-batch but the last
-    (`fsdp_zero.step.train_step`). A micro-batch that raises (a bad batch; a failed collective) must not
+    (`fsdp_zero.training.step.train_step`). A micro-batch that raises (a bad batch; a failed collective) must not
     leave it off: the next backward, an evaluation's or the next step's, reduces into the sharded gradients
     as usual. Left off, FSDP2 keeps each gradient on the gathered parameter and no shard gets a .grad.
     In process, on a one-rank gloo group (FSDP2 runs its reduction at any world size)."""
     import fsdp_zero.api as fz
-    from fsdp_zero.config import GradSync
-    from fsdp_zero.step import train_step
+    from fsdp_zero.config.schema import GradSync
+    from fsdp_zero.training.step import train_step
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)

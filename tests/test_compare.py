@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fsdp_zero.model import model_args
-from fsdp_zero.fit import MARGIN
-from fsdp_zero.planner import HEAP_RETENTION
+from fsdp_zero.model.transformer import model_args
+from fsdp_zero.tools.fit import MARGIN
+from fsdp_zero.tools.planner import HEAP_RETENTION
 from tests.conftest import REPO, check, figure, launch, run_script, start, visible_gpus
 
 COMPARE = REPO / "scripts" / "compare.py"
@@ -187,7 +187,7 @@ def test_simulated_tensors_match_the_tracker(measured, predicted):
 
 
 def test_the_plan_prints_the_bytes_each_strategys_run_counted(compared: Path, predicted):
-    """plan.py's communication table (`fsdp_zero.comm.comm_formula`, its fp32 rows) against the bytes
+    """plan.py's communication table (`fsdp_zero.monitor.comm.comm_formula`, its fp32 rows) against the bytes
     each strategy's run counted from its collectives in its last step (summary.json)."""
     _, stdout = predicted
     printed = {}
@@ -279,7 +279,7 @@ def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
 
 
 def _rows(n: int) -> dict[str, list[dict]]:
-    """Synthetic per-rank rows, as fsdp_zero.compare.read_rows returns them."""
+    """Synthetic per-rank rows, as fsdp_zero.tools.compare.read_rows returns them."""
     state = {"ddp": 16, "zero1": 8 + 8 / n, "shard_grad_op": 16 / n, "full_shard": 16 / n}
     rows = {}
     for s, per_param in state.items():
@@ -293,7 +293,7 @@ def _rows(n: int) -> dict[str, list[dict]]:
 
 
 def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
-    from fsdp_zero.compare import ORDER, read_rows, report
+    from fsdp_zero.tools.compare import ORDER, read_rows, report
 
     md = report(_rows(2), 2, tmp_path)
     table = table_rows(md)
@@ -335,10 +335,10 @@ def test_planner_follows_the_precision_and_offload():
     """bf16-true halves the model state the planner predicts (8 bytes per parameter: bf16 weights,
     gradients and AdamW states), within 2% of the formula; under CPU offload all of it is host memory,
     and the device memory predicted for CUDA falls by it."""
-    from fsdp_zero.config import Strategy
-    from fsdp_zero.config_loader import load_config
-    from fsdp_zero.model import model_args
-    from fsdp_zero.planner import CUDA_ALLOCATOR_SLACK, simulate
+    from fsdp_zero.config.schema import Strategy
+    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.model.transformer import model_args
+    from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, simulate
 
     base = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
             "precision=bf16-true", "dist.device=cuda"]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_zero.config import Config, DataSource, Strategy, Task, TrainConfig, WrapPolicy
-from fsdp_zero.config_loader import load_config, to_yaml
-from fsdp_zero.data import batch_layout
+from fsdp_zero.config.schema import Config, DataSource, Strategy, Task, TrainConfig, WrapPolicy
+from fsdp_zero.config.loader import load_config, to_yaml
+from fsdp_zero.data.batches import batch_layout
 from tests.conftest import REPO
 
 
@@ -100,7 +100,7 @@ def test_bad_model_and_data_settings_name_the_key(overrides: list[str], message:
 
 
 def test_precision_shorthand_and_dtypes():
-    from fsdp_zero.precision import resolve
+    from fsdp_zero.sharding.precision import resolve
 
     assert load_config(None, ["precision=bf16-mixed"]).precision.mode == "bf16-mixed"
     p = resolve(load_config(None, ["precision=bf16-mixed", "precision.reduce_dtype=bf16"]).precision)
@@ -121,7 +121,7 @@ def test_precision_shorthand_and_dtypes():
     ],
 )
 def test_a_model_target_that_does_not_build_names_the_key(overrides: list[str], message: str):
-    from fsdp_zero.build import construct
+    from fsdp_zero.sharding.build import construct
 
     with pytest.raises(ValueError, match=message):
         construct(load_config(None, overrides).model)
@@ -200,7 +200,7 @@ def test_zero_stage_and_strategy_must_agree(tmp_path: Path):
 
 
 def test_hybrid_shard_size_must_divide_the_world():
-    from fsdp_zero.parallelize import shard_degree
+    from fsdp_zero.sharding.parallelize import shard_degree
 
     cfg = load_config(None, ["parallel.strategy=hybrid_shard", "parallel.shard_size=3"]).parallel
     with pytest.raises(ValueError, match=r"parallel\.shard_size=3 must divide the world size 4; valid choices: \[1, 2, 4\]"):
@@ -209,8 +209,8 @@ def test_hybrid_shard_size_must_divide_the_world():
 
 
 def test_reshard_after_forward_groups_must_divide_the_world():
-    from fsdp_zero.config import ParallelConfig
-    from fsdp_zero.parallelize import reshard_after_forward
+    from fsdp_zero.config.schema import ParallelConfig
+    from fsdp_zero.sharding.parallelize import reshard_after_forward
 
     assert reshard_after_forward(ParallelConfig(reshard_after_forward=2), 4) == 2
     assert reshard_after_forward(ParallelConfig(reshard_after_forward=4), 4) is True  # the whole world: plain ZeRO-3
@@ -305,8 +305,8 @@ def test_every_section_has_a_check_and_the_table_covers_every_section():
     ("model.n_layers", 0, "model.n_layers=0: must be > 0"),
 ])
 def test_the_built_in_model_checks_its_own_fields(key: str, value: object, fragment: str):
-    from fsdp_zero.config import ModelConfig
-    from fsdp_zero.model import check_model_config
+    from fsdp_zero.config.schema import ModelConfig
+    from fsdp_zero.model.transformer import check_model_config
 
     check_model_config(ModelConfig())
     with pytest.raises(ValueError, match=re.escape(fragment)):
@@ -319,8 +319,8 @@ def test_built_in_fields_come_from_the_model():
     """model.* holds the built-in model's fields (TransformerArgs's) plus the settings of any model."""
     from dataclasses import fields
 
-    from fsdp_zero.config import ModelConfig
-    from fsdp_zero.model import BUILTIN_FIELDS, TransformerArgs
+    from fsdp_zero.config.schema import ModelConfig
+    from fsdp_zero.model.transformer import BUILTIN_FIELDS, TransformerArgs
 
     assert set(BUILTIN_FIELDS) <= {f.name for f in fields(TransformerArgs)}
     assert {f.name for f in fields(ModelConfig)} - set(BUILTIN_FIELDS) == {
@@ -329,7 +329,7 @@ def test_built_in_fields_come_from_the_model():
 
 
 def test_world_size_rules_and_warnings():
-    from fsdp_zero.config import ParallelConfig
+    from fsdp_zero.config.schema import ParallelConfig
 
     assert ParallelConfig(strategy=Strategy.hybrid_shard, shard_size=4).check_world(8) == []
     assert ParallelConfig(shard_size=4).check_world(8) == [
@@ -345,18 +345,18 @@ def test_world_size_rules_and_warnings():
 
 
 def test_the_schema_imports_no_model_and_no_torch():
-    """fsdp_zero.config is the schema alone: the model knows the config, not the other way round."""
-    code = ("import sys, fsdp_zero.config; "
+    """fsdp_zero.config.schema is the schema alone: the model knows the config, not the other way round."""
+    code = ("import sys, fsdp_zero.config.schema; "
             "print(sorted(m for m in sys.modules if m.startswith('fsdp_zero') or m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
-    assert out.strip() == "['fsdp_zero', 'fsdp_zero.config']", out
+    assert out.strip() == "['fsdp_zero', 'fsdp_zero.config', 'fsdp_zero.config.schema']", out
 
 
 def test_the_package_has_no_import_cycle():
     """Counting imports inside functions too: a cycle hidden in a function is still a cycle."""
     graph = {}
-    for path in (REPO / "fsdp_zero").glob("*.py"):
+    for path in (REPO / "fsdp_zero").rglob("*.py"):
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_zero."):
@@ -365,7 +365,7 @@ def test_the_package_has_no_import_cycle():
                 deps |= {f"fsdp_zero.{a.name}" for a in node.names}
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.startswith("fsdp_zero.")}
-        graph[f"fsdp_zero.{path.stem}"] = deps
+        graph[".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")] = deps
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         return any(d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen))) for d in graph.get(start, ()))
@@ -379,8 +379,8 @@ def test_the_strategy_table_is_where_a_strategy_means_something():
     baseline, a choice of row, is the one exception)."""
     import ast
 
-    from fsdp_zero.config import STRATEGIES, STRATEGY_ALIASES, ZERO_STAGES, ParallelConfig, Strategy, is_fsdp
-    from fsdp_zero.parallelize import formula_note, model_state_formula, shard_degree
+    from fsdp_zero.config.schema import STRATEGIES, STRATEGY_ALIASES, ZERO_STAGES, ParallelConfig, Strategy, is_fsdp
+    from fsdp_zero.sharding.parallelize import formula_note, model_state_formula, shard_degree
 
     assert list(STRATEGIES) == list(Strategy)
     assert ZERO_STAGES == {0: Strategy.ddp, 1: Strategy.zero1, 2: Strategy.shard_grad_op, 3: Strategy.full_shard}
@@ -396,8 +396,8 @@ def test_the_strategy_table_is_where_a_strategy_means_something():
     assert formula_note(ParallelConfig(strategy=Strategy.zero1), N) == "(weights and gradients whole, AdamW states / N=4)"
     assert formula_note(ParallelConfig(strategy=Strategy.hybrid_shard), N) == "/ 2 (hybrid_shard's shard size)"
     named = []
-    for path in sorted((REPO / "fsdp_zero").glob("*.py")):
-        if path.name == "config.py":
+    for path in sorted((REPO / "fsdp_zero").rglob("*.py")):
+        if path.relative_to(REPO).as_posix() == "fsdp_zero/config/schema.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Strategy" \

@@ -1,4 +1,4 @@
-"""A DeepSpeed JSON config read as-is (fsdp_zero/deepspeed.py, scripts/train.py --deepspeed).
+"""A DeepSpeed JSON config read as-is (fsdp_zero/config/deepspeed.py, scripts/train.py --deepspeed).
 
 Each mapped key resolves to the same Config as the equivalent native overrides; keys FSDP2 makes
 unnecessary are listed with what we do instead; unknown keys, unsupported values and
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_zero.config import Config
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, read_deepspeed
+from fsdp_zero.config.schema import Config
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, read_deepspeed
 from tests.conftest import REPO, check, launch, run_script
 
 TRAIN = REPO / "scripts" / "train.py"

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.distributed import DistEnv
-from fsdp_zero.evaluate import FolderImages, build_evaluator, rank_batches
-from fsdp_zero.model import args_from_config
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.training.evaluate import FolderImages, build_evaluator, rank_batches
+from fsdp_zero.model.transformer import args_from_config
 from tests.batches import BASE, EVAL_TOKENS
 from tests.conftest import TRAIN, build_model, figure, run_script
 
@@ -265,8 +265,8 @@ def test_evaluation_time_is_left_out_of_the_throughput(tmp_path: Path, monkeypat
     import time
 
     import fsdp_zero.api as fz
-    from fsdp_zero.evaluate import EvalResult
-    from fsdp_zero.steplog import StepLogger
+    from fsdp_zero.training.evaluate import EvalResult
+    from fsdp_zero.training.steplog import StepLogger
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)

@@ -1,4 +1,4 @@
-"""`scripts/plan.py --fit`'s search (fsdp_zero.fit), in process, on a tiny model.
+"""`scripts/plan.py --fit`'s search (fsdp_zero.tools.fit), in process, on a tiny model.
 
 The pick measured against a real run lives in tests/test_compare.py, which has the runs; here:
 the candidates the search forms, the peaks it composes from shared simulations against the same
@@ -12,14 +12,14 @@ import re
 
 import pytest
 
-from fsdp_zero.config import ActivationCheckpointing, GradSync, ParallelConfig, PrecisionConfig
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.fit import DIMENSIONS, Candidate, candidates, search
-from fsdp_zero.rates import Rates
-from fsdp_zero.model import model_args
-from fsdp_zero.parallelize import model_state_formula
-from fsdp_zero.planner import Simulator
-from fsdp_zero.precision import resolve
+from fsdp_zero.config.schema import ActivationCheckpointing, GradSync, ParallelConfig, PrecisionConfig
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.tools.fit import DIMENSIONS, Candidate, candidates, search
+from fsdp_zero.tools.rates import Rates
+from fsdp_zero.model.transformer import model_args
+from fsdp_zero.sharding.parallelize import model_state_formula
+from fsdp_zero.tools.planner import Simulator
+from fsdp_zero.sharding.precision import resolve
 from tests.conftest import REPO, figure, run_script
 
 MIB = 2**20
@@ -174,15 +174,15 @@ def test_equal_costs_go_to_the_smaller_peak():
 
 
 def test_a_measured_cost_is_the_probes_seconds_by_hand():
-    """`fsdp_zero.rates.measure`'s figures turned into a step cost (`fsdp_zero.fit.step_cost`): each of the
+    """`fsdp_zero.tools.rates.measure`'s figures turned into a step cost (`fsdp_zero.tools.fit.step_cost`): each of the
     rank's 8 samples forward and backward in the compute dtype (outside the 2 blocks, each block, each
     checkpointed block's forward again), each byte at its collective's measured rate, and AdamW over the
     parameters the rank steps."""
-    from fsdp_zero.build import construct
-    from fsdp_zero.config import Strategy
-    from fsdp_zero.fit import step_cost
-    from fsdp_zero.rates import Measured
-    from fsdp_zero.wrap import build_wrap_plan
+    from fsdp_zero.sharding.build import construct
+    from fsdp_zero.config.schema import Strategy
+    from fsdp_zero.tools.fit import step_cost
+    from fsdp_zero.tools.rates import Measured
+    from fsdp_zero.sharding.wrap import build_wrap_plan
 
     cfg = load_config(None, NANO)  # global batch 16 at 2 ranks: 8 samples a rank
     m = Measured(ranks=2, threads=1, compute={"float32": (0.5, 0.1, 0.03), "bfloat16": (0.2, 0.05, 0.01)}, blocks=2,
@@ -226,8 +226,7 @@ def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(monkeypat
     """On a CPU without bf16 instructions a bf16 matmul runs about 170 times slower than fp32's: the probe
     must not train the model in it (minutes), but take fp32's times times the matmul ratio, and say so.
     Here every dtype slower than fp32 by any factor counts as slow (`SLOW_DTYPE` 0), whatever this CPU is."""
-    from fsdp_zero import rates
-
+    from fsdp_zero.tools import rates
     monkeypatch.setattr(rates, "SLOW_DTYPE", 0.0)
     compute, blocks, notes = rates._compute(load_config(None, ["model.preset=gpt_nano", "data.seq_len=16"]),
                                             ["bfloat16", "float32"])

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_zero import init as init_lib
-from fsdp_zero.build import construct
-from fsdp_zero.config import ParallelConfig
-from fsdp_zero.config_loader import load_config, to_yaml
-from fsdp_zero.data import build_source
-from fsdp_zero.lora import LoRALinear, init_adapters, make_trainable
-from fsdp_zero.parallelize import model_state_formula
+from fsdp_zero.model import init as init_lib
+from fsdp_zero.sharding.build import construct
+from fsdp_zero.config.schema import ParallelConfig
+from fsdp_zero.config.loader import load_config, to_yaml
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.model.lora import LoRALinear, init_adapters, make_trainable
+from fsdp_zero.sharding.parallelize import model_state_formula
 from tests.batches import BASE, BY_NAME, FREEZE, HAS_HF, LORA
 from tests.conftest import TRAIN, assert_user_error, check, figure, run_script
 from tests.hf_fixtures import LLAMA_CONFIG
@@ -217,7 +217,7 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
            f"{diff:.1e}; {peft_diff:.1e}")
     assert peft_diff <= 1e-5, peft_diff
     # The planner's formulas take the same count.
-    from fsdp_zero.planner import strategy_states
+    from fsdp_zero.tools.planner import strategy_states
 
     rows = {(s.strategy.value, s.mode): s.at_rest for s in strategy_states(1000, 4, modes=("fp32",), frozen=600)}
     assert rows[("full_shard", "fp32")] == (4 * 600 + 16 * 400) / 4 and rows[("ddp", "fp32")] == 4 * 1000 + 12 * 400
@@ -259,7 +259,7 @@ def test_lora_linear_adds_alpha_over_rank_times_b_a_x_by_hand():
 
 def test_init_adapters_draws_a_within_one_over_sqrt_in_and_zeroes_b():
     """Guards the adapters' initial values (PEFT's default): A ~ U(-1/sqrt(in), 1/sqrt(in)), drawn by
-    `fsdp_zero.init.uniform_` from the seed and A's name (what makes them world-size invariant), and
+    `fsdp_zero.model.init.uniform_` from the seed and A's name (what makes them world-size invariant), and
     B = 0 so training starts from the base model; the base weights untouched.
 
     With in = 7 and out = 5, a bound of 1/sqrt(out) is the larger one: it puts some of A's 14 values

@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_zero.config import Task
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.data import TokenFile
-from fsdp_zero.evaluate import lm_sums
-from fsdp_zero.model import args_from_config
-from fsdp_zero.prepare import mask_file, prepare, validation_documents
-from fsdp_zero.step import train_step
-from fsdp_zero.tasks import IGNORE, build_task, masked_causal_lm, trained_tokens
+from fsdp_zero.config.schema import Task
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.data.batches import TokenFile
+from fsdp_zero.training.evaluate import lm_sums
+from fsdp_zero.model.transformer import args_from_config
+from fsdp_zero.data.prepare import mask_file, prepare, validation_documents
+from fsdp_zero.training.step import train_step
+from fsdp_zero.model.tasks import IGNORE, build_task, masked_causal_lm, trained_tokens
 from tests.batches import BASE, MASKED
 from tests.conftest import build_model, figure
 from tests.reference import reference_run
@@ -260,7 +260,7 @@ def test_a_mask_file_under_another_task_is_an_error():
 
 def _hand_loss(initial: dict, root: Path, step: int, micro: int | None = None) -> float:
     """Step ``step``'s loss from the raw files: plain torch on the whole model at ``initial``, the windows
-    of the global batch (the seeded order `fsdp_zero.data.epoch_order` defines), targets masked by hand;
+    of the global batch (the seeded order `fsdp_zero.data.batches.epoch_order` defines), targets masked by hand;
     ``micro``: the mean of micro-batch means instead (what a token-weighted loss must not be)."""
     cfg = load_config(None, [*BASE, *(a.format(root=root) for a in MASKED)])
     model = _nano()

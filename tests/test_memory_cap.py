@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.model import args_from_config
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.model.transformer import args_from_config
 from tests.conftest import REPO, TRAIN, figure, launch
 
 CAPPED = REPO / "tests" / "workers" / "capped.py"

@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_zero.build import construct, materializer, real_buffers
-from fsdp_zero.config import DataConfig, DataSource
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.data import build_source
-from fsdp_zero.tasks import logits_of
-from fsdp_zero.weights import export_checkpoint
+from fsdp_zero.sharding.build import construct, materializer, real_buffers
+from fsdp_zero.config.schema import DataConfig, DataSource
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.model.tasks import logits_of
+from fsdp_zero.checkpoint.weights import export_checkpoint
 from tests.batches import BY_NAME, HAS_HF, VIT
 from tests.conftest import REPO, TRAIN, check, figure, launch, run_script
 from tests.reference import reference_run
@@ -219,7 +219,7 @@ def test_plan_answers_for_a_foreign_model_and_for_a_parameter_count(tmp_path: Pa
 
 
 def test_one_build_path():
-    """The trainer, the planner, compare.py and the benchmark build through fsdp_zero.build; only
+    """The trainer, the planner, compare.py and the benchmark build through fsdp_zero.sharding.build; only
     parallelize.py calls fully_shard in the library, only build.py materialises."""
     def calls(path: Path) -> set[str]:
         tree = ast.parse(path.read_text())
@@ -227,12 +227,12 @@ def test_one_build_path():
                 for n in ast.walk(tree) if isinstance(n, ast.Call)}
 
     def imports_build(path: Path) -> bool:
-        return any(isinstance(n, ast.ImportFrom) and n.module == "fsdp_zero.build" for n in ast.walk(ast.parse(path.read_text())))
+        return any(isinstance(n, ast.ImportFrom) and n.module == "fsdp_zero.sharding.build" for n in ast.walk(ast.parse(path.read_text())))
 
-    for path in ["fsdp_zero/trainer.py", "fsdp_zero/planner.py", "fsdp_zero/compare.py", "scripts/plan.py",
+    for path in ["fsdp_zero/training/trainer.py", "fsdp_zero/tools/planner.py", "fsdp_zero/tools/compare.py", "scripts/plan.py",
                  "bench/step_time.py", "fsdp_zero/api.py"]:
         assert imports_build(REPO / path), path
-    library = list((REPO / "fsdp_zero").glob("*.py")) + list((REPO / "scripts").glob("*.py"))
+    library = list((REPO / "fsdp_zero").rglob("*.py")) + list((REPO / "scripts").glob("*.py"))
     assert {p.name for p in library if "fully_shard" in calls(p)} == {"parallelize.py"}
     assert {p.name for p in library if "to_empty" in calls(p)} == {"build.py"}
 
@@ -241,7 +241,7 @@ def test_one_build_path():
 def test_init_from_a_hugging_face_folder_and_a_prefixed_state_dict(tmp_path: Path):
     """A save_pretrained folder (tied weight stored once) and a DDP-style 'module.' state dict of a
     torchvision resnet (BatchNorm statistics included) load into freshly built models."""
-    from fsdp_zero.weights import load_full_weights
+    from fsdp_zero.checkpoint.weights import load_full_weights
 
     def built(cfg, seed):
         model = construct(cfg.model)
@@ -274,8 +274,8 @@ def test_init_from_a_hugging_face_folder_and_a_prefixed_state_dict(tmp_path: Pat
 
 @needs_hf
 def test_wrap_classes_come_from_the_model_or_the_error_lists_them():
-    from fsdp_zero.config import WrapConfig
-    from fsdp_zero.wrap import build_wrap_plan
+    from fsdp_zero.config.schema import WrapConfig
+    from fsdp_zero.sharding.wrap import build_wrap_plan
 
     llama = construct(_cfg("llama").model)
     plan = build_wrap_plan(llama, WrapConfig(), 2)  # Hugging Face's _no_split_modules: LlamaDecoderLayer
@@ -292,8 +292,8 @@ def test_wrap_classes_come_from_the_model_or_the_error_lists_them():
 
 @needs_hf
 def test_data_that_the_model_cannot_take_is_refused_before_training():
-    from fsdp_zero.data import fake_images
-    from fsdp_zero.trainer import _check_data_fits
+    from fsdp_zero.data.batches import fake_images
+    from fsdp_zero.training.trainer import _check_data_fits
 
     cfg = _cfg("vit")
     cfg.data.num_classes = 12  # the model has 10 outputs
@@ -307,8 +307,8 @@ def test_data_that_the_model_cannot_take_is_refused_before_training():
 
 @needs_hf
 def test_a_hugging_face_model_can_bring_its_own_initialiser():
-    from fsdp_zero.build import initialize
-    from fsdp_zero.config import Init
+    from fsdp_zero.sharding.build import initialize
+    from fsdp_zero.config.schema import Init
 
     cfg = _cfg("llama")
     model = construct(cfg.model)

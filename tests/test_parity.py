@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-from fsdp_zero.config_loader import load_config
+from fsdp_zero.config.loader import load_config
 from tests.batches import BASE, TIED
 from tests.conftest import figure
 from tests.reference import reference_run
@@ -163,12 +163,12 @@ def test_precision_dtypes_and_optimizer_states(runs, name):
 @pytest.mark.parametrize("name", ["n2", "n3", "n4"])
 def test_gloo_runs_reduce_scatter_equals_gloos_own_bit_for_bit(runs, name):
     """FSDP runs on gloo reduce gradients with an all-reduce (faster and lighter there than gloo's
-    reduce-scatter, see fsdp_zero.parallelize.AllReduceScatter); the sums must be the same bits, at
+    reduce-scatter, see fsdp_zero.sharding.parallelize.AllReduceScatter); the sums must be the same bits, at
     2, 3 (uneven chunks of gpt_nano's 64 rows, padded) and 4 ranks."""
     assert runs[name]["same_reduce_scatter"] is True
 
 
-# The dtype each mode's gradients must have when they reach the reduction (fsdp_zero/precision.py):
+# The dtype each mode's gradients must have when they reach the reduction (fsdp_zero/sharding/precision.py):
 # fp32 everywhere but bf16-true, whose gradients are bf16 end to end.
 REDUCE_DTYPE = {name: "torch.bfloat16" if name == "bf16-true" else "torch.float32" for name in FSDP}
 

@@ -7,10 +7,10 @@ import importlib.util
 
 import pytest
 
-from fsdp_zero.config import ParallelConfig, PrecisionConfig, Strategy
-from fsdp_zero.parallelize import model_state_formula
-from fsdp_zero.planner import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
-from fsdp_zero.precision import resolve
+from fsdp_zero.config.schema import ParallelConfig, PrecisionConfig, Strategy
+from fsdp_zero.sharding.parallelize import model_state_formula
+from fsdp_zero.tools.planner import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
+from fsdp_zero.sharding.precision import resolve
 from tests.conftest import REPO
 
 P, N = 7_500_000_000, 64  # the paper's Table 1 and Figure 1: Psi = 7.5B, N_d = 64
@@ -47,7 +47,7 @@ def test_full_shard_gathers_two_units_inside_the_step():
     assert known[Strategy.full_shard, "bf16-mixed"].in_step == 16 * P / N + 2 * 2 * 200_000_000
     whole = {(s.strategy, s.mode): s for s in strategy_states(P, N, largest_unit=P)}  # one unit: no next one
     assert whole[Strategy.full_shard, "fp32"].gathered == 4 * P
-    # The root unit stays gathered from forward to backward on top (fsdp_zero.parallelize).
+    # The root unit stays gathered from forward to backward on top (fsdp_zero.sharding.parallelize).
     rooted = {(s.strategy, s.mode): s for s in strategy_states(P, N, 200_000_000, root_unit=50_000_000)}
     assert rooted[Strategy.full_shard, "fp32"].gathered == 4 * (50_000_000 + 2 * 200_000_000)
 
@@ -105,9 +105,9 @@ DEEP = ["model.preset=gpt_nano", "model.n_layers=13", "data.seq_len=32", "train.
 ], ids=["zero1", "zero3-optimizer-step-peaks"])
 def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     """The planner simulates a few of the repeated blocks at three depths and composes the rest
-    (`fsdp_zero.planner.compose`): every figure it predicts must equal the whole model's simulation."""
-    from fsdp_zero.config_loader import load_config
-    from fsdp_zero.planner import Simulator
+    (`fsdp_zero.tools.planner.compose`): every figure it predicts must equal the whole model's simulation."""
+    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.tools.planner import Simulator
 
     cfg = load_config(None, [*DEEP, *case])
     with Simulator(cfg, world, baseline=0) as sim:
@@ -120,8 +120,8 @@ def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
 
 
 def test_a_composition_starts_past_the_units_in_flight_in_whole_checkpointing_periods():
-    from fsdp_zero.config import ActivationCheckpointing
-    from fsdp_zero.planner import first_depth
+    from fsdp_zero.config.schema import ActivationCheckpointing
+    from fsdp_zero.tools.planner import first_depth
 
     assert first_depth(ParallelConfig()) == (3, 1)  # one unit computing, one gathered ahead, one reducing
     assert first_depth(ParallelConfig(prefetch=2)) == (5, 1)  # and those explicit prefetch adds
@@ -134,9 +134,9 @@ def test_hpz_is_simulated_and_holds_more_between_forward_and_backward_than_zero3
     made outside fake mode: `fsdp_zero.torch_private.real_post_forward_meshes`): after forward each unit
     keeps its parameters over k ranks (here 2 of 4: half of each, not a quarter), so the backward's peak
     holds at least a quarter of a block more than under ZeRO-3 (the tracker files those as activations)."""
-    from fsdp_zero.config_loader import load_config
-    from fsdp_zero.model import model_args
-    from fsdp_zero.planner import Simulator
+    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.model.transformer import model_args
+    from fsdp_zero.tools.planner import Simulator
 
     base = ["model.preset=gpt_nano", "data.seq_len=8", "train.global_batch_size=4", "train.micro_batch_size=1"]
     zero3, hpz = (load_config(None, [*base, *extra]) for extra in ([], ["parallel.reshard_after_forward=2"]))

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.data import build_source
-from fsdp_zero.prepare import read_meta, token_dtype, validation_documents
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.data.prepare import read_meta, token_dtype, validation_documents
 from tests.batches import HAS_HF
 from tests.conftest import REPO, figure, run_script
 from tests.hf_fixtures import sample_text
@@ -206,8 +206,7 @@ def test_an_out_that_is_not_an_empty_folder_is_refused_and_left_as_it_was(tiny_t
 
 def test_a_run_interrupted_while_writing_leaves_nothing(tiny_tokenizer_dir, tmp_path, monkeypatch):
     """Ctrl-C (or a tokenizer's crash) on the 5th document, after the temporary folder holds data."""
-    from fsdp_zero import prepare
-
+    from fsdp_zero.data import prepare
     (tmp_path / "in").mkdir()
     for i in range(8):
         (tmp_path / "in" / f"{i}.txt").write_text(f"document {i}")

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp_zero.build import construct
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.data import build_source
+from fsdp_zero.sharding.build import construct
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.data.batches import build_source
 from tests.batches import BY_NAME, HAS_HF
 from tests.conftest import REPO, TRAIN, check, figure, run_script
 from tests.hf_fixtures import LLAMA_CONFIG

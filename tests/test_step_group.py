@@ -1,4 +1,4 @@
-"""A bounded optimizer step: optim.step_group_size (fsdp_zero/build.py::step_groups, docs/memory-levers.md).
+"""A bounded optimizer step: optim.step_group_size (fsdp_zero/sharding/build.py::step_groups, docs/memory-levers.md).
 
 Stepping AdamW group by group gives the whole-shard step's bits: the runs ``group``, ``group-bf16``
 and ``group-zero1`` of tests/batches.py (2 ranks, groups of 5,000 local elements) against ``n2``,
@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_zero.build import build, build_optimizer, construct, local_numel, step_groups
-from fsdp_zero.config import OptimConfig, OptimizerImpl
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.distributed import DistEnv
-from fsdp_zero.memory import StepProfiler
-from fsdp_zero.parallelize import device_mesh
-from fsdp_zero.step import Phase
+from fsdp_zero.sharding.build import build, build_optimizer, construct, local_numel, step_groups
+from fsdp_zero.config.schema import OptimConfig, OptimizerImpl
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.monitor.memory import StepProfiler
+from fsdp_zero.sharding.parallelize import device_mesh
+from fsdp_zero.training.step import Phase
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
 

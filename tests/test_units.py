@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_zero import init
+from fsdp_zero.model import init
 from tests.batches import HAS_HF
 from tests.conftest import REPO, build_model, check, launch
-from fsdp_zero.config import OptimConfig
-from fsdp_zero.data import BatchCursor, BatchLayout, ByteText, SyntheticBigram
-from fsdp_zero.memory import MemoryMonitor, model_state_bytes
-from fsdp_zero.model import PRESETS, model_args
-from fsdp_zero.step import lr_factor
+from fsdp_zero.config.schema import OptimConfig
+from fsdp_zero.data.batches import BatchCursor, BatchLayout, ByteText, SyntheticBigram
+from fsdp_zero.monitor.memory import MemoryMonitor, model_state_bytes
+from fsdp_zero.model.transformer import PRESETS, model_args
+from fsdp_zero.training.step import lr_factor
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -169,7 +169,7 @@ def test_reference_schedule_agrees_with_the_hand_worked_values():
     assert reference_lr(cfg, 13, 20) == pytest.approx(0.55, abs=1e-12)
     assert reference_lr(cfg, 9, 20) == pytest.approx(0.8681980515339464, abs=1e-12)
     # Linear decay: step 13 is half-way from 1.0 to 0.1; constant stays at 1.0.
-    from fsdp_zero.config import Schedule
+    from fsdp_zero.config.schema import Schedule
 
     linear, constant = (OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(s)) for s in ("linear", "constant"))
     assert reference_lr(linear, 13, 20) == pytest.approx(0.55, abs=1e-12) and reference_lr(linear, 1, 20) == 0.25
@@ -178,8 +178,8 @@ def test_reference_schedule_agrees_with_the_hand_worked_values():
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_every_schedule_agrees_with_the_reference(schedule):
-    from fsdp_zero.config import Schedule
-    from fsdp_zero.step import lr_factor
+    from fsdp_zero.config.schema import Schedule
+    from fsdp_zero.training.step import lr_factor
     from tests.reference import reference_lr
 
     cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(schedule))
@@ -267,29 +267,30 @@ def test_private_torch_apis_are_where_we_expect_them():
     import ast
 
     outside = set()
-    for path in (REPO / "fsdp_zero").glob("*.py"):
-        if path.name == "torch_private.py":
+    for path in (REPO / "fsdp_zero").rglob("*.py"):
+        name = path.relative_to(REPO / "fsdp_zero").as_posix()
+        if name == "torch_private.py":
             continue
         for line in path.read_text().splitlines():
             if line.lstrip().startswith(("import torch", "from torch", "from omegaconf")):
-                assert "._" not in line.split(" import ")[0] and " import _" not in line, f"{path.name}: {line}"
+                assert "._" not in line.split(" import ")[0] and " import _" not in line, f"{name}: {line}"
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                 base = ast.unparse(node.value)
                 assert not base.startswith(("torch", "nn.")) and node.attr not in ("_get_node", "_value"), \
-                    f"{path.name}: {base}.{node.attr}"
+                    f"{name}: {base}.{node.attr}"
                 if base not in ("self", "cls"):
-                    outside.add(f"{path.name}: {base}.{node.attr}")
+                    outside.add(f"{name}: {base}.{node.attr}")
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") and \
                     isinstance(node.args[1], ast.Constant) and re.match(r"_[A-Za-z]", str(node.args[1].value)):
-                outside.add(f"{path.name}: '{node.args[1].value}'")  # getattr(x, "_private")
+                outside.add(f"{name}: '{node.args[1].value}'")  # getattr(x, "_private")
     # Only our own private names (a data source's memory map) and os._exit remain outside.
-    assert outside == {"data.py: '_mapped'", "distributed.py: os._exit"}, outside
+    assert outside == {"data/batches.py: '_mapped'", "distributed/env.py: os._exit"}, outside
 
 
 _MONITOR = """
 import torch
-from fsdp_zero.memory import MemoryMonitor
+from fsdp_zero.monitor.memory import MemoryMonitor
 assert not torch.cuda.is_initialized()
 monitor = MemoryMonitor(torch.device("cuda", 0))  # built before anything touched CUDA: it initialises it itself
 x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
@@ -314,7 +315,7 @@ def test_cuda_memory_monitor_reports_the_allocator(tmp_path: Path):
 
 def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
     """The files that make a checkpoint folder complete (its tensors do not matter to the policy)."""
-    from fsdp_zero.config_loader import to_yaml
+    from fsdp_zero.config.loader import to_yaml
 
     path = run_dir / "checkpoints" / f"step-{step:07d}"
     path.mkdir(parents=True)
@@ -325,8 +326,8 @@ def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
 
 
 def test_run_directory_policy_in_process(tmp_path: Path):
-    from fsdp_zero.config_loader import load_config, to_yaml
-    from fsdp_zero.rundir import RunDecision, plan_run_dir, run_files, write_run_dir
+    from fsdp_zero.config.loader import load_config, to_yaml
+    from fsdp_zero.training.rundir import RunDecision, plan_run_dir, run_files, write_run_dir
 
     base = ["model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=r"]
     run_dir = tmp_path / "r"
@@ -360,8 +361,8 @@ def test_run_directory_policy_in_process(tmp_path: Path):
 
 
 def test_learning_rate_is_set_from_the_step_alone():
-    from fsdp_zero.config import OptimConfig
-    from fsdp_zero.step import set_lr
+    from fsdp_zero.config.schema import OptimConfig
+    from fsdp_zero.training.step import set_lr
     from tests.reference import reference_lr
 
     cfg = OptimConfig(lr=1e-2, warmup_steps=3, min_lr_ratio=0.1)
@@ -385,7 +386,7 @@ def test_own_loop_shard_names_a_bad_argument(kwargs, message):
 
 
 def test_train_state_round_trips_and_reads_checkpoints_written_before_it(tmp_path: Path):
-    from fsdp_zero.checkpoint import TrainState, read_train_state
+    from fsdp_zero.checkpoint.dcp import TrainState, read_train_state
 
     state = TrainState(step=7, data_position=56, skipped_nonfinite=1, loss_scaler={"scale": 1024.0}, deadline=1.5e9,
                        job="j", world_size=2, versions={"torch": "x"}, extra={"samples_seen": 3})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_zero.config import WrapConfig, WrapPolicy
-from fsdp_zero.model import model_args
-from fsdp_zero.wrap import build_wrap_plan
+from fsdp_zero.config.schema import WrapConfig, WrapPolicy
+from fsdp_zero.model.transformer import model_args
+from fsdp_zero.sharding.wrap import build_wrap_plan
 from tests.conftest import build_model
 
 

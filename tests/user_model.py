@@ -73,7 +73,7 @@ def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
 
     import torch.distributed as dist
 
-    from fsdp_zero.distributed import failure_key
+    from fsdp_zero.distributed.env import failure_key
     from fsdp_zero.torch_private import default_store
 
     inputs, targets = batch
@@ -119,7 +119,7 @@ def disk_full_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
 
 def _until_sigterm(send) -> None:
     """Calls ``send()`` (which makes something send this process SIGTERM) and returns once the SIGTERM has
-    arrived and the trainer's handler (fsdp_zero.stopping.StepGuard) has seen it (at most 2 minutes)."""
+    arrived and the trainer's handler (fsdp_zero.training.stopping.StepGuard) has seen it (at most 2 minutes)."""
     import signal
     import time
 

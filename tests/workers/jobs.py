@@ -1,4 +1,4 @@
-"""Trains configured models through fsdp_zero.trainer and saves what the tests compare, several per launch.
+"""Trains configured models through fsdp_zero.training.trainer and saves what the tests compare, several per launch.
 
     python tests/workers/jobs.py OUT.pt [--config X.yaml] key=value ...    # one job
     python tests/workers/jobs.py --jobs JOBS.json      # [[OUT.pt, [args ...], {options}], ...] in order
@@ -34,7 +34,7 @@ what the tests observe of the run itself (each observation is of the effect, not
                         was published); monotonic seconds
     writes_done         with ``slow_writes``: when each of this rank's checkpoint writes finished
     loss_times          (call, time) at the end of each loss computation (a forward)
-    evals               eval.every > 0: the eval/* scalars by step (fsdp_zero.evaluate)
+    evals               eval.every > 0: the eval/* scalars by step (fsdp_zero.training.evaluate)
     peak_mib            every rank's (peak over the training's log intervals, peak through its evaluations)
 """
 
@@ -49,13 +49,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_zero import checkpoint as checkpoint_lib
-from fsdp_zero.config_loader import load_config
-from fsdp_zero.distributed import distributed, exit_process
-from fsdp_zero.parallelize import AllReduceScatter
-from fsdp_zero.tasks import logits_of
+from fsdp_zero.checkpoint import dcp as checkpoint_lib
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.distributed.env import distributed, exit_process
+from fsdp_zero.sharding.parallelize import AllReduceScatter
+from fsdp_zero.model.tasks import logits_of
 from fsdp_zero.torch_private import fsdp_unit_settings
-from fsdp_zero.trainer import setup, train
+from fsdp_zero.training.trainer import setup, train
 
 # ---------------------------------------------------------------------------------
 # Observers: they wrap the real thing and record what passes through; nothing is replaced.

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for `tests`
 
-from fsdp_zero.config_loader import load_config  # noqa: E402
+from fsdp_zero.config.loader import load_config  # noqa: E402
 from tests.reference import reference_run  # noqa: E402
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""State on disk: DCP checkpoints and full weights."""

@@ -1,0 +1,472 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic save, exact resume, reshard.
+
+Layout of one checkpoint, ``<run dir>/checkpoints/step-0000050/``:
+
+    __R_0.distcp ...   each rank's own shards of the model and AdamW states (DCP)
+    .metadata          DCP's index of every tensor and chunk
+    train_state.json   `TrainState`: step, data position, skipped steps, loss scale, time budget,
+                       world size, versions
+    config.yaml        the resolved config the run had
+
+Only tensors go through DCP: its loader unpickles non-tensor items with
+``weights_only=False``, so the train state lives in JSON (`TrainState`), and DCP's
+``.metadata`` is read through an allow-listed unpickler (`SafeFileSystemReader`).
+
+A save writes into ``.partial-step-0000050`` and is renamed by rank 0 once DCP has
+written the metadata, which it does only after every rank reported its files. A crash
+mid-save leaves a hidden partial folder that discovery never picks up; the previous
+checkpoint is untouched. Model and optimizer tensors are keyed by parameter FQN with
+their global shapes, so a checkpoint saved at N ranks loads at any M.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import sys
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+import fsdp_zero
+from fsdp_zero.sharding.parallelize import unwrap
+from fsdp_zero.training.stopping import RunEnded
+from fsdp_zero.torch_private import DCP_METADATA_PRIVATE, _init_optim_state
+
+logger = logging.getLogger("fsdp_zero")
+
+STATE_FILE = "train_state.json"
+CONFIG_FILE = "config.yaml"
+_NAME = re.compile(r"step-(\d{7})")
+_PARTIAL_PREFIX = ".partial-"
+
+
+# ---------------------------------------------------------------------------------
+# Folder naming, discovery, retention (pure functions of the file tree)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a complete-looking checkpoint folder name, else None (partials included)."""
+    m = _NAME.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+_REQUIRED = (".metadata", STATE_FILE, CONFIG_FILE)
+
+
+def is_complete(path: Path) -> bool:
+    return checkpoint_step(path) is not None and all((path / f).is_file() for f in _REQUIRED)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def apply_retention(root: Path, keep_last: int, written: list[Path]) -> list[Path]:
+    """Deletes all but the newest ``keep_last`` of the complete checkpoints among ``written`` (0 keeps
+    all); returns those deleted.
+
+    Only what this launch wrote is ever deleted: the checkpoints of earlier launches or restarts
+    (the one resumed from included) stay, so a restart that goes wrong again cannot prune the good
+    ones away.
+    """
+    ours = {path.name for path in written}
+    found = [path for path in list_checkpoints(root) if path.name in ours]
+    doomed = found[:-keep_last] if keep_last > 0 else []
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+# ---------------------------------------------------------------------------------
+# Safe reading
+
+
+_ALLOWED = DCP_METADATA_PRIVATE | {
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, admitting only DCP's own metadata classes and a few torch types.
+
+    Names are matched exactly: a dotted name (pickle protocol 4 resolves
+    ``metadata.os.system`` through the module's imports) or anything else is refused.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:
+            if (module, name) in _ALLOWED:
+                return super().find_class(module, name)
+            if module == _METADATA_MODULE:
+                obj = getattr(sys.modules[_METADATA_MODULE], name, None)
+                if isinstance(obj, type) and obj.__module__ == _METADATA_MODULE:
+                    return obj
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with an allow-listed unpickler for ``.metadata``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise ValueError(f"{self.path}: not a checkpoint (no .metadata)") from None
+        except Exception as e:
+            raise ValueError(f"{self.path}/.metadata is corrupt or not DCP metadata: {e}") from None
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{self.path}/.metadata is not DCP metadata")
+        # We never save anything but tensors; DCP would torch.load(weights_only=False) any byte item.
+        not_tensors = sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
+        if not_tensors:
+            raise ValueError(f"{self.path}: holds non-tensor items ({', '.join(not_tensors[:5])}); "
+                             "refusing to load them (they would be unpickled)")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds besides tensors: where the run is. ``train_state.json`` is written by
+    `to_json` and read by `from_json`, nowhere else."""
+
+    step: int  # optimizer steps taken
+    data_position: int = 0  # samples of the global batch order consumed (the data cursor's position)
+    skipped_nonfinite: int = 0  # non-finite steps skipped so far (train.skip_nonfinite)
+    loss_scaler: dict | None = None  # fp16's dynamic loss scale and its counters
+    deadline: float | None = None  # the end of the time budget (train.max_minutes), seconds since the epoch
+    job: str | None = None  # the torchrun job whose budget that is (a restart of it keeps the deadline)
+    world_size: int | None = None  # the save's (set by `Checkpointer.save`)
+    versions: dict[str, str] = field(default_factory=dict)  # torch's and ours, at the save
+    extra: dict[str, Any] = field(default_factory=dict)  # the own-loop API's keys (`fsdp_zero.api.Checkpoints`)
+
+    def to_json(self) -> str:
+        plain = asdict(self)
+        extra = plain.pop("extra")
+        return json.dumps({**{k: v for k, v in plain.items() if v is not None}, **extra}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainState:
+        """Raises ValueError (or json.JSONDecodeError) for text that is not a train state."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict) or not isinstance(raw.get("step"), int):
+            raise ValueError("no integer 'step'")
+        raw.pop("seed", None)  # written until 2026-11, never read: a run's seed is in its config.yaml
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: raw.pop(k) for k in list(raw) if k in known}, extra=raw)
+
+
+def read_train_state(path: Path) -> TrainState:
+    """The JSON side of a checkpoint.
+
+    Raises:
+        ValueError: a missing, partial or corrupt checkpoint.
+    """
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r}: no such folder")
+    if path.name.startswith(_PARTIAL_PREFIX):
+        raise ValueError(f"checkpoint {str(path)!r} is a partial save (interrupted before it completed)")
+    missing = [f for f in _REQUIRED if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is incomplete: {', '.join(missing)} missing")
+    try:
+        return TrainState.from_json((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"checkpoint {str(path)!r}: {STATE_FILE} is corrupt: {e}") from None
+
+
+# ---------------------------------------------------------------------------------
+# State
+
+
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer tensors keyed by parameter FQN (sharded DTensors under FSDP).
+
+    The values are the live tensors (or views of them), so DCP loads in place.
+    ZeroRedundancyOptimizer (zero1) is not covered by torch's state-dict API: each rank
+    contributes the AdamW states of its own partition, under the same FQN keys, so the
+    checkpoint holds every parameter's state once, in full, like a DDP one.
+    """
+    model_sd = get_model_state_dict(model)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        local = optimizer.optim  # this rank's AdamW over its partition
+        if not local.state:
+            _init_optim_state(local)  # lazily created states must exist to be loaded into
+        names = {id(p): fqn for fqn, p in unwrap(model).named_parameters()}
+        return {"model": model_sd, "optim": {names[id(p)]: dict(st) for p, st in local.state.items()}}
+    return {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng_rank{rank}"
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Size]:
+    out: dict[str, torch.Size] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat_shapes(value, prefix=f"{name}."))
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.shape
+    return out
+
+
+def check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
+    """Raises a ValueError listing missing, unexpected and mis-shaped tensors, if any."""
+    saved = {k: v.size for k, v in metadata.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata) and k.split(".")[0] in ("model", "optim")}
+    missing = sorted(set(expected) - set(saved))
+    # Only model keys can be unexpected: under zero1 a rank asks for its partition's optimizer states alone.
+    unexpected = sorted(k for k in set(saved) - set(expected) if k.startswith("model."))
+    misshaped = sorted(f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
+                       for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k]))
+    if missing or unexpected or misshaped:
+        raise does_not_fit(f"checkpoint {str(path)!r}", missing, unexpected, misshaped)
+
+
+def does_not_fit(what: str, missing: list[str], unexpected: list[str], misshaped: list[str],
+                 how: str = "") -> ValueError:
+    """One line naming what does not fit the model (``how``: after a renaming of its keys): the first
+    8 of each kind of mismatch, and how many."""
+    parts = [f"{what} does not fit this model" + (f" (with the renaming {how})" if how else "")]
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+        if items:
+            parts.append(f"{label}: " + ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else ""))
+    return ValueError("; ".join(parts))
+
+
+# ---------------------------------------------------------------------------------
+# Save
+
+
+class CheckpointFailed(RunEnded):
+    """A save failed on some rank (disk full, quota, I/O error). Nothing of that save was kept and the
+    checkpoints before it are untouched."""
+
+    exit_code = 6
+
+
+def _causes(error: BaseException) -> str:
+    """Each failing rank's error in one line, from DCP's gathered exception (or the error itself)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                         for rank, (exc, _) in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
+@dataclass
+class PendingSave:
+    future: Future
+    partial: Path
+    final: Path
+
+
+class Checkpointer:
+    """Saves and loads a run's checkpoints; one per run, on every rank."""
+
+    def __init__(self, root: Path, keep_last: int, async_save: bool, rank: int, device: torch.device,
+                 timeout: datetime.timedelta | None = None) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self.rank = rank
+        self.device = device
+        self.pending: PendingSave | None = None
+        self.written: list[Path] = []  # what this launch saved: all that retention may delete
+        # Async saves run their collectives in a background thread: on a group of their
+        # own, so they never interleave with the training step's collectives (``timeout``: how long
+        # they may wait for the slowest rank's I/O; None: torch's default).
+        self.async_group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState,
+             config_yaml: str) -> None:
+        """Writes checkpoint ``step`` (``train_state`` with this world size and the versions); returns
+        at once when saving asynchronously."""
+        self.wait()  # one save in flight at a time
+        final = self.root / checkpoint_name(step)
+        partial = self.root / f"{_PARTIAL_PREFIX}{final.name}"
+        error = None
+        if self.rank == 0:
+            if final.exists():
+                error = f"checkpoint {final} already exists; it is never overwritten"
+            else:
+                if partial.exists():  # left by a crash: garbage by construction
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+                state = replace(train_state, world_size=dist.get_world_size(),
+                                versions={"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__})
+                (partial / STATE_FILE).write_text(state.to_json())
+                (partial / CONFIG_FILE).write_text(config_yaml)
+        box = [error]
+        dist.broadcast_object_list(box, src=0)  # every rank stops, or none does
+        if box[0]:
+            raise ValueError(box[0])
+        state = {**_tensor_state(model, optimizer), _rng_key(self.rank): _rng_state(self.device)}
+        _fault_point("before_write", step)
+        writer = dcp.FileSystemWriter(str(partial))
+        if self.async_group is not None:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
+            self.pending = PendingSave(future, partial, final)
+            return
+        try:
+            dcp.save(state, storage_writer=writer)
+        except (Exception, CheckpointException) as e:  # DCP raises on every rank once any rank's write failed
+            raise self._failed(partial, final, e) from None
+        _fault_point("after_write", step)
+        self._commit(partial, final)
+        dist.barrier()
+
+    def poll(self) -> None:
+        """Publishes a finished async save at once (called every step; no collectives)."""
+        if self.pending is not None and self.pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Completes the save in flight, if any.
+
+        No collective here: rank 0's save returns only after DCP gathered every rank's
+        write results and wrote the metadata, so rank 0 alone may publish it, whenever
+        it sees its own future done; the other ranks just drop theirs.
+        """
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as e:
+            raise self._failed(pending.partial, pending.final, e) from None
+        self._commit(pending.partial, pending.final)
+
+    def _failed(self, partial: Path, final: Path, error: BaseException) -> CheckpointFailed:
+        """Removes what the failed save wrote (rank 0) and says what is left."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        good = latest_checkpoint(self.root)
+        kept = f"{good} is intact (launch again to continue from it)" if good else "no earlier checkpoint exists"
+        return CheckpointFailed(f"checkpoint {final.name} could not be written ({_causes(error)}); nothing of it "
+                                f"was kept and {kept}; free space in {self.root} or point run.root elsewhere")
+
+    def _commit(self, partial: Path, final: Path) -> None:
+        # DCP writes .metadata on rank 0 only after gathering every rank's write results,
+        # so once rank 0's save returns the folder is complete: the rename publishes it.
+        if self.rank != 0:
+            return
+        os.replace(partial, final)
+        _fsync_dir(self.root)
+        self.written.append(final)
+        for old in apply_retention(self.root, self.keep_last, self.written):
+            logger.info("checkpoint: removed %s (checkpoint.keep_last=%d of this launch's)", old.name, self.keep_last)
+        logger.info("checkpoint: saved %s", final)
+
+    def close(self) -> None:
+        self.wait()
+        if self.async_group is not None:
+            dist.destroy_process_group(self.async_group)
+            self.async_group = None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fault_point(where: str, step: int) -> None:
+    """Test hook: FSDP_ZERO_FAULT=<where>:<step> kills this process there (SIGKILL, no clean-up)."""
+    if os.environ.get("FSDP_ZERO_FAULT") == f"{where}:{step}":
+        os.kill(os.getpid(), 9)
+
+
+# ---------------------------------------------------------------------------------
+# Load
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                    device: torch.device) -> TrainState:
+    """Loads model, optimizer and this rank's RNG from ``path``; returns its train state.
+
+    Works at any world size: DCP reads, for each rank, the parts of the saved chunks
+    that overlap the rank's shards.
+
+    Raises:
+        ValueError: a missing, partial or corrupt checkpoint, or one of another model.
+    """
+    train_state = read_train_state(path)
+    reader = SafeFileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    state = _tensor_state(model, optimizer)  # the structure (and shards) to load into
+    check_matches(metadata, _flat_shapes(state), path)
+    rng_key = _rng_key(rank)
+    if any(k.startswith(f"{rng_key}.") for k in metadata.state_dict_metadata):
+        state[rng_key] = _rng_state(device)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure and raises on all ranks
+        # (CheckpointException derives from BaseException.) Keep the first line of each rank's cause.
+        raise ValueError(f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {_causes(e)}") from None
+    set_model_state_dict(model, state["model"])
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states were loaded in place
+        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+        set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": groups})
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key]["cpu"])
+        if "cuda" in state[rng_key] and device.type == "cuda":
+            torch.cuda.set_rng_state(state[rng_key]["cuda"], device)
+    return train_state

@@ -1,0 +1,350 @@
+"""Full (non-sharded) weights in and out: import into a sharded model, streaming export.
+
+Import: ``model.init_from`` names a ``torch.save(model.state_dict())`` file, a
+``.safetensors`` file, or a folder of safetensors shards with a
+``model.safetensors.index.json``. Each rank reads only the rows of each tensor that
+fall in its own shard (safetensors slices; ``torch.load(mmap=True, weights_only=True)``
+for .pt, which maps the file rather than reading it), so no rank builds the full model.
+
+Export: tensors are read from a DCP checkpoint one at a time and written straight into
+safetensors files, so peak memory is about the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fsdp_zero.checkpoint.dcp import SafeFileSystemReader, does_not_fit, read_train_state
+from fsdp_zero.model.init import local_rows
+from fsdp_zero.model.lora import adapter_names
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------
+# Reading a full state dict lazily
+
+
+class FullWeights:
+    """Name -> shape, and row ranges read on demand, from a .pt, a .safetensors or a shard folder."""
+
+    def __init__(self, path: Path, key: str = "model.init_from") -> None:
+        self.path = path
+        self._files: dict[str, Path] = {}
+        self._pt: dict[str, torch.Tensor] | None = None
+        if path.is_dir():
+            index = path / INDEX_FILE
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                    self._files = {name: path / file for name, file in weight_map.items()}
+                except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+                    raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}") from None
+            elif (path / SINGLE_FILE).is_file():
+                self._files = {name: path / SINGLE_FILE for name in _safetensors_names(path / SINGLE_FILE)}
+            else:
+                raise ValueError(f"{key}={str(path)!r}: a folder needs {INDEX_FILE} or {SINGLE_FILE}")
+        elif path.suffix == ".safetensors":
+            self._files = {name: path for name in _safetensors_names(path)}
+        else:
+            try:
+                loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as e:
+                raise ValueError(f"{key}={str(path)!r}: not a loadable state dict ({e})") from None
+            if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+                raise ValueError(f"{key}={str(path)!r}: expected a dict of tensors (torch.save(model.state_dict()))")
+            self._pt = loaded
+        self.shapes = self._read_shapes()
+
+    def _read_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._pt is not None:
+            return {k: tuple(v.shape) for k, v in self._pt.items()}
+        from safetensors import safe_open
+
+        shapes = {}
+        for file in sorted(set(self._files.values())):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        return shapes
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor ``name`` (the whole of a 0-d tensor)."""
+        if self._pt is not None:
+            t = self._pt[name]
+            return t if t.dim() == 0 else t[start:stop]
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="pt") as f:
+            sl = f.get_slice(name)
+            return f.get_tensor(name) if len(sl.get_shape()) == 0 else sl[start:stop]
+
+
+def _safetensors_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:
+        raise ValueError(f"{str(path)!r}: not a readable safetensors file ({e})") from None
+
+
+def _state_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """Every tensor of the model's state dict once, with all the names it goes by (tied weights:
+    several; Hugging Face saves only one of them)."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    return [(names[i], tensors[i]) for i in names]
+
+
+def _common_prefixes(keys: list[str]) -> list[str]:
+    """'' and each leading dotted path ('a.', 'a.b.') that every key starts with."""
+    out, first = [""], keys[0].split(".")[:-1] if keys else []
+    for depth in range(1, min(3, len(first) + 1)):
+        prefix = ".".join(first[:depth]) + "."
+        if all(k.startswith(prefix) for k in keys):
+            out.append(prefix)
+    return out
+
+
+def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str,
+                     optional: frozenset[str] = frozenset()) -> tuple[dict[str, str], str]:
+    """Which file tensor fills each of the model's state tensors: {model name: file name}, and the
+    renaming applied ('' if none).
+
+    Names may differ by a prefix a wrapper adds or removes (DDP's 'module.', torch.compile's
+    '_orig_mod.', a Hugging Face base model's 'model.'): every way of stripping a prefix all file
+    names share and adding one all model names share is tried, and the one that fits is used.
+    A tied weight needs only one of its names in the file; the ``optional`` ones (LoRA's adapters,
+    initialised, not loaded) need not be there.
+
+    Raises:
+        ValueError: no renaming fits; lists missing, unexpected and mis-shaped keys.
+    """
+    state = _state_tensors(model)
+    model_names = {n for names, _ in state for n in names}
+    files = list(shapes)
+    best: tuple[int, dict[str, str], list[str], list[str], list[str], str] | None = None
+    for strip in _common_prefixes(files):
+        for add in _common_prefixes(sorted(model_names)):
+            renamed = {add + k[len(strip):]: k for k in files}
+            mapping, missing, misshaped = {}, [], []
+            for names, t in state:
+                hit = next((n for n in names if n in renamed), None)
+                if hit is None:
+                    if names[0] not in optional:
+                        missing.append(names[0])
+                elif tuple(shapes[renamed[hit]]) != tuple(t.shape):
+                    misshaped.append(f"{names[0]}: file {tuple(shapes[renamed[hit]])} vs model {tuple(t.shape)}")
+                else:
+                    mapping[names[0]] = renamed[hit]
+            unexpected = sorted(renamed[k] for k in renamed if k not in model_names)
+            how = "" if not (strip or add) else f"file names {strip or ''!r} -> {add or ''!r}"
+            errors = len(missing) + len(misshaped) + len(unexpected)
+            if best is None or errors < best[0]:
+                best = (errors, mapping, sorted(missing), unexpected, sorted(misshaped), how)
+    errors, mapping, missing, unexpected, misshaped, how = best
+    if errors:
+        raise does_not_fit(origin, missing, unexpected, misshaped, how)
+    return mapping, how
+
+
+@torch.no_grad()
+def load_full_weights(model: nn.Module, path: Path, key: str = "model.init_from") -> str:
+    """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
+    model, each rank reading only its rows; returns the renaming applied (see `match_state_dict`).
+    ``key``: the setting that named ``path``, for the errors.
+
+    Raises:
+        ValueError: an unreadable file, or keys/shapes that do not fit the model.
+    """
+    weights = FullWeights(path, key)
+    mapping, how = match_state_dict(model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model))
+    state = model.state_dict(keep_vars=True)
+    for name, file_name in mapping.items():
+        tensor = state[name]
+        if tensor.dim() == 0:  # e.g. BatchNorm's num_batches_tracked
+            tensor.copy_(weights.rows(file_name, 0, 0).to(tensor.dtype))
+            continue
+        local, start, stop = local_rows(tensor)
+        if stop > start:
+            local.copy_(weights.rows(file_name, start, stop).to(local.dtype))
+    return how
+
+
+# ---------------------------------------------------------------------------------
+# Writing safetensors, one tensor at a time
+
+
+def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, list[int]]:
+    meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset, sizes = 0, []
+    for name, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        meta[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+        sizes.append(size)
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data must start 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, sizes
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                      fetch: Callable[[str], torch.Tensor]) -> None:
+    """Writes ``entries`` (name, dtype, shape) to ``path``, calling ``fetch(name)`` for one tensor at a time."""
+    header, sizes = _header(entries)
+    with open(path, "wb") as f:
+        f.write(header)
+        for (name, dtype, shape), size in zip(entries, sizes):
+            t = fetch(name)
+            assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, shape, t.dtype, dtype)
+            # Written from the tensor's own buffer: no second copy of the tensor in memory.
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+            assert len(data) == size
+            f.write(memoryview(data))
+            del t, data
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int) -> list[list[int]]:
+    """Groups entry indices into files of at most ``max_bytes`` (a tensor larger than that gets a file of its own)."""
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, (_, dtype, shape) in enumerate(entries):
+        size = math.prod(shape) * dtype.itemsize
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += size
+    return shards
+
+
+def iter_shard_files(n: int) -> Iterator[str]:
+    for i in range(n):
+        yield SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------
+# Export from a DCP checkpoint
+
+
+# What an export writes: {output name: saved name} and how to read an output tensor, from the saved names
+# and their reader (`fsdp_zero.model.lora.export_view`: LoRA merged, or the adapters alone under PEFT's names).
+ExportView = Callable[[list[str], Callable[[str], torch.Tensor]], tuple[dict[str, str], Callable[[str], torch.Tensor]]]
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = None,
+                      max_shard_bytes: int | None = None,
+                      extra_files: Callable[[torch.dtype | None], dict[str, bytes]] | None = None,
+                      view: ExportView | None = None) -> list[Path]:
+    """Consolidates a checkpoint's model weights into safetensors, one tensor in memory at a time.
+
+    ``out`` ending in .safetensors is one file; otherwise a new folder holding
+    model.safetensors, or numbered shards and model.safetensors.index.json when the
+    weights exceed ``max_shard_bytes``, and (folders only) ``extra_files(the exported
+    floating-point dtype)``: {name: bytes} written beside them (a Hugging Face model's
+    config.json and tokenizer, `fsdp_zero.model.hf.export_files`). Needs no GPU and no process group. Writes into
+    a temporary name and renames at the end: an interrupted export leaves nothing
+    that looks finished, and an existing ``out`` is never overwritten. ``view``: which tensors to
+    write, under which names (default: every saved one as it is).
+
+    Raises:
+        ValueError: an unreadable checkpoint, an existing ``out``, or a single file over the size limit.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    read_train_state(checkpoint)
+    if out.exists():
+        raise ValueError(f"--out {str(out)!r} already exists; it is never overwritten")
+    metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
+    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not saved:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} holds no model weights")
+    reader = SafeFileSystemReader(str(checkpoint))
+
+    def fetch_saved(name: str) -> torch.Tensor:
+        md = saved[name]
+        t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({"model": {name: t}}, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise ValueError(f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated file?): "
+                             f"{str(e).strip().splitlines()[-1]}") from None
+        return t
+
+    sources, read = view(list(saved), fetch_saved) if view else ({n: n for n in saved}, fetch_saved)
+    entries = [(name, dtype if (dtype and saved[src].properties.dtype.is_floating_point) else
+                saved[src].properties.dtype, tuple(saved[src].size)) for name, src in sources.items()]
+    fetch = lambda name: _cast(read(name), dtype)  # noqa: E731
+
+    single = out.suffix == ".safetensors"
+    shards = plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
+    if single and len(shards) > 1:
+        total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
+        raise ValueError(f"--out {str(out)!r} is one file, but the weights ({total:,} bytes) exceed --max-shard-size; "
+                         "give a folder to write shards into")
+    tmp = out.with_name(f".{out.name}.partial")
+    _remove(tmp)
+    try:
+        if single:
+            write_safetensors(tmp, entries, fetch)
+            tmp.replace(out)
+            return [out]
+        tmp.mkdir(parents=True)
+        names = list(iter_shard_files(len(shards)))
+        extras = extra_files(next((d for _, d, _ in entries if d.is_floating_point), None)) if extra_files else {}
+        for name, data in extras.items():
+            (tmp / name).write_bytes(data)
+        weight_map = {}
+        for file, idx in zip(names, shards):
+            write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
+            weight_map.update({entries[i][0]: file for i in idx})
+        if len(shards) > 1:
+            total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        tmp.replace(out)
+        return [out / n for n in [*names, *extras]]
+    except BaseException:
+        _remove(tmp)  # an interrupted export leaves nothing behind
+        raise
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in the export dtype (floating-point tensors only; None: as saved)."""
+    return t.to(dtype) if (dtype and t.is_floating_point()) else t
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,1 @@
+"""What a run is: the schema, the strategy table, the loader and the DeepSpeed reader (torch-free)."""

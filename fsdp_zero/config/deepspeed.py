@@ -1,0 +1,563 @@
+"""A DeepSpeed JSON config, read as-is: ``scripts/train.py --deepspeed ds_config.json [key=value ...]``.
+
+`read_deepspeed` turns the JSON a DeepSpeed user already has into our ``key=value`` overrides
+(applied after ``--config`` and before the command line's own, so those win) and one printed
+line for every key that has no effect here, saying what fsdp-zero does instead. A key DeepSpeed
+does not know, a value we cannot honour (NVMe offload, quantized communication, an optimizer
+other than Adam/AdamW), a value of the wrong kind (NaN, a fraction where a count goes) or a
+contradiction (a batch that does not divide) is a ValueError naming the key. ``"auto"`` (which
+only the Hugging Face and Accelerate integrations resolve) means: ours to decide; the batch sizes
+are then derived as DeepSpeed derives them, other values keep our defaults, and each is listed.
+
+Each key we read is a `Rule` row: the DeepSpeed key, ours, the converter that checks its value,
+and what it means. `TABLE` holds them in the order their overrides are printed; a row read on its
+own applies itself, and rows that only mean something together (the batch arithmetic, ZeRO's
+layout, offload, precision, the schedule) are read by one named function each (a `Joint`). The
+docs/deepspeed.md's table is `mapping_table()`, built from the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp_zero.config.schema import ZERO_STAGES, is_fsdp
+
+# The one place that knows what a ZeRO stage is here: stage -> our strategy's name.
+STAGES = {stage: strategy.value for stage, strategy in ZERO_STAGES.items()}
+# Our keys that the table writes in short form: config.load_config reads ``precision=MODE`` as
+# ``precision.mode=MODE`` (config._apply_aliases).
+SHORTHAND = {"precision": "precision.mode"}
+
+# Keys FSDP2 handles differently or makes unnecessary: what fsdp-zero does instead.
+NO_EFFECT = {
+    "overlap_comm": "FSDP2 overlaps all-gathers and reduce-scatters with compute on its own streams",
+    "contiguous_gradients": "FSDP2 reduce-scatters each unit's gradients from one flat buffer",
+    "reduce_bucket_size": "FSDP2 reduces one unit (wrap plan) at a time; the units are the buckets",
+    "allgather_bucket_size": "FSDP2 all-gathers one unit at a time; the units are the buckets",
+    "allgather_partitions": "FSDP2 always all-gathers a unit's shards as one collective",
+    "reduce_scatter": "FSDP2 always reduce-scatters gradients",
+    "round_robin_gradients": "no effect with FSDP2",
+    "stage3_prefetch_bucket_size": "FSDP2 prefetches the next unit; explicit depth: parallel.prefetch",
+    "stage3_param_persistence_threshold": "every unit is sharded; small units: parallel.wrap.min_params",
+    "stage3_max_live_parameters": "at most the gathered units of the current and the prefetched ones live",
+    "stage3_max_reuse_distance": "FSDP2 frees a unit's gathered parameters after its forward (ZeRO-3) or backward",
+    "stage3_gather_16bit_weights_on_model_save": "scripts/export.py writes full weights (safetensors) from a sharded checkpoint",
+    "gather_16bit_weights_on_model_save": "scripts/export.py writes full weights (safetensors) from a sharded checkpoint",
+    "elastic_checkpoint": "DCP checkpoints load at any world size",
+    "ignore_unused_parameters": "FSDP2 handles parameters without gradients",
+    "load_from_fp32_weights": "checkpoints hold the fp32 master weights",
+    "memory_efficient_linear": "no effect with FSDP2",
+    "offload_optimizer.pin_memory": "pinned on CUDA, unpinned on CPU-only runs",
+    "offload_param.pin_memory": "pinned on CUDA, unpinned on CPU-only runs",
+    "offload_optimizer.buffer_count": "no effect with FSDP2's CPU offload",
+    "offload_optimizer.fast_init": "no effect with FSDP2's CPU offload",
+    "offload_param.buffer_count": "no effect with FSDP2's CPU offload",
+    "offload_param.buffer_size": "no effect with FSDP2's CPU offload",
+    "offload_param.max_in_cpu": "no effect with FSDP2's CPU offload",
+    "fp16.hysteresis": "the scale halves on every overflow (torch's GradScaler)",
+    "fp16.min_loss_scale": "no floor: the scale halves on every overflow (torch's GradScaler)",
+    "fp16.consecutive_hysteresis": "the scale halves on every overflow (torch's GradScaler)",
+    "fp16.auto_cast": "FSDP2 casts each unit's floating inputs to the compute dtype",
+    "bf16.immediate_grad_update": "gradients are reduced in precision.reduce_dtype (fp32) into fp32 shards",
+    "zero_allow_untested_optimizer": "AdamW only",
+    "zero_force_ds_cpu_optimizer": "torch's AdamW steps on the CPU under offload",
+    "prescale_gradients": "FSDP2 averages gradients in the reduction",
+    "gradient_predivide_factor": "FSDP2 averages gradients in the reduction",
+    "memory_breakdown": "the memory breakdown is logged at memory.profile_step",
+    "flops_profiler": "no flops profiler; tokens/s are logged",
+    "activation_checkpointing": "configures DeepSpeed's checkpointing API for model code; use "
+                                "parallel.activation_checkpointing=full|selective",
+    "tensorboard.output_path": "TensorBoard events go to <run dir>/tb (run.root, run.name)",
+    "tensorboard.job_name": "TensorBoard events go to <run dir>/tb (run.root, run.name)",
+    "scheduler.params.warmup_min_lr": "warm-up starts at lr / warmup_steps",
+    "scheduler.params.warmup_type": "the warm-up is linear",
+    "scheduler.params.warmup_min_ratio": "warm-up starts at lr / warmup_steps",
+    "scheduler.params.last_batch_iteration": "the learning rate is set from the step number on resume",
+    "optimizer.params.torch_adam": "torch's AdamW",
+    "optimizer.params.adam_w_mode": "AdamW (decoupled weight decay)",
+    "optimizer.params.amsgrad": "AdamW without amsgrad",
+    "dump_state": "the resolved config is printed and saved as config.yaml",
+}
+# Keys whose values we cannot honour, with the valid choices.
+UNSUPPORTED = {
+    "zero_quantized_weights": "ZeRO++ quantized weights: not supported (valid: false)",
+    "zero_quantized_gradients": "ZeRO++ quantized gradients: not supported (valid: false)",
+    "zero_quantized_nontrainable_weights": "not supported (valid: false)",
+    "amp": "apex AMP: not supported; use fp16 or bf16",
+    "pipeline": "pipeline parallelism: not supported",
+    "sparse_attention": "not supported",
+    "aio": "NVMe offload: not supported",
+    "compression_training": "not supported",
+    "elasticity": "DeepSpeed elasticity: not supported (see torchrun --max-restarts)",
+    "autotuning": "not supported",
+    "data_efficiency": "not supported",
+    "curriculum_learning": "not supported",
+}
+SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+
+# DeepSpeed reads these sections through pydantic models (DeepSpeedZeroConfig, DeepSpeedFP16Config,
+# DeepSpeedBF16Config, TensorBoardConfig: subclasses of DeepSpeedConfigModel in
+# deepspeed/runtime/config_utils.py, whose model_config is not strict), so a number written as a
+# string is read as the number ("3" as 3, "3.0" as an integer 3, "1e-4" as 0.0001) and
+# "true"/"false" as booleans. The top-level scalars (train_batch_size, gradient_clipping, ...: a
+# plain dict.get in get_scalar_param, deepspeed/runtime/config.py), optimizer.params and
+# scheduler.params (passed to torch's optimizer and DeepSpeed's schedulers as written) are not
+# converted, and a string there fails in DeepSpeed; it is an error here too. Read from DeepSpeed's
+# master of 2026-08-22 (edaa722).
+_PYDANTIC_SECTIONS = ("zero_optimization.", "fp16.", "bf16.", "tensorboard.")
+# The strings pydantic's lax mode reads as booleans.
+_TRUE, _FALSE = ("1", "on", "t", "true", "y", "yes"), ("0", "off", "f", "false", "n", "no")
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.lower() == "auto"
+
+
+def _bad(key: str, value: Any, why: str) -> ValueError:
+    """The one-line error for a DeepSpeed key: ``ds_config <key>=<value>: <why>``."""
+    return ValueError(f"ds_config {key}={value!r}: {why}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float (a JSON literal of 400 digits)
+        return False
+
+
+# Converters: ``(DeepSpeed key, JSON value) -> our value``, or a ValueError naming the key, the
+# value and what is valid. They never see null or "auto" (`_Reader` keeps those as "not given").
+Convert = Callable[[str, Any], Any]
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def number(kind: type[int] | type[float], *, min: float | None = None,
+           choices: Collection[int] | None = None) -> Convert:
+    """A converter to ``kind``: not a bool, finite, integral for an int, at least ``min``, one of ``choices``."""
+    valid = (f"valid choices: {', '.join(map(str, choices))}" if choices is not None else
+             f"expected {'an integer' if kind is int else 'a number'}{f' >= {min}' if min is not None else ''}")
+
+    def convert(key: str, value: Any) -> int | float:
+        text = isinstance(value, str)
+        read = _as_number(value) if text and key.startswith(_PYDANTIC_SECTIONS) else value
+        if (isinstance(read, bool) or not isinstance(read, (int, float)) or not _finite(read)
+                or (kind is int and read != int(read)) or (min is not None and read < min)
+                or (choices is not None and read not in choices)):
+            quoted = text and read is value and _as_number(value) is not None  # "32" where DeepSpeed wants 32
+            raise _bad(key, value, valid + (", not a string: DeepSpeed reads this key's JSON value as it is"
+                                            if quoted else ""))
+        return kind(read)
+
+    return convert
+
+
+def flag(key: str, value: Any) -> bool:
+    """true or false; also 0 and 1, and in pydantic's sections its strings ("true", "off", ...)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and key.startswith(_PYDANTIC_SECTIONS) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise _bad(key, value, "expected true or false")
+
+
+def choice(options: dict[str, str], valid: str = "", *, fold_case: bool = True) -> Convert:
+    """A converter from one of ``options``' names (any case, unless ``fold_case`` is off) to its value.
+
+    ``valid`` is what the error lists; by default the names.
+    """
+    def convert(key: str, value: Any) -> str:
+        name = value.lower() if isinstance(value, str) and fold_case else value
+        if not isinstance(name, str) or name not in options:
+            raise _bad(key, value, f"valid choices: {valid or ', '.join(options)}")
+        return options[name]
+
+    return convert
+
+
+def pair(key: str, value: Any) -> list[int | float]:
+    """Two finite numbers, as AdamW's betas (written back as given: 0.9 stays 0.9, 1 stays 1)."""
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in value)):
+        raise _bad(key, value, "expected two numbers, e.g. [0.9, 0.999]")
+    return value
+
+
+def offload_device(key: str, value: Any) -> str | None:
+    """``cpu``, or ``none`` in any case (None: no offload)."""
+    if isinstance(value, str) and value.lower() == "none":
+        return None
+    if value != "cpu":
+        raise _bad(key, value, "valid choices: cpu, none (NVMe offload is not supported)")
+    return value
+
+
+def _text(value: Any) -> str:
+    """A value as our dotlist overrides spell it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
+
+
+@dataclass
+class _Reader:
+    """The flattened JSON, each value read through its row's converter, and the notes rules add."""
+
+    flat: dict[str, Any]
+    world_size: int
+    notes: list[str] = field(default_factory=list)
+
+    def __getitem__(self, rule: Rule) -> Any:
+        """The converted value of ``rule``'s key; None where it is absent, null or "auto" (ours to decide)."""
+        value = self.raw(rule.ds)
+        return None if value is None else rule.convert(rule.ds, value)
+
+    def raw(self, key: str) -> Any:
+        value = self.flat.get(key)
+        return None if _is_auto(value) else value
+
+    def bad(self, key: str, why: str) -> ValueError:
+        return _bad(key, self.flat.get(key), why)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One DeepSpeed key with an equivalent here: a row of docs/deepspeed.md's table.
+
+    Attributes:
+        ds: the DeepSpeed key, dotted (``zero_optimization.stage``).
+        ours: the key of ours it sets, as docs/deepspeed.md shows it: ``key``, ``key=value`` (the value
+            is fixed), several of them joined by ", ", or ``(...)`` when it sets none (why, in brackets).
+        convert: checks and converts the JSON value (see `number`, `flag`, `choice`).
+        meaning: the table's last column.
+    """
+
+    ds: str
+    ours: str
+    convert: Convert
+    meaning: str = ""
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return (self,)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The dotted keys of `Config` this row sets, shorthand resolved (``precision`` -> ``precision.mode``)."""
+        return tuple(key for key, _ in self._parts())
+
+    def overrides(self, value: Any = None) -> list[str]:
+        """Our ``key=value`` overrides: a key ``ours`` fixes keeps its value, any other gets ``value``."""
+        assert self.targets, f"{self.ds} sets none of our keys"
+        return [f"{key}={_text(value) if fixed is None else fixed}" for key, fixed in self._parts()]
+
+    def _parts(self) -> list[tuple[str, str | None]]:
+        if self.ours.startswith("("):
+            return []
+        parts = [part.partition("=") for part in self.ours.split(", ")]
+        return [(SHORTHAND.get(key, key), fixed if eq else None) for key, eq, fixed in parts]
+
+    def __call__(self, ds: _Reader) -> list[str]:
+        """A row read on its own: its value, when given, is ours."""
+        value = ds[self]
+        return [] if value is None else self.overrides(value)
+
+
+@dataclass(frozen=True)
+class Joint:
+    """Rows that only mean something together, read by one named function into overrides."""
+
+    read: Callable[[_Reader], list[str]]
+    rules: tuple[Rule, ...]
+
+    def __call__(self, ds: _Reader) -> list[str]:
+        return self.read(ds)
+
+
+# Batch sizes.
+TRAIN_BATCH = Rule("train_batch_size", "train.global_batch_size", number(int, min=1),
+                   "samples per optimizer step over all ranks")
+MICRO_BATCH = Rule("train_micro_batch_size_per_gpu", "train.micro_batch_size", number(int, min=1),
+                   "samples per forward/backward on one rank")
+GRAD_ACCUM = Rule("gradient_accumulation_steps", "(derived)", number(int, min=1),
+                  "global / (micro x ranks); checked when all three are given")
+
+
+def _batch(ds: _Reader) -> list[str]:
+    """DeepSpeed's rule, train_batch_size = micro x accumulation x ranks: any two give the third."""
+    tbs, micro, gas, ranks = ds[TRAIN_BATCH], ds[MICRO_BATCH], ds[GRAD_ACCUM], ds.world_size
+    if tbs is not None and micro is not None and gas is not None and tbs != micro * gas * ranks:
+        raise ds.bad(TRAIN_BATCH.ds, f"!= {MICRO_BATCH.ds} {micro} x {GRAD_ACCUM.ds} {gas} x {ranks} ranks = "
+                                     f"{micro * gas * ranks}")
+    if tbs is None and micro is not None:
+        tbs = micro * (gas or 1) * ranks
+    if micro is None and tbs is not None:
+        per = (gas or 1) * ranks
+        if tbs % per:
+            raise ds.bad(TRAIN_BATCH.ds, f"does not divide over {GRAD_ACCUM.ds} {gas or 1} x {ranks} ranks")
+        micro = tbs // per
+    return [] if tbs is None else TRAIN_BATCH.overrides(tbs) + MICRO_BATCH.overrides(micro)
+
+
+# ZeRO: the stage, CPU offload, and the groups of hpZ and MiCS.
+STAGE = Rule("zero_optimization.stage", "parallel.zero_stage", number(int, choices=STAGES),
+             ", ".join(f"{stage} {name}" for stage, name in STAGES.items()))
+OFFLOAD_OPTIMIZER = Rule("zero_optimization.offload_optimizer.device", "parallel.cpu_offload", offload_device,
+                         "cpu: shards and the optimizer step on the CPU (FSDP2 offloads parameters too)")
+OFFLOAD_PARAM = Rule("zero_optimization.offload_param.device", "parallel.cpu_offload", offload_device,
+                     "cpu: as offload_optimizer")
+HPZ = Rule("zero_optimization.zero_hpz_partition_size", "parallel.reshard_after_forward", number(int, min=1),
+           "ZeRO++ hpZ group size")
+MICS = Rule("zero_optimization.mics_shard_size", "parallel.strategy=hybrid_shard, parallel.shard_size", number(int),
+            "MiCS = HSDP")
+
+
+def _zero(ds: _Reader) -> list[str]:
+    """The stage, offload, hpZ (1: off) and MiCS (-1, DeepSpeed's default: off).
+
+    MiCS shards within groups of ``mics_shard_size`` ranks: FSDP2's hybrid sharding, a strategy of its
+    own that replaces the stage's (both would contradict each other in `load_config`).
+    """
+    stage = ds[STAGE]
+    offload = _offload(ds, stage)
+    hpz, mics = ds[HPZ], ds[MICS]
+    hybrid = mics is not None and mics > 0
+    out = [] if stage is None or hybrid else STAGE.overrides(stage)
+    out += offload
+    if hpz is not None and hpz > 1:
+        out += HPZ.overrides(hpz)
+    if hybrid:
+        out += MICS.overrides(mics)
+    return out
+
+
+def _offload(ds: _Reader, stage: int | None) -> list[str]:
+    """FSDP2 has one switch for both of DeepSpeed's offloads, and only its sharded strategies honour it."""
+    parts = [rule for rule in (OFFLOAD_OPTIMIZER, OFFLOAD_PARAM) if ds[rule] == "cpu"]
+    if not parts:
+        return []
+    if stage is not None and not is_fsdp(ZERO_STAGES[stage]):
+        fsdp = " or ".join(str(s) for s, strategy in ZERO_STAGES.items() if is_fsdp(strategy))
+        raise ds.bad(parts[0].ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {STAGE.ds}={stage}")
+    if parts == [OFFLOAD_OPTIMIZER]:
+        ds.notes.append("ds_config zero_optimization.offload_optimizer: FSDP2's CPU offload moves the parameter "
+                        "shards to host memory too (as offload_param would)")
+    return ["parallel.cpu_offload=true"]
+
+
+def _sub_group(key: str, value: Any) -> int:
+    """Elements per optimizer sub-group; DeepSpeed's 0 (every tensor a sub-group of its own) is 1 here."""
+    return max(number(int, min=0)(key, value), 1)
+
+
+# DeepSpeed's ZeRO-3 steps its optimizer sub-group by sub-group (default 1e9 elements: one group for
+# any shard below that); here foreach AdamW steps groups of at most that many, at every stage.
+SUB_GROUP = Rule("zero_optimization.sub_group_size", "optim.step_group_size", _sub_group,
+                 "elements of a rank's shard AdamW steps at once (bit-identical; bounds foreach AdamW's "
+                 "temporaries); 0, one tensor at a time, is 1 here")
+
+
+# Precision.
+FP16 = Rule("fp16.enabled", "precision=fp16-mixed", flag, "fp32 master weights, fp16 compute, loss scaling")
+LOSS_SCALE = Rule("fp16.loss_scale", "precision.loss_scale", number(float, min=0), "0: dynamic")
+SCALE_POWER = Rule("fp16.initial_scale_power", "precision.initial_scale_power", number(int, min=0),
+                   "first scale 2**power")
+SCALE_WINDOW = Rule("fp16.loss_scale_window", "precision.loss_scale_window", number(int, min=0),
+                    "steps without overflow before doubling")
+BF16 = Rule("bf16.enabled", "precision=bf16-mixed", flag, "fp32 master weights, bf16 compute")
+
+
+def _precision(ds: _Reader) -> list[str]:
+    """fp16 or bf16 (not both); fp16's loss-scale settings are checked always and set only with fp16."""
+    fp16, bf16 = bool(ds[FP16]), bool(ds[BF16])
+    if fp16 and bf16:
+        raise ds.bad(FP16.ds, "fp16 and bf16 are both enabled; enable one")
+    out = FP16.overrides() if fp16 else BF16.overrides() if bf16 else []
+    for rule in (LOSS_SCALE, SCALE_POWER, SCALE_WINDOW):
+        value = ds[rule]
+        if value is not None and fp16:
+            out += rule.overrides(value)
+    return out
+
+
+# Optimizer and schedule.
+OPTIMIZER = Rule("optimizer.type", "(AdamW)", choice({"adam": "adam", "adamw": "adamw"},
+                                                     "Adam, AdamW (fsdp-zero trains with AdamW)"),
+                 "Adam and AdamW (DeepSpeed's Adam is AdamW unless adam_w_mode=false)")
+
+
+def _adam(ds: _Reader) -> list[str]:
+    """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack)."""
+    if ds[OPTIMIZER] == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
+        raise ds.bad("optimizer.params.adam_w_mode", "Adam with L2 regularisation is not supported; valid: true (AdamW)")
+    return []
+
+
+LR = Rule("optimizer.params.lr", "optim.lr", number(float, min=0), "peak learning rate")
+SCHEDULER = Rule("scheduler.type", "optim.schedule", choice(SCHEDULES, fold_case=False),
+                 "after the warm-up: WarmupLR constant, WarmupDecayLR linear to 0 at total_num_steps, "
+                 "WarmupCosineLR cosine to cos_min_ratio")
+WARMUP = Rule("scheduler.params.warmup_num_steps", "optim.warmup_steps", number(int, min=0),
+              "linear warm-up here (DeepSpeed's default is log)")
+WARMUP_MAX_LR = Rule("scheduler.params.warmup_max_lr", "optim.lr", number(float, min=0), "WarmupLR/WarmupDecayLR")
+TOTAL_STEPS = Rule("scheduler.params.total_num_steps", "train.steps", number(int, min=1), "the schedule's length")
+MIN_RATIO = Rule("scheduler.params.cos_min_ratio", "optim.min_lr_ratio", number(float, min=0), "WarmupCosineLR")
+
+
+def _schedule(ds: _Reader) -> list[str]:
+    """The schedule and the peak LR; DeepSpeed reads scheduler.params only with a scheduler.type.
+
+    WarmupLR and WarmupDecayLR warm up to ``warmup_max_lr`` (which wins over the optimizer's lr);
+    WarmupCosineLR to the optimizer's lr. WarmupLR then stays there (min_lr_ratio 1), the others
+    decay to 0 unless ``cos_min_ratio`` says otherwise.
+    """
+    lr, schedule = ds[LR], ds[SCHEDULER]
+    if schedule is None:
+        return [] if lr is None else LR.overrides(lr)
+    out = SCHEDULER.overrides(schedule)
+    peak = ds[WARMUP_MAX_LR]
+    if peak is not None and schedule != SCHEDULES["WarmupCosineLR"]:
+        lr = peak
+    for rule in (WARMUP, TOTAL_STEPS):
+        out += [] if (value := ds[rule]) is None else rule.overrides(value)
+    floor = ds[MIN_RATIO]
+    out += MIN_RATIO.overrides(floor if floor is not None else 1.0 if schedule == SCHEDULES["WarmupLR"] else 0.0)
+    return out + ([] if lr is None else LR.overrides(lr))
+
+
+# DeepSpeed tests this top-level key for truth as written (get_scalar_param); it only adds a note here.
+WALL_CLOCK = Rule("wall_clock_breakdown", "(always on)", lambda key, value: bool(value),
+                  "step time and throughput are logged every train.log_every steps")
+
+
+def _wall_clock(ds: _Reader) -> list[str]:
+    if ds[WALL_CLOCK]:
+        ds.notes.append("ds_config wall_clock_breakdown=true: step time and tokens/s are always logged (every "
+                        "train.log_every steps); the memory breakdown at memory.profile_step")
+    return []
+
+
+# Every key we read, in the order its overrides are printed.
+TABLE: tuple[Rule | Joint, ...] = (
+    Joint(_batch, (TRAIN_BATCH, MICRO_BATCH, GRAD_ACCUM)),
+    Rule("gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"),
+    Rule("steps_per_print", "train.log_every", number(int, min=0), "steps between log lines"),
+    Joint(_zero, (STAGE, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, HPZ, MICS)),
+    SUB_GROUP,
+    Joint(_precision, (FP16, LOSS_SCALE, SCALE_POWER, SCALE_WINDOW, BF16)),
+    Rule("communication_data_type", "precision.reduce_dtype",
+         choice({"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "float32": "fp32", "float16": "fp16",
+                 "bfloat16": "bf16"}), "gradient reduction dtype"),
+    Joint(_adam, (OPTIMIZER,)),
+    Rule("optimizer.params.eps", "optim.eps", number(float, min=0)),
+    Rule("optimizer.params.weight_decay", "optim.weight_decay", number(float, min=0), "decoupled (AdamW)"),
+    Rule("optimizer.params.betas", "optim.betas", pair),
+    Joint(_schedule, (LR, SCHEDULER, WARMUP, WARMUP_MAX_LR, TOTAL_STEPS, MIN_RATIO)),
+    Joint(_wall_clock, (WALL_CLOCK,)),
+    Rule("tensorboard.enabled", "metrics.tensorboard", flag),
+)
+# The rows, as docs/deepspeed.md lists them.
+MAPPED = tuple(rule for entry in TABLE for rule in entry.rules)
+_MAPPED_KEYS = {rule.ds for rule in MAPPED}
+# Sections whose unknown keys are answered with the keys of theirs we read.
+SECTIONS = tuple(dict.fromkeys(rule.ds.split(".")[0] for rule in MAPPED if "." in rule.ds))
+
+
+def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict) and full not in UNSUPPORTED and full not in NO_EFFECT:
+            out |= _flatten(value, f"{full}.")
+        else:
+            out[full] = value
+    return out
+
+
+def _tail(key: str) -> str:
+    """A zero_optimization key without its section (the tables list those by their own name)."""
+    return key.split(".", 1)[-1] if key.startswith("zero_optimization.") else key
+
+
+def _known(key: str) -> bool:
+    return key in _MAPPED_KEYS or any(k in NO_EFFECT or k in UNSUPPORTED for k in (key, _tail(key)))
+
+
+def _load(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``, its keys flattened (``zero_optimization.stage``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--deepspeed: file not found: {str(path)!r}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--deepspeed {str(path)!r}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--deepspeed {str(path)!r}: must hold a JSON object of DeepSpeed keys")
+    return _flatten(raw)
+
+
+def _check_keys(flat: dict[str, Any]) -> list[str]:
+    """Unknown keys and unsupported values are errors; keys without effect, and "auto", are noted."""
+    notes = []
+    for key, value in flat.items():
+        if not _known(key):
+            section = key.split(".")[0]
+            hint = f"; keys of '{section}' read here: " + ", ".join(
+                rule.ds for rule in MAPPED if rule.ds.startswith(section + ".")) if section in SECTIONS else ""
+            raise _bad(key, value, f"unknown DeepSpeed key{hint}")
+        tail = _tail(key)
+        if key in UNSUPPORTED or tail in UNSUPPORTED:
+            if value in (False, None, 0) or (isinstance(value, dict) and not value.get("enabled", True)):
+                continue
+            raise _bad(key, value, UNSUPPORTED.get(key) or UNSUPPORTED[tail])
+        if key in NO_EFFECT or tail in NO_EFFECT:
+            notes.append(f"ds_config {key}={json.dumps(value)}: no effect; {NO_EFFECT.get(key) or NO_EFFECT[tail]}")
+        elif _is_auto(value):
+            notes.append(f"ds_config {key}=auto: fsdp-zero's value is used")
+    return notes
+
+
+def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[str]]:
+    """The overrides a DeepSpeed config stands for, and one note per key without effect or left to us.
+
+    Args:
+        path: the DeepSpeed JSON file.
+        world_size: the number of ranks, for DeepSpeed's batch arithmetic.
+
+    Returns:
+        Our ``key=value`` overrides, in `TABLE`'s order, and the notes to print.
+
+    Raises:
+        ValueError: a missing or malformed file, an unknown key, a value of the wrong kind, an
+            unsupported value, or a contradiction; one line naming the key (as ``ds_config <key>``),
+            the value and the valid choices.
+    """
+    flat = _load(path)
+    notes = _check_keys(flat)
+    ds = _Reader(flat, world_size)
+    overrides = [override for entry in TABLE for override in entry(ds)]
+    return overrides, notes + ds.notes
+
+
+def mapping_table() -> str:
+    """docs/deepspeed.md's table: each DeepSpeed key and ours, then the keys without effect."""
+    rows = ["| DeepSpeed key | fsdp-zero | meaning |", "|---|---|---|"]
+    rows += [f"| `{rule.ds}` | `{rule.ours}` | {rule.meaning} |" for rule in MAPPED]
+    rows += [f"| `{ds}` | no effect | {why} |" for ds, why in NO_EFFECT.items()]
+    rows += [f"| `{ds}` | error unless off | {why} |" for ds, why in UNSUPPORTED.items()]
+    return "\n".join(rows)

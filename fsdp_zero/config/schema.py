@@ -1,0 +1,764 @@
+"""The typed configuration schema: each section's fields, and beside them the rules they obey.
+
+A run's config is the dataclass defaults below, merged with an optional YAML file
+that holds only the keys it changes, merged with ``key=value`` overrides from the
+command line (`fsdp_zero.config.loader`). Every user mistake (an unknown key, a value of the wrong
+type, a bad choice, a batch that does not divide) is a ``ValueError`` naming the key, the bad
+value and what would be valid, raised before anything is built or written.
+
+Each section checks its own keys in ``check()``, written right under its fields (as FSDP2's policy
+dataclasses validate themselves); the rules that need the world size are its ``check_world(n)``.
+`validate` runs every section's check and the few rules that span sections. The built-in model's
+own rules (a known preset, its fields) live with the model: `fsdp_zero.model.transformer.check_model_config`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class WrapPolicy(str, enum.Enum):
+    """Which submodules become FSDP units (each unit all-gathers its parameters as one)."""
+
+    transformer = "transformer"  # modules whose class name is in `classes`
+    size_based = "size_based"  # modules holding >= `min_params` not already wrapped
+    modules = "modules"  # modules whose FQN matches one of the regexes in `modules`
+    none = "none"  # only the root: the whole model is one unit
+
+
+class Strategy(str, enum.Enum):
+    """How model state is partitioned across data-parallel ranks.
+
+    full_shard (ZeRO-3): parameters, gradients and optimizer state sharded; each unit's
+        parameters are all-gathered for forward, freed, and all-gathered again for
+        backward (``reshard_after_forward=True``). Least memory, one extra all-gather.
+    shard_grad_op (ZeRO-2): as full_shard, but parameters stay gathered from forward
+        to backward (``reshard_after_forward=False``). Less communication, the full
+        parameters of every unit are held between forward and backward.
+    hybrid_shard (HSDP): full_shard within groups of ``parallel.shard_size`` ranks,
+        replicated across groups (a 2-D mesh): all-gathers stay inside a group (a node),
+        at the price of 16 P / shard_size instead of 16 P / N.
+    zero1 (ZeRO-1): DDP with torch's ZeroRedundancyOptimizer: only the optimizer states
+        are sharded (by whole parameters); every rank holds all parameters and gradients.
+    ddp: plain DistributedDataParallel, the baseline: 16 P on every rank.
+    """
+
+    full_shard = "full_shard"
+    shard_grad_op = "shard_grad_op"
+    hybrid_shard = "hybrid_shard"
+    zero1 = "zero1"
+    ddp = "ddp"
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """What a strategy is. Every module that needs a strategy's meaning (how it is applied, its
+    model-state formula, the levers it allows, its DeepSpeed stage, its label) reads `STRATEGIES`."""
+
+    zero_stage: int  # the ZeRO-DP stage it implements (hybrid_shard: stage 3 within each group)
+    label: str  # its name in reports and charts
+    fsdp: bool  # FSDP2's fully_shard, unit by unit; else DistributedDataParallel over the whole model
+    reshard_after_forward: bool  # FSDP2 frees each unit's gathered parameters after its forward
+    sharded: tuple[bool, bool, bool]  # which of (parameters, gradients, optimizer states) each rank holds a part of
+    hybrid: bool  # sharded within groups of parallel.shard_size ranks, replicated across them (2-D mesh)
+    deepspeed_stage: int | None  # the zero_optimization.stage (parallel.zero_stage) that selects it
+    aliases: tuple[str, ...] = ()  # the names users bring from FSDP1
+    hpz: bool = False  # takes parallel.reshard_after_forward=k (ZeRO++'s hierarchical partitioning)
+
+    # The -mixed precisions (parameters gathered in a lower precision than stored) and CPU offload
+    # need FSDP's units: `fsdp` says whether a strategy allows them.
+
+    @property
+    def zero_redundancy_optimizer(self) -> bool:
+        """Optimizer states sharded outside FSDP, by torch's ZeroRedundancyOptimizer."""
+        return not self.fsdp and self.sharded[2]
+
+
+STRATEGIES: dict[Strategy, StrategySpec] = {
+    Strategy.full_shard: StrategySpec(3, "ZeRO-3", fsdp=True, reshard_after_forward=True, sharded=(True, True, True),
+                                      hybrid=False, deepspeed_stage=3, aliases=("FULL_SHARD",), hpz=True),
+    Strategy.shard_grad_op: StrategySpec(2, "ZeRO-2", fsdp=True, reshard_after_forward=False,
+                                         sharded=(True, True, True), hybrid=False, deepspeed_stage=2,
+                                         aliases=("SHARD_GRAD_OP",)),
+    Strategy.hybrid_shard: StrategySpec(3, "HSDP", fsdp=True, reshard_after_forward=True, sharded=(True, True, True),
+                                        hybrid=True, deepspeed_stage=None, aliases=("HYBRID_SHARD",)),
+    Strategy.zero1: StrategySpec(1, "ZeRO-1", fsdp=False, reshard_after_forward=False, sharded=(False, False, True),
+                                 hybrid=False, deepspeed_stage=1),
+    Strategy.ddp: StrategySpec(0, "DDP", fsdp=False, reshard_after_forward=False, sharded=(False, False, False),
+                               hybrid=False, deepspeed_stage=0, aliases=("NO_SHARD",)),
+}
+# DeepSpeed's stage -> ours, in stage order (hybrid_shard is DeepSpeed's MiCS, chosen by mics_shard_size).
+ZERO_STAGES = {spec.deepspeed_stage: s for s, spec in sorted(STRATEGIES.items(), key=lambda kv: kv[1].zero_stage)
+               if spec.deepspeed_stage is not None}
+STRATEGY_ALIASES = {alias: s.value for s, spec in STRATEGIES.items() for alias in spec.aliases}
+
+
+def is_fsdp(strategy: Strategy) -> bool:
+    return STRATEGIES[strategy].fsdp
+
+
+class GradSync(str, enum.Enum):
+    """When gradients are reduced during gradient accumulation (parallel.grad_sync)."""
+
+    every_micro_batch = "every_micro_batch"  # each micro-batch's backward reduces (DDP: once a step, by no_sync)
+    replicas_once_per_step = "replicas_once_per_step"  # HSDP: reduce-scatter each micro-batch, all-reduce once
+    once_per_step = "once_per_step"  # FSDP: unsharded gradients held until the last micro-batch reduces them
+
+
+# The StrategySpec field a strategy needs true to take a grad_sync mode (none: every strategy takes it).
+GRAD_SYNC_NEEDS = {GradSync.replicas_once_per_step: "hybrid", GradSync.once_per_step: "fsdp"}
+
+
+def strategies_that(allow: str) -> str:
+    """The strategies whose spec has ``allow`` true, as an error message lists them."""
+    return ", ".join(s.value for s, spec in STRATEGIES.items() if getattr(spec, allow))
+
+
+class DataSource(str, enum.Enum):
+    synthetic = "synthetic"  # a seeded random bigram process: learnable, no files needed
+    text = "text"  # a local file or folder read as byte-level tokens (vocab 256)
+    tokens = "tokens"  # a pre-tokenized file of token ids (.bin as nanoGPT writes it, or .npy), memory-mapped
+    images = "images"  # a torchvision ImageFolder directory (class per sub-folder), for classification
+    fake_images = "fake_images"  # torchvision's FakeData: random images and labels, for tests and demos
+
+
+class Task(str, enum.Enum):
+    """What a batch is and how the loss is computed from it (see fsdp_zero.model.tasks)."""
+
+    causal_lm = "causal_lm"  # tokens in, next-token cross-entropy
+    classification = "classification"  # images (or features) and labels in, cross-entropy; accuracy logged
+    custom = "custom"  # model.loss(model, batch) returns the loss
+
+
+class Init(str, enum.Enum):
+    """How a model's parameters get their initial values after materialisation (see fsdp_zero.model.init)."""
+
+    auto = "auto"  # the model's own init_weights(seed) if it has one, else standard
+    standard = "standard"  # each standard layer's reset_parameters distribution, identical at any world size
+    model = "model"  # the model's own initialiser (init_weights(seed), or Hugging Face's _init_weights)
+
+
+class Backend(str, enum.Enum):
+    auto = "auto"  # nccl on CUDA, gloo on CPU
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Device(str, enum.Enum):
+    auto = "auto"  # cuda when a GPU is visible, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class ActivationCheckpointing(str, enum.Enum):
+    """Which units recompute their activations in backward instead of keeping them (see fsdp_zero.sharding.parallelize)."""
+
+    none = "none"
+    full = "full"  # every block unit of the wrap plan
+    selective = "selective"  # every k-th block unit (parallel.activation_checkpointing_every)
+
+
+class Schedule(str, enum.Enum):
+    """The learning rate after the linear warm-up, towards ``min_lr_ratio * lr`` at the last step."""
+
+    cosine = "cosine"  # half a cosine period (DeepSpeed's WarmupCosineLR)
+    linear = "linear"  # a straight line (DeepSpeed's WarmupDecayLR)
+    constant = "constant"  # stays at lr (DeepSpeed's WarmupLR)
+
+
+class OptimizerImpl(str, enum.Enum):
+    auto = "auto"  # fused on CUDA, foreach on CPU
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA (docs/lora.md): each targeted ``nn.Linear`` X computes ``W x + (alpha / rank) * B(A(dropout(x)))``
+    with ``W`` frozen, ``A`` (rank x in) initialised as PEFT does and ``B`` (out x rank) zero; its
+    adapters are ``X.lora_A.weight`` and ``X.lora_B.weight``. Everything else is frozen unless ``train``
+    names it."""
+
+    rank: int = 0  # 0: off
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # The Linear modules to adapt: a last name component (q_proj) or a regex matching the full name.
+    targets: list[str] = field(default_factory=list)
+    # Regexes (full matches on parameter names) of more parameters to train: norms, the head.
+    train: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"model.lora.rank={self.rank}: must be >= 0 (0: LoRA off)")
+        if self.rank == 0:
+            for key in ("targets", "train"):
+                if getattr(self, key):
+                    raise ValueError(f"model.lora.{key}={getattr(self, key)} is set but model.lora.rank=0 (LoRA off); "
+                                     "set model.lora.rank to a positive integer, e.g. 8")
+            return
+        if not self.targets:
+            raise ValueError(f"model.lora.rank={self.rank} needs model.lora.targets, the Linear modules to adapt, "
+                             "e.g. 'model.lora.targets=[q_proj,v_proj]'")
+        check_positive("model.lora.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout={self.dropout}: must be in [0, 1)")
+        _check_regexes("model.lora.targets", self.targets)
+        _check_regexes("model.lora.train", self.train)
+
+
+@dataclass
+class ModelConfig:
+    """The built-in decoder-only transformer (``preset`` and its fields; ``None`` fields take the
+    preset's value), or any model: ``target`` names a class or factory, called with ``kwargs``."""
+
+    preset: str = "gpt_tiny"
+    # package.module:callable returning an nn.Module, e.g. torchvision.models:VisionTransformer or
+    # transformers:LlamaForCausalLM (a Hugging Face class is given its config built from kwargs).
+    target: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    task: Task = Task.causal_lm
+    loss: str | None = None  # task=custom: package.module:function(model, batch) -> loss
+    init: Init = Init.auto
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden_dim: int | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+    # A standard, non-sharded state dict to start from: a torch.save(model.state_dict())
+    # .pt file, a .safetensors file, or a folder of safetensors shards with an index.
+    init_from: str | None = None
+    # A Hugging Face model folder (config.json, *.safetensors): the class from config.json's
+    # architectures, its config from config.json (model.kwargs override keys), its weights streamed
+    # into the shards as model.init_from's; instead of model.target and model.init_from.
+    pretrained: str | None = None
+    # model.pretrained only: run the folder's own code when its config.json has an auto_map (read it first).
+    trust_remote_code: bool = False
+    # Parameters not trained (regexes, full matches on parameter names as the checkpoint keys them):
+    # no gradients, no AdamW states, still sharded (docs/lora.md).
+    freeze: list[str] = field(default_factory=list)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def check(self) -> None:
+        """The rules that need no model; the built-in model's (preset, its fields, kwargs) are
+        `fsdp_zero.model.transformer.check_model_config`'s."""
+        if self.target is not None and not _is_target(self.target):
+            raise ValueError(f"model.target={self.target!r}: expected package.module:callable, e.g. "
+                             "torchvision.models:VisionTransformer")
+        if self.task is Task.custom and self.loss is None:
+            raise ValueError("model.task=custom needs model.loss: package.module:function taking (model, batch), returning the loss")
+        if self.loss is not None:
+            if self.task is not Task.custom:
+                raise ValueError(f"model.loss={self.loss!r} is set but model.task={self.task.value}; set model.task=custom to use it")
+            if not _is_target(self.loss):
+                raise ValueError(f"model.loss={self.loss!r}: expected package.module:function")
+        if self.init_from is not None and not Path(self.init_from).exists():
+            raise ValueError(f"model.init_from={self.init_from!r}: no such file or folder")
+        if self.pretrained is not None:
+            self._check_pretrained()
+        elif self.trust_remote_code:
+            raise ValueError("model.trust_remote_code=true applies only to model.pretrained (a folder whose "
+                             "config.json has an auto_map); set model.pretrained or drop it")
+        _check_regexes("model.freeze", self.freeze)
+        self.lora.check()
+
+    def _check_pretrained(self) -> None:
+        """model.pretrained names a folder with a config.json, and brings its own class and weights."""
+        for key, why in (("target", "the class comes from the folder's config.json (architectures)"),
+                         ("init_from", "the weights come from the folder")):
+            if getattr(self, key) is not None:
+                raise ValueError(f"model.pretrained={self.pretrained!r} and model.{key}={getattr(self, key)!r} are both "
+                                 f"set; {why}: set one of them")
+        folder = Path(self.pretrained)
+        if not folder.is_dir():
+            raise ValueError(f"model.pretrained={self.pretrained!r}: no such folder (a Hugging Face model folder, "
+                             "save_pretrained's output)")
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model.pretrained={self.pretrained!r}: no config.json in it; a Hugging Face model folder "
+                             "(save_pretrained's output) holds config.json and *.safetensors")
+
+
+TOKEN_SOURCES = (DataSource.synthetic, DataSource.text, DataSource.tokens)
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+# What each source needs in data.path, and which tasks it feeds (custom takes any).
+_PATHS = {DataSource.text: "a text file or a folder of them", DataSource.tokens: "a .bin or .npy file of token ids",
+          DataSource.images: "an ImageFolder directory, one sub-folder of images per class"}
+_TASK_SOURCES = {Task.causal_lm: TOKEN_SOURCES,
+                 Task.classification: (DataSource.images, DataSource.fake_images)}
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = DataSource.synthetic
+    path: str | None = None  # file or folder, for source=text
+    seq_len: int = 128
+    # tokens: the dtype of a .bin file (a .npy file carries its own). None: the dtype that the
+    # meta.json beside the file names (scripts/prepare_data.py writes one), else uint16.
+    token_dtype: str | None = None
+    # images / fake_images: square side in pixels after resizing and cropping.
+    image_size: int = 32
+    num_classes: int = 10  # fake_images: how many label values FakeData draws
+    num_samples: int = 1000  # fake_images: how many distinct images before they repeat
+    # DataLoader worker processes per rank; None: 2 for images (decoding), 0 otherwise.
+    num_workers: int | None = None
+    # synthetic: each token is followed by one of `branching` successors (skewed odds),
+    # so the loss falls from ln(vocab) towards ~ln(branching).
+    branching: int = 4
+
+    def check(self) -> None:
+        """Sizes > 0, and a path that exists and suits the source (only sources that read files take one)."""
+        for key in ("seq_len", "branching", "image_size", "num_classes", "num_samples"):
+            check_positive(f"data.{key}", getattr(self, key))
+        if self.source in _PATHS:
+            if not self.path:
+                raise ValueError(f"data.source={self.source.value} needs data.path ({_PATHS[self.source]})")
+            path = Path(self.path)
+            if not path.exists():
+                raise ValueError(f"data.path={self.path!r}: no such file or folder")
+            if self.source is DataSource.tokens and (not path.is_file() or path.suffix not in (".bin", ".npy")):
+                raise ValueError(f"data.path={self.path!r}: data.source=tokens needs {_PATHS[self.source]}")
+            if self.source is DataSource.images and not path.is_dir():
+                raise ValueError(f"data.path={self.path!r}: data.source=images needs {_PATHS[self.source]}")
+        elif self.path:
+            valid = ", ".join(s.value for s in _PATHS)
+            raise ValueError(f"data.path={self.path!r} is set but data.source={self.source.value} reads no files; "
+                             f"data.source with a path: {valid}")
+        if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
+            raise ValueError(f"data.token_dtype={self.token_dtype!r} is not a valid choice; valid choices: "
+                             f"{', '.join(TOKEN_DTYPES)}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0 (0: load in the training process)")
+
+
+@dataclass
+class WrapConfig:
+    policy: WrapPolicy = WrapPolicy.transformer
+    classes: list[str] = field(default_factory=list)  # empty: the model's block class
+    min_params: int = 1_000_000
+    modules: list[str] = field(default_factory=list)  # FQN regexes (re.fullmatch)
+
+    def check(self) -> None:
+        check_positive("parallel.wrap.min_params", self.min_params)
+        if self.policy is WrapPolicy.modules and not self.modules:
+            raise ValueError(
+                "parallel.wrap.policy=modules needs parallel.wrap.modules, a list of FQN regexes, "
+                "e.g. 'parallel.wrap.modules=[layers\\.\\d+]'"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Strategy = Strategy.full_shard
+    # DeepSpeed's name for the same choice: 0 ddp, 1 zero1, 2 shard_grad_op, 3 full_shard.
+    zero_stage: int | None = None
+    shard_size: int = 2  # hybrid_shard: ranks per sharding group (usually the GPUs of a node)
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+    # Explicit prefetch: each unit starts the all-gather of the next `prefetch` units (forward), and
+    # of the previous ones (backward), before it computes. 0: FSDP2's own scheduling.
+    prefetch: int = 0
+    # full_shard only: after forward, keep each unit's parameters sharded over groups of this many
+    # ranks instead of all of them (ZeRO++'s hierarchical partitioning, hpZ): backward all-gathers
+    # stay within a group (a node), at 16 P / N + 4 P / reshard_after_forward bytes. None: over all.
+    reshard_after_forward: int | None = None
+    # FSDP strategies: sharded parameters, gradients and optimizer states live in host memory and the
+    # optimizer steps on the CPU (DeepSpeed's offload_param + offload_optimizer to cpu); each unit is
+    # copied to the device for its forward and backward.
+    cpu_offload: bool = False
+    # Recompute activations in backward: none, full (every block of the wrap plan), or selective
+    # (every k-th block, k = activation_checkpointing_every). Applied before compiling and sharding.
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    activation_checkpointing_every: int = 2
+    # When gradients are reduced under gradient accumulation. every_micro_batch: each micro-batch's
+    # backward reduce-scatters (FSDP; DDP and zero1 all-reduce once a step whatever this says).
+    # replicas_once_per_step (hybrid_shard): reduce-scatter within the shard group every micro-batch,
+    # all-reduce across replicas only after the last; no extra memory. once_per_step (FSDP strategies):
+    # no reduction until the last micro-batch; each rank holds its units' unsharded gradients in between
+    # in the reduce dtype (4 B x P in fp32 and under -mixed precisions; 2 B under bf16-true). The same
+    # results within float rounding (a 16-bit reduce dtype sums the micro-batches in 16 bits); fewer bytes.
+    grad_sync: GradSync = GradSync.every_micro_batch
+
+    def check(self) -> None:
+        """The choices (a section built by hand, as `fsdp_zero.api.shard` does, may name them), and the
+        levers each strategy takes."""
+        strategy = _choice("parallel.strategy", self.strategy, Strategy)
+        _choice("parallel.activation_checkpointing", self.activation_checkpointing, ActivationCheckpointing)
+        check_positive("parallel.reshard_after_forward", self.reshard_after_forward)
+        check_positive("parallel.activation_checkpointing_every", self.activation_checkpointing_every)
+        if self.prefetch < 0:
+            raise ValueError(f"parallel.prefetch={self.prefetch}: must be >= 0 (0: FSDP2's own scheduling)")
+        if self.reshard_after_forward is not None and not STRATEGIES[strategy].hpz:
+            raise ValueError(f"parallel.reshard_after_forward={self.reshard_after_forward} applies to "
+                             f"parallel.strategy={strategies_that('hpz')} only, not {strategy.value}")
+        if self.cpu_offload and not is_fsdp(strategy):
+            raise ValueError(f"parallel.cpu_offload=true needs an FSDP strategy ({strategies_that('fsdp')}), "
+                             f"not parallel.strategy={strategy.value}")
+        needs = GRAD_SYNC_NEEDS.get(_choice("parallel.grad_sync", self.grad_sync, GradSync))
+        if needs and not getattr(STRATEGIES[strategy], needs):
+            raise ValueError(f"parallel.grad_sync={GradSync(self.grad_sync).value} applies to parallel.strategy="
+                             f"{strategies_that(needs)} only, not {strategy.value}")
+        if self.zero_stage is not None and ZERO_STAGES.get(self.zero_stage) is not strategy:
+            raise ValueError(f"parallel.zero_stage={self.zero_stage} contradicts "
+                             f"parallel.strategy={strategy.value}; set one of them")
+        self.wrap.check()
+
+    def check_world(self, world_size: int) -> list[str]:
+        """The rules that need the world size.
+
+        Returns:
+            Warnings for settings that have no effect (to log).
+
+        Raises:
+            ValueError: a hybrid_shard shard size, or a reshard_after_forward group size, that does
+                not divide the world size.
+        """
+        size = self.shard_size
+        if STRATEGIES[self.strategy].hybrid and (size < 1 or world_size % size):
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"parallel.shard_size={size} must divide the world size {world_size}; valid choices: {divisors}"
+            )
+        k = self.reshard_after_forward
+        if k is not None and k != world_size and (world_size % k or k >= world_size):
+            divisors = [d for d in range(1, world_size) if world_size % d == 0]
+            raise ValueError(f"parallel.reshard_after_forward={k} must divide the world size {world_size} and be "
+                             f"smaller; valid choices: {divisors} (or null)")
+        if not STRATEGIES[self.strategy].hybrid and size != ParallelConfig.shard_size:
+            return [f"parallel.shard_size={size} has no effect with parallel.strategy={self.strategy.value} "
+                    f"(only {strategies_that('hybrid')} uses it)"]
+        return []
+
+
+# precision.mode: how model state is stored, computed and reduced (see fsdp_zero.sharding.precision).
+PRECISION_MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+PRECISION_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class PrecisionConfig:
+    """``precision=bf16-mixed`` is short for ``precision.mode=bf16-mixed``.
+
+    fp32: everything fp32. bf16-mixed / fp16-mixed: fp32 sharded master weights, gradients and
+    AdamW states; each unit's parameters gathered in bf16/fp16 for forward and backward; gradients
+    reduced in fp32. bf16-true: parameters, gradients and AdamW states all bf16 (half the memory,
+    and the precision to match). fp16 gradients are loss-scaled (a dynamic scale, as DeepSpeed's).
+    """
+
+    mode: str = "fp32"
+    param_dtype: str | None = None  # the gathered (compute) dtype; None: the mode's
+    reduce_dtype: str | None = None  # the gradient reduction dtype; None: fp32 (bf16 for bf16-true)
+    # fp16 loss scaling: 0 = dynamic, starting at 2**initial_scale_power, doubled after
+    # loss_scale_window steps without overflow, halved (and the step skipped) on an overflow;
+    # > 0 = a fixed scale (overflowing steps are still skipped).
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+
+    def check(self) -> None:
+        check_positive("precision.loss_scale_window", self.loss_scale_window)
+        if self.mode not in PRECISION_MODES:
+            raise ValueError(f"precision.mode={self.mode!r} is not a valid choice; valid choices: "
+                             f"{', '.join(PRECISION_MODES)}")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in PRECISION_DTYPES:
+                raise ValueError(f"precision.{key}={value!r} is not a valid choice; valid choices: "
+                                 f"{', '.join(PRECISION_DTYPES)}")
+        if self.loss_scale < 0:
+            raise ValueError(f"precision.loss_scale={self.loss_scale}: must be >= 0 (0: dynamic loss scaling)")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up, then a cosine (or linear, or no) decay to ``min_lr_ratio * lr``."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    schedule: Schedule = Schedule.cosine
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
+    implementation: OptimizerImpl = OptimizerImpl.auto
+    # A bounded optimizer step (DeepSpeed's sub_group_size): foreach AdamW steps this rank's shard in
+    # groups of at most this many elements (a larger tensor is a group of its own), bit-identical to
+    # one step over the whole shard, so its temporaries (a tensor list as large as what it steps at
+    # once) are bounded by a group. 0: the whole shard at once. Fused AdamW (CUDA's default) and
+    # for_loop make no temporaries larger than one tensor and ignore it (docs/memory-levers.md).
+    step_group_size: int = 0
+
+    def check(self) -> None:
+        check_positive("optim.lr", self.lr)
+        size = self.step_group_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"optim.step_group_size={size!r}: must be an integer >= 0 (elements per AdamW "
+                             "group; 0: the whole shard at once)")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
+        if self.eps <= 0:
+            raise ValueError(f"optim.eps={self.eps}: must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas={list(self.betas)}: must be two numbers in [0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 150
+    global_batch_size: int = 16  # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 4  # sequences per forward/backward on one rank
+    log_every: int = 10
+    # Stop this invocation after this step (saving a checkpoint) while the LR schedule
+    # still spans train.steps: for jobs cut into pieces by a time limit. None: train.steps.
+    stop_after: int | None = None
+    seed: int | None = 1234  # None: rank 0 draws one and broadcasts it
+    # torch.compile each block unit (after activation checkpointing, before sharding); off by default.
+    compile: bool = False
+    # A time budget: after this many minutes of training the run saves a checkpoint and stops (exit
+    # code 4, as on SIGTERM), before a scheduler's wall-clock limit; leave a save's time of margin.
+    max_minutes: float | None = None
+    # Non-finite steps (a NaN or inf loss on any rank, or gradient norm) to skip over the whole run
+    # before stopping as diverged (exit code 3); a skipped step leaves weights and AdamW states as
+    # they were. 0: stop at the first. Counted in TensorBoard (train/skipped_nonfinite).
+    skip_nonfinite: int = 0
+
+    def check(self) -> None:
+        for key in ("steps", "global_batch_size", "micro_batch_size", "log_every", "stop_after", "max_minutes"):
+            check_positive(f"train.{key}", getattr(self, key))
+        if self.skip_nonfinite < 0:
+            raise ValueError(f"train.skip_nonfinite={self.skip_nonfinite}: must be >= 0 (0: stop at the first "
+                             "non-finite step)")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}"
+            )
+
+    def check_world(self, dp_size: int) -> None:
+        """Raises a ValueError when the global batch does not split evenly over ``dp_size`` ranks
+        (`fsdp_zero.data.batches.batch_layout` derives the gradient accumulation from it)."""
+        if self.global_batch_size % (self.micro_batch_size * dp_size):
+            g = self.global_batch_size
+            valid = [m for m in range(1, g + 1) if g % (m * dp_size) == 0]
+            hint = f"valid train.micro_batch_size values at {dp_size} ranks: {valid}" if valid else (
+                f"train.global_batch_size must be a multiple of the {dp_size} ranks"
+            )
+            raise ValueError(
+                f"train.global_batch_size={g} does not divide into "
+                f"train.micro_batch_size={self.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded DCP checkpoints under <run dir>/checkpoints/step-NNNNNNN/."""
+
+    enabled: bool = True
+    every: int = 50  # steps between saves (and always one at the end); 0: only at the end
+    keep_last: int = 2  # of the checkpoints this launch saves, the newest kept (0: all); others' are never deleted
+    # auto: continue from the newest complete checkpoint in the run directory, if any;
+    # none: start fresh (refused if the run directory already holds checkpoints);
+    # anything else: the path of a checkpoint folder to continue from.
+    resume: str = "auto"
+    async_save: bool = False  # write in a background thread while training goes on
+
+    def check(self) -> None:
+        if self.every < 0 or self.keep_last < 0:
+            raise ValueError(
+                f"checkpoint.every={self.every}, checkpoint.keep_last={self.keep_last}: must be >= 0 (0: "
+                "only at the end / keep all)"
+            )
+        if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
+            raise ValueError(
+                f"checkpoint.resume={self.resume!r}: no such checkpoint folder; valid choices: auto, none, "
+                "or the path of a checkpoint (…/checkpoints/step-NNNNNNN)"
+            )
+
+
+@dataclass
+class RunConfig:
+    root: str = "runs"
+    name: str | None = None  # None: a timestamp; the run directory is root/name
+
+    def check(self) -> None:
+        if self.name is not None and ("/" in self.name or self.name in ("", ".", "..")):
+            raise ValueError(f"run.name={self.name!r}: must be a plain folder name (set run.root for the parent)")
+
+
+@dataclass
+class DistConfig:
+    backend: Backend = Backend.auto
+    device: Device = Device.auto
+    # How long a collective may wait for the other ranks before this rank gives up with one line
+    # naming its step and the collective it was in (a rank that died or hangs): timeout_minutes
+    # during start-up (building, loading a checkpoint) and checkpoint saves, which wait for the
+    # slowest rank's I/O; step_timeout_minutes from the end of the first step on.
+    timeout_minutes: float = 30.0
+    step_timeout_minutes: float = 5.0
+
+    def check(self) -> None:
+        check_positive("dist.timeout_minutes", self.timeout_minutes)
+        check_positive("dist.step_timeout_minutes", self.step_timeout_minutes)
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+
+    def check(self) -> None:
+        """Nothing to check: a switch."""
+
+
+@dataclass
+class MemoryConfig:
+    # glibc only: allocations of at least this many bytes get their own mmap and go back to
+    # the system when freed (see fsdp_zero.monitor.memory.set_malloc_mmap_threshold). "auto": 8 MiB on
+    # CPU runs, glibc's default on CUDA runs (tensors live in CUDA memory there); "default":
+    # glibc's default; or a byte count.
+    malloc_mmap_threshold: str = "auto"
+    # The step whose memory is broken down by category (params, gathered params, grads,
+    # optimizer, activations, comm buffers) with PyTorch's MemTracker; 0: none. One step
+    # only: the tracker intercepts every op and is slow.
+    profile_step: int = 2
+
+    def check(self) -> None:
+        threshold = self.malloc_mmap_threshold
+        if threshold not in ("auto", "default") and not (threshold.isdigit() and int(threshold) > 0):
+            raise ValueError(f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0")
+        if self.profile_step < 0:
+            raise ValueError(f"memory.profile_step={self.profile_step}: must be >= 0 (0: no profiling)")
+
+
+# What eval.path holds for each task that can be evaluated (fsdp_zero.training.evaluate).
+_EVAL_PATHS = {Task.causal_lm: "a token file (.bin or .npy) as data.source=tokens reads one",
+               Task.classification: "an ImageFolder directory, one sub-folder of images per class"}
+
+
+@dataclass
+class EvalConfig:
+    """Validation on held-out data at every ``every``-th step and at the last (see fsdp_zero.training.evaluate)."""
+
+    every: int = 0  # steps between evaluations, and one at the last step; 0: no evaluation
+    # causal_lm: a token file (.bin of data.token_dtype, or .npy), cut into windows of data.seq_len + 1
+    # tokens at stride data.seq_len; classification: an ImageFolder directory (resized, centre-cropped).
+    path: str | None = None
+    # Evaluate only the first max_batches x train.global_batch_size windows (images): the same set at
+    # any world size and micro-batch size. 0: the whole file.
+    max_batches: int = 0
+
+    def check(self) -> None:
+        """Counts >= 0, and a path that exists whenever evaluation is on."""
+        for key in ("every", "max_batches"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"eval.{key}={getattr(self, key)}: must be >= 0 (0: "
+                                 f"{'no evaluation' if key == 'every' else 'the whole file'})")
+        if self.every and not self.path:
+            raise ValueError(f"eval.every={self.every} needs eval.path: {_EVAL_PATHS[Task.causal_lm]} for "
+                             f"model.task=causal_lm, {_EVAL_PATHS[Task.classification]} for classification")
+        if self.path and not Path(self.path).exists():
+            raise ValueError(f"eval.path={self.path!r}: no such file or folder")
+
+    def check_task(self, task: Task) -> None:
+        """The rule that needs model.task: evaluation on, for a task it can evaluate, on a path that suits it."""
+        if not self.every:
+            return
+        if task not in _EVAL_PATHS:
+            raise ValueError(f"eval.every={self.every}: model.task={task.value} cannot be evaluated (its batches "
+                             f"are the loss function's own); valid choices: {', '.join(t.value for t in _EVAL_PATHS)}, "
+                             "or eval.every=0")
+        path = Path(self.path)
+        fits = path.is_dir() if task is Task.classification else path.is_file() and path.suffix in (".bin", ".npy")
+        if not fits:
+            raise ValueError(f"eval.path={self.path!r}: model.task={task.value} evaluates {_EVAL_PATHS[task]}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def validate(cfg: Config) -> None:
+    """Every section's ``check()``, and the rules that span sections. The built-in model's rules are
+    `fsdp_zero.model.transformer.check_model_config`'s (`fsdp_zero.config.loader.load_config` runs both);
+    those that need the world size are the sections' ``check_world``.
+
+    Raises:
+        ValueError: naming the key, the bad value and the valid choices.
+    """
+    cfg.model.check()
+    sources = _TASK_SOURCES.get(cfg.model.task)  # before data.check(): with the wrong source, its path is moot
+    if sources and cfg.data.source not in sources:
+        raise ValueError(f"data.source={cfg.data.source.value} does not feed model.task={cfg.model.task.value}; "
+                         f"valid choices: {', '.join(s.value for s in sources)}")
+    for section in (cfg.data, cfg.train, cfg.dist, cfg.optim, cfg.parallel, cfg.precision, cfg.memory, cfg.checkpoint,
+                    cfg.run, cfg.metrics, cfg.eval):
+        section.check()
+    cfg.eval.check_task(cfg.model.task)
+    for key in ("stop_after", "max_minutes"):
+        if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
+            raise ValueError(f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
+    p, strategy = cfg.precision, cfg.parallel.strategy
+    if cfg.model.lora.rank and p.mode == "bf16-true":
+        raise ValueError(f"model.lora.rank={cfg.model.lora.rank} with precision.mode=bf16-true is not supported (the "
+                         "adapters and their AdamW states would be bf16); LoRA runs with precision.mode=fp32, "
+                         "bf16-mixed or fp16-mixed")
+    mixed = p.mode.endswith("-mixed") or p.param_dtype not in (None, "fp32") or p.reduce_dtype not in (None, "fp32")
+    if mixed and p.mode != "bf16-true" and not is_fsdp(strategy):
+        raise ValueError(f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored ones) needs "
+                         f"an FSDP strategy ({strategies_that('fsdp')}), not parallel.strategy="
+                         f"{strategy.value}; with {strategy.value} use precision.mode=fp32 or bf16-true")
+
+
+# ---------------------------------------------------------------------------------
+# What the checks share
+
+
+def check_positive(key: str, value: int | float | None) -> None:
+    """Raises a ValueError naming ``key`` when ``value`` is set and not > 0."""
+    if value is not None and value <= 0:
+        raise ValueError(f"{key}={value}: must be > 0")
+
+
+def _choice(key: str, value: object, kind: type[enum.Enum]) -> enum.Enum:
+    """``value`` as a member of ``kind`` (a section built by hand may hold a choice's name)."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is not a valid choice; valid choices: {', '.join(kind.__members__)}") from None
+
+
+def _check_regexes(key: str, patterns: list[str]) -> None:
+    """Each of ``patterns`` compiles as a regular expression."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{key}: {pattern!r} is not a valid regular expression ({e})") from None
+
+
+def _is_target(text: str) -> bool:
+    module, _, name = text.partition(":")
+    return bool(module and name) and all(part.isidentifier() for part in module.split(".") + name.split("."))

@@ -1,0 +1,1 @@
+"""Samples, batches and token files."""

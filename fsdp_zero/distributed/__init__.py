@@ -1,0 +1,1 @@
+"""Ranks, their environment and what they agree on."""

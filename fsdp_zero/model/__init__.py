@@ -1,0 +1,1 @@
+"""What is trained: construction, the built-in transformer, tasks, initialisation, LoRA, Hugging Face in."""

@@ -1,0 +1,133 @@
+"""From a batch to a loss: the one place that knows what a batch means (``model.task``).
+
+causal_lm       batch (inputs, targets) of token ids; the model returns logits (a tensor,
+                or an object with ``.logits`` as Hugging Face models do); mean next-token
+                cross-entropy, in fp32.
+classification  batch (images or features, labels); cross-entropy on the logits; the
+                batch's accuracy is logged beside the loss.
+custom          ``model.loss``: a function (model, batch) -> loss, or (loss, {name: scalar}).
+
+A task returns the loss and a dict of scalar tensors (detached) to log, averaged like the loss.
+
+Masked token data (a mask file beside the ``.bin``, `fsdp_zero.data.batches.TokenFile`) marks the targets
+left out with `IGNORE`; its task is `masked_causal_lm`, which returns the *summed* loss over the
+trained targets, and `trained_tokens` counts them, which `fsdp_zero.training.step.train_step` (its ``token_count``)
+uses to divide by the trained tokens of the whole global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_zero.config.schema import ModelConfig, Task
+
+LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """A model's logits: the output itself, or its ``.logits`` (Hugging Face ModelOutput)."""
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model returned a {type(output).__name__}; the task needs a tensor of logits or .logits")
+    return logits
+
+
+def causal_lm(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    inputs, targets = batch
+    logits = logits_of(model(inputs))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), {}
+
+
+IGNORE = -100  # a target left out of the loss: F.cross_entropy's default ignore_index
+
+
+def masked_causal_lm(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """causal_lm's cross-entropy summed over the trained targets (those not `IGNORE`; 0 when none is)."""
+    inputs, targets = batch
+    logits = logits_of(model(inputs))
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"), {}
+
+
+def trained_tokens(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The targets of a causal_lm batch that the loss counts."""
+    return (batch[1] != IGNORE).sum()
+
+
+
+def classification(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    inputs, labels = batch
+    logits = logits_of(model(inputs)).float()
+    accuracy = (logits.detach().argmax(-1) == labels).float().mean()
+    return F.cross_entropy(logits, labels), {"accuracy": accuracy}
+
+
+def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
+    """The loss function for ``model.task``; ``masked``: the token data has a mask file (`masked_causal_lm`).
+
+    Raises:
+        ValueError: a model.loss that does not import; a mask file under another task than causal_lm.
+    """
+    if masked and cfg.task is not Task.causal_lm:
+        raise ValueError(f"model.task={cfg.task.value}: the token file has a mask file beside it, which only "
+                         "model.task=causal_lm reads (valid: causal_lm, or remove the mask file)")
+    if cfg.task is Task.causal_lm:
+        return masked_causal_lm if masked else causal_lm
+    if cfg.task is Task.classification:
+        return classification
+    from fsdp_zero.sharding.build import import_target
+
+    user = import_target(cfg.loss, "model.loss")
+
+    def custom(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = user(model, batch)
+        loss, extra = out if isinstance(out, tuple) else (out, {})
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):  # the same on every rank: a user error
+            raise ValueError(f"model.loss={cfg.loss} must return a scalar tensor (or (loss, dict of scalars)), "
+                             f"got {type(loss).__name__}")
+        return loss, {k: v.detach() for k, v in extra.items()}
+
+    return custom
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Moves every tensor in a (nested) tuple, list or dict to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """A language model's vocabulary: its Hugging Face config's, else its first embedding's rows."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if size is not None:
+        return int(size)
+    first = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return first.num_embeddings if first is not None else None
+
+
+def max_seq_len(model: nn.Module) -> int | None:
+    """The longest sequence the model takes, where it says (``max_seq_len``, or a Hugging Face config's
+    max_position_embeddings); None: not stated."""
+    limit = getattr(model, "max_seq_len", None)
+    if limit is None:
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) else None
+
+
+def num_outputs(model: nn.Module) -> int | None:
+    """A classifier's number of outputs, where it can be read: its last Linear layer's out_features."""
+    last = None
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            last = m
+    return last.out_features if last is not None else None

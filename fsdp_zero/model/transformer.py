@@ -1,0 +1,248 @@
+"""A decoder-only transformer in the modern style: RMSNorm, rotary embeddings, SwiGLU.
+
+The model knows nothing about distribution: sharding, checkpointing of activations
+and offload are applied from outside (``fsdp_zero.sharding.parallelize``). It is built on the
+meta device, sharded, then materialised with ``to_empty`` and ``init_weights``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_zero.model import init
+from fsdp_zero.config.schema import ModelConfig, check_positive
+
+
+@dataclass(frozen=True)
+class TransformerArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: as many as n_heads (no grouped-query attention)
+    ffn_hidden_dim: int | None = None  # None: 8/3 * dim rounded up to a multiple of 64
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        return 64 * math.ceil(8 * self.dim / 3 / 64)
+
+    def num_params(self) -> int:
+        """Parameter count, computed from the shapes (tied embeddings counted once)."""
+        head_dim = self.dim // self.n_heads
+        attn = self.dim * self.dim * 2 + 2 * self.dim * self.kv_heads * head_dim
+        mlp = 3 * self.dim * self.hidden_dim
+        block = attn + mlp + 2 * self.dim
+        embed = self.vocab_size * self.dim
+        return self.n_layers * block + embed * (1 if self.tie_embeddings else 2) + self.dim
+
+
+# Named sizes. gpt_nano is for tests, gpt_tiny for the default CPU run; gpt_small is
+# GPT-2-small sized (~134M), gpt_1b the classic "DDP vs ZeRO-3" lesson size (~1.06B).
+PRESETS: dict[str, TransformerArgs] = {
+    "gpt_nano": TransformerArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=256),
+    "gpt_tiny": TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, max_seq_len=512),
+    "gpt_small": TransformerArgs(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
+    "gpt_medium": TransformerArgs(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, max_seq_len=2048),
+    "gpt_1b": TransformerArgs(vocab_size=32000, dim=2048, n_layers=18, n_heads=16, max_seq_len=2048),
+}
+
+
+# The built-in model's settings that model.* exposes (set there, each replaces the preset's value):
+# TransformerArgs's fields that ModelConfig also has (rope_theta and norm_eps are not exposed).
+BUILTIN_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerArgs)
+                       if f.name in {g.name for g in dataclasses.fields(ModelConfig)})
+
+
+def model_args(preset: str, **overrides: int | bool | None) -> TransformerArgs:
+    """A preset with the non-None ``overrides`` applied."""
+    return replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
+    """(max_seq_len, head_dim) table holding cos in the first half of the last dim, sin in the second."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotates pairs (x[..., :h/2], x[..., h/2:]) of x: (batch, heads, seq, head_dim)."""
+    half = x.shape[-1] // 2
+    cos, sin = table[: x.shape[-2], :half], table[: x.shape[-2], half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.kv_heads
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        if self.n_kv_heads != self.n_heads:
+            repeat = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    # The repeated unit, which the `transformer` wrap policy shards by default.
+    block_class = TransformerBlock
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        if args.dim % args.n_heads:
+            raise ValueError(f"model.dim={args.dim} must be a multiple of model.n_heads={args.n_heads}")
+        if args.n_heads % args.kv_heads:
+            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.kv_heads}")
+        if (args.dim // args.n_heads) % 2:
+            raise ValueError(f"head dim model.dim/model.n_heads={args.dim // args.n_heads} must be even for rotary")
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not a parameter and not saved. Computed on the default device, so a model whose
+        # parameters are built on the meta device still has it (init_weights recomputes it).
+        rope = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, torch.get_default_device())
+        self.register_buffer("rope", rope, persistent=False)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.args.max_seq_len
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, seq) token ids -> (batch, seq, vocab) logits."""
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} > model.max_seq_len={self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2-style init, identical for a seed whether the parameters are whole or sharded.
+
+        Linear and embedding weights ~ N(0, 0.02^2); the projections that write into the
+        residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers); norms are 1.
+        """
+        self.rope.copy_(rotary_tables(self.rope.shape[1], self.args.max_seq_len, self.args.rope_theta, self.rope.device))
+        residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                init.constant_(param, 1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                init.normal_(param, std=residual_std, seed=seed, name=name)
+            else:
+                init.normal_(param, std=0.02, seed=seed, name=name)
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    """The built-in model's rules for ``model.*``: a known preset; its fields (> 0) only without
+    model.target or model.pretrained; model.kwargs only with one of them. `fsdp_zero.config.loader.load_config` runs them.
+
+    Raises:
+        ValueError: naming the key, the bad value and the valid choices.
+    """
+    if cfg.target is None and cfg.pretrained is None:
+        if cfg.preset not in PRESETS:
+            close = difflib.get_close_matches(cfg.preset, PRESETS, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"model.preset={cfg.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
+        if cfg.kwargs:
+            raise ValueError(f"model.kwargs={dict(cfg.kwargs)} is set without model.target or model.pretrained; the built-in model takes "
+                             f"model.{', model.'.join(BUILTIN_FIELDS)}")
+    else:
+        builtin = [f"model.{k}={getattr(cfg, k)!r}" for k in BUILTIN_FIELDS if getattr(cfg, k) is not None]
+        if builtin:
+            foreign = f"model.target={cfg.target}" if cfg.target else f"model.pretrained={cfg.pretrained}"
+            raise ValueError(f"{', '.join(builtin)} only applies to the built-in model, not to {foreign}; "
+                             "pass the model's own arguments in model.kwargs")
+    for name in BUILTIN_FIELDS:
+        if name != "tie_embeddings":
+            check_positive(f"model.{name}", getattr(cfg, name))
+
+
+def args_from_config(cfg: ModelConfig) -> TransformerArgs:
+    """The preset named by ``model.preset`` with the ``model.*`` fields that are set applied.
+
+    Raises:
+        ValueError: as `check_model_config`.
+    """
+    check_model_config(cfg)
+    return model_args(cfg.preset, **{name: getattr(cfg, name) for name in BUILTIN_FIELDS})
+
+
+def from_config(cfg: ModelConfig) -> Transformer:
+    """The built-in model for ``model.preset`` and its fields, on the current default device."""
+    return Transformer(args_from_config(cfg))

@@ -1,0 +1,1 @@
+"""What a step measures: memory, communication, metrics."""

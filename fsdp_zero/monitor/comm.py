@@ -1,0 +1,247 @@
+"""Communication per optimizer step: counted from the collectives that FSDP2, DDP and
+ZeroRedundancyOptimizer issue (`CommMeter`), and each strategy's formula (`comm_formula`), with the
+time a link takes for those bytes (`comm_seconds`). docs/sharding.md#communication-and-grad_sync
+has both against each other.
+
+Three kinds, in bytes per rank per optimizer step:
+
+    all_gather      parameter gathers: the gathered (output) tensors' bytes, in the dtype FSDP2 gathers
+                    in (the mixed-precision policy's param_dtype); ZeRO-1: its broadcasts of the updated
+                    parameters after its step, every rank's partition, which together gather them
+    reduce_scatter  gradient reduction within the shard group: its input, a unit's padded unsharded
+                    gradients in the reduce dtype (on gloo `AllReduceScatter` does it as an all-reduce;
+                    still counted here, as what FSDP2 asked for)
+    all_reduce      gradient all-reduce across replicas: HSDP's reduced shard, DDP's (and ZeRO-1's) buckets
+
+Counting happens on the host, from the shapes of the tensors each collective is handed (never
+their values): no device sync, a few Python additions per unit and micro-batch. Only what runs
+inside `CommMeter.counting` counts (the trainer wraps each `train_step` in it), so an evaluation's
+gathers never reach a step's figures. Not counted: DDP's broadcast of module buffers before each
+forward, and the scalar all-reduces of the gradient norm and the step's gate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_zero.config.schema import STRATEGIES, Config, GradSync, ParallelConfig
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.monitor.memory import MIB
+from fsdp_zero.sharding.parallelize import reduce_scatter_comm, reshard_after_forward, split_over, unwrap
+from fsdp_zero.sharding.precision import NAMES, Precision
+from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter, count_zero_broadcasts
+from fsdp_zero.sharding.wrap import ROOT, WrapPlan
+
+logger = logging.getLogger("fsdp_zero")
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class CommBytes:
+    """Bytes per rank per optimizer step, by kind (see the module docstring)."""
+
+    all_gather: float = 0
+    reduce_scatter: float = 0
+    all_reduce: float = 0
+    # Not traffic but memory: the unsharded gradients each rank holds between micro-batches under
+    # parallel.grad_sync=once_per_step (0 otherwise).
+    once_per_step: float = 0
+
+    def scalars(self) -> dict[str, float]:
+        """The metrics' names and values: comm/<kind>_mib."""
+        return {f"comm/{k}_mib": getattr(self, k) / MIB for k in KINDS}
+
+
+def _unit_params(model: nn.Module, plan: WrapPlan) -> Iterator[tuple[bool, list[nn.Parameter]]]:
+    """(is the root, the parameters it owns) for each unit: FSDP2's rule, bottom-up, a unit owns what no
+    unit inside it already owns (the plan moved shared parameters to a unit holding all their users)."""
+    seen: set[int] = set()
+    for unit in plan.units:
+        module = model.get_submodule(unit.fqn) if unit.fqn != ROOT else model
+        own = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        yield unit.fqn == ROOT, own
+
+
+def _padded(p: nn.Parameter, n: int) -> int:
+    """Elements of ``p`` as FSDP2 gathers it over ``n`` ranks: dim 0 padded to a multiple of n."""
+    rows = p.shape[0] if p.dim() else 1
+    return math.ceil(rows / n) * n * math.prod(p.shape[1:])
+
+
+def comm_formula(cfg: Config, model: nn.Module, plan: WrapPlan, world_size: int, accum: int,
+                 precision: Precision) -> CommBytes:
+    """Bytes per rank per optimizer step that ``cfg.parallel`` communicates, by kind, for ``accum``
+    micro-batches a step (what `CommMeter` counts; a step taken, not skipped).
+
+    FSDP strategies, per micro-batch: each unit gathered twice (full_shard: forward, and again for
+    backward) or once (shard_grad_op; the root always, which stays gathered from forward to backward),
+    in the compute dtype, over the shard group, each parameter's dim 0 padded to a multiple of the
+    group's size; its trainable parameters' gradients reduce-scattered in the reduce dtype (frozen ones
+    are gathered, never reduced); hybrid_shard all-reduces the reduced shard (1 / shard_size of it)
+    across replicas. parallel.grad_sync=replicas_once_per_step all-reduces once a step,
+    once_per_step reduces (and all-reduces) once a step. A shard group of one rank gathers and
+    reduce-scatters nothing. DDP and zero1: one all-reduce of the trainable gradients a step (no_sync
+    on the other micro-batches); zero1 also broadcasts every updated parameter once (all_gather).
+
+    Args:
+        cfg: the run's config (parallel.strategy, shard_size, reshard_after_forward, grad_sync).
+        model: the model, unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones).
+        plan: `fsdp_zero.sharding.wrap.build_wrap_plan(model, cfg.parallel.wrap, world_size)`.
+        world_size: the ranks.
+        accum: micro-batches per optimizer step.
+        precision: `fsdp_zero.sharding.precision.resolve(cfg.precision)`.
+
+    Raises:
+        ValueError: as `ParallelConfig.check_world`.
+    """
+    par, spec = cfg.parallel, STRATEGIES[cfg.parallel.strategy]
+    sync = GradSync(par.grad_sync)
+    if not spec.fsdp:
+        grads = sum(p.numel() for p in model.parameters() if p.requires_grad) * precision.stored.itemsize
+        return CommBytes(all_gather=grads if spec.zero_redundancy_optimizer else 0, all_reduce=grads)
+    n = split_over(par, world_size)
+    reshard = reshard_after_forward(par, world_size)
+    # FSDP2 reads an int k as "reshard to groups of k" and k = 1 as False (nothing to reshard to).
+    gathers_per_unit = 2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
+    gathered = reduced = held = 0
+    for root, params in _unit_params(model, plan):
+        gathered += (1 if root else gathers_per_unit) * sum(_padded(p, n) for p in params)
+        reduced += sum(_padded(p, n) for p in params if p.requires_grad)
+        held += sum(p.numel() for p in params if p.requires_grad)
+    reductions = 1 if sync is GradSync.once_per_step else accum
+    all_reduces = accum if sync is GradSync.every_micro_batch else 1
+    reduce_bytes = reduced * precision.reduce.itemsize
+    return CommBytes(all_gather=accum * gathered * precision.compute.itemsize if n > 1 else 0,
+                     reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
+                     all_reduce=all_reduces * reduce_bytes / n if world_size > n else 0,
+                     once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0)
+
+
+def comm_seconds(comm: CommBytes, cfg: ParallelConfig, world_size: int, link_gbps: float) -> dict[str, float]:
+    """Seconds per step that ``comm``'s bytes take on links of ``link_gbps`` Gbit/s, by kind, as ring
+    collectives: all-gather and reduce-scatter of S bytes over a group of n take S / B x (n - 1) / n, an
+    all-reduce twice that. FSDP gathers and reduce-scatters over the shard group and all-reduces over
+    the replicas (hybrid_shard: world_size / shard_size of them); DDP all-reduces over every rank and
+    zero1's broadcasts are timed as an all-gather over every rank. (gloo's `AllReduceScatter` moves
+    twice what it is timed for: the figure is for the reduce-scatter NCCL runs.)"""
+    shard = split_over(cfg, world_size) if STRATEGIES[cfg.strategy].fsdp else world_size
+    replicas = world_size // shard if STRATEGIES[cfg.strategy].fsdp else world_size
+    per_byte = 8 / (link_gbps * 1e9)
+
+    def ring(n: int) -> float:
+        return (n - 1) / n
+
+    return {"all_gather": comm.all_gather * per_byte * ring(shard),
+            "reduce_scatter": comm.reduce_scatter * per_byte * ring(shard),
+            "all_reduce": 2 * comm.all_reduce * per_byte * ring(replicas)}
+
+
+class CountedAllGather(DefaultAllGather):
+    """FSDP2's all-gather, counting its output's bytes first."""
+
+    def __init__(self, add: partial) -> None:
+        self.add = add
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        self.add(output_tensor)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class CountedReduceScatter(DefaultReduceScatter):
+    """The backend's reduce-scatter (`fsdp_zero.sharding.parallelize.reduce_scatter_comm`), counting its input's bytes first."""
+
+    def __init__(self, inner: DefaultReduceScatter, add: partial) -> None:
+        self.inner, self.add = inner, add
+
+    def allocate(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.inner.allocate(*args, **kwargs)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object, async_op: bool = False) -> dist.Work | None:
+        self.add(input_tensor)
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+
+def _counted_all_reduce(meter: CommMeter, bucket):  # noqa: ANN001, ANN202
+    """DDP's own all-reduce of a ``dist.GradBucket`` (torch's reference hook: the same result as no hook),
+    counted; returns its future. (Not annotated: DDP rejects annotations other than the exact classes,
+    and under ``from __future__ import annotations`` they would be strings.)"""
+    meter.add("all_reduce", bucket.buffer())
+    return allreduce_hook(None, bucket)
+
+
+class CommMeter:
+    """This rank's collectives, counted by kind while `counting`, and the strategy's `comm_formula`."""
+
+    def __init__(self, cfg: Config, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, plan: WrapPlan,
+                 accum: int, precision: Precision) -> None:
+        self.formula = comm_formula(cfg, unwrap(model), plan, env.world_size, accum, precision)
+        self.bytes = dict.fromkeys(KINDS, 0)
+        self.active = False
+        spec = STRATEGIES[cfg.parallel.strategy]
+        if spec.fsdp:
+            # The all-reduce hook only where FSDP2 all-reduces: on 1-D FSDP's units it would run after each
+            # reduce-scatter, and FSDP2 would keep every unit's reduce-scatter output alive until backward
+            # ends (as it holds HSDP's all-reduce buffer; a copy where the reduce dtype is not the stored
+            # one) and, on CUDA, move the post-reduce work to its all-reduce stream.
+            replicas = env.world_size // split_over(cfg.parallel, env.world_size)
+            for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+                unit.set_custom_all_gather(CountedAllGather(partial(self.add, "all_gather")))
+                unit.set_custom_reduce_scatter(CountedReduceScatter(reduce_scatter_comm(env.backend),
+                                                                    partial(self.add, "reduce_scatter")))
+                if replicas > 1:  # FSDP2 calls it right after its all-reduce, and only when it issued one
+                    unit.set_all_reduce_hook(partial(self.add, "all_reduce"))
+        elif hasattr(model, "register_comm_hook"):  # DDP (not the planner's stand-in)
+            model.register_comm_hook(self, _counted_all_reduce)
+            if spec.zero_redundancy_optimizer:
+                count_zero_broadcasts(optimizer, partial(self.add, "all_gather"))
+        if self.formula.once_per_step:
+            logger.info("parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients between "
+                        "micro-batches, %.2f MiB (%s), and reduces once a step", self.formula.once_per_step / MIB,
+                        NAMES[precision.reduce])
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        if self.active:
+            self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Counts from zero what runs inside (one optimizer step); `counted` reads it."""
+        self.bytes = dict.fromkeys(KINDS, 0)
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def counted(self) -> CommBytes:
+        return CommBytes(**self.bytes)
+
+
+def describe(counted: dict[str, float], formula: dict[str, float], strategy: str, grad_sync: str) -> str:
+    """The end-of-run line: the last step's bytes by kind against the strategy's formula (both `CommBytes` as dicts)."""
+    parts = [f"{k.replace('_', '-')} {counted[k] / MIB:,.2f} MiB" + (f" ({counted[k] / formula[k]:.4f} x)" if formula[k]
+                                                                     else "") for k in KINDS]
+    held = (f"; it held {formula['once_per_step'] / MIB:,.2f} MiB of unsharded gradients between micro-batches"
+            if formula["once_per_step"] else "")
+    return (f"communication per rank in the last logged step: {', '.join(parts)}, against the {strategy} "
+            f"grad_sync={grad_sync} formula's {', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}")
+
+
+def as_dict(comm: CommBytes) -> dict[str, float]:
+    """``comm`` as summary.json and `fsdp_zero.training.steplog.StepRecord` hold it."""
+    return asdict(comm)

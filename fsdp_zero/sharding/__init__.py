@@ -1,0 +1,1 @@
+"""A strategy applied: wrap units, precision, parallelize, build and the optimizer."""

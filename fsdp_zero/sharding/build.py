@@ -1,0 +1,359 @@
+"""The one build path: a config in, the sharded, initialised model and its optimizer out.
+
+    model = construct(cfg.model)              # parameters on the meta device, buffers real
+    built = build(cfg, env, seed)             # wrap plan, parallelize, materialise, init, optimizer
+
+`construct` imports ``model.target`` (any class or factory returning an ``nn.Module``) or
+builds the built-in transformer, with every parameter on the meta device (shapes only:
+a model larger than one rank's memory never exists whole) and every buffer computed as
+the constructor computes it (BatchNorm statistics, rotary tables), so buffers are right
+after materialisation without any initialiser knowing them. `shard` applies a strategy to
+such a model and materialises each rank's shards; `build` adds the optimizer. No file
+I/O, no broadcasts: the trainer, the planner, the benchmarks and the own-loop API
+(`fsdp_zero.api`) all build through here, and compare.py's single-process DataParallel
+baseline through its parts (`construct`, `materializer`, `build_optimizer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from fsdp_zero.model import init as init_lib
+from fsdp_zero.config.schema import (
+    STRATEGIES, Config, Init, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, WrapConfig,
+    WrapPolicy, is_fsdp,
+)
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
+from fsdp_zero.sharding.parallelize import parallelize, shard_degree
+from fsdp_zero.sharding.precision import Precision, resolve
+from fsdp_zero.torch_private import hf_init_weights
+from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
+
+logger = logging.getLogger("fsdp_zero")
+
+
+def import_target(target: str, key: str) -> Callable:
+    """``package.module:attr`` (attr may be dotted) -> the object. The module is looked for on the
+    Python path, then in the current directory (``torchrun scripts/train.py`` puts only scripts/ on
+    the path, so a module of the user's project would not be found otherwise).
+
+    Raises:
+        ValueError: a module that does not import, or a missing attribute; names ``key``.
+    """
+    module_name, _, attr = target.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if os.getcwd() in sys.path or not module_name.startswith(e.name or "\0"):
+            raise ValueError(f"{key}={target!r}: cannot import {module_name!r}: {e}") from None
+        sys.path.append(os.getcwd())
+        return import_target(target, key)
+    except ImportError as e:
+        raise ValueError(f"{key}={target!r}: cannot import {module_name!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(obj) if not n.startswith("_"))[:20]
+            raise ValueError(f"{key}={target!r}: {module_name!r} has no {attr!r} (it has: {', '.join(names)}, ...)")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{key}={target!r} is a {type(obj).__name__}, not a class or function")
+    return obj
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Inside, every parameter a module registers moves to the meta device at once; buffers stay
+    where the constructor made them (CPU), with their values. (Accelerate's init_empty_weights
+    with include_buffers=False does the same.) A parameter already on the meta device is kept
+    as it is, so weights tied by assigning one Parameter to two modules stay tied."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def construct(cfg: ModelConfig) -> nn.Module:
+    """The configured model, parameters on the meta device, buffers real (see the module docstring).
+
+    A Hugging Face model class (one with a ``config_class``) is given its config built from
+    ``model.kwargs``; any other target is called with ``model.kwargs`` as keyword arguments.
+    ``model.pretrained``: the folder's class and config (`fsdp_zero.model.hf.build_pretrained`).
+
+    Raises:
+        ValueError: a target that does not import, does not accept the kwargs, or returns no nn.Module.
+    """
+    with meta_parameters():
+        if cfg.pretrained is not None:  # a Hugging Face folder: the class and config from its config.json
+            from fsdp_zero.model.hf import build_pretrained
+
+            return build_pretrained(cfg)
+        if cfg.target is None:
+            from fsdp_zero.model.transformer import from_config
+
+            return from_config(cfg)
+        factory = import_target(cfg.target, "model.target")
+        kwargs = dict(cfg.kwargs)
+        try:
+            config_class = getattr(factory, "config_class", None)
+            if inspect.isclass(factory) and config_class is not None and hasattr(config_class, "to_dict"):
+                model = factory(config_class(**kwargs))  # Hugging Face: MyModel(MyConfig(**kwargs))
+            else:
+                model = factory(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"model.target={cfg.target} does not accept model.kwargs={kwargs}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model.target={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers the constructor computed (not on the meta device), by name, to restore after ``to_empty``."""
+    return {name: b for name, b in model.named_buffers() if not b.is_meta}
+
+
+def _own_init_takes_seed(model: nn.Module) -> bool:
+    fn = getattr(model, "init_weights", None)
+    return callable(fn) and "seed" in inspect.signature(fn).parameters
+
+
+def initialize(model: nn.Module, how: Init, seed: int) -> str:
+    """Gives the materialised (plain or sharded) ``model`` its initial parameters; returns what was done.
+
+    auto: the model's own ``init_weights(seed)`` if it has one (the built-in model), else standard.
+    standard: `fsdp_zero.model.init.init_standard`, identical for a seed at any world size; for a Hugging
+        Face model (a config with initializer_range) with that std, as its _init_weights does.
+    model: the model's own initialiser on each rank's shards: ``init_weights(seed)``, or Hugging
+        Face's ``_init_weights`` applied to every module after ``torch.manual_seed(seed)``. What it
+        guarantees across world sizes is what its random calls on sharded tensors guarantee: on CUDA,
+        DTensor's random ops are world-size invariant; on CPU they are not.
+
+    Raises:
+        ValueError: model.init=model for a model with no initialiser of its own.
+    """
+    if how is Init.auto:
+        how = Init.model if _own_init_takes_seed(model) else Init.standard
+    if how is Init.model:
+        if _own_init_takes_seed(model):
+            model.init_weights(seed)
+            return f"{type(model).__name__}.init_weights(seed={seed})"
+        if hf_init_weights(model, seed):
+            return f"{type(model).__name__}._init_weights (torch.manual_seed({seed}))"
+        raise ValueError(f"model.init=model: {type(model).__name__} has no init_weights(seed) or _init_weights; "
+                         "valid choices: auto, standard")
+    std = getattr(getattr(model, "config", None), "initializer_range", None)
+    leftover = init_lib.init_standard(model, seed, linear_std=std)
+    note = "standard layers" + (f" (Hugging Face initializer_range {std})" if std is not None else "")
+    if leftover:
+        shown = ", ".join(leftover[:6]) + (f", ... ({len(leftover)} in all)" if len(leftover) > 6 else "")
+        note += f"; N(0, 0.02^2) for parameters of no standard layer: {shown}"
+    return note
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter shared by several modules (tied weights), first name first."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def materializer(device: torch.device, how: Init, seed: int | None, buffers: dict[str, torch.Tensor],
+                 notes: list[str], buffer_device: torch.device | None = None) -> Callable[[nn.Module], None]:
+    """What `parallelize` calls once the model is sharded: allocate each rank's shards on ``device``,
+    put the constructor's buffers back (on ``buffer_device``, default ``device``: with CPU offload the
+    shards live on the CPU and the buffers on the GPU), initialise (``seed`` None: leave the memory as
+    allocated)."""
+
+    def materialize(model: nn.Module) -> None:
+        tied = _tied_names(model)
+        model.to_empty(device=device)  # FSDP: each rank allocates only its shards
+        if buffer_device is not None and buffer_device != device:
+            for module in model.modules():
+                for name, b in module.named_buffers(recurse=False):
+                    setattr(module, name, b.to(buffer_device))  # a registered buffer stays one (same persistence)
+        for first, *others in tied:  # to_empty gives each module a tensor of its own: tie them again
+            for name in others:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+        with torch.no_grad():
+            for name, value in buffers.items():
+                model.get_buffer(name).copy_(value)
+        if seed is not None:
+            notes.append(initialize(model, how, seed))
+            init_adapters(model, seed)  # LoRA's A and B (none without model.lora)
+
+    return materialize
+
+
+# ---------------------------------------------------------------------------------
+# Sharding and the optimizer
+
+
+def cast_to_stored(model: nn.Module, precision: Precision) -> None:
+    """bf16-true: parameters and floating buffers in bf16 (as Lightning's bf16-true); a no-op when
+    they are already (the planner casts before it enters fake-tensor mode)."""
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    if precision.stored != torch.float32 and any(t.dtype != precision.stored for t in tensors):
+        model.to(precision.stored)
+
+
+def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int | None, init: Init = Init.auto,
+          mesh: DeviceMesh | None = None, ddp: Callable[[nn.Module], nn.Module] | None = None,
+          precision: Precision | None = None, compile: bool = False) -> tuple[nn.Module, WrapPlan, str]:
+    """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
+    a model with real weights keeps them (FSDP shards what is there). ``precision``: the stored
+    dtype the model is cast to first, and FSDP2's mixed-precision policy (default fp32);
+    ``compile``: torch.compile each block (see `parallelize`).
+
+    Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
+    parameters were initialised. ``seed`` None leaves them uninitialised (the planner, or weights
+    loaded next). ``ddp`` replaces DistributedDataParallel for the DDP strategies (the planner's
+    stand-in).
+
+    Raises:
+        ValueError: a wrap setting the model does not fit (see `fsdp_zero.sharding.wrap.build_wrap_plan`).
+    """
+    precision = precision or resolve(PrecisionConfig())
+    cast_to_stored(model, precision)
+    degree = shard_degree(parallel, env.world_size)
+    wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
+    plan = build_wrap_plan(model, wrap, degree)
+    notes: list[str] = []
+    # With CPU offload FSDP2 wants the shards in host memory from the start; buffers stay on the device.
+    device = torch.device("cpu") if parallel.cpu_offload else env.device
+    if any(p.is_meta for p in model.parameters()):
+        materialize = materializer(device, init, seed, real_buffers(model), notes, buffer_device=env.device)
+    else:
+        materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
+        notes.append("weights as given")
+    model = parallelize(model, parallel, plan, env, materialize, mesh=mesh, ddp=ddp, mp_policy=precision.mp_policy(),
+                        compile=compile)
+    return model, plan, "; ".join(notes)
+
+
+def local_numel(p: torch.Tensor) -> int:
+    """Elements of ``p`` this rank holds: its shard of an FSDP parameter (a DTensor), else all of them."""
+    return (p.to_local() if hasattr(p, "to_local") else p).numel()
+
+
+def step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
+    """``params`` cut, in order, into consecutive groups of at most ``size`` local elements (a tensor
+    larger than ``size`` is a group of its own); ``size`` 0: one group. (DeepSpeed's ZeRO-3 closes a
+    sub-group once it reaches ``sub_group_size``, so its groups may pass it by one tensor; these never do.)
+
+    AdamW's update is elementwise and per tensor (each parameter's own step count and bias
+    correction), so stepping the groups one after another gives the same bits as one step over all
+    of them; foreach AdamW's temporaries (a tensor list as large as the group, e.g. the square roots
+    of ``exp_avg_sq``) are then as large as a group instead of the whole shard.
+    """
+    if size == 0:
+        return [params] if params else []
+    groups: list[list[nn.Parameter]] = []
+    count = 0
+    for p in params:
+        n = local_numel(p)
+        if not groups or count + n > size:
+            groups.append([])
+            count = 0
+        groups[-1].append(p)
+        count += n
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and embeddings, none on 1-D parameters (norm gains, biases).
+
+    With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
+    its own partition of the parameters (whole tensors, balanced by size) and broadcasts
+    its updated parameters after the step.
+
+    ``optim.step_group_size`` > 0 with foreach AdamW: each of the two groups is cut into
+    `step_groups`, which AdamW steps one after another (the same bits, temporaries bounded by a
+    group). Fused and for_loop AdamW make no temporaries larger than one tensor, so they keep the two
+    groups (a warning says the setting has no effect where it would have cut them).
+    """
+    impl = optimizer_impl(cfg, device)
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, impl)]
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=impl is OptimizerImpl.fused,
+                  foreach=impl is OptimizerImpl.foreach)
+    if zero1:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def optimizer_impl(cfg: OptimConfig, device: torch.device) -> OptimizerImpl:
+    """``optim.implementation`` resolved for the device the optimizer steps on: auto is fused on CUDA,
+    foreach elsewhere."""
+    if cfg.implementation is OptimizerImpl.auto:
+        return OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
+    return cfg.implementation
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl) -> list[tuple[list[nn.Parameter], float]]:
+    """AdamW's parameter groups and their weight decay, in order: the trainable matrices and embeddings
+    (``optim.weight_decay``), then the 1-D parameters (none), each cut into `step_groups` for foreach."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    size = cfg.step_group_size
+    if size and impl is not OptimizerImpl.foreach:
+        if any(len(step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
+            logger.warning("optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than one "
+                           "tensor); it bounds foreach AdamW's", size, impl.value)
+        size = 0
+    return [(ps, wd) for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) for ps in step_groups(group, size)]
+
+
+@dataclass
+class Built:
+    model: nn.Module  # what to call: the sharded model, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+    plan: WrapPlan
+    num_params: int
+    precision: Precision  # how the model state is stored, computed and reduced
+    init_note: str = ""
+    num_frozen: int = 0  # parameters that do not train (model.freeze, model.lora)
+    trainable_note: str = ""  # what model.freeze and model.lora did ('' when neither is set)
+
+
+def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | None = None,
+          ddp: Callable[[nn.Module], nn.Module] | None = None, model: nn.Module | None = None) -> Built:
+    """The configured model, sharded by ``cfg.parallel`` over ``env``'s ranks and initialised with
+    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``mesh`` and ``ddp``;
+    ``model``: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor mode).
+
+    Raises:
+        ValueError: a model.target that does not build, or a wrap setting the model does not fit.
+    """
+    model = model if model is not None else construct(cfg.model)
+    trainable_note = make_trainable(model, cfg.model)  # before sharding: FSDP2 shards adapters with their Linear
+    num_params, num_frozen = sum(p.numel() for p in model.parameters()), frozen_count(model)
+    precision = resolve(cfg.precision)
+    model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, mesh=mesh, ddp=ddp,
+                              precision=precision, compile=cfg.train.compile)
+    # With CPU offload the optimizer steps on the CPU, where the shards are.
+    device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
+    optimizer = build_optimizer(model, cfg.optim, device,
+                                zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer)
+    return Built(model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note)

@@ -1,0 +1,250 @@
+"""The one function that applies a data-parallel strategy to a model, and each strategy's
+model-state formula, both read from the strategy table (`fsdp_zero.config.schema.STRATEGIES`; its
+rendering, with the formulas, is docs/sharding.md's table).
+
+Order matters and is fixed: activation checkpointing on the block units, then
+``torch.compile`` of each block (if on), then sharding (torchtitan's order). FSDP strategies
+shard the meta-device model unit by unit (bottom-up, then the root) and only then materialise
+it, so no rank allocates more than its shards. DDP strategies need real tensors to wrap, so they
+materialise the whole model first (every rank holds all of it: that is what DDP is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from fsdp_zero.config.schema import STRATEGIES, ActivationCheckpointing, ParallelConfig, StrategySpec, is_fsdp
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
+from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
+
+def split_over(cfg: ParallelConfig, world_size: int) -> int:
+    """Over how many ranks a sharded state is split: the shard group (hybrid_shard) or all ranks.
+
+    Raises:
+        ValueError: as `ParallelConfig.check_world` (e.g. a hybrid_shard shard size that does not
+            divide the world size).
+    """
+    cfg.check_world(world_size)
+    return cfg.shard_size if STRATEGIES[cfg.strategy].hybrid else world_size
+
+
+def shard_degree(cfg: ParallelConfig, world_size: int) -> int:
+    """Over how many ranks each parameter is split (1: every rank holds all of them).
+
+    Raises:
+        ValueError: as `split_over`.
+    """
+    return split_over(cfg, world_size) if STRATEGIES[cfg.strategy].sharded[0] else 1
+
+
+# Bytes per parameter of (parameters, gradients, optimizer states): fp32 AdamW holds 4 + 4 + 8.
+FP32_ADAMW = (4, 4, 8)
+_STATE_NAMES = ("weights", "gradients", "AdamW states")
+
+
+def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int,
+                        bytes_per_param: tuple[int, int, int] = FP32_ADAMW, frozen: int = 0) -> float:
+    """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
+    the one model-state formula per strategy (the trainer's report, compare.py and the planner use it).
+
+    ``bytes_per_param`` = (w, g, k): fp32 AdamW (4, 4, 8); the ZeRO paper's mixed-precision Adam
+    (2, 2, 12). Each of the three is whole on every rank or split over `split_over`'s ranks, as the
+    strategy's ``sharded`` says (FSDP strategies: all three; zero1: the optimizer states; ddp: none).
+    ``frozen`` of the ``num_params`` do not train (model.freeze, LoRA): they cost only their stored
+    bytes w (no gradient, no AdamW states).
+    """
+    sharded = STRATEGIES[cfg.strategy].sharded
+    whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
+    split = sum(b for b, split in zip(bytes_per_param, sharded) if split)
+    n = split_over(cfg, world_size)
+    if not frozen:
+        return whole * num_params + split * num_params / n  # the formula as it always was, bit for bit
+    counts = (num_params, num_params - frozen, num_params - frozen)  # w of all; g and k of the trainable
+    return sum(b * c / n if s else b * c for b, c, s in zip(bytes_per_param, counts, sharded))
+
+
+def formula_note(cfg: ParallelConfig, world_size: int) -> str:
+    """How `model_state_formula` divides the bytes per parameter, in words (for the precision manifest)."""
+    spec = STRATEGIES[cfg.strategy]
+    if any(spec.sharded) and not all(spec.sharded):
+        whole = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if not split)
+        split = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if split)
+        return f"({whole} whole, {split} / N={split_over(cfg, world_size)})"
+    degree = shard_degree(cfg, world_size)
+    return f"/ {degree}" + (f" ({cfg.strategy.value}'s shard size)" if spec.hybrid else
+                            f" (N={degree})" if degree > 1 else " (not sharded)")
+
+
+def formula_text(spec: StrategySpec, bytes_per_param: tuple[int, int, int] = FP32_ADAMW) -> str:
+    """`model_state_formula` in symbols: P parameters, N ranks (shard_size: hybrid_shard's group)."""
+    n = "shard_size" if spec.hybrid else "N"
+    whole = [b for b, split in zip(bytes_per_param, spec.sharded) if not split]
+    split = [b for b, split in zip(bytes_per_param, spec.sharded) if split]
+    if not split:
+        return f"{sum(whole)} P"
+    if not whole:
+        return f"{sum(split)} P / {n}"
+    return f"{sum(whole)} P + {sum(split)} P / {n}"
+
+
+def strategy_table() -> str:
+    """docs/sharding.md's table of the strategies, rendered from `STRATEGIES`."""
+    rows = ["| `parallel.strategy` | ZeRO stage | how | model state per rank (fp32 AdamW) | -mixed precision, CPU "
+            "offload | DeepSpeed |", "|---|---|---|---|---|---|"]
+    for strategy, spec in STRATEGIES.items():
+        if spec.fsdp:
+            how = f"FSDP2, `reshard_after_forward={spec.reshard_after_forward}`" + (
+                ", 2-D mesh (replicate, shard)" if spec.hybrid else "") + (
+                "; `parallel.reshard_after_forward=k`: hpZ" if spec.hpz else "")
+        else:
+            how = "DDP + ZeroRedundancyOptimizer" if spec.zero_redundancy_optimizer else "DistributedDataParallel"
+        names = ", ".join(f"`{a}`" for a in spec.aliases)
+        deepspeed = (f"`zero_optimization.stage={spec.deepspeed_stage}`" if spec.deepspeed_stage is not None else
+                     "MiCS (`mics_shard_size`)")
+        rows.append(f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} ({spec.label}) | {how} "
+                    f"| {formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | {deepspeed} |")
+    return "\n".join(rows) + "\n"
+
+
+def reshard_after_forward(cfg: ParallelConfig, world_size: int) -> bool | int:
+    """ZeRO-3 frees gathered parameters after forward (or, with ``parallel.reshard_after_forward=k``,
+    keeps them sharded over groups of k ranks: ZeRO++'s hpZ); ZeRO-2 keeps them until backward.
+
+    Raises:
+        ValueError: as `ParallelConfig.check_world` (e.g. a group size that is not a proper divisor
+            of the world size).
+    """
+    cfg.check_world(world_size)
+    k = cfg.reshard_after_forward
+    if k is None or k == world_size:
+        return STRATEGIES[cfg.strategy].reshard_after_forward
+    return k
+
+
+def set_prefetch(units: list[FSDPModule], depth: int) -> None:
+    """Each unit, in forward order, prefetches the next ``depth`` units' all-gathers in forward and
+    the previous ``depth`` in backward (FSDP2's explicit prefetching)."""
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
+        unit.set_modules_to_backward_prefetch(units[max(0, i - depth) : i][::-1])
+
+
+class AllReduceScatter(DefaultReduceScatter):
+    """FSDP2's gradient reduce-scatter done as an in-place all-reduce of the unit's padded gradients,
+    then a copy of this rank's chunk: installed on gloo runs, where it is faster and lighter.
+
+    gloo's reduce-scatter first copies its whole input into per-rank chunks (a transient as large
+    as the unit's gradients) and is slower than its all-reduce of the same bytes. The sums are the
+    same per element, so the gradients are bit-identical (tests/test_parity.py checks it against
+    gloo's own at 2, 3 and 4 ranks; the measured gains are in docs/sharding.md). NCCL keeps FSDP2's
+    own reduce-scatter: there it moves 1/N of the bytes an all-reduce moves.
+    """
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object, async_op: bool = False) -> None:
+        assert not async_op, "FSDP2 calls its reduce-scatter synchronously on its own stream"
+        dist.all_reduce(input_tensor, op=op, group=group)
+        chunks = input_tensor.view(group.size(), -1)
+        output_tensor.copy_(chunks[group.rank()].view_as(output_tensor))
+
+
+def reduce_scatter_comm(backend: str) -> DefaultReduceScatter:
+    """The gradient reduction FSDP2 runs on ``backend``: `AllReduceScatter` on gloo, FSDP2's own elsewhere."""
+    return AllReduceScatter() if backend == "gloo" else DefaultReduceScatter()
+
+
+def checkpointed(cfg: ParallelConfig, blocks: list[str]) -> list[str]:
+    """The blocks (in forward order) whose activations are recomputed in backward: all of them
+    (``full``), every k-th (``selective``: the k-th, 2k-th, ...), or none."""
+    if cfg.activation_checkpointing is ActivationCheckpointing.full:
+        return list(blocks)
+    if cfg.activation_checkpointing is ActivationCheckpointing.selective:
+        k = cfg.activation_checkpointing_every
+        return [b for i, b in enumerate(blocks, start=1) if i % k == 0]
+    return []
+
+
+def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
+    """CPU offload: sharded state in host memory, pinned on CUDA (for asynchronous copies)."""
+    return CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+
+
+def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
+    """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
+    if STRATEGIES[cfg.strategy].hybrid:
+        shard = shard_degree(cfg, env.world_size)
+        return init_device_mesh(env.device.type, (env.world_size // shard, shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp_shard",))
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: DistEnv,
+                materialize: Callable[[nn.Module], None], mesh: DeviceMesh | None = None,
+                ddp: Callable[[nn.Module], nn.Module] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
+                compile: bool = False) -> nn.Module:
+    """Applies activation checkpointing, compilation and ``cfg.strategy`` to the meta-device ``model``;
+    returns the module to train.
+
+    Args:
+        model: the model, on the meta device.
+        cfg: the parallel settings.
+        plan: the FSDP units (used by the FSDP strategies).
+        env: ranks and device.
+        materialize: allocates and initialises the model's (local) tensors in place.
+        mesh: the FSDP device mesh, if already built (default: `device_mesh(cfg, env)`).
+        ddp: wraps the materialised model for the DDP strategies (default: DistributedDataParallel
+            with gradients as views into its buckets: one copy of the gradients, not two).
+        mp_policy: FSDP2's mixed precision (see `fsdp_zero.sharding.precision`).
+        compile: ``torch.compile`` each block unit.
+    """
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}  # registration ~ execution order
+    blocks = plan.block_fqns
+    if not is_fsdp(cfg.strategy) and (compile or cfg.activation_checkpointing is not ActivationCheckpointing.none):
+        blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns  # DDP has no units, but the same blocks
+    blocks = sorted(blocks, key=order.get)
+    for fqn in checkpointed(cfg, blocks):
+        checkpoint_activations(model.get_submodule(fqn))
+    if compile:
+        for fqn in blocks:
+            model.get_submodule(fqn).compile()  # in place: parameter names do not change
+    if not is_fsdp(cfg.strategy):
+        materialize(model)
+        if ddp is not None:
+            return ddp(model)
+        return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
+
+    mesh = mesh or device_mesh(cfg, env)
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward(cfg, env.world_size),
+                  mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy(cfg, env))
+    for fqn in plan.submodule_fqns:  # bottom-up: inner units first
+        fully_shard(model.get_submodule(fqn), **kwargs)
+    if cfg.prefetch:
+        set_prefetch([model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)], cfg.prefetch)
+    # The root keeps its parameters gathered from forward to backward, whatever the strategy:
+    # backward needs them first, so freeing them would only buy a second all-gather at once. (FSDP2
+    # does this by itself only when reshard_after_forward is left unset; an explicit True reshards
+    # the root too: measured by tests/test_parity.py's parameter bytes after forward.) A forward
+    # without backward (evaluation) leaves them gathered until the next forward's backward.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
+    assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)
+    if env.backend == "gloo":  # (`fsdp_zero.monitor.comm.CommMeter` wraps it to count its bytes)
+        comm = reduce_scatter_comm(env.backend)
+        for unit in units.values():
+            unit.set_custom_reduce_scatter(comm)
+    materialize(model)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model itself, without a DDP wrapper."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,1 @@
+"""Offline: the planner, the fit, compare and the rates probe; never imported by training."""

@@ -1,0 +1,357 @@
+"""The cheapest setting that fits a memory budget (`scripts/plan.py --fit`): a search, no training.
+
+Candidates are every valid combination of strategy, precision mode, activation checkpointing,
+CPU offload (CUDA only: on a CPU host it moves nothing), micro-batch size (the global batch
+fixed) and ``parallel.grad_sync``. Each gets a predicted peak per rank and a relative step cost;
+the pick is the cheapest candidate whose peak fits.
+
+The peak. Simulating every candidate (`fsdp_zero.tools.planner.Simulator`, about 4 s each for a 134M
+model) would take too long, so candidates that share tensors share simulations:
+- offload moves the model state to the host: the same tensors (on CUDA the prediction subtracts
+  the model state from device memory); ``replicas_once_per_step`` holds the same tensors as
+  ``every_micro_batch``;
+- activation checkpointing and the micro-batch size change what forward keeps, not what the
+  strategy holds. So each (strategy, precision, grad_sync) is simulated once at a reference
+  micro-batch without checkpointing (its "state" simulation) and each (compute dtype,
+  checkpointing, micro-batch) once on full_shard (its "activation" simulation); a candidate's
+  peak is its state simulation's plus how much its activation simulation differs from the
+  reference one. Micro-batches beyond the two smallest simulated ones are extrapolated linearly.
+  A step of one micro-batch holds no previous micro-batch's gradients at its peak, so candidates
+  without accumulation have their own reference (the micro-batch that is the whole local batch).
+The simulations run in two processes (they are single-threaded Python), a handful in this one.
+
+The cost, in seconds of one optimizer step under the rates (`fsdp_zero.tools.rates.Rates`), to rank candidates:
+- rates measured on this machine (a CPU target without --tflops / --link-gbps: `fit_rates`, the probe of
+  `fsdp_zero.tools.rates.measure`): each sample's forward and backward in the candidate's compute dtype (and each
+  checkpointed block's forward again), each byte of `fsdp_zero.monitor.comm.comm_formula` at the rate its
+  collective ran at in the probe (FSDP2's all-gather and reduce-scatter with their copies; DDP's
+  all-reduce), and AdamW's step over the parameters the rank steps. On this project's 2-core machine the
+  pick ran within 10% of it (bench/fit.py, docs/compare-and-plan.md);
+- rates given (and a GPU's: an H100 by default): compute as 6 x parameters x tokens FLOPs, plus 2 x the
+  checkpointed blocks' parameters x tokens recomputed, at ``tflops`` (fp32 at 1 / ``fp32_speed`` of that),
+  plus the bytes each rank moves at ``link_gbps`` as ring collectives, plus, with CPU offload, the
+  host-device copies at ``host_gbps``.
+Both ignore overlap of communication with compute (they add them: a pessimistic bound for FSDP's
+prefetching); the second also kernel efficiency at small micro-batches and the optimizer step;
+docs/compare-and-plan.md says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from fsdp_zero.sharding.build import construct
+from fsdp_zero.monitor.comm import comm_formula, comm_seconds
+from fsdp_zero.config.schema import STRATEGIES, ActivationCheckpointing, Config, GradSync, Strategy, validate
+from fsdp_zero.model.lora import make_trainable
+from fsdp_zero.sharding.parallelize import checkpointed, split_over
+from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline, plan_layout
+from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.tools.rates import Measured, Rates, measure
+from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    precision: str
+    checkpointing: ActivationCheckpointing
+    offload: bool
+    micro_batch: int
+    grad_sync: GradSync
+
+    def overrides(self) -> list[str]:
+        """The key=value overrides that select this candidate, to paste onto the command line."""
+        return [f"parallel.strategy={self.strategy.value}", f"precision.mode={self.precision}",
+                f"parallel.activation_checkpointing={self.checkpointing.value}",
+                f"parallel.cpu_offload={str(self.offload).lower()}", f"train.micro_batch_size={self.micro_batch}",
+                f"parallel.grad_sync={self.grad_sync.value}"]
+
+    def config(self, cfg: Config) -> Config:
+        hpz = cfg.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None  # full_shard's own
+        p = replace(cfg.parallel, strategy=self.strategy, zero_stage=None, activation_checkpointing=self.checkpointing,
+                    cpu_offload=self.offload, grad_sync=self.grad_sync, reshard_after_forward=hpz)
+        return replace(cfg, parallel=p, precision=replace(cfg.precision, mode=self.precision),
+                       train=replace(cfg.train, micro_batch_size=self.micro_batch))
+
+
+@dataclass
+class Scored:
+    candidate: Candidate
+    peak: int  # predicted bytes per rank (CPU: peak RSS; CUDA: device memory)
+    cost: float  # seconds per optimizer step under the rates: compute + communication + offload copies
+    parts: dict[str, float] = field(default_factory=dict)  # the cost's terms
+    fits: bool = False
+
+    def to_json(self) -> dict:
+        return {"overrides": self.candidate.overrides(), "peak_bytes": self.peak, "fits": self.fits,
+                "cost": self.cost, "cost_parts": self.parts}
+
+
+# What --search may name: the settings a candidate varies (the others stay as the config has them).
+DIMENSIONS = ("strategy", "precision", "checkpointing", "offload", "micro_batch", "grad_sync")
+
+
+def searched_overrides(search: tuple[str, ...]) -> list[str]:
+    """What loading the config for a search adds to its overrides: the micro-batch, when searched (every
+    divisor of the local batch is a candidate), is 1, so that the config's own (a default the user may never
+    have set) cannot refuse a global batch it does not divide."""
+    return ["train.micro_batch_size=1"] if "micro_batch" in search else []
+
+
+def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSIONS) -> list[Candidate]:
+    """Every valid candidate: the config's own model, data, global batch and other settings, with each
+    strategy, precision mode, checkpointing, offload, micro-batch and grad_sync the config allows (those
+    of the dimensions not in ``search`` as the config sets them).
+
+    Raises:
+        ValueError: ``search`` names something other than `DIMENSIONS`; no candidate is valid.
+    """
+    for name in search:
+        if name not in DIMENSIONS:
+            raise ValueError(f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: "
+                             f"{', '.join(DIMENSIONS)}")
+    local = cfg.train.global_batch_size // world_size
+    p = cfg.parallel
+    axes = {
+        "strategy": list(STRATEGIES),
+        "precision": list(PLAN_MODES),
+        "checkpointing": list(ActivationCheckpointing),
+        # On a CPU host offload moves nothing: not a candidate there.
+        "offload": [False, True] if cfg.dist.device.value == "cuda" else [False],
+        "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
+        "grad_sync": list(GradSync),
+    }
+    fixed = {"strategy": [p.strategy], "precision": [cfg.precision.mode], "checkpointing": [p.activation_checkpointing],
+             "offload": [p.cpu_offload], "micro_batch": [cfg.train.micro_batch_size], "grad_sync": [p.grad_sync]}
+    out, refused = [], None
+    for values in itertools.product(*(axes[d] if d in search else fixed[d] for d in DIMENSIONS)):
+        cand = Candidate(*values)
+        if "grad_sync" in search and local // cand.micro_batch == 1 and cand.grad_sync is not GradSync.every_micro_batch:
+            continue  # without accumulation every mode reduces once: the default stands for them
+        try:
+            c = cand.config(cfg)
+            validate(c)
+            c.parallel.check_world(world_size)
+            c.train.check_world(world_size)
+        except ValueError as e:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
+            refused = e
+            continue
+        if STRATEGIES[cand.strategy].hybrid and split_over(c.parallel, world_size) == world_size and "strategy" in search:
+            continue  # one replica: full_shard's twin
+        out.append(cand)
+    if not out:
+        raise ValueError(f"no setting varying {', '.join(search)} is valid for this config at {world_size} ranks; "
+                         f"the last refused: {refused}")
+    return out
+
+
+# Fewer simulations than this run in this process: starting workers (each imports torch) costs more.
+FEW = 6
+# Worker processes: each owns a Simulator (a fake process group of its own), made by its first task
+# (an error there reaches the caller; one in a pool's initializer would have the pool restart it forever).
+_SIM: Simulator | None = None
+_ARGS: tuple = ()
+
+
+def _start(cfg: Config, world_size: int, baseline: int) -> None:
+    global _ARGS
+    _ARGS = (cfg, world_size, baseline)
+
+
+def _predict(c: Config) -> Prediction:
+    global _SIM
+    if _SIM is None:
+        cfg, world_size, baseline = _ARGS
+        _SIM = Simulator(cfg, world_size, accum_cap=2, baseline=baseline).__enter__()
+    return _SIM.predict(c)
+
+
+def _simulate(cfg: Config, world_size: int, configs: list[Config], processes: int, baseline: int | None
+              ) -> list[Prediction]:
+    """`Simulator.predict` of each config, in ``processes`` worker processes (0: in this one)."""
+    if baseline is None:
+        baseline = cached_baseline(torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu"))
+    if not processes or len(configs) < FEW:
+        with Simulator(cfg, world_size, accum_cap=2, baseline=baseline) as sim:
+            return [sim.predict(c) for c in configs]
+    with multiprocessing.get_context("spawn").Pool(processes, _start, (cfg, world_size, baseline)) as pool:
+        return pool.map(_predict, configs, chunksize=1)
+
+
+def _compute_dtype(cfg: Config, c: Candidate) -> torch.dtype:
+    """What activation simulations share besides checkpointing and micro-batch: the compute dtype (not the mode)."""
+    return resolve(c.config(cfg).precision).compute
+
+
+def predict_peaks(cfg: Config, world_size: int, cands: list[Candidate], processes: int = 2,
+                  baseline: int | None = None) -> tuple[dict[Candidate, int], int]:
+    """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
+    and how many simulations it took."""
+    local = cfg.train.global_batch_size // world_size
+    micro = sorted({c.micro_batch for c in cands})
+    accumulating = [m for m in micro if local // m > 1]
+
+    def reference(m: int) -> int:  # the micro-batch the state simulations of m's regime run at
+        return accumulating[0] if m in accumulating else m
+
+    def extrapolated(m: int) -> list[int]:  # the simulated micro-batches m's activations come from
+        if m not in accumulating or len(accumulating) < 2 or m in accumulating[:2]:
+            return [m]
+        return accumulating[:2]
+
+    none, every = ActivationCheckpointing.none, GradSync.every_micro_batch
+    fs = next(s for s, spec in STRATEGIES.items() if spec.zero_stage == 3 and not spec.hybrid)
+    rep = {}  # a precision mode per compute dtype, for the activation simulations
+    for c in cands:
+        rep.setdefault(_compute_dtype(cfg, c), c.precision)
+
+    def state(c: Candidate) -> Candidate:
+        sync = c.grad_sync if c.grad_sync is GradSync.once_per_step else every  # replicas_: the same tensors
+        return replace(c, checkpointing=none, offload=False, micro_batch=reference(c.micro_batch), grad_sync=sync)
+
+    def activation(c: Candidate, m: int, ac: ActivationCheckpointing) -> Candidate:
+        return Candidate(fs, rep[_compute_dtype(cfg, c)], ac, False, m, every)
+
+    needed: dict[Candidate, None] = {}
+    for c in cands:
+        needed[state(c)] = None
+        for m in {*extrapolated(c.micro_batch), reference(c.micro_batch)}:
+            needed[activation(c, m, c.checkpointing)] = None
+            needed[activation(c, reference(m), none)] = None
+    sims = list(needed)
+    preds = dict(zip(sims, _simulate(cfg, world_size, [s.config(cfg) for s in sims], processes, baseline)))
+    cuda = cfg.dist.device.value == "cuda"
+
+    def act(c: Candidate, ac: ActivationCheckpointing, m: int) -> float:
+        points = extrapolated(m)
+        if len(points) == 1:
+            return preds[activation(c, m, ac)].peak
+        (m0, m1), (p0, p1) = points, [preds[activation(c, x, ac)].peak for x in points]
+        return p0 + (p1 - p0) * (m - m0) / (m1 - m0)
+
+    out = {}
+    for c in cands:
+        s = preds[state(c)]
+        peak = s.peak + act(c, c.checkpointing, c.micro_batch) - act(c, none, reference(c.micro_batch))
+        if c.offload and cuda:  # the model state lives in host memory
+            peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)
+        out[c] = int(peak)
+    return out, len(sims)
+
+
+def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: nn.Module, plan: WrapPlan
+              ) -> tuple[float, dict[str, float]]:
+    """``c``'s step cost in seconds and its terms (see the module docstring). ``model``: the config's model
+    on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
+    cc = c.config(cfg)
+    precision = resolve(cc.precision)
+    layout = plan_layout(cc, world_size)
+    moved = comm_formula(cc, model, plan, world_size, layout.grad_accum_steps, precision)
+    if rates.measured:
+        parts = _measured_cost(cc, c, world_size, rates.measured, model, plan, moved)
+        return sum(parts.values()), parts
+    tokens = layout.global_batch_size // world_size * (cc.data.seq_len or 1)
+    params = sum(p.numel() for p in model.parameters())
+    recomputed = sum(sum(p.numel() for p in model.get_submodule(b).parameters())
+                     for b in checkpointed(cc.parallel, plan.block_fqns))
+    flops = 6 * params * tokens + 2 * recomputed * tokens
+    slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
+    compute = flops * slow / (rates.tflops * 1e12)
+    comm = sum(comm_seconds(moved, cc.parallel, world_size, rates.link_gbps).values())
+    offload = 0.0
+    if c.offload:  # each gather first copies the rank's shard to the device, each reduction copies it back
+        shard = params / split_over(cc.parallel, world_size) * precision.stored.itemsize
+        gathers = layout.grad_accum_steps * (2 if STRATEGIES[c.strategy].reshard_after_forward else 1)
+        reductions = 1 if c.grad_sync is GradSync.once_per_step else layout.grad_accum_steps
+        offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)
+    parts = {"compute_s": compute, "comm_s": comm, "optimizer_s": 0.0, "offload_s": offload}
+    return compute + comm + offload, parts
+
+
+def _measured_cost(cc: Config, c: Candidate, world_size: int, m: Measured, model: nn.Module, plan: WrapPlan,
+                   moved) -> dict[str, float]:  # noqa: ANN001 - a CommBytes
+    """The step cost from what the probe measured on this machine (`fsdp_zero.tools.rates.measure`): each sample's
+    forward and backward (and each checkpointed block's forward again) in the compute dtype, each byte the
+    strategy moves (`fsdp_zero.monitor.comm.comm_formula`) at the rate its collective ran at, and AdamW's step over
+    the parameters this rank steps."""
+    precision = resolve(cc.precision)
+    samples = plan_layout(cc, world_size).global_batch_size // world_size
+    fixed, block, forward = m.compute[str(precision.compute).removeprefix("torch.")]
+    blocks = checkpointed(cc.parallel, plan.block_fqns)
+    compute = samples * (fixed + m.blocks * block + len(blocks) * forward)
+    spec = STRATEGIES[c.strategy]
+    if spec.fsdp:
+        comm = (moved.all_gather * m.gather_s_per_byte + moved.reduce_scatter * m.reduce_s_per_byte
+                + moved.all_reduce * m.all_reduce_s_per_byte)
+    else:  # DDP's buckets all-reduced; ZeRO-1's updated partitions broadcast (an all-gather's bytes)
+        comm = moved.all_reduce * m.all_reduce_s_per_byte + moved.all_gather * m.all_gather_s_per_byte
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    stepped = trainable if spec.zero_stage == 0 else trainable / split_over(cc.parallel, world_size)
+    optimizer = stepped / m.adamw_params_per_s[str(precision.stored).removeprefix("torch.")]
+    return {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0}
+
+
+def fit_rates(cfg: Config, world_size: int, dims: tuple[str, ...] = DIMENSIONS) -> Rates:
+    """The rates a search for ``cfg`` assumes when none are given: for the CPU, measured on this machine
+    (`fsdp_zero.tools.rates.measure`, in the compute dtypes the candidates use); for CUDA, `Rates.default`'s
+    (an H100: pass --tflops and --link-gbps for other hardware)."""
+    if cfg.dist.device.value == "cuda":
+        return Rates.default("cuda")
+    dtypes = {resolve(c.config(cfg).precision).compute for c in candidates(cfg, world_size, dims)}
+    return measure(cfg, world_size, sorted(dtypes, key=str))
+
+
+# A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have been
+# within 10% of the measured ones on every configuration measured (docs/compare-and-plan.md).
+MARGIN = 0.10
+
+
+@dataclass
+class Search:
+    scored: list[Scored]  # every candidate, cheapest first (ties: the smaller peak)
+    simulations: int  # how many configurations were simulated for them
+    seconds: float  # how long the search took
+
+    def fit(self, budget: int, margin: float = MARGIN) -> Scored:
+        """Marks the candidates whose peak plus ``margin`` (a fraction of it) fits ``budget`` (bytes per
+        rank); returns the cheapest of them.
+
+        Raises:
+            ValueError: none fits: the message names the smallest candidate and by how much it misses.
+        """
+        for s in self.scored:
+            s.fits = s.peak * (1 + margin) <= budget
+        if not any(s.fits for s in self.scored):
+            small = min(self.scored, key=lambda s: s.peak)
+            need = small.peak * (1 + margin)
+            raise ValueError(f"--fit={budget / 2**20:,.0f} MiB: no candidate fits; the smallest, "
+                             f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per rank "
+                             f"+ {margin:.0%} margin = {need / 2**20:,.0f} MiB ({(need - budget) / 2**20:,.0f} MiB over)")
+        return next(s for s in self.scored if s.fits)
+
+
+def search(cfg: Config, world_size: int, rates: Rates, dims: tuple[str, ...] = DIMENSIONS, processes: int = 2,
+           baseline: int | None = None) -> Search:
+    """Every candidate (varying ``dims``) with its predicted peak and cost, cheapest first.
+    ``processes``: worker processes for the simulations (0: this one); ``baseline``:
+    `fsdp_zero.tools.planner.measure_baseline`'s bytes (None: measured now).
+
+    Raises:
+        ValueError: as `candidates`.
+    """
+    start = time.perf_counter()
+    cands = candidates(cfg, world_size, dims)
+    peaks, simulations = predict_peaks(cfg, world_size, cands, processes, baseline)
+    model = construct(cfg.model)  # meta parameters: free at any size
+    make_trainable(model, cfg.model)  # model.freeze, model.lora: frozen parameters are not reduced
+    plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
+    scored = [Scored(c, peaks[c], *step_cost(cfg, c, world_size, rates, model, plan)) for c in cands]
+    scored.sort(key=lambda s: (s.cost, s.peak))
+    return Search(scored, simulations, time.perf_counter() - start)

@@ -1,0 +1,322 @@
+"""What `fsdp_zero.tools.fit`'s step cost assumes of the hardware (`Rates`), and, when the plan is for this
+machine's CPU, a probe that measures it here (`measure`): the config's own model and collectives, run as
+its ranks will run them.
+
+    python scripts/plan.py --world-size 2 --fit 2GiB ...      # dist.device=cpu: measured by the probe
+    python scripts/plan.py ... --tflops 0.1 --link-gbps 8      # the rates given: no probe
+
+Why measure: a CPU's rates vary more than any default can say. bf16 runs about 2.3x faster than fp32 on
+a CPU with AVX-512 bf16 instructions and about 170x slower on one without; gloo moves a unit's bytes at
+a fraction of a memory copy's speed, with FSDP's copies into and out of its buffers on top. A cost that
+assumes the wrong ones picks a setting that runs 25 times slower than it said (issue 28).
+
+The probe starts one process per rank (at most `MAX_PROBE_RANKS`, with the threads torchrun gives each)
+and measures, all ranks at once as in training:
+- compute: the config's model (the planner's truncation, `fsdp_zero.tools.planner.repeated_blocks`, to 1 and
+  `PROBE_DEPTH` of its repeated blocks) trained on one sample, forward and backward, in each compute dtype the search
+  asks about, the ranks stepping at once (the shortest of two steps at each depth): the seconds outside
+  the blocks, per block, and per block's forward (what activation checkpointing recomputes). A dtype
+  whose matmuls run more than `SLOW_DTYPE` times slower than fp32's is not run through the model (it
+  could take minutes); its times are fp32's scaled by the matmul ratio.
+- communication: FSDP2's all-gather and reduce-scatter of units of the model's typical unit's size (the
+  median; at most 64 MiB), in a stack of Linear units whose compute is negligible, with the reduction gloo
+  runs (`AllReduceScatter`); and plain all-reduce and all-gather of the same bytes (DDP's buckets;
+  ZeroRedundancyOptimizer's broadcasts). Each the shortest of three; the reduction, a difference of two
+  timings, the median of three backwards less the gathers.
+- AdamW's step, per parameter, in each stored dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+# More ranks than this are probed with this many (a CPU plan for more is rare; each probe rank is a process).
+MAX_PROBE_RANKS = 8
+# A compute dtype whose matmuls run this many times slower than fp32's is scaled from fp32, not run.
+SLOW_DTYPE = 8.0
+# The deeper of the two cuts the compute probe times (or the model's blocks, if fewer): a block's time is a
+# slope over this many minus one blocks, multiplied by the model's depth. Over one block (cuts of 1 and 2)
+# gpt_small's 12-block sample came out between 1.2 and 2.8 s over seven probes; over three, within 10% of
+# the whole model timed (measured 2026-11-26, bench/fit.py's model).
+PROBE_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Rates `measure` found on this machine for one config and world size."""
+
+    ranks: int  # processes probed at once
+    threads: int  # each one's threads (torchrun's: 1 for several ranks)
+    # By compute dtype name: seconds per sample outside the repeated blocks, per block (forward and
+    # backward), and per block's forward alone.
+    compute: dict[str, tuple[float, float, float]]
+    blocks: int  # the model's repeated blocks (0: none found; the first figure is then the whole model)
+    gather_s_per_byte: float  # FSDP2's all-gather, by bytes gathered (its copies in and out included)
+    reduce_s_per_byte: float  # FSDP2's reduce-scatter, by bytes reduced (gloo: an all-reduce, `AllReduceScatter`)
+    all_reduce_s_per_byte: float  # a plain all-reduce, by bytes reduced (DDP, HSDP's replicas)
+    all_gather_s_per_byte: float  # a plain all-gather, by bytes gathered (ZeRO-1's broadcasts)
+    adamw_params_per_s: dict[str, float]  # AdamW's step, parameters a second, by stored dtype name
+    seconds: float  # the probe's own wall time
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        compute = ", ".join(f"{d} {fixed + self.blocks * block:.3g} s" for d, (fixed, block, _) in self.compute.items())
+        gbps = lambda s_per_byte: 8 / s_per_byte / 1e9 if s_per_byte else float("inf")  # noqa: E731
+        return (f"measured on this machine by a probe ({self.ranks} ranks x {self.threads} thread(s), {self.seconds:.0f} s): "
+                f"forward and backward of one sample: {compute}; FSDP all-gather {gbps(self.gather_s_per_byte):.2g} and "
+                f"reduce-scatter {gbps(self.reduce_s_per_byte):.2g} Gbit/s, all-reduce {gbps(self.all_reduce_s_per_byte):.2g}"
+                f" Gbit/s; AdamW " + ", ".join(f"{d} {r / 1e6:,.0f}M" for d, r in self.adamw_params_per_s.items())
+                + " parameters/s" + "".join(f"; {n}" for n in self.notes))
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the cost assumes of the hardware (scripts/plan.py's --tflops, --link-gbps, --host-gbps), or,
+    with ``measured``, what the probe measured (which then replaces the first two)."""
+
+    tflops: float  # achieved compute per rank in 16-bit dtypes, 10^12 FLOP/s
+    link_gbps: float  # per-rank collective bandwidth, Gbit/s
+    host_gbps: float = 200.0  # host <-> device copies (CPU offload), Gbit/s
+    # How much faster 16-bit compute runs than fp32. An H100: 989 dense bf16 TFLOP/s against 67 in fp32 (we
+    # do not turn TF32 on); a CPU: about the same (where it is not measured).
+    fp32_speed: float = 15.0
+    measured: Measured | None = None
+
+    @classmethod
+    def default(cls, device: str) -> "Rates":
+        """An H100 over 400 Gbit/s per GPU; a CPU rank over loopback gloo (this project's machines)."""
+        return cls(400.0, 400.0) if device == "cuda" else cls(0.05, 20.0, fp32_speed=1.0)
+
+    def describe(self) -> str:
+        if self.measured:
+            return self.measured.describe()
+        return (f"given or default: {self.tflops:g} TFLOP/s (16-bit; fp32 {self.fp32_speed:g}x slower), link "
+                f"{self.link_gbps:g} Gbit/s, host {self.host_gbps:g} Gbit/s")
+
+
+# ---------------------------------------------------------------------------------
+# The probe: `measure` in this process, `_probe_rank` in each probe process
+
+
+def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: ANN001 - a Config
+    """Measures this machine's rates for ``cfg`` at ``world_size`` ranks on the CPU (see the module
+    docstring): one process per rank, up to `MAX_PROBE_RANKS`, with ``dtypes`` the compute dtypes to
+    time. Raises RuntimeError with the probe's error when a probe process fails."""
+    from fsdp_zero.config.loader import to_yaml
+
+    ranks = min(world_size, MAX_PROBE_RANKS)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fsdp-zero-probe-") as tmp:
+        config, out = Path(tmp) / "config.yaml", Path(tmp) / "rates.json"
+        config.write_text(to_yaml(cfg))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+        # As torchrun runs the ranks: one thread each when there are several; no GPU (the plan is for the CPU).
+        env |= {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "CUDA_VISIBLE_DEVICES": ""}
+        if ranks > 1:
+            env["OMP_NUM_THREADS"] = "1"
+        procs = [subprocess.Popen([sys.executable, "-m", "fsdp_zero.tools.rates", str(config), str(out),
+                                   ",".join(str(d).removeprefix("torch.") for d in dtypes)],
+                                  env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+        errors = [p.communicate()[1] for p in procs]
+        if any(p.returncode for p in procs):
+            failed = next(e for p, e in zip(procs, errors) if p.returncode)
+            raise RuntimeError(f"the rates probe failed: {failed.strip().splitlines()[-1] if failed.strip() else '?'}")
+        found = json.loads(out.read_text())
+    found["compute"] = {k: tuple(v) for k, v in found["compute"].items()}
+    found["notes"] += [f"{world_size} ranks probed as {ranks}"] if ranks < world_size else []
+    return replace(Rates.default("cpu"), measured=Measured(**found, seconds=time.perf_counter() - start))
+
+
+def _best_of(fn, repeats: int = 2) -> float:  # noqa: ANN001
+    """The shortest of ``repeats`` timed calls of ``fn`` after one untimed (a shared machine's noise only adds)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _matmul_seconds(dtype: torch.dtype, n: int = 256) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return _best_of(lambda: a @ b, 3)
+
+
+def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: torch.dtype,  # noqa: ANN001
+                   together=lambda: None) -> list[tuple[float, float]]:  # noqa: ANN001
+    """Forward and forward + backward seconds of one sample of the config's model, initialised as the build
+    does, in ``dtype``: with ``container`` cut to each of ``depths`` blocks in turn (deepest first: the
+    model is built once, warmed up once, and cut), or whole (``container`` None, ``depths`` (0,)). Each the
+    shortest of two steps, each step started by ``together()`` (the probe's ranks step at once, as in
+    training, where they share the machine's memory bandwidth)."""
+    from fsdp_zero.sharding.build import construct, materializer, real_buffers
+    from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
+    from fsdp_zero.model.lora import make_trainable
+    from fsdp_zero.model.tasks import build_task, to_device, vocab_size
+
+    model = construct(cfg.model)
+    if container is not None:
+        del model.get_submodule(container)[max(depths):]
+    make_trainable(model, cfg.model)
+    materializer(torch.device("cpu"), cfg.model.init, 0, real_buffers(model), [])(model)
+    model.to(dtype)
+    source = build_source(cfg.data, 0, vocab_size(model))
+    batch = to_device(BatchCursor(source, BatchLayout(1, 1, 1, 1), 0).next_batch()[0], torch.device("cpu"))
+    loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
+
+    def step() -> tuple[float, float]:
+        together()
+        start = time.perf_counter()
+        loss, _ = loss_fn(model, batch)
+        middle = time.perf_counter()
+        loss.float().sum().backward()
+        model.zero_grad(set_to_none=True)
+        return middle - start, time.perf_counter() - start
+
+    step()  # untimed: the first step allocates what the others reuse
+    out = []
+    for depth in sorted(depths, reverse=True):
+        if container is not None:
+            del model.get_submodule(container)[depth:]
+        timed = [step(), step()]
+        out.append((min(t[0] for t in timed), min(t[1] for t in timed)))
+    return out[::-1]
+
+
+def _compute(cfg, dtypes: list[str], together=lambda: None  # noqa: ANN001
+             ) -> tuple[dict[str, tuple[float, float, float]], int, list[str]]:
+    """Seconds per sample outside the blocks, per block and per block's forward, by dtype name; the blocks; notes."""
+    from fsdp_zero.tools.planner import repeated_blocks
+
+    repeats = repeated_blocks(cfg, 1)  # (the blocks are the same whatever the sharding)
+    notes, out, fp32_matmul = [], {}, _matmul_seconds(torch.float32)
+    order = sorted(dtypes, key=lambda d: d != "float32")  # fp32 first: a slow dtype is scaled from it
+    for name in order:
+        dtype = getattr(torch, name)
+        ratio = _matmul_seconds(dtype) / fp32_matmul
+        if name != "float32" and ratio > SLOW_DTYPE:
+            fixed, block, fwd = (t * ratio for t in out["float32"])
+            notes.append(f"{name} matmuls run {ratio:.3g}x slower than float32 here: scaled from float32's times")
+        elif repeats is None:
+            fixed, block, fwd = _model_seconds(cfg, None, (0,), dtype, together)[0][1], 0.0, 0.0
+        else:
+            deep = min(PROBE_DEPTH, repeats.count)
+            (f1, t1), (fd, td) = _model_seconds(cfg, repeats.container, (1, deep), dtype, together)
+            block, fwd = max((td - t1) / (deep - 1), 0.0), max((fd - f1) / (deep - 1), 0.0)
+            fixed = max(t1 - block, 0.0)
+        out[name] = (fixed, block, fwd)
+    return {d: out[d] for d in dtypes}, repeats.count if repeats else 0, notes
+
+
+def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
+    """Seconds per byte of FSDP2's all-gather and reduce-scatter, and of a plain all-reduce and all-gather,
+    for units of ``unit_bytes`` (fp32) over this process group (gloo)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from fsdp_zero.config.schema import ParallelConfig, WrapConfig, WrapPolicy
+    from fsdp_zero.distributed.env import DistEnv
+    from fsdp_zero.sharding.parallelize import parallelize
+    from fsdp_zero.sharding.wrap import build_wrap_plan
+
+    n, units = dist.get_world_size(), 4
+    d = max(64, int(math.sqrt(unit_bytes / 4)) // n * n)
+    nbytes = d * d * 4
+    model = nn.Sequential(*(nn.Linear(d, d, bias=False) for _ in range(units)))
+    parallel = ParallelConfig(wrap=WrapConfig(policy=WrapPolicy.modules, modules=[r"\d+"]))
+    env = DistEnv(rank=dist.get_rank(), world_size=n, local_rank=dist.get_rank(), device=torch.device("cpu"),
+                  backend="gloo")
+    model = parallelize(model, parallel, build_wrap_plan(model, parallel.wrap, n), env, lambda m: None)  # ZeRO-3
+    x = torch.randn(1, d)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)  # every unit gathered and resharded: `units` all-gathers
+
+    backwards = []
+
+    def train() -> None:
+        loss = model(x).sum()
+        start = time.perf_counter()
+        loss.backward()  # each unit gathered again and its gradient reduce-scattered
+        backwards.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+
+    dist.barrier()
+    t_forward = _best_of(forward, 3)
+    _best_of(train, 3)
+    whole, shard = torch.randn(nbytes // 4), torch.randn(nbytes // 4 // n)
+    all_reduce = _best_of(lambda: dist.all_reduce(whole), 3) / nbytes
+    all_gather = _best_of(lambda: dist.all_gather_into_tensor(whole, shard), 3) / nbytes
+    # FSDP2's are the plain collective and its copies: never faster than the plain one (on gloo the reduction
+    # is an all-reduce of the same bytes), which bounds what the difference of two noisy timings gives; the
+    # backward's the median of three (a reduction's time is a difference, and gloo's times on a shared machine
+    # scatter both ways).
+    gather = max(t_forward / (units * nbytes), all_gather)
+    reduce = max((statistics.median(backwards[1:]) - t_forward) / (units * nbytes), all_reduce)
+    return gather, reduce, all_reduce, all_gather
+
+
+def _adamw(dtype: torch.dtype, numel: int = 4_000_000) -> float:
+    """AdamW (foreach, as on the CPU) parameters a second."""
+    params = [torch.nn.Parameter(torch.randn(numel // 4, dtype=dtype)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    return numel / _best_of(optimizer.step)
+
+
+def _unit_bytes(cfg) -> int:  # noqa: ANN001
+    """The fp32 bytes of the config's typical FSDP unit (the median; gloo's speed a byte depends on the size)."""
+    from fsdp_zero.sharding.build import construct
+    from fsdp_zero.sharding.wrap import build_wrap_plan
+
+    plan = build_wrap_plan(construct(cfg.model), cfg.parallel.wrap, 1)
+    return int(statistics.median(u.full_bytes for u in plan.units if u.num_params))
+
+
+def _probe_rank(config: str, out: str, dtypes: str) -> None:
+    """One probe process (`measure`): the same measurements on every rank at once; rank 0 writes them."""
+    import torch.distributed as dist
+
+    from fsdp_zero.config.loader import load_config
+
+    cfg = load_config(config, [])
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    try:
+        dist.barrier()
+        compute, blocks, notes = _compute(cfg, dtypes.split(","), dist.barrier)
+        dist.barrier()
+        comm = _comm(min(max(_unit_bytes(cfg), 2**20), 64 * 2**20)) if n > 1 else (0.0,) * 4
+        dist.barrier()
+        adamw = {name: _adamw(getattr(torch, name)) for name in ("float32", "bfloat16")}
+        if rank == 0:
+            Path(out).write_text(json.dumps({
+                "ranks": n, "threads": torch.get_num_threads(), "compute": compute, "blocks": blocks,
+                "gather_s_per_byte": comm[0], "reduce_s_per_byte": comm[1], "all_reduce_s_per_byte": comm[2],
+                "all_gather_s_per_byte": comm[3], "adamw_params_per_s": adamw, "notes": notes}))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _probe_rank(*sys.argv[1:4])

@@ -1,0 +1,1 @@
+"""The run: step, stopping, evaluation, logging, run directory, trainer."""

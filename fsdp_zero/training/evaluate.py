@@ -1,0 +1,251 @@
+"""Validation: the loss on held-out data at every ``eval.every``-th step and at the last, the same at any world size.
+
+causal_lm       ``eval.path`` is a token file, read as ``data.source=tokens`` reads one (the same reader,
+                so the same dtype and vocabulary checks). Window k holds the tokens
+                [k * seq_len, k * seq_len + seq_len + 1), k = 0 .. floor((T - 1) / seq_len) - 1, and
+                makes seq_len next-token predictions; ``eval/loss`` is the cross-entropy summed over every
+                prediction divided by their number (token-weighted: never a mean of batch means, which
+                would weigh a short last batch as much as a full one), ``eval/perplexity`` its exp.
+classification  ``eval.path`` is an ImageFolder, each image resized and centre-cropped (no augmentation);
+                ``eval/loss`` the mean cross-entropy over images, ``eval/accuracy`` the fraction right.
+
+The split: item i (a window or an image) goes to rank i mod N, so counts differ by at most one,
+and each rank forwards its items in micro-batches of ``train.micro_batch_size``. Every rank runs
+the same number of forwards, ceil(ceil(n / N) / micro_batch_size): under FSDP each forward
+all-gathers every unit, a collective, so a rank out of items forwards a dummy batch (item 0)
+whose result is dropped; otherwise the others would wait in that all-gather until the timeout
+(torchtitan #1618, Lightning #20561). The sums (loss, count, correct) stay on each rank, in
+float64, and are reduced in one all-reduce at the end.
+
+What it leaves as it was: the model's mode (``eval()`` for the pass: no dropout, then ``train()``),
+the RNG (forked around the pass: nothing is drawn from the training's generators), the training's
+data (its own reader; the cursor is never touched) and FSDP2's state. A forward without backward
+would leave the root unit gathered (under ZeRO-2 every unit, see `fsdp_zero.sharding.parallelize`) and its
+units in FSDP2's backward-prefetch record; ``reset_iter_state`` reshards every unit and clears that
+record, so memory after evaluation is what it was before, and the next step trains as it would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_zero.config.schema import Config, DataSource, Task
+from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.sharding.parallelize import unwrap
+from fsdp_zero.model.tasks import IGNORE, logits_of, num_outputs, to_device, vocab_size
+
+logger = logging.getLogger("fsdp_zero")
+
+
+class Items(Protocol):
+    """A held-out set addressed by item index: windows of a token file, or images."""
+
+    unit: str  # what an item is, for the log line: "windows", "images"
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The items at ``indices``, collated: (inputs, targets) or (images, labels)."""
+        ...
+
+
+class TokenWindows:
+    """Window k of a token file: tokens [k * seq_len, k * seq_len + seq_len + 1), in file order."""
+
+    unit = "windows"
+
+    def __init__(self, source: Any, seq_len: int) -> None:  # source: a fsdp_zero.data.batches.TokenFile
+        self.source, self.seq_len = source, seq_len
+
+    def __len__(self) -> int:
+        return self.source.num_windows  # floor((T - 1) / seq_len)
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source.pairs([k * self.seq_len for k in indices])  # a mask file's untrained targets: IGNORE
+
+
+class FolderImages:
+    """The images of an ImageFolder in its own order, resized and centre-cropped to ``size`` pixels."""
+
+    unit = "images"
+
+    def __init__(self, path: str, size: int) -> None:
+        from torchvision import transforms as T
+        from torchvision.datasets import ImageFolder
+
+        transform = T.Compose([T.Resize(size), T.CenterCrop(size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        try:
+            self.dataset = ImageFolder(path, transform=transform)
+        except (FileNotFoundError, RuntimeError) as e:
+            raise ValueError(f"eval.path={path!r}: not an ImageFolder directory: {e}") from None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.dataset[i] for i in indices]
+        return torch.stack([image for image, _ in pairs]), torch.tensor([int(label) for _, label in pairs])
+
+
+def lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(summed next-token cross-entropy, predictions, 0) of one batch, in float64: the training loss
+    (`fsdp_zero.model.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of averaged."""
+    inputs, targets = batch
+    logits = logits_of(model(inputs)).float()
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # 0 where IGNORE
+    counted = (targets != IGNORE).sum().double()  # every target, unless a mask file leaves some out
+    return torch.stack([losses.double().sum(), counted,
+                        torch.zeros((), dtype=torch.float64, device=losses.device)])
+
+
+def classification_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(summed cross-entropy, images, images classified right) of one batch, in float64."""
+    inputs, labels = batch
+    logits = logits_of(model(inputs)).float()
+    losses = F.cross_entropy(logits, labels, reduction="none")
+    right = (logits.argmax(-1) == labels).sum()
+    return torch.stack([losses.double().sum(), torch.tensor(labels.numel(), dtype=torch.float64, device=losses.device),
+                        right.double()])
+
+
+def rank_batches(num_items: int, world_size: int, rank: int, micro_batch_size: int) -> list[list[int]]:
+    """This rank's micro-batches of item indices: items rank, rank + N, rank + 2N, ..., then empty
+    lists (a dummy forward each) up to the count every rank runs, ceil(ceil(n / N) / micro_batch_size)."""
+    mine = list(range(rank, num_items, world_size))
+    most = len(range(0, num_items, world_size))  # rank 0's share, the largest
+    forwards = -(-most // micro_batch_size)
+    return [mine[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(forwards)]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation, the same on every rank (after the all-reduce)."""
+
+    scalars: dict[str, float]  # eval/loss and eval/perplexity (causal_lm) or eval/accuracy (classification)
+    items: int  # windows or images evaluated, over all ranks
+    unit: str  # "windows" or "images"
+    count: int  # predictions: tokens (windows x seq_len) or images
+    seconds: float
+
+    def describe(self) -> str:
+        values = " | ".join(f"{k} {v:.4f}" for k, v in self.scalars.items())
+        tokens = f", {self.count:,} tokens" if self.unit == "windows" else ""
+        return f"{values} | {self.items:,} {self.unit}{tokens} in {self.seconds:.2f} s"
+
+
+class Evaluator:
+    """Evaluates a model on ``items[:num_items]``, split over the ranks; see the module docstring."""
+
+    def __init__(self, items: Items, num_items: int, task: Task, every: int, micro_batch_size: int,
+                 env: DistEnv) -> None:
+        self.items, self.num_items, self.task, self.every = items, num_items, task, every
+        self.env = env
+        self.batches = rank_batches(num_items, env.world_size, env.rank, micro_batch_size)
+        self.sums: Callable[[nn.Module, Any], torch.Tensor] = lm_sums if task is Task.causal_lm else classification_sums
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether to evaluate after optimizer step ``step``: every ``every``-th step, and the last."""
+        return step % self.every == 0 or step == last
+
+    @torch.no_grad()
+    def run(self, model: nn.Module) -> EvalResult:
+        """One pass over the held-out set; every rank must call it (it runs collectives).
+
+        Call it between optimizer steps, as the trainer does: FSDP2's reset at the end drops
+        gradients, so a model holding any is refused.
+
+        Raises:
+            RuntimeError: the model holds gradients (called inside an accumulation).
+        """
+        start = time.perf_counter()
+        module = unwrap(model)  # DDP holds every parameter whole: no need for its forward's broadcasts
+        if any(p.grad is not None for p in module.parameters()):
+            raise RuntimeError("evaluate between optimizer steps: the model holds gradients, which FSDP2's "
+                               "reset after a forward-only pass would drop")
+        device = self.env.device
+        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for indices in self.batches:
+                    # An empty share still forwards (item 0), so that every rank takes part in every all-gather.
+                    sums = self.sums(module, to_device(self.items.batch(indices or [0]), device))
+                    if indices:
+                        totals += sums
+        finally:
+            module.train(was_training)
+            if isinstance(module, FSDPModule):
+                module.reset_iter_state()  # reshard every unit; forget the pass's forward order
+        if dist.is_initialized():
+            dist.all_reduce(totals)  # the evaluation's one reduction: loss sum, count, right
+        loss_sum, count, right = totals.tolist()  # a sync point, once per evaluation
+        loss = loss_sum / count if count else math.nan  # a masked held-out set without one trained token
+        if self.task is Task.causal_lm:
+            scalars = {"eval/loss": loss, "eval/perplexity": math.exp(loss) if loss < 700 else math.inf}
+        else:
+            scalars = {"eval/loss": loss, "eval/accuracy": right / count}
+        return EvalResult(scalars, self.num_items, self.items.unit, int(count), time.perf_counter() - start)
+
+
+def _token_windows(cfg: Config, vocab: int | None) -> TokenWindows:
+    """eval.path read by the training's own token-file reader (dtype, vocabulary check), windows in file order."""
+    data = dataclasses.replace(cfg.data, source=DataSource.tokens, path=cfg.eval.path)
+    try:
+        source = build_source(data, cfg.train.seed or 0, vocab)  # the seed orders training windows only
+    except ValueError as e:  # the reader names data.path: here the file is eval.path
+        raise ValueError(str(e).replace("data.path=", "eval.path=")) from None
+    return TokenWindows(source, cfg.data.seq_len)
+
+
+def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> FolderImages:
+    """eval.path's images, checked against the model's outputs and the training folder's classes."""
+    images = FolderImages(cfg.eval.path, cfg.data.image_size)
+    classes = images.dataset.classes
+    trained = getattr(getattr(train_source, "dataset", None), "classes", None)
+    if cfg.data.source is DataSource.images and trained is not None and list(trained) != list(classes):
+        # ImageFolder numbers classes by sorted folder name: other folders would shift every label.
+        raise ValueError(f"eval.path={cfg.eval.path!r} has classes {classes}, but data.path has {list(trained)}; "
+                         "give both the same class folders")
+    outputs = num_outputs(model)
+    if outputs and len(classes) > outputs:
+        raise ValueError(f"eval.path={cfg.eval.path!r} has {len(classes)} classes but the model's last layer has "
+                         f"{outputs} outputs")
+    return images
+
+
+def build_evaluator(cfg: Config, env: DistEnv, model: nn.Module, train_source: object) -> Evaluator | None:
+    """The evaluator ``eval.*`` asks for (None: eval.every=0), its data opened and checked.
+
+    Raises:
+        ValueError: an eval.path the model cannot read (token ids past its vocabulary, fewer tokens
+            than data.seq_len + 1, classes it has no output for), naming eval.path.
+    """
+    e = cfg.eval
+    if not e.every:
+        if e.path:
+            logger.warning("eval.path=%s has no effect with eval.every=0 (no evaluation)", e.path)
+        return None
+    items: Items = (_token_windows(cfg, vocab_size(model)) if cfg.model.task is Task.causal_lm
+                    else _folder_images(cfg, model, train_source))
+    limit = e.max_batches * cfg.train.global_batch_size
+    num_items = min(len(items), limit) if limit else len(items)
+    if num_items == 0:
+        raise ValueError(f"eval.path={e.path!r} holds no {items.unit}")
+    evaluator = Evaluator(items, num_items, cfg.model.task, e.every, cfg.train.micro_batch_size, env)
+    logger.info("evaluation every %d steps and at the last: %d %s of %s (%d forwards a rank, micro-batch %d)",
+                e.every, num_items, items.unit, e.path, len(evaluator.batches), cfg.train.micro_batch_size)
+    return evaluator

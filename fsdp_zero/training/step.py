@@ -1,0 +1,229 @@
+"""One optimizer step, as a library: the learning rate, clipping with sharded gradients, and `train_step`.
+
+The trainer's loop, the planner's simulation (`fsdp_zero.tools.planner`), the DataParallel baseline
+(`fsdp_zero.tools.compare`) and the own-loop API (`fsdp_zero.api`) all step through this module, so
+what they measure is what training does.
+
+Sync points: a step waits for the device once, in its gate (`StepGuard.check` reads the verdict
+every rank agreed on, two integers, after one all-reduce), plus fp16's overflow check inside
+the loss scaler's step and, on masked data only, the read of the global batch's trained-token
+count before the first forward; the loop's other sync points are the logger's, on log steps only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_zero.config.schema import GradSync, OptimConfig, Schedule
+from fsdp_zero.sharding.precision import LossScaler
+from fsdp_zero.training.stopping import Verdict
+from fsdp_zero.model.tasks import LossFn, to_device
+
+class Phase(str, enum.Enum):
+    """The points of a training step that report themselves (`train_step`'s hooks)."""
+
+    START = "start"  # before the step (the profiler's own snapshot)
+    AFTER_BUILD = "after_build"  # the model built, before the first step (the trainer reports it)
+    AFTER_FORWARD = "after_forward"  # the first micro-batch's forward
+    AFTER_MICRO_BATCH = "after_micro_batch"  # each micro-batch but the last, after its backward
+    AFTER_BACKWARD = "after_backward"  # the last micro-batch's backward
+    AFTER_OPTIMIZER_STEP = "after_optimizer_step"  # parameters, gradients and optimizer states all live
+
+
+PhaseHook = Callable[[Phase], None]
+
+
+# A step without a gate is always taken.
+TAKEN = Verdict(finite=True, stop=None)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `train_step` returns; the tensors are read (``.item()``, a sync point) by the caller."""
+
+    loss: torch.Tensor  # this rank's mean loss over its micro-batches
+    grad_norm: torch.Tensor  # the global gradient norm, before clipping
+    extra: dict[str, torch.Tensor]  # the task's other scalars (mean over micro-batches), the loss scale
+    verdict: Verdict  # the gate's answer: whether the optimizer step was taken, and whether to stop after it
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, then
+    ``cfg.schedule`` (cosine, linear or constant)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule is Schedule.constant:
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule is Schedule.cosine else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """Sets the learning rate of optimizer step ``step`` (0-based) from the step number alone
+    (nothing to save or restore on resume: a changed optim.lr or train.steps applies at once)."""
+    lr = cfg.lr * lr_factor(step, cfg, total_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+@torch.no_grad()
+def grad_norm_(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of all gradients, sharded or not, the same on every rank.
+
+    With FSDP each rank holds a shard of each gradient (a DTensor). The norm of a
+    sharded DTensor is a partial value; ``full_tensor()`` all-reduces it into the norm
+    of the whole model's gradient.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+
+@torch.no_grad()
+def clip_grads_(parameters: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    """Scales the gradients so that their global norm ``total`` is at most ``max_norm`` (0: no
+    clipping). Clipping each rank's shard by the global norm is exactly clipping the whole gradient."""
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`grad_norm_` then `clip_grads_`: returns the global norm before clipping (one all-reduce)."""
+    total = grad_norm_(parameters)
+    clip_grads_(parameters, max_norm, total)
+    return total
+
+
+def _report(hooks: Sequence[PhaseHook], phase: Phase) -> None:
+    for hook in hooks:
+        hook(phase)
+
+
+def _token_weight(count: Callable[[object], torch.Tensor], micro_batches: list, device: torch.device
+                  ) -> tuple[float, int]:
+    """N / (trained tokens of the global batch) and that count: this rank's count over its micro-batches
+    (their targets, still on the host), one all-reduce, and one read of the sum (a sync point, masked data only)."""
+    total = torch.tensor(float(sum(int(count(b)) for b in micro_batches)), dtype=torch.float64, device=device)
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        world = dist.get_world_size()  # the ranks FSDP (or DDP) averages gradients over
+    trained = int(total.item())
+    return world / max(trained, 1), trained
+
+
+def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] | None:
+    """What tells FSDP2 whether a micro-batch's backward reduces (called with True for the last one), or
+    None: every backward reduces (every_micro_batch), or the model defers by itself (DDP's ``no_sync``)."""
+    grad_sync = GradSync(grad_sync)
+    if grad_sync is GradSync.once_per_step and hasattr(model, "set_requires_gradient_sync"):
+        return model.set_requires_gradient_sync  # neither reduce-scatter nor all-reduce until the last
+    if grad_sync is GradSync.replicas_once_per_step and hasattr(model, "set_requires_all_reduce"):
+        return model.set_requires_all_reduce  # HSDP: each reduce-scatter's output summed until the last
+    return None
+
+
+def _accumulate(model: nn.Module, loss_fn: LossFn, micro_batches: list, device: torch.device,
+                hooks: Sequence[PhaseHook], scaler: LossScaler | None, weight: float | None, grad_sync: GradSync
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`train_step`'s forwards and backwards: the gradients of the micro-batches' mean (or, masked, of
+    their token-weighted sum) accumulated; returns the summed losses and the task's summed scalars."""
+    defer = _deferral(model, grad_sync)
+    try:
+        loss_sum = torch.zeros((), device=device)
+        extra_sum: dict[str, torch.Tensor] = {}
+        no_sync = getattr(model, "no_sync", None)  # DDP (and the planner's stand-in for it)
+        for i, batch in enumerate(micro_batches):
+            batch = to_device(batch, device)
+            if defer:  # off until the last micro-batch, whose backward reduces the sum (and leaves it on)
+                defer(i == len(micro_batches) - 1)
+            # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
+            # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
+            # sharded gradient, so no unsharded gradient is kept across micro-batches (more
+            # communication, ZeRO-3 memory), unless grad_sync defers it (`_deferral`).
+            with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
+                loss, extra = loss_fn(model, batch)
+                if i == 0:
+                    _report(hooks, Phase.AFTER_FORWARD)
+                # Scaled so the accumulated gradient is the mean over micro-batches; the
+                # reduction over ranks averages, giving the global-batch mean. Masked data: a
+                # summed loss times N / (the global batch's trained tokens), so that the average
+                # over ranks is the mean over every trained token of the global batch.
+                scaled = loss * weight if weight is not None else loss / len(micro_batches)
+                (scaler.scale(scaled) if scaler else scaled).backward()
+            loss_sum += loss.detach()
+            for k, v in extra.items():
+                extra_sum[k] = extra_sum.get(k, 0) + v.float()
+            if i < len(micro_batches) - 1:
+                _report(hooks, Phase.AFTER_MICRO_BATCH)
+        return loss_sum, extra_sum
+    finally:
+        if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual
+            defer(True)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    micro_batches: list,
+    grad_clip: float,
+    device: torch.device,
+    hooks: Sequence[PhaseHook] = (),
+    scaler: LossScaler | None = None,
+    gate: Callable[[torch.Tensor, torch.Tensor], Verdict] | None = None,
+    token_count: Callable[[object], torch.Tensor] | None = None,
+    grad_sync: GradSync = GradSync.every_micro_batch,
+) -> StepResult:
+    """Forward/backward over this rank's micro-batches, then one optimizer step (at the
+    learning rate already set, see `set_lr`).
+
+    Returns this rank's mean loss, the global gradient norm (before clipping), the task's
+    other scalars and the gate's verdict (`StepResult`). With a ``scaler`` (fp16) the loss is
+    scaled before backward and the gradients unscaled before clipping; a step whose gradients
+    overflowed on any rank is skipped by every rank (``loss_scale`` and ``skipped_steps`` join
+    the scalars). ``gate(loss, grad_norm)``, asked between the gradient norm and the optimizer
+    step, returns the `Verdict` every rank agreed on: a step it finds non-finite is skipped (the
+    parameters and optimizer states stay as they were); its ``stop`` is the caller's to act on.
+    ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns summed
+    losses, and the step's loss is their mean over the trained tokens of the whole global batch.
+    ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients (FSDP models;
+    DDP reduces after the last one whatever it says). The gradients, and so the step, are the same.
+    """
+    params = [p for p in model.parameters()]
+    weight, trained = _token_weight(token_count, micro_batches, device) if token_count else (None, None)
+    loss_sum, extra_sum = _accumulate(model, loss_fn, micro_batches, device, hooks, scaler, weight, grad_sync)
+    _report(hooks, Phase.AFTER_BACKWARD)
+    n = len(micro_batches)
+    extra = {k: v / n for k, v in extra_sum.items()}
+    loss = loss_sum * weight if weight is not None else loss_sum / n  # masked: the ranks' mean is the token mean
+    if scaler:
+        scaler.unscale_(optimizer)  # true gradients (inf/NaN if they overflowed on any rank) for the norm
+    grad_norm = grad_norm_(params)  # one all-reduce
+    verdict = gate(loss, grad_norm) if gate else TAKEN
+    # A global batch without one trained token has nothing to learn from: its loss and gradients are 0,
+    # and the optimizer step is skipped (AdamW would still move the weights by momentum and decay).
+    if verdict.finite and trained != 0:
+        clip_grads_(params, grad_clip, grad_norm)
+        if scaler:
+            scaler.step(optimizer)  # skipped when any rank's gradients overflowed
+        else:
+            optimizer.step()
+    if scaler:
+        scaler.count(grad_norm)
+        extra |= scaler.scalars()  # the scale this step used, and the steps skipped so far
+        scaler.update()  # halves the scale after an overflow, grows it after a window without one
+    _report(hooks, Phase.AFTER_OPTIMIZER_STEP)  # parameters, gradients and optimizer states all live
+    optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
+    return StepResult(loss, grad_norm, extra, verdict)

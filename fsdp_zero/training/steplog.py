@@ -1,0 +1,250 @@
+"""What the training loop reports, in one object: the loop calls `StepLogger.step` once a step.
+
+On a log step (every ``train.log_every`` steps, and the last) it reads the interval's time and
+this rank's memory, gathers loss, peak memory, throughput and the task's scalars from every
+rank in one all-gather (with ``.item()``: the loop's sync points besides the step's gate, see
+`fsdp_zero.training.step`), and writes the same names to TensorBoard (per rank, under tb/rank<R>) and
+to metrics.jsonl (rank 0):
+
+    loss, lr, grad_norm                global: the mean over ranks, the rate, the global norm
+    <unit>_per_s_rank                  this rank's throughput (tokens, or samples for images)
+    <unit>_per_s_all_ranks             the sum over ranks
+    accuracy, <custom scalars>         the mean over ranks
+    peak_mem_mib_per_rank (jsonl)      every rank's peak (peak reserved on CUDA, peak RSS on CPU)
+    comm/all_gather_mib, comm/reduce_scatter_mib, comm/all_reduce_mib
+                                       this rank's bytes of that step's collectives (`fsdp_zero.monitor.comm`;
+                                       metrics.jsonl: rank 0's)
+
+After an evaluation (`evaluation`), eval/loss and eval/perplexity or eval/accuracy, in a row of their own.
+
+It also records the first step's memory at three phases (memory_first_step/*), the profiled
+step's breakdown (memory_breakdown/*, memory_within_step/*), and the model state after the
+first optimizer step, which `summary` reports against the strategy's own formula.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_zero.monitor.comm import KINDS, CommMeter, as_dict, describe
+from fsdp_zero.config.schema import Config
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.training.evaluate import EvalResult
+from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
+from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
+from fsdp_zero.sharding.parallelize import model_state_formula
+from fsdp_zero.sharding.precision import Precision
+from fsdp_zero.training.step import Phase
+
+logger = logging.getLogger("fsdp_zero")
+
+FIRST_STEP_PHASES = (Phase.AFTER_BUILD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)  # x = 0, 1, 2
+PROFILE_PHASES = (Phase.START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)
+
+
+@dataclass
+class StepRecord:
+    """What the run measured, for callers (compare, tests, benchmarks)."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # logged steps (1-based)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    model_state_bytes: int = 0  # this rank's, after the first optimizer step
+    breakdown: dict[str, int] = field(default_factory=dict)  # tensor bytes by category at the profiled peak
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # ... at the profiled step's phases
+    # This rank's highest peak RSS over the steps other than the profiled one (whose tracker holds its own
+    # bookkeeping: hundreds of MiB on gpt_small, not the model's); None when no other step ran, with why.
+    peak_rss_mib: float | None = None
+    peak_rss_note: str | None = None
+    peak_reserved_mib: float | None = None  # CUDA: the highest peak reserved over the run
+    step_seconds: float = 0.0  # mean step time over the last log interval
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval/* scalars
+    eval_peak_mib: float = 0.0  # this rank's highest peak (as peak_mem) from the last log step through an evaluation
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # this rank's, in the last logged step, by kind
+    comm_formula: dict[str, float] = field(default_factory=dict)  # the strategy's (`fsdp_zero.monitor.comm.comm_formula`)
+
+
+class StepLogger:
+    def __init__(self, env: DistEnv, run_dir, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # noqa: ANN001
+                 log_every: int, last_step: int, profile_step: int, items_per_rank_step: int, unit: str,
+                 tensorboard: bool, comm: CommMeter | None = None) -> None:
+        self.env, self.model, self.optimizer, self.comm = env, model, optimizer, comm
+        self.log_every, self.last_step, self.profile_step = log_every, last_step, profile_step
+        self.items_per_rank_step, self.unit = items_per_rank_step, unit
+        self.tb: MetricLogger = TensorBoardLogger(tensorboard_dir(run_dir, env.rank)) if tensorboard else NoOpLogger()
+        self.history: MetricLogger = JsonLinesLogger(run_dir / "metrics.jsonl") if env.is_rank0 else NoOpLogger()
+        self.monitor = MemoryMonitor(env.device)
+        self.record = StepRecord(comm_formula=as_dict(comm.formula) if comm else {})
+        self.profiler: StepProfiler | None = None
+        self._held: dict[str, float] = {}  # the peaks read when the profiled step ended (before their reset)
+        self._clean_steps = 0  # steps since the peaks were last reset, none of them the profiled one
+        self._first = True
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+        self.first_step_phase(Phase.AFTER_BUILD)
+
+    # -- hooks for train_step ------------------------------------------------------
+
+    def hooks(self, step: int) -> list:
+        """The phase hooks for ``step``: the first step's memory reads, the profiler on the profiled step."""
+        out = [self.first_step_phase] if self._first else []
+        self._first = False
+        self.profiler = StepProfiler(self.model, self.optimizer, self.env.device) if step == self.profile_step else None
+        if self.profiler:
+            out.append(self.profiler.phase)
+            if self._clean_steps:  # steps since the last reset of the peaks, before the profiled one: theirs
+                self._clean_peak(self.monitor.read()["cpu_peak_rss_mib"])
+        return out
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Around one `train_step`: the profiler on the profiled step, and the step's collectives counted."""
+        with self.profiler or contextlib.nullcontext(), self.comm.counting() if self.comm else contextlib.nullcontext():
+            yield
+
+    def first_step_phase(self, phase: Phase) -> None:
+        if phase not in FIRST_STEP_PHASES:
+            return
+        scalars = memory_scalars(self.monitor, self.model, self.optimizer)
+        if phase is Phase.AFTER_OPTIMIZER_STEP:  # model state at its peak: gradients not yet freed
+            self.record.model_state_bytes = int(scalars["memory/model_state_mib"] * MIB)
+        self.tb.log({k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()},
+                    FIRST_STEP_PHASES.index(phase))
+        logger.info("memory %-21s model state %8.2f MiB/rank | %s", phase.value, scalars["memory/model_state_mib"],
+                    ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k))
+
+    # -- once a step ---------------------------------------------------------------
+
+    def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
+             extra: dict[str, torch.Tensor]) -> None:
+        """Called after every optimizer step; logs on log steps only."""
+        profiled = self.profiler is not None
+        if profiled:
+            self._log_profile(step)
+            # The peaks so far (the profiled step's own included, for this interval's log row), then a fresh
+            # start: the steps after it in this interval are measured without the tracker's bookkeeping.
+            self._held = self.monitor.read()
+            self.monitor.reset_peaks()
+        self._interval_steps += 1
+        self._clean_steps = 0 if profiled else self._clean_steps + 1
+        if step % self.log_every and step != self.last_step:
+            return
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._interval_start
+        rank_rate = self.items_per_rank_step * self._interval_steps / elapsed
+        self.record.step_seconds = elapsed / self._interval_steps
+        mem = memory_scalars(self.monitor, self.model, self.optimizer)
+        if self._clean_steps:  # steps since the peaks were last reset, the profiled one not among them
+            self._clean_peak(mem["memory/cpu_peak_rss_mib"])
+        for key, held in self._held.items():  # the interval's peaks over all of it, the profiled step's included
+            if "peak" in key:
+                mem[f"memory/{key}"] = max(mem[f"memory/{key}"], held)
+        self._held = {}
+        peak = self.monitor.headline_peak(mem)
+        if "memory/cuda_peak_reserved_mib" in mem:
+            self.record.peak_reserved_mib = max(self.record.peak_reserved_mib or 0.0, mem["memory/cuda_peak_reserved_mib"])
+
+        names = sorted(extra)
+        mine = torch.stack([loss.double(), *(torch.tensor(v, dtype=torch.float64, device=loss.device) for v in (peak, rank_rate)),
+                            *(extra[k].double() for k in names)])
+        gathered = torch.zeros(self.env.world_size, mine.numel(), dtype=torch.float64, device=loss.device)
+        dist.all_gather(list(gathered.unbind(0)), mine)
+        gathered = gathered.cpu()
+        scalars = {"loss": gathered[:, 0].mean().item(), "lr": lr, "grad_norm": grad_norm.item(),
+                   f"{self.unit}_per_s_rank": rank_rate, f"{self.unit}_per_s_all_ranks": gathered[:, 2].sum().item(),
+                   **{k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)}}
+        peaks = gathered[:, 1].tolist()
+        self.record.losses[step], self.record.grad_norms[step] = scalars["loss"], scalars["grad_norm"]
+        comm = self.comm.counted() if self.comm else None  # this step's (counted on the host)
+        if comm:
+            self.record.comm_bytes = as_dict(comm)
+
+        self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem | (comm.scalars() if comm else {}), step)
+        rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | (comm.scalars() if comm else {})
+        self.history.log(rank0 | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]}, step)
+        logger.info("step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s", step,
+                    scalars["loss"], "".join(f" | {k} {scalars[k]:.4f}" for k in names), lr, scalars["grad_norm"],
+                    f"{scalars[f'{self.unit}_per_s_all_ranks']:,.0f}", "tok" if self.unit == "tokens" else self.unit,
+                    "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]")
+        self.monitor.reset_peaks()
+        self._interval_start, self._interval_steps, self._clean_steps = time.perf_counter(), 0, 0
+
+    def _clean_peak(self, mib: float) -> None:
+        """A peak RSS measured over steps without the profiled one: the run's `StepRecord.peak_rss_mib`."""
+        self.record.peak_rss_mib = max(self.record.peak_rss_mib or 0.0, mib)
+
+    def finish(self) -> None:
+        """At the end of the run: why no peak RSS was measured, if none was."""
+        if self.record.peak_rss_mib is None:
+            self.record.peak_rss_note = (f"not measured: the only step run was the profiled one (memory.profile_step="
+                                         f"{self.profile_step}), whose memory tracker holds bookkeeping that is not "
+                                         "the model's; run more steps or set memory.profile_step=0")
+
+    def evaluation(self, step: int, result: EvalResult) -> None:
+        """An evaluation after step ``step`` (its scalars the same on every rank): TensorBoard, metrics.jsonl
+        (a row of its own, at the same step) and one line. Its time is left out of the throughput."""
+        mem = self.monitor.read()  # peaks since the last log step: with log_every=1, the evaluation's own
+        self.record.eval_peak_mib = max(self.record.eval_peak_mib,
+                                        self.monitor.headline_peak({f"memory/{k}": v for k, v in mem.items()}))
+        self.record.evals[step] = result.scalars
+        self.tb.log(result.scalars, step)
+        self.history.log(result.scalars, step)
+        logger.info("step %5d | %s", step, result.describe())
+        self._interval_start += result.seconds
+
+    def _log_profile(self, step: int) -> None:
+        """The profiled step: peak by category at ``step``, and the within-step curve at x = 0..3."""
+        profiler, self.profiler = self.profiler, None
+        peak = profiler.peak()
+        self.record.breakdown, self.record.phases = peak, profiler.phases
+        self.tb.log({f"memory_breakdown/{k}_mib": v / MIB for k, v in peak.items()}
+                    | {"memory_breakdown/tracked_peak_mib": sum(peak.values()) / MIB}, step)
+        for x, phase in enumerate(PROFILE_PHASES):
+            if phase in profiler.phases:
+                cats = profiler.phases[phase]
+                self.tb.log({f"memory_within_step/{k}_mib": v / MIB for k, v in cats.items()}
+                            | {"memory_within_step/total_mib": sum(cats.values()) / MIB}, x)
+        logger.info("memory at step %d's peak (tensors, MiB): %s | total %.1f", step,
+                    ", ".join(f"{k} {v / MIB:,.1f}" for k, v in peak.items()), sum(peak.values()) / MIB)
+        profiler.release()  # its bookkeeping must not stay in later steps' memory
+
+    def close(self) -> None:
+        self.tb.close()
+        self.history.close()
+
+
+def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int, precision: Precision, run_dir: Path,
+                  last: int, num_frozen: int = 0) -> None:
+    """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
+    only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
+    formula = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param, num_frozen)
+    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
+                record.model_state_bytes / MIB, record.model_state_bytes / formula, cfg.parallel.strategy.value,
+                cfg.precision.mode, formula / MIB)
+    if record.comm_bytes:
+        logger.info("%s", describe(record.comm_bytes, record.comm_formula, cfg.parallel.strategy.value,
+                                   cfg.parallel.grad_sync.value))
+    mine = {"model_state_bytes": record.model_state_bytes, "peak_rss_mib": record.peak_rss_mib,
+            "peak_rss_note": record.peak_rss_note,
+            "comm_bytes": {k: record.comm_bytes[k] for k in KINDS} if record.comm_bytes else None,
+            "eval_peak_mib": record.eval_peak_mib or None,
+            "peak_reserved_mib": record.peak_reserved_mib, "step_s": record.step_seconds, "breakdown": record.breakdown,
+            "activations_after_forward": record.phases.get(Phase.AFTER_FORWARD, {}).get("activations")}
+    ranks = [None] * env.world_size
+    dist.all_gather_object(ranks, mine)
+    if env.is_rank0:
+        summary = {"strategy": cfg.parallel.strategy.value, "precision": cfg.precision.mode, "steps": last,
+                   "final_loss": record.losses.get(last), "num_params": num_params, "num_frozen": num_frozen,
+                   "world_size": env.world_size,
+                   "model_state_formula_bytes": formula, "grad_sync": cfg.parallel.grad_sync.value,
+                   "comm_formula_bytes": record.comm_formula or None, "ranks": ranks}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,293 @@
+"""The one training loop, and the set-up around it.
+
+``train(cfg, env)`` does, in order: size the batch, decide the run directory, seed and resume
+point (`fsdp_zero.training.rundir.decide`), build the sharded model and its optimizer
+(`fsdp_zero.sharding.build.build`), make the data source and its cursor, resume or import weights, then
+step (`fsdp_zero.training.step.train_step`: accumulation, clipping with sharded gradients, the sync
+points) and save (`fsdp_zero.checkpoint.dcp`); at the end, the run's summary. The loop in ``train``
+is everything a reader needs to follow a run from step to step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_zero
+from fsdp_zero.sharding.build import Built, build
+from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
+from fsdp_zero.monitor.comm import CommMeter
+from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource, Task, is_fsdp
+from fsdp_zero.config.loader import to_yaml
+from fsdp_zero.data.batches import BatchCursor, BatchLayout, batch_layout, build_source
+from fsdp_zero.distributed.env import CollectiveTimeout, DistEnv, last_collective, seed_all, silent_ranks
+from fsdp_zero.training.evaluate import Evaluator, build_evaluator
+from fsdp_zero.monitor.memory import MIB, apply_malloc_policy
+from fsdp_zero.sharding.parallelize import formula_note, model_state_formula, unwrap
+from fsdp_zero.sharding.precision import LossScaler, Precision, loss_scaler
+from fsdp_zero.model.hf import weights_path
+from fsdp_zero.training.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
+from fsdp_zero.training.step import StepResult, set_lr, train_step
+from fsdp_zero.training.steplog import StepLogger, StepRecord, write_summary
+from fsdp_zero.training.stopping import CollectiveFailed, Diverged, StepGuard, Stopped, budget_deadline, budget_job
+from fsdp_zero.model.tasks import LossFn, build_task, max_seq_len, num_outputs, trained_tokens, vocab_size
+from fsdp_zero.checkpoint.weights import load_full_weights
+from fsdp_zero.sharding.wrap import WrapPlan
+
+logger = logging.getLogger("fsdp_zero")
+
+
+# ---------------------------------------------------------------------------------
+# Set-up
+
+
+@dataclass
+class Components:
+    """Everything `train` steps, built by `setup`; ``state`` is where the run is, advanced by the loop."""
+
+    config: Config  # the run's config, with the decided run.name and train.seed (its config.yaml)
+    run_dir: Path
+    model: nn.Module  # what to call: the sharded model, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    cursor: BatchCursor
+    plan: WrapPlan
+    layout: BatchLayout
+    num_params: int
+    precision: Precision
+    seed: int
+    state: TrainState  # step 0, or the resumed checkpoint's
+    scaler: LossScaler | None = None  # fp16's loss scaling
+    evaluator: Evaluator | None = None  # eval.every > 0: validation on eval.path
+    num_frozen: int = 0  # of num_params, those that do not train (model.freeze, model.lora)
+
+
+def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
+    """Raises a ValueError for sequences longer than the model takes, or more classes than it outputs."""
+    limit = max_seq_len(model)
+    if cfg.data.source in TOKEN_SOURCES and limit and cfg.data.seq_len > limit:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} > the model's longest sequence {limit}; lower data.seq_len "
+                         "(or raise the model's, e.g. model.max_seq_len)")
+    classes, outputs = getattr(source, "num_classes", 0), num_outputs(model)
+    if cfg.model.task is Task.classification and classes and outputs and classes > outputs:
+        raise ValueError(f"data.source={cfg.data.source.value} has {classes} classes but the model's last layer has "
+                         f"{outputs} outputs; build the model for {classes} (e.g. model.kwargs.num_classes={classes})")
+
+
+def data_workers(cfg: Config) -> int:
+    """data.num_workers, or its default: 2 processes to decode images, none for tokens."""
+    if cfg.data.num_workers is not None:
+        return cfg.data.num_workers
+    return 2 if cfg.data.source is DataSource.images else 0
+
+
+def setup(cfg: Config, env: DistEnv) -> Components:
+    """Builds the sharded, initialised model and everything else a run steps.
+
+    Raises:
+        ValueError: a setting that only turns out wrong once the world size or the model
+            is known (a batch that does not divide, a wrap class the model lacks, ...).
+        Stopped: a restart of a torchrun job whose time budget (train.max_minutes) ran out.
+    """
+    layout = batch_layout(cfg.train, env.world_size)
+    apply_malloc_policy(cfg.memory.malloc_mmap_threshold, env.device)
+    strategy = cfg.parallel.strategy
+    for note in cfg.parallel.check_world(env.world_size):
+        logger.warning("%s", note)
+    decision = decide(cfg, env)
+    cfg = decision.resolve(cfg)
+    seed_all(decision.seed)
+
+    # Parameters on the meta device: shapes only, sharded before any memory is allocated.
+    built = build(cfg, env, decision.seed)
+    model, plan = built.model, built.plan
+    source = build_source(cfg.data, decision.seed, vocab_size(unwrap(model)))
+    _check_data_fits(cfg, unwrap(model), source)
+    loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))  # a mask file: token-weighted loss
+    scaler = loss_scaler(cfg.precision, built.precision, env.device)
+    _log_setup(cfg, env, decision, built, layout)
+    evaluator = build_evaluator(cfg, env, unwrap(model), source)
+
+    cursor = BatchCursor(source, layout, env.rank, num_workers=data_workers(cfg))
+    state = _resume(cfg, env, decision, model, built.optimizer, scaler)
+    cursor.position = state.data_position
+    state.deadline = budget_deadline(cfg.train.max_minutes, state.deadline, state.job)  # a fresh state has none
+    state.job = budget_job() if state.deadline else None
+    if state.deadline is not None and state.deadline <= time.time():  # every rank resumed from the same checkpoint
+        raise Stopped(f"the time budget (train.max_minutes) of this torchrun job ran out before it restarted these "
+                      f"ranks; {decision.resume} holds step {state.step}: launch again to continue")
+
+    # Only now, with everything built and loaded, does the run leave a trace on disk.
+    if env.is_rank0:
+        table = plan.table() if is_fsdp(strategy) else None
+        write_run_dir(decision.run_dir, run_files(cfg, decision.run_dir, state.step, table), tag=str(state.step))
+        if env.device.type == "cuda":  # what users check with torch.cuda.memory_summary()
+            (decision.run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
+    dist.barrier()
+    return Components(cfg, decision.run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params,
+                      built.precision, decision.seed, state, scaler, evaluator, built.num_frozen)
+
+
+def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, layout: BatchLayout) -> None:
+    """The start-up lines: versions, the model, what differs from the defaults, the model state's
+    formula, the batch, the wrap plan and where the run's files go."""
+    strategy, run_dir, num_params, precision, plan = (cfg.parallel.strategy, decision.run_dir, built.num_params,
+                                                      built.precision, built.plan)
+    logger.info("fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
+                fsdp_zero.__version__, torch.__version__, env.world_size, env.backend, env.device.type)
+    logger.info("model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s", cfg.model.pretrained or cfg.model.target or cfg.model.preset,
+                f"{num_params:,}", num_params * 4 / MIB, cfg.model.task.value, strategy.value)
+    logger.info("initialised: %s", built.init_note)
+    if built.trainable_note:
+        logger.info("trained: %s", built.trainable_note)
+    changed = config_diff(to_plain(Config()), to_plain(cfg))
+    logger.info("settings that differ from the defaults (all in %s): %s", run_dir / "config.yaml",
+                ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none")
+    state_bytes = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param,
+                                      built.num_frozen)
+    where = formula_note(cfg.parallel, env.world_size) + (
+        f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)" if built.num_frozen else "")
+    logger.info("%s", precision.manifest(num_params, state_bytes, where))
+    logger.info("%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None))
+    if is_fsdp(strategy):
+        logger.info("%s", plan.table())
+    else:
+        logger.info("strategy %s: no FSDP units; every rank holds all %s parameters", strategy.value, f"{num_params:,}")
+    logger.info("run dir %s | tensorboard --logdir %s", run_dir, run_dir / "tb")
+
+
+def _resume(cfg: Config, env: DistEnv, decision: RunDecision, model: nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: LossScaler | None) -> TrainState:
+    """Loads the decided checkpoint (or imports model.init_from's or model.pretrained's weights);
+    returns where the run is."""
+    key = "model.pretrained" if cfg.model.pretrained else "model.init_from"
+    given = cfg.model.pretrained or cfg.model.init_from
+    if decision.resume is None:
+        if given:
+            path = weights_path(Path(given)) if key == "model.pretrained" else Path(given)
+            renamed = load_full_weights(unwrap(model), path, key)
+            logger.info("initialised from %s%s", path, f" ({renamed})" if renamed else "")
+        return TrainState(step=0)
+    state = load_checkpoint(decision.resume, model, optimizer, env.rank, env.device)
+    if scaler is not None and state.loss_scaler is not None:
+        scaler.load_state_dict(state.loss_scaler)
+    logger.info("resumed from %s: step %d, data position %d (saved at world size %d, now %d)",
+                decision.resume, state.step, state.data_position, state.world_size, env.world_size)
+    if given:
+        logger.warning("%s's weights are ignored: the run continues from checkpoint %s", key, decision.resume)
+    return state
+
+
+def diverged(step: int, out: StepResult, skipped: int, checkpointer: Checkpointer | None, root: Path) -> Diverged:
+    """The error to stop with, once any save in flight has finished (its step was finite)."""
+    if checkpointer:
+        checkpointer.close()
+    good = latest_checkpoint(root)
+    where = (f"the newest checkpoint, {good}, holds the last finite weights (continue from it with a lower "
+             f"optim.lr or with optim.grad_clip > 0)" if good else "no checkpoint was saved before it")
+    skips = f" after {skipped - 1} skipped (train.skip_nonfinite={skipped - 1})" if skipped > 1 else ""
+    return Diverged(f"training diverged at step {step}{skips}: loss {out.loss.item():.4g}, gradient norm "
+                    f"{out.grad_norm.item():.4g}; nothing was saved at this step and {where}")
+
+
+def collective_failed(error: RuntimeError, cfg: Config, env: DistEnv, step: int, key: str,
+                      run_dir: Path) -> CollectiveFailed | None:
+    """The one line a rank ends with when a collective failed or timed out (None: ``error`` is not
+    a collective's): its rank and step, the collective it was in (from its flight recorder, whose
+    whole record goes to <run dir>/flight_recorder/rank<R>.json) and the timeout ``key`` that applied."""
+    if not (isinstance(error, dist.DistError) or "gloo/" in str(error)):  # NCCL's are DistErrors, gloo's not
+        return None
+    where = last_collective(run_dir / "flight_recorder" / f"rank{env.rank}.json", env.backend)
+    silent = silent_ranks(env)
+    cause = (f"rank {', '.join(map(str, silent))} died or is stuck (it did not report failing too)" if silent
+             else "another rank died or stopped taking part")
+    return CollectiveFailed(
+        f"rank {env.rank}, step {step}: {where or 'a collective'} failed or did not complete within "
+        f"dist.{key}={getattr(cfg.dist, key):g} ({cause}): {str(error).splitlines()[0]}")
+
+
+@dataclass
+class TrainResult(StepRecord):
+    components: Components | None = None
+
+
+def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainResult:
+    """Trains for ``cfg.train.steps`` optimizer steps (building with `setup` unless given ``parts``).
+
+    Raises:
+        ValueError: as `setup`.
+        Diverged: a non-finite loss or gradient norm (the run stops at that step without saving).
+        Stopped: SIGTERM or train.max_minutes (the run saved the step it was in, then stopped).
+        CollectiveFailed: another rank died or hung (dist.timeout_minutes, dist.step_timeout_minutes).
+        CheckpointFailed: a save could not be written (the checkpoints before it are intact).
+    """
+    parts = parts or setup(cfg, env)
+    cfg, state = parts.config, parts.state  # the decided run.name and train.seed; where the run is
+    model, optimizer, cursor = parts.model, parts.optimizer, parts.cursor
+    first, last = state.step + 1, min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    tokens = cfg.data.source in TOKEN_SOURCES  # throughput in tokens, or in samples (images)
+    per_rank = parts.layout.global_batch_size // parts.layout.dp_size * (cfg.data.seq_len if tokens else 1)
+    comm = CommMeter(cfg, env, model, optimizer, parts.plan, parts.layout.grad_accum_steps, parts.precision)
+    log = StepLogger(env, parts.run_dir, model, optimizer, log_every=cfg.train.log_every, last_step=last,
+                     profile_step=cfg.memory.profile_step, items_per_rank_step=per_rank,
+                     unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard, comm=comm)
+    checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+                                env.rank, env.device, datetime.timedelta(minutes=cfg.dist.timeout_minutes),
+                                ) if cfg.checkpoint.enabled else None
+    guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
+    timeout = CollectiveTimeout(cfg.dist, model)  # start-up's until the first step is done, and for saves
+    verdict, step = None, first
+    count = trained_tokens if getattr(cursor.source, "masked", False) else None  # a mask file: token-weighted loss
+    try:
+        for step in range(first, last + 1):
+            micro_batches = cursor.next_batch()
+            hooks = log.hooks(step)  # the first step's memory reads; the profiler on memory.profile_step
+            lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
+            with log.measuring():  # the profiler on its step; the step's collectives counted (not evaluation's)
+                out = train_step(model, optimizer, parts.loss_fn, micro_batches, cfg.optim.grad_clip, env.device, hooks,
+                                 parts.scaler, gate=guard.check, token_count=count, grad_sync=cfg.parallel.grad_sync)
+            verdict = out.verdict  # the same on every rank: they skip, stop and save at the same step
+            if not verdict.finite:  # every rank skipped the optimizer step; nothing non-finite is ever saved
+                state.skipped_nonfinite += 1
+                if state.skipped_nonfinite > cfg.train.skip_nonfinite:
+                    raise diverged(step, out, state.skipped_nonfinite, checkpointer, parts.run_dir / "checkpoints")
+                logger.warning("step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
+                               step, state.skipped_nonfinite, cfg.train.skip_nonfinite)
+            if cfg.train.skip_nonfinite:
+                out.extra["skipped_nonfinite"] = torch.tensor(float(state.skipped_nonfinite))
+            state.step, state.data_position = step, cursor.position
+            if checkpointer:
+                checkpointer.poll()  # publishes a finished async save
+                if step == last or verdict.stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    timeout.use("timeout_minutes")  # the save waits for the slowest rank's I/O
+                    state.loss_scaler = parts.scaler.state_dict() if parts.scaler else None
+                    checkpointer.save(step, model, optimizer, state, to_yaml(cfg))
+            timeout.use("step_timeout_minutes")
+            log.step(step, out.loss, out.grad_norm, lr, out.extra)  # on log steps: the loop's other sync points
+            if parts.evaluator and parts.evaluator.due(step, last) and not verdict.stop:  # no_grad, eval mode
+                log.evaluation(step, parts.evaluator.run(model))
+            if verdict.stop:
+                break
+        if checkpointer:
+            timeout.use("timeout_minutes")
+            checkpointer.close()  # an async save in flight completes here
+    except RuntimeError as e:  # a rank died or stopped taking part: say where this one was
+        raise collective_failed(e, cfg, env, step, timeout.key, parts.run_dir) or e
+    finally:
+        guard.close()
+        log.finish()
+        log.close()
+    if verdict and verdict.stop and step < last:
+        raise Stopped(f"stopped after step {step} ({verdict.stop}); checkpoint {parts.run_dir / 'checkpoints'} holds "
+                      "it: launch the same command again to continue")
+    result = TrainResult(**vars(log.record), components=parts)
+    if first <= last:  # something was trained (a resume may find nothing left)
+        write_summary(cfg, env, result, parts.num_params, parts.precision, parts.run_dir, last, parts.num_frozen)
+    return result
