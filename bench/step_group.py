@@ -27,7 +27,8 @@ import torch.distributed as dist
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import broadcast_object, distributed, exit_process
 from fsdp_zero.monitor.memory import MemoryMonitor, StepProfiler, release_free_heap
-from fsdp_zero.training.step import Phase, set_lr, train_step
+from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.training.step import set_lr, train_step
 from fsdp_zero.model.tasks import to_device
 from fsdp_zero.training.trainer import setup
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_zero.sharding.build import meta_parameters
+from fsdp_zero.model.construct import meta_parameters
 from fsdp_zero.sharding.build import shard as _shard
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
 from fsdp_zero.config.schema import (

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["ConvNd", "DCP_METADATA_PRIVATE", "DefaultAllGather", "DefaultReduceScatter", "count_zero_broadcasts", "checkpoint_activations", "FakeStore",
-           "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state", "config_value", "default_store",
+           "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state", "default_store",
            "flight_recorder_json", "fsdp_mem_tracker", "fsdp_unit_settings", "hf_init_weights", "hf_no_split_modules",
            "mem_tracker", "real_post_forward_meshes"]
 
@@ -91,14 +91,6 @@ def hf_no_split_modules(model: Any) -> list[str]:
     """The block classes a Hugging Face model declares must not be split (``_no_split_modules``,
     what Accelerate wraps by default); [] for any other model."""
     return list(getattr(model, "_no_split_modules", None) or [])
-
-
-def config_value(node: Any, key: str) -> Any:
-    """The raw value of ``key`` in an OmegaConf DictConfig, without resolving or validating it
-    (OmegaConf's private ``_get_node``/``_value``): the config loader checks an enum's value against
-    its choices before OmegaConf's merge would reject it with a less helpful message."""
-    value = node._get_node(key)
-    return value._value() if hasattr(value, "_value") else value
 
 
 def fsdp_unit_settings(module: Any) -> dict[str, Any]:

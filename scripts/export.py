@@ -23,11 +23,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_zero.sharding.build import import_target
 from fsdp_zero.model.lora import ADAPTER_FILES, export_plan
 from fsdp_zero.monitor.memory import parse_size
 from fsdp_zero.model.hf import export_files
-from fsdp_zero.checkpoint.weights import EXPORT_DTYPES, SINGLE_FILE, export_checkpoint
+from fsdp_zero.checkpoint.weights import EXPORT_DTYPES, export_checkpoint
+from fsdp_zero.model.hf import SINGLE_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.adapters_only and (limit or args.out.suffix == ".safetensors"):
             raise ValueError("--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size")
         extra = adapter_files or (None if args.weights_only or not (args.checkpoint / "config.yaml").is_file() else (
-            export_files(args.checkpoint, import_target)))
+            export_files(args.checkpoint)))
         if callable(extra) and args.out.suffix == ".safetensors":
             extra = f"--out {str(args.out)!r} is one file; give a folder for a from_pretrained folder"
         if isinstance(extra, str):

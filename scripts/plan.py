@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from fsdp_zero.sharding.build import construct
+from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.comm import comm_formula, comm_seconds
 from fsdp_zero.config.schema import ZERO_STAGES, Config, Strategy, validate
 from fsdp_zero.config.loader import load_config

@@ -25,10 +25,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.deepspeed import read_deepspeed
 from fsdp_zero.distributed.env import distributed, exit_process
-from fsdp_zero.training.stopping import RunEnded
+from fsdp_zero.errors import USAGE_ERROR, RunEnded
 from fsdp_zero.training.trainer import train
-
-USAGE_ERROR = 2  # a bad setting, file or path: nothing was written; the other codes are RunEnded's
 
 
 def _fail(message: str) -> int:

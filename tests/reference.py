@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_zero.model import init as init_lib
-from fsdp_zero.sharding.build import construct, materializer, real_buffers
+from fsdp_zero.model.construct import construct, real_buffers
+from fsdp_zero.sharding.build import materializer
 from fsdp_zero.config.schema import Config, LoRAConfig, OptimConfig, Task
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.sharding.precision import resolve

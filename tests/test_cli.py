@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fsdp_zero.model.transformer import PRESETS
+from fsdp_zero.config.presets import PRESETS
 from tests.conftest import (REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, gpu_env, launch,
                             read_jsonl, run_script)
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fsdp_zero.sharding.build import construct
+from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.comm import KINDS, CommBytes, comm_formula, comm_seconds
 from fsdp_zero.config.schema import GradSync
 from fsdp_zero.config.loader import load_config
@@ -172,7 +172,7 @@ def test_a_checkpoint_continues_under_another_grad_sync(batches):
 def test_the_start_up_line_says_what_once_per_step_holds(tmp_path):
     """parallel.grad_sync=once_per_step holds each unit's unsharded gradients between micro-batches: the
     start-up line says how much, 4 B x the trainable parameters in fp32 (gpt_nano: every parameter)."""
-    from fsdp_zero.model.transformer import model_args
+    from fsdp_zero.config.presets import model_args
 
     proc = check(run_script(TRAIN, *BASE, "train.steps=1", "parallel.grad_sync=once_per_step",
                             "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=once"))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fsdp_zero.model.transformer import model_args
+from fsdp_zero.config.presets import model_args
 from fsdp_zero.tools.fit import MARGIN
 from fsdp_zero.tools.planner import HEAP_RETENTION
 from tests.conftest import REPO, check, figure, launch, run_script, start, visible_gpus
@@ -337,7 +337,7 @@ def test_planner_follows_the_precision_and_offload():
     and the device memory predicted for CUDA falls by it."""
     from fsdp_zero.config.schema import Strategy
     from fsdp_zero.config.loader import load_config
-    from fsdp_zero.model.transformer import model_args
+    from fsdp_zero.config.presets import model_args
     from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, simulate
 
     base = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",

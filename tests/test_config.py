@@ -121,7 +121,7 @@ def test_precision_shorthand_and_dtypes():
     ],
 )
 def test_a_model_target_that_does_not_build_names_the_key(overrides: list[str], message: str):
-    from fsdp_zero.sharding.build import construct
+    from fsdp_zero.model.construct import construct
 
     with pytest.raises(ValueError, match=message):
         construct(load_config(None, overrides).model)
@@ -306,7 +306,7 @@ def test_every_section_has_a_check_and_the_table_covers_every_section():
 ])
 def test_the_built_in_model_checks_its_own_fields(key: str, value: object, fragment: str):
     from fsdp_zero.config.schema import ModelConfig
-    from fsdp_zero.model.transformer import check_model_config
+    from fsdp_zero.config.presets import check_model_config
 
     check_model_config(ModelConfig())
     with pytest.raises(ValueError, match=re.escape(fragment)):
@@ -320,7 +320,7 @@ def test_built_in_fields_come_from_the_model():
     from dataclasses import fields
 
     from fsdp_zero.config.schema import ModelConfig
-    from fsdp_zero.model.transformer import BUILTIN_FIELDS, TransformerArgs
+    from fsdp_zero.config.presets import BUILTIN_FIELDS, TransformerArgs
 
     assert set(BUILTIN_FIELDS) <= {f.name for f in fields(TransformerArgs)}
     assert {f.name for f in fields(ModelConfig)} - set(BUILTIN_FIELDS) == {

@@ -16,7 +16,7 @@ from fsdp_zero.config.schema import ActivationCheckpointing, GradSync, ParallelC
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.tools.fit import DIMENSIONS, Candidate, candidates, search
 from fsdp_zero.tools.rates import Rates
-from fsdp_zero.model.transformer import model_args
+from fsdp_zero.config.presets import model_args
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.sharding.precision import resolve
@@ -178,7 +178,7 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
     rank's 8 samples forward and backward in the compute dtype (outside the 2 blocks, each block, each
     checkpointed block's forward again), each byte at its collective's measured rate, and AdamW over the
     parameters the rank steps."""
-    from fsdp_zero.sharding.build import construct
+    from fsdp_zero.model.construct import construct
     from fsdp_zero.config.schema import Strategy
     from fsdp_zero.tools.fit import step_cost
     from fsdp_zero.tools.rates import Measured

@@ -133,7 +133,7 @@ def test_cpu_offload_on_cuda_keeps_model_state_in_pinned_host_memory(tmp_path: P
         assert torch.equal(offload["initial"][key], value), key
     assert offload["shard_devices"] == [["cpu"]] and plain["shard_devices"] == [["cuda:0"]]
     assert all(u["offload"] and u["pin_memory"] for u in offload["units"].values())
-    from fsdp_zero.model.transformer import model_args
+    from fsdp_zero.config.presets import model_args
 
     state_mib = 16 * model_args("gpt_small").num_params() / 2**20  # ~2 GiB of fp32 AdamW state
     assert peaks["plain"] - peaks["offload"] > 0.8 * state_mib, peaks

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_zero.model import init as init_lib
-from fsdp_zero.sharding.build import construct
+from fsdp_zero.model.construct import construct
 from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.config.loader import load_config, to_yaml
 from fsdp_zero.data.batches import build_source

@@ -24,9 +24,10 @@ from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import TokenFile
 from fsdp_zero.training.evaluate import lm_sums
 from fsdp_zero.model.transformer import args_from_config
-from fsdp_zero.data.prepare import mask_file, prepare, validation_documents
+from fsdp_zero.data.prepare import prepare, validation_documents
+from fsdp_zero.data.token_files import IGNORE, mask_file
 from fsdp_zero.training.step import train_step
-from fsdp_zero.model.tasks import IGNORE, build_task, masked_causal_lm, trained_tokens
+from fsdp_zero.model.tasks import build_task, masked_causal_lm, trained_tokens
 from tests.batches import BASE, MASKED
 from tests.conftest import build_model, figure
 from tests.reference import reference_run

@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_zero.sharding.build import construct, materializer, real_buffers
+from fsdp_zero.model.construct import construct, real_buffers
+from fsdp_zero.sharding.build import materializer
 from fsdp_zero.config.schema import DataConfig, DataSource
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import build_source

@@ -135,7 +135,7 @@ def test_hpz_is_simulated_and_holds_more_between_forward_and_backward_than_zero3
     keeps its parameters over k ranks (here 2 of 4: half of each, not a quarter), so the backward's peak
     holds at least a quarter of a block more than under ZeRO-3 (the tracker files those as activations)."""
     from fsdp_zero.config.loader import load_config
-    from fsdp_zero.model.transformer import model_args
+    from fsdp_zero.config.presets import model_args
     from fsdp_zero.tools.planner import Simulator
 
     base = ["model.preset=gpt_nano", "data.seq_len=8", "train.global_batch_size=4", "train.micro_batch_size=1"]

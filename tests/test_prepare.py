@@ -18,7 +18,8 @@ import pytest
 
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import build_source
-from fsdp_zero.data.prepare import read_meta, token_dtype, validation_documents
+from fsdp_zero.data.prepare import validation_documents
+from fsdp_zero.data.token_files import read_meta, token_dtype
 from tests.batches import HAS_HF
 from tests.conftest import REPO, figure, run_script
 from tests.hf_fixtures import sample_text

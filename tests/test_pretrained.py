@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp_zero.sharding.build import construct
+from fsdp_zero.model.construct import construct
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import build_source
 from tests.batches import BY_NAME, HAS_HF

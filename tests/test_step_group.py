@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_zero.sharding.build import build, build_optimizer, construct, local_numel, step_groups
+from fsdp_zero.sharding.build import build, build_optimizer, local_numel, step_groups
+from fsdp_zero.model.construct import construct
 from fsdp_zero.config.schema import OptimConfig, OptimizerImpl
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.monitor.memory import StepProfiler
 from fsdp_zero.sharding.parallelize import device_mesh
-from fsdp_zero.training.step import Phase
+from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_zero.config.schema import WrapConfig, WrapPolicy
-from fsdp_zero.model.transformer import model_args
+from fsdp_zero.config.presets import model_args
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from tests.conftest import build_model
 

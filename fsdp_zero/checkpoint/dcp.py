@@ -48,7 +48,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fsdp_zero
 from fsdp_zero.sharding.parallelize import unwrap
-from fsdp_zero.training.stopping import RunEnded
+from fsdp_zero.errors import CheckpointFailed
 from fsdp_zero.torch_private import DCP_METADATA_PRIVATE, _init_optim_state
 
 logger = logging.getLogger("fsdp_zero")
@@ -290,13 +290,6 @@ def does_not_fit(what: str, missing: list[str], unexpected: list[str], misshaped
 
 # ---------------------------------------------------------------------------------
 # Save
-
-
-class CheckpointFailed(RunEnded):
-    """A save failed on some rank (disk full, quota, I/O error). Nothing of that save was kept and the
-    checkpoints before it are untouched."""
-
-    exit_code = 6
 
 
 def _causes(error: BaseException) -> str:

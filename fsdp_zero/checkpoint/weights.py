@@ -25,11 +25,9 @@ import torch
 from torch import nn
 
 from fsdp_zero.checkpoint.dcp import SafeFileSystemReader, does_not_fit, read_train_state
+from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE
 from fsdp_zero.model.init import local_rows
 from fsdp_zero.model.lora import adapter_names
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

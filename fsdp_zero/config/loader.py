@@ -20,8 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_zero.config.schema import STRATEGY_ALIASES, ZERO_STAGES, Config, validate
-from fsdp_zero.model.transformer import check_model_config
-from fsdp_zero.torch_private import config_value
+from fsdp_zero.config.presets import check_model_config
 
 
 def load_config(config_path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -76,11 +75,18 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def _raw(node: DictConfig, key: str) -> Any:
+    """The value of ``key`` as written, neither resolved (an interpolation stays ``${...}``) nor
+    validated: an enum's value is checked against its choices before OmegaConf's merge would reject
+    it with a less helpful message."""
+    return OmegaConf.to_container(node, resolve=False)[key]
+
+
 def _apply_aliases(layer: DictConfig) -> None:
     """``precision=MODE`` to ``precision.mode=MODE``; FSDP1 strategy names (FULL_SHARD, NO_SHARD, ...) to
     ours; DeepSpeed's zero_stage to a strategy."""
-    if "precision" in layer and isinstance(config_value(layer, "precision"), str):
-        layer.precision = {"mode": config_value(layer, "precision")}
+    if "precision" in layer and isinstance(_raw(layer, "precision"), str):
+        layer.precision = {"mode": _raw(layer, "precision")}
     parallel = layer.get("parallel") if isinstance(layer.get("parallel", None), DictConfig) else None
     if parallel is None:
         return
@@ -115,7 +121,7 @@ def _check_keys(node: DictConfig, schema: type, prefix: str, origin: str) -> Non
                 raise ValueError(f"{origin}: '{full}' is a section; set its keys, e.g. {full}.<key>=...")
             _check_keys(value, ftype, prefix=f"{full}.", origin=origin)
         elif isinstance(ftype, type) and issubclass(ftype, enum.Enum):
-            raw = config_value(node, key)
+            raw = _raw(node, key)
             if isinstance(raw, str) and raw not in ftype.__members__:
                 choices = ", ".join(ftype.__members__)
                 raise ValueError(f"{origin}: {full}={raw!r} is not a valid choice; valid choices: {choices}")

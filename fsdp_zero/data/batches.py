@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from fsdp_zero.config.schema import TOKEN_SOURCES, DataConfig, DataSource, TrainConfig
-from fsdp_zero.data.prepare import META, mask_file, read_meta
-from fsdp_zero.model.tasks import IGNORE
+from fsdp_zero.data.token_files import IGNORE, META, mask_file, read_meta
 
 
 class Source(Protocol):

@@ -9,8 +9,9 @@ vocabulary over 65,536 entries), which ``data.source=tokens`` memory-maps, and `
 (dtype, vocabulary, EOS id, the tokenizer's path and a hash of its files, documents and tokens per
 split), which ``data.source=tokens`` reads when it sits beside the ``.bin``.
 
-Reading ``meta.json`` needs nothing but the standard library; ``transformers`` is imported only
-inside the functions that tokenize (the ``hf`` extra), so the core imports this module without it.
+The files' format (``meta.json``, the mask beside a ``.bin``) is `fsdp_zero.data.token_files`'s;
+``transformers`` is imported only inside the functions that tokenize (the ``hf`` extra), so the core
+imports this module without it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-META = "meta.json"
+from fsdp_zero.data.token_files import META, mask_file, token_dtype
+
 SPLITS = ("train", "val")
 SUFFIXES = (".txt", ".jsonl")
 # Hugging Face's run_clm.py holds out 5% (validation_split_percentage): enough documents for a
@@ -39,39 +41,7 @@ DEFAULT_VAL_FRACTION = 0.05
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
                    "chat_template.*")
 FORMATS = ("text", "prompt_completion", "chat")
-MASK_SUFFIX = ".mask.bin"  # train.bin -> train.mask.bin: uint8, one byte per token, 1 where it is trained on
 _CHUNK = 64  # documents per task handed to a worker: few enough messages, small enough to keep order cheap
-
-
-def token_dtype(vocab_size: int) -> str:
-    """The narrowest unsigned dtype that holds every id of a ``vocab_size`` vocabulary (nanoGPT's uint16 for GPT-2)."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def mask_file(token_file: str | Path) -> Path:
-    """Where the mask of ``token_file`` lies: ``train.bin`` -> ``train.mask.bin`` (whether or not it exists)."""
-    path = Path(token_file)
-    return path.with_name(path.name.removesuffix(".bin") + MASK_SUFFIX)
-
-
-def read_meta(token_file: str | Path) -> dict[str, Any] | None:
-    """The ``meta.json`` beside ``token_file``, or None when there is none.
-
-    Raises:
-        ValueError: a ``meta.json`` that is not JSON, or lacks ``dtype`` or ``vocab_size``.
-    """
-    path = Path(token_file).with_name(META)
-    if not path.is_file():
-        return None
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as e:
-        meta = f"not JSON: {e}"
-    missing = [k for k in ("dtype", "vocab_size") if k not in meta] if isinstance(meta, dict) else meta
-    if missing:
-        raise ValueError(f"{path}: not a meta.json that scripts/prepare_data.py writes (lacks {missing}); "
-                         "remove it, or prepare the data again")
-    return meta
 
 
 # ---------------------------------------------------------------------------------

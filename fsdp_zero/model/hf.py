@@ -27,8 +27,11 @@ import torch
 from torch import nn
 
 from fsdp_zero.config.schema import ModelConfig
+from fsdp_zero.config.targets import import_target
 
 CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"  # safetensors shards, and which tensor is in which
+SINGLE_FILE = "model.safetensors"
 RUN_DIR_FOLDER = "hf"  # <run dir>/hf/: the folder's files the export reuses
 # Copied into the run directory when the folder has them (tokenizer.model and spiece.model are binary).
 HF_FILES = (CONFIG_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -136,8 +139,6 @@ def weights_path(folder: Path) -> Path:
     Raises:
         ValueError: no weights it can read.
     """
-    from fsdp_zero.checkpoint.weights import INDEX_FILE, SINGLE_FILE
-
     if (folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file():
         return folder
     if (folder / "pytorch_model.bin").is_file():
@@ -164,8 +165,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def export_files(checkpoint: Path, import_target: Callable[[str, str], Any],
-                 ) -> Callable[[torch.dtype | None], dict[str, bytes]] | str:
+def export_files(checkpoint: Path) -> Callable[[torch.dtype | None], dict[str, bytes]] | str:
     """What scripts/export.py writes beside a Hugging Face model's weights: a function of the exported
     floating-point dtype giving ``{file name: bytes}`` (config.json first); or, for another model, the
     reason why there is no config.json.
@@ -174,7 +174,7 @@ def export_files(checkpoint: Path, import_target: Callable[[str, str], Any],
     copy of the folder's files (``checkpoints/step-N/../../hf``, else the folder itself) with
     ``model.kwargs`` over its config.json. A ``model.target`` class with a ``config_class``: its
     config built from ``model.kwargs``, as the trainer built it. The tokenizer files only exist for
-    the first. ``import_target``: `fsdp_zero.sharding.build.import_target` (which imports this module).
+    the first.
     """
     from omegaconf import OmegaConf
 

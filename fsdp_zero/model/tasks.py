@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_zero.config.schema import ModelConfig, Task
+from fsdp_zero.config.targets import import_target
+from fsdp_zero.data.token_files import IGNORE
 
 LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -43,7 +45,6 @@ def causal_lm(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tup
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), {}
 
 
-IGNORE = -100  # a target left out of the loss: F.cross_entropy's default ignore_index
 
 
 def masked_causal_lm(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
@@ -80,8 +81,6 @@ def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
         return masked_causal_lm if masked else causal_lm
     if cfg.task is Task.classification:
         return classification
-    from fsdp_zero.sharding.build import import_target
-
     user = import_target(cfg.loss, "model.loss")
 
     def custom(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from fsdp_zero.training.step import Phase
+from fsdp_zero.monitor.phases import Phase
 
 MIB = 2**20
 

@@ -3,11 +3,7 @@
     model = construct(cfg.model)              # parameters on the meta device, buffers real
     built = build(cfg, env, seed)             # wrap plan, parallelize, materialise, init, optimizer
 
-`construct` imports ``model.target`` (any class or factory returning an ``nn.Module``) or
-builds the built-in transformer, with every parameter on the meta device (shapes only:
-a model larger than one rank's memory never exists whole) and every buffer computed as
-the constructor computes it (BatchNorm statistics, rotary tables), so buffers are right
-after materialisation without any initialiser knowing them. `shard` applies a strategy to
+`fsdp_zero.model.construct.construct` makes the model on the meta device. `shard` applies a strategy to
 such a model and materialises each rank's shards; `build` adds the optimizer. No file
 I/O, no broadcasts: the trainer, the planner, the benchmarks and the own-loop API
 (`fsdp_zero.api`) all build through here, and compare.py's single-process DataParallel
@@ -16,13 +12,9 @@ baseline through its parts (`construct`, `materializer`, `build_optimizer`).
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import inspect
 import logging
-import os
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +28,7 @@ from fsdp_zero.config.schema import (
     WrapPolicy, is_fsdp,
 )
 from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
 from fsdp_zero.sharding.parallelize import parallelize, shard_degree
 from fsdp_zero.sharding.precision import Precision, resolve
@@ -43,93 +36,6 @@ from fsdp_zero.torch_private import hf_init_weights
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 
 logger = logging.getLogger("fsdp_zero")
-
-
-def import_target(target: str, key: str) -> Callable:
-    """``package.module:attr`` (attr may be dotted) -> the object. The module is looked for on the
-    Python path, then in the current directory (``torchrun scripts/train.py`` puts only scripts/ on
-    the path, so a module of the user's project would not be found otherwise).
-
-    Raises:
-        ValueError: a module that does not import, or a missing attribute; names ``key``.
-    """
-    module_name, _, attr = target.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if os.getcwd() in sys.path or not module_name.startswith(e.name or "\0"):
-            raise ValueError(f"{key}={target!r}: cannot import {module_name!r}: {e}") from None
-        sys.path.append(os.getcwd())
-        return import_target(target, key)
-    except ImportError as e:
-        raise ValueError(f"{key}={target!r}: cannot import {module_name!r}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = sorted(n for n in dir(obj) if not n.startswith("_"))[:20]
-            raise ValueError(f"{key}={target!r}: {module_name!r} has no {attr!r} (it has: {', '.join(names)}, ...)")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{key}={target!r} is a {type(obj).__name__}, not a class or function")
-    return obj
-
-
-@contextlib.contextmanager
-def meta_parameters() -> Iterator[None]:
-    """Inside, every parameter a module registers moves to the meta device at once; buffers stay
-    where the constructor made them (CPU), with their values. (Accelerate's init_empty_weights
-    with include_buffers=False does the same.) A parameter already on the meta device is kept
-    as it is, so weights tied by assigning one Parameter to two modules stay tied."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def construct(cfg: ModelConfig) -> nn.Module:
-    """The configured model, parameters on the meta device, buffers real (see the module docstring).
-
-    A Hugging Face model class (one with a ``config_class``) is given its config built from
-    ``model.kwargs``; any other target is called with ``model.kwargs`` as keyword arguments.
-    ``model.pretrained``: the folder's class and config (`fsdp_zero.model.hf.build_pretrained`).
-
-    Raises:
-        ValueError: a target that does not import, does not accept the kwargs, or returns no nn.Module.
-    """
-    with meta_parameters():
-        if cfg.pretrained is not None:  # a Hugging Face folder: the class and config from its config.json
-            from fsdp_zero.model.hf import build_pretrained
-
-            return build_pretrained(cfg)
-        if cfg.target is None:
-            from fsdp_zero.model.transformer import from_config
-
-            return from_config(cfg)
-        factory = import_target(cfg.target, "model.target")
-        kwargs = dict(cfg.kwargs)
-        try:
-            config_class = getattr(factory, "config_class", None)
-            if inspect.isclass(factory) and config_class is not None and hasattr(config_class, "to_dict"):
-                model = factory(config_class(**kwargs))  # Hugging Face: MyModel(MyConfig(**kwargs))
-            else:
-                model = factory(**kwargs)
-        except TypeError as e:
-            raise ValueError(f"model.target={cfg.target} does not accept model.kwargs={kwargs}: {e}") from None
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model.target={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module")
-    return model
-
-
-def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers the constructor computed (not on the meta device), by name, to restore after ``to_empty``."""
-    return {name: b for name, b in model.named_buffers() if not b.is_meta}
 
 
 def _own_init_takes_seed(model: nn.Module) -> bool:

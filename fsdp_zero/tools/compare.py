@@ -15,13 +15,15 @@ from pathlib import Path
 
 import torch
 
-from fsdp_zero.sharding.build import build_optimizer, construct, materializer, real_buffers
+from fsdp_zero.sharding.build import build_optimizer, materializer
+from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.config.schema import STRATEGIES, ZERO_STAGES, Config, ParallelConfig, Strategy
 from fsdp_zero.data.batches import BatchCursor, batch_layout, build_source
 from fsdp_zero.model.lora import frozen_count, make_trainable
 from fsdp_zero.monitor.memory import CATEGORIES, MIB, model_state_bytes
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.training.step import Phase, set_lr, train_step
+from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.training.step import set_lr, train_step
 from fsdp_zero.model.tasks import build_task, vocab_size
 
 ORDER = list(reversed(ZERO_STAGES.values()))  # the ZeRO stages' strategies, in the order they run: ZeRO-3 first

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from fsdp_zero.sharding.build import construct
+from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.comm import comm_formula, comm_seconds
 from fsdp_zero.config.schema import STRATEGIES, ActivationCheckpointing, Config, GradSync, Strategy, validate
 from fsdp_zero.model.lora import make_trainable

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.sharding.build import build, cast_to_stored, construct, optimizer_impl, param_groups
+from fsdp_zero.sharding.build import build, cast_to_stored, optimizer_impl, param_groups
+from fsdp_zero.model.construct import construct
 from fsdp_zero.config.schema import (STRATEGIES, ZERO_STAGES, ActivationCheckpointing, Config, ParallelConfig, PrecisionConfig,
                               Strategy, WrapConfig, WrapPolicy, is_fsdp, validate)
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
@@ -43,7 +44,8 @@ from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 from fsdp_zero.sharding.parallelize import device_mesh, model_state_formula, reshard_after_forward, shard_degree
 from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.training.step import Phase, train_step
+from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.training.step import train_step
 from fsdp_zero.model.tasks import build_task, vocab_size
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode, real_post_forward_meshes
 from fsdp_zero.sharding.wrap import build_wrap_plan

@@ -42,6 +42,18 @@ from pathlib import Path
 
 import torch
 
+from fsdp_zero.config.loader import load_config, to_yaml
+from fsdp_zero.config.schema import ParallelConfig, WrapConfig, WrapPolicy
+from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.model.construct import construct, real_buffers
+from fsdp_zero.model.lora import make_trainable
+from fsdp_zero.model.tasks import build_task, to_device, vocab_size
+from fsdp_zero.sharding.build import materializer
+from fsdp_zero.sharding.parallelize import parallelize
+from fsdp_zero.sharding.wrap import build_wrap_plan
+from fsdp_zero.tools.planner import repeated_blocks
+
 # More ranks than this are probed with this many (a CPU plan for more is rare; each probe rank is a process).
 MAX_PROBE_RANKS = 8
 # A compute dtype whose matmuls run this many times slower than fp32's is scaled from fp32, not run.
@@ -56,7 +68,6 @@ PROBE_DEPTH = 4
 @dataclass(frozen=True)
 class Measured:
     """Rates `measure` found on this machine for one config and world size."""
-
     ranks: int  # processes probed at once
     threads: int  # each one's threads (torchrun's: 1 for several ranks)
     # By compute dtype name: seconds per sample outside the repeated blocks, per block (forward and
@@ -85,7 +96,6 @@ class Measured:
 class Rates:
     """What the cost assumes of the hardware (scripts/plan.py's --tflops, --link-gbps, --host-gbps), or,
     with ``measured``, what the probe measured (which then replaces the first two)."""
-
     tflops: float  # achieved compute per rank in 16-bit dtypes, 10^12 FLOP/s
     link_gbps: float  # per-rank collective bandwidth, Gbit/s
     host_gbps: float = 200.0  # host <-> device copies (CPU offload), Gbit/s
@@ -114,8 +124,6 @@ def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: 
     """Measures this machine's rates for ``cfg`` at ``world_size`` ranks on the CPU (see the module
     docstring): one process per rank, up to `MAX_PROBE_RANKS`, with ``dtypes`` the compute dtypes to
     time. Raises RuntimeError with the probe's error when a probe process fails."""
-    from fsdp_zero.config.loader import to_yaml
-
     ranks = min(world_size, MAX_PROBE_RANKS)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fsdp-zero-probe-") as tmp:
@@ -167,11 +175,6 @@ def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: t
     model is built once, warmed up once, and cut), or whole (``container`` None, ``depths`` (0,)). Each the
     shortest of two steps, each step started by ``together()`` (the probe's ranks step at once, as in
     training, where they share the machine's memory bandwidth)."""
-    from fsdp_zero.sharding.build import construct, materializer, real_buffers
-    from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
-    from fsdp_zero.model.lora import make_trainable
-    from fsdp_zero.model.tasks import build_task, to_device, vocab_size
-
     model = construct(cfg.model)
     if container is not None:
         del model.get_submodule(container)[max(depths):]
@@ -204,8 +207,6 @@ def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: t
 def _compute(cfg, dtypes: list[str], together=lambda: None  # noqa: ANN001
              ) -> tuple[dict[str, tuple[float, float, float]], int, list[str]]:
     """Seconds per sample outside the blocks, per block and per block's forward, by dtype name; the blocks; notes."""
-    from fsdp_zero.tools.planner import repeated_blocks
-
     repeats = repeated_blocks(cfg, 1)  # (the blocks are the same whatever the sharding)
     notes, out, fp32_matmul = [], {}, _matmul_seconds(torch.float32)
     order = sorted(dtypes, key=lambda d: d != "float32")  # fp32 first: a slow dtype is scaled from it
@@ -231,11 +232,6 @@ def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
     for units of ``unit_bytes`` (fp32) over this process group (gloo)."""
     import torch.distributed as dist
     from torch import nn
-
-    from fsdp_zero.config.schema import ParallelConfig, WrapConfig, WrapPolicy
-    from fsdp_zero.distributed.env import DistEnv
-    from fsdp_zero.sharding.parallelize import parallelize
-    from fsdp_zero.sharding.wrap import build_wrap_plan
 
     n, units = dist.get_world_size(), 4
     d = max(64, int(math.sqrt(unit_bytes / 4)) // n * n)
@@ -286,9 +282,6 @@ def _adamw(dtype: torch.dtype, numel: int = 4_000_000) -> float:
 
 def _unit_bytes(cfg) -> int:  # noqa: ANN001
     """The fp32 bytes of the config's typical FSDP unit (the median; gloo's speed a byte depends on the size)."""
-    from fsdp_zero.sharding.build import construct
-    from fsdp_zero.sharding.wrap import build_wrap_plan
-
     plan = build_wrap_plan(construct(cfg.model), cfg.parallel.wrap, 1)
     return int(statistics.median(u.full_bytes for u in plan.units if u.num_params))
 
@@ -296,8 +289,6 @@ def _unit_bytes(cfg) -> int:  # noqa: ANN001
 def _probe_rank(config: str, out: str, dtypes: str) -> None:
     """One probe process (`measure`): the same measurements on every rank at once; rank 0 writes them."""
     import torch.distributed as dist
-
-    from fsdp_zero.config.loader import load_config
 
     cfg = load_config(config, [])
     dist.init_process_group("gloo")

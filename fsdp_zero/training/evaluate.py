@@ -45,7 +45,8 @@ from fsdp_zero.config.schema import Config, DataSource, Task
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.sharding.parallelize import unwrap
-from fsdp_zero.model.tasks import IGNORE, logits_of, num_outputs, to_device, vocab_size
+from fsdp_zero.data.token_files import IGNORE
+from fsdp_zero.model.tasks import logits_of, num_outputs, to_device, vocab_size
 
 logger = logging.getLogger("fsdp_zero")
 

@@ -13,7 +13,6 @@ count before the first forward; the loop's other sync points are the logger's, o
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,20 +25,7 @@ from fsdp_zero.config.schema import GradSync, OptimConfig, Schedule
 from fsdp_zero.sharding.precision import LossScaler
 from fsdp_zero.training.stopping import Verdict
 from fsdp_zero.model.tasks import LossFn, to_device
-
-class Phase(str, enum.Enum):
-    """The points of a training step that report themselves (`train_step`'s hooks)."""
-
-    START = "start"  # before the step (the profiler's own snapshot)
-    AFTER_BUILD = "after_build"  # the model built, before the first step (the trainer reports it)
-    AFTER_FORWARD = "after_forward"  # the first micro-batch's forward
-    AFTER_MICRO_BATCH = "after_micro_batch"  # each micro-batch but the last, after its backward
-    AFTER_BACKWARD = "after_backward"  # the last micro-batch's backward
-    AFTER_OPTIMIZER_STEP = "after_optimizer_step"  # parameters, gradients and optimizer states all live
-
-
-PhaseHook = Callable[[Phase], None]
-
+from fsdp_zero.monitor.phases import Phase, PhaseHook
 
 # A step without a gate is always taken.
 TAKEN = Verdict(finite=True, stop=None)

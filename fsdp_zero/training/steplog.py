@@ -44,7 +44,7 @@ from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_sc
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import Precision
-from fsdp_zero.training.step import Phase
+from fsdp_zero.monitor.phases import Phase
 
 logger = logging.getLogger("fsdp_zero")
 

@@ -93,32 +93,3 @@ class StepGuard:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
-
-
-class RunEnded(Exception):
-    """A run that ended before its last step; ``scripts/train.py`` prints the message and exits with
-    ``exit_code`` (a bad setting, a ValueError, exits with 2)."""
-
-    exit_code: int
-    prefix = "error: "  # how the message is printed
-    every_rank = False  # whether every rank prints it (each has its own), or rank 0 only
-
-
-class Diverged(RunEnded):
-    """Training produced a non-finite loss or gradient norm; no checkpoint of that step was saved."""
-
-    exit_code = 3
-
-
-class Stopped(RunEnded):
-    """SIGTERM or train.max_minutes: the run saved the step it was in, then stopped (launch it again)."""
-
-    exit_code = 4
-    prefix = ""
-
-
-class CollectiveFailed(RunEnded):
-    """A collective failed or timed out on this rank: another rank died or hung."""
-
-    exit_code = 5
-    every_rank = True  # each surviving rank says where it was

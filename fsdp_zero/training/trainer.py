@@ -36,7 +36,8 @@ from fsdp_zero.model.hf import weights_path
 from fsdp_zero.training.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
 from fsdp_zero.training.step import StepResult, set_lr, train_step
 from fsdp_zero.training.steplog import StepLogger, StepRecord, write_summary
-from fsdp_zero.training.stopping import CollectiveFailed, Diverged, StepGuard, Stopped, budget_deadline, budget_job
+from fsdp_zero.errors import CollectiveFailed, Diverged, Stopped
+from fsdp_zero.training.stopping import StepGuard, budget_deadline, budget_job
 from fsdp_zero.model.tasks import LossFn, build_task, max_seq_len, num_outputs, trained_tokens, vocab_size
 from fsdp_zero.checkpoint.weights import load_full_weights
 from fsdp_zero.sharding.wrap import WrapPlan
