@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint
-from fsdp_zero.config.loader import load_config
-from fsdp_zero.distributed.env import broadcast_object, distributed, exit_process
-from fsdp_zero.training.trainer import setup, train
+from fsdp_zero.checkpoint import Checkpointer, TrainState, load_checkpoint
+from fsdp_zero.config import load_config
+from fsdp_zero.distributed import broadcast_object, distributed, exit_process
+from fsdp_zero.training import setup, train
 
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9

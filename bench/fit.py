@@ -27,10 +27,10 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from fsdp_zero.config.loader import load_config
-from fsdp_zero.tools.fit import MARGIN, Scored, fit_rates, search
-from fsdp_zero.tools.rates import Rates
-from fsdp_zero.monitor.memory import parse_size
+from fsdp_zero.config import load_config
+from fsdp_zero.tools import MARGIN, Scored, fit_rates, search
+from fsdp_zero.tools import Rates
+from fsdp_zero.monitor import parse_size
 
 TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 MODEL = ("model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256", "train.global_batch_size=8",

@@ -164,7 +164,7 @@ def make_mode(dry_run: bool, peaks: tuple[float, float] | None, config: str | No
 
 
 def tokens_per_step(mode: Mode, extra: tuple[str, ...]) -> int:
-    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.config import load_config
 
     cfg = load_config(mode.config, mode.keys(*extra))
     return cfg.train.global_batch_size * cfg.data.seq_len
@@ -176,7 +176,7 @@ def check_settings(mode: Mode) -> None:
     Raises:
         ValueError: the config loader's line.
     """
-    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.config import load_config
 
     for extra in SETTINGS.values():
         load_config(mode.config, mode.keys(*extra))
@@ -337,10 +337,10 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from step_time import raw_loop  # bench/step_time.py's hand-written loop, as it is
 
-    from fsdp_zero.config.loader import load_config
-    from fsdp_zero.distributed.env import agree_on_seed, distributed, exit_process
-    from fsdp_zero.monitor.memory import MemoryMonitor, model_state_bytes
-    from fsdp_zero.training.trainer import setup, train
+    from fsdp_zero.config import load_config
+    from fsdp_zero.distributed import agree_on_seed, distributed, exit_process
+    from fsdp_zero.monitor import MemoryMonitor, model_state_bytes
+    from fsdp_zero.training import setup, train
 
     cfg = load_config(config, overrides)
     cfg.train.log_every = cfg.train.steps  # one log step a loop, as bench/step_time.py's runs

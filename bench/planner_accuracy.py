@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fsdp_zero.tools.planner import HEAP_RETENTION
+from fsdp_zero.tools import HEAP_RETENTION
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def check() -> list[str]:
     """Each shape and strategy, simulated composed and whole in this process."""
-    from fsdp_zero.config.loader import load_config
-    from fsdp_zero.tools.planner import Simulator
+    from fsdp_zero.config import load_config
+    from fsdp_zero.tools import Simulator
 
     rows = []
     for name, shape in SHAPES.items():

@@ -24,13 +24,13 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from fsdp_zero.config.loader import load_config
-from fsdp_zero.distributed.env import broadcast_object, distributed, exit_process
-from fsdp_zero.monitor.memory import MemoryMonitor, StepProfiler, release_free_heap
-from fsdp_zero.monitor.phases import Phase
-from fsdp_zero.training.step import set_lr, train_step
-from fsdp_zero.model.tasks import to_device
-from fsdp_zero.training.trainer import setup
+from fsdp_zero.config import load_config
+from fsdp_zero.distributed import broadcast_object, distributed, exit_process
+from fsdp_zero.monitor import MemoryMonitor, StepProfiler, release_free_heap
+from fsdp_zero.monitor import Phase
+from fsdp_zero.training import set_lr, train_step
+from fsdp_zero.model import to_device
+from fsdp_zero.training import setup
 
 MIB = 2**20
 DEFAULT = ["model.preset=gpt_small", "data.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=1",

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_zero.config.loader import load_config
-from fsdp_zero.distributed.env import agree_on_seed, broadcast_object, distributed, exit_process
-from fsdp_zero.monitor.memory import MemoryMonitor, model_state_bytes
-from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.model.construct import construct, real_buffers
-from fsdp_zero.sharding.build import materializer
-from fsdp_zero.sharding.parallelize import device_mesh
-from fsdp_zero.model.tasks import to_device
-from fsdp_zero.training.trainer import setup, train
+from fsdp_zero.config import load_config
+from fsdp_zero.distributed import agree_on_seed, broadcast_object, distributed, exit_process
+from fsdp_zero.monitor import MemoryMonitor, model_state_bytes
+from fsdp_zero.sharding import model_state_formula
+from fsdp_zero.model import construct, real_buffers
+from fsdp_zero.sharding import materializer
+from fsdp_zero.sharding import device_mesh
+from fsdp_zero.model import to_device
+from fsdp_zero.training import setup, train
 
 REPEATS = 3
 

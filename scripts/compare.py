@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from fsdp_zero.tools.compare import DEFAULTS, ORDER, dataparallel_row, read_rows, report
-from fsdp_zero.config.loader import load_config
+from fsdp_zero.tools import DEFAULTS, ORDER, dataparallel_row, read_rows, report
+from fsdp_zero.config import load_config
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
 

@@ -145,7 +145,7 @@ def _section(prefix: str, cls: type, out: list[str]) -> None:
 
 def config_reference() -> str:
     """Every key of the schema, one table per section, from `fsdp_zero.config.schema.Config` and its source."""
-    from fsdp_zero.config.schema import Config
+    from fsdp_zero.config import Config
 
     hints = typing.get_type_hints(Config)
     out: list[str] = []
@@ -155,13 +155,13 @@ def config_reference() -> str:
 
 
 def deepspeed_keys() -> str:
-    from fsdp_zero.config.deepspeed import mapping_table
+    from fsdp_zero.config import mapping_table
 
     return mapping_table()
 
 
 def strategies() -> str:
-    from fsdp_zero.sharding.parallelize import strategy_table
+    from fsdp_zero.sharding import strategy_table
 
     return strategy_table().rstrip("\n")
 

@@ -23,11 +23,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_zero.model.lora import ADAPTER_FILES, export_plan
-from fsdp_zero.monitor.memory import parse_size
-from fsdp_zero.model.hf import export_files
-from fsdp_zero.checkpoint.weights import EXPORT_DTYPES, export_checkpoint
-from fsdp_zero.model.hf import SINGLE_FILE
+from fsdp_zero.model import ADAPTER_FILES, export_plan
+from fsdp_zero.monitor import parse_size
+from fsdp_zero.model import export_files
+from fsdp_zero.checkpoint import EXPORT_DTYPES, export_checkpoint
+from fsdp_zero.model import SINGLE_FILE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from torchvision.datasets import FakeData
 from torchvision.models import VisionTransformer
 
 import fsdp_zero.api as fz
-from fsdp_zero.distributed.env import exit_process
+from fsdp_zero.distributed import exit_process
 
 
 def main() -> None:

@@ -27,18 +27,19 @@ import sys
 
 import torch
 
-from fsdp_zero.model.construct import construct
-from fsdp_zero.monitor.comm import comm_formula, comm_seconds
-from fsdp_zero.config.schema import ZERO_STAGES, Config, Strategy, validate
-from fsdp_zero.config.loader import load_config
-from fsdp_zero.tools.fit import DIMENSIONS, MARGIN, fit_rates, search, searched_overrides
-from fsdp_zero.tools.rates import Rates
-from fsdp_zero.model.lora import frozen_count, make_trainable
-from fsdp_zero.monitor.memory import CATEGORIES, MIB, parse_size
-from fsdp_zero.tools.planner import (PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb,
-                               plan_layout, simulate, strategy_states, zero_paper_stages)
-from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.sharding.wrap import build_wrap_plan
+from fsdp_zero.model import construct
+from fsdp_zero.monitor import comm_formula, comm_seconds
+from fsdp_zero.config import ZERO_STAGES, Config, Strategy, validate
+from fsdp_zero.config import load_config
+from fsdp_zero.tools import DIMENSIONS, MARGIN, fit_rates, search, searched_overrides
+from fsdp_zero.tools import Rates
+from fsdp_zero.model import frozen_count, make_trainable
+from fsdp_zero.monitor import CATEGORIES, MIB, parse_size
+from fsdp_zero.tools import (
+    PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb, plan_layout, simulate, strategy_states, zero_paper_stages,
+)
+from fsdp_zero.sharding import resolve
+from fsdp_zero.sharding import build_wrap_plan
 
 ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
 

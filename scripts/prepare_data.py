@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from fsdp_zero.data.prepare import DEFAULT_VAL_FRACTION, prepare
+from fsdp_zero.data import DEFAULT_VAL_FRACTION, prepare
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,1 +1,17 @@
 """State on disk: DCP checkpoints and full weights."""
+
+from fsdp_zero.checkpoint.dcp import checkpoint_step, Checkpointer, latest_checkpoint, list_checkpoints, load_checkpoint, read_train_state, TrainState
+from fsdp_zero.checkpoint.weights import export_checkpoint, EXPORT_DTYPES, load_full_weights
+
+__all__ = [
+    "checkpoint_step",
+    "Checkpointer",
+    "export_checkpoint",
+    "EXPORT_DTYPES",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_full_weights",
+    "read_train_state",
+    "TrainState",
+]

@@ -1,1 +1,48 @@
 """What a run is: the schema, the strategy table, the loader and the DeepSpeed reader (torch-free)."""
+
+from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
+from fsdp_zero.config.loader import load_config, to_yaml
+from fsdp_zero.config.presets import BUILTIN_FIELDS, check_model_config, model_args, PRESETS, TransformerArgs
+from fsdp_zero.config.schema import ActivationCheckpointing, Backend, Config, DataConfig, DataSource, Device, DistConfig, GradSync, Init, is_fsdp, LoRAConfig, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Schedule, STRATEGIES, Strategy, STRATEGY_ALIASES, StrategySpec, Task, TOKEN_SOURCES, TrainConfig, validate, WrapConfig, WrapPolicy, ZERO_STAGES
+from fsdp_zero.config.targets import import_target
+
+__all__ = [
+    "ActivationCheckpointing",
+    "Backend",
+    "BUILTIN_FIELDS",
+    "check_model_config",
+    "Config",
+    "DataConfig",
+    "DataSource",
+    "Device",
+    "DistConfig",
+    "GradSync",
+    "import_target",
+    "Init",
+    "is_fsdp",
+    "load_config",
+    "LoRAConfig",
+    "mapping_table",
+    "model_args",
+    "ModelConfig",
+    "OptimConfig",
+    "OptimizerImpl",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "PRESETS",
+    "read_deepspeed",
+    "Schedule",
+    "STRATEGIES",
+    "Strategy",
+    "STRATEGY_ALIASES",
+    "StrategySpec",
+    "Task",
+    "to_yaml",
+    "TOKEN_SOURCES",
+    "TrainConfig",
+    "TransformerArgs",
+    "validate",
+    "WrapConfig",
+    "WrapPolicy",
+    "ZERO_STAGES",
+]

@@ -1,1 +1,17 @@
 """Samples, batches and token files."""
+
+from fsdp_zero.data.batches import batch_layout, BatchCursor, BatchLayout, build_source, IMAGENET_MEAN, IMAGENET_STD
+from fsdp_zero.data.prepare import DEFAULT_VAL_FRACTION, prepare
+from fsdp_zero.data.token_files import IGNORE
+
+__all__ = [
+    "batch_layout",
+    "BatchCursor",
+    "BatchLayout",
+    "build_source",
+    "DEFAULT_VAL_FRACTION",
+    "IGNORE",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "prepare",
+]

@@ -1,1 +1,15 @@
 """Ranks, their environment and what they agree on."""
+
+from fsdp_zero.distributed.env import agree_on_seed, broadcast_object, CollectiveTimeout, DistEnv, distributed, exit_process, last_collective, seed_all, silent_ranks
+
+__all__ = [
+    "agree_on_seed",
+    "broadcast_object",
+    "CollectiveTimeout",
+    "DistEnv",
+    "distributed",
+    "exit_process",
+    "last_collective",
+    "seed_all",
+    "silent_ranks",
+]

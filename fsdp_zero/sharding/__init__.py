@@ -1,1 +1,36 @@
 """A strategy applied: wrap units, precision, parallelize, build and the optimizer."""
+
+from fsdp_zero.sharding.build import build, build_optimizer, Built, cast_to_stored, materializer, optimizer_impl, param_groups, shard
+from fsdp_zero.sharding.parallelize import checkpointed, device_mesh, formula_note, model_state_formula, parallelize, reduce_scatter_comm, reshard_after_forward, shard_degree, split_over, strategy_table, unwrap
+from fsdp_zero.sharding.precision import loss_scaler, LossScaler, NAMES, Precision, resolve
+from fsdp_zero.sharding.wrap import build_wrap_plan, ROOT, WrapPlan
+
+__all__ = [
+    "build",
+    "build_optimizer",
+    "build_wrap_plan",
+    "Built",
+    "cast_to_stored",
+    "checkpointed",
+    "device_mesh",
+    "formula_note",
+    "loss_scaler",
+    "LossScaler",
+    "materializer",
+    "model_state_formula",
+    "NAMES",
+    "optimizer_impl",
+    "parallelize",
+    "param_groups",
+    "Precision",
+    "reduce_scatter_comm",
+    "reshard_after_forward",
+    "resolve",
+    "ROOT",
+    "shard",
+    "shard_degree",
+    "split_over",
+    "strategy_table",
+    "unwrap",
+    "WrapPlan",
+]

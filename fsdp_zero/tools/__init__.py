@@ -1,1 +1,33 @@
 """Offline: the planner, the fit, compare and the rates probe; never imported by training."""
+
+from fsdp_zero.tools.compare import dataparallel_row, DEFAULTS, ORDER, read_rows, report
+from fsdp_zero.tools.fit import DIMENSIONS, fit_rates, MARGIN, Scored, search, searched_overrides
+from fsdp_zero.tools.planner import deepspeed_zero3_estimate, format_bytes, format_gb, HEAP_RETENTION, PAPER_K, plan_layout, PLAN_MODES, Prediction, simulate, Simulator, strategy_states, zero_paper_stages
+from fsdp_zero.tools.rates import Rates
+
+__all__ = [
+    "dataparallel_row",
+    "deepspeed_zero3_estimate",
+    "DEFAULTS",
+    "DIMENSIONS",
+    "fit_rates",
+    "format_bytes",
+    "format_gb",
+    "HEAP_RETENTION",
+    "MARGIN",
+    "ORDER",
+    "PAPER_K",
+    "plan_layout",
+    "PLAN_MODES",
+    "Prediction",
+    "Rates",
+    "read_rows",
+    "report",
+    "Scored",
+    "search",
+    "searched_overrides",
+    "simulate",
+    "Simulator",
+    "strategy_states",
+    "zero_paper_stages",
+]

@@ -1,1 +1,27 @@
 """The run: step, stopping, evaluation, logging, run directory, trainer."""
+
+from fsdp_zero.training.evaluate import EvalResult, Evaluator
+from fsdp_zero.training.rundir import decide, RunDecision
+from fsdp_zero.training.step import clip_grad_norm_, lr_factor, set_lr, train_step
+from fsdp_zero.training.steplog import StepLogger, StepRecord, write_summary
+from fsdp_zero.training.stopping import StepGuard, Verdict
+from fsdp_zero.training.trainer import setup, train, TrainResult
+
+__all__ = [
+    "clip_grad_norm_",
+    "decide",
+    "EvalResult",
+    "Evaluator",
+    "lr_factor",
+    "RunDecision",
+    "set_lr",
+    "setup",
+    "StepGuard",
+    "StepLogger",
+    "StepRecord",
+    "train",
+    "train_step",
+    "TrainResult",
+    "Verdict",
+    "write_summary",
+]

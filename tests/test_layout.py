@@ -1,0 +1,94 @@
+"""The package's shape: subpackages in one import order, each with a public face (docs/architecture.md
+renders the order; tests/test_docs.py keeps it true)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "fsdp_zero"
+
+# Bottom to top: each level imports only from the levels before it (and from within its own subpackage).
+ORDER = [("errors", "torch_private"), ("config",), ("distributed",), ("data",), ("model",), ("sharding",),
+         ("monitor", "checkpoint"), ("training",), ("tools", "api")]
+LEVEL = {name: i for i, names in enumerate(ORDER) for name in names} | {"": 0}  # "": fsdp_zero itself (__version__)
+ROOT_FILES = {"__init__.py", "api.py", "errors.py", "torch_private.py"}
+SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
+
+
+def _home(module: str) -> str:
+    """``fsdp_zero.sharding.build`` -> ``sharding``; ``fsdp_zero.errors`` -> ``errors``; ``fsdp_zero`` -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported fsdp_zero module, line, inside a function) for every in-package import of ``path``."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom) and child.level == 0 and (child.module or "").startswith("fsdp_zero"):
+                targets = [f"fsdp_zero.{a.name}" for a in child.names] if child.module == "fsdp_zero" else [child.module]
+                found.extend((t, child.lineno, in_function) for t in targets)
+            elif isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, in_function) for a in child.names if a.name.startswith("fsdp_zero"))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def _modules() -> list[tuple[Path, str]]:
+    return [(p, p.relative_to(PACKAGE).parts[0].removesuffix(".py")) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_the_root_holds_four_files_and_every_subpackage_has_a_level():
+    assert {p.name for p in PACKAGE.glob("*.py")} == ROOT_FILES
+    assert set(SUBPACKAGES) == set(LEVEL) - {"", *(f.removesuffix(".py") for f in ROOT_FILES)}, SUBPACKAGES
+
+
+def test_imports_run_down_the_order_and_none_hides_in_a_function():
+    """A module imports from its own subpackage or from a lower level, at the top of the module
+    (an import inside a function hides a dependency; torch_private's lazy imports are for import time)."""
+    upward, hidden = [], []
+    for path, home in _modules():
+        if home == "__init__":
+            continue
+        for target, line, in_function in _imports(path):
+            where = f"{path.relative_to(REPO)}:{line} imports {target}"
+            to = _home(target)
+            if to != home and (to not in LEVEL or LEVEL[to] >= LEVEL[home]):
+                upward.append(where)
+            if in_function and to != "torch_private":
+                hidden.append(where)
+    assert upward == [], "imports up (or across) the order of tests/test_layout.py's ORDER"
+    assert hidden == []
+
+
+def test_each_subpackage_has_a_face_that_names_what_it_exports():
+    """``__init__.py`` re-exports the subpackage's API with ``__all__``: every name resolves, and
+    every name it imports is in ``__all__``."""
+    for sub in SUBPACKAGES:
+        init = PACKAGE / sub / "__init__.py"
+        assert init.is_file(), f"fsdp_zero/{sub} has no __init__.py"
+        face = importlib.import_module(f"fsdp_zero.{sub}")
+        exported = getattr(face, "__all__", None)
+        assert exported, f"fsdp_zero/{sub}/__init__.py declares no __all__"
+        assert len(set(exported)) == len(exported), sub
+        assert all(hasattr(face, name) for name in exported), sub
+        imported = {a.asname or a.name for n in ast.parse(init.read_text()).body if isinstance(n, ast.ImportFrom)
+                    for a in n.names if n.module != "__future__"}
+        assert imported == set(exported), f"fsdp_zero/{sub}: imported but not in __all__, or the other way round"
+
+
+def test_scripts_and_bench_import_only_faces():
+    """``scripts/`` and ``bench/`` use the subpackages' faces (and the root's api and errors), never a
+    module behind a face."""
+    allowed = {f"fsdp_zero.{sub}" for sub in SUBPACKAGES} | {"fsdp_zero.api", "fsdp_zero.errors"}
+    past = []
+    for path in sorted([*(REPO / "scripts").glob("*.py"), *(REPO / "bench").glob("*.py")]):
+        past += [f"{path.relative_to(REPO)}:{line} imports {t}" for t, line, _ in _imports(path) if t not in allowed]
+    assert past == []
