@@ -31,7 +31,7 @@ from fsdp_zero.monitor import MemoryMonitor, model_state_bytes
 from fsdp_zero.sharding import model_state_formula
 from fsdp_zero.model import construct, real_buffers
 from fsdp_zero.sharding import materializer
-from fsdp_zero.sharding import device_mesh
+from fsdp_zero.distributed import Topology
 from fsdp_zero.model import to_device
 from fsdp_zero.training import setup, train
 
@@ -40,7 +40,7 @@ REPEATS = 3
 
 def raw_loop(parts, cfg, env) -> tuple[float, int]:
     """The hand-written baseline; returns (seconds, model-state bytes after the last step's optimizer step)."""
-    mesh = device_mesh(cfg.parallel, env)
+    mesh = Topology.of(cfg.parallel, env.world_size).mesh(env.device.type)
     model = construct(cfg.model)  # the same model and units, sharded by hand
     for fqn in parts.plan.submodule_fqns:
         fully_shard(model.get_submodule(fqn), mesh=mesh)
@@ -114,7 +114,7 @@ def run(cfg, env) -> None:  # noqa: ANN001
     dist.all_gather_object(all_peaks, peaks)
     if env.is_rank0:
         num_params = num_params_of_run
-        expected = model_state_formula(cfg.parallel, num_params, env.world_size)
+        expected = model_state_formula(Topology.of(cfg.parallel, env.world_size), num_params)
         steps = cfg.train.steps
         print("\n## step time: fsdp-zero loop vs hand-written fully_shard loop")
         print(f"model {cfg.model.target or cfg.model.preset} ({num_params:,} params), world size {env.world_size}, device {env.device.type}, "

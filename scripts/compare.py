@@ -50,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for strategy in ORDER:
         try:  # settings that do not apply to a strategy (bf16-mixed or CPU offload under DDP) skip it
-            load_config(args.config, overrides + [f"parallel.strategy={strategy.value}", "parallel.zero_stage=null"])
+            load_config(args.config, overrides + [f"parallel.strategy={strategy.value}"])
         except ValueError as e:
             print(f"skipped {strategy.value}: {e}", file=sys.stderr)
             continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
                str(TRAIN), *(["--config", args.config] if args.config else []), *overrides,
-               f"parallel.strategy={strategy.value}", "parallel.zero_stage=null", f"run.name={strategy.value}"]
+               f"parallel.strategy={strategy.value}", f"run.name={strategy.value}"]
         if subprocess.run(cmd).returncode != 0:
             print(f"error: strategy {strategy.value} failed; see above", file=sys.stderr)
             return 1

@@ -27,6 +27,8 @@ import sys
 
 import torch
 
+from fsdp_zero.data import BatchLayout
+from fsdp_zero.distributed import Topology
 from fsdp_zero.model import construct
 from fsdp_zero.monitor import comm_formula, comm_seconds
 from fsdp_zero.config import ZERO_STAGES, Config, Strategy, validate
@@ -36,7 +38,7 @@ from fsdp_zero.tools import Rates
 from fsdp_zero.model import frozen_count, make_trainable
 from fsdp_zero.monitor import CATEGORIES, MIB, parse_size
 from fsdp_zero.tools import (
-    PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb, plan_layout, simulate, strategy_states, zero_paper_stages,
+    PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb, simulate, strategy_states, zero_paper_stages,
 )
 from fsdp_zero.sharding import resolve
 from fsdp_zero.sharding import build_wrap_plan
@@ -173,21 +175,22 @@ def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[
     """Bytes per rank per optimizer step by kind (`fsdp_zero.monitor.comm.comm_formula`), for each strategy and
     precision mode, and the time they take at ``link_gbps``."""
     plan = build_wrap_plan(model, cfg.parallel.wrap, n)
-    accum = plan_layout(cfg, n).grad_accum_steps
+    accum = BatchLayout.rounded(cfg.train, n).grad_accum_steps
     print(f"\n## communication per rank per optimizer step ({accum} micro-batches, parallel.grad_sync="
           f"{cfg.parallel.grad_sync.value}; time at {link_gbps:g} Gbit/s, ring collectives)\n")
     print("| strategy | precision | all-gather MiB | reduce-scatter MiB | all-reduce MiB | time ms |")
     print("|---|---|---|---|---|---|")
     for strategy in strategies:
         for mode in PLAN_MODES:
-            c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, zero_stage=None),
+            c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy),
                                     precision=dataclasses.replace(cfg.precision, mode=mode))
             try:
                 validate(c)
             except ValueError:  # e.g. bf16-mixed under DDP; grad_sync=once_per_step under DDP
                 continue
-            moved = comm_formula(c, model, plan, n, accum, resolve(c.precision))
-            seconds = sum(comm_seconds(moved, c.parallel, n, link_gbps).values())
+            topology = Topology.of(c.parallel, n)
+            moved = comm_formula(c, topology, model, plan, accum, resolve(c.precision))
+            seconds = sum(comm_seconds(moved, topology, link_gbps).values())
             print(f"| {strategy.value} | {mode} | {moved.all_gather / MIB:,.1f} | {moved.reduce_scatter / MIB:,.1f} | "
                   f"{moved.all_reduce / MIB:,.1f} | {seconds * 1e3:,.1f} |")
 

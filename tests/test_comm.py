@@ -18,7 +18,8 @@ from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.comm import KINDS, CommBytes, comm_formula, comm_seconds
 from fsdp_zero.config.schema import GradSync
 from fsdp_zero.config.loader import load_config
-from fsdp_zero.data.batches import batch_layout
+from fsdp_zero.data.batches import BatchLayout
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.precision import resolve
@@ -40,8 +41,8 @@ def _formula(cfg, world_size: int) -> CommBytes:  # noqa: ANN001
     model = construct(cfg.model)  # meta
     make_trainable(model, cfg.model)
     plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
-    accum = batch_layout(cfg.train, world_size).grad_accum_steps
-    return comm_formula(cfg, model, plan, world_size, accum, resolve(cfg.precision))
+    accum = BatchLayout.of(cfg.train, world_size).grad_accum_steps
+    return comm_formula(cfg, Topology.of(cfg.parallel, world_size), model, plan, accum, resolve(cfg.precision))
 
 
 def _run(batches, name: str):  # noqa: ANN001, ANN202
@@ -123,7 +124,8 @@ def test_formula_by_hand():
 
     def formula(world: int = 2, accum: int = 3, precision=fp32, **parallel) -> CommBytes:  # noqa: ANN001
         c = replace(cfg, parallel=replace(cfg.parallel, **parallel))
-        return comm_formula(c, model, build_wrap_plan(model, c.parallel.wrap, world), world, accum, precision)
+        return comm_formula(c, Topology.of(c.parallel, world), model, build_wrap_plan(model, c.parallel.wrap, world),
+                            accum, precision)
 
     assert formula() == CommBytes(all_gather=3 * 4 * (2 * p - root), reduce_scatter=3 * 4 * p)
     assert formula(strategy="shard_grad_op") == CommBytes(all_gather=3 * 4 * p, reduce_scatter=3 * 4 * p)
@@ -141,10 +143,10 @@ def test_formula_by_hand():
     assert formula(precision=half) == CommBytes(all_gather=3 * 2 * (2 * p - root), reduce_scatter=3 * 4 * p)
     assert formula(3).all_gather > 3 * 4 * (2 * p - root)  # dim 0 padded to a multiple of 3
     # Ring times: 1 GB gathered over 2 ranks at 8 Gbit/s sends half of it: 0.5 s; an all-reduce twice that.
-    assert comm_seconds(CommBytes(1e9, 1e9), cfg.parallel, 2, 8.0) == pytest.approx(
+    assert comm_seconds(CommBytes(1e9, 1e9), Topology.of(cfg.parallel, 2), 8.0) == pytest.approx(
         {"all_gather": 0.5, "reduce_scatter": 0.5, "all_reduce": 0.0})
     hsdp = replace(cfg.parallel, strategy="hybrid_shard")
-    assert comm_seconds(CommBytes(all_reduce=1e9), hsdp, 4, 8.0)["all_reduce"] == pytest.approx(1.0)
+    assert comm_seconds(CommBytes(all_reduce=1e9), Topology.of(hsdp, 4), 8.0)["all_reduce"] == pytest.approx(1.0)
     # Every strategy by hand, 1 GB of each kind over 4 ranks at 8 Gbit/s (1 s a GB): a ring over n ranks sends
     # (n - 1) / n of it, an all-reduce twice that. DDP and ZeRO-1 all-reduce over all 4 ranks (ZeRO-1's
     # broadcasts timed as an all-gather over all 4); FSDP gathers and reduce-scatters over its shard group:
@@ -154,7 +156,7 @@ def test_formula_by_hand():
                 "full_shard": (0.75, 0.75, 0.0), "hybrid_shard": (0.5, 0.5, 1.0)}
     for strategy, (gather, scatter, reduce) in expected.items():
         par = replace(cfg.parallel, strategy=strategy)
-        assert comm_seconds(gb, par, 4, 8.0) == pytest.approx(
+        assert comm_seconds(gb, Topology.of(par, 4), 8.0) == pytest.approx(
             {"all_gather": gather, "reduce_scatter": scatter, "all_reduce": reduce}), strategy
 
 

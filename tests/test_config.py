@@ -14,7 +14,8 @@ import torch
 
 from fsdp_zero.config.schema import Config, DataSource, Strategy, Task, TrainConfig, WrapPolicy
 from fsdp_zero.config.loader import load_config, to_yaml
-from fsdp_zero.data.batches import batch_layout
+from fsdp_zero.data.batches import BatchLayout
+from fsdp_zero.distributed.topology import Topology
 from tests.conftest import REPO
 
 
@@ -142,16 +143,16 @@ def test_bad_yaml_key_names_the_file(tmp_path: Path):
 
 @pytest.mark.parametrize("dp,accum", [(1, 4), (2, 2), (4, 1)])
 def test_batch_layout_derives_grad_accumulation(dp: int, accum: int):
-    layout = batch_layout(TrainConfig(global_batch_size=16, micro_batch_size=4), dp)
+    layout = BatchLayout.of(TrainConfig(global_batch_size=16, micro_batch_size=4), dp)
     assert layout.grad_accum_steps == accum
     assert layout.micro_batch_size * layout.grad_accum_steps * layout.dp_size == 16
 
 
 def test_batch_that_does_not_divide_over_ranks_lists_valid_micro_batches():
     with pytest.raises(ValueError, match=r"does not divide into train\.micro_batch_size=3 x 3 data-parallel ranks; valid train\.micro_batch_size values at 3 ranks: \[1, 2, 4\]"):
-        batch_layout(TrainConfig(global_batch_size=12, micro_batch_size=3), 3)
+        BatchLayout.of(TrainConfig(global_batch_size=12, micro_batch_size=3), 3)
     with pytest.raises(ValueError, match=r"multiple of the 5 ranks"):
-        batch_layout(TrainConfig(global_batch_size=12, micro_batch_size=4), 5)
+        BatchLayout.of(TrainConfig(global_batch_size=12, micro_batch_size=4), 5)
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path: Path):
@@ -193,30 +194,45 @@ def test_zero_stage_and_strategy_must_agree(tmp_path: Path):
     path.write_text("parallel:\n  strategy: ddp\n  zero_stage: 1\n")
     with pytest.raises(ValueError, match=r"parallel\.zero_stage=1 means parallel\.strategy=zero1, but parallel\.strategy=ddp"):
         load_config(path)
-    with pytest.raises(ValueError, match=r"parallel\.zero_stage=1 contradicts parallel\.strategy=ddp"):
-        load_config(None, ["parallel.zero_stage=1", "parallel.strategy=ddp"])
-    # A later override of the same choice wins, as overrides do.
-    assert load_config(None, ["parallel.strategy=ddp", "parallel.zero_stage=1"]).parallel.strategy is Strategy.zero1
+    # A later override of the same choice wins, as overrides do, in either order; the alias is not kept.
+    assert load_config(None, ["parallel.zero_stage=1", "parallel.strategy=ddp"]).parallel.strategy is Strategy.ddp
+    cfg = load_config(None, ["parallel.strategy=ddp", "parallel.zero_stage=1"])
+    assert cfg.parallel.strategy is Strategy.zero1 and "zero_stage" not in to_yaml(cfg)
+    # A config.yaml saved before the alias left the schema (zero_stage: null) still loads.
+    path.write_text("parallel:\n  strategy: zero1\n  zero_stage: null\n")
+    assert load_config(path).parallel.strategy is Strategy.zero1
 
 
 def test_hybrid_shard_size_must_divide_the_world():
-    from fsdp_zero.sharding.parallelize import shard_degree
-
     cfg = load_config(None, ["parallel.strategy=hybrid_shard", "parallel.shard_size=3"]).parallel
     with pytest.raises(ValueError, match=r"parallel\.shard_size=3 must divide the world size 4; valid choices: \[1, 2, 4\]"):
-        shard_degree(cfg, 4)
-    assert shard_degree(cfg, 6) == 3
+        Topology.of(cfg, 4)
+    topology = Topology.of(cfg, 6)
+    assert (topology.shard_group, topology.param_shards, topology.replicas) == (3, 3, 2)
 
 
 def test_reshard_after_forward_groups_must_divide_the_world():
     from fsdp_zero.config.schema import ParallelConfig
-    from fsdp_zero.sharding.parallelize import reshard_after_forward
 
-    assert reshard_after_forward(ParallelConfig(reshard_after_forward=2), 4) == 2
-    assert reshard_after_forward(ParallelConfig(reshard_after_forward=4), 4) is True  # the whole world: plain ZeRO-3
+    assert Topology.of(ParallelConfig(reshard_after_forward=2), 4).reshard_after_forward == 2
+    assert Topology.of(ParallelConfig(reshard_after_forward=4), 4).reshard_after_forward is True  # plain ZeRO-3
+    assert Topology.of(ParallelConfig(strategy=Strategy.shard_grad_op), 4).reshard_after_forward is False
     with pytest.raises(ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4 and be "
                                          r"smaller; valid choices: \[1, 2\]"):
-        reshard_after_forward(ParallelConfig(reshard_after_forward=3), 4)
+        Topology.of(ParallelConfig(reshard_after_forward=3), 4)
+
+
+def test_a_topology_resolves_each_strategy_once():
+    """Over how many ranks the states and each parameter are split, and the replicas, per strategy."""
+    from fsdp_zero.config.schema import ParallelConfig
+
+    expected = {Strategy.full_shard: (8, 8, 1), Strategy.shard_grad_op: (8, 8, 1), Strategy.hybrid_shard: (4, 4, 2),
+                Strategy.zero1: (8, 1, 1), Strategy.ddp: (8, 1, 1)}
+    for strategy, (group, shards, replicas) in expected.items():
+        t = Topology.of(ParallelConfig(strategy=strategy, shard_size=4), 8)
+        assert (t.shard_group, t.param_shards, t.replicas, t.world_size) == (group, shards, replicas, 8), strategy
+    assert Topology.of(ParallelConfig(shard_size=4), 8).notes == (
+        "parallel.shard_size=4 has no effect with parallel.strategy=full_shard (only hybrid_shard uses it)",)
 
 
 # One bad value per key, set on a default config: (dotted key, bad value, a fragment of the error).
@@ -236,7 +252,6 @@ SECTION_RULES = [
     ("data.num_workers", -1, "data.num_workers=-1: must be >= 0"),
     ("parallel.strategy", "zero9", "parallel.strategy='zero9' is not a valid choice; valid choices: full_shard"),
     ("parallel.activation_checkpointing", "some", "parallel.activation_checkpointing='some' is not a valid choice"),
-    ("parallel.zero_stage", 1, "parallel.zero_stage=1 contradicts parallel.strategy=full_shard"),
     ("parallel.prefetch", -1, "parallel.prefetch=-1: must be >= 0"),
     ("parallel.reshard_after_forward", 0, "parallel.reshard_after_forward=0: must be > 0"),
     ("parallel.activation_checkpointing_every", 0, "parallel.activation_checkpointing_every=0: must be > 0"),
@@ -339,9 +354,11 @@ def test_world_size_rules_and_warnings():
         ParallelConfig(strategy=Strategy.hybrid_shard, shard_size=3).check_world(4)
     with pytest.raises(ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4"):
         ParallelConfig(reshard_after_forward=3).check_world(4)
-    TrainConfig(global_batch_size=16, micro_batch_size=4).check_world(4)
+    BatchLayout.of(TrainConfig(global_batch_size=16, micro_batch_size=4), 4)
     with pytest.raises(ValueError, match=r"train\.global_batch_size=16 does not divide into train\.micro_batch_size=4 x 3"):
-        TrainConfig(global_batch_size=16, micro_batch_size=4).check_world(3)
+        BatchLayout.of(TrainConfig(global_batch_size=16, micro_batch_size=4), 3)
+    rounded = BatchLayout.rounded(TrainConfig(global_batch_size=16, micro_batch_size=4), 3)  # the planner's
+    assert (rounded.global_batch_size, rounded.grad_accum_steps) == (12, 1)
 
 
 def test_the_config_imports_no_model_and_no_torch():
@@ -384,7 +401,7 @@ def test_the_strategy_table_is_where_a_strategy_means_something():
     import ast
 
     from fsdp_zero.config.schema import STRATEGIES, STRATEGY_ALIASES, ZERO_STAGES, ParallelConfig, Strategy, is_fsdp
-    from fsdp_zero.sharding.parallelize import formula_note, model_state_formula, shard_degree
+    from fsdp_zero.sharding.parallelize import formula_note, model_state_formula
 
     assert list(STRATEGIES) == list(Strategy)
     assert ZERO_STAGES == {0: Strategy.ddp, 1: Strategy.zero1, 2: Strategy.shard_grad_op, 3: Strategy.full_shard}
@@ -395,10 +412,12 @@ def test_the_strategy_table_is_where_a_strategy_means_something():
                 Strategy.zero1: 8 * P + 8 * P / N, Strategy.ddp: 16 * P}
     for strategy, formula in expected.items():
         cfg = ParallelConfig(strategy=strategy, shard_size=2)
-        assert model_state_formula(cfg, P, N) == formula, strategy
-        assert shard_degree(cfg, N) == (2 if strategy is Strategy.hybrid_shard else N if is_fsdp(strategy) else 1)
-    assert formula_note(ParallelConfig(strategy=Strategy.zero1), N) == "(weights and gradients whole, AdamW states / N=4)"
-    assert formula_note(ParallelConfig(strategy=Strategy.hybrid_shard), N) == "/ 2 (hybrid_shard's shard size)"
+        assert model_state_formula(Topology.of(cfg, N), P) == formula, strategy
+        assert Topology.of(cfg, N).param_shards == (2 if strategy is Strategy.hybrid_shard else N if is_fsdp(strategy)
+                                                    else 1)
+    assert formula_note(Topology.of(ParallelConfig(strategy=Strategy.zero1), N)) == (
+        "(weights and gradients whole, AdamW states / N=4)")
+    assert formula_note(Topology.of(ParallelConfig(strategy=Strategy.hybrid_shard), N)) == "/ 2 (hybrid_shard's shard size)"
     named = []
     for path in sorted((REPO / "fsdp_zero").rglob("*.py")):
         if path.relative_to(REPO).as_posix() == "fsdp_zero/config/schema.py":

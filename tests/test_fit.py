@@ -17,6 +17,7 @@ from fsdp_zero.config.loader import load_config
 from fsdp_zero.tools.fit import DIMENSIONS, Candidate, candidates, search
 from fsdp_zero.tools.rates import Rates
 from fsdp_zero.config.presets import model_args
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.sharding.precision import resolve
@@ -154,7 +155,7 @@ def test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_
             assert by[half, offload].parts["compute_s"] * 15 == pytest.approx(fp32, rel=1e-12), (half, offload)
     for mode, stored in (("fp32", 4), ("bf16-mixed", 4), ("bf16-true", 2)):
         plain, offloaded = by[mode, False], by[mode, True]
-        state = model_state_formula(ParallelConfig(), params, 2, resolve(PrecisionConfig(mode=mode)).bytes_per_param)
+        state = model_state_formula(Topology.of(ParallelConfig(), 2), params, resolve(PrecisionConfig(mode=mode)).bytes_per_param)
         assert plain.peak - offloaded.peak == pytest.approx(state * 1.10, rel=2e-3), mode
         assert plain.parts["offload_s"] == 0
         assert offloaded.parts["offload_s"] == pytest.approx((4 + 2) * params / 2 * stored * 8 / 200e9, rel=1e-9), mode

@@ -23,6 +23,7 @@ from torch import nn
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct
 from fsdp_zero.config.schema import ParallelConfig
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.config.loader import load_config, to_yaml
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.model.lora import LoRALinear, init_adapters, make_trainable
@@ -56,7 +57,7 @@ def _check_frozen_and_trained(run: dict, trained) -> None:  # noqa: ANN001
 
 def _check_model_state(run: dict, world_size: int) -> float:
     """Every rank's model state within 2% of the formula with the run's frozen count; returns the ratio."""
-    formula = model_state_formula(ParallelConfig(), run["num_params"], world_size, frozen=run["num_frozen"])
+    formula = model_state_formula(Topology.of(ParallelConfig(), world_size), run["num_params"], frozen=run["num_frozen"])
     ratios = [b / formula for b in run["model_state_bytes"]]
     assert all(abs(r - 1) < 0.02 for r in ratios), ratios
     return max(ratios, key=lambda r: abs(r - 1))
@@ -159,12 +160,12 @@ def test_the_start_up_lines_say_what_trains(tmp_path: Path):
 
 def test_formula_without_frozen_parameters_is_unchanged():
     for strategy in ("full_shard", "zero1", "ddp", "hybrid_shard"):
-        cfg = ParallelConfig(strategy=strategy)
-        assert model_state_formula(cfg, 1001, 4) == model_state_formula(cfg, 1001, 4, frozen=0)
+        topology = Topology.of(ParallelConfig(strategy=strategy), 4)
+        assert model_state_formula(topology, 1001) == model_state_formula(topology, 1001, frozen=0)
     # fp32 full_shard: 4 B per frozen parameter, 16 per trainable, over N.
-    assert model_state_formula(ParallelConfig(), 1000, 4, frozen=600) == (4 * 600 + 16 * 400) / 4
+    assert model_state_formula(Topology.of(ParallelConfig(), 4), 1000, frozen=600) == (4 * 600 + 16 * 400) / 4
     # zero1: weights and gradients whole, AdamW states split; frozen ones hold only their weights.
-    assert model_state_formula(ParallelConfig(strategy="zero1"), 1000, 4, frozen=600) == 4 * 1000 + 4 * 400 + 8 * 400 / 4
+    assert model_state_formula(Topology.of(ParallelConfig(strategy="zero1"), 4), 1000, frozen=600) == 4 * 1000 + 4 * 400 + 8 * 400 / 4
 
 
 EXPORT = TRAIN.parent / "export.py"

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 
 from fsdp_zero.config.schema import ParallelConfig, PrecisionConfig, Strategy
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.tools.planner import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
 from fsdp_zero.sharding.precision import resolve
@@ -59,7 +60,7 @@ def test_ddp_and_zero1_are_their_formula_at_rest_and_in_the_step():
     assert s[Strategy.zero1, "bf16-true"].in_step == 4 * P + 4 * P / N
     for (strategy, mode), state in s.items():
         bytes_per_param = resolve(PrecisionConfig(mode=mode)).bytes_per_param
-        assert state.at_rest == model_state_formula(ParallelConfig(strategy=strategy), P, N, bytes_per_param)
+        assert state.at_rest == model_state_formula(Topology.of(ParallelConfig(strategy=strategy), N), P, bytes_per_param)
         # The config takes bf16-mixed only with an FSDP strategy.
         assert bool(state.refused) == (mode == "bf16-mixed" and strategy in (Strategy.ddp, Strategy.zero1))
 

@@ -7,6 +7,7 @@ runs in this process (`run_script`), except for the worker processes that ``--wo
 
 from __future__ import annotations
 
+import importlib
 import hashlib
 import json
 import random
@@ -207,7 +208,7 @@ def test_an_out_that_is_not_an_empty_folder_is_refused_and_left_as_it_was(tiny_t
 
 def test_a_run_interrupted_while_writing_leaves_nothing(tiny_tokenizer_dir, tmp_path, monkeypatch):
     """Ctrl-C (or a tokenizer's crash) on the 5th document, after the temporary folder holds data."""
-    from fsdp_zero.data import prepare
+    prepare = importlib.import_module("fsdp_zero.data.prepare")  # the module (the face's `prepare` is its function)
     (tmp_path / "in").mkdir()
     for i in range(8):
         (tmp_path / "in" / f"{i}.txt").write_text(f"document {i}")

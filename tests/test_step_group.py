@@ -22,7 +22,7 @@ from fsdp_zero.config.schema import OptimConfig, OptimizerImpl
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.monitor.memory import StepProfiler
-from fsdp_zero.sharding.parallelize import device_mesh
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
@@ -74,7 +74,7 @@ def _step_temporaries(overrides: list[str], world_size: int = 2) -> tuple[int, l
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=CPU, backend="fake")
-        mesh = device_mesh(cfg.parallel, env)
+        mesh = Topology.of(cfg.parallel, world_size).mesh(CPU.type)
         meta = construct(cfg.model)
         with FakeTensorMode(allow_non_fake_inputs=True):
             built = build(cfg, env, seed=None, mesh=mesh, model=meta)

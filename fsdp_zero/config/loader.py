@@ -84,7 +84,8 @@ def _raw(node: DictConfig, key: str) -> Any:
 
 def _apply_aliases(layer: DictConfig) -> None:
     """``precision=MODE`` to ``precision.mode=MODE``; FSDP1 strategy names (FULL_SHARD, NO_SHARD, ...) to
-    ours; DeepSpeed's zero_stage to a strategy."""
+    ours; DeepSpeed's zero_stage to a strategy (an alias only: the schema has no zero_stage, and a saved
+    config's ``zero_stage: null`` is dropped)."""
     if "precision" in layer and isinstance(_raw(layer, "precision"), str):
         layer.precision = {"mode": _raw(layer, "precision")}
     parallel = layer.get("parallel") if isinstance(layer.get("parallel", None), DictConfig) else None
@@ -93,10 +94,11 @@ def _apply_aliases(layer: DictConfig) -> None:
     strategy = parallel.get("strategy", None)
     if isinstance(strategy, str) and strategy.upper() in STRATEGY_ALIASES:
         parallel.strategy = STRATEGY_ALIASES[strategy.upper()]
-    stage = parallel.get("zero_stage", None)
+    stage = parallel.pop("zero_stage", None)
     if stage is not None:
         if stage not in ZERO_STAGES:
-            raise ValueError(f"parallel.zero_stage={stage!r} is not a valid choice; valid choices: 0, 1, 2, 3")
+            raise ValueError(f"parallel.zero_stage={stage!r} is not a valid choice; valid choices: "
+                             f"{', '.join(map(str, ZERO_STAGES))}")
         mapped = ZERO_STAGES[stage].value
         if strategy is not None and parallel.strategy != mapped:
             raise ValueError(f"parallel.zero_stage={stage} means parallel.strategy={mapped}, but "

@@ -7,9 +7,10 @@ type, a bad choice, a batch that does not divide) is a ``ValueError`` naming the
 value and what would be valid, raised before anything is built or written.
 
 Each section checks its own keys in ``check()``, written right under its fields (as FSDP2's policy
-dataclasses validate themselves); the rules that need the world size are its ``check_world(n)``.
+dataclasses validate themselves); the rules that need the world size are ``ParallelConfig.check_world``
+(run by `fsdp_zero.distributed.topology.Topology.of`) and `fsdp_zero.data.batches.BatchLayout.of`'s.
 `validate` runs every section's check and the few rules that span sections. The built-in model's
-own rules (a known preset, its fields) live with the model: `fsdp_zero.model.transformer.check_model_config`.
+own rules (a known preset, its fields) live with its settings: `fsdp_zero.config.presets.check_model_config`.
 """
 
 from __future__ import annotations
@@ -355,9 +356,9 @@ class WrapConfig:
 
 @dataclass
 class ParallelConfig:
+    # The data-parallel strategy (Sharding's table). parallel.zero_stage, DeepSpeed's name for the same
+    # choice, is read as an alias of it: 0 ddp, 1 zero1, 2 shard_grad_op, 3 full_shard.
     strategy: Strategy = Strategy.full_shard
-    # DeepSpeed's name for the same choice: 0 ddp, 1 zero1, 2 shard_grad_op, 3 full_shard.
-    zero_stage: int | None = None
     shard_size: int = 2  # hybrid_shard: ranks per sharding group (usually the GPUs of a node)
     wrap: WrapConfig = field(default_factory=WrapConfig)
     # Explicit prefetch: each unit starts the all-gather of the next `prefetch` units (forward), and
@@ -403,9 +404,6 @@ class ParallelConfig:
         if needs and not getattr(STRATEGIES[strategy], needs):
             raise ValueError(f"parallel.grad_sync={GradSync(self.grad_sync).value} applies to parallel.strategy="
                              f"{strategies_that(needs)} only, not {strategy.value}")
-        if self.zero_stage is not None and ZERO_STAGES.get(self.zero_stage) is not strategy:
-            raise ValueError(f"parallel.zero_stage={self.zero_stage} contradicts "
-                             f"parallel.strategy={strategy.value}; set one of them")
         self.wrap.check()
 
     def check_world(self, world_size: int) -> list[str]:
@@ -546,19 +544,6 @@ class TrainConfig:
                 f"train.micro_batch_size={self.micro_batch_size}"
             )
 
-    def check_world(self, dp_size: int) -> None:
-        """Raises a ValueError when the global batch does not split evenly over ``dp_size`` ranks
-        (`fsdp_zero.data.batches.batch_layout` derives the gradient accumulation from it)."""
-        if self.global_batch_size % (self.micro_batch_size * dp_size):
-            g = self.global_batch_size
-            valid = [m for m in range(1, g + 1) if g % (m * dp_size) == 0]
-            hint = f"valid train.micro_batch_size values at {dp_size} ranks: {valid}" if valid else (
-                f"train.global_batch_size must be a multiple of the {dp_size} ranks"
-            )
-            raise ValueError(
-                f"train.global_batch_size={g} does not divide into "
-                f"train.micro_batch_size={self.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
-            )
 
 
 @dataclass
@@ -702,8 +687,8 @@ class Config:
 
 def validate(cfg: Config) -> None:
     """Every section's ``check()``, and the rules that span sections. The built-in model's rules are
-    `fsdp_zero.model.transformer.check_model_config`'s (`fsdp_zero.config.loader.load_config` runs both);
-    those that need the world size are the sections' ``check_world``.
+    `fsdp_zero.config.presets.check_model_config`'s (`fsdp_zero.config.loader.load_config` runs both);
+    those that need the world size run when a run is set up (`Topology.of`, `BatchLayout.of`).
 
     Raises:
         ValueError: naming the key, the bad value and the valid choices.

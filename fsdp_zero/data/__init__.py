@@ -1,11 +1,10 @@
 """Samples, batches and token files."""
 
-from fsdp_zero.data.batches import batch_layout, BatchCursor, BatchLayout, build_source, IMAGENET_MEAN, IMAGENET_STD
+from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source, IMAGENET_MEAN, IMAGENET_STD
 from fsdp_zero.data.prepare import DEFAULT_VAL_FRACTION, prepare
 from fsdp_zero.data.token_files import IGNORE
 
 __all__ = [
-    "batch_layout",
     "BatchCursor",
     "BatchLayout",
     "build_source",

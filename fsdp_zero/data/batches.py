@@ -315,6 +315,34 @@ class BatchLayout:
     dp_size: int
     grad_accum_steps: int
 
+    @classmethod
+    def of(cls, cfg: TrainConfig, dp_size: int) -> BatchLayout:
+        """Training's layout: the gradient-accumulation steps derived as DeepSpeed derives them from
+        train_batch_size.
+
+        Raises:
+            ValueError: the global batch does not split evenly over ``dp_size`` ranks.
+        """
+        if cfg.global_batch_size % (cfg.micro_batch_size * dp_size):
+            g = cfg.global_batch_size
+            valid = [m for m in range(1, g + 1) if g % (m * dp_size) == 0]
+            hint = f"valid train.micro_batch_size values at {dp_size} ranks: {valid}" if valid else (
+                f"train.global_batch_size must be a multiple of the {dp_size} ranks"
+            )
+            raise ValueError(
+                f"train.global_batch_size={g} does not divide into "
+                f"train.micro_batch_size={cfg.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
+            )
+        return cls(cfg.global_batch_size, cfg.micro_batch_size, dp_size,
+                   cfg.global_batch_size // (cfg.micro_batch_size * dp_size))
+
+    @classmethod
+    def rounded(cls, cfg: TrainConfig, dp_size: int) -> BatchLayout:
+        """The planner's layout: planning is per rank, so a global batch that does not divide over
+        ``dp_size`` ranks is planned with the micro-batch and the accumulation it rounds to."""
+        accum = max(1, cfg.global_batch_size // (cfg.micro_batch_size * dp_size))
+        return cls(cfg.micro_batch_size * accum * dp_size, cfg.micro_batch_size, dp_size, accum)
+
     def describe(self, seq_len: int | None) -> str:
         """``seq_len``: tokens per sample, for token data (None: samples are not sequences)."""
         tokens = f" ({self.global_batch_size * seq_len:,} tokens per step)" if seq_len else ""
@@ -322,17 +350,6 @@ class BatchLayout:
             f"global batch {self.global_batch_size} samples = micro-batch {self.micro_batch_size} "
             f"x grad-accum {self.grad_accum_steps} x data-parallel ranks {self.dp_size}{tokens}"
         )
-
-
-def batch_layout(cfg: TrainConfig, dp_size: int) -> BatchLayout:
-    """Derives the gradient-accumulation steps, as DeepSpeed does from train_batch_size.
-
-    Raises:
-        ValueError: the global batch does not split evenly over ``dp_size`` ranks (`TrainConfig.check_world`).
-    """
-    cfg.check_world(dp_size)
-    per_step = cfg.micro_batch_size * dp_size
-    return BatchLayout(cfg.global_batch_size, cfg.micro_batch_size, dp_size, cfg.global_batch_size // per_step)
 
 
 class _StepSlices(torch.utils.data.Dataset):

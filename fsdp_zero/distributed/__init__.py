@@ -1,6 +1,7 @@
 """Ranks, their environment and what they agree on."""
 
 from fsdp_zero.distributed.env import agree_on_seed, broadcast_object, CollectiveTimeout, DistEnv, distributed, exit_process, last_collective, seed_all, silent_ranks
+from fsdp_zero.distributed.topology import Topology
 
 __all__ = [
     "agree_on_seed",
@@ -12,4 +13,5 @@ __all__ = [
     "last_collective",
     "seed_all",
     "silent_ranks",
+    "Topology",
 ]

@@ -35,10 +35,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_zero.config.schema import STRATEGIES, Config, GradSync, ParallelConfig
+from fsdp_zero.config.schema import Config, GradSync
 from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.monitor.memory import MIB
-from fsdp_zero.sharding.parallelize import reduce_scatter_comm, reshard_after_forward, split_over, unwrap
+from fsdp_zero.sharding.build import Built
+from fsdp_zero.sharding.parallelize import reduce_scatter_comm, unwrap
 from fsdp_zero.sharding.precision import NAMES, Precision
 from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter, count_zero_broadcasts
 from fsdp_zero.sharding.wrap import ROOT, WrapPlan
@@ -81,7 +83,7 @@ def _padded(p: nn.Parameter, n: int) -> int:
     return math.ceil(rows / n) * n * math.prod(p.shape[1:])
 
 
-def comm_formula(cfg: Config, model: nn.Module, plan: WrapPlan, world_size: int, accum: int,
+def comm_formula(cfg: Config, topology: Topology, model: nn.Module, plan: WrapPlan, accum: int,
                  precision: Precision) -> CommBytes:
     """Bytes per rank per optimizer step that ``cfg.parallel`` communicates, by kind, for ``accum``
     micro-batches a step (what `CommMeter` counts; a step taken, not skipped).
@@ -97,23 +99,20 @@ def comm_formula(cfg: Config, model: nn.Module, plan: WrapPlan, world_size: int,
     on the other micro-batches); zero1 also broadcasts every updated parameter once (all_gather).
 
     Args:
-        cfg: the run's config (parallel.strategy, shard_size, reshard_after_forward, grad_sync).
+        cfg: the run's config (parallel.grad_sync).
+        topology: ``cfg.parallel`` resolved for the world size.
         model: the model, unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones).
-        plan: `fsdp_zero.sharding.wrap.build_wrap_plan(model, cfg.parallel.wrap, world_size)`.
-        world_size: the ranks.
+        plan: `fsdp_zero.sharding.wrap.build_wrap_plan(model, cfg.parallel.wrap, topology.param_shards)`.
         accum: micro-batches per optimizer step.
         precision: `fsdp_zero.sharding.precision.resolve(cfg.precision)`.
-
-    Raises:
-        ValueError: as `ParallelConfig.check_world`.
     """
-    par, spec = cfg.parallel, STRATEGIES[cfg.parallel.strategy]
-    sync = GradSync(par.grad_sync)
+    spec, world_size = topology.spec, topology.world_size
+    sync = GradSync(cfg.parallel.grad_sync)
     if not spec.fsdp:
         grads = sum(p.numel() for p in model.parameters() if p.requires_grad) * precision.stored.itemsize
         return CommBytes(all_gather=grads if spec.zero_redundancy_optimizer else 0, all_reduce=grads)
-    n = split_over(par, world_size)
-    reshard = reshard_after_forward(par, world_size)
+    n = topology.shard_group
+    reshard = topology.reshard_after_forward
     # FSDP2 reads an int k as "reshard to groups of k" and k = 1 as False (nothing to reshard to).
     gathers_per_unit = 2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
     gathered = reduced = held = 0
@@ -130,15 +129,16 @@ def comm_formula(cfg: Config, model: nn.Module, plan: WrapPlan, world_size: int,
                      once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0)
 
 
-def comm_seconds(comm: CommBytes, cfg: ParallelConfig, world_size: int, link_gbps: float) -> dict[str, float]:
+def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[str, float]:
     """Seconds per step that ``comm``'s bytes take on links of ``link_gbps`` Gbit/s, by kind, as ring
     collectives: all-gather and reduce-scatter of S bytes over a group of n take S / B x (n - 1) / n, an
     all-reduce twice that. FSDP gathers and reduce-scatters over the shard group and all-reduces over
     the replicas (hybrid_shard: world_size / shard_size of them); DDP all-reduces over every rank and
     zero1's broadcasts are timed as an all-gather over every rank. (gloo's `AllReduceScatter` moves
     twice what it is timed for: the figure is for the reduce-scatter NCCL runs.)"""
-    shard = split_over(cfg, world_size) if STRATEGIES[cfg.strategy].fsdp else world_size
-    replicas = world_size // shard if STRATEGIES[cfg.strategy].fsdp else world_size
+    fsdp, world_size = topology.spec.fsdp, topology.world_size
+    shard = topology.shard_group if fsdp else world_size
+    replicas = topology.replicas if fsdp else world_size
     per_byte = 8 / (link_gbps * 1e9)
 
     def ring(n: int) -> float:
@@ -187,18 +187,18 @@ def _counted_all_reduce(meter: CommMeter, bucket):  # noqa: ANN001, ANN202
 class CommMeter:
     """This rank's collectives, counted by kind while `counting`, and the strategy's `comm_formula`."""
 
-    def __init__(self, cfg: Config, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer, plan: WrapPlan,
-                 accum: int, precision: Precision) -> None:
-        self.formula = comm_formula(cfg, unwrap(model), plan, env.world_size, accum, precision)
+    def __init__(self, cfg: Config, env: DistEnv, built: Built, accum: int) -> None:
+        model, optimizer, topology = built.model, built.optimizer, built.topology
+        self.formula = comm_formula(cfg, topology, unwrap(model), built.plan, accum, built.precision)
         self.bytes = dict.fromkeys(KINDS, 0)
         self.active = False
-        spec = STRATEGIES[cfg.parallel.strategy]
+        spec = topology.spec
         if spec.fsdp:
             # The all-reduce hook only where FSDP2 all-reduces: on 1-D FSDP's units it would run after each
             # reduce-scatter, and FSDP2 would keep every unit's reduce-scatter output alive until backward
             # ends (as it holds HSDP's all-reduce buffer; a copy where the reduce dtype is not the stored
             # one) and, on CUDA, move the post-reduce work to its all-reduce stream.
-            replicas = env.world_size // split_over(cfg.parallel, env.world_size)
+            replicas = topology.replicas
             for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
                 unit.set_custom_all_gather(CountedAllGather(partial(self.add, "all_gather")))
                 unit.set_custom_reduce_scatter(CountedReduceScatter(reduce_scatter_comm(env.backend),
@@ -212,7 +212,7 @@ class CommMeter:
         if self.formula.once_per_step:
             logger.info("parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients between "
                         "micro-batches, %.2f MiB (%s), and reduces once a step", self.formula.once_per_step / MIB,
-                        NAMES[precision.reduce])
+                        NAMES[built.precision.reduce])
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
         if self.active:

@@ -1,7 +1,7 @@
 """A strategy applied: wrap units, precision, parallelize, build and the optimizer."""
 
 from fsdp_zero.sharding.build import build, build_optimizer, Built, cast_to_stored, materializer, optimizer_impl, param_groups, shard
-from fsdp_zero.sharding.parallelize import checkpointed, device_mesh, formula_note, model_state_formula, parallelize, reduce_scatter_comm, reshard_after_forward, shard_degree, split_over, strategy_table, unwrap
+from fsdp_zero.sharding.parallelize import checkpointed, formula_note, model_state_formula, parallelize, reduce_scatter_comm, strategy_table, unwrap
 from fsdp_zero.sharding.precision import loss_scaler, LossScaler, NAMES, Precision, resolve
 from fsdp_zero.sharding.wrap import build_wrap_plan, ROOT, WrapPlan
 
@@ -12,7 +12,6 @@ __all__ = [
     "Built",
     "cast_to_stored",
     "checkpointed",
-    "device_mesh",
     "formula_note",
     "loss_scaler",
     "LossScaler",
@@ -24,12 +23,9 @@ __all__ = [
     "param_groups",
     "Precision",
     "reduce_scatter_comm",
-    "reshard_after_forward",
     "resolve",
     "ROOT",
     "shard",
-    "shard_degree",
-    "split_over",
     "strategy_table",
     "unwrap",
     "WrapPlan",

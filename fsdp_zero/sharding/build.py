@@ -28,9 +28,10 @@ from fsdp_zero.config.schema import (
     WrapPolicy, is_fsdp,
 )
 from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
-from fsdp_zero.sharding.parallelize import parallelize, shard_degree
+from fsdp_zero.sharding.parallelize import parallelize
 from fsdp_zero.sharding.precision import Precision, resolve
 from fsdp_zero.torch_private import hf_init_weights
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
@@ -125,12 +126,14 @@ def cast_to_stored(model: nn.Module, precision: Precision) -> None:
 
 
 def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int | None, init: Init = Init.auto,
-          mesh: DeviceMesh | None = None, ddp: Callable[[nn.Module], nn.Module] | None = None,
-          precision: Precision | None = None, compile: bool = False) -> tuple[nn.Module, WrapPlan, str]:
+          topology: Topology | None = None, mesh: DeviceMesh | None = None,
+          ddp: Callable[[nn.Module], nn.Module] | None = None, precision: Precision | None = None,
+          compile: bool = False) -> tuple[nn.Module, WrapPlan, str]:
     """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
     a model with real weights keeps them (FSDP shards what is there). ``precision``: the stored
     dtype the model is cast to first, and FSDP2's mixed-precision policy (default fp32);
-    ``compile``: torch.compile each block (see `parallelize`).
+    ``compile``: torch.compile each block (see `parallelize`). ``topology``: ``parallel`` resolved for
+    ``env``'s world size, if the caller has it (else resolved here).
 
     Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
     parameters were initialised. ``seed`` None leaves them uninitialised (the planner, or weights
@@ -142,9 +145,9 @@ def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int
     """
     precision = precision or resolve(PrecisionConfig())
     cast_to_stored(model, precision)
-    degree = shard_degree(parallel, env.world_size)
+    topology = topology or Topology.of(parallel, env.world_size)
     wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
-    plan = build_wrap_plan(model, wrap, degree)
+    plan = build_wrap_plan(model, wrap, topology.param_shards)
     notes: list[str] = []
     # With CPU offload FSDP2 wants the shards in host memory from the start; buffers stay on the device.
     device = torch.device("cpu") if parallel.cpu_offload else env.device
@@ -153,7 +156,7 @@ def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int
     else:
         materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
         notes.append("weights as given")
-    model = parallelize(model, parallel, plan, env, materialize, mesh=mesh, ddp=ddp, mp_policy=precision.mp_policy(),
+    model = parallelize(model, parallel, topology, plan, env, materialize, mesh=mesh, ddp=ddp, mp_policy=precision.mp_policy(),
                         compile=compile)
     return model, plan, "; ".join(notes)
 
@@ -241,12 +244,14 @@ class Built:
     init_note: str = ""
     num_frozen: int = 0  # parameters that do not train (model.freeze, model.lora)
     trainable_note: str = ""  # what model.freeze and model.lora did ('' when neither is set)
+    topology: Topology | None = None  # cfg.parallel resolved for the world size
 
 
-def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | None = None,
-          ddp: Callable[[nn.Module], nn.Module] | None = None, model: nn.Module | None = None) -> Built:
+def build(cfg: Config, env: DistEnv, seed: int | None, *, topology: Topology | None = None,
+          mesh: DeviceMesh | None = None, ddp: Callable[[nn.Module], nn.Module] | None = None,
+          model: nn.Module | None = None) -> Built:
     """The configured model, sharded by ``cfg.parallel`` over ``env``'s ranks and initialised with
-    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``mesh`` and ``ddp``;
+    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``topology``, ``mesh`` and ``ddp``;
     ``model``: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor mode).
 
     Raises:
@@ -256,10 +261,11 @@ def build(cfg: Config, env: DistEnv, seed: int | None, *, mesh: DeviceMesh | Non
     trainable_note = make_trainable(model, cfg.model)  # before sharding: FSDP2 shards adapters with their Linear
     num_params, num_frozen = sum(p.numel() for p in model.parameters()), frozen_count(model)
     precision = resolve(cfg.precision)
-    model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, mesh=mesh, ddp=ddp,
-                              precision=precision, compile=cfg.train.compile)
+    topology = topology or Topology.of(cfg.parallel, env.world_size)
+    model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, topology=topology, mesh=mesh,
+                              ddp=ddp, precision=precision, compile=cfg.train.compile)
     # With CPU offload the optimizer steps on the CPU, where the shards are.
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
     optimizer = build_optimizer(model, cfg.optim, device,
                                 zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer)
-    return Built(model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note)
+    return Built(model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note, topology)

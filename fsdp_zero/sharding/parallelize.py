@@ -16,70 +16,51 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_zero.config.schema import STRATEGIES, ActivationCheckpointing, ParallelConfig, StrategySpec, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-
-def split_over(cfg: ParallelConfig, world_size: int) -> int:
-    """Over how many ranks a sharded state is split: the shard group (hybrid_shard) or all ranks.
-
-    Raises:
-        ValueError: as `ParallelConfig.check_world` (e.g. a hybrid_shard shard size that does not
-            divide the world size).
-    """
-    cfg.check_world(world_size)
-    return cfg.shard_size if STRATEGIES[cfg.strategy].hybrid else world_size
-
-
-def shard_degree(cfg: ParallelConfig, world_size: int) -> int:
-    """Over how many ranks each parameter is split (1: every rank holds all of them).
-
-    Raises:
-        ValueError: as `split_over`.
-    """
-    return split_over(cfg, world_size) if STRATEGIES[cfg.strategy].sharded[0] else 1
-
 
 # Bytes per parameter of (parameters, gradients, optimizer states): fp32 AdamW holds 4 + 4 + 8.
 FP32_ADAMW = (4, 4, 8)
 _STATE_NAMES = ("weights", "gradients", "AdamW states")
 
 
-def model_state_formula(cfg: ParallelConfig, num_params: int, world_size: int,
-                        bytes_per_param: tuple[int, int, int] = FP32_ADAMW, frozen: int = 0) -> float:
+def model_state_formula(topology: Topology, num_params: int, bytes_per_param: tuple[int, int, int] = FP32_ADAMW,
+                        frozen: int = 0) -> float:
     """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
     the one model-state formula per strategy (the trainer's report, compare.py and the planner use it).
 
     ``bytes_per_param`` = (w, g, k): fp32 AdamW (4, 4, 8); the ZeRO paper's mixed-precision Adam
-    (2, 2, 12). Each of the three is whole on every rank or split over `split_over`'s ranks, as the
+    (2, 2, 12). Each of the three is whole on every rank or split over the shard group, as the
     strategy's ``sharded`` says (FSDP strategies: all three; zero1: the optimizer states; ddp: none).
     ``frozen`` of the ``num_params`` do not train (model.freeze, LoRA): they cost only their stored
     bytes w (no gradient, no AdamW states).
     """
-    sharded = STRATEGIES[cfg.strategy].sharded
+    sharded = topology.spec.sharded
     whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
     split = sum(b for b, split in zip(bytes_per_param, sharded) if split)
-    n = split_over(cfg, world_size)
+    n = topology.shard_group
     if not frozen:
         return whole * num_params + split * num_params / n  # the formula as it always was, bit for bit
     counts = (num_params, num_params - frozen, num_params - frozen)  # w of all; g and k of the trainable
     return sum(b * c / n if s else b * c for b, c, s in zip(bytes_per_param, counts, sharded))
 
 
-def formula_note(cfg: ParallelConfig, world_size: int) -> str:
+def formula_note(topology: Topology) -> str:
     """How `model_state_formula` divides the bytes per parameter, in words (for the precision manifest)."""
-    spec = STRATEGIES[cfg.strategy]
+    spec = topology.spec
     if any(spec.sharded) and not all(spec.sharded):
         whole = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if not split)
         split = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if split)
-        return f"({whole} whole, {split} / N={split_over(cfg, world_size)})"
-    degree = shard_degree(cfg, world_size)
-    return f"/ {degree}" + (f" ({cfg.strategy.value}'s shard size)" if spec.hybrid else
+        return f"({whole} whole, {split} / N={topology.shard_group})"
+    degree = topology.param_shards
+    return f"/ {degree}" + (f" ({topology.strategy.value}'s shard size)" if spec.hybrid else
                             f" (N={degree})" if degree > 1 else " (not sharded)")
 
 
@@ -112,21 +93,6 @@ def strategy_table() -> str:
         rows.append(f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} ({spec.label}) | {how} "
                     f"| {formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | {deepspeed} |")
     return "\n".join(rows) + "\n"
-
-
-def reshard_after_forward(cfg: ParallelConfig, world_size: int) -> bool | int:
-    """ZeRO-3 frees gathered parameters after forward (or, with ``parallel.reshard_after_forward=k``,
-    keeps them sharded over groups of k ranks: ZeRO++'s hpZ); ZeRO-2 keeps them until backward.
-
-    Raises:
-        ValueError: as `ParallelConfig.check_world` (e.g. a group size that is not a proper divisor
-            of the world size).
-    """
-    cfg.check_world(world_size)
-    k = cfg.reshard_after_forward
-    if k is None or k == world_size:
-        return STRATEGIES[cfg.strategy].reshard_after_forward
-    return k
 
 
 def set_prefetch(units: list[FSDPModule], depth: int) -> None:
@@ -177,16 +143,7 @@ def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
 
 
-def device_mesh(cfg: ParallelConfig, env: DistEnv) -> DeviceMesh:
-    """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
-    if STRATEGIES[cfg.strategy].hybrid:
-        shard = shard_degree(cfg, env.world_size)
-        return init_device_mesh(env.device.type, (env.world_size // shard, shard),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
-    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp_shard",))
-
-
-def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: DistEnv,
+def parallelize(model: nn.Module, cfg: ParallelConfig, topology: Topology, plan: WrapPlan, env: DistEnv,
                 materialize: Callable[[nn.Module], None], mesh: DeviceMesh | None = None,
                 ddp: Callable[[nn.Module], nn.Module] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
                 compile: bool = False) -> nn.Module:
@@ -196,10 +153,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
     Args:
         model: the model, on the meta device.
         cfg: the parallel settings.
+        topology: ``cfg`` resolved for ``env``'s world size.
         plan: the FSDP units (used by the FSDP strategies).
         env: ranks and device.
         materialize: allocates and initialises the model's (local) tensors in place.
-        mesh: the FSDP device mesh, if already built (default: `device_mesh(cfg, env)`).
+        mesh: the FSDP device mesh, if already built (default: ``topology.mesh``).
         ddp: wraps the materialised model for the DDP strategies (default: DistributedDataParallel
             with gradients as views into its buckets: one copy of the gradients, not two).
         mp_policy: FSDP2's mixed precision (see `fsdp_zero.sharding.precision`).
@@ -222,8 +180,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, env: Dist
         return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                                        gradient_as_bucket_view=True)
 
-    mesh = mesh or device_mesh(cfg, env)
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward(cfg, env.world_size),
+    mesh = mesh or topology.mesh(env.device.type)
+    kwargs = dict(mesh=mesh, reshard_after_forward=topology.reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy(cfg, env))
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         fully_shard(model.get_submodule(fqn), **kwargs)

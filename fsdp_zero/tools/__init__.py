@@ -2,7 +2,7 @@
 
 from fsdp_zero.tools.compare import dataparallel_row, DEFAULTS, ORDER, read_rows, report
 from fsdp_zero.tools.fit import DIMENSIONS, fit_rates, MARGIN, Scored, search, searched_overrides
-from fsdp_zero.tools.planner import deepspeed_zero3_estimate, format_bytes, format_gb, HEAP_RETENTION, PAPER_K, plan_layout, PLAN_MODES, Prediction, simulate, Simulator, strategy_states, zero_paper_stages
+from fsdp_zero.tools.planner import deepspeed_zero3_estimate, format_bytes, format_gb, HEAP_RETENTION, PAPER_K, PLAN_MODES, Prediction, simulate, Simulator, strategy_states, zero_paper_stages
 from fsdp_zero.tools.rates import Rates
 
 __all__ = [
@@ -17,7 +17,6 @@ __all__ = [
     "MARGIN",
     "ORDER",
     "PAPER_K",
-    "plan_layout",
     "PLAN_MODES",
     "Prediction",
     "Rates",

@@ -18,7 +18,8 @@ import torch
 from fsdp_zero.sharding.build import build_optimizer, materializer
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.config.schema import STRATEGIES, ZERO_STAGES, Config, ParallelConfig, Strategy
-from fsdp_zero.data.batches import BatchCursor, batch_layout, build_source
+from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.lora import frozen_count, make_trainable
 from fsdp_zero.monitor.memory import CATEGORIES, MIB, model_state_bytes
 from fsdp_zero.sharding.parallelize import model_state_formula
@@ -76,7 +77,7 @@ def dataparallel_row(cfg: Config) -> dict:
     parallel = torch.nn.DataParallel(model, device_ids=devices)
     optimizer = build_optimizer(model, cfg.optim, device)
     source = build_source(cfg.data, cfg.train.seed, vocab_size(model))
-    cursor = BatchCursor(source, batch_layout(cfg.train, 1), 0)
+    cursor = BatchCursor(source, BatchLayout.of(cfg.train, 1), 0)
     loss_fn = build_task(cfg.model)
     state: dict[str, int] = {}
 
@@ -94,8 +95,8 @@ def dataparallel_row(cfg: Config) -> dict:
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB
     return {"strategy": "dataparallel", "num_params": sum(p.numel() for p in model.parameters()), "steps": cfg.train.steps,
             "step_s": elapsed / cfg.train.steps, "final_loss": final, "model_state": state.get("bytes", 0),
-            "formula": model_state_formula(ParallelConfig(strategy=Strategy.ddp), sum(p.numel() for p in model.parameters()), 1,
-                                           frozen=frozen_count(model)),
+            "formula": model_state_formula(Topology.of(ParallelConfig(strategy=Strategy.ddp), 1),
+                                           sum(p.numel() for p in model.parameters()), frozen=frozen_count(model)),
             "precision": "fp32",
             "breakdown": dict.fromkeys(CATEGORIES, 0), "peak_rss_mib": peak, "peak_reserved_mib": peak}
 

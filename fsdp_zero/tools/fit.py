@@ -46,12 +46,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from fsdp_zero.data.batches import BatchLayout
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.comm import comm_formula, comm_seconds
 from fsdp_zero.config.schema import STRATEGIES, ActivationCheckpointing, Config, GradSync, Strategy, validate
 from fsdp_zero.model.lora import make_trainable
-from fsdp_zero.sharding.parallelize import checkpointed, split_over
-from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline, plan_layout
+from fsdp_zero.sharding.parallelize import checkpointed
+from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.tools.rates import Measured, Rates, measure
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
@@ -75,7 +77,7 @@ class Candidate:
 
     def config(self, cfg: Config) -> Config:
         hpz = cfg.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None  # full_shard's own
-        p = replace(cfg.parallel, strategy=self.strategy, zero_stage=None, activation_checkpointing=self.checkpointing,
+        p = replace(cfg.parallel, strategy=self.strategy, activation_checkpointing=self.checkpointing,
                     cpu_offload=self.offload, grad_sync=self.grad_sync, reshard_after_forward=hpz)
         return replace(cfg, parallel=p, precision=replace(cfg.precision, mode=self.precision),
                        train=replace(cfg.train, micro_batch_size=self.micro_batch))
@@ -138,12 +140,12 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
         try:
             c = cand.config(cfg)
             validate(c)
-            c.parallel.check_world(world_size)
-            c.train.check_world(world_size)
+            topology = Topology.of(c.parallel, world_size)
+            BatchLayout.of(c.train, world_size)
         except ValueError as e:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
             refused = e
             continue
-        if STRATEGIES[cand.strategy].hybrid and split_over(c.parallel, world_size) == world_size and "strategy" in search:
+        if topology.spec.hybrid and topology.replicas == 1 and "strategy" in search:
             continue  # one replica: full_shard's twin
         out.append(cand)
     if not out:
@@ -252,10 +254,10 @@ def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: n
     on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
     cc = c.config(cfg)
     precision = resolve(cc.precision)
-    layout = plan_layout(cc, world_size)
-    moved = comm_formula(cc, model, plan, world_size, layout.grad_accum_steps, precision)
+    layout, topology = BatchLayout.rounded(cc.train, world_size), Topology.of(cc.parallel, world_size)
+    moved = comm_formula(cc, topology, model, plan, layout.grad_accum_steps, precision)
     if rates.measured:
-        parts = _measured_cost(cc, c, world_size, rates.measured, model, plan, moved)
+        parts = _measured_cost(cc, c, topology, rates.measured, model, plan, moved)
         return sum(parts.values()), parts
     tokens = layout.global_batch_size // world_size * (cc.data.seq_len or 1)
     params = sum(p.numel() for p in model.parameters())
@@ -264,10 +266,10 @@ def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: n
     flops = 6 * params * tokens + 2 * recomputed * tokens
     slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
     compute = flops * slow / (rates.tflops * 1e12)
-    comm = sum(comm_seconds(moved, cc.parallel, world_size, rates.link_gbps).values())
+    comm = sum(comm_seconds(moved, topology, rates.link_gbps).values())
     offload = 0.0
     if c.offload:  # each gather first copies the rank's shard to the device, each reduction copies it back
-        shard = params / split_over(cc.parallel, world_size) * precision.stored.itemsize
+        shard = params / topology.shard_group * precision.stored.itemsize
         gathers = layout.grad_accum_steps * (2 if STRATEGIES[c.strategy].reshard_after_forward else 1)
         reductions = 1 if c.grad_sync is GradSync.once_per_step else layout.grad_accum_steps
         offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)
@@ -275,14 +277,14 @@ def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: n
     return compute + comm + offload, parts
 
 
-def _measured_cost(cc: Config, c: Candidate, world_size: int, m: Measured, model: nn.Module, plan: WrapPlan,
+def _measured_cost(cc: Config, c: Candidate, topology: Topology, m: Measured, model: nn.Module, plan: WrapPlan,
                    moved) -> dict[str, float]:  # noqa: ANN001 - a CommBytes
     """The step cost from what the probe measured on this machine (`fsdp_zero.tools.rates.measure`): each sample's
     forward and backward (and each checkpointed block's forward again) in the compute dtype, each byte the
     strategy moves (`fsdp_zero.monitor.comm.comm_formula`) at the rate its collective ran at, and AdamW's step over
     the parameters this rank steps."""
     precision = resolve(cc.precision)
-    samples = plan_layout(cc, world_size).global_batch_size // world_size
+    samples = BatchLayout.rounded(cc.train, topology.world_size).global_batch_size // topology.world_size
     fixed, block, forward = m.compute[str(precision.compute).removeprefix("torch.")]
     blocks = checkpointed(cc.parallel, plan.block_fqns)
     compute = samples * (fixed + m.blocks * block + len(blocks) * forward)
@@ -293,7 +295,7 @@ def _measured_cost(cc: Config, c: Candidate, world_size: int, m: Measured, model
     else:  # DDP's buckets all-reduced; ZeRO-1's updated partitions broadcast (an all-gather's bytes)
         comm = moved.all_reduce * m.all_reduce_s_per_byte + moved.all_gather * m.all_gather_s_per_byte
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    stepped = trainable if spec.zero_stage == 0 else trainable / split_over(cc.parallel, world_size)
+    stepped = trainable if spec.zero_stage == 0 else trainable / topology.shard_group
     optimizer = stepped / m.adamw_params_per_s[str(precision.stored).removeprefix("torch.")]
     return {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0}
 

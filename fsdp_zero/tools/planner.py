@@ -40,9 +40,10 @@ from fsdp_zero.config.schema import (STRATEGIES, ZERO_STAGES, ActivationCheckpoi
                               Strategy, WrapConfig, WrapPolicy, is_fsdp, validate)
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
 from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
-from fsdp_zero.sharding.parallelize import device_mesh, model_state_formula, reshard_after_forward, shard_degree
+from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.training.step import train_step
@@ -170,14 +171,14 @@ def strategy_states(num_params: int, n: int, largest_unit: int | None = None, ro
 
     out = []
     for stage, strategy in ZERO_STAGES.items():
-        parallel = ParallelConfig(strategy=strategy)
+        topology = Topology.of(ParallelConfig(strategy=strategy), n)
         for mode in modes:
             precision = resolve(PrecisionConfig(mode=mode))
             compute = precision.compute.itemsize
-            at_rest = model_state_formula(parallel, num_params, n, precision.bytes_per_param, frozen)
+            at_rest = model_state_formula(topology, num_params, precision.bytes_per_param, frozen)
             if not is_fsdp(strategy):
                 gathered: float | None = 0.0
-            elif not reshard_after_forward(parallel, n):
+            elif not topology.reshard_after_forward:
                 gathered = compute * num_params
             elif largest_unit is None:
                 gathered = None
@@ -306,19 +307,11 @@ class DDPStandIn(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def plan_layout(cfg: Config, world_size: int) -> BatchLayout:
-    """One rank's share of the batch. Planning is per rank: a global batch that does not divide
-    over ``world_size`` ranks is planned with the micro-batch and the accumulation it rounds to."""
-    t = cfg.train
-    accum = max(1, t.global_batch_size // (t.micro_batch_size * world_size))
-    return BatchLayout(t.micro_batch_size * accum * world_size, t.micro_batch_size, world_size, accum)
-
-
 def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[Prediction]:
     """Simulates rank 0 of ``world_size`` ranks for each strategy; see the module docstring."""
     configs = []
     for strategy in strategies:
-        c = replace(cfg, parallel=replace(cfg.parallel, strategy=strategy, zero_stage=None))
+        c = replace(cfg, parallel=replace(cfg.parallel, strategy=strategy))
         try:
             validate(c)
         except ValueError as e:  # e.g. bf16-mixed or CPU offload under DDP
@@ -377,7 +370,7 @@ class Simulator:
         # the shard), foreach where it steps on the CPU (CPU offload).
         stepped_on = torch.device("cpu") if c.parallel.cpu_offload else self.target
         c = replace(c, optim=replace(c.optim, implementation=optimizer_impl(c.optim, stepped_on)))
-        repeats = None if whole else repeated_blocks(c, shard_degree(c.parallel, self.world_size))
+        repeats = None if whole else repeated_blocks(c, Topology.of(c.parallel, self.world_size).param_shards)
         if repeats is None:
             return self._simulate(c)
         first, step = first_depth(c.parallel)
@@ -408,13 +401,13 @@ class Simulator:
     def _simulate(self, c: Config, keep: tuple[str, int] | None = None) -> Prediction:
         """`predict` of ``c`` as it is, or with only the first ``keep[1]`` blocks of container ``keep[0]``."""
         env, device, strategy = self.env, self.device, c.parallel.strategy
-        layout = plan_layout(c, self.world_size)
+        layout, topology = BatchLayout.rounded(c.train, self.world_size), Topology.of(c.parallel, self.world_size)
         if self.accum_cap:
             accum = min(layout.grad_accum_steps, self.accum_cap)
             layout = replace(layout, grad_accum_steps=accum, global_batch_size=layout.global_batch_size
                              // layout.grad_accum_steps * accum)
         loss_fn = build_task(c.model)
-        mesh = device_mesh(c.parallel, env) if is_fsdp(strategy) else None  # needs real tensors
+        mesh = topology.mesh(env.device.type) if is_fsdp(strategy) else None  # needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
         if keep:
             del meta.get_submodule(keep[0])[keep[1]:]  # (a ModuleList or Sequential renumbers what is left)
@@ -424,7 +417,7 @@ class Simulator:
         first = micro[:1] if self.accum_cap else micro
         with FakeTensorMode(allow_non_fake_inputs=True):
             with real_post_forward_meshes():  # hpZ's meshes
-                built = build(c, env, seed=None, mesh=mesh, ddp=DDPStandIn, model=meta)  # the trainer's build
+                built = build(c, env, seed=None, topology=topology, mesh=mesh, ddp=DDPStandIn, model=meta)
             model, optimizer = built.model, built.optimizer
             train_step(model, optimizer, loss_fn, first, c.optim.grad_clip, device,  # creates AdamW states
                        grad_sync=c.parallel.grad_sync)

@@ -42,8 +42,8 @@ from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.training.evaluate import EvalResult
 from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
+from fsdp_zero.sharding.build import Built
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.sharding.precision import Precision
 from fsdp_zero.monitor.phases import Phase
 
 logger = logging.getLogger("fsdp_zero")
@@ -222,11 +222,11 @@ class StepLogger:
         self.history.close()
 
 
-def write_summary(cfg: Config, env: DistEnv, record: StepRecord, num_params: int, precision: Precision, run_dir: Path,
-                  last: int, num_frozen: int = 0) -> None:
+def write_summary(cfg: Config, env: DistEnv, record: StepRecord, built: Built, run_dir: Path, last: int) -> None:
     """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
     only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
-    formula = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param, num_frozen)
+    num_params, num_frozen = built.num_params, built.num_frozen
+    formula = model_state_formula(built.topology, num_params, built.precision.bytes_per_param, num_frozen)
     logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
                 record.model_state_bytes / MIB, record.model_state_bytes / formula, cfg.parallel.strategy.value,
                 cfg.precision.mode, formula / MIB)

@@ -26,7 +26,8 @@ from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint
 from fsdp_zero.monitor.comm import CommMeter
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource, Task, is_fsdp
 from fsdp_zero.config.loader import to_yaml
-from fsdp_zero.data.batches import BatchCursor, BatchLayout, batch_layout, build_source
+from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.distributed.env import CollectiveTimeout, DistEnv, last_collective, seed_all, silent_ranks
 from fsdp_zero.training.evaluate import Evaluator, build_evaluator
 from fsdp_zero.monitor.memory import MIB, apply_malloc_policy
@@ -68,6 +69,7 @@ class Components:
     scaler: LossScaler | None = None  # fp16's loss scaling
     evaluator: Evaluator | None = None  # eval.every > 0: validation on eval.path
     num_frozen: int = 0  # of num_params, those that do not train (model.freeze, model.lora)
+    built: Built | None = None  # what `fsdp_zero.sharding.build.build` returned (its topology included)
 
 
 def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
@@ -97,17 +99,18 @@ def setup(cfg: Config, env: DistEnv) -> Components:
             is known (a batch that does not divide, a wrap class the model lacks, ...).
         Stopped: a restart of a torchrun job whose time budget (train.max_minutes) ran out.
     """
-    layout = batch_layout(cfg.train, env.world_size)
+    layout = BatchLayout.of(cfg.train, env.world_size)
     apply_malloc_policy(cfg.memory.malloc_mmap_threshold, env.device)
     strategy = cfg.parallel.strategy
-    for note in cfg.parallel.check_world(env.world_size):
+    topology = Topology.of(cfg.parallel, env.world_size)  # every world-size fact of the run, resolved once
+    for note in topology.notes:
         logger.warning("%s", note)
     decision = decide(cfg, env)
     cfg = decision.resolve(cfg)
     seed_all(decision.seed)
 
     # Parameters on the meta device: shapes only, sharded before any memory is allocated.
-    built = build(cfg, env, decision.seed)
+    built = build(cfg, env, decision.seed, topology=topology)
     model, plan = built.model, built.plan
     source = build_source(cfg.data, decision.seed, vocab_size(unwrap(model)))
     _check_data_fits(cfg, unwrap(model), source)
@@ -133,7 +136,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
             (decision.run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
     return Components(cfg, decision.run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params,
-                      built.precision, decision.seed, state, scaler, evaluator, built.num_frozen)
+                      built.precision, decision.seed, state, scaler, evaluator, built.num_frozen, built)
 
 
 def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, layout: BatchLayout) -> None:
@@ -151,9 +154,8 @@ def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, l
     changed = config_diff(to_plain(Config()), to_plain(cfg))
     logger.info("settings that differ from the defaults (all in %s): %s", run_dir / "config.yaml",
                 ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none")
-    state_bytes = model_state_formula(cfg.parallel, num_params, env.world_size, precision.bytes_per_param,
-                                      built.num_frozen)
-    where = formula_note(cfg.parallel, env.world_size) + (
+    state_bytes = model_state_formula(built.topology, num_params, precision.bytes_per_param, built.num_frozen)
+    where = formula_note(built.topology) + (
         f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)" if built.num_frozen else "")
     logger.info("%s", precision.manifest(num_params, state_bytes, where))
     logger.info("%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None))
@@ -235,7 +237,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     first, last = state.step + 1, min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     tokens = cfg.data.source in TOKEN_SOURCES  # throughput in tokens, or in samples (images)
     per_rank = parts.layout.global_batch_size // parts.layout.dp_size * (cfg.data.seq_len if tokens else 1)
-    comm = CommMeter(cfg, env, model, optimizer, parts.plan, parts.layout.grad_accum_steps, parts.precision)
+    comm = CommMeter(cfg, env, parts.built, parts.layout.grad_accum_steps)
     log = StepLogger(env, parts.run_dir, model, optimizer, log_every=cfg.train.log_every, last_step=last,
                      profile_step=cfg.memory.profile_step, items_per_rank_step=per_rank,
                      unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard, comm=comm)
@@ -290,5 +292,5 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
                       "it: launch the same command again to continue")
     result = TrainResult(**vars(log.record), components=parts)
     if first <= last:  # something was trained (a resume may find nothing left)
-        write_summary(cfg, env, result, parts.num_params, parts.precision, parts.run_dir, last, parts.num_frozen)
+        write_summary(cfg, env, result, parts.built, parts.run_dir, last)
     return result
