@@ -24,7 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.config.schema import (
-    STRATEGIES, Config, Init, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, WrapConfig,
+    STRATEGIES, Config, Init, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, WrapConfig,
     WrapPolicy, is_fsdp,
 )
 from fsdp_zero.distributed.env import DistEnv

@@ -171,7 +171,8 @@ def strategy_states(num_params: int, n: int, largest_unit: int | None = None, ro
 
     out = []
     for stage, strategy in ZERO_STAGES.items():
-        topology = Topology.of(ParallelConfig(strategy=strategy), n)
+        parallel = ParallelConfig(strategy=strategy)
+        topology = Topology.of(parallel, n)
         for mode in modes:
             precision = resolve(PrecisionConfig(mode=mode))
             compute = precision.compute.itemsize
