@@ -1,4 +1,4 @@
-"""Every private PyTorch (and OmegaConf, and Hugging Face) API fsdp-zero uses, in one place, each with
+"""Every private PyTorch (and Hugging Face) API fsdp-zero uses, in one place, each with
 what it is for.
 
 Private names move between releases. Importing them here (and nowhere else) means a

@@ -52,17 +52,23 @@ def _links(page: Path) -> list[str]:
     return [t for t in _LINK.findall(_prose(page.read_text())) if not re.match(r"[a-z]+:", t)]
 
 
-def test_the_architecture_table_names_every_module_and_no_other():
+def test_the_architecture_tables_name_every_module_under_its_subpackage():
     text = (DOCS / "architecture.md").read_text()
-    rows = re.findall(r"^\| ([^|]*) \|", text, flags=re.M)
-    named = [cell for cell in rows if "fsdp_zero/" in cell]
-    for cell in named:
-        assert re.fullmatch(r"`fsdp_zero/(\w+/)?\w+\.py`", cell), f"docs/architecture.md: one module per row, not {cell}"
-    named = {cell.strip("`") for cell in named}
+    named, misplaced, heading = set(), [], None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            heading = m.group(1) if (m := re.match(r"### `fsdp_zero/(\w+)/`", line)) else ""  # "": the root
+        elif (m := re.match(r"\| `(fsdp_zero/[^`]*)` \|", line)) and heading is not None:
+            cell = m.group(1)
+            assert re.fullmatch(r"fsdp_zero/(\w+/)?\w+\.py", cell), f"docs/architecture.md: one module per row, not {cell}"
+            named.add(cell)
+            if cell.count("/") != (2 if heading else 1) or (heading and not cell.startswith(f"fsdp_zero/{heading}/")):
+                misplaced.append(cell)
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "fsdp_zero").rglob("*.py")
                if p.name != "__init__.py" or p.parent.name == "fsdp_zero"}
     assert not modules - named, f"docs/architecture.md: add a row for {sorted(modules - named)}"
     assert not named - modules, f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"
+    assert misplaced == [], "docs/architecture.md: rows under another subpackage's heading"
 
 
 def test_the_readme_is_short_and_links_every_docs_page():

@@ -1,5 +1,5 @@
-"""The package's shape: subpackages in one import order, each with a public face (docs/architecture.md
-renders the order; tests/test_docs.py keeps it true)."""
+"""The package's shape: subpackages in one import order (`fsdp_zero.LAYERS`), each with a public face
+(docs/architecture.md renders both; tests/test_docs.py keeps it true)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "fsdp_zero"
 
-# Bottom to top: each level imports only from the levels before it (and from within its own subpackage).
-ORDER = [("errors", "torch_private"), ("config",), ("distributed",), ("data",), ("model",), ("sharding",),
-         ("monitor", "checkpoint"), ("training",), ("tools", "api")]
-LEVEL = {name: i for i, names in enumerate(ORDER) for name in names} | {"": 0}  # "": fsdp_zero itself (__version__)
+from fsdp_zero import LAYERS
+
+LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names} | {"": 0}  # "": fsdp_zero itself (__version__)
 ROOT_FILES = {"__init__.py", "api.py", "errors.py", "torch_private.py"}
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
 
@@ -31,7 +30,10 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ImportFrom) and child.level == 0 and (child.module or "").startswith("fsdp_zero"):
-                targets = [f"fsdp_zero.{a.name}" for a in child.names] if child.module == "fsdp_zero" else [child.module]
+                targets = [child.module]
+                if child.module == "fsdp_zero":  # a submodule, or a name of the package itself (LAYERS)
+                    targets = [f"fsdp_zero.{a.name}" if (PACKAGE / a.name).is_dir() or (PACKAGE / f"{a.name}.py").is_file()
+                               else "fsdp_zero" for a in child.names]
                 found.extend((t, child.lineno, in_function) for t in targets)
             elif isinstance(child, ast.Import):
                 found.extend((a.name, child.lineno, in_function) for a in child.names if a.name.startswith("fsdp_zero"))
@@ -64,7 +66,7 @@ def test_imports_run_down_the_order_and_none_hides_in_a_function():
                 upward.append(where)
             if in_function and to != "torch_private":
                 hidden.append(where)
-    assert upward == [], "imports up (or across) the order of tests/test_layout.py's ORDER"
+    assert upward == [], "imports up (or across) the order of fsdp_zero.LAYERS"
     assert hidden == []
 
 
@@ -87,7 +89,7 @@ def test_each_subpackage_has_a_face_that_names_what_it_exports():
 def test_scripts_and_bench_import_only_faces():
     """``scripts/`` and ``bench/`` use the subpackages' faces (and the root's api and errors), never a
     module behind a face."""
-    allowed = {f"fsdp_zero.{sub}" for sub in SUBPACKAGES} | {"fsdp_zero.api", "fsdp_zero.errors"}
+    allowed = {f"fsdp_zero.{sub}" for sub in SUBPACKAGES} | {"fsdp_zero", "fsdp_zero.api", "fsdp_zero.errors"}
     past = []
     for path in sorted([*(REPO / "scripts").glob("*.py"), *(REPO / "bench").glob("*.py")]):
         past += [f"{path.relative_to(REPO)}:{line} imports {t}" for t, line, _ in _imports(path) if t not in allowed]
