@@ -39,9 +39,9 @@ from fsdp_zero.model.construct import meta_parameters
 from fsdp_zero.sharding.build import shard as _shard
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
 from fsdp_zero.config.schema import (
-    ActivationCheckpointing, Backend, Device, DistConfig, Init, ParallelConfig, PrecisionConfig, Strategy, WrapConfig,
-    WrapPolicy,
+    ActivationCheckpointing, Backend, Device, DistConfig, Init, ParallelConfig, PrecisionConfig, WrapConfig, WrapPolicy,
 )
+from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.env import distributed as _distributed
 from fsdp_zero.monitor.memory import MemoryMonitor, memory_scalars

@@ -109,7 +109,7 @@ def test_cpu_tests_stay_on_the_cpu_where_gpus_are_visible(tmp_path: Path):
 ON_A_GPU_HOST = """
 import tests.cpu_only  # noqa: F401 - as tests/conftest.py imports it, before anything else
 import torch
-from fsdp_zero.config.schema import Strategy
+from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.tools.planner import simulate
 

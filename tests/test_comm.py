@@ -16,7 +16,7 @@ import torch
 
 from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.comm import KINDS, CommBytes, comm_formula, comm_seconds
-from fsdp_zero.config.schema import GradSync
+from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import BatchLayout
 from fsdp_zero.distributed.topology import Topology
@@ -202,7 +202,7 @@ def test_a_micro_batch_that_raises_leaves_the_reduction_on(monkeypatch):
     as usual. Left off, FSDP2 keeps each gradient on the gathered parameter and no shard gets a .grad.
     In process, on a one-rank gloo group (FSDP2 runs its reduction at any world size)."""
     import fsdp_zero.api as fz
-    from fsdp_zero.config.schema import GradSync
+    from fsdp_zero.config.strategies import GradSync
     from fsdp_zero.training.step import train_step
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

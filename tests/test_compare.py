@@ -335,7 +335,7 @@ def test_planner_follows_the_precision_and_offload():
     """bf16-true halves the model state the planner predicts (8 bytes per parameter: bf16 weights,
     gradients and AdamW states), within 2% of the formula; under CPU offload all of it is host memory,
     and the device memory predicted for CUDA falls by it."""
-    from fsdp_zero.config.schema import Strategy
+    from fsdp_zero.config.strategies import Strategy
     from fsdp_zero.config.loader import load_config
     from fsdp_zero.config.presets import model_args
     from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, simulate

@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from fsdp_zero.config.schema import ActivationCheckpointing, GradSync, ParallelConfig, PrecisionConfig
+from fsdp_zero.config.schema import ActivationCheckpointing, ParallelConfig, PrecisionConfig
+from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.tools.fit import DIMENSIONS, Candidate, candidates, search
 from fsdp_zero.tools.rates import Rates
@@ -180,7 +181,7 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
     checkpointed block's forward again), each byte at its collective's measured rate, and AdamW over the
     parameters the rank steps."""
     from fsdp_zero.model.construct import construct
-    from fsdp_zero.config.schema import Strategy
+    from fsdp_zero.config.strategies import Strategy
     from fsdp_zero.tools.fit import step_cost
     from fsdp_zero.tools.rates import Measured
     from fsdp_zero.sharding.wrap import build_wrap_plan

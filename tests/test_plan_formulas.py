@@ -7,7 +7,8 @@ import importlib.util
 
 import pytest
 
-from fsdp_zero.config.schema import ParallelConfig, PrecisionConfig, Strategy
+from fsdp_zero.config.schema import ParallelConfig, PrecisionConfig
+from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.tools.planner import PLAN_MODES, format_gb, strategy_states, zero_paper_stages

@@ -3,7 +3,12 @@
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
 from fsdp_zero.config.loader import load_config, to_yaml
 from fsdp_zero.config.presets import BUILTIN_FIELDS, check_model_config, model_args, PRESETS, TransformerArgs
-from fsdp_zero.config.schema import ActivationCheckpointing, Backend, Config, DataConfig, DataSource, Device, DistConfig, GradSync, Init, is_fsdp, LoRAConfig, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Schedule, STRATEGIES, Strategy, STRATEGY_ALIASES, StrategySpec, Task, TOKEN_SOURCES, TrainConfig, validate, WrapConfig, WrapPolicy, ZERO_STAGES
+from fsdp_zero.config.schema import (
+    ActivationCheckpointing, Backend, Config, DataConfig, DataSource, Device, DistConfig, Init, LoRAConfig, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Schedule, Task, TOKEN_SOURCES, TrainConfig, validate, WrapConfig, WrapPolicy,
+)
+from fsdp_zero.config.strategies import (
+    GradSync, is_fsdp, STRATEGIES, Strategy, STRATEGY_ALIASES, StrategySpec, ZERO_STAGES,
+)
 from fsdp_zero.config.targets import import_target
 
 __all__ = [

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_zero.config.schema import ZERO_STAGES, is_fsdp
+from fsdp_zero.config.strategies import ZERO_STAGES, is_fsdp
 
 # The one place that knows what a ZeRO stage is here: stage -> our strategy's name.
 STAGES = {stage: strategy.value for stage, strategy in ZERO_STAGES.items()}

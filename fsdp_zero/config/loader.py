@@ -19,7 +19,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdp_zero.config.schema import STRATEGY_ALIASES, ZERO_STAGES, Config, validate
+from fsdp_zero.config.strategies import STRATEGY_ALIASES, ZERO_STAGES
+from fsdp_zero.config.schema import Config, validate
 from fsdp_zero.config.presets import check_model_config
 
 

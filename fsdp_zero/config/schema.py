@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_zero.config.strategies import (
+    GRAD_SYNC_NEEDS, STRATEGIES, GradSync, Strategy, is_fsdp, strategies_that,
+)
+
 
 class WrapPolicy(str, enum.Enum):
     """Which submodules become FSDP units (each unit all-gathers its parameters as one)."""
@@ -29,94 +33,6 @@ class WrapPolicy(str, enum.Enum):
     size_based = "size_based"  # modules holding >= `min_params` not already wrapped
     modules = "modules"  # modules whose FQN matches one of the regexes in `modules`
     none = "none"  # only the root: the whole model is one unit
-
-
-class Strategy(str, enum.Enum):
-    """How model state is partitioned across data-parallel ranks.
-
-    full_shard (ZeRO-3): parameters, gradients and optimizer state sharded; each unit's
-        parameters are all-gathered for forward, freed, and all-gathered again for
-        backward (``reshard_after_forward=True``). Least memory, one extra all-gather.
-    shard_grad_op (ZeRO-2): as full_shard, but parameters stay gathered from forward
-        to backward (``reshard_after_forward=False``). Less communication, the full
-        parameters of every unit are held between forward and backward.
-    hybrid_shard (HSDP): full_shard within groups of ``parallel.shard_size`` ranks,
-        replicated across groups (a 2-D mesh): all-gathers stay inside a group (a node),
-        at the price of 16 P / shard_size instead of 16 P / N.
-    zero1 (ZeRO-1): DDP with torch's ZeroRedundancyOptimizer: only the optimizer states
-        are sharded (by whole parameters); every rank holds all parameters and gradients.
-    ddp: plain DistributedDataParallel, the baseline: 16 P on every rank.
-    """
-
-    full_shard = "full_shard"
-    shard_grad_op = "shard_grad_op"
-    hybrid_shard = "hybrid_shard"
-    zero1 = "zero1"
-    ddp = "ddp"
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    """What a strategy is. Every module that needs a strategy's meaning (how it is applied, its
-    model-state formula, the levers it allows, its DeepSpeed stage, its label) reads `STRATEGIES`."""
-
-    zero_stage: int  # the ZeRO-DP stage it implements (hybrid_shard: stage 3 within each group)
-    label: str  # its name in reports and charts
-    fsdp: bool  # FSDP2's fully_shard, unit by unit; else DistributedDataParallel over the whole model
-    reshard_after_forward: bool  # FSDP2 frees each unit's gathered parameters after its forward
-    sharded: tuple[bool, bool, bool]  # which of (parameters, gradients, optimizer states) each rank holds a part of
-    hybrid: bool  # sharded within groups of parallel.shard_size ranks, replicated across them (2-D mesh)
-    deepspeed_stage: int | None  # the zero_optimization.stage (parallel.zero_stage) that selects it
-    aliases: tuple[str, ...] = ()  # the names users bring from FSDP1
-    hpz: bool = False  # takes parallel.reshard_after_forward=k (ZeRO++'s hierarchical partitioning)
-
-    # The -mixed precisions (parameters gathered in a lower precision than stored) and CPU offload
-    # need FSDP's units: `fsdp` says whether a strategy allows them.
-
-    @property
-    def zero_redundancy_optimizer(self) -> bool:
-        """Optimizer states sharded outside FSDP, by torch's ZeroRedundancyOptimizer."""
-        return not self.fsdp and self.sharded[2]
-
-
-STRATEGIES: dict[Strategy, StrategySpec] = {
-    Strategy.full_shard: StrategySpec(3, "ZeRO-3", fsdp=True, reshard_after_forward=True, sharded=(True, True, True),
-                                      hybrid=False, deepspeed_stage=3, aliases=("FULL_SHARD",), hpz=True),
-    Strategy.shard_grad_op: StrategySpec(2, "ZeRO-2", fsdp=True, reshard_after_forward=False,
-                                         sharded=(True, True, True), hybrid=False, deepspeed_stage=2,
-                                         aliases=("SHARD_GRAD_OP",)),
-    Strategy.hybrid_shard: StrategySpec(3, "HSDP", fsdp=True, reshard_after_forward=True, sharded=(True, True, True),
-                                        hybrid=True, deepspeed_stage=None, aliases=("HYBRID_SHARD",)),
-    Strategy.zero1: StrategySpec(1, "ZeRO-1", fsdp=False, reshard_after_forward=False, sharded=(False, False, True),
-                                 hybrid=False, deepspeed_stage=1),
-    Strategy.ddp: StrategySpec(0, "DDP", fsdp=False, reshard_after_forward=False, sharded=(False, False, False),
-                               hybrid=False, deepspeed_stage=0, aliases=("NO_SHARD",)),
-}
-# DeepSpeed's stage -> ours, in stage order (hybrid_shard is DeepSpeed's MiCS, chosen by mics_shard_size).
-ZERO_STAGES = {spec.deepspeed_stage: s for s, spec in sorted(STRATEGIES.items(), key=lambda kv: kv[1].zero_stage)
-               if spec.deepspeed_stage is not None}
-STRATEGY_ALIASES = {alias: s.value for s, spec in STRATEGIES.items() for alias in spec.aliases}
-
-
-def is_fsdp(strategy: Strategy) -> bool:
-    return STRATEGIES[strategy].fsdp
-
-
-class GradSync(str, enum.Enum):
-    """When gradients are reduced during gradient accumulation (parallel.grad_sync)."""
-
-    every_micro_batch = "every_micro_batch"  # each micro-batch's backward reduces (DDP: once a step, by no_sync)
-    replicas_once_per_step = "replicas_once_per_step"  # HSDP: reduce-scatter each micro-batch, all-reduce once
-    once_per_step = "once_per_step"  # FSDP: unsharded gradients held until the last micro-batch reduces them
-
-
-# The StrategySpec field a strategy needs true to take a grad_sync mode (none: every strategy takes it).
-GRAD_SYNC_NEEDS = {GradSync.replicas_once_per_step: "hybrid", GradSync.once_per_step: "fsdp"}
-
-
-def strategies_that(allow: str) -> str:
-    """The strategies whose spec has ``allow`` true, as an error message lists them."""
-    return ", ".join(s.value for s, spec in STRATEGIES.items() if getattr(spec, allow))
 
 
 class DataSource(str, enum.Enum):

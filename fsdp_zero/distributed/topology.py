@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_zero.config.schema import STRATEGIES, ParallelConfig, Strategy, StrategySpec
+from fsdp_zero.config.strategies import STRATEGIES, Strategy, StrategySpec
+from fsdp_zero.config.schema import ParallelConfig
 
 
 @dataclass(frozen=True)

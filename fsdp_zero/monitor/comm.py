@@ -35,7 +35,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_zero.config.schema import Config, GradSync
+from fsdp_zero.config.schema import Config
+from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.monitor.memory import MIB

@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fsdp_zero.model import init as init_lib
+from fsdp_zero.config.strategies import STRATEGIES, is_fsdp
 from fsdp_zero.config.schema import (
-    STRATEGIES, Config, Init, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, WrapConfig,
-    WrapPolicy, is_fsdp,
+    Config, Init, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, WrapConfig, WrapPolicy,
 )
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology

@@ -1,5 +1,5 @@
 """The one function that applies a data-parallel strategy to a model, and each strategy's
-model-state formula, both read from the strategy table (`fsdp_zero.config.schema.STRATEGIES`; its
+model-state formula, both read from the strategy table (`fsdp_zero.config.strategies.STRATEGIES`; its
 rendering, with the formulas, is docs/sharding.md's table).
 
 Order matters and is fixed: activation checkpointing on the block units, then
@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_zero.config.schema import STRATEGIES, ActivationCheckpointing, ParallelConfig, StrategySpec, is_fsdp
+from fsdp_zero.config.strategies import STRATEGIES, StrategySpec, is_fsdp
+from fsdp_zero.config.schema import ActivationCheckpointing, ParallelConfig
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations

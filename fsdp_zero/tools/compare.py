@@ -17,7 +17,8 @@ import torch
 
 from fsdp_zero.sharding.build import build_optimizer, materializer
 from fsdp_zero.model.construct import construct, real_buffers
-from fsdp_zero.config.schema import STRATEGIES, ZERO_STAGES, Config, ParallelConfig, Strategy
+from fsdp_zero.config.strategies import STRATEGIES, ZERO_STAGES, Strategy
+from fsdp_zero.config.schema import Config, ParallelConfig
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.lora import frozen_count, make_trainable

@@ -50,7 +50,8 @@ from fsdp_zero.data.batches import BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.comm import comm_formula, comm_seconds
-from fsdp_zero.config.schema import STRATEGIES, ActivationCheckpointing, Config, GradSync, Strategy, validate
+from fsdp_zero.config.strategies import STRATEGIES, GradSync, Strategy
+from fsdp_zero.config.schema import ActivationCheckpointing, Config, validate
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.sharding.parallelize import checkpointed
 from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline

@@ -36,8 +36,10 @@ from torch import nn
 
 from fsdp_zero.sharding.build import build, cast_to_stored, optimizer_impl, param_groups
 from fsdp_zero.model.construct import construct
-from fsdp_zero.config.schema import (STRATEGIES, ZERO_STAGES, ActivationCheckpointing, Config, ParallelConfig, PrecisionConfig,
-                              Strategy, WrapConfig, WrapPolicy, is_fsdp, validate)
+from fsdp_zero.config.strategies import STRATEGIES, ZERO_STAGES, Strategy, is_fsdp
+from fsdp_zero.config.schema import (
+    ActivationCheckpointing, Config, ParallelConfig, PrecisionConfig, WrapConfig, WrapPolicy, validate,
+)
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
@@ -119,7 +121,7 @@ def zero_paper_stages(num_params: int, n: int) -> dict[int, PaperStage]:
         n: N_d, the data-parallel ranks.
 
     Returns:
-        The stages by ZeRO stage (0: the baseline), the keys of `fsdp_zero.config.schema.ZERO_STAGES`.
+        The stages by ZeRO stage (0: the baseline), the keys of `fsdp_zero.config.strategies.ZERO_STAGES`.
     """
     psi, k = num_params, PAPER_K
     return {0: PaperStage("baseline", "(2 + 2 + K) Psi", (2 + 2 + k) * psi),
@@ -133,7 +135,7 @@ class StrategyState:
     """One strategy's model state per rank under one precision mode, in bytes."""
 
     strategy: Strategy
-    stage: int  # its ZeRO stage (`fsdp_zero.config.schema.ZERO_STAGES`)
+    stage: int  # its ZeRO stage (`fsdp_zero.config.strategies.ZERO_STAGES`)
     mode: str  # precision.mode
     at_rest: float  # after the optimizer step: `fsdp_zero.sharding.parallelize.model_state_formula`
     gathered: float | None  # held on top between forward and backward; None: one or two units, size unknown
@@ -147,7 +149,7 @@ class StrategyState:
 
 def strategy_states(num_params: int, n: int, largest_unit: int | None = None, root_unit: int = 0,
                     modes: tuple[str, ...] = PLAN_MODES, frozen: int = 0) -> list[StrategyState]:
-    """Each ZeRO stage's strategy (`fsdp_zero.config.schema.ZERO_STAGES`), per precision mode: the model state
+    """Each ZeRO stage's strategy (`fsdp_zero.config.strategies.ZERO_STAGES`), per precision mode: the model state
     per rank at rest and inside the step.
 
     At rest is `model_state_formula` with the mode's bytes per parameter. Inside the step FSDP holds

@@ -24,7 +24,8 @@ import fsdp_zero
 from fsdp_zero.sharding.build import Built, build
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
 from fsdp_zero.monitor.comm import CommMeter
-from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource, Task, is_fsdp
+from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource, Task
+from fsdp_zero.config.strategies import is_fsdp
 from fsdp_zero.config.loader import to_yaml
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
 from fsdp_zero.distributed.topology import Topology
