@@ -28,6 +28,7 @@ resumable at another world size, exportable with scripts/export.py).
 
 from __future__ import annotations
 
+from fsdp_zero.config.paths import RunDir
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -45,7 +46,7 @@ from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.env import distributed as _distributed
 from fsdp_zero.monitor.memory import MemoryMonitor, memory_scalars
-from fsdp_zero.monitor.metrics import TensorBoardLogger, tensorboard_dir
+from fsdp_zero.monitor.metrics import TensorBoardLogger
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.training.step import clip_grad_norm_
 
@@ -142,7 +143,7 @@ class MemoryLog:
 
     def __init__(self, run_dir: str | Path, env: DistEnv) -> None:
         self.monitor = MemoryMonitor(env.device)
-        self.writer = TensorBoardLogger(tensorboard_dir(Path(run_dir), env.rank))
+        self.writer = TensorBoardLogger(RunDir(Path(run_dir)).tensorboard(env.rank))
 
     def log(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **scalars: float) -> dict:
         """Logs memory (and ``scalars``, as train/<name>) at ``step``; returns the memory figures (MiB)."""

@@ -94,3 +94,16 @@ def test_scripts_and_bench_import_only_faces():
     for path in sorted([*(REPO / "scripts").glob("*.py"), *(REPO / "bench").glob("*.py")]):
         past += [f"{path.relative_to(REPO)}:{line} imports {t}" for t, line, _ in _imports(path) if t not in allowed]
     assert past == []
+
+
+def test_every_source_mutant_still_finds_the_expression_it_replaces():
+    """make mutants replaces one expression of our source per mutant (tests/mutant_site); a mutant whose
+    expression moved or changed would not apply (NOT APPLIED after a 24-minute run): caught here at once."""
+    site = ast.parse((REPO / "tests" / "mutant_site" / "sitecustomize.py").read_text())
+    table = next(n.value for n in site.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SOURCE")
+    missing = []
+    for name, entry in zip(table.keys, table.values):
+        module, old, _ = (ast.literal_eval(e) for e in entry.elts)
+        if old not in (REPO / (module.replace(".", "/") + ".py")).read_text():
+            missing.append(f"{ast.literal_eval(name)}: {old!r} is not in {module}")
+    assert missing == []

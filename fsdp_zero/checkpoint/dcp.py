@@ -21,6 +21,7 @@ their global shapes, so a checkpoint saved at N ranks loads at any M.
 
 from __future__ import annotations
 
+from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE
 import datetime
 import json
 import logging
@@ -53,8 +54,6 @@ from fsdp_zero.torch_private import DCP_METADATA_PRIVATE, _init_optim_state
 
 logger = logging.getLogger("fsdp_zero")
 
-STATE_FILE = "train_state.json"
-CONFIG_FILE = "config.yaml"
 _NAME = re.compile(r"step-(\d{7})")
 _PARTIAL_PREFIX = ".partial-"
 

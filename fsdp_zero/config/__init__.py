@@ -2,13 +2,10 @@
 
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
 from fsdp_zero.config.loader import load_config, to_yaml
+from fsdp_zero.config.paths import CONFIG_FILE, RunDir, STATE_FILE
 from fsdp_zero.config.presets import BUILTIN_FIELDS, check_model_config, model_args, PRESETS, TransformerArgs
-from fsdp_zero.config.schema import (
-    ActivationCheckpointing, Backend, Config, DataConfig, DataSource, Device, DistConfig, Init, LoRAConfig, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Schedule, Task, TOKEN_SOURCES, TrainConfig, validate, WrapConfig, WrapPolicy,
-)
-from fsdp_zero.config.strategies import (
-    GradSync, is_fsdp, STRATEGIES, Strategy, STRATEGY_ALIASES, StrategySpec, ZERO_STAGES,
-)
+from fsdp_zero.config.schema import ActivationCheckpointing, Backend, Config, DataConfig, DataSource, Device, DistConfig, Init, LoRAConfig, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Schedule, Task, TOKEN_SOURCES, TrainConfig, validate, WrapConfig, WrapPolicy
+from fsdp_zero.config.strategies import GradSync, is_fsdp, STRATEGIES, Strategy, STRATEGY_ALIASES, StrategySpec, ZERO_STAGES
 from fsdp_zero.config.targets import import_target
 
 __all__ = [
@@ -17,6 +14,7 @@ __all__ = [
     "BUILTIN_FIELDS",
     "check_model_config",
     "Config",
+    "CONFIG_FILE",
     "DataConfig",
     "DataSource",
     "Device",
@@ -36,7 +34,9 @@ __all__ = [
     "PrecisionConfig",
     "PRESETS",
     "read_deepspeed",
+    "RunDir",
     "Schedule",
+    "STATE_FILE",
     "STRATEGIES",
     "Strategy",
     "STRATEGY_ALIASES",

@@ -2,7 +2,7 @@
 
 from fsdp_zero.monitor.comm import as_dict, comm_formula, comm_seconds, CommMeter, describe, KINDS
 from fsdp_zero.monitor.memory import apply_malloc_policy, CATEGORIES, GLIBC_MAX_MMAP_THRESHOLD, memory_scalars, MemoryMonitor, MIB, mmap_threshold, model_state_bytes, parse_size, release_free_heap, StepProfiler
-from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, tensorboard_dir, TensorBoardLogger
+from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
 from fsdp_zero.monitor.phases import Phase, PhaseHook
 
 __all__ = [
@@ -28,6 +28,5 @@ __all__ = [
     "PhaseHook",
     "release_free_heap",
     "StepProfiler",
-    "tensorboard_dir",
     "TensorBoardLogger",
 ]

@@ -56,7 +56,3 @@ class JsonLinesLogger:
 
     def close(self) -> None:
         self.file.close()
-
-
-def tensorboard_dir(run_dir: Path, rank: int) -> Path:
-    return run_dir / "tb" / f"rank{rank}"

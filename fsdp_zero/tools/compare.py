@@ -9,6 +9,7 @@ peak_reserved_mib``; `read_rows` builds them from each run's summary.json.
 
 from __future__ import annotations
 
+from fsdp_zero.config.paths import RunDir
 import json
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ def read_rows(out: Path, strategies: list[Strategy] = ORDER) -> dict[str, list[d
     e.g. skipped because the settings do not apply to them, are left out)."""
     rows = {}
     for strategy in strategies:
-        path = out / strategy.value / "summary.json"
+        path = RunDir(out / strategy.value).summary
         if not path.exists():
             continue
         summary = json.loads(path.read_text())
@@ -185,7 +186,7 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
 def to_tensorboard(rows: dict[str, list[dict]], md: str, out: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(out / "tb" / "compare"))
+    writer = SummaryWriter(str(RunDir(out).tensorboard_root / "compare"))
     writer.add_text("compare", md)
     for strategy, rs in rows.items():
         for r, row in enumerate(rs):

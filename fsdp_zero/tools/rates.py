@@ -46,6 +46,7 @@ from fsdp_zero.config.loader import load_config, to_yaml
 from fsdp_zero.config.schema import ParallelConfig, WrapConfig, WrapPolicy
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
 from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.model.tasks import build_task, to_device, vocab_size
@@ -127,7 +128,7 @@ def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: 
     ranks = min(world_size, MAX_PROBE_RANKS)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fsdp-zero-probe-") as tmp:
-        config, out = Path(tmp) / "config.yaml", Path(tmp) / "rates.json"
+        config, out = Path(tmp) / "probe.yaml", Path(tmp) / "rates.json"
         config.write_text(to_yaml(cfg))
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -240,7 +241,8 @@ def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
     parallel = ParallelConfig(wrap=WrapConfig(policy=WrapPolicy.modules, modules=[r"\d+"]))
     env = DistEnv(rank=dist.get_rank(), world_size=n, local_rank=dist.get_rank(), device=torch.device("cpu"),
                   backend="gloo")
-    model = parallelize(model, parallel, build_wrap_plan(model, parallel.wrap, n), env, lambda m: None)  # ZeRO-3
+    model = parallelize(model, parallel, Topology.of(parallel, n), build_wrap_plan(model, parallel.wrap, n), env,
+                        lambda m: None)  # ZeRO-3
     x = torch.randn(1, d)
 
     def forward() -> None:

@@ -10,6 +10,7 @@ is kept beside the new one (name.<step>), never overwritten.
 
 from __future__ import annotations
 
+from fsdp_zero.config.paths import RunDir
 import json
 import logging
 import os
@@ -98,8 +99,8 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
         ValueError: a run directory or checkpoint that this config must not continue or overwrite.
     """
     check_writable(run_dir, cfg.run.root)
-    saved_cfg = run_dir / "config.yaml"
-    ckpts = list_checkpoints(run_dir / "checkpoints")
+    saved_cfg = RunDir(run_dir).config
+    ckpts = list_checkpoints(RunDir(run_dir).checkpoints)
     resume, seed = cfg.checkpoint.resume, cfg.train.seed
     if resume == "none":
         if ckpts:
@@ -109,7 +110,7 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
             )
         resume_from = None
     elif resume == "auto":
-        resume_from = latest_checkpoint(run_dir / "checkpoints")
+        resume_from = latest_checkpoint(RunDir(run_dir).checkpoints)
     else:
         resume_from = Path(resume)
         step = read_train_state(resume_from).step  # a clear error for a partial or missing checkpoint
@@ -199,13 +200,14 @@ def run_files(cfg: Config, run_dir: Path, step: int, wrap_table: str | None) -> 
     After a crash, steps past the checkpoint are trained again: metrics.jsonl keeps only the
     steps up to ``step`` (the full old log is kept as metrics.jsonl.<step>).
     """
-    files: dict[str, str | bytes] = {"config.yaml": to_yaml(cfg), **run_dir_files(cfg.model)}
+    paths = RunDir(run_dir)
+    files: dict[str, str | bytes] = {paths.config.name: to_yaml(cfg), **run_dir_files(cfg.model)}
     if wrap_table:
-        files["wrap_plan.txt"] = wrap_table + "\n"
-    history = run_dir / "metrics.jsonl"
+        files[paths.wrap_plan.name] = wrap_table + "\n"
+    history = paths.metrics
     if history.exists():
         lines = history.read_text().splitlines(keepends=True)
         kept = "".join(line for line in lines if json.loads(line)["step"] <= step)
         if len(kept) != sum(map(len, lines)):
-            files["metrics.jsonl"] = kept
+            files[history.name] = kept
     return files

@@ -24,6 +24,7 @@ first optimizer step, which `summary` reports against the strategy's own formula
 
 from __future__ import annotations
 
+from fsdp_zero.config.paths import RunDir
 import contextlib
 import json
 import logging
@@ -41,7 +42,7 @@ from fsdp_zero.config.schema import Config
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.training.evaluate import EvalResult
 from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
-from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger, tensorboard_dir
+from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
 from fsdp_zero.sharding.build import Built
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.monitor.phases import Phase
@@ -80,8 +81,8 @@ class StepLogger:
         self.env, self.model, self.optimizer, self.comm = env, model, optimizer, comm
         self.log_every, self.last_step, self.profile_step = log_every, last_step, profile_step
         self.items_per_rank_step, self.unit = items_per_rank_step, unit
-        self.tb: MetricLogger = TensorBoardLogger(tensorboard_dir(run_dir, env.rank)) if tensorboard else NoOpLogger()
-        self.history: MetricLogger = JsonLinesLogger(run_dir / "metrics.jsonl") if env.is_rank0 else NoOpLogger()
+        self.tb: MetricLogger = TensorBoardLogger(RunDir(run_dir).tensorboard(env.rank)) if tensorboard else NoOpLogger()
+        self.history: MetricLogger = JsonLinesLogger(RunDir(run_dir).metrics) if env.is_rank0 else NoOpLogger()
         self.monitor = MemoryMonitor(env.device)
         self.record = StepRecord(comm_formula=as_dict(comm.formula) if comm else {})
         self.profiler: StepProfiler | None = None
@@ -247,4 +248,4 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, built: Built, r
                    "world_size": env.world_size,
                    "model_state_formula_bytes": formula, "grad_sync": cfg.parallel.grad_sync.value,
                    "comm_formula_bytes": record.comm_formula or None, "ranks": ranks}
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")

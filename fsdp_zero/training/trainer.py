@@ -10,6 +10,7 @@ is everything a reader needs to follow a run from step to step.
 
 from __future__ import annotations
 
+from fsdp_zero.config.paths import RunDir
 import datetime
 import logging
 import time
@@ -153,7 +154,7 @@ def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, l
     if built.trainable_note:
         logger.info("trained: %s", built.trainable_note)
     changed = config_diff(to_plain(Config()), to_plain(cfg))
-    logger.info("settings that differ from the defaults (all in %s): %s", run_dir / "config.yaml",
+    logger.info("settings that differ from the defaults (all in %s): %s", RunDir(run_dir).config,
                 ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none")
     state_bytes = model_state_formula(built.topology, num_params, precision.bytes_per_param, built.num_frozen)
     where = formula_note(built.topology) + (
@@ -164,7 +165,7 @@ def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, l
         logger.info("%s", plan.table())
     else:
         logger.info("strategy %s: no FSDP units; every rank holds all %s parameters", strategy.value, f"{num_params:,}")
-    logger.info("run dir %s | tensorboard --logdir %s", run_dir, run_dir / "tb")
+    logger.info("run dir %s | tensorboard --logdir %s", run_dir, RunDir(run_dir).tensorboard_root)
 
 
 def _resume(cfg: Config, env: DistEnv, decision: RunDecision, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -208,7 +209,7 @@ def collective_failed(error: RuntimeError, cfg: Config, env: DistEnv, step: int,
     whole record goes to <run dir>/flight_recorder/rank<R>.json) and the timeout ``key`` that applied."""
     if not (isinstance(error, dist.DistError) or "gloo/" in str(error)):  # NCCL's are DistErrors, gloo's not
         return None
-    where = last_collective(run_dir / "flight_recorder" / f"rank{env.rank}.json", env.backend)
+    where = last_collective(RunDir(run_dir).flight_recorder(env.rank), env.backend)
     silent = silent_ranks(env)
     cause = (f"rank {', '.join(map(str, silent))} died or is stuck (it did not report failing too)" if silent
              else "another rank died or stopped taking part")
@@ -242,7 +243,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     log = StepLogger(env, parts.run_dir, model, optimizer, log_every=cfg.train.log_every, last_step=last,
                      profile_step=cfg.memory.profile_step, items_per_rank_step=per_rank,
                      unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard, comm=comm)
-    checkpointer = Checkpointer(parts.run_dir / "checkpoints", cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
+    checkpointer = Checkpointer(RunDir(parts.run_dir).checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
                                 env.rank, env.device, datetime.timedelta(minutes=cfg.dist.timeout_minutes),
                                 ) if cfg.checkpoint.enabled else None
     guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
@@ -261,7 +262,7 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             if not verdict.finite:  # every rank skipped the optimizer step; nothing non-finite is ever saved
                 state.skipped_nonfinite += 1
                 if state.skipped_nonfinite > cfg.train.skip_nonfinite:
-                    raise diverged(step, out, state.skipped_nonfinite, checkpointer, parts.run_dir / "checkpoints")
+                    raise diverged(step, out, state.skipped_nonfinite, checkpointer, RunDir(parts.run_dir).checkpoints)
                 logger.warning("step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
                                step, state.skipped_nonfinite, cfg.train.skip_nonfinite)
             if cfg.train.skip_nonfinite:
