@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fsdp_zero.checkpoint import Checkpointer, TrainState, load_checkpoint
-from fsdp_zero.config import load_config
+from fsdp_zero.config import RunDir, load_config
 from fsdp_zero.distributed import broadcast_object, distributed, exit_process
 from fsdp_zero.training import setup, train
 
@@ -81,7 +81,7 @@ def run(cfg, env) -> None:  # noqa: ANN001
     cfg.run.root, cfg.run.name = str(root), "run"
     parts = setup(cfg, env)
     train(cfg, env, parts)  # one step, so AdamW states exist
-    ckroot = root / "checkpoints"
+    ckroot = RunDir(root).checkpoints
     checkpointer = Checkpointer(ckroot, keep_last=0, async_save=False, rank=env.rank, device=env.device)
     state = TrainState(step=1, data_position=parts.cursor.position)
 

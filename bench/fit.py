@@ -27,27 +27,28 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from fsdp_zero.tools import train_command
+from fsdp_zero.config import RunDir
+from fsdp_zero.training import Summary
 from fsdp_zero.config import load_config
 from fsdp_zero.tools import MARGIN, Scored, fit_rates, search
 from fsdp_zero.tools import Rates
 from fsdp_zero.monitor import parse_size
 
-TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
 MODEL = ("model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256", "train.global_batch_size=8",
          "train.micro_batch_size=1")
 RUN = ("train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false")
 MIB = 2**20
 
 
-def run(out: Path, name: str, nproc: int, overrides: list[str], steps: int) -> tuple[dict, float]:
+def run(out: Path, name: str, nproc: int, overrides: list[str], steps: int) -> tuple[Summary, float]:
     """One training run of the candidate's overrides: its summary.json and its measured step time."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
-           *overrides, *RUN, f"train.steps={steps}", f"run.root={out}", f"run.name={name}"]
+    cmd = train_command(nproc, [*overrides, *RUN, f"train.steps={steps}", f"run.root={out}", f"run.name={name}"])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"error: {name} ({' '.join(overrides)}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    times = [json.loads(line)["time"] for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / name / "summary.json").read_text()), statistics.median(
+    times = [json.loads(line)["time"] for line in RunDir(out / name).metrics.read_text().splitlines()]
+    return Summary.read(out / name), statistics.median(
         b - a for a, b in zip(times[2:], times[3:]))
 
 
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = parse_size(text, "--budgets")
         pick = found.fit(budget, args.margin)
         summary, step = run(out, f"pick{i}", n, [*model, *pick.candidate.overrides()], args.steps)
-        measured = max(r["peak_rss_mib"] for r in summary["ranks"])
+        measured = max(r["peak_rss_mib"] for r in summary.ranks)
         lines.append(f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
                      f"{'yes' if measured * MIB <= budget else 'NO'} | {pick.cost:.2f} | {step:.2f} | {step / pick.cost:.2f} |")
     spread = [found.scored[round(i * (len(found.scored) - 1) / max(1, args.ranked - 1))] for i in range(args.ranked)]
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     costs, times = [], []
     for s in spread:
         summary, step = run(out, f"rank{found.scored.index(s)}", n, [*model, *s.candidate.overrides()], args.steps)
-        peak = max(r["peak_rss_mib"] for r in summary["ranks"])
+        peak = max(r["peak_rss_mib"] for r in summary.ranks)
         costs.append(s.cost)
         times.append(step)
         lines.append(f"| {found.scored.index(s) + 1} of {len(found.scored)} | {short(s)} | {s.cost:.2f} | {step:.2f} "

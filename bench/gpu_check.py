@@ -44,9 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from fsdp_zero.tools import train_command as torchrun_command
+from fsdp_zero.config import RunDir
+from fsdp_zero.training import Summary
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "scripts" / "train.py"
 PLAN = REPO / "scripts" / "plan.py"
 MIB = 2**20
 REPEATS = 3  # hand-written loop against ours: the median of alternating repeats
@@ -250,9 +252,7 @@ def launch(cmd: list[str], log: Path, label: str, timeout: float = 900) -> None:
 
 def train_command(mode: Mode, out: Path, name: str, extra: tuple[str, ...], nproc: int) -> list[str]:
     """A fresh `scripts/train.py` run of ``nproc`` ranks (torchrun's when more than one) into ``out``/``name``."""
-    runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc_per_node={nproc}"]
-    return [*runner, str(TRAIN), *mode.args(*extra), f"run.root={out}", f"run.name={name}"]
+    return torchrun_command(nproc, [*mode.args(*extra), f"run.root={out}", f"run.name={name}"], torchrun=nproc > 1)
 
 
 def plan_all(mode: Mode, out: Path, runs: dict[str, tuple[str, tuple[str, ...], int]]) -> dict[str, float | str]:
@@ -296,12 +296,12 @@ def read_run(run_dir: Path, cuda: bool) -> dict:
     metrics.jsonl (the median over the steps after the first, which warms up kernels and the allocator)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = Summary.read(run_dir)
+    rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
     rates = [r["tokens_per_s_all_ranks"] for r in rows if "tokens_per_s_all_ranks" in r]
     ranks = []
-    for rank, mine in enumerate(summary["ranks"]):
-        acc = EventAccumulator(str(run_dir / "tb" / f"rank{rank}"))
+    for rank, mine in enumerate(summary.ranks):
+        acc = EventAccumulator(str(RunDir(run_dir).tensorboard(rank)))
         acc.Reload()
 
         def last(tag: str) -> float:
@@ -396,8 +396,8 @@ def render(mode: Mode, command: str, out: Path, runs: dict[str, dict], loop: dic
     versions = f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if mode.cuda else "")
     config = ["--config", os.path.relpath(mode.config, REPO)] if mode.config else []
     lines = [f"## GPU check: {mode.label}, {versions}, {datetime.date.today()}", "",
-             f"`{command}`: {' '.join([*config, *mode.batch, *mode.user])}; {first['num_params']:,} parameters, "
-             f"{first['steps']} steps, full_shard (ZeRO-3); each setting a fresh `scripts/train.py` process (run "
+             f"`{command}`: {' '.join([*config, *mode.batch, *mode.user])}; {first.num_params:,} parameters, "
+             f"{first.steps} steps, full_shard (ZeRO-3); each setting a fresh `scripts/train.py` process (run "
              f"folders and logs: {out})", ""]
     if not mode.cuda:
         lines += ["(dry run: the CPU and gloo, peak RSS where a GPU run shows reserved device memory; the figures "
@@ -424,7 +424,7 @@ def memory_section(mode: Mode, runs: dict[str, dict]) -> list[str]:
         if not isinstance(planned, float):
             failed += [f"- the planner failed for {name}: {planned}", ""]
         for rank, r in enumerate(run["ranks"]):
-            cells = [name, str(run["summary"]["world_size"]), str(rank), f"{r['peak']:,.0f}"]
+            cells = [name, str(run["summary"].world_size), str(rank), f"{r['peak']:,.0f}"]
             cells += ([f"{r[k]:,.0f}" for k in ("peak_allocated", "reserved_after", "allocated_after")] if mode.cuda
                       else [f"{r['rss_after']:,.0f}"])
             planned_ok = isinstance(planned, float)
@@ -462,8 +462,8 @@ def throughput_section(mode: Mode, runs: dict[str, dict], loop: dict) -> list[st
     rows = []
     for name, run in runs.items():
         s, rate = run["summary"], run["tokens_per_s"]
-        rows.append([name, s["precision"], str(s["world_size"]), f"{rate:,.0f}", f"{run['tokens_per_step'] / rate:.3f}",
-                     mfu(mode, s["precision"], s["num_params"], rate, s["world_size"])])
+        rows.append([name, s.precision, str(s.world_size), f"{rate:,.0f}", f"{run['tokens_per_step'] / rate:.3f}",
+                     mfu(mode, s.precision, s.num_params, rate, s.world_size)])
     for label, key in (("hand-written fully_shard loop", "raw_s"), ("ours, the same process", "ours_s")):
         seconds = statistics.median(loop[key]) / loop["steps"]
         rate = loop["tokens_per_step"] / seconds

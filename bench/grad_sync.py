@@ -20,7 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+from fsdp_zero.tools import train_command
+from fsdp_zero.config import RunDir
+from fsdp_zero.training import Summary
+
 COMMON = ["model.preset=gpt_small", "model.vocab_size=8192", "data.seq_len=128", "train.micro_batch_size=1",
           "train.log_every=1", "memory.profile_step=0", "checkpoint.enabled=false", "metrics.tensorboard=false"]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -33,16 +36,15 @@ SETUPS = [("full_shard", 2, ["parallel.strategy=full_shard", "train.global_batch
 
 
 def _run(out: Path, name: str, nproc: int, args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN),
-           *args, f"run.root={out}", f"run.name={name}"]
+    cmd = train_command(nproc, [*args, f"run.root={out}", f"run.name={name}"])
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in RunDir(out / name).metrics.read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
-    summary = json.loads((out / name / "summary.json").read_text())
+    summary = Summary.read(out / name)
     tokens = int(next(a.split("=")[1] for a in args if a.startswith("train.global_batch_size="))) * 128
     return {"mib": {k: rows[-1][f"comm/{k}_mib"] for k in KINDS},
             "step_s": statistics.median(tokens / r["tokens_per_s_all_ranks"] for r in rows[1:]),
-            "rss": max(r["peak_rss_mib"] for r in summary["ranks"]), "loss": rows[-1]["loss"]}
+            "rss": max(r["peak_rss_mib"] for r in summary.ranks), "loss": rows[-1]["loss"]}
 
 
 def main() -> int:

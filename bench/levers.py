@@ -12,13 +12,14 @@ d 768, vocabulary 32768, 256 tokens, 2 sequences per rank in micro-batches of 1)
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+from fsdp_zero.tools import train_command
+from fsdp_zero.training import Summary
+
 MIB = 2**20
 DEFAULT = ["model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256", "train.global_batch_size=4",
            "train.micro_batch_size=1", "train.steps=4", "train.log_every=2", "memory.profile_step=2",
@@ -42,23 +43,22 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="fsdp-zero-levers-"))
     rows = {}
     for i, (name, extra) in enumerate(LEVERS.items()):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
-               str(TRAIN), *DEFAULT, *args.overrides, *extra, f"run.root={out}", f"run.name=lever{i}"]
+        cmd = train_command(args.nproc_per_node, [*DEFAULT, *args.overrides, *extra, f"run.root={out}",
+                                                  f"run.name=lever{i}"])
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        summary = json.loads((out / f"lever{i}" / "summary.json").read_text())
-        rows[name] = summary
-    base = rows["fp32 (baseline)"]["ranks"][0]["step_s"]
-    print(f"# memory levers vs fp32 full_shard: {rows['fp32 (baseline)']['num_params']:,} parameters, "
+        rows[name] = Summary.read(out / f"lever{i}")
+    base = rows["fp32 (baseline)"].ranks[0]["step_s"]
+    print(f"# memory levers vs fp32 full_shard: {rows['fp32 (baseline)'].num_params:,} parameters, "
           f"{args.nproc_per_node} ranks\n")
     print("| lever | step (s) | vs fp32 | peak RSS / rank (MiB) | model state / rank (MiB) | formula (MiB) | "
           "activations after forward (MiB) |")
     print("|---|---|---|---|---|---|---|")
     for name, s in rows.items():
-        ranks = s["ranks"]
+        ranks = s.ranks
         step = ranks[0]["step_s"]
         acts = max(r["activations_after_forward"] or 0 for r in ranks) / MIB
         print(f"| {name} | {step:.2f} | {step / base:.2f} | {max(r['peak_rss_mib'] for r in ranks):,.0f} | "
-              f"{max(r['model_state_bytes'] for r in ranks) / MIB:,.1f} | {s['model_state_formula_bytes'] / MIB:,.1f} | "
+              f"{max(r['model_state_bytes'] for r in ranks) / MIB:,.1f} | {s.model_state_formula_bytes / MIB:,.1f} | "
               f"{acts:,.1f} |")
     print(f"\n(run folders in {out})")
     return 0

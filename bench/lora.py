@@ -14,13 +14,14 @@ download is needed; `key=value` overrides apply to both runs (e.g. `train.steps=
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+from fsdp_zero.tools import train_command
+from fsdp_zero.training import Summary
+
 LLAMA_134M = ("model.target=transformers:LlamaForCausalLM", "model.kwargs.vocab_size=32000",
               "model.kwargs.hidden_size=768", "model.kwargs.intermediate_size=2048",
               "model.kwargs.num_hidden_layers=12", "model.kwargs.num_attention_heads=12",
@@ -45,19 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = ["| run | trainable params | model state / rank (MiB) | formula (MiB) | peak RSS / rank (MiB) | step (s) "
             "| final loss |", "|---|---|---|---|---|---|---|"]
     for i, (name, extra) in enumerate(RUNS.items()):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
-               str(TRAIN), *LLAMA_134M, *COMMON, *extra, *args.overrides, f"run.root={out}", f"run.name=run{i}"]
+        cmd = train_command(args.nproc_per_node, [*LLAMA_134M, *COMMON, *extra, *args.overrides, f"run.root={out}",
+                                                  f"run.name=run{i}"])
         proc = subprocess.run(cmd)
         if proc.returncode:
             print(f"error: {name} exited {proc.returncode}", file=sys.stderr)
             return proc.returncode
-        s = json.loads((out / f"run{i}" / "summary.json").read_text())
-        ranks = s["ranks"]
+        s = Summary.read(out / f"run{i}")
+        ranks = s.ranks
         state = max(r["model_state_bytes"] for r in ranks) / 2**20
         peaks = ", ".join(format(r["peak_rss_mib"], ",.0f") for r in ranks)
-        rows.append(f"| {name} | {s['num_params'] - s['num_frozen']:,} of {s['num_params']:,} | {state:,.1f} | "
-                    f"{s['model_state_formula_bytes'] / 2**20:,.1f} | {peaks} | {ranks[0]['step_s']:.3f} | "
-                    f"{s['final_loss']:.4f} |")
+        rows.append(f"| {name} | {s.num_params - s.num_frozen:,} of {s.num_params:,} | {state:,.1f} | "
+                    f"{s.model_state_formula_bytes / 2**20:,.1f} | {peaks} | {ranks[0]['step_s']:.3f} | "
+                    f"{s.final_loss:.4f} |")
     table = "\n".join(rows) + "\n"
     (out / "lora-bench.md").write_text(table)
     print(f"\n## full fine-tuning vs LoRA, {args.nproc_per_node} ranks\n\n{table}\nwrote {out / 'lora-bench.md'}")

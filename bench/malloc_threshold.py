@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from fsdp_zero.config import RunDir
+from fsdp_zero.tools import train_command
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -31,15 +33,14 @@ SETTINGS = [
 
 
 def run(nproc: int, overrides: list[str], root: Path, name: str) -> tuple[float, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "scripts/train.py", "--config", "configs/gpt_small.yaml", "train.steps=6", "train.log_every=2",
+    cmd = train_command(nproc, ["--config", "configs/gpt_small.yaml", "train.steps=6", "train.log_every=2",
            "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false",
-           f"run.root={root}", f"run.name={name}", *overrides]
+                         f"run.root={root}", f"run.name={name}", *overrides])
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
-    config = [line for line in (root / name / "config.yaml").read_text().splitlines()]
+    rows = [json.loads(line) for line in RunDir(root / name).metrics.read_text().splitlines()]
+    config = [line for line in RunDir(root / name).config.read_text().splitlines()]
     seq = int(next(line.split(":")[1] for line in config if line.strip().startswith("seq_len")))
     gbs = int(next(line.split(":")[1] for line in config if line.strip().startswith("global_batch_size")))
     peak = max(max(r["peak_mem_mib_per_rank"]) for r in rows)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+from fsdp_zero.config import RunDir
+from fsdp_zero.tools import train_command
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -61,10 +63,9 @@ def main() -> None:
                 f"train.steps={args.steps}", "train.log_every=1", f"checkpoint.every={args.every}",
                 "checkpoint.async_save=true", "checkpoint.keep_last=2", "metrics.tensorboard=true",
                 f"run.root={root}", "run.name=soak", *args.overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(REPO / "scripts" / "train.py"), *settings]
+    cmd = train_command(args.nproc, settings)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "OMP_NUM_THREADS": "1"}
-    metrics = root / "soak" / "metrics.jsonl"
+    metrics = RunDir(root / "soak").metrics
     samples: dict[int, list[tuple[int, float, int, int]]] = {}  # rank -> (step, rss MiB, fds, threads)
     start = time.perf_counter()
     log = open(root / "torchrun.log", "w")

@@ -14,13 +14,14 @@ sharding, so the optimizer step (the model state plus foreach AdamW's temporarie
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+from fsdp_zero.tools import train_command
+from fsdp_zero.training import Summary
+
 DEFAULT = ("model.preset=gpt_small", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4",
            "train.steps=6", "train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0",
            "metrics.tensorboard=false", "optim.implementation=foreach")
@@ -44,17 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         for size in peaks:
             name = f"group{size}-{rep}"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={args.nproc_per_node}", str(TRAIN), *DEFAULT, *args.overrides,
-                   f"optim.step_group_size={size}", f"run.root={out}", f"run.name={name}"]
+            cmd = train_command(args.nproc_per_node, [*DEFAULT, *args.overrides, f"optim.step_group_size={size}",
+                                                      f"run.root={out}", f"run.name={name}"])
             if subprocess.run(cmd, capture_output=True).returncode:
                 print(f"error: {' '.join(cmd)} failed", file=sys.stderr)
                 return 1
-            s = json.loads((out / name / "summary.json").read_text())
-            rss = [r["peak_rss_mib"] for r in s["ranks"]]
+            s = Summary.read(out / name)
+            rss = [r["peak_rss_mib"] for r in s.ranks]
             peaks[size].append(max(rss))
             rows.append(f"| {size:,}{' (whole shard)' if size == 0 else ''} | {rep + 1} | "
-                        f"{', '.join(f'{p:,.0f}' for p in rss)} | {s['ranks'][0]['step_s']:.3f} | {s['final_loss']:.6f} |")
+                        f"{', '.join(f'{p:,.0f}' for p in rss)} | {s.ranks[0]['step_s']:.3f} | {s.final_loss:.6f} |")
     ratio = (sum(peaks[args.group]) / len(peaks[args.group])) / (sum(peaks[0]) / len(peaks[0]))
     print(f"\n## peak RSS with and without optim.step_group_size={args.group:,}, {args.nproc_per_node} rank(s), "
           f"fresh processes\n\n" + "\n".join(rows) + f"\n\ngrouped / whole, mean peak RSS: {ratio:.2f} x")

@@ -26,8 +26,8 @@ import torch
 
 from fsdp_zero.tools import DEFAULTS, ORDER, dataparallel_row, read_rows, report
 from fsdp_zero.config import load_config
+from fsdp_zero.tools import train_command
 
-TRAIN = Path(__file__).resolve().parent / "train.py"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"skipped {strategy.value}: {e}", file=sys.stderr)
             continue
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
-               str(TRAIN), *(["--config", args.config] if args.config else []), *overrides,
-               f"parallel.strategy={strategy.value}", f"run.name={strategy.value}"]
+        cmd = train_command(args.nproc_per_node, [*(["--config", args.config] if args.config else []), *overrides,
+                                                  f"parallel.strategy={strategy.value}", f"run.name={strategy.value}"])
         if subprocess.run(cmd).returncode != 0:
             print(f"error: strategy {strategy.value} failed; see above", file=sys.stderr)
             return 1

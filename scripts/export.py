@@ -23,6 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fsdp_zero.config import CONFIG_FILE
 from fsdp_zero.model import ADAPTER_FILES, export_plan
 from fsdp_zero.monitor import parse_size
 from fsdp_zero.model import export_files
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         view, adapter_files = export_plan(args.checkpoint, args.adapters_only)
         if args.adapters_only and (limit or args.out.suffix == ".safetensors"):
             raise ValueError("--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size")
-        extra = adapter_files or (None if args.weights_only or not (args.checkpoint / "config.yaml").is_file() else (
+        extra = adapter_files or (None if args.weights_only or not (args.checkpoint / CONFIG_FILE).is_file() else (
             export_files(args.checkpoint)))
         if callable(extra) and args.out.suffix == ".safetensors":
             extra = f"--out {str(args.out)!r} is one file; give a folder for a from_pretrained folder"

@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.hf_fixtures import tiny_tokenizer_dir  # noqa: E402, F401 (a fixture: every test module may ask for it)
+from fsdp_zero.tools.launch import train_command
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
@@ -111,11 +112,7 @@ def start(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool 
           cwd: Path = REPO) -> Callable[[], subprocess.CompletedProcess]:
     """`launch`, started now: returns the function that waits for it (and checks it as `launch` does), for a
     run that the test process works beside."""
-    if nproc == 0:
-        cmd = [sys.executable, str(script), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *torchrun_args, str(script), *args]
+    cmd = train_command(nproc, args, script=script, torchrun_args=torchrun_args, torchrun=nproc > 0)
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills up
     process = subprocess.Popen(cmd, cwd=cwd, env=_run_env(env, gpu), stdout=out, stderr=err, text=True)
 

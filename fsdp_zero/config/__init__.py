@@ -1,7 +1,7 @@
 """What a run is: the schema, the strategy table, the loader and the DeepSpeed reader (torch-free)."""
 
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
-from fsdp_zero.config.loader import load_config, to_yaml
+from fsdp_zero.config.loader import load_config, read_saved_config, to_yaml
 from fsdp_zero.config.paths import CONFIG_FILE, RunDir, STATE_FILE
 from fsdp_zero.config.presets import BUILTIN_FIELDS, check_model_config, model_args, PRESETS, TransformerArgs
 from fsdp_zero.config.schema import ActivationCheckpointing, Backend, Config, DataConfig, DataSource, Device, DistConfig, Init, LoRAConfig, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Schedule, Task, TOKEN_SOURCES, TrainConfig, validate, WrapConfig, WrapPolicy
@@ -34,6 +34,7 @@ __all__ = [
     "PrecisionConfig",
     "PRESETS",
     "read_deepspeed",
+    "read_saved_config",
     "RunDir",
     "Schedule",
     "STATE_FILE",

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_zero.config.strategies import STRATEGY_ALIASES, ZERO_STAGES
 from fsdp_zero.config.schema import Config, validate
+from fsdp_zero.config.paths import CONFIG_FILE
 from fsdp_zero.config.presets import check_model_config
 
 
@@ -54,6 +55,31 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] = ()
         except Exception as e:
             raise ValueError(f"override {item!r}: {e}") from None
 
+    cfg = _merged(layers)
+    check_model_config(cfg.model)
+    validate(cfg)
+    return cfg
+
+
+def read_saved_config(folder: str | Path) -> Config:
+    """The config a run directory or a checkpoint saved (``folder/config.yaml``), typed but not validated
+    again: it says what the run was (files it names may have moved since).
+
+    Raises:
+        ValueError: no config.yaml there, or one this version cannot read.
+    """
+    path = Path(folder) / CONFIG_FILE
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as e:  # missing, unreadable or not YAML
+        raise ValueError(f"{str(path)!r}: {e}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ValueError(f"{str(path)!r}: must hold a mapping of keys, got {type(loaded).__name__}")
+    return _merged([(str(path), loaded)])
+
+
+def _merged(layers: list[tuple[str, DictConfig]]) -> Config:
+    """The defaults with each layer merged over them, aliases read and unknown keys refused."""
     merged = OmegaConf.structured(Config)
     for origin, layer in layers:
         _apply_aliases(layer)
@@ -67,8 +93,6 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] = ()
     except OmegaConfBaseException as e:  # e.g. a ${...} interpolation that does not resolve
         raise ValueError(_explain(e, "config")) from None
     assert isinstance(cfg, Config)
-    check_model_config(cfg.model)
-    validate(cfg)
     return cfg
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_zero.config.loader import read_saved_config
 from fsdp_zero.config.schema import ModelConfig
 from fsdp_zero.config.targets import import_target
 
@@ -176,31 +177,29 @@ def export_files(checkpoint: Path) -> Callable[[torch.dtype | None], dict[str, b
     config built from ``model.kwargs``, as the trainer built it. The tokenizer files only exist for
     the first.
     """
-    from omegaconf import OmegaConf
-
     try:
-        model = OmegaConf.to_container(OmegaConf.load(checkpoint / "config.yaml"))["model"]
-    except Exception as e:
+        model = read_saved_config(checkpoint).model
+    except ValueError as e:
         return f"its config.yaml does not say what the model was ({e})"
-    kwargs = model.get("kwargs") or {}
-    if model.get("pretrained"):
+    kwargs = dict(model.kwargs or {})
+    if model.pretrained:
         copied = checkpoint.resolve().parent.parent / RUN_DIR_FOLDER
-        source = copied if (copied / CONFIG_FILE).is_file() else Path(model["pretrained"])
+        source = copied if (copied / CONFIG_FILE).is_file() else Path(model.pretrained)
         if not (source / CONFIG_FILE).is_file():
-            return f"neither {copied} nor model.pretrained={model['pretrained']!r} holds {CONFIG_FILE} any more"
+            return f"neither {copied} nor model.pretrained={model.pretrained!r} holds {CONFIG_FILE} any more"
         config = {**json.loads((source / CONFIG_FILE).read_text()), **kwargs}
         extra = {name: (source / name).read_bytes() for name in HF_FILES[1:] if (source / name).is_file()}
-    elif model.get("target"):
+    elif model.target:
         try:
-            cls = import_target(model["target"], "model.target")
+            cls = import_target(model.target, "model.target")
         except ValueError as e:
             return f"the model class could not be imported to tell whether it is a Hugging Face one: {e}"
         if not (inspect.isclass(cls) and hasattr(getattr(cls, "config_class", None), "to_dict")):
-            return f"model.target={model['target']} is not a Hugging Face model class (it has no config_class)"
+            return f"model.target={model.target} is not a Hugging Face model class (it has no config_class)"
         config = {**cls.config_class(**kwargs).to_dict(), "architectures": [cls.__name__]}
         extra = {}
     else:
-        return f"the built-in model (model.preset={model.get('preset')}) is not a Hugging Face model"
+        return f"the built-in model (model.preset={model.preset}) is not a Hugging Face model"
 
     def files(dtype: torch.dtype | None) -> dict[str, bytes]:
         out = dict(config)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_zero.model import init as init_lib
+from fsdp_zero.config.loader import read_saved_config
 from fsdp_zero.config.schema import LoRAConfig, ModelConfig
 
 
@@ -180,31 +181,29 @@ def export_plan(checkpoint: Path, adapters_only: bool):  # noqa: ANN201
         ValueError: ``adapters_only`` for a run without LoRA, or one that trained more than its adapters
             (``model.lora.train``: those parameters are only in the merged export).
     """
-    from omegaconf import OmegaConf
-
     try:
-        model = OmegaConf.to_container(OmegaConf.load(checkpoint / "config.yaml"))["model"]
-    except Exception:
-        model = {}
-    lora = model.get("lora") or {}
-    if not lora.get("rank"):
+        model = read_saved_config(checkpoint).model
+    except ValueError:
+        model = ModelConfig()
+    lora = model.lora
+    if not lora.rank:
         if adapters_only:
             raise ValueError(f"--adapters-only: checkpoint {str(checkpoint)!r} has no LoRA adapters (its config.yaml "
                              "has no model.lora.rank); export it without --adapters-only")
         return None, None
-    if adapters_only and lora.get("train"):
-        raise ValueError(f"--adapters-only: the run also trained model.lora.train={lora['train']}, which an adapter "
+    if adapters_only and lora.train:
+        raise ValueError(f"--adapters-only: the run also trained model.lora.train={lora.train}, which an adapter "
                          "file does not hold; export without --adapters-only (merged) to keep them")
     seen: list[str] = []
-    view = export_view(lora["alpha"] / lora["rank"], adapters_only, seen)
+    view = export_view(lora.alpha / lora.rank, adapters_only, seen)
     if not adapters_only:
         return view, None
 
     def adapter_files(dtype: torch.dtype | None) -> dict[str, bytes]:
         # target_modules as full names: PEFT adapts a module whose name equals one (or ends with "." + one).
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
-                  "lora_dropout": lora["dropout"], "target_modules": seen, "bias": "none", "fan_in_fan_out": False,
-                  "inference_mode": True, "base_model_name_or_path": model.get("pretrained"), "modules_to_save": None}
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+                  "lora_dropout": lora.dropout, "target_modules": seen, "bias": "none", "fan_in_fan_out": False,
+                  "inference_mode": True, "base_model_name_or_path": model.pretrained, "modules_to_save": None}
         return {ADAPTER_FILES[1]: (json.dumps(config, indent=2) + "\n").encode()}
 
     return view, adapter_files

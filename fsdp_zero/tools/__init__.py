@@ -2,6 +2,7 @@
 
 from fsdp_zero.tools.compare import dataparallel_row, DEFAULTS, ORDER, read_rows, report
 from fsdp_zero.tools.fit import DIMENSIONS, fit_rates, MARGIN, Scored, search, searched_overrides
+from fsdp_zero.tools.launch import train_command
 from fsdp_zero.tools.planner import deepspeed_zero3_estimate, format_bytes, format_gb, HEAP_RETENTION, PAPER_K, PLAN_MODES, Prediction, simulate, Simulator, strategy_states, zero_paper_stages
 from fsdp_zero.tools.rates import Rates
 
@@ -28,5 +29,6 @@ __all__ = [
     "simulate",
     "Simulator",
     "strategy_states",
+    "train_command",
     "zero_paper_stages",
 ]

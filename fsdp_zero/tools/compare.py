@@ -10,6 +10,7 @@ peak_reserved_mib``; `read_rows` builds them from each run's summary.json.
 from __future__ import annotations
 
 from fsdp_zero.config.paths import RunDir
+from fsdp_zero.training.steplog import Summary
 import json
 import time
 from pathlib import Path
@@ -39,16 +40,15 @@ def read_rows(out: Path, strategies: list[Strategy] = ORDER) -> dict[str, list[d
     e.g. skipped because the settings do not apply to them, are left out)."""
     rows = {}
     for strategy in strategies:
-        path = RunDir(out / strategy.value).summary
-        if not path.exists():
+        if not RunDir(out / strategy.value).summary.exists():
             continue
-        summary = json.loads(path.read_text())
+        summary = Summary.read(out / strategy.value)
         rows[strategy.value] = [
-            {"strategy": strategy.value, "num_params": summary["num_params"], "steps": summary["steps"],
-             "final_loss": summary["final_loss"], "step_s": r["step_s"], "model_state": r["model_state_bytes"],
-             "formula": summary["model_state_formula_bytes"], "precision": summary["precision"],
+            {"strategy": strategy.value, "num_params": summary.num_params, "steps": summary.steps,
+             "final_loss": summary.final_loss, "step_s": r["step_s"], "model_state": r["model_state_bytes"],
+             "formula": summary.model_state_formula_bytes, "precision": summary.precision,
              "breakdown": r["breakdown"], "peak_rss_mib": r["peak_rss_mib"], "peak_reserved_mib": r["peak_reserved_mib"]}
-            for r in summary["ranks"]]
+            for r in summary.ranks]
     return rows
 
 

@@ -3,7 +3,7 @@
 from fsdp_zero.training.evaluate import EvalResult, Evaluator
 from fsdp_zero.training.rundir import decide, RunDecision
 from fsdp_zero.training.step import clip_grad_norm_, lr_factor, set_lr, train_step
-from fsdp_zero.training.steplog import StepLogger, StepRecord, write_summary
+from fsdp_zero.training.steplog import StepLogger, StepRecord, Summary, write_summary
 from fsdp_zero.training.stopping import StepGuard, Verdict
 from fsdp_zero.training.trainer import setup, train, TrainResult
 
@@ -19,6 +19,7 @@ __all__ = [
     "StepGuard",
     "StepLogger",
     "StepRecord",
+    "Summary",
     "train",
     "train_step",
     "TrainResult",

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from fsdp_zero.checkpoint.dcp import checkpoint_step, latest_checkpoint, list_checkpoints, read_train_state
 from fsdp_zero.config.schema import Config
-from fsdp_zero.config.loader import to_yaml
+from fsdp_zero.config.loader import read_saved_config, to_yaml
 from fsdp_zero.distributed.env import DistEnv, broadcast_object
 from fsdp_zero.model.hf import run_dir_files
 
@@ -123,7 +123,7 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
             )
 
     if resume_from is not None:
-        old = OmegaConf.to_container(OmegaConf.load(resume_from / "config.yaml"))
+        old = to_plain(read_saved_config(resume_from))
         new = to_plain(cfg)
         if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
             seed = new["train"]["seed"] = old["train"]["seed"]

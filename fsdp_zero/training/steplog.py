@@ -30,7 +30,8 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -223,6 +224,37 @@ class StepLogger:
         self.history.close()
 
 
+@dataclass(frozen=True)
+class Summary:
+    """summary.json: what a finished run measured, with every rank's figures (``ranks``, rank order). It is
+    written here and read back only through `Summary.read` (compare.py, the benchmarks)."""
+
+    strategy: str
+    precision: str
+    steps: int
+    final_loss: float | None
+    num_params: int
+    num_frozen: int
+    world_size: int
+    model_state_formula_bytes: float  # the strategy's formula (`fsdp_zero.sharding.parallelize.model_state_formula`)
+    grad_sync: str
+    comm_formula_bytes: dict[str, float] | None  # by kind (`fsdp_zero.monitor.comm.comm_formula`); None: not counted
+    ranks: list[dict[str, Any]]  # per rank: model_state_bytes, peak_rss_mib, step_s, breakdown, comm_bytes, ...
+
+    def write(self, run_dir: Path) -> None:
+        RunDir(run_dir).summary.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, run_dir: Path) -> Summary:
+        """Raises:
+        ValueError: no summary.json in ``run_dir`` (the run did not finish), or one this version did not write."""
+        path = RunDir(run_dir).summary
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{str(path)!r}: not a summary this version reads ({e})") from None
+
+
 def write_summary(cfg: Config, env: DistEnv, record: StepRecord, built: Built, run_dir: Path, last: int) -> None:
     """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
     only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
@@ -243,9 +275,7 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, built: Built, r
     ranks = [None] * env.world_size
     dist.all_gather_object(ranks, mine)
     if env.is_rank0:
-        summary = {"strategy": cfg.parallel.strategy.value, "precision": cfg.precision.mode, "steps": last,
-                   "final_loss": record.losses.get(last), "num_params": num_params, "num_frozen": num_frozen,
-                   "world_size": env.world_size,
-                   "model_state_formula_bytes": formula, "grad_sync": cfg.parallel.grad_sync.value,
-                   "comm_formula_bytes": record.comm_formula or None, "ranks": ranks}
-        RunDir(run_dir).summary.write_text(json.dumps(summary, indent=2) + "\n")
+        Summary(strategy=cfg.parallel.strategy.value, precision=cfg.precision.mode, steps=last,
+                final_loss=record.losses.get(last), num_params=num_params, num_frozen=num_frozen,
+                world_size=env.world_size, model_state_formula_bytes=formula, grad_sync=cfg.parallel.grad_sync.value,
+                comm_formula_bytes=record.comm_formula or None, ranks=ranks).write(run_dir)
