@@ -107,3 +107,16 @@ def test_every_source_mutant_still_finds_the_expression_it_replaces():
         if old not in (REPO / (module.replace(".", "/") + ".py")).read_text():
             missing.append(f"{ast.literal_eval(name)}: {old!r} is not in {module}")
     assert missing == []
+
+
+def test_only_the_schema_and_the_task_table_name_a_task():
+    """What a task means is `fsdp_zero.model.tasks.TASKS`' row (and the schema's rules): no other module
+    branches on a task."""
+    named = []
+    for path, _ in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("config/") or rel == "model/tasks.py":
+            continue
+        named += [f"{rel}:{n.lineno}" for n in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "Task"]
+    assert named == []

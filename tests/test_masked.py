@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from fsdp_zero.config.schema import Task
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import TokenFile
-from fsdp_zero.training.evaluate import lm_sums
+from fsdp_zero.model.tasks import lm_sums
 from fsdp_zero.model.transformer import args_from_config
 from fsdp_zero.data.prepare import prepare, validation_documents
 from fsdp_zero.data.token_files import IGNORE, mask_file

@@ -4,13 +4,14 @@ from fsdp_zero.model.construct import construct, meta_parameters, real_buffers
 from fsdp_zero.model.hf import export_files, INDEX_FILE, run_dir_files, SINGLE_FILE, weights_path
 from fsdp_zero.model.init import local_rows
 from fsdp_zero.model.lora import ADAPTER_FILES, adapter_names, export_plan, frozen_count, init_adapters, LoRALinear, make_trainable
-from fsdp_zero.model.tasks import build_task, logits_of, LossFn, max_seq_len, num_outputs, to_device, trained_tokens, vocab_size
+from fsdp_zero.model.tasks import build_task, check_classes_fit, logits_of, LossFn, max_seq_len, num_outputs, TASKS, to_device, trained_tokens, vocab_size
 from fsdp_zero.model.transformer import Transformer
 
 __all__ = [
     "ADAPTER_FILES",
     "adapter_names",
     "build_task",
+    "check_classes_fit",
     "construct",
     "export_files",
     "export_plan",
@@ -28,6 +29,7 @@ __all__ = [
     "real_buffers",
     "run_dir_files",
     "SINGLE_FILE",
+    "TASKS",
     "to_device",
     "trained_tokens",
     "Transformer",

@@ -17,14 +17,16 @@ uses to divide by the trained tokens of the whole global batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_zero.config.schema import ModelConfig, Task
+from fsdp_zero.config.schema import DataSource, ModelConfig, Task
 from fsdp_zero.config.targets import import_target
 from fsdp_zero.data.token_files import IGNORE
 
@@ -130,3 +132,53 @@ def num_outputs(model: nn.Module) -> int | None:
         if isinstance(m, nn.Linear):
             last = m
     return last.out_features if last is not None else None
+
+
+def lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(summed next-token cross-entropy, predictions, 0) of one batch, in float64: the training loss
+    (`fsdp_zero.model.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of averaged."""
+    inputs, targets = batch
+    logits = logits_of(model(inputs)).float()
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # 0 where IGNORE
+    counted = (targets != IGNORE).sum().double()  # every target, unless a mask file leaves some out
+    return torch.stack([losses.double().sum(), counted,
+                        torch.zeros((), dtype=torch.float64, device=losses.device)])
+
+
+def classification_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(summed cross-entropy, images, images classified right) of one batch, in float64."""
+    inputs, labels = batch
+    logits = logits_of(model(inputs)).float()
+    losses = F.cross_entropy(logits, labels, reduction="none")
+    right = (logits.argmax(-1) == labels).sum()
+    return torch.stack([losses.double().sum(), torch.tensor(labels.numel(), dtype=torch.float64, device=losses.device),
+                        right.double()])
+
+
+def check_classes_fit(what: str, classes: int, model: nn.Module) -> None:
+    """Raises a ValueError when ``what`` (e.g. ``eval.path='...'``) has more classes than the model outputs."""
+    outputs = num_outputs(model)
+    if classes and outputs and classes > outputs:
+        raise ValueError(f"{what} has {classes} classes but the model's last layer has {outputs} outputs; build the "
+                         f"model for {classes} (e.g. model.kwargs.num_classes={classes})")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a task means beyond its loss (`build_task`): how an evaluation reads held-out data, sums a
+    batch and reports, and whether the data's classes must fit the model's outputs. Every module that
+    needs a task's meaning reads `TASKS`; none but this one and the schema names a task."""
+
+    eval_source: DataSource | None  # what eval.path holds (windows of a token file, an ImageFolder); None: none
+    eval_sums: Callable[[nn.Module, Any], torch.Tensor] | None  # a batch's (loss sum, count, right), float64
+    eval_scalars: Callable[[float, float, float], dict[str, float]] | None  # (loss, right, count) -> besides eval/loss
+    classes_fit_outputs: bool = False  # the data's labels index the model's outputs
+
+
+TASKS: dict[Task, TaskSpec] = {
+    Task.causal_lm: TaskSpec(DataSource.tokens, lm_sums,
+                             lambda loss, right, count: {"eval/perplexity": math.exp(loss) if loss < 700 else math.inf}),
+    Task.classification: TaskSpec(DataSource.images, classification_sums,
+                                  lambda loss, right, count: {"eval/accuracy": right / count}, classes_fit_outputs=True),
+    Task.custom: TaskSpec(None, None, None),
+}

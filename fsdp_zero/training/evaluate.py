@@ -31,13 +31,12 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -45,8 +44,7 @@ from fsdp_zero.config.schema import Config, DataSource, Task
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.sharding.parallelize import unwrap
-from fsdp_zero.data.token_files import IGNORE
-from fsdp_zero.model.tasks import logits_of, num_outputs, to_device, vocab_size
+from fsdp_zero.model.tasks import TASKS, check_classes_fit, to_device, vocab_size
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -101,27 +99,6 @@ class FolderImages:
         return torch.stack([image for image, _ in pairs]), torch.tensor([int(label) for _, label in pairs])
 
 
-def lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """(summed next-token cross-entropy, predictions, 0) of one batch, in float64: the training loss
-    (`fsdp_zero.model.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of averaged."""
-    inputs, targets = batch
-    logits = logits_of(model(inputs)).float()
-    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # 0 where IGNORE
-    counted = (targets != IGNORE).sum().double()  # every target, unless a mask file leaves some out
-    return torch.stack([losses.double().sum(), counted,
-                        torch.zeros((), dtype=torch.float64, device=losses.device)])
-
-
-def classification_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """(summed cross-entropy, images, images classified right) of one batch, in float64."""
-    inputs, labels = batch
-    logits = logits_of(model(inputs)).float()
-    losses = F.cross_entropy(logits, labels, reduction="none")
-    right = (logits.argmax(-1) == labels).sum()
-    return torch.stack([losses.double().sum(), torch.tensor(labels.numel(), dtype=torch.float64, device=losses.device),
-                        right.double()])
-
-
 def rank_batches(num_items: int, world_size: int, rank: int, micro_batch_size: int) -> list[list[int]]:
     """This rank's micro-batches of item indices: items rank, rank + N, rank + 2N, ..., then empty
     lists (a dummy forward each) up to the count every rank runs, ceil(ceil(n / N) / micro_batch_size)."""
@@ -155,7 +132,8 @@ class Evaluator:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
         self.env = env
         self.batches = rank_batches(num_items, env.world_size, env.rank, micro_batch_size)
-        self.sums: Callable[[nn.Module, Any], torch.Tensor] = lm_sums if task is Task.causal_lm else classification_sums
+        self.spec = TASKS[task]
+        assert self.spec.eval_sums is not None, f"model.task={task.value} has no evaluation (config.validate refuses it)"
 
     def due(self, step: int, last: int) -> bool:
         """Whether to evaluate after optimizer step ``step``: every ``every``-th step, and the last."""
@@ -184,7 +162,7 @@ class Evaluator:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 for indices in self.batches:
                     # An empty share still forwards (item 0), so that every rank takes part in every all-gather.
-                    sums = self.sums(module, to_device(self.items.batch(indices or [0]), device))
+                    sums = self.spec.eval_sums(module, to_device(self.items.batch(indices or [0]), device))
                     if indices:
                         totals += sums
         finally:
@@ -195,10 +173,7 @@ class Evaluator:
             dist.all_reduce(totals)  # the evaluation's one reduction: loss sum, count, right
         loss_sum, count, right = totals.tolist()  # a sync point, once per evaluation
         loss = loss_sum / count if count else math.nan  # a masked held-out set without one trained token
-        if self.task is Task.causal_lm:
-            scalars = {"eval/loss": loss, "eval/perplexity": math.exp(loss) if loss < 700 else math.inf}
-        else:
-            scalars = {"eval/loss": loss, "eval/accuracy": right / count}
+        scalars = {"eval/loss": loss, **self.spec.eval_scalars(loss, right, count)}
         return EvalResult(scalars, self.num_items, self.items.unit, int(count), time.perf_counter() - start)
 
 
@@ -221,10 +196,7 @@ def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> Folde
         # ImageFolder numbers classes by sorted folder name: other folders would shift every label.
         raise ValueError(f"eval.path={cfg.eval.path!r} has classes {classes}, but data.path has {list(trained)}; "
                          "give both the same class folders")
-    outputs = num_outputs(model)
-    if outputs and len(classes) > outputs:
-        raise ValueError(f"eval.path={cfg.eval.path!r} has {len(classes)} classes but the model's last layer has "
-                         f"{outputs} outputs")
+    check_classes_fit(f"eval.path={cfg.eval.path!r}", len(classes), model)
     return images
 
 
@@ -240,7 +212,7 @@ def build_evaluator(cfg: Config, env: DistEnv, model: nn.Module, train_source: o
         if e.path:
             logger.warning("eval.path=%s has no effect with eval.every=0 (no evaluation)", e.path)
         return None
-    items: Items = (_token_windows(cfg, vocab_size(model)) if cfg.model.task is Task.causal_lm
+    items: Items = (_token_windows(cfg, vocab_size(model)) if TASKS[cfg.model.task].eval_source is DataSource.tokens
                     else _folder_images(cfg, model, train_source))
     limit = e.max_batches * cfg.train.global_batch_size
     num_items = min(len(items), limit) if limit else len(items)

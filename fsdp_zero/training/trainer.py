@@ -25,7 +25,7 @@ import fsdp_zero
 from fsdp_zero.sharding.build import Built, build
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
 from fsdp_zero.monitor.comm import CommMeter
-from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource, Task
+from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource
 from fsdp_zero.config.strategies import is_fsdp
 from fsdp_zero.config.loader import to_yaml
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
@@ -41,7 +41,7 @@ from fsdp_zero.training.step import StepResult, set_lr, train_step
 from fsdp_zero.training.steplog import StepLogger, StepRecord, write_summary
 from fsdp_zero.errors import CollectiveFailed, Diverged, Stopped
 from fsdp_zero.training.stopping import StepGuard, budget_deadline, budget_job
-from fsdp_zero.model.tasks import LossFn, build_task, max_seq_len, num_outputs, trained_tokens, vocab_size
+from fsdp_zero.model.tasks import TASKS, LossFn, build_task, check_classes_fit, max_seq_len, trained_tokens, vocab_size
 from fsdp_zero.checkpoint.weights import load_full_weights
 from fsdp_zero.sharding.wrap import WrapPlan
 
@@ -80,10 +80,8 @@ def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
     if cfg.data.source in TOKEN_SOURCES and limit and cfg.data.seq_len > limit:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} > the model's longest sequence {limit}; lower data.seq_len "
                          "(or raise the model's, e.g. model.max_seq_len)")
-    classes, outputs = getattr(source, "num_classes", 0), num_outputs(model)
-    if cfg.model.task is Task.classification and classes and outputs and classes > outputs:
-        raise ValueError(f"data.source={cfg.data.source.value} has {classes} classes but the model's last layer has "
-                         f"{outputs} outputs; build the model for {classes} (e.g. model.kwargs.num_classes={classes})")
+    if TASKS[cfg.model.task].classes_fit_outputs:
+        check_classes_fit(f"data.source={cfg.data.source.value}", getattr(source, "num_classes", 0), model)
 
 
 def data_workers(cfg: Config) -> int:
