@@ -23,12 +23,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_zero.config import CONFIG_FILE
-from fsdp_zero.model import ADAPTER_FILES, export_plan
+from fsdp_zero.checkpoint import EXPORT_DTYPES, export
 from fsdp_zero.monitor import parse_size
-from fsdp_zero.model import export_files
-from fsdp_zero.checkpoint import EXPORT_DTYPES, export_checkpoint
-from fsdp_zero.model import SINGLE_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,23 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
-        view, adapter_files = export_plan(args.checkpoint, args.adapters_only)
-        if args.adapters_only and (limit or args.out.suffix == ".safetensors"):
-            raise ValueError("--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size")
-        extra = adapter_files or (None if args.weights_only or not (args.checkpoint / CONFIG_FILE).is_file() else (
-            export_files(args.checkpoint)))
-        if callable(extra) and args.out.suffix == ".safetensors":
-            extra = f"--out {str(args.out)!r} is one file; give a folder for a from_pretrained folder"
-        if isinstance(extra, str):
-            print(f"note: no config.json: {extra}; the weights only", file=sys.stderr)
-        files = export_checkpoint(args.checkpoint, args.out, EXPORT_DTYPES.get(args.dtype), limit,
-                                  extra if callable(extra) else None, view)
-        if adapter_files:  # PEFT's file name for the one safetensors file
-            files = [f.rename(args.out / ADAPTER_FILES[0]) if f.name == SINGLE_FILE else f for f in files]
+        exported = export(args.checkpoint, args.out, dtype=EXPORT_DTYPES.get(args.dtype), max_shard_bytes=limit,
+                          weights_only=args.weights_only, adapters_only=args.adapters_only)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for f in files:
+    if exported.note:
+        print(f"note: no config.json: {exported.note}; the weights only", file=sys.stderr)
+    for f in exported.files:
         print(f)
     return 0
 

@@ -1,11 +1,13 @@
 """State on disk: DCP checkpoints and full weights."""
 
 from fsdp_zero.checkpoint.dcp import checkpoint_step, Checkpointer, latest_checkpoint, list_checkpoints, load_checkpoint, read_train_state, TrainState
+from fsdp_zero.checkpoint.export import export
 from fsdp_zero.checkpoint.weights import export_checkpoint, EXPORT_DTYPES, load_full_weights
 
 __all__ = [
     "checkpoint_step",
     "Checkpointer",
+    "export",
     "export_checkpoint",
     "EXPORT_DTYPES",
     "latest_checkpoint",
