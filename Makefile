@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: install train test test-quick test-gpu-host mutants bench docs gpu-check
+.PHONY: install train test test-quick test-gpu-host mutants bench docs format gpu-check
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -41,6 +41,11 @@ bench: $(VENV)/.installed
 
 docs: $(VENV)/.installed
 	$(VENV)/bin/python scripts/docs.py $(ARGS)
+
+# ruff's formatter and linter, as pyproject.toml sets them; tests/test_layout.py fails until the tree is clean.
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff format fsdp_zero scripts bench tests
+	$(VENV)/bin/ruff check --fix fsdp_zero scripts bench tests
 
 # `make gpu-check` on a one-GPU machine (meant to take under 10 minutes; not yet run on a GPU): `pytest -m gpu`, then
 # bench/gpu_check.py's figures (docs/benchmarks.md). Its CPU-side parts run in `make test` (--dry-run).

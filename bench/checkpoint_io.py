@@ -67,8 +67,15 @@ def peak_rss_of(argv: list[str] | None, body: str = "runpy.run_path(sys.argv[0],
 
 
 def main() -> None:
-    defaults = ["model.preset=gpt_small", "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1",
-                "train.steps=1", "checkpoint.enabled=false", "metrics.tensorboard=false"]
+    defaults = [
+        "model.preset=gpt_small",
+        "data.seq_len=64",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+        "train.steps=1",
+        "checkpoint.enabled=false",
+        "metrics.tensorboard=false",
+    ]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="key=value settings over the defaults")
     cfg = load_config(None, defaults + parser.parse_args().overrides)
@@ -77,7 +84,9 @@ def main() -> None:
 
 
 def run(cfg, env) -> None:  # noqa: ANN001
-    root = Path(broadcast_object(tempfile.mkdtemp(prefix="fsdp-zero-ckpt-bench-", dir=".") if env.is_rank0 else None, env))
+    root = Path(
+        broadcast_object(tempfile.mkdtemp(prefix="fsdp-zero-ckpt-bench-", dir=".") if env.is_rank0 else None, env)
+    )
     cfg.run.root, cfg.run.name = str(root), "run"
     parts = setup(cfg, env)
     train(cfg, env, parts)  # one step, so AdamW states exist
@@ -112,17 +121,33 @@ def run(cfg, env) -> None:  # noqa: ANN001
         out = root / "export.safetensors"
         export_rss = peak_rss_of(["scripts/export.py", str(ckpt), "--out", str(out)])
         assert out.stat().st_size > model_bytes, "export did not run"
-        base_rss = peak_rss_of(None, body="import torch, torch.distributed.checkpoint, safetensors, fsdp_zero.checkpoint.weights")
-        print(f"\n## checkpoint I/O: {cfg.model.preset} ({parts.num_params:,} params), world size {env.world_size}, disk under {root}")
-        print(f"{'rank':>4} {'shard GB':>9} {'save GB/s':>10} {'load GB/s':>10} {'plain write GB/s':>17} {'save/plain':>11}")
+        base_rss = peak_rss_of(
+            None, body="import torch, torch.distributed.checkpoint, safetensors, fsdp_zero.checkpoint.weights"
+        )
+        print(
+            f"\n## checkpoint I/O: {cfg.model.preset} ({parts.num_params:,} params), world size {env.world_size}, "
+            f"disk under {root}"
+        )
+        print(
+            f"{'rank':>4} {'shard GB':>9} {'save GB/s':>10} {'load GB/s':>10} {'plain write GB/s':>17} "
+            f"{'save/plain':>11}"
+        )
         for r, (b, s, l, p) in enumerate(rows):
-            print(f"{r:>4} {b / GB:>9.3f} {b / s / GB:>10.3f} {b / l / GB:>10.3f} {b / p / GB:>17.3f} {(b / s) / (b / p):>11.2f}")
+            print(
+                f"{r:>4} {b / GB:>9.3f} {b / s / GB:>10.3f} {b / l / GB:>10.3f} {b / p / GB:>17.3f} "
+                f"{(b / s) / (b / p):>11.2f}"
+            )
         print("(the load reads what the save just wrote, mostly from the page cache)")
-        print(f"export peak RSS {export_rss / 2**20:,.0f} MiB; a process importing the same modules peaks at "
-              f"{base_rss / 2**20:,.0f} MiB; model weights {model_bytes / 2**20:,.0f} MiB, largest tensor {largest / 2**20:,.0f} MiB")
-        print(f"export peak RSS / model bytes = {export_rss / model_bytes:.2f}; "
-              f"(peak - import baseline) / model bytes = {(export_rss - base_rss) / model_bytes:.2f}; "
-              f"(peak - baseline) / largest tensor = {(export_rss - base_rss) / largest:.2f}")
+        print(
+            f"export peak RSS {export_rss / 2**20:,.0f} MiB; a process importing the same modules peaks at "
+            f"{base_rss / 2**20:,.0f} MiB; model weights {model_bytes / 2**20:,.0f} MiB, largest tensor "
+            f"{largest / 2**20:,.0f} MiB"
+        )
+        print(
+            f"export peak RSS / model bytes = {export_rss / model_bytes:.2f}; "
+            f"(peak - import baseline) / model bytes = {(export_rss - base_rss) / model_bytes:.2f}; "
+            f"(peak - baseline) / largest tensor = {(export_rss - base_rss) / largest:.2f}"
+        )
         import shutil
 
         shutil.rmtree(root)

@@ -27,16 +27,18 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from fsdp_zero.tools import train_command
-from fsdp_zero.config import RunDir
-from fsdp_zero.training import Summary
-from fsdp_zero.config import load_config
-from fsdp_zero.tools import MARGIN, Scored, fit_rates, search
-from fsdp_zero.tools import Rates
+from fsdp_zero.config import RunDir, load_config
 from fsdp_zero.monitor import parse_size
+from fsdp_zero.tools import MARGIN, Rates, Scored, fit_rates, search, train_command
+from fsdp_zero.training import Summary
 
-MODEL = ("model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256", "train.global_batch_size=8",
-         "train.micro_batch_size=1")
+MODEL = (
+    "model.preset=gpt_small",
+    "model.vocab_size=32768",
+    "data.seq_len=256",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=1",
+)
 RUN = ("train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false")
 MIB = 2**20
 
@@ -48,14 +50,14 @@ def run(out: Path, name: str, nproc: int, overrides: list[str], steps: int) -> t
     if proc.returncode:
         raise SystemExit(f"error: {name} ({' '.join(overrides)}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     times = [json.loads(line)["time"] for line in RunDir(out / name).metrics.read_text().splitlines()]
-    return Summary.read(out / name), statistics.median(
-        b - a for a, b in zip(times[2:], times[3:]))
+    return Summary.read(out / name), statistics.median(b - a for a, b in zip(times[2:], times[3:]))
 
 
 def short(s: Scored) -> str:
     c = s.candidate
-    return (f"{c.strategy.value}, {c.precision}, AC {c.checkpointing.value}, mb {c.micro_batch}, {c.grad_sync.value}"
-            + (", offload" if c.offload else ""))
+    return f"{c.strategy.value}, {c.precision}, AC {c.checkpointing.value}, mb {c.micro_batch}, {c.grad_sync.value}" + (
+        ", offload" if c.offload else ""
+    )
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -95,31 +97,43 @@ def main(argv: list[str] | None = None) -> int:
     given = {k: v for k, v in (("tflops", args.tflops), ("link_gbps", args.link_gbps)) if v is not None}
     rates = dataclasses.replace(Rates.default(cfg.dist.device.value), **given) if given else fit_rates(cfg, n)
     found = search(cfg, n, rates)
-    lines = [f"# plan.py --fit against real runs: {' '.join(model)}, {n} ranks",
-             f"\nrates: {rates.describe()}\n\nsearch: {len(found.scored)} candidates, {found.simulations} simulations, "
-             f"{found.seconds:.0f} s; margin {args.margin:g}; runs of {args.steps} steps\n",
-             "| budget | pick | predicted peak MiB | measured peak MiB | within budget | predicted step s | "
-             "measured step s | measured / predicted |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# plan.py --fit against real runs: {' '.join(model)}, {n} ranks",
+        f"\nrates: {rates.describe()}\n\nsearch: {len(found.scored)} candidates, {found.simulations} simulations, "
+        f"{found.seconds:.0f} s; margin {args.margin:g}; runs of {args.steps} steps\n",
+        "| budget | pick | predicted peak MiB | measured peak MiB | within budget | predicted step s | "
+        "measured step s | measured / predicted |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for i, text in enumerate(args.budgets.split(",")):
         budget = parse_size(text, "--budgets")
         pick = found.fit(budget, args.margin)
         summary, step = run(out, f"pick{i}", n, [*model, *pick.candidate.overrides()], args.steps)
         measured = max(r["peak_rss_mib"] for r in summary.ranks)
-        lines.append(f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
-                     f"{'yes' if measured * MIB <= budget else 'NO'} | {pick.cost:.2f} | {step:.2f} | {step / pick.cost:.2f} |")
+        lines.append(
+            f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
+            f"{'yes' if measured * MIB <= budget else 'NO'} | {pick.cost:.2f} | {step:.2f} | {step / pick.cost:.2f} |"
+        )
     spread = [found.scored[round(i * (len(found.scored) - 1) / max(1, args.ranked - 1))] for i in range(args.ranked)]
-    lines += ["", "| cost rank | candidate | predicted cost s | measured step s | measured / predicted | "
-              "predicted peak MiB | measured peak MiB |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| cost rank | candidate | predicted cost s | measured step s | measured / predicted | "
+        "predicted peak MiB | measured peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     costs, times = [], []
     for s in spread:
         summary, step = run(out, f"rank{found.scored.index(s)}", n, [*model, *s.candidate.overrides()], args.steps)
         peak = max(r["peak_rss_mib"] for r in summary.ranks)
         costs.append(s.cost)
         times.append(step)
-        lines.append(f"| {found.scored.index(s) + 1} of {len(found.scored)} | {short(s)} | {s.cost:.2f} | {step:.2f} "
-                     f"| {step / s.cost:.2f} | {s.peak / MIB:,.0f} | {peak:,.0f} |")
-    lines.append(f"\nrank correlation of predicted cost and measured step time (Spearman): {spearman(costs, times):+.2f}")
+        lines.append(
+            f"| {found.scored.index(s) + 1} of {len(found.scored)} | {short(s)} | {s.cost:.2f} | {step:.2f} "
+            f"| {step / s.cost:.2f} | {s.peak / MIB:,.0f} | {peak:,.0f} |"
+        )
+    lines.append(
+        f"\nrank correlation of predicted cost and measured step time (Spearman): {spearman(costs, times):+.2f}"
+    )
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "fit-bench.md").write_text(text)

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from fsdp_zero.tools import train_command as torchrun_command
+
 from fsdp_zero.config import RunDir
+from fsdp_zero.tools import train_command as torchrun_command
 from fsdp_zero.training import Summary
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,8 +55,14 @@ MIB = 2**20
 REPEATS = 3  # hand-written loop against ours: the median of alternating repeats
 # (name contains, dense bf16 TFLOP/s, fp32 TFLOP/s without TF32), NVIDIA's data sheets; first match wins.
 # An H100 SXM names itself "NVIDIA H100 80GB HBM3", an H200 SXM "NVIDIA H200".
-PEAK_TFLOPS = (("H100 PCIe", 756.0, 51.0), ("H100 NVL", 835.0, 60.0), ("H200 NVL", 835.0, 60.0),
-               ("H100", 989.0, 67.0), ("H200", 989.0, 67.0), ("A100", 312.0, 19.5))
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0, 51.0),
+    ("H100 NVL", 835.0, 60.0),
+    ("H200 NVL", 835.0, 60.0),
+    ("H100", 989.0, 67.0),
+    ("H200", 989.0, 67.0),
+    ("A100", 312.0, 19.5),
+)
 SETTINGS = {  # name -> overrides, each on top of plain fp32 ZeRO-3
     "fp32": (),
     "bf16-mixed": ("precision=bf16-mixed",),
@@ -65,8 +72,10 @@ SETTINGS = {  # name -> overrides, each on top of plain fp32 ZeRO-3
 RUN = ("train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=true")
 GPU_BATCH = ("train.global_batch_size=8",)  # 2 micro-batches of 4 x 1024 tokens; gpt_1b.yaml's 32 takes 4x longer
 DRY_BATCH = ("model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2")
-NO_GPU = ("bench/gpu_check.py needs a CUDA GPU and none is visible; --dry-run runs the same steps on the CPU "
-          "with a tiny model")
+NO_GPU = (
+    "bench/gpu_check.py needs a CUDA GPU and none is visible; --dry-run runs the same steps on the CPU "
+    "with a tiny model"
+)
 
 
 class RunFailed(RuntimeError):
@@ -107,8 +116,11 @@ class Mode:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="no GPU: the same steps on the CPU with gpt_nano")
-    parser.add_argument("--peak-tflops", help="BF16[,FP32]: the GPU's dense peak TFLOP/s, bf16 and fp32 without TF32 "
-                        "(one number: both); default: PEAK_TFLOPS by device name")
+    parser.add_argument(
+        "--peak-tflops",
+        help="BF16[,FP32]: the GPU's dense peak TFLOP/s, bf16 and fp32 without TF32 "
+        "(one number: both); default: PEAK_TFLOPS by device name",
+    )
     parser.add_argument("--config", help="YAML for every run (default: configs/gpt_1b.yaml; --dry-run: none)")
     parser.add_argument("--out", help="run folders and logs go here (default: a temporary folder)")
     parser.add_argument("--loop-worker", metavar="JSON", help=argparse.SUPPRESS)  # the worker process
@@ -157,8 +169,9 @@ def parse_peaks(text: str | None) -> tuple[float, float] | None:
 
 def make_mode(dry_run: bool, peaks: tuple[float, float] | None, config: str | None, overrides: list[str]) -> Mode:
     if dry_run:  # nothing here may initialise CUDA: the suite runs it on machines with GPUs too
-        return Mode("cpu", "CPU (dry run)", config and str(Path(config).resolve()), DRY_BATCH, tuple(overrides), 3,
-                    peaks, 0)
+        return Mode(
+            "cpu", "CPU (dry run)", config and str(Path(config).resolve()), DRY_BATCH, tuple(overrides), 3, peaks, 0
+        )
     name = torch.cuda.get_device_name(0)
     known = next(((bf16, fp32) for key, bf16, fp32 in PEAK_TFLOPS if key in name), None)
     path = Path(config).resolve() if config else REPO / "configs" / "gpt_1b.yaml"
@@ -201,16 +214,24 @@ def report(mode: Mode, command: str, out: Path) -> str:
     if mode.gpus >= 2:
         runs["fp32, 2 ranks (NCCL)"] = ("n2", (), 2)
     else:
-        skipped = ("the 2-rank NCCL comparison (fp32 on 2 ranks: per-rank memory against 1 rank) needs 2 GPUs; "
-                   + (f"{mode.gpus} visible" if mode.cuda else "a dry run uses none"))
+        skipped = "the 2-rank NCCL comparison (fp32 on 2 ranks: per-rank memory against 1 rank) needs 2 GPUs; " + (
+            f"{mode.gpus} visible" if mode.cuda else "a dry run uses none"
+        )
     pool = ThreadPoolExecutor(max_workers=1 if mode.cuda else 2)
     try:
         planned = plan_all(mode, out, runs) if mode.cuda else {}
-        worker = [sys.executable, __file__, "--loop-worker", str(out / "loop.json"),
-                  *mode.args(f"run.root={out / 'loop'}")]
+        worker = [
+            sys.executable,
+            __file__,
+            "--loop-worker",
+            str(out / "loop.json"),
+            *mode.args(f"run.root={out / 'loop'}"),
+        ]
         jobs = [pool.submit(launch, worker, out / "loop.log", "hand-written loop against ours")]  # the longest first
-        jobs += [pool.submit(launch, train_command(mode, out, *job), out / f"{job[0]}.log", label)
-                 for label, job in runs.items()]
+        jobs += [
+            pool.submit(launch, train_command(mode, out, *job), out / f"{job[0]}.log", label)
+            for label, job in runs.items()
+        ]
         planned = planned or plan_all(mode, out, runs)
         for job in jobs:
             job.result()
@@ -218,8 +239,10 @@ def report(mode: Mode, command: str, out: Path) -> str:
         pool.shutdown(cancel_futures=True)  # after a failure: the runs not started yet are not started
     measured = {}
     for label, (name, extra, _) in runs.items():
-        measured[label] = read_run(out / name, mode.cuda) | {"planned": planned[label],
-                                                             "tokens_per_step": tokens_per_step(mode, extra)}
+        measured[label] = read_run(out / name, mode.cuda) | {
+            "planned": planned[label],
+            "tokens_per_step": tokens_per_step(mode, extra),
+        }
         r = measured[label]
         progress(f"{label}: peak {r['ranks'][0]['peak']:,.0f} MiB, {r['tokens_per_s']:,.0f} tokens/s")
     loop = json.loads((out / "loop.json").read_text())
@@ -240,8 +263,14 @@ def launch(cmd: list[str], log: Path, label: str, timeout: float = 900) -> None:
     start = time.perf_counter()
     with open(log, "w") as f:
         try:
-            code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+            code = subprocess.run(
+                cmd,
+                cwd=REPO,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            ).returncode
         except subprocess.TimeoutExpired:
             code = f"timeout after {timeout:.0f} s"
     if code:
@@ -312,14 +341,19 @@ def read_run(run_dir: Path, cuda: bool) -> dict:
 
         figures = {"model_state_after": last("memory/model_state_mib"), "first_state": first_step("model_state_mib")}
         if cuda:
-            figures |= {"peak": mine["peak_reserved_mib"],
-                        "peak_allocated": max(e.value for e in acc.Scalars("memory/cuda_peak_allocated_mib")),
-                        "reserved_after": last("memory/cuda_reserved_mib"),
-                        "allocated_after": last("memory/cuda_allocated_mib"),
-                        "first_memory": first_step("cuda_allocated_mib")}
+            figures |= {
+                "peak": mine["peak_reserved_mib"],
+                "peak_allocated": max(e.value for e in acc.Scalars("memory/cuda_peak_allocated_mib")),
+                "reserved_after": last("memory/cuda_reserved_mib"),
+                "allocated_after": last("memory/cuda_allocated_mib"),
+                "first_memory": first_step("cuda_allocated_mib"),
+            }
         else:
-            figures |= {"peak": mine["peak_rss_mib"], "rss_after": last("memory/cpu_rss_mib"),
-                        "first_memory": first_step("cpu_rss_mib")}
+            figures |= {
+                "peak": mine["peak_rss_mib"],
+                "rss_after": last("memory/cpu_rss_mib"),
+                "first_memory": first_step("cpu_rss_mib"),
+            }
         ranks.append(figures)
     return {"summary": summary, "ranks": ranks, "tokens_per_s": statistics.median(rates[1:] or rates)}
 
@@ -348,8 +382,10 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
         cuda = env.device.type == "cuda"
         monitor = MemoryMonitor(env.device)
         cfg.train.seed = agree_on_seed(cfg.train.seed, env)
-        figures: dict = {"before": monitor.read(),
-                         "summary_before": torch.cuda.memory_summary(env.device) if cuda else None}
+        figures: dict = {
+            "before": monitor.read(),
+            "summary_before": torch.cuda.memory_summary(env.device) if cuda else None,
+        }
         peak_key = "cuda_peak_allocated_mib" if cuda else "cpu_peak_rss_mib"
         raw, ours, raw_peak, ours_peak = [], [], [], []
         for rep in range(REPEATS):
@@ -357,10 +393,13 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
             monitor.reset_peaks()
             parts = setup(cfg, env)
             if rep == 0:  # the model built and sharded, AdamW's states not yet allocated
-                figures |= {"after": monitor.read(), "state_after": model_state_bytes(parts.model).total / MIB,
-                            "summary_after": torch.cuda.memory_summary(env.device) if cuda else None,
-                            "num_params": parts.num_params,
-                            "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len}
+                figures |= {
+                    "after": monitor.read(),
+                    "state_after": model_state_bytes(parts.model).total / MIB,
+                    "summary_after": torch.cuda.memory_summary(env.device) if cuda else None,
+                    "num_params": parts.num_params,
+                    "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
+                }
             parts.model = parts.optimizer = None  # raw_loop builds its own: ours would sit beside it
             gc.collect()
             raw.append(raw_loop(parts, cfg, env)[0])
@@ -380,8 +419,14 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
             del parts
             gc.collect()
         if env.is_rank0:
-            figures |= {"raw_s": raw, "ours_s": ours, "raw_peak": raw_peak, "ours_peak": ours_peak,
-                        "steps": cfg.train.steps, "ratio": statistics.median(o / r for o, r in zip(ours, raw))}
+            figures |= {
+                "raw_s": raw,
+                "ours_s": ours,
+                "raw_peak": raw_peak,
+                "ours_peak": ours_peak,
+                "steps": cfg.train.steps,
+                "ratio": statistics.median(o / r for o, r in zip(ours, raw)),
+            }
             result.write_text(json.dumps(figures, indent=2))
     exit_process(0)
 
@@ -395,13 +440,20 @@ def render(mode: Mode, command: str, out: Path, runs: dict[str, dict], loop: dic
     first = next(iter(runs.values()))["summary"]
     versions = f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if mode.cuda else "")
     config = ["--config", os.path.relpath(mode.config, REPO)] if mode.config else []
-    lines = [f"## GPU check: {mode.label}, {versions}, {datetime.date.today()}", "",
-             f"`{command}`: {' '.join([*config, *mode.batch, *mode.user])}; {first.num_params:,} parameters, "
-             f"{first.steps} steps, full_shard (ZeRO-3); each setting a fresh `scripts/train.py` process (run "
-             f"folders and logs: {out})", ""]
+    lines = [
+        f"## GPU check: {mode.label}, {versions}, {datetime.date.today()}",
+        "",
+        f"`{command}`: {' '.join([*config, *mode.batch, *mode.user])}; {first.num_params:,} parameters, "
+        f"{first.steps} steps, full_shard (ZeRO-3); each setting a fresh `scripts/train.py` process (run "
+        f"folders and logs: {out})",
+        "",
+    ]
     if not mode.cuda:
-        lines += ["(dry run: the CPU and gloo, peak RSS where a GPU run shows reserved device memory; the figures "
-                  "check the benchmark, not a GPU)", ""]
+        lines += [
+            "(dry run: the CPU and gloo, peak RSS where a GPU run shows reserved device memory; the figures "
+            "check the benchmark, not a GPU)",
+            "",
+        ]
     lines += memory_section(mode, runs) + first_step_section(mode, runs) + throughput_section(mode, runs, loop)
     lines += loop_section(mode, loop)
     lines += ["### Two GPUs", "", f"skipped: {skipped}" if skipped else "fp32 on 2 ranks over NCCL: rows above.", ""]
@@ -416,8 +468,11 @@ def memory_section(mode: Mode, runs: dict[str, dict]) -> list[str]:
     """Per setting and rank: peak and after-step memory, model state, the planner's peak and the ratio."""
     kind = "reserved" if mode.cuda else "RSS"
     head = ["setting", "ranks", "rank"]
-    head += (["peak reserved", "peak allocated", "reserved after step", "allocated after step"] if mode.cuda
-             else ["peak RSS", "RSS after step"])
+    head += (
+        ["peak reserved", "peak allocated", "reserved after step", "allocated after step"]
+        if mode.cuda
+        else ["peak RSS", "RSS after step"]
+    )
     rows, failed = [], []
     for name, run in runs.items():
         planned = run["planned"]
@@ -425,28 +480,56 @@ def memory_section(mode: Mode, runs: dict[str, dict]) -> list[str]:
             failed += [f"- the planner failed for {name}: {planned}", ""]
         for rank, r in enumerate(run["ranks"]):
             cells = [name, str(run["summary"].world_size), str(rank), f"{r['peak']:,.0f}"]
-            cells += ([f"{r[k]:,.0f}" for k in ("peak_allocated", "reserved_after", "allocated_after")] if mode.cuda
-                      else [f"{r['rss_after']:,.0f}"])
+            cells += (
+                [f"{r[k]:,.0f}" for k in ("peak_allocated", "reserved_after", "allocated_after")]
+                if mode.cuda
+                else [f"{r['rss_after']:,.0f}"]
+            )
             planned_ok = isinstance(planned, float)
             ratio = [f"{planned:,.0f}", f"{r['peak'] / planned:.3f}"] if planned_ok else ["failed", "n/a"]
             rows.append(cells + [f"{r['model_state_after']:,.2f}", *ratio])
-    return [f"### Memory per rank (MiB) and the planner's peak {kind}", "",
-            *table(head + ["model state after step", "planner's peak", "measured / planned"], rows), "", *failed,
-            f"The planner predicts one rank's peak {kind} (`scripts/plan.py --world-size N --strategy full_shard "
-            f"--json F ... dist.device={mode.device}`, its `peak`); model state after the step is 12 P / N bytes "
-            "in fp32 (gradients freed).", ""]
+    return [
+        f"### Memory per rank (MiB) and the planner's peak {kind}",
+        "",
+        *table(head + ["model state after step", "planner's peak", "measured / planned"], rows),
+        "",
+        *failed,
+        f"The planner predicts one rank's peak {kind} (`scripts/plan.py --world-size N --strategy full_shard "
+        f"--json F ... dist.device={mode.device}`, its `peak`); model state after the step is 12 P / N bytes "
+        "in fp32 (gradients freed).",
+        "",
+    ]
 
 
 def first_step_section(mode: Mode, runs: dict[str, dict]) -> list[str]:
     """Rank 0's model state and memory at the first step's three phases (the trainer's memory_first_step/*)."""
     what = "allocated" if mode.cuda else "RSS"
-    rows = [[name, *(f"{v:,.2f}" for v in run["ranks"][0]["first_state"]),
-             *(f"{v:,.0f}" for v in run["ranks"][0]["first_memory"])] for name, run in runs.items()]
-    head = ["setting", "model state: built", "backward", "optimizer step", f"{what}: built", "backward",
-            "optimizer step"]
-    return [f"### The first step, rank 0 (MiB): model state and {what} after the build, the first backward and the "
-            "first optimizer step", "", *table(head, rows), "",
-            "(fp32 ZeRO-3 at N ranks: 4 P / N, 8 P / N, 16 P / N bytes of model state)", ""]
+    rows = [
+        [
+            name,
+            *(f"{v:,.2f}" for v in run["ranks"][0]["first_state"]),
+            *(f"{v:,.0f}" for v in run["ranks"][0]["first_memory"]),
+        ]
+        for name, run in runs.items()
+    ]
+    head = [
+        "setting",
+        "model state: built",
+        "backward",
+        "optimizer step",
+        f"{what}: built",
+        "backward",
+        "optimizer step",
+    ]
+    return [
+        f"### The first step, rank 0 (MiB): model state and {what} after the build, the first backward and the "
+        "first optimizer step",
+        "",
+        *table(head, rows),
+        "",
+        "(fp32 ZeRO-3 at N ranks: 4 P / N, 8 P / N, 16 P / N bytes of model state)",
+        "",
+    ]
 
 
 def mfu(mode: Mode, precision: str, params: int, tokens_per_s: float, ranks: int) -> str:
@@ -462,45 +545,98 @@ def throughput_section(mode: Mode, runs: dict[str, dict], loop: dict) -> list[st
     rows = []
     for name, run in runs.items():
         s, rate = run["summary"], run["tokens_per_s"]
-        rows.append([name, s.precision, str(s.world_size), f"{rate:,.0f}", f"{run['tokens_per_step'] / rate:.3f}",
-                     mfu(mode, s.precision, s.num_params, rate, s.world_size)])
+        rows.append(
+            [
+                name,
+                s.precision,
+                str(s.world_size),
+                f"{rate:,.0f}",
+                f"{run['tokens_per_step'] / rate:.3f}",
+                mfu(mode, s.precision, s.num_params, rate, s.world_size),
+            ]
+        )
     for label, key in (("hand-written fully_shard loop", "raw_s"), ("ours, the same process", "ours_s")):
         seconds = statistics.median(loop[key]) / loop["steps"]
         rate = loop["tokens_per_step"] / seconds
-        rows.append([f"{label} (median of {REPEATS})", "fp32", "1", f"{rate:,.0f}", f"{seconds:.3f}",
-                     mfu(mode, "fp32", loop["num_params"], rate, 1)])
-    peaks = (f"bf16 {mode.peaks[0]:g}, fp32 {mode.peaks[1]:g} TFLOP/s per device" if mode.peaks
-             else "not known for this device: pass --peak-tflops BF16,FP32")
-    return ["### Throughput", "", *table(["run", "precision", "ranks", "tokens/s", "s/step", "MFU % of peak TFLOP/s"],
-                                         rows), "",
-            "tokens/s: the median over the steps after the first (settings), or whole loops with their first step "
-            f"(the last two rows); MFU = 6 x {loop['num_params']:,} parameters x tokens/s / peak ({peaks}), "
-            "activation checkpointing's recomputation not counted.", ""]
+        rows.append(
+            [
+                f"{label} (median of {REPEATS})",
+                "fp32",
+                "1",
+                f"{rate:,.0f}",
+                f"{seconds:.3f}",
+                mfu(mode, "fp32", loop["num_params"], rate, 1),
+            ]
+        )
+    peaks = (
+        f"bf16 {mode.peaks[0]:g}, fp32 {mode.peaks[1]:g} TFLOP/s per device"
+        if mode.peaks
+        else "not known for this device: pass --peak-tflops BF16,FP32"
+    )
+    return [
+        "### Throughput",
+        "",
+        *table(["run", "precision", "ranks", "tokens/s", "s/step", "MFU % of peak TFLOP/s"], rows),
+        "",
+        "tokens/s: the median over the steps after the first (settings), or whole loops with their first step "
+        f"(the last two rows); MFU = 6 x {loop['num_params']:,} parameters x tokens/s / peak ({peaks}), "
+        "activation checkpointing's recomputation not counted.",
+        "",
+    ]
 
 
 def loop_section(mode: Mode, loop: dict) -> list[str]:
     """Each repeat of the hand-written loop against ours: step time, its ratio, each loop's peak."""
     what, steps = ("allocated" if mode.cuda else "RSS"), loop["steps"]
-    rows = [[str(i), f"{r / steps:.4f}", f"{o / steps:.4f}", f"{o / r:.3f}", f"{rp:,.0f}", f"{op:,.0f}"]
-            for i, (r, o, rp, op) in enumerate(zip(loop["raw_s"], loop["ours_s"], loop["raw_peak"], loop["ours_peak"]))]
-    head = ["repeat", "hand-written s/step", "ours s/step", "ours / hand-written", f"peak {what} MiB: hand-written",
-            "ours"]
-    return [f"### Ours against a minimal hand-written fully_shard loop (fp32, 1 rank, {steps} steps, alternating, "
-            "each repeat built afresh)", "", *table(head, rows), "",
-            f"median ours / hand-written step time: {loop['ratio']:.3f} (bench/step_time.py's `raw_loop`: "
-            "fully_shard per block and root, AdamW, clipping; ours: the whole trainer with its logging)", ""]
+    rows = [
+        [str(i), f"{r / steps:.4f}", f"{o / steps:.4f}", f"{o / r:.3f}", f"{rp:,.0f}", f"{op:,.0f}"]
+        for i, (r, o, rp, op) in enumerate(zip(loop["raw_s"], loop["ours_s"], loop["raw_peak"], loop["ours_peak"]))
+    ]
+    head = [
+        "repeat",
+        "hand-written s/step",
+        "ours s/step",
+        "ours / hand-written",
+        f"peak {what} MiB: hand-written",
+        "ours",
+    ]
+    return [
+        f"### Ours against a minimal hand-written fully_shard loop (fp32, 1 rank, {steps} steps, alternating, "
+        "each repeat built afresh)",
+        "",
+        *table(head, rows),
+        "",
+        f"median ours / hand-written step time: {loop['ratio']:.3f} (bench/step_time.py's `raw_loop`: "
+        "fully_shard per block and root, AdamW, clipping; ours: the whole trainer with its logging)",
+        "",
+    ]
 
 
 def summary_section(mode: Mode, loop: dict) -> list[str]:
     """`torch.cuda.memory_summary()` before and after the build (the worker's), or the CPU's line."""
     head = ["### torch.cuda.memory_summary(), rank 0, before and after the model is built and sharded", ""]
     if not mode.cuda:
-        return head + [f"torch.cuda.memory_summary() is CUDA-only (dry run on the CPU): process RSS before the build "
-                       f"{loop['before']['cpu_rss_mib']:,.0f} MiB, after {loop['after']['cpu_rss_mib']:,.0f} MiB; "
-                       f"model state after the build {loop['state_after']:,.2f} MiB"]
-    return head + [f"model state after the build: {loop['state_after']:,.1f} MiB (4 P / N: fp32 parameters, AdamW's "
-                   "states not yet allocated)", "", "before:", "", "```text", loop["summary_before"].rstrip(), "```",
-                   "", "after:", "", "```text", loop["summary_after"].rstrip(), "```"]
+        return head + [
+            f"torch.cuda.memory_summary() is CUDA-only (dry run on the CPU): process RSS before the build "
+            f"{loop['before']['cpu_rss_mib']:,.0f} MiB, after {loop['after']['cpu_rss_mib']:,.0f} MiB; "
+            f"model state after the build {loop['state_after']:,.2f} MiB"
+        ]
+    return head + [
+        f"model state after the build: {loop['state_after']:,.1f} MiB (4 P / N: fp32 parameters, AdamW's "
+        "states not yet allocated)",
+        "",
+        "before:",
+        "",
+        "```text",
+        loop["summary_before"].rstrip(),
+        "```",
+        "",
+        "after:",
+        "",
+        "```text",
+        loop["summary_after"].rstrip(),
+        "```",
+    ]
 
 
 if __name__ == "__main__":

@@ -20,19 +20,36 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fsdp_zero.tools import train_command
 from fsdp_zero.config import RunDir
+from fsdp_zero.tools import train_command
 from fsdp_zero.training import Summary
 
-COMMON = ["model.preset=gpt_small", "model.vocab_size=8192", "data.seq_len=128", "train.micro_batch_size=1",
-          "train.log_every=1", "memory.profile_step=0", "checkpoint.enabled=false", "metrics.tensorboard=false"]
+COMMON = [
+    "model.preset=gpt_small",
+    "model.vocab_size=8192",
+    "data.seq_len=128",
+    "train.micro_batch_size=1",
+    "train.log_every=1",
+    "memory.profile_step=0",
+    "checkpoint.enabled=false",
+    "metrics.tensorboard=false",
+]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # (strategy label, ranks, its overrides, the modes it takes); global batch = ranks x 4 micro-batches of 1.
-SETUPS = [("full_shard", 2, ["parallel.strategy=full_shard", "train.global_batch_size=8"],
-           ["every_micro_batch", "once_per_step"]),
-          ("hybrid_shard (shard_size 2)", 4, ["parallel.strategy=hybrid_shard", "parallel.shard_size=2",
-                                              "train.global_batch_size=16"],
-           ["every_micro_batch", "replicas_once_per_step", "once_per_step"])]
+SETUPS = [
+    (
+        "full_shard",
+        2,
+        ["parallel.strategy=full_shard", "train.global_batch_size=8"],
+        ["every_micro_batch", "once_per_step"],
+    ),
+    (
+        "hybrid_shard (shard_size 2)",
+        4,
+        ["parallel.strategy=hybrid_shard", "parallel.shard_size=2", "train.global_batch_size=16"],
+        ["every_micro_batch", "replicas_once_per_step", "once_per_step"],
+    ),
+]
 
 
 def _run(out: Path, name: str, nproc: int, args: list[str]) -> dict:
@@ -42,9 +59,12 @@ def _run(out: Path, name: str, nproc: int, args: list[str]) -> dict:
     rows = [r for r in rows if "loss" in r]
     summary = Summary.read(out / name)
     tokens = int(next(a.split("=")[1] for a in args if a.startswith("train.global_batch_size="))) * 128
-    return {"mib": {k: rows[-1][f"comm/{k}_mib"] for k in KINDS},
-            "step_s": statistics.median(tokens / r["tokens_per_s_all_ranks"] for r in rows[1:]),
-            "rss": max(r["peak_rss_mib"] for r in summary.ranks), "loss": rows[-1]["loss"]}
+    return {
+        "mib": {k: rows[-1][f"comm/{k}_mib"] for k in KINDS},
+        "step_s": statistics.median(tokens / r["tokens_per_s_all_ranks"] for r in rows[1:]),
+        "rss": max(r["peak_rss_mib"] for r in summary.ranks),
+        "loss": rows[-1]["loss"],
+    }
 
 
 def main() -> int:
@@ -54,22 +74,31 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="fsdp-zero-grad-sync-"))
-    print("| strategy | ranks | grad_sync | all-gather MiB | reduce-scatter MiB | all-reduce MiB | step (s) | "
-          "peak RSS / rank (MiB) | final loss |")
+    print(
+        "| strategy | ranks | grad_sync | all-gather MiB | reduce-scatter MiB | all-reduce MiB | step (s) | "
+        "peak RSS / rank (MiB) | final loss |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for label, nproc, extra, modes in SETUPS:
         base = None
         for mode in modes:
-            got = _run(out, f"{nproc}-{mode}", nproc, [*COMMON, f"train.steps={args.steps}", *extra, *args.overrides,
-                                                       f"parallel.grad_sync={mode}"])
+            got = _run(
+                out,
+                f"{nproc}-{mode}",
+                nproc,
+                [*COMMON, f"train.steps={args.steps}", *extra, *args.overrides, f"parallel.grad_sync={mode}"],
+            )
             base = base or got
 
             def cell(new: float, old: float) -> str:
                 return f"{new:,.1f}" + (f" ({new / old:.2f} x)" if old and got is not base else "")
 
-            print(f"| {label} | {nproc} | {mode} | " + " | ".join(cell(got['mib'][k], base['mib'][k]) for k in KINDS)
-                  + f" | {cell(got['step_s'], base['step_s'])} | {cell(got['rss'], base['rss'])} | {got['loss']:.4f} |",
-                  flush=True)
+            print(
+                f"| {label} | {nproc} | {mode} | "
+                + " | ".join(cell(got["mib"][k], base["mib"][k]) for k in KINDS)
+                + f" | {cell(got['step_s'], base['step_s'])} | {cell(got['rss'], base['rss'])} | {got['loss']:.4f} |",
+                flush=True,
+            )
     print(f"\n(bytes per rank per optimizer step, counted; run folders in {out})")
     return 0
 

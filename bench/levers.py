@@ -21,9 +21,17 @@ from fsdp_zero.tools import train_command
 from fsdp_zero.training import Summary
 
 MIB = 2**20
-DEFAULT = ["model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256", "train.global_batch_size=4",
-           "train.micro_batch_size=1", "train.steps=4", "train.log_every=2", "memory.profile_step=2",
-           "checkpoint.enabled=false"]
+DEFAULT = [
+    "model.preset=gpt_small",
+    "model.vocab_size=32768",
+    "data.seq_len=256",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.steps=4",
+    "train.log_every=2",
+    "memory.profile_step=2",
+    "checkpoint.enabled=false",
+]
 LEVERS = {
     "fp32 (baseline)": [],
     "bf16-mixed": ["precision=bf16-mixed"],
@@ -43,23 +51,30 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="fsdp-zero-levers-"))
     rows = {}
     for i, (name, extra) in enumerate(LEVERS.items()):
-        cmd = train_command(args.nproc_per_node, [*DEFAULT, *args.overrides, *extra, f"run.root={out}",
-                                                  f"run.name=lever{i}"])
+        cmd = train_command(
+            args.nproc_per_node, [*DEFAULT, *args.overrides, *extra, f"run.root={out}", f"run.name=lever{i}"]
+        )
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         rows[name] = Summary.read(out / f"lever{i}")
     base = rows["fp32 (baseline)"].ranks[0]["step_s"]
-    print(f"# memory levers vs fp32 full_shard: {rows['fp32 (baseline)'].num_params:,} parameters, "
-          f"{args.nproc_per_node} ranks\n")
-    print("| lever | step (s) | vs fp32 | peak RSS / rank (MiB) | model state / rank (MiB) | formula (MiB) | "
-          "activations after forward (MiB) |")
+    print(
+        f"# memory levers vs fp32 full_shard: {rows['fp32 (baseline)'].num_params:,} parameters, "
+        f"{args.nproc_per_node} ranks\n"
+    )
+    print(
+        "| lever | step (s) | vs fp32 | peak RSS / rank (MiB) | model state / rank (MiB) | formula (MiB) | "
+        "activations after forward (MiB) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, s in rows.items():
         ranks = s.ranks
         step = ranks[0]["step_s"]
         acts = max(r["activations_after_forward"] or 0 for r in ranks) / MIB
-        print(f"| {name} | {step:.2f} | {step / base:.2f} | {max(r['peak_rss_mib'] for r in ranks):,.0f} | "
-              f"{max(r['model_state_bytes'] for r in ranks) / MIB:,.1f} | {s.model_state_formula_bytes / MIB:,.1f} | "
-              f"{acts:,.1f} |")
+        print(
+            f"| {name} | {step:.2f} | {step / base:.2f} | {max(r['peak_rss_mib'] for r in ranks):,.0f} | "
+            f"{max(r['model_state_bytes'] for r in ranks) / MIB:,.1f} | {s.model_state_formula_bytes / MIB:,.1f} | "
+            f"{acts:,.1f} |"
+        )
     print(f"\n(run folders in {out})")
     return 0
 

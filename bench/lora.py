@@ -22,15 +22,35 @@ from pathlib import Path
 from fsdp_zero.tools import train_command
 from fsdp_zero.training import Summary
 
-LLAMA_134M = ("model.target=transformers:LlamaForCausalLM", "model.kwargs.vocab_size=32000",
-              "model.kwargs.hidden_size=768", "model.kwargs.intermediate_size=2048",
-              "model.kwargs.num_hidden_layers=12", "model.kwargs.num_attention_heads=12",
-              "model.kwargs.num_key_value_heads=12", "model.kwargs.max_position_embeddings=512",
-              "model.kwargs.tie_word_embeddings=false")
-COMMON = ("data.seq_len=256", "train.global_batch_size=2", "train.micro_batch_size=1", "train.steps=6",
-          "train.log_every=2", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false")
-RUNS = {"full fine-tuning": (), "LoRA (q_proj, v_proj; rank 16)": (
-    "model.lora.rank=16", "model.lora.alpha=32", "model.lora.targets=[q_proj,v_proj]")}
+LLAMA_134M = (
+    "model.target=transformers:LlamaForCausalLM",
+    "model.kwargs.vocab_size=32000",
+    "model.kwargs.hidden_size=768",
+    "model.kwargs.intermediate_size=2048",
+    "model.kwargs.num_hidden_layers=12",
+    "model.kwargs.num_attention_heads=12",
+    "model.kwargs.num_key_value_heads=12",
+    "model.kwargs.max_position_embeddings=512",
+    "model.kwargs.tie_word_embeddings=false",
+)
+COMMON = (
+    "data.seq_len=256",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=1",
+    "train.steps=6",
+    "train.log_every=2",
+    "checkpoint.enabled=false",
+    "memory.profile_step=0",
+    "metrics.tensorboard=false",
+)
+RUNS = {
+    "full fine-tuning": (),
+    "LoRA (q_proj, v_proj; rank 16)": (
+        "model.lora.rank=16",
+        "model.lora.alpha=32",
+        "model.lora.targets=[q_proj,v_proj]",
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
         return 2
-    rows = ["| run | trainable params | model state / rank (MiB) | formula (MiB) | peak RSS / rank (MiB) | step (s) "
-            "| final loss |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| run | trainable params | model state / rank (MiB) | formula (MiB) | peak RSS / rank (MiB) | step (s) "
+        "| final loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for i, (name, extra) in enumerate(RUNS.items()):
-        cmd = train_command(args.nproc_per_node, [*LLAMA_134M, *COMMON, *extra, *args.overrides, f"run.root={out}",
-                                                  f"run.name=run{i}"])
+        cmd = train_command(
+            args.nproc_per_node, [*LLAMA_134M, *COMMON, *extra, *args.overrides, f"run.root={out}", f"run.name=run{i}"]
+        )
         proc = subprocess.run(cmd)
         if proc.returncode:
             print(f"error: {name} exited {proc.returncode}", file=sys.stderr)
@@ -56,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         ranks = s.ranks
         state = max(r["model_state_bytes"] for r in ranks) / 2**20
         peaks = ", ".join(format(r["peak_rss_mib"], ",.0f") for r in ranks)
-        rows.append(f"| {name} | {s.num_params - s.num_frozen:,} of {s.num_params:,} | {state:,.1f} | "
-                    f"{s.model_state_formula_bytes / 2**20:,.1f} | {peaks} | {ranks[0]['step_s']:.3f} | "
-                    f"{s.final_loss:.4f} |")
+        rows.append(
+            f"| {name} | {s.num_params - s.num_frozen:,} of {s.num_params:,} | {state:,.1f} | "
+            f"{s.model_state_formula_bytes / 2**20:,.1f} | {peaks} | {ranks[0]['step_s']:.3f} | "
+            f"{s.final_loss:.4f} |"
+        )
     table = "\n".join(rows) + "\n"
     (out / "lora-bench.md").write_text(table)
     print(f"\n## full fine-tuning vs LoRA, {args.nproc_per_node} ranks\n\n{table}\nwrote {out / 'lora-bench.md'}")

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
 from fsdp_zero.config import RunDir
 from fsdp_zero.tools import train_command
 
@@ -33,9 +34,21 @@ SETTINGS = [
 
 
 def run(nproc: int, overrides: list[str], root: Path, name: str) -> tuple[float, float]:
-    cmd = train_command(nproc, ["--config", "configs/gpt_small.yaml", "train.steps=6", "train.log_every=2",
-           "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false",
-                         f"run.root={root}", f"run.name={name}", *overrides])
+    cmd = train_command(
+        nproc,
+        [
+            "--config",
+            "configs/gpt_small.yaml",
+            "train.steps=6",
+            "train.log_every=2",
+            "checkpoint.enabled=false",
+            "memory.profile_step=0",
+            "metrics.tensorboard=false",
+            f"run.root={root}",
+            f"run.name={name}",
+            *overrides,
+        ],
+    )
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -59,7 +72,10 @@ def main() -> None:
         results.append((label, *run(args.nproc, overrides + args.overrides, root, f"s{i}")))
         print(f"ran {label}", file=sys.stderr, flush=True)
     base_peak, base_step = results[1][1], results[1][2]
-    print(f"\nconfigs/gpt_small.yaml {' '.join(args.overrides)}, {args.nproc} ranks, 6 steps; fresh processes per setting\n")
+    print(
+        f"\nconfigs/gpt_small.yaml {' '.join(args.overrides)}, {args.nproc} ranks, 6 steps; fresh processes per "
+        f"setting\n"
+    )
     print("| setting | peak RSS / rank (MiB) | vs auto | step (s) | vs auto |")
     print("|---|---|---|---|---|")
     for label, peak, step in results:

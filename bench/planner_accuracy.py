@@ -37,14 +37,35 @@ MIB = 2**20
 # all keep model state and activations well above the ~700 MiB runtime baseline.
 CONFIGS: dict[str, list[str]] = {
     # The configuration the heap retention was fitted on: GPT-2-small shaped, 1 sequence per rank.
-    "fit": ["model.preset=gpt_small", "model.vocab_size=32768", "data.seq_len=256",
-            "train.global_batch_size=4", "train.micro_batch_size=1"],
+    "fit": [
+        "model.preset=gpt_small",
+        "model.vocab_size=32768",
+        "data.seq_len=256",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+    ],
     # Held out: wide and shallow, big vocabulary, short sequences, gradient accumulation at N = 2.
-    "wide": ["model.preset=gpt_small", "model.dim=512", "model.n_layers=4", "model.n_heads=8",
-             "model.vocab_size=32768", "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1"],
+    "wide": [
+        "model.preset=gpt_small",
+        "model.dim=512",
+        "model.n_layers=4",
+        "model.n_heads=8",
+        "model.vocab_size=32768",
+        "data.seq_len=64",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+    ],
     # Held out: deep and narrow, activations about as large as model state, accumulation at N = 2 and 4.
-    "deep": ["model.preset=gpt_small", "model.dim=256", "model.n_layers=16", "model.n_heads=4",
-             "model.vocab_size=8192", "data.seq_len=256", "train.global_batch_size=16", "train.micro_batch_size=2"],
+    "deep": [
+        "model.preset=gpt_small",
+        "model.dim=256",
+        "model.n_layers=16",
+        "model.n_heads=4",
+        "model.vocab_size=8192",
+        "data.seq_len=256",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=2",
+    ],
 }
 STRATEGIES = ["ddp", "zero1", "shard_grad_op", "full_shard"]
 # Tensors by category from step 2, whose forward is where DDP rebuilds its gradient buckets (so
@@ -74,12 +95,23 @@ def measure(name: str, n: int, out: Path, reuse: bool) -> list[dict]:
         peak = max(r["peak_rss_mib"] for r in ranks) * MIB
         tracked = max(sum(r["breakdown"].values()) for r in ranks)
         p = predicted[s]
-        rows.append({"config": name, "world_size": n, "strategy": s, "peak": peak, "tracked": tracked,
-                     "baseline": p["baseline"], "predicted_peak": p["peak"],
-                     "predicted_tensors": sum(p["tensors"].values()), "predicted_term": p["peak"] - p["baseline"],
-                     "heap_activations": p["heap_activations"],
-                     "heap_at_peak": p["heap_at_peak"] if s in ("shard_grad_op", "full_shard") else 0,
-                     "model_state": max(r["model_state"] for r in ranks), "predicted_model_state": p["model_state"]})
+        rows.append(
+            {
+                "config": name,
+                "world_size": n,
+                "strategy": s,
+                "peak": peak,
+                "tracked": tracked,
+                "baseline": p["baseline"],
+                "predicted_peak": p["peak"],
+                "predicted_tensors": sum(p["tensors"].values()),
+                "predicted_term": p["peak"] - p["baseline"],
+                "heap_activations": p["heap_activations"],
+                "heap_at_peak": p["heap_at_peak"] if s in ("shard_grad_op", "full_shard") else 0,
+                "model_state": max(r["model_state"] for r in ranks),
+                "predicted_model_state": p["model_state"],
+            }
+        )
     return rows
 
 
@@ -114,30 +146,40 @@ def main() -> None:
             print(f"measured {name} at N={n}", file=sys.stderr, flush=True)
     (out / "planner_accuracy.json").write_text(json.dumps(rows, indent=1) + "\n")
 
-    print("| config | N | strategy | peak RSS MiB | baseline MiB | predicted MiB | error | peak - baseline MiB | "
-          "predicted MiB | error | error without heap retention | tracked tensors MiB | simulated MiB | error |")
+    print(
+        "| config | N | strategy | peak RSS MiB | baseline MiB | predicted MiB | error | peak - baseline MiB | "
+        "predicted MiB | error | error without heap retention | tracked tensors MiB | simulated MiB | error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         held = "" if r["config"] == "fit" else " (held out)"
         term = r["peak"] - r["baseline"]
-        print(f"| {r['config']}{held} | {r['world_size']} | {r['strategy']} | {r['peak'] / MIB:,.0f} | "
-              f"{r['baseline'] / MIB:,.0f} | {r['predicted_peak'] / MIB:,.0f} | {pct(r['predicted_peak'], r['peak'])} | "
-              f"{term / MIB:,.0f} | {r['predicted_term'] / MIB:,.0f} | {pct(r['predicted_term'], term)} | "
-              f"{pct(r['predicted_tensors'], term)} | "
-              f"{r['tracked'] / MIB:,.0f} | {r['predicted_tensors'] / MIB:,.0f} | {pct(r['predicted_tensors'], r['tracked'])} |")
+        print(
+            f"| {r['config']}{held} | {r['world_size']} | {r['strategy']} | {r['peak'] / MIB:,.0f} | "
+            f"{r['baseline'] / MIB:,.0f} | {r['predicted_peak'] / MIB:,.0f} | {pct(r['predicted_peak'], r['peak'])} | "
+            f"{term / MIB:,.0f} | {r['predicted_term'] / MIB:,.0f} | {pct(r['predicted_term'], term)} | "
+            f"{pct(r['predicted_tensors'], term)} | "
+            f"{r['tracked'] / MIB:,.0f} | {r['predicted_tensors'] / MIB:,.0f} | "
+            f"{pct(r['predicted_tensors'], r['tracked'])} |"
+        )
     held = [r for r in rows if r["config"] != "fit"]
     if held:
         worst = max(held, key=lambda r: abs(r["predicted_peak"] / r["peak"] - 1))
-        print(f"\nheld out: worst peak error {pct(worst['predicted_peak'], worst['peak'])} "
-              f"({worst['config']}, N={worst['world_size']}, {worst['strategy']}); "
-              f"worst model-dependent term error "
-              f"{max(abs(r['predicted_term'] / (r['peak'] - r['baseline']) - 1) for r in held) * 100:.1f}% "
-              f"(without the heap-retention term: "
-              f"{max(abs(r['predicted_tensors'] / (r['peak'] - r['baseline']) - 1) for r in held) * 100:.1f}%)")
+        print(
+            f"\nheld out: worst peak error {pct(worst['predicted_peak'], worst['peak'])} "
+            f"({worst['config']}, N={worst['world_size']}, {worst['strategy']}); "
+            f"worst model-dependent term error "
+            f"{max(abs(r['predicted_term'] / (r['peak'] - r['baseline']) - 1) for r in held) * 100:.1f}% "
+            f"(without the heap-retention term: "
+            f"{max(abs(r['predicted_tensors'] / (r['peak'] - r['baseline']) - 1) for r in held) * 100:.1f}%)"
+        )
     if any(r["config"] == "fit" for r in rows):
         a, b = fit_retention(rows)
-        print(f"heap retention fitted on `fit`: activations {a:.2f}, fsdp {b:.2f} "
-              f"(fsdp_zero.tools.planner.HEAP_RETENTION holds {HEAP_RETENTION['activations']:.2f}, {HEAP_RETENTION['fsdp']:.2f})")
+        print(
+            f"heap retention fitted on `fit`: activations {a:.2f}, fsdp {b:.2f} "
+            f"(fsdp_zero.tools.planner.HEAP_RETENTION holds {HEAP_RETENTION['activations']:.2f}, "
+            f"{HEAP_RETENTION['fsdp']:.2f})"
+        )
     print(f"(runs and JSON in {out})")
 
 

@@ -6,7 +6,8 @@ and (with --check) the composed prediction against simulating every block.
 
 The planner simulates a model whose blocks repeat with its first 3, 4 and 5 blocks and composes the rest
 (`fsdp_zero.tools.planner.Simulator.predict`); before that it simulated every block: the 7.5B shape's four
-simulations took 65 s here, the plan about 7 minutes on a loaded machine (issue 28). The shapes: the ZeRO paper's 7.5B (36
+simulations took 65 s here, the plan about 7 minutes on a loaded machine (issue 28). The shapes: the ZeRO paper's
+7.5B (36
 layers of d 4096, 32 heads, sequence 2048) and Llama-2-70B's (80 layers of d 8192, 64 heads, 8 KV heads,
 FFN 28672, sequence 4096), micro-batch 1, planned for GPUs (dist.device=cuda: device memory, no process
 baseline to measure).
@@ -25,11 +26,24 @@ PLAN = REPO / "scripts" / "plan.py"
 WORLD = 64
 COMMON = ["train.global_batch_size=64", "train.micro_batch_size=1", "dist.device=cuda"]
 SHAPES = {
-    "7.5B (ZeRO paper)": ["model.preset=gpt_1b", "model.dim=4096", "model.n_layers=36", "model.n_heads=32",
-                          "data.seq_len=2048"],
-    "70B (Llama-2-70B)": ["model.preset=gpt_1b", "model.dim=8192", "model.n_layers=80", "model.n_heads=64",
-                          "model.n_kv_heads=8", "model.ffn_hidden_dim=28672", "model.vocab_size=32000",
-                          "model.max_seq_len=4096", "data.seq_len=4096"],
+    "7.5B (ZeRO paper)": [
+        "model.preset=gpt_1b",
+        "model.dim=4096",
+        "model.n_layers=36",
+        "model.n_heads=32",
+        "data.seq_len=2048",
+    ],
+    "70B (Llama-2-70B)": [
+        "model.preset=gpt_1b",
+        "model.dim=8192",
+        "model.n_layers=80",
+        "model.n_heads=64",
+        "model.n_kv_heads=8",
+        "model.ffn_hidden_dim=28672",
+        "model.vocab_size=32000",
+        "model.max_seq_len=4096",
+        "data.seq_len=4096",
+    ],
 }
 STRATEGIES = ("ddp", "zero1", "shard_grad_op", "full_shard")
 
@@ -38,11 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="also simulate every block and compare (slow)")
     args = parser.parse_args(argv)
-    lines = [f"| shape | parameters | plan.py wall s (4 strategies, {WORLD} ranks) | composed from |", "|---|---|---|---|"]
+    lines = [
+        f"| shape | parameters | plan.py wall s (4 strategies, {WORLD} ranks) | composed from |",
+        "|---|---|---|---|",
+    ]
     for name, shape in SHAPES.items():
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(PLAN), "--world-size", str(WORLD), *shape, *COMMON],
-                              capture_output=True, text=True, cwd=REPO)
+        proc = subprocess.run(
+            [sys.executable, str(PLAN), "--world-size", str(WORLD), *shape, *COMMON],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
         seconds = time.perf_counter() - start
         if proc.returncode:
             print(f"error: plan.py for {name} exited {proc.returncode}: {proc.stderr[-2000:]}", file=sys.stderr)
@@ -52,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} | {params} | {seconds:.1f} | {composed} |")
         print(lines[-1], file=sys.stderr, flush=True)
     if args.check:
-        lines += ["", "| shape | strategy | composed s | whole s | peak composed / whole | model state composed / whole |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| shape | strategy | composed s | whole s | peak composed / whole | model state composed / whole |",
+            "|---|---|---|---|---|---|",
+        ]
         lines += check()
     print("\n".join(lines))
     return 0
@@ -74,8 +98,10 @@ def check() -> list[str]:
                 middle = time.perf_counter()
                 whole = sim.predict(cfg, whole=True)
                 end = time.perf_counter()
-            rows.append(f"| {name} | {strategy} | {middle - start:.1f} | {end - middle:.1f} | "
-                        f"{composed.peak / whole.peak:.5f} | {composed.model_state / whole.model_state:.5f} |")
+            rows.append(
+                f"| {name} | {strategy} | {middle - start:.1f} | {end - middle:.1f} | "
+                f"{composed.peak / whole.peak:.5f} | {composed.model_state / whole.model_state:.5f} |"
+            )
             print(rows[-1], file=sys.stderr, flush=True)
     return rows
 

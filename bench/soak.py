@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+
 from fsdp_zero.config import RunDir
 from fsdp_zero.tools import train_command
 
@@ -59,10 +60,21 @@ def main() -> None:
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="fsdp-zero-soak-"))
-    settings = ["model.preset=gpt_tiny", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2",
-                f"train.steps={args.steps}", "train.log_every=1", f"checkpoint.every={args.every}",
-                "checkpoint.async_save=true", "checkpoint.keep_last=2", "metrics.tensorboard=true",
-                f"run.root={root}", "run.name=soak", *args.overrides]
+    settings = [
+        "model.preset=gpt_tiny",
+        "data.seq_len=64",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        f"train.steps={args.steps}",
+        "train.log_every=1",
+        f"checkpoint.every={args.every}",
+        "checkpoint.async_save=true",
+        "checkpoint.keep_last=2",
+        "metrics.tensorboard=true",
+        f"run.root={root}",
+        "run.name=soak",
+        *args.overrides,
+    ]
     cmd = train_command(args.nproc, settings)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "OMP_NUM_THREADS": "1"}
     metrics = RunDir(root / "soak").metrics
@@ -76,8 +88,9 @@ def main() -> None:
         for rank, proc in workers(agent).items():
             try:
                 with proc.oneshot():
-                    samples.setdefault(rank, []).append((step, proc.memory_info().rss / MIB, proc.num_fds(),
-                                                         proc.num_threads()))
+                    samples.setdefault(rank, []).append(
+                        (step, proc.memory_info().rss / MIB, proc.num_fds(), proc.num_threads())
+                    )
             except psutil.Error:
                 continue
         time.sleep(0.5)
@@ -87,9 +100,13 @@ def main() -> None:
         sys.exit(f"the run failed (exit {launcher.returncode}); see {root / 'torchrun.log'}")
 
     saved = sum(1 for line in (root / "torchrun.log").read_text().splitlines() if "checkpoint: saved" in line)
-    print(f"{args.steps} steps, {saved} checkpoints (async, every {args.every}), TensorBoard on, {args.nproc} ranks, "
-          f"{wall:.0f} s; settings: {' '.join(settings)}")
-    print(f"{'rank':>4}  {'RSS MiB (start -> end)':>24}  {'slope MiB/100 steps':>20}  {'fds':>9}  {'threads':>9}  samples")
+    print(
+        f"{args.steps} steps, {saved} checkpoints (async, every {args.every}), TensorBoard on, {args.nproc} ranks, "
+        f"{wall:.0f} s; settings: {' '.join(settings)}"
+    )
+    print(
+        f"{'rank':>4}  {'RSS MiB (start -> end)':>24}  {'slope MiB/100 steps':>20}  {'fds':>9}  {'threads':>9}  samples"
+    )
     result = {}
     for rank in sorted(samples):
         rows = [r for r in samples[rank] if r[0] >= args.warmup]
@@ -100,10 +117,16 @@ def main() -> None:
         rss = np.array([r[1] for r in rows])
         slope = np.polyfit(steps, rss, 1)[0] * 100
         first, last = rows[0], rows[-1]
-        print(f"{rank:>4}  {first[1]:>10,.1f} -> {last[1]:>10,.1f}  {slope:>20.2f}  {first[2]:>3} -> {last[2]:<3}  "
-              f"{first[3]:>3} -> {last[3]:<3}  {len(rows)} (steps {first[0]}-{last[0]})")
-        result[rank] = {"slope_mib_per_100_steps": slope, "rss_mib": [first[1], last[1]], "fds": [first[2], last[2]],
-                        "threads": [first[3], last[3]]}
+        print(
+            f"{rank:>4}  {first[1]:>10,.1f} -> {last[1]:>10,.1f}  {slope:>20.2f}  {first[2]:>3} -> {last[2]:<3}  "
+            f"{first[3]:>3} -> {last[3]:<3}  {len(rows)} (steps {first[0]}-{last[0]})"
+        )
+        result[rank] = {
+            "slope_mib_per_100_steps": slope,
+            "rss_mib": [first[1], last[1]],
+            "fds": [first[2], last[2]],
+            "threads": [first[3], last[3]],
+        }
     (root / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"run directory and soak.json: {root}")
 

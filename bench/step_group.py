@@ -26,16 +26,23 @@ import torch.distributed as dist
 
 from fsdp_zero.config import load_config
 from fsdp_zero.distributed import broadcast_object, distributed, exit_process
-from fsdp_zero.monitor import MemoryMonitor, StepProfiler, release_free_heap
-from fsdp_zero.monitor import Phase
-from fsdp_zero.training import set_lr, train_step
 from fsdp_zero.model import to_device
-from fsdp_zero.training import setup
+from fsdp_zero.monitor import MemoryMonitor, Phase, StepProfiler, release_free_heap
+from fsdp_zero.training import set_lr, setup, train_step
 
 MIB = 2**20
-DEFAULT = ["model.preset=gpt_small", "data.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=1",
-           "train.steps=6", "train.log_every=1000", "checkpoint.enabled=false", "memory.profile_step=0",
-           "metrics.tensorboard=false", "optim.implementation=foreach"]
+DEFAULT = [
+    "model.preset=gpt_small",
+    "data.seq_len=256",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.steps=6",
+    "train.log_every=1000",
+    "checkpoint.enabled=false",
+    "memory.profile_step=0",
+    "metrics.tensorboard=false",
+    "optim.implementation=foreach",
+]
 
 
 def step_temporaries(parts, device: torch.device) -> int:  # noqa: ANN001
@@ -63,8 +70,9 @@ def one_repeat(cfg, env, monitor: MemoryMonitor) -> dict:  # noqa: ANN001
     for step in range(cfg.train.steps):
         set_lr(parts.optimizer, cfg.optim, step, cfg.train.steps)
         start = time.perf_counter()
-        out = train_step(parts.model, parts.optimizer, parts.loss_fn, parts.cursor.next_batch(), cfg.optim.grad_clip,
-                         env.device)
+        out = train_step(
+            parts.model, parts.optimizer, parts.loss_fn, parts.cursor.next_batch(), cfg.optim.grad_clip, env.device
+        )
         out.loss.item()  # a sync point: the step is done
         times.append(time.perf_counter() - start)
     peak = monitor.read()["cpu_peak_rss_mib"]
@@ -82,7 +90,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(None, DEFAULT + args.overrides)
-    settings = {0: cfg, args.group: replace(cfg, optim=replace(cfg.optim, step_group_size=args.group), run=replace(cfg.run))}
+    settings = {
+        0: cfg,
+        args.group: replace(cfg, optim=replace(cfg.optim, step_group_size=args.group), run=replace(cfg.run)),
+    }
     with distributed(cfg.dist) as env:
         root = broadcast_object(tempfile.mkdtemp(prefix="fsdp-zero-step-group-") if env.is_rank0 else None, env)
         monitor = MemoryMonitor(env.device)
@@ -107,14 +118,20 @@ def report(cfg, args, everyone: list[dict]) -> None:  # noqa: ANN001
         groups = everyone[0][size][0]["groups"]
         summary[size] = (max(temps), max(peaks), step)
         name = "0 (whole shard)" if size == 0 else f"{size:,}"
-        rows.append(f"| {name} | {groups} | {', '.join(f'{t:,.1f}' for t in temps)} | "
-                    f"{', '.join(f'{p:,.0f}' for p in peaks)} | {step:.3f} |")
+        rows.append(
+            f"| {name} | {groups} | {', '.join(f'{t:,.1f}' for t in temps)} | "
+            f"{', '.join(f'{p:,.0f}' for p in peaks)} | {step:.3f} |"
+        )
     (t0, p0, s0), (t1, p1, s1) = summary[0], summary[args.group]
     rows.append(f"| grouped / whole | | {t1 / t0:.2f} x | {p1 / p0:.2f} x | {s1 / s0:.2f} x |")
-    print(f"\n## a bounded optimizer step: {cfg.model.preset}, {len(everyone)} ranks, {args.repeats} repeats of "
-          f"{cfg.train.steps} steps, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens\n")
-    print("| optim.step_group_size | param groups (rank 0) | optimizer-step temporaries / rank (MiB) | "
-          "peak RSS / rank (MiB) | median step (s) |")
+    print(
+        f"\n## a bounded optimizer step: {cfg.model.preset}, {len(everyone)} ranks, {args.repeats} repeats of "
+        f"{cfg.train.steps} steps, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens\n"
+    )
+    print(
+        "| optim.step_group_size | param groups (rank 0) | optimizer-step temporaries / rank (MiB) | "
+        "peak RSS / rank (MiB) | median step (s) |"
+    )
     print("|---|---|---|---|---|")
     print("\n".join(rows))
 

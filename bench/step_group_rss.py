@@ -22,9 +22,18 @@ from pathlib import Path
 from fsdp_zero.tools import train_command
 from fsdp_zero.training import Summary
 
-DEFAULT = ("model.preset=gpt_small", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=4",
-           "train.steps=6", "train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0",
-           "metrics.tensorboard=false", "optim.implementation=foreach")
+DEFAULT = (
+    "model.preset=gpt_small",
+    "data.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    "train.steps=6",
+    "train.log_every=1",
+    "checkpoint.enabled=false",
+    "memory.profile_step=0",
+    "metrics.tensorboard=false",
+    "optim.implementation=foreach",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,25 +48,33 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
         return 2
-    rows = ["| optim.step_group_size | repeat | peak RSS / rank (MiB) | median step (s) | final loss |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| optim.step_group_size | repeat | peak RSS / rank (MiB) | median step (s) | final loss |",
+        "|---|---|---|---|---|",
+    ]
     peaks: dict[int, list[float]] = {0: [], args.group: []}
     for rep in range(args.repeats):
         for size in peaks:
             name = f"group{size}-{rep}"
-            cmd = train_command(args.nproc_per_node, [*DEFAULT, *args.overrides, f"optim.step_group_size={size}",
-                                                      f"run.root={out}", f"run.name={name}"])
+            cmd = train_command(
+                args.nproc_per_node,
+                [*DEFAULT, *args.overrides, f"optim.step_group_size={size}", f"run.root={out}", f"run.name={name}"],
+            )
             if subprocess.run(cmd, capture_output=True).returncode:
                 print(f"error: {' '.join(cmd)} failed", file=sys.stderr)
                 return 1
             s = Summary.read(out / name)
             rss = [r["peak_rss_mib"] for r in s.ranks]
             peaks[size].append(max(rss))
-            rows.append(f"| {size:,}{' (whole shard)' if size == 0 else ''} | {rep + 1} | "
-                        f"{', '.join(f'{p:,.0f}' for p in rss)} | {s.ranks[0]['step_s']:.3f} | {s.final_loss:.6f} |")
+            rows.append(
+                f"| {size:,}{' (whole shard)' if size == 0 else ''} | {rep + 1} | "
+                f"{', '.join(f'{p:,.0f}' for p in rss)} | {s.ranks[0]['step_s']:.3f} | {s.final_loss:.6f} |"
+            )
     ratio = (sum(peaks[args.group]) / len(peaks[args.group])) / (sum(peaks[0]) / len(peaks[0]))
-    print(f"\n## peak RSS with and without optim.step_group_size={args.group:,}, {args.nproc_per_node} rank(s), "
-          f"fresh processes\n\n" + "\n".join(rows) + f"\n\ngrouped / whole, mean peak RSS: {ratio:.2f} x")
+    print(
+        f"\n## peak RSS with and without optim.step_group_size={args.group:,}, {args.nproc_per_node} rank(s), "
+        f"fresh processes\n\n" + "\n".join(rows) + f"\n\ngrouped / whole, mean peak RSS: {ratio:.2f} x"
+    )
     return 0
 
 

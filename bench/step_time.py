@@ -25,13 +25,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import agree_on_seed, broadcast_object, distributed, exit_process
+from fsdp_zero.distributed import Topology, agree_on_seed, broadcast_object, distributed, exit_process
+from fsdp_zero.model import construct, real_buffers, to_device
 from fsdp_zero.monitor import MemoryMonitor, model_state_bytes
-from fsdp_zero.sharding import model_state_formula
-from fsdp_zero.model import construct, real_buffers
-from fsdp_zero.sharding import materializer
-from fsdp_zero.distributed import Topology
-from fsdp_zero.model import to_device
+from fsdp_zero.sharding import materializer, model_state_formula
 from fsdp_zero.training import setup, train
 
 REPEATS = 3
@@ -46,8 +43,9 @@ def raw_loop(parts, cfg, env) -> tuple[float, int]:
     fully_shard(model, mesh=mesh)
     materializer(env.device, cfg.model.init, parts.seed, real_buffers(model), [])(model)  # to_empty, buffers, init
     o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+    )
     cursor = parts.cursor
     dist.barrier()
     start = time.perf_counter()
@@ -116,19 +114,28 @@ def run(cfg, env) -> None:  # noqa: ANN001
         expected = model_state_formula(Topology.of(cfg.parallel, env.world_size), num_params)
         steps = cfg.train.steps
         print("\n## step time: fsdp-zero loop vs hand-written fully_shard loop")
-        print(f"model {cfg.model.target or cfg.model.preset} ({num_params:,} params), world size {env.world_size}, device {env.device.type}, "
-              f"{steps} steps x {REPEATS} repeats, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens")
+        print(
+            f"model {cfg.model.target or cfg.model.preset} ({num_params:,} params), world size {env.world_size}, "
+            f"device {env.device.type}, "
+            f"{steps} steps x {REPEATS} repeats, global batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens"
+        )
         print(f"{'repeat':>6} {'raw s/step':>11} {'ours s/step':>12} {'ours/raw':>9}")
         for i, (r, o) in enumerate(zip(raw, ours)):
             print(f"{i:>6} {r / steps:>11.4f} {o / steps:>12.4f} {o / r:>9.3f}")
         ratio = statistics.median(o / r for o, r in zip(ours, raw))
         print(f"median ours/raw step-time ratio: {ratio:.3f} (target <= 1.03)")
-        print("model state per rank after an optimizer step / the strategy's formula: "
-              + ", ".join(f"rank{i} {s / expected:.4f}" for i, s in enumerate(states)))
+        print(
+            "model state per rank after an optimizer step / the strategy's formula: "
+            + ", ".join(f"rank{i} {s / expected:.4f}" for i, s in enumerate(states))
+        )
         print(f"(formula = {expected / 2**20:.2f} MiB; raw loop holds {state_raw / expected:.4f} x on rank 0)")
-        print("peak RSS per rank during each loop (MiB; the loops alternate in the same processes, so each "
-              "inherits what glibc kept of the other's): raw " + ", ".join(f"{p['raw']:,.0f}" for p in all_peaks)
-              + " | ours " + ", ".join(f"{p['ours']:,.0f}" for p in all_peaks))
+        print(
+            "peak RSS per rank during each loop (MiB; the loops alternate in the same processes, so each "
+            "inherits what glibc kept of the other's): raw "
+            + ", ".join(f"{p['raw']:,.0f}" for p in all_peaks)
+            + " | ours "
+            + ", ".join(f"{p['ours']:,.0f}" for p in all_peaks)
+        )
 
 
 if __name__ == "__main__":

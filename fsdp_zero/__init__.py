@@ -5,5 +5,14 @@ __version__ = "0.1.0"
 # The package's import order, bottom to top: a module imports from its own subpackage or from a level
 # before its own, never from its own level or above (tests/test_layout.py fails otherwise;
 # docs/architecture.md renders it). Root modules are named without ``.py``.
-LAYERS = (("errors", "torch_private"), ("config",), ("distributed",), ("data",), ("model",), ("sharding",),
-          ("monitor", "checkpoint"), ("training",), ("tools", "api"))
+LAYERS = (
+    ("errors", "torch_private"),
+    ("config",),
+    ("distributed",),
+    ("data",),
+    ("model",),
+    ("sharding",),
+    ("monitor", "checkpoint"),
+    ("training",),
+    ("tools", "api"),
+)

@@ -28,7 +28,6 @@ resumable at another world size, exportable with scripts/export.py).
 
 from __future__ import annotations
 
-from fsdp_zero.config.paths import RunDir
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -36,17 +35,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_zero.model.construct import meta_parameters
-from fsdp_zero.sharding.build import shard as _shard
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
+from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import (
-    ActivationCheckpointing, Backend, Device, DistConfig, Init, ParallelConfig, PrecisionConfig, WrapConfig, WrapPolicy,
+    ActivationCheckpointing,
+    Backend,
+    Device,
+    DistConfig,
+    Init,
+    ParallelConfig,
+    PrecisionConfig,
+    WrapConfig,
+    WrapPolicy,
 )
 from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.env import distributed as _distributed
+from fsdp_zero.model.construct import meta_parameters
 from fsdp_zero.monitor.memory import MemoryMonitor, memory_scalars
 from fsdp_zero.monitor.metrics import TensorBoardLogger
+from fsdp_zero.sharding.build import shard as _shard
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.training.step import clip_grad_norm_
 
@@ -65,9 +73,18 @@ def distributed(device: str = "auto", backend: str = "auto") -> AbstractContextM
     return _distributed(DistConfig(backend=Backend(backend), device=Device(device)))
 
 
-def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: list[str] | None = None,
-          seed: int | None = 0, init: str = "auto", shard_size: int = 2, precision: str = "fp32",
-          cpu_offload: bool = False, activation_checkpointing: str = "none") -> nn.Module:
+def shard(
+    model: nn.Module,
+    env: DistEnv,
+    strategy: str = "full_shard",
+    wrap: list[str] | None = None,
+    seed: int | None = 0,
+    init: str = "auto",
+    shard_size: int = 2,
+    precision: str = "fp32",
+    cpu_offload: bool = False,
+    activation_checkpointing: str = "none",
+) -> nn.Module:
     """Shards ``model`` over ``env``'s ranks with ``strategy`` (full_shard = ZeRO-3, shard_grad_op,
     hybrid_shard, zero1, ddp) and returns the module to train.
 
@@ -85,19 +102,31 @@ def shard(model: nn.Module, env: DistEnv, strategy: str = "full_shard", wrap: li
             FSDP strategy (the trainer's `ParallelConfig.check` and `PrecisionConfig.check`), or wrap
             classes the model does not have.
     """
-    parallel = ParallelConfig(strategy=strategy, shard_size=shard_size, cpu_offload=cpu_offload,
-                              activation_checkpointing=activation_checkpointing,
-                              wrap=WrapConfig(policy=WrapPolicy.transformer, classes=list(wrap or [])))
+    parallel = ParallelConfig(
+        strategy=strategy,
+        shard_size=shard_size,
+        cpu_offload=cpu_offload,
+        activation_checkpointing=activation_checkpointing,
+        wrap=WrapConfig(policy=WrapPolicy.transformer, classes=list(wrap or [])),
+    )
     precision_cfg = PrecisionConfig(mode=precision)
     _check_as_keywords(parallel, precision_cfg)
-    parallel = replace(parallel, strategy=Strategy(strategy),
-                       activation_checkpointing=ActivationCheckpointing(activation_checkpointing))
+    parallel = replace(
+        parallel,
+        strategy=Strategy(strategy),
+        activation_checkpointing=ActivationCheckpointing(activation_checkpointing),
+    )
     return _shard(model, parallel, env, seed=seed, init=Init(init), precision=resolve(precision_cfg))[0]
 
 
 # `shard`'s keywords, by the config key each one sets.
-_KEYWORDS = {"parallel.strategy": "strategy", "parallel.activation_checkpointing": "activation_checkpointing",
-             "parallel.shard_size": "shard_size", "parallel.cpu_offload": "cpu_offload", "precision.mode": "precision"}
+_KEYWORDS = {
+    "parallel.strategy": "strategy",
+    "parallel.activation_checkpointing": "activation_checkpointing",
+    "parallel.shard_size": "shard_size",
+    "parallel.cpu_offload": "cpu_offload",
+    "precision.mode": "precision",
+}
 
 
 def _check_as_keywords(*sections: ParallelConfig | PrecisionConfig) -> None:
@@ -124,14 +153,21 @@ class Checkpoints:
         """Saves model, optimizer, RNG and ``state`` (JSON-serialisable: your loop's position) as ``step``."""
         self._writer.save(step, model, optimizer, TrainState(step, extra=dict(state or {})), config_yaml="{}\n")
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path | None = None) -> tuple[int, dict]:
+    def resume(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path | None = None
+    ) -> tuple[int, dict]:
         """Loads ``path`` (default: the newest complete checkpoint under root) into model and optimizer,
         at any world size; returns (its step, the state saved with it), or (0, {}) if there is none."""
         path = Path(path) if path else latest_checkpoint(self.root)
         if path is None:
             return 0, {}
         state = load_checkpoint(path, model, optimizer, self.env.rank, self.env.device)
-        return state.step, {"step": state.step, **state.extra, "world_size": state.world_size, "versions": state.versions}
+        return state.step, {
+            "step": state.step,
+            **state.extra,
+            "world_size": state.world_size,
+            "versions": state.versions,
+        }
 
     def close(self) -> None:
         self._writer.close()
@@ -145,7 +181,9 @@ class MemoryLog:
         self.monitor = MemoryMonitor(env.device)
         self.writer = TensorBoardLogger(RunDir(Path(run_dir)).tensorboard(env.rank))
 
-    def log(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **scalars: float) -> dict:
+    def log(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **scalars: float
+    ) -> dict:
         """Logs memory (and ``scalars``, as train/<name>) at ``step``; returns the memory figures (MiB)."""
         mem = memory_scalars(self.monitor, model, optimizer)
         self.writer.log({**mem, **{f"train/{k}": v for k, v in scalars.items()}}, step)

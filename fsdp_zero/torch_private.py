@@ -13,28 +13,35 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ConvNd", "DCP_METADATA_PRIVATE", "DefaultAllGather", "DefaultReduceScatter", "count_zero_broadcasts", "checkpoint_activations", "FakeStore",
-           "FakeTensorMode", "NormBase", "SizeClasses", "_init_optim_state", "default_store",
-           "flight_recorder_json", "fsdp_mem_tracker", "fsdp_unit_settings", "hf_init_weights", "hf_no_split_modules",
-           "mem_tracker", "real_post_forward_meshes"]
+__all__ = [
+    "ConvNd",
+    "DCP_METADATA_PRIVATE",
+    "DefaultAllGather",
+    "DefaultReduceScatter",
+    "count_zero_broadcasts",
+    "checkpoint_activations",
+    "FakeStore",
+    "FakeTensorMode",
+    "NormBase",
+    "SizeClasses",
+    "_init_optim_state",
+    "default_store",
+    "flight_recorder_json",
+    "fsdp_mem_tracker",
+    "fsdp_unit_settings",
+    "hf_init_weights",
+    "hf_no_split_modules",
+    "mem_tracker",
+    "real_post_forward_meshes",
+]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
 # a training step on them to count memory without allocating any.
+# The flight recorder: every process group's recent collectives (op, group, sequence number, sizes,
+# whether it completed), recorded by gloo and NCCL themselves. Read when a collective fails or times
+# out, to say which one this rank was in and to leave the record beside the run.
+from torch._C._distributed_c10d import _dump_fr_trace_json as flight_recorder_json
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-# Creates an optimizer's lazily-created states (DCP's state-dict API calls it for the same
-# reason): a ZeroRedundancyOptimizer's partition must have states before a checkpoint can
-# be loaded into them.
-from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-# FSDP2's default reduce-scatter. The public hook `FSDPModule.set_custom_reduce_scatter`
-# takes an instance of the private `ReduceScatter` interface; gloo runs install a subclass
-# that reduces with an all-reduce (`fsdp_zero.sharding.parallelize.AllReduceScatter`).
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-# FSDP2's default all-gather, for the same public hook's twin, `FSDPModule.set_custom_all_gather`:
-# `fsdp_zero.monitor.comm` installs a subclass that counts the bytes each unit gathers, then gathers as FSDP2 does.
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 # Activation checkpointing as a composable API: marks a module so that its forward is recomputed
 # in backward (non-reentrant) without wrapping it, so parameter names, and with them checkpoints,
@@ -42,29 +49,38 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 # It composes with fully_shard on the same module, as FSDP2's own tests use it.
 from torch.distributed._composable import checkpoint as checkpoint_activations
 
-# The flight recorder: every process group's recent collectives (op, group, sequence number, sizes,
-# whether it completed), recorded by gloo and NCCL themselves. Read when a collective fails or times
-# out, to say which one this rank was in and to leave the record beside the run.
-from torch._C._distributed_c10d import _dump_fr_trace_json as flight_recorder_json
+# Creates an optimizer's lazily-created states (DCP's state-dict API calls it for the same
+# reason): a ZeroRedundancyOptimizer's partition must have states before a checkpoint can
+# be loaded into them.
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 # The store the ranks met in at init_process_group: after a collective failed, the ranks that can
 # still say so tell each other through it, which names the ranks that died or hang.
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 
-# The planner simulates one rank of N in one process with a process group whose
-# collectives return at once. A testing utility, but the documented way to do this
-# (torchtitan's memory estimation and FSDPMemTracker's own tests use it).
-from torch.testing._internal.distributed.fake_pg import FakeStore
+# FSDP2's default reduce-scatter. The public hook `FSDPModule.set_custom_reduce_scatter`
+# takes an instance of the private `ReduceScatter` interface; gloo runs install a subclass
+# that reduces with an all-reduce (`fsdp_zero.sharding.parallelize.AllReduceScatter`).
+# FSDP2's default all-gather, for the same public hook's twin, `FSDPModule.set_custom_all_gather`:
+# `fsdp_zero.monitor.comm` installs a subclass that counts the bytes each unit gathers, then gathers as FSDP2 does.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 # The base classes of Conv1d/2d/3d and ConvTranspose*, and of BatchNorm/InstanceNorm/SyncBatchNorm:
 # `fsdp_zero.model.init.init_standard` recognises every standard convolution and norm through them.
 from torch.nn.modules.batchnorm import _NormBase as NormBase
 from torch.nn.modules.conv import _ConvNd as ConvNd
 
+# The planner simulates one rank of N in one process with a process group whose
+# collectives return at once. A testing utility, but the documented way to do this
+# (torchtitan's memory estimation and FSDPMemTracker's own tests use it).
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 # Private names that DCP's own .metadata pickles (a tensor's storage layout, a chunk's place in
 # a file): the checkpoint reader's allow-listed unpickler admits them by these exact names.
-DCP_METADATA_PRIVATE = {("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+DCP_METADATA_PRIVATE = {
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
 
 
 def hf_init_weights(model: Any, seed: int) -> bool:
@@ -109,8 +125,13 @@ def fsdp_unit_settings(module: Any) -> dict[str, Any]:
     post = group.post_forward_mesh_info
     reshard = False if post is None else True if post == group.mesh_info else post.shard_mesh_size
     offload = isinstance(group.offload_policy, CPUOffloadPolicy)
-    return {"param_dtype": policy.param_dtype, "reduce_dtype": policy.reduce_dtype, "offload": offload,
-            "pin_memory": offload and group.offload_policy.pin_memory, "reshard_after_forward": reshard}
+    return {
+        "param_dtype": policy.param_dtype,
+        "reduce_dtype": policy.reduce_dtype,
+        "offload": offload,
+        "pin_memory": offload and group.offload_policy.pin_memory,
+        "reshard_after_forward": reshard,
+    }
 
 
 @contextlib.contextmanager

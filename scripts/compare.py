@@ -24,10 +24,8 @@ from pathlib import Path
 
 import torch
 
-from fsdp_zero.tools import DEFAULTS, ORDER, dataparallel_row, read_rows, report
 from fsdp_zero.config import load_config
-from fsdp_zero.tools import train_command
-
+from fsdp_zero.tools import DEFAULTS, ORDER, dataparallel_row, read_rows, report, train_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"skipped {strategy.value}: {e}", file=sys.stderr)
             continue
-        cmd = train_command(args.nproc_per_node, [*(["--config", args.config] if args.config else []), *overrides,
-                                                  f"parallel.strategy={strategy.value}", f"run.name={strategy.value}"])
+        cmd = train_command(
+            args.nproc_per_node,
+            [
+                *(["--config", args.config] if args.config else []),
+                *overrides,
+                f"parallel.strategy={strategy.value}",
+                f"run.name={strategy.value}",
+            ],
+        )
         if subprocess.run(cmd).returncode != 0:
             print(f"error: strategy {strategy.value} failed; see above", file=sys.stderr)
             return 1

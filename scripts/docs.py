@@ -139,7 +139,9 @@ def _section(prefix: str, cls: type, out: list[str]) -> None:
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
             summary = class_docstring(kind).split("\n\n")[0]
             what = " ".join(part for part in (what or summary, _enum_choices(kind)) if part)
-        out.append(f"| `{prefix}.{f.name}` | `{_cell(_type_name(f.type))}` | `{_cell(_default(f))}` | {_cell(_md(what))} |")
+        out.append(
+            f"| `{prefix}.{f.name}` | `{_cell(_type_name(f.type))}` | `{_cell(_default(f))}` | {_cell(_md(what))} |"
+        )
     out.append("")
     for name, kind in nested:
         _section(name, kind, out)
@@ -184,14 +186,19 @@ def layout() -> str:
             part = f"`fsdp_zero/{name}/`" if folder else f"`fsdp_zero/{name}.py`"
             what = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
             face = ", ".join(f"`{n}`" for n in getattr(module, "__all__", []))
-            rows.append(f"| {level} | {part} | {_cell(what)} | {', '.join(below) or 'nothing of the package'} | "
-                        f"{face} |")
+            rows.append(
+                f"| {level} | {part} | {_cell(what)} | {', '.join(below) or 'nothing of the package'} | {face} |"
+            )
         below = below + [f"`{n}`" for n in names]
     return "\n".join(rows)
 
 
-GENERATORS: dict[str, Callable[[], str]] = {"config-reference": config_reference, "deepspeed-keys": deepspeed_keys,
-                                            "strategies": strategies, "layout": layout}
+GENERATORS: dict[str, Callable[[], str]] = {
+    "config-reference": config_reference,
+    "deepspeed-keys": deepspeed_keys,
+    "strategies": strategies,
+    "layout": layout,
+}
 
 
 # ---------------------------------------------------------------------------------
@@ -225,8 +232,10 @@ def update(docs: Path = DOCS, write: bool = True) -> list[str]:
             changed[page] = new
     for name, pages in found.items():
         if len(pages) != 1:
-            raise ValueError(f"the generated block {name!r} appears {len(pages)} times in {docs.name}/ "
-                             f"{pages}; it belongs in exactly one page")
+            raise ValueError(
+                f"the generated block {name!r} appears {len(pages)} times in {docs.name}/ "
+                f"{pages}; it belongs in exactly one page"
+            )
     if write:
         for page, new in changed.items():
             page.write_text(new)

@@ -31,17 +31,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (…/checkpoints/step-NNNNNNN)")
     parser.add_argument("--out", type=Path, required=True, help="a new folder, or a file name ending in .safetensors")
-    parser.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating-point weights (default: as saved)")
+    parser.add_argument(
+        "--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating-point weights (default: as saved)"
+    )
     parser.add_argument("--max-shard-size", help="split into files of at most this size, e.g. 2GB (default: one file)")
-    parser.add_argument("--weights-only", action="store_true",
-                        help="only the safetensors, even for a Hugging Face model (no config.json, no tokenizer)")
-    parser.add_argument("--adapters-only", action="store_true",
-                        help="a LoRA run: only the adapters, as PEFT's adapter_model.safetensors and adapter_config.json")
+    parser.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="only the safetensors, even for a Hugging Face model (no config.json, no tokenizer)",
+    )
+    parser.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="a LoRA run: only the adapters, as PEFT's adapter_model.safetensors and adapter_config.json",
+    )
     args = parser.parse_args(argv)
     try:
         limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
-        exported = export(args.checkpoint, args.out, dtype=EXPORT_DTYPES.get(args.dtype), max_shard_bytes=limit,
-                          weights_only=args.weights_only, adapters_only=args.adapters_only)
+        exported = export(
+            args.checkpoint,
+            args.out,
+            dtype=EXPORT_DTYPES.get(args.dtype),
+            max_shard_bytes=limit,
+            weights_only=args.weights_only,
+            adapters_only=args.adapters_only,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -39,13 +39,19 @@ def main() -> None:
 
     with fz.distributed() as env:
         with fz.meta_init():  # no memory for the parameters until each rank materialises its shards
-            model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
-                                      mlp_dim=64, num_classes=10)
+            model = VisionTransformer(
+                image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
+            )
         model = fz.shard(model, env, strategy="full_shard", wrap=["EncoderBlock"], seed=args.seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
 
-        data = FakeData(size=1000, image_size=(3, 32, 32), num_classes=10, random_offset=args.seed,
-                        transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]))
+        data = FakeData(
+            size=1000,
+            image_size=(3, 32, 32),
+            num_classes=10,
+            random_offset=args.seed,
+            transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]),
+        )
         sampler = DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, shuffle=False)
         loader = DataLoader(data, batch_size=args.batch_size // env.world_size, sampler=sampler, drop_last=True)
 

@@ -27,21 +27,29 @@ import sys
 
 import torch
 
+from fsdp_zero.config import ZERO_STAGES, Config, Strategy, load_config, validate
 from fsdp_zero.data import BatchLayout
 from fsdp_zero.distributed import Topology
-from fsdp_zero.model import construct
-from fsdp_zero.monitor import comm_formula, comm_seconds
-from fsdp_zero.config import ZERO_STAGES, Config, Strategy, validate
-from fsdp_zero.config import load_config
-from fsdp_zero.tools import DIMENSIONS, MARGIN, fit_rates, search, searched_overrides
-from fsdp_zero.tools import Rates
-from fsdp_zero.model import frozen_count, make_trainable
-from fsdp_zero.monitor import CATEGORIES, MIB, parse_size
+from fsdp_zero.model import construct, frozen_count, make_trainable
+from fsdp_zero.monitor import CATEGORIES, MIB, comm_formula, comm_seconds, parse_size
+from fsdp_zero.sharding import build_wrap_plan, resolve
 from fsdp_zero.tools import (
-    PAPER_K, PLAN_MODES, Prediction, deepspeed_zero3_estimate, format_bytes, format_gb, simulate, strategy_states, zero_paper_stages,
+    DIMENSIONS,
+    MARGIN,
+    PAPER_K,
+    PLAN_MODES,
+    Prediction,
+    Rates,
+    deepspeed_zero3_estimate,
+    fit_rates,
+    format_bytes,
+    format_gb,
+    search,
+    searched_overrides,
+    simulate,
+    strategy_states,
+    zero_paper_stages,
 )
-from fsdp_zero.sharding import resolve
-from fsdp_zero.sharding import build_wrap_plan
 
 ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
 
@@ -50,25 +58,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config")
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--strategy", action="append", choices=[s.value for s in Strategy],
-                        help="repeatable; default: ddp, zero1, shard_grad_op, full_shard")
+    parser.add_argument(
+        "--strategy",
+        action="append",
+        choices=[s.value for s in Strategy],
+        help="repeatable; default: ddp, zero1, shard_grad_op, full_shard",
+    )
     parser.add_argument("--device-memory", help="memory per rank to fit in, e.g. 80GB")
     parser.add_argument("--json", help="also write the predictions here")
     parser.add_argument("--params", type=float, help="a parameter count (e.g. 7.5e9): the ZeRO formulas only")
-    parser.add_argument("--largest-layer", type=float, help="with --params: the largest unit's parameters "
-                        "(DeepSpeed's estimate; default: none)")
-    parser.add_argument("--fit", help="memory per rank to fit in, e.g. 3GiB: search the settings, print the cheapest "
-                        "that fits")
-    parser.add_argument("--link-gbps", type=float, help="per-rank collective bandwidth, Gbit/s (default: 400 for "
-                        "dist.device=cuda, 20 for cpu)")
-    parser.add_argument("--tflops", type=float, help="--fit: achieved 16-bit compute per rank, TFLOP/s (default: 400 "
-                        "for cuda, 0.05 for cpu)")
-    parser.add_argument("--host-gbps", type=float, help="--fit: host <-> device copies (CPU offload), Gbit/s "
-                        "(default 200)")
-    parser.add_argument("--search", help=f"--fit: the settings to vary, comma-separated (default: all of "
-                        f"{','.join(DIMENSIONS)}); the others stay as the config sets them")
-    parser.add_argument("--margin", type=float, help=f"--fit: a candidate fits when its predicted peak plus this "
-                        f"fraction of it does (default {MARGIN:g}: the planner's measured accuracy)")
+    parser.add_argument(
+        "--largest-layer",
+        type=float,
+        help="with --params: the largest unit's parameters (DeepSpeed's estimate; default: none)",
+    )
+    parser.add_argument(
+        "--fit", help="memory per rank to fit in, e.g. 3GiB: search the settings, print the cheapest that fits"
+    )
+    parser.add_argument(
+        "--link-gbps",
+        type=float,
+        help="per-rank collective bandwidth, Gbit/s (default: 400 for dist.device=cuda, 20 for cpu)",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=float,
+        help="--fit: achieved 16-bit compute per rank, TFLOP/s (default: 400 for cuda, 0.05 for cpu)",
+    )
+    parser.add_argument(
+        "--host-gbps", type=float, help="--fit: host <-> device copies (CPU offload), Gbit/s (default 200)"
+    )
+    parser.add_argument(
+        "--search",
+        help=f"--fit: the settings to vary, comma-separated (default: all of "
+        f"{','.join(DIMENSIONS)}); the others stay as the config sets them",
+    )
+    parser.add_argument(
+        "--margin",
+        type=float,
+        help=f"--fit: a candidate fits when its predicted peak plus this "
+        f"fraction of it does (default {MARGIN:g}: the planner's measured accuracy)",
+    )
     parser.add_argument("--show", type=int, help="--fit: how many fitting candidates to print (default 12)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -77,25 +107,35 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--world-size={args.world_size}: must be >= 1")
         if args.params is not None:
             if args.params <= 0 or args.config or args.overrides or args.strategy:
-                raise ValueError(f"--params={args.params:g}: a count > 0, with --world-size alone (no config, "
-                                 "no strategies: nothing is built)")
+                raise ValueError(
+                    f"--params={args.params:g}: a count > 0, with --world-size alone (no config, "
+                    "no strategies: nothing is built)"
+                )
             if args.largest_layer is not None and not 0 < args.largest_layer <= args.params:
-                raise ValueError(f"--largest-layer={args.largest_layer:g}: the largest unit's parameters, > 0 and "
-                                 f"<= --params={args.params:g}")
+                raise ValueError(
+                    f"--largest-layer={args.largest_layer:g}: the largest unit's parameters, > 0 and "
+                    f"<= --params={args.params:g}"
+                )
             formulas(int(args.params), int(args.largest_layer) if args.largest_layer else None, args.world_size)
             return 0
         for flag in ("search", "margin", "show", "tflops", "host_gbps"):
             if getattr(args, flag) is not None and not args.fit:
-                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: it applies to --fit; add --fit MEMORY")
+                raise ValueError(
+                    f"--{flag.replace('_', '-')}={getattr(args, flag)}: it applies to --fit; add --fit MEMORY"
+                )
         dims = tuple(d for d in args.search.split(",") if d) if args.search else DIMENSIONS
         cfg = load_config(args.config, [*args.overrides, *(searched_overrides(dims) if args.fit else [])])
         rates = _rates(args, cfg.dist.device.value)
         if args.fit:
             if args.strategy or args.device_memory:
-                raise ValueError("--fit searches every strategy against its own budget: drop --strategy and "
-                                 "--device-memory")
-            margin, show, budget = (MARGIN if args.margin is None else args.margin, 12 if args.show is None else
-                                    args.show, parse_size(args.fit, "--fit"))
+                raise ValueError(
+                    "--fit searches every strategy against its own budget: drop --strategy and --device-memory"
+                )
+            margin, show, budget = (
+                MARGIN if args.margin is None else args.margin,
+                12 if args.show is None else args.show,
+                parse_size(args.fit, "--fit"),
+            )
             if not 0 <= margin < 1:
                 raise ValueError(f"--margin={margin:g}: a fraction of the predicted peak, in [0, 1)")
             if show < 1:
@@ -123,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     communication(cfg, model, n, [Strategy(p.strategy) for p in preds], rates.link_gbps)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in dataclasses.asdict(p).items() if k not in ("notes", "regions")} for p in preds],
-                      f, indent=2)
+            json.dump(
+                [{k: v for k, v in dataclasses.asdict(p).items() if k not in ("notes", "regions")} for p in preds],
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -133,11 +176,15 @@ def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, 
     cuda = cfg.dist.device.value == "cuda"
     kind = "device memory" if cuda else "peak RSS (process)"
     if cuda:
-        print("(the step is simulated on the CPU: tensor sizes are the same, CUDA kernels' workspaces are not "
-              "included)\n")
-    print(f"# memory plan: {cfg.model.target or cfg.model.preset}, {num_params:,} parameters, {n} ranks, "
-          f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.precision.mode} AdamW"
-          + (", CPU offload" if cfg.parallel.cpu_offload else "") + "\n")
+        print(
+            "(the step is simulated on the CPU: tensor sizes are the same, CUDA kernels' workspaces are not included)\n"
+        )
+    print(
+        f"# memory plan: {cfg.model.target or cfg.model.preset}, {num_params:,} parameters, {n} ranks, "
+        f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.precision.mode} AdamW"
+        + (", CPU offload" if cfg.parallel.cpu_offload else "")
+        + "\n"
+    )
     retained = "" if cuda else "heap kept MiB"  # what glibc's heap keeps beyond the live tensors
     head = ["strategy"] + [f"{c} MiB" for c in CATEGORIES] + ["tensors MiB", "baseline MiB"] + [retained] * (not cuda)
     head += [f"{kind} MiB", "model state MiB"]
@@ -158,9 +205,13 @@ def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, 
     for note in sorted({n for p in preds for n in p.notes}):  # a composed simulation says so (fsdp_zero.tools.planner)
         print(f"({note})\n")
     if cfg.parallel.cpu_offload:
-        print("CPU offload: the model state (sharded parameters, gradients, AdamW states) lives in host memory"
-              + ("; device memory is the tensors less that" if cuda else "") + ": "
-              + "; ".join(f"{p.strategy} {p.host_state / MIB:,.1f} MiB" for p in preds) + " per rank\n")
+        print(
+            "CPU offload: the model state (sharded parameters, gradients, AdamW states) lives in host memory"
+            + ("; device memory is the tensors less that" if cuda else "")
+            + ": "
+            + "; ".join(f"{p.strategy} {p.host_state / MIB:,.1f} MiB" for p in preds)
+            + " per rank\n"
+        )
 
 
 def _rates(args: argparse.Namespace, device: str) -> Rates:
@@ -176,14 +227,19 @@ def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[
     precision mode, and the time they take at ``link_gbps``."""
     plan = build_wrap_plan(model, cfg.parallel.wrap, n)
     accum = BatchLayout.rounded(cfg.train, n).grad_accum_steps
-    print(f"\n## communication per rank per optimizer step ({accum} micro-batches, parallel.grad_sync="
-          f"{cfg.parallel.grad_sync.value}; time at {link_gbps:g} Gbit/s, ring collectives)\n")
+    print(
+        f"\n## communication per rank per optimizer step ({accum} micro-batches, parallel.grad_sync="
+        f"{cfg.parallel.grad_sync.value}; time at {link_gbps:g} Gbit/s, ring collectives)\n"
+    )
     print("| strategy | precision | all-gather MiB | reduce-scatter MiB | all-reduce MiB | time ms |")
     print("|---|---|---|---|---|---|")
     for strategy in strategies:
         for mode in PLAN_MODES:
-            c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy),
-                                    precision=dataclasses.replace(cfg.precision, mode=mode))
+            c = dataclasses.replace(
+                cfg,
+                parallel=dataclasses.replace(cfg.parallel, strategy=strategy),
+                precision=dataclasses.replace(cfg.precision, mode=mode),
+            )
             try:
                 validate(c)
             except ValueError:  # e.g. bf16-mixed under DDP; grad_sync=once_per_step under DDP
@@ -191,44 +247,77 @@ def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[
             topology = Topology.of(c.parallel, n)
             moved = comm_formula(c, topology, model, plan, accum, resolve(c.precision))
             seconds = sum(comm_seconds(moved, topology, link_gbps).values())
-            print(f"| {strategy.value} | {mode} | {moved.all_gather / MIB:,.1f} | {moved.reduce_scatter / MIB:,.1f} | "
-                  f"{moved.all_reduce / MIB:,.1f} | {seconds * 1e3:,.1f} |")
+            print(
+                f"| {strategy.value} | {mode} | {moved.all_gather / MIB:,.1f} | {moved.reduce_scatter / MIB:,.1f} | "
+                f"{moved.all_reduce / MIB:,.1f} | {seconds * 1e3:,.1f} |"
+            )
 
 
-def fit(cfg: Config, n: int, budget: int, margin: float, rates: Rates | None, dims: tuple[str, ...],
-        json_path: str | None, show: int) -> int:
+def fit(
+    cfg: Config,
+    n: int,
+    budget: int,
+    margin: float,
+    rates: Rates | None,
+    dims: tuple[str, ...],
+    json_path: str | None,
+    show: int,
+) -> int:
     """--fit: the rates (``rates``: the ones given; None: `fsdp_zero.tools.fit.fit_rates`), the ranked candidates
     and the pick (fsdp_zero.tools.fit)."""
-    print(f"# fit: {cfg.model.pretrained or cfg.model.target or cfg.model.preset}, {n} ranks, global batch "
-          f"{cfg.train.global_batch_size}, budget {format_bytes(budget)} per rank "
-          f"({'device memory' if cfg.dist.device.value == 'cuda' else 'peak RSS'}); a candidate fits when its "
-          f"predicted peak + {margin:.0%} does", flush=True)
+    print(
+        f"# fit: {cfg.model.pretrained or cfg.model.target or cfg.model.preset}, {n} ranks, global batch "
+        f"{cfg.train.global_batch_size}, budget {format_bytes(budget)} per rank "
+        f"({'device memory' if cfg.dist.device.value == 'cuda' else 'peak RSS'}); a candidate fits when its "
+        f"predicted peak + {margin:.0%} does",
+        flush=True,
+    )
     rates = rates or fit_rates(cfg, n, dims)
-    print(f"rates: {rates.describe()}\ncost = compute + communication + optimizer step + offload copies, no overlap\n",
-          flush=True)
+    print(
+        f"rates: {rates.describe()}\ncost = compute + communication + optimizer step + offload copies, no overlap\n",
+        flush=True,
+    )
     found = search(cfg, n, rates, dims)
     best = found.fit(budget, margin)
     scored = found.scored
     fitting = [s for s in scored if s.fits]
-    print(f"{len(scored)} candidates ({found.simulations} simulations, {found.seconds:.0f} s), {len(fitting)} fit; "
-          f"the {min(show, len(fitting))} cheapest that fit:\n")
-    print("| # | cost ms | compute ms | comm ms | optimizer ms | offload ms | peak | strategy | precision | "
-          "checkpointing | offload | micro-batch | grad_sync |")
+    print(
+        f"{len(scored)} candidates ({found.simulations} simulations, {found.seconds:.0f} s), {len(fitting)} fit; "
+        f"the {min(show, len(fitting))} cheapest that fit:\n"
+    )
+    print(
+        "| # | cost ms | compute ms | comm ms | optimizer ms | offload ms | peak | strategy | precision | "
+        "checkpointing | offload | micro-batch | grad_sync |"
+    )
     print("|" + "---|" * 13)
     for i, s in enumerate(fitting[:show], start=1):
         c = s.candidate
-        ms = [f"{v * 1e3:,.1f}" for v in (s.cost, *(s.parts[k] for k in ("compute_s", "comm_s", "optimizer_s",
-                                                                          "offload_s")))]
-        print(f"| {i} | {' | '.join(ms)} "
-              f"| {format_bytes(s.peak)} | {c.strategy.value} | {c.precision} | {c.checkpointing.value} | "
-              f"{'yes' if c.offload else 'no'} | {c.micro_batch} | {c.grad_sync.value} |")
-    print(f"\npick: cost {best.cost * 1e3:,.1f} ms, peak {format_bytes(best.peak)} (+ {margin:.0%}: "
-          f"{format_bytes(best.peak * (1 + margin))}) of {format_bytes(budget)}:")
+        ms = [
+            f"{v * 1e3:,.1f}"
+            for v in (s.cost, *(s.parts[k] for k in ("compute_s", "comm_s", "optimizer_s", "offload_s")))
+        ]
+        print(
+            f"| {i} | {' | '.join(ms)} "
+            f"| {format_bytes(s.peak)} | {c.strategy.value} | {c.precision} | {c.checkpointing.value} | "
+            f"{'yes' if c.offload else 'no'} | {c.micro_batch} | {c.grad_sync.value} |"
+        )
+    print(
+        f"\npick: cost {best.cost * 1e3:,.1f} ms, peak {format_bytes(best.peak)} (+ {margin:.0%}: "
+        f"{format_bytes(best.peak * (1 + margin))}) of {format_bytes(budget)}:"
+    )
     print("  " + " ".join(best.candidate.overrides()))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"budget_bytes": budget, "margin": margin, "candidates": [s.to_json() for s in scored],
-                       "pick": {k: v for k, v in best.to_json().items() if k != "fits"}}, f, indent=2)
+            json.dump(
+                {
+                    "budget_bytes": budget,
+                    "margin": margin,
+                    "candidates": [s.to_json() for s in scored],
+                    "pick": {k: v for k, v in best.to_json().items() if k != "fits"},
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -239,16 +328,27 @@ def formulas(num_params: int, largest: int | None, n: int, root: int | None = No
     paper = zero_paper_stages(num_params, n)
     states = strategy_states(num_params, n, largest, root or 0, frozen=frozen)
     print(f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n")
-    print(f"- ZeRO paper (Rajbhandari et al. 2020), Table 1, as it states them: mixed-precision Adam (fp16 parameters "
-          f"2 B, fp16 gradients 2 B, K = {PAPER_K} B of fp32 optimizer states per parameter), Psi parameters over N_d "
-          "ranks, GB = 10^9 bytes.")
-    print("- ours, AdamW, GiB = 2^30 bytes (MiB = 2^20): at rest = after the optimizer step; in step = at rest + the "
-          "parameters held gathered, in the compute dtype, between forward and backward: shard_grad_op every unit, "
-          "full_shard " + ("one or two units (--largest-layer gives their size)" if largest is None else
-                           f"2 x the largest unit ({largest:,} parameters: one computing, the next prefetched)"
-                           + (f" + the root unit ({root:,}, kept gathered for backward)" if root is not None
-                              else " (+ the root unit's own parameters, kept gathered for backward: not known here)"))
-          + ", ddp and zero1 nothing beyond their whole copy.")
+    print(
+        f"- ZeRO paper (Rajbhandari et al. 2020), Table 1, as it states them: mixed-precision Adam (fp16 parameters "
+        f"2 B, fp16 gradients 2 B, K = {PAPER_K} B of fp32 optimizer states per parameter), Psi parameters over N_d "
+        "ranks, GB = 10^9 bytes."
+    )
+    print(
+        "- ours, AdamW, GiB = 2^30 bytes (MiB = 2^20): at rest = after the optimizer step; in step = at rest + the "
+        "parameters held gathered, in the compute dtype, between forward and backward: shard_grad_op every unit, "
+        "full_shard "
+        + (
+            "one or two units (--largest-layer gives their size)"
+            if largest is None
+            else f"2 x the largest unit ({largest:,} parameters: one computing, the next prefetched)"
+            + (
+                f" + the root unit ({root:,}, kept gathered for backward)"
+                if root is not None
+                else " (+ the root unit's own parameters, kept gathered for backward: not known here)"
+            )
+        )
+        + ", ddp and zero1 nothing beyond their whole copy."
+    )
     print("- fp16-mixed: as bf16-mixed (the same bytes).\n")
     head = ["ZeRO", "paper stage", "paper formula", "paper"]
     head += ["ours"] + [f"{m} {when}" for m in PLAN_MODES for when in ("at rest", "in step")]
@@ -270,8 +370,10 @@ def formulas(num_params: int, largest: int | None, n: int, root: int | None = No
             print(f"\nrefused ({mode} with {', '.join(s.strategy.value for s in refused)}): {refused[0].refused}")
     biggest = largest or root or 0  # DeepSpeed's largest layer: the largest unit besides the root, or the root alone
     layer = f"largest layer {biggest:,} params" if biggest else "largest layer not given, counted as 0"
-    print(f"\nDeepSpeed estimate_zero3_model_states_mem_needs (no offload; {layer}): "
-          f"{format_bytes(deepspeed_zero3_estimate(num_params, biggest, n))} per GPU")
+    print(
+        f"\nDeepSpeed estimate_zero3_model_states_mem_needs (no offload; {layer}): "
+        f"{format_bytes(deepspeed_zero3_estimate(num_params, biggest, n))} per GPU"
+    )
 
 
 if __name__ == "__main__":

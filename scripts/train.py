@@ -22,8 +22,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fsdp_zero.config import load_config
-from fsdp_zero.config import read_deepspeed
+from fsdp_zero.config import load_config, read_deepspeed
 from fsdp_zero.distributed import distributed, exit_process
 from fsdp_zero.errors import USAGE_ERROR, RunEnded
 from fsdp_zero.training import train

@@ -30,20 +30,45 @@ HAS_HF = importlib.util.find_spec("transformers") is not None  # the `hf` extra 
 
 # tests/test_parity.py's base: 8 AdamW steps, clipping active on every step (asserted there). Without the
 # memory tracker's profiled step (about 0.7 s a run): the runs whose tracker figures a test reads profile step 2.
-BASE = ("model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.steps=8", "train.log_every=1", "optim.warmup_steps=2", "optim.grad_clip=0.5", "metrics.tensorboard=false",
-        "memory.profile_step=0")
+BASE = (
+    "model.preset=gpt_nano",
+    "data.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.steps=8",
+    "train.log_every=1",
+    "optim.warmup_steps=2",
+    "optim.grad_clip=0.5",
+    "metrics.tensorboard=false",
+    "memory.profile_step=0",
+)
 PROFILED = ("memory.profile_step=2",)  # tests/test_parity.py: the activations and gathered parameters after forward
 TIED = ("model.tie_embeddings=true",)
 # tests/test_models.py's: foreign models, 4 steps, a constant learning rate without weight decay.
-COMMON = ("train.steps=4", "train.log_every=1", "checkpoint.every=2", "checkpoint.keep_last=0",
-          "metrics.tensorboard=false", "memory.profile_step=0", "optim.weight_decay=0", "optim.warmup_steps=0",
-          "optim.min_lr_ratio=1")
+COMMON = (
+    "train.steps=4",
+    "train.log_every=1",
+    "checkpoint.every=2",
+    "checkpoint.keep_last=0",
+    "metrics.tensorboard=false",
+    "memory.profile_step=0",
+    "optim.weight_decay=0",
+    "optim.warmup_steps=0",
+    "optim.min_lr_ratio=1",
+)
 VIT = ("--config", "configs/vit_fake.yaml")  # a torchvision VisionTransformer on FakeData, units EncoderBlock
-LLAMA = ("model.target=transformers:LlamaForCausalLM", "model.kwargs.vocab_size=101", "model.kwargs.hidden_size=32",
-         "model.kwargs.intermediate_size=64", "model.kwargs.num_hidden_layers=2", "model.kwargs.num_attention_heads=4",
-         "model.kwargs.num_key_value_heads=2", "model.kwargs.max_position_embeddings=64",
-         "model.kwargs.tie_word_embeddings=true", "data.seq_len=16")  # units: _no_split_modules
+LLAMA = (
+    "model.target=transformers:LlamaForCausalLM",
+    "model.kwargs.vocab_size=101",
+    "model.kwargs.hidden_size=32",
+    "model.kwargs.intermediate_size=64",
+    "model.kwargs.num_hidden_layers=2",
+    "model.kwargs.num_attention_heads=4",
+    "model.kwargs.num_key_value_heads=2",
+    "model.kwargs.max_position_embeddings=64",
+    "model.kwargs.tie_word_embeddings=true",
+    "data.seq_len=16",
+)  # units: _no_split_modules
 SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved after step 4 of 8
 # tests/test_eval.py's validation: 5 windows of 33 tokens (170 tokens: a tail no window reaches), after
 # steps 3, 6 and 8; at 2 ranks and micro-batch 2, rank 0 forwards 2 + 1 windows, rank 1 2 and a dummy.
@@ -71,7 +96,8 @@ class Launch:
 
 P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
 T, S, K = "test_comm", "test_step_group", "test_clusters"
-# tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm trained.
+# tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm
+# trained.
 FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
 LORA = ("model.lora.rank=4", "model.lora.targets=[wq,wv,w2]", "model.lora.train=[norm.weight]")
 # tests/test_step_group.py's bounded optimizer step: groups of at most 5,000 local elements (gpt_nano's
@@ -82,9 +108,9 @@ GROUPED = ("optim.step_group_size=5000",)
 def _weights_to_import(root: Path) -> None:
     """n2's final weights as a torch.save state dict and as an exported safetensors folder (when this
     session ran n2: only the checkpoint tests import them)."""
+    from fsdp_zero.checkpoint.weights import export_checkpoint
     from fsdp_zero.config.loader import load_config
     from fsdp_zero.model.transformer import args_from_config
-    from fsdp_zero.checkpoint.weights import export_checkpoint
 
     if not (root / "n2.pt").exists():
         return
@@ -105,14 +131,20 @@ def _hf_folder(root: Path) -> None:
 def _eval_tokens(root: Path) -> None:
     """The held-out token file the eval runs read: seeded uint16 ids below gpt_nano's vocabulary of 256."""
     if not (root / "val.bin").exists():
-        torch.randint(0, 256, (EVAL_TOKENS,), generator=torch.Generator().manual_seed(19),
-                      dtype=torch.int32).numpy().astype("uint16").tofile(root / "val.bin")
+        torch.randint(
+            0, 256, (EVAL_TOKENS,), generator=torch.Generator().manual_seed(19), dtype=torch.int32
+        ).numpy().astype("uint16").tofile(root / "val.bin")
 
 
 # tests/test_masked.py's instruction data: 64 windows of 33 tokens (every window read once in 8 steps of 8),
 # a mask file beside it (documents: a prompt left out, a completion trained on) and window 10 all prompt;
 # validation on the same file after the last step (its 64 windows in file order).
-MASKED = ("data.source=tokens", "data.path={root}/masked/train.bin", "eval.every=8", "eval.path={root}/masked/train.bin")
+MASKED = (
+    "data.source=tokens",
+    "data.path={root}/masked/train.bin",
+    "eval.every=8",
+    "eval.path={root}/masked/train.bin",
+)
 MASKED_TOKENS = 64 * 32 + 1
 
 
@@ -125,13 +157,14 @@ def _masked_tokens(root: Path) -> None:
     folder.mkdir(exist_ok=True)
     gen = torch.Generator().manual_seed(20)
     torch.randint(0, 256, (MASKED_TOKENS,), generator=gen, dtype=torch.int32).numpy().astype("uint16").tofile(
-        folder / "train.bin")
+        folder / "train.bin"
+    )
     mask, done = torch.zeros(MASKED_TOKENS, dtype=torch.uint8), 0
     while done < MASKED_TOKENS:
         length = int(torch.randint(8, 60, (1,), generator=gen))
-        mask[done + int(0.6 * length): done + length] = 1
+        mask[done + int(0.6 * length) : done + length] = 1
         done += length
-    mask[10 * 32 + 1: 11 * 32 + 1] = 0  # window 10 predicts tokens 321..352: none trained
+    mask[10 * 32 + 1 : 11 * 32 + 1] = 0  # window 10 predicts tokens 321..352: none trained
     mask.numpy().tofile(folder / "train.mask.bin")
 
 
@@ -159,7 +192,9 @@ RUNS = [
     # checkpoint tests' straight run.
     Run("n2", "2", (*BASE, *PROFILED, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T, S, K)),
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
-    Run("eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E, T)),
+    Run(
+        "eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E, T)
+    ),
     Run("n2-tied", "2", (*BASE, *TIED), (P, T)),
     # DDP and ZeRO-2 evaluate too: DDP through its wrapper, ZeRO-2's units left gathered by a forward without
     # backward until FSDP2's reset_iter_state (tests/test_eval.py).
@@ -167,22 +202,51 @@ RUNS = [
     Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T, S)),  # DeepSpeed's name for it
     Run("zero2", "2", (*BASE, *PROFILED, "parallel.strategy=SHARD_GRAD_OP", *EVAL), (P, T, E)),  # FSDP1's name for it
     # The memory levers: plain ZeRO-3's numbers bit for bit; CPU offload and full checkpointing share a run.
-    Run("ac-full", "2", (*BASE, *PROFILED, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)),
-    Run("ac-selective", "2", (*BASE, *PROFILED, "parallel.activation_checkpointing=selective",
-                              "parallel.activation_checkpointing_every=2"), (P,)),
+    Run(
+        "ac-full", "2", (*BASE, *PROFILED, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)
+    ),
+    Run(
+        "ac-selective",
+        "2",
+        (*BASE, *PROFILED, "parallel.activation_checkpointing=selective", "parallel.activation_checkpointing_every=2"),
+        (P,),
+    ),
     Run("bf16-mixed", "2", (*BASE, *PROFILED, "precision=bf16-mixed"), (P, T, S)),
     Run("fp16-mixed", "2", (*BASE, "precision=fp16-mixed"), (P,)),
     Run("bf16-true", "2", (*BASE, *PROFILED, "precision=bf16-true"), (P, T)),
-    Run("overflow", "2", (*BASE, "precision=fp16-mixed", "model.task=custom",
-                          "model.loss=tests.user_model:overflow_on_rank1"), (P,)),
-    Run("split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C, S, T)),  # T: full_shard-to-ddp-n4 reads it
-    Run("async", "2", (*BASE, "checkpoint.async_save=true", "checkpoint.every=2", "checkpoint.keep_last=2"), (C,),
-        options={"slow_writes": 0.3}),
+    Run(
+        "overflow",
+        "2",
+        (*BASE, "precision=fp16-mixed", "model.task=custom", "model.loss=tests.user_model:overflow_on_rank1"),
+        (P,),
+    ),
+    Run(
+        "split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C, S, T)
+    ),  # T: full_shard-to-ddp-n4 reads it
+    Run(
+        "async",
+        "2",
+        (*BASE, "checkpoint.async_save=true", "checkpoint.every=2", "checkpoint.keep_last=2"),
+        (C,),
+        options={"slow_writes": 0.3},
+    ),
     Run("vit", "2", (*VIT, *COMMON), (M,)),
     Run("llama", "2", (*LLAMA, *COMMON), (M,)),
     # The ViT with the default optimizer: weight decay on matrices only, warm-up and cosine decay.
-    Run("vit-defaults", "2", (*VIT, "train.steps=4", "train.log_every=1", "checkpoint.enabled=false",
-                              "metrics.tensorboard=false", "memory.profile_step=0", "optim.warmup_steps=2"), (M,)),
+    Run(
+        "vit-defaults",
+        "2",
+        (
+            *VIT,
+            "train.steps=4",
+            "train.log_every=1",
+            "checkpoint.enabled=false",
+            "metrics.tensorboard=false",
+            "memory.profile_step=0",
+            "optim.warmup_steps=2",
+        ),
+        (M,),
+    ),
     Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
     # Masked instruction data (tests/test_masked.py): the token-weighted loss at N = 2, micro-batch 2.
     Run("masked", "2", (*BASE, *MASKED), ("test_masked",)),
@@ -191,14 +255,28 @@ RUNS = [
     Run("freeze", "2", (*BASE, *FREEZE), (L, T)),
     Run("lora", "2", (*BASE, *LORA), (L, T)),
     # LoRA on a Hugging Face folder's Llama (q_proj, v_proj): the base weights loaded, then the exports.
-    Run("pretrained-lora", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON, "model.lora.rank=4",
-                                 "model.lora.targets=[q_proj,v_proj]"), (L,)),
+    Run(
+        "pretrained-lora",
+        "2",
+        (
+            "model.pretrained={root}/tiny-llama",
+            "data.seq_len=16",
+            *COMMON,
+            "model.lora.rank=4",
+            "model.lora.targets=[q_proj,v_proj]",
+        ),
+        (L,),
+    ),
     Run("lora-split", "2", (*BASE, *LORA, "train.stop_after=4", "checkpoint.every=0"), (L,)),
     # parallel.grad_sync=once_per_step (tests/test_comm.py): n2's numbers, half its reduce-scatter bytes.
     Run("grad-once", "2", (*BASE, "parallel.grad_sync=once_per_step"), (T,)),
     # ... under ZeRO-2 in bf16-true: bf16-true's numbers (its gradients accumulated unsharded, in bf16).
-    Run("grad-once-zero2-bf16", "2", (*BASE, "parallel.strategy=shard_grad_op", "precision=bf16-true",
-                                      "parallel.grad_sync=once_per_step"), (T,)),
+    Run(
+        "grad-once-zero2-bf16",
+        "2",
+        (*BASE, "parallel.strategy=shard_grad_op", "precision=bf16-true", "parallel.grad_sync=once_per_step"),
+        (T,),
+    ),
     # n2, bf16-mixed and zero1 with the optimizer stepped group by group: the same bits.
     Run("group", "2", (*BASE, *GROUPED, "checkpoint.every=4"), (S,)),
     Run("group-bf16", "2", (*BASE, *GROUPED, "precision=bf16-mixed"), (S,)),
@@ -206,31 +284,85 @@ RUNS = [
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
-    Run("zero1-resumed", "2-resume", (*BASE, "parallel.zero_stage=1", "checkpoint.every=0",
-                                      "checkpoint.resume={root}/zero1/checkpoints/step-0000004"), (C,)),
-    Run("overflow-resumed", "2-resume", (*BASE, "precision=fp16-mixed", "model.task=custom", "train.steps=10",
-                                         "model.loss=tests.user_model:overflow_on_rank1"), (P,), run_name="overflow"),
-    Run("llama-resumed", "2-resume", (*LLAMA, *COMMON, "checkpoint.resume={root}/llama/checkpoints/step-0000002"), (M,)),
-    Run("pretrained-resumed", "2-resume", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON,
-                                           "checkpoint.resume={root}/pretrained/checkpoints/step-0000002"),
-        ("test_pretrained",)),
+    Run(
+        "zero1-resumed",
+        "2-resume",
+        (
+            *BASE,
+            "parallel.zero_stage=1",
+            "checkpoint.every=0",
+            "checkpoint.resume={root}/zero1/checkpoints/step-0000004",
+        ),
+        (C,),
+    ),
+    Run(
+        "overflow-resumed",
+        "2-resume",
+        (
+            *BASE,
+            "precision=fp16-mixed",
+            "model.task=custom",
+            "train.steps=10",
+            "model.loss=tests.user_model:overflow_on_rank1",
+        ),
+        (P,),
+        run_name="overflow",
+    ),
+    Run(
+        "llama-resumed", "2-resume", (*LLAMA, *COMMON, "checkpoint.resume={root}/llama/checkpoints/step-0000002"), (M,)
+    ),
+    Run(
+        "pretrained-resumed",
+        "2-resume",
+        (
+            "model.pretrained={root}/tiny-llama",
+            "data.seq_len=16",
+            *COMMON,
+            "checkpoint.resume={root}/pretrained/checkpoints/step-0000002",
+        ),
+        ("test_pretrained",),
+    ),
     Run("lora-resumed", "2-resume", (*BASE, *LORA, "checkpoint.every=0"), (L,), run_name="lora-split"),
     # A checkpoint saved reducing every micro-batch, continued deferring: n2's steps 5-8 (grad_sync is no part of it).
-    Run("grad-once-resumed", "2-resume", (*BASE, "parallel.grad_sync=once_per_step", "checkpoint.every=0",
-                                          f"checkpoint.resume={SPLIT}"), (T,)),
+    Run(
+        "grad-once-resumed",
+        "2-resume",
+        (*BASE, "parallel.grad_sync=once_per_step", "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
+        (T,),
+    ),
     # A checkpoint saved whole-shard continued in groups, and one saved in groups continued whole-shard.
-    Run("group-resumed", "2-resume", (*BASE, *GROUPED, "checkpoint.every=0",
-                                      "checkpoint.resume={root}/split/checkpoints/step-0000004"), (S,)),
-    Run("group-to-whole", "2-resume", (*BASE, "checkpoint.every=0",
-                                       "checkpoint.resume={root}/group/checkpoints/step-0000004"), (S,)),
-    Run("imported", "2-resume", (*BASE, "train.steps=4", "checkpoint.enabled=false",
-                                 "model.init_from={root}/weights.pt"), (C,)),
-    Run("round-trip", "2-resume", (*BASE, "train.steps=1", "checkpoint.enabled=false",
-                                   "model.init_from={root}/exported"), (C,)),
+    Run(
+        "group-resumed",
+        "2-resume",
+        (*BASE, *GROUPED, "checkpoint.every=0", "checkpoint.resume={root}/split/checkpoints/step-0000004"),
+        (S,),
+    ),
+    Run(
+        "group-to-whole",
+        "2-resume",
+        (*BASE, "checkpoint.every=0", "checkpoint.resume={root}/group/checkpoints/step-0000004"),
+        (S,),
+    ),
+    Run(
+        "imported",
+        "2-resume",
+        (*BASE, "train.steps=4", "checkpoint.enabled=false", "model.init_from={root}/weights.pt"),
+        (C,),
+    ),
+    Run(
+        "round-trip",
+        "2-resume",
+        (*BASE, "train.steps=1", "checkpoint.enabled=false", "model.init_from={root}/exported"),
+        (C,),
+    ),
     Run("n4", "4", (*BASE, *PROFILED), (P, T)),
     Run("lora-n4", "4", (*BASE, *LORA), (L,)),
-    Run("lora-reshard4", "4", (*BASE, *LORA, "checkpoint.every=0",
-                               "checkpoint.resume={root}/lora-split/checkpoints/step-0000004"), (L,)),
+    Run(
+        "lora-reshard4",
+        "4",
+        (*BASE, *LORA, "checkpoint.every=0", "checkpoint.resume={root}/lora-split/checkpoints/step-0000004"),
+        (L,),
+    ),
     Run("hsdp", "4", (*BASE, *PROFILED, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P, T, K)),
     # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
     Run("hpz-prefetch", "4", (*BASE, *PROFILED, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P, T)),
@@ -242,10 +374,18 @@ RUNS = [
     Run("zero2-n4", "4", (*BASE, "parallel.strategy=shard_grad_op", "train.steps=2", "checkpoint.enabled=false"), (T,)),
     Run("vit-n4", "4", (*VIT, *COMMON, "train.steps=1", "checkpoint.enabled=false"), (M,)),
     Run("reshard4", "4", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
-    Run("zero1-to-full_shard-n4", "4", (*BASE, "checkpoint.every=0",
-                                        "checkpoint.resume={root}/zero1/checkpoints/step-0000004"), (C,)),
-    Run("full_shard-to-ddp-n4", "4", (*BASE, "parallel.strategy=ddp", "checkpoint.every=0",
-                                      f"checkpoint.resume={SPLIT}"), (C, T)),
+    Run(
+        "zero1-to-full_shard-n4",
+        "4",
+        (*BASE, "checkpoint.every=0", "checkpoint.resume={root}/zero1/checkpoints/step-0000004"),
+        (C,),
+    ),
+    Run(
+        "full_shard-to-ddp-n4",
+        "4",
+        (*BASE, "parallel.strategy=ddp", "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
+        (C, T),
+    ),
     Run("n1", "1", BASE, (P, T)),
     # The same at N = 1 with micro-batches of 2 (4 accumulated) and of 8 (one).
     Run("masked-n1", "1", (*BASE, *MASKED), ("test_masked",)),
@@ -253,8 +393,12 @@ RUNS = [
     Run("lora-n1", "1", (*BASE, *LORA), (L,)),
     Run("eval-n1", "1", (*BASE, "train.micro_batch_size=4", *EVAL), (E,)),  # one rank: forwards of 4 and 1 windows
     Run("reshard1", "1", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
-    Run("ddp-to-full_shard-n1", "1", (*BASE, "checkpoint.every=0",
-                                      "checkpoint.resume={root}/ddp/checkpoints/step-0000004"), (C,)),
+    Run(
+        "ddp-to-full_shard-n1",
+        "1",
+        (*BASE, "checkpoint.every=0", "checkpoint.resume={root}/ddp/checkpoints/step-0000004"),
+        (C,),
+    ),
     # gloo's reduction at 3 ranks: uneven shards (64 rows over 3) and padding; 2 micro-batches of 2 a rank.
     Run("n3", "3", (*BASE, "train.global_batch_size=12"), (P, T)),
 ]
@@ -291,11 +435,18 @@ class Batches:
             self._launch(before)
         if spec.prepare:
             spec.prepare(self.root)
-        jobs = [[str(self.root / f"{r.name}.pt"),
-                 [a.format(root=self.root) for a in r.args] + [f"run.root={self.root}", f"run.name={r.run_name or r.name}"],
-                 r.options]
-                for r in RUNS if r.launch == key and set(r.readers) & self.modules
-                and (HAS_HF or not any(a.startswith(("model.target=transformers:", "model.pretrained=")) for a in r.args))]
+        jobs = [
+            [
+                str(self.root / f"{r.name}.pt"),
+                [a.format(root=self.root) for a in r.args]
+                + [f"run.root={self.root}", f"run.name={r.run_name or r.name}"],
+                r.options,
+            ]
+            for r in RUNS
+            if r.launch == key
+            and set(r.readers) & self.modules
+            and (HAS_HF or not any(a.startswith(("model.target=transformers:", "model.pretrained=")) for a in r.args))
+        ]
         spec_file = self.root / f"launch-{key}.json"
         spec_file.write_text(json.dumps(jobs, indent=1))
         try:

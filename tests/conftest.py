@@ -26,8 +26,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.hf_fixtures import tiny_tokenizer_dir  # noqa: E402, F401 (a fixture: every test module may ask for it)
 from fsdp_zero.tools.launch import train_command
+from tests.hf_fixtures import tiny_tokenizer_dir  # noqa: E402, F401 (a fixture: every test module may ask for it)
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
@@ -49,8 +49,12 @@ def visible_gpus() -> int:
     asked at all on a machine without a GPU driver's device files)."""
     if not any(Path(device).exists() for device in ("/dev/nvidiactl", "/dev/kfd")):
         return 0
-    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                          env=gpu_env(dict(os.environ)), capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        env=gpu_env(dict(os.environ)),
+        capture_output=True,
+        text=True,
+    )
     return int(proc.stdout.strip() or 0) if proc.returncode == 0 else 0
 
 
@@ -87,9 +91,17 @@ def _cpu_tests_leave_cuda_alone(request: pytest.FixtureRequest):
         assert not torch.cuda.is_initialized(), f"{request.node.nodeid} initialised CUDA but is not marked gpu"
 
 
-def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool = False,
-           env: dict[str, str] | None = None, torchrun: bool = True,
-           torchrun_args: tuple[str, ...] = (), cwd: Path = REPO) -> subprocess.CompletedProcess:
+def launch(
+    nproc: int,
+    script: Path,
+    *args: str,
+    timeout: float = 300,
+    gpu: bool = False,
+    env: dict[str, str] | None = None,
+    torchrun: bool = True,
+    torchrun_args: tuple[str, ...] = (),
+    cwd: Path = REPO,
+) -> subprocess.CompletedProcess:
     """Runs ``script`` on ``nproc`` ranks with torchrun (or plain python when nproc == 0).
 
     Args:
@@ -107,9 +119,16 @@ def launch(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool
     return start(nproc, script, *args, timeout=timeout, gpu=gpu, env=env, torchrun_args=torchrun_args, cwd=cwd)()
 
 
-def start(nproc: int, script: Path, *args: str, timeout: float = 300, gpu: bool = False,
-          env: dict[str, str] | None = None, torchrun_args: tuple[str, ...] = (),
-          cwd: Path = REPO) -> Callable[[], subprocess.CompletedProcess]:
+def start(
+    nproc: int,
+    script: Path,
+    *args: str,
+    timeout: float = 300,
+    gpu: bool = False,
+    env: dict[str, str] | None = None,
+    torchrun_args: tuple[str, ...] = (),
+    cwd: Path = REPO,
+) -> Callable[[], subprocess.CompletedProcess]:
     """`launch`, started now: returns the function that waits for it (and checks it as `launch` does), for a
     run that the test process works beside."""
     cmd = train_command(nproc, args, script=script, torchrun_args=torchrun_args, torchrun=nproc > 0)
@@ -151,8 +170,15 @@ def _spawn(nproc: int, cmd: list[str], env: dict[str, str], timeout: float, gpu:
     procs, files = [], []
     try:
         for rank in range(nproc):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            rank_env = {
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills up
             files.append((out, err))
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=err, text=True))
@@ -170,8 +196,9 @@ def _spawn(nproc: int, cmd: list[str], env: dict[str, str], timeout: float, gpu:
             out.close()
             err.close()
     code = next((p.returncode for p in procs if p.returncode), 0)
-    proc = subprocess.CompletedProcess(cmd, code, "".join(o for o, _ in texts),
-                                       "".join(f"[rank{r}] {e}" for r, (_, e) in enumerate(texts)))
+    proc = subprocess.CompletedProcess(
+        cmd, code, "".join(o for o, _ in texts), "".join(f"[rank{r}] {e}" for r, (_, e) in enumerate(texts))
+    )
     _check_device(proc, cmd, gpu)
     return proc
 
@@ -183,7 +210,9 @@ def _check_device(proc: subprocess.CompletedProcess, cmd: list[str], gpu: bool) 
 
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 

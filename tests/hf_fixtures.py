@@ -22,13 +22,25 @@ import pytest
 
 SPECIALS = ("<s>", "</s>", "<pad>")
 VOCAB_SIZE = 400
-LLAMA_CONFIG = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-                    bos_token_id=0, eos_token_id=1, pad_token_id=2)  # the tokenizer's <s>, </s>, <pad>
+LLAMA_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)  # the tokenizer's <s>, </s>, <pad>
 BINARY = bytes(range(256)) * 4  # tokenizer.model stand-in: every byte value
-_WORDS = ("the model shards its parameters over every rank and gathers them for each unit before the forward "
-          "pass; gradients are reduced and scattered so that no rank holds the whole state. Zürich naïve café "
-          "résumé 東京 🙂").split()
+_WORDS = (
+    "the model shards its parameters over every rank and gathers them for each unit before the forward "
+    "pass; gradients are reduced and scattered so that no rank holds the whole state. Zürich naïve café "
+    "résumé 東京 🙂"
+).split()
 
 
 def sample_text(rng: random.Random, words: int) -> str:
@@ -52,8 +64,12 @@ def make_tiny_tokenizer(folder: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIALS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     rng = random.Random(0)
     tok.train_from_iterator([sample_text(rng, 50) for _ in range(200)], trainer=trainer)
     # tokenizer(text) starts each text with BOS, as Llama's tokenizers do; EOS is prepare_data's to add.

@@ -50,76 +50,170 @@ _GPU_PLAN = "test_planner_plans_for_gpus_from_a_machine_without_one"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
-    "reduce-in-bf16": ("bf16-mixed and fp16-mixed reduce gradients in 16 bits, not fp32", ["tests/test_parity.py"],
-                       ["test_gradients_reach_the_reduction_in_the_reduce_dtype"]),
-    "offload-ignored": ("parallel.cpu_offload never reaches FSDP2", ["tests/test_parity.py"],
-                        ["test_cpu_offload_policy_reaches_every_unit"]),
-    "always-reshard": ("reshard_after_forward forced to True on the units: ZeRO-2 and hpZ run as ZeRO-3",
-                       ["tests/test_parity.py", "tests/test_compare.py"],
-                       ["test_what_stays_gathered_between_forward_and_backward", "test_table_orders_the_strategies_by_memory"]),
-    "root-resharded": ("the root unit freed after forward, gathered again at once for backward",
-                       ["tests/test_parity.py"], ["test_what_stays_gathered_between_forward_and_backward"]),
-    "prefetch-ignored": ("parallel.prefetch: FSDP2's prefetch lists never set", ["tests/test_parity.py"],
-                         ["test_explicit_prefetch_starts_the_next_units_all_gather_before_a_unit_computes"]),
-    "clipping-ignored": ("optim.grad_clip: the norm is logged, the gradients never scaled", ["tests/test_parity.py"],
-                         ["test_losses_grad_norms_and_learning_rates_match_single_process"]),
-    "checkpointing-ignored": ("parallel.activation_checkpointing: no block is recomputed", ["tests/test_parity.py"],
-                              ["test_activation_checkpointing_lowers_the_activation_peak"]),
-    "async-save-waits": ("checkpoint.async_save: each save written before training goes on",
-                         ["tests/test_checkpoint.py"], ["test_async_save_writes_the_same_checkpoints_while_training_goes_on"]),
-    "schedule-one-step-late": ("the learning-rate schedule runs one step behind", ["tests/test_parity.py"],
-                               ["test_losses_grad_norms_and_learning_rates_match_single_process"]),
-    "grad-sync-ignored": ("parallel.grad_sync: FSDP2's deferral switches ignored, every micro-batch reduces",
-                          ["tests/test_comm.py"], ["test_grad_sync_trains_the_same_with_fewer_reductions"]),
-    "all-reduce-uncounted": ("comm/all_reduce_mib: HSDP's all-reduce never counted", ["tests/test_comm.py"],
-                             ["test_counted_bytes_per_step_equal_the_formula"]),
-    "step-groups-ignored": ("optim.step_group_size: AdamW steps the whole shard at once", ["tests/test_step_group.py"],
-                            ["test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards"]),
+    "reduce-in-bf16": (
+        "bf16-mixed and fp16-mixed reduce gradients in 16 bits, not fp32",
+        ["tests/test_parity.py"],
+        ["test_gradients_reach_the_reduction_in_the_reduce_dtype"],
+    ),
+    "offload-ignored": (
+        "parallel.cpu_offload never reaches FSDP2",
+        ["tests/test_parity.py"],
+        ["test_cpu_offload_policy_reaches_every_unit"],
+    ),
+    "always-reshard": (
+        "reshard_after_forward forced to True on the units: ZeRO-2 and hpZ run as ZeRO-3",
+        ["tests/test_parity.py", "tests/test_compare.py"],
+        ["test_what_stays_gathered_between_forward_and_backward", "test_table_orders_the_strategies_by_memory"],
+    ),
+    "root-resharded": (
+        "the root unit freed after forward, gathered again at once for backward",
+        ["tests/test_parity.py"],
+        ["test_what_stays_gathered_between_forward_and_backward"],
+    ),
+    "prefetch-ignored": (
+        "parallel.prefetch: FSDP2's prefetch lists never set",
+        ["tests/test_parity.py"],
+        ["test_explicit_prefetch_starts_the_next_units_all_gather_before_a_unit_computes"],
+    ),
+    "clipping-ignored": (
+        "optim.grad_clip: the norm is logged, the gradients never scaled",
+        ["tests/test_parity.py"],
+        ["test_losses_grad_norms_and_learning_rates_match_single_process"],
+    ),
+    "checkpointing-ignored": (
+        "parallel.activation_checkpointing: no block is recomputed",
+        ["tests/test_parity.py"],
+        ["test_activation_checkpointing_lowers_the_activation_peak"],
+    ),
+    "async-save-waits": (
+        "checkpoint.async_save: each save written before training goes on",
+        ["tests/test_checkpoint.py"],
+        ["test_async_save_writes_the_same_checkpoints_while_training_goes_on"],
+    ),
+    "schedule-one-step-late": (
+        "the learning-rate schedule runs one step behind",
+        ["tests/test_parity.py"],
+        ["test_losses_grad_norms_and_learning_rates_match_single_process"],
+    ),
+    "grad-sync-ignored": (
+        "parallel.grad_sync: FSDP2's deferral switches ignored, every micro-batch reduces",
+        ["tests/test_comm.py"],
+        ["test_grad_sync_trains_the_same_with_fewer_reductions"],
+    ),
+    "all-reduce-uncounted": (
+        "comm/all_reduce_mib: HSDP's all-reduce never counted",
+        ["tests/test_comm.py"],
+        ["test_counted_bytes_per_step_equal_the_formula"],
+    ),
+    "step-groups-ignored": (
+        "optim.step_group_size: AdamW steps the whole shard at once",
+        ["tests/test_step_group.py"],
+        ["test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards"],
+    ),
     # Source mutants (tests/mutant_site/sitecustomize.py's SOURCE): one expression of ours changed. Where the
     # catchers need no training run, only they run (pytest node ids).
-    "masked-grad-unweighted": ("masked data: the backward's loss not token-weighted (the logged loss still is)",
-                               ["tests/test_masked.py"], ["test_the_masked_loss_equals_a_hand_computation",
-                                                          "test_unclipped_masked_training_matches_the_single_process_loop"]),
-    "val-mask-in-train": ("prepare_data: the validation split's masks written to train.mask.bin",
-                          [f"tests/test_masked.py::{_SPLITS}"], [_SPLITS]),
-    "chat-eos-always-trained": ("prepare_data: a chat's final EOS trained after a user or system turn too",
-                                [f"tests/test_masked.py::{_EOS}"], [_EOS]),
-    "lora-a-bound-out": ("LoRA's A drawn within 1/sqrt(out_features), not in_features",
-                         [f"tests/test_lora.py::{_INIT}"], [_INIT]),
+    "masked-grad-unweighted": (
+        "masked data: the backward's loss not token-weighted (the logged loss still is)",
+        ["tests/test_masked.py"],
+        [
+            "test_the_masked_loss_equals_a_hand_computation",
+            "test_unclipped_masked_training_matches_the_single_process_loop",
+        ],
+    ),
+    "val-mask-in-train": (
+        "prepare_data: the validation split's masks written to train.mask.bin",
+        [f"tests/test_masked.py::{_SPLITS}"],
+        [_SPLITS],
+    ),
+    "chat-eos-always-trained": (
+        "prepare_data: a chat's final EOS trained after a user or system turn too",
+        [f"tests/test_masked.py::{_EOS}"],
+        [_EOS],
+    ),
+    "lora-a-bound-out": (
+        "LoRA's A drawn within 1/sqrt(out_features), not in_features",
+        [f"tests/test_lora.py::{_INIT}"],
+        [_INIT],
+    ),
     "lora-dropout-ignored": ("model.lora.dropout never applied", [f"tests/test_lora.py::{_DROPOUT}"], [_DROPOUT]),
     "lora-scaling-alpha": ("LoRA scaled by alpha, not alpha / rank", [f"tests/test_lora.py::{_SUM}"], [_SUM]),
-    "adapters-only-drops-lora-train": ("export.py --adapters-only of a run that trained model.lora.train not refused",
-                                       [f"tests/test_lora.py::{_ADAPTERS}"], [_ADAPTERS]),
-    "freeze-prefix-match": ("model.freeze and model.lora.train matched as prefixes (re.match)",
-                            [f"tests/test_lora.py::{_FULL}"], [_FULL]),
-    "comm-seconds-replicas": ("comm_seconds: DDP's and ZeRO-1's all-reduce over one replica (0 s)",
-                              ["tests/test_comm.py::test_formula_by_hand"], ["test_formula_by_hand"]),
+    "adapters-only-drops-lora-train": (
+        "export.py --adapters-only of a run that trained model.lora.train not refused",
+        [f"tests/test_lora.py::{_ADAPTERS}"],
+        [_ADAPTERS],
+    ),
+    "freeze-prefix-match": (
+        "model.freeze and model.lora.train matched as prefixes (re.match)",
+        [f"tests/test_lora.py::{_FULL}"],
+        [_FULL],
+    ),
+    "comm-seconds-replicas": (
+        "comm_seconds: DDP's and ZeRO-1's all-reduce over one replica (0 s)",
+        ["tests/test_comm.py::test_formula_by_hand"],
+        ["test_formula_by_hand"],
+    ),
     "fit-fp32-as-fast": ("the fit on CUDA: fp32 computes as fast as bf16", [f"tests/test_fit.py::{_CUDA}"], [_CUDA]),
-    "fit-offload-peak-kept": ("the fit on CUDA: offload's host-resident model state still counted on the device",
-                              [f"tests/test_fit.py::{_CUDA}"], [_CUDA]),
-    "fit-offload-copies-free": ("the fit on CUDA: offload's host-device copies cost nothing",
-                                [f"tests/test_fit.py::{_CUDA}"], [_CUDA]),
-    "fit-ties-unbroken": ("the fit: candidates of equal cost not ranked by their peak", [f"tests/test_fit.py::{_TIES}"],
-                          [_TIES]),
-    "fit-probe-dtype-ignored": ("the fit's measured cost: every precision at fp32's measured speed",
-                                [f"tests/test_fit.py::{_MEASURED}"], [_MEASURED]),
-    "fit-micro-batch-not-freed": ("plan.py --fit: the config's micro-batch refuses a global batch although it is searched",
-                                  [f"tests/test_fit.py::{_MICRO}"], [_MICRO]),
-    "fit-slow-dtype-run": ("the rates probe trains the model in a dtype whose matmuls are many times slower than "
-                           "fp32's (minutes on a CPU without bf16 instructions)", [f"tests/test_fit.py::{_SLOW}"],
-                           [_SLOW]),
-    "pretrained-kwargs-dropped": ("export of a model.pretrained run: model.kwargs not applied over its config.json",
-                                  [f"tests/test_pretrained.py::{_KWARGS}"], [_KWARGS]),
-    "deferral-not-restored": ("parallel.grad_sync: FSDP2's reduction left deferred after a micro-batch raised",
-                              [f"tests/test_comm.py::{_DEFER}"], [_DEFER]),
-    "compose-one-peak": ("the planner's composition: the step's peak taken from one part of the step at every depth",
-                         [f"tests/test_plan_formulas.py::{_COMPOSED}"], [_COMPOSED]),
-    "compose-zero1-evenly": ("the planner's composition: ZeRO-1's AdamW states grown evenly with the blocks",
-                             [f"tests/test_plan_formulas.py::{_COMPOSED}"], [_COMPOSED]),
-    "planner-simulates-on-the-target": ("the planner simulates a CUDA plan on the target device, not the CPU",
-                                        [f"tests/test_compare.py::{_GPU_PLAN}"], [_GPU_PLAN]),
-    "test-process-sees-gpus": ("the suite's own process keeps the machine's GPUs visible (its optimizer steps "
-                               "start CUDA)", [f"tests/test_cli.py::{_GPU_HOST}"], [_GPU_HOST]),
+    "fit-offload-peak-kept": (
+        "the fit on CUDA: offload's host-resident model state still counted on the device",
+        [f"tests/test_fit.py::{_CUDA}"],
+        [_CUDA],
+    ),
+    "fit-offload-copies-free": (
+        "the fit on CUDA: offload's host-device copies cost nothing",
+        [f"tests/test_fit.py::{_CUDA}"],
+        [_CUDA],
+    ),
+    "fit-ties-unbroken": (
+        "the fit: candidates of equal cost not ranked by their peak",
+        [f"tests/test_fit.py::{_TIES}"],
+        [_TIES],
+    ),
+    "fit-probe-dtype-ignored": (
+        "the fit's measured cost: every precision at fp32's measured speed",
+        [f"tests/test_fit.py::{_MEASURED}"],
+        [_MEASURED],
+    ),
+    "fit-micro-batch-not-freed": (
+        "plan.py --fit: the config's micro-batch refuses a global batch although it is searched",
+        [f"tests/test_fit.py::{_MICRO}"],
+        [_MICRO],
+    ),
+    "fit-slow-dtype-run": (
+        "the rates probe trains the model in a dtype whose matmuls are many times slower than "
+        "fp32's (minutes on a CPU without bf16 instructions)",
+        [f"tests/test_fit.py::{_SLOW}"],
+        [_SLOW],
+    ),
+    "pretrained-kwargs-dropped": (
+        "export of a model.pretrained run: model.kwargs not applied over its config.json",
+        [f"tests/test_pretrained.py::{_KWARGS}"],
+        [_KWARGS],
+    ),
+    "deferral-not-restored": (
+        "parallel.grad_sync: FSDP2's reduction left deferred after a micro-batch raised",
+        [f"tests/test_comm.py::{_DEFER}"],
+        [_DEFER],
+    ),
+    "compose-one-peak": (
+        "the planner's composition: the step's peak taken from one part of the step at every depth",
+        [f"tests/test_plan_formulas.py::{_COMPOSED}"],
+        [_COMPOSED],
+    ),
+    "compose-zero1-evenly": (
+        "the planner's composition: ZeRO-1's AdamW states grown evenly with the blocks",
+        [f"tests/test_plan_formulas.py::{_COMPOSED}"],
+        [_COMPOSED],
+    ),
+    "planner-simulates-on-the-target": (
+        "the planner simulates a CUDA plan on the target device, not the CPU",
+        [f"tests/test_compare.py::{_GPU_PLAN}"],
+        [_GPU_PLAN],
+    ),
+    "test-process-sees-gpus": (
+        "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",
+        [f"tests/test_cli.py::{_GPU_HOST}"],
+        [_GPU_HOST],
+    ),
 }
 
 
@@ -129,19 +223,34 @@ def run_tests(files: list[str], mutant: str | None) -> dict:
     env = dict(os.environ)
     log = Path(tempfile.mkstemp(prefix="mutant-")[1])
     if mutant:
-        env.update(FSDP_ZERO_MUTANT=mutant, FSDP_ZERO_MUTANT_LOG=str(log),
-                   PYTHONPATH=os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])]))
+        env.update(
+            FSDP_ZERO_MUTANT=mutant,
+            FSDP_ZERO_MUTANT_LOG=str(log),
+            PYTHONPATH=os.pathsep.join([str(SITE), *filter(None, [env.get("PYTHONPATH")])]),
+        )
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     seconds = time.monotonic() - start
     failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
     errors = re.findall(r"^ERROR (\S+)", proc.stdout, re.M)
     summary = (re.findall(r"^=* ?(\d+ (?:passed|failed).*?) in [\d.]+s", proc.stdout, re.M) or [proc.stdout[-300:]])[-1]
     applied = len(log.read_text().split()) if log.exists() else 0
     log.unlink(missing_ok=True)
-    return {"code": proc.returncode, "failed": failed, "errors": errors, "summary": summary, "seconds": seconds, "applied": applied,
-            "output": proc.stdout[-3000:] + proc.stderr[-2000:]}
+    return {
+        "code": proc.returncode,
+        "failed": failed,
+        "errors": errors,
+        "summary": summary,
+        "seconds": seconds,
+        "applied": applied,
+        "output": proc.stdout[-3000:] + proc.stderr[-2000:],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     clean = run_tests(everything, None)
-    print(f"{'(no mutant)':24} {clean['summary']} in {clean['seconds']:.0f} s ({' '.join(everything) or 'the whole suite'})")
+    print(
+        f"{'(no mutant)':24} {clean['summary']} in {clean['seconds']:.0f} s "
+        f"({' '.join(everything) or 'the whole suite'})"
+    )
     if clean["code"] != 0:
         print(clean["output"])
         print("error: the tests fail without a mutant; fix that first", file=sys.stderr)
@@ -171,11 +283,21 @@ def main(argv: list[str] | None = None) -> int:
         named = any(name_of(test) in catchers for test in result["failed"])
         caught = named and not result["errors"] and result["applied"] > 0
         ok &= caught
-        verdict = ("CAUGHT" if caught else "NOT APPLIED (no process changed anything)" if not result["applied"]
-                   else f"ERRORS ({len(result['errors'])} tests could not run)" if result["errors"]
-                   else "SURVIVED" if result["code"] == 0 else f"FAILED, BUT NOT BY {', '.join(catchers)}")
-        print(f"{name:24} {verdict}: {result['summary']} in {result['seconds']:.0f} s; applied in "
-              f"{result['applied']} processes ({what})")
+        verdict = (
+            "CAUGHT"
+            if caught
+            else "NOT APPLIED (no process changed anything)"
+            if not result["applied"]
+            else f"ERRORS ({len(result['errors'])} tests could not run)"
+            if result["errors"]
+            else "SURVIVED"
+            if result["code"] == 0
+            else f"FAILED, BUT NOT BY {', '.join(catchers)}"
+        )
+        print(
+            f"{name:24} {verdict}: {result['summary']} in {result['seconds']:.0f} s; applied in "
+            f"{result['applied']} processes ({what})"
+        )
         for test in result["failed"] + [f"{t} (error)" for t in result["errors"]]:
             print(f"{'':24}   failed: {test}")
     return 0 if ok else 1

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_zero.model import init as init_lib
-from fsdp_zero.model.construct import construct, real_buffers
-from fsdp_zero.sharding.build import materializer
 from fsdp_zero.config.schema import Config, LoRAConfig, OptimConfig, Task
 from fsdp_zero.data.batches import build_source
-from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.model import init as init_lib
+from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.tasks import vocab_size
+from fsdp_zero.sharding.build import materializer
+from fsdp_zero.sharding.precision import resolve
 
 
 class _Matrix(nn.Module):
@@ -78,8 +78,9 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig, seed: int) -> None:
         parent, _, child = fqn.rpartition(".")
         owner = model.get_submodule(parent)
         adapted = Adapted(getattr(owner, child), cfg.rank, cfg.alpha, cfg.dropout)
-        init_lib.uniform_(adapted.lora_A.weight, bound=1 / math.sqrt(adapted.in_features), seed=seed,
-                          name=f"{fqn}.lora_A.weight")
+        init_lib.uniform_(
+            adapted.lora_A.weight, bound=1 / math.sqrt(adapted.in_features), seed=seed, name=f"{fqn}.lora_A.weight"
+        )
         with torch.no_grad():
             adapted.lora_B.weight.zero_()
         setattr(owner, child, adapted)
@@ -130,9 +131,14 @@ def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, d
     o = cfg.optim
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
-        lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True,
+        [
+            {"params": [p for p in trained if p.dim() >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        foreach=True,
     )
     source = build_source(cfg.data, cfg.train.seed, vocab_size(model))
     gbs = cfg.train.global_batch_size

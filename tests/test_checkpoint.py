@@ -23,7 +23,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_zero.checkpoint.dcp import apply_retention, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints
+from fsdp_zero.checkpoint.dcp import (
+    apply_retention,
+    checkpoint_name,
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.model.transformer import args_from_config
@@ -67,8 +73,11 @@ def test_a_two_rank_checkpoint_continues_at_another_world_size(runs, world):
         torch.testing.assert_close(got["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name)
     loss_diff = max(abs(loss - straight["losses"][step]) for step, loss in got["losses"].items())
     weight_diff = max((got["final"][k] - v).abs().max().item() for k, v in straight["final"].items())
-    figure(f"checkpoint saved at 2 ranks, continued at {world}", f"losses within {loss_diff:.1e}, weights within "
-           f"{weight_diff:.1e} of continuing at 2 (tolerance {RESHARD_LOSS_ATOL:.0e})")
+    figure(
+        f"checkpoint saved at 2 ranks, continued at {world}",
+        f"losses within {loss_diff:.1e}, weights within "
+        f"{weight_diff:.1e} of continuing at 2 (tolerance {RESHARD_LOSS_ATOL:.0e})",
+    )
 
 
 def test_checkpoint_holds_train_state_config_and_versions(runs, step4):
@@ -178,7 +187,9 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path):
     assert "resumed from" in proc.stderr and "step-0000003: step 3" in proc.stderr
     # Steps 4-6 were trained again: the log holds each step once; the old log is kept aside.
     assert [json.loads(x)["step"] for x in history.read_text().splitlines()] == list(range(1, 7))
-    assert [json.loads(x)["step"] for x in (history.parent / "metrics.jsonl.3").read_text().splitlines()] == list(range(1, 6))
+    assert [json.loads(x)["step"] for x in (history.parent / "metrics.jsonl.3").read_text().splitlines()] == list(
+        range(1, 6)
+    )
     assert [p.name for p in list_checkpoints(ckpts)] == ["step-0000003", "step-0000006"]
     assert not (ckpts / ".partial-step-0000006").exists()
 
@@ -188,13 +199,23 @@ def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_chec
     (tests/user_model.py:disk_full_on_rank1). Every rank stops with exit code 6 and one line naming
     the checkpoint, the cause and the intact one before it; nothing of the failed save is left, and the
     next launch continues from step 2 to the end."""
-    args = [*BASE, "train.steps=4", "checkpoint.every=2", "model.task=custom", "model.loss=tests.user_model:disk_full_on_rank1",
-            f"run.root={tmp_path}", "run.name=full"]
+    args = [
+        *BASE,
+        "train.steps=4",
+        "checkpoint.every=2",
+        "model.task=custom",
+        "model.loss=tests.user_model:disk_full_on_rank1",
+        f"run.root={tmp_path}",
+        "run.name=full",
+    ]
     proc = launch(2, TRAIN, *args, torchrun=False)
     assert proc.returncode == 6, proc.stderr[-3000:]
     ckpts = tmp_path / "full" / "checkpoints"
-    assert ("error: checkpoint step-0000004 could not be written (rank 1: OSError: [Errno 27] File too large)" in proc.stderr
-            and f"nothing of it was kept and {ckpts / 'step-0000002'} is intact" in proc.stderr), proc.stderr[-3000:]
+    assert (
+        "error: checkpoint step-0000004 could not be written (rank 1: OSError: [Errno 27] File too large)"
+        in proc.stderr
+        and f"nothing of it was kept and {ckpts / 'step-0000002'} is intact" in proc.stderr
+    ), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and sorted(p.name for p in ckpts.iterdir()) == ["step-0000002"]
     proc = check(launch(2, TRAIN, *args, torchrun=False))  # the loss's 7th call is not reached from step 2
     assert "step-0000002: step 2" in proc.stderr and latest_checkpoint(ckpts).name == "step-0000004"
@@ -205,8 +226,9 @@ def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_chec
 
 
 def _resume(tmp_path: Path, ckpt: Path, *extra: str):
-    return run_script(TRAIN, *BASE, "train.steps=6", f"checkpoint.resume={ckpt}", f"run.root={tmp_path}",
-                      "run.name=err", *extra)
+    return run_script(
+        TRAIN, *BASE, "train.steps=6", f"checkpoint.resume={ckpt}", f"run.root={tmp_path}", "run.name=err", *extra
+    )
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -268,14 +290,23 @@ def test_init_from_that_does_not_fit_lists_the_keys(tmp_path: Path):
     sd["extra.weight"] = torch.zeros(2)
     sd["output.weight"] = torch.zeros(3, 3)
     torch.save(sd, tmp_path / "bad.pt")
-    proc = run_script(TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'bad.pt'}",
-                      f"run.root={tmp_path}", "run.name=bad")
+    proc = run_script(
+        TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'bad.pt'}", f"run.root={tmp_path}", "run.name=bad"
+    )
     assert proc.returncode == 2
-    assert ("does not fit this model; missing: norm.weight; unexpected: extra.weight; "
-            "mis-shaped: output.weight: file (3, 3) vs model (256, 64)") in proc.stderr
+    assert (
+        "does not fit this model; missing: norm.weight; unexpected: extra.weight; "
+        "mis-shaped: output.weight: file (3, 3) vs model (256, 64)"
+    ) in proc.stderr
     (tmp_path / "pickle.pt").write_bytes(pickle.dumps({"a": 1}))
-    proc = run_script(TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'pickle.pt'}",
-                      f"run.root={tmp_path}", "run.name=bad2")
+    proc = run_script(
+        TRAIN,
+        *BASE,
+        "train.steps=1",
+        f"model.init_from={tmp_path / 'pickle.pt'}",
+        f"run.root={tmp_path}",
+        "run.name=bad2",
+    )
     assert proc.returncode == 2 and "not a loadable state dict" in proc.stderr
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
 
@@ -331,19 +362,24 @@ def test_a_checkpoint_moves_between_strategies_and_world_sizes(runs, source, tar
 
 def _metadata_payload(module: str, name: str, arg: str) -> bytes:
     """A protocol-4 pickle calling module.name(arg): dotted names resolve through the module's imports."""
+
     def s(x: str) -> bytes:
         b = x.encode()
         return b"\x8c" + bytes([len(b)]) + b
+
     return b"\x80\x04" + s(module) + s(name) + b"\x93" + s(arg) + b"\x85R."
 
 
 def test_a_dotted_name_through_the_metadata_module_is_refused(step4, tmp_path: Path):
     evil = _copy(step4, tmp_path / "step-0000004")
     marker = tmp_path / "pwned"
-    (evil / ".metadata").write_bytes(_metadata_payload("torch.distributed.checkpoint.metadata", "os.system",
-                                                      f"touch {marker}"))
+    (evil / ".metadata").write_bytes(
+        _metadata_payload("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}")
+    )
     proc = _resume(tmp_path, evil)
-    assert proc.returncode == 2 and "refusing to unpickle torch.distributed.checkpoint.metadata.os.system" in proc.stderr
+    assert (
+        proc.returncode == 2 and "refusing to unpickle torch.distributed.checkpoint.metadata.os.system" in proc.stderr
+    )
     assert not marker.exists()
 
 
@@ -365,8 +401,17 @@ def test_a_changed_learning_rate_applies_on_resume(runs, step4, tmp_path: Path):
 
     rows = [json.loads(x) for x in (runs.path("n2") / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 1 and rows[0]["lr"] == pytest.approx(3e-3 * 0.5)  # the rate step 1 used (warm-up 1/2)
-    check(run_script(TRAIN, *BASE, f"checkpoint.resume={step4}", f"run.root={tmp_path}", "run.name=lr",
-                     "optim.lr=1e-3", "checkpoint.enabled=false"))
+    check(
+        run_script(
+            TRAIN,
+            *BASE,
+            f"checkpoint.resume={step4}",
+            f"run.root={tmp_path}",
+            "run.name=lr",
+            "optim.lr=1e-3",
+            "checkpoint.enabled=false",
+        )
+    )
     rows = [json.loads(x) for x in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
     cfg = OptimConfig(lr=1e-3, warmup_steps=2)
     assert [r["step"] for r in rows] == [5, 6, 7, 8]

@@ -20,11 +20,27 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fsdp_zero.config.presets import PRESETS
-from tests.conftest import (REPO, TRAIN, assert_user_error, check, checkpoint_tensors, figure, gpu_env, launch,
-                            read_jsonl, run_script)
+from tests.conftest import (
+    REPO,
+    TRAIN,
+    assert_user_error,
+    check,
+    checkpoint_tensors,
+    figure,
+    gpu_env,
+    launch,
+    read_jsonl,
+    run_script,
+)
 
-NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.steps=4", "train.log_every=2"]
+NANO = [
+    "model.preset=gpt_nano",
+    "data.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.steps=4",
+    "train.log_every=2",
+]
 
 
 def scalars(event_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -53,8 +69,10 @@ def test_default_run_trains_and_the_loss_falls(default_run):
     assert rows[0]["loss"] < math.log(PRESETS["gpt_tiny"].vocab_size)
     # ln 512 = 6.24 at init; 4.61 at step 10 and 2.01 at step 40 (measured); the chain's entropy is 1.19.
     assert rows[-1]["loss"] < 2.2 < 4 < rows[0]["loss"]
-    figure(f"default run (make train's config), steps 10 and {DEFAULT_STEPS}: loss",
-           f"{rows[0]['loss']:.2f} -> {rows[-1]['loss']:.2f}")
+    figure(
+        f"default run (make train's config), steps 10 and {DEFAULT_STEPS}: loss",
+        f"{rows[0]['loss']:.2f} -> {rows[-1]['loss']:.2f}",
+    )
     assert all(len(r["peak_mem_mib_per_rank"]) == 2 and min(r["peak_mem_mib_per_rank"]) > 0 for r in rows)
     # Start-up prints the batch arithmetic and the wrap plan; each log line has its fields.
     assert "global batch 16 samples = micro-batch 4 x grad-accum 2 x data-parallel ranks 2" in output
@@ -70,9 +88,19 @@ def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
     expected_mib = 16 * summary["num_params"] / 2 / 2**20
     for rank in (0, 1):
         tags = scalars(run_dir / "tb" / f"rank{rank}")
-        for tag in ["train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s_rank", "train/tokens_per_s_all_ranks", "memory/cpu_rss_mib",
-                    "memory/cpu_peak_rss_mib", "memory/model_state_mib", "memory/model_state_params_mib",
-                    "memory/model_state_grads_mib", "memory/model_state_optimizer_mib"]:
+        for tag in [
+            "train/loss",
+            "train/lr",
+            "train/grad_norm",
+            "train/tokens_per_s_rank",
+            "train/tokens_per_s_all_ranks",
+            "memory/cpu_rss_mib",
+            "memory/cpu_peak_rss_mib",
+            "memory/model_state_mib",
+            "memory/model_state_params_mib",
+            "memory/model_state_grads_mib",
+            "memory/model_state_optimizer_mib",
+        ]:
             assert [s for s, _ in tags[tag]] == LOGGED, (rank, tag)
         assert all(v > 100 for _, v in tags["memory/cpu_peak_rss_mib"])  # a real process, not zeros
         # Two sinks, one reading: TensorBoard's per-rank peak is this rank's entry in the gathered
@@ -90,8 +118,10 @@ def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
 
 
 # A GPU machine, simulated: torch in the launched process reports two GPUs (tests/fake_gpu).
-FAKE_GPUS = {"FSDP_ZERO_FAKE_GPUS": "2", "PYTHONPATH": os.pathsep.join(
-    [str(REPO / "tests" / "fake_gpu"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+FAKE_GPUS = {
+    "FSDP_ZERO_FAKE_GPUS": "2",
+    "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fake_gpu"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+}
 
 
 def test_cpu_tests_stay_on_the_cpu_where_gpus_are_visible(tmp_path: Path):
@@ -128,8 +158,14 @@ def test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host():
     a process started as the suite's is (its GPUs visible) hides them from itself first (tests/cpu_only.py),
     so its optimizer steps and its plans for GPUs (simulated on the CPU whatever the target) never start
     CUDA: what makes every test not marked gpu pass there. `make test-gpu-host` runs the whole suite this way."""
-    proc = subprocess.run([sys.executable, "-c", ON_A_GPU_HOST], cwd=REPO, env=gpu_env({**os.environ, **FAKE_GPUS}),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", ON_A_GPU_HOST],
+        cwd=REPO,
+        env=gpu_env({**os.environ, **FAKE_GPUS}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "gpus seen 0 cuda started False planned True", proc.stdout
 
@@ -147,8 +183,18 @@ def test_the_planners_baseline_probe_stays_on_the_cpu_where_gpus_are_visible(mon
 
 
 def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
-    check(launch(2, TRAIN, *NANO, "parallel.wrap.policy=size_based", "parallel.wrap.min_params=20000",
-                 f"run.root={tmp_path}", "run.name=size", torchrun=False))
+    check(
+        launch(
+            2,
+            TRAIN,
+            *NANO,
+            "parallel.wrap.policy=size_based",
+            "parallel.wrap.min_params=20000",
+            f"run.root={tmp_path}",
+            "run.name=size",
+            torchrun=False,
+        )
+    )
     plan = (tmp_path / "size" / "wrap_plan.txt").read_text()
     assert "policy=size_based, 3 FSDP units" in plan
     assert "layers.0.feed_forward" in plan and "layers.1.feed_forward" in plan and "layers.0 " not in plan
@@ -177,11 +223,14 @@ def test_help_prints_the_usage_and_exits_0():
 
 
 def test_batch_that_does_not_divide_over_ranks_fails_under_torchrun(tmp_path: Path):
-    proc = launch(2, TRAIN, *NANO, "train.global_batch_size=6", "train.micro_batch_size=2",
-                  f"run.root={tmp_path}", "run.name=bad")
+    proc = launch(
+        2, TRAIN, *NANO, "train.global_batch_size=6", "train.micro_batch_size=2", f"run.root={tmp_path}", "run.name=bad"
+    )
     assert proc.returncode != 0
-    assert ("train.global_batch_size=6 does not divide into train.micro_batch_size=2 x 2 data-parallel ranks; "
-            "valid train.micro_batch_size values at 2 ranks: [1, 3]") in proc.stderr
+    assert (
+        "train.global_batch_size=6 does not divide into train.micro_batch_size=2 x 2 data-parallel ranks; "
+        "valid train.micro_batch_size values at 2 ranks: [1, 3]"
+    ) in proc.stderr
     assert "exitcode  : 2" in proc.stderr  # torchrun reports each rank's exit code
     assert not (tmp_path / "bad").exists()
 
@@ -216,14 +265,28 @@ def test_a_summarys_peak_rss_is_measured_or_null_with_its_reason(tmp_path: Path)
     assert rank["peak_rss_mib"] > 100 and rank["peak_rss_note"] is None, rank
     check(run_script(TRAIN, *base, "train.steps=1", "memory.profile_step=1", "run.name=profiled-only"))
     (rank,) = json.loads((tmp_path / "profiled-only" / "summary.json").read_text())["ranks"]
-    assert rank["peak_rss_mib"] is None and "the only step run was the profiled one (memory.profile_step=1)" in (
-        rank["peak_rss_note"]), rank
+    assert (
+        rank["peak_rss_mib"] is None
+        and "the only step run was the profiled one (memory.profile_step=1)" in (rank["peak_rss_note"])
+    ), rank
 
 
 def test_text_source_trains_on_a_local_file_as_world_size_one(tmp_path: Path):
     """Plain `python scripts/train.py` (no torchrun): world size 1, the same code path."""
-    proc = check(launch(0, TRAIN, "--config", "configs/bytes_readme.yaml", "model.preset=gpt_nano", "data.seq_len=32",
-                        "train.steps=4", "train.log_every=2", f"run.root={tmp_path}", "run.name=text"))
+    proc = check(
+        launch(
+            0,
+            TRAIN,
+            "--config",
+            "configs/bytes_readme.yaml",
+            "model.preset=gpt_nano",
+            "data.seq_len=32",
+            "train.steps=4",
+            "train.log_every=2",
+            f"run.root={tmp_path}",
+            "run.name=text",
+        )
+    )
     rows = read_jsonl(tmp_path / "text" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [2, 4] and rows[-1]["loss"] < math.log(256) + 0.1
     assert "source: text" in (tmp_path / "text" / "config.yaml").read_text()
@@ -234,8 +297,13 @@ def test_text_source_trains_on_a_local_file_as_world_size_one(tmp_path: Path):
 def test_cuda_run_logs_the_allocator_curves(tmp_path: Path):
     check(launch(0, TRAIN, *NANO, "dist.device=cuda", f"run.root={tmp_path}", "run.name=gpu", gpu=True))
     tags = scalars(tmp_path / "gpu" / "tb" / "rank0")
-    for tag in ["memory/cuda_allocated_mib", "memory/cuda_reserved_mib", "memory/cuda_peak_allocated_mib",
-                "memory/cuda_peak_reserved_mib", "memory/cuda_alloc_retries"]:
+    for tag in [
+        "memory/cuda_allocated_mib",
+        "memory/cuda_reserved_mib",
+        "memory/cuda_peak_allocated_mib",
+        "memory/cuda_peak_reserved_mib",
+        "memory/cuda_alloc_retries",
+    ]:
         assert [s for s, _ in tags[tag]] == [2, 4], tag
     assert tags["memory/cuda_peak_reserved_mib"][-1][1] >= tags["memory/cuda_peak_allocated_mib"][-1][1] > 0
 
@@ -243,8 +311,15 @@ def test_cuda_run_logs_the_allocator_curves(tmp_path: Path):
 def test_a_failed_set_up_leaves_no_trace_so_the_fixed_run_starts(tmp_path: Path):
     short = tmp_path / "short.txt"
     short.write_text("too short for the window")
-    args = ["--config", "configs/bytes_readme.yaml", "model.preset=gpt_nano", "train.steps=2", f"data.path={short}",
-            f"run.root={tmp_path}", "run.name=fix"]
+    args = [
+        "--config",
+        "configs/bytes_readme.yaml",
+        "model.preset=gpt_nano",
+        "train.steps=2",
+        f"data.path={short}",
+        f"run.root={tmp_path}",
+        "run.name=fix",
+    ]
     proc = run_script(TRAIN, *args, "data.seq_len=64")
     assert proc.returncode == 2 and "fewer than data.seq_len + 1 = 65" in proc.stderr
     assert not (tmp_path / "fix").exists()
@@ -257,11 +332,14 @@ def test_a_run_root_that_cannot_be_created_is_one_line_naming_it(tmp_path: Path)
 
     proc = launch(0, TRAIN, *NANO, "run.root=/proc/x", "run.name=r")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert ("error: run.root='/proc/x': cannot create the run directory '/proc/x/r': No such file or directory in "
-            "'/proc'") in proc.stderr
+    assert (
+        "error: run.root='/proc/x': cannot create the run directory '/proc/x/r': No such file or directory in '/proc'"
+    ) in proc.stderr
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    with pytest.raises(ValueError, match=r"run\.root='.*/a-file/runs': cannot create the run directory .*is not a directory"):
+    with pytest.raises(
+        ValueError, match=r"run\.root='.*/a-file/runs': cannot create the run directory .*is not a directory"
+    ):
         check_writable(blocker / "runs" / "r", f"{blocker}/runs")
     check_writable(tmp_path / "new" / "r", str(tmp_path / "new"))  # creatable: passes, and leaves no trace
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
@@ -273,11 +351,26 @@ def test_divergence_stops_at_the_step_and_keeps_the_finite_checkpoints(tmp_path:
     retention keeps the last two finite ones; their weights are finite."""
     from safetensors.torch import load_file
 
-    proc = launch(2, TRAIN, *NANO, "optim.lr=1e6", "optim.grad_clip=0", "train.steps=30", "train.log_every=1",
-                  "checkpoint.every=1", "checkpoint.keep_last=2", f"run.root={tmp_path}", "run.name=nan", torchrun=False)
+    proc = launch(
+        2,
+        TRAIN,
+        *NANO,
+        "optim.lr=1e6",
+        "optim.grad_clip=0",
+        "train.steps=30",
+        "train.log_every=1",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=2",
+        f"run.root={tmp_path}",
+        "run.name=nan",
+        torchrun=False,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
-    match = re.search(r"error: training diverged at step (\d+): loss \S+, gradient norm \S+; nothing was saved at "
-                      r"this step and the newest checkpoint, (\S+), holds the last finite weights", proc.stderr)
+    match = re.search(
+        r"error: training diverged at step (\d+): loss \S+, gradient norm \S+; nothing was saved at "
+        r"this step and the newest checkpoint, (\S+), holds the last finite weights",
+        proc.stderr,
+    )
     assert match, proc.stderr[-3000:]
     step, newest = int(match[1]), Path(match[2].rstrip(","))
     kept = sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir())
@@ -294,9 +387,21 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank_and_the_next_stops_the_run(t
     (tests/user_model.py:nan_on_rank1). Both ranks skip step 3's optimizer step (its checkpoint holds
     step 2's weights and AdamW states, bit for bit) and count it; step 4 exceeds the allowance and stops
     the run as diverged, exit 3."""
-    proc = launch(2, TRAIN, *NANO, "train.steps=6", "train.log_every=1", "model.task=custom",
-                  "model.loss=tests.user_model:nan_on_rank1", "train.skip_nonfinite=1", "checkpoint.every=1",
-                  "checkpoint.keep_last=3", f"run.root={tmp_path}", "run.name=skip", torchrun=False)
+    proc = launch(
+        2,
+        TRAIN,
+        *NANO,
+        "train.steps=6",
+        "train.log_every=1",
+        "model.task=custom",
+        "model.loss=tests.user_model:nan_on_rank1",
+        "train.skip_nonfinite=1",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=3",
+        f"run.root={tmp_path}",
+        "run.name=skip",
+        torchrun=False,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "step 3: non-finite loss or gradient norm, step skipped (1 of train.skip_nonfinite=1)" in proc.stderr
     assert "error: training diverged at step 4 after 1 skipped (train.skip_nonfinite=1): loss " in proc.stderr
@@ -325,11 +430,22 @@ def test_a_time_budget_saves_the_step_and_exits_4_then_the_next_launch_continues
 def test_a_restart_by_torchrun_keeps_the_jobs_time_budget(tmp_path: Path):
     """Under --max-restarts torchrun restarts ranks that stopped on the budget (exit 4 is a failure to
     it); the restarted ranks find the deadline their checkpoint carries passed and stop before training."""
-    proc = launch(2, TRAIN, *NANO, "train.log_every=1", "train.max_minutes=0.0001", f"run.root={tmp_path}", "run.name=budget",
-                  torchrun_args=("--max-restarts=1",))
+    proc = launch(
+        2,
+        TRAIN,
+        *NANO,
+        "train.log_every=1",
+        "train.max_minutes=0.0001",
+        f"run.root={tmp_path}",
+        "run.name=budget",
+        torchrun_args=("--max-restarts=1",),
+    )
     assert proc.returncode != 0 and proc.stderr.count("exitcode  : 4") == 2, proc.stderr[-3000:]
     assert "stopped after step 1 (the time budget (train.max_minutes) ran out)" in proc.stderr
-    assert "the time budget (train.max_minutes) of this torchrun job ran out before it restarted these ranks" in proc.stderr
+    assert (
+        "the time budget (train.max_minutes) of this torchrun job ran out before it restarted these ranks"
+        in proc.stderr
+    )
     assert [p.name for p in (tmp_path / "budget" / "checkpoints").iterdir()] == ["step-0000001"]
     assert [r["step"] for r in read_jsonl(tmp_path / "budget" / "metrics.jsonl")] == [1]
 
@@ -341,14 +457,27 @@ def test_a_rank_that_stops_taking_part_makes_the_others_fail_within_the_timeout(
     one line naming its rank, the step, the collective it was in, the timeout and rank 1 as the one that
     hangs, writes its flight recorder, and exits 5 (and so does rank 1 once it finds its peer gone),
     instead of waiting forever."""
-    proc = launch(2, TRAIN, *NANO, "train.steps=6", "model.task=custom", "model.loss=tests.user_model:stall_on_rank1",
-                  "dist.step_timeout_minutes=0.05", f"run.root={tmp_path}", "run.name=hang", torchrun=False)
+    proc = launch(
+        2,
+        TRAIN,
+        *NANO,
+        "train.steps=6",
+        "model.task=custom",
+        "model.loss=tests.user_model:stall_on_rank1",
+        "dist.step_timeout_minutes=0.05",
+        f"run.root={tmp_path}",
+        "run.name=hang",
+        torchrun=False,
+    )
     lines = proc.stderr.splitlines()
     assert proc.returncode == 5 and any(x.startswith("error: rank 1, step 3: ") for x in lines), proc.stderr[-3000:]
     line = next(x for x in lines if x.startswith("error: rank 0, step 3: "))
-    assert re.search(r"gloo:\w+ #\d+ on group \w+ \(sizes .*; flight recorder: .*rank0.json\) failed or did not "
-                     r"complete within dist.step_timeout_minutes=0.05 \(rank 1 died or is stuck \(it did not report "
-                     r"failing too\)\)", line), line
+    assert re.search(
+        r"gloo:\w+ #\d+ on group \w+ \(sizes .*; flight recorder: .*rank0.json\) failed or did not "
+        r"complete within dist.step_timeout_minutes=0.05 \(rank 1 died or is stuck \(it did not report "
+        r"failing too\)\)",
+        line,
+    ), line
     assert "Timed out" in line and "Traceback" not in proc.stderr  # no rank printed a traceback
     record = json.loads((tmp_path / "hang" / "flight_recorder" / "rank0.json").read_text())
     assert record["gloo"]["entries"], record

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-
 import torch.distributed as dist
+import yaml
 
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import ATTEMPT_VAR, DistEnv, _free_port, _store_of_this_attempt, silent_ranks
@@ -51,29 +50,50 @@ def _job_id() -> int:
 
 def _slurm_env(tmp_path: Path, job: int, **extra: str) -> dict[str, str]:
     """The batch script's environment as sbatch sets it for a 2-node job, with the stand-ins on PATH."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "FSDP_ZERO_", "PET_", "TORCHELASTIC_")) and k not in ("RANK", "NPROC_PER_NODE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "FSDP_ZERO_", "PET_", "TORCHELASTIC_")) and k not in ("RANK", "NPROC_PER_NODE")
+    }
     return env | {
         "PATH": f"{STAND_INS}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "FAKE_SLURM_DIR": str(tmp_path / "slurm"), "SLURM_JOB_ID": str(job), "SLURM_JOB_NAME": "fsdp-zero",
-        "SLURM_JOB_NODELIST": NODES, "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(REPO),
-        "PYTHON": sys.executable, "FSDP_ZERO_LOG_DIR": str(tmp_path / "logs"), "CUDA_VISIBLE_DEVICES": "",
-        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+        "FAKE_SLURM_DIR": str(tmp_path / "slurm"),
+        "SLURM_JOB_ID": str(job),
+        "SLURM_JOB_NAME": "fsdp-zero",
+        "SLURM_JOB_NODELIST": NODES,
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "PYTHON": sys.executable,
+        "FSDP_ZERO_LOG_DIR": str(tmp_path / "logs"),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
 
 
 def _sbatch(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, float]:
     """The batch script run as Slurm runs it (its own process id in PREEMPT_PID, for the pre-emption's
     SIGUSR1); the result and its wall time."""
     start = time.time()
-    proc = subprocess.run(["bash", "-c", 'export PREEMPT_PID=$$; exec bash "$0" "$@"', str(SBATCH), *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(
+        ["bash", "-c", 'export PREEMPT_PID=$$; exec bash "$0" "$@"', str(SBATCH), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     return proc, start
 
 
 def _logs(tmp_path: Path, restart: int) -> str:
     """Every node's log of the job's attempt ``restart`` (after ``restart`` requeues)."""
     paths = sorted((tmp_path / "logs").glob(f"*-restart{restart}-node*.log"))
-    assert [p.name.split("-", 2)[2] for p in paths] == [f"restart{restart}-node0.log", f"restart{restart}-node1.log"], paths
+    assert [p.name.split("-", 2)[2] for p in paths] == [f"restart{restart}-node0.log", f"restart{restart}-node1.log"], (
+        paths
+    )
     return "".join(p.read_text() for p in paths)
 
 
@@ -83,7 +103,9 @@ def _assert_uninterrupted(batches, run_dir: Path) -> list[dict]:
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert {r["step"]: r["loss"] for r in records} == batches["n2"]["losses"]
     assert [r["step"] for r in records] == list(range(1, 9))
-    straight, got = (checkpoint_tensors(path / "checkpoints" / "step-0000008") for path in (batches.path("n2"), run_dir))
+    straight, got = (
+        checkpoint_tensors(path / "checkpoints" / "step-0000008") for path in (batches.path("n2"), run_dir)
+    )
     assert straight.keys() == got.keys() and all(torch.equal(straight[k], got[k]) for k in straight)
     return records
 
@@ -94,23 +116,32 @@ def _fault_time(path: Path) -> float:
 
 def test_the_batch_script_outside_an_allocation_is_one_line_and_exit_2(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run(["bash", str(SBATCH), *BASE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", str(SBATCH), *BASE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "train.sbatch: error: not inside a Slurm allocation (SLURM_JOB_ID unset): submit with sbatch, or run inside "
-        "salloc"), proc.stderr
+        "salloc"
+    ), proc.stderr
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("var, value, expected", [
-    ("FSDP_ZERO_REQUEUE", "yes", "expected 1 (requeue a pre-empted job whose step was saved) or 0"),
-    ("FSDP_ZERO_MAX_RESTARTS", "three", "expected a whole number"),
-    ("FSDP_ZERO_RDZV_PORT", "-1", "expected a whole number"),
-])
-def test_the_batch_script_refuses_a_bad_setting_in_one_line_before_it_starts_anything(tmp_path: Path, var, value,
-                                                                                      expected):
+@pytest.mark.parametrize(
+    "var, value, expected",
+    [
+        ("FSDP_ZERO_REQUEUE", "yes", "expected 1 (requeue a pre-empted job whose step was saved) or 0"),
+        ("FSDP_ZERO_MAX_RESTARTS", "three", "expected a whole number"),
+        ("FSDP_ZERO_RDZV_PORT", "-1", "expected a whole number"),
+    ],
+)
+def test_the_batch_script_refuses_a_bad_setting_in_one_line_before_it_starts_anything(
+    tmp_path: Path, var, value, expected
+):
     env = _slurm_env(tmp_path, _job_id(), PYTHON="/bin/false", **{var: value})  # were anything started: exit 1
     proc, _ = _sbatch(env, *BASE)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"train.sbatch: error: {var}='{value}': {expected}", proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip() == f"train.sbatch: error: {var}='{value}': {expected}", (
+        proc.stderr
+    )
     assert not list(tmp_path.iterdir())  # no logs, no stand-in Slurm state: srun never ran
 
 
@@ -122,7 +153,8 @@ def test_the_batch_script_refuses_a_node_list_that_names_no_host_in_one_line(tmp
     proc, _ = _sbatch(env, *BASE)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         "Invalid hostlist: n[1-",  # scontrol's own line
-        "train.sbatch: error: scontrol show hostnames 'n[1-' named no host"], proc.stderr
+        "train.sbatch: error: scontrol show hostnames 'n[1-' named no host",
+    ], proc.stderr
     assert not list(tmp_path.iterdir())  # no logs, no stand-in Slurm state: srun never ran
 
 
@@ -144,21 +176,32 @@ exit "$CODE"
 STOPPED = "stopped after step 3 (SIGTERM); checkpoint runs/x/checkpoints holds it: launch the same command again"
 
 
-@pytest.mark.parametrize("signal_, line, requeue, requeued, code", [
-    ("USR1", STOPPED, "1", True, 4),  # the time limit's signal, the step saved: requeued
-    ("TERM", STOPPED, "1", True, 4),  # SIGTERM to the script alone (scancel --batch): the same
-    ("USR1", STOPPED, "0", False, 4),  # FSDP_ZERO_REQUEUE=0: saved, not requeued
-    ("USR1", "error: training diverged at step 3 (loss nan) ...", "1", False, 1),  # failed for another reason
-    ("", "stopped after step 1 (the time budget (train.max_minutes) ran out); ...", "1", False, 1),  # no signal
-    ("", "", "1", False, 0),  # finished
-])
-def test_the_batch_script_requeues_only_a_signalled_job_whose_ranks_saved(tmp_path: Path, signal_, line, requeue,
-                                                                            requeued, code):
+@pytest.mark.parametrize(
+    "signal_, line, requeue, requeued, code",
+    [
+        ("USR1", STOPPED, "1", True, 4),  # the time limit's signal, the step saved: requeued
+        ("TERM", STOPPED, "1", True, 4),  # SIGTERM to the script alone (scancel --batch): the same
+        ("USR1", STOPPED, "0", False, 4),  # FSDP_ZERO_REQUEUE=0: saved, not requeued
+        ("USR1", "error: training diverged at step 3 (loss nan) ...", "1", False, 1),  # failed for another reason
+        ("", "stopped after step 1 (the time budget (train.max_minutes) ran out); ...", "1", False, 1),  # no signal
+        ("", "", "1", False, 0),  # finished
+    ],
+)
+def test_the_batch_script_requeues_only_a_signalled_job_whose_ranks_saved(
+    tmp_path: Path, signal_, line, requeue, requeued, code
+):
     ranks = tmp_path / "ranks"
     ranks.write_text(RANKS)
     ranks.chmod(0o755)
-    env = _slurm_env(tmp_path, _job_id(), PYTHON=str(ranks), SIGNAL=signal_, LINE=line, CODE=str(code and 1),
-                     FSDP_ZERO_REQUEUE=requeue)
+    env = _slurm_env(
+        tmp_path,
+        _job_id(),
+        PYTHON=str(ranks),
+        SIGNAL=signal_,
+        LINE=line,
+        CODE=str(code and 1),
+        FSDP_ZERO_REQUEUE=requeue,
+    )
     proc, _ = _sbatch(env)
     assert proc.returncode == code, proc.stderr
     assert bool(read_jsonl(tmp_path / "slurm" / "requeue")) == requeued, proc.stderr
@@ -174,21 +217,23 @@ def test_a_second_signal_during_the_save_is_not_passed_on_again(tmp_path: Path, 
     ranks.write_text(RANKS)
     ranks.chmod(0o755)
     job = _job_id()
-    proc, _ = _sbatch(_slurm_env(tmp_path, job, PYTHON=str(ranks), SIGNAL="USR1", AGAIN=again, LINE=STOPPED,
-                                 CODE="1"))
+    proc, _ = _sbatch(_slurm_env(tmp_path, job, PYTHON=str(ranks), SIGNAL="USR1", AGAIN=again, LINE=STOPPED, CODE="1"))
     assert proc.returncode == 4, proc.stderr
     assert [r["args"] for r in read_jsonl(tmp_path / "slurm" / "scancel")] == [["--signal=TERM", str(job)]]
     assert [r["job"] for r in read_jsonl(tmp_path / "slurm" / "requeue")] == [str(job)]
     assert [line for line in proc.stderr.splitlines() if " received" in line] == [
-        "train.sbatch: SIGUSR1 received: SIGTERM to the ranks, which save their step and stop"], proc.stderr
+        "train.sbatch: SIGUSR1 received: SIGTERM to the ranks, which save their step and stop"
+    ], proc.stderr
 
 
 # A site's settings (docs/clusters.md): CPUs per task where nodes are shared, a rendezvous on a faster network.
 SITE = {"SLURM_CPUS_PER_TASK": "6", "FSDP_ZERO_RDZV_HOST": "node1-ib0", "FSDP_ZERO_RDZV_PORT": "29400"}
 
 
-@pytest.mark.parametrize("env, nproc", [({}, 1), ({"SLURM_GPUS_ON_NODE": "4"}, 4),
-                                        ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4", **SITE}, 2)])
+@pytest.mark.parametrize(
+    "env, nproc",
+    [({}, 1), ({"SLURM_GPUS_ON_NODE": "4"}, 4), ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4", **SITE}, 2)],
+)
 def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(tmp_path: Path, env, nproc):
     """Each node's command line (tests/slurm/srun's tasks run RANKS in place of the interpreter, which
     writes it to the node's log): ranks per node from NPROC_PER_NODE, else SLURM_GPUS_ON_NODE, else 1;
@@ -204,18 +249,24 @@ def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(tm
     endpoint = f"{env.get('FSDP_ZERO_RDZV_HOST', 'localhost')}:{env.get('FSDP_ZERO_RDZV_PORT', 10000 + job % 20000)}"
     cpus = {"cpus-per-task": env["SLURM_CPUS_PER_TASK"]} if "SLURM_CPUS_PER_TASK" in env else {}
     for args, name in (((), f"run.name=slurm-{job}"), (("run.name=mine",), "run.name=mine")):
-        proc, _ = _sbatch(_slurm_env(tmp_path, job, PYTHON=str(ranks), SIGNAL="", LINE="", CODE="0", **env),
-                          "--config", "configs/gpt_small.yaml", *args)
+        proc, _ = _sbatch(
+            _slurm_env(tmp_path, job, PYTHON=str(ranks), SIGNAL="", LINE="", CODE="0", **env),
+            "--config",
+            "configs/gpt_small.yaml",
+            *args,
+        )
         assert proc.returncode == 0, proc.stderr
         assert [r["options"] for r in read_jsonl(tmp_path / "slurm" / "srun")] == [
-            {"nodes": "2", "ntasks": "2", "ntasks-per-node": "1", "kill-on-bad-exit": "0", **cpus}]
+            {"nodes": "2", "ntasks": "2", "ntasks-per-node": "1", "kill-on-bad-exit": "0", **cpus}
+        ]
         lines = [line for line in _logs(tmp_path, 0).splitlines() if line.startswith("TORCH_DISABLE")]
         assert sorted(line.split()[1] for line in lines) == ["PET_LOCAL_ADDR=127.0.0.1", "PET_LOCAL_ADDR=localhost"]
         assert {line.split()[0] for line in lines} == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"}
         assert {line.split(maxsplit=2)[2] for line in lines} == {
             f"-m torch.distributed.run --nnodes=2 --nproc-per-node={nproc} --rdzv-backend=c10d "
             f"--rdzv-endpoint={endpoint} --rdzv-id={job} --max-restarts=3 --shutdown-timeout=100 "
-            f"scripts/train.py --config configs/gpt_small.yaml {name}"}
+            f"scripts/train.py --config configs/gpt_small.yaml {name}"
+        }
         for log in (*(tmp_path / "logs").iterdir(), tmp_path / "slurm" / "srun"):
             log.unlink()
 
@@ -238,8 +289,15 @@ def test_each_time_the_ranks_meet_they_draw_a_new_attempt_token(monkeypatch: pyt
     from fsdp_zero.config.schema import DistConfig
     from fsdp_zero.distributed.env import destroy_distributed, init_distributed
 
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port()), ATTEMPT_VAR: "", "CUDA_VISIBLE_DEVICES": ""}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        ATTEMPT_VAR: "",
+        "CUDA_VISIBLE_DEVICES": "",
+    }.items():
         monkeypatch.setenv(key, value)  # restored afterwards
     tokens = []
     for _ in range(2):
@@ -284,8 +342,14 @@ def test_a_slurm_job_restarts_a_dead_rank_saves_on_preemption_and_its_requeue_en
     The run ends with the losses, weights and AdamW states of n2 (one node, never stopped), bit for bit.
     """
     job = _job_id()
-    args = (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", "model.task=custom",
-            "model.loss=tests.user_model:killed_then_preempted", f"run.root={tmp_path}")
+    args = (
+        *BASE,
+        "checkpoint.every=2",
+        "checkpoint.keep_last=2",
+        "model.task=custom",
+        "model.loss=tests.user_model:killed_then_preempted",
+        f"run.root={tmp_path}",
+    )
     env = _slurm_env(tmp_path, job, FSDP_ZERO_MAX_RESTARTS="1", FAULT_DIR=str(tmp_path))
     proc, _ = _sbatch(env, *args)
     logs = _logs(tmp_path, 0)
@@ -305,10 +369,14 @@ def test_a_slurm_job_restarts_a_dead_rank_saves_on_preemption_and_its_requeue_en
     assert proc.returncode == 0, proc.stderr[-3000:] + logs[-6000:]
     assert "checkpoints/step-0000006: step 6" in logs and len(read_jsonl(tmp_path / "slurm" / "requeue")) == 1
     records = _assert_uninterrupted(batches, run_dir)
-    figure("slurm: SIGKILLed rank to the restarted ranks' first step (2 nodes, torchrun --max-restarts)",
-           f"{records[4]['time'] - _fault_time(tmp_path / 'killed'):.1f} s")
-    figure("slurm: SIGUSR1 to the requeue request (step finished, saved, ranks exited)",
-           f"{requeues[0]['time'] - _fault_time(tmp_path / 'signalled'):.1f} s")
+    figure(
+        "slurm: SIGKILLed rank to the restarted ranks' first step (2 nodes, torchrun --max-restarts)",
+        f"{records[4]['time'] - _fault_time(tmp_path / 'killed'):.1f} s",
+    )
+    figure(
+        "slurm: SIGUSR1 to the requeue request (step finished, saved, ranks exited)",
+        f"{requeues[0]['time'] - _fault_time(tmp_path / 'signalled'):.1f} s",
+    )
     figure("slurm: requeued job, start to its first step", f"{records[6]['time'] - start:.1f} s")
 
 
@@ -357,22 +425,45 @@ def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path
     config = container["args"][container["args"].index("--config") + 1]
     load_config(REPO / config, [a for a in container["args"] if "=" in a])
 
-    settings = (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2", "checkpoint.every=0",
-                "model.task=custom", "model.loss=tests.user_model:evicted", f"run.root={tmp_path}", "run.name=k8s")
+    settings = (
+        *BASE,
+        "parallel.strategy=hybrid_shard",
+        "parallel.shard_size=2",
+        "checkpoint.every=0",
+        "model.task=custom",
+        "model.loss=tests.user_model:evicted",
+        f"run.root={tmp_path}",
+        "run.name=k8s",
+    )
     port = _free_port()
 
     def start(rank: int) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_"))}
         env |= {e["name"]: str(e["value"]) for e in container.get("env", [])}
-        env |= {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
-                "PYTHONUNBUFFERED": "0", "NPROC_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "FAULT_DIR": str(tmp_path),
-                "EVICT": str(rank),  # the Worker (pod 1) is the one evicted
-                # What the operator sets from elasticPolicy.rdzvConf: the rendezvous drops the evicted pod's
-                # torchrun 3 s after its last heartbeat (torch's default: 15 s), for the new pod to take its place.
-                "PET_RDZV_CONF": "keep_alive_interval=1,keep_alive_max_attempt=3"}
-        return subprocess.Popen([*container["command"], *settings], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        env |= {
+            "MASTER_ADDR": "localhost",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "PYTHONUNBUFFERED": "0",
+            "NPROC_PER_NODE": "2",
+            "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "FAULT_DIR": str(tmp_path),
+            "EVICT": str(rank),  # the Worker (pod 1) is the one evicted
+            # What the operator sets from elasticPolicy.rdzvConf: the rendezvous drops the evicted pod's
+            # torchrun 3 s after its last heartbeat (torch's default: 15 s), for the new pod to take its place.
+            "PET_RDZV_CONF": "keep_alive_interval=1,keep_alive_max_attempt=3",
+        }
+        return subprocess.Popen(
+            [*container["command"], *settings],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     master = start(0)
     _wait_for_port(port, master)  # the Master pod hosts the rendezvous (its service is MASTER_ADDR)

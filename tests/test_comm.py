@@ -14,13 +14,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fsdp_zero.model.construct import construct
-from fsdp_zero.monitor.comm import KINDS, CommBytes, comm_formula, comm_seconds
-from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.data.batches import BatchLayout
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
+from fsdp_zero.monitor.comm import KINDS, CommBytes, comm_formula, comm_seconds
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.sharding.wrap import build_wrap_plan
@@ -32,9 +32,29 @@ from tests.test_parity import LOSS_ATOL, WEIGHT_ATOL
 # Every strategy at N = 2 and 4 (DDP at 4 continues a checkpoint: steps 5-8), accumulation of 1 (N = 4),
 # 2 (N = 2 and 3) and 4 (n1), uneven shards (n3), tied weights, frozen parameters (freeze, lora), the
 # precisions' dtypes, hpZ, each grad_sync mode, evaluation.
-RUNS = ["n1", "n2", "n3", "n4", "n2-tied", "ddp", "zero1", "zero2", "hsdp", "hpz-prefetch", "bf16-mixed", "bf16-true",
-        "freeze", "lora", "eval", "grad-once", "hsdp-replicas", "hsdp-once", "full_shard-to-ddp-n4", "zero1-n4",
-        "zero2-n4"]
+RUNS = [
+    "n1",
+    "n2",
+    "n3",
+    "n4",
+    "n2-tied",
+    "ddp",
+    "zero1",
+    "zero2",
+    "hsdp",
+    "hpz-prefetch",
+    "bf16-mixed",
+    "bf16-true",
+    "freeze",
+    "lora",
+    "eval",
+    "grad-once",
+    "hsdp-replicas",
+    "hsdp-once",
+    "full_shard-to-ddp-n4",
+    "zero1-n4",
+    "zero2-n4",
+]
 
 
 def _formula(cfg, world_size: int) -> CommBytes:  # noqa: ANN001
@@ -64,11 +84,18 @@ def test_counted_bytes_per_step_equal_the_formula(batches, name):
     assert rows and [r["step"] for r in rows] == list(range(rows[0]["step"], summary["steps"] + 1))
     for row in rows:
         for kind in KINDS:
-            assert row[f"comm/{kind}_mib"] * MIB == pytest.approx(getattr(expected, kind), rel=0.01), (row["step"], kind)
+            assert row[f"comm/{kind}_mib"] * MIB == pytest.approx(getattr(expected, kind), rel=0.01), (
+                row["step"],
+                kind,
+            )
     for rank in summary["ranks"]:
         assert rank["comm_bytes"] == pytest.approx({k: getattr(expected, k) for k in KINDS}, rel=0.01)
-    figure(f"comm / formula, {name}", ", ".join(
-        f"{k} {rows[-1][f'comm/{k}_mib'] * MIB / getattr(expected, k):.4f}" for k in KINDS if getattr(expected, k)))
+    figure(
+        f"comm / formula, {name}",
+        ", ".join(
+            f"{k} {rows[-1][f'comm/{k}_mib'] * MIB / getattr(expected, k):.4f}" for k in KINDS if getattr(expected, k)
+        ),
+    )
 
 
 def test_evaluation_forwards_stay_out_of_the_steps_counts(batches):
@@ -83,10 +110,15 @@ def test_evaluation_forwards_stay_out_of_the_steps_counts(batches):
 BF16_LOSS_ATOL, BF16_WEIGHT_REL = 1e-3, 0.25
 
 
-@pytest.mark.parametrize("name, baseline, cut", [("grad-once", "n2", {"reduce_scatter"}),
-                                                 ("hsdp-replicas", None, {"all_reduce"}),
-                                                 ("hsdp-once", None, {"reduce_scatter", "all_reduce"}),
-                                                 ("grad-once-zero2-bf16", "bf16-true", {"reduce_scatter"})])
+@pytest.mark.parametrize(
+    "name, baseline, cut",
+    [
+        ("grad-once", "n2", {"reduce_scatter"}),
+        ("hsdp-replicas", None, {"all_reduce"}),
+        ("hsdp-once", None, {"reduce_scatter", "all_reduce"}),
+        ("grad-once-zero2-bf16", "bf16-true", {"reduce_scatter"}),
+    ],
+)
 def test_grad_sync_trains_the_same_with_fewer_reductions(batches, name, baseline, cut):
     """Deferred reductions: the same losses and final weights as reducing every micro-batch (n2, at
     the same micro-batches; for HSDP the single-process run; ZeRO-2 in bf16-true against ZeRO-3's bf16-true,
@@ -104,8 +136,9 @@ def test_grad_sync_trains_the_same_with_fewer_reductions(batches, name, baseline
             assert (got["final"][key].float() - value.float()).norm() <= BF16_WEIGHT_REL * moved + 1e-6, key
         else:
             torch.testing.assert_close(got["final"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
-    every = _formula(replace(cfg, parallel=replace(cfg.parallel, grad_sync=GradSync.every_micro_batch)),
-                     summary["world_size"])
+    every = _formula(
+        replace(cfg, parallel=replace(cfg.parallel, grad_sync=GradSync.every_micro_batch)), summary["world_size"]
+    )
     for kind in KINDS:
         counted, full = rows[-1][f"comm/{kind}_mib"] * MIB, getattr(every, kind)
         assert counted == pytest.approx(full / 2 if kind in cut else full, rel=0.01), kind
@@ -124,14 +157,16 @@ def test_formula_by_hand():
 
     def formula(world: int = 2, accum: int = 3, precision=fp32, **parallel) -> CommBytes:  # noqa: ANN001
         c = replace(cfg, parallel=replace(cfg.parallel, **parallel))
-        return comm_formula(c, Topology.of(c.parallel, world), model, build_wrap_plan(model, c.parallel.wrap, world),
-                            accum, precision)
+        return comm_formula(
+            c, Topology.of(c.parallel, world), model, build_wrap_plan(model, c.parallel.wrap, world), accum, precision
+        )
 
     assert formula() == CommBytes(all_gather=3 * 4 * (2 * p - root), reduce_scatter=3 * 4 * p)
     assert formula(strategy="shard_grad_op") == CommBytes(all_gather=3 * 4 * p, reduce_scatter=3 * 4 * p)
     assert formula(4, strategy="hybrid_shard") == CommBytes(3 * 4 * (2 * p - root), 3 * 4 * p, 3 * 4 * p / 2)
     assert formula(4, strategy="hybrid_shard", grad_sync="replicas_once_per_step") == CommBytes(
-        3 * 4 * (2 * p - root), 3 * 4 * p, 4 * p / 2)
+        3 * 4 * (2 * p - root), 3 * 4 * p, 4 * p / 2
+    )
     assert formula(grad_sync="once_per_step") == CommBytes(3 * 4 * (2 * p - root), 4 * p, 0, once_per_step=4 * p)
     # hpZ: groups of 2 of 4 ranks gather twice; groups of 1 (FSDP2 reads reshard_after_forward=1 as False) once.
     assert formula(4, reshard_after_forward=2).all_gather == 3 * 4 * (2 * p - root)
@@ -144,7 +179,8 @@ def test_formula_by_hand():
     assert formula(3).all_gather > 3 * 4 * (2 * p - root)  # dim 0 padded to a multiple of 3
     # Ring times: 1 GB gathered over 2 ranks at 8 Gbit/s sends half of it: 0.5 s; an all-reduce twice that.
     assert comm_seconds(CommBytes(1e9, 1e9), Topology.of(cfg.parallel, 2), 8.0) == pytest.approx(
-        {"all_gather": 0.5, "reduce_scatter": 0.5, "all_reduce": 0.0})
+        {"all_gather": 0.5, "reduce_scatter": 0.5, "all_reduce": 0.0}
+    )
     hsdp = replace(cfg.parallel, strategy="hybrid_shard")
     assert comm_seconds(CommBytes(all_reduce=1e9), Topology.of(hsdp, 4), 8.0)["all_reduce"] == pytest.approx(1.0)
     # Every strategy by hand, 1 GB of each kind over 4 ranks at 8 Gbit/s (1 s a GB): a ring over n ranks sends
@@ -152,12 +188,18 @@ def test_formula_by_hand():
     # broadcasts timed as an all-gather over all 4); FSDP gathers and reduce-scatters over its shard group:
     # all 4 (one replica: nothing to all-reduce over), or hybrid_shard's 2, whose 2 replicas all-reduce.
     gb = CommBytes(1e9, 1e9, 1e9)
-    expected = {"ddp": (0.75, 0.75, 1.5), "zero1": (0.75, 0.75, 1.5), "shard_grad_op": (0.75, 0.75, 0.0),
-                "full_shard": (0.75, 0.75, 0.0), "hybrid_shard": (0.5, 0.5, 1.0)}
+    expected = {
+        "ddp": (0.75, 0.75, 1.5),
+        "zero1": (0.75, 0.75, 1.5),
+        "shard_grad_op": (0.75, 0.75, 0.0),
+        "full_shard": (0.75, 0.75, 0.0),
+        "hybrid_shard": (0.5, 0.5, 1.0),
+    }
     for strategy, (gather, scatter, reduce) in expected.items():
         par = replace(cfg.parallel, strategy=strategy)
         assert comm_seconds(gb, Topology.of(par, 4), 8.0) == pytest.approx(
-            {"all_gather": gather, "reduce_scatter": scatter, "all_reduce": reduce}), strategy
+            {"all_gather": gather, "reduce_scatter": scatter, "all_reduce": reduce}
+        ), strategy
 
 
 def test_a_checkpoint_continues_under_another_grad_sync(batches):
@@ -176,23 +218,40 @@ def test_the_start_up_line_says_what_once_per_step_holds(tmp_path):
     start-up line says how much, 4 B x the trainable parameters in fp32 (gpt_nano: every parameter)."""
     from fsdp_zero.config.presets import model_args
 
-    proc = check(run_script(TRAIN, *BASE, "train.steps=1", "parallel.grad_sync=once_per_step",
-                            "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=once"))
+    proc = check(
+        run_script(
+            TRAIN,
+            *BASE,
+            "train.steps=1",
+            "parallel.grad_sync=once_per_step",
+            "checkpoint.enabled=false",
+            f"run.root={tmp_path}",
+            "run.name=once",
+        )
+    )
     held = 4 * model_args("gpt_nano").num_params() / MIB
-    assert (f"parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients between "
-            f"micro-batches, {held:.2f} MiB (") in proc.stderr, proc.stderr[-2000:]
+    assert (
+        f"parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients between "
+        f"micro-batches, {held:.2f} MiB ("
+    ) in proc.stderr, proc.stderr[-2000:]
 
 
 def test_grad_sync_user_errors(tmp_path):
     """grad_sync with a strategy it does not apply to names the key, the value and the strategies it
     applies to (exit 2 at start-up); a bad value lists the choices."""
-    with pytest.raises(ValueError, match=r"parallel.grad_sync=once_per_step applies to parallel.strategy=full_shard, "
-                                         r"shard_grad_op, hybrid_shard only, not ddp"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallel.grad_sync=once_per_step applies to parallel.strategy=full_shard, "
+        r"shard_grad_op, hybrid_shard only, not ddp",
+    ):
         load_config(None, ["parallel.strategy=ddp", "parallel.grad_sync=once_per_step"])
     with pytest.raises(ValueError, match=r"valid choices: every_micro_batch, replicas_once_per_step, once_per_step"):
         load_config(None, ["parallel.grad_sync=sometimes"])
-    assert_user_error(tmp_path, "parallel.grad_sync=replicas_once_per_step applies to parallel.strategy=hybrid_shard "
-                      "only, not full_shard", "parallel.grad_sync=replicas_once_per_step")
+    assert_user_error(
+        tmp_path,
+        "parallel.grad_sync=replicas_once_per_step applies to parallel.strategy=hybrid_shard only, not full_shard",
+        "parallel.grad_sync=replicas_once_per_step",
+    )
 
 
 def test_a_micro_batch_that_raises_leaves_the_reduction_on(monkeypatch):
@@ -222,8 +281,9 @@ def test_a_micro_batch_that_raises_leaves_the_reduction_on(monkeypatch):
             return torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()), {}
 
         with pytest.raises(RuntimeError, match="a bad batch"):
-            train_step(model, optimizer, loss_fn, [batch, None, batch], 1.0, env.device,
-                       grad_sync=GradSync.once_per_step)
+            train_step(
+                model, optimizer, loss_fn, [batch, None, batch], 1.0, env.device, grad_sync=GradSync.once_per_step
+            )
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model, batch)[0].backward()
         assert all(p.grad is not None for p in model.parameters())

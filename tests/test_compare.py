@@ -4,7 +4,8 @@ At 46M parameters (4 layers of d 512, vocabulary 32768, short sequences, gradien
 accumulation of 2 at 2 ranks) model state and activations are of the order of the ~720 MiB
 a rank holds for the PyTorch libraries (more under DDP, ~80% of it under ZeRO-3), so the
 comparison's ordering shows in peak RSS and the planner's prediction of the model-dependent
-memory can be told apart from the baseline. The planner's heap-retention constants were fitted on a GPT-2-small-shaped model
+memory can be told apart from the baseline. The planner's heap-retention constants were fitted on a
+GPT-2-small-shaped model
 (`bench/planner_accuracy.py`, configuration `fit`): this configuration is held out.
 """
 
@@ -26,8 +27,16 @@ PLAN = REPO / "scripts" / "plan.py"
 MIB = 2**20
 STRATEGIES = ["ddp", "zero1", "shard_grad_op", "full_shard"]
 FSDP = ("shard_grad_op", "full_shard")
-CONFIG = ["model.preset=gpt_small", "model.dim=512", "model.n_layers=4", "model.n_heads=8", "model.vocab_size=32768",
-          "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1"]
+CONFIG = [
+    "model.preset=gpt_small",
+    "model.dim=512",
+    "model.n_layers=4",
+    "model.n_heads=8",
+    "model.vocab_size=32768",
+    "data.seq_len=64",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+]
 # Tensors by category from step 2, whose forward is where DDP rebuilds its gradient buckets, so
 # that the tracker sees them whole; peak RSS from steps 1 and 3 (the profiled step's tracker
 # holds bookkeeping of its own, which is not the model's).
@@ -131,8 +140,10 @@ def test_tensorboard_holds_the_figures_of_the_table(compared: Path, measured):
     run = EventAccumulator(str(compared / "full_shard" / "tb" / f"rank{N - 1}"))
     run.Reload()
     scalars = run.Tags()["scalars"]
-    assert {f"memory_breakdown/{c}_mib" for c in ("params", "gathered_params", "grads", "optimizer", "activations",
-                                                 "comm_buffers", "other")} <= set(scalars)
+    assert {
+        f"memory_breakdown/{c}_mib"
+        for c in ("params", "gathered_params", "grads", "optimizer", "activations", "comm_buffers", "other")
+    } <= set(scalars)
     assert [e.step for e in run.Scalars("memory_within_step/total_mib")] == [0, 1, 2, 3]
 
 
@@ -167,9 +178,13 @@ def test_planner_predicts_the_model_dependent_memory(measured, predicted):
         assert abs(_error(tensors / 2 + retained, term)) > TERM_TOLERANCE, s
         # Model state after an optimizer step, simulated against measured.
         assert p["model_state"] == pytest.approx(max(r["model_state"] for r in measured[s]), rel=0.01), s
-    figure(f"planner vs measured, held-out 46M model, N={N}: (peak - baseline) vs predicted",
-           ", ".join(f"{s} {e:+.1%}" for s, e in errors.items())
-           + " (without heap retention: " + ", ".join(f"{e:+.1%}" for e in without_retention.values()) + ")")
+    figure(
+        f"planner vs measured, held-out 46M model, N={N}: (peak - baseline) vs predicted",
+        ", ".join(f"{s} {e:+.1%}" for s, e in errors.items())
+        + " (without heap retention: "
+        + ", ".join(f"{e:+.1%}" for e in without_retention.values())
+        + ")",
+    )
 
 
 def test_simulated_tensors_match_the_tracker(measured, predicted):
@@ -200,7 +215,9 @@ def test_the_plan_prints_the_bytes_each_strategys_run_counted(compared: Path, pr
         counted = json.loads((compared / s / "summary.json").read_text())["ranks"][0]["comm_bytes"]
         for kind, mib in kinds.items():
             assert mib == pytest.approx(counted[kind] / MIB, abs=0.05), (s, kind)
-    assert printed["full_shard"]["all_gather"] > printed["shard_grad_op"]["all_gather"] > 0 == printed["ddp"]["all_gather"]
+    assert (
+        printed["full_shard"]["all_gather"] > printed["shard_grad_op"]["all_gather"] > 0 == printed["ddp"]["all_gather"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +227,22 @@ def fitted(tmp_path_factory: pytest.TempPathFactory, predicted) -> tuple[int, di
     preds, _ = predicted
     budget = (preds["zero1"]["peak"] + preds["shard_grad_op"]["peak"]) // 2 // MIB * MIB
     out = tmp_path_factory.mktemp("fit") / "fit.json"
-    proc = check(run_script(PLAN, "--world-size", str(N), "--fit", f"{budget // MIB}MiB", "--search", "strategy",
-                            "--margin", "0", "--json", str(out), *CONFIG))
+    proc = check(
+        run_script(
+            PLAN,
+            "--world-size",
+            str(N),
+            "--fit",
+            f"{budget // MIB}MiB",
+            "--search",
+            "strategy",
+            "--margin",
+            "0",
+            "--json",
+            str(out),
+            *CONFIG,
+        )
+    )
     # On a CPU the rates are measured on this machine, and the plan says so before it searches.
     assert f"rates: measured on this machine by a probe ({N} ranks x 1 thread(s)" in proc.stdout.split("candidates")[0]
     assert "pick: " in proc.stdout
@@ -241,16 +272,23 @@ def test_the_fit_pick_run_stays_within_the_budget_and_its_prediction(fitted, mea
     safe = next(c for c in ranked if c["peak_bytes"] * (1 + MARGIN) <= budget)
     assert "parallel.strategy=full_shard" in safe["overrides"]
     assert peak_mib(measured["full_shard"]) * MIB <= budget
-    figure(f"fit pick, 46M model, N={N}, budget {budget / MIB:,.0f} MiB",
-           f"{strategy}: predicted {pick['peak_bytes'] / MIB:,.0f} MiB, measured {peak_mib(measured[strategy]):,.0f} "
-           "MiB; rejected cheaper: " + ", ".join(f"{s} measured {peak_mib(measured[s]):,.0f} MiB" for s in sorted(rejected)))
+    figure(
+        f"fit pick, 46M model, N={N}, budget {budget / MIB:,.0f} MiB",
+        f"{strategy}: predicted {pick['peak_bytes'] / MIB:,.0f} MiB, measured {peak_mib(measured[strategy]):,.0f} "
+        "MiB; rejected cheaper: "
+        + ", ".join(f"{s} measured {peak_mib(measured[s]):,.0f} MiB" for s in sorted(rejected)),
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(visible_gpus() < 2, reason="needs 2 or more GPUs in one process")
 def test_dataparallel_row_with_several_gpus_in_one_process(tmp_path: Path):
     out = tmp_path / "dp"
-    check(launch(0, COMPARE, "--nproc-per-node", "1", "--out", str(out), "model.preset=gpt_tiny", "train.steps=4", gpu=True))
+    check(
+        launch(
+            0, COMPARE, "--nproc-per-node", "1", "--out", str(out), "model.preset=gpt_tiny", "train.steps=4", gpu=True
+        )
+    )
     md = (out / "compare.md").read_text()
     assert "| dataparallel (1 process," in md and "(GPU)" in md
 
@@ -258,8 +296,17 @@ def test_dataparallel_row_with_several_gpus_in_one_process(tmp_path: Path):
 def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
     """dist.device=cuda on a CPU machine: device memory, no process baseline, the formulas still hold."""
     out = tmp_path / "gpu.json"
-    args = ["--world-size", "8", "--json", str(out), "model.preset=gpt_nano", "train.global_batch_size=16",
-            "train.micro_batch_size=2", "data.seq_len=32", "dist.device=cuda"]
+    args = [
+        "--world-size",
+        "8",
+        "--json",
+        str(out),
+        "model.preset=gpt_nano",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=2",
+        "data.seq_len=32",
+        "dist.device=cuda",
+    ]
     proc = check(run_script(PLAN, "--device-memory", "80GB", *args))
     assert "device memory MiB" in proc.stdout and "| yes |" in proc.stdout
     preds = {p["strategy"]: p for p in json.loads(out.read_text())}
@@ -283,12 +330,30 @@ def _rows(n: int) -> dict[str, list[dict]]:
     state = {"ddp": 16, "zero1": 8 + 8 / n, "shard_grad_op": 16 / n, "full_shard": 16 / n}
     rows = {}
     for s, per_param in state.items():
-        rows[s] = [{"strategy": s, "num_params": 1_000_000, "steps": 6, "step_s": 0.5 + 0.1 * (s != "ddp"),
-                    "final_loss": 4.25, "model_state": int(per_param * 1_000_000), "peak_rss_mib": 900 + 10 * per_param + r,
-                    "formula": per_param * 1_000_000, "precision": "fp32",
-                    "peak_reserved_mib": None,
-                    "breakdown": {"params": 100, "gathered_params": 0, "grads": 100, "optimizer": 200 * MIB,
-                                  "activations": 50, "comm_buffers": 0, "other": 1}} for r in range(n)]
+        rows[s] = [
+            {
+                "strategy": s,
+                "num_params": 1_000_000,
+                "steps": 6,
+                "step_s": 0.5 + 0.1 * (s != "ddp"),
+                "final_loss": 4.25,
+                "model_state": int(per_param * 1_000_000),
+                "peak_rss_mib": 900 + 10 * per_param + r,
+                "formula": per_param * 1_000_000,
+                "precision": "fp32",
+                "peak_reserved_mib": None,
+                "breakdown": {
+                    "params": 100,
+                    "gathered_params": 0,
+                    "grads": 100,
+                    "optimizer": 200 * MIB,
+                    "activations": 50,
+                    "comm_buffers": 0,
+                    "other": 1,
+                },
+            }
+            for r in range(n)
+        ]
     return rows
 
 
@@ -307,11 +372,24 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
     # read_rows: the runs' summary.json files, as scripts/train.py writes them, back into rows.
     for s in ORDER:
         (tmp_path / s.value).mkdir()
-        ranks = [{k: r[k] for k in ("peak_rss_mib", "peak_reserved_mib", "step_s", "breakdown")}
-                 | {"model_state_bytes": r["model_state"]} for r in _rows(2)[s.value]]
-        (tmp_path / s.value / "summary.json").write_text(json.dumps(
-            {"strategy": s.value, "precision": "fp32", "steps": 6, "final_loss": 4.25, "num_params": 1_000_000,
-             "model_state_formula_bytes": _rows(2)[s.value][0]["formula"], "ranks": ranks}))
+        ranks = [
+            {k: r[k] for k in ("peak_rss_mib", "peak_reserved_mib", "step_s", "breakdown")}
+            | {"model_state_bytes": r["model_state"]}
+            for r in _rows(2)[s.value]
+        ]
+        (tmp_path / s.value / "summary.json").write_text(
+            json.dumps(
+                {
+                    "strategy": s.value,
+                    "precision": "fp32",
+                    "steps": 6,
+                    "final_loss": 4.25,
+                    "num_params": 1_000_000,
+                    "model_state_formula_bytes": _rows(2)[s.value][0]["formula"],
+                    "ranks": ranks,
+                }
+            )
+        )
     assert read_rows(tmp_path) == {s.value: _rows(2)[s.value] for s in ORDER}
     # Without DDP (bf16-mixed, say, which DDP does not run) the ratios are to the first strategy run.
     rows = {k: v for k, v in _rows(2).items() if k not in ("ddp", "zero1")}
@@ -335,13 +413,19 @@ def test_planner_follows_the_precision_and_offload():
     """bf16-true halves the model state the planner predicts (8 bytes per parameter: bf16 weights,
     gradients and AdamW states), within 2% of the formula; under CPU offload all of it is host memory,
     and the device memory predicted for CUDA falls by it."""
-    from fsdp_zero.config.strategies import Strategy
     from fsdp_zero.config.loader import load_config
     from fsdp_zero.config.presets import model_args
+    from fsdp_zero.config.strategies import Strategy
     from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, simulate
 
-    base = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-            "precision=bf16-true", "dist.device=cuda"]
+    base = [
+        "model.preset=gpt_nano",
+        "data.seq_len=32",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "precision=bf16-true",
+        "dist.device=cuda",
+    ]
     expected = 8 * model_args("gpt_nano").num_params() / 2
     (plain,) = simulate(load_config(None, base), 2, [Strategy.full_shard])
     (offload,) = simulate(load_config(None, base + ["parallel.cpu_offload=true"]), 2, [Strategy.full_shard])
@@ -355,4 +439,5 @@ def test_planner_follows_the_precision_and_offload():
 def test_a_bad_size_names_the_option_it_came_from():
     proc = run_script(PLAN, "--world-size", "2", "--device-memory", "lots", "model.preset=gpt_nano")
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: --device-memory 'lots': expected a size such as 2GB, 500MB or 1GiB"), proc.stderr
+        "error: --device-memory 'lots': expected a size such as 2GB, 500MB or 1GiB"
+    ), proc.stderr

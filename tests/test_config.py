@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_zero.config.loader import load_config, to_yaml
 from fsdp_zero.config.schema import Config, DataSource, Task, TrainConfig, WrapPolicy
 from fsdp_zero.config.strategies import Strategy
-from fsdp_zero.config.loader import load_config, to_yaml
 from fsdp_zero.data.batches import BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from tests.conftest import REPO
@@ -43,7 +43,11 @@ def test_yaml_then_overrides(tmp_path: Path):
         ("train.setps=5", r"unknown config key 'train\.setps'; did you mean 'train\.steps'\?"),
         ("trian.steps=5", r"unknown config key 'trian'; did you mean 'train'\?"),
         ("parallel.wrap.polcy=none", r"did you mean 'parallel\.wrap\.policy'\?"),
-        ("parallel.wrap.policy=sized", r"parallel\.wrap\.policy='sized' is not a valid choice; valid choices: transformer, size_based, modules, none"),
+        (
+            "parallel.wrap.policy=sized",
+            r"parallel\.wrap\.policy='sized' is not a valid choice; valid choices: transformer, size_based, modules, "
+            r"none",
+        ),
         ("parallel.strategy=zero9", r"valid choices: full_shard, shard_grad_op, hybrid_shard, zero1, ddp"),
         ("parallel.zero_stage=4", r"parallel\.zero_stage=4 is not a valid choice; valid choices: 0, 1, 2, 3"),
         ("train.steps=abc", r"bad value for 'train\.steps'"),
@@ -52,7 +56,10 @@ def test_yaml_then_overrides(tmp_path: Path):
         ("model.preset=gpt_2b", r"model\.preset='gpt_2b' is unknown; did you mean 'gpt_1b'\?; valid choices: gpt_nano"),
         ("data.source=text", r"data\.source=text needs data\.path"),
         ("train", r"expected key=value"),
-        ("memory.malloc_mmap_threshold=lots", r"memory\.malloc_mmap_threshold='lots': valid choices: auto, default, or a byte count"),
+        (
+            "memory.malloc_mmap_threshold=lots",
+            r"memory\.malloc_mmap_threshold='lots': valid choices: auto, default, or a byte count",
+        ),
         ("train=5", r"'train' is a section"),
     ],
 )
@@ -68,32 +75,61 @@ VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classifi
     "overrides,message",
     [
         (["model.kwargs.dim=8"], r"model\.kwargs=\{'dim': 8\} is set without model\.target"),
-        (["model.target=torchvision.models.VisionTransformer"], r"model\.target='torchvision\.models\.VisionTransformer': "
-                                                                r"expected package\.module:callable"),
+        (
+            ["model.target=torchvision.models.VisionTransformer"],
+            r"model\.target='torchvision\.models\.VisionTransformer': "
+            r"expected package\.module:callable",
+        ),
         ([*VIT, "model.dim=64"], r"model\.dim=64 only applies to the built-in model"),
         (["model.task=custom"], r"model\.task=custom needs model\.loss"),
         (["model.loss=a.b:c"], r"model\.loss='a\.b:c' is set but model\.task=causal_lm; set model\.task=custom"),
         (["data.source=tokens"], r"data\.source=tokens needs data\.path \(a \.bin or \.npy file of token ids\)"),
         (["data.source=tokens", "data.path=pyproject.toml"], r"data\.source=tokens needs a \.bin or \.npy file"),
         (["data.source=tokens", "data.path=/no/such.bin"], r"data\.path='/no/such\.bin': no such file or folder"),
-        (["data.source=images"], r"data\.source=images does not feed model\.task=causal_lm; valid choices: synthetic, text, tokens"),
-        ([*VIT[:2]], r"data\.source=synthetic does not feed model\.task=classification; valid choices: images, fake_images"),
-        (["data.token_dtype=float32"], r"data\.token_dtype='float32' is not a valid choice; valid choices: uint16, uint32"),
+        (
+            ["data.source=images"],
+            r"data\.source=images does not feed model\.task=causal_lm; valid choices: synthetic, text, tokens",
+        ),
+        (
+            [*VIT[:2]],
+            r"data\.source=synthetic does not feed model\.task=classification; valid choices: images, fake_images",
+        ),
+        (
+            ["data.token_dtype=float32"],
+            r"data\.token_dtype='float32' is not a valid choice; valid choices: uint16, uint32",
+        ),
         ([*VIT, "data.num_workers=-1"], r"data\.num_workers=-1: must be >= 0"),
         (["model.init=random"], r"model\.init='random' is not a valid choice; valid choices: auto, standard, model"),
         (["parallel.prefetch=-1"], r"parallel\.prefetch=-1: must be >= 0"),
-        (["parallel.strategy=ddp", "parallel.reshard_after_forward=2"],
-         r"parallel\.reshard_after_forward=2 applies to parallel\.strategy=full_shard only, not ddp"),
-        (["precision=fp8"], r"precision\.mode='fp8' is not a valid choice; valid choices: fp32, bf16-mixed, fp16-mixed, bf16-true"),
-        (["precision.param_dtype=half"], r"precision\.param_dtype='half' is not a valid choice; valid choices: fp32, bf16, fp16"),
-        (["precision=bf16-mixed", "parallel.strategy=zero1"], r"precision\.mode=bf16-mixed \(gathered parameters in a "
-                                                               r"lower precision than the stored ones\) needs an FSDP strategy"),
+        (
+            ["parallel.strategy=ddp", "parallel.reshard_after_forward=2"],
+            r"parallel\.reshard_after_forward=2 applies to parallel\.strategy=full_shard only, not ddp",
+        ),
+        (
+            ["precision=fp8"],
+            r"precision\.mode='fp8' is not a valid choice; valid choices: fp32, bf16-mixed, fp16-mixed, bf16-true",
+        ),
+        (
+            ["precision.param_dtype=half"],
+            r"precision\.param_dtype='half' is not a valid choice; valid choices: fp32, bf16, fp16",
+        ),
+        (
+            ["precision=bf16-mixed", "parallel.strategy=zero1"],
+            r"precision\.mode=bf16-mixed \(gathered parameters in a "
+            r"lower precision than the stored ones\) needs an FSDP strategy",
+        ),
         (["precision.loss_scale=-1"], r"precision\.loss_scale=-1\.0: must be >= 0"),
         (["parallel.cpu_offload=true", "parallel.strategy=ddp"], r"parallel\.cpu_offload=true needs an FSDP strategy"),
-        (["parallel.activation_checkpointing=some"], r"parallel\.activation_checkpointing='some' is not a valid choice; "
-                                                    r"valid choices: none, full, selective"),
+        (
+            ["parallel.activation_checkpointing=some"],
+            r"parallel\.activation_checkpointing='some' is not a valid choice; "
+            r"valid choices: none, full, selective",
+        ),
         (["parallel.activation_checkpointing_every=0"], r"parallel\.activation_checkpointing_every=0: must be > 0"),
-        (["optim.schedule=step"], r"optim\.schedule='step' is not a valid choice; valid choices: cosine, linear, constant"),
+        (
+            ["optim.schedule=step"],
+            r"optim\.schedule='step' is not a valid choice; valid choices: cosine, linear, constant",
+        ),
     ],
 )
 def test_bad_model_and_data_settings_name_the_key(overrides: list[str], message: str):
@@ -106,19 +142,36 @@ def test_precision_shorthand_and_dtypes():
 
     assert load_config(None, ["precision=bf16-mixed"]).precision.mode == "bf16-mixed"
     p = resolve(load_config(None, ["precision=bf16-mixed", "precision.reduce_dtype=bf16"]).precision)
-    assert (p.stored, p.compute, p.reduce, p.bytes_per_param) == (torch.float32, torch.bfloat16, torch.bfloat16, (4, 4, 8))
+    assert (p.stored, p.compute, p.reduce, p.bytes_per_param) == (
+        torch.float32,
+        torch.bfloat16,
+        torch.bfloat16,
+        (4, 4, 8),
+    )
     p = resolve(load_config(None, ["precision=bf16-true"]).precision)
-    assert (p.stored, p.compute, p.reduce, p.bytes_per_param, p.loss_scaling) == (torch.bfloat16,) * 3 + ((2, 2, 4), False)
+    assert (p.stored, p.compute, p.reduce, p.bytes_per_param, p.loss_scaling) == (torch.bfloat16,) * 3 + (
+        (2, 2, 4),
+        False,
+    )
     assert resolve(load_config(None, ["precision=fp16-mixed"]).precision).loss_scaling
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["model.target=no_such_pkg.mod:Model"], r"model\.target='no_such_pkg\.mod:Model': cannot import 'no_such_pkg\.mod'"),
-        (["model.target=torch.nn:NoSuchModel"], r"model\.target='torch\.nn:NoSuchModel': 'torch\.nn' has no 'NoSuchModel'"),
-        (["model.target=torch.nn:Linear", "model.kwargs.width=3"], r"model\.target=torch\.nn:Linear does not accept "
-                                                                     r"model\.kwargs=\{'width': 3\}"),
+        (
+            ["model.target=no_such_pkg.mod:Model"],
+            r"model\.target='no_such_pkg\.mod:Model': cannot import 'no_such_pkg\.mod'",
+        ),
+        (
+            ["model.target=torch.nn:NoSuchModel"],
+            r"model\.target='torch\.nn:NoSuchModel': 'torch\.nn' has no 'NoSuchModel'",
+        ),
+        (
+            ["model.target=torch.nn:Linear", "model.kwargs.width=3"],
+            r"model\.target=torch\.nn:Linear does not accept "
+            r"model\.kwargs=\{'width': 3\}",
+        ),
         (["model.target=math:pi"], r"model\.target='math:pi' is a float, not a class or function"),
     ],
 )
@@ -137,8 +190,11 @@ def test_bad_yaml_key_names_the_file(tmp_path: Path):
     with pytest.raises(ValueError, match=r"--config: file not found"):
         load_config(tmp_path / "missing.yaml")
     path.write_text("train:\n  steps: [1,\n")  # a list left open
-    with pytest.raises(ValueError, match=r"^--config '.*bad\.yaml': not valid YAML at line 3, column 1: did not find "
-                                         r"expected node content$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--config '.*bad\.yaml': not valid YAML at line 3, column 1: did not find "
+        r"expected node content$",
+    ):
         load_config(path)
 
 
@@ -150,7 +206,11 @@ def test_batch_layout_derives_grad_accumulation(dp: int, accum: int):
 
 
 def test_batch_that_does_not_divide_over_ranks_lists_valid_micro_batches():
-    with pytest.raises(ValueError, match=r"does not divide into train\.micro_batch_size=3 x 3 data-parallel ranks; valid train\.micro_batch_size values at 3 ranks: \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not divide into train\.micro_batch_size=3 x 3 data-parallel ranks; valid train\.micro_batch_size "
+        r"values at 3 ranks: \[1, 2, 4\]",
+    ):
         BatchLayout.of(TrainConfig(global_batch_size=12, micro_batch_size=3), 3)
     with pytest.raises(ValueError, match=r"multiple of the 5 ranks"):
         BatchLayout.of(TrainConfig(global_batch_size=12, micro_batch_size=4), 5)
@@ -165,8 +225,9 @@ def test_resolved_config_round_trips_through_yaml(tmp_path: Path):
 
 # configs/finetune.yaml reads the files its walkthrough makes (a model folder, token files): the test
 # that runs the walkthrough's commands as written (tests/test_finetune.py) loads and runs it.
-@pytest.mark.parametrize("path", sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "finetune.yaml"),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "finetune.yaml"), ids=lambda p: p.name
+)
 def test_shipped_configs_load_and_start_with_their_command(path: Path):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# torchrun") and f"--config configs/{path.name}" in first, first
@@ -193,7 +254,9 @@ def test_fsdp1_and_deepspeed_names_are_aliases(overrides, strategy):
 def test_zero_stage_and_strategy_must_agree(tmp_path: Path):
     path = tmp_path / "both.yaml"
     path.write_text("parallel:\n  strategy: ddp\n  zero_stage: 1\n")
-    with pytest.raises(ValueError, match=r"parallel\.zero_stage=1 means parallel\.strategy=zero1, but parallel\.strategy=ddp"):
+    with pytest.raises(
+        ValueError, match=r"parallel\.zero_stage=1 means parallel\.strategy=zero1, but parallel\.strategy=ddp"
+    ):
         load_config(path)
     # A later override of the same choice wins, as overrides do, in either order; the alias is not kept.
     assert load_config(None, ["parallel.zero_stage=1", "parallel.strategy=ddp"]).parallel.strategy is Strategy.ddp
@@ -206,7 +269,9 @@ def test_zero_stage_and_strategy_must_agree(tmp_path: Path):
 
 def test_hybrid_shard_size_must_divide_the_world():
     cfg = load_config(None, ["parallel.strategy=hybrid_shard", "parallel.shard_size=3"]).parallel
-    with pytest.raises(ValueError, match=r"parallel\.shard_size=3 must divide the world size 4; valid choices: \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"parallel\.shard_size=3 must divide the world size 4; valid choices: \[1, 2, 4\]"
+    ):
         Topology.of(cfg, 4)
     topology = Topology.of(cfg, 6)
     assert (topology.shard_group, topology.param_shards, topology.replicas) == (3, 3, 2)
@@ -218,8 +283,11 @@ def test_reshard_after_forward_groups_must_divide_the_world():
     assert Topology.of(ParallelConfig(reshard_after_forward=2), 4).reshard_after_forward == 2
     assert Topology.of(ParallelConfig(reshard_after_forward=4), 4).reshard_after_forward is True  # plain ZeRO-3
     assert Topology.of(ParallelConfig(strategy=Strategy.shard_grad_op), 4).reshard_after_forward is False
-    with pytest.raises(ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4 and be "
-                                         r"smaller; valid choices: \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallel\.reshard_after_forward=3 must divide the world size 4 and be "
+        r"smaller; valid choices: \[1, 2\]",
+    ):
         Topology.of(ParallelConfig(reshard_after_forward=3), 4)
 
 
@@ -227,13 +295,19 @@ def test_a_topology_resolves_each_strategy_once():
     """Over how many ranks the states and each parameter are split, and the replicas, per strategy."""
     from fsdp_zero.config.schema import ParallelConfig
 
-    expected = {Strategy.full_shard: (8, 8, 1), Strategy.shard_grad_op: (8, 8, 1), Strategy.hybrid_shard: (4, 4, 2),
-                Strategy.zero1: (8, 1, 1), Strategy.ddp: (8, 1, 1)}
+    expected = {
+        Strategy.full_shard: (8, 8, 1),
+        Strategy.shard_grad_op: (8, 8, 1),
+        Strategy.hybrid_shard: (4, 4, 2),
+        Strategy.zero1: (8, 1, 1),
+        Strategy.ddp: (8, 1, 1),
+    }
     for strategy, (group, shards, replicas) in expected.items():
         t = Topology.of(ParallelConfig(strategy=strategy, shard_size=4), 8)
         assert (t.shard_group, t.param_shards, t.replicas, t.world_size) == (group, shards, replicas, 8), strategy
     assert Topology.of(ParallelConfig(shard_size=4), 8).notes == (
-        "parallel.shard_size=4 has no effect with parallel.strategy=full_shard (only hybrid_shard uses it)",)
+        "parallel.shard_size=4 has no effect with parallel.strategy=full_shard (only hybrid_shard uses it)",
+    )
 
 
 # One bad value per key, set on a default config: (dotted key, bad value, a fragment of the error).
@@ -279,7 +353,11 @@ SECTION_RULES = [
     ("train.skip_nonfinite", -1, "train.skip_nonfinite=-1: must be >= 0"),
     ("checkpoint.every", -1, "checkpoint.every=-1, checkpoint.keep_last=2: must be >= 0"),
     ("checkpoint.keep_last", -1, "checkpoint.every=50, checkpoint.keep_last=-1: must be >= 0"),
-    ("checkpoint.resume", "/no/such/step-0000001", "checkpoint.resume='/no/such/step-0000001': no such checkpoint folder"),
+    (
+        "checkpoint.resume",
+        "/no/such/step-0000001",
+        "checkpoint.resume='/no/such/step-0000001': no such checkpoint folder",
+    ),
     ("run.name", "a/b", "run.name='a/b': must be a plain folder name"),
     ("dist.timeout_minutes", 0.0, "dist.timeout_minutes=0.0: must be > 0"),
     ("dist.step_timeout_minutes", -1.0, "dist.step_timeout_minutes=-1.0: must be > 0"),
@@ -315,14 +393,17 @@ def test_every_section_has_a_check_and_the_table_covers_every_section():
     assert {key.split(".")[0] for key, _, _ in SECTION_RULES} == sections - {"metrics"}  # metrics: one switch
 
 
-@pytest.mark.parametrize("key,value,fragment", [
-    ("model.preset", "gpt_2b", "model.preset='gpt_2b' is unknown; did you mean 'gpt_1b'?"),
-    ("model.kwargs", {"dim": 8}, "model.kwargs={'dim': 8} is set without model.target"),
-    ("model.n_layers", 0, "model.n_layers=0: must be > 0"),
-])
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("model.preset", "gpt_2b", "model.preset='gpt_2b' is unknown; did you mean 'gpt_1b'?"),
+        ("model.kwargs", {"dim": 8}, "model.kwargs={'dim': 8} is set without model.target"),
+        ("model.n_layers", 0, "model.n_layers=0: must be > 0"),
+    ],
+)
 def test_the_built_in_model_checks_its_own_fields(key: str, value: object, fragment: str):
-    from fsdp_zero.config.schema import ModelConfig
     from fsdp_zero.config.presets import check_model_config
+    from fsdp_zero.config.schema import ModelConfig
 
     check_model_config(ModelConfig())
     with pytest.raises(ValueError, match=re.escape(fragment)):
@@ -335,13 +416,23 @@ def test_built_in_fields_come_from_the_model():
     """model.* holds the built-in model's fields (TransformerArgs's) plus the settings of any model."""
     from dataclasses import fields
 
-    from fsdp_zero.config.schema import ModelConfig
     from fsdp_zero.config.presets import BUILTIN_FIELDS, TransformerArgs
+    from fsdp_zero.config.schema import ModelConfig
 
     assert set(BUILTIN_FIELDS) <= {f.name for f in fields(TransformerArgs)}
     assert {f.name for f in fields(ModelConfig)} - set(BUILTIN_FIELDS) == {
-        "preset", "target", "kwargs", "task", "loss", "init", "init_from", "pretrained", "trust_remote_code", "freeze",
-        "lora"}
+        "preset",
+        "target",
+        "kwargs",
+        "task",
+        "loss",
+        "init",
+        "init_from",
+        "pretrained",
+        "trust_remote_code",
+        "freeze",
+        "lora",
+    }
 
 
 def test_world_size_rules_and_warnings():
@@ -349,14 +440,17 @@ def test_world_size_rules_and_warnings():
 
     assert ParallelConfig(strategy=Strategy.hybrid_shard, shard_size=4).check_world(8) == []
     assert ParallelConfig(shard_size=4).check_world(8) == [
-        "parallel.shard_size=4 has no effect with parallel.strategy=full_shard (only hybrid_shard uses it)"]
+        "parallel.shard_size=4 has no effect with parallel.strategy=full_shard (only hybrid_shard uses it)"
+    ]
     assert ParallelConfig(reshard_after_forward=4).check_world(4) == []
     with pytest.raises(ValueError, match=r"parallel\.shard_size=3 must divide the world size 4"):
         ParallelConfig(strategy=Strategy.hybrid_shard, shard_size=3).check_world(4)
     with pytest.raises(ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4"):
         ParallelConfig(reshard_after_forward=3).check_world(4)
     BatchLayout.of(TrainConfig(global_batch_size=16, micro_batch_size=4), 4)
-    with pytest.raises(ValueError, match=r"train\.global_batch_size=16 does not divide into train\.micro_batch_size=4 x 3"):
+    with pytest.raises(
+        ValueError, match=r"train\.global_batch_size=16 does not divide into train\.micro_batch_size=4 x 3"
+    ):
         BatchLayout.of(TrainConfig(global_batch_size=16, micro_batch_size=4), 3)
     rounded = BatchLayout.rounded(TrainConfig(global_batch_size=16, micro_batch_size=4), 3)  # the planner's
     assert (rounded.global_batch_size, rounded.grad_accum_steps) == (12, 1)
@@ -364,12 +458,21 @@ def test_world_size_rules_and_warnings():
 
 def test_the_config_imports_no_model_and_no_torch():
     """fsdp_zero.config is what a run is, alone: the model knows the config, not the other way round."""
-    code = ("import sys, fsdp_zero.config; "
-            "print(sorted(m for m in sys.modules if m.startswith('fsdp_zero') or m.split('.')[0] == 'torch'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
-    modules = sorted(f"fsdp_zero.config.{p.stem}" for p in (REPO / "fsdp_zero" / "config").glob("*.py")
-                     if p.stem != "__init__")
+    code = (
+        "import sys, fsdp_zero.config; "
+        "print(sorted(m for m in sys.modules if m.startswith('fsdp_zero') or m.split('.')[0] == 'torch'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    ).stdout
+    modules = sorted(
+        f"fsdp_zero.config.{p.stem}" for p in (REPO / "fsdp_zero" / "config").glob("*.py") if p.stem != "__init__"
+    )
     assert out.strip() == str(["fsdp_zero", "fsdp_zero.config", *modules]), out
 
 
@@ -390,7 +493,9 @@ def test_the_package_has_no_import_cycle():
         graph[".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")] = deps
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen))) for d in graph.get(start, ()))
+        return any(
+            d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen))) for d in graph.get(start, ())
+        )
 
     assert [m for m in sorted(graph) if reaches(m, m, set())] == []
 
@@ -401,31 +506,49 @@ def test_the_strategy_table_is_where_a_strategy_means_something():
     baseline, a choice of row, is the one exception)."""
     import ast
 
-    from fsdp_zero.config.strategies import STRATEGIES, STRATEGY_ALIASES, ZERO_STAGES, Strategy, is_fsdp
     from fsdp_zero.config.schema import ParallelConfig
+    from fsdp_zero.config.strategies import STRATEGIES, STRATEGY_ALIASES, ZERO_STAGES, Strategy, is_fsdp
     from fsdp_zero.sharding.parallelize import formula_note, model_state_formula
 
     assert list(STRATEGIES) == list(Strategy)
     assert ZERO_STAGES == {0: Strategy.ddp, 1: Strategy.zero1, 2: Strategy.shard_grad_op, 3: Strategy.full_shard}
-    assert STRATEGY_ALIASES == {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op",
-                                "HYBRID_SHARD": "hybrid_shard", "NO_SHARD": "ddp"}
+    assert STRATEGY_ALIASES == {
+        "FULL_SHARD": "full_shard",
+        "SHARD_GRAD_OP": "shard_grad_op",
+        "HYBRID_SHARD": "hybrid_shard",
+        "NO_SHARD": "ddp",
+    }
     P, N = 1000, 4
-    expected = {Strategy.full_shard: 16 * P / N, Strategy.shard_grad_op: 16 * P / N, Strategy.hybrid_shard: 16 * P / 2,
-                Strategy.zero1: 8 * P + 8 * P / N, Strategy.ddp: 16 * P}
+    expected = {
+        Strategy.full_shard: 16 * P / N,
+        Strategy.shard_grad_op: 16 * P / N,
+        Strategy.hybrid_shard: 16 * P / 2,
+        Strategy.zero1: 8 * P + 8 * P / N,
+        Strategy.ddp: 16 * P,
+    }
     for strategy, formula in expected.items():
         cfg = ParallelConfig(strategy=strategy, shard_size=2)
         assert model_state_formula(Topology.of(cfg, N), P) == formula, strategy
-        assert Topology.of(cfg, N).param_shards == (2 if strategy is Strategy.hybrid_shard else N if is_fsdp(strategy)
-                                                    else 1)
+        assert Topology.of(cfg, N).param_shards == (
+            2 if strategy is Strategy.hybrid_shard else N if is_fsdp(strategy) else 1
+        )
     assert formula_note(Topology.of(ParallelConfig(strategy=Strategy.zero1), N)) == (
-        "(weights and gradients whole, AdamW states / N=4)")
-    assert formula_note(Topology.of(ParallelConfig(strategy=Strategy.hybrid_shard), N)) == "/ 2 (hybrid_shard's shard size)"
+        "(weights and gradients whole, AdamW states / N=4)"
+    )
+    assert (
+        formula_note(Topology.of(ParallelConfig(strategy=Strategy.hybrid_shard), N))
+        == "/ 2 (hybrid_shard's shard size)"
+    )
     named = []
     for path in sorted((REPO / "fsdp_zero").rglob("*.py")):
         if path.relative_to(REPO).as_posix() in ("fsdp_zero/config/schema.py", "fsdp_zero/config/strategies.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Strategy" \
-                    and node.attr in Strategy.__members__:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "Strategy"
+                and node.attr in Strategy.__members__
+            ):
                 named.append(f"{path.name}:{node.lineno}:{node.attr}")
     assert [n.split(":")[0] + ":" + n.split(":")[2] for n in named] == ["compare.py:ddp", "compare.py:ddp"], named

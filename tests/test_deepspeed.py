@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_zero.config.schema import Config
-from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, read_deepspeed
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.schema import Config
 from tests.conftest import REPO, check, launch, run_script
 
 TRAIN = REPO / "scripts" / "train.py"
@@ -47,44 +47,109 @@ def _same(tmp_path: Path, ds: dict, native: list[str], world_size: int = 2) -> l
 
 def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
     full = {
-        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
-        "gradient_clipping": 0.5, "steps_per_print": 7, "wall_clock_breakdown": True,
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                              "sub_group_size": 4_000_000},
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 0.5,
+        "steps_per_print": 7,
+        "wall_clock_breakdown": True,
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "sub_group_size": 4_000_000,
+        },
         "communication_data_type": "fp32",
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 5,
-                                                           "cos_min_ratio": 0.05}},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": 100, "warmup_num_steps": 5, "cos_min_ratio": 0.05},
+        },
         "tensorboard": {"enabled": False, "output_path": "logs/"},
     }
-    notes = _same(tmp_path, full, [
-        "train.global_batch_size=32", "train.micro_batch_size=4", "optim.grad_clip=0.5", "train.log_every=7",
-        "parallel.zero_stage=2", "parallel.cpu_offload=true", "optim.step_group_size=4000000",
-        "precision.reduce_dtype=fp32",
-        "precision=bf16-mixed", "optim.lr=2e-4", "optim.betas=[0.9,0.98]", "optim.eps=1e-6", "optim.weight_decay=0.01",
-        "optim.schedule=cosine", "optim.warmup_steps=5", "train.steps=100", "optim.min_lr_ratio=0.05",
-        "metrics.tensorboard=false",
-    ])
+    notes = _same(
+        tmp_path,
+        full,
+        [
+            "train.global_batch_size=32",
+            "train.micro_batch_size=4",
+            "optim.grad_clip=0.5",
+            "train.log_every=7",
+            "parallel.zero_stage=2",
+            "parallel.cpu_offload=true",
+            "optim.step_group_size=4000000",
+            "precision.reduce_dtype=fp32",
+            "precision=bf16-mixed",
+            "optim.lr=2e-4",
+            "optim.betas=[0.9,0.98]",
+            "optim.eps=1e-6",
+            "optim.weight_decay=0.01",
+            "optim.schedule=cosine",
+            "optim.warmup_steps=5",
+            "train.steps=100",
+            "optim.min_lr_ratio=0.05",
+            "metrics.tensorboard=false",
+        ],
+    )
     joined = "\n".join(notes)
-    for key in ("wall_clock_breakdown", "offload_optimizer.pin_memory", "tensorboard.output_path",
-                "offload_optimizer: FSDP2's CPU offload moves the parameter shards"):
+    for key in (
+        "wall_clock_breakdown",
+        "offload_optimizer.pin_memory",
+        "tensorboard.output_path",
+        "offload_optimizer: FSDP2's CPU offload moves the parameter shards",
+    ):
         assert key in joined, key
     # fp16 with its loss-scale settings; DeepSpeed's Adam (AdamW by default); WarmupLR and WarmupDecayLR.
-    _same(tmp_path, {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
-                              "hysteresis": 2, "min_loss_scale": 1},
-                     "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 5e-4,
-                                                                  "warmup_num_steps": 20}}},
-          ["precision=fp16-mixed", "precision.loss_scale=0", "precision.initial_scale_power=12",
-           "precision.loss_scale_window=500", "optim.lr=5e-4", "optim.schedule=constant", "optim.warmup_steps=20",
-           "optim.min_lr_ratio=1.0"])
-    _same(tmp_path, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 40, "warmup_num_steps": 4}},
-                     "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
-          ["optim.schedule=linear", "optim.warmup_steps=4", "train.steps=40", "optim.min_lr_ratio=0.0",
-           "parallel.zero_stage=3", "parallel.reshard_after_forward=2"], world_size=4)
-    _same(tmp_path, {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
-          ["parallel.strategy=hybrid_shard", "parallel.shard_size=2"], world_size=4)
+    _same(
+        tmp_path,
+        {
+            "fp16": {
+                "enabled": True,
+                "loss_scale": 0,
+                "initial_scale_power": 12,
+                "loss_scale_window": 500,
+                "hysteresis": 2,
+                "min_loss_scale": 1,
+            },
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 0, "warmup_max_lr": 5e-4, "warmup_num_steps": 20},
+            },
+        },
+        [
+            "precision=fp16-mixed",
+            "precision.loss_scale=0",
+            "precision.initial_scale_power=12",
+            "precision.loss_scale_window=500",
+            "optim.lr=5e-4",
+            "optim.schedule=constant",
+            "optim.warmup_steps=20",
+            "optim.min_lr_ratio=1.0",
+        ],
+    )
+    _same(
+        tmp_path,
+        {
+            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 40, "warmup_num_steps": 4}},
+            "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
+        },
+        [
+            "optim.schedule=linear",
+            "optim.warmup_steps=4",
+            "train.steps=40",
+            "optim.min_lr_ratio=0.0",
+            "parallel.zero_stage=3",
+            "parallel.reshard_after_forward=2",
+        ],
+        world_size=4,
+    )
+    _same(
+        tmp_path,
+        {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+        ["parallel.strategy=hybrid_shard", "parallel.shard_size=2"],
+        world_size=4,
+    )
     # sub_group_size: DeepSpeed's default (1e9, one group for any shard below it) as it is; its 0 (one
     # tensor a sub-group) is 1 here (a group never holds more than one tensor larger than 1 element).
     for value, ours in ((1e9, 1_000_000_000), (0, 1), ("2e6", 2_000_000)):
@@ -96,52 +161,90 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
 
 def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(tmp_path):
     # Two of the three: the third follows (train_batch_size = micro x accumulation x ranks).
-    _same(tmp_path, {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
-          ["train.global_batch_size=12", "train.micro_batch_size=3"])
-    _same(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 4},
-          ["train.global_batch_size=32", "train.micro_batch_size=4"])
+    _same(
+        tmp_path,
+        {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
+        ["train.global_batch_size=12", "train.micro_batch_size=3"],
+    )
+    _same(
+        tmp_path,
+        {"train_batch_size": 32, "gradient_accumulation_steps": 4},
+        ["train.global_batch_size=32", "train.micro_batch_size=4"],
+    )
     _same(tmp_path, {"train_batch_size": 32}, ["train.global_batch_size=32", "train.micro_batch_size=16"])
     # "auto" is ours to decide: the defaults stay, and the key is listed.
-    notes = _same(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                             "gradient_clipping": "auto"}, [])
+    notes = _same(
+        tmp_path,
+        {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"},
+        [],
+    )
     assert sum("=auto: fsdp-zero's value is used" in n for n in notes) == 3
-    with pytest.raises(ValueError, match=r"ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4 x "
-                                         r"gradient_accumulation_steps 2 x 2 ranks = 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4 x "
+        r"gradient_accumulation_steps 2 x 2 ranks = 16",
+    ):
         _read(tmp_path, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
-    with pytest.raises(ValueError, match=r"ds_config train_batch_size=30: does not divide over gradient_accumulation_steps 4"):
+    with pytest.raises(
+        ValueError, match=r"ds_config train_batch_size=30: does not divide over gradient_accumulation_steps 4"
+    ):
         _read(tmp_path, {"train_batch_size": 30, "gradient_accumulation_steps": 4})
 
 
 def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):
     mapped, notes = _read(tmp_path, TUTORIAL)
-    assert mapped == ["train.global_batch_size=32", "train.micro_batch_size=16", "parallel.zero_stage=3",
-                      "optim.step_group_size=1000000000", "precision.mode=fp16-mixed"]
-    assert [n.split("=")[0] for n in notes] == [f"ds_config zero_optimization.{k}" for k in
-                                                ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")]
+    assert mapped == [
+        "train.global_batch_size=32",
+        "train.micro_batch_size=16",
+        "parallel.zero_stage=3",
+        "optim.step_group_size=1000000000",
+        "precision.mode=fp16-mixed",
+    ]
+    assert [n.split("=")[0] for n in notes] == [
+        f"ds_config zero_optimization.{k}" for k in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")
+    ]
     assert all(": no effect; " in n and n.count("\n") == 0 for n in notes)
     stage3 = {k: 1 for k in NO_EFFECT if k.startswith("stage3_")}
     _, notes = _read(tmp_path, {"zero_optimization": {"stage": 3, **stage3}})
     assert len(notes) == len(stage3)
 
 
-@pytest.mark.parametrize("ds, message", [
-    ({"train_batchsize": 8}, "ds_config train_batchsize=8: unknown DeepSpeed key"),
-    ({"zero_optimization": {"stagee": 3}}, "ds_config zero_optimization.stagee=3: unknown DeepSpeed key; keys of "
-                                           "'zero_optimization' read here: zero_optimization.stage"),
-    ({"zero_optimization": {"stage": 4}}, "ds_config zero_optimization.stage=4: valid choices: 0, 1, 2, 3"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-     "ds_config zero_optimization.offload_param.device='nvme': valid choices: cpu, none"),
-    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
-     "ds_config zero_optimization.offload_optimizer.device='cpu': offload needs ZeRO stage 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
-     "ds_config zero_optimization.zero_quantized_weights=True: ZeRO++ quantized weights: not supported"),
-    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "ds_config fp16.enabled=True: fp16 and bf16 are both enabled"),
-    ({"optimizer": {"type": "Lamb"}}, "ds_config optimizer.type='Lamb': valid choices: Adam, AdamW"),
-    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "ds_config optimizer.params.adam_w_mode=False"),
-    ({"scheduler": {"type": "OneCycle"}}, "ds_config scheduler.type='OneCycle': valid choices: WarmupLR"),
-    ({"gradient_clipping": "one"}, "ds_config gradient_clipping='one': expected a number"),
-    ({"communication_data_type": "int8"}, "ds_config communication_data_type='int8': valid choices: fp32"),
-])
+@pytest.mark.parametrize(
+    "ds, message",
+    [
+        ({"train_batchsize": 8}, "ds_config train_batchsize=8: unknown DeepSpeed key"),
+        (
+            {"zero_optimization": {"stagee": 3}},
+            "ds_config zero_optimization.stagee=3: unknown DeepSpeed key; keys of "
+            "'zero_optimization' read here: zero_optimization.stage",
+        ),
+        ({"zero_optimization": {"stage": 4}}, "ds_config zero_optimization.stage=4: valid choices: 0, 1, 2, 3"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+            "ds_config zero_optimization.offload_param.device='nvme': valid choices: cpu, none",
+        ),
+        (
+            {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+            "ds_config zero_optimization.offload_optimizer.device='cpu': offload needs ZeRO stage 2 or 3",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+            "ds_config zero_optimization.zero_quantized_weights=True: ZeRO++ quantized weights: not supported",
+        ),
+        (
+            {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+            "ds_config fp16.enabled=True: fp16 and bf16 are both enabled",
+        ),
+        ({"optimizer": {"type": "Lamb"}}, "ds_config optimizer.type='Lamb': valid choices: Adam, AdamW"),
+        (
+            {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}},
+            "ds_config optimizer.params.adam_w_mode=False",
+        ),
+        ({"scheduler": {"type": "OneCycle"}}, "ds_config scheduler.type='OneCycle': valid choices: WarmupLR"),
+        ({"gradient_clipping": "one"}, "ds_config gradient_clipping='one': expected a number"),
+        ({"communication_data_type": "int8"}, "ds_config communication_data_type='int8': valid choices: fp32"),
+    ],
+)
 def test_bad_deepspeed_configs_are_errors_naming_the_key(tmp_path, ds, message):
     with pytest.raises(ValueError) as e:
         _read(tmp_path, ds)
@@ -150,35 +253,57 @@ def test_bad_deepspeed_configs_are_errors_naming_the_key(tmp_path, ds, message):
 
 # A value of the wrong kind: (the JSON with @ where the value goes, the value as written, the key, what the
 # message says is valid). Python's json reads NaN and Infinity, and 1e400 as inf.
-WRONG_KIND = [
-    ('{"train_batch_size": @}', value, "train_batch_size", "expected an integer >= 1")
-    for value in ("NaN", "1e400", "-1", "0", "2.5", "true", '"32"', '"abc"', "[32]")
-] + [
-    ('{"gradient_clipping": @}', value, "gradient_clipping", "expected a number >= 0")
-    for value in ("NaN", "-Infinity", "1e400", "-1", "true", '"1.0"', '"abc"')
-] + [
-    ('{"zero_optimization": {"stage": @}}', value, "zero_optimization.stage", "valid choices: 0, 1, 2, 3")
-    for value in ("NaN", "1e400", "-1", "2.5", "true", '"abc"', '"4"')
-] + [
-    ('{"fp16": {"enabled": true, "initial_scale_power": @}}', value, "fp16.initial_scale_power",
-     "expected an integer >= 0") for value in ("NaN", "1e400", "-1", "12.5", "true", '"abc"', '"nan"')
-] + [
-    ('{"zero_optimization": {"sub_group_size": @}}', value, "zero_optimization.sub_group_size",
-     "expected an integer >= 0") for value in ("-1", "2.5", "true", '"abc"')
-] + [
-    ('{"optimizer": {"params": {"lr": @}}}', value, "optimizer.params.lr", "expected a number >= 0")
-    for value in ("NaN", "1e400", "-1", "true", '"1e-4"', '"abc"')
-] + [
-    ('{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": @}}}', value,
-     "scheduler.params.warmup_num_steps", "expected an integer >= 0") for value in ("1e400", "-1", "2.5", '"5"')
-] + [
-    ('{"optimizer": {"params": {"betas": @}}}', value, "optimizer.params.betas", "expected two numbers")
-    for value in ("[NaN, 0.9]", "[0.9, 1e400]", "[true, 0.9]", '["0.9", 0.99]', "0.9")
-] + [
-    ('{"fp16": {"enabled": @}}', value, "fp16.enabled", "expected true or false") for value in ("2", '"abc"', "[]")
-] + [
-    ('{"scheduler": {"type": @}}', value, "scheduler.type", "valid choices: WarmupLR") for value in ("[1]", "3")
-]
+WRONG_KIND = (
+    [
+        ('{"train_batch_size": @}', value, "train_batch_size", "expected an integer >= 1")
+        for value in ("NaN", "1e400", "-1", "0", "2.5", "true", '"32"', '"abc"', "[32]")
+    ]
+    + [
+        ('{"gradient_clipping": @}', value, "gradient_clipping", "expected a number >= 0")
+        for value in ("NaN", "-Infinity", "1e400", "-1", "true", '"1.0"', '"abc"')
+    ]
+    + [
+        ('{"zero_optimization": {"stage": @}}', value, "zero_optimization.stage", "valid choices: 0, 1, 2, 3")
+        for value in ("NaN", "1e400", "-1", "2.5", "true", '"abc"', '"4"')
+    ]
+    + [
+        (
+            '{"fp16": {"enabled": true, "initial_scale_power": @}}',
+            value,
+            "fp16.initial_scale_power",
+            "expected an integer >= 0",
+        )
+        for value in ("NaN", "1e400", "-1", "12.5", "true", '"abc"', '"nan"')
+    ]
+    + [
+        (
+            '{"zero_optimization": {"sub_group_size": @}}',
+            value,
+            "zero_optimization.sub_group_size",
+            "expected an integer >= 0",
+        )
+        for value in ("-1", "2.5", "true", '"abc"')
+    ]
+    + [
+        ('{"optimizer": {"params": {"lr": @}}}', value, "optimizer.params.lr", "expected a number >= 0")
+        for value in ("NaN", "1e400", "-1", "true", '"1e-4"', '"abc"')
+    ]
+    + [
+        (
+            '{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": @}}}',
+            value,
+            "scheduler.params.warmup_num_steps",
+            "expected an integer >= 0",
+        )
+        for value in ("1e400", "-1", "2.5", '"5"')
+    ]
+    + [
+        ('{"optimizer": {"params": {"betas": @}}}', value, "optimizer.params.betas", "expected two numbers")
+        for value in ("[NaN, 0.9]", "[0.9, 1e400]", "[true, 0.9]", '["0.9", 0.99]', "0.9")
+    ]
+    + [('{"fp16": {"enabled": @}}', value, "fp16.enabled", "expected true or false") for value in ("2", '"abc"', "[]")]
+    + [('{"scheduler": {"type": @}}', value, "scheduler.type", "valid choices: WarmupLR") for value in ("[1]", "3")]
+)
 
 
 @pytest.mark.parametrize("text, value, key, valid", WRONG_KIND)
@@ -194,11 +319,23 @@ def test_values_of_the_wrong_kind_are_one_line_errors_naming_the_key(tmp_path, t
 def test_numbers_as_strings_are_read_where_deepspeed_reads_them(tmp_path):
     """DeepSpeed's pydantic sections (zero_optimization, fp16, bf16, tensorboard) read "3" as 3 and
     "true" as true; "auto" still leaves the value to us."""
-    _same(tmp_path, {"zero_optimization": {"stage": "3", "zero_hpz_partition_size": "2", "mics_shard_size": "-1"},
-                     "fp16": {"enabled": "true", "loss_scale": "128", "initial_scale_power": "12.0"},
-                     "tensorboard": {"enabled": "false"}},
-          ["parallel.zero_stage=3", "parallel.reshard_after_forward=2", "precision=fp16-mixed",
-           "precision.loss_scale=128", "precision.initial_scale_power=12", "metrics.tensorboard=false"], world_size=4)
+    _same(
+        tmp_path,
+        {
+            "zero_optimization": {"stage": "3", "zero_hpz_partition_size": "2", "mics_shard_size": "-1"},
+            "fp16": {"enabled": "true", "loss_scale": "128", "initial_scale_power": "12.0"},
+            "tensorboard": {"enabled": "false"},
+        },
+        [
+            "parallel.zero_stage=3",
+            "parallel.reshard_after_forward=2",
+            "precision=fp16-mixed",
+            "precision.loss_scale=128",
+            "precision.initial_scale_power=12",
+            "metrics.tensorboard=false",
+        ],
+        world_size=4,
+    )
     mapped, _ = _read(tmp_path, {"zero_optimization": {"stage": "3"}, "bf16": {"enabled": "off"}})
     assert mapped == ["parallel.zero_stage=3"]
     mapped, notes = _read(tmp_path, {"zero_optimization": {"stage": "auto"}, "fp16": {"enabled": "auto"}})
@@ -232,16 +369,32 @@ def test_every_key_of_ours_in_the_rows_is_a_field_of_the_schema():
 def test_the_overrides_set_only_the_keys_their_rows_name(tmp_path):
     """What read_deepspeed writes comes from the rows: no key of ours is spelled outside the table."""
     named = {key for rule in MAPPED for key in rule.targets}
-    configs = [TUTORIAL, {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1, "steps_per_print": 3,
-                          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                                "zero_hpz_partition_size": 2, "mics_shard_size": 2},
-                          "bf16": {"enabled": True}, "communication_data_type": "bf16",
-                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                                    "weight_decay": 0.1}},
-                          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 9,
-                                                                           "warmup_max_lr": 1e-3}},
-                          "tensorboard": {"enabled": True}},
-               {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 10}}]
+    configs = [
+        TUTORIAL,
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 1,
+            "steps_per_print": 3,
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "cpu"},
+                "zero_hpz_partition_size": 2,
+                "mics_shard_size": 2,
+            },
+            "bf16": {"enabled": True},
+            "communication_data_type": "bf16",
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+            },
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {"warmup_num_steps": 2, "total_num_steps": 9, "warmup_max_lr": 1e-3},
+            },
+            "tensorboard": {"enabled": True},
+        },
+        {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 10}},
+    ]
     seen = set()
     for ds in configs:
         mapped, _ = _read(tmp_path, ds)
@@ -260,17 +413,37 @@ def test_the_zero3_tutorial_config_runs_unchanged(tmp_path):
     scripts/train.py --deepspeed` runs it at world size 1 ("auto" micro-batch: the whole batch of 32)."""
     ds = tmp_path / "ds_config.json"
     ds.write_text(json.dumps(TUTORIAL))
-    proc = check(launch(0, TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", "data.seq_len=32", "train.steps=2",
-                        "train.log_every=1", f"run.root={tmp_path}", "run.name=ds", "memory.profile_step=0"))
+    proc = check(
+        launch(
+            0,
+            TRAIN,
+            "--deepspeed",
+            str(ds),
+            "model.preset=gpt_nano",
+            "data.seq_len=32",
+            "train.steps=2",
+            "train.log_every=1",
+            f"run.root={tmp_path}",
+            "run.name=ds",
+            "memory.profile_step=0",
+        )
+    )
     out = proc.stdout + proc.stderr
     assert "ds_config zero_optimization.overlap_comm=true: no effect" in out
     assert "precision fp16-mixed: stored weights fp32" in out and "loss_scale 65536" in out
     assert "global batch 32 samples = micro-batch 32 x grad-accum 1 x data-parallel ranks 1" in out
     saved = yaml.safe_load((tmp_path / "ds" / "config.yaml").read_text())
     assert saved["precision"]["mode"] == "fp16-mixed" and saved["parallel"]["strategy"] == "full_shard"
-    assert (saved["train"]["global_batch_size"], saved["train"]["micro_batch_size"], saved["train"]["steps"]) == (32, 32, 2)
+    assert (saved["train"]["global_batch_size"], saved["train"]["micro_batch_size"], saved["train"]["steps"]) == (
+        32,
+        32,
+        2,
+    )
     # A contradiction with the world size fails before anything is written.
     ds.write_text(json.dumps(TUTORIAL | {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
     bad = run_script(TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=bad")
-    assert bad.returncode == 2 and "error: ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4" in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "error: ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4" in bad.stderr
+    )
     assert not (tmp_path / "bad").exists()

@@ -60,12 +60,17 @@ def test_the_architecture_tables_name_every_module_under_its_subpackage():
             heading = m.group(1) if (m := re.match(r"### `fsdp_zero/(\w+)/`", line)) else ""  # "": the root
         elif (m := re.match(r"\| `(fsdp_zero/[^`]*)` \|", line)) and heading is not None:
             cell = m.group(1)
-            assert re.fullmatch(r"fsdp_zero/(\w+/)?\w+\.py", cell), f"docs/architecture.md: one module per row, not {cell}"
+            assert re.fullmatch(r"fsdp_zero/(\w+/)?\w+\.py", cell), (
+                f"docs/architecture.md: one module per row, not {cell}"
+            )
             named.add(cell)
             if cell.count("/") != (2 if heading else 1) or (heading and not cell.startswith(f"fsdp_zero/{heading}/")):
                 misplaced.append(cell)
-    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "fsdp_zero").rglob("*.py")
-               if p.name != "__init__.py" or p.parent.name == "fsdp_zero"}
+    modules = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "fsdp_zero").rglob("*.py")
+        if p.name != "__init__.py" or p.parent.name == "fsdp_zero"
+    }
     assert not modules - named, f"docs/architecture.md: add a row for {sorted(modules - named)}"
     assert not named - modules, f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"
     assert misplaced == [], "docs/architecture.md: rows under another subpackage's heading"
@@ -88,8 +93,10 @@ def test_every_relative_link_resolves(page):
         assert resolved.exists(), f"{page.relative_to(REPO)}: link {target!r}: no such file"
         if anchor:
             assert resolved.suffix == ".md", f"{page.relative_to(REPO)}: link {target!r}: an anchor into a non-page"
-            assert anchor in _anchors(resolved), (f"{page.relative_to(REPO)}: link {target!r}: no such heading; "
-                                                  f"{resolved.name} has {sorted(_anchors(resolved))}")
+            assert anchor in _anchors(resolved), (
+                f"{page.relative_to(REPO)}: link {target!r}: no such heading; "
+                f"{resolved.name} has {sorted(_anchors(resolved))}"
+            )
 
 
 def test_the_generated_blocks_are_current():
@@ -129,8 +136,12 @@ class _Section:
 
 def test_field_comments_come_from_the_source_beside_each_field():
     comments = _docs_script().source_comments(_Section)
-    assert comments == {"first": "Above, on two lines of comment. and beside it", "second": "", "third": "",
-                        "fourth": "a field after the method"}
+    assert comments == {
+        "first": "Above, on two lines of comment. and beside it",
+        "second": "",
+        "third": "",
+        "fourth": "a field after the method",
+    }
     assert "inside a method" not in str(comments)
 
 

@@ -27,8 +27,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.training.evaluate import FolderImages, build_evaluator, rank_batches
 from fsdp_zero.model.transformer import args_from_config
+from fsdp_zero.training.evaluate import FolderImages, build_evaluator, rank_batches
 from tests.batches import BASE, EVAL_TOKENS
 from tests.conftest import TRAIN, build_model, figure, run_script
 
@@ -47,7 +47,7 @@ def single_process_eval_loss(final: dict[str, torch.Tensor], val: Path) -> float
     total, count = 0.0, 0
     with torch.no_grad():
         for k in range((len(tokens) - 1) // SEQ_LEN):
-            window = tokens[k * SEQ_LEN:k * SEQ_LEN + SEQ_LEN + 1]
+            window = tokens[k * SEQ_LEN : k * SEQ_LEN + SEQ_LEN + 1]
             logits = model(window[None, :-1])[0].double()
             total += F.cross_entropy(logits, window[1:], reduction="sum").item()
             count += SEQ_LEN
@@ -120,8 +120,10 @@ def test_evaluation_does_not_raise_the_peak_memory(batches):
     import json
 
     (off_peak, _), (on_peak, eval_peak) = batches["n2"]["peak_mib"][0], batches["eval"]["peak_mib"][0]
-    figure("peak RSS rank 0, gpt_nano at 2 ranks (MiB)",
-           f"without eval {off_peak:.1f}, with eval {on_peak:.1f}, through each evaluation {eval_peak:.1f}")
+    figure(
+        "peak RSS rank 0, gpt_nano at 2 ranks (MiB)",
+        f"without eval {off_peak:.1f}, with eval {on_peak:.1f}, through each evaluation {eval_peak:.1f}",
+    )
     rows = [json.loads(line) for line in (batches.path("eval") / "metrics.jsonl").read_text().splitlines()]
     # Intervals of training alone: not the profiled step 2, nor 4 and 7 (they hold the evaluations after 3 and 6).
     training = [r["peak_mem_mib_per_rank"] for r in rows if r["step"] in (1, 3, 5, 6, 8) and "loss" in r]
@@ -137,15 +139,22 @@ def test_evaluation_does_not_raise_the_peak_memory(batches):
         (["eval.every=5"], "eval.every=5 needs eval.path: a token file (.bin or .npy)"),
         (["eval.every=5", "eval.path=NOPE"], "no such file or folder"),
         (["eval.every=5", "eval.path=DIR"], "model.task=causal_lm evaluates a token file (.bin or .npy)"),
-        (["eval.every=5", "eval.path=DIR", "model.task=custom", "model.loss=tests.user_model:overflow_on_rank1"],
-         "model.task=custom cannot be evaluated"),
+        (
+            ["eval.every=5", "eval.path=DIR", "model.task=custom", "model.loss=tests.user_model:overflow_on_rank1"],
+            "model.task=custom cannot be evaluated",
+        ),
         (["eval.every=5", "eval.path=BIG"], "eval.path='BIG' holds token id 300, but the model's vocabulary has 256"),
         (["eval.every=5", "eval.path=SHORT"], "eval.path='SHORT' holds 20 tokens, fewer than data.seq_len + 1 = 33"),
     ],
 )
 def test_bad_eval_settings_exit_2_with_one_line_and_write_nothing(tmp_path: Path, args, message):
-    files = {"VAL": tmp_path / "val.bin", "NOPE": tmp_path / "nope.bin", "DIR": tmp_path,
-             "BIG": tmp_path / "big.bin", "SHORT": tmp_path / "short.bin"}
+    files = {
+        "VAL": tmp_path / "val.bin",
+        "NOPE": tmp_path / "nope.bin",
+        "DIR": tmp_path,
+        "BIG": tmp_path / "big.bin",
+        "SHORT": tmp_path / "short.bin",
+    }
     np.arange(100, dtype=np.uint16).tofile(files["VAL"])
     np.full(100, 300, dtype=np.uint16).tofile(files["BIG"])
     np.arange(20, dtype=np.uint16).tofile(files["SHORT"])
@@ -159,7 +168,9 @@ def test_bad_eval_settings_exit_2_with_one_line_and_write_nothing(tmp_path: Path
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize("num_items,world_size,micro", [(5, 2, 2), (5, 2, 1), (1, 4, 2), (7, 3, 2), (8, 4, 4), (3, 1, 2)])
+@pytest.mark.parametrize(
+    "num_items,world_size,micro", [(5, 2, 2), (5, 2, 1), (1, 4, 2), (7, 3, 2), (8, 4, 4), (3, 1, 2)]
+)
 def test_every_item_is_evaluated_once_and_every_rank_forwards_as_often(num_items, world_size, micro):
     shares = [rank_batches(num_items, world_size, rank, micro) for rank in range(world_size)]
     assert len({len(share) for share in shares}) == 1  # the same number of forwards (all-gathers) on every rank
@@ -182,9 +193,18 @@ def _image_folder(root: Path, classes: tuple[str, ...] = ("ant", "bee", "cat"), 
 
 def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing_random_numbers(tmp_path: Path):
     folder = _image_folder(tmp_path / "val")
-    cfg = load_config(None, ["model.task=classification", "data.source=fake_images", "data.image_size=8",
-                             "eval.every=1", f"eval.path={folder}", "train.global_batch_size=4",
-                             "train.micro_batch_size=2"])
+    cfg = load_config(
+        None,
+        [
+            "model.task=classification",
+            "data.source=fake_images",
+            "data.image_size=8",
+            "eval.every=1",
+            f"eval.path={folder}",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+        ],
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(3 * 8 * 8, 3))
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
@@ -200,8 +220,9 @@ def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing
     model.eval()
     with torch.no_grad():
         logits = model(images).double()
-    assert result.items == 6 and result.scalars["eval/loss"] == pytest.approx(F.cross_entropy(logits, labels).item(),
-                                                                              abs=1e-6)
+    assert result.items == 6 and result.scalars["eval/loss"] == pytest.approx(
+        F.cross_entropy(logits, labels).item(), abs=1e-6
+    )
     assert result.scalars["eval/accuracy"] == (logits.argmax(-1) == labels).double().mean().item()
 
     cfg.eval.max_batches = 1  # one global batch of 4: the same 4 images at any world size
@@ -213,18 +234,27 @@ def test_a_token_file_is_read_as_its_meta_json_says_in_file_order(tmp_path: Path
     tokens = np.random.default_rng(1).integers(0, 256, 3 * SEQ_LEN + 7).astype(np.uint32)
     tokens.tofile(tmp_path / "val.bin")
     (tmp_path / "meta.json").write_text('{"dtype": "uint32", "vocab_size": 256}')
-    cfg = load_config(None, ["model.preset=gpt_nano", f"data.seq_len={SEQ_LEN}", "eval.every=2",
-                             f"eval.path={tmp_path / 'val.bin'}", "train.global_batch_size=4", "train.micro_batch_size=2"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=gpt_nano",
+            f"data.seq_len={SEQ_LEN}",
+            "eval.every=2",
+            f"eval.path={tmp_path / 'val.bin'}",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+        ],
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256))
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     evaluator = build_evaluator(cfg, env, model, None)
     assert evaluator.num_items == 3 and evaluator.batches == [[0, 1], [2]]
     inputs, targets = evaluator.items.batch([2])
-    assert inputs[0].tolist() == tokens[2 * SEQ_LEN:3 * SEQ_LEN].tolist()
-    assert targets[0].tolist() == tokens[2 * SEQ_LEN + 1:3 * SEQ_LEN + 1].tolist()
+    assert inputs[0].tolist() == tokens[2 * SEQ_LEN : 3 * SEQ_LEN].tolist()
+    assert targets[0].tolist() == tokens[2 * SEQ_LEN + 1 : 3 * SEQ_LEN + 1].tolist()
     result = evaluator.run(model)
-    windows = torch.from_numpy(tokens[:3 * SEQ_LEN + 1].astype(np.int64))
+    windows = torch.from_numpy(tokens[: 3 * SEQ_LEN + 1].astype(np.int64))
     with torch.no_grad():
         expected = F.cross_entropy(model(windows[:-1]).double(), windows[1:]).item()  # the windows join end to end
     assert result.count == 3 * SEQ_LEN and result.scalars["eval/loss"] == pytest.approx(expected, abs=1e-6)
@@ -241,12 +271,20 @@ def test_image_folders_the_model_cannot_be_evaluated_on_are_refused_and_an_unuse
     other = _image_folder(tmp_path / "other", ("ant", "bee", "dog"))
     more = _image_folder(tmp_path / "more", ("ant", "bee", "cat", "dog"))
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    base = ["model.task=classification", "data.image_size=8", "eval.every=1", "train.global_batch_size=4",
-            "train.micro_batch_size=2"]
+    base = [
+        "model.task=classification",
+        "data.image_size=8",
+        "eval.every=1",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+    ]
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 3))
     images = load_config(None, [*base, "data.source=images", f"data.path={train}", f"eval.path={other}"])
-    with pytest.raises(ValueError, match=r"eval.path='.*other' has classes \['ant', 'bee', 'dog'\], but data.path has "
-                                         r"\['ant', 'bee', 'cat'\]; give both the same class folders"):
+    with pytest.raises(
+        ValueError,
+        match=r"eval.path='.*other' has classes \['ant', 'bee', 'dog'\], but data.path has "
+        r"\['ant', 'bee', 'cat'\]; give both the same class folders",
+    ):
         build_evaluator(images, env, model, FolderImages(str(train), 8))
     fake = load_config(None, [*base, "data.source=fake_images", f"eval.path={more}"])
     with pytest.raises(ValueError, match=r"eval.path='.*more' has 4 classes but the model's last layer has 3 outputs"):
@@ -273,8 +311,18 @@ def test_evaluation_time_is_left_out_of_the_throughput(tmp_path: Path, monkeypat
     with fz.distributed(device="cpu", backend="gloo") as env:
         model = torch.nn.Linear(4, 4)
         optimizer = torch.optim.AdamW(model.parameters())
-        log = StepLogger(env, tmp_path, model, optimizer, log_every=1, last_step=2, profile_step=0,
-                         items_per_rank_step=1000, unit="tokens", tensorboard=False)
+        log = StepLogger(
+            env,
+            tmp_path,
+            model,
+            optimizer,
+            log_every=1,
+            last_step=2,
+            profile_step=0,
+            items_per_rank_step=1000,
+            unit="tokens",
+            tensorboard=False,
+        )
         zero = torch.zeros(())
         log.step(1, zero, zero, 1e-3, {})
         time.sleep(0.5)  # the evaluation

@@ -31,8 +31,17 @@ TRAIN = "torchrun --nproc_per_node=2 scripts/train.py --config configs/finetune.
 EXPORT = "python scripts/export.py runs/finetune/checkpoints/step-0000008 --out models/finetuned"
 # configs/finetune.yaml sized down for the tiny model (the docs show the same run); its precision as shipped,
 # bf16-mixed (gathered and computed in bf16, stored and reduced in fp32).
-TINY = ("data.seq_len=32", "train.steps=8", "train.global_batch_size=4", "train.micro_batch_size=1",
-        "train.log_every=2", "eval.every=4", "checkpoint.every=4", "optim.lr=1e-3", "optim.warmup_steps=2")
+TINY = (
+    "data.seq_len=32",
+    "train.steps=8",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.log_every=2",
+    "eval.every=4",
+    "checkpoint.every=4",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=2",
+)
 # from_pretrained's fp32 validation loss against the run's bf16-mixed eval/loss: the same fp32 weights, the
 # run's forward in bf16 (8 bits of mantissa: each logit off by about 2^-9 of its size, ~1e-2 on a token's loss,
 # averaged over the 160 tokens to ~1e-3; measured 7.8e-5).
@@ -59,7 +68,7 @@ def _val_loss(folder: Path, tokens: np.ndarray, seq_len: int) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     t = torch.from_numpy(tokens.astype(np.int64))
-    windows = torch.stack([t[k * seq_len: k * seq_len + seq_len + 1] for k in range((len(t) - 1) // seq_len)])
+    windows = torch.stack([t[k * seq_len : k * seq_len + seq_len + 1] for k in range((len(t) - 1) // seq_len)])
     with torch.no_grad():
         logits = model(windows[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
@@ -79,7 +88,8 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mon
     for i, text in enumerate(docs):
         (tmp_path / "texts" / f"doc{i:02d}.txt").write_text(text)
     (tmp_path / "texts" / "more.jsonl").write_text(
-        "".join(json.dumps({"text": sample_text(rng, 80)}) + "\n" for _ in range(28)))
+        "".join(json.dumps({"text": sample_text(rng, 80)}) + "\n" for _ in range(28))
+    )
 
     monkeypatch.chdir(tmp_path)
     check(run_script(REPO / "scripts" / "prepare_data.py", *_args(PREPARE), cwd=tmp_path))
@@ -89,17 +99,23 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mon
 
     meta = json.loads(Path("data/mine/meta.json").read_text())
     val = np.fromfile("data/mine/val.bin", dtype=meta["dtype"])
-    logged = [row for row in map(json.loads, Path("runs/finetune/metrics.jsonl").read_text().splitlines())
-              if "eval/loss" in row]
+    logged = [
+        row
+        for row in map(json.loads, Path("runs/finetune/metrics.jsonl").read_text().splitlines())
+        if "eval/loss" in row
+    ]
     assert [row["step"] for row in logged] == [4, 8]
     assert yaml_precision() == "bf16-mixed" and "precision" not in " ".join(TINY)  # the config as shipped
     assert json.loads(Path("runs/finetune/summary.json").read_text())["precision"] == "bf16-mixed"
     ours = _val_loss(Path("models/finetuned"), val, 32)
     assert ours == pytest.approx(logged[-1]["eval/loss"], abs=BF16_LOSS_ATOL)
-    figure("fine-tuning walkthrough: from_pretrained's validation loss vs the run's last eval/loss",
-           f"{abs(ours - logged[-1]['eval/loss']):.1e} ({ours:.6f})")
+    figure(
+        "fine-tuning walkthrough: from_pretrained's validation loss vs the run's last eval/loss",
+        f"{abs(ours - logged[-1]['eval/loss']):.1e} ({ours:.6f})",
+    )
     tokenizer = AutoTokenizer.from_pretrained("models/finetuned")
     train = np.fromfile("data/mine/train.bin", dtype=meta["dtype"])
     first = train[: int(np.argmax(train == meta["eos_id"]))]
     assert tokenizer.decode(first, skip_special_tokens=True) in docs + [
-        json.loads(line)["text"] for line in Path("texts/more.jsonl").read_text().splitlines()]
+        json.loads(line)["text"] for line in Path("texts/more.jsonl").read_text().splitlines()
+    ]

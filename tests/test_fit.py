@@ -12,16 +12,16 @@ import re
 
 import pytest
 
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.presets import model_args
 from fsdp_zero.config.schema import ActivationCheckpointing, ParallelConfig, PrecisionConfig
 from fsdp_zero.config.strategies import GradSync
-from fsdp_zero.config.loader import load_config
-from fsdp_zero.tools.fit import DIMENSIONS, Candidate, candidates, search
-from fsdp_zero.tools.rates import Rates
-from fsdp_zero.config.presets import model_args
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.tools.fit import DIMENSIONS, Candidate, candidates, search
+from fsdp_zero.tools.planner import Simulator
+from fsdp_zero.tools.rates import Rates
 from tests.conftest import REPO, figure, run_script
 
 MIB = 2**20
@@ -67,25 +67,36 @@ def test_the_search_varies_what_it_is_asked_to_and_ranks_by_cost(found):
     assert result.simulations < len(cands)
 
 
-@pytest.mark.parametrize("key", [(ActivationCheckpointing.full, 1, GradSync.once_per_step),  # its own state
-                                 (ActivationCheckpointing.none, 4, GradSync.every_micro_batch),  # extrapolated
-                                 (ActivationCheckpointing.selective, 8, GradSync.every_micro_batch)])  # no accumulation
+@pytest.mark.parametrize(
+    "key",
+    [
+        (ActivationCheckpointing.full, 1, GradSync.once_per_step),  # its own state
+        (ActivationCheckpointing.none, 4, GradSync.every_micro_batch),  # extrapolated
+        (ActivationCheckpointing.selective, 8, GradSync.every_micro_batch),
+    ],
+)  # no accumulation
 def test_composed_peaks_match_the_candidate_simulated_alone(found, key):
     cfg, result = found
-    composed = next(s for s in result.scored if (s.candidate.checkpointing, s.candidate.micro_batch,
-                                                 s.candidate.grad_sync) == key)
+    composed = next(
+        s for s in result.scored if (s.candidate.checkpointing, s.candidate.micro_batch, s.candidate.grad_sync) == key
+    )
     with Simulator(cfg, 2, accum_cap=2, baseline=0) as sim:
         alone = sim.predict(composed.candidate.config(cfg)).peak
-    figure(f"fit: composed peak / simulated alone, {' '.join(composed.candidate.overrides()[2:])}",
-           f"{composed.peak / alone:.4f} ({composed.peak / MIB:.1f} / {alone / MIB:.1f} MiB)")
+    figure(
+        f"fit: composed peak / simulated alone, {' '.join(composed.candidate.overrides()[2:])}",
+        f"{composed.peak / alone:.4f} ({composed.peak / MIB:.1f} / {alone / MIB:.1f} MiB)",
+    )
     assert composed.peak == pytest.approx(alone, rel=COMPOSED_TOLERANCE)
 
 
 def test_a_budget_nothing_fits_names_the_smallest_candidate_and_by_how_much(found):
     cfg, result = found
     smallest = min(result.scored, key=lambda s: s.peak)
-    with pytest.raises(ValueError, match=r"--fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard "
-                                         r".*needs [\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"--fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard "
+        r".*needs [\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)",
+    ) as e:
         result.fit(MIB)
     assert " ".join(smallest.candidate.overrides()) in str(e.value)
 
@@ -107,7 +118,9 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
         assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS)
         pasted = load_config(None, NANO + c.overrides())  # what a user pastes selects the candidate
         assert pasted == c.config(cfg)
-    with pytest.raises(ValueError, match=r"--search=strategy,ac: 'ac' is not a valid choice; valid choices: strategy, "):
+    with pytest.raises(
+        ValueError, match=r"--search=strategy,ac: 'ac' is not a valid choice; valid choices: strategy, "
+    ):
         candidates(cfg, 2, ("strategy", "ac"))
 
 
@@ -115,21 +128,30 @@ def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
     plan = REPO / "scripts" / "plan.py"
     proc = run_script(plan, "--world-size", "2", "--fit", "1MiB", "--search", "strategy", "--tflops", "1", *NANO)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert re.fullmatch(r"error: --fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard .* needs "
-                        r"[\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)\n", proc.stderr), proc.stderr
-    for args, message in ((["--search", "strategy,ac"], "--search=strategy,ac: 'ac' is not a valid choice"),
-                          (["--margin", "1.5"], "--margin=1.5: a fraction of the predicted peak, in [0, 1)"),
-                          (["--link-gbps", "0"], "--link-gbps=0: must be > 0")):
+    assert re.fullmatch(
+        r"error: --fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard .* needs "
+        r"[\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)\n",
+        proc.stderr,
+    ), proc.stderr
+    for args, message in (
+        (["--search", "strategy,ac"], "--search=strategy,ac: 'ac' is not a valid choice"),
+        (["--margin", "1.5"], "--margin=1.5: a fraction of the predicted peak, in [0, 1)"),
+        (["--link-gbps", "0"], "--link-gbps=0: must be > 0"),
+    ):
         proc = run_script(plan, "--world-size", "2", "--fit", "1GiB", *args, *NANO)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
         assert proc.stderr.count("\n") == 1
-    for args, message in ((["--search", "strategy"], "--search=strategy: it applies to --fit; add --fit MEMORY"),
-                          (["--show", "3"], "--show=3: it applies to --fit")):
+    for args, message in (
+        (["--search", "strategy"], "--search=strategy: it applies to --fit; add --fit MEMORY"),
+        (["--show", "3"], "--show=3: it applies to --fit"),
+    ):
         proc = run_script(plan, "--world-size", "2", *args, *NANO)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    for args, message in ((["--fit", "0"], "--fit=0: a memory per rank > 0"),
-                          (["--fit", "1.2.3GB"], "--fit '1.2.3GB': expected a size such as 2GB"),
-                          (["--fit", "1GiB", "--show", "0"], "--show=0: how many fitting candidates to print, >= 1")):
+    for args, message in (
+        (["--fit", "0"], "--fit=0: a memory per rank > 0"),
+        (["--fit", "1.2.3GB"], "--fit '1.2.3GB': expected a size such as 2GB"),
+        (["--fit", "1GiB", "--show", "0"], "--show=0: how many fitting candidates to print, >= 1"),
+    ):
         proc = run_script(plan, "--world-size", "2", *args, *NANO)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
@@ -156,7 +178,9 @@ def test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_
             assert by[half, offload].parts["compute_s"] * 15 == pytest.approx(fp32, rel=1e-12), (half, offload)
     for mode, stored in (("fp32", 4), ("bf16-mixed", 4), ("bf16-true", 2)):
         plain, offloaded = by[mode, False], by[mode, True]
-        state = model_state_formula(Topology.of(ParallelConfig(), 2), params, resolve(PrecisionConfig(mode=mode)).bytes_per_param)
+        state = model_state_formula(
+            Topology.of(ParallelConfig(), 2), params, resolve(PrecisionConfig(mode=mode)).bytes_per_param
+        )
         assert plain.peak - offloaded.peak == pytest.approx(state * 1.10, rel=2e-3), mode
         assert plain.parts["offload_s"] == 0
         assert offloaded.parts["offload_s"] == pytest.approx((4 + 2) * params / 2 * stored * 8 / 200e9, rel=1e-9), mode
@@ -169,9 +193,11 @@ def test_equal_costs_go_to_the_smaller_peak():
     free = Rates(tflops=float("inf"), link_gbps=float("inf"), fp32_speed=1.0)
     result = search(cfg, 2, free, ("checkpointing",), processes=0, baseline=0)
     assert {s.cost for s in result.scored} == {0.0} and len(result.scored) == 3
-    assert [s.candidate.checkpointing for s in result.scored] == [ActivationCheckpointing.full,
-                                                                  ActivationCheckpointing.selective,
-                                                                  ActivationCheckpointing.none]
+    assert [s.candidate.checkpointing for s in result.scored] == [
+        ActivationCheckpointing.full,
+        ActivationCheckpointing.selective,
+        ActivationCheckpointing.none,
+    ]
     assert [s.peak for s in result.scored] == sorted(s.peak for s in result.scored)
 
 
@@ -180,16 +206,25 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
     rank's 8 samples forward and backward in the compute dtype (outside the 2 blocks, each block, each
     checkpointed block's forward again), each byte at its collective's measured rate, and AdamW over the
     parameters the rank steps."""
-    from fsdp_zero.model.construct import construct
     from fsdp_zero.config.strategies import Strategy
+    from fsdp_zero.model.construct import construct
+    from fsdp_zero.sharding.wrap import build_wrap_plan
     from fsdp_zero.tools.fit import step_cost
     from fsdp_zero.tools.rates import Measured
-    from fsdp_zero.sharding.wrap import build_wrap_plan
 
     cfg = load_config(None, NANO)  # global batch 16 at 2 ranks: 8 samples a rank
-    m = Measured(ranks=2, threads=1, compute={"float32": (0.5, 0.1, 0.03), "bfloat16": (0.2, 0.05, 0.01)}, blocks=2,
-                 gather_s_per_byte=1e-9, reduce_s_per_byte=2e-9, all_reduce_s_per_byte=3e-9, all_gather_s_per_byte=4e-9,
-                 adamw_params_per_s={"float32": 1e8, "bfloat16": 2e8}, seconds=1.0)
+    m = Measured(
+        ranks=2,
+        threads=1,
+        compute={"float32": (0.5, 0.1, 0.03), "bfloat16": (0.2, 0.05, 0.01)},
+        blocks=2,
+        gather_s_per_byte=1e-9,
+        reduce_s_per_byte=2e-9,
+        all_reduce_s_per_byte=3e-9,
+        all_gather_s_per_byte=4e-9,
+        adamw_params_per_s={"float32": 1e8, "bfloat16": 2e8},
+        seconds=1.0,
+    )
     rates = dataclasses.replace(Rates.default("cpu"), measured=m)
     model = construct(cfg.model)
     plan = build_wrap_plan(model, cfg.parallel.wrap, 2)
@@ -197,16 +232,17 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
     every, none, full = GradSync.every_micro_batch, ActivationCheckpointing.none, ActivationCheckpointing.full
     cases = {  # candidate: (compute, comm, optimizer) seconds
         Candidate(Strategy.full_shard, "fp32", full, False, 4, every):  # 2 micro-batches of 4
-            (8 * (0.5 + 2 * 0.1 + 2 * 0.03), 2 * 4 * (2 * p - root) * 1e-9 + 2 * 4 * p * 2e-9, p / 2 / 1e8),
+        (8 * (0.5 + 2 * 0.1 + 2 * 0.03), 2 * 4 * (2 * p - root) * 1e-9 + 2 * 4 * p * 2e-9, p / 2 / 1e8),
         Candidate(Strategy.ddp, "bf16-true", none, False, 8, every):  # bf16 gradients all-reduced once
-            (8 * (0.2 + 2 * 0.05), 2 * p * 3e-9, p / 2e8),
+        (8 * (0.2 + 2 * 0.05), 2 * p * 3e-9, p / 2e8),
         Candidate(Strategy.zero1, "fp32", none, False, 8, every):  # and the updated partitions broadcast
-            (8 * (0.5 + 2 * 0.1), 4 * p * 3e-9 + 4 * p * 4e-9, p / 2 / 1e8),
+        (8 * (0.5 + 2 * 0.1), 4 * p * 3e-9 + 4 * p * 4e-9, p / 2 / 1e8),
     }
     for cand, (compute, comm, optimizer) in cases.items():
         cost, parts = step_cost(cfg, cand, 2, rates, model, plan)
-        assert parts == pytest.approx({"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer,
-                                       "offload_s": 0.0}, rel=1e-9), cand
+        assert parts == pytest.approx(
+            {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0}, rel=1e-9
+        ), cand
         assert cost == pytest.approx(compute + comm + optimizer, rel=1e-12)
 
 
@@ -214,14 +250,26 @@ def test_a_global_batch_the_default_micro_batch_does_not_divide_is_searched():
     """plan.py --fit searches the micro-batch: a config whose own (here the default, 4, never set) does not
     divide the global batch is planned over the divisors of the local batch; not searched, it is refused."""
     plan = REPO / "scripts" / "plan.py"
-    args = ["--world-size", "2", "--fit", "4GiB", "--tflops", "1", "--link-gbps", "100", "model.preset=gpt_nano",
-            "data.seq_len=32", "train.global_batch_size=2"]
+    args = [
+        "--world-size",
+        "2",
+        "--fit",
+        "4GiB",
+        "--tflops",
+        "1",
+        "--link-gbps",
+        "100",
+        "model.preset=gpt_nano",
+        "data.seq_len=32",
+        "train.global_batch_size=2",
+    ]
     proc = run_script(plan, *args, "--search", "micro_batch")
     assert proc.returncode == 0, proc.stderr
     assert "train.micro_batch_size=1 " in proc.stdout.split("pick: ")[1]
     proc = run_script(plan, *args, "--search", "strategy")
     assert proc.returncode == 2 and "train.global_batch_size=2 is not a multiple of train.micro_batch_size=4" in (
-        proc.stderr), proc.stderr
+        proc.stderr
+    ), proc.stderr
 
 
 def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(monkeypatch: pytest.MonkeyPatch):
@@ -229,15 +277,19 @@ def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(monkeypat
     must not train the model in it (minutes), but take fp32's times times the matmul ratio, and say so.
     Here every dtype slower than fp32 by any factor counts as slow (`SLOW_DTYPE` 0), whatever this CPU is."""
     from fsdp_zero.tools import rates
+
     monkeypatch.setattr(rates, "SLOW_DTYPE", 0.0)
-    compute, blocks, notes = rates._compute(load_config(None, ["model.preset=gpt_nano", "data.seq_len=16"]),
-                                            ["bfloat16", "float32"])
+    compute, blocks, notes = rates._compute(
+        load_config(None, ["model.preset=gpt_nano", "data.seq_len=16"]), ["bfloat16", "float32"]
+    )
     assert blocks == 2 and list(compute) == ["bfloat16", "float32"]
     # One block's sample took time (its split into the part outside the blocks and the block's is a difference
     # of two timings, either of which may come out 0 on a loaded machine).
     assert sum(compute["float32"][:2]) > 0
     (note,) = notes
-    ratio = float(re.match(r"bfloat16 matmuls run ([\d.]+)x slower than float32 here: scaled from float32's times",
-                           note).group(1))
+    ratio = float(
+        re.match(r"bfloat16 matmuls run ([\d.]+)x slower than float32 here: scaled from float32's times", note).group(1)
+    )
     assert [b / f for b, f in zip(compute["bfloat16"], compute["float32"]) if f] == pytest.approx(
-        [ratio] * len([f for f in compute["float32"] if f]), rel=0.01)  # (the note rounds the ratio)
+        [ratio] * len([f for f in compute["float32"] if f]), rel=0.01
+    )  # (the note rounds the ratio)

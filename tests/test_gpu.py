@@ -58,7 +58,9 @@ def test_one_rank_on_cuda_trains_like_a_plain_cuda_loop(tmp_path: Path):
         assert got["losses"][step] == pytest.approx(loss, abs=CUDA_LOSS_ATOL), step
     for key, value in ref["final"].items():
         torch.testing.assert_close(got["final"][key], value, atol=CUDA_WEIGHT_ATOL, rtol=0, msg=key)
-    figure("CUDA parity at N=1", f"losses within {max(abs(got['losses'][s] - l) for s, l in ref['losses'].items()):.1e}")
+    figure(
+        "CUDA parity at N=1", f"losses within {max(abs(got['losses'][s] - l) for s, l in ref['losses'].items()):.1e}"
+    )
 
 
 @pytest.mark.skipif(visible_gpus() < 2, reason="needs 2 GPUs")
@@ -66,8 +68,19 @@ def test_two_ranks_on_cuda_train_like_a_plain_cuda_loop(tmp_path: Path):
     """N = 2 over NCCL: FSDP2's own reduce-scatter (gloo runs use fsdp_zero's AllReduceScatter) against one
     CUDA process on the whole batch."""
     out = tmp_path / "n2.pt"
-    check(launch(2, WORKER, str(out), *BASE, "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=n2",
-                 gpu=True, torchrun=False))
+    check(
+        launch(
+            2,
+            WORKER,
+            str(out),
+            *BASE,
+            "checkpoint.enabled=false",
+            f"run.root={tmp_path}",
+            "run.name=n2",
+            gpu=True,
+            torchrun=False,
+        )
+    )
     got, ref = torch.load(out, weights_only=True), _cuda_reference(tmp_path)
     for key, value in ref["initial"].items():
         assert torch.equal(got["initial"][key], value), key
@@ -90,10 +103,27 @@ def test_resume_on_cuda_continues_the_same_training(tmp_path: Path):
 
 def test_planner_predicts_cuda_memory(tmp_path: Path):
     """scripts/plan.py's device-memory prediction against a real run's peak reserved memory."""
-    config = ["model.preset=gpt_small", "data.seq_len=256", "train.global_batch_size=8", "train.micro_batch_size=4",
-              "dist.device=cuda"]
-    check(launch(0, TRAIN, *config, "train.steps=4", "train.log_every=1", "memory.profile_step=3",
-                 "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=run", gpu=True))
+    config = [
+        "model.preset=gpt_small",
+        "data.seq_len=256",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "dist.device=cuda",
+    ]
+    check(
+        launch(
+            0,
+            TRAIN,
+            *config,
+            "train.steps=4",
+            "train.log_every=1",
+            "memory.profile_step=3",
+            "checkpoint.enabled=false",
+            f"run.root={tmp_path}",
+            "run.name=run",
+            gpu=True,
+        )
+    )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     peak_reserved = max(r["peak_mem_mib_per_rank"][0] for r in rows)
     acc = EventAccumulator(str(tmp_path / "run" / "tb" / "rank0"))
@@ -106,8 +136,11 @@ def test_planner_predicts_cuda_memory(tmp_path: Path):
     simulated = sum(p["tensors"].values()) / 2**20
     assert simulated == pytest.approx(tracked, rel=0.05)  # the simulation against the tracker on the GPU
     assert p["peak"] / 2**20 == pytest.approx(peak_reserved, rel=0.20)
-    figure("planner on CUDA (gpt_small, N=1)", f"predicted {p['peak'] / 2**20:,.0f} MiB vs peak reserved "
-           f"{peak_reserved:,.0f} MiB; simulated tensors {simulated:,.0f} vs tracked {tracked:,.0f} MiB")
+    figure(
+        "planner on CUDA (gpt_small, N=1)",
+        f"predicted {p['peak'] / 2**20:,.0f} MiB vs peak reserved "
+        f"{peak_reserved:,.0f} MiB; simulated tensors {simulated:,.0f} vs tracked {tracked:,.0f} MiB",
+    )
 
 
 def test_cpu_offload_on_cuda_keeps_model_state_in_pinned_host_memory(tmp_path: Path):
@@ -116,9 +149,18 @@ def test_cpu_offload_on_cuda_keeps_model_state_in_pinned_host_memory(tmp_path: P
     host memory (pinned: CPUOffloadPolicy(pin_memory=True) on CUDA; every shard and AdamW state on the
     CPU). Both runs start from the same weights (initialisation draws on the CPU wherever the shards
     live) and train alike; the optimizer steps on the CPU under offload (foreach there, fused on CUDA)."""
-    config = ["model.preset=gpt_small", "data.seq_len=256", "train.global_batch_size=2", "train.micro_batch_size=2",
-              "dist.device=cuda", "train.steps=3", "train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0",
-              "metrics.tensorboard=false"]
+    config = [
+        "model.preset=gpt_small",
+        "data.seq_len=256",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "dist.device=cuda",
+        "train.steps=3",
+        "train.log_every=1",
+        "checkpoint.enabled=false",
+        "memory.profile_step=0",
+        "metrics.tensorboard=false",
+    ]
     runs, peaks = {}, {}
     for name, extra in (("plain", []), ("offload", ["parallel.cpu_offload=true"])):
         out = tmp_path / f"{name}.pt"
@@ -139,4 +181,7 @@ def test_cpu_offload_on_cuda_keeps_model_state_in_pinned_host_memory(tmp_path: P
     assert peaks["plain"] - peaks["offload"] > 0.8 * state_mib, peaks
     for step, loss in plain["losses"].items():
         assert offload["losses"][step] == pytest.approx(loss, abs=1e-4), step
-    figure("CUDA offload, gpt_small, 1 rank: peak reserved MiB without / with", f"{peaks['plain']:,.0f} / {peaks['offload']:,.0f}")
+    figure(
+        "CUDA offload, gpt_small, 1 rank: peak reserved MiB without / with",
+        f"{peaks['plain']:,.0f} / {peaks['offload']:,.0f}",
+    )

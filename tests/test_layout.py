@@ -7,10 +7,10 @@ import ast
 import importlib
 from pathlib import Path
 
+from fsdp_zero import LAYERS
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "fsdp_zero"
-
-from fsdp_zero import LAYERS
 
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names} | {"": 0}  # "": fsdp_zero itself (__version__)
 ROOT_FILES = {"__init__.py", "api.py", "errors.py", "torch_private.py"}
@@ -32,8 +32,12 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
             if isinstance(child, ast.ImportFrom) and child.level == 0 and (child.module or "").startswith("fsdp_zero"):
                 targets = [child.module]
                 if child.module == "fsdp_zero":  # a submodule, or a name of the package itself (LAYERS)
-                    targets = [f"fsdp_zero.{a.name}" if (PACKAGE / a.name).is_dir() or (PACKAGE / f"{a.name}.py").is_file()
-                               else "fsdp_zero" for a in child.names]
+                    targets = [
+                        f"fsdp_zero.{a.name}"
+                        if (PACKAGE / a.name).is_dir() or (PACKAGE / f"{a.name}.py").is_file()
+                        else "fsdp_zero"
+                        for a in child.names
+                    ]
                 found.extend((t, child.lineno, in_function) for t in targets)
             elif isinstance(child, ast.Import):
                 found.extend((a.name, child.lineno, in_function) for a in child.names if a.name.startswith("fsdp_zero"))
@@ -81,8 +85,13 @@ def test_each_subpackage_has_a_face_that_names_what_it_exports():
         assert exported, f"fsdp_zero/{sub}/__init__.py declares no __all__"
         assert len(set(exported)) == len(exported), sub
         assert all(hasattr(face, name) for name in exported), sub
-        imported = {a.asname or a.name for n in ast.parse(init.read_text()).body if isinstance(n, ast.ImportFrom)
-                    for a in n.names if n.module != "__future__"}
+        imported = {
+            a.asname or a.name
+            for n in ast.parse(init.read_text()).body
+            if isinstance(n, ast.ImportFrom)
+            for a in n.names
+            if n.module != "__future__"
+        }
         assert imported == set(exported), f"fsdp_zero/{sub}: imported but not in __all__, or the other way round"
 
 
@@ -100,7 +109,9 @@ def test_every_source_mutant_still_finds_the_expression_it_replaces():
     """make mutants replaces one expression of our source per mutant (tests/mutant_site); a mutant whose
     expression moved or changed would not apply (NOT APPLIED after a 24-minute run): caught here at once."""
     site = ast.parse((REPO / "tests" / "mutant_site" / "sitecustomize.py").read_text())
-    table = next(n.value for n in site.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SOURCE")
+    table = next(
+        n.value for n in site.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SOURCE"
+    )
     missing = []
     for name, entry in zip(table.keys, table.values):
         module, old, _ = (ast.literal_eval(e) for e in entry.elts)
@@ -117,6 +128,24 @@ def test_only_the_schema_and_the_task_table_name_a_task():
         rel = path.relative_to(PACKAGE).as_posix()
         if rel.startswith("config/") or rel == "model/tasks.py":
             continue
-        named += [f"{rel}:{n.lineno}" for n in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "Task"]
+        named += [
+            f"{rel}:{n.lineno}"
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "Task"
+        ]
     assert named == []
+
+
+def test_the_code_is_formatted_and_lint_clean():
+    """ruff format and ruff check (pyproject.toml's settings: lines of at most 120) find nothing: `make format`."""
+    import subprocess
+    import sys
+
+    where = ["fsdp_zero", "scripts", "bench", "tests"]
+    for check in (["format", "--check"], ["check"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "ruff", *check, "--no-cache", *where], cwd=REPO, capture_output=True, text=True
+        )
+        assert out.returncode == 0, (
+            f"ruff {' '.join(check)}: run `make format`\n{out.stdout[-3000:]}{out.stderr[-2000:]}"
+        )

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_zero.config.loader import load_config, to_yaml
+from fsdp_zero.config.schema import ParallelConfig
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct
-from fsdp_zero.config.schema import ParallelConfig
-from fsdp_zero.distributed.topology import Topology
-from fsdp_zero.config.loader import load_config, to_yaml
-from fsdp_zero.data.batches import build_source
 from fsdp_zero.model.lora import LoRALinear, init_adapters, make_trainable
 from fsdp_zero.sharding.parallelize import model_state_formula
 from tests.batches import BASE, BY_NAME, FREEZE, HAS_HF, LORA
@@ -57,7 +57,9 @@ def _check_frozen_and_trained(run: dict, trained) -> None:  # noqa: ANN001
 
 def _check_model_state(run: dict, world_size: int) -> float:
     """Every rank's model state within 2% of the formula with the run's frozen count; returns the ratio."""
-    formula = model_state_formula(Topology.of(ParallelConfig(), world_size), run["num_params"], frozen=run["num_frozen"])
+    formula = model_state_formula(
+        Topology.of(ParallelConfig(), world_size), run["num_params"], frozen=run["num_frozen"]
+    )
     ratios = [b / formula for b in run["model_state_bytes"]]
     assert all(abs(r - 1) < 0.02 for r in ratios), ratios
     return max(ratios, key=lambda r: abs(r - 1))
@@ -82,8 +84,10 @@ def test_freeze_trains_only_the_rest_and_matches_the_reference(batches):
     ratio = _check_model_state(run, 2)
     ref = reference_run(load_config(None, [*BASE, *FREEZE]))
     dl, dn, dw = _check_against(run, ref)
-    figure("model.freeze at N=2 vs reference (loss, norm, weight)", f"{dl:.1e}, {dn:.1e}, {dw:.1e}; "
-           f"model state {ratio:.4f} x the formula")
+    figure(
+        "model.freeze at N=2 vs reference (loss, norm, weight)",
+        f"{dl:.1e}, {dn:.1e}, {dw:.1e}; model state {ratio:.4f} x the formula",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +111,10 @@ def test_lora_trains_adapters_only_at_any_world_size(batches, lora_reference, na
         assert torch.equal(run["initial"][k], v), k
     ratio = _check_model_state(run, n)
     dl, dn, dw = _check_against(run, lora_reference)
-    figure(f"LoRA at N={n} vs reference (loss, norm, weight)", f"{dl:.1e}, {dn:.1e}, {dw:.1e}; "
-           f"model state {ratio:.4f} x the formula")
+    figure(
+        f"LoRA at N={n} vs reference (loss, norm, weight)",
+        f"{dl:.1e}, {dn:.1e}, {dw:.1e}; model state {ratio:.4f} x the formula",
+    )
 
 
 def test_lora_resume_is_exact(batches):
@@ -130,32 +136,54 @@ def test_lora_checkpoint_continues_at_another_world_size(batches):
     assert resharded["optim_names"] == straight["optim_names"]
 
 
-NANO = ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.steps=1"]
+NANO = [
+    "model.preset=gpt_nano",
+    "data.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.steps=1",
+]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["model.lora.rank=4", "model.lora.targets=[q_proj]"],
-     "model.lora.targets: 'q_proj' matches no nn.Linear (by last name component or full name); the model's Linear "
-     "modules: layers.0.attention.wq"),
-    (["model.lora.targets=[wq]"], "model.lora.targets=['wq'] is set but model.lora.rank=0 (LoRA off)"),
-    (["model.freeze=[tok_emb.weight]"],
-     "model.freeze: 'tok_emb.weight' matches no parameter (full match); the model's parameters: tok_embeddings.weight"),
-    # A prefix of every layer-1 name (and, as a prefix, of nothing else on 2 layers) is no full match of any.
-    ([r"model.freeze=[layers\.1]"], r"model.freeze: 'layers\\.1' matches no parameter (full match)"),
-    (["model.lora.rank=4", "model.lora.targets=[wq]", "precision=bf16-true"],
-     "with precision.mode=bf16-true is not supported"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["model.lora.rank=4", "model.lora.targets=[q_proj]"],
+            "model.lora.targets: 'q_proj' matches no nn.Linear (by last name component or full name); the model's "
+            "Linear "
+            "modules: layers.0.attention.wq",
+        ),
+        (["model.lora.targets=[wq]"], "model.lora.targets=['wq'] is set but model.lora.rank=0 (LoRA off)"),
+        (
+            ["model.freeze=[tok_emb.weight]"],
+            "model.freeze: 'tok_emb.weight' matches no parameter (full match); the model's parameters: "
+            "tok_embeddings.weight",
+        ),
+        # A prefix of every layer-1 name (and, as a prefix, of nothing else on 2 layers) is no full match of any.
+        ([r"model.freeze=[layers\.1]"], r"model.freeze: 'layers\\.1' matches no parameter (full match)"),
+        (
+            ["model.lora.rank=4", "model.lora.targets=[wq]", "precision=bf16-true"],
+            "with precision.mode=bf16-true is not supported",
+        ),
+    ],
+)
 def test_bad_freeze_and_lora_settings_exit_2_with_one_line(tmp_path: Path, args, message):
     assert_user_error(tmp_path, message, *NANO, *args)
 
 
 def test_the_start_up_lines_say_what_trains(tmp_path: Path):
     proc = check(run_script(TRAIN, *NANO, *LORA, "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=ok"))
-    assert re.search(r"trained: LoRA rank 4, alpha 16 on 6 Linear modules \(layers\.0\.attention\.wq, .*\); "
-                     r"[\d,]+ trainable parameters, [\d,]+ frozen", proc.stderr), proc.stderr
-    assert re.search(r"model state 16 B x [\d,]+ params / 1 \(not sharded\), [\d,]+ of them frozen \(weights only, "
-                     r"4 B\) = ", proc.stderr), proc.stderr
+    assert re.search(
+        r"trained: LoRA rank 4, alpha 16 on 6 Linear modules \(layers\.0\.attention\.wq, .*\); "
+        r"[\d,]+ trainable parameters, [\d,]+ frozen",
+        proc.stderr,
+    ), proc.stderr
+    assert re.search(
+        r"model state 16 B x [\d,]+ params / 1 \(not sharded\), [\d,]+ of them frozen \(weights only, "
+        r"4 B\) = ",
+        proc.stderr,
+    ), proc.stderr
 
 
 def test_formula_without_frozen_parameters_is_unchanged():
@@ -165,14 +193,18 @@ def test_formula_without_frozen_parameters_is_unchanged():
     # fp32 full_shard: 4 B per frozen parameter, 16 per trainable, over N.
     assert model_state_formula(Topology.of(ParallelConfig(), 4), 1000, frozen=600) == (4 * 600 + 16 * 400) / 4
     # zero1: weights and gradients whole, AdamW states split; frozen ones hold only their weights.
-    assert model_state_formula(Topology.of(ParallelConfig(strategy="zero1"), 4), 1000, frozen=600) == 4 * 1000 + 4 * 400 + 8 * 400 / 4
+    assert (
+        model_state_formula(Topology.of(ParallelConfig(strategy="zero1"), 4), 1000, frozen=600)
+        == 4 * 1000 + 4 * 400 + 8 * 400 / 4
+    )
 
 
 EXPORT = TRAIN.parent / "export.py"
 
 
-@pytest.mark.skipif(not HAS_HF or importlib.util.find_spec("peft") is None,
-                    reason="needs the hf extra (transformers, peft)")
+@pytest.mark.skipif(
+    not HAS_HF or importlib.util.find_spec("peft") is None, reason="needs the hf extra (transformers, peft)"
+)
 def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_path: Path):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -214,8 +246,10 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "tiny-llama"), adapters).eval()
     with torch.no_grad():
         peft_diff = (peft(inputs).logits - merged_logits).abs().max().item()
-    figure("LoRA export: from_pretrained(merged) vs the trained model; PEFT vs merged (logits, max abs diff)",
-           f"{diff:.1e}; {peft_diff:.1e}")
+    figure(
+        "LoRA export: from_pretrained(merged) vs the trained model; PEFT vs merged (logits, max abs diff)",
+        f"{diff:.1e}; {peft_diff:.1e}",
+    )
     assert peft_diff <= 1e-5, peft_diff
     # The planner's formulas take the same count.
     from fsdp_zero.tools.planner import strategy_states
@@ -319,8 +353,15 @@ def test_freeze_and_train_patterns_match_whole_names_on_twelve_layers():
     """Guards "full matches on the parameter names" (docs/lora.md) for ``model.freeze`` and
     ``model.lora.train``: on 12 layers "layers.1" is a prefix of layers.10 and layers.11 as well, so a
     prefix match (re.match) or a search would freeze, or refuse, more than the pattern says."""
-    layer1 = {f"layers.1.{m}.weight" for m in ("attention_norm", "ffn_norm", *(f"attention.w{x}" for x in "qkvo"),
-                                                *(f"feed_forward.w{i}" for i in (1, 2, 3)))}
+    layer1 = {
+        f"layers.1.{m}.weight"
+        for m in (
+            "attention_norm",
+            "ffn_norm",
+            *(f"attention.w{x}" for x in "qkvo"),
+            *(f"feed_forward.w{i}" for i in (1, 2, 3)),
+        )
+    }
     assert _frozen(r"model.freeze=[layers\.1\..*]") == layer1
     # A regex, not a glob: "layers\.1.*" does reach layers 10 and 11 (9 parameters each).
     assert {n.split(".")[1] for n in _frozen(r"model.freeze=[layers\.1.*]")} == {"1", "10", "11"}
@@ -329,8 +370,10 @@ def test_freeze_and_train_patterns_match_whole_names_on_twelve_layers():
     # With LoRA every base parameter is frozen except those model.lora.train matches in full.
     lora = ("model.lora.rank=2", "model.lora.targets=[wq]")
     frozen = _frozen(*lora, r"model.lora.train=[layers\.1\..*]")
-    assert not frozen & layer1 and {n for n in frozen if n.startswith("layers.1")} >= {"layers.10.ffn_norm.weight",
-                                                                                       "layers.11.ffn_norm.weight"}
+    assert not frozen & layer1 and {n for n in frozen if n.startswith("layers.1")} >= {
+        "layers.10.ffn_norm.weight",
+        "layers.11.ffn_norm.weight",
+    }
     assert not any(".lora_" in n for n in frozen)
     with pytest.raises(ValueError, match=r"model.lora.train: 'norm' matches no parameter \(full match\)"):
         _frozen(*lora, "model.lora.train=[norm]")  # a prefix of norm.weight only
@@ -339,18 +382,40 @@ def test_freeze_and_train_patterns_match_whole_names_on_twelve_layers():
 LORA_ONLY = ("model.lora.rank=4", "model.lora.targets=[wq]")  # adapters and nothing else trained
 
 
-@pytest.mark.parametrize("overrides,args,out,message", [
-    ((), ("--adapters-only",), "adapters",
-     "--adapters-only: checkpoint {ckpt!r} has no LoRA adapters (its config.yaml has no model.lora.rank); export it "
-     "without --adapters-only"),
-    (LORA, ("--adapters-only",), "adapters",
-     "--adapters-only: the run also trained model.lora.train=['norm.weight'], which an adapter file does not hold; "
-     "export without --adapters-only (merged) to keep them"),
-    (LORA_ONLY, ("--adapters-only", "--max-shard-size", "1MB"), "adapters",
-     "--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size"),
-    (LORA_ONLY, ("--adapters-only",), "adapters.safetensors",
-     "--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size"),
-], ids=["no-lora", "lora-train", "max-shard-size", "safetensors-out"])
+@pytest.mark.parametrize(
+    "overrides,args,out,message",
+    [
+        (
+            (),
+            ("--adapters-only",),
+            "adapters",
+            "--adapters-only: checkpoint {ckpt!r} has no LoRA adapters (its config.yaml has no model.lora.rank); "
+            "export it "
+            "without --adapters-only",
+        ),
+        (
+            LORA,
+            ("--adapters-only",),
+            "adapters",
+            "--adapters-only: the run also trained model.lora.train=['norm.weight'], which an adapter file does not "
+            "hold; "
+            "export without --adapters-only (merged) to keep them",
+        ),
+        (
+            LORA_ONLY,
+            ("--adapters-only", "--max-shard-size", "1MB"),
+            "adapters",
+            "--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size",
+        ),
+        (
+            LORA_ONLY,
+            ("--adapters-only",),
+            "adapters.safetensors",
+            "--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size",
+        ),
+    ],
+    ids=["no-lora", "lora-train", "max-shard-size", "safetensors-out"],
+)
 def test_adapters_only_refusals_exit_2_in_one_line_and_write_nothing(tmp_path: Path, overrides, args, out, message):
     """Guards scripts/export.py's ``--adapters-only`` refusals: a run without LoRA; a run that also
     trained ``model.lora.train`` (an adapter file would silently lose those weights); a size limit or a

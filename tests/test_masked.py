@@ -19,27 +19,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_zero.config.schema import Task
 from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.schema import Task
 from fsdp_zero.data.batches import TokenFile
-from fsdp_zero.model.tasks import lm_sums
-from fsdp_zero.model.transformer import args_from_config
 from fsdp_zero.data.prepare import prepare, validation_documents
 from fsdp_zero.data.token_files import IGNORE, mask_file
+from fsdp_zero.model.tasks import build_task, lm_sums, masked_causal_lm, trained_tokens
+from fsdp_zero.model.transformer import args_from_config
 from fsdp_zero.training.step import train_step
-from fsdp_zero.model.tasks import build_task, masked_causal_lm, trained_tokens
 from tests.batches import BASE, MASKED
 from tests.conftest import build_model, figure
 from tests.reference import reference_run
 from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
 
 # A chat template of the simplest kind: a header line per turn, the content, an end marker.
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-RECORDS = [("Say hello to the world", "hello world and all the rest"),
-           ("Count from one to three", "one two three"),
-           ("Name a colour", "the sky is blue"),
-           ("What is two and two", "two and two make four")]
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+RECORDS = [
+    ("Say hello to the world", "hello world and all the rest"),
+    ("Count from one to three", "one two three"),
+    ("Name a colour", "the sky is blue"),
+    ("What is two and two", "two and two make four"),
+]
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -49,7 +52,9 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def _read(out: Path, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
     meta = json.loads((out / "meta.json").read_text())
-    return np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]), np.fromfile(mask_file(out / f"{split}.bin"), np.uint8)
+    return np.fromfile(out / f"{split}.bin", dtype=meta["dtype"]), np.fromfile(
+        mask_file(out / f"{split}.bin"), np.uint8
+    )
 
 
 def _trained_spans(ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
@@ -79,8 +84,15 @@ def test_prompt_completion_marks_exactly_the_completion_and_its_eos(tmp_path: Pa
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     data = _write_jsonl(tmp_path / "sft.jsonl", [{"q": p, "a": c} for p, c in RECORDS])
-    meta, _ = prepare(tiny_tokenizer_dir, [data], tmp_path / "out", val_fraction=0, fmt="prompt_completion",
-                      prompt_field="q", completion_field="a")
+    meta, _ = prepare(
+        tiny_tokenizer_dir,
+        [data],
+        tmp_path / "out",
+        val_fraction=0,
+        fmt="prompt_completion",
+        prompt_field="q",
+        completion_field="a",
+    )
     ids, mask = _read(tmp_path / "out")
     assert len(mask) == len(ids) == meta["train"]["tokens"] and meta["format"] == "prompt_completion"
     spans = _trained_spans(ids, mask)
@@ -89,8 +101,16 @@ def test_prompt_completion_marks_exactly_the_completion_and_its_eos(tmp_path: Pa
     untrained = tok.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if not m])
     assert untrained == "".join("<s>" + p for p, _ in RECORDS)  # the prompts, each after its BOS
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["val"]["trained_tokens"] == 0
-    prepare(tiny_tokenizer_dir, [data], tmp_path / "two", val_fraction=0, fmt="prompt_completion",
-            prompt_field="q", completion_field="a", workers=2)  # each worker told the format
+    prepare(
+        tiny_tokenizer_dir,
+        [data],
+        tmp_path / "two",
+        val_fraction=0,
+        fmt="prompt_completion",
+        prompt_field="q",
+        completion_field="a",
+        workers=2,
+    )  # each worker told the format
     for name in ("train.bin", "train.mask.bin", "val.mask.bin"):
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "out" / name).read_bytes()
 
@@ -100,9 +120,16 @@ def test_chat_marks_exactly_the_assistant_turns(tmp_path: Path, tiny_tokenizer_d
 
     folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir)
     tok = AutoTokenizer.from_pretrained(folder)
-    chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": p},
-              {"role": "assistant", "content": c}, {"role": "user", "content": "and again"},
-              {"role": "assistant", "content": c.upper()}] for p, c in RECORDS]
+    chats = [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": p},
+            {"role": "assistant", "content": c},
+            {"role": "user", "content": "and again"},
+            {"role": "assistant", "content": c.upper()},
+        ]
+        for p, c in RECORDS
+    ]
     data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
     meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0, fmt="chat")
     ids, mask = _read(tmp_path / "out")
@@ -114,8 +141,9 @@ def test_chat_marks_exactly_the_assistant_turns(tmp_path: Path, tiny_tokenizer_d
 
 
 @pytest.mark.parametrize("fmt", ["prompt_completion", "chat"])
-def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions(tmp_path: Path,
-                                                                                 tiny_tokenizer_dir: Path, fmt):
+def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions(
+    tmp_path: Path, tiny_tokenizer_dir: Path, fmt
+):
     """An instruction-format prepare with a validation split (the default ``--val-fraction`` is 0.05): each
     split's mask file has one byte per token of its own ``.bin``, `TokenFile` opens both splits masked, and
     each split's trained spans are its own documents' completions and EOS. With ``val_fraction=0``, as the
@@ -126,16 +154,20 @@ def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions
     records = [(f"{p} ({i})", f"{c} {i}") for i, (p, c) in enumerate(RECORDS * 2)]  # 8 distinct documents
     if fmt == "chat":
         folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir)
-        rows, close = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}
-                       for p, c in records], "<|end|>\n</s>"  # the template closes the assistant's turn
+        rows, close = (
+            [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]} for p, c in records],
+            "<|end|>\n</s>",
+        )  # the template closes the assistant's turn
     else:
         folder, rows, close = tiny_tokenizer_dir, [{"prompt": p, "completion": c} for p, c in records], "</s>"
     data = _write_jsonl(tmp_path / "sft.jsonl", rows)
     meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0.5, fmt=fmt)
     tok, val = AutoTokenizer.from_pretrained(folder), validation_documents(len(records), 0.5, 0)
     assert len(val) == 4  # both splits hold documents
-    for split, docs in (("train", [r for i, r in enumerate(records) if i not in val]),
-                        ("val", [records[i] for i in sorted(val)])):
+    for split, docs in (
+        ("train", [r for i, r in enumerate(records) if i not in val]),
+        ("val", [records[i] for i in sorted(val)]),
+    ):
         bin_path = tmp_path / "out" / f"{split}.bin"
         ids, mask = _read(tmp_path / "out", split)
         assert mask_file(bin_path).stat().st_size == len(ids) == meta[split]["tokens"] > 0, split
@@ -176,10 +208,13 @@ def test_the_final_eos_is_trained_only_after_an_assistant_turn(tmp_path: Path, t
     assert "".join(spans) == "".join(per_chat), spans
 
 
-@pytest.mark.parametrize("case, template", [
-    ("a turn count first", "{{ messages | length }} turns\n" + TEMPLATE),
-    ("the last message first", "{{ messages[-1]['content'] }}\n" + TEMPLATE),
-])
+@pytest.mark.parametrize(
+    "case, template",
+    [
+        ("a turn count first", "{{ messages | length }} turns\n" + TEMPLATE),
+        ("the last message first", "{{ messages[-1]['content'] }}\n" + TEMPLATE),
+    ],
+)
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path, tiny_tokenizer_dir: Path, case, template):
     """A template whose render of a conversation's first turns is not the start of the whole: the turns are found
     by rendering prefix by prefix, so its mask would mark other tokens than the assistant's. Refused, not guessed."""
@@ -188,9 +223,11 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path, tiny_
     folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir, template)
     data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _turns("assistant", p, c)} for p, c in RECORDS])
     line = _refused(folder, tmp_path, str(data), extra=("--format", "chat"))
-    assert line == ("error: --format chat: the chat template renders a conversation's first 1 messages as "
-                    "other tokens than the start of the whole; its turns cannot be told apart "
-                    "(use --format prompt_completion)")
+    assert line == (
+        "error: --format chat: the chat template renders a conversation's first 1 messages as "
+        "other tokens than the start of the whole; its turns cannot be told apart "
+        "(use --format prompt_completion)"
+    )
 
 
 def test_text_format_writes_no_mask_and_a_bad_format_is_one_line(tmp_path: Path, tiny_tokenizer_dir: Path):
@@ -245,8 +282,15 @@ def test_a_global_batch_without_a_trained_token_is_loss_0_and_no_step(tmp_path: 
     batch = source.pairs([0, 32])
     loss, _ = masked_causal_lm(model, batch)
     assert loss.item() == 0.0  # no NaN: a sum over nothing
-    out = train_step(model, optimizer, masked_causal_lm, [batch, source.pairs([64])], 1.0, torch.device("cpu"),
-                     token_count=trained_tokens)
+    out = train_step(
+        model,
+        optimizer,
+        masked_causal_lm,
+        [batch, source.pairs([64])],
+        1.0,
+        torch.device("cpu"),
+        token_count=trained_tokens,
+    )
     assert out.loss.item() == 0.0 and out.grad_norm.item() == 0.0 and out.verdict.finite
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # AdamW's decay did not move them
     assert not optimizer.state
@@ -271,13 +315,16 @@ def _hand_loss(initial: dict, root: Path, step: int, micro: int | None = None) -
     order = torch.randperm(64, generator=torch.Generator().manual_seed(cfg.train.seed))
     gbs, seq = cfg.train.global_batch_size, cfg.data.seq_len
     starts = [int(order[i]) * seq for i in range((step - 1) * gbs, step * gbs)]
-    x = torch.tensor(np.stack([tokens[s: s + seq] for s in starts]))
-    y = torch.tensor(np.stack([tokens[s + 1: s + seq + 1] for s in starts]))
-    keep = torch.tensor(np.stack([mask[s + 1: s + seq + 1] for s in starts])).bool()
+    x = torch.tensor(np.stack([tokens[s : s + seq] for s in starts]))
+    y = torch.tensor(np.stack([tokens[s + 1 : s + seq + 1] for s in starts]))
+    keep = torch.tensor(np.stack([mask[s + 1 : s + seq + 1] for s in starts])).bool()
     with torch.no_grad():
         losses = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
     if micro:
-        parts = [(losses[i:i + micro] * keep[i:i + micro]).sum() / keep[i:i + micro].sum() for i in range(0, gbs, micro)]
+        parts = [
+            (losses[i : i + micro] * keep[i : i + micro]).sum() / keep[i : i + micro].sum()
+            for i in range(0, gbs, micro)
+        ]
         return float(torch.stack(parts).mean())
     return float((losses * keep).sum() / keep.sum())
 
@@ -285,14 +332,18 @@ def _hand_loss(initial: dict, root: Path, step: int, micro: int | None = None) -
 def test_the_masked_loss_equals_a_hand_computation(batches):
     run, root = batches["masked"], batches.root
     hand = _hand_loss(run["initial"], root, 1)
-    figure("masked loss at step 1 against a hand computation (N = 2)", f"{abs(run['losses'][1] - hand):.2e} "
-           f"(loss {hand:.6f})")
+    figure(
+        "masked loss at step 1 against a hand computation (N = 2)",
+        f"{abs(run['losses'][1] - hand):.2e} (loss {hand:.6f})",
+    )
     assert abs(run["losses"][1] - hand) < 5e-6
     # what it must not be: the unweighted mean of micro-batch means (the pre-mask scaling), or all tokens
     assert abs(_hand_loss(run["initial"], root, 1, micro=2) - hand) > 1e-3
     losses, norms, weights = _against_reference(run, root)
-    figure("masked training against the single-process loop (N = 2, 8 steps)", f"losses {losses:.2e}, "
-           f"grad norms {norms:.2e}, weights {weights:.2e}")
+    figure(
+        "masked training against the single-process loop (N = 2, 8 steps)",
+        f"losses {losses:.2e}, grad norms {norms:.2e}, weights {weights:.2e}",
+    )
     assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL
 
 
@@ -316,13 +367,17 @@ def test_unclipped_masked_training_matches_the_single_process_loop(batches):
     norms, not norms that clipping made equal, and weights that followed unclipped gradients."""
     run, clipped = batches["masked-noclip"], batches["masked"]
     losses, norms, weights = _against_reference(run, batches.root, "optim.grad_clip=0")
-    figure("unclipped masked training against the single-process loop (N = 2, 8 steps)",
-           f"losses {losses:.2e}, grad norms {norms:.2e}, weights {weights:.2e}")
+    figure(
+        "unclipped masked training against the single-process loop (N = 2, 8 steps)",
+        f"losses {losses:.2e}, grad norms {norms:.2e}, weights {weights:.2e}",
+    )
     assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL
     # the override reached the run: clipping at 0.5 was active in ``masked``, so its weights went elsewhere
     apart = max((run["final"][k] - clipped["final"][k]).abs().max().item() for k in run["final"])
-    figure("masked-noclip's final weights against masked's", f"{apart:.2e} (smallest clipped grad norm "
-           f"{min(clipped['grad_norms'].values()):.3f})")
+    figure(
+        "masked-noclip's final weights against masked's",
+        f"{apart:.2e} (smallest clipped grad norm {min(clipped['grad_norms'].values()):.3f})",
+    )
     assert min(clipped["grad_norms"].values()) > 0.5 and apart > 1e-4
 
 
@@ -336,7 +391,7 @@ def test_validation_counts_only_the_trained_tokens(batches, name):
     total, count = 0.0, 0
     with torch.no_grad():
         for k in range(64):  # window k: tokens [32 k, 32 k + 33), its targets' mask bytes 32 k + 1 ..
-            x, y, m = tokens[32 * k: 32 * k + 32], tokens[32 * k + 1: 32 * k + 33], keep[32 * k + 1: 32 * k + 33]
+            x, y, m = tokens[32 * k : 32 * k + 32], tokens[32 * k + 1 : 32 * k + 33], keep[32 * k + 1 : 32 * k + 33]
             losses = F.cross_entropy(model(x[None])[0].double(), y, reduction="none")
             total, count = total + losses[m].sum().item(), count + int(m.sum())
     got = run["evals"][8]["eval/loss"]
@@ -351,18 +406,22 @@ def test_the_masked_loss_is_the_same_at_one_and_two_ranks_and_any_micro_batch(ba
     losses = max(abs(two["losses"][s] - one["losses"][s]) for s in two["losses"])
     norms = max(abs(two["grad_norms"][s] - one["grad_norms"][s]) for s in two["grad_norms"])
     weights = max((two["final"][k] - one["final"][k]).abs().max().item() for k in two["final"])
-    figure(f"masked training, N = 2 micro-batch 2 against {other}", f"losses {losses:.2e}, grad norms {norms:.2e}, "
-           f"weights {weights:.2e}")
+    figure(
+        f"masked training, N = 2 micro-batch 2 against {other}",
+        f"losses {losses:.2e}, grad norms {norms:.2e}, weights {weights:.2e}",
+    )
     assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL
 
 
-@pytest.mark.parametrize("case, extra, message", [
-    ("no template", ("--format", "chat"), "--format chat: the tokenizer (.*) has no chat template"),
-    ("a .txt", ("--format", "prompt_completion"), r"--format prompt_completion reads \.jsonl files only"),
-    ("not messages", ("--format", "chat", "--field", "text"), r"field 'text' must be a non-empty list of"),
-])
-def test_bad_instruction_inputs_are_one_line_and_exit_2(tmp_path: Path, tiny_tokenizer_dir: Path, case, extra,
-                                                          message):
+@pytest.mark.parametrize(
+    "case, extra, message",
+    [
+        ("no template", ("--format", "chat"), "--format chat: the tokenizer (.*) has no chat template"),
+        ("a .txt", ("--format", "prompt_completion"), r"--format prompt_completion reads \.jsonl files only"),
+        ("not messages", ("--format", "chat", "--field", "text"), r"field 'text' must be a non-empty list of"),
+    ],
+)
+def test_bad_instruction_inputs_are_one_line_and_exit_2(tmp_path: Path, tiny_tokenizer_dir: Path, case, extra, message):
     from tests.test_prepare import _refused
 
     if case == "a .txt":

@@ -17,9 +17,21 @@ from tests.conftest import REPO, TRAIN, figure, launch
 
 CAPPED = REPO / "tests" / "workers" / "capped.py"
 CAP = 2_400_000_000
-MODEL = ["model.preset=gpt_tiny", "model.dim=1024", "model.n_layers=10", "model.n_heads=16", "model.vocab_size=16384",
-         "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1", "train.steps=1", "train.log_every=1",
-         "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false"]
+MODEL = [
+    "model.preset=gpt_tiny",
+    "model.dim=1024",
+    "model.n_layers=10",
+    "model.n_heads=16",
+    "model.vocab_size=16384",
+    "data.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.steps=1",
+    "train.log_every=1",
+    "checkpoint.enabled=false",
+    "memory.profile_step=0",
+    "metrics.tensorboard=false",
+]
 
 
 @pytest.mark.slow
@@ -33,5 +45,7 @@ def test_a_model_larger_than_one_ranks_cap_trains_sharded_over_four(tmp_path):
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert "step     1 | loss" in sharded.stdout + sharded.stderr
     assert "memory after_optimizer_step  model state   610.58 MiB/rank" in sharded.stdout + sharded.stderr  # 16 P / 4
-    figure("memory cap (RLIMIT_DATA 2.4 GB per rank), 160M params: 1 rank fails, 4 ranks train",
-           f"16 B x P = {16 * num_params / 1e9:.2f} GB; model state per rank at N=4 {4 * num_params / 1e9:.2f} GB")
+    figure(
+        "memory cap (RLIMIT_DATA 2.4 GB per rank), 160M params: 1 rank fails, 4 ranks train",
+        f"16 B x P = {16 * num_params / 1e9:.2f} GB; model state per rank at N=4 {4 * num_params / 1e9:.2f} GB",
+    )

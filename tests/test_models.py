@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_zero.model.construct import construct, real_buffers
-from fsdp_zero.sharding.build import materializer
-from fsdp_zero.config.schema import DataConfig, DataSource
-from fsdp_zero.config.loader import load_config
-from fsdp_zero.data.batches import build_source
-from fsdp_zero.model.tasks import logits_of
 from fsdp_zero.checkpoint.weights import export_checkpoint
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.schema import DataConfig, DataSource
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.model.construct import construct, real_buffers
+from fsdp_zero.model.tasks import logits_of
+from fsdp_zero.sharding.build import materializer
 from tests.batches import BY_NAME, HAS_HF, VIT
 from tests.conftest import REPO, TRAIN, check, figure, launch, run_script
 from tests.reference import reference_run
@@ -106,7 +106,9 @@ def test_export_loads_into_the_plain_model_class(runs, name, tmp_path: Path):
     cls = getattr(importlib.import_module(module), attr)
     plain = cls(cls.config_class(**cfg.model.kwargs)) if hasattr(cls, "config_class") else cls(**cfg.model.kwargs)
     plain.load_state_dict(load_file(tmp_path / "model.safetensors"))  # strict: every key, right shapes
-    inputs = build_source(cfg.data, cfg.train.seed, getattr(getattr(plain, "config", None), "vocab_size", None)).batch(range(2))[0]
+    inputs = build_source(cfg.data, cfg.train.seed, getattr(getattr(plain, "config", None), "vocab_size", None)).batch(
+        range(2)
+    )[0]
     with torch.no_grad():
         torch.testing.assert_close(logits_of(plain.eval()(inputs)), runs[name]["logits"], atol=1e-5, rtol=0)
 
@@ -127,16 +129,27 @@ def test_initial_weights_are_identical_at_four_ranks(runs, references):
 
 
 def test_standard_init_follows_each_layers_distribution_and_keeps_buffers():
-    cfg = load_config(None, ["model.target=tests.user_model:ConvLM", "model.task=custom",
-                             "model.loss=tests.user_model:next_token_loss", "model.kwargs.dim=256"])
+    cfg = load_config(
+        None,
+        [
+            "model.target=tests.user_model:ConvLM",
+            "model.task=custom",
+            "model.loss=tests.user_model:next_token_loss",
+            "model.kwargs.dim=256",
+        ],
+    )
     model = construct(cfg.model)
     assert all(p.is_meta for p in model.parameters())
     notes: list[str] = []
     materializer(torch.device("cpu"), cfg.model.init, 3, real_buffers(model), notes)(model)
     block = model.blocks[0]
-    assert torch.equal(block.norm.running_var, torch.ones(256)) and torch.equal(block.norm.running_mean, torch.zeros(256))
+    assert torch.equal(block.norm.running_var, torch.ones(256)) and torch.equal(
+        block.norm.running_mean, torch.zeros(256)
+    )
     bound = 1 / (256 * 3) ** 0.5  # Conv1d: kaiming_uniform(a=sqrt(5)), fan_in = in_channels x kernel
-    assert block.conv.weight.abs().max() <= bound and block.conv.weight.std().item() == pytest.approx(bound / 3**0.5, rel=0.05)
+    assert block.conv.weight.abs().max() <= bound and block.conv.weight.std().item() == pytest.approx(
+        bound / 3**0.5, rel=0.05
+    )
     assert model.embed.weight.std().item() == pytest.approx(1.0, rel=0.05)
     assert torch.equal(block.norm.weight.detach(), torch.ones(256))
     assert notes == ["standard layers"]
@@ -146,10 +159,22 @@ def test_user_model_with_a_custom_loss_on_a_token_file(tmp_path: Path):
     """model.target and model.loss from a module of the user's, data from a nanoGPT-style uint16 .bin."""
     tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
     tokens.tofile(tmp_path / "train.bin")
-    args = ["model.target=tests.user_model:ConvLM", "model.task=custom", "model.loss=tests.user_model:next_token_loss",
-            "parallel.wrap.classes=[Block]", "data.source=tokens", f"data.path={tmp_path / 'train.bin'}",
-            "data.seq_len=32", "train.steps=4", "train.log_every=2", "train.global_batch_size=8",
-            "train.micro_batch_size=2", "memory.profile_step=0", f"run.root={tmp_path}", "run.name=user"]
+    args = [
+        "model.target=tests.user_model:ConvLM",
+        "model.task=custom",
+        "model.loss=tests.user_model:next_token_loss",
+        "parallel.wrap.classes=[Block]",
+        "data.source=tokens",
+        f"data.path={tmp_path / 'train.bin'}",
+        "data.seq_len=32",
+        "train.steps=4",
+        "train.log_every=2",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "memory.profile_step=0",
+        f"run.root={tmp_path}",
+        "run.name=user",
+    ]
     proc = check(launch(2, TRAIN, *args, torchrun=False))
     assert "initialised: standard layers" in proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "user" / "metrics.jsonl").read_text().splitlines()]
@@ -171,7 +196,9 @@ def test_token_files_are_checked_against_the_model(tmp_path: Path):
     cfg.path = str(tmp_path / "ids.npy")
     source = build_source(cfg, 0, 256)
     inputs, targets = source.batch(range(3))
-    assert inputs.shape == (3, 16) and torch.equal(inputs[:, 1:], targets[:, :-1]) and bool((targets - inputs == 1).all())
+    assert (
+        inputs.shape == (3, 16) and torch.equal(inputs[:, 1:], targets[:, :-1]) and bool((targets - inputs == 1).all())
+    )
 
 
 def test_image_folder_trains_with_loader_workers(tmp_path: Path):
@@ -181,10 +208,21 @@ def test_image_folder_trains_with_loader_workers(tmp_path: Path):
     for label in ("cat", "dog"):
         (tmp_path / "images" / label).mkdir(parents=True)
         for i in range(6):
-            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(tmp_path / "images" / label / f"{i}.png")
-    args = [*VIT, "data.source=images", f"data.path={tmp_path / 'images'}", "data.num_workers=1",
-            "model.kwargs.num_classes=2", "train.steps=2", "train.log_every=1", "memory.profile_step=0",
-            f"run.root={tmp_path}", "run.name=images"]
+            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
+                tmp_path / "images" / label / f"{i}.png"
+            )
+    args = [
+        *VIT,
+        "data.source=images",
+        f"data.path={tmp_path / 'images'}",
+        "data.num_workers=1",
+        "model.kwargs.num_classes=2",
+        "train.steps=2",
+        "train.log_every=1",
+        "memory.profile_step=0",
+        f"run.root={tmp_path}",
+        "run.name=images",
+    ]
     check(launch(2, TRAIN, *args, torchrun=False))
     rows = [json.loads(line) for line in (tmp_path / "images" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("accuracy" in r and "samples_per_s_all_ranks" in r for r in rows)
@@ -193,9 +231,12 @@ def test_image_folder_trains_with_loader_workers(tmp_path: Path):
 def test_own_loop_example_matches_the_trainer(runs, tmp_path: Path):
     """scripts/own_loop.py (a hand-written loop: its own DataLoader, no grad accumulation) against
     scripts/train.py on the same model, data and settings (the vit run: 2 micro-batches per rank)."""
-    proc = check(launch(2, REPO / "scripts" / "own_loop.py", "--steps", "4", "--run-dir", str(tmp_path / "own"),
-                        torchrun=False))
-    own = {int(line.split()[1]): float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")}
+    proc = check(
+        launch(2, REPO / "scripts" / "own_loop.py", "--steps", "4", "--run-dir", str(tmp_path / "own"), torchrun=False)
+    )
+    own = {
+        int(line.split()[1]): float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")
+    }
     ours = runs["vit"]["losses"]
     assert set(own) == set(ours)
     diff = max(abs(own[s] - ours[s]) for s in ours)
@@ -207,8 +248,20 @@ def test_own_loop_example_matches_the_trainer(runs, tmp_path: Path):
 
 def test_plan_answers_for_a_foreign_model_and_for_a_parameter_count(tmp_path: Path):
     out = tmp_path / "plan.json"
-    proc = check(run_script(REPO / "scripts" / "plan.py", *VIT, "--world-size", "3", "--json", str(out),
-                            "--strategy", "full_shard", "--strategy", "ddp"))
+    proc = check(
+        run_script(
+            REPO / "scripts" / "plan.py",
+            *VIT,
+            "--world-size",
+            "3",
+            "--json",
+            str(out),
+            "--strategy",
+            "full_shard",
+            "--strategy",
+            "ddp",
+        )
+    )
     assert "torchvision.models:VisionTransformer, 24,234 parameters, 3 ranks" in proc.stdout
     assert "largest layer 8,544 params" in proc.stdout  # an EncoderBlock, from the wrap plan
     preds = {p["strategy"]: p for p in json.loads(out.read_text())}
@@ -222,17 +275,29 @@ def test_plan_answers_for_a_foreign_model_and_for_a_parameter_count(tmp_path: Pa
 def test_one_build_path():
     """The trainer, the planner, compare.py and the benchmark build through fsdp_zero.sharding.build; only
     parallelize.py calls fully_shard in the library, only build.py materialises."""
+
     def calls(path: Path) -> set[str]:
         tree = ast.parse(path.read_text())
-        return {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
-                for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        return {
+            n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+        }
 
     def imports_build(path: Path) -> bool:
-        return any(isinstance(n, ast.ImportFrom) and n.module in ("fsdp_zero.sharding.build", "fsdp_zero.sharding")
-                   for n in ast.walk(ast.parse(path.read_text())))
+        return any(
+            isinstance(n, ast.ImportFrom) and n.module in ("fsdp_zero.sharding.build", "fsdp_zero.sharding")
+            for n in ast.walk(ast.parse(path.read_text()))
+        )
 
-    for path in ["fsdp_zero/training/trainer.py", "fsdp_zero/tools/planner.py", "fsdp_zero/tools/compare.py", "scripts/plan.py",
-                 "bench/step_time.py", "fsdp_zero/api.py"]:
+    for path in [
+        "fsdp_zero/training/trainer.py",
+        "fsdp_zero/tools/planner.py",
+        "fsdp_zero/tools/compare.py",
+        "scripts/plan.py",
+        "bench/step_time.py",
+        "fsdp_zero/api.py",
+    ]:
         assert imports_build(REPO / path), path
     library = list((REPO / "fsdp_zero").rglob("*.py")) + list((REPO / "scripts").glob("*.py"))
     assert {p.name for p in library if "fully_shard" in calls(p)} == {"parallelize.py"}
@@ -263,8 +328,15 @@ def test_init_from_a_hugging_face_folder_and_a_prefixed_state_dict(tmp_path: Pat
     for key, value in source.state_dict().items():
         assert torch.equal(target.state_dict()[key], value), key
 
-    resnet = load_config(None, ["model.target=torchvision.models:resnet18", "model.kwargs.num_classes=10",
-                                "model.task=classification", "data.source=fake_images"])
+    resnet = load_config(
+        None,
+        [
+            "model.target=torchvision.models:resnet18",
+            "model.kwargs.num_classes=10",
+            "model.task=classification",
+            "data.source=fake_images",
+        ],
+    )
     source = built(resnet, 1)
     source.layer1[0].bn1.running_mean.fill_(0.5)  # as if trained
     torch.save({f"module.{k}": v for k, v in source.state_dict().items()}, tmp_path / "resnet.pt")
@@ -283,10 +355,16 @@ def test_wrap_classes_come_from_the_model_or_the_error_lists_them():
     plan = build_wrap_plan(llama, WrapConfig(), 2)  # Hugging Face's _no_split_modules: LlamaDecoderLayer
     assert [u.class_name for u in plan.units] == ["LlamaDecoderLayer"] * 2 + ["LlamaForCausalLM"]
     assert sum(u.num_params for u in plan.units) == sum(p.numel() for p in llama.parameters())
-    resnet = construct(load_config(None, ["model.target=torchvision.models:resnet18", "model.task=classification",
-                                          "data.source=fake_images"]).model)
-    with pytest.raises(ValueError, match=r"ResNet declares no block class .* set parallel\.wrap\.classes .*"
-                                         r"module classes: AdaptiveAvgPool2d, BasicBlock, BatchNorm2d"):
+    resnet = construct(
+        load_config(
+            None, ["model.target=torchvision.models:resnet18", "model.task=classification", "data.source=fake_images"]
+        ).model
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"ResNet declares no block class .* set parallel\.wrap\.classes .*"
+        r"module classes: AdaptiveAvgPool2d, BasicBlock, BatchNorm2d",
+    ):
         build_wrap_plan(resnet, WrapConfig(), 2)
     plan = build_wrap_plan(resnet, WrapConfig(classes=["BasicBlock"]), 2)
     assert len(plan.units) == 9
@@ -309,8 +387,8 @@ def test_data_that_the_model_cannot_take_is_refused_before_training():
 
 @needs_hf
 def test_a_hugging_face_model_can_bring_its_own_initialiser():
-    from fsdp_zero.sharding.build import initialize
     from fsdp_zero.config.schema import Init
+    from fsdp_zero.sharding.build import initialize
 
     cfg = _cfg("llama")
     model = construct(cfg.model)
@@ -318,6 +396,7 @@ def test_a_hugging_face_model_can_bring_its_own_initialiser():
     note = initialize(model, Init.model, seed=3)
     assert note == "LlamaForCausalLM._init_weights (torch.manual_seed(3))"
     weight = model.model.layers[0].mlp.up_proj.weight
-    assert weight.std().item() == pytest.approx(cfg.model.kwargs["initializer_range"] if "initializer_range" in
-                                                cfg.model.kwargs else 0.02, rel=0.1)
+    assert weight.std().item() == pytest.approx(
+        cfg.model.kwargs["initializer_range"] if "initializer_range" in cfg.model.kwargs else 0.02, rel=0.1
+    )
     assert torch.equal(model.model.norm.weight.detach(), torch.ones(32))

@@ -35,8 +35,23 @@ NORM_ATOL = 2e-6
 WEIGHT_ATOL = 3e-5
 
 # Each run of tests/batches.py this module compares with single-process training.
-NAMES = ["n1", "n2", "n3", "n4", "n2-tied", "ddp", "zero1", "zero2", "hsdp", "hpz-prefetch", "ac-full", "ac-selective",
-         "bf16-mixed", "fp16-mixed", "bf16-true"]
+NAMES = [
+    "n1",
+    "n2",
+    "n3",
+    "n4",
+    "n2-tied",
+    "ddp",
+    "zero1",
+    "zero2",
+    "hsdp",
+    "hpz-prefetch",
+    "ac-full",
+    "ac-selective",
+    "bf16-mixed",
+    "fp16-mixed",
+    "bf16-true",
+]
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 FP32 = [name for name in NAMES if name not in PRECISIONS]
 FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1")]  # gloo runs with FSDP2 units (n1: one rank)
@@ -71,8 +86,9 @@ def _key(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    extra = ({"fp32": [], "tied": list(TIED), "n3": ["train.global_batch_size=12"]}
-             | {mode: [f"precision={mode}"] for mode in PRECISIONS})
+    extra = {"fp32": [], "tied": list(TIED), "n3": ["train.global_batch_size=12"]} | {
+        mode: [f"precision={mode}"] for mode in PRECISIONS
+    }
     return {key: reference_run(load_config(None, BASE + overrides)) for key, overrides in extra.items()}
 
 
@@ -137,8 +153,10 @@ def test_activation_checkpointing_lowers_the_activation_peak(runs):
     """The activations alive after the profiled step's first forward: full < selective (every 2nd block) < none."""
     acts = {name: runs[name]["phases"]["after_forward"]["activations"] for name in ("n2", "ac-selective", "ac-full")}
     assert acts["ac-full"] < acts["ac-selective"] < acts["n2"], acts
-    figure("activation peak MiB (gpt_nano, 2 ranks): none / selective / full",
-           " / ".join(f"{v / 2**20:.2f}" for v in acts.values()))
+    figure(
+        "activation peak MiB (gpt_nano, 2 ranks): none / selective / full",
+        " / ".join(f"{v / 2**20:.2f}" for v in acts.values()),
+    )
 
 
 @pytest.mark.parametrize("name", PRECISIONS)
@@ -192,7 +210,9 @@ def test_cpu_offload_policy_reaches_every_unit(runs, name):
     shards live (the CPU, either way) can tell offload from none: only the policy FSDP2 holds can.
     tests/test_gpu.py checks the shards' device and the device memory offload frees where a GPU is lent."""
     offload = name == "ac-full"
-    assert {unit: held["offload"] for unit, held in runs[name]["units"].items()} == dict.fromkeys(runs[name]["units"], offload)
+    assert {unit: held["offload"] for unit, held in runs[name]["units"].items()} == dict.fromkeys(
+        runs[name]["units"], offload
+    )
     assert not any(held["pin_memory"] for held in runs[name]["units"].values())
     assert all(devices == ["cpu"] for devices in runs[name]["shard_devices"])
 
@@ -211,9 +231,15 @@ def _held_after_forward(run: dict, reshard: bool | int, compute_bytes: int, stor
 
 
 # (what FSDP2 must reshard non-root units to after forward, compute bytes, stored bytes, shard degree)
-GATHERED = {"n2": (True, 4, 4, 2), "n4": (True, 4, 4, 4), "hsdp": (True, 4, 4, 2),
-            "zero2": (False, 4, 4, 2), "hpz-prefetch": (2, 4, 4, 4), "bf16-mixed": (True, 2, 4, 2),
-            "bf16-true": (True, 2, 2, 2)}
+GATHERED = {
+    "n2": (True, 4, 4, 2),
+    "n4": (True, 4, 4, 4),
+    "hsdp": (True, 4, 4, 2),
+    "zero2": (False, 4, 4, 2),
+    "hpz-prefetch": (2, 4, 4, 4),
+    "bf16-mixed": (True, 2, 4, 2),
+    "bf16-true": (True, 2, 2, 2),
+}
 
 
 @pytest.mark.parametrize("name", sorted(GATHERED))
@@ -229,7 +255,8 @@ def test_what_stays_gathered_between_forward_and_backward(runs, name):
         assert held["after_forward"] == pytest.approx(expected, rel=0.01), rank  # uneven rows: rank shares differ
         assert held["before_step"] == pytest.approx(stored * run["num_params"] / degree, rel=0.01), rank
     assert {unit: held["reshard_after_forward"] for unit, held in run["units"].items()} == (
-        {unit: reshard for unit in run["units"]} | {"<root>": False})
+        {unit: reshard for unit in run["units"]} | {"<root>": False}
+    )
     # The tracker (profiled step, rank 0) counts the gathered copies alone: the root's, or every unit's.
     gathered = run["phases"]["after_forward"]["gathered_params"]
     if reshard is False:
@@ -241,6 +268,7 @@ def test_what_stays_gathered_between_forward_and_backward(runs, name):
 def test_explicit_prefetch_starts_the_next_units_all_gather_before_a_unit_computes(runs):
     """parallel.prefetch=1: when a unit starts computing in forward, the next unit's all-gather has been
     issued already (one more all-gather before each unit's compute than without prefetching)."""
+
     def all_gathers_before_each_unit(order: list[str]) -> list[int]:
         return [order[:i].count("ag") for i, event in enumerate(order) if event not in ("ag", "<root>")]
 
@@ -255,21 +283,31 @@ def test_record_the_measured_differences(runs, references):
     loss = norm = weight = 0.0
     for name in PRECISIONS:
         got, ref = runs[name], references[name]
-        diffs = (max(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]),
-                 max(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]),
-                 max(((got["final"][k].float() - v.float()).norm() / (v.float() - ref["initial"][k].float()).norm()).item()
-                     for k, v in ref["final"].items() if v.dim() >= 2))
-        figure(f"parity vs single process, {name} (N=2)", "losses {:.1e}, grad norms {:.1e}, final weights "
-               "|w - w_ref| / |w_ref - w_0| {:.1e}".format(*diffs)
-               + " (tolerances {:.0e}, {:.0e}, {:.2g})".format(*PRECISION_ATOL[name]))
+        diffs = (
+            max(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]),
+            max(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]),
+            max(
+                ((got["final"][k].float() - v.float()).norm() / (v.float() - ref["initial"][k].float()).norm()).item()
+                for k, v in ref["final"].items()
+                if v.dim() >= 2
+            ),
+        )
+        figure(
+            f"parity vs single process, {name} (N=2)",
+            "losses {:.1e}, grad norms {:.1e}, final weights |w - w_ref| / |w_ref - w_0| {:.1e}".format(*diffs)
+            + " (tolerances {:.0e}, {:.0e}, {:.2g})".format(*PRECISION_ATOL[name]),
+        )
     for name in FP32:
         got, ref = runs[name], references[_key(name)]
         loss = max(loss, *(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]))
         norm = max(norm, *(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]))
         weight = max(weight, *((got["final"][k] - v).abs().max().item() for k, v in ref["final"].items()))
-    figure("parity vs single process, fp32 (max over N=1/2/3/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, AC)",
-           f"losses {loss:.1e} (tolerance {LOSS_ATOL:.0e}), grad norms {norm:.1e} ({NORM_ATOL:.0e}), "
-           f"final weights {weight:.1e} ({WEIGHT_ATOL:.0e})")
+    figure(
+        "parity vs single process, fp32 (max over N=1/2/3/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, "
+        "AC)",
+        f"losses {loss:.1e} (tolerance {LOSS_ATOL:.0e}), grad norms {norm:.1e} ({NORM_ATOL:.0e}), "
+        f"final weights {weight:.1e} ({WEIGHT_ATOL:.0e})",
+    )
     assert loss <= LOSS_ATOL and norm <= NORM_ATOL and weight <= WEIGHT_ATOL
 
 
@@ -277,9 +315,18 @@ def test_record_the_measured_differences(runs, references):
 # per parameter): ZeRO-3/ZeRO-2 shard all three over N; HSDP over its shard group; ZeRO-1 only the
 # moments (by whole tensors, so a rank's share is 8P/N up to the partition's balance); DDP none.
 EXPECTED_BYTES_PER_PARAM = {
-    "n1": 16, "n2": 16 / 2, "n3": 16 / 3, "n4": 16 / 4, "zero2": 16 / 2, "hsdp": 16 / 2, "zero1": 8 + 8 / 2, "ddp": 16,
+    "n1": 16,
+    "n2": 16 / 2,
+    "n3": 16 / 3,
+    "n4": 16 / 4,
+    "zero2": 16 / 2,
+    "hsdp": 16 / 2,
+    "zero1": 8 + 8 / 2,
+    "ddp": 16,
     "hpz-prefetch": 16 / 4,  # hpZ's extra 4 P / 2 lives only between forward and backward
-    "ac-full": 16 / 2, "bf16-mixed": 16 / 2, "fp16-mixed": 16 / 2,  # fp32 weights, grads, AdamW (in host memory)
+    "ac-full": 16 / 2,
+    "bf16-mixed": 16 / 2,
+    "fp16-mixed": 16 / 2,  # fp32 weights, grads, AdamW (in host memory)
     "bf16-true": 8 / 2,  # bf16 weights, grads and AdamW states
 }
 

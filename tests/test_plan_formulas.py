@@ -11,8 +11,8 @@ from fsdp_zero.config.schema import ParallelConfig, PrecisionConfig
 from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.tools.planner import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
 from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.tools.planner import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
 from tests.conftest import REPO
 
 P, N = 7_500_000_000, 64  # the paper's Table 1 and Figure 1: Psi = 7.5B, N_d = 64
@@ -28,7 +28,11 @@ def _states(largest: int | None = None) -> dict[tuple[Strategy, str], object]:
 def test_the_paper_stages_are_its_table_1():
     stages = zero_paper_stages(P, N)
     assert [(s.name, format_gb(s.bytes)) for s in stages.values()] == [
-        ("baseline", "120 GB"), ("P_os", "31.4 GB"), ("P_os+g", "16.6 GB"), ("P_os+g+p", "1.88 GB")]
+        ("baseline", "120 GB"),
+        ("P_os", "31.4 GB"),
+        ("P_os+g", "16.6 GB"),
+        ("P_os+g+p", "1.88 GB"),
+    ]
     assert stages[2].formula == "2 Psi + (2 + K) Psi / N_d"
     # Exactly, not just to the printed digits: 2 + 2 + 12 bytes, the fp16 parameters whole from stage 2 down.
     assert stages[2].bytes == 2 * P + 14 * P / N and stages[3].bytes == 16 * P / N
@@ -61,7 +65,9 @@ def test_ddp_and_zero1_are_their_formula_at_rest_and_in_the_step():
     assert s[Strategy.zero1, "bf16-true"].in_step == 4 * P + 4 * P / N
     for (strategy, mode), state in s.items():
         bytes_per_param = resolve(PrecisionConfig(mode=mode)).bytes_per_param
-        assert state.at_rest == model_state_formula(Topology.of(ParallelConfig(strategy=strategy), N), P, bytes_per_param)
+        assert state.at_rest == model_state_formula(
+            Topology.of(ParallelConfig(strategy=strategy), N), P, bytes_per_param
+        )
         # The config takes bf16-mixed only with an FSDP strategy.
         assert bool(state.refused) == (mode == "bf16-mixed" and strategy in (Strategy.ddp, Strategy.zero1))
 
@@ -79,8 +85,10 @@ def test_plan_prints_the_paper_beside_ours(capsys: pytest.CaptureFixture[str]):
     assert "| 0 | baseline | (2 + 2 + K) Psi | 120 GB | ddp | 111.76 GiB | 111.76 GiB |" in out
     assert "| 1 | P_os | 2 Psi + 2 Psi + K Psi / N_d | 31.4 GB | zero1 | 56.75 GiB | 56.75 GiB |" in out
     # fp32 at rest, in step; bf16-mixed at rest, in step
-    assert ("| 2 | P_os+g | 2 Psi + (2 + K) Psi / N_d | 16.6 GB | shard_grad_op | 1.75 GiB | 29.69 GiB | 1.75 GiB "
-            "| 15.72 GiB |") in out
+    assert (
+        "| 2 | P_os+g | 2 Psi + (2 + K) Psi / N_d | 16.6 GB | shard_grad_op | 1.75 GiB | 29.69 GiB | 1.75 GiB "
+        "| 15.72 GiB |"
+    ) in out
     assert "| 3 | P_os+g+p | (2 + 2 + K) Psi / N_d | 1.88 GB | full_shard | 1.75 GiB | 1.75 GiB + 1-2 units |" in out
     assert "fp16-mixed: as bf16-mixed" in out
     assert "DeepSpeed estimate_zero3_model_states_mem_needs" in out
@@ -95,16 +103,28 @@ def test_plan_prints_the_paper_beside_ours(capsys: pytest.CaptureFixture[str]):
 
 
 # The composition's cases: a gpt_nano with more blocks than a composition simulates (3 + 4 + 5), one micro-batch.
-DEEP = ["model.preset=gpt_nano", "model.n_layers=13", "data.seq_len=32", "train.global_batch_size=4",
-        "train.micro_batch_size=1"]
+DEEP = [
+    "model.preset=gpt_nano",
+    "model.n_layers=13",
+    "data.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+]
 
 
-@pytest.mark.parametrize("case, world", [
-    (["parallel.strategy=zero1", "train.global_batch_size=2"], 2),  # rank 0's share of AdamW's states: whole tensors
-    # One token a sequence: the backward's part of the step peaks at 4 and 5 blocks, the optimizer step's at 13
-    # (its bytes per block, the sharded gradients and AdamW's temporaries, outgrow the backward's).
-    (["parallel.strategy=full_shard", "data.seq_len=1", "model.vocab_size=64", "train.global_batch_size=2"], 2),
-], ids=["zero1", "zero3-optimizer-step-peaks"])
+@pytest.mark.parametrize(
+    "case, world",
+    [
+        (
+            ["parallel.strategy=zero1", "train.global_batch_size=2"],
+            2,
+        ),  # rank 0's share of AdamW's states: whole tensors
+        # One token a sequence: the backward's part of the step peaks at 4 and 5 blocks, the optimizer step's at 13
+        # (its bytes per block, the sharded gradients and AdamW's temporaries, outgrow the backward's).
+        (["parallel.strategy=full_shard", "data.seq_len=1", "model.vocab_size=64", "train.global_batch_size=2"], 2),
+    ],
+    ids=["zero1", "zero3-optimizer-step-peaks"],
+)
 def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     """The planner simulates a few of the repeated blocks at three depths and composes the rest
     (`fsdp_zero.tools.planner.compose`): every figure it predicts must equal the whole model's simulation."""

@@ -7,8 +7,8 @@ runs in this process (`run_script`), except for the worker processes that ``--wo
 
 from __future__ import annotations
 
-import importlib
 import hashlib
+import importlib
 import json
 import random
 import sys
@@ -38,8 +38,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     a, b = sample_text(rng, 40), "  leading spaces, a trailing newline\n"  # kept as they are: whole files
     lines = [sample_text(rng, rng.randint(1, 30)) for _ in range(30)]
     (root / "a.txt").write_text(a)
-    (root / "m.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" + ("\n" if i == 3 else "")
-                                          for i, t in enumerate(lines)))  # one blank line: no document
+    (root / "m.jsonl").write_text(
+        "".join(json.dumps({"text": t, "id": i}) + "\n" + ("\n" if i == 3 else "") for i, t in enumerate(lines))
+    )  # one blank line: no document
     (root / "sub" / "b.txt").write_text(b)
     (root / "notes.md").write_text("not an input kind: a folder's other files are left out")
     return root, [a, *lines, b]
@@ -82,8 +83,10 @@ def test_documents_decode_to_their_text_and_meta_json_describes_the_files(tiny_t
     assert meta["tokenizer"]["sha256"] == digest.hexdigest() and meta["tokenizer"]["files"] == files
     assert (meta["dtype"], meta["vocab_size"], meta["eos_id"], meta["bos_id"]) == ("uint16", 400, EOS, BOS)
     assert meta["tokenizer"]["path"] == str(tiny_tokenizer_dir.resolve())
-    assert proc.stdout.splitlines()[0] == f"{out}/train.bin: {meta['train']['documents']} documents, " \
-                                          f"{meta['train']['tokens']} tokens (uint16)"
+    assert (
+        proc.stdout.splitlines()[0] == f"{out}/train.bin: {meta['train']['documents']} documents, "
+        f"{meta['train']['tokens']} tokens (uint16)"
+    )
     # data.source=tokens follows meta.json (no data.token_dtype given) and reads the documents' ids
     cfg = load_config(None, ["data.source=tokens", f"data.path={out / 'train.bin'}", "data.seq_len=8"])
     source = build_source(cfg.data, 0, 400)
@@ -103,13 +106,25 @@ def test_the_dtype_is_the_narrowest_that_holds_the_vocabulary_and_validation_is_
 
 def test_one_and_two_workers_write_the_same_bytes(tiny_tokenizer_dir, tmp_path):
     rng = random.Random(5)
-    (tmp_path / "many.jsonl").write_text("".join(json.dumps({"body": sample_text(rng, rng.randint(1, 20))}) + "\n"
-                                                 for _ in range(200)))
+    (tmp_path / "many.jsonl").write_text(
+        "".join(json.dumps({"body": sample_text(rng, rng.randint(1, 20))}) + "\n" for _ in range(200))
+    )
     outs = []
     for workers in ("1", "2"):
         outs.append(tmp_path / f"w{workers}")
-        proc = _prepare(tiny_tokenizer_dir, "--input", str(tmp_path / "many.jsonl"), "--out", str(outs[-1]),
-                        "--field", "body", "--workers", workers, "--seed", "3")
+        proc = _prepare(
+            tiny_tokenizer_dir,
+            "--input",
+            str(tmp_path / "many.jsonl"),
+            "--out",
+            str(outs[-1]),
+            "--field",
+            "body",
+            "--workers",
+            workers,
+            "--seed",
+            "3",
+        )
         assert proc.returncode == 0, proc.stderr
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
@@ -173,8 +188,10 @@ def test_bad_tokenizers_and_outputs_are_one_line_and_leave_nothing(tiny_tokenize
     (saved / "train.bin").write_bytes(b"a user's data")
     assert "saved: already holds train.bin" in _refused(tiny_tokenizer_dir, tmp_path, str(good), out="saved")
     assert (saved / "train.bin").read_bytes() == b"a user's data"
-    for flag, value, message in (("--workers", "0", "--workers=0: must be >= 1"),
-                                 ("--val-fraction", "1", "--val-fraction=1.0: must be in [0, 1)")):
+    for flag, value, message in (
+        ("--workers", "0", "--workers=0: must be >= 1"),
+        ("--val-fraction", "1", "--val-fraction=1.0: must be in [0, 1)"),
+    ):
         assert message in _refused(tiny_tokenizer_dir, tmp_path, str(good), extra=(flag, value))
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if the hf extra were not installed
     assert 'needs transformers: pip install -e ".[hf]"' in _refused(tiny_tokenizer_dir, tmp_path, str(good))
@@ -233,13 +250,19 @@ def test_tokens_source_checks_meta_json(tiny_tokenizer_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     train = tmp_path / "d" / "train.bin"
     cfg = load_config(None, ["data.source=tokens", f"data.path={train}", "data.seq_len=8", "data.token_dtype=uint32"])
-    with pytest.raises(ValueError, match=r"^data\.token_dtype=uint32, but .*meta\.json says train\.bin holds uint16; "
-                                         r"set data\.token_dtype=uint16, or leave it unset"):
+    with pytest.raises(
+        ValueError,
+        match=r"^data\.token_dtype=uint32, but .*meta\.json says train\.bin holds uint16; "
+        r"set data\.token_dtype=uint16, or leave it unset",
+    ):
         build_source(cfg.data, 0, 400)
     cfg.data.token_dtype = "uint16"  # said explicitly, and what meta.json says: fine
     build_source(cfg.data, 0, 400)
-    with pytest.raises(ValueError, match=r"was tokenized with a vocabulary of 400 entries \(.*meta\.json\), but the "
-                                         r"model's has 300; tokenize with the model's own tokenizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"was tokenized with a vocabulary of 400 entries \(.*meta\.json\), but the "
+        r"model's has 300; tokenize with the model's own tokenizer",
+    ):
         build_source(cfg.data, 0, 300)  # although every id in this file may be < 300
     wide = tmp_path / "wide"  # a large vocabulary's file: uint32 ids, which meta.json says
     wide.mkdir()
@@ -248,8 +271,11 @@ def test_tokens_source_checks_meta_json(tiny_tokenizer_dir, tmp_path):
     cfg.data.path, cfg.data.token_dtype = str(wide / "train.bin"), None
     assert build_source(cfg.data, 0, 128_256).tokens(0, 3).tolist() == [70_000, 70_001, 70_002]
     (tmp_path / "d" / "meta.json").write_text('{"dtype": "uint16"}')
-    with pytest.raises(ValueError, match=r"meta\.json: not a meta\.json that scripts/prepare_data\.py writes "
-                                         r"\(lacks \['vocab_size'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"meta\.json: not a meta\.json that scripts/prepare_data\.py writes "
+        r"\(lacks \['vocab_size'\]\)",
+    ):
         read_meta(train)
 
 

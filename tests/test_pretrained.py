@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp_zero.model.construct import construct
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import build_source
+from fsdp_zero.model.construct import construct
 from tests.batches import BY_NAME, HAS_HF
 from tests.conftest import REPO, TRAIN, check, figure, run_script
 from tests.hf_fixtures import LLAMA_CONFIG
@@ -43,8 +43,17 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train(tmp_path: Path, *args: str):  # noqa: ANN202
-    return run_script(TRAIN, "data.seq_len=16", "train.steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",
-                      f"run.root={tmp_path}", "run.name=r", "metrics.tensorboard=false", *args)
+    return run_script(
+        TRAIN,
+        "data.seq_len=16",
+        "train.steps=1",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        f"run.root={tmp_path}",
+        "run.name=r",
+        "metrics.tensorboard=false",
+        *args,
+    )
 
 
 def _one_line_exit_2(proc, tmp_path: Path, *fragments: str) -> str:  # noqa: ANN001
@@ -127,8 +136,10 @@ def test_the_export_is_a_from_pretrained_folder_with_the_trained_models_outputs(
     # The values too: the trained model's logits within bf16's rounding of the weights (8 bits of mantissa,
     # a relative 2^-9 a weight; measured about 1e-2 on these logits).
     half_diff = _logits_diff(half.float(), _cfg("pretrained", root), got["logits"])
-    figure("pretrained export in bf16: from_pretrained logits vs the trained model (fp32), max abs diff",
-           f"{half_diff:.1e}")
+    figure(
+        "pretrained export in bf16: from_pretrained logits vs the trained model (fp32), max abs diff",
+        f"{half_diff:.1e}",
+    )
     assert 0 < half_diff < 5e-2
 
 
@@ -163,12 +174,20 @@ def _as_model(ckpt: Path, dest: Path, **model: object) -> Path:
 
 def test_a_transformers_target_exports_a_config_built_from_its_kwargs(batches, tmp_path: Path):
 
-    ckpt = _as_model(batches.path("pretrained") / "checkpoints" / "step-0000004", tmp_path / "run" / "ckpt",
-                     target="transformers:LlamaForCausalLM", kwargs=LLAMA_CONFIG)
+    ckpt = _as_model(
+        batches.path("pretrained") / "checkpoints" / "step-0000004",
+        tmp_path / "run" / "ckpt",
+        target="transformers:LlamaForCausalLM",
+        kwargs=LLAMA_CONFIG,
+    )
     check(run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "out")))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
-    assert _logits_diff(_from_pretrained(tmp_path / "out"), _cfg("pretrained", batches.root),
-                        batches["pretrained"]["logits"]) <= 1e-5
+    assert (
+        _logits_diff(
+            _from_pretrained(tmp_path / "out"), _cfg("pretrained", batches.root), batches["pretrained"]["logits"]
+        )
+        <= 1e-5
+    )
 
 
 def test_weights_only_and_a_model_that_is_not_hugging_faces_export_the_weights_alone(batches, tmp_path: Path):
@@ -177,9 +196,14 @@ def test_weights_only_and_a_model_that_is_not_hugging_faces_export_the_weights_a
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["model.safetensors"] and not proc.stderr
     builtin = _as_model(ckpt, tmp_path / "b" / "ckpt")
     vit = _as_model(ckpt, tmp_path / "v" / "ckpt", target="torchvision.models:VisionTransformer")
-    for source, why in ((builtin, "the built-in model (model.preset=gpt_tiny) is not a Hugging Face model"),
-                        (vit, "model.target=torchvision.models:VisionTransformer is not a Hugging Face model class "
-                              "(it has no config_class)")):
+    for source, why in (
+        (builtin, "the built-in model (model.preset=gpt_tiny) is not a Hugging Face model"),
+        (
+            vit,
+            "model.target=torchvision.models:VisionTransformer is not a Hugging Face model class "
+            "(it has no config_class)",
+        ),
+    ):
         out = source.parent / "out"
         proc = check(run_script(EXPORT, str(source), "--out", str(out)))
         assert proc.stderr.strip().splitlines() == [f"note: no config.json: {why}; the weights only"]
@@ -201,20 +225,30 @@ def test_an_architecture_transformers_does_not_know_is_refused(folder: Path, tmp
     bad = shutil.copytree(folder, tmp_path / "bad")
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLMM"]}))
-    _one_line_exit_2(_train(tmp_path, f"model.pretrained={bad}"), tmp_path, "'LlamaForCausalLMM'",
-                     "does not have; e.g. LlamaForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    _one_line_exit_2(
+        _train(tmp_path, f"model.pretrained={bad}"),
+        tmp_path,
+        "'LlamaForCausalLMM'",
+        "does not have; e.g. LlamaForCausalLM",
+        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    )
 
 
 def test_remote_code_is_refused_and_never_run_without_trust_remote_code(folder: Path, tmp_path: Path):
     bad = shutil.copytree(folder, tmp_path / "remote")
     marker = tmp_path / "ran"
-    (bad / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n"
-                                          "from transformers import LlamaForCausalLM as EvilForCausalLM\n")
+    (bad / "modeling_evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('imported')\nfrom transformers import LlamaForCausalLM as EvilForCausalLM\n"
+    )
     config = json.loads((bad / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (bad / "config.json").write_text(json.dumps(config))
-    _one_line_exit_2(_train(tmp_path, f"model.pretrained={bad}"), tmp_path, "auto_map asks to run the folder's own "
-                     "code (modeling_evil.EvilForCausalLM)", "model.trust_remote_code=true")
+    _one_line_exit_2(
+        _train(tmp_path, f"model.pretrained={bad}"),
+        tmp_path,
+        "auto_map asks to run the folder's own code (modeling_evil.EvilForCausalLM)",
+        "model.trust_remote_code=true",
+    )
     assert not marker.exists()
 
 
@@ -223,15 +257,22 @@ def test_weights_that_do_not_fit_the_config_name_the_key(folder: Path, tmp_path:
     weights = load_file(bad / "model.safetensors")
     weights["model.norm.weight"] = torch.ones(31)
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
-    _one_line_exit_2(_train(tmp_path, f"model.pretrained={bad}"), tmp_path, f"model.pretrained={str(bad)!r} does not fit",
-                     "mis-shaped: model.norm.weight: file (31,) vs model (32,)")
+    _one_line_exit_2(
+        _train(tmp_path, f"model.pretrained={bad}"),
+        tmp_path,
+        f"model.pretrained={str(bad)!r} does not fit",
+        "mis-shaped: model.norm.weight: file (31,) vs model (32,)",
+    )
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ("model.init_from={folder}/model.safetensors", "and model.init_from="),
-    ("model.target=transformers:LlamaForCausalLM", "and model.target="),
-    ("model.n_layers=2", "model.n_layers=2 only applies to the built-in model, not to model.pretrained="),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ("model.init_from={folder}/model.safetensors", "and model.init_from="),
+        ("model.target=transformers:LlamaForCausalLM", "and model.target="),
+        ("model.n_layers=2", "model.n_layers=2 only applies to the built-in model, not to model.pretrained="),
+    ],
+)
 def test_pretrained_with_a_setting_it_replaces_is_refused(folder: Path, tmp_path: Path, extra: str, fragment: str):
     proc = _train(tmp_path, f"model.pretrained={folder}", extra.format(folder=folder))
     _one_line_exit_2(proc, tmp_path, fragment)

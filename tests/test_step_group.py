@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_zero.sharding.build import build, build_optimizer, local_numel, step_groups
-from fsdp_zero.model.construct import construct
-from fsdp_zero.config.schema import OptimConfig, OptimizerImpl
 from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.schema import OptimConfig, OptimizerImpl
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.monitor.memory import StepProfiler
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model.construct import construct
+from fsdp_zero.monitor.memory import StepProfiler
 from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.sharding.build import build, build_optimizer, local_numel, step_groups
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
 
@@ -99,8 +99,10 @@ def test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards():
     assert whole == 4 * max(whole_groups)  # fp32: the larger of decay / no decay, whole
     assert grouped == 4 * max(groups) <= 4 * 32768  # a 512 x 128 embedding's 32,768-element shard is the largest
     assert len(whole_groups) == 2 and len(groups) > 20
-    figure("optimizer-step temporaries (MiB, gpt_tiny, rank 0 of 2): whole shard / groups of 20,000",
-           f"{whole / 2**20:.2f} / {grouped / 2**20:.3f}")
+    figure(
+        "optimizer-step temporaries (MiB, gpt_tiny, rank 0 of 2): whole shard / groups of 20,000",
+        f"{whole / 2**20:.2f} / {grouped / 2**20:.3f}",
+    )
 
 
 def test_step_groups_cut_in_order_with_a_large_tensor_alone():
@@ -114,8 +116,11 @@ def test_step_groups_cut_in_order_with_a_large_tensor_alone():
 
 def test_fused_and_for_loop_ignore_the_group_size_and_say_so(caplog):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    groups = lambda impl, size: build_optimizer(  # noqa: E731
-        model, OptimConfig(step_group_size=size, implementation=impl), CPU).param_groups
+    groups = lambda impl, size: (
+        build_optimizer(  # noqa: E731
+            model, OptimConfig(step_group_size=size, implementation=impl), CPU
+        ).param_groups
+    )
     assert [len(g["params"]) for g in groups(OptimizerImpl.foreach, 70)] == [1, 1, 2]  # 64 + 64 > 70; biases
     with caplog.at_level(logging.WARNING, logger="fsdp_zero"):
         assert [len(g["params"]) for g in groups(OptimizerImpl.for_loop, 70)] == [2, 2]

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_zero.model import init
-from tests.batches import HAS_HF
-from tests.conftest import REPO, build_model, check, launch
+from fsdp_zero.config.presets import PRESETS, model_args
 from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, ByteText, SyntheticBigram
+from fsdp_zero.model import init
 from fsdp_zero.monitor.memory import MemoryMonitor, model_state_bytes
-from fsdp_zero.config.presets import PRESETS, model_args
 from fsdp_zero.training.step import lr_factor
+from tests.batches import HAS_HF
+from tests.conftest import REPO, build_model, check, launch
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -87,8 +87,12 @@ def test_synthetic_data_is_deterministic_per_index_and_learnable():
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_ranks_read_disjoint_parts_that_make_up_the_global_batch(dp: int):
     src = SyntheticBigram(vocab_size=64, seq_len=8, seed=0)
-    layout = BatchLayout(global_batch_size=8, micro_batch_size=2 if dp < 4 else 1, dp_size=dp,
-                         grad_accum_steps=8 // ((2 if dp < 4 else 1) * dp))
+    layout = BatchLayout(
+        global_batch_size=8,
+        micro_batch_size=2 if dp < 4 else 1,
+        dp_size=dp,
+        grad_accum_steps=8 // ((2 if dp < 4 else 1) * dp),
+    )
     for step in range(2):
         parts = []
         for rank in range(dp):
@@ -131,8 +135,9 @@ def test_loader_workers_outlive_the_sigterm_a_scheduler_sends_every_process():
     os.kill(workers.pop(), signal.SIGTERM)
     for step in range(1, 5):  # past the two batches the worker had fetched ahead
         micro = cursor.next_batch()
-        assert torch.equal(torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in micro]),
-                           src.samples(range(4 * step, 4 * step + 4)))
+        assert torch.equal(
+            torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in micro]), src.samples(range(4 * step, 4 * step + 4))
+        )
 
 
 def test_byte_text_reads_a_folder_as_bytes(tmp_path: Path):
@@ -171,7 +176,9 @@ def test_reference_schedule_agrees_with_the_hand_worked_values():
     # Linear decay: step 13 is half-way from 1.0 to 0.1; constant stays at 1.0.
     from fsdp_zero.config.schema import Schedule
 
-    linear, constant = (OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(s)) for s in ("linear", "constant"))
+    linear, constant = (
+        OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(s)) for s in ("linear", "constant")
+    )
     assert reference_lr(linear, 13, 20) == pytest.approx(0.55, abs=1e-12) and reference_lr(linear, 1, 20) == 0.25
     assert reference_lr(constant, 13, 20) == reference_lr(constant, 20, 20) == 1.0
 
@@ -229,10 +236,19 @@ def test_private_torch_apis_are_where_we_expect_them():
 
     assert hasattr(FSDPModule, "set_custom_reduce_scatter")
     assert inspect.signature(torch_private.DefaultReduceScatter.__call__).parameters.keys() >= {
-        "output_tensor", "input_tensor", "group", "op", "async_op"}
+        "output_tensor",
+        "input_tensor",
+        "group",
+        "op",
+        "async_op",
+    }
     assert hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_all_reduce_hook")
     assert inspect.signature(torch_private.DefaultAllGather.__call__).parameters.keys() >= {
-        "output_tensor", "input_tensor", "group", "async_op"}
+        "output_tensor",
+        "input_tensor",
+        "group",
+        "async_op",
+    }
     from torch.distributed.optim import ZeroRedundancyOptimizer  # what count_zero_broadcasts wraps and reads
 
     assert hasattr(ZeroRedundancyOptimizer, "_partition_parameters")
@@ -246,7 +262,9 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert "reshard_after_forward" in inspect.signature(_fully_shard._get_post_forward_mesh_info).parameters
     assert {"track_external", "get_tracker_snapshot", "reset_mod_stats"} <= set(dir(torch_private.mem_tracker()))
     assert issubclass(torch_private.fsdp_mem_tracker(), torch_private.mem_tracker())
-    assert issubclass(torch.nn.Conv2d, torch_private.ConvNd) and issubclass(torch.nn.BatchNorm1d, torch_private.NormBase)
+    assert issubclass(torch.nn.Conv2d, torch_private.ConvNd) and issubclass(
+        torch.nn.BatchNorm1d, torch_private.NormBase
+    )
     import importlib
 
     for module, name in torch_private.DCP_METADATA_PRIVATE:  # what the checkpoint reader's unpickler admits
@@ -254,12 +272,23 @@ def test_private_torch_apis_are_where_we_expect_them():
     if HAS_HF:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+        llama = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                vocab_size=64,
+            )
+        )
         assert torch_private.hf_no_split_modules(llama) == ["LlamaDecoderLayer"]
         before = llama.lm_head.weight.detach().clone()
         assert torch_private.hf_init_weights(llama, 0) and not torch.equal(before, llama.lm_head.weight)
-    assert not torch_private.hf_init_weights(torch.nn.Linear(2, 2), 0) and torch_private.hf_no_split_modules(torch.nn.Linear(2, 2)) == []
+    assert (
+        not torch_private.hf_init_weights(torch.nn.Linear(2, 2), 0)
+        and torch_private.hf_no_split_modules(torch.nn.Linear(2, 2)) == []
+    )
     # No other module imports a private torch or OmegaConf name, or reaches one through attributes.
     import ast
 
@@ -274,12 +303,17 @@ def test_private_torch_apis_are_where_we_expect_them():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                 base = ast.unparse(node.value)
-                assert not base.startswith(("torch", "nn.")) and node.attr not in ("_get_node", "_value"), \
+                assert not base.startswith(("torch", "nn.")) and node.attr not in ("_get_node", "_value"), (
                     f"{name}: {base}.{node.attr}"
+                )
                 if base not in ("self", "cls"):
                     outside.add(f"{name}: {base}.{node.attr}")
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr") and \
-                    isinstance(node.args[1], ast.Constant) and re.match(r"_[A-Za-z]", str(node.args[1].value)):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr")
+                and isinstance(node.args[1], ast.Constant)
+                and re.match(r"_[A-Za-z]", str(node.args[1].value))
+            ):
                 outside.add(f"{name}: '{node.args[1].value}'")  # getattr(x, "_private")
     # Only our own private names (a data source's memory map) and os._exit remain outside.
     assert outside == {"data/batches.py: '_mapped'", "distributed/env.py: os._exit"}, outside
@@ -317,7 +351,9 @@ def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
     path = run_dir / "checkpoints" / f"step-{step:07d}"
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")
-    (path / "train_state.json").write_text(json.dumps({"step": step, "data_position": 8 * step, "seed": cfg.train.seed}))
+    (path / "train_state.json").write_text(
+        json.dumps({"step": step, "data_position": 8 * step, "seed": cfg.train.seed})
+    )
     (path / "config.yaml").write_text(to_yaml(cfg))
     return path
 
@@ -337,8 +373,12 @@ def test_run_directory_policy_in_process(tmp_path: Path):
 
     _checkpoint(run_dir, 2, cfg)
     latest = _checkpoint(run_dir, 4, cfg)
-    assert plan_run_dir(load_config(None, base + ["optim.lr=1e-3", "data.num_workers=1"]), run_dir, True).resume == latest
-    with pytest.raises(ValueError, match=r"checkpoint\.resume=none but run directory .* holds checkpoints \(newest step-0000004\)"):
+    assert (
+        plan_run_dir(load_config(None, base + ["optim.lr=1e-3", "data.num_workers=1"]), run_dir, True).resume == latest
+    )
+    with pytest.raises(
+        ValueError, match=r"checkpoint\.resume=none but run directory .* holds checkpoints \(newest step-0000004\)"
+    ):
         plan_run_dir(load_config(None, base + ["checkpoint.resume=none"]), run_dir, True)
     with pytest.raises(ValueError, match=r"model\.n_layers: None in the checkpoint, 3 now"):
         plan_run_dir(load_config(None, base + ["model.n_layers=3"]), run_dir, True)
@@ -369,11 +409,20 @@ def test_learning_rate_is_set_from_the_step_alone():
         assert opt.param_groups[0]["lr"] == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-15)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"strategy": "zero9"}, "strategy='zero9' is not a valid choice; valid choices: full_shard, shard_grad_op"),
-    ({"precision": "fp8"}, "precision='fp8' is not a valid choice; valid choices: fp32, bf16-mixed, fp16-mixed, bf16-true"),
-    ({"activation_checkpointing": "some"}, "activation_checkpointing='some' is not a valid choice; valid choices: none"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"strategy": "zero9"}, "strategy='zero9' is not a valid choice; valid choices: full_shard, shard_grad_op"),
+        (
+            {"precision": "fp8"},
+            "precision='fp8' is not a valid choice; valid choices: fp32, bf16-mixed, fp16-mixed, bf16-true",
+        ),
+        (
+            {"activation_checkpointing": "some"},
+            "activation_checkpointing='some' is not a valid choice; valid choices: none",
+        ),
+    ],
+)
 def test_own_loop_shard_names_a_bad_argument(kwargs, message):
     from fsdp_zero.api import shard
 
@@ -385,15 +434,33 @@ def test_own_loop_shard_names_a_bad_argument(kwargs, message):
 def test_train_state_round_trips_and_reads_checkpoints_written_before_it(tmp_path: Path):
     from fsdp_zero.checkpoint.dcp import TrainState, read_train_state
 
-    state = TrainState(step=7, data_position=56, skipped_nonfinite=1, loss_scaler={"scale": 1024.0}, deadline=1.5e9,
-                       job="j", world_size=2, versions={"torch": "x"}, extra={"samples_seen": 3})
+    state = TrainState(
+        step=7,
+        data_position=56,
+        skipped_nonfinite=1,
+        loss_scaler={"scale": 1024.0},
+        deadline=1.5e9,
+        job="j",
+        world_size=2,
+        versions={"torch": "x"},
+        extra={"samples_seen": 3},
+    )
     text = state.to_json()
     assert TrainState.from_json(text) == state
     assert json.loads(text)["samples_seen"] == 3 and "extra" not in json.loads(text)  # the own loop's keys, flat
     assert "deadline" not in TrainState(step=1).to_json()  # no budget: nothing of it written, as before
     # A train_state.json as the trainer wrote it before TrainState (an unread "seed", the budget's keys):
-    old = {"step": 4, "data_position": 32, "seed": 1234, "skipped_nonfinite": 0, "deadline": 2.0, "job": "a",
-           "loss_scaler": {"scale": 8.0}, "world_size": 2, "versions": {"torch": "2.15", "fsdp_zero": "0.1.0"}}
+    old = {
+        "step": 4,
+        "data_position": 32,
+        "seed": 1234,
+        "skipped_nonfinite": 0,
+        "deadline": 2.0,
+        "job": "a",
+        "loss_scaler": {"scale": 8.0},
+        "world_size": 2,
+        "versions": {"torch": "2.15", "fsdp_zero": "0.1.0"},
+    }
     ckpt = tmp_path / "step-0000004"
     ckpt.mkdir()
     for name in (".metadata", "config.yaml"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_zero.config.schema import WrapConfig, WrapPolicy
 from fsdp_zero.config.presets import model_args
+from fsdp_zero.config.schema import WrapConfig, WrapPolicy
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from tests.conftest import build_model
 
@@ -48,8 +48,13 @@ def test_size_based_follows_fsdp1_semantics():
     assert units(plan) == ["layers.0.feed_forward", "layers.1.feed_forward", ""]
     plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=16_000), world_size=2)
     assert units(plan) == [
-        "layers.0.attention", "layers.0.feed_forward", "layers.1.attention", "layers.1.feed_forward",
-        "tok_embeddings", "output", "",
+        "layers.0.attention",
+        "layers.0.feed_forward",
+        "layers.1.attention",
+        "layers.1.feed_forward",
+        "tok_embeddings",
+        "output",
+        "",
     ]
 
 
@@ -59,7 +64,9 @@ def test_size_based_that_matches_nothing_is_an_error():
 
 
 def test_modules_policy_by_regex():
-    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=[r"layers\.\d+\.attention", "output"]), 4)
+    plan = build_wrap_plan(
+        nano(), WrapConfig(policy=WrapPolicy.modules, modules=[r"layers\.\d+\.attention", "output"]), 4
+    )
     assert units(plan) == ["layers.0.attention", "layers.1.attention", "output", ""]
 
 
@@ -77,7 +84,9 @@ def test_none_policy_is_root_only():
 
 def test_tied_embeddings_stay_in_one_unit():
     model = nano(tie_embeddings=True)
-    plan = build_wrap_plan(model, WrapConfig(policy=WrapPolicy.modules, modules=["output", "tok_embeddings", r"layers\.\d+"]), 2)
+    plan = build_wrap_plan(
+        model, WrapConfig(policy=WrapPolicy.modules, modules=["output", "tok_embeddings", r"layers\.\d+"]), 2
+    )
     assert units(plan) == ["layers.0", "layers.1", ""]
     assert any("shares" in n for n in plan.notes)
     # The shared weight is counted once, in the root.

@@ -161,8 +161,13 @@ def killed_then_preempted(model: nn.Module, batch: tuple[torch.Tensor, torch.Ten
     if dist.get_rank() == 1 and _calls[0] == 9 and not killed.exists():
         killed.write_text(f"{time.time()}\n")
         os.kill(os.getpid(), signal.SIGKILL)
-    if dist.get_rank() == 0 and _calls[0] == 3 and killed.exists() and not signalled.exists() \
-            and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+    if (
+        dist.get_rank() == 0
+        and _calls[0] == 3
+        and killed.exists()
+        and not signalled.exists()
+        and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+    ):
         signalled.write_text(f"{time.time()}\n")
         _until_sigterm(lambda: os.kill(int(os.environ["PREEMPT_PID"]), signal.SIGUSR1))
     logits = model(inputs).float()

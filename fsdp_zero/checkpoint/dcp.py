@@ -21,7 +21,6 @@ their global shapes, so a checkpoint saved at N ranks loads at any M.
 
 from __future__ import annotations
 
-from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE
 import datetime
 import json
 import logging
@@ -43,13 +42,17 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fsdp_zero
-from fsdp_zero.sharding.parallelize import unwrap
+from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE
 from fsdp_zero.errors import CheckpointFailed
+from fsdp_zero.sharding.parallelize import unwrap
 from fsdp_zero.torch_private import DCP_METADATA_PRIVATE, _init_optim_state
 
 logger = logging.getLogger("fsdp_zero")
@@ -160,10 +163,14 @@ class SafeFileSystemReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{self.path}/.metadata is not DCP metadata")
         # We never save anything but tensors; DCP would torch.load(weights_only=False) any byte item.
-        not_tensors = sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
+        not_tensors = sorted(
+            k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)
+        )
         if not_tensors:
-            raise ValueError(f"{self.path}: holds non-tensor items ({', '.join(not_tensors[:5])}); "
-                             "refusing to load them (they would be unpickled)")
+            raise ValueError(
+                f"{self.path}: holds non-tensor items ({', '.join(not_tensors[:5])}); "
+                "refusing to load them (they would be unpickled)"
+            )
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -265,25 +272,34 @@ def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Siz
 
 def check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
     """Raises a ValueError listing missing, unexpected and mis-shaped tensors, if any."""
-    saved = {k: v.size for k, v in metadata.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata) and k.split(".")[0] in ("model", "optim")}
+    saved = {
+        k: v.size
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and k.split(".")[0] in ("model", "optim")
+    }
     missing = sorted(set(expected) - set(saved))
     # Only model keys can be unexpected: under zero1 a rank asks for its partition's optimizer states alone.
     unexpected = sorted(k for k in set(saved) - set(expected) if k.startswith("model."))
-    misshaped = sorted(f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
-                       for k in set(saved) & set(expected) if tuple(saved[k]) != tuple(expected[k]))
+    misshaped = sorted(
+        f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
+        for k in set(saved) & set(expected)
+        if tuple(saved[k]) != tuple(expected[k])
+    )
     if missing or unexpected or misshaped:
         raise does_not_fit(f"checkpoint {str(path)!r}", missing, unexpected, misshaped)
 
 
-def does_not_fit(what: str, missing: list[str], unexpected: list[str], misshaped: list[str],
-                 how: str = "") -> ValueError:
+def does_not_fit(
+    what: str, missing: list[str], unexpected: list[str], misshaped: list[str], how: str = ""
+) -> ValueError:
     """One line naming what does not fit the model (``how``: after a renaming of its keys): the first
     8 of each kind of mismatch, and how many."""
     parts = [f"{what} does not fit this model" + (f" (with the renaming {how})" if how else "")]
     for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
         if items:
-            parts.append(f"{label}: " + ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else ""))
+            parts.append(
+                f"{label}: " + ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+            )
     return ValueError("; ".join(parts))
 
 
@@ -294,8 +310,10 @@ def does_not_fit(what: str, missing: list[str], unexpected: list[str], misshaped
 def _causes(error: BaseException) -> str:
     """Each failing rank's error in one line, from DCP's gathered exception (or the error itself)."""
     if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                         for rank, (exc, _) in sorted(error.failures.items()))
+        return "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            for rank, (exc, _) in sorted(error.failures.items())
+        )
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
@@ -309,8 +327,15 @@ class PendingSave:
 class Checkpointer:
     """Saves and loads a run's checkpoints; one per run, on every rank."""
 
-    def __init__(self, root: Path, keep_last: int, async_save: bool, rank: int, device: torch.device,
-                 timeout: datetime.timedelta | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        keep_last: int,
+        async_save: bool,
+        rank: int,
+        device: torch.device,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
         self.root = root
         self.keep_last = keep_last
         self.rank = rank
@@ -322,8 +347,9 @@ class Checkpointer:
         # they may wait for the slowest rank's I/O; None: torch's default).
         self.async_group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState,
-             config_yaml: str) -> None:
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState, config_yaml: str
+    ) -> None:
         """Writes checkpoint ``step`` (``train_state`` with this world size and the versions); returns
         at once when saving asynchronously."""
         self.wait()  # one save in flight at a time
@@ -337,8 +363,11 @@ class Checkpointer:
                 if partial.exists():  # left by a crash: garbage by construction
                     shutil.rmtree(partial)
                 partial.mkdir(parents=True)
-                state = replace(train_state, world_size=dist.get_world_size(),
-                                versions={"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__})
+                state = replace(
+                    train_state,
+                    world_size=dist.get_world_size(),
+                    versions={"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__},
+                )
                 (partial / STATE_FILE).write_text(state.to_json())
                 (partial / CONFIG_FILE).write_text(config_yaml)
         box = [error]
@@ -387,8 +416,10 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         good = latest_checkpoint(self.root)
         kept = f"{good} is intact (launch again to continue from it)" if good else "no earlier checkpoint exists"
-        return CheckpointFailed(f"checkpoint {final.name} could not be written ({_causes(error)}); nothing of it "
-                                f"was kept and {kept}; free space in {self.root} or point run.root elsewhere")
+        return CheckpointFailed(
+            f"checkpoint {final.name} could not be written ({_causes(error)}); nothing of it "
+            f"was kept and {kept}; free space in {self.root} or point run.root elsewhere"
+        )
 
     def _commit(self, partial: Path, final: Path) -> None:
         # DCP writes .metadata on rank 0 only after gathering every rank's write results,
@@ -430,8 +461,9 @@ def _fault_point(where: str, step: int) -> None:
 # Load
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                    device: torch.device) -> TrainState:
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device
+) -> TrainState:
     """Loads model, optimizer and this rank's RNG from ``path``; returns its train state.
 
     Works at any world size: DCP reads, for each rank, the parts of the saved chunks
@@ -452,7 +484,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure and raises on all ranks
         # (CheckpointException derives from BaseException.) Keep the first line of each rank's cause.
-        raise ValueError(f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {_causes(e)}") from None
+        raise ValueError(
+            f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {_causes(e)}"
+        ) from None
     set_model_state_dict(model, state["model"])
     if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states were loaded in place
         groups = get_optimizer_state_dict(model, optimizer)["param_groups"]

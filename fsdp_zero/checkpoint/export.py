@@ -23,8 +23,15 @@ class Exported:
     note: str | None = None  # why a Hugging Face export holds the weights only (None: nothing to say)
 
 
-def export(checkpoint: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int | None = None,
-           weights_only: bool = False, adapters_only: bool = False) -> Exported:
+def export(
+    checkpoint: Path,
+    out: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+    weights_only: bool = False,
+    adapters_only: bool = False,
+) -> Exported:
     """Writes ``checkpoint``'s model weights to ``out`` (a new folder, or one ``.safetensors`` file).
 
     Args:

@@ -30,8 +30,16 @@ from fsdp_zero.model.init import local_rows
 from fsdp_zero.model.lora import adapter_names
 
 _ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -54,7 +62,9 @@ class FullWeights:
                     weight_map = json.loads(index.read_text())["weight_map"]
                     self._files = {name: path / file for name, file in weight_map.items()}
                 except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
-                    raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}") from None
+                    raise ValueError(
+                        f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}"
+                    ) from None
             elif (path / SINGLE_FILE).is_file():
                 self._files = {name: path / SINGLE_FILE for name in _safetensors_names(path / SINGLE_FILE)}
             else:
@@ -126,8 +136,9 @@ def _common_prefixes(keys: list[str]) -> list[str]:
     return out
 
 
-def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str,
-                     optional: frozenset[str] = frozenset()) -> tuple[dict[str, str], str]:
+def match_state_dict(
+    model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str, optional: frozenset[str] = frozenset()
+) -> tuple[dict[str, str], str]:
     """Which file tensor fills each of the model's state tensors: {model name: file name}, and the
     renaming applied ('' if none).
 
@@ -146,7 +157,7 @@ def match_state_dict(model: nn.Module, shapes: dict[str, tuple[int, ...]], origi
     best: tuple[int, dict[str, str], list[str], list[str], list[str], str] | None = None
     for strip in _common_prefixes(files):
         for add in _common_prefixes(sorted(model_names)):
-            renamed = {add + k[len(strip):]: k for k in files}
+            renamed = {add + k[len(strip) :]: k for k in files}
             mapping, missing, misshaped = {}, [], []
             for names, t in state:
                 hit = next((n for n in names if n in renamed), None)
@@ -208,8 +219,9 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[by
     return struct.pack("<Q", len(text)) + text, sizes
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                      fetch: Callable[[str], torch.Tensor]) -> None:
+def write_safetensors(
+    path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fetch: Callable[[str], torch.Tensor]
+) -> None:
     """Writes ``entries`` (name, dtype, shape) to ``path``, calling ``fetch(name)`` for one tensor at a time."""
     header, sizes = _header(entries)
     with open(path, "wb") as f:
@@ -254,10 +266,14 @@ def iter_shard_files(n: int) -> Iterator[str]:
 ExportView = Callable[[list[str], Callable[[str], torch.Tensor]], tuple[dict[str, str], Callable[[str], torch.Tensor]]]
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = None,
-                      max_shard_bytes: int | None = None,
-                      extra_files: Callable[[torch.dtype | None], dict[str, bytes]] | None = None,
-                      view: ExportView | None = None) -> list[Path]:
+def export_checkpoint(
+    checkpoint: Path,
+    out: Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+    extra_files: Callable[[torch.dtype | None], dict[str, bytes]] | None = None,
+    view: ExportView | None = None,
+) -> list[Path]:
     """Consolidates a checkpoint's model weights into safetensors, one tensor in memory at a time.
 
     ``out`` ending in .safetensors is one file; otherwise a new folder holding
@@ -280,8 +296,11 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
     if out.exists():
         raise ValueError(f"--out {str(out)!r} already exists; it is never overwritten")
     metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
-    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    saved = {
+        k[len("model.") :]: v
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
     if not saved:
         raise ValueError(f"checkpoint {str(checkpoint)!r} holds no model weights")
     reader = SafeFileSystemReader(str(checkpoint))
@@ -294,21 +313,31 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype | None = N
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load({"model": {name: t}}, storage_reader=reader, no_dist=True)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise ValueError(f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated file?): "
-                             f"{str(e).strip().splitlines()[-1]}") from None
+            raise ValueError(
+                f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated file?): "
+                f"{str(e).strip().splitlines()[-1]}"
+            ) from None
         return t
 
     sources, read = view(list(saved), fetch_saved) if view else ({n: n for n in saved}, fetch_saved)
-    entries = [(name, dtype if (dtype and saved[src].properties.dtype.is_floating_point) else
-                saved[src].properties.dtype, tuple(saved[src].size)) for name, src in sources.items()]
+    entries = [
+        (
+            name,
+            dtype if (dtype and saved[src].properties.dtype.is_floating_point) else saved[src].properties.dtype,
+            tuple(saved[src].size),
+        )
+        for name, src in sources.items()
+    ]
     fetch = lambda name: _cast(read(name), dtype)  # noqa: E731
 
     single = out.suffix == ".safetensors"
     shards = plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
     if single and len(shards) > 1:
         total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
-        raise ValueError(f"--out {str(out)!r} is one file, but the weights ({total:,} bytes) exceed --max-shard-size; "
-                         "give a folder to write shards into")
+        raise ValueError(
+            f"--out {str(out)!r} is one file, but the weights ({total:,} bytes) exceed --max-shard-size; "
+            "give a folder to write shards into"
+        )
     tmp = out.with_name(f".{out.name}.partial")
     _remove(tmp)
     try:

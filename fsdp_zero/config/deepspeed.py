@@ -46,8 +46,8 @@ NO_EFFECT = {
     "stage3_param_persistence_threshold": "every unit is sharded; small units: parallel.wrap.min_params",
     "stage3_max_live_parameters": "at most the gathered units of the current and the prefetched ones live",
     "stage3_max_reuse_distance": "FSDP2 frees a unit's gathered parameters after its forward (ZeRO-3) or backward",
-    "stage3_gather_16bit_weights_on_model_save": "scripts/export.py writes full weights (safetensors) from a sharded checkpoint",
-    "gather_16bit_weights_on_model_save": "scripts/export.py writes full weights (safetensors) from a sharded checkpoint",
+    "stage3_gather_16bit_weights_on_model_save": "scripts/export.py writes full weights (safetensors) of a checkpoint",
+    "gather_16bit_weights_on_model_save": "scripts/export.py writes full weights (safetensors) of a checkpoint",
     "elastic_checkpoint": "DCP checkpoints load at any world size",
     "ignore_unused_parameters": "FSDP2 handles parameters without gradients",
     "load_from_fp32_weights": "checkpoints hold the fp32 master weights",
@@ -71,7 +71,7 @@ NO_EFFECT = {
     "memory_breakdown": "the memory breakdown is logged at memory.profile_step",
     "flops_profiler": "no flops profiler; tokens/s are logged",
     "activation_checkpointing": "configures DeepSpeed's checkpointing API for model code; use "
-                                "parallel.activation_checkpointing=full|selective",
+    "parallel.activation_checkpointing=full|selective",
     "tensorboard.output_path": "TensorBoard events go to <run dir>/tb (run.root, run.name)",
     "tensorboard.job_name": "TensorBoard events go to <run dir>/tb (run.root, run.name)",
     "scheduler.params.warmup_min_lr": "warm-up starts at lr / warmup_steps",
@@ -142,21 +142,31 @@ def _as_number(text: str) -> float | None:
         return None
 
 
-def number(kind: type[int] | type[float], *, min: float | None = None,
-           choices: Collection[int] | None = None) -> Convert:
+def number(
+    kind: type[int] | type[float], *, min: float | None = None, choices: Collection[int] | None = None
+) -> Convert:
     """A converter to ``kind``: not a bool, finite, integral for an int, at least ``min``, one of ``choices``."""
-    valid = (f"valid choices: {', '.join(map(str, choices))}" if choices is not None else
-             f"expected {'an integer' if kind is int else 'a number'}{f' >= {min}' if min is not None else ''}")
+    valid = (
+        f"valid choices: {', '.join(map(str, choices))}"
+        if choices is not None
+        else f"expected {'an integer' if kind is int else 'a number'}{f' >= {min}' if min is not None else ''}"
+    )
 
     def convert(key: str, value: Any) -> int | float:
         text = isinstance(value, str)
         read = _as_number(value) if text and key.startswith(_PYDANTIC_SECTIONS) else value
-        if (isinstance(read, bool) or not isinstance(read, (int, float)) or not _finite(read)
-                or (kind is int and read != int(read)) or (min is not None and read < min)
-                or (choices is not None and read not in choices)):
+        if (
+            isinstance(read, bool)
+            or not isinstance(read, (int, float))
+            or not _finite(read)
+            or (kind is int and read != int(read))
+            or (min is not None and read < min)
+            or (choices is not None and read not in choices)
+        ):
             quoted = text and read is value and _as_number(value) is not None  # "32" where DeepSpeed wants 32
-            raise _bad(key, value, valid + (", not a string: DeepSpeed reads this key's JSON value as it is"
-                                            if quoted else ""))
+            raise _bad(
+                key, value, valid + (", not a string: DeepSpeed reads this key's JSON value as it is" if quoted else "")
+            )
         return kind(read)
 
     return convert
@@ -178,6 +188,7 @@ def choice(options: dict[str, str], valid: str = "", *, fold_case: bool = True) 
 
     ``valid`` is what the error lists; by default the names.
     """
+
     def convert(key: str, value: Any) -> str:
         name = value.lower() if isinstance(value, str) and fold_case else value
         if not isinstance(name, str) or name not in options:
@@ -189,8 +200,11 @@ def choice(options: dict[str, str], valid: str = "", *, fold_case: bool = True) 
 
 def pair(key: str, value: Any) -> list[int | float]:
     """Two finite numbers, as AdamW's betas (written back as given: 0.9 stays 0.9, 1 stays 1)."""
-    if not (isinstance(value, list) and len(value) == 2
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in value)):
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in value)
+    ):
         raise _bad(key, value, "expected two numbers, e.g. [0.9, 0.999]")
     return value
 
@@ -289,20 +303,31 @@ class Joint:
 
 
 # Batch sizes.
-TRAIN_BATCH = Rule("train_batch_size", "train.global_batch_size", number(int, min=1),
-                   "samples per optimizer step over all ranks")
-MICRO_BATCH = Rule("train_micro_batch_size_per_gpu", "train.micro_batch_size", number(int, min=1),
-                   "samples per forward/backward on one rank")
-GRAD_ACCUM = Rule("gradient_accumulation_steps", "(derived)", number(int, min=1),
-                  "global / (micro x ranks); checked when all three are given")
+TRAIN_BATCH = Rule(
+    "train_batch_size", "train.global_batch_size", number(int, min=1), "samples per optimizer step over all ranks"
+)
+MICRO_BATCH = Rule(
+    "train_micro_batch_size_per_gpu",
+    "train.micro_batch_size",
+    number(int, min=1),
+    "samples per forward/backward on one rank",
+)
+GRAD_ACCUM = Rule(
+    "gradient_accumulation_steps",
+    "(derived)",
+    number(int, min=1),
+    "global / (micro x ranks); checked when all three are given",
+)
 
 
 def _batch(ds: _Reader) -> list[str]:
     """DeepSpeed's rule, train_batch_size = micro x accumulation x ranks: any two give the third."""
     tbs, micro, gas, ranks = ds[TRAIN_BATCH], ds[MICRO_BATCH], ds[GRAD_ACCUM], ds.world_size
     if tbs is not None and micro is not None and gas is not None and tbs != micro * gas * ranks:
-        raise ds.bad(TRAIN_BATCH.ds, f"!= {MICRO_BATCH.ds} {micro} x {GRAD_ACCUM.ds} {gas} x {ranks} ranks = "
-                                     f"{micro * gas * ranks}")
+        raise ds.bad(
+            TRAIN_BATCH.ds,
+            f"!= {MICRO_BATCH.ds} {micro} x {GRAD_ACCUM.ds} {gas} x {ranks} ranks = {micro * gas * ranks}",
+        )
     if tbs is None and micro is not None:
         tbs = micro * (gas or 1) * ranks
     if micro is None and tbs is not None:
@@ -314,16 +339,33 @@ def _batch(ds: _Reader) -> list[str]:
 
 
 # ZeRO: the stage, CPU offload, and the groups of hpZ and MiCS.
-STAGE = Rule("zero_optimization.stage", "parallel.zero_stage", number(int, choices=STAGES),
-             ", ".join(f"{stage} {name}" for stage, name in STAGES.items()))
-OFFLOAD_OPTIMIZER = Rule("zero_optimization.offload_optimizer.device", "parallel.cpu_offload", offload_device,
-                         "cpu: shards and the optimizer step on the CPU (FSDP2 offloads parameters too)")
-OFFLOAD_PARAM = Rule("zero_optimization.offload_param.device", "parallel.cpu_offload", offload_device,
-                     "cpu: as offload_optimizer")
-HPZ = Rule("zero_optimization.zero_hpz_partition_size", "parallel.reshard_after_forward", number(int, min=1),
-           "ZeRO++ hpZ group size")
-MICS = Rule("zero_optimization.mics_shard_size", "parallel.strategy=hybrid_shard, parallel.shard_size", number(int),
-            "MiCS = HSDP")
+STAGE = Rule(
+    "zero_optimization.stage",
+    "parallel.zero_stage",
+    number(int, choices=STAGES),
+    ", ".join(f"{stage} {name}" for stage, name in STAGES.items()),
+)
+OFFLOAD_OPTIMIZER = Rule(
+    "zero_optimization.offload_optimizer.device",
+    "parallel.cpu_offload",
+    offload_device,
+    "cpu: shards and the optimizer step on the CPU (FSDP2 offloads parameters too)",
+)
+OFFLOAD_PARAM = Rule(
+    "zero_optimization.offload_param.device", "parallel.cpu_offload", offload_device, "cpu: as offload_optimizer"
+)
+HPZ = Rule(
+    "zero_optimization.zero_hpz_partition_size",
+    "parallel.reshard_after_forward",
+    number(int, min=1),
+    "ZeRO++ hpZ group size",
+)
+MICS = Rule(
+    "zero_optimization.mics_shard_size",
+    "parallel.strategy=hybrid_shard, parallel.shard_size",
+    number(int),
+    "MiCS = HSDP",
+)
 
 
 def _zero(ds: _Reader) -> list[str]:
@@ -354,8 +396,10 @@ def _offload(ds: _Reader, stage: int | None) -> list[str]:
         fsdp = " or ".join(str(s) for s, strategy in ZERO_STAGES.items() if is_fsdp(strategy))
         raise ds.bad(parts[0].ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {STAGE.ds}={stage}")
     if parts == [OFFLOAD_OPTIMIZER]:
-        ds.notes.append("ds_config zero_optimization.offload_optimizer: FSDP2's CPU offload moves the parameter "
-                        "shards to host memory too (as offload_param would)")
+        ds.notes.append(
+            "ds_config zero_optimization.offload_optimizer: FSDP2's CPU offload moves the parameter "
+            "shards to host memory too (as offload_param would)"
+        )
     return ["parallel.cpu_offload=true"]
 
 
@@ -366,18 +410,27 @@ def _sub_group(key: str, value: Any) -> int:
 
 # DeepSpeed's ZeRO-3 steps its optimizer sub-group by sub-group (default 1e9 elements: one group for
 # any shard below that); here foreach AdamW steps groups of at most that many, at every stage.
-SUB_GROUP = Rule("zero_optimization.sub_group_size", "optim.step_group_size", _sub_group,
-                 "elements of a rank's shard AdamW steps at once (bit-identical; bounds foreach AdamW's "
-                 "temporaries); 0, one tensor at a time, is 1 here")
+SUB_GROUP = Rule(
+    "zero_optimization.sub_group_size",
+    "optim.step_group_size",
+    _sub_group,
+    "elements of a rank's shard AdamW steps at once (bit-identical; bounds foreach AdamW's "
+    "temporaries); 0, one tensor at a time, is 1 here",
+)
 
 
 # Precision.
 FP16 = Rule("fp16.enabled", "precision=fp16-mixed", flag, "fp32 master weights, fp16 compute, loss scaling")
 LOSS_SCALE = Rule("fp16.loss_scale", "precision.loss_scale", number(float, min=0), "0: dynamic")
-SCALE_POWER = Rule("fp16.initial_scale_power", "precision.initial_scale_power", number(int, min=0),
-                   "first scale 2**power")
-SCALE_WINDOW = Rule("fp16.loss_scale_window", "precision.loss_scale_window", number(int, min=0),
-                    "steps without overflow before doubling")
+SCALE_POWER = Rule(
+    "fp16.initial_scale_power", "precision.initial_scale_power", number(int, min=0), "first scale 2**power"
+)
+SCALE_WINDOW = Rule(
+    "fp16.loss_scale_window",
+    "precision.loss_scale_window",
+    number(int, min=0),
+    "steps without overflow before doubling",
+)
 BF16 = Rule("bf16.enabled", "precision=bf16-mixed", flag, "fp32 master weights, bf16 compute")
 
 
@@ -395,24 +448,37 @@ def _precision(ds: _Reader) -> list[str]:
 
 
 # Optimizer and schedule.
-OPTIMIZER = Rule("optimizer.type", "(AdamW)", choice({"adam": "adam", "adamw": "adamw"},
-                                                     "Adam, AdamW (fsdp-zero trains with AdamW)"),
-                 "Adam and AdamW (DeepSpeed's Adam is AdamW unless adam_w_mode=false)")
+OPTIMIZER = Rule(
+    "optimizer.type",
+    "(AdamW)",
+    choice({"adam": "adam", "adamw": "adamw"}, "Adam, AdamW (fsdp-zero trains with AdamW)"),
+    "Adam and AdamW (DeepSpeed's Adam is AdamW unless adam_w_mode=false)",
+)
 
 
 def _adam(ds: _Reader) -> list[str]:
     """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack)."""
     if ds[OPTIMIZER] == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
-        raise ds.bad("optimizer.params.adam_w_mode", "Adam with L2 regularisation is not supported; valid: true (AdamW)")
+        raise ds.bad(
+            "optimizer.params.adam_w_mode", "Adam with L2 regularisation is not supported; valid: true (AdamW)"
+        )
     return []
 
 
 LR = Rule("optimizer.params.lr", "optim.lr", number(float, min=0), "peak learning rate")
-SCHEDULER = Rule("scheduler.type", "optim.schedule", choice(SCHEDULES, fold_case=False),
-                 "after the warm-up: WarmupLR constant, WarmupDecayLR linear to 0 at total_num_steps, "
-                 "WarmupCosineLR cosine to cos_min_ratio")
-WARMUP = Rule("scheduler.params.warmup_num_steps", "optim.warmup_steps", number(int, min=0),
-              "linear warm-up here (DeepSpeed's default is log)")
+SCHEDULER = Rule(
+    "scheduler.type",
+    "optim.schedule",
+    choice(SCHEDULES, fold_case=False),
+    "after the warm-up: WarmupLR constant, WarmupDecayLR linear to 0 at total_num_steps, "
+    "WarmupCosineLR cosine to cos_min_ratio",
+)
+WARMUP = Rule(
+    "scheduler.params.warmup_num_steps",
+    "optim.warmup_steps",
+    number(int, min=0),
+    "linear warm-up here (DeepSpeed's default is log)",
+)
 WARMUP_MAX_LR = Rule("scheduler.params.warmup_max_lr", "optim.lr", number(float, min=0), "WarmupLR/WarmupDecayLR")
 TOTAL_STEPS = Rule("scheduler.params.total_num_steps", "train.steps", number(int, min=1), "the schedule's length")
 MIN_RATIO = Rule("scheduler.params.cos_min_ratio", "optim.min_lr_ratio", number(float, min=0), "WarmupCosineLR")
@@ -440,14 +506,20 @@ def _schedule(ds: _Reader) -> list[str]:
 
 
 # DeepSpeed tests this top-level key for truth as written (get_scalar_param); it only adds a note here.
-WALL_CLOCK = Rule("wall_clock_breakdown", "(always on)", lambda key, value: bool(value),
-                  "step time and throughput are logged every train.log_every steps")
+WALL_CLOCK = Rule(
+    "wall_clock_breakdown",
+    "(always on)",
+    lambda key, value: bool(value),
+    "step time and throughput are logged every train.log_every steps",
+)
 
 
 def _wall_clock(ds: _Reader) -> list[str]:
     if ds[WALL_CLOCK]:
-        ds.notes.append("ds_config wall_clock_breakdown=true: step time and tokens/s are always logged (every "
-                        "train.log_every steps); the memory breakdown at memory.profile_step")
+        ds.notes.append(
+            "ds_config wall_clock_breakdown=true: step time and tokens/s are always logged (every "
+            "train.log_every steps); the memory breakdown at memory.profile_step"
+        )
     return []
 
 
@@ -459,9 +531,14 @@ TABLE: tuple[Rule | Joint, ...] = (
     Joint(_zero, (STAGE, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, HPZ, MICS)),
     SUB_GROUP,
     Joint(_precision, (FP16, LOSS_SCALE, SCALE_POWER, SCALE_WINDOW, BF16)),
-    Rule("communication_data_type", "precision.reduce_dtype",
-         choice({"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "float32": "fp32", "float16": "fp16",
-                 "bfloat16": "bf16"}), "gradient reduction dtype"),
+    Rule(
+        "communication_data_type",
+        "precision.reduce_dtype",
+        choice(
+            {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+        ),
+        "gradient reduction dtype",
+    ),
     Joint(_adam, (OPTIMIZER,)),
     Rule("optimizer.params.eps", "optim.eps", number(float, min=0)),
     Rule("optimizer.params.weight_decay", "optim.weight_decay", number(float, min=0), "decoupled (AdamW)"),
@@ -517,8 +594,12 @@ def _check_keys(flat: dict[str, Any]) -> list[str]:
     for key, value in flat.items():
         if not _known(key):
             section = key.split(".")[0]
-            hint = f"; keys of '{section}' read here: " + ", ".join(
-                rule.ds for rule in MAPPED if rule.ds.startswith(section + ".")) if section in SECTIONS else ""
+            hint = (
+                f"; keys of '{section}' read here: "
+                + ", ".join(rule.ds for rule in MAPPED if rule.ds.startswith(section + "."))
+                if section in SECTIONS
+                else ""
+            )
             raise _bad(key, value, f"unknown DeepSpeed key{hint}")
         tail = _tail(key)
         if key in UNSUPPORTED or tail in UNSUPPORTED:

@@ -19,10 +19,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdp_zero.config.strategies import STRATEGY_ALIASES, ZERO_STAGES
-from fsdp_zero.config.schema import Config, validate
 from fsdp_zero.config.paths import CONFIG_FILE
 from fsdp_zero.config.presets import check_model_config
+from fsdp_zero.config.schema import Config, validate
+from fsdp_zero.config.strategies import STRATEGY_ALIASES, ZERO_STAGES
 
 
 def load_config(config_path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -122,12 +122,16 @@ def _apply_aliases(layer: DictConfig) -> None:
     stage = parallel.pop("zero_stage", None)
     if stage is not None:
         if stage not in ZERO_STAGES:
-            raise ValueError(f"parallel.zero_stage={stage!r} is not a valid choice; valid choices: "
-                             f"{', '.join(map(str, ZERO_STAGES))}")
+            raise ValueError(
+                f"parallel.zero_stage={stage!r} is not a valid choice; valid choices: "
+                f"{', '.join(map(str, ZERO_STAGES))}"
+            )
         mapped = ZERO_STAGES[stage].value
         if strategy is not None and parallel.strategy != mapped:
-            raise ValueError(f"parallel.zero_stage={stage} means parallel.strategy={mapped}, but "
-                             f"parallel.strategy={strategy} is also set; set one of them")
+            raise ValueError(
+                f"parallel.zero_stage={stage} means parallel.strategy={mapped}, but "
+                f"parallel.strategy={strategy} is also set; set one of them"
+            )
         parallel.strategy = mapped
 
 

@@ -58,8 +58,9 @@ PRESETS: dict[str, TransformerArgs] = {
 
 # The built-in model's settings that model.* exposes (set there, each replaces the preset's value):
 # TransformerArgs's fields that ModelConfig also has (rope_theta and norm_eps are not exposed).
-BUILTIN_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerArgs)
-                       if f.name in {g.name for g in dataclasses.fields(ModelConfig)})
+BUILTIN_FIELDS = tuple(
+    f.name for f in dataclasses.fields(TransformerArgs) if f.name in {g.name for g in dataclasses.fields(ModelConfig)}
+)
 
 
 def model_args(preset: str, **overrides: int | bool | None) -> TransformerArgs:
@@ -69,7 +70,8 @@ def model_args(preset: str, **overrides: int | bool | None) -> TransformerArgs:
 
 def check_model_config(cfg: ModelConfig) -> None:
     """The built-in model's rules for ``model.*``: a known preset; its fields (> 0) only without
-    model.target or model.pretrained; model.kwargs only with one of them. `fsdp_zero.config.loader.load_config` runs them.
+    model.target or model.pretrained; model.kwargs only with one of them. `fsdp_zero.config.loader.load_config` runs
+    them.
 
     Raises:
         ValueError: naming the key, the bad value and the valid choices.
@@ -80,14 +82,19 @@ def check_model_config(cfg: ModelConfig) -> None:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ValueError(f"model.preset={cfg.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
         if cfg.kwargs:
-            raise ValueError(f"model.kwargs={dict(cfg.kwargs)} is set without model.target or model.pretrained; the built-in model takes "
-                             f"model.{', model.'.join(BUILTIN_FIELDS)}")
+            raise ValueError(
+                f"model.kwargs={dict(cfg.kwargs)} is set without model.target or model.pretrained; the built-in "
+                f"model takes "
+                f"model.{', model.'.join(BUILTIN_FIELDS)}"
+            )
     else:
         builtin = [f"model.{k}={getattr(cfg, k)!r}" for k in BUILTIN_FIELDS if getattr(cfg, k) is not None]
         if builtin:
             foreign = f"model.target={cfg.target}" if cfg.target else f"model.pretrained={cfg.pretrained}"
-            raise ValueError(f"{', '.join(builtin)} only applies to the built-in model, not to {foreign}; "
-                             "pass the model's own arguments in model.kwargs")
+            raise ValueError(
+                f"{', '.join(builtin)} only applies to the built-in model, not to {foreign}; "
+                "pass the model's own arguments in model.kwargs"
+            )
     for name in BUILTIN_FIELDS:
         if name != "tie_embeddings":
             check_positive(f"model.{name}", getattr(cfg, name))

@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_zero.config.strategies import (
-    GRAD_SYNC_NEEDS, STRATEGIES, GradSync, Strategy, is_fsdp, strategies_that,
+    GRAD_SYNC_NEEDS,
+    STRATEGIES,
+    GradSync,
+    Strategy,
+    is_fsdp,
+    strategies_that,
 )
 
 
@@ -72,7 +77,8 @@ class Device(str, enum.Enum):
 
 
 class ActivationCheckpointing(str, enum.Enum):
-    """Which units recompute their activations in backward instead of keeping them (see fsdp_zero.sharding.parallelize)."""
+    """Which units recompute their activations in backward instead of keeping them (see
+    fsdp_zero.sharding.parallelize)."""
 
     none = "none"
     full = "full"  # every block unit of the wrap plan
@@ -115,12 +121,16 @@ class LoRAConfig:
         if self.rank == 0:
             for key in ("targets", "train"):
                 if getattr(self, key):
-                    raise ValueError(f"model.lora.{key}={getattr(self, key)} is set but model.lora.rank=0 (LoRA off); "
-                                     "set model.lora.rank to a positive integer, e.g. 8")
+                    raise ValueError(
+                        f"model.lora.{key}={getattr(self, key)} is set but model.lora.rank=0 (LoRA off); "
+                        "set model.lora.rank to a positive integer, e.g. 8"
+                    )
             return
         if not self.targets:
-            raise ValueError(f"model.lora.rank={self.rank} needs model.lora.targets, the Linear modules to adapt, "
-                             "e.g. 'model.lora.targets=[q_proj,v_proj]'")
+            raise ValueError(
+                f"model.lora.rank={self.rank} needs model.lora.targets, the Linear modules to adapt, "
+                "e.g. 'model.lora.targets=[q_proj,v_proj]'"
+            )
         check_positive("model.lora.alpha", self.alpha)
         if not 0 <= self.dropout < 1:
             raise ValueError(f"model.lora.dropout={self.dropout}: must be in [0, 1)")
@@ -167,13 +177,19 @@ class ModelConfig:
         """The rules that need no model; the built-in model's (preset, its fields, kwargs) are
         `fsdp_zero.model.transformer.check_model_config`'s."""
         if self.target is not None and not _is_target(self.target):
-            raise ValueError(f"model.target={self.target!r}: expected package.module:callable, e.g. "
-                             "torchvision.models:VisionTransformer")
+            raise ValueError(
+                f"model.target={self.target!r}: expected package.module:callable, e.g. "
+                "torchvision.models:VisionTransformer"
+            )
         if self.task is Task.custom and self.loss is None:
-            raise ValueError("model.task=custom needs model.loss: package.module:function taking (model, batch), returning the loss")
+            raise ValueError(
+                "model.task=custom needs model.loss: package.module:function taking (model, batch), returning the loss"
+            )
         if self.loss is not None:
             if self.task is not Task.custom:
-                raise ValueError(f"model.loss={self.loss!r} is set but model.task={self.task.value}; set model.task=custom to use it")
+                raise ValueError(
+                    f"model.loss={self.loss!r} is set but model.task={self.task.value}; set model.task=custom to use it"
+                )
             if not _is_target(self.loss):
                 raise ValueError(f"model.loss={self.loss!r}: expected package.module:function")
         if self.init_from is not None and not Path(self.init_from).exists():
@@ -181,34 +197,46 @@ class ModelConfig:
         if self.pretrained is not None:
             self._check_pretrained()
         elif self.trust_remote_code:
-            raise ValueError("model.trust_remote_code=true applies only to model.pretrained (a folder whose "
-                             "config.json has an auto_map); set model.pretrained or drop it")
+            raise ValueError(
+                "model.trust_remote_code=true applies only to model.pretrained (a folder whose "
+                "config.json has an auto_map); set model.pretrained or drop it"
+            )
         _check_regexes("model.freeze", self.freeze)
         self.lora.check()
 
     def _check_pretrained(self) -> None:
         """model.pretrained names a folder with a config.json, and brings its own class and weights."""
-        for key, why in (("target", "the class comes from the folder's config.json (architectures)"),
-                         ("init_from", "the weights come from the folder")):
+        for key, why in (
+            ("target", "the class comes from the folder's config.json (architectures)"),
+            ("init_from", "the weights come from the folder"),
+        ):
             if getattr(self, key) is not None:
-                raise ValueError(f"model.pretrained={self.pretrained!r} and model.{key}={getattr(self, key)!r} are both "
-                                 f"set; {why}: set one of them")
+                raise ValueError(
+                    f"model.pretrained={self.pretrained!r} and model.{key}={getattr(self, key)!r} are both "
+                    f"set; {why}: set one of them"
+                )
         folder = Path(self.pretrained)
         if not folder.is_dir():
-            raise ValueError(f"model.pretrained={self.pretrained!r}: no such folder (a Hugging Face model folder, "
-                             "save_pretrained's output)")
+            raise ValueError(
+                f"model.pretrained={self.pretrained!r}: no such folder (a Hugging Face model folder, "
+                "save_pretrained's output)"
+            )
         if not (folder / "config.json").is_file():
-            raise ValueError(f"model.pretrained={self.pretrained!r}: no config.json in it; a Hugging Face model folder "
-                             "(save_pretrained's output) holds config.json and *.safetensors")
+            raise ValueError(
+                f"model.pretrained={self.pretrained!r}: no config.json in it; a Hugging Face model folder "
+                "(save_pretrained's output) holds config.json and *.safetensors"
+            )
 
 
 TOKEN_SOURCES = (DataSource.synthetic, DataSource.text, DataSource.tokens)
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 # What each source needs in data.path, and which tasks it feeds (custom takes any).
-_PATHS = {DataSource.text: "a text file or a folder of them", DataSource.tokens: "a .bin or .npy file of token ids",
-          DataSource.images: "an ImageFolder directory, one sub-folder of images per class"}
-_TASK_SOURCES = {Task.causal_lm: TOKEN_SOURCES,
-                 Task.classification: (DataSource.images, DataSource.fake_images)}
+_PATHS = {
+    DataSource.text: "a text file or a folder of them",
+    DataSource.tokens: "a .bin or .npy file of token ids",
+    DataSource.images: "an ImageFolder directory, one sub-folder of images per class",
+}
+_TASK_SOURCES = {Task.causal_lm: TOKEN_SOURCES, Task.classification: (DataSource.images, DataSource.fake_images)}
 
 
 @dataclass
@@ -245,11 +273,14 @@ class DataConfig:
                 raise ValueError(f"data.path={self.path!r}: data.source=images needs {_PATHS[self.source]}")
         elif self.path:
             valid = ", ".join(s.value for s in _PATHS)
-            raise ValueError(f"data.path={self.path!r} is set but data.source={self.source.value} reads no files; "
-                             f"data.source with a path: {valid}")
+            raise ValueError(
+                f"data.path={self.path!r} is set but data.source={self.source.value} reads no files; "
+                f"data.source with a path: {valid}"
+            )
         if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
-            raise ValueError(f"data.token_dtype={self.token_dtype!r} is not a valid choice; valid choices: "
-                             f"{', '.join(TOKEN_DTYPES)}")
+            raise ValueError(
+                f"data.token_dtype={self.token_dtype!r} is not a valid choice; valid choices: {', '.join(TOKEN_DTYPES)}"
+            )
         if self.num_workers is not None and self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0 (0: load in the training process)")
 
@@ -311,15 +342,21 @@ class ParallelConfig:
         if self.prefetch < 0:
             raise ValueError(f"parallel.prefetch={self.prefetch}: must be >= 0 (0: FSDP2's own scheduling)")
         if self.reshard_after_forward is not None and not STRATEGIES[strategy].hpz:
-            raise ValueError(f"parallel.reshard_after_forward={self.reshard_after_forward} applies to "
-                             f"parallel.strategy={strategies_that('hpz')} only, not {strategy.value}")
+            raise ValueError(
+                f"parallel.reshard_after_forward={self.reshard_after_forward} applies to "
+                f"parallel.strategy={strategies_that('hpz')} only, not {strategy.value}"
+            )
         if self.cpu_offload and not is_fsdp(strategy):
-            raise ValueError(f"parallel.cpu_offload=true needs an FSDP strategy ({strategies_that('fsdp')}), "
-                             f"not parallel.strategy={strategy.value}")
+            raise ValueError(
+                f"parallel.cpu_offload=true needs an FSDP strategy ({strategies_that('fsdp')}), "
+                f"not parallel.strategy={strategy.value}"
+            )
         needs = GRAD_SYNC_NEEDS.get(_choice("parallel.grad_sync", self.grad_sync, GradSync))
         if needs and not getattr(STRATEGIES[strategy], needs):
-            raise ValueError(f"parallel.grad_sync={GradSync(self.grad_sync).value} applies to parallel.strategy="
-                             f"{strategies_that(needs)} only, not {strategy.value}")
+            raise ValueError(
+                f"parallel.grad_sync={GradSync(self.grad_sync).value} applies to parallel.strategy="
+                f"{strategies_that(needs)} only, not {strategy.value}"
+            )
         self.wrap.check()
 
     def check_world(self, world_size: int) -> list[str]:
@@ -341,11 +378,15 @@ class ParallelConfig:
         k = self.reshard_after_forward
         if k is not None and k != world_size and (world_size % k or k >= world_size):
             divisors = [d for d in range(1, world_size) if world_size % d == 0]
-            raise ValueError(f"parallel.reshard_after_forward={k} must divide the world size {world_size} and be "
-                             f"smaller; valid choices: {divisors} (or null)")
+            raise ValueError(
+                f"parallel.reshard_after_forward={k} must divide the world size {world_size} and be "
+                f"smaller; valid choices: {divisors} (or null)"
+            )
         if not STRATEGIES[self.strategy].hybrid and size != ParallelConfig.shard_size:
-            return [f"parallel.shard_size={size} has no effect with parallel.strategy={self.strategy.value} "
-                    f"(only {strategies_that('hybrid')} uses it)"]
+            return [
+                f"parallel.shard_size={size} has no effect with parallel.strategy={self.strategy.value} "
+                f"(only {strategies_that('hybrid')} uses it)"
+            ]
         return []
 
 
@@ -377,13 +418,15 @@ class PrecisionConfig:
     def check(self) -> None:
         check_positive("precision.loss_scale_window", self.loss_scale_window)
         if self.mode not in PRECISION_MODES:
-            raise ValueError(f"precision.mode={self.mode!r} is not a valid choice; valid choices: "
-                             f"{', '.join(PRECISION_MODES)}")
+            raise ValueError(
+                f"precision.mode={self.mode!r} is not a valid choice; valid choices: {', '.join(PRECISION_MODES)}"
+            )
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
             if value is not None and value not in PRECISION_DTYPES:
-                raise ValueError(f"precision.{key}={value!r} is not a valid choice; valid choices: "
-                                 f"{', '.join(PRECISION_DTYPES)}")
+                raise ValueError(
+                    f"precision.{key}={value!r} is not a valid choice; valid choices: {', '.join(PRECISION_DTYPES)}"
+                )
         if self.loss_scale < 0:
             raise ValueError(f"precision.loss_scale={self.loss_scale}: must be >= 0 (0: dynamic loss scaling)")
 
@@ -412,8 +455,10 @@ class OptimConfig:
         check_positive("optim.lr", self.lr)
         size = self.step_group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"optim.step_group_size={size!r}: must be an integer >= 0 (elements per AdamW "
-                             "group; 0: the whole shard at once)")
+            raise ValueError(
+                f"optim.step_group_size={size!r}: must be an integer >= 0 (elements per AdamW "
+                "group; 0: the whole shard at once)"
+            )
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
         if self.eps <= 0:
@@ -452,14 +497,14 @@ class TrainConfig:
         for key in ("steps", "global_batch_size", "micro_batch_size", "log_every", "stop_after", "max_minutes"):
             check_positive(f"train.{key}", getattr(self, key))
         if self.skip_nonfinite < 0:
-            raise ValueError(f"train.skip_nonfinite={self.skip_nonfinite}: must be >= 0 (0: stop at the first "
-                             "non-finite step)")
+            raise ValueError(
+                f"train.skip_nonfinite={self.skip_nonfinite}: must be >= 0 (0: stop at the first non-finite step)"
+            )
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}"
             )
-
 
 
 @dataclass
@@ -537,14 +582,18 @@ class MemoryConfig:
     def check(self) -> None:
         threshold = self.malloc_mmap_threshold
         if threshold not in ("auto", "default") and not (threshold.isdigit() and int(threshold) > 0):
-            raise ValueError(f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0")
+            raise ValueError(
+                f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0"
+            )
         if self.profile_step < 0:
             raise ValueError(f"memory.profile_step={self.profile_step}: must be >= 0 (0: no profiling)")
 
 
 # What eval.path holds for each task that can be evaluated (fsdp_zero.training.evaluate).
-_EVAL_PATHS = {Task.causal_lm: "a token file (.bin or .npy) as data.source=tokens reads one",
-               Task.classification: "an ImageFolder directory, one sub-folder of images per class"}
+_EVAL_PATHS = {
+    Task.causal_lm: "a token file (.bin or .npy) as data.source=tokens reads one",
+    Task.classification: "an ImageFolder directory, one sub-folder of images per class",
+}
 
 
 @dataclass
@@ -563,11 +612,15 @@ class EvalConfig:
         """Counts >= 0, and a path that exists whenever evaluation is on."""
         for key in ("every", "max_batches"):
             if getattr(self, key) < 0:
-                raise ValueError(f"eval.{key}={getattr(self, key)}: must be >= 0 (0: "
-                                 f"{'no evaluation' if key == 'every' else 'the whole file'})")
+                raise ValueError(
+                    f"eval.{key}={getattr(self, key)}: must be >= 0 (0: "
+                    f"{'no evaluation' if key == 'every' else 'the whole file'})"
+                )
         if self.every and not self.path:
-            raise ValueError(f"eval.every={self.every} needs eval.path: {_EVAL_PATHS[Task.causal_lm]} for "
-                             f"model.task=causal_lm, {_EVAL_PATHS[Task.classification]} for classification")
+            raise ValueError(
+                f"eval.every={self.every} needs eval.path: {_EVAL_PATHS[Task.causal_lm]} for "
+                f"model.task=causal_lm, {_EVAL_PATHS[Task.classification]} for classification"
+            )
         if self.path and not Path(self.path).exists():
             raise ValueError(f"eval.path={self.path!r}: no such file or folder")
 
@@ -576,9 +629,11 @@ class EvalConfig:
         if not self.every:
             return
         if task not in _EVAL_PATHS:
-            raise ValueError(f"eval.every={self.every}: model.task={task.value} cannot be evaluated (its batches "
-                             f"are the loss function's own); valid choices: {', '.join(t.value for t in _EVAL_PATHS)}, "
-                             "or eval.every=0")
+            raise ValueError(
+                f"eval.every={self.every}: model.task={task.value} cannot be evaluated (its batches "
+                f"are the loss function's own); valid choices: {', '.join(t.value for t in _EVAL_PATHS)}, "
+                "or eval.every=0"
+            )
         path = Path(self.path)
         fits = path.is_dir() if task is Task.classification else path.is_file() and path.suffix in (".bin", ".npy")
         if not fits:
@@ -612,25 +667,44 @@ def validate(cfg: Config) -> None:
     cfg.model.check()
     sources = _TASK_SOURCES.get(cfg.model.task)  # before data.check(): with the wrong source, its path is moot
     if sources and cfg.data.source not in sources:
-        raise ValueError(f"data.source={cfg.data.source.value} does not feed model.task={cfg.model.task.value}; "
-                         f"valid choices: {', '.join(s.value for s in sources)}")
-    for section in (cfg.data, cfg.train, cfg.dist, cfg.optim, cfg.parallel, cfg.precision, cfg.memory, cfg.checkpoint,
-                    cfg.run, cfg.metrics, cfg.eval):
+        raise ValueError(
+            f"data.source={cfg.data.source.value} does not feed model.task={cfg.model.task.value}; "
+            f"valid choices: {', '.join(s.value for s in sources)}"
+        )
+    for section in (
+        cfg.data,
+        cfg.train,
+        cfg.dist,
+        cfg.optim,
+        cfg.parallel,
+        cfg.precision,
+        cfg.memory,
+        cfg.checkpoint,
+        cfg.run,
+        cfg.metrics,
+        cfg.eval,
+    ):
         section.check()
     cfg.eval.check_task(cfg.model.task)
     for key in ("stop_after", "max_minutes"):
         if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
-            raise ValueError(f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint")
+            raise ValueError(
+                f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint"
+            )
     p, strategy = cfg.precision, cfg.parallel.strategy
     if cfg.model.lora.rank and p.mode == "bf16-true":
-        raise ValueError(f"model.lora.rank={cfg.model.lora.rank} with precision.mode=bf16-true is not supported (the "
-                         "adapters and their AdamW states would be bf16); LoRA runs with precision.mode=fp32, "
-                         "bf16-mixed or fp16-mixed")
+        raise ValueError(
+            f"model.lora.rank={cfg.model.lora.rank} with precision.mode=bf16-true is not supported (the "
+            "adapters and their AdamW states would be bf16); LoRA runs with precision.mode=fp32, "
+            "bf16-mixed or fp16-mixed"
+        )
     mixed = p.mode.endswith("-mixed") or p.param_dtype not in (None, "fp32") or p.reduce_dtype not in (None, "fp32")
     if mixed and p.mode != "bf16-true" and not is_fsdp(strategy):
-        raise ValueError(f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored ones) needs "
-                         f"an FSDP strategy ({strategies_that('fsdp')}), not parallel.strategy="
-                         f"{strategy.value}; with {strategy.value} use precision.mode=fp32 or bf16-true")
+        raise ValueError(
+            f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored ones) needs "
+            f"an FSDP strategy ({strategies_that('fsdp')}), not parallel.strategy="
+            f"{strategy.value}; with {strategy.value} use precision.mode=fp32 or bf16-true"
+        )
 
 
 # ---------------------------------------------------------------------------------
@@ -648,7 +722,9 @@ def _choice(key: str, value: object, kind: type[enum.Enum]) -> enum.Enum:
     try:
         return kind(value)
     except ValueError:
-        raise ValueError(f"{key}={value!r} is not a valid choice; valid choices: {', '.join(kind.__members__)}") from None
+        raise ValueError(
+            f"{key}={value!r} is not a valid choice; valid choices: {', '.join(kind.__members__)}"
+        ) from None
 
 
 def _check_regexes(key: str, patterns: list[str]) -> None:

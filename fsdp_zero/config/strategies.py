@@ -57,21 +57,63 @@ class StrategySpec:
 
 
 STRATEGIES: dict[Strategy, StrategySpec] = {
-    Strategy.full_shard: StrategySpec(3, "ZeRO-3", fsdp=True, reshard_after_forward=True, sharded=(True, True, True),
-                                      hybrid=False, deepspeed_stage=3, aliases=("FULL_SHARD",), hpz=True),
-    Strategy.shard_grad_op: StrategySpec(2, "ZeRO-2", fsdp=True, reshard_after_forward=False,
-                                         sharded=(True, True, True), hybrid=False, deepspeed_stage=2,
-                                         aliases=("SHARD_GRAD_OP",)),
-    Strategy.hybrid_shard: StrategySpec(3, "HSDP", fsdp=True, reshard_after_forward=True, sharded=(True, True, True),
-                                        hybrid=True, deepspeed_stage=None, aliases=("HYBRID_SHARD",)),
-    Strategy.zero1: StrategySpec(1, "ZeRO-1", fsdp=False, reshard_after_forward=False, sharded=(False, False, True),
-                                 hybrid=False, deepspeed_stage=1),
-    Strategy.ddp: StrategySpec(0, "DDP", fsdp=False, reshard_after_forward=False, sharded=(False, False, False),
-                               hybrid=False, deepspeed_stage=0, aliases=("NO_SHARD",)),
+    Strategy.full_shard: StrategySpec(
+        3,
+        "ZeRO-3",
+        fsdp=True,
+        reshard_after_forward=True,
+        sharded=(True, True, True),
+        hybrid=False,
+        deepspeed_stage=3,
+        aliases=("FULL_SHARD",),
+        hpz=True,
+    ),
+    Strategy.shard_grad_op: StrategySpec(
+        2,
+        "ZeRO-2",
+        fsdp=True,
+        reshard_after_forward=False,
+        sharded=(True, True, True),
+        hybrid=False,
+        deepspeed_stage=2,
+        aliases=("SHARD_GRAD_OP",),
+    ),
+    Strategy.hybrid_shard: StrategySpec(
+        3,
+        "HSDP",
+        fsdp=True,
+        reshard_after_forward=True,
+        sharded=(True, True, True),
+        hybrid=True,
+        deepspeed_stage=None,
+        aliases=("HYBRID_SHARD",),
+    ),
+    Strategy.zero1: StrategySpec(
+        1,
+        "ZeRO-1",
+        fsdp=False,
+        reshard_after_forward=False,
+        sharded=(False, False, True),
+        hybrid=False,
+        deepspeed_stage=1,
+    ),
+    Strategy.ddp: StrategySpec(
+        0,
+        "DDP",
+        fsdp=False,
+        reshard_after_forward=False,
+        sharded=(False, False, False),
+        hybrid=False,
+        deepspeed_stage=0,
+        aliases=("NO_SHARD",),
+    ),
 }
 # DeepSpeed's stage -> ours, in stage order (hybrid_shard is DeepSpeed's MiCS, chosen by mics_shard_size).
-ZERO_STAGES = {spec.deepspeed_stage: s for s, spec in sorted(STRATEGIES.items(), key=lambda kv: kv[1].zero_stage)
-               if spec.deepspeed_stage is not None}
+ZERO_STAGES = {
+    spec.deepspeed_stage: s
+    for s, spec in sorted(STRATEGIES.items(), key=lambda kv: kv[1].zero_stage)
+    if spec.deepspeed_stage is not None
+}
 STRATEGY_ALIASES = {alias: s.value for s, spec in STRATEGIES.items() for alias in spec.aliases}
 
 

@@ -44,7 +44,7 @@ class SyntheticBigram:
         self.seed = seed
         gen = torch.Generator().manual_seed(seed)
         self.successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=gen)
-        odds = torch.tensor([2.0 ** -i for i in range(branching)])
+        odds = torch.tensor([2.0**-i for i in range(branching)])
         self.probs = odds / odds.sum()
 
     def entropy(self) -> float:
@@ -71,8 +71,9 @@ class SyntheticBigram:
         return next_token_pairs(self.samples(indices))
 
 
-def epoch_order(index: int, n: int, seed: int, cached: tuple[int, torch.Tensor] | None
-                ) -> tuple[tuple[int, torch.Tensor], int]:
+def epoch_order(
+    index: int, n: int, seed: int, cached: tuple[int, torch.Tensor] | None
+) -> tuple[tuple[int, torch.Tensor], int]:
     """Global sample ``index`` -> an item of ``n``: a seeded permutation, a fresh one each pass (epoch).
     Returns the (epoch, permutation) to cache for the next call, and the item."""
     epoch, pos = divmod(index, n)
@@ -150,16 +151,20 @@ class TokenFile(Windows):
         self.path, self.meta = Path(path), read_meta(path)
         written = self.meta["dtype"] if self.meta and self.path.suffix == ".bin" else None
         if dtype is not None and written is not None and dtype != written:
-            raise ValueError(f"data.token_dtype={dtype}, but {self.path.with_name(META)} says {self.path.name} holds "
-                             f"{written}; set data.token_dtype={written}, or leave it unset (null) to follow meta.json")
+            raise ValueError(
+                f"data.token_dtype={dtype}, but {self.path.with_name(META)} says {self.path.name} holds "
+                f"{written}; set data.token_dtype={written}, or leave it unset (null) to follow meta.json"
+            )
         self.dtype = dtype or written or "uint16"
         self.mask_path = mask_file(self.path) if self.path.suffix == ".bin" else None
         self.masked = self.mask_path is not None and self.mask_path.is_file()
         self._mask_mapped: np.ndarray | None = None
         super().__init__(len(self._array), seq_len, seed, f"data.path={str(path)!r}")
         if self.masked and len(self._mask) != len(self._array):
-            raise ValueError(f"{self.mask_path} holds {len(self._mask)} mask bytes but {self.path} holds "
-                             f"{len(self._array)} tokens: not its mask; prepare the data again")
+            raise ValueError(
+                f"{self.mask_path} holds {len(self._mask)} mask bytes but {self.path} holds "
+                f"{len(self._array)} tokens: not its mask; prepare the data again"
+            )
 
     @property
     def _mask(self) -> np.ndarray:
@@ -182,14 +187,20 @@ class TokenFile(Windows):
                 if self.path.suffix == ".npy":
                     arr = np.load(self.path, mmap_mode="r")
                 else:
-                    arr = np.memmap(self.path, dtype=np.dtype(self.dtype), mode="r") if self.path.stat().st_size \
+                    arr = (
+                        np.memmap(self.path, dtype=np.dtype(self.dtype), mode="r")
+                        if self.path.stat().st_size
                         else np.empty(0, dtype=self.dtype)
+                    )
             except ValueError as e:
-                raise ValueError(f"data.path={str(self.path)!r}: not a token file of data.token_dtype={self.dtype}: {e}") \
-                    from None
+                raise ValueError(
+                    f"data.path={str(self.path)!r}: not a token file of data.token_dtype={self.dtype}: {e}"
+                ) from None
             if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                raise ValueError(f"data.path={str(self.path)!r}: expected a 1-D array of integer token ids, "
-                                 f"got shape {arr.shape} of {arr.dtype}")
+                raise ValueError(
+                    f"data.path={str(self.path)!r}: expected a 1-D array of integer token ids, "
+                    f"got shape {arr.shape} of {arr.dtype}"
+                )
             self._mapped = arr
         return self._mapped
 
@@ -204,14 +215,18 @@ class TokenFile(Windows):
         """Raises a ValueError when the model cannot embed every id: a tokenizer vocabulary (meta.json's)
         larger than the model's, or an id in the file at or above ``vocab_size``."""
         if self.meta and self.meta["vocab_size"] > vocab_size:
-            raise ValueError(f"data.path={str(self.path)!r} was tokenized with a vocabulary of "
-                             f"{self.meta['vocab_size']} entries ({self.path.with_name(META)}), but the model's has "
-                             f"{vocab_size}; tokenize with the model's own tokenizer, or enlarge its vocabulary")
+            raise ValueError(
+                f"data.path={str(self.path)!r} was tokenized with a vocabulary of "
+                f"{self.meta['vocab_size']} entries ({self.path.with_name(META)}), but the model's has "
+                f"{vocab_size}; tokenize with the model's own tokenizer, or enlarge its vocabulary"
+            )
         largest = self.max_token()
         if largest >= vocab_size:
-            raise ValueError(f"data.path={str(self.path)!r} holds token id {largest}, but the model's vocabulary has "
-                             f"{vocab_size} entries (ids 0..{vocab_size - 1}); tokenize for this model, or "
-                             "enlarge its vocabulary")
+            raise ValueError(
+                f"data.path={str(self.path)!r} holds token id {largest}, but the model's vocabulary has "
+                f"{vocab_size} entries (ids 0..{vocab_size - 1}); tokenize for this model, or "
+                "enlarge its vocabulary"
+            )
 
     def tokens(self, start: int, stop: int) -> torch.Tensor:
         return torch.from_numpy(self._array[start:stop].astype(np.int64))
@@ -256,8 +271,14 @@ def train_transform(size: int) -> Callable:
     """A random resized crop and flip, to tensor, normalise (torchvision's classification recipe)."""
     from torchvision import transforms as T
 
-    return T.Compose([T.RandomResizedCrop(size, scale=(0.35, 1.0)), T.RandomHorizontalFlip(), T.ToTensor(),
-                      T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return T.Compose(
+        [
+            T.RandomResizedCrop(size, scale=(0.35, 1.0)),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
 
 
 def fake_images(cfg: DataConfig, seed: int) -> ImageSamples:
@@ -266,8 +287,13 @@ def fake_images(cfg: DataConfig, seed: int) -> ImageSamples:
     from torchvision import transforms as T
     from torchvision.datasets import FakeData
 
-    dataset = FakeData(size=cfg.num_samples, image_size=(3, cfg.image_size, cfg.image_size), num_classes=cfg.num_classes,
-                       transform=T.Compose([T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)]), random_offset=seed)
+    dataset = FakeData(
+        size=cfg.num_samples,
+        image_size=(3, cfg.image_size, cfg.image_size),
+        num_classes=cfg.num_classes,
+        transform=T.Compose([T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)]),
+        random_offset=seed,
+    )
     return ImageSamples(dataset, seed, shuffle=False)
 
 
@@ -278,8 +304,10 @@ def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> S
         ValueError: an empty or unreadable file, token ids the model cannot embed, an empty image folder.
     """
     if cfg.source in TOKEN_SOURCES and vocab_size is None:
-        raise ValueError(f"data.source={cfg.source.value} feeds token ids, but the model has no vocabulary to "
-                         "check them against (no config.vocab_size, no nn.Embedding)")
+        raise ValueError(
+            f"data.source={cfg.source.value} feeds token ids, but the model has no vocabulary to "
+            "check them against (no config.vocab_size, no nn.Embedding)"
+        )
     if cfg.source is DataSource.synthetic:
         return SyntheticBigram(vocab_size, cfg.seq_len, seed, cfg.branching)
     if cfg.source is DataSource.text:
@@ -326,15 +354,21 @@ class BatchLayout:
         if cfg.global_batch_size % (cfg.micro_batch_size * dp_size):
             g = cfg.global_batch_size
             valid = [m for m in range(1, g + 1) if g % (m * dp_size) == 0]
-            hint = f"valid train.micro_batch_size values at {dp_size} ranks: {valid}" if valid else (
-                f"train.global_batch_size must be a multiple of the {dp_size} ranks"
+            hint = (
+                f"valid train.micro_batch_size values at {dp_size} ranks: {valid}"
+                if valid
+                else (f"train.global_batch_size must be a multiple of the {dp_size} ranks")
             )
             raise ValueError(
                 f"train.global_batch_size={g} does not divide into "
                 f"train.micro_batch_size={cfg.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
             )
-        return cls(cfg.global_batch_size, cfg.micro_batch_size, dp_size,
-                   cfg.global_batch_size // (cfg.micro_batch_size * dp_size))
+        return cls(
+            cfg.global_batch_size,
+            cfg.micro_batch_size,
+            dp_size,
+            cfg.global_batch_size // (cfg.micro_batch_size * dp_size),
+        )
 
     @classmethod
     def rounded(cls, cfg: TrainConfig, dp_size: int) -> BatchLayout:
@@ -398,10 +432,14 @@ class BatchCursor:
         """This rank's micro-batches of the next global batch, e.g. (inputs, targets) pairs."""
         if self._batches is None:
             loader = torch.utils.data.DataLoader(
-                _StepSlices(self.source, self.layout, self.rank), batch_size=None,
-                sampler=itertools.count(self._position, self.layout.global_batch_size), num_workers=self.num_workers,
-                prefetch_factor=2 if self.num_workers else None, persistent_workers=False,
-                worker_init_fn=_ignore_sigterm if self.num_workers else None)
+                _StepSlices(self.source, self.layout, self.rank),
+                batch_size=None,
+                sampler=itertools.count(self._position, self.layout.global_batch_size),
+                num_workers=self.num_workers,
+                prefetch_factor=2 if self.num_workers else None,
+                persistent_workers=False,
+                worker_init_fn=_ignore_sigterm if self.num_workers else None,
+            )
             self._batches = iter(loader)
         batch = next(self._batches)
         self._position += self.layout.global_batch_size

@@ -38,8 +38,15 @@ SUFFIXES = (".txt", ".jsonl")
 # steady validation loss on a fine-tuning set of a few thousand, little taken from training.
 DEFAULT_VAL_FRACTION = 0.05
 # The files a tokenizer folder may hold (a model folder also holds weights, which are not hashed).
-TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
-                   "chat_template.*")
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "chat_template.*",
+)
 FORMATS = ("text", "prompt_completion", "chat")
 _CHUNK = 64  # documents per task handed to a worker: few enough messages, small enough to keep order cheap
 
@@ -61,8 +68,9 @@ def input_files(paths: Iterable[str | Path]) -> list[Path]:
             files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
         elif path.is_file():
             if path.suffix not in SUFFIXES:
-                raise ValueError(f"--input {path}: not a .txt or .jsonl file (valid: {', '.join(SUFFIXES)}, "
-                                 "or a folder of them)")
+                raise ValueError(
+                    f"--input {path}: not a .txt or .jsonl file (valid: {', '.join(SUFFIXES)}, or a folder of them)"
+                )
             files.append(path)
         else:
             raise ValueError(f"--input {path}: no such file or folder")
@@ -130,11 +138,17 @@ def _record(record: Any, fields: str | tuple[str, str], fmt: str, where: str) ->
                 raise ValueError(f"{where}: field {n!r} holds {type(record[n]).__name__}, not text")
         return tuple(record[n] for n in names)
     messages = record[names[0]]
-    if not (isinstance(messages, list) and messages and all(
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise ValueError(f"{where}: field {names[0]!r} must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
-                         "messages")
+            for m in messages
+        )
+    ):
+        raise ValueError(
+            f'{where}: field {names[0]!r} must be a non-empty list of {{"role": ..., "content": ...}} messages'
+        )
     return messages
 
 
@@ -240,21 +254,25 @@ def _chat(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
     shorter renders are not prefixes of the longer (one that rewrites earlier turns) is an error.
     """
     if tokenizer.chat_template is None:
-        raise ValueError(f"--format chat: the tokenizer ({tokenizer.name_or_path}) has no chat template "
-                         "(chat_template in tokenizer_config.json or chat_template.jinja)")
+        raise ValueError(
+            f"--format chat: the tokenizer ({tokenizer.name_or_path}) has no chat template "
+            "(chat_template in tokenizer_config.json or chat_template.jinja)"
+        )
     full = _render(tokenizer, messages)
     mask, done = [0] * len(full), 0
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
             header = _render(tokenizer, messages[:i], generation_prompt=True) if i else []
-            start = len(header) if full[:len(header)] == header else done
+            start = len(header) if full[: len(header)] == header else done
         upto = _render(tokenizer, messages[: i + 1])
-        if full[:len(upto)] != upto:
-            raise ValueError("--format chat: the chat template renders a conversation's first "
-                             f"{i + 1} messages as other tokens than the start of the whole; its turns cannot be "
-                             "told apart (use --format prompt_completion)")
+        if full[: len(upto)] != upto:
+            raise ValueError(
+                "--format chat: the chat template renders a conversation's first "
+                f"{i + 1} messages as other tokens than the start of the whole; its turns cannot be "
+                "told apart (use --format prompt_completion)"
+            )
         if message["role"] == "assistant":
-            mask[start:len(upto)] = [1] * (len(upto) - start)
+            mask[start : len(upto)] = [1] * (len(upto) - start)
         done = len(upto)
     return full + [tokenizer.eos_token_id], mask + [int(messages[-1]["role"] == "assistant")]
 
@@ -291,16 +309,20 @@ class _Progress:
         if now - self._last >= self.every_s:
             self._last = now
             rate = self.tokens / (now - self._start)
-            print(f"prepare: {self.done:,}/{self.total:,} documents, {self.tokens:,} tokens ({rate:,.0f} tokens/s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"prepare: {self.done:,}/{self.total:,} documents, {self.tokens:,} tokens ({rate:,.0f} tokens/s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
 
 
-def _encoded(docs: Iterator[Any], count: int, workers: int, tokenizer_dir: str, dtype: str, fmt: str = "text"
-             ) -> Iterator[Any]:
+def _encoded(
+    docs: Iterator[Any], count: int, workers: int, tokenizer_dir: str, dtype: str, fmt: str = "text"
+) -> Iterator[Any]:
     """The ``count`` documents' ids in input order, tokenized by ``workers`` processes (1: in this one, with
     the tokenizer `prepare` loaded; each worker loads its own from ``tokenizer_dir``)."""
     chunk = max(1, min(_CHUNK, count // (4 * workers)))  # a small input still spreads over every worker
@@ -312,10 +334,18 @@ def _encoded(docs: Iterator[Any], count: int, workers: int, tokenizer_dir: str, 
         yield from pool.imap(_encode, docs, chunksize=chunk)
 
 
-def prepare(tokenizer_dir: str | Path, inputs: list[str | Path], out: str | Path,
-            val_fraction: float = DEFAULT_VAL_FRACTION, field: str | None = None, workers: int = 1, seed: int = 0,
-            fmt: str = "text", prompt_field: str = "prompt", completion_field: str = "completion"
-            ) -> tuple[dict, float]:
+def prepare(
+    tokenizer_dir: str | Path,
+    inputs: list[str | Path],
+    out: str | Path,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    field: str | None = None,
+    workers: int = 1,
+    seed: int = 0,
+    fmt: str = "text",
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+) -> tuple[dict, float]:
     """Tokenizes ``inputs`` into ``out``/train.bin, val.bin and meta.json; the same bytes for any ``workers``.
 
     ``fmt`` text: documents (``field``, default "text"); prompt_completion (``prompt_field``,
@@ -357,13 +387,25 @@ def prepare(tokenizer_dir: str | Path, inputs: list[str | Path], out: str | Path
         totals = _write_splits(staging, encoded, val, count)
         seconds = time.perf_counter() - start
         sha, names = tokenizer_hash(tokenizer_dir)
-        meta = {"dtype": dtype, "vocab_size": vocab_size, "eos_id": tokenizer.eos_token_id,
-                "bos_id": tokenizer.bos_token_id,
-                "tokenizer": {"name": tokenizer.name_or_path, "path": str(Path(tokenizer_dir).resolve()),
-                              "class": type(tokenizer).__name__, "sha256": sha, "files": names},
-                "inputs": [str(f) for f in files], "format": fmt,
-                "field": list(fields) if isinstance(fields, tuple) else fields, "val_fraction": val_fraction, "seed": seed,
-                **totals}
+        meta = {
+            "dtype": dtype,
+            "vocab_size": vocab_size,
+            "eos_id": tokenizer.eos_token_id,
+            "bos_id": tokenizer.bos_token_id,
+            "tokenizer": {
+                "name": tokenizer.name_or_path,
+                "path": str(Path(tokenizer_dir).resolve()),
+                "class": type(tokenizer).__name__,
+                "sha256": sha,
+                "files": names,
+            },
+            "inputs": [str(f) for f in files],
+            "format": fmt,
+            "field": list(fields) if isinstance(fields, tuple) else fields,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            **totals,
+        }
         (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
         _check_out(out)  # again: another process may have written there while this one tokenized
         if out.exists():
@@ -380,8 +422,9 @@ def prepare(tokenizer_dir: str | Path, inputs: list[str | Path], out: str | Path
 def _check_out(out: Path) -> None:
     """Refuses an ``out`` that is a file or a folder with anything in it: what a user saved is never overwritten."""
     if (out / "train.bin").exists():
-        raise ValueError(f"--out {out}: already holds train.bin; choose a new folder (prepared data is never "
-                         "overwritten)")
+        raise ValueError(
+            f"--out {out}: already holds train.bin; choose a new folder (prepared data is never overwritten)"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out}: exists and is not an empty folder; choose a new one (nothing is overwritten)")
 

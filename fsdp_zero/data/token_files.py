@@ -39,6 +39,8 @@ def read_meta(token_file: str | Path) -> dict[str, Any] | None:
         meta = f"not JSON: {e}"
     missing = [k for k in ("dtype", "vocab_size") if k not in meta] if isinstance(meta, dict) else meta
     if missing:
-        raise ValueError(f"{path}: not a meta.json that scripts/prepare_data.py writes (lacks {missing}); "
-                         "remove it, or prepare the data again")
+        raise ValueError(
+            f"{path}: not a meta.json that scripts/prepare_data.py writes (lacks {missing}); "
+            "remove it, or prepare the data again"
+        )
     return meta

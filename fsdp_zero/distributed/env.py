@@ -18,8 +18,8 @@ import secrets
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -67,9 +67,12 @@ def _store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store | None:
         return None
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
         if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("RANK") == "0":
-            print("warning: torchrun --max-restarts over several nodes: launch it with "
-                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or restarted ranks may find the dead ranks' addresses "
-                  "in the shared store and fail to connect (pytorch#135712)", file=sys.stderr)
+            print(
+                "warning: torchrun --max-restarts over several nodes: launch it with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or restarted ranks may find the dead ranks' addresses "
+                "in the shared store and fail to connect (pytorch#135712)",
+                file=sys.stderr,
+            )
         return None
     agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"fsdp_zero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
@@ -189,8 +192,10 @@ def last_collective(out: Path, backend: str) -> str:
     pending = [e for e in entries if not e.get("retired", True)] or entries
     e = max(pending, key=lambda e: e.get("time_created_ns", 0))
     group = (e.get("process_group") or ["", "?"])[-1]
-    return (f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} on group {group} "
-            f"(sizes {e.get('input_sizes', [])}; flight recorder: {out})")
+    return (
+        f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} on group {group} "
+        f"(sizes {e.get('input_sizes', [])}; flight recorder: {out})"
+    )
 
 
 def failure_key(rank: int) -> str:

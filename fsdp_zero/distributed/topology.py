@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_zero.config.strategies import STRATEGIES, Strategy, StrategySpec
 from fsdp_zero.config.schema import ParallelConfig
+from fsdp_zero.config.strategies import STRATEGIES, Strategy, StrategySpec
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Topology:
     def mesh(self, device_type: str) -> DeviceMesh:
         """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
         if self.spec.hybrid:
-            return init_device_mesh(device_type, (self.replicas, self.param_shards),
-                                    mesh_dim_names=("dp_replicate", "dp_shard"))
+            return init_device_mesh(
+                device_type, (self.replicas, self.param_shards), mesh_dim_names=("dp_replicate", "dp_shard")
+            )
         return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard",))

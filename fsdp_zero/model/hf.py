@@ -35,9 +35,22 @@ INDEX_FILE = "model.safetensors.index.json"  # safetensors shards, and which ten
 SINGLE_FILE = "model.safetensors"
 RUN_DIR_FOLDER = "hf"  # <run dir>/hf/: the folder's files the export reuses
 # Copied into the run directory when the folder has them (tokenizer.model and spiece.model are binary).
-HF_FILES = (CONFIG_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
-            "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
+HF_FILES = (
+    CONFIG_FILE,
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
 HF_EXTRA = '(pip install -e ".[hf]")'
 
 
@@ -61,8 +74,10 @@ def read_config_json(folder: Path) -> dict[str, Any]:
     """
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise ValueError(f"{_key(folder)}: no {CONFIG_FILE} in it; a Hugging Face model folder (save_pretrained's "
-                         "output) holds config.json and *.safetensors")
+        raise ValueError(
+            f"{_key(folder)}: no {CONFIG_FILE} in it; a Hugging Face model folder (save_pretrained's "
+            "output) holds config.json and *.safetensors"
+        )
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -76,16 +91,21 @@ def _remote_class(folder: Path, auto_map: dict[str, Any], trust_remote_code: boo
     """The folder's own model class named in ``auto_map``; imported only with trust_remote_code."""
     names = sorted({v for value in auto_map.values() for v in (value if isinstance(value, list) else [value]) if v})
     if not trust_remote_code:
-        raise ValueError(f"{_key(folder)}: {CONFIG_FILE}'s auto_map asks to run the folder's own code "
-                         f"({', '.join(names)}); it is never run unless you read it and set model.trust_remote_code=true")
+        raise ValueError(
+            f"{_key(folder)}: {CONFIG_FILE}'s auto_map asks to run the folder's own code "
+            f"({', '.join(names)}); it is never run unless you read it and set model.trust_remote_code=true"
+        )
     _transformers(_key(folder))
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    auto = next((k for k in ("AutoModelForCausalLM", "AutoModel") if k in auto_map),
-                next((k for k in auto_map if k.startswith("AutoModel")), None))
+    auto = next(
+        (k for k in ("AutoModelForCausalLM", "AutoModel") if k in auto_map),
+        next((k for k in auto_map if k.startswith("AutoModel")), None),
+    )
     if auto is None:
-        raise ValueError(f"{_key(folder)}: {CONFIG_FILE}'s auto_map names no model class (AutoModel...): "
-                         f"{sorted(auto_map)}")
+        raise ValueError(
+            f"{_key(folder)}: {CONFIG_FILE}'s auto_map names no model class (AutoModel...): {sorted(auto_map)}"
+        )
     return get_class_from_dynamic_module(auto_map[auto], str(folder))
 
 
@@ -106,11 +126,17 @@ def model_class(folder: Path, config: dict[str, Any], trust_remote_code: bool = 
     cls = getattr(transformers, name, None) if name.isidentifier() else None
     if not (inspect.isclass(cls) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")):
         known = sorted(set(CAUSAL_LMS.values()))
-        close = difflib.get_close_matches(name, known, n=3) or ["LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"]
-        raise ValueError(f"{_key(folder)}: {CONFIG_FILE} names the class {name or '(none)'!r} (architectures, model_type "
-                         f"{config.get('model_type')!r}), which transformers {transformers.__version__} does not have; "
-                         f"e.g. {', '.join(close)} (all {len(known)} causal LMs: transformers.models.auto.modeling_auto."
-                         "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; a newer transformers may know it)")
+        close = difflib.get_close_matches(name, known, n=3) or [
+            "LlamaForCausalLM",
+            "Qwen2ForCausalLM",
+            "GPT2LMHeadModel",
+        ]
+        raise ValueError(
+            f"{_key(folder)}: {CONFIG_FILE} names the class {name or '(none)'!r} (architectures, model_type "
+            f"{config.get('model_type')!r}), which transformers {transformers.__version__} does not have; "
+            f"e.g. {', '.join(close)} (all {len(known)} causal LMs: transformers.models.auto.modeling_auto."
+            "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; a newer transformers may know it)"
+        )
     return cls
 
 
@@ -128,8 +154,10 @@ def build_pretrained(cfg: ModelConfig) -> nn.Module:
         hf_config = cls.config_class.from_dict({**config, **cfg.kwargs})
         return cls(hf_config)
     except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise ValueError(f"{_key(folder)}: {cls.__name__} does not build from {CONFIG_FILE}"
-                         f"{f' with model.kwargs={dict(cfg.kwargs)}' if cfg.kwargs else ''}: {e}") from None
+        raise ValueError(
+            f"{_key(folder)}: {cls.__name__} does not build from {CONFIG_FILE}"
+            f"{f' with model.kwargs={dict(cfg.kwargs)}' if cfg.kwargs else ''}: {e}"
+        ) from None
 
 
 def weights_path(folder: Path) -> Path:
@@ -145,9 +173,11 @@ def weights_path(folder: Path) -> Path:
     if (folder / "pytorch_model.bin").is_file():
         return folder / "pytorch_model.bin"
     found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".safetensors", ".pt", ".json"))
-    raise ValueError(f"{_key(folder)}: no weights it can read: {SINGLE_FILE}, {INDEX_FILE} with its shards, or "
-                     f"pytorch_model.bin (found: {', '.join(found) or 'none'}); sharded .bin checkpoints: convert to "
-                     "safetensors with save_pretrained(..., safe_serialization=True)")
+    raise ValueError(
+        f"{_key(folder)}: no weights it can read: {SINGLE_FILE}, {INDEX_FILE} with its shards, or "
+        f"pytorch_model.bin (found: {', '.join(found) or 'none'}); sharded .bin checkpoints: convert to "
+        "safetensors with save_pretrained(..., safe_serialization=True)"
+    )
 
 
 def run_dir_files(cfg: ModelConfig) -> dict[str, bytes]:

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_zero.model import init as init_lib
 from fsdp_zero.config.loader import read_saved_config
 from fsdp_zero.config.schema import LoRAConfig, ModelConfig
+from fsdp_zero.model import init as init_lib
 
 
 class LoRALinear(nn.Linear):
@@ -71,8 +71,10 @@ def _targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     for target in cfg.targets:
         found = {n for n in linears if n.rpartition(".")[2] == target or re.fullmatch(target, n)}
         if not found:
-            raise ValueError(f"model.lora.targets: {target!r} matches no nn.Linear (by last name component or full "
-                             f"name); the model's Linear modules: {_shown(linears)}")
+            raise ValueError(
+                f"model.lora.targets: {target!r} matches no nn.Linear (by last name component or full "
+                f"name); the model's Linear modules: {_shown(linears)}"
+            )
         hits |= found
     return sorted(hits)
 
@@ -98,8 +100,9 @@ def make_trainable(model: nn.Module, cfg: ModelConfig) -> str:
             parent, _, child = fqn.rpartition(".")
             owner = model.get_submodule(parent)
             setattr(owner, child, LoRALinear(getattr(owner, child), lora.rank, lora.alpha, lora.dropout))
-        notes.append(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {len(targets)} Linear modules "
-                     f"({_shown(targets, 4)})")
+        notes.append(
+            f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {len(targets)} Linear modules ({_shown(targets, 4)})"
+        )
     for name, p in model.named_parameters(remove_duplicate=False):
         if name in frozen:
             p.requires_grad_(False)
@@ -117,15 +120,20 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     seed and its name (`fsdp_zero.model.init.uniform_`); each B zero, so training starts from the base model."""
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            init_lib.uniform_(m.lora_A.weight, bound=1 / math.sqrt(m.in_features), seed=seed,
-                              name=f"{name}.lora_A.weight")
+            init_lib.uniform_(
+                m.lora_A.weight, bound=1 / math.sqrt(m.in_features), seed=seed, name=f"{name}.lora_A.weight"
+            )
             init_lib.constant_(m.lora_B.weight, 0.0)
 
 
 def adapter_names(model: nn.Module) -> frozenset[str]:
     """The state-dict names of the LoRA adapters (a base model's weights do not hold them)."""
-    return frozenset(f"{name}.{ab}.weight" for name, m in model.named_modules() if isinstance(m, LoRALinear)
-                     for ab in ("lora_A", "lora_B"))
+    return frozenset(
+        f"{name}.{ab}.weight"
+        for name, m in model.named_modules()
+        if isinstance(m, LoRALinear)
+        for ab in ("lora_A", "lora_B")
+    )
 
 
 def frozen_count(model: nn.Module) -> int:
@@ -155,7 +163,9 @@ def export_view(scaling: float, adapters_only: bool, seen: list[str]):  # noqa: 
         adapted = set(adapted_modules(names))
         seen.extend(sorted(adapted))
         if adapters_only:
-            return {PEFT_PREFIX + n: n for n in names if n.endswith((_A, _B))}, lambda name: read(name[len(PEFT_PREFIX):])
+            return {PEFT_PREFIX + n: n for n in names if n.endswith((_A, _B))}, lambda name: read(
+                name[len(PEFT_PREFIX) :]
+            )
 
         def merged(name: str) -> torch.Tensor:
             w = read(name)
@@ -188,12 +198,16 @@ def export_plan(checkpoint: Path, adapters_only: bool):  # noqa: ANN201
     lora = model.lora
     if not lora.rank:
         if adapters_only:
-            raise ValueError(f"--adapters-only: checkpoint {str(checkpoint)!r} has no LoRA adapters (its config.yaml "
-                             "has no model.lora.rank); export it without --adapters-only")
+            raise ValueError(
+                f"--adapters-only: checkpoint {str(checkpoint)!r} has no LoRA adapters (its config.yaml "
+                "has no model.lora.rank); export it without --adapters-only"
+            )
         return None, None
     if adapters_only and lora.train:
-        raise ValueError(f"--adapters-only: the run also trained model.lora.train={lora.train}, which an adapter "
-                         "file does not hold; export without --adapters-only (merged) to keep them")
+        raise ValueError(
+            f"--adapters-only: the run also trained model.lora.train={lora.train}, which an adapter "
+            "file does not hold; export without --adapters-only (merged) to keep them"
+        )
     seen: list[str] = []
     view = export_view(lora.alpha / lora.rank, adapters_only, seen)
     if not adapters_only:
@@ -201,9 +215,19 @@ def export_plan(checkpoint: Path, adapters_only: bool):  # noqa: ANN201
 
     def adapter_files(dtype: torch.dtype | None) -> dict[str, bytes]:
         # target_modules as full names: PEFT adapts a module whose name equals one (or ends with "." + one).
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-                  "lora_dropout": lora.dropout, "target_modules": seen, "bias": "none", "fan_in_fan_out": False,
-                  "inference_mode": True, "base_model_name_or_path": model.pretrained, "modules_to_save": None}
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": lora.rank,
+            "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout,
+            "target_modules": seen,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+            "base_model_name_or_path": model.pretrained,
+            "modules_to_save": None,
+        }
         return {ADAPTER_FILES[1]: (json.dumps(config, indent=2) + "\n").encode()}
 
     return view, adapter_files

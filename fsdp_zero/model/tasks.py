@@ -41,16 +41,17 @@ def logits_of(output: Any) -> torch.Tensor:
     return logits
 
 
-def causal_lm(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def causal_lm(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     inputs, targets = batch
     logits = logits_of(model(inputs))
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), {}
 
 
-
-
-def masked_causal_lm(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def masked_causal_lm(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """causal_lm's cross-entropy summed over the trained targets (those not `IGNORE`; 0 when none is)."""
     inputs, targets = batch
     logits = logits_of(model(inputs))
@@ -62,8 +63,9 @@ def trained_tokens(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return (batch[1] != IGNORE).sum()
 
 
-
-def classification(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def classification(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     inputs, labels = batch
     logits = logits_of(model(inputs)).float()
     accuracy = (logits.detach().argmax(-1) == labels).float().mean()
@@ -77,8 +79,10 @@ def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
         ValueError: a model.loss that does not import; a mask file under another task than causal_lm.
     """
     if masked and cfg.task is not Task.causal_lm:
-        raise ValueError(f"model.task={cfg.task.value}: the token file has a mask file beside it, which only "
-                         "model.task=causal_lm reads (valid: causal_lm, or remove the mask file)")
+        raise ValueError(
+            f"model.task={cfg.task.value}: the token file has a mask file beside it, which only "
+            "model.task=causal_lm reads (valid: causal_lm, or remove the mask file)"
+        )
     if cfg.task is Task.causal_lm:
         return masked_causal_lm if masked else causal_lm
     if cfg.task is Task.classification:
@@ -89,8 +93,10 @@ def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
         out = user(model, batch)
         loss, extra = out if isinstance(out, tuple) else (out, {})
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):  # the same on every rank: a user error
-            raise ValueError(f"model.loss={cfg.loss} must return a scalar tensor (or (loss, dict of scalars)), "
-                             f"got {type(loss).__name__}")
+            raise ValueError(
+                f"model.loss={cfg.loss} must return a scalar tensor (or (loss, dict of scalars)), "
+                f"got {type(loss).__name__}"
+            )
         return loss, {k: v.detach() for k, v in extra.items()}
 
     return custom
@@ -141,8 +147,7 @@ def lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     logits = logits_of(model(inputs)).float()
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # 0 where IGNORE
     counted = (targets != IGNORE).sum().double()  # every target, unless a mask file leaves some out
-    return torch.stack([losses.double().sum(), counted,
-                        torch.zeros((), dtype=torch.float64, device=losses.device)])
+    return torch.stack([losses.double().sum(), counted, torch.zeros((), dtype=torch.float64, device=losses.device)])
 
 
 def classification_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -151,16 +156,19 @@ def classification_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     logits = logits_of(model(inputs)).float()
     losses = F.cross_entropy(logits, labels, reduction="none")
     right = (logits.argmax(-1) == labels).sum()
-    return torch.stack([losses.double().sum(), torch.tensor(labels.numel(), dtype=torch.float64, device=losses.device),
-                        right.double()])
+    return torch.stack(
+        [losses.double().sum(), torch.tensor(labels.numel(), dtype=torch.float64, device=losses.device), right.double()]
+    )
 
 
 def check_classes_fit(what: str, classes: int, model: nn.Module) -> None:
     """Raises a ValueError when ``what`` (e.g. ``eval.path='...'``) has more classes than the model outputs."""
     outputs = num_outputs(model)
     if classes and outputs and classes > outputs:
-        raise ValueError(f"{what} has {classes} classes but the model's last layer has {outputs} outputs; build the "
-                         f"model for {classes} (e.g. model.kwargs.num_classes={classes})")
+        raise ValueError(
+            f"{what} has {classes} classes but the model's last layer has {outputs} outputs; build the "
+            f"model for {classes} (e.g. model.kwargs.num_classes={classes})"
+        )
 
 
 @dataclass(frozen=True)
@@ -176,9 +184,16 @@ class TaskSpec:
 
 
 TASKS: dict[Task, TaskSpec] = {
-    Task.causal_lm: TaskSpec(DataSource.tokens, lm_sums,
-                             lambda loss, right, count: {"eval/perplexity": math.exp(loss) if loss < 700 else math.inf}),
-    Task.classification: TaskSpec(DataSource.images, classification_sums,
-                                  lambda loss, right, count: {"eval/accuracy": right / count}, classes_fit_outputs=True),
+    Task.causal_lm: TaskSpec(
+        DataSource.tokens,
+        lm_sums,
+        lambda loss, right, count: {"eval/perplexity": math.exp(loss) if loss < 700 else math.inf},
+    ),
+    Task.classification: TaskSpec(
+        DataSource.images,
+        classification_sums,
+        lambda loss, right, count: {"eval/accuracy": right / count},
+        classes_fit_outputs=True,
+    ),
     Task.custom: TaskSpec(None, None, None),
 }

@@ -139,7 +139,9 @@ class Transformer(nn.Module):
         Linear and embedding weights ~ N(0, 0.02^2); the projections that write into the
         residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers); norms are 1.
         """
-        self.rope.copy_(rotary_tables(self.rope.shape[1], self.args.max_seq_len, self.args.rope_theta, self.rope.device))
+        self.rope.copy_(
+            rotary_tables(self.rope.shape[1], self.args.max_seq_len, self.args.rope_theta, self.rope.device)
+        )
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):

@@ -43,8 +43,8 @@ from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
 from fsdp_zero.sharding.parallelize import reduce_scatter_comm, unwrap
 from fsdp_zero.sharding.precision import NAMES, Precision
-from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter, count_zero_broadcasts
 from fsdp_zero.sharding.wrap import ROOT, WrapPlan
+from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter, count_zero_broadcasts
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -84,8 +84,9 @@ def _padded(p: nn.Parameter, n: int) -> int:
     return math.ceil(rows / n) * n * math.prod(p.shape[1:])
 
 
-def comm_formula(cfg: Config, topology: Topology, model: nn.Module, plan: WrapPlan, accum: int,
-                 precision: Precision) -> CommBytes:
+def comm_formula(
+    cfg: Config, topology: Topology, model: nn.Module, plan: WrapPlan, accum: int, precision: Precision
+) -> CommBytes:
     """Bytes per rank per optimizer step that ``cfg.parallel`` communicates, by kind, for ``accum``
     micro-batches a step (what `CommMeter` counts; a step taken, not skipped).
 
@@ -124,10 +125,12 @@ def comm_formula(cfg: Config, topology: Topology, model: nn.Module, plan: WrapPl
     reductions = 1 if sync is GradSync.once_per_step else accum
     all_reduces = accum if sync is GradSync.every_micro_batch else 1
     reduce_bytes = reduced * precision.reduce.itemsize
-    return CommBytes(all_gather=accum * gathered * precision.compute.itemsize if n > 1 else 0,
-                     reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
-                     all_reduce=all_reduces * reduce_bytes / n if world_size > n else 0,
-                     once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0)
+    return CommBytes(
+        all_gather=accum * gathered * precision.compute.itemsize if n > 1 else 0,
+        reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
+        all_reduce=all_reduces * reduce_bytes / n if world_size > n else 0,
+        once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0,
+    )
 
 
 def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[str, float]:
@@ -145,9 +148,11 @@ def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[
     def ring(n: int) -> float:
         return (n - 1) / n
 
-    return {"all_gather": comm.all_gather * per_byte * ring(shard),
-            "reduce_scatter": comm.reduce_scatter * per_byte * ring(shard),
-            "all_reduce": 2 * comm.all_reduce * per_byte * ring(replicas)}
+    return {
+        "all_gather": comm.all_gather * per_byte * ring(shard),
+        "reduce_scatter": comm.reduce_scatter * per_byte * ring(shard),
+        "all_reduce": 2 * comm.all_reduce * per_byte * ring(replicas),
+    }
 
 
 class CountedAllGather(DefaultAllGather):
@@ -156,14 +161,16 @@ class CountedAllGather(DefaultAllGather):
     def __init__(self, add: partial) -> None:
         self.add = add
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
         self.add(output_tensor)
         return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 class CountedReduceScatter(DefaultReduceScatter):
-    """The backend's reduce-scatter (`fsdp_zero.sharding.parallelize.reduce_scatter_comm`), counting its input's bytes first."""
+    """The backend's reduce-scatter (`fsdp_zero.sharding.parallelize.reduce_scatter_comm`), counting its input's
+    bytes first."""
 
     def __init__(self, inner: DefaultReduceScatter, add: partial) -> None:
         self.inner, self.add = inner, add
@@ -171,8 +178,14 @@ class CountedReduceScatter(DefaultReduceScatter):
     def allocate(self, *args: object, **kwargs: object) -> torch.Tensor:
         return self.inner.allocate(*args, **kwargs)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: object, async_op: bool = False) -> dist.Work | None:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         self.add(input_tensor)
         return self.inner(output_tensor, input_tensor, group, op, async_op)
 
@@ -202,8 +215,9 @@ class CommMeter:
             replicas = topology.replicas
             for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
                 unit.set_custom_all_gather(CountedAllGather(partial(self.add, "all_gather")))
-                unit.set_custom_reduce_scatter(CountedReduceScatter(reduce_scatter_comm(env.backend),
-                                                                    partial(self.add, "reduce_scatter")))
+                unit.set_custom_reduce_scatter(
+                    CountedReduceScatter(reduce_scatter_comm(env.backend), partial(self.add, "reduce_scatter"))
+                )
                 if replicas > 1:  # FSDP2 calls it right after its all-reduce, and only when it issued one
                     unit.set_all_reduce_hook(partial(self.add, "all_reduce"))
         elif hasattr(model, "register_comm_hook"):  # DDP (not the planner's stand-in)
@@ -211,9 +225,12 @@ class CommMeter:
             if spec.zero_redundancy_optimizer:
                 count_zero_broadcasts(optimizer, partial(self.add, "all_gather"))
         if self.formula.once_per_step:
-            logger.info("parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients between "
-                        "micro-batches, %.2f MiB (%s), and reduces once a step", self.formula.once_per_step / MIB,
-                        NAMES[built.precision.reduce])
+            logger.info(
+                "parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients between "
+                "micro-batches, %.2f MiB (%s), and reduces once a step",
+                self.formula.once_per_step / MIB,
+                NAMES[built.precision.reduce],
+            )
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
         if self.active:
@@ -235,12 +252,20 @@ class CommMeter:
 
 def describe(counted: dict[str, float], formula: dict[str, float], strategy: str, grad_sync: str) -> str:
     """The end-of-run line: the last step's bytes by kind against the strategy's formula (both `CommBytes` as dicts)."""
-    parts = [f"{k.replace('_', '-')} {counted[k] / MIB:,.2f} MiB" + (f" ({counted[k] / formula[k]:.4f} x)" if formula[k]
-                                                                     else "") for k in KINDS]
-    held = (f"; it held {formula['once_per_step'] / MIB:,.2f} MiB of unsharded gradients between micro-batches"
-            if formula["once_per_step"] else "")
-    return (f"communication per rank in the last logged step: {', '.join(parts)}, against the {strategy} "
-            f"grad_sync={grad_sync} formula's {', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}")
+    parts = [
+        f"{k.replace('_', '-')} {counted[k] / MIB:,.2f} MiB"
+        + (f" ({counted[k] / formula[k]:.4f} x)" if formula[k] else "")
+        for k in KINDS
+    ]
+    held = (
+        f"; it held {formula['once_per_step'] / MIB:,.2f} MiB of unsharded gradients between micro-batches"
+        if formula["once_per_step"]
+        else ""
+    )
+    return (
+        f"communication per rank in the last logged step: {', '.join(parts)}, against the {strategy} "
+        f"grad_sync={grad_sync} formula's {', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}"
+    )
 
 
 def as_dict(comm: CommBytes) -> dict[str, float]:

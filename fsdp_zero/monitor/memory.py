@@ -81,7 +81,9 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     return ModelStateBytes(p, g, o)
 
 
-def memory_scalars(monitor: MemoryMonitor, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+def memory_scalars(
+    monitor: MemoryMonitor, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, float]:
     """What the trainer logs as memory/* each log step: the monitor's figures and the model state, in MiB."""
     state = model_state_bytes(model, optimizer)
     out = {f"memory/{k}": v for k, v in monitor.read().items()}
@@ -230,11 +232,28 @@ CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations", 
 # gathered_params: FSDP's all-gathered (unsharded) parameters, alive while a unit runs.
 # comm_buffers: FSDP's all-gather and reduce-scatter buffers.
 # other: temporaries, module buffers (RoPE tables), inputs.
-_FSDP_MAP = {"SHARDED_PARAM": "params", "UNSHARDED_PARAM": "gathered_params", "SHARDED_GRAD": "grads",
-             "UNSHARDED_GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "ALL_GATHER": "comm_buffers",
-             "REDUCE_SCATTER": "comm_buffers", "TEMP": "other", "BUFFER": "other", "INP": "other"}
-_PLAIN_MAP = {"PARAM": "params", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations", "TEMP": "other",
-              "BUFFER": "other", "OTH": "other"}
+_FSDP_MAP = {
+    "SHARDED_PARAM": "params",
+    "UNSHARDED_PARAM": "gathered_params",
+    "SHARDED_GRAD": "grads",
+    "UNSHARDED_GRAD": "grads",
+    "OPT": "optimizer",
+    "ACT": "activations",
+    "ALL_GATHER": "comm_buffers",
+    "REDUCE_SCATTER": "comm_buffers",
+    "TEMP": "other",
+    "BUFFER": "other",
+    "INP": "other",
+}
+_PLAIN_MAP = {
+    "PARAM": "params",
+    "GRAD": "grads",
+    "OPT": "optimizer",
+    "ACT": "activations",
+    "TEMP": "other",
+    "BUFFER": "other",
+    "OTH": "other",
+}
 
 
 def apply_malloc_policy(setting: str, device: torch.device) -> None:
@@ -243,7 +262,9 @@ def apply_malloc_policy(setting: str, device: torch.device) -> None:
     if nbytes is None or (setting == "auto" and device.type == "cuda"):  # CUDA: tensors are not malloc'd
         return
     if not set_malloc_mmap_threshold(nbytes):
-        logging.getLogger("fsdp_zero").warning("memory.malloc_mmap_threshold=%s has no effect: the C allocator is not glibc", setting)
+        logging.getLogger("fsdp_zero").warning(
+            "memory.malloc_mmap_threshold=%s has no effect: the C allocator is not glibc", setting
+        )
 
 
 class StepProfiler:
@@ -259,8 +280,13 @@ class StepProfiler:
     `set_malloc_mmap_threshold`); `heap_peak` and `heap_phases` hold the heap's share.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 heap_threshold: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        heap_threshold: int | None = None,
+    ) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         from fsdp_zero.torch_private import SizeClasses, fsdp_mem_tracker, mem_tracker

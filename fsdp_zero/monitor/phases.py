@@ -1,5 +1,6 @@
 """The points of a training step that report themselves: the contract between the step
-(`fsdp_zero.training.step.train_step` calls the hooks) and what measures it (`fsdp_zero.monitor.memory.StepProfiler`)."""
+(`fsdp_zero.training.step.train_step` calls the hooks) and what measures it
+(`fsdp_zero.monitor.memory.StepProfiler`)."""
 
 from __future__ import annotations
 

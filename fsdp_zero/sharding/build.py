@@ -22,19 +22,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from fsdp_zero.model import init as init_lib
-from fsdp_zero.config.strategies import STRATEGIES, is_fsdp
 from fsdp_zero.config.schema import (
-    Config, Init, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, WrapConfig, WrapPolicy,
+    Config,
+    Init,
+    OptimConfig,
+    OptimizerImpl,
+    ParallelConfig,
+    PrecisionConfig,
+    WrapConfig,
+    WrapPolicy,
 )
+from fsdp_zero.config.strategies import STRATEGIES, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
 from fsdp_zero.sharding.parallelize import parallelize
 from fsdp_zero.sharding.precision import Precision, resolve
-from fsdp_zero.torch_private import hf_init_weights
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
+from fsdp_zero.torch_private import hf_init_weights
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -66,8 +73,10 @@ def initialize(model: nn.Module, how: Init, seed: int) -> str:
             return f"{type(model).__name__}.init_weights(seed={seed})"
         if hf_init_weights(model, seed):
             return f"{type(model).__name__}._init_weights (torch.manual_seed({seed}))"
-        raise ValueError(f"model.init=model: {type(model).__name__} has no init_weights(seed) or _init_weights; "
-                         "valid choices: auto, standard")
+        raise ValueError(
+            f"model.init=model: {type(model).__name__} has no init_weights(seed) or _init_weights; "
+            "valid choices: auto, standard"
+        )
     std = getattr(getattr(model, "config", None), "initializer_range", None)
     leftover = init_lib.init_standard(model, seed, linear_std=std)
     note = "standard layers" + (f" (Hugging Face initializer_range {std})" if std is not None else "")
@@ -85,8 +94,14 @@ def _tied_names(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def materializer(device: torch.device, how: Init, seed: int | None, buffers: dict[str, torch.Tensor],
-                 notes: list[str], buffer_device: torch.device | None = None) -> Callable[[nn.Module], None]:
+def materializer(
+    device: torch.device,
+    how: Init,
+    seed: int | None,
+    buffers: dict[str, torch.Tensor],
+    notes: list[str],
+    buffer_device: torch.device | None = None,
+) -> Callable[[nn.Module], None]:
     """What `parallelize` calls once the model is sharded: allocate each rank's shards on ``device``,
     put the constructor's buffers back (on ``buffer_device``, default ``device``: with CPU offload the
     shards live on the CPU and the buffers on the GPU), initialise (``seed`` None: leave the memory as
@@ -125,10 +140,19 @@ def cast_to_stored(model: nn.Module, precision: Precision) -> None:
         model.to(precision.stored)
 
 
-def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int | None, init: Init = Init.auto,
-          topology: Topology | None = None, mesh: DeviceMesh | None = None,
-          ddp: Callable[[nn.Module], nn.Module] | None = None, precision: Precision | None = None,
-          compile: bool = False) -> tuple[nn.Module, WrapPlan, str]:
+def shard(
+    model: nn.Module,
+    parallel: ParallelConfig,
+    env: DistEnv,
+    *,
+    seed: int | None,
+    init: Init = Init.auto,
+    topology: Topology | None = None,
+    mesh: DeviceMesh | None = None,
+    ddp: Callable[[nn.Module], nn.Module] | None = None,
+    precision: Precision | None = None,
+    compile: bool = False,
+) -> tuple[nn.Module, WrapPlan, str]:
     """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
     a model with real weights keeps them (FSDP shards what is there). ``precision``: the stored
     dtype the model is cast to first, and FSDP2's mixed-precision policy (default fp32);
@@ -156,8 +180,18 @@ def shard(model: nn.Module, parallel: ParallelConfig, env: DistEnv, *, seed: int
     else:
         materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
         notes.append("weights as given")
-    model = parallelize(model, parallel, topology, plan, env, materialize, mesh=mesh, ddp=ddp, mp_policy=precision.mp_policy(),
-                        compile=compile)
+    model = parallelize(
+        model,
+        parallel,
+        topology,
+        plan,
+        env,
+        materialize,
+        mesh=mesh,
+        ddp=ddp,
+        mp_policy=precision.mp_policy(),
+        compile=compile,
+    )
     return model, plan, "; ".join(notes)
 
 
@@ -190,7 +224,9 @@ def step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False
+) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and embeddings, none on 1-D parameters (norm gains, biases).
 
     With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
@@ -204,8 +240,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, ze
     """
     impl = optimizer_impl(cfg, device)
     groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, impl)]
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=impl is OptimizerImpl.fused,
-                  foreach=impl is OptimizerImpl.foreach)
+    kwargs = dict(
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        fused=impl is OptimizerImpl.fused,
+        foreach=impl is OptimizerImpl.foreach,
+    )
     if zero1:
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
@@ -228,8 +269,12 @@ def param_groups(model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl) -> lis
     size = cfg.step_group_size
     if size and impl is not OptimizerImpl.foreach:
         if any(len(step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
-            logger.warning("optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than one "
-                           "tensor); it bounds foreach AdamW's", size, impl.value)
+            logger.warning(
+                "optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than one "
+                "tensor); it bounds foreach AdamW's",
+                size,
+                impl.value,
+            )
         size = 0
     return [(ps, wd) for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) for ps in step_groups(group, size)]
 
@@ -247,9 +292,16 @@ class Built:
     topology: Topology | None = None  # cfg.parallel resolved for the world size
 
 
-def build(cfg: Config, env: DistEnv, seed: int | None, *, topology: Topology | None = None,
-          mesh: DeviceMesh | None = None, ddp: Callable[[nn.Module], nn.Module] | None = None,
-          model: nn.Module | None = None) -> Built:
+def build(
+    cfg: Config,
+    env: DistEnv,
+    seed: int | None,
+    *,
+    topology: Topology | None = None,
+    mesh: DeviceMesh | None = None,
+    ddp: Callable[[nn.Module], nn.Module] | None = None,
+    model: nn.Module | None = None,
+) -> Built:
     """The configured model, sharded by ``cfg.parallel`` over ``env``'s ranks and initialised with
     ``seed`` (None: not initialised), and its optimizer. See `shard` for ``topology``, ``mesh`` and ``ddp``;
     ``model``: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor mode).
@@ -262,10 +314,21 @@ def build(cfg: Config, env: DistEnv, seed: int | None, *, topology: Topology | N
     num_params, num_frozen = sum(p.numel() for p in model.parameters()), frozen_count(model)
     precision = resolve(cfg.precision)
     topology = topology or Topology.of(cfg.parallel, env.world_size)
-    model, plan, note = shard(model, cfg.parallel, env, seed=seed, init=cfg.model.init, topology=topology, mesh=mesh,
-                              ddp=ddp, precision=precision, compile=cfg.train.compile)
+    model, plan, note = shard(
+        model,
+        cfg.parallel,
+        env,
+        seed=seed,
+        init=cfg.model.init,
+        topology=topology,
+        mesh=mesh,
+        ddp=ddp,
+        precision=precision,
+        compile=cfg.train.compile,
+    )
     # With CPU offload the optimizer steps on the CPU, where the shards are.
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
-    optimizer = build_optimizer(model, cfg.optim, device,
-                                zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer)
+    optimizer = build_optimizer(
+        model, cfg.optim, device, zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer
+    )
     return Built(model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note, topology)

@@ -20,20 +20,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_zero.config.strategies import STRATEGIES, StrategySpec, is_fsdp
 from fsdp_zero.config.schema import ActivationCheckpointing, ParallelConfig
+from fsdp_zero.config.strategies import STRATEGIES, StrategySpec, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
-from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
+from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
 
 # Bytes per parameter of (parameters, gradients, optimizer states): fp32 AdamW holds 4 + 4 + 8.
 FP32_ADAMW = (4, 4, 8)
 _STATE_NAMES = ("weights", "gradients", "AdamW states")
 
 
-def model_state_formula(topology: Topology, num_params: int, bytes_per_param: tuple[int, int, int] = FP32_ADAMW,
-                        frozen: int = 0) -> float:
+def model_state_formula(
+    topology: Topology, num_params: int, bytes_per_param: tuple[int, int, int] = FP32_ADAMW, frozen: int = 0
+) -> float:
     """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
     the one model-state formula per strategy (the trainer's report, compare.py and the planner use it).
 
@@ -61,8 +62,13 @@ def formula_note(topology: Topology) -> str:
         split = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if split)
         return f"({whole} whole, {split} / N={topology.shard_group})"
     degree = topology.param_shards
-    return f"/ {degree}" + (f" ({topology.strategy.value}'s shard size)" if spec.hybrid else
-                            f" (N={degree})" if degree > 1 else " (not sharded)")
+    return f"/ {degree}" + (
+        f" ({topology.strategy.value}'s shard size)"
+        if spec.hybrid
+        else f" (N={degree})"
+        if degree > 1
+        else " (not sharded)"
+    )
 
 
 def formula_text(spec: StrategySpec, bytes_per_param: tuple[int, int, int] = FP32_ADAMW) -> str:
@@ -79,20 +85,30 @@ def formula_text(spec: StrategySpec, bytes_per_param: tuple[int, int, int] = FP3
 
 def strategy_table() -> str:
     """docs/sharding.md's table of the strategies, rendered from `STRATEGIES`."""
-    rows = ["| `parallel.strategy` | ZeRO stage | how | model state per rank (fp32 AdamW) | -mixed precision, CPU "
-            "offload | DeepSpeed |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| `parallel.strategy` | ZeRO stage | how | model state per rank (fp32 AdamW) | -mixed precision, CPU "
+        "offload | DeepSpeed |",
+        "|---|---|---|---|---|---|",
+    ]
     for strategy, spec in STRATEGIES.items():
         if spec.fsdp:
-            how = f"FSDP2, `reshard_after_forward={spec.reshard_after_forward}`" + (
-                ", 2-D mesh (replicate, shard)" if spec.hybrid else "") + (
-                "; `parallel.reshard_after_forward=k`: hpZ" if spec.hpz else "")
+            how = (
+                f"FSDP2, `reshard_after_forward={spec.reshard_after_forward}`"
+                + (", 2-D mesh (replicate, shard)" if spec.hybrid else "")
+                + ("; `parallel.reshard_after_forward=k`: hpZ" if spec.hpz else "")
+            )
         else:
             how = "DDP + ZeroRedundancyOptimizer" if spec.zero_redundancy_optimizer else "DistributedDataParallel"
         names = ", ".join(f"`{a}`" for a in spec.aliases)
-        deepspeed = (f"`zero_optimization.stage={spec.deepspeed_stage}`" if spec.deepspeed_stage is not None else
-                     "MiCS (`mics_shard_size`)")
-        rows.append(f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} ({spec.label}) | {how} "
-                    f"| {formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | {deepspeed} |")
+        deepspeed = (
+            f"`zero_optimization.stage={spec.deepspeed_stage}`"
+            if spec.deepspeed_stage is not None
+            else "MiCS (`mics_shard_size`)"
+        )
+        rows.append(
+            f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} ({spec.label}) | {how} "
+            f"| {formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | {deepspeed} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -115,8 +131,14 @@ class AllReduceScatter(DefaultReduceScatter):
     own reduce-scatter: there it moves 1/N of the bytes an all-reduce moves.
     """
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: object, async_op: bool = False) -> None:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> None:
         assert not async_op, "FSDP2 calls its reduce-scatter synchronously on its own stream"
         dist.all_reduce(input_tensor, op=op, group=group)
         chunks = input_tensor.view(group.size(), -1)
@@ -144,10 +166,18 @@ def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig, topology: Topology, plan: WrapPlan, env: DistEnv,
-                materialize: Callable[[nn.Module], None], mesh: DeviceMesh | None = None,
-                ddp: Callable[[nn.Module], nn.Module] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-                compile: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    topology: Topology,
+    plan: WrapPlan,
+    env: DistEnv,
+    materialize: Callable[[nn.Module], None],
+    mesh: DeviceMesh | None = None,
+    ddp: Callable[[nn.Module], nn.Module] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    compile: bool = False,
+) -> nn.Module:
     """Applies activation checkpointing, compilation and ``cfg.strategy`` to the meta-device ``model``;
     returns the module to train.
 
@@ -178,12 +208,17 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, topology: Topology, plan:
         materialize(model)
         if ddp is not None:
             return ddp(model)
-        return DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                                       gradient_as_bucket_view=True)
+        return DistributedDataParallel(
+            model, device_ids=[env.device.index] if env.device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
 
     mesh = mesh or topology.mesh(env.device.type)
-    kwargs = dict(mesh=mesh, reshard_after_forward=topology.reshard_after_forward,
-                  mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy(cfg, env))
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=topology.reshard_after_forward,
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        offload_policy=offload_policy(cfg, env),
+    )
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         fully_shard(model.get_submodule(fqn), **kwargs)
     if cfg.prefetch:

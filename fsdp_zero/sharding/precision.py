@@ -58,12 +58,14 @@ class Precision:
         per rank (``state_bytes``, from the strategy's formula with these bytes; ``where``: e.g. '/ N=2')."""
         w, g, k = self.bytes_per_param
         n = NAMES
-        return (f"precision {self.mode}: stored weights {n[self.stored]} ({w} B/param) | computed in {n[self.compute]} "
-                f"({self.compute.itemsize} B/param, only while a unit is gathered) | gradients {n[self.stored]} ({g} B/param), "
-                f"reduced in {n[self.reduce]} | AdamW states {n[self.stored]} x 2 ({k} B/param) | checkpoints and "
-                f"export {n[self.stored]} | model state {w + g + k} B x {num_params:,} params {where} = "
-                f"{state_bytes / 2**20:,.2f} MiB per rank"
-                + (" | fp16 loss scaling on" if self.loss_scaling else ""))
+        return (
+            f"precision {self.mode}: stored weights {n[self.stored]} ({w} B/param) | computed in {n[self.compute]} "
+            f"({self.compute.itemsize} B/param, only while a unit is gathered) | gradients {n[self.stored]} ({g} "
+            f"B/param), "
+            f"reduced in {n[self.reduce]} | AdamW states {n[self.stored]} x 2 ({k} B/param) | checkpoints and "
+            f"export {n[self.stored]} | model state {w + g + k} B x {num_params:,} params {where} = "
+            f"{state_bytes / 2**20:,.2f} MiB per rank" + (" | fp16 loss scaling on" if self.loss_scaling else "")
+        )
 
 
 def resolve(cfg: PrecisionConfig) -> Precision:
@@ -107,6 +109,7 @@ def loss_scaler(cfg: PrecisionConfig, precision: Precision, device: torch.device
     if not precision.loss_scaling:
         return None
     if cfg.loss_scale > 0:  # fixed: never grows, never shrinks
-        return LossScaler(device.type, init_scale=cfg.loss_scale, growth_factor=1.0, backoff_factor=1.0,
-                          growth_interval=2**31 - 1)
+        return LossScaler(
+            device.type, init_scale=cfg.loss_scale, growth_factor=1.0, backoff_factor=1.0, growth_interval=2**31 - 1
+        )
     return LossScaler(device.type, init_scale=2.0**cfg.initial_scale_power, growth_interval=cfg.loss_scale_window)

@@ -55,11 +55,18 @@ class WrapPlan:
         """The plan as a fixed-width table, one row a unit."""
         rows = [("unit", "class", "params", "full MiB", f"MiB/rank (N={self.world_size})")]
         for u in self.units:
-            rows.append((u.fqn or "<root>", u.class_name, f"{u.num_params:,}", _mib(u.full_bytes), _mib(u.bytes_per_rank)))
+            rows.append(
+                (u.fqn or "<root>", u.class_name, f"{u.num_params:,}", _mib(u.full_bytes), _mib(u.bytes_per_rank))
+            )
         total = sum(u.num_params for u in self.units)
         rows.append(
-            ("total", f"{len(self.units)} units", f"{total:,}", _mib(sum(u.full_bytes for u in self.units)),
-             _mib(sum(u.bytes_per_rank for u in self.units)))
+            (
+                "total",
+                f"{len(self.units)} units",
+                f"{total:,}",
+                _mib(sum(u.full_bytes for u in self.units)),
+                _mib(sum(u.bytes_per_rank for u in self.units)),
+            )
         )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"wrap plan: policy={self.policy.value}, {len(self.units)} FSDP units"]
@@ -215,7 +222,8 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
             if inside and len(inside) < len(paths):
                 selected.remove(unit)
                 notes.append(
-                    f"'{unit}' is not a unit of its own: it shares {inside[0]} with {', '.join(q for q in paths if q not in inside)}"
+                    f"'{unit}' is not a unit of its own: it shares {inside[0]} with "
+                    f"{', '.join(q for q in paths if q not in inside)}"
                 )
 
     # Each parameter belongs to the deepest chosen unit above its first path.
@@ -233,7 +241,9 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         module = model.get_submodule(fqn) if fqn else model
         full = sum(p.numel() * p.element_size() for p in ps)
         per_rank = sum(
-            math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * p.element_size() if p.dim() else p.element_size()
+            math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * p.element_size()
+            if p.dim()
+            else p.element_size()
             for p in ps
         )
         block = fqn != ROOT and (classes is None or type(module).__name__ in classes)

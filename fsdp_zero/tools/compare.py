@@ -9,26 +9,26 @@ peak_reserved_mib``; `read_rows` builds them from each run's summary.json.
 
 from __future__ import annotations
 
-from fsdp_zero.config.paths import RunDir
-from fsdp_zero.training.steplog import Summary
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from fsdp_zero.sharding.build import build_optimizer, materializer
-from fsdp_zero.model.construct import construct, real_buffers
-from fsdp_zero.config.strategies import STRATEGIES, ZERO_STAGES, Strategy
+from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import Config, ParallelConfig
+from fsdp_zero.config.strategies import STRATEGIES, ZERO_STAGES, Strategy
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, make_trainable
-from fsdp_zero.monitor.memory import CATEGORIES, MIB, model_state_bytes
-from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.monitor.phases import Phase
-from fsdp_zero.training.step import set_lr, train_step
 from fsdp_zero.model.tasks import build_task, vocab_size
+from fsdp_zero.monitor.memory import CATEGORIES, MIB, model_state_bytes
+from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.sharding.build import build_optimizer, materializer
+from fsdp_zero.sharding.parallelize import model_state_formula
+from fsdp_zero.training.step import set_lr, train_step
+from fsdp_zero.training.steplog import Summary
 
 ORDER = list(reversed(ZERO_STAGES.values()))  # the ZeRO stages' strategies, in the order they run: ZeRO-3 first
 # Short runs: the profiled step (2) for the breakdown, steps around it for peak RSS and step time.
@@ -44,11 +44,21 @@ def read_rows(out: Path, strategies: list[Strategy] = ORDER) -> dict[str, list[d
             continue
         summary = Summary.read(out / strategy.value)
         rows[strategy.value] = [
-            {"strategy": strategy.value, "num_params": summary.num_params, "steps": summary.steps,
-             "final_loss": summary.final_loss, "step_s": r["step_s"], "model_state": r["model_state_bytes"],
-             "formula": summary.model_state_formula_bytes, "precision": summary.precision,
-             "breakdown": r["breakdown"], "peak_rss_mib": r["peak_rss_mib"], "peak_reserved_mib": r["peak_reserved_mib"]}
-            for r in summary.ranks]
+            {
+                "strategy": strategy.value,
+                "num_params": summary.num_params,
+                "steps": summary.steps,
+                "final_loss": summary.final_loss,
+                "step_s": r["step_s"],
+                "model_state": r["model_state_bytes"],
+                "formula": summary.model_state_formula_bytes,
+                "precision": summary.precision,
+                "breakdown": r["breakdown"],
+                "peak_rss_mib": r["peak_rss_mib"],
+                "peak_reserved_mib": r["peak_reserved_mib"],
+            }
+            for r in summary.ranks
+        ]
     return rows
 
 
@@ -90,17 +100,35 @@ def dataparallel_row(cfg: Config) -> dict:
     start = time.perf_counter()
     for step in range(1, cfg.train.steps + 1):
         set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
-        loss = train_step(parallel, optimizer, loss_fn, cursor.next_batch(), cfg.optim.grad_clip, device,
-                          [on_phase] if step == 1 else []).loss
+        loss = train_step(
+            parallel,
+            optimizer,
+            loss_fn,
+            cursor.next_batch(),
+            cfg.optim.grad_clip,
+            device,
+            [on_phase] if step == 1 else [],
+        ).loss
     final = loss.item()
     elapsed = time.perf_counter() - start
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB
-    return {"strategy": "dataparallel", "num_params": sum(p.numel() for p in model.parameters()), "steps": cfg.train.steps,
-            "step_s": elapsed / cfg.train.steps, "final_loss": final, "model_state": state.get("bytes", 0),
-            "formula": model_state_formula(Topology.of(ParallelConfig(strategy=Strategy.ddp), 1),
-                                           sum(p.numel() for p in model.parameters()), frozen=frozen_count(model)),
-            "precision": "fp32",
-            "breakdown": dict.fromkeys(CATEGORIES, 0), "peak_rss_mib": peak, "peak_reserved_mib": peak}
+    return {
+        "strategy": "dataparallel",
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "steps": cfg.train.steps,
+        "step_s": elapsed / cfg.train.steps,
+        "final_loss": final,
+        "model_state": state.get("bytes", 0),
+        "formula": model_state_formula(
+            Topology.of(ParallelConfig(strategy=Strategy.ddp), 1),
+            sum(p.numel() for p in model.parameters()),
+            frozen=frozen_count(model),
+        ),
+        "precision": "fp32",
+        "breakdown": dict.fromkeys(CATEGORIES, 0),
+        "peak_rss_mib": peak,
+        "peak_reserved_mib": peak,
+    }
 
 
 def table(rows: dict[str, list[dict]], n: int) -> str:
@@ -127,22 +155,28 @@ def table(rows: dict[str, list[dict]], n: int) -> str:
         gathered = max(r["breakdown"].get("gathered_params", 0) for r in rs) / MIB
         tracked = max(sum(r["breakdown"].values()) for r in rs) / MIB
         lines.append(
-            f"| {strategy.value} | {STRATEGIES[strategy].zero_stage} ({STRATEGIES[strategy].label}) | {peak:,.0f} | {peak / base_peak:.2f} | {state:,.1f} | {formula:,.1f} | "
+            f"| {strategy.value} | {STRATEGIES[strategy].zero_stage} ({STRATEGIES[strategy].label}) | {peak:,.0f} | "
+            f"{peak / base_peak:.2f} | {state:,.1f} | {formula:,.1f} | "
             f"{gathered:,.1f} | {tracked:,.1f} | {rs[0]['step_s']:.3f} | {rs[0]['step_s'] / base_time:.2f} | "
             f"{rs[0]['final_loss']:.4f} |"
         )
     if "dataparallel" in rows:
         dp = rows["dataparallel"][0]
-        lines.append(f"| dataparallel (1 process, {torch.cuda.device_count()} GPUs) | - | {dp['peak_rss_mib']:,.0f} (GPU) | "
-                     f"{dp['peak_rss_mib'] / base_peak:.2f} | {dp['model_state'] / MIB:,.1f} | "
-                     f"{dp['formula'] / MIB:,.1f} | 0.0 | - | "
-                     f"{dp['step_s']:.3f} | {dp['step_s'] / base_time:.2f} | {dp['final_loss']:.4f} |")
+        lines.append(
+            f"| dataparallel (1 process, {torch.cuda.device_count()} GPUs) | - | {dp['peak_rss_mib']:,.0f} (GPU) | "
+            f"{dp['peak_rss_mib'] / base_peak:.2f} | {dp['model_state'] / MIB:,.1f} | "
+            f"{dp['formula'] / MIB:,.1f} | 0.0 | - | "
+            f"{dp['step_s']:.3f} | {dp['step_s'] / base_time:.2f} | {dp['final_loss']:.4f} |"
+        )
     if first["peak_reserved_mib"] is not None:
         lines += ["", "| strategy | peak reserved / rank (MiB) |", "|---|---|"]
         lines += [f"| {s.value} | {max(r['peak_reserved_mib'] for r in rows[s.value]):,.0f} |" for s in present]
-    lines += ["", "Peak RSS: the process's highest resident memory over the run (libraries included). Model state:",
-              "parameters + gradients + AdamW states held by a rank after an optimizer step. Tracked tensor peak:",
-              "the sum of live tensors at the profiled step's peak (PyTorch's MemTracker)."]
+    lines += [
+        "",
+        "Peak RSS: the process's highest resident memory over the run (libraries included). Model state:",
+        "parameters + gradients + AdamW states held by a rank after an optimizer step. Tracked tensor peak:",
+        "the sum of live tensors at the profiled step's peak (PyTorch's MemTracker).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -166,8 +200,13 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
             vals = [rows[s][r]["breakdown"].get(cat, 0) / MIB for s in strategies]
             left.bar(xs, vals, width * 0.92, bottom=bottom, color=colours[c], label=cat if r == 0 else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        right.bar(xs, [rows[s][r]["peak_rss_mib"] for s in strategies], width * 0.92,
-                  color=colours[r % len(colours)], label=f"rank {r}")
+        right.bar(
+            xs,
+            [rows[s][r]["peak_rss_mib"] for s in strategies],
+            width * 0.92,
+            color=colours[r % len(colours)],
+            label=f"rank {r}",
+        )
     first = rows[strategies[0]][0]
     left.set_title("Tensors by category at the profiled step's peak (one bar per rank)")
     right.set_title("Peak RSS per rank (the process, libraries included)")
@@ -190,8 +229,12 @@ def to_tensorboard(rows: dict[str, list[dict]], md: str, out: Path) -> None:
     writer.add_text("compare", md)
     for strategy, rs in rows.items():
         for r, row in enumerate(rs):
-            scalars = {"peak_rss_mib": row["peak_rss_mib"], "model_state_mib": row["model_state"] / MIB,
-                       "step_s": row["step_s"], **{f"{k}_mib": v / MIB for k, v in row["breakdown"].items()}}
+            scalars = {
+                "peak_rss_mib": row["peak_rss_mib"],
+                "model_state_mib": row["model_state"] / MIB,
+                "step_s": row["step_s"],
+                **{f"{k}_mib": v / MIB for k, v in row["breakdown"].items()},
+            }
             for tag, value in scalars.items():
                 writer.add_scalar(f"compare_{strategy}/{tag}", value, r)  # x = rank
     writer.close()

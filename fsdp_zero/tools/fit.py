@@ -46,18 +46,18 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from fsdp_zero.config.schema import ActivationCheckpointing, Config, validate
+from fsdp_zero.config.strategies import STRATEGIES, GradSync, Strategy
 from fsdp_zero.data.batches import BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
-from fsdp_zero.monitor.comm import comm_formula, comm_seconds
-from fsdp_zero.config.strategies import STRATEGIES, GradSync, Strategy
-from fsdp_zero.config.schema import ActivationCheckpointing, Config, validate
 from fsdp_zero.model.lora import make_trainable
+from fsdp_zero.monitor.comm import comm_formula, comm_seconds
 from fsdp_zero.sharding.parallelize import checkpointed
-from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline
 from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.tools.rates import Measured, Rates, measure
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
+from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline
+from fsdp_zero.tools.rates import Measured, Rates, measure
 
 
 @dataclass(frozen=True)
@@ -71,17 +71,31 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         """The key=value overrides that select this candidate, to paste onto the command line."""
-        return [f"parallel.strategy={self.strategy.value}", f"precision.mode={self.precision}",
-                f"parallel.activation_checkpointing={self.checkpointing.value}",
-                f"parallel.cpu_offload={str(self.offload).lower()}", f"train.micro_batch_size={self.micro_batch}",
-                f"parallel.grad_sync={self.grad_sync.value}"]
+        return [
+            f"parallel.strategy={self.strategy.value}",
+            f"precision.mode={self.precision}",
+            f"parallel.activation_checkpointing={self.checkpointing.value}",
+            f"parallel.cpu_offload={str(self.offload).lower()}",
+            f"train.micro_batch_size={self.micro_batch}",
+            f"parallel.grad_sync={self.grad_sync.value}",
+        ]
 
     def config(self, cfg: Config) -> Config:
         hpz = cfg.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None  # full_shard's own
-        p = replace(cfg.parallel, strategy=self.strategy, activation_checkpointing=self.checkpointing,
-                    cpu_offload=self.offload, grad_sync=self.grad_sync, reshard_after_forward=hpz)
-        return replace(cfg, parallel=p, precision=replace(cfg.precision, mode=self.precision),
-                       train=replace(cfg.train, micro_batch_size=self.micro_batch))
+        p = replace(
+            cfg.parallel,
+            strategy=self.strategy,
+            activation_checkpointing=self.checkpointing,
+            cpu_offload=self.offload,
+            grad_sync=self.grad_sync,
+            reshard_after_forward=hpz,
+        )
+        return replace(
+            cfg,
+            parallel=p,
+            precision=replace(cfg.precision, mode=self.precision),
+            train=replace(cfg.train, micro_batch_size=self.micro_batch),
+        )
 
 
 @dataclass
@@ -93,8 +107,13 @@ class Scored:
     fits: bool = False
 
     def to_json(self) -> dict:
-        return {"overrides": self.candidate.overrides(), "peak_bytes": self.peak, "fits": self.fits,
-                "cost": self.cost, "cost_parts": self.parts}
+        return {
+            "overrides": self.candidate.overrides(),
+            "peak_bytes": self.peak,
+            "fits": self.fits,
+            "cost": self.cost,
+            "cost_parts": self.parts,
+        }
 
 
 # What --search may name: the settings a candidate varies (the others stay as the config has them).
@@ -118,8 +137,9 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
     """
     for name in search:
         if name not in DIMENSIONS:
-            raise ValueError(f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: "
-                             f"{', '.join(DIMENSIONS)}")
+            raise ValueError(
+                f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: {', '.join(DIMENSIONS)}"
+            )
     local = cfg.train.global_batch_size // world_size
     p = cfg.parallel
     axes = {
@@ -131,12 +151,22 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
         "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
         "grad_sync": list(GradSync),
     }
-    fixed = {"strategy": [p.strategy], "precision": [cfg.precision.mode], "checkpointing": [p.activation_checkpointing],
-             "offload": [p.cpu_offload], "micro_batch": [cfg.train.micro_batch_size], "grad_sync": [p.grad_sync]}
+    fixed = {
+        "strategy": [p.strategy],
+        "precision": [cfg.precision.mode],
+        "checkpointing": [p.activation_checkpointing],
+        "offload": [p.cpu_offload],
+        "micro_batch": [cfg.train.micro_batch_size],
+        "grad_sync": [p.grad_sync],
+    }
     out, refused = [], None
     for values in itertools.product(*(axes[d] if d in search else fixed[d] for d in DIMENSIONS)):
         cand = Candidate(*values)
-        if "grad_sync" in search and local // cand.micro_batch == 1 and cand.grad_sync is not GradSync.every_micro_batch:
+        if (
+            "grad_sync" in search
+            and local // cand.micro_batch == 1
+            and cand.grad_sync is not GradSync.every_micro_batch
+        ):
             continue  # without accumulation every mode reduces once: the default stands for them
         try:
             c = cand.config(cfg)
@@ -150,8 +180,10 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
             continue  # one replica: full_shard's twin
         out.append(cand)
     if not out:
-        raise ValueError(f"no setting varying {', '.join(search)} is valid for this config at {world_size} ranks; "
-                         f"the last refused: {refused}")
+        raise ValueError(
+            f"no setting varying {', '.join(search)} is valid for this config at {world_size} ranks; "
+            f"the last refused: {refused}"
+        )
     return out
 
 
@@ -176,8 +208,9 @@ def _predict(c: Config) -> Prediction:
     return _SIM.predict(c)
 
 
-def _simulate(cfg: Config, world_size: int, configs: list[Config], processes: int, baseline: int | None
-              ) -> list[Prediction]:
+def _simulate(
+    cfg: Config, world_size: int, configs: list[Config], processes: int, baseline: int | None
+) -> list[Prediction]:
     """`Simulator.predict` of each config, in ``processes`` worker processes (0: in this one)."""
     if baseline is None:
         baseline = cached_baseline(torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu"))
@@ -193,8 +226,9 @@ def _compute_dtype(cfg: Config, c: Candidate) -> torch.dtype:
     return resolve(c.config(cfg).precision).compute
 
 
-def predict_peaks(cfg: Config, world_size: int, cands: list[Candidate], processes: int = 2,
-                  baseline: int | None = None) -> tuple[dict[Candidate, int], int]:
+def predict_peaks(
+    cfg: Config, world_size: int, cands: list[Candidate], processes: int = 2, baseline: int | None = None
+) -> tuple[dict[Candidate, int], int]:
     """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
     and how many simulations it took."""
     local = cfg.train.global_batch_size // world_size
@@ -249,8 +283,9 @@ def predict_peaks(cfg: Config, world_size: int, cands: list[Candidate], processe
     return out, len(sims)
 
 
-def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: nn.Module, plan: WrapPlan
-              ) -> tuple[float, dict[str, float]]:
+def step_cost(
+    cfg: Config, c: Candidate, world_size: int, rates: Rates, model: nn.Module, plan: WrapPlan
+) -> tuple[float, dict[str, float]]:
     """``c``'s step cost in seconds and its terms (see the module docstring). ``model``: the config's model
     on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
     cc = c.config(cfg)
@@ -262,8 +297,9 @@ def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: n
         return sum(parts.values()), parts
     tokens = layout.global_batch_size // world_size * (cc.data.seq_len or 1)
     params = sum(p.numel() for p in model.parameters())
-    recomputed = sum(sum(p.numel() for p in model.get_submodule(b).parameters())
-                     for b in checkpointed(cc.parallel, plan.block_fqns))
+    recomputed = sum(
+        sum(p.numel() for p in model.get_submodule(b).parameters()) for b in checkpointed(cc.parallel, plan.block_fqns)
+    )
     flops = 6 * params * tokens + 2 * recomputed * tokens
     slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
     compute = flops * slow / (rates.tflops * 1e12)
@@ -278,8 +314,9 @@ def step_cost(cfg: Config, c: Candidate, world_size: int, rates: Rates, model: n
     return compute + comm + offload, parts
 
 
-def _measured_cost(cc: Config, c: Candidate, topology: Topology, m: Measured, model: nn.Module, plan: WrapPlan,
-                   moved) -> dict[str, float]:  # noqa: ANN001 - a CommBytes
+def _measured_cost(
+    cc: Config, c: Candidate, topology: Topology, m: Measured, model: nn.Module, plan: WrapPlan, moved
+) -> dict[str, float]:  # noqa: ANN001 - a CommBytes
     """The step cost from what the probe measured on this machine (`fsdp_zero.tools.rates.measure`): each sample's
     forward and backward (and each checkpointed block's forward again) in the compute dtype, each byte the
     strategy moves (`fsdp_zero.monitor.comm.comm_formula`) at the rate its collective ran at, and AdamW's step over
@@ -291,8 +328,11 @@ def _measured_cost(cc: Config, c: Candidate, topology: Topology, m: Measured, mo
     compute = samples * (fixed + m.blocks * block + len(blocks) * forward)
     spec = STRATEGIES[c.strategy]
     if spec.fsdp:
-        comm = (moved.all_gather * m.gather_s_per_byte + moved.reduce_scatter * m.reduce_s_per_byte
-                + moved.all_reduce * m.all_reduce_s_per_byte)
+        comm = (
+            moved.all_gather * m.gather_s_per_byte
+            + moved.reduce_scatter * m.reduce_s_per_byte
+            + moved.all_reduce * m.all_reduce_s_per_byte
+        )
     else:  # DDP's buckets all-reduced; ZeRO-1's updated partitions broadcast (an all-gather's bytes)
         comm = moved.all_reduce * m.all_reduce_s_per_byte + moved.all_gather * m.all_gather_s_per_byte
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -334,14 +374,22 @@ class Search:
         if not any(s.fits for s in self.scored):
             small = min(self.scored, key=lambda s: s.peak)
             need = small.peak * (1 + margin)
-            raise ValueError(f"--fit={budget / 2**20:,.0f} MiB: no candidate fits; the smallest, "
-                             f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per rank "
-                             f"+ {margin:.0%} margin = {need / 2**20:,.0f} MiB ({(need - budget) / 2**20:,.0f} MiB over)")
+            raise ValueError(
+                f"--fit={budget / 2**20:,.0f} MiB: no candidate fits; the smallest, "
+                f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per rank "
+                f"+ {margin:.0%} margin = {need / 2**20:,.0f} MiB ({(need - budget) / 2**20:,.0f} MiB over)"
+            )
         return next(s for s in self.scored if s.fits)
 
 
-def search(cfg: Config, world_size: int, rates: Rates, dims: tuple[str, ...] = DIMENSIONS, processes: int = 2,
-           baseline: int | None = None) -> Search:
+def search(
+    cfg: Config,
+    world_size: int,
+    rates: Rates,
+    dims: tuple[str, ...] = DIMENSIONS,
+    processes: int = 2,
+    baseline: int | None = None,
+) -> Search:
     """Every candidate (varying ``dims``) with its predicted peak and cost, cheapest first.
     ``processes``: worker processes for the simulations (0: this one); ``baseline``:
     `fsdp_zero.tools.planner.measure_baseline`'s bytes (None: measured now).

@@ -10,12 +10,21 @@ from pathlib import Path
 TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
 
-def train_command(nproc: int, args: Sequence[str], *, script: Path = TRAIN, torchrun_args: Sequence[str] = (),
-                  torchrun: bool = True) -> list[str]:
+def train_command(
+    nproc: int, args: Sequence[str], *, script: Path = TRAIN, torchrun_args: Sequence[str] = (), torchrun: bool = True
+) -> list[str]:
     """``script`` with ``args`` over ``nproc`` ranks: ``python -m torch.distributed.run --standalone
     --nproc_per_node=N`` (with ``torchrun_args``), or plain ``python`` when ``torchrun`` is false (a
     one-rank run: the script makes its own one-rank group)."""
     if not torchrun:
         return [sys.executable, str(script), *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *torchrun_args, str(script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *torchrun_args,
+        str(script),
+        *args,
+    ]

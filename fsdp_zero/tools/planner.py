@@ -34,24 +34,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.sharding.build import build, cast_to_stored, optimizer_impl, param_groups
-from fsdp_zero.model.construct import construct
-from fsdp_zero.config.strategies import STRATEGIES, ZERO_STAGES, Strategy, is_fsdp
 from fsdp_zero.config.schema import (
-    ActivationCheckpointing, Config, ParallelConfig, PrecisionConfig, WrapConfig, WrapPolicy, validate,
+    ActivationCheckpointing,
+    Config,
+    ParallelConfig,
+    PrecisionConfig,
+    WrapConfig,
+    WrapPolicy,
+    validate,
 )
+from fsdp_zero.config.strategies import STRATEGIES, ZERO_STAGES, Strategy, is_fsdp
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
+from fsdp_zero.model.tasks import build_task, vocab_size
 from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
+from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.sharding.build import build, cast_to_stored, optimizer_impl, param_groups
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.monitor.phases import Phase
-from fsdp_zero.training.step import train_step
-from fsdp_zero.model.tasks import build_task, vocab_size
-from fsdp_zero.torch_private import FakeStore, FakeTensorMode, real_post_forward_meshes
 from fsdp_zero.sharding.wrap import build_wrap_plan
+from fsdp_zero.torch_private import FakeStore, FakeTensorMode, real_post_forward_meshes
+from fsdp_zero.training.step import train_step
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -124,10 +130,12 @@ def zero_paper_stages(num_params: int, n: int) -> dict[int, PaperStage]:
         The stages by ZeRO stage (0: the baseline), the keys of `fsdp_zero.config.strategies.ZERO_STAGES`.
     """
     psi, k = num_params, PAPER_K
-    return {0: PaperStage("baseline", "(2 + 2 + K) Psi", (2 + 2 + k) * psi),
-            1: PaperStage("P_os", "2 Psi + 2 Psi + K Psi / N_d", 2 * psi + 2 * psi + k * psi / n),
-            2: PaperStage("P_os+g", "2 Psi + (2 + K) Psi / N_d", 2 * psi + (2 + k) * psi / n),
-            3: PaperStage("P_os+g+p", "(2 + 2 + K) Psi / N_d", (2 + 2 + k) * psi / n)}
+    return {
+        0: PaperStage("baseline", "(2 + 2 + K) Psi", (2 + 2 + k) * psi),
+        1: PaperStage("P_os", "2 Psi + 2 Psi + K Psi / N_d", 2 * psi + 2 * psi + k * psi / n),
+        2: PaperStage("P_os+g", "2 Psi + (2 + K) Psi / N_d", 2 * psi + (2 + k) * psi / n),
+        3: PaperStage("P_os+g+p", "(2 + 2 + K) Psi / N_d", (2 + 2 + k) * psi / n),
+    }
 
 
 @dataclass(frozen=True)
@@ -147,8 +155,14 @@ class StrategyState:
         return None if self.gathered is None else self.at_rest + self.gathered
 
 
-def strategy_states(num_params: int, n: int, largest_unit: int | None = None, root_unit: int = 0,
-                    modes: tuple[str, ...] = PLAN_MODES, frozen: int = 0) -> list[StrategyState]:
+def strategy_states(
+    num_params: int,
+    n: int,
+    largest_unit: int | None = None,
+    root_unit: int = 0,
+    modes: tuple[str, ...] = PLAN_MODES,
+    frozen: int = 0,
+) -> list[StrategyState]:
     """Each ZeRO stage's strategy (`fsdp_zero.config.strategies.ZERO_STAGES`), per precision mode: the model state
     per rank at rest and inside the step.
 
@@ -212,7 +226,8 @@ from fsdp_zero.distributed.env import distributed, exit_process
 from fsdp_zero.training.trainer import train
 cfg = load_config(None, ["model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=2",
                          "train.micro_batch_size=2", "train.steps=2", "train.log_every=1", "checkpoint.enabled=false",
-                         "memory.profile_step=0", "dist.device=cpu", f"run.root={tempfile.mkdtemp()}", "run.name=probe"])
+                         "memory.profile_step=0", "dist.device=cpu", f"run.root={tempfile.mkdtemp()}",
+                         "run.name=probe"])
 with distributed(cfg.dist) as env:
     result = train(cfg, env)
 print(int(result.peak_rss_mib * 2**20), flush=True)
@@ -236,10 +251,19 @@ def measure_baseline(device: torch.device) -> int:
     # probe wait for an agent store that is not its own). No GPU either: the probe trains on the CPU
     # (dist.device=cpu), and a process that sees one starts a CUDA context anyway (torch's optimizers
     # ask the accelerator for its stream), hundreds of MiB that a CPU rank does not hold.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
-    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True,
-                          env={**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith("TORCHELASTIC")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
     return int(proc.stdout.strip().splitlines()[-1])
 
 
@@ -337,8 +361,7 @@ class Simulator:
     creates the AdamW states, runs one micro-batch.
     """
 
-    def __init__(self, cfg: Config, world_size: int, accum_cap: int | None = None, baseline: int | None = None
-                 ) -> None:
+    def __init__(self, cfg: Config, world_size: int, accum_cap: int | None = None, baseline: int | None = None) -> None:
         self.world_size, self.accum_cap = world_size, accum_cap
         self.target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
         # The step is simulated on the CPU whatever the target: the tensors are the same, and a process
@@ -396,8 +419,13 @@ class Simulator:
         except ValueError:  # the config's own error (the whole model would raise it too)
             raise
         except Exception as e:  # noqa: BLE001 - a model whose forward needs all its blocks: simulated whole
-            logger.info("planner: %s cannot run with fewer blocks (%s: %s); simulating all %d", repeats.container,
-                        type(e).__name__, e, repeats.count)
+            logger.info(
+                "planner: %s cannot run with fewer blocks (%s: %s); simulating all %d",
+                repeats.container,
+                type(e).__name__,
+                e,
+                repeats.count,
+            )
             return self._simulate(c)
         return compose(at(y), at(z), (y, z), repeats, self.target, zero1_shares(c, self.world_size, repeats, (y, z)))
 
@@ -407,13 +435,16 @@ class Simulator:
         layout, topology = BatchLayout.rounded(c.train, self.world_size), Topology.of(c.parallel, self.world_size)
         if self.accum_cap:
             accum = min(layout.grad_accum_steps, self.accum_cap)
-            layout = replace(layout, grad_accum_steps=accum, global_batch_size=layout.global_batch_size
-                             // layout.grad_accum_steps * accum)
+            layout = replace(
+                layout,
+                grad_accum_steps=accum,
+                global_batch_size=layout.global_batch_size // layout.grad_accum_steps * accum,
+            )
         loss_fn = build_task(c.model)
         mesh = topology.mesh(env.device.type) if is_fsdp(strategy) else None  # needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
         if keep:
-            del meta.get_submodule(keep[0])[keep[1]:]  # (a ModuleList or Sequential renumbers what is left)
+            del meta.get_submodule(keep[0])[keep[1] :]  # (a ModuleList or Sequential renumbers what is left)
         cast_to_stored(meta, resolve(c.precision))  # (bf16-true) also outside it
         # Real batches of the configured data (their shapes and dtypes are what matter).
         micro = BatchCursor(build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0).next_batch()
@@ -422,8 +453,15 @@ class Simulator:
             with real_post_forward_meshes():  # hpZ's meshes
                 built = build(c, env, seed=None, topology=topology, mesh=mesh, ddp=DDPStandIn, model=meta)
             model, optimizer = built.model, built.optimizer
-            train_step(model, optimizer, loss_fn, first, c.optim.grad_clip, device,  # creates AdamW states
-                       grad_sync=c.parallel.grad_sync)
+            train_step(
+                model,
+                optimizer,
+                loss_fn,
+                first,
+                c.optim.grad_clip,
+                device,  # creates AdamW states
+                grad_sync=c.parallel.grad_sync,
+            )
             with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
                 profiler = StepProfiler(model, optimizer, device, heap_threshold=self.heap_threshold)
             state: dict[str, int] = {}
@@ -436,14 +474,29 @@ class Simulator:
                     state["optimizer"] = cats["optimizer"]
 
             with profiler:
-                train_step(model, optimizer, loss_fn, micro, c.optim.grad_clip, device, [on_phase],
-                           grad_sync=c.parallel.grad_sync)
+                train_step(
+                    model,
+                    optimizer,
+                    loss_fn,
+                    micro,
+                    c.optim.grad_clip,
+                    device,
+                    [on_phase],
+                    grad_sync=c.parallel.grad_sync,
+                )
             tensors = profiler.peak()
-        pred = Prediction(strategy.value, self.world_size, tensors, self.baseline, model_state=state.get("bytes", 0),
-                          host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,
-                          heap_at_peak=sum(profiler.heap_peak().values()),
-                          heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"],
-                          optimizer_state=state.get("optimizer", 0), regions=profiler.region_peaks())
+        pred = Prediction(
+            strategy.value,
+            self.world_size,
+            tensors,
+            self.baseline,
+            model_state=state.get("bytes", 0),
+            host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,
+            heap_at_peak=sum(profiler.heap_peak().values()),
+            heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"],
+            optimizer_state=state.get("optimizer", 0),
+            regions=profiler.region_peaks(),
+        )
         pred.peak = predict_peak(pred, self.target, fsdp=is_fsdp(strategy))
         return pred
 
@@ -460,10 +513,12 @@ def _signature(model: nn.Module, prefix: str, units: set[str]) -> tuple:
     """What makes two blocks the same to memory: class, parameters (shape, dtype, trained or not),
     buffers, and which of their submodules are FSDP units."""
     block = model.get_submodule(prefix)
-    return (type(block),
-            tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
-            tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
-            tuple(sorted(u[len(prefix):] for u in units if u == prefix or u.startswith(prefix + "."))))
+    return (
+        type(block),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
+        tuple(sorted(u[len(prefix) :] for u in units if u == prefix or u.startswith(prefix + "."))),
+    )
 
 
 def repeated_blocks(c: Config, shard_degree: int) -> Repeats | None:
@@ -494,8 +549,11 @@ def first_depth(parallel: ParallelConfig) -> tuple[int, int]:
     """The smallest depth a composition simulates, and the step between its depths. The smallest holds the
     units FSDP2 has in flight at once (one computing, one gathered ahead, one reducing) and those explicit
     prefetch adds; the step is a whole period of selective checkpointing (every k-th block recomputed)."""
-    step = parallel.activation_checkpointing_every if (
-        parallel.activation_checkpointing is ActivationCheckpointing.selective) else 1
+    step = (
+        parallel.activation_checkpointing_every
+        if (parallel.activation_checkpointing is ActivationCheckpointing.selective)
+        else 1
+    )
     return step * math.ceil((3 + parallel.prefetch) / step), step
 
 
@@ -538,8 +596,14 @@ def zero1_shares(c: Config, world_size: int, repeats: Repeats, depths: tuple[int
     return tuple(shares)
 
 
-def compose(a: Prediction, b: Prediction, depths: tuple[int, int], repeats: Repeats, target: torch.device,
-            zero1: tuple[int, ...] | None) -> Prediction:
+def compose(
+    a: Prediction,
+    b: Prediction,
+    depths: tuple[int, int],
+    repeats: Repeats,
+    target: torch.device,
+    zero1: tuple[int, ...] | None,
+) -> Prediction:
     """The prediction for all ``repeats.count`` blocks from simulations of the first ``depths`` ones: every
     figure extrapolated along the line through the two, each part of the step's peak on its own line (the
     part that peaks can change with the depth: the optimizer step's bytes per block can outgrow the
@@ -562,11 +626,19 @@ def compose(a: Prediction, b: Prediction, depths: tuple[int, int], repeats: Repe
     tensors, heap_at_peak = max(regions.values(), key=lambda part: sum(part[0].values()))
     optimizer_state = states(b.optimizer_state, a.optimizer_state)
     model_state = line(a.model_state - a.optimizer_state, b.model_state - b.optimizer_state) + optimizer_state
-    pred = Prediction(b.strategy, b.world_size, tensors, b.baseline, model_state=model_state,
-                      host_state=model_state if b.host_state else 0, heap_at_peak=heap_at_peak,
-                      heap_activations=line(a.heap_activations, b.heap_activations), optimizer_state=optimizer_state,
-                      regions=regions, notes=[f"composed: {repeats.container} simulated with {da} and {db} of its {n} "
-                                              "blocks"])
+    pred = Prediction(
+        b.strategy,
+        b.world_size,
+        tensors,
+        b.baseline,
+        model_state=model_state,
+        host_state=model_state if b.host_state else 0,
+        heap_at_peak=heap_at_peak,
+        heap_activations=line(a.heap_activations, b.heap_activations),
+        optimizer_state=optimizer_state,
+        regions=regions,
+        notes=[f"composed: {repeats.container} simulated with {da} and {db} of its {n} blocks"],
+    )
     pred.peak = predict_peak(pred, target, fsdp=is_fsdp(Strategy(b.strategy)))
     return pred
 

@@ -69,6 +69,7 @@ PROBE_DEPTH = 4
 @dataclass(frozen=True)
 class Measured:
     """Rates `measure` found on this machine for one config and world size."""
+
     ranks: int  # processes probed at once
     threads: int  # each one's threads (torchrun's: 1 for several ranks)
     # By compute dtype name: seconds per sample outside the repeated blocks, per block (forward and
@@ -86,17 +87,24 @@ class Measured:
     def describe(self) -> str:
         compute = ", ".join(f"{d} {fixed + self.blocks * block:.3g} s" for d, (fixed, block, _) in self.compute.items())
         gbps = lambda s_per_byte: 8 / s_per_byte / 1e9 if s_per_byte else float("inf")  # noqa: E731
-        return (f"measured on this machine by a probe ({self.ranks} ranks x {self.threads} thread(s), {self.seconds:.0f} s): "
-                f"forward and backward of one sample: {compute}; FSDP all-gather {gbps(self.gather_s_per_byte):.2g} and "
-                f"reduce-scatter {gbps(self.reduce_s_per_byte):.2g} Gbit/s, all-reduce {gbps(self.all_reduce_s_per_byte):.2g}"
-                f" Gbit/s; AdamW " + ", ".join(f"{d} {r / 1e6:,.0f}M" for d, r in self.adamw_params_per_s.items())
-                + " parameters/s" + "".join(f"; {n}" for n in self.notes))
+        return (
+            f"measured on this machine by a probe ({self.ranks} ranks x {self.threads} thread(s), {self.seconds:.0f} "
+            f"s): "
+            f"forward and backward of one sample: {compute}; FSDP all-gather {gbps(self.gather_s_per_byte):.2g} and "
+            f"reduce-scatter {gbps(self.reduce_s_per_byte):.2g} Gbit/s, all-reduce "
+            f"{gbps(self.all_reduce_s_per_byte):.2g}"
+            f" Gbit/s; AdamW "
+            + ", ".join(f"{d} {r / 1e6:,.0f}M" for d, r in self.adamw_params_per_s.items())
+            + " parameters/s"
+            + "".join(f"; {n}" for n in self.notes)
+        )
 
 
 @dataclass(frozen=True)
 class Rates:
     """What the cost assumes of the hardware (scripts/plan.py's --tflops, --link-gbps, --host-gbps), or,
     with ``measured``, what the probe measured (which then replaces the first two)."""
+
     tflops: float  # achieved compute per rank in 16-bit dtypes, 10^12 FLOP/s
     link_gbps: float  # per-rank collective bandwidth, Gbit/s
     host_gbps: float = 200.0  # host <-> device copies (CPU offload), Gbit/s
@@ -113,8 +121,10 @@ class Rates:
     def describe(self) -> str:
         if self.measured:
             return self.measured.describe()
-        return (f"given or default: {self.tflops:g} TFLOP/s (16-bit; fp32 {self.fp32_speed:g}x slower), link "
-                f"{self.link_gbps:g} Gbit/s, host {self.host_gbps:g} Gbit/s")
+        return (
+            f"given or default: {self.tflops:g} TFLOP/s (16-bit; fp32 {self.fp32_speed:g}x slower), link "
+            f"{self.link_gbps:g} Gbit/s, host {self.host_gbps:g} Gbit/s"
+        )
 
 
 # ---------------------------------------------------------------------------------
@@ -135,14 +145,31 @@ def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: 
             port = sock.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
         # As torchrun runs the ranks: one thread each when there are several; no GPU (the plan is for the CPU).
-        env |= {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "CUDA_VISIBLE_DEVICES": ""}
+        env |= {
+            "WORLD_SIZE": str(ranks),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "CUDA_VISIBLE_DEVICES": "",
+        }
         if ranks > 1:
             env["OMP_NUM_THREADS"] = "1"
-        procs = [subprocess.Popen([sys.executable, "-m", "fsdp_zero.tools.rates", str(config), str(out),
-                                   ",".join(str(d).removeprefix("torch.") for d in dtypes)],
-                                  env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "fsdp_zero.tools.rates",
+                    str(config),
+                    str(out),
+                    ",".join(str(d).removeprefix("torch.") for d in dtypes),
+                ],
+                env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(ranks)
+        ]
         errors = [p.communicate()[1] for p in procs]
         if any(p.returncode for p in procs):
             failed = next(e for p, e in zip(procs, errors) if p.returncode)
@@ -169,8 +196,13 @@ def _matmul_seconds(dtype: torch.dtype, n: int = 256) -> float:
     return _best_of(lambda: a @ b, 3)
 
 
-def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: torch.dtype,  # noqa: ANN001
-                   together=lambda: None) -> list[tuple[float, float]]:  # noqa: ANN001
+def _model_seconds(
+    cfg,
+    container: str | None,
+    depths: tuple[int, ...],
+    dtype: torch.dtype,  # noqa: ANN001
+    together=lambda: None,
+) -> list[tuple[float, float]]:  # noqa: ANN001
     """Forward and forward + backward seconds of one sample of the config's model, initialised as the build
     does, in ``dtype``: with ``container`` cut to each of ``depths`` blocks in turn (deepest first: the
     model is built once, warmed up once, and cut), or whole (``container`` None, ``depths`` (0,)). Each the
@@ -178,7 +210,7 @@ def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: t
     training, where they share the machine's memory bandwidth)."""
     model = construct(cfg.model)
     if container is not None:
-        del model.get_submodule(container)[max(depths):]
+        del model.get_submodule(container)[max(depths) :]
     make_trainable(model, cfg.model)
     materializer(torch.device("cpu"), cfg.model.init, 0, real_buffers(model), [])(model)
     model.to(dtype)
@@ -205,8 +237,11 @@ def _model_seconds(cfg, container: str | None, depths: tuple[int, ...], dtype: t
     return out[::-1]
 
 
-def _compute(cfg, dtypes: list[str], together=lambda: None  # noqa: ANN001
-             ) -> tuple[dict[str, tuple[float, float, float]], int, list[str]]:
+def _compute(
+    cfg,
+    dtypes: list[str],
+    together=lambda: None,  # noqa: ANN001
+) -> tuple[dict[str, tuple[float, float, float]], int, list[str]]:
     """Seconds per sample outside the blocks, per block and per block's forward, by dtype name; the blocks; notes."""
     repeats = repeated_blocks(cfg, 1)  # (the blocks are the same whatever the sharding)
     notes, out, fp32_matmul = [], {}, _matmul_seconds(torch.float32)
@@ -239,10 +274,12 @@ def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
     nbytes = d * d * 4
     model = nn.Sequential(*(nn.Linear(d, d, bias=False) for _ in range(units)))
     parallel = ParallelConfig(wrap=WrapConfig(policy=WrapPolicy.modules, modules=[r"\d+"]))
-    env = DistEnv(rank=dist.get_rank(), world_size=n, local_rank=dist.get_rank(), device=torch.device("cpu"),
-                  backend="gloo")
-    model = parallelize(model, parallel, Topology.of(parallel, n), build_wrap_plan(model, parallel.wrap, n), env,
-                        lambda m: None)  # ZeRO-3
+    env = DistEnv(
+        rank=dist.get_rank(), world_size=n, local_rank=dist.get_rank(), device=torch.device("cpu"), backend="gloo"
+    )
+    model = parallelize(
+        model, parallel, Topology.of(parallel, n), build_wrap_plan(model, parallel.wrap, n), env, lambda m: None
+    )  # ZeRO-3
     x = torch.randn(1, d)
 
     def forward() -> None:
@@ -303,10 +340,22 @@ def _probe_rank(config: str, out: str, dtypes: str) -> None:
         dist.barrier()
         adamw = {name: _adamw(getattr(torch, name)) for name in ("float32", "bfloat16")}
         if rank == 0:
-            Path(out).write_text(json.dumps({
-                "ranks": n, "threads": torch.get_num_threads(), "compute": compute, "blocks": blocks,
-                "gather_s_per_byte": comm[0], "reduce_s_per_byte": comm[1], "all_reduce_s_per_byte": comm[2],
-                "all_gather_s_per_byte": comm[3], "adamw_params_per_s": adamw, "notes": notes}))
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "ranks": n,
+                        "threads": torch.get_num_threads(),
+                        "compute": compute,
+                        "blocks": blocks,
+                        "gather_s_per_byte": comm[0],
+                        "reduce_s_per_byte": comm[1],
+                        "all_reduce_s_per_byte": comm[2],
+                        "all_gather_s_per_byte": comm[3],
+                        "adamw_params_per_s": adamw,
+                        "notes": notes,
+                    }
+                )
+            )
     finally:
         dist.destroy_process_group()
 

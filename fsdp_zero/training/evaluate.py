@@ -43,8 +43,8 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_zero.config.schema import Config, DataSource, Task
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.sharding.parallelize import unwrap
 from fsdp_zero.model.tasks import TASKS, check_classes_fit, to_device, vocab_size
+from fsdp_zero.sharding.parallelize import unwrap
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -85,7 +85,9 @@ class FolderImages:
         from torchvision import transforms as T
         from torchvision.datasets import ImageFolder
 
-        transform = T.Compose([T.Resize(size), T.CenterCrop(size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        transform = T.Compose(
+            [T.Resize(size), T.CenterCrop(size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+        )
         try:
             self.dataset = ImageFolder(path, transform=transform)
         except (FileNotFoundError, RuntimeError) as e:
@@ -105,7 +107,7 @@ def rank_batches(num_items: int, world_size: int, rank: int, micro_batch_size: i
     mine = list(range(rank, num_items, world_size))
     most = len(range(0, num_items, world_size))  # rank 0's share, the largest
     forwards = -(-most // micro_batch_size)
-    return [mine[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(forwards)]
+    return [mine[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(forwards)]
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,16 @@ class EvalResult:
 class Evaluator:
     """Evaluates a model on ``items[:num_items]``, split over the ranks; see the module docstring."""
 
-    def __init__(self, items: Items, num_items: int, task: Task, every: int, micro_batch_size: int,
-                 env: DistEnv) -> None:
+    def __init__(
+        self, items: Items, num_items: int, task: Task, every: int, micro_batch_size: int, env: DistEnv
+    ) -> None:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
         self.env = env
         self.batches = rank_batches(num_items, env.world_size, env.rank, micro_batch_size)
         self.spec = TASKS[task]
-        assert self.spec.eval_sums is not None, f"model.task={task.value} has no evaluation (config.validate refuses it)"
+        assert self.spec.eval_sums is not None, (
+            f"model.task={task.value} has no evaluation (config.validate refuses it)"
+        )
 
     def due(self, step: int, last: int) -> bool:
         """Whether to evaluate after optimizer step ``step``: every ``every``-th step, and the last."""
@@ -152,8 +157,10 @@ class Evaluator:
         start = time.perf_counter()
         module = unwrap(model)  # DDP holds every parameter whole: no need for its forward's broadcasts
         if any(p.grad is not None for p in module.parameters()):
-            raise RuntimeError("evaluate between optimizer steps: the model holds gradients, which FSDP2's "
-                               "reset after a forward-only pass would drop")
+            raise RuntimeError(
+                "evaluate between optimizer steps: the model holds gradients, which FSDP2's "
+                "reset after a forward-only pass would drop"
+            )
         device = self.env.device
         totals = torch.zeros(3, dtype=torch.float64, device=device)
         was_training = module.training
@@ -194,8 +201,10 @@ def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> Folde
     trained = getattr(getattr(train_source, "dataset", None), "classes", None)
     if cfg.data.source is DataSource.images and trained is not None and list(trained) != list(classes):
         # ImageFolder numbers classes by sorted folder name: other folders would shift every label.
-        raise ValueError(f"eval.path={cfg.eval.path!r} has classes {classes}, but data.path has {list(trained)}; "
-                         "give both the same class folders")
+        raise ValueError(
+            f"eval.path={cfg.eval.path!r} has classes {classes}, but data.path has {list(trained)}; "
+            "give both the same class folders"
+        )
     check_classes_fit(f"eval.path={cfg.eval.path!r}", len(classes), model)
     return images
 
@@ -212,13 +221,23 @@ def build_evaluator(cfg: Config, env: DistEnv, model: nn.Module, train_source: o
         if e.path:
             logger.warning("eval.path=%s has no effect with eval.every=0 (no evaluation)", e.path)
         return None
-    items: Items = (_token_windows(cfg, vocab_size(model)) if TASKS[cfg.model.task].eval_source is DataSource.tokens
-                    else _folder_images(cfg, model, train_source))
+    items: Items = (
+        _token_windows(cfg, vocab_size(model))
+        if TASKS[cfg.model.task].eval_source is DataSource.tokens
+        else _folder_images(cfg, model, train_source)
+    )
     limit = e.max_batches * cfg.train.global_batch_size
     num_items = min(len(items), limit) if limit else len(items)
     if num_items == 0:
         raise ValueError(f"eval.path={e.path!r} holds no {items.unit}")
     evaluator = Evaluator(items, num_items, cfg.model.task, e.every, cfg.train.micro_batch_size, env)
-    logger.info("evaluation every %d steps and at the last: %d %s of %s (%d forwards a rank, micro-batch %d)",
-                e.every, num_items, items.unit, e.path, len(evaluator.batches), cfg.train.micro_batch_size)
+    logger.info(
+        "evaluation every %d steps and at the last: %d %s of %s (%d forwards a rank, micro-batch %d)",
+        e.every,
+        num_items,
+        items.unit,
+        e.path,
+        len(evaluator.batches),
+        cfg.train.micro_batch_size,
+    )
     return evaluator

@@ -3,14 +3,14 @@
 Rank 0 decides the run's name, seed and resume point (`plan_run_dir`, plain and testable
 in-process), every rank learns the `RunDecision` in one broadcast (`decide`), and nothing is
 written until set-up has succeeded (`write_run_dir`). The config is never changed: the decided
-name and seed reach config.yaml through `RunDecision.resolve`. A config that would overwrite a user's run, or continue a checkpoint
+name and seed reach config.yaml through `RunDecision.resolve`. A config that would overwrite a user's run, or
+continue a checkpoint
 with settings that change what it means, is refused with the reason; a file that changes
 is kept beside the new one (name.<step>), never overwritten.
 """
 
 from __future__ import annotations
 
-from fsdp_zero.config.paths import RunDir
 import json
 import logging
 import os
@@ -24,8 +24,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from fsdp_zero.checkpoint.dcp import checkpoint_step, latest_checkpoint, list_checkpoints, read_train_state
-from fsdp_zero.config.schema import Config
 from fsdp_zero.config.loader import read_saved_config, to_yaml
+from fsdp_zero.config.paths import RunDir
+from fsdp_zero.config.schema import Config
 from fsdp_zero.distributed.env import DistEnv, broadcast_object
 from fsdp_zero.model.hf import run_dir_files
 
@@ -47,6 +48,7 @@ def to_plain(cfg: Config) -> dict:
 
 def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """Dotted keys whose values differ between two resolved configs (as plain dicts)."""
+
     def flat(d: dict, prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in d.items():
@@ -54,8 +56,11 @@ def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
         return out
 
     a, b = flat(old), flat(new)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not k.startswith(IGNORED_IN_DIFF)}
+    return {
+        k: (a.get(k), b.get(k))
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not k.startswith(IGNORED_IN_DIFF)
+    }
 
 
 def check_writable(run_dir: Path, root: str) -> None:
@@ -69,13 +74,16 @@ def check_writable(run_dir: Path, root: str) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ValueError(f"run.root={root!r}: cannot create the run directory {str(run_dir)!r}: {str(existing)!r} is "
-                         "not a directory")
+        raise ValueError(
+            f"run.root={root!r}: cannot create the run directory {str(run_dir)!r}: {str(existing)!r} is not a directory"
+        )
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".fsdp-zero-probe-", dir=existing))
     except OSError as e:
-        raise ValueError(f"run.root={root!r}: cannot create the run directory {str(run_dir)!r}: "
-                         f"{e.strerror or e} in {str(existing)!r}") from None
+        raise ValueError(
+            f"run.root={root!r}: cannot create the run directory {str(run_dir)!r}: "
+            f"{e.strerror or e} in {str(existing)!r}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -133,8 +141,9 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
             changes = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items())
             raise ValueError(f"cannot continue checkpoint {str(resume_from)!r} with a changed config: {changes}")
         if diff:
-            logger.info("resuming with changed settings: %s",
-                        "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()))
+            logger.info(
+                "resuming with changed settings: %s", "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+            )
     elif saved_cfg.exists() and saved_cfg.read_text() != to_yaml(cfg):
         raise ValueError(
             f"run directory {str(run_dir)!r} already holds a run with a different config "

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.config.schema import OptimConfig, Schedule
-from fsdp_zero.sharding.precision import LossScaler
-from fsdp_zero.training.stopping import Verdict
+from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.model.tasks import LossFn, to_device
 from fsdp_zero.monitor.phases import Phase, PhaseHook
+from fsdp_zero.sharding.precision import LossScaler
+from fsdp_zero.training.stopping import Verdict
 
 # A step without a gate is always taken.
 TAKEN = Verdict(finite=True, stop=None)
@@ -97,8 +97,9 @@ def _report(hooks: Sequence[PhaseHook], phase: Phase) -> None:
         hook(phase)
 
 
-def _token_weight(count: Callable[[object], torch.Tensor], micro_batches: list, device: torch.device
-                  ) -> tuple[float, int]:
+def _token_weight(
+    count: Callable[[object], torch.Tensor], micro_batches: list, device: torch.device
+) -> tuple[float, int]:
     """N / (trained tokens of the global batch) and that count: this rank's count over its micro-batches
     (their targets, still on the host), one all-reduce, and one read of the sum (a sync point, masked data only)."""
     total = torch.tensor(float(sum(int(count(b)) for b in micro_batches)), dtype=torch.float64, device=device)
@@ -121,9 +122,16 @@ def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] |
     return None
 
 
-def _accumulate(model: nn.Module, loss_fn: LossFn, micro_batches: list, device: torch.device,
-                hooks: Sequence[PhaseHook], scaler: LossScaler | None, weight: float | None, grad_sync: GradSync
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _accumulate(
+    model: nn.Module,
+    loss_fn: LossFn,
+    micro_batches: list,
+    device: torch.device,
+    hooks: Sequence[PhaseHook],
+    scaler: LossScaler | None,
+    weight: float | None,
+    grad_sync: GradSync,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`train_step`'s forwards and backwards: the gradients of the micro-batches' mean (or, masked, of
     their token-weighted sum) accumulated; returns the summed losses and the task's summed scalars."""
     defer = _deferral(model, grad_sync)

@@ -24,29 +24,29 @@ first optimizer step, which `summary` reports against the strategy's own formula
 
 from __future__ import annotations
 
-from fsdp_zero.config.paths import RunDir
 import contextlib
 import json
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.monitor.comm import KINDS, CommMeter, as_dict, describe
+from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import Config
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.training.evaluate import EvalResult
+from fsdp_zero.monitor.comm import KINDS, CommMeter, as_dict, describe
 from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
+from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import Built
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.training.evaluate import EvalResult
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -72,17 +72,33 @@ class StepRecord:
     evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval/* scalars
     eval_peak_mib: float = 0.0  # this rank's highest peak (as peak_mem) from the last log step through an evaluation
     comm_bytes: dict[str, float] = field(default_factory=dict)  # this rank's, in the last logged step, by kind
-    comm_formula: dict[str, float] = field(default_factory=dict)  # the strategy's (`fsdp_zero.monitor.comm.comm_formula`)
+    comm_formula: dict[str, float] = field(
+        default_factory=dict
+    )  # the strategy's (`fsdp_zero.monitor.comm.comm_formula`)
 
 
 class StepLogger:
-    def __init__(self, env: DistEnv, run_dir, model: nn.Module, optimizer: torch.optim.Optimizer, *,  # noqa: ANN001
-                 log_every: int, last_step: int, profile_step: int, items_per_rank_step: int, unit: str,
-                 tensorboard: bool, comm: CommMeter | None = None) -> None:
+    def __init__(
+        self,
+        env: DistEnv,
+        run_dir,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,  # noqa: ANN001
+        log_every: int,
+        last_step: int,
+        profile_step: int,
+        items_per_rank_step: int,
+        unit: str,
+        tensorboard: bool,
+        comm: CommMeter | None = None,
+    ) -> None:
         self.env, self.model, self.optimizer, self.comm = env, model, optimizer, comm
         self.log_every, self.last_step, self.profile_step = log_every, last_step, profile_step
         self.items_per_rank_step, self.unit = items_per_rank_step, unit
-        self.tb: MetricLogger = TensorBoardLogger(RunDir(run_dir).tensorboard(env.rank)) if tensorboard else NoOpLogger()
+        self.tb: MetricLogger = (
+            TensorBoardLogger(RunDir(run_dir).tensorboard(env.rank)) if tensorboard else NoOpLogger()
+        )
         self.history: MetricLogger = JsonLinesLogger(RunDir(run_dir).metrics) if env.is_rank0 else NoOpLogger()
         self.monitor = MemoryMonitor(env.device)
         self.record = StepRecord(comm_formula=as_dict(comm.formula) if comm else {})
@@ -118,15 +134,21 @@ class StepLogger:
         scalars = memory_scalars(self.monitor, self.model, self.optimizer)
         if phase is Phase.AFTER_OPTIMIZER_STEP:  # model state at its peak: gradients not yet freed
             self.record.model_state_bytes = int(scalars["memory/model_state_mib"] * MIB)
-        self.tb.log({k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()},
-                    FIRST_STEP_PHASES.index(phase))
-        logger.info("memory %-21s model state %8.2f MiB/rank | %s", phase.value, scalars["memory/model_state_mib"],
-                    ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k))
+        self.tb.log(
+            {k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()}, FIRST_STEP_PHASES.index(phase)
+        )
+        logger.info(
+            "memory %-21s model state %8.2f MiB/rank | %s",
+            phase.value,
+            scalars["memory/model_state_mib"],
+            ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k),
+        )
 
     # -- once a step ---------------------------------------------------------------
 
-    def step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
-             extra: dict[str, torch.Tensor]) -> None:
+    def step(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, extra: dict[str, torch.Tensor]
+    ) -> None:
         """Called after every optimizer step; logs on log steps only."""
         profiled = self.profiler is not None
         if profiled:
@@ -153,17 +175,29 @@ class StepLogger:
         self._held = {}
         peak = self.monitor.headline_peak(mem)
         if "memory/cuda_peak_reserved_mib" in mem:
-            self.record.peak_reserved_mib = max(self.record.peak_reserved_mib or 0.0, mem["memory/cuda_peak_reserved_mib"])
+            self.record.peak_reserved_mib = max(
+                self.record.peak_reserved_mib or 0.0, mem["memory/cuda_peak_reserved_mib"]
+            )
 
         names = sorted(extra)
-        mine = torch.stack([loss.double(), *(torch.tensor(v, dtype=torch.float64, device=loss.device) for v in (peak, rank_rate)),
-                            *(extra[k].double() for k in names)])
+        mine = torch.stack(
+            [
+                loss.double(),
+                *(torch.tensor(v, dtype=torch.float64, device=loss.device) for v in (peak, rank_rate)),
+                *(extra[k].double() for k in names),
+            ]
+        )
         gathered = torch.zeros(self.env.world_size, mine.numel(), dtype=torch.float64, device=loss.device)
         dist.all_gather(list(gathered.unbind(0)), mine)
         gathered = gathered.cpu()
-        scalars = {"loss": gathered[:, 0].mean().item(), "lr": lr, "grad_norm": grad_norm.item(),
-                   f"{self.unit}_per_s_rank": rank_rate, f"{self.unit}_per_s_all_ranks": gathered[:, 2].sum().item(),
-                   **{k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)}}
+        scalars = {
+            "loss": gathered[:, 0].mean().item(),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            f"{self.unit}_per_s_rank": rank_rate,
+            f"{self.unit}_per_s_all_ranks": gathered[:, 2].sum().item(),
+            **{k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)},
+        }
         peaks = gathered[:, 1].tolist()
         self.record.losses[step], self.record.grad_norms[step] = scalars["loss"], scalars["grad_norm"]
         comm = self.comm.counted() if self.comm else None  # this step's (counted on the host)
@@ -172,11 +206,20 @@ class StepLogger:
 
         self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem | (comm.scalars() if comm else {}), step)
         rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | (comm.scalars() if comm else {})
-        self.history.log(rank0 | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]}, step)
-        logger.info("step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s", step,
-                    scalars["loss"], "".join(f" | {k} {scalars[k]:.4f}" for k in names), lr, scalars["grad_norm"],
-                    f"{scalars[f'{self.unit}_per_s_all_ranks']:,.0f}", "tok" if self.unit == "tokens" else self.unit,
-                    "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]")
+        self.history.log(
+            rank0 | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]}, step
+        )
+        logger.info(
+            "step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s",
+            step,
+            scalars["loss"],
+            "".join(f" | {k} {scalars[k]:.4f}" for k in names),
+            lr,
+            scalars["grad_norm"],
+            f"{scalars[f'{self.unit}_per_s_all_ranks']:,.0f}",
+            "tok" if self.unit == "tokens" else self.unit,
+            "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]",
+        )
         self.monitor.reset_peaks()
         self._interval_start, self._interval_steps, self._clean_steps = time.perf_counter(), 0, 0
 
@@ -187,16 +230,19 @@ class StepLogger:
     def finish(self) -> None:
         """At the end of the run: why no peak RSS was measured, if none was."""
         if self.record.peak_rss_mib is None:
-            self.record.peak_rss_note = (f"not measured: the only step run was the profiled one (memory.profile_step="
-                                         f"{self.profile_step}), whose memory tracker holds bookkeeping that is not "
-                                         "the model's; run more steps or set memory.profile_step=0")
+            self.record.peak_rss_note = (
+                f"not measured: the only step run was the profiled one (memory.profile_step="
+                f"{self.profile_step}), whose memory tracker holds bookkeeping that is not "
+                "the model's; run more steps or set memory.profile_step=0"
+            )
 
     def evaluation(self, step: int, result: EvalResult) -> None:
         """An evaluation after step ``step`` (its scalars the same on every rank): TensorBoard, metrics.jsonl
         (a row of its own, at the same step) and one line. Its time is left out of the throughput."""
         mem = self.monitor.read()  # peaks since the last log step: with log_every=1, the evaluation's own
-        self.record.eval_peak_mib = max(self.record.eval_peak_mib,
-                                        self.monitor.headline_peak({f"memory/{k}": v for k, v in mem.items()}))
+        self.record.eval_peak_mib = max(
+            self.record.eval_peak_mib, self.monitor.headline_peak({f"memory/{k}": v for k, v in mem.items()})
+        )
         self.record.evals[step] = result.scalars
         self.tb.log(result.scalars, step)
         self.history.log(result.scalars, step)
@@ -208,15 +254,25 @@ class StepLogger:
         profiler, self.profiler = self.profiler, None
         peak = profiler.peak()
         self.record.breakdown, self.record.phases = peak, profiler.phases
-        self.tb.log({f"memory_breakdown/{k}_mib": v / MIB for k, v in peak.items()}
-                    | {"memory_breakdown/tracked_peak_mib": sum(peak.values()) / MIB}, step)
+        self.tb.log(
+            {f"memory_breakdown/{k}_mib": v / MIB for k, v in peak.items()}
+            | {"memory_breakdown/tracked_peak_mib": sum(peak.values()) / MIB},
+            step,
+        )
         for x, phase in enumerate(PROFILE_PHASES):
             if phase in profiler.phases:
                 cats = profiler.phases[phase]
-                self.tb.log({f"memory_within_step/{k}_mib": v / MIB for k, v in cats.items()}
-                            | {"memory_within_step/total_mib": sum(cats.values()) / MIB}, x)
-        logger.info("memory at step %d's peak (tensors, MiB): %s | total %.1f", step,
-                    ", ".join(f"{k} {v / MIB:,.1f}" for k, v in peak.items()), sum(peak.values()) / MIB)
+                self.tb.log(
+                    {f"memory_within_step/{k}_mib": v / MIB for k, v in cats.items()}
+                    | {"memory_within_step/total_mib": sum(cats.values()) / MIB},
+                    x,
+                )
+        logger.info(
+            "memory at step %d's peak (tensors, MiB): %s | total %.1f",
+            step,
+            ", ".join(f"{k} {v / MIB:,.1f}" for k, v in peak.items()),
+            sum(peak.values()) / MIB,
+        )
         profiler.release()  # its bookkeeping must not stay in later steps' memory
 
     def close(self) -> None:
@@ -260,22 +316,43 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, built: Built, r
     only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
     num_params, num_frozen = built.num_params, built.num_frozen
     formula = model_state_formula(built.topology, num_params, built.precision.bytes_per_param, num_frozen)
-    logger.info("model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
-                record.model_state_bytes / MIB, record.model_state_bytes / formula, cfg.parallel.strategy.value,
-                cfg.precision.mode, formula / MIB)
+    logger.info(
+        "model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
+        record.model_state_bytes / MIB,
+        record.model_state_bytes / formula,
+        cfg.parallel.strategy.value,
+        cfg.precision.mode,
+        formula / MIB,
+    )
     if record.comm_bytes:
-        logger.info("%s", describe(record.comm_bytes, record.comm_formula, cfg.parallel.strategy.value,
-                                   cfg.parallel.grad_sync.value))
-    mine = {"model_state_bytes": record.model_state_bytes, "peak_rss_mib": record.peak_rss_mib,
-            "peak_rss_note": record.peak_rss_note,
-            "comm_bytes": {k: record.comm_bytes[k] for k in KINDS} if record.comm_bytes else None,
-            "eval_peak_mib": record.eval_peak_mib or None,
-            "peak_reserved_mib": record.peak_reserved_mib, "step_s": record.step_seconds, "breakdown": record.breakdown,
-            "activations_after_forward": record.phases.get(Phase.AFTER_FORWARD, {}).get("activations")}
+        logger.info(
+            "%s",
+            describe(record.comm_bytes, record.comm_formula, cfg.parallel.strategy.value, cfg.parallel.grad_sync.value),
+        )
+    mine = {
+        "model_state_bytes": record.model_state_bytes,
+        "peak_rss_mib": record.peak_rss_mib,
+        "peak_rss_note": record.peak_rss_note,
+        "comm_bytes": {k: record.comm_bytes[k] for k in KINDS} if record.comm_bytes else None,
+        "eval_peak_mib": record.eval_peak_mib or None,
+        "peak_reserved_mib": record.peak_reserved_mib,
+        "step_s": record.step_seconds,
+        "breakdown": record.breakdown,
+        "activations_after_forward": record.phases.get(Phase.AFTER_FORWARD, {}).get("activations"),
+    }
     ranks = [None] * env.world_size
     dist.all_gather_object(ranks, mine)
     if env.is_rank0:
-        Summary(strategy=cfg.parallel.strategy.value, precision=cfg.precision.mode, steps=last,
-                final_loss=record.losses.get(last), num_params=num_params, num_frozen=num_frozen,
-                world_size=env.world_size, model_state_formula_bytes=formula, grad_sync=cfg.parallel.grad_sync.value,
-                comm_formula_bytes=record.comm_formula or None, ranks=ranks).write(run_dir)
+        Summary(
+            strategy=cfg.parallel.strategy.value,
+            precision=cfg.precision.mode,
+            steps=last,
+            final_loss=record.losses.get(last),
+            num_params=num_params,
+            num_frozen=num_frozen,
+            world_size=env.world_size,
+            model_state_formula_bytes=formula,
+            grad_sync=cfg.parallel.grad_sync.value,
+            comm_formula_bytes=record.comm_formula or None,
+            ranks=ranks,
+        ).write(run_dir)

@@ -36,8 +36,9 @@ class Verdict:
     stop: str | None  # why the ranks stop after this step, or None to go on
 
 
-def budget_deadline(max_minutes: float | None, saved_deadline: float | None = None,
-                    saved_job: str | None = None) -> float | None:
+def budget_deadline(
+    max_minutes: float | None, saved_deadline: float | None = None, saved_job: str | None = None
+) -> float | None:
     """When the time budget ends (seconds since the epoch; None: no budget): ``max_minutes`` from now,
     except in ranks that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) resuming from a
     checkpoint that an earlier attempt of the same torchrun job saved (``saved_*``: its train
@@ -45,8 +46,12 @@ def budget_deadline(max_minutes: float | None, saved_deadline: float | None = No
     budget (and one after the budget ran out stops at once)."""
     if not max_minutes:
         return None
-    if saved_deadline and saved_job and saved_job == budget_job() and \
-            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if (
+        saved_deadline
+        and saved_job
+        and saved_job == budget_job()
+        and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    ):
         return float(saved_deadline)
     return time.time() + 60 * max_minutes
 

@@ -10,7 +10,6 @@ is everything a reader needs to follow a run from step to step.
 
 from __future__ import annotations
 
-from fsdp_zero.config.paths import RunDir
 import datetime
 import logging
 import time
@@ -22,28 +21,29 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_zero
-from fsdp_zero.sharding.build import Built, build
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
-from fsdp_zero.monitor.comm import CommMeter
+from fsdp_zero.checkpoint.weights import load_full_weights
+from fsdp_zero.config.loader import to_yaml
+from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource
 from fsdp_zero.config.strategies import is_fsdp
-from fsdp_zero.config.loader import to_yaml
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
-from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.distributed.env import CollectiveTimeout, DistEnv, last_collective, seed_all, silent_ranks
-from fsdp_zero.training.evaluate import Evaluator, build_evaluator
+from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.errors import CollectiveFailed, Diverged, Stopped
+from fsdp_zero.model.hf import weights_path
+from fsdp_zero.model.tasks import TASKS, LossFn, build_task, check_classes_fit, max_seq_len, trained_tokens, vocab_size
+from fsdp_zero.monitor.comm import CommMeter
 from fsdp_zero.monitor.memory import MIB, apply_malloc_policy
+from fsdp_zero.sharding.build import Built, build
 from fsdp_zero.sharding.parallelize import formula_note, model_state_formula, unwrap
 from fsdp_zero.sharding.precision import LossScaler, Precision, loss_scaler
-from fsdp_zero.model.hf import weights_path
+from fsdp_zero.sharding.wrap import WrapPlan
+from fsdp_zero.training.evaluate import Evaluator, build_evaluator
 from fsdp_zero.training.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
 from fsdp_zero.training.step import StepResult, set_lr, train_step
 from fsdp_zero.training.steplog import StepLogger, StepRecord, write_summary
-from fsdp_zero.errors import CollectiveFailed, Diverged, Stopped
 from fsdp_zero.training.stopping import StepGuard, budget_deadline, budget_job
-from fsdp_zero.model.tasks import TASKS, LossFn, build_task, check_classes_fit, max_seq_len, trained_tokens, vocab_size
-from fsdp_zero.checkpoint.weights import load_full_weights
-from fsdp_zero.sharding.wrap import WrapPlan
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -78,8 +78,10 @@ def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
     """Raises a ValueError for sequences longer than the model takes, or more classes than it outputs."""
     limit = max_seq_len(model)
     if cfg.data.source in TOKEN_SOURCES and limit and cfg.data.seq_len > limit:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} > the model's longest sequence {limit}; lower data.seq_len "
-                         "(or raise the model's, e.g. model.max_seq_len)")
+        raise ValueError(
+            f"data.seq_len={cfg.data.seq_len} > the model's longest sequence {limit}; lower data.seq_len "
+            "(or raise the model's, e.g. model.max_seq_len)"
+        )
     if TASKS[cfg.model.task].classes_fit_outputs:
         check_classes_fit(f"data.source={cfg.data.source.value}", getattr(source, "num_classes", 0), model)
 
@@ -125,8 +127,10 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     state.deadline = budget_deadline(cfg.train.max_minutes, state.deadline, state.job)  # a fresh state has none
     state.job = budget_job() if state.deadline else None
     if state.deadline is not None and state.deadline <= time.time():  # every rank resumed from the same checkpoint
-        raise Stopped(f"the time budget (train.max_minutes) of this torchrun job ran out before it restarted these "
-                      f"ranks; {decision.resume} holds step {state.step}: launch again to continue")
+        raise Stopped(
+            f"the time budget (train.max_minutes) of this torchrun job ran out before it restarted these "
+            f"ranks; {decision.resume} holds step {state.step}: launch again to continue"
+        )
 
     # Only now, with everything built and loaded, does the run leave a trace on disk.
     if env.is_rank0:
@@ -135,28 +139,67 @@ def setup(cfg: Config, env: DistEnv) -> Components:
         if env.device.type == "cuda":  # what users check with torch.cuda.memory_summary()
             (decision.run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
-    return Components(cfg, decision.run_dir, model, built.optimizer, loss_fn, cursor, plan, layout, built.num_params,
-                      built.precision, decision.seed, state, scaler, evaluator, built.num_frozen, built)
+    return Components(
+        cfg,
+        decision.run_dir,
+        model,
+        built.optimizer,
+        loss_fn,
+        cursor,
+        plan,
+        layout,
+        built.num_params,
+        built.precision,
+        decision.seed,
+        state,
+        scaler,
+        evaluator,
+        built.num_frozen,
+        built,
+    )
 
 
 def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, layout: BatchLayout) -> None:
     """The start-up lines: versions, the model, what differs from the defaults, the model state's
     formula, the batch, the wrap plan and where the run's files go."""
-    strategy, run_dir, num_params, precision, plan = (cfg.parallel.strategy, decision.run_dir, built.num_params,
-                                                      built.precision, built.plan)
-    logger.info("fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
-                fsdp_zero.__version__, torch.__version__, env.world_size, env.backend, env.device.type)
-    logger.info("model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s", cfg.model.pretrained or cfg.model.target or cfg.model.preset,
-                f"{num_params:,}", num_params * 4 / MIB, cfg.model.task.value, strategy.value)
+    strategy, run_dir, num_params, precision, plan = (
+        cfg.parallel.strategy,
+        decision.run_dir,
+        built.num_params,
+        built.precision,
+        built.plan,
+    )
+    logger.info(
+        "fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
+        fsdp_zero.__version__,
+        torch.__version__,
+        env.world_size,
+        env.backend,
+        env.device.type,
+    )
+    logger.info(
+        "model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s",
+        cfg.model.pretrained or cfg.model.target or cfg.model.preset,
+        f"{num_params:,}",
+        num_params * 4 / MIB,
+        cfg.model.task.value,
+        strategy.value,
+    )
     logger.info("initialised: %s", built.init_note)
     if built.trainable_note:
         logger.info("trained: %s", built.trainable_note)
     changed = config_diff(to_plain(Config()), to_plain(cfg))
-    logger.info("settings that differ from the defaults (all in %s): %s", RunDir(run_dir).config,
-                ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none")
+    logger.info(
+        "settings that differ from the defaults (all in %s): %s",
+        RunDir(run_dir).config,
+        ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
+    )
     state_bytes = model_state_formula(built.topology, num_params, precision.bytes_per_param, built.num_frozen)
     where = formula_note(built.topology) + (
-        f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)" if built.num_frozen else "")
+        f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"
+        if built.num_frozen
+        else ""
+    )
     logger.info("%s", precision.manifest(num_params, state_bytes, where))
     logger.info("%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None))
     if is_fsdp(strategy):
@@ -166,8 +209,14 @@ def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, l
     logger.info("run dir %s | tensorboard --logdir %s", run_dir, RunDir(run_dir).tensorboard_root)
 
 
-def _resume(cfg: Config, env: DistEnv, decision: RunDecision, model: nn.Module, optimizer: torch.optim.Optimizer,
-            scaler: LossScaler | None) -> TrainState:
+def _resume(
+    cfg: Config,
+    env: DistEnv,
+    decision: RunDecision,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler | None,
+) -> TrainState:
     """Loads the decided checkpoint (or imports model.init_from's or model.pretrained's weights);
     returns where the run is."""
     key = "model.pretrained" if cfg.model.pretrained else "model.init_from"
@@ -181,8 +230,14 @@ def _resume(cfg: Config, env: DistEnv, decision: RunDecision, model: nn.Module, 
     state = load_checkpoint(decision.resume, model, optimizer, env.rank, env.device)
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
-    logger.info("resumed from %s: step %d, data position %d (saved at world size %d, now %d)",
-                decision.resume, state.step, state.data_position, state.world_size, env.world_size)
+    logger.info(
+        "resumed from %s: step %d, data position %d (saved at world size %d, now %d)",
+        decision.resume,
+        state.step,
+        state.data_position,
+        state.world_size,
+        env.world_size,
+    )
     if given:
         logger.warning("%s's weights are ignored: the run continues from checkpoint %s", key, decision.resume)
     return state
@@ -193,15 +248,22 @@ def diverged(step: int, out: StepResult, skipped: int, checkpointer: Checkpointe
     if checkpointer:
         checkpointer.close()
     good = latest_checkpoint(root)
-    where = (f"the newest checkpoint, {good}, holds the last finite weights (continue from it with a lower "
-             f"optim.lr or with optim.grad_clip > 0)" if good else "no checkpoint was saved before it")
+    where = (
+        f"the newest checkpoint, {good}, holds the last finite weights (continue from it with a lower "
+        f"optim.lr or with optim.grad_clip > 0)"
+        if good
+        else "no checkpoint was saved before it"
+    )
     skips = f" after {skipped - 1} skipped (train.skip_nonfinite={skipped - 1})" if skipped > 1 else ""
-    return Diverged(f"training diverged at step {step}{skips}: loss {out.loss.item():.4g}, gradient norm "
-                    f"{out.grad_norm.item():.4g}; nothing was saved at this step and {where}")
+    return Diverged(
+        f"training diverged at step {step}{skips}: loss {out.loss.item():.4g}, gradient norm "
+        f"{out.grad_norm.item():.4g}; nothing was saved at this step and {where}"
+    )
 
 
-def collective_failed(error: RuntimeError, cfg: Config, env: DistEnv, step: int, key: str,
-                      run_dir: Path) -> CollectiveFailed | None:
+def collective_failed(
+    error: RuntimeError, cfg: Config, env: DistEnv, step: int, key: str, run_dir: Path
+) -> CollectiveFailed | None:
     """The one line a rank ends with when a collective failed or timed out (None: ``error`` is not
     a collective's): its rank and step, the collective it was in (from its flight recorder, whose
     whole record goes to <run dir>/flight_recorder/rank<R>.json) and the timeout ``key`` that applied."""
@@ -209,11 +271,15 @@ def collective_failed(error: RuntimeError, cfg: Config, env: DistEnv, step: int,
         return None
     where = last_collective(RunDir(run_dir).flight_recorder(env.rank), env.backend)
     silent = silent_ranks(env)
-    cause = (f"rank {', '.join(map(str, silent))} died or is stuck (it did not report failing too)" if silent
-             else "another rank died or stopped taking part")
+    cause = (
+        f"rank {', '.join(map(str, silent))} died or is stuck (it did not report failing too)"
+        if silent
+        else "another rank died or stopped taking part"
+    )
     return CollectiveFailed(
         f"rank {env.rank}, step {step}: {where or 'a collective'} failed or did not complete within "
-        f"dist.{key}={getattr(cfg.dist, key):g} ({cause}): {str(error).splitlines()[0]}")
+        f"dist.{key}={getattr(cfg.dist, key):g} ({cause}): {str(error).splitlines()[0]}"
+    )
 
 
 @dataclass
@@ -238,12 +304,31 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     tokens = cfg.data.source in TOKEN_SOURCES  # throughput in tokens, or in samples (images)
     per_rank = parts.layout.global_batch_size // parts.layout.dp_size * (cfg.data.seq_len if tokens else 1)
     comm = CommMeter(cfg, env, parts.built, parts.layout.grad_accum_steps)
-    log = StepLogger(env, parts.run_dir, model, optimizer, log_every=cfg.train.log_every, last_step=last,
-                     profile_step=cfg.memory.profile_step, items_per_rank_step=per_rank,
-                     unit="tokens" if tokens else "samples", tensorboard=cfg.metrics.tensorboard, comm=comm)
-    checkpointer = Checkpointer(RunDir(parts.run_dir).checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save,
-                                env.rank, env.device, datetime.timedelta(minutes=cfg.dist.timeout_minutes),
-                                ) if cfg.checkpoint.enabled else None
+    log = StepLogger(
+        env,
+        parts.run_dir,
+        model,
+        optimizer,
+        log_every=cfg.train.log_every,
+        last_step=last,
+        profile_step=cfg.memory.profile_step,
+        items_per_rank_step=per_rank,
+        unit="tokens" if tokens else "samples",
+        tensorboard=cfg.metrics.tensorboard,
+        comm=comm,
+    )
+    checkpointer = (
+        Checkpointer(
+            RunDir(parts.run_dir).checkpoints,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.async_save,
+            env.rank,
+            env.device,
+            datetime.timedelta(minutes=cfg.dist.timeout_minutes),
+        )
+        if cfg.checkpoint.enabled
+        else None
+    )
     guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
     timeout = CollectiveTimeout(cfg.dist, model)  # start-up's until the first step is done, and for saves
     verdict, step = None, first
@@ -254,15 +339,30 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
             hooks = log.hooks(step)  # the first step's memory reads; the profiler on memory.profile_step
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
             with log.measuring():  # the profiler on its step; the step's collectives counted (not evaluation's)
-                out = train_step(model, optimizer, parts.loss_fn, micro_batches, cfg.optim.grad_clip, env.device, hooks,
-                                 parts.scaler, gate=guard.check, token_count=count, grad_sync=cfg.parallel.grad_sync)
+                out = train_step(
+                    model,
+                    optimizer,
+                    parts.loss_fn,
+                    micro_batches,
+                    cfg.optim.grad_clip,
+                    env.device,
+                    hooks,
+                    parts.scaler,
+                    gate=guard.check,
+                    token_count=count,
+                    grad_sync=cfg.parallel.grad_sync,
+                )
             verdict = out.verdict  # the same on every rank: they skip, stop and save at the same step
             if not verdict.finite:  # every rank skipped the optimizer step; nothing non-finite is ever saved
                 state.skipped_nonfinite += 1
                 if state.skipped_nonfinite > cfg.train.skip_nonfinite:
                     raise diverged(step, out, state.skipped_nonfinite, checkpointer, RunDir(parts.run_dir).checkpoints)
-                logger.warning("step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
-                               step, state.skipped_nonfinite, cfg.train.skip_nonfinite)
+                logger.warning(
+                    "step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
+                    step,
+                    state.skipped_nonfinite,
+                    cfg.train.skip_nonfinite,
+                )
             if cfg.train.skip_nonfinite:
                 out.extra["skipped_nonfinite"] = torch.tensor(float(state.skipped_nonfinite))
             state.step, state.data_position = step, cursor.position
@@ -288,8 +388,10 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
         log.finish()
         log.close()
     if verdict and verdict.stop and step < last:
-        raise Stopped(f"stopped after step {step} ({verdict.stop}); checkpoint {parts.run_dir / 'checkpoints'} holds "
-                      "it: launch the same command again to continue")
+        raise Stopped(
+            f"stopped after step {step} ({verdict.stop}); checkpoint {parts.run_dir / 'checkpoints'} holds "
+            "it: launch the same command again to continue"
+        )
     result = TrainResult(**vars(log.record), components=parts)
     if first <= last:  # something was trained (a resume may find nothing left)
         write_summary(cfg, env, result, parts.built, parts.run_dir, last)

@@ -24,7 +24,9 @@ if _n:
     torch.cuda.is_available = lambda: _visible() > 0
     torch.cuda.device_count = _visible
 
-if os.environ.get("FSDP_ZERO_MUTANT"):  # under tests/mutants.py: its sitecustomize too (only the first on the path loads)
+if os.environ.get(
+    "FSDP_ZERO_MUTANT"
+):  # under tests/mutants.py: its sitecustomize too (only the first on the path loads)
     import importlib.util
 
     _site = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mutant_site", "sitecustomize.py")

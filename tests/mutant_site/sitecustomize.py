@@ -230,6 +230,7 @@ MUTANTS = {
     "step-groups-ignored": _step_groups_ignored,
 }
 
+
 def _mutant(value=None):  # noqa: ANN001, ANN202 - what a source mutant's replacement calls where it runs
     _applied_once()
     return value
@@ -249,55 +250,107 @@ def _source(module: str, old: str, new: str) -> None:
 
 # name: (our module, the exact text, its wrong replacement); tests/mutants.py says what each is and what catches it.
 SOURCE = {
-    "masked-grad-unweighted": ("fsdp_zero.training.step",
-                               "scaled = loss * weight if weight is not None else loss / len(micro_batches)",
-                               "scaled = (loss if weight is None else __mutant__(loss)) / len(micro_batches)"),
-    "val-mask-in-train": ("fsdp_zero.data.prepare", "masks[split].write(mask.tobytes())",
-                          'masks["train" if split == "train" else __mutant__("train")].write(mask.tobytes())'),
-    "chat-eos-always-trained": ("fsdp_zero.data.prepare", 'mask + [int(messages[-1]["role"] == "assistant")]',
-                                'mask + [1 if messages[-1]["role"] == "assistant" else __mutant__(1)]'),
-    "lora-a-bound-out": ("fsdp_zero.model.lora", "bound=1 / math.sqrt(m.in_features)",
-                         "bound=1 / math.sqrt(__mutant__(m.out_features))"),
-    "lora-dropout-ignored": ("fsdp_zero.model.lora", "nn.Dropout(dropout) if dropout > 0 else nn.Identity()",
-                             "__mutant__(nn.Identity()) if dropout > 0 else nn.Identity()"),
+    "masked-grad-unweighted": (
+        "fsdp_zero.training.step",
+        "scaled = loss * weight if weight is not None else loss / len(micro_batches)",
+        "scaled = (loss if weight is None else __mutant__(loss)) / len(micro_batches)",
+    ),
+    "val-mask-in-train": (
+        "fsdp_zero.data.prepare",
+        "masks[split].write(mask.tobytes())",
+        'masks["train" if split == "train" else __mutant__("train")].write(mask.tobytes())',
+    ),
+    "chat-eos-always-trained": (
+        "fsdp_zero.data.prepare",
+        'mask + [int(messages[-1]["role"] == "assistant")]',
+        'mask + [1 if messages[-1]["role"] == "assistant" else __mutant__(1)]',
+    ),
+    "lora-a-bound-out": (
+        "fsdp_zero.model.lora",
+        "bound=1 / math.sqrt(m.in_features)",
+        "bound=1 / math.sqrt(__mutant__(m.out_features))",
+    ),
+    "lora-dropout-ignored": (
+        "fsdp_zero.model.lora",
+        "nn.Dropout(dropout) if dropout > 0 else nn.Identity()",
+        "__mutant__(nn.Identity()) if dropout > 0 else nn.Identity()",
+    ),
     "lora-scaling-alpha": ("fsdp_zero.model.lora", "self.scaling = alpha / rank", "self.scaling = __mutant__(alpha)"),
-    "adapters-only-drops-lora-train": ("fsdp_zero.model.lora", "if adapters_only and lora.train:",
-                                       "if adapters_only and lora.train and __mutant__(False):"),
-    "freeze-prefix-match": ("fsdp_zero.model.lora", "found = {n for n in names if re.fullmatch(pattern, n)}",
-                            "found = {n for n in names if __mutant__(re.match(pattern, n))}"),
-    "comm-seconds-replicas": ("fsdp_zero.monitor.comm", "replicas = topology.replicas if fsdp else world_size",
-                              "replicas = __mutant__(world_size // shard)"),
-    "fit-fp32-as-fast": ("fsdp_zero.tools.fit", "slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0",
-                         "slow = 1.0 if precision.compute != torch.float32 else __mutant__(1.0)"),
-    "fit-offload-peak-kept": ("fsdp_zero.tools.fit", "peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)",
-                              "peak -= __mutant__(0)"),
-    "fit-offload-copies-free": ("fsdp_zero.tools.fit", "offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)",
-                                "offload = __mutant__(0.0)"),
-    "fit-ties-unbroken": ("fsdp_zero.tools.fit", "scored.sort(key=lambda s: (s.cost, s.peak))",
-                          "scored.sort(key=lambda s: __mutant__(s.cost))"),
-    "fit-probe-dtype-ignored": ("fsdp_zero.tools.fit",
-                                'fixed, block, forward = m.compute[str(precision.compute).removeprefix("torch.")]',
-                                'fixed, block, forward = m.compute[__mutant__("float32")]'),
-    "fit-micro-batch-not-freed": ("fsdp_zero.tools.fit", 'return ["train.micro_batch_size=1"] if "micro_batch" in search else []',
-                                  'return [] if "micro_batch" not in search else __mutant__([])'),
-    "fit-slow-dtype-run": ("fsdp_zero.tools.rates", 'if name != "float32" and ratio > SLOW_DTYPE:',
-                           'if name != "float32" and ratio > SLOW_DTYPE and __mutant__(False):'),
-    "pretrained-kwargs-dropped": ("fsdp_zero.model.hf",
-                                  "config = {**json.loads((source / CONFIG_FILE).read_text()), **kwargs}",
-                                  "config = {**json.loads((source / CONFIG_FILE).read_text()), **__mutant__({})}"),
-    "deferral-not-restored": ("fsdp_zero.training.step",
-                              "if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual",
-                              "if defer and __mutant__(False):"),
-    "compose-one-peak": ("fsdp_zero.tools.planner",
-                         "tensors, heap_at_peak = max(regions.values(), key=lambda part: sum(part[0].values()))",
-                         "tensors, heap_at_peak = __mutant__(regions[max(b.regions, key=lambda r: sum("
-                         "b.regions[r][0].values()))])"),
-    "compose-zero1-evenly": ("fsdp_zero.tools.planner",
-                             "return round(bytes_at_b * zero1[2] / zero1[1]) if zero1 else line(bytes_at_a, bytes_at_b)",
-                             "return line(bytes_at_a, bytes_at_b) if not zero1 else __mutant__(line(bytes_at_a, "
-                             "bytes_at_b))"),
-    "planner-simulates-on-the-target": ("fsdp_zero.tools.planner", 'self.device = torch.device("cpu")',
-                                        'self.device = __mutant__(self.target)'),
+    "adapters-only-drops-lora-train": (
+        "fsdp_zero.model.lora",
+        "if adapters_only and lora.train:",
+        "if adapters_only and lora.train and __mutant__(False):",
+    ),
+    "freeze-prefix-match": (
+        "fsdp_zero.model.lora",
+        "found = {n for n in names if re.fullmatch(pattern, n)}",
+        "found = {n for n in names if __mutant__(re.match(pattern, n))}",
+    ),
+    "comm-seconds-replicas": (
+        "fsdp_zero.monitor.comm",
+        "replicas = topology.replicas if fsdp else world_size",
+        "replicas = __mutant__(world_size // shard)",
+    ),
+    "fit-fp32-as-fast": (
+        "fsdp_zero.tools.fit",
+        "slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0",
+        "slow = 1.0 if precision.compute != torch.float32 else __mutant__(1.0)",
+    ),
+    "fit-offload-peak-kept": (
+        "fsdp_zero.tools.fit",
+        "peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)",
+        "peak -= __mutant__(0)",
+    ),
+    "fit-offload-copies-free": (
+        "fsdp_zero.tools.fit",
+        "offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)",
+        "offload = __mutant__(0.0)",
+    ),
+    "fit-ties-unbroken": (
+        "fsdp_zero.tools.fit",
+        "scored.sort(key=lambda s: (s.cost, s.peak))",
+        "scored.sort(key=lambda s: __mutant__(s.cost))",
+    ),
+    "fit-probe-dtype-ignored": (
+        "fsdp_zero.tools.fit",
+        'fixed, block, forward = m.compute[str(precision.compute).removeprefix("torch.")]',
+        'fixed, block, forward = m.compute[__mutant__("float32")]',
+    ),
+    "fit-micro-batch-not-freed": (
+        "fsdp_zero.tools.fit",
+        'return ["train.micro_batch_size=1"] if "micro_batch" in search else []',
+        'return [] if "micro_batch" not in search else __mutant__([])',
+    ),
+    "fit-slow-dtype-run": (
+        "fsdp_zero.tools.rates",
+        'if name != "float32" and ratio > SLOW_DTYPE:',
+        'if name != "float32" and ratio > SLOW_DTYPE and __mutant__(False):',
+    ),
+    "pretrained-kwargs-dropped": (
+        "fsdp_zero.model.hf",
+        "config = {**json.loads((source / CONFIG_FILE).read_text()), **kwargs}",
+        "config = {**json.loads((source / CONFIG_FILE).read_text()), **__mutant__({})}",
+    ),
+    "deferral-not-restored": (
+        "fsdp_zero.training.step",
+        "if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual",
+        "if defer and __mutant__(False):",
+    ),
+    "compose-one-peak": (
+        "fsdp_zero.tools.planner",
+        "tensors, heap_at_peak = max(regions.values(), key=lambda part: sum(part[0].values()))",
+        "tensors, heap_at_peak = __mutant__(regions[max(b.regions, key=lambda r: sum(b.regions[r][0].values()))])",
+    ),
+    "compose-zero1-evenly": (
+        "fsdp_zero.tools.planner",
+        "return round(bytes_at_b * zero1[2] / zero1[1]) if zero1 else line(bytes_at_a, bytes_at_b)",
+        "return line(bytes_at_a, bytes_at_b) if not zero1 else __mutant__(line(bytes_at_a, bytes_at_b))",
+    ),
+    "planner-simulates-on-the-target": (
+        "fsdp_zero.tools.planner",
+        'self.device = torch.device("cpu")',
+        "self.device = __mutant__(self.target)",
+    ),
     "test-process-sees-gpus": ("tests.cpu_only", 'os.environ["CUDA_VISIBLE_DEVICES"] = ""', "__mutant__()"),
 }
 

@@ -8,7 +8,6 @@ import os
 import re
 from pathlib import Path
 
-
 # One entry of a node list: a name, or a prefix and bracketed numbers and ranges ("n[01-03,7]").
 _ENTRY = r"[^,\[\]]+(?:\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])?"
 

@@ -17,7 +17,8 @@ carries it.
 
 OUT.pt (rank 0): per-step losses, grad norms and learning rates, the full weights before and after
 training, the final model's logits on a fixed batch (the data's first two samples), every rank's
-model-state bytes after the first optimizer step, the names of the parameters with AdamW states, the wrap plan's units (padded shard bytes per rank,
+model-state bytes after the first optimizer step, the names of the parameters with AdamW states, the wrap plan's
+units (padded shard bytes per rank,
 parameters per unit), and
 what the tests observe of the run itself (each observation is of the effect, not of the config):
 
@@ -52,8 +53,8 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_zero.checkpoint import dcp as checkpoint_lib
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import distributed, exit_process
-from fsdp_zero.sharding.parallelize import AllReduceScatter
 from fsdp_zero.model.tasks import logits_of
+from fsdp_zero.sharding.parallelize import AllReduceScatter
 from fsdp_zero.torch_private import fsdp_unit_settings
 from fsdp_zero.training.trainer import setup, train
 
@@ -137,6 +138,7 @@ def _observe_first_forward(parts) -> dict:  # noqa: ANN001
     """Wraps the loss so that step 1's first forward records the all-gather order and the
     parameter bytes held before the step and after that forward."""
     observed = {"before_step": _param_bytes(parts.model), "after_forward": None}
+
     def computing(name: str) -> None:
         if _seen["recording"]:
             _seen["gather_order"].append(name)
@@ -212,35 +214,60 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
         logits = logits_of(parts.model(inputs.to(env.device))).cpu()
     same_reduce_scatter = reduce_scatter_matches_gloo(env.world_size, env.rank) if env.backend == "gloo" else None
     # Every rank's model state, AdamW step counts and dtypes, and where its shards live.
-    mine = (result.model_state_bytes, sorted({int(st["step"]) for st in opt_states}),
-            sorted({str(st["exp_avg"].dtype) for st in opt_states}), sorted(devices), held,
-            sorted(_seen["reduce_dtypes"]), (result.peak_rss_mib, result.eval_peak_mib))
+    mine = (
+        result.model_state_bytes,
+        sorted({int(st["step"]) for st in opt_states}),
+        sorted({str(st["exp_avg"].dtype) for st in opt_states}),
+        sorted(devices),
+        held,
+        sorted(_seen["reduce_dtypes"]),
+        (result.peak_rss_mib, result.eval_peak_mib),
+    )
     states = [None] * env.world_size
     dist.all_gather_object(states, mine)
-    units = {name or "<root>": fsdp_unit_settings(m) for name, m in parts.model.named_modules()
-             if isinstance(m, FSDPModule)}
+    units = {
+        name or "<root>": fsdp_unit_settings(m) for name, m in parts.model.named_modules() if isinstance(m, FSDPModule)
+    }
     if env.is_rank0:
         log = [json.loads(line) for line in (parts.run_dir / "metrics.jsonl").read_text().splitlines()]
         lrs = {row["step"]: row["lr"] for row in log if "lr" in row}  # the rate each logged step used (not eval rows)
-        torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "lrs": lrs, "initial": initial,
-                    "final": final, "logits": logits, "model_state_bytes": [s[0] for s in states],
-                    "adam_steps": [s[1] for s in states], "adam_dtypes": [s[2] for s in states],
-                    "shard_devices": [s[3] for s in states], "param_bytes": [s[4] for s in states],
-                    "reduce_dtypes": sorted({d for s in states for d in s[5]}),
-                    "units": {k: {n: str(v) if isinstance(v, torch.dtype) else v for n, v in u.items()}
-                              for k, u in units.items()},
-                    "gather_order": list(_seen["gather_order"]), "save_times": _seen["save_times"],
-                    "loss_times": _seen["loss_times"], "writes_done": _seen["writes_done"],
-                    "breakdown": result.breakdown,
-                    "phases": {phase.value: dict(cats) for phase, cats in result.phases.items()},
-                    "dtypes": sorted({str(v.dtype) for v in final.values() if v.is_floating_point()}),
-                    "loss_scale": {r["step"]: r["loss_scale"] for r in log if "loss_scale" in r},
-                    "skipped_steps": {r["step"]: r["skipped_steps"] for r in log if "skipped_steps" in r},
-                    "num_params": parts.num_params, "shard_bytes": [u.bytes_per_rank for u in parts.plan.units],
-                    "unit_params": {u.fqn or "<root>": u.num_params for u in parts.plan.units},
-                    "same_reduce_scatter": same_reduce_scatter, "evals": result.evals,
-                    "peak_mib": [s[6] for s in states], "optim_names": optim_names,
-                    "num_frozen": parts.num_frozen}, out)
+        torch.save(
+            {
+                "losses": result.losses,
+                "grad_norms": result.grad_norms,
+                "lrs": lrs,
+                "initial": initial,
+                "final": final,
+                "logits": logits,
+                "model_state_bytes": [s[0] for s in states],
+                "adam_steps": [s[1] for s in states],
+                "adam_dtypes": [s[2] for s in states],
+                "shard_devices": [s[3] for s in states],
+                "param_bytes": [s[4] for s in states],
+                "reduce_dtypes": sorted({d for s in states for d in s[5]}),
+                "units": {
+                    k: {n: str(v) if isinstance(v, torch.dtype) else v for n, v in u.items()} for k, u in units.items()
+                },
+                "gather_order": list(_seen["gather_order"]),
+                "save_times": _seen["save_times"],
+                "loss_times": _seen["loss_times"],
+                "writes_done": _seen["writes_done"],
+                "breakdown": result.breakdown,
+                "phases": {phase.value: dict(cats) for phase, cats in result.phases.items()},
+                "dtypes": sorted({str(v.dtype) for v in final.values() if v.is_floating_point()}),
+                "loss_scale": {r["step"]: r["loss_scale"] for r in log if "loss_scale" in r},
+                "skipped_steps": {r["step"]: r["skipped_steps"] for r in log if "skipped_steps" in r},
+                "num_params": parts.num_params,
+                "shard_bytes": [u.bytes_per_rank for u in parts.plan.units],
+                "unit_params": {u.fqn or "<root>": u.num_params for u in parts.plan.units},
+                "same_reduce_scatter": same_reduce_scatter,
+                "evals": result.evals,
+                "peak_mib": [s[6] for s in states],
+                "optim_names": optim_names,
+                "num_frozen": parts.num_frozen,
+            },
+            out,
+        )
 
 
 def main() -> None:
