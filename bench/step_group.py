@@ -5,7 +5,7 @@
 Default model: gpt_small (134M parameters), 256 tokens, 2 sequences per rank in micro-batches of 1,
 foreach AdamW (the CPU default). Both settings run in one process group, alternating (whole,
 grouped, whole, grouped, ...) so drift in the machine's speed hits both; each repeat builds its
-model afresh through `fsdp_zero.training.trainer.setup` and steps it with `fsdp_zero.training.step.train_step`.
+model afresh through `fsdp_zero.training.trainer.setup` and steps it with `fsdp_zero.training.step.Step.run`.
 Prints, per setting, from every rank: the optimizer step's temporaries as PyTorch's MemTracker counts
 them (the peak of one ``optimizer.step()`` minus what was live before it: a step after the timed
 ones, its states already there), the peak RSS over the timed steps (reset before each repeat, glibc's
@@ -28,7 +28,7 @@ from fsdp_zero.config import load_config
 from fsdp_zero.distributed import broadcast_object, distributed, exit_process
 from fsdp_zero.model import to_device
 from fsdp_zero.monitor import MemoryMonitor, Phase, StepProfiler, release_free_heap
-from fsdp_zero.training import set_lr, setup, train_step
+from fsdp_zero.training import Step, set_lr, setup
 
 MIB = 2**20
 DEFAULT = [
@@ -70,9 +70,8 @@ def one_repeat(cfg, env, monitor: MemoryMonitor) -> dict:  # noqa: ANN001
     for step in range(cfg.train.steps):
         set_lr(parts.optimizer, cfg.optim, step, cfg.train.steps)
         start = time.perf_counter()
-        out = train_step(
-            parts.model, parts.optimizer, parts.loss_fn, parts.cursor.next_batch(), cfg.optim.grad_clip, env.device
-        )
+        step = Step(parts.model, parts.optimizer, parts.loss_fn, env.device, grad_clip=cfg.optim.grad_clip)
+        out = step.run(parts.cursor.next_batch())
         out.loss.item()  # a sync point: the step is done
         times.append(time.perf_counter() - start)
     peak = monitor.read()["cpu_peak_rss_mib"]

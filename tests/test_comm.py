@@ -256,13 +256,13 @@ def test_grad_sync_user_errors(tmp_path):
 
 def test_a_micro_batch_that_raises_leaves_the_reduction_on(monkeypatch):
     """parallel.grad_sync=once_per_step turns FSDP2's reduction off for every micro-batch but the last
-    (`fsdp_zero.training.step.train_step`). A micro-batch that raises (a bad batch; a failed collective) must not
+    (`fsdp_zero.training.step.Step.run`). A micro-batch that raises (a bad batch; a failed collective) must not
     leave it off: the next backward, an evaluation's or the next step's, reduces into the sharded gradients
     as usual. Left off, FSDP2 keeps each gradient on the gathered parameter and no shard gets a .grad.
     In process, on a one-rank gloo group (FSDP2 runs its reduction at any world size)."""
     import fsdp_zero.api as fz
     from fsdp_zero.config.strategies import GradSync
-    from fsdp_zero.training.step import train_step
+    from fsdp_zero.training.step import Step
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
@@ -281,8 +281,8 @@ def test_a_micro_batch_that_raises_leaves_the_reduction_on(monkeypatch):
             return torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()), {}
 
         with pytest.raises(RuntimeError, match="a bad batch"):
-            train_step(
-                model, optimizer, loss_fn, [batch, None, batch], 1.0, env.device, grad_sync=GradSync.once_per_step
+            Step(model, optimizer, loss_fn, env.device, grad_clip=1.0, grad_sync=GradSync.once_per_step).run(
+                [batch, None, batch]
             )
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model, batch)[0].backward()

@@ -26,7 +26,7 @@ from fsdp_zero.data.prepare import prepare, validation_documents
 from fsdp_zero.data.token_files import IGNORE, mask_file
 from fsdp_zero.model.tasks import build_task, lm_sums, masked_causal_lm, trained_tokens
 from fsdp_zero.model.transformer import args_from_config
-from fsdp_zero.training.step import train_step
+from fsdp_zero.training.step import Step
 from tests.batches import BASE, MASKED
 from tests.conftest import build_model, figure
 from tests.reference import reference_run
@@ -282,15 +282,8 @@ def test_a_global_batch_without_a_trained_token_is_loss_0_and_no_step(tmp_path: 
     batch = source.pairs([0, 32])
     loss, _ = masked_causal_lm(model, batch)
     assert loss.item() == 0.0  # no NaN: a sum over nothing
-    out = train_step(
-        model,
-        optimizer,
-        masked_causal_lm,
-        [batch, source.pairs([64])],
-        1.0,
-        torch.device("cpu"),
-        token_count=trained_tokens,
-    )
+    step = Step(model, optimizer, masked_causal_lm, torch.device("cpu"), grad_clip=1.0, token_count=trained_tokens)
+    out = step.run([batch, source.pairs([64])])
     assert out.loss.item() == 0.0 and out.grad_norm.item() == 0.0 and out.verdict.finite
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # AdamW's decay did not move them
     assert not optimizer.state

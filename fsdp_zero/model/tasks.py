@@ -11,7 +11,7 @@ A task returns the loss and a dict of scalar tensors (detached) to log, averaged
 
 Masked token data (a mask file beside the ``.bin``, `fsdp_zero.data.batches.TokenFile`) marks the targets
 left out with `IGNORE`; its task is `masked_causal_lm`, which returns the *summed* loss over the
-trained targets, and `trained_tokens` counts them, which `fsdp_zero.training.step.train_step` (its ``token_count``)
+trained targets, and `trained_tokens` counts them, which `fsdp_zero.training.step.Step.run` (its ``token_count``)
 uses to divide by the trained tokens of the whole global batch.
 """
 

@@ -15,7 +15,7 @@ Three kinds, in bytes per rank per optimizer step:
 
 Counting happens on the host, from the shapes of the tensors each collective is handed (never
 their values): no device sync, a few Python additions per unit and micro-batch. Only what runs
-inside `CommMeter.counting` counts (the trainer wraps each `train_step` in it), so an evaluation's
+inside `CommMeter.counting` counts (the trainer wraps each `Step.run` in it), so an evaluation's
 gathers never reach a step's figures. Not counted: DDP's broadcast of module buffers before each
 forward, and the scalar all-reduces of the gradient norm and the step's gate.
 """

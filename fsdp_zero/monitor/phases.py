@@ -1,5 +1,5 @@
 """The points of a training step that report themselves: the contract between the step
-(`fsdp_zero.training.step.train_step` calls the hooks) and what measures it
+(`fsdp_zero.training.step.Step.run` calls the hooks) and what measures it
 (`fsdp_zero.monitor.memory.StepProfiler`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 
 class Phase(str, enum.Enum):
-    """The points of a training step that report themselves (`train_step`'s hooks)."""
+    """The points of a training step that report themselves (`Step.run`'s hooks)."""
 
     START = "start"  # before the step (the profiler's own snapshot)
     AFTER_BUILD = "after_build"  # the model built, before the first step (the trainer reports it)

@@ -27,7 +27,7 @@ from fsdp_zero.monitor.memory import CATEGORIES, MIB, model_state_bytes
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build_optimizer, materializer
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.training.step import set_lr, train_step
+from fsdp_zero.training.step import Step, set_lr
 from fsdp_zero.training.steplog import Summary
 
 ORDER = list(reversed(ZERO_STAGES.values()))  # the ZeRO stages' strategies, in the order they run: ZeRO-3 first
@@ -98,17 +98,10 @@ def dataparallel_row(cfg: Config) -> dict:
             state["bytes"] = model_state_bytes(model, optimizer).total
 
     start = time.perf_counter()
+    step_of = Step(parallel, optimizer, loss_fn, device, grad_clip=cfg.optim.grad_clip)
     for step in range(1, cfg.train.steps + 1):
         set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
-        loss = train_step(
-            parallel,
-            optimizer,
-            loss_fn,
-            cursor.next_batch(),
-            cfg.optim.grad_clip,
-            device,
-            [on_phase] if step == 1 else [],
-        ).loss
+        loss = step_of.run(cursor.next_batch(), [on_phase] if step == 1 else []).loss
     final = loss.item()
     elapsed = time.perf_counter() - start
     peak = max(torch.cuda.max_memory_reserved(d) for d in devices) / MIB

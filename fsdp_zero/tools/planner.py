@@ -2,7 +2,7 @@
 
 One rank of an N-rank job is simulated: a fake process group of N ranks (collectives
 return at once), FakeTensorMode (tensors have shapes and devices but no storage), and
-two steps of the real training step (`fsdp_zero.training.step.train_step`: the same
+two steps of the real training step (`fsdp_zero.training.step.Step.run`: the same
 parallelize, optimizer, clipping) under PyTorch's MemTracker, which attributes every
 tensor to a category. The first step creates the AdamW states; the peak of the second
 is the steady state. The same approach as torchtitan's memory estimation. DDP strategies
@@ -57,7 +57,7 @@ from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode, real_post_forward_meshes
-from fsdp_zero.training.step import train_step
+from fsdp_zero.training.step import Step
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -453,15 +453,8 @@ class Simulator:
             with real_post_forward_meshes():  # hpZ's meshes
                 built = build(c, env, seed=None, topology=topology, mesh=mesh, ddp=DDPStandIn, model=meta)
             model, optimizer = built.model, built.optimizer
-            train_step(
-                model,
-                optimizer,
-                loss_fn,
-                first,
-                c.optim.grad_clip,
-                device,  # creates AdamW states
-                grad_sync=c.parallel.grad_sync,
-            )
+            step = Step(model, optimizer, loss_fn, device, grad_clip=c.optim.grad_clip, grad_sync=c.parallel.grad_sync)
+            step.run(first)  # creates AdamW states
             with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
                 profiler = StepProfiler(model, optimizer, device, heap_threshold=self.heap_threshold)
             state: dict[str, int] = {}
@@ -474,16 +467,7 @@ class Simulator:
                     state["optimizer"] = cats["optimizer"]
 
             with profiler:
-                train_step(
-                    model,
-                    optimizer,
-                    loss_fn,
-                    micro,
-                    c.optim.grad_clip,
-                    device,
-                    [on_phase],
-                    grad_sync=c.parallel.grad_sync,
-                )
+                step.run(micro, [on_phase])
             tensors = profiler.peak()
         pred = Prediction(
             strategy.value,

@@ -2,7 +2,7 @@
 
 from fsdp_zero.training.evaluate import EvalResult, Evaluator
 from fsdp_zero.training.rundir import RunDecision, decide
-from fsdp_zero.training.step import clip_grad_norm_, lr_factor, set_lr, train_step
+from fsdp_zero.training.step import Step, clip_grad_norm_, lr_factor, set_lr
 from fsdp_zero.training.steplog import StepLogger, StepRecord, Summary, write_summary
 from fsdp_zero.training.stopping import StepGuard, Verdict
 from fsdp_zero.training.trainer import TrainResult, setup, train
@@ -18,10 +18,10 @@ __all__ = [
     "setup",
     "StepGuard",
     "StepLogger",
+    "Step",
     "StepRecord",
     "Summary",
     "train",
-    "train_step",
     "TrainResult",
     "Verdict",
     "write_summary",

@@ -1,4 +1,4 @@
-"""One optimizer step, as a library: the learning rate, clipping with sharded gradients, and `train_step`.
+"""One optimizer step, as a library: the learning rate, clipping with sharded gradients, and `Step`.
 
 The trainer's loop, the planner's simulation (`fsdp_zero.tools.planner`), the DataParallel baseline
 (`fsdp_zero.tools.compare`) and the own-loop API (`fsdp_zero.api`) all step through this module, so
@@ -34,7 +34,7 @@ TAKEN = Verdict(finite=True, stop=None)
 
 @dataclass(frozen=True)
 class StepResult:
-    """What `train_step` returns; the tensors are read (``.item()``, a sync point) by the caller."""
+    """What `Step.run` returns; the tensors are read (``.item()``, a sync point) by the caller."""
 
     loss: torch.Tensor  # this rank's mean loss over its micro-batches
     grad_norm: torch.Tensor  # the global gradient norm, before clipping
@@ -122,103 +122,105 @@ def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] |
     return None
 
 
-def _accumulate(
-    model: nn.Module,
-    loss_fn: LossFn,
-    micro_batches: list,
-    device: torch.device,
-    hooks: Sequence[PhaseHook],
-    scaler: LossScaler | None,
-    weight: float | None,
-    grad_sync: GradSync,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`train_step`'s forwards and backwards: the gradients of the micro-batches' mean (or, masked, of
-    their token-weighted sum) accumulated; returns the summed losses and the task's summed scalars."""
-    defer = _deferral(model, grad_sync)
-    try:
-        loss_sum = torch.zeros((), device=device)
-        extra_sum: dict[str, torch.Tensor] = {}
-        no_sync = getattr(model, "no_sync", None)  # DDP (and the planner's stand-in for it)
-        for i, batch in enumerate(micro_batches):
-            batch = to_device(batch, device)
-            if defer:  # off until the last micro-batch, whose backward reduces the sum (and leaves it on)
-                defer(i == len(micro_batches) - 1)
-            # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
-            # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
-            # sharded gradient, so no unsharded gradient is kept across micro-batches (more
-            # communication, ZeRO-3 memory), unless grad_sync defers it (`_deferral`).
-            with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
-                loss, extra = loss_fn(model, batch)
-                if i == 0:
-                    _report(hooks, Phase.AFTER_FORWARD)
-                # Scaled so the accumulated gradient is the mean over micro-batches; the
-                # reduction over ranks averages, giving the global-batch mean. Masked data: a
-                # summed loss times N / (the global batch's trained tokens), so that the average
-                # over ranks is the mean over every trained token of the global batch.
-                scaled = loss * weight if weight is not None else loss / len(micro_batches)
-                (scaler.scale(scaled) if scaler else scaled).backward()
-            loss_sum += loss.detach()
-            for k, v in extra.items():
-                extra_sum[k] = extra_sum.get(k, 0) + v.float()
-            if i < len(micro_batches) - 1:
-                _report(hooks, Phase.AFTER_MICRO_BATCH)
-        return loss_sum, extra_sum
-    finally:
-        if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual
-            defer(True)
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step's fixed parts, built once before the loop; `run` steps one global batch.
 
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    micro_batches: list,
-    grad_clip: float,
-    device: torch.device,
-    hooks: Sequence[PhaseHook] = (),
-    scaler: LossScaler | None = None,
-    gate: Callable[[torch.Tensor, torch.Tensor], Verdict] | None = None,
-    token_count: Callable[[object], torch.Tensor] | None = None,
-    grad_sync: GradSync = GradSync.every_micro_batch,
-) -> StepResult:
-    """Forward/backward over this rank's micro-batches, then one optimizer step (at the
-    learning rate already set, see `set_lr`).
-
-    Returns this rank's mean loss, the global gradient norm (before clipping), the task's
-    other scalars and the gate's verdict (`StepResult`). With a ``scaler`` (fp16) the loss is
-    scaled before backward and the gradients unscaled before clipping; a step whose gradients
-    overflowed on any rank is skipped by every rank (``loss_scale`` and ``skipped_steps`` join
-    the scalars). ``gate(loss, grad_norm)``, asked between the gradient norm and the optimizer
-    step, returns the `Verdict` every rank agreed on: a step it finds non-finite is skipped (the
-    parameters and optimizer states stay as they were); its ``stop`` is the caller's to act on.
-    ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns summed
-    losses, and the step's loss is their mean over the trained tokens of the whole global batch.
-    ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients (FSDP models;
-    DDP reduces after the last one whatever it says). The gradients, and so the step, are the same.
+    ``scaler`` (fp16): the loss is scaled before backward and the gradients unscaled before clipping.
+    ``gate(loss, grad_norm)``: the `Verdict` every rank agreed on (`fsdp_zero.training.stopping.StepGuard.check`).
+    ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns summed losses.
+    ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients.
     """
-    params = [p for p in model.parameters()]
-    weight, trained = _token_weight(token_count, micro_batches, device) if token_count else (None, None)
-    loss_sum, extra_sum = _accumulate(model, loss_fn, micro_batches, device, hooks, scaler, weight, grad_sync)
-    _report(hooks, Phase.AFTER_BACKWARD)
-    n = len(micro_batches)
-    extra = {k: v / n for k, v in extra_sum.items()}
-    loss = loss_sum * weight if weight is not None else loss_sum / n  # masked: the ranks' mean is the token mean
-    if scaler:
-        scaler.unscale_(optimizer)  # true gradients (inf/NaN if they overflowed on any rank) for the norm
-    grad_norm = grad_norm_(params)  # one all-reduce
-    verdict = gate(loss, grad_norm) if gate else TAKEN
-    # A global batch without one trained token has nothing to learn from: its loss and gradients are 0,
-    # and the optimizer step is skipped (AdamW would still move the weights by momentum and decay).
-    if verdict.finite and trained != 0:
-        clip_grads_(params, grad_clip, grad_norm)
-        if scaler:
-            scaler.step(optimizer)  # skipped when any rank's gradients overflowed
-        else:
-            optimizer.step()
-    if scaler:
-        scaler.count(grad_norm)
-        extra |= scaler.scalars()  # the scale this step used, and the steps skipped so far
-        scaler.update()  # halves the scale after an overflow, grows it after a window without one
-    _report(hooks, Phase.AFTER_OPTIMIZER_STEP)  # parameters, gradients and optimizer states all live
-    optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
-    return StepResult(loss, grad_norm, extra, verdict)
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    device: torch.device
+    grad_clip: float = 0.0  # optim.grad_clip (0: not clipped)
+    scaler: LossScaler | None = None
+    gate: Callable[[torch.Tensor, torch.Tensor], Verdict] | None = None
+    token_count: Callable[[object], torch.Tensor] | None = None
+    grad_sync: GradSync = GradSync.every_micro_batch
+
+    def run(self, micro_batches: list, hooks: Sequence[PhaseHook] = ()) -> StepResult:
+        """Forward/backward over this rank's micro-batches, then one optimizer step (at the
+        learning rate already set, see `set_lr`).
+
+        Returns this rank's mean loss, the global gradient norm (before clipping), the task's
+        other scalars and the gate's verdict (`StepResult`). With a ``scaler`` (fp16) the loss is
+        scaled before backward and the gradients unscaled before clipping; a step whose gradients
+        overflowed on any rank is skipped by every rank (``loss_scale`` and ``skipped_steps`` join
+        the scalars). ``gate(loss, grad_norm)``, asked between the gradient norm and the optimizer
+        step, returns the `Verdict` every rank agreed on: a step it finds non-finite is skipped (the
+        parameters and optimizer states stay as they were); its ``stop`` is the caller's to act on.
+        ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns summed
+        losses, and the step's loss is their mean over the trained tokens of the whole global batch.
+        ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients (FSDP models;
+        DDP reduces after the last one whatever it says). The gradients, and so the step, are the same.
+        """
+        params = [p for p in self.model.parameters()]
+        weight, trained = None, None
+        if self.token_count:
+            weight, trained = _token_weight(self.token_count, micro_batches, self.device)
+        loss_sum, extra_sum = self._accumulate(micro_batches, hooks, weight)
+        _report(hooks, Phase.AFTER_BACKWARD)
+        n = len(micro_batches)
+        extra = {k: v / n for k, v in extra_sum.items()}
+        loss = loss_sum * weight if weight is not None else loss_sum / n  # masked: the ranks' mean is the token mean
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # the true gradients (inf/NaN if any rank's overflowed) for the norm
+        grad_norm = grad_norm_(params)  # one all-reduce
+        verdict = self.gate(loss, grad_norm) if self.gate else TAKEN
+        # A global batch without one trained token has nothing to learn from: its loss and gradients are 0,
+        # and the optimizer step is skipped (AdamW would still move the weights by momentum and decay).
+        if verdict.finite and trained != 0:
+            clip_grads_(params, self.grad_clip, grad_norm)
+            if self.scaler:
+                self.scaler.step(self.optimizer)  # skipped when any rank's gradients overflowed
+            else:
+                self.optimizer.step()
+        if self.scaler:
+            self.scaler.count(grad_norm)
+            extra |= self.scaler.scalars()  # the scale this step used, and the steps skipped so far
+            self.scaler.update()  # halves the scale after an overflow, grows it after a window without one
+        _report(hooks, Phase.AFTER_OPTIMIZER_STEP)  # parameters, gradients and optimizer states all live
+        self.optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
+        return StepResult(loss, grad_norm, extra, verdict)
+
+    def _accumulate(
+        self, micro_batches: list, hooks: Sequence[PhaseHook], weight: float | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`run`'s forwards and backwards: the gradients of the micro-batches' mean (or, masked, of
+        their token-weighted sum) accumulated; returns the summed losses and the task's summed scalars."""
+        defer = _deferral(self.model, self.grad_sync)
+        try:
+            loss_sum = torch.zeros((), device=self.device)
+            extra_sum: dict[str, torch.Tensor] = {}
+            no_sync = getattr(self.model, "no_sync", None)  # DDP (and the planner's stand-in for it)
+            for i, batch in enumerate(micro_batches):
+                batch = to_device(batch, self.device)
+                if defer:  # off until the last micro-batch, whose backward reduces the sum (and leaves it on)
+                    defer(i == len(micro_batches) - 1)
+                # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
+                # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
+                # sharded gradient, so no unsharded gradient is kept across micro-batches (more
+                # communication, ZeRO-3 memory), unless grad_sync defers it (`_deferral`).
+                with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    loss, extra = self.loss_fn(self.model, batch)
+                    if i == 0:
+                        _report(hooks, Phase.AFTER_FORWARD)
+                    # Scaled so the accumulated gradient is the mean over micro-batches; the
+                    # reduction over ranks averages, giving the global-batch mean. Masked data: a
+                    # summed loss times N / (the global batch's trained tokens), so that the average
+                    # over ranks is the mean over every trained token of the global batch.
+                    scaled = loss * weight if weight is not None else loss / len(micro_batches)
+                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                loss_sum += loss.detach()
+                for k, v in extra.items():
+                    extra_sum[k] = extra_sum.get(k, 0) + v.float()
+                if i < len(micro_batches) - 1:
+                    _report(hooks, Phase.AFTER_MICRO_BATCH)
+            return loss_sum, extra_sum
+        finally:
+            if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual
+                defer(True)

@@ -109,7 +109,7 @@ class StepLogger:
         self._interval_start, self._interval_steps = time.perf_counter(), 0
         self.first_step_phase(Phase.AFTER_BUILD)
 
-    # -- hooks for train_step ------------------------------------------------------
+    # -- hooks for Step.run --------------------------------------------------------
 
     def hooks(self, step: int) -> list:
         """The phase hooks for ``step``: the first step's memory reads, the profiler on the profiled step."""
@@ -124,7 +124,7 @@ class StepLogger:
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
-        """Around one `train_step`: the profiler on the profiled step, and the step's collectives counted."""
+        """Around one `Step.run`: the profiler on the profiled step, and the step's collectives counted."""
         with self.profiler or contextlib.nullcontext(), self.comm.counting() if self.comm else contextlib.nullcontext():
             yield
 

@@ -84,7 +84,7 @@ class StepGuard:
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
         """What every rank agreed on about this step: whether its numbers are finite on every rank
         (the optimizer step is taken only then) and whether to stop after it. One all-reduce of two
-        integers, on the loss's device, and one sync to read them (`train_step`'s gate)."""
+        integers, on the loss's device, and one sync to read them (`Step.run`'s gate)."""
         stop = 2 if self.signalled else 1 if self.deadline is not None and time.time() >= self.deadline else 0
         bad = ~torch.isfinite(loss.detach())
         if not self.overflow_is_skip:

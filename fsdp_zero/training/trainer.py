@@ -3,7 +3,7 @@
 ``train(cfg, env)`` does, in order: size the batch, decide the run directory, seed and resume
 point (`fsdp_zero.training.rundir.decide`), build the sharded model and its optimizer
 (`fsdp_zero.sharding.build.build`), make the data source and its cursor, resume or import weights, then
-step (`fsdp_zero.training.step.train_step`: accumulation, clipping with sharded gradients, the sync
+step (`fsdp_zero.training.step.Step.run`: accumulation, clipping with sharded gradients, the sync
 points) and save (`fsdp_zero.checkpoint.dcp`); at the end, the run's summary. The loop in ``train``
 is everything a reader needs to follow a run from step to step.
 """
@@ -41,7 +41,7 @@ from fsdp_zero.sharding.precision import LossScaler, Precision, loss_scaler
 from fsdp_zero.sharding.wrap import WrapPlan
 from fsdp_zero.training.evaluate import Evaluator, build_evaluator
 from fsdp_zero.training.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
-from fsdp_zero.training.step import StepResult, set_lr, train_step
+from fsdp_zero.training.step import Step, StepResult, set_lr
 from fsdp_zero.training.steplog import StepLogger, StepRecord, write_summary
 from fsdp_zero.training.stopping import StepGuard, budget_deadline, budget_job
 
@@ -333,25 +333,24 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     timeout = CollectiveTimeout(cfg.dist, model)  # start-up's until the first step is done, and for saves
     verdict, step = None, first
     count = trained_tokens if getattr(cursor.source, "masked", False) else None  # a mask file: token-weighted loss
+    step_of = Step(
+        model,
+        optimizer,
+        parts.loss_fn,
+        env.device,
+        grad_clip=cfg.optim.grad_clip,
+        scaler=parts.scaler,
+        gate=guard.check,
+        token_count=count,
+        grad_sync=cfg.parallel.grad_sync,
+    )
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
             hooks = log.hooks(step)  # the first step's memory reads; the profiler on memory.profile_step
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
             with log.measuring():  # the profiler on its step; the step's collectives counted (not evaluation's)
-                out = train_step(
-                    model,
-                    optimizer,
-                    parts.loss_fn,
-                    micro_batches,
-                    cfg.optim.grad_clip,
-                    env.device,
-                    hooks,
-                    parts.scaler,
-                    gate=guard.check,
-                    token_count=count,
-                    grad_sync=cfg.parallel.grad_sync,
-                )
+                out = step_of.run(micro_batches, hooks)
             verdict = out.verdict  # the same on every rank: they skip, stop and save at the same step
             if not verdict.finite:  # every rank skipped the optimizer step; nothing non-finite is ever saved
                 state.skipped_nonfinite += 1
