@@ -304,25 +304,17 @@ def test_evaluation_time_is_left_out_of_the_throughput(tmp_path: Path, monkeypat
 
     import fsdp_zero.api as fz
     from fsdp_zero.training.evaluate import EvalResult
-    from fsdp_zero.training.steplog import StepLogger
+    from fsdp_zero.training.steplog import LogPlan, StepLogger
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     with fz.distributed(device="cpu", backend="gloo") as env:
         model = torch.nn.Linear(4, 4)
         optimizer = torch.optim.AdamW(model.parameters())
-        log = StepLogger(
-            env,
-            tmp_path,
-            model,
-            optimizer,
-            log_every=1,
-            last_step=2,
-            profile_step=0,
-            items_per_rank_step=1000,
-            unit="tokens",
-            tensorboard=False,
+        plan = LogPlan(
+            log_every=1, last_step=2, profile_step=0, items_per_rank_step=1000, unit="tokens", tensorboard=False
         )
+        log = StepLogger(env, tmp_path, model, optimizer, plan)
         zero = torch.zeros(())
         log.step(1, zero, zero, 1e-3, {})
         time.sleep(0.5)  # the evaluation

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_zero.config.paths import RunDir
-from fsdp_zero.config.schema import Config
+from fsdp_zero.config.schema import TOKEN_SOURCES, Config
+from fsdp_zero.data.batches import BatchLayout
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.monitor.comm import KINDS, CommMeter, as_dict, describe
 from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
@@ -77,27 +78,48 @@ class StepRecord:
     )  # the strategy's (`fsdp_zero.monitor.comm.comm_formula`)
 
 
+@dataclass(frozen=True)
+class LogPlan:
+    """What a run reports and when: the logging interval, the last step, the profiled step, the
+    throughput's unit and how many of them a rank steps, TensorBoard on or off."""
+
+    log_every: int
+    last_step: int
+    profile_step: int  # 0: none
+    items_per_rank_step: int  # tokens (or samples) a rank trains on per optimizer step
+    unit: str  # "tokens" or "samples"
+    tensorboard: bool = True
+
+    @classmethod
+    def of(cls, cfg: Config, layout: BatchLayout, last_step: int) -> LogPlan:
+        """The trainer's: throughput in tokens for token data, in samples (images) otherwise."""
+        tokens = cfg.data.source in TOKEN_SOURCES
+        per_rank = layout.global_batch_size // layout.dp_size * (cfg.data.seq_len if tokens else 1)
+        return cls(
+            cfg.train.log_every,
+            last_step,
+            cfg.memory.profile_step,
+            per_rank,
+            "tokens" if tokens else "samples",
+            cfg.metrics.tensorboard,
+        )
+
+
 class StepLogger:
     def __init__(
         self,
         env: DistEnv,
-        run_dir,
+        run_dir: Path,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        *,  # noqa: ANN001
-        log_every: int,
-        last_step: int,
-        profile_step: int,
-        items_per_rank_step: int,
-        unit: str,
-        tensorboard: bool,
+        plan: LogPlan,
         comm: CommMeter | None = None,
     ) -> None:
         self.env, self.model, self.optimizer, self.comm = env, model, optimizer, comm
-        self.log_every, self.last_step, self.profile_step = log_every, last_step, profile_step
-        self.items_per_rank_step, self.unit = items_per_rank_step, unit
+        self.log_every, self.last_step, self.profile_step = plan.log_every, plan.last_step, plan.profile_step
+        self.items_per_rank_step, self.unit = plan.items_per_rank_step, plan.unit
         self.tb: MetricLogger = (
-            TensorBoardLogger(RunDir(run_dir).tensorboard(env.rank)) if tensorboard else NoOpLogger()
+            TensorBoardLogger(RunDir(run_dir).tensorboard(env.rank)) if plan.tensorboard else NoOpLogger()
         )
         self.history: MetricLogger = JsonLinesLogger(RunDir(run_dir).metrics) if env.is_rank0 else NoOpLogger()
         self.monitor = MemoryMonitor(env.device)

@@ -42,7 +42,7 @@ from fsdp_zero.sharding.wrap import WrapPlan
 from fsdp_zero.training.evaluate import Evaluator, build_evaluator
 from fsdp_zero.training.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
 from fsdp_zero.training.step import Step, StepResult, set_lr
-from fsdp_zero.training.steplog import StepLogger, StepRecord, write_summary
+from fsdp_zero.training.steplog import LogPlan, StepLogger, StepRecord, write_summary
 from fsdp_zero.training.stopping import StepGuard, budget_deadline, budget_job
 
 logger = logging.getLogger("fsdp_zero")
@@ -301,22 +301,8 @@ def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainRe
     cfg, state = parts.config, parts.state  # the decided run.name and train.seed; where the run is
     model, optimizer, cursor = parts.model, parts.optimizer, parts.cursor
     first, last = state.step + 1, min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    tokens = cfg.data.source in TOKEN_SOURCES  # throughput in tokens, or in samples (images)
-    per_rank = parts.layout.global_batch_size // parts.layout.dp_size * (cfg.data.seq_len if tokens else 1)
     comm = CommMeter(cfg, env, parts.built, parts.layout.grad_accum_steps)
-    log = StepLogger(
-        env,
-        parts.run_dir,
-        model,
-        optimizer,
-        log_every=cfg.train.log_every,
-        last_step=last,
-        profile_step=cfg.memory.profile_step,
-        items_per_rank_step=per_rank,
-        unit="tokens" if tokens else "samples",
-        tensorboard=cfg.metrics.tensorboard,
-        comm=comm,
-    )
+    log = StepLogger(env, parts.run_dir, model, optimizer, LogPlan.of(cfg, parts.layout, last), comm)
     checkpointer = (
         Checkpointer(
             RunDir(parts.run_dir).checkpoints,
