@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from fsdp_zero.config.presets import model_args
 from fsdp_zero.tools.fit import MARGIN
 from fsdp_zero.tools.planner import HEAP_RETENTION
+from fsdp_zero.training.steplog import Summary
 from tests.conftest import REPO, check, figure, launch, run_script, start, visible_gpus
 
 COMPARE = REPO / "scripts" / "compare.py"
@@ -369,7 +370,7 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
     acc = EventAccumulator(str(tmp_path / "tb" / "compare"))
     acc.Reload()
     assert [e.value for e in acc.Scalars("compare_ddp/optimizer_mib")] == [200.0, 200.0]
-    # read_rows: the runs' summary.json files, as scripts/train.py writes them, back into rows.
+    # read_rows: the runs' summary.json files, written as the trainer writes them (Summary), back into rows.
     for s in ORDER:
         (tmp_path / s.value).mkdir()
         ranks = [
@@ -377,19 +378,19 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
             | {"model_state_bytes": r["model_state"]}
             for r in _rows(2)[s.value]
         ]
-        (tmp_path / s.value / "summary.json").write_text(
-            json.dumps(
-                {
-                    "strategy": s.value,
-                    "precision": "fp32",
-                    "steps": 6,
-                    "final_loss": 4.25,
-                    "num_params": 1_000_000,
-                    "model_state_formula_bytes": _rows(2)[s.value][0]["formula"],
-                    "ranks": ranks,
-                }
-            )
-        )
+        Summary(
+            strategy=s.value,
+            precision="fp32",
+            steps=6,
+            final_loss=4.25,
+            num_params=1_000_000,
+            num_frozen=0,
+            world_size=2,
+            model_state_formula_bytes=_rows(2)[s.value][0]["formula"],
+            grad_sync="every_micro_batch",
+            comm_formula_bytes=None,
+            ranks=ranks,
+        ).write(tmp_path / s.value)
     assert read_rows(tmp_path) == {s.value: _rows(2)[s.value] for s in ORDER}
     # Without DDP (bf16-mixed, say, which DDP does not run) the ratios are to the first strategy run.
     rows = {k: v for k, v in _rows(2).items() if k not in ("ddp", "zero1")}
