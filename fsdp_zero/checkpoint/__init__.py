@@ -1,8 +1,16 @@
 """State on disk: DCP checkpoints and full weights."""
 
-from fsdp_zero.checkpoint.dcp import checkpoint_step, Checkpointer, latest_checkpoint, list_checkpoints, load_checkpoint, read_train_state, TrainState
+from fsdp_zero.checkpoint.dcp import (
+    Checkpointer,
+    TrainState,
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_train_state,
+)
 from fsdp_zero.checkpoint.export import export
-from fsdp_zero.checkpoint.weights import export_checkpoint, EXPORT_DTYPES, load_full_weights
+from fsdp_zero.checkpoint.weights import EXPORT_DTYPES, export_checkpoint, load_full_weights
 
 __all__ = [
     "checkpoint_step",

@@ -2,10 +2,40 @@
 
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
 from fsdp_zero.config.loader import load_config, read_saved_config, to_yaml
-from fsdp_zero.config.paths import CONFIG_FILE, RunDir, STATE_FILE
-from fsdp_zero.config.presets import BUILTIN_FIELDS, check_model_config, model_args, PRESETS, TransformerArgs
-from fsdp_zero.config.schema import ActivationCheckpointing, Backend, Config, DataConfig, DataSource, Device, DistConfig, Init, LoRAConfig, ModelConfig, OptimConfig, OptimizerImpl, ParallelConfig, PrecisionConfig, Schedule, Task, TOKEN_SOURCES, TrainConfig, validate, WrapConfig, WrapPolicy
-from fsdp_zero.config.strategies import GradSync, is_fsdp, STRATEGIES, Strategy, STRATEGY_ALIASES, StrategySpec, ZERO_STAGES
+from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE, RunDir
+from fsdp_zero.config.presets import BUILTIN_FIELDS, PRESETS, TransformerArgs, check_model_config, model_args
+from fsdp_zero.config.schema import (
+    TOKEN_SOURCES,
+    ActivationCheckpointing,
+    Backend,
+    Config,
+    DataConfig,
+    DataSource,
+    Device,
+    DistConfig,
+    Init,
+    LoRAConfig,
+    ModelConfig,
+    OptimConfig,
+    OptimizerImpl,
+    ParallelConfig,
+    PrecisionConfig,
+    Schedule,
+    Task,
+    TrainConfig,
+    WrapConfig,
+    WrapPolicy,
+    validate,
+)
+from fsdp_zero.config.strategies import (
+    STRATEGIES,
+    STRATEGY_ALIASES,
+    ZERO_STAGES,
+    GradSync,
+    Strategy,
+    StrategySpec,
+    is_fsdp,
+)
 from fsdp_zero.config.targets import import_target
 
 __all__ = [

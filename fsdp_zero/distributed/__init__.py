@@ -1,6 +1,16 @@
 """Ranks, their environment and what they agree on."""
 
-from fsdp_zero.distributed.env import agree_on_seed, broadcast_object, CollectiveTimeout, DistEnv, distributed, exit_process, last_collective, seed_all, silent_ranks
+from fsdp_zero.distributed.env import (
+    CollectiveTimeout,
+    DistEnv,
+    agree_on_seed,
+    broadcast_object,
+    distributed,
+    exit_process,
+    last_collective,
+    seed_all,
+    silent_ranks,
+)
 from fsdp_zero.distributed.topology import Topology
 
 __all__ = [

@@ -1,10 +1,29 @@
 """What is trained: construction, the built-in transformer, tasks, initialisation, LoRA, Hugging Face in."""
 
 from fsdp_zero.model.construct import construct, meta_parameters, real_buffers
-from fsdp_zero.model.hf import export_files, INDEX_FILE, run_dir_files, SINGLE_FILE, weights_path
+from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE, export_files, run_dir_files, weights_path
 from fsdp_zero.model.init import local_rows
-from fsdp_zero.model.lora import ADAPTER_FILES, adapter_names, export_plan, frozen_count, init_adapters, LoRALinear, make_trainable
-from fsdp_zero.model.tasks import build_task, check_classes_fit, logits_of, LossFn, max_seq_len, num_outputs, TASKS, to_device, trained_tokens, vocab_size
+from fsdp_zero.model.lora import (
+    ADAPTER_FILES,
+    LoRALinear,
+    adapter_names,
+    export_plan,
+    frozen_count,
+    init_adapters,
+    make_trainable,
+)
+from fsdp_zero.model.tasks import (
+    TASKS,
+    LossFn,
+    build_task,
+    check_classes_fit,
+    logits_of,
+    max_seq_len,
+    num_outputs,
+    to_device,
+    trained_tokens,
+    vocab_size,
+)
 from fsdp_zero.model.transformer import Transformer
 
 __all__ = [

@@ -1,7 +1,19 @@
 """What a step measures: memory, communication, metrics."""
 
-from fsdp_zero.monitor.comm import as_dict, comm_formula, comm_seconds, CommMeter, describe, KINDS
-from fsdp_zero.monitor.memory import apply_malloc_policy, CATEGORIES, GLIBC_MAX_MMAP_THRESHOLD, memory_scalars, MemoryMonitor, MIB, mmap_threshold, model_state_bytes, parse_size, release_free_heap, StepProfiler
+from fsdp_zero.monitor.comm import KINDS, CommMeter, as_dict, comm_formula, comm_seconds, describe
+from fsdp_zero.monitor.memory import (
+    CATEGORIES,
+    GLIBC_MAX_MMAP_THRESHOLD,
+    MIB,
+    MemoryMonitor,
+    StepProfiler,
+    apply_malloc_policy,
+    memory_scalars,
+    mmap_threshold,
+    model_state_bytes,
+    parse_size,
+    release_free_heap,
+)
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
 from fsdp_zero.monitor.phases import Phase, PhaseHook
 

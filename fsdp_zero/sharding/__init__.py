@@ -1,9 +1,26 @@
 """A strategy applied: wrap units, precision, parallelize, build and the optimizer."""
 
-from fsdp_zero.sharding.build import build, build_optimizer, Built, cast_to_stored, materializer, optimizer_impl, param_groups, shard
-from fsdp_zero.sharding.parallelize import checkpointed, formula_note, model_state_formula, parallelize, reduce_scatter_comm, strategy_table, unwrap
-from fsdp_zero.sharding.precision import loss_scaler, LossScaler, NAMES, Precision, resolve
-from fsdp_zero.sharding.wrap import build_wrap_plan, ROOT, WrapPlan
+from fsdp_zero.sharding.build import (
+    Built,
+    build,
+    build_optimizer,
+    cast_to_stored,
+    materializer,
+    optimizer_impl,
+    param_groups,
+    shard,
+)
+from fsdp_zero.sharding.parallelize import (
+    checkpointed,
+    formula_note,
+    model_state_formula,
+    parallelize,
+    reduce_scatter_comm,
+    strategy_table,
+    unwrap,
+)
+from fsdp_zero.sharding.precision import NAMES, LossScaler, Precision, loss_scaler, resolve
+from fsdp_zero.sharding.wrap import ROOT, WrapPlan, build_wrap_plan
 
 __all__ = [
     "build",

@@ -1,11 +1,11 @@
 """The run: step, stopping, evaluation, logging, run directory, trainer."""
 
 from fsdp_zero.training.evaluate import EvalResult, Evaluator
-from fsdp_zero.training.rundir import decide, RunDecision
-from fsdp_zero.training.step import clip_grad_norm_, lr_factor, set_lr, Step
+from fsdp_zero.training.rundir import RunDecision, decide
+from fsdp_zero.training.step import Step, clip_grad_norm_, lr_factor, set_lr
 from fsdp_zero.training.steplog import StepLogger, StepRecord, Summary, write_summary
 from fsdp_zero.training.stopping import StepGuard, Verdict
-from fsdp_zero.training.trainer import setup, train, TrainResult
+from fsdp_zero.training.trainer import TrainResult, setup, train
 
 __all__ = [
     "clip_grad_norm_",
