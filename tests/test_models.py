@@ -286,7 +286,10 @@ def test_one_build_path():
 
     def imports_build(path: Path) -> bool:
         return any(
-            isinstance(n, ast.ImportFrom) and n.module in ("fsdp_zero.sharding.build", "fsdp_zero.sharding")
+            isinstance(n, ast.ImportFrom)
+            and n.module
+            in ("fsdp_zero.sharding.build", "fsdp_zero.sharding", "fsdp_zero.model.construct", "fsdp_zero.model")
+            and {a.name for a in n.names} & {"build", "shard", "construct"}
             for n in ast.walk(ast.parse(path.read_text()))
         )
 
