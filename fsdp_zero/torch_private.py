@@ -13,6 +13,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
 __all__ = [
     "ConvNd",
     "DCP_METADATA_PRIVATE",
@@ -33,6 +36,8 @@ __all__ = [
     "hf_no_split_modules",
     "mem_tracker",
     "real_post_forward_meshes",
+    "reset_fsdp_iter_state",
+    "set_group_timeout",
 ]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
@@ -74,6 +79,10 @@ from torch.nn.modules.conv import _ConvNd as ConvNd
 # collectives return at once. A testing utility, but the documented way to do this
 # (torchtitan's memory estimation and FSDPMemTracker's own tests use it).
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# A process group's collective timeout, changed after init: public as `dist.set_timeout` from torch 2.15
+# (the pinned version); the GPU machines' torch 2.11 has only the private function it calls.
+set_group_timeout = getattr(dist, "set_timeout", None) or c10d._set_pg_timeout
 
 # Private names that DCP's own .metadata pickles (a tensor's storage layout, a chunk's place in
 # a file): the checkpoint reader's allow-listed unpickler admits them by these exact names.
@@ -155,6 +164,25 @@ def real_post_forward_meshes() -> Iterator[None]:
         yield
     finally:
         _fully_shard._get_post_forward_mesh_info = original
+
+
+def reset_fsdp_iter_state(root: Any) -> None:
+    """After a forward without backward (evaluation): every unit resharded and FSDP2's record of the
+    pass's forward order (which backward prefetches by) forgotten. Public from torch 2.15 (the pinned
+    version) as ``FSDPModule.reset_iter_state``; on the GPU machines' torch 2.11, by hand: each unit's
+    ``reshard()`` (public) and the two private records that method clears."""
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                group._post_forward_indices.clear()
+                group.comm_ctx.post_forward_order.clear()
 
 
 def count_zero_broadcasts(optimizer: Any, count: Any) -> None:

@@ -167,8 +167,10 @@ class CollectiveTimeout:
 
     def use(self, key: str) -> None:
         if key != self.key:
+            from fsdp_zero.torch_private import set_group_timeout
+
             for group in self.groups:
-                dist.set_timeout(datetime.timedelta(minutes=getattr(self.cfg, key)), group)
+                set_group_timeout(datetime.timedelta(minutes=getattr(self.cfg, key)), group)
             self.key = key
 
 

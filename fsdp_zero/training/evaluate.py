@@ -45,6 +45,7 @@ from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.model.tasks import TASKS, check_classes_fit, to_device, vocab_size
 from fsdp_zero.sharding.parallelize import unwrap
+from fsdp_zero.torch_private import reset_fsdp_iter_state
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -175,7 +176,7 @@ class Evaluator:
         finally:
             module.train(was_training)
             if isinstance(module, FSDPModule):
-                module.reset_iter_state()  # reshard every unit; forget the pass's forward order
+                reset_fsdp_iter_state(module)  # reshard every unit; forget the pass's forward order
         if dist.is_initialized():
             dist.all_reduce(totals)  # the evaluation's one reduction: loss sum, count, right
         loss_sum, count, right = totals.tolist()  # a sync point, once per evaluation

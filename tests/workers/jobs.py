@@ -79,16 +79,19 @@ def _recording_reduce(self, output_tensor, input_tensor, group, op, async_op=Fal
 
 AllReduceScatter.__call__ = _recording_reduce
 
-_all_gather_single = dist.all_gather_single  # what FSDP2's default all-gather calls
+# What FSDP2's default all-gather calls: all_gather_single from torch 2.15 (the pinned version),
+# all_gather_into_tensor before it (the GPU machines' torch 2.11).
+_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_all_gather = getattr(dist, _GATHER)
 
 
 def _recording_all_gather(*args, **kwargs):  # noqa: ANN002, ANN003
     if _seen["recording"]:
         _seen["gather_order"].append("ag")
-    return _all_gather_single(*args, **kwargs)
+    return _all_gather(*args, **kwargs)
 
 
-dist.all_gather_single = _recording_all_gather
+setattr(dist, _GATHER, _recording_all_gather)
 
 _save, _commit = checkpoint_lib.Checkpointer.save, checkpoint_lib.Checkpointer._commit
 
