@@ -47,7 +47,7 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff format fsdp_zero scripts bench tests
 	$(VENV)/bin/ruff check --fix fsdp_zero scripts bench tests
 
-# `make gpu-check` on a one-GPU machine (meant to take under 10 minutes; not yet run on a GPU): `pytest -m gpu`, then
+# `make gpu-check` on a one-GPU machine (6 minutes on one H100, docs/benchmarks.md): `pytest -m gpu`, then
 # bench/gpu_check.py's figures (docs/benchmarks.md). Its CPU-side parts run in `make test` (--dry-run).
 gpu-check: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q -m gpu

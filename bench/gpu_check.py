@@ -1,6 +1,6 @@
 """The classic ZeRO-3 lesson's figures on one GPU: memory per rank, the planner against it, tokens/s and MFU.
 
-    python bench/gpu_check.py                        # configs/gpt_1b.yaml, global batch 8 (not yet run on a GPU)
+    python bench/gpu_check.py                        # configs/gpt_1b.yaml, global batch 8 (H100: docs/benchmarks.md)
     python bench/gpu_check.py --peak-tflops 756,51   # a GPU not in PEAK_TFLOPS: its dense bf16,fp32 TFLOP/s
     python bench/gpu_check.py --config configs/gpt_small.yaml train.global_batch_size=16   # a smaller GPU
     python bench/gpu_check.py --dry-run              # no GPU: the same steps on the CPU, gpt_nano (15 s, 2 cores)
@@ -386,7 +386,9 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
             "before": monitor.read(),
             "summary_before": torch.cuda.memory_summary(env.device) if cuda else None,
         }
-        peak_key = "cuda_peak_allocated_mib" if cuda else "cpu_peak_rss_mib"
+        # Peak reserved (CUDA) or RSS: what the device or host must have. Our trainer resets the peaks at its own
+        # log steps, so its share is the higher of what is left after its last reset and its own headline peak.
+        peak_key = "cuda_peak_reserved_mib" if cuda else "cpu_peak_rss_mib"
         raw, ours, raw_peak, ours_peak = [], [], [], []
         for rep in range(REPEATS):
             cfg.run.name = f"raw{rep}"
@@ -412,10 +414,11 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
             parts = setup(cfg, env)
             dist.barrier()
             start = time.perf_counter()
-            train(cfg, env, parts)
+            record = train(cfg, env, parts)
             dist.barrier()
             ours.append(time.perf_counter() - start)
-            ours_peak.append(monitor.read()[peak_key])
+            own = record.peak_reserved_mib if cuda else record.peak_rss_mib
+            ours_peak.append(max(monitor.read()[peak_key], own or 0.0))
             del parts
             gc.collect()
         if env.is_rank0:
@@ -587,7 +590,7 @@ def throughput_section(mode: Mode, runs: dict[str, dict], loop: dict) -> list[st
 
 def loop_section(mode: Mode, loop: dict) -> list[str]:
     """Each repeat of the hand-written loop against ours: step time, its ratio, each loop's peak."""
-    what, steps = ("allocated" if mode.cuda else "RSS"), loop["steps"]
+    what, steps = ("reserved" if mode.cuda else "RSS"), loop["steps"]
     rows = [
         [str(i), f"{r / steps:.4f}", f"{o / steps:.4f}", f"{o / r:.3f}", f"{rp:,.0f}", f"{op:,.0f}"]
         for i, (r, o, rp, op) in enumerate(zip(loop["raw_s"], loop["ours_s"], loop["raw_peak"], loop["ours_peak"]))

@@ -255,6 +255,9 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert "rank" in inspect.signature(ZeroRedundancyOptimizer._broadcast_params_from_rank).parameters
     assert "backend" in torch_private.flight_recorder_json.__doc__  # pybind: no inspectable signature
     assert callable(torch_private.default_store)
+    # The pinned torch has both public APIs the shims stand in for on the GPU machines' torch 2.11.
+    assert torch_private.set_group_timeout is torch.distributed.set_timeout
+    assert callable(getattr(FSDPModule, "reset_iter_state", None))
     assert torch_private.FakeStore() is not None
     assert torch_private.FakeTensorMode is not None
     from torch.distributed.fsdp._fully_shard import _fully_shard  # what real_post_forward_meshes wraps
