@@ -78,7 +78,7 @@ def checkpoint_step(path: Path) -> int | None:
 _REQUIRED = (".metadata", STATE_FILE, CONFIG_FILE)
 
 
-def is_complete(path: Path) -> bool:
+def _is_complete(path: Path) -> bool:
     return checkpoint_step(path) is not None and all((path / f).is_file() for f in _REQUIRED)
 
 
@@ -86,7 +86,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    found = [p for p in root.iterdir() if p.is_dir() and _is_complete(p)]
     return sorted(found, key=checkpoint_step)
 
 
@@ -270,7 +270,7 @@ def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Siz
     return out
 
 
-def check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
+def _check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
     """Raises a ValueError listing missing, unexpected and mis-shaped tensors, if any."""
     saved = {
         k: v.size
@@ -318,7 +318,7 @@ def _causes(error: BaseException) -> str:
 
 
 @dataclass
-class PendingSave:
+class _PendingSave:
     future: Future
     partial: Path
     final: Path
@@ -340,7 +340,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.rank = rank
         self.device = device
-        self.pending: PendingSave | None = None
+        self.pending: _PendingSave | None = None
         self.written: list[Path] = []  # what this launch saved: all that retention may delete
         # Async saves run their collectives in a background thread: on a group of their
         # own, so they never interleave with the training step's collectives (``timeout``: how long
@@ -379,7 +379,7 @@ class Checkpointer:
         writer = dcp.FileSystemWriter(str(partial))
         if self.async_group is not None:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
-            self.pending = PendingSave(future, partial, final)
+            self.pending = _PendingSave(future, partial, final)
             return
         try:
             dcp.save(state, storage_writer=writer)
@@ -476,7 +476,7 @@ def load_checkpoint(
     reader = SafeFileSystemReader(str(path))
     metadata = reader.read_metadata()
     state = _tensor_state(model, optimizer)  # the structure (and shards) to load into
-    check_matches(metadata, _flat_shapes(state), path)
+    _check_matches(metadata, _flat_shapes(state), path)
     rng_key = _rng_key(rank)
     if any(k.startswith(f"{rng_key}.") for k in metadata.state_dict_metadata):
         state[rng_key] = _rng_state(device)

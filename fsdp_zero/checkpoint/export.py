@@ -18,7 +18,7 @@ from fsdp_zero.model.lora import ADAPTER_FILES, export_plan
 
 
 @dataclass(frozen=True)
-class Exported:
+class _Exported:
     files: list[Path]  # what was written, weights first
     note: str | None = None  # why a Hugging Face export holds the weights only (None: nothing to say)
 
@@ -31,7 +31,7 @@ def export(
     max_shard_bytes: int | None = None,
     weights_only: bool = False,
     adapters_only: bool = False,
-) -> Exported:
+) -> _Exported:
     """Writes ``checkpoint``'s model weights to ``out`` (a new folder, or one ``.safetensors`` file).
 
     Args:
@@ -60,4 +60,4 @@ def export(
     files = export_checkpoint(checkpoint, out, dtype, max_shard_bytes, extra, view)
     if adapter_files:  # PEFT's file name for the one safetensors file
         files = [f.rename(out / ADAPTER_FILES[0]) if f.name == SINGLE_FILE else f for f in files]
-    return Exported(files, note)
+    return _Exported(files, note)

@@ -136,7 +136,7 @@ def _common_prefixes(keys: list[str]) -> list[str]:
     return out
 
 
-def match_state_dict(
+def _match_state_dict(
     model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str, optional: frozenset[str] = frozenset()
 ) -> tuple[dict[str, str], str]:
     """Which file tensor fills each of the model's state tensors: {model name: file name}, and the
@@ -182,14 +182,14 @@ def match_state_dict(
 @torch.no_grad()
 def load_full_weights(model: nn.Module, path: Path, key: str = "model.init_from") -> str:
     """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
-    model, each rank reading only its rows; returns the renaming applied (see `match_state_dict`).
+    model, each rank reading only its rows; returns the renaming applied (see `_match_state_dict`).
     ``key``: the setting that named ``path``, for the errors.
 
     Raises:
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
     """
     weights = FullWeights(path, key)
-    mapping, how = match_state_dict(model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model))
+    mapping, how = _match_state_dict(model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model))
     state = model.state_dict(keep_vars=True)
     for name, file_name in mapping.items():
         tensor = state[name]
@@ -219,7 +219,7 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[by
     return struct.pack("<Q", len(text)) + text, sizes
 
 
-def write_safetensors(
+def _write_safetensors(
     path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fetch: Callable[[str], torch.Tensor]
 ) -> None:
     """Writes ``entries`` (name, dtype, shape) to ``path``, calling ``fetch(name)`` for one tensor at a time."""
@@ -238,7 +238,7 @@ def write_safetensors(
         os.fsync(f.fileno())
 
 
-def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int) -> list[list[int]]:
+def _plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int) -> list[list[int]]:
     """Groups entry indices into files of at most ``max_bytes`` (a tensor larger than that gets a file of its own)."""
     shards: list[list[int]] = [[]]
     used = 0
@@ -252,7 +252,7 @@ def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_byt
     return shards
 
 
-def iter_shard_files(n: int) -> Iterator[str]:
+def _iter_shard_files(n: int) -> Iterator[str]:
     for i in range(n):
         yield SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
@@ -331,7 +331,7 @@ def export_checkpoint(
     fetch = lambda name: _cast(read(name), dtype)  # noqa: E731
 
     single = out.suffix == ".safetensors"
-    shards = plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
+    shards = _plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
     if single and len(shards) > 1:
         total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
         raise ValueError(
@@ -342,17 +342,17 @@ def export_checkpoint(
     _remove(tmp)
     try:
         if single:
-            write_safetensors(tmp, entries, fetch)
+            _write_safetensors(tmp, entries, fetch)
             tmp.replace(out)
             return [out]
         tmp.mkdir(parents=True)
-        names = list(iter_shard_files(len(shards)))
+        names = list(_iter_shard_files(len(shards)))
         extras = extra_files(next((d for _, d, _ in entries if d.is_floating_point), None)) if extra_files else {}
         for name, data in extras.items():
             (tmp / name).write_bytes(data)
         weight_map = {}
         for file, idx in zip(names, shards):
-            write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
+            _write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
             weight_map.update({entries[i][0]: file for i in idx})
         if len(shards) > 1:
             total = sum(math.prod(s) * d.itemsize for _, d, s in entries)

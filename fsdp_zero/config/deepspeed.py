@@ -9,10 +9,10 @@ contradiction (a batch that does not divide) is a ValueError naming the key. ``"
 only the Hugging Face and Accelerate integrations resolve) means: ours to decide; the batch sizes
 are then derived as DeepSpeed derives them, other values keep our defaults, and each is listed.
 
-Each key we read is a `Rule` row: the DeepSpeed key, ours, the converter that checks its value,
+Each key we read is a `_Rule` row: the DeepSpeed key, ours, the converter that checks its value,
 and what it means. `TABLE` holds them in the order their overrides are printed; a row read on its
 own applies itself, and rows that only mean something together (the batch arithmetic, ZeRO's
-layout, offload, precision, the schedule) are read by one named function each (a `Joint`). The
+layout, offload, precision, the schedule) are read by one named function each (a `_Joint`). The
 docs/deepspeed.md's table is `mapping_table()`, built from the same rows.
 """
 
@@ -28,10 +28,10 @@ from typing import Any
 from fsdp_zero.config.strategies import ZERO_STAGES, is_fsdp
 
 # The one place that knows what a ZeRO stage is here: stage -> our strategy's name.
-STAGES = {stage: strategy.value for stage, strategy in ZERO_STAGES.items()}
+_STAGES = {stage: strategy.value for stage, strategy in ZERO_STAGES.items()}
 # Our keys that the table writes in short form: config.load_config reads ``precision=MODE`` as
 # ``precision.mode=MODE`` (config._apply_aliases).
-SHORTHAND = {"precision": "precision.mode"}
+_SHORTHAND = {"precision": "precision.mode"}
 
 # Keys FSDP2 handles differently or makes unnecessary: what fsdp-zero does instead.
 NO_EFFECT = {
@@ -98,7 +98,7 @@ UNSUPPORTED = {
     "data_efficiency": "not supported",
     "curriculum_learning": "not supported",
 }
-SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+_SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
 # DeepSpeed reads these sections through pydantic models (DeepSpeedZeroConfig, DeepSpeedFP16Config,
 # DeepSpeedBF16Config, TensorBoardConfig: subclasses of DeepSpeedConfigModel in
@@ -132,7 +132,7 @@ def _finite(value: int | float) -> bool:
 
 # Converters: ``(DeepSpeed key, JSON value) -> our value``, or a ValueError naming the key, the
 # value and what is valid. They never see null or "auto" (`_Reader` keeps those as "not given").
-Convert = Callable[[str, Any], Any]
+_Convert = Callable[[str, Any], Any]
 
 
 def _as_number(text: str) -> float | None:
@@ -144,7 +144,7 @@ def _as_number(text: str) -> float | None:
 
 def number(
     kind: type[int] | type[float], *, min: float | None = None, choices: Collection[int] | None = None
-) -> Convert:
+) -> _Convert:
     """A converter to ``kind``: not a bool, finite, integral for an int, at least ``min``, one of ``choices``."""
     valid = (
         f"valid choices: {', '.join(map(str, choices))}"
@@ -183,7 +183,7 @@ def flag(key: str, value: Any) -> bool:
     raise _bad(key, value, "expected true or false")
 
 
-def choice(options: dict[str, str], valid: str = "", *, fold_case: bool = True) -> Convert:
+def choice(options: dict[str, str], valid: str = "", *, fold_case: bool = True) -> _Convert:
     """A converter from one of ``options``' names (any case, unless ``fold_case`` is off) to its value.
 
     ``valid`` is what the error lists; by default the names.
@@ -209,7 +209,7 @@ def pair(key: str, value: Any) -> list[int | float]:
     return value
 
 
-def offload_device(key: str, value: Any) -> str | None:
+def _offload_device(key: str, value: Any) -> str | None:
     """``cpu``, or ``none`` in any case (None: no offload)."""
     if isinstance(value, str) and value.lower() == "none":
         return None
@@ -235,7 +235,7 @@ class _Reader:
     world_size: int
     notes: list[str] = field(default_factory=list)
 
-    def __getitem__(self, rule: Rule) -> Any:
+    def __getitem__(self, rule: _Rule) -> Any:
         """The converted value of ``rule``'s key; None where it is absent, null or "auto" (ours to decide)."""
         value = self.raw(rule.ds)
         return None if value is None else rule.convert(rule.ds, value)
@@ -249,7 +249,7 @@ class _Reader:
 
 
 @dataclass(frozen=True)
-class Rule:
+class _Rule:
     """One DeepSpeed key with an equivalent here: a row of docs/deepspeed.md's table.
 
     Attributes:
@@ -262,11 +262,11 @@ class Rule:
 
     ds: str
     ours: str
-    convert: Convert
+    convert: _Convert
     meaning: str = ""
 
     @property
-    def rules(self) -> tuple[Rule, ...]:
+    def rules(self) -> tuple[_Rule, ...]:
         return (self,)
 
     @property
@@ -283,7 +283,7 @@ class Rule:
         if self.ours.startswith("("):
             return []
         parts = [part.partition("=") for part in self.ours.split(", ")]
-        return [(SHORTHAND.get(key, key), fixed if eq else None) for key, eq, fixed in parts]
+        return [(_SHORTHAND.get(key, key), fixed if eq else None) for key, eq, fixed in parts]
 
     def __call__(self, ds: _Reader) -> list[str]:
         """A row read on its own: its value, when given, is ours."""
@@ -292,27 +292,27 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class Joint:
+class _Joint:
     """Rows that only mean something together, read by one named function into overrides."""
 
     read: Callable[[_Reader], list[str]]
-    rules: tuple[Rule, ...]
+    rules: tuple[_Rule, ...]
 
     def __call__(self, ds: _Reader) -> list[str]:
         return self.read(ds)
 
 
 # Batch sizes.
-TRAIN_BATCH = Rule(
+_TRAIN_BATCH = _Rule(
     "train_batch_size", "train.global_batch_size", number(int, min=1), "samples per optimizer step over all ranks"
 )
-MICRO_BATCH = Rule(
+_MICRO_BATCH = _Rule(
     "train_micro_batch_size_per_gpu",
     "train.micro_batch_size",
     number(int, min=1),
     "samples per forward/backward on one rank",
 )
-GRAD_ACCUM = Rule(
+_GRAD_ACCUM = _Rule(
     "gradient_accumulation_steps",
     "(derived)",
     number(int, min=1),
@@ -322,45 +322,45 @@ GRAD_ACCUM = Rule(
 
 def _batch(ds: _Reader) -> list[str]:
     """DeepSpeed's rule, train_batch_size = micro x accumulation x ranks: any two give the third."""
-    tbs, micro, gas, ranks = ds[TRAIN_BATCH], ds[MICRO_BATCH], ds[GRAD_ACCUM], ds.world_size
+    tbs, micro, gas, ranks = ds[_TRAIN_BATCH], ds[_MICRO_BATCH], ds[_GRAD_ACCUM], ds.world_size
     if tbs is not None and micro is not None and gas is not None and tbs != micro * gas * ranks:
         raise ds.bad(
-            TRAIN_BATCH.ds,
-            f"!= {MICRO_BATCH.ds} {micro} x {GRAD_ACCUM.ds} {gas} x {ranks} ranks = {micro * gas * ranks}",
+            _TRAIN_BATCH.ds,
+            f"!= {_MICRO_BATCH.ds} {micro} x {_GRAD_ACCUM.ds} {gas} x {ranks} ranks = {micro * gas * ranks}",
         )
     if tbs is None and micro is not None:
         tbs = micro * (gas or 1) * ranks
     if micro is None and tbs is not None:
         per = (gas or 1) * ranks
         if tbs % per:
-            raise ds.bad(TRAIN_BATCH.ds, f"does not divide over {GRAD_ACCUM.ds} {gas or 1} x {ranks} ranks")
+            raise ds.bad(_TRAIN_BATCH.ds, f"does not divide over {_GRAD_ACCUM.ds} {gas or 1} x {ranks} ranks")
         micro = tbs // per
-    return [] if tbs is None else TRAIN_BATCH.overrides(tbs) + MICRO_BATCH.overrides(micro)
+    return [] if tbs is None else _TRAIN_BATCH.overrides(tbs) + _MICRO_BATCH.overrides(micro)
 
 
 # ZeRO: the stage, CPU offload, and the groups of hpZ and MiCS.
-STAGE = Rule(
+_STAGE = _Rule(
     "zero_optimization.stage",
     "parallel.zero_stage",
-    number(int, choices=STAGES),
-    ", ".join(f"{stage} {name}" for stage, name in STAGES.items()),
+    number(int, choices=_STAGES),
+    ", ".join(f"{stage} {name}" for stage, name in _STAGES.items()),
 )
-OFFLOAD_OPTIMIZER = Rule(
+_OFFLOAD_OPTIMIZER = _Rule(
     "zero_optimization.offload_optimizer.device",
     "parallel.cpu_offload",
-    offload_device,
+    _offload_device,
     "cpu: shards and the optimizer step on the CPU (FSDP2 offloads parameters too)",
 )
-OFFLOAD_PARAM = Rule(
-    "zero_optimization.offload_param.device", "parallel.cpu_offload", offload_device, "cpu: as offload_optimizer"
+_OFFLOAD_PARAM = _Rule(
+    "zero_optimization.offload_param.device", "parallel.cpu_offload", _offload_device, "cpu: as offload_optimizer"
 )
-HPZ = Rule(
+_HPZ = _Rule(
     "zero_optimization.zero_hpz_partition_size",
     "parallel.reshard_after_forward",
     number(int, min=1),
     "ZeRO++ hpZ group size",
 )
-MICS = Rule(
+_MICS = _Rule(
     "zero_optimization.mics_shard_size",
     "parallel.strategy=hybrid_shard, parallel.shard_size",
     number(int),
@@ -374,28 +374,28 @@ def _zero(ds: _Reader) -> list[str]:
     MiCS shards within groups of ``mics_shard_size`` ranks: FSDP2's hybrid sharding, a strategy of its
     own that replaces the stage's (both would contradict each other in `load_config`).
     """
-    stage = ds[STAGE]
+    stage = ds[_STAGE]
     offload = _offload(ds, stage)
-    hpz, mics = ds[HPZ], ds[MICS]
+    hpz, mics = ds[_HPZ], ds[_MICS]
     hybrid = mics is not None and mics > 0
-    out = [] if stage is None or hybrid else STAGE.overrides(stage)
+    out = [] if stage is None or hybrid else _STAGE.overrides(stage)
     out += offload
     if hpz is not None and hpz > 1:
-        out += HPZ.overrides(hpz)
+        out += _HPZ.overrides(hpz)
     if hybrid:
-        out += MICS.overrides(mics)
+        out += _MICS.overrides(mics)
     return out
 
 
 def _offload(ds: _Reader, stage: int | None) -> list[str]:
     """FSDP2 has one switch for both of DeepSpeed's offloads, and only its sharded strategies honour it."""
-    parts = [rule for rule in (OFFLOAD_OPTIMIZER, OFFLOAD_PARAM) if ds[rule] == "cpu"]
+    parts = [rule for rule in (_OFFLOAD_OPTIMIZER, _OFFLOAD_PARAM) if ds[rule] == "cpu"]
     if not parts:
         return []
     if stage is not None and not is_fsdp(ZERO_STAGES[stage]):
         fsdp = " or ".join(str(s) for s, strategy in ZERO_STAGES.items() if is_fsdp(strategy))
-        raise ds.bad(parts[0].ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {STAGE.ds}={stage}")
-    if parts == [OFFLOAD_OPTIMIZER]:
+        raise ds.bad(parts[0].ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {_STAGE.ds}={stage}")
+    if parts == [_OFFLOAD_OPTIMIZER]:
         ds.notes.append(
             "ds_config zero_optimization.offload_optimizer: FSDP2's CPU offload moves the parameter "
             "shards to host memory too (as offload_param would)"
@@ -410,7 +410,7 @@ def _sub_group(key: str, value: Any) -> int:
 
 # DeepSpeed's ZeRO-3 steps its optimizer sub-group by sub-group (default 1e9 elements: one group for
 # any shard below that); here foreach AdamW steps groups of at most that many, at every stage.
-SUB_GROUP = Rule(
+_SUB_GROUP = _Rule(
     "zero_optimization.sub_group_size",
     "optim.step_group_size",
     _sub_group,
@@ -420,27 +420,27 @@ SUB_GROUP = Rule(
 
 
 # Precision.
-FP16 = Rule("fp16.enabled", "precision=fp16-mixed", flag, "fp32 master weights, fp16 compute, loss scaling")
-LOSS_SCALE = Rule("fp16.loss_scale", "precision.loss_scale", number(float, min=0), "0: dynamic")
-SCALE_POWER = Rule(
+_FP16 = _Rule("fp16.enabled", "precision=fp16-mixed", flag, "fp32 master weights, fp16 compute, loss scaling")
+_LOSS_SCALE = _Rule("fp16.loss_scale", "precision.loss_scale", number(float, min=0), "0: dynamic")
+_SCALE_POWER = _Rule(
     "fp16.initial_scale_power", "precision.initial_scale_power", number(int, min=0), "first scale 2**power"
 )
-SCALE_WINDOW = Rule(
+_SCALE_WINDOW = _Rule(
     "fp16.loss_scale_window",
     "precision.loss_scale_window",
     number(int, min=0),
     "steps without overflow before doubling",
 )
-BF16 = Rule("bf16.enabled", "precision=bf16-mixed", flag, "fp32 master weights, bf16 compute")
+BF16 = _Rule("bf16.enabled", "precision=bf16-mixed", flag, "fp32 master weights, bf16 compute")
 
 
 def _precision(ds: _Reader) -> list[str]:
     """fp16 or bf16 (not both); fp16's loss-scale settings are checked always and set only with fp16."""
-    fp16, bf16 = bool(ds[FP16]), bool(ds[BF16])
+    fp16, bf16 = bool(ds[_FP16]), bool(ds[BF16])
     if fp16 and bf16:
-        raise ds.bad(FP16.ds, "fp16 and bf16 are both enabled; enable one")
-    out = FP16.overrides() if fp16 else BF16.overrides() if bf16 else []
-    for rule in (LOSS_SCALE, SCALE_POWER, SCALE_WINDOW):
+        raise ds.bad(_FP16.ds, "fp16 and bf16 are both enabled; enable one")
+    out = _FP16.overrides() if fp16 else BF16.overrides() if bf16 else []
+    for rule in (_LOSS_SCALE, _SCALE_POWER, _SCALE_WINDOW):
         value = ds[rule]
         if value is not None and fp16:
             out += rule.overrides(value)
@@ -448,7 +448,7 @@ def _precision(ds: _Reader) -> list[str]:
 
 
 # Optimizer and schedule.
-OPTIMIZER = Rule(
+_OPTIMIZER = _Rule(
     "optimizer.type",
     "(AdamW)",
     choice({"adam": "adam", "adamw": "adamw"}, "Adam, AdamW (fsdp-zero trains with AdamW)"),
@@ -458,30 +458,30 @@ OPTIMIZER = Rule(
 
 def _adam(ds: _Reader) -> list[str]:
     """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack)."""
-    if ds[OPTIMIZER] == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
+    if ds[_OPTIMIZER] == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
         raise ds.bad(
             "optimizer.params.adam_w_mode", "Adam with L2 regularisation is not supported; valid: true (AdamW)"
         )
     return []
 
 
-LR = Rule("optimizer.params.lr", "optim.lr", number(float, min=0), "peak learning rate")
-SCHEDULER = Rule(
+LR = _Rule("optimizer.params.lr", "optim.lr", number(float, min=0), "peak learning rate")
+_SCHEDULER = _Rule(
     "scheduler.type",
     "optim.schedule",
-    choice(SCHEDULES, fold_case=False),
+    choice(_SCHEDULES, fold_case=False),
     "after the warm-up: WarmupLR constant, WarmupDecayLR linear to 0 at total_num_steps, "
     "WarmupCosineLR cosine to cos_min_ratio",
 )
-WARMUP = Rule(
+_WARMUP = _Rule(
     "scheduler.params.warmup_num_steps",
     "optim.warmup_steps",
     number(int, min=0),
     "linear warm-up here (DeepSpeed's default is log)",
 )
-WARMUP_MAX_LR = Rule("scheduler.params.warmup_max_lr", "optim.lr", number(float, min=0), "WarmupLR/WarmupDecayLR")
-TOTAL_STEPS = Rule("scheduler.params.total_num_steps", "train.steps", number(int, min=1), "the schedule's length")
-MIN_RATIO = Rule("scheduler.params.cos_min_ratio", "optim.min_lr_ratio", number(float, min=0), "WarmupCosineLR")
+_WARMUP_MAX_LR = _Rule("scheduler.params.warmup_max_lr", "optim.lr", number(float, min=0), "WarmupLR/WarmupDecayLR")
+_TOTAL_STEPS = _Rule("scheduler.params.total_num_steps", "train.steps", number(int, min=1), "the schedule's length")
+_MIN_RATIO = _Rule("scheduler.params.cos_min_ratio", "optim.min_lr_ratio", number(float, min=0), "WarmupCosineLR")
 
 
 def _schedule(ds: _Reader) -> list[str]:
@@ -491,22 +491,22 @@ def _schedule(ds: _Reader) -> list[str]:
     WarmupCosineLR to the optimizer's lr. WarmupLR then stays there (min_lr_ratio 1), the others
     decay to 0 unless ``cos_min_ratio`` says otherwise.
     """
-    lr, schedule = ds[LR], ds[SCHEDULER]
+    lr, schedule = ds[LR], ds[_SCHEDULER]
     if schedule is None:
         return [] if lr is None else LR.overrides(lr)
-    out = SCHEDULER.overrides(schedule)
-    peak = ds[WARMUP_MAX_LR]
-    if peak is not None and schedule != SCHEDULES["WarmupCosineLR"]:
+    out = _SCHEDULER.overrides(schedule)
+    peak = ds[_WARMUP_MAX_LR]
+    if peak is not None and schedule != _SCHEDULES["WarmupCosineLR"]:
         lr = peak
-    for rule in (WARMUP, TOTAL_STEPS):
+    for rule in (_WARMUP, _TOTAL_STEPS):
         out += [] if (value := ds[rule]) is None else rule.overrides(value)
-    floor = ds[MIN_RATIO]
-    out += MIN_RATIO.overrides(floor if floor is not None else 1.0 if schedule == SCHEDULES["WarmupLR"] else 0.0)
+    floor = ds[_MIN_RATIO]
+    out += _MIN_RATIO.overrides(floor if floor is not None else 1.0 if schedule == _SCHEDULES["WarmupLR"] else 0.0)
     return out + ([] if lr is None else LR.overrides(lr))
 
 
 # DeepSpeed tests this top-level key for truth as written (get_scalar_param); it only adds a note here.
-WALL_CLOCK = Rule(
+_WALL_CLOCK = _Rule(
     "wall_clock_breakdown",
     "(always on)",
     lambda key, value: bool(value),
@@ -515,7 +515,7 @@ WALL_CLOCK = Rule(
 
 
 def _wall_clock(ds: _Reader) -> list[str]:
-    if ds[WALL_CLOCK]:
+    if ds[_WALL_CLOCK]:
         ds.notes.append(
             "ds_config wall_clock_breakdown=true: step time and tokens/s are always logged (every "
             "train.log_every steps); the memory breakdown at memory.profile_step"
@@ -524,14 +524,14 @@ def _wall_clock(ds: _Reader) -> list[str]:
 
 
 # Every key we read, in the order its overrides are printed.
-TABLE: tuple[Rule | Joint, ...] = (
-    Joint(_batch, (TRAIN_BATCH, MICRO_BATCH, GRAD_ACCUM)),
-    Rule("gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"),
-    Rule("steps_per_print", "train.log_every", number(int, min=0), "steps between log lines"),
-    Joint(_zero, (STAGE, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, HPZ, MICS)),
-    SUB_GROUP,
-    Joint(_precision, (FP16, LOSS_SCALE, SCALE_POWER, SCALE_WINDOW, BF16)),
-    Rule(
+TABLE: tuple[_Rule | _Joint, ...] = (
+    _Joint(_batch, (_TRAIN_BATCH, _MICRO_BATCH, _GRAD_ACCUM)),
+    _Rule("gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"),
+    _Rule("steps_per_print", "train.log_every", number(int, min=0), "steps between log lines"),
+    _Joint(_zero, (_STAGE, _OFFLOAD_OPTIMIZER, _OFFLOAD_PARAM, _HPZ, _MICS)),
+    _SUB_GROUP,
+    _Joint(_precision, (_FP16, _LOSS_SCALE, _SCALE_POWER, _SCALE_WINDOW, BF16)),
+    _Rule(
         "communication_data_type",
         "precision.reduce_dtype",
         choice(
@@ -539,19 +539,19 @@ TABLE: tuple[Rule | Joint, ...] = (
         ),
         "gradient reduction dtype",
     ),
-    Joint(_adam, (OPTIMIZER,)),
-    Rule("optimizer.params.eps", "optim.eps", number(float, min=0)),
-    Rule("optimizer.params.weight_decay", "optim.weight_decay", number(float, min=0), "decoupled (AdamW)"),
-    Rule("optimizer.params.betas", "optim.betas", pair),
-    Joint(_schedule, (LR, SCHEDULER, WARMUP, WARMUP_MAX_LR, TOTAL_STEPS, MIN_RATIO)),
-    Joint(_wall_clock, (WALL_CLOCK,)),
-    Rule("tensorboard.enabled", "metrics.tensorboard", flag),
+    _Joint(_adam, (_OPTIMIZER,)),
+    _Rule("optimizer.params.eps", "optim.eps", number(float, min=0)),
+    _Rule("optimizer.params.weight_decay", "optim.weight_decay", number(float, min=0), "decoupled (AdamW)"),
+    _Rule("optimizer.params.betas", "optim.betas", pair),
+    _Joint(_schedule, (LR, _SCHEDULER, _WARMUP, _WARMUP_MAX_LR, _TOTAL_STEPS, _MIN_RATIO)),
+    _Joint(_wall_clock, (_WALL_CLOCK,)),
+    _Rule("tensorboard.enabled", "metrics.tensorboard", flag),
 )
 # The rows, as docs/deepspeed.md lists them.
 MAPPED = tuple(rule for entry in TABLE for rule in entry.rules)
 _MAPPED_KEYS = {rule.ds for rule in MAPPED}
 # Sections whose unknown keys are answered with the keys of theirs we read.
-SECTIONS = tuple(dict.fromkeys(rule.ds.split(".")[0] for rule in MAPPED if "." in rule.ds))
+_SECTIONS = tuple(dict.fromkeys(rule.ds.split(".")[0] for rule in MAPPED if "." in rule.ds))
 
 
 def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
@@ -597,7 +597,7 @@ def _check_keys(flat: dict[str, Any]) -> list[str]:
             hint = (
                 f"; keys of '{section}' read here: "
                 + ", ".join(rule.ds for rule in MAPPED if rule.ds.startswith(section + "."))
-                if section in SECTIONS
+                if section in _SECTIONS
                 else ""
             )
             raise _bad(key, value, f"unknown DeepSpeed key{hint}")

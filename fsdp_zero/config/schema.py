@@ -229,7 +229,7 @@ class ModelConfig:
 
 
 TOKEN_SOURCES = (DataSource.synthetic, DataSource.text, DataSource.tokens)
-TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+_TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 # What each source needs in data.path, and which tasks it feeds (custom takes any).
 _PATHS = {
     DataSource.text: "a text file or a folder of them",
@@ -277,9 +277,10 @@ class DataConfig:
                 f"data.path={self.path!r} is set but data.source={self.source.value} reads no files; "
                 f"data.source with a path: {valid}"
             )
-        if self.token_dtype is not None and self.token_dtype not in TOKEN_DTYPES:
+        if self.token_dtype is not None and self.token_dtype not in _TOKEN_DTYPES:
             raise ValueError(
-                f"data.token_dtype={self.token_dtype!r} is not a valid choice; valid choices: {', '.join(TOKEN_DTYPES)}"
+                f"data.token_dtype={self.token_dtype!r} is not a valid choice; "
+                f"valid choices: {', '.join(_TOKEN_DTYPES)}"
             )
         if self.num_workers is not None and self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0 (0: load in the training process)")
@@ -392,7 +393,7 @@ class ParallelConfig:
 
 # precision.mode: how model state is stored, computed and reduced (see fsdp_zero.sharding.precision).
 PRECISION_MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-PRECISION_DTYPES = ("fp32", "bf16", "fp16")
+_PRECISION_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -423,9 +424,9 @@ class PrecisionConfig:
             )
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
-            if value is not None and value not in PRECISION_DTYPES:
+            if value is not None and value not in _PRECISION_DTYPES:
                 raise ValueError(
-                    f"precision.{key}={value!r} is not a valid choice; valid choices: {', '.join(PRECISION_DTYPES)}"
+                    f"precision.{key}={value!r} is not a valid choice; valid choices: {', '.join(_PRECISION_DTYPES)}"
                 )
         if self.loss_scale < 0:
             raise ValueError(f"precision.loss_scale={self.loss_scale}: must be >= 0 (0: dynamic loss scaling)")
@@ -508,7 +509,7 @@ class TrainConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class _CheckpointConfig:
     """Sharded DCP checkpoints under <run dir>/checkpoints/step-NNNNNNN/."""
 
     enabled: bool = True
@@ -534,7 +535,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class RunConfig:
+class _RunConfig:
     root: str = "runs"
     name: str | None = None  # None: a timestamp; the run directory is root/name
 
@@ -560,7 +561,7 @@ class DistConfig:
 
 
 @dataclass
-class MetricsConfig:
+class _MetricsConfig:
     tensorboard: bool = True
 
     def check(self) -> None:
@@ -568,7 +569,7 @@ class MetricsConfig:
 
 
 @dataclass
-class MemoryConfig:
+class _MemoryConfig:
     # glibc only: allocations of at least this many bytes get their own mmap and go back to
     # the system when freed (see fsdp_zero.monitor.memory.set_malloc_mmap_threshold). "auto": 8 MiB on
     # CPU runs, glibc's default on CUDA runs (tensors live in CUDA memory there); "default":
@@ -597,7 +598,7 @@ _EVAL_PATHS = {
 
 
 @dataclass
-class EvalConfig:
+class _EvalConfig:
     """Validation on held-out data at every ``every``-th step and at the last (see fsdp_zero.training.evaluate)."""
 
     every: int = 0  # steps between evaluations, and one at the last step; 0: no evaluation
@@ -648,12 +649,12 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: _CheckpointConfig = field(default_factory=_CheckpointConfig)
+    run: _RunConfig = field(default_factory=_RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: _MetricsConfig = field(default_factory=_MetricsConfig)
+    memory: _MemoryConfig = field(default_factory=_MemoryConfig)
+    eval: _EvalConfig = field(default_factory=_EvalConfig)
 
 
 def validate(cfg: Config) -> None:

@@ -68,7 +68,7 @@ class SyntheticBigram:
         return out
 
     def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
-        return next_token_pairs(self.samples(indices))
+        return _next_token_pairs(self.samples(indices))
 
 
 def epoch_order(
@@ -82,7 +82,7 @@ def epoch_order(
     return cached, int(cached[1][pos])
 
 
-class Windows:
+class _Windows:
     """Sample i is a window of seq_len + 1 tokens of a 1-D token array; windows are visited in
     a seeded random order, a fresh order each pass over the data."""
 
@@ -109,13 +109,13 @@ class Windows:
 
     def pairs(self, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of the windows that start at these token offsets."""
-        return next_token_pairs(self._rows(starts))
+        return _next_token_pairs(self._rows(starts))
 
     def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pairs([self._window(index) * self.seq_len for index in indices])
 
 
-class ByteText(Windows):
+class ByteText(_Windows):
     """A local text file, or every file under a folder (sorted), read as bytes (vocab 256)."""
 
     vocab_size = 256
@@ -131,7 +131,7 @@ class ByteText(Windows):
         return self._bytes[start:stop]
 
 
-class TokenFile(Windows):
+class TokenFile(_Windows):
     """Pre-tokenized token ids on disk, memory-mapped: a flat ``.bin`` of ``dtype`` (what nanoGPT's
     prepare.py writes: uint16 GPT-2 ids) or a 1-D ``.npy``. Only the windows read are paged in.
 
@@ -232,7 +232,7 @@ class TokenFile(Windows):
         return torch.from_numpy(self._array[start:stop].astype(np.int64))
 
 
-class ImageSamples:
+class _ImageSamples:
     """(image, label) samples of a torchvision dataset, by global index.
 
     ``shuffle``: a seeded random order, fresh each pass (ImageFolder); otherwise sample i is
@@ -267,7 +267,7 @@ class ImageSamples:
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def train_transform(size: int) -> Callable:
+def _train_transform(size: int) -> Callable:
     """A random resized crop and flip, to tensor, normalise (torchvision's classification recipe)."""
     from torchvision import transforms as T
 
@@ -281,7 +281,7 @@ def train_transform(size: int) -> Callable:
     )
 
 
-def fake_images(cfg: DataConfig, seed: int) -> ImageSamples:
+def fake_images(cfg: DataConfig, seed: int) -> _ImageSamples:
     """torchvision's FakeData as fsdp-zero reads it: ``data.num_samples`` images of
     ``data.image_size`` pixels, labels in [0, data.num_classes), normalised to mean 0.5, std 0.5."""
     from torchvision import transforms as T
@@ -294,7 +294,7 @@ def fake_images(cfg: DataConfig, seed: int) -> ImageSamples:
         transform=T.Compose([T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)]),
         random_offset=seed,
     )
-    return ImageSamples(dataset, seed, shuffle=False)
+    return _ImageSamples(dataset, seed, shuffle=False)
 
 
 def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> Source:
@@ -323,13 +323,13 @@ def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> S
     from torchvision.datasets import ImageFolder
 
     try:
-        dataset = ImageFolder(cfg.path, transform=train_transform(cfg.image_size))
+        dataset = ImageFolder(cfg.path, transform=_train_transform(cfg.image_size))
     except (FileNotFoundError, RuntimeError) as e:
         raise ValueError(f"data.path={cfg.path!r}: not an ImageFolder directory: {e}") from None
-    return ImageSamples(dataset, seed, shuffle=True)
+    return _ImageSamples(dataset, seed, shuffle=True)
 
 
-def next_token_pairs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _next_token_pairs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, seq_len + 1) tokens -> (inputs, targets), each (n, seq_len)."""
     return tokens[:, :-1], tokens[:, 1:]
 

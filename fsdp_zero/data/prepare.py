@@ -32,13 +32,13 @@ import numpy as np
 
 from fsdp_zero.data.token_files import META, mask_file, token_dtype
 
-SPLITS = ("train", "val")
-SUFFIXES = (".txt", ".jsonl")
+_SPLITS = ("train", "val")
+_SUFFIXES = (".txt", ".jsonl")
 # Hugging Face's run_clm.py holds out 5% (validation_split_percentage): enough documents for a
 # steady validation loss on a fine-tuning set of a few thousand, little taken from training.
 DEFAULT_VAL_FRACTION = 0.05
 # The files a tokenizer folder may hold (a model folder also holds weights, which are not hashed).
-TOKENIZER_FILES = (
+_TOKENIZER_FILES = (
     "tokenizer*",
     "special_tokens_map.json",
     "added_tokens.json",
@@ -47,7 +47,7 @@ TOKENIZER_FILES = (
     "*.model",
     "chat_template.*",
 )
-FORMATS = ("text", "prompt_completion", "chat")
+_FORMATS = ("text", "prompt_completion", "chat")
 _CHUNK = 64  # documents per task handed to a worker: few enough messages, small enough to keep order cheap
 
 
@@ -55,7 +55,7 @@ _CHUNK = 64  # documents per task handed to a worker: few enough messages, small
 # Inputs
 
 
-def input_files(paths: Iterable[str | Path]) -> list[Path]:
+def _input_files(paths: Iterable[str | Path]) -> list[Path]:
     """The ``.txt`` and ``.jsonl`` files named, and those under the folders named (recursively, sorted).
 
     Raises:
@@ -65,11 +65,11 @@ def input_files(paths: Iterable[str | Path]) -> list[Path]:
     for given in paths:
         path = Path(given)
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES)
         elif path.is_file():
-            if path.suffix not in SUFFIXES:
+            if path.suffix not in _SUFFIXES:
                 raise ValueError(
-                    f"--input {path}: not a .txt or .jsonl file (valid: {', '.join(SUFFIXES)}, or a folder of them)"
+                    f"--input {path}: not a .txt or .jsonl file (valid: {', '.join(_SUFFIXES)}, or a folder of them)"
                 )
             files.append(path)
         else:
@@ -167,7 +167,7 @@ def validation_documents(count: int, fraction: float, seed: int) -> set[int]:
 # The tokenizer
 
 
-def load_tokenizer(directory: str | Path) -> Any:
+def _load_tokenizer(directory: str | Path) -> Any:
     """``AutoTokenizer.from_pretrained(directory)``, from disk only.
 
     Raises:
@@ -191,10 +191,10 @@ def load_tokenizer(directory: str | Path) -> Any:
     return tokenizer
 
 
-def tokenizer_hash(directory: str | Path) -> tuple[str, list[str]]:
+def _tokenizer_hash(directory: str | Path) -> tuple[str, list[str]]:
     """A sha256 over the tokenizer's files in ``directory`` (names and bytes, sorted), and their names."""
     folder = Path(directory)
-    names = sorted({p.name for pattern in TOKENIZER_FILES for p in folder.glob(pattern) if p.is_file()})
+    names = sorted({p.name for pattern in _TOKENIZER_FILES for p in folder.glob(pattern) if p.is_file()})
     digest = hashlib.sha256()
     for name in names:
         data = (folder / name).read_bytes()
@@ -208,7 +208,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _start_worker(directory: str, dtype: str, fmt: str = "text") -> None:
-    _WORKER.update(tokenizer=load_tokenizer(directory), dtype=np.dtype(dtype), format=fmt)
+    _WORKER.update(tokenizer=_load_tokenizer(directory), dtype=np.dtype(dtype), format=fmt)
 
 
 def _encode(doc: Any) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
@@ -365,17 +365,17 @@ def prepare(
     out = Path(out)
     if workers < 1:
         raise ValueError(f"--workers={workers}: must be >= 1 (1: tokenize in this process)")
-    if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt}: not a format (valid: {', '.join(FORMATS)})")
+    if fmt not in _FORMATS:
+        raise ValueError(f"--format {fmt}: not a format (valid: {', '.join(_FORMATS)})")
     field = field or ("messages" if fmt == "chat" else "text")
     fields = (prompt_field, completion_field) if fmt == "prompt_completion" else field
     _check_out(out)
-    files = input_files(inputs)
+    files = _input_files(inputs)
     count = sum(1 for _ in documents(files, fields, fmt))  # a first pass: bad lines fail before any tokenizing
     if count == 0:
         raise ValueError(f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)")
     val = validation_documents(count, val_fraction, seed)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = _load_tokenizer(tokenizer_dir)
     vocab_size = len(tokenizer)  # the base vocabulary and the added tokens: every id it can emit
     dtype = token_dtype(vocab_size)
     _WORKER.update(tokenizer=tokenizer, dtype=np.dtype(dtype), format=fmt)
@@ -386,7 +386,7 @@ def prepare(
         encoded = _encoded(documents(files, fields, fmt), count, workers, str(tokenizer_dir), dtype, fmt)
         totals = _write_splits(staging, encoded, val, count)
         seconds = time.perf_counter() - start
-        sha, names = tokenizer_hash(tokenizer_dir)
+        sha, names = _tokenizer_hash(tokenizer_dir)
         meta = {
             "dtype": dtype,
             "vocab_size": vocab_size,
@@ -431,7 +431,7 @@ def _check_out(out: Path) -> None:
 
 def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], count: int) -> dict:
     """Appends each document's ids to train.bin or val.bin; the documents and tokens per split."""
-    totals = {split: {"documents": 0, "tokens": 0} for split in SPLITS}
+    totals = {split: {"documents": 0, "tokens": 0} for split in _SPLITS}
     progress = _Progress(count)
     masks: dict[str, Any] = {}  # split -> its open mask file, made at the first masked document
     try:
@@ -441,7 +441,7 @@ def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], co
                 if isinstance(ids, tuple):  # an instruction format: (ids, mask)
                     ids, mask = ids
                     if not masks:
-                        masks = {s: open(mask_file(folder / f"{s}.bin"), "wb") for s in SPLITS}
+                        masks = {s: open(mask_file(folder / f"{s}.bin"), "wb") for s in _SPLITS}
                     masks[split].write(mask.tobytes())
                     totals[split]["trained_tokens"] = totals[split].get("trained_tokens", 0) + int(mask.sum())
                 f.write(ids.tobytes())

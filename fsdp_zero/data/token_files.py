@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 META = "meta.json"
-MASK_SUFFIX = ".mask.bin"  # train.bin -> train.mask.bin: uint8, one byte per token, 1 where it is trained on
+_MASK_SUFFIX = ".mask.bin"  # train.bin -> train.mask.bin: uint8, one byte per token, 1 where it is trained on
 IGNORE = -100  # a target left out of the loss: F.cross_entropy's default ignore_index
 
 
@@ -21,7 +21,7 @@ def token_dtype(vocab_size: int) -> str:
 def mask_file(token_file: str | Path) -> Path:
     """Where the mask of ``token_file`` lies: ``train.bin`` -> ``train.mask.bin`` (whether or not it exists)."""
     path = Path(token_file)
-    return path.with_name(path.name.removesuffix(".bin") + MASK_SUFFIX)
+    return path.with_name(path.name.removesuffix(".bin") + _MASK_SUFFIX)
 
 
 def read_meta(token_file: str | Path) -> dict[str, Any] | None:

@@ -144,7 +144,7 @@ def distributed(cfg: DistConfig) -> Iterator[DistEnv]:
         ValueError: as `init_distributed`; whatever the body raises, after leaving the group.
     """
     env = init_distributed(cfg)
-    setup_logging(env)
+    _setup_logging(env)
     finished = False
     try:
         yield env
@@ -275,7 +275,7 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup_logging(env: DistEnv) -> None:
+def _setup_logging(env: DistEnv) -> None:
     """Rank 0 logs at INFO; the other ranks only warnings and errors."""
     logging.basicConfig(
         level=logging.INFO if env.is_rank0 else logging.WARNING,

@@ -33,9 +33,9 @@ from fsdp_zero.config.targets import import_target
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"  # safetensors shards, and which tensor is in which
 SINGLE_FILE = "model.safetensors"
-RUN_DIR_FOLDER = "hf"  # <run dir>/hf/: the folder's files the export reuses
+_RUN_DIR_FOLDER = "hf"  # <run dir>/hf/: the folder's files the export reuses
 # Copied into the run directory when the folder has them (tokenizer.model and spiece.model are binary).
-HF_FILES = (
+_HF_FILES = (
     CONFIG_FILE,
     "generation_config.json",
     "tokenizer.json",
@@ -51,7 +51,7 @@ HF_FILES = (
     "chat_template.json",
     "preprocessor_config.json",
 )
-HF_EXTRA = '(pip install -e ".[hf]")'
+_HF_EXTRA = '(pip install -e ".[hf]")'
 
 
 def _key(folder: Path | str) -> str:
@@ -62,11 +62,11 @@ def _transformers(what: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise ValueError(f"{what} needs transformers, which is not installed {HF_EXTRA}") from None
+        raise ValueError(f"{what} needs transformers, which is not installed {_HF_EXTRA}") from None
     return transformers
 
 
-def read_config_json(folder: Path) -> dict[str, Any]:
+def _read_config_json(folder: Path) -> dict[str, Any]:
     """The folder's config.json as a dict.
 
     Raises:
@@ -109,7 +109,7 @@ def _remote_class(folder: Path, auto_map: dict[str, Any], trust_remote_code: boo
     return get_class_from_dynamic_module(auto_map[auto], str(folder))
 
 
-def model_class(folder: Path, config: dict[str, Any], trust_remote_code: bool = False) -> type:
+def _model_class(folder: Path, config: dict[str, Any], trust_remote_code: bool = False) -> type:
     """The class ``config.json`` names: its ``architectures`` (else its ``model_type``'s causal LM) as
     a `transformers` attribute, or the folder's own code (``auto_map``) with ``trust_remote_code``.
 
@@ -145,11 +145,11 @@ def build_pretrained(cfg: ModelConfig) -> nn.Module:
     device context (`fsdp_zero.sharding.build.construct`: parameters on the meta device). No weights are read.
 
     Raises:
-        ValueError: as `read_config_json` and `model_class`, or a config the class does not accept.
+        ValueError: as `_read_config_json` and `_model_class`, or a config the class does not accept.
     """
     folder = Path(cfg.pretrained)
-    config = read_config_json(folder)
-    cls = model_class(folder, config, cfg.trust_remote_code)
+    config = _read_config_json(folder)
+    cls = _model_class(folder, config, cfg.trust_remote_code)
     try:
         hf_config = cls.config_class.from_dict({**config, **cfg.kwargs})
         return cls(hf_config)
@@ -185,7 +185,8 @@ def run_dir_files(cfg: ModelConfig) -> dict[str, bytes]:
     if cfg.pretrained is None:
         return {}
     folder = Path(cfg.pretrained)
-    return {f"{RUN_DIR_FOLDER}/{name}": (folder / name).read_bytes() for name in HF_FILES if (folder / name).is_file()}
+    files = [name for name in _HF_FILES if (folder / name).is_file()]
+    return {f"{_RUN_DIR_FOLDER}/{name}": (folder / name).read_bytes() for name in files}
 
 
 # ---------------------------------------------------------------------------------
@@ -213,12 +214,12 @@ def export_files(checkpoint: Path) -> Callable[[torch.dtype | None], dict[str, b
         return f"its config.yaml does not say what the model was ({e})"
     kwargs = dict(model.kwargs or {})
     if model.pretrained:
-        copied = checkpoint.resolve().parent.parent / RUN_DIR_FOLDER
+        copied = checkpoint.resolve().parent.parent / _RUN_DIR_FOLDER
         source = copied if (copied / CONFIG_FILE).is_file() else Path(model.pretrained)
         if not (source / CONFIG_FILE).is_file():
             return f"neither {copied} nor model.pretrained={model.pretrained!r} holds {CONFIG_FILE} any more"
         config = {**json.loads((source / CONFIG_FILE).read_text()), **kwargs}
-        extra = {name: (source / name).read_bytes() for name in HF_FILES[1:] if (source / name).is_file()}
+        extra = {name: (source / name).read_bytes() for name in _HF_FILES[1:] if (source / name).is_file()}
     elif model.target:
         try:
             cls = import_target(model.target, "model.target")

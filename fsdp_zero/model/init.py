@@ -115,7 +115,7 @@ def constant_(param: torch.Tensor, value: float) -> None:
 
 
 @torch.no_grad()
-def zero_row_(param: torch.Tensor, row: int) -> None:
+def _zero_row_(param: torch.Tensor, row: int) -> None:
     """Zeroes global row ``row`` of ``param`` on the rank that holds it (an embedding's padding_idx)."""
     local, start, stop = local_rows(param)
     if start <= row < stop:
@@ -184,7 +184,7 @@ def init_standard(model: nn.Module, seed: int, linear_std: float | None = None) 
         elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             normal(m.weight, 1.0 if linear_std is None else linear_std)
             if m.padding_idx is not None:
-                zero_row_(m.weight, m.padding_idx)
+                _zero_row_(m.weight, m.padding_idx)
         elif isinstance(m, _NORMS) or type(m).__name__.endswith(_NORM_SUFFIXES):
             const(getattr(m, "weight", None), 1.0)
             const(getattr(m, "bias", None), 0.0)

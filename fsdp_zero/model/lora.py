@@ -145,10 +145,10 @@ def frozen_count(model: nn.Module) -> int:
 # Export (scripts/export.py): the adapters merged into their weights, or alone under PEFT's names
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
-PEFT_PREFIX = "base_model.model."  # PEFT's names: this, then ours (its adapter name is dropped in files)
+_PEFT_PREFIX = "base_model.model."  # PEFT's names: this, then ours (its adapter name is dropped in files)
 
 
-def adapted_modules(names: list[str]) -> list[str]:
+def _adapted_modules(names: list[str]) -> list[str]:
     """The FQNs of the modules whose adapters are among the state-dict ``names``."""
     return sorted(n[: -len(_A)] for n in names if n.endswith(_A))
 
@@ -160,11 +160,11 @@ def export_view(scaling: float, adapters_only: bool, seen: list[str]):  # noqa: 
     The adapted modules' FQNs are appended to ``seen``."""
 
     def view(names: list[str], read):  # noqa: ANN001, ANN202
-        adapted = set(adapted_modules(names))
+        adapted = set(_adapted_modules(names))
         seen.extend(sorted(adapted))
         if adapters_only:
-            return {PEFT_PREFIX + n: n for n in names if n.endswith((_A, _B))}, lambda name: read(
-                name[len(PEFT_PREFIX) :]
+            return {_PEFT_PREFIX + n: n for n in names if n.endswith((_A, _B))}, lambda name: read(
+                name[len(_PEFT_PREFIX) :]
             )
 
         def merged(name: str) -> torch.Tensor:

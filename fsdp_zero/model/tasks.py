@@ -150,7 +150,7 @@ def lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return torch.stack([losses.double().sum(), counted, torch.zeros((), dtype=torch.float64, device=losses.device)])
 
 
-def classification_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _classification_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """(summed cross-entropy, images, images classified right) of one batch, in float64."""
     inputs, labels = batch
     logits = logits_of(model(inputs)).float()
@@ -172,7 +172,7 @@ def check_classes_fit(what: str, classes: int, model: nn.Module) -> None:
 
 
 @dataclass(frozen=True)
-class TaskSpec:
+class _TaskSpec:
     """What a task means beyond its loss (`build_task`): how an evaluation reads held-out data, sums a
     batch and reports, and whether the data's classes must fit the model's outputs. Every module that
     needs a task's meaning reads `TASKS`; none but this one and the schema names a task."""
@@ -183,17 +183,17 @@ class TaskSpec:
     classes_fit_outputs: bool = False  # the data's labels index the model's outputs
 
 
-TASKS: dict[Task, TaskSpec] = {
-    Task.causal_lm: TaskSpec(
+TASKS: dict[Task, _TaskSpec] = {
+    Task.causal_lm: _TaskSpec(
         DataSource.tokens,
         lm_sums,
         lambda loss, right, count: {"eval/perplexity": math.exp(loss) if loss < 700 else math.inf},
     ),
-    Task.classification: TaskSpec(
+    Task.classification: _TaskSpec(
         DataSource.images,
-        classification_sums,
+        _classification_sums,
         lambda loss, right, count: {"eval/accuracy": right / count},
         classes_fit_outputs=True,
     ),
-    Task.custom: TaskSpec(None, None, None),
+    Task.custom: _TaskSpec(None, None, None),
 }

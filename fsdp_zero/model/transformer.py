@@ -30,14 +30,14 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
+def _rotary_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
     """(max_seq_len, head_dim) table holding cos in the first half of the last dim, sin in the second."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def _apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotates pairs (x[..., :h/2], x[..., h/2:]) of x: (batch, heads, seq, head_dim)."""
     half = x.shape[-1] // 2
     cos, sin = table[: x.shape[-2], :half], table[: x.shape[-2], half:]
@@ -61,7 +61,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        q, k = _apply_rotary(q, rope), _apply_rotary(k, rope)
         if self.n_kv_heads != self.n_heads:
             repeat = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -116,7 +116,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not a parameter and not saved. Computed on the default device, so a model whose
         # parameters are built on the meta device still has it (init_weights recomputes it).
-        rope = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, torch.get_default_device())
+        rope = _rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, torch.get_default_device())
         self.register_buffer("rope", rope, persistent=False)
 
     @property
@@ -140,7 +140,7 @@ class Transformer(nn.Module):
         residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers); norms are 1.
         """
         self.rope.copy_(
-            rotary_tables(self.rope.shape[1], self.args.max_seq_len, self.args.rope_theta, self.rope.device)
+            _rotary_tables(self.rope.shape[1], self.args.max_seq_len, self.args.rope_theta, self.rope.device)
         )
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():

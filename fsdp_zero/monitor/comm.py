@@ -155,7 +155,7 @@ def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[
     }
 
 
-class CountedAllGather(DefaultAllGather):
+class _CountedAllGather(DefaultAllGather):
     """FSDP2's all-gather, counting its output's bytes first."""
 
     def __init__(self, add: partial) -> None:
@@ -168,7 +168,7 @@ class CountedAllGather(DefaultAllGather):
         return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
-class CountedReduceScatter(DefaultReduceScatter):
+class _CountedReduceScatter(DefaultReduceScatter):
     """The backend's reduce-scatter (`fsdp_zero.sharding.parallelize.reduce_scatter_comm`), counting its input's
     bytes first."""
 
@@ -214,9 +214,9 @@ class CommMeter:
             # one) and, on CUDA, move the post-reduce work to its all-reduce stream.
             replicas = topology.replicas
             for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-                unit.set_custom_all_gather(CountedAllGather(partial(self.add, "all_gather")))
+                unit.set_custom_all_gather(_CountedAllGather(partial(self.add, "all_gather")))
                 unit.set_custom_reduce_scatter(
-                    CountedReduceScatter(reduce_scatter_comm(env.backend), partial(self.add, "reduce_scatter"))
+                    _CountedReduceScatter(reduce_scatter_comm(env.backend), partial(self.add, "reduce_scatter"))
                 )
                 if replicas > 1:  # FSDP2 calls it right after its all-reduce, and only when it issued one
                     unit.set_all_reduce_hook(partial(self.add, "all_reduce"))

@@ -56,7 +56,7 @@ def _storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
 
 
 @dataclass(frozen=True)
-class ModelStateBytes:
+class _ModelStateBytes:
     params: int
     grads: int
     optimizer: int
@@ -66,7 +66,7 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> _ModelStateBytes:
     """Bytes of parameters, gradients and optimizer states held by this rank."""
     seen: set[int] = set()
     params = list(model.parameters())
@@ -78,7 +78,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
         inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
         states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         o = _storage_bytes(states, seen)
-    return ModelStateBytes(p, g, o)
+    return _ModelStateBytes(p, g, o)
 
 
 def memory_scalars(
@@ -168,7 +168,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
-AUTO_MMAP_THRESHOLD = 8 << 20
+_AUTO_MMAP_THRESHOLD = 8 << 20
 GLIBC_MAX_MMAP_THRESHOLD = 32 << 20  # where glibc's own dynamic threshold stops growing (64-bit)
 
 
@@ -181,7 +181,7 @@ def mmap_threshold(setting: str) -> int | None:
     """
     if setting == "default":
         return None
-    return AUTO_MMAP_THRESHOLD if setting == "auto" else int(setting)
+    return _AUTO_MMAP_THRESHOLD if setting == "auto" else int(setting)
 
 
 def release_free_heap() -> bool:

@@ -28,12 +28,12 @@ from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
 
 # Bytes per parameter of (parameters, gradients, optimizer states): fp32 AdamW holds 4 + 4 + 8.
-FP32_ADAMW = (4, 4, 8)
+_FP32_ADAMW = (4, 4, 8)
 _STATE_NAMES = ("weights", "gradients", "AdamW states")
 
 
 def model_state_formula(
-    topology: Topology, num_params: int, bytes_per_param: tuple[int, int, int] = FP32_ADAMW, frozen: int = 0
+    topology: Topology, num_params: int, bytes_per_param: tuple[int, int, int] = _FP32_ADAMW, frozen: int = 0
 ) -> float:
     """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
     the one model-state formula per strategy (the trainer's report, compare.py and the planner use it).
@@ -71,7 +71,7 @@ def formula_note(topology: Topology) -> str:
     )
 
 
-def formula_text(spec: StrategySpec, bytes_per_param: tuple[int, int, int] = FP32_ADAMW) -> str:
+def _formula_text(spec: StrategySpec, bytes_per_param: tuple[int, int, int] = _FP32_ADAMW) -> str:
     """`model_state_formula` in symbols: P parameters, N ranks (shard_size: hybrid_shard's group)."""
     n = "shard_size" if spec.hybrid else "N"
     whole = [b for b, split in zip(bytes_per_param, spec.sharded) if not split]
@@ -107,12 +107,12 @@ def strategy_table() -> str:
         )
         rows.append(
             f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} ({spec.label}) | {how} "
-            f"| {formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | {deepspeed} |"
+            f"| {_formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | {deepspeed} |"
         )
     return "\n".join(rows) + "\n"
 
 
-def set_prefetch(units: list[FSDPModule], depth: int) -> None:
+def _set_prefetch(units: list[FSDPModule], depth: int) -> None:
     """Each unit, in forward order, prefetches the next ``depth`` units' all-gathers in forward and
     the previous ``depth`` in backward (FSDP2's explicit prefetching)."""
     for i, unit in enumerate(units):
@@ -222,7 +222,7 @@ def parallelize(
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         fully_shard(model.get_submodule(fqn), **kwargs)
     if cfg.prefetch:
-        set_prefetch([model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)], cfg.prefetch)
+        _set_prefetch([model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)], cfg.prefetch)
     # The root keeps its parameters gathered from forward to backward, whatever the strategy:
     # backward needs them first, so freeing them would only buy a second all-gather at once. (FSDP2
     # does this by itself only when reshard_after_forward is left unset; an explicit True reshards

@@ -24,8 +24,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_zero.config.schema import PrecisionConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-NAMES = {v: k for k, v in DTYPES.items()}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,8 @@ def resolve(cfg: PrecisionConfig) -> Precision:
     stored = torch.bfloat16 if cfg.mode == "bf16-true" else torch.float32
     compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.mode, stored)
     if cfg.param_dtype is not None:
-        compute = DTYPES[cfg.param_dtype]
-    reduce = stored if cfg.reduce_dtype is None else DTYPES[cfg.reduce_dtype]
+        compute = _DTYPES[cfg.param_dtype]
+    reduce = stored if cfg.reduce_dtype is None else _DTYPES[cfg.reduce_dtype]
     return Precision(cfg.mode, stored, compute, reduce)
 
 

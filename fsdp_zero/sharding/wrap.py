@@ -24,7 +24,7 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 @dataclass(frozen=True)
-class Unit:
+class _Unit:
     fqn: str  # "" for the root
     class_name: str
     num_params: int  # parameters this unit owns (not those of units nested in it)
@@ -40,7 +40,7 @@ class Unit:
 class WrapPlan:
     policy: WrapPolicy
     world_size: int
-    units: list[Unit]  # bottom-up, root last
+    units: list[_Unit]  # bottom-up, root last
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -83,7 +83,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
-def default_block_classes(model: nn.Module) -> list[str]:
+def _default_block_classes(model: nn.Module) -> list[str]:
     """The block classes a model declares: a ``block_class`` attribute (the built-in model), or
     Hugging Face's ``_no_split_modules`` (what Accelerate wraps by default), keeping the names
     of classes the model actually holds."""
@@ -106,7 +106,7 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
         return []
     if cfg.policy is WrapPolicy.transformer:
         present = sorted({type(m).__name__ for _, m in named})
-        classes = list(cfg.classes) or default_block_classes(model)
+        classes = list(cfg.classes) or _default_block_classes(model)
         if not classes:
             raise ValueError(
                 f"parallel.wrap.policy=transformer: {type(model).__name__} declares no block class (no "
@@ -234,7 +234,7 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         owned[owner].append(params[pid])
 
     # The transformer policy's large outsiders (see `_with_large_outsiders`) are not blocks.
-    classes = (list(cfg.classes) or default_block_classes(model)) if cfg.policy is WrapPolicy.transformer else None
+    classes = (list(cfg.classes) or _default_block_classes(model)) if cfg.policy is WrapPolicy.transformer else None
     plan_units = []
     for fqn in units:
         ps = owned[fqn]
@@ -247,7 +247,7 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
             for p in ps
         )
         block = fqn != ROOT and (classes is None or type(module).__name__ in classes)
-        plan_units.append(Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank, block))
+        plan_units.append(_Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank, block))
     if cfg.policy is WrapPolicy.none:
         notes.append("one unit: every rank gathers the whole model for forward and backward")
     return WrapPlan(policy=cfg.policy, world_size=world_size, units=plan_units, notes=notes)

@@ -68,7 +68,7 @@ def report(rows: dict[str, list[dict]], n: int, out: Path) -> str:
     (out / "compare.md").write_text(md)
     (out / "compare.json").write_text(json.dumps(rows, indent=1) + "\n")
     chart(rows, n, out / "compare.png")
-    to_tensorboard(rows, md, out)
+    _to_tensorboard(rows, md, out)
     return md
 
 
@@ -215,7 +215,7 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
     plt.close(fig)
 
 
-def to_tensorboard(rows: dict[str, list[dict]], md: str, out: Path) -> None:
+def _to_tensorboard(rows: dict[str, list[dict]], md: str, out: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(RunDir(out).tensorboard_root / "compare"))

@@ -188,7 +188,7 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
 
 
 # Fewer simulations than this run in this process: starting workers (each imports torch) costs more.
-FEW = 6
+_FEW = 6
 # Worker processes: each owns a Simulator (a fake process group of its own), made by its first task
 # (an error there reaches the caller; one in a pool's initializer would have the pool restart it forever).
 _SIM: Simulator | None = None
@@ -214,7 +214,7 @@ def _simulate(
     """`Simulator.predict` of each config, in ``processes`` worker processes (0: in this one)."""
     if baseline is None:
         baseline = cached_baseline(torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu"))
-    if not processes or len(configs) < FEW:
+    if not processes or len(configs) < _FEW:
         with Simulator(cfg, world_size, accum_cap=2, baseline=baseline) as sim:
             return [sim.predict(c) for c in configs]
     with multiprocessing.get_context("spawn").Pool(processes, _start, (cfg, world_size, baseline)) as pool:
@@ -226,7 +226,7 @@ def _compute_dtype(cfg: Config, c: Candidate) -> torch.dtype:
     return resolve(c.config(cfg).precision).compute
 
 
-def predict_peaks(
+def _predict_peaks(
     cfg: Config, world_size: int, cands: list[Candidate], processes: int = 2, baseline: int | None = None
 ) -> tuple[dict[Candidate, int], int]:
     """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
@@ -357,7 +357,7 @@ MARGIN = 0.10
 
 
 @dataclass
-class Search:
+class _Search:
     scored: list[Scored]  # every candidate, cheapest first (ties: the smaller peak)
     simulations: int  # how many configurations were simulated for them
     seconds: float  # how long the search took
@@ -389,7 +389,7 @@ def search(
     dims: tuple[str, ...] = DIMENSIONS,
     processes: int = 2,
     baseline: int | None = None,
-) -> Search:
+) -> _Search:
     """Every candidate (varying ``dims``) with its predicted peak and cost, cheapest first.
     ``processes``: worker processes for the simulations (0: this one); ``baseline``:
     `fsdp_zero.tools.planner.measure_baseline`'s bytes (None: measured now).
@@ -399,10 +399,10 @@ def search(
     """
     start = time.perf_counter()
     cands = candidates(cfg, world_size, dims)
-    peaks, simulations = predict_peaks(cfg, world_size, cands, processes, baseline)
+    peaks, simulations = _predict_peaks(cfg, world_size, cands, processes, baseline)
     model = construct(cfg.model)  # meta parameters: free at any size
     make_trainable(model, cfg.model)  # model.freeze, model.lora: frozen parameters are not reduced
     plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
     scored = [Scored(c, peaks[c], *step_cost(cfg, c, world_size, rates, model, plan)) for c in cands]
     scored.sort(key=lambda s: (s.cost, s.peak))
-    return Search(scored, simulations, time.perf_counter() - start)
+    return _Search(scored, simulations, time.perf_counter() - start)

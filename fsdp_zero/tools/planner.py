@@ -13,7 +13,7 @@ against the tracker in real runs: the same tensor peak, to the MiB (tests/test_c
 
 What users see is more than tensors: on CPU the process's resident memory also holds
 the PyTorch libraries and what glibc's heap keeps of freed tensors; on CUDA, the caching
-allocator's reserve (and, outside it, the CUDA context). `predict_peak` adds a baseline
+allocator's reserve (and, outside it, the CUDA context). `_predict_peak` adds a baseline
 measured on the spot for the libraries and a retention term for the heap (see
 `HEAP_RETENTION` for how it was fitted and how well it holds on models it was not).
 """
@@ -84,7 +84,7 @@ class Prediction:
     world_size: int
     tensors: dict[str, int]  # bytes by category at the simulated step's peak
     baseline: int  # the process before any model memory (libraries, runtime)
-    peak: int = 0  # what the rank will show (see `predict_peak`)
+    peak: int = 0  # what the rank will show (see `_predict_peak`)
     model_state: int = 0  # parameters + gradients + optimizer states after an optimizer step
     host_state: int = 0  # CPU offload: the model state, in host memory (on CUDA, outside device memory)
     heap_at_peak: int = 0  # CPU: bytes of the peak's tensors that glibc serves from its heap
@@ -107,7 +107,7 @@ PLAN_MODES = ("fp32", "bf16-mixed", "bf16-true")
 
 
 @dataclass(frozen=True)
-class PaperStage:
+class _PaperStage:
     """One stage of the ZeRO paper's Table 1: model-state bytes per device."""
 
     name: str  # the paper's: baseline, P_os, P_os+g, P_os+g+p
@@ -115,7 +115,7 @@ class PaperStage:
     bytes: float
 
 
-def zero_paper_stages(num_params: int, n: int) -> dict[int, PaperStage]:
+def zero_paper_stages(num_params: int, n: int) -> dict[int, _PaperStage]:
     """The ZeRO paper's model states per device for each ZeRO-DP stage, as the paper states them.
 
     Mixed-precision Adam, ``PAPER_K`` = 12. The paper's stage 2 (P_os+g) keeps every fp16 parameter
@@ -131,15 +131,15 @@ def zero_paper_stages(num_params: int, n: int) -> dict[int, PaperStage]:
     """
     psi, k = num_params, PAPER_K
     return {
-        0: PaperStage("baseline", "(2 + 2 + K) Psi", (2 + 2 + k) * psi),
-        1: PaperStage("P_os", "2 Psi + 2 Psi + K Psi / N_d", 2 * psi + 2 * psi + k * psi / n),
-        2: PaperStage("P_os+g", "2 Psi + (2 + K) Psi / N_d", 2 * psi + (2 + k) * psi / n),
-        3: PaperStage("P_os+g+p", "(2 + 2 + K) Psi / N_d", (2 + 2 + k) * psi / n),
+        0: _PaperStage("baseline", "(2 + 2 + K) Psi", (2 + 2 + k) * psi),
+        1: _PaperStage("P_os", "2 Psi + 2 Psi + K Psi / N_d", 2 * psi + 2 * psi + k * psi / n),
+        2: _PaperStage("P_os+g", "2 Psi + (2 + K) Psi / N_d", 2 * psi + (2 + k) * psi / n),
+        3: _PaperStage("P_os+g+p", "(2 + 2 + K) Psi / N_d", (2 + 2 + k) * psi / n),
     }
 
 
 @dataclass(frozen=True)
-class StrategyState:
+class _StrategyState:
     """One strategy's model state per rank under one precision mode, in bytes."""
 
     strategy: Strategy
@@ -162,7 +162,7 @@ def strategy_states(
     root_unit: int = 0,
     modes: tuple[str, ...] = PLAN_MODES,
     frozen: int = 0,
-) -> list[StrategyState]:
+) -> list[_StrategyState]:
     """Each ZeRO stage's strategy (`fsdp_zero.config.strategies.ZERO_STAGES`), per precision mode: the model state
     per rank at rest and inside the step.
 
@@ -206,7 +206,7 @@ def strategy_states(
                 refused = None
             except ValueError as e:  # e.g. bf16-mixed under DDP
                 refused = str(e)
-            out.append(StrategyState(strategy, stage, mode, at_rest, gathered, refused))
+            out.append(_StrategyState(strategy, stage, mode, at_rest, gathered, refused))
     return out
 
 
@@ -273,7 +273,7 @@ def cached_baseline(device: torch.device) -> int:
     return measure_baseline(device)
 
 
-class DDPStandIn(nn.Module):
+class _DDPStandIn(nn.Module):
     """``DistributedDataParallel(gradient_as_bucket_view=True)`` as memory sees it, for fake tensors.
 
     DDP's constructor checks shapes across ranks in C++ and cannot take fake tensors, so
@@ -366,7 +366,7 @@ class Simulator:
         self.target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
         # The step is simulated on the CPU whatever the target: the tensors are the same, and a process
         # that plans (a test, a login node) must not start CUDA. What the target changes is applied
-        # explicitly: the optimizer's implementation (`predict`) and what a rank shows (`predict_peak`:
+        # explicitly: the optimizer's implementation (`predict`) and what a rank shows (`_predict_peak`:
         # device memory with the allocator's slack and no baseline on CUDA).
         self.device = torch.device("cpu")
         self.baseline = cached_baseline(self.target) if baseline is None else baseline
@@ -413,7 +413,7 @@ class Simulator:
                 x, y, z = depth, depth + step, depth + 2 * step
                 if x + y + z >= repeats.count:  # no cheaper than the whole model
                     return self._simulate(c)
-                if on_line(at(x), at(y), at(z), (x, y, z)):
+                if _on_line(at(x), at(y), at(z), (x, y, z)):
                     break
                 depth += step
         except ValueError:  # the config's own error (the whole model would raise it too)
@@ -427,7 +427,7 @@ class Simulator:
                 repeats.count,
             )
             return self._simulate(c)
-        return compose(at(y), at(z), (y, z), repeats, self.target, zero1_shares(c, self.world_size, repeats, (y, z)))
+        return compose(at(y), at(z), (y, z), repeats, self.target, _zero1_shares(c, self.world_size, repeats, (y, z)))
 
     def _simulate(self, c: Config, keep: tuple[str, int] | None = None) -> Prediction:
         """`predict` of ``c`` as it is, or with only the first ``keep[1]`` blocks of container ``keep[0]``."""
@@ -451,11 +451,11 @@ class Simulator:
         first = micro[:1] if self.accum_cap else micro
         with FakeTensorMode(allow_non_fake_inputs=True):
             with real_post_forward_meshes():  # hpZ's meshes
-                built = build(c, env, seed=None, topology=topology, mesh=mesh, ddp=DDPStandIn, model=meta)
+                built = build(c, env, seed=None, topology=topology, mesh=mesh, ddp=_DDPStandIn, model=meta)
             model, optimizer = built.model, built.optimizer
             step = Step(model, optimizer, loss_fn, device, grad_clip=c.optim.grad_clip, grad_sync=c.parallel.grad_sync)
             step.run(first)  # creates AdamW states
-            with model.bucket_as_gradients() if isinstance(model, DDPStandIn) else contextlib.nullcontext():
+            with model.bucket_as_gradients() if isinstance(model, _DDPStandIn) else contextlib.nullcontext():
                 profiler = StepProfiler(model, optimizer, device, heap_threshold=self.heap_threshold)
             state: dict[str, int] = {}
 
@@ -481,12 +481,12 @@ class Simulator:
             optimizer_state=state.get("optimizer", 0),
             regions=profiler.region_peaks(),
         )
-        pred.peak = predict_peak(pred, self.target, fsdp=is_fsdp(strategy))
+        pred.peak = _predict_peak(pred, self.target, fsdp=is_fsdp(strategy))
         return pred
 
 
 @dataclass(frozen=True)
-class Repeats:
+class _Repeats:
     """A run of identical blocks filling one container: what the planner composes (`Simulator.predict`)."""
 
     container: str  # the ModuleList's or Sequential's FQN
@@ -505,7 +505,7 @@ def _signature(model: nn.Module, prefix: str, units: set[str]) -> tuple:
     )
 
 
-def repeated_blocks(c: Config, shard_degree: int) -> Repeats | None:
+def repeated_blocks(c: Config, shard_degree: int) -> _Repeats | None:
     """The container (an ``nn.ModuleList`` or ``nn.Sequential``) holding the most parameters in blocks that
     are all the same (`_signature`, after model.freeze and LoRA, under the config's wrap plan), or None.
     Any model: the blocks are found by their shapes, not by their class."""
@@ -525,7 +525,7 @@ def repeated_blocks(c: Config, shard_degree: int) -> Repeats | None:
         if all(_signature(model, n, units) == first for n in names[1:]):
             params = sum(p.numel() for p in container.parameters())
             if params > size:
-                best, size = Repeats(fqn, len(container)), params
+                best, size = _Repeats(fqn, len(container)), params
     return best
 
 
@@ -542,23 +542,23 @@ def first_depth(parallel: ParallelConfig) -> tuple[int, int]:
 
 
 # How far the third depth's tensors may lie from the line through the first two (a fraction of them).
-ON_LINE = 0.005
+_ON_LINE = 0.005
 
 
-def on_line(a: Prediction, b: Prediction, c: Prediction, depths: tuple[int, int, int]) -> bool:
-    """Whether ``c``'s tensors at each part's peak lie on the line through ``a``'s and ``b``'s (`ON_LINE`),
+def _on_line(a: Prediction, b: Prediction, c: Prediction, depths: tuple[int, int, int]) -> bool:
+    """Whether ``c``'s tensors at each part's peak lie on the line through ``a``'s and ``b``'s (`_ON_LINE`),
     AdamW's states left out (`compose` takes them from the share of the parameters a rank steps)."""
     x, y, z = depths
     if not a.regions.keys() == b.regions.keys() == c.regions.keys():
         return False
     for region in c.regions:
         ta, tb, tc = (sum(v for k, v in p.regions[region][0].items() if k != "optimizer") for p in (a, b, c))
-        if abs(ta + (tb - ta) * (z - x) / (y - x) - tc) > ON_LINE * tc:
+        if abs(ta + (tb - ta) * (z - x) / (y - x) - tc) > _ON_LINE * tc:
             return False
     return True
 
 
-def zero1_shares(c: Config, world_size: int, repeats: Repeats, depths: tuple[int, int]) -> tuple[int, ...] | None:
+def _zero1_shares(c: Config, world_size: int, repeats: _Repeats, depths: tuple[int, int]) -> tuple[int, ...] | None:
     """ZeRO-1 only: rank 0's share of the trainable parameters (elements) at each simulated depth and at the
     whole model's, as `ZeroRedundancyOptimizer` partitions them (each parameter group's tensors, largest
     first, each to the rank holding the fewest elements so far). Its AdamW states follow that share, which
@@ -584,7 +584,7 @@ def compose(
     a: Prediction,
     b: Prediction,
     depths: tuple[int, int],
-    repeats: Repeats,
+    repeats: _Repeats,
     target: torch.device,
     zero1: tuple[int, ...] | None,
 ) -> Prediction:
@@ -623,11 +623,11 @@ def compose(
         regions=regions,
         notes=[f"composed: {repeats.container} simulated with {da} and {db} of its {n} blocks"],
     )
-    pred.peak = predict_peak(pred, target, fsdp=is_fsdp(Strategy(b.strategy)))
+    pred.peak = _predict_peak(pred, target, fsdp=is_fsdp(Strategy(b.strategy)))
     return pred
 
 
-def predict_peak(pred: Prediction, device: torch.device, fsdp: bool) -> int:
+def _predict_peak(pred: Prediction, device: torch.device, fsdp: bool) -> int:
     """The peak a user sees. CPU (peak RSS): the process baseline, the live tensors at the step's
     peak, and what glibc's heap keeps (`HEAP_RETENTION`). CUDA (peak reserved): the live tensors
     and the caching allocator's reserve (`CUDA_ALLOCATOR_SLACK`)."""

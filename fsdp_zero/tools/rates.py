@@ -10,7 +10,7 @@ a CPU with AVX-512 bf16 instructions and about 170x slower on one without; gloo 
 a fraction of a memory copy's speed, with FSDP's copies into and out of its buffers on top. A cost that
 assumes the wrong ones picks a setting that runs 25 times slower than it said (issue 28).
 
-The probe starts one process per rank (at most `MAX_PROBE_RANKS`, with the threads torchrun gives each)
+The probe starts one process per rank (at most `_MAX_PROBE_RANKS`, with the threads torchrun gives each)
 and measures, all ranks at once as in training:
 - compute: the config's model (the planner's truncation, `fsdp_zero.tools.planner.repeated_blocks`, to 1 and
   `PROBE_DEPTH` of its repeated blocks) trained on one sample, forward and backward, in each compute dtype the search
@@ -56,7 +56,7 @@ from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.planner import repeated_blocks
 
 # More ranks than this are probed with this many (a CPU plan for more is rare; each probe rank is a process).
-MAX_PROBE_RANKS = 8
+_MAX_PROBE_RANKS = 8
 # A compute dtype whose matmuls run this many times slower than fp32's is scaled from fp32, not run.
 SLOW_DTYPE = 8.0
 # The deeper of the two cuts the compute probe times (or the model's blocks, if fewer): a block's time is a
@@ -133,9 +133,9 @@ class Rates:
 
 def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: ANN001 - a Config
     """Measures this machine's rates for ``cfg`` at ``world_size`` ranks on the CPU (see the module
-    docstring): one process per rank, up to `MAX_PROBE_RANKS`, with ``dtypes`` the compute dtypes to
+    docstring): one process per rank, up to `_MAX_PROBE_RANKS`, with ``dtypes`` the compute dtypes to
     time. Raises RuntimeError with the probe's error when a probe process fails."""
-    ranks = min(world_size, MAX_PROBE_RANKS)
+    ranks = min(world_size, _MAX_PROBE_RANKS)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fsdp-zero-probe-") as tmp:
         config, out = Path(tmp) / "probe.yaml", Path(tmp) / "rates.json"

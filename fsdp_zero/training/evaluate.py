@@ -50,7 +50,7 @@ from fsdp_zero.torch_private import reset_fsdp_iter_state
 logger = logging.getLogger("fsdp_zero")
 
 
-class Items(Protocol):
+class _Items(Protocol):
     """A held-out set addressed by item index: windows of a token file, or images."""
 
     unit: str  # what an item is, for the log line: "windows", "images"
@@ -62,7 +62,7 @@ class Items(Protocol):
         ...
 
 
-class TokenWindows:
+class _TokenWindows:
     """Window k of a token file: tokens [k * seq_len, k * seq_len + seq_len + 1), in file order."""
 
     unit = "windows"
@@ -131,7 +131,7 @@ class Evaluator:
     """Evaluates a model on ``items[:num_items]``, split over the ranks; see the module docstring."""
 
     def __init__(
-        self, items: Items, num_items: int, task: Task, every: int, micro_batch_size: int, env: DistEnv
+        self, items: _Items, num_items: int, task: Task, every: int, micro_batch_size: int, env: DistEnv
     ) -> None:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
         self.env = env
@@ -185,14 +185,14 @@ class Evaluator:
         return EvalResult(scalars, self.num_items, self.items.unit, int(count), time.perf_counter() - start)
 
 
-def _token_windows(cfg: Config, vocab: int | None) -> TokenWindows:
+def _token_windows(cfg: Config, vocab: int | None) -> _TokenWindows:
     """eval.path read by the training's own token-file reader (dtype, vocabulary check), windows in file order."""
     data = dataclasses.replace(cfg.data, source=DataSource.tokens, path=cfg.eval.path)
     try:
         source = build_source(data, cfg.train.seed or 0, vocab)  # the seed orders training windows only
     except ValueError as e:  # the reader names data.path: here the file is eval.path
         raise ValueError(str(e).replace("data.path=", "eval.path=")) from None
-    return TokenWindows(source, cfg.data.seq_len)
+    return _TokenWindows(source, cfg.data.seq_len)
 
 
 def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> FolderImages:
@@ -222,7 +222,7 @@ def build_evaluator(cfg: Config, env: DistEnv, model: nn.Module, train_source: o
         if e.path:
             logger.warning("eval.path=%s has no effect with eval.every=0 (no evaluation)", e.path)
         return None
-    items: Items = (
+    items: _Items = (
         _token_windows(cfg, vocab_size(model))
         if TASKS[cfg.model.task].eval_source is DataSource.tokens
         else _folder_images(cfg, model, train_source)

@@ -37,8 +37,8 @@ logger = logging.getLogger("fsdp_zero")
 # or what the saved data position means.
 INCOMPATIBLE = ("model.", "data.", "train.global_batch_size", "train.seed")
 # ... except these, which change how, not what, and those that matter only at the start.
-COMPATIBLE = ("data.num_workers",)
-IGNORED_IN_DIFF = ("run.", "checkpoint.resume", "model.init_from", "model.init")
+_COMPATIBLE = ("data.num_workers",)
+_IGNORED_IN_DIFF = ("run.", "checkpoint.resume", "model.init_from", "model.init")
 
 
 def to_plain(cfg: Config) -> dict:
@@ -59,7 +59,7 @@ def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return {
         k: (a.get(k), b.get(k))
         for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k) and not k.startswith(IGNORED_IN_DIFF)
+        if a.get(k) != b.get(k) and not k.startswith(_IGNORED_IN_DIFF)
     }
 
 
@@ -136,7 +136,7 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
         if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
             seed = new["train"]["seed"] = old["train"]["seed"]
         diff = config_diff(old, new)
-        bad = {k: v for k, v in diff.items() if k.startswith(INCOMPATIBLE) and not k.startswith(COMPATIBLE)}
+        bad = {k: v for k, v in diff.items() if k.startswith(INCOMPATIBLE) and not k.startswith(_COMPATIBLE)}
         if bad:
             changes = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items())
             raise ValueError(f"cannot continue checkpoint {str(resume_from)!r} with a changed config: {changes}")

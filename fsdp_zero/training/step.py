@@ -29,7 +29,7 @@ from fsdp_zero.sharding.precision import LossScaler
 from fsdp_zero.training.stopping import Verdict
 
 # A step without a gate is always taken.
-TAKEN = Verdict(finite=True, stop=None)
+_TAKEN = Verdict(finite=True, stop=None)
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_
 
 
 @torch.no_grad()
-def grad_norm_(parameters: list[nn.Parameter]) -> torch.Tensor:
+def _grad_norm_(parameters: list[nn.Parameter]) -> torch.Tensor:
     """Global L2 norm of all gradients, sharded or not, the same on every rank.
 
     With FSDP each rank holds a shard of each gradient (a DTensor). The norm of a
@@ -78,7 +78,7 @@ def grad_norm_(parameters: list[nn.Parameter]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grads_(parameters: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+def _clip_grads_(parameters: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
     """Scales the gradients so that their global norm ``total`` is at most ``max_norm`` (0: no
     clipping). Clipping each rank's shard by the global norm is exactly clipping the whole gradient."""
     if max_norm > 0:
@@ -86,9 +86,9 @@ def clip_grads_(parameters: list[nn.Parameter], max_norm: float, total: torch.Te
 
 
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """`grad_norm_` then `clip_grads_`: returns the global norm before clipping (one all-reduce)."""
-    total = grad_norm_(parameters)
-    clip_grads_(parameters, max_norm, total)
+    """`_grad_norm_` then `_clip_grads_`: returns the global norm before clipping (one all-reduce)."""
+    total = _grad_norm_(parameters)
+    _clip_grads_(parameters, max_norm, total)
     return total
 
 
@@ -169,12 +169,12 @@ class Step:
         loss = loss_sum * weight if weight is not None else loss_sum / n  # masked: the ranks' mean is the token mean
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # the true gradients (inf/NaN if any rank's overflowed) for the norm
-        grad_norm = grad_norm_(params)  # one all-reduce
-        verdict = self.gate(loss, grad_norm) if self.gate else TAKEN
+        grad_norm = _grad_norm_(params)  # one all-reduce
+        verdict = self.gate(loss, grad_norm) if self.gate else _TAKEN
         # A global batch without one trained token has nothing to learn from: its loss and gradients are 0,
         # and the optimizer step is skipped (AdamW would still move the weights by momentum and decay).
         if verdict.finite and trained != 0:
-            clip_grads_(params, self.grad_clip, grad_norm)
+            _clip_grads_(params, self.grad_clip, grad_norm)
             if self.scaler:
                 self.scaler.step(self.optimizer)  # skipped when any rank's gradients overflowed
             else:

@@ -51,8 +51,8 @@ from fsdp_zero.training.evaluate import EvalResult
 
 logger = logging.getLogger("fsdp_zero")
 
-FIRST_STEP_PHASES = (Phase.AFTER_BUILD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)  # x = 0, 1, 2
-PROFILE_PHASES = (Phase.START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)
+_FIRST_STEP_PHASES = (Phase.AFTER_BUILD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)  # x = 0, 1, 2
+_PROFILE_PHASES = (Phase.START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)
 
 
 @dataclass
@@ -151,13 +151,13 @@ class StepLogger:
             yield
 
     def first_step_phase(self, phase: Phase) -> None:
-        if phase not in FIRST_STEP_PHASES:
+        if phase not in _FIRST_STEP_PHASES:
             return
         scalars = memory_scalars(self.monitor, self.model, self.optimizer)
         if phase is Phase.AFTER_OPTIMIZER_STEP:  # model state at its peak: gradients not yet freed
             self.record.model_state_bytes = int(scalars["memory/model_state_mib"] * MIB)
         self.tb.log(
-            {k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()}, FIRST_STEP_PHASES.index(phase)
+            {k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()}, _FIRST_STEP_PHASES.index(phase)
         )
         logger.info(
             "memory %-21s model state %8.2f MiB/rank | %s",
@@ -281,7 +281,7 @@ class StepLogger:
             | {"memory_breakdown/tracked_peak_mib": sum(peak.values()) / MIB},
             step,
         )
-        for x, phase in enumerate(PROFILE_PHASES):
+        for x, phase in enumerate(_PROFILE_PHASES):
             if phase in profiler.phases:
                 cats = profiler.phases[phase]
                 self.tb.log(

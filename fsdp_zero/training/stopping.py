@@ -25,7 +25,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-REASONS = {1: "the time budget (train.max_minutes) ran out", 2: "SIGTERM"}
+_REASONS = {1: "the time budget (train.max_minutes) ran out", 2: "SIGTERM"}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class StepGuard:
         flags = torch.stack([bad.to(torch.int32), torch.tensor(stop, dtype=torch.int32, device=loss.device)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, stop = flags.tolist()
-        return Verdict(not nonfinite, REASONS.get(stop))
+        return Verdict(not nonfinite, _REASONS.get(stop))
 
     def close(self) -> None:
         if self._previous is not None:

@@ -53,7 +53,7 @@ logger = logging.getLogger("fsdp_zero")
 
 
 @dataclass
-class Components:
+class _Components:
     """Everything `train` steps, built by `setup`; ``state`` is where the run is, advanced by the loop."""
 
     config: Config  # the run's config, with the decided run.name and train.seed (its config.yaml)
@@ -86,14 +86,14 @@ def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
         check_classes_fit(f"data.source={cfg.data.source.value}", getattr(source, "num_classes", 0), model)
 
 
-def data_workers(cfg: Config) -> int:
+def _data_workers(cfg: Config) -> int:
     """data.num_workers, or its default: 2 processes to decode images, none for tokens."""
     if cfg.data.num_workers is not None:
         return cfg.data.num_workers
     return 2 if cfg.data.source is DataSource.images else 0
 
 
-def setup(cfg: Config, env: DistEnv) -> Components:
+def setup(cfg: Config, env: DistEnv) -> _Components:
     """Builds the sharded, initialised model and everything else a run steps.
 
     Raises:
@@ -121,7 +121,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
     _log_setup(cfg, env, decision, built, layout)
     evaluator = build_evaluator(cfg, env, unwrap(model), source)
 
-    cursor = BatchCursor(source, layout, env.rank, num_workers=data_workers(cfg))
+    cursor = BatchCursor(source, layout, env.rank, num_workers=_data_workers(cfg))
     state = _resume(cfg, env, decision, model, built.optimizer, scaler)
     cursor.position = state.data_position
     state.deadline = budget_deadline(cfg.train.max_minutes, state.deadline, state.job)  # a fresh state has none
@@ -139,7 +139,7 @@ def setup(cfg: Config, env: DistEnv) -> Components:
         if env.device.type == "cuda":  # what users check with torch.cuda.memory_summary()
             (decision.run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
     dist.barrier()
-    return Components(
+    return _Components(
         cfg,
         decision.run_dir,
         model,
@@ -284,10 +284,10 @@ def collective_failed(
 
 @dataclass
 class TrainResult(StepRecord):
-    components: Components | None = None
+    components: _Components | None = None
 
 
-def train(cfg: Config, env: DistEnv, parts: Components | None = None) -> TrainResult:
+def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainResult:
     """Trains for ``cfg.train.steps`` optimizer steps (building with `setup` unless given ``parts``).
 
     Raises:
