@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from fsdp_zero.config import RunDir, load_config
-from fsdp_zero.monitor import parse_size
+from fsdp_zero.monitor import MIB, parse_size
 from fsdp_zero.tools import MARGIN, Rates, Scored, fit_rates, search, train_command
 from fsdp_zero.training import Summary
 
@@ -40,7 +39,6 @@ MODEL = (
     "train.micro_batch_size=1",
 )
 RUN = ("train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false")
-MIB = 2**20
 
 
 def run(out: Path, name: str, nproc: int, overrides: list[str], steps: int) -> tuple[Summary, float]:
@@ -49,7 +47,7 @@ def run(out: Path, name: str, nproc: int, overrides: list[str], steps: int) -> t
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"error: {name} ({' '.join(overrides)}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    times = [json.loads(line)["time"] for line in RunDir(out / name).metrics.read_text().splitlines()]
+    times = [row["time"] for row in RunDir(out / name).metric_rows()]
     return Summary.read(out / name), statistics.median(b - a for a, b in zip(times[2:], times[3:]))
 
 

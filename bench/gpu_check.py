@@ -8,7 +8,7 @@
 
 Four settings, each `scripts/train.py` in a fresh process at world size 1 (a process never gives back
 all it reserved): fp32, bf16-mixed, fp32 with full activation checkpointing, fp32 with CPU offload.
-From each run's summary.json, metrics.jsonl and TensorBoard events it reads every rank's peak
+From each run's summary (`Summary.read`), metrics and TensorBoard events it reads every rank's peak
 reserved and allocated device memory, both after the step, the model state, the first step's
 memory at its three phases, and tokens/s; beside them, the planner's prediction for the same
 setting (`scripts/plan.py --world-size N --strategy full_shard --json F`, its `peak`) and measured /
@@ -46,12 +46,12 @@ from pathlib import Path
 import torch
 
 from fsdp_zero.config import RunDir
+from fsdp_zero.monitor import MIB
 from fsdp_zero.tools import train_command as torchrun_command
 from fsdp_zero.training import Summary
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "scripts" / "plan.py"
-MIB = 2**20
 REPEATS = 3  # hand-written loop against ours: the median of alternating repeats
 # (name contains, dense bf16 TFLOP/s, fp32 TFLOP/s without TF32), NVIDIA's data sheets; first match wins.
 # An H100 SXM names itself "NVIDIA H100 80GB HBM3", an H200 SXM "NVIDIA H200".
@@ -326,7 +326,7 @@ def read_run(run_dir: Path, cuda: bool) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     summary = Summary.read(run_dir)
-    rows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+    rows = RunDir(run_dir).metric_rows()
     rates = [r["tokens_per_s_all_ranks"] for r in rows if "tokens_per_s_all_ranks" in r]
     ranks = []
     for rank, mine in enumerate(summary.ranks):

@@ -13,7 +13,6 @@ highest rank's). Ratios are against every_micro_batch of the same strategy in th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,7 @@ SETUPS = [
 def _run(out: Path, name: str, nproc: int, args: list[str]) -> dict:
     cmd = train_command(nproc, [*args, f"run.root={out}", f"run.name={name}"])
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in RunDir(out / name).metrics.read_text().splitlines()]
+    rows = RunDir(out / name).metric_rows()
     rows = [r for r in rows if "loss" in r]
     summary = Summary.read(out / name)
     tokens = int(next(a.split("=")[1] for a in args if a.startswith("train.global_batch_size="))) * 128

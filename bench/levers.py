@@ -17,10 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fsdp_zero.monitor import MIB
 from fsdp_zero.tools import train_command
 from fsdp_zero.training import Summary
 
-MIB = 2**20
 DEFAULT = [
     "model.preset=gpt_small",
     "model.vocab_size=32768",

@@ -11,7 +11,6 @@ the warm-up and the AdamW states' creation). Prints docs/memory.md's table of th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +21,6 @@ from fsdp_zero.config import RunDir
 from fsdp_zero.tools import train_command
 
 REPO = Path(__file__).resolve().parents[1]
-MIB = 2**20
 # (label, overrides): glibc's default, ours (8 MiB), 1 MiB; DDP at ours for scale.
 SETTINGS = [
     ("full_shard, glibc default", ["parallel.strategy=full_shard", "memory.malloc_mmap_threshold=default"]),
@@ -52,7 +50,7 @@ def run(nproc: int, overrides: list[str], root: Path, name: str) -> tuple[float,
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in RunDir(root / name).metrics.read_text().splitlines()]
+    rows = RunDir(root / name).metric_rows()
     config = [line for line in RunDir(root / name).config.read_text().splitlines()]
     seq = int(next(line.split(":")[1] for line in config if line.strip().startswith("seq_len")))
     gbs = int(next(line.split(":")[1] for line in config if line.strip().startswith("global_batch_size")))

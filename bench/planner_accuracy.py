@@ -28,10 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fsdp_zero.monitor import MIB
 from fsdp_zero.tools import HEAP_RETENTION
 
 REPO = Path(__file__).resolve().parents[1]
-MIB = 2**20
 
 # name -> overrides. Shapes vary in depth, width, vocabulary, sequence and accumulation;
 # all keep model state and activations well above the ~700 MiB runtime baseline.

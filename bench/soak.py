@@ -25,10 +25,10 @@ import numpy as np
 import psutil
 
 from fsdp_zero.config import RunDir
+from fsdp_zero.monitor import MIB
 from fsdp_zero.tools import train_command
 
 REPO = Path(__file__).resolve().parents[1]
-MIB = 2**20
 
 
 def workers(launcher: psutil.Process) -> dict[int, psutil.Process]:

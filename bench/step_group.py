@@ -27,10 +27,9 @@ import torch.distributed as dist
 from fsdp_zero.config import load_config
 from fsdp_zero.distributed import broadcast_object, distributed, exit_process
 from fsdp_zero.model import to_device
-from fsdp_zero.monitor import MemoryMonitor, Phase, StepProfiler, release_free_heap
+from fsdp_zero.monitor import MIB, MemoryMonitor, Phase, StepProfiler, release_free_heap
 from fsdp_zero.training import Step, set_lr, setup
 
-MIB = 2**20
 DEFAULT = [
     "model.preset=gpt_small",
     "data.seq_len=256",

@@ -1,6 +1,18 @@
 """fsdp-zero: ZeRO-3 memory savings with plain PyTorch FSDP2, torchrun and omegaconf."""
 
+from fsdp_zero.errors import USAGE_ERROR, CheckpointFailed, CollectiveFailed, Diverged, RunEnded, Stopped
+
 __version__ = "0.1.0"
+__all__ = [
+    "USAGE_ERROR",
+    "CheckpointFailed",
+    "CollectiveFailed",
+    "Diverged",
+    "LAYERS",
+    "RunEnded",
+    "Stopped",
+    "__version__",
+]
 
 # The package's import order, bottom to top: a module imports from its own subpackage or from a level
 # before its own, never from its own level or above (tests/test_layout.py fails otherwise;

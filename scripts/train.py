@@ -22,9 +22,9 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fsdp_zero import USAGE_ERROR, RunEnded
 from fsdp_zero.config import load_config, read_deepspeed
 from fsdp_zero.distributed import distributed, exit_process
-from fsdp_zero.errors import USAGE_ERROR, RunEnded
 from fsdp_zero.training import train
 
 

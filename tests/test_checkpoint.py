@@ -30,6 +30,7 @@ from fsdp_zero.checkpoint.dcp import (
     latest_checkpoint,
     list_checkpoints,
 )
+from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.model.transformer import args_from_config
@@ -399,7 +400,7 @@ def test_a_changed_learning_rate_applies_on_resume(runs, step4, tmp_path: Path):
     from fsdp_zero.config.schema import OptimConfig
     from tests.reference import reference_lr
 
-    rows = [json.loads(x) for x in (runs.path("n2") / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(runs.path("n2")).metric_rows()
     assert rows[0]["step"] == 1 and rows[0]["lr"] == pytest.approx(3e-3 * 0.5)  # the rate step 1 used (warm-up 1/2)
     check(
         run_script(
@@ -412,7 +413,7 @@ def test_a_changed_learning_rate_applies_on_resume(runs, step4, tmp_path: Path):
             "checkpoint.enabled=false",
         )
     )
-    rows = [json.loads(x) for x in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(tmp_path / "lr").metric_rows()
     cfg = OptimConfig(lr=1e-3, warmup_steps=2)
     assert [r["step"] for r in rows] == [5, 6, 7, 8]
     assert rows[0]["lr"] == pytest.approx(reference_lr(cfg, 5, 8))

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.data.batches import BatchLayout
@@ -69,7 +70,7 @@ def _run(batches, name: str):  # noqa: ANN001, ANN202
     """(config, summary.json, metrics.jsonl's training rows) of a batched run."""
     path = batches.path(name)
     summary = json.loads((path / "summary.json").read_text())
-    rows = [r for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    rows = [r for r in RunDir(path).metric_rows() if "loss" in r]
     return load_config(path / "config.yaml", []), summary, rows
 
 

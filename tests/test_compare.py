@@ -18,6 +18,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fsdp_zero.config.presets import model_args
+from fsdp_zero.monitor import MIB
 from fsdp_zero.tools.fit import MARGIN
 from fsdp_zero.tools.planner import HEAP_RETENTION
 from fsdp_zero.training.steplog import Summary
@@ -25,7 +26,6 @@ from tests.conftest import REPO, check, figure, launch, run_script, start, visib
 
 COMPARE = REPO / "scripts" / "compare.py"
 PLAN = REPO / "scripts" / "plan.py"
-MIB = 2**20
 STRATEGIES = ["ddp", "zero1", "shard_grad_op", "full_shard"]
 FSDP = ("shard_grad_op", "full_shard")
 CONFIG = [

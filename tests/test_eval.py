@@ -15,7 +15,6 @@ dist.step_timeout_minutes ends the run with exit code 5 (tried by hand at 0.25 m
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.model.transformer import args_from_config
@@ -93,10 +93,9 @@ def test_evaluation_leaves_every_unit_sharded(batches, name):
 
 
 def test_eval_scalars_reach_metrics_jsonl_and_tensorboard_at_every_k_and_the_last(batches):
-    import json
 
     run_dir = batches.path("eval")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(run_dir).metric_rows()
     evals = {r["step"]: r for r in rows if "eval/loss" in r}
     assert sorted(evals) == EVAL_STEPS
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))  # the training rows as before
@@ -117,14 +116,13 @@ def test_evaluation_does_not_raise_the_peak_memory(batches):
     the process's heap, flat to within a MiB: the bound is a gross one (an evaluation that held on to
     activations or gathered units at gpt_small's size would break it by hundreds of MiB), and
     docs/fine-tuning.md gives the figures of a 21M-parameter model."""
-    import json
 
     (off_peak, _), (on_peak, eval_peak) = batches["n2"]["peak_mib"][0], batches["eval"]["peak_mib"][0]
     figure(
         "peak RSS rank 0, gpt_nano at 2 ranks (MiB)",
         f"without eval {off_peak:.1f}, with eval {on_peak:.1f}, through each evaluation {eval_peak:.1f}",
     )
-    rows = [json.loads(line) for line in (batches.path("eval") / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(batches.path("eval")).metric_rows()
     # Intervals of training alone: not the profiled step 2, nor 4 and 7 (they hold the evaluations after 3 and 6).
     training = [r["peak_mem_mib_per_rank"] for r in rows if r["step"] in (1, 3, 5, 6, 8) and "loss" in r]
     for rank, (_, evaluating) in enumerate(batches["eval"]["peak_mib"]):
@@ -321,6 +319,6 @@ def test_evaluation_time_is_left_out_of_the_throughput(tmp_path: Path, monkeypat
         log.evaluation(1, EvalResult({"eval/loss": 1.0}, 1, "windows", 1, seconds=0.5))
         log.step(2, zero, zero, 1e-3, {})
         log.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(tmp_path).metric_rows()
     rates = [r["tokens_per_s_all_ranks"] for r in rows if "loss" in r]
     assert len(rates) == 2 and rates[1] > 10 * 1000 / 0.5, rates  # with the evaluation's 0.5 s: under 2,000 tokens/s

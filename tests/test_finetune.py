@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from fsdp_zero.config import RunDir
 from tests.batches import HAS_HF
 from tests.conftest import REPO, check, figure, launch, run_script
 from tests.hf_fixtures import sample_text, tiny_llama
@@ -99,11 +100,7 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mon
 
     meta = json.loads(Path("data/mine/meta.json").read_text())
     val = np.fromfile("data/mine/val.bin", dtype=meta["dtype"])
-    logged = [
-        row
-        for row in map(json.loads, Path("runs/finetune/metrics.jsonl").read_text().splitlines())
-        if "eval/loss" in row
-    ]
+    logged = [row for row in RunDir(Path("runs/finetune")).metric_rows() if "eval/loss" in row]
     assert [row["step"] for row in logged] == [4, 8]
     assert yaml_precision() == "bf16-mixed" and "precision" not in " ".join(TINY)  # the config as shipped
     assert json.loads(Path("runs/finetune/summary.json").read_text())["precision"] == "bf16-mixed"

@@ -17,6 +17,7 @@ from fsdp_zero.config.presets import model_args
 from fsdp_zero.config.schema import ActivationCheckpointing, ParallelConfig, PrecisionConfig
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.monitor import MIB
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.tools.fit import DIMENSIONS, Candidate, candidates, search
@@ -24,7 +25,6 @@ from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.tools.rates import Rates
 from tests.conftest import REPO, figure, run_script
 
-MIB = 2**20
 # gpt_nano with a wide vocabulary, so that its activations and states are not lost in rounding.
 NANO = ["model.preset=gpt_nano", "model.vocab_size=4096", "data.seq_len=64", "train.global_batch_size=16"]
 DIMS = ("checkpointing", "micro_batch", "grad_sync")  # full_shard fp32: the dimensions composition covers

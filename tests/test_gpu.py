@@ -19,6 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from tests import batches
 from tests.conftest import REPO, TRAIN, check, figure, launch, visible_gpus
@@ -124,7 +125,7 @@ def test_planner_predicts_cuda_memory(tmp_path: Path):
             gpu=True,
         )
     )
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(tmp_path / "run").metric_rows()
     peak_reserved = max(r["peak_mem_mib_per_rank"][0] for r in rows)
     acc = EventAccumulator(str(tmp_path / "run" / "tb" / "rank0"))
     acc.Reload()
@@ -168,7 +169,7 @@ def test_cpu_offload_on_cuda_keeps_model_state_in_pinned_host_memory(tmp_path: P
         errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "Traceback"))]
         assert not errors, errors
         runs[name] = torch.load(out, weights_only=True)
-        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rows = RunDir(tmp_path / name).metric_rows()
         peaks[name] = max(r["peak_mem_mib_per_rank"][0] for r in rows)
     plain, offload = runs["plain"], runs["offload"]
     for key, value in plain["initial"].items():

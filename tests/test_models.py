@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from fsdp_zero.checkpoint.weights import export_checkpoint
+from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.schema import DataConfig, DataSource
 from fsdp_zero.data.batches import build_source
@@ -177,7 +178,7 @@ def test_user_model_with_a_custom_loss_on_a_token_file(tmp_path: Path):
     ]
     proc = check(launch(2, TRAIN, *args, torchrun=False))
     assert "initialised: standard layers" in proc.stderr
-    rows = [json.loads(line) for line in (tmp_path / "user" / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(tmp_path / "user").metric_rows()
     assert [r["step"] for r in rows] == [2, 4] and all(0 <= r["top1"] <= 1 for r in rows)
     assert all(np.isfinite(r["loss"]) for r in rows)
     assert "Block" in (tmp_path / "user" / "wrap_plan.txt").read_text()
@@ -224,7 +225,7 @@ def test_image_folder_trains_with_loader_workers(tmp_path: Path):
         "run.name=images",
     ]
     check(launch(2, TRAIN, *args, torchrun=False))
-    rows = [json.loads(line) for line in (tmp_path / "images" / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(tmp_path / "images").metric_rows()
     assert len(rows) == 2 and all("accuracy" in r and "samples_per_s_all_ranks" in r for r in rows)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_zero.config import RunDir
 from fsdp_zero.config.presets import PRESETS, model_args
 from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, ByteText, SyntheticBigram
@@ -396,7 +397,7 @@ def test_run_directory_policy_in_process(tmp_path: Path):
     # After a crash at step 6, metrics past the step-4 checkpoint are dropped; the old log is kept.
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
     write_run_dir(run_dir, run_files(cfg, run_dir, 4, "plan"), tag="4")
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [row["step"] for row in RunDir(run_dir).metric_rows()] == [1, 2, 3, 4]
     assert len((run_dir / "metrics.jsonl.4").read_text().splitlines()) == 6
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,10 @@ class RunDir:
     def metrics(self) -> Path:
         """One JSON line per logged step (rank 0)."""
         return self.root / "metrics.jsonl"
+
+    def metric_rows(self) -> list[dict]:
+        """``metrics``, read: one dict per logged step, in order."""
+        return [json.loads(line) for line in self.metrics.read_text().splitlines()]
 
     @property
     def summary(self) -> Path:

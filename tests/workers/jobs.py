@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_zero.checkpoint import dcp as checkpoint_lib
+from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import distributed, exit_process
 from fsdp_zero.model.tasks import logits_of
@@ -232,7 +233,7 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
         name or "<root>": fsdp_unit_settings(m) for name, m in parts.model.named_modules() if isinstance(m, FSDPModule)
     }
     if env.is_rank0:
-        log = [json.loads(line) for line in (parts.run_dir / "metrics.jsonl").read_text().splitlines()]
+        log = RunDir(parts.run_dir).metric_rows()
         lrs = {row["step"]: row["lr"] for row in log if "lr" in row}  # the rate each logged step used (not eval rows)
         torch.save(
             {
