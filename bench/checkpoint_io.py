@@ -55,7 +55,9 @@ finally:
 """
 
 
-def peak_rss_of(argv: list[str] | None, body: str = "runpy.run_path(sys.argv[0], run_name='__main__')") -> int:
+def peak_rss_of(
+    argv: list[str] | None, body: str = "runpy.run_path(sys.argv[0], run_name='__main__')"
+) -> int:
     """Peak RSS (bytes) of a fresh Python process, read from its own VmHWM.
 
     (wait4's ru_maxrss would include the RSS the child inherited at fork, i.e. this
@@ -76,7 +78,9 @@ def main() -> None:
         "checkpoint.enabled=false",
         "metrics.tensorboard=false",
     ]
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="*", help="key=value settings over the defaults")
     cfg = load_config(None, defaults + parser.parse_args().overrides)
     with distributed(cfg.dist) as env:
@@ -85,13 +89,17 @@ def main() -> None:
 
 def run(cfg, env) -> None:  # noqa: ANN001
     root = Path(
-        broadcast_object(tempfile.mkdtemp(prefix="fsdp-zero-ckpt-bench-", dir=".") if env.is_rank0 else None, env)
+        broadcast_object(
+            tempfile.mkdtemp(prefix="fsdp-zero-ckpt-bench-", dir=".") if env.is_rank0 else None, env
+        )
     )
     cfg.run.root, cfg.run.name = str(root), "run"
     parts = setup(cfg, env)
     train(cfg, env, parts)  # one step, so AdamW states exist
     ckroot = RunDir(root).checkpoints
-    checkpointer = Checkpointer(ckroot, keep_last=0, async_save=False, rank=env.rank, device=env.device)
+    checkpointer = Checkpointer(
+        ckroot, keep_last=0, async_save=False, rank=env.rank, device=env.device
+    )
     state = TrainState(step=1, data_position=parts.cursor.position)
 
     # 2. sharded save, then load into the same model
@@ -122,7 +130,8 @@ def run(cfg, env) -> None:  # noqa: ANN001
         export_rss = peak_rss_of(["scripts/export.py", str(ckpt), "--out", str(out)])
         assert out.stat().st_size > model_bytes, "export did not run"
         base_rss = peak_rss_of(
-            None, body="import torch, torch.distributed.checkpoint, safetensors, fsdp_zero.checkpoint.weights"
+            None,
+            body="import torch, torch.distributed.checkpoint, safetensors, fsdp_zero.checkpoint.weights",
         )
         print(
             f"\n## checkpoint I/O: {cfg.model.preset} ({parts.num_params:,} params), world size {env.world_size}, "

@@ -38,23 +38,35 @@ MODEL = (
     "train.global_batch_size=8",
     "train.micro_batch_size=1",
 )
-RUN = ("train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=false")
+RUN = (
+    "train.log_every=1",
+    "checkpoint.enabled=false",
+    "memory.profile_step=0",
+    "metrics.tensorboard=false",
+)
 
 
-def run(out: Path, name: str, nproc: int, overrides: list[str], steps: int) -> tuple[Summary, float]:
+def run(
+    out: Path, name: str, nproc: int, overrides: list[str], steps: int
+) -> tuple[Summary, float]:
     """One training run of the candidate's overrides: its summary.json and its measured step time."""
-    cmd = train_command(nproc, [*overrides, *RUN, f"train.steps={steps}", f"run.root={out}", f"run.name={name}"])
+    cmd = train_command(
+        nproc, [*overrides, *RUN, f"train.steps={steps}", f"run.root={out}", f"run.name={name}"]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"error: {name} ({' '.join(overrides)}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"error: {name} ({' '.join(overrides)}) exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
     times = [row["time"] for row in RunDir(out / name).metric_rows()]
     return Summary.read(out / name), statistics.median(b - a for a, b in zip(times[2:], times[3:]))
 
 
 def short(s: Scored) -> str:
     c = s.candidate
-    return f"{c.strategy.value}, {c.precision}, AC {c.checkpointing.value}, mb {c.micro_batch}, {c.grad_sync.value}" + (
-        ", offload" if c.offload else ""
+    return (
+        f"{c.strategy.value}, {c.precision}, AC {c.checkpointing.value}, mb {c.micro_batch}, {c.grad_sync.value}"
+        + (", offload" if c.offload else "")
     )
 
 
@@ -72,15 +84,23 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--budgets", default="2.2GiB,2.4GiB")
     parser.add_argument("--ranked", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=6, help="steps a run (the median is over those after the 2nd)")
-    parser.add_argument("--margin", type=float, default=MARGIN, help="as plan.py --fit's (default 0.1)")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="steps a run (the median is over those after the 2nd)"
+    )
+    parser.add_argument(
+        "--margin", type=float, default=MARGIN, help="as plan.py --fit's (default 0.1)"
+    )
     parser.add_argument("--tflops", type=float)
     parser.add_argument("--link-gbps", type=float)
-    parser.add_argument("--out", help="output folder (default runs/fit-bench-<timestamp>); must not exist")
+    parser.add_argument(
+        "--out", help="output folder (default runs/fit-bench-<timestamp>); must not exist"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     out = Path(args.out or f"runs/fit-bench-{datetime.now():%Y%m%d-%H%M%S}")
@@ -88,12 +108,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
         return 2
     if args.steps < 4:
-        print(f"error: --steps={args.steps}: at least 4 (the median is over the steps after the 2nd)", file=sys.stderr)
+        print(
+            f"error: --steps={args.steps}: at least 4 (the median is over the steps after the 2nd)",
+            file=sys.stderr,
+        )
         return 2
     n, model = args.nproc_per_node, [*MODEL, *args.overrides]
     cfg = load_config(None, model)
-    given = {k: v for k, v in (("tflops", args.tflops), ("link_gbps", args.link_gbps)) if v is not None}
-    rates = dataclasses.replace(Rates.default(cfg.dist.device.value), **given) if given else fit_rates(cfg, n)
+    given = {
+        k: v for k, v in (("tflops", args.tflops), ("link_gbps", args.link_gbps)) if v is not None
+    }
+    rates = (
+        dataclasses.replace(Rates.default(cfg.dist.device.value), **given)
+        if given
+        else fit_rates(cfg, n)
+    )
     found = search(cfg, n, rates)
     lines = [
         f"# plan.py --fit against real runs: {' '.join(model)}, {n} ranks",
@@ -112,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
             f"{'yes' if measured * MIB <= budget else 'NO'} | {pick.cost:.2f} | {step:.2f} | {step / pick.cost:.2f} |"
         )
-    spread = [found.scored[round(i * (len(found.scored) - 1) / max(1, args.ranked - 1))] for i in range(args.ranked)]
+    spread = [
+        found.scored[round(i * (len(found.scored) - 1) / max(1, args.ranked - 1))]
+        for i in range(args.ranked)
+    ]
     lines += [
         "",
         "| cost rank | candidate | predicted cost s | measured step s | measured / predicted | "
@@ -121,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     costs, times = [], []
     for s in spread:
-        summary, step = run(out, f"rank{found.scored.index(s)}", n, [*model, *s.candidate.overrides()], args.steps)
+        summary, step = run(
+            out, f"rank{found.scored.index(s)}", n, [*model, *s.candidate.overrides()], args.steps
+        )
         peak = max(r["peak_rss_mib"] for r in summary.ranks)
         costs.append(s.cost)
         times.append(step)

@@ -69,9 +69,20 @@ SETTINGS = {  # name -> overrides, each on top of plain fp32 ZeRO-3
     "fp32 + activation checkpointing (full)": ("parallel.activation_checkpointing=full",),
     "fp32 + CPU offload": ("parallel.cpu_offload=true",),
 }
-RUN = ("train.log_every=1", "checkpoint.enabled=false", "memory.profile_step=0", "metrics.tensorboard=true")
-GPU_BATCH = ("train.global_batch_size=8",)  # 2 micro-batches of 4 x 1024 tokens; gpt_1b.yaml's 32 takes 4x longer
-DRY_BATCH = ("model.preset=gpt_nano", "data.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2")
+RUN = (
+    "train.log_every=1",
+    "checkpoint.enabled=false",
+    "memory.profile_step=0",
+    "metrics.tensorboard=true",
+)
+# 2 micro-batches of 4 x 1024 tokens; gpt_1b.yaml's 32 takes 4x longer
+GPU_BATCH = ("train.global_batch_size=8",)
+DRY_BATCH = (
+    "model.preset=gpt_nano",
+    "data.seq_len=32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+)
 NO_GPU = (
     "bench/gpu_check.py needs a CUDA GPU and none is visible; --dry-run runs the same steps on the CPU "
     "with a tiny model"
@@ -88,7 +99,8 @@ class Mode:
 
     device: str  # cuda | cpu
     label: str  # the device's name
-    config: str | None  # --config for every run, an absolute path (the runs start in the repository)
+    # --config for every run, an absolute path (the runs start in the repository)
+    config: str | None
     batch: tuple[str, ...]  # the model and batch
     user: tuple[str, ...]  # the command line's key=value, after them (see `keys`)
     steps: int
@@ -102,7 +114,14 @@ class Mode:
     def keys(self, *extra: str) -> list[str]:
         """A run's key=value settings: the model, batch and steps, the user's, then what the check reads and
         the setting's own (``extra``), which the user's cannot change, and the device."""
-        return [*self.batch, f"train.steps={self.steps}", *self.user, *RUN, *extra, f"dist.device={self.device}"]
+        return [
+            *self.batch,
+            f"train.steps={self.steps}",
+            *self.user,
+            *RUN,
+            *extra,
+            f"dist.device={self.device}",
+        ]
 
     def args(self, *extra: str) -> list[str]:
         """`keys`, after --config when there is one: scripts/train.py's and scripts/plan.py's arguments."""
@@ -114,24 +133,34 @@ class Mode:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true", help="no GPU: the same steps on the CPU with gpt_nano")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="no GPU: the same steps on the CPU with gpt_nano"
+    )
     parser.add_argument(
         "--peak-tflops",
         help="BF16[,FP32]: the GPU's dense peak TFLOP/s, bf16 and fp32 without TF32 "
         "(one number: both); default: PEAK_TFLOPS by device name",
     )
-    parser.add_argument("--config", help="YAML for every run (default: configs/gpt_1b.yaml; --dry-run: none)")
+    parser.add_argument(
+        "--config", help="YAML for every run (default: configs/gpt_1b.yaml; --dry-run: none)"
+    )
     parser.add_argument("--out", help="run folders and logs go here (default: a temporary folder)")
-    parser.add_argument("--loop-worker", metavar="JSON", help=argparse.SUPPRESS)  # the worker process
-    parser.add_argument("overrides", nargs="*", help="key=value settings for every run, after the defaults")
+    # the worker process
+    parser.add_argument("--loop-worker", metavar="JSON", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value settings for every run, after the defaults"
+    )
     args = parser.parse_args(argv)
     if args.loop_worker:
         return loop_worker(Path(args.loop_worker), args.config, args.overrides)
     try:
         peaks = parse_peaks(args.peak_tflops)
         if args.dry_run:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # no run, plan or worker of a dry run sees a GPU
+            # no run, plan or worker of a dry run sees a GPU
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         elif not torch.cuda.is_available():
             raise ValueError(NO_GPU)
         mode = make_mode(args.dry_run, peaks, args.config, args.overrides)
@@ -163,19 +192,39 @@ def parse_peaks(text: str | None) -> tuple[float, float] | None:
     except ValueError:
         values = []
     if not 1 <= len(values) <= 2 or not all(v > 0 for v in values):
-        raise ValueError(f"--peak-tflops={text}: expected BF16[,FP32], dense TFLOP/s > 0, e.g. 989,67")
+        raise ValueError(
+            f"--peak-tflops={text}: expected BF16[,FP32], dense TFLOP/s > 0, e.g. 989,67"
+        )
     return values[0], values[-1]
 
 
-def make_mode(dry_run: bool, peaks: tuple[float, float] | None, config: str | None, overrides: list[str]) -> Mode:
+def make_mode(
+    dry_run: bool, peaks: tuple[float, float] | None, config: str | None, overrides: list[str]
+) -> Mode:
     if dry_run:  # nothing here may initialise CUDA: the suite runs it on machines with GPUs too
         return Mode(
-            "cpu", "CPU (dry run)", config and str(Path(config).resolve()), DRY_BATCH, tuple(overrides), 3, peaks, 0
+            "cpu",
+            "CPU (dry run)",
+            config and str(Path(config).resolve()),
+            DRY_BATCH,
+            tuple(overrides),
+            3,
+            peaks,
+            0,
         )
     name = torch.cuda.get_device_name(0)
     known = next(((bf16, fp32) for key, bf16, fp32 in PEAK_TFLOPS if key in name), None)
     path = Path(config).resolve() if config else REPO / "configs" / "gpt_1b.yaml"
-    return Mode("cuda", name, str(path), GPU_BATCH, tuple(overrides), 5, peaks or known, torch.cuda.device_count())
+    return Mode(
+        "cuda",
+        name,
+        str(path),
+        GPU_BATCH,
+        tuple(overrides),
+        5,
+        peaks or known,
+        torch.cuda.device_count(),
+    )
 
 
 def tokens_per_step(mode: Mode, extra: tuple[str, ...]) -> int:
@@ -214,8 +263,9 @@ def report(mode: Mode, command: str, out: Path) -> str:
     if mode.gpus >= 2:
         runs["fp32, 2 ranks (NCCL)"] = ("n2", (), 2)
     else:
-        skipped = "the 2-rank NCCL comparison (fp32 on 2 ranks: per-rank memory against 1 rank) needs 2 GPUs; " + (
-            f"{mode.gpus} visible" if mode.cuda else "a dry run uses none"
+        skipped = (
+            "the 2-rank NCCL comparison (fp32 on 2 ranks: per-rank memory against 1 rank) needs 2 GPUs; "
+            + (f"{mode.gpus} visible" if mode.cuda else "a dry run uses none")
         )
     pool = ThreadPoolExecutor(max_workers=1 if mode.cuda else 2)
     try:
@@ -227,7 +277,8 @@ def report(mode: Mode, command: str, out: Path) -> str:
             str(out / "loop.json"),
             *mode.args(f"run.root={out / 'loop'}"),
         ]
-        jobs = [pool.submit(launch, worker, out / "loop.log", "hand-written loop against ours")]  # the longest first
+        # the longest first
+        jobs = [pool.submit(launch, worker, out / "loop.log", "hand-written loop against ours")]
         jobs += [
             pool.submit(launch, train_command(mode, out, *job), out / f"{job[0]}.log", label)
             for label, job in runs.items()
@@ -236,7 +287,8 @@ def report(mode: Mode, command: str, out: Path) -> str:
         for job in jobs:
             job.result()
     finally:
-        pool.shutdown(cancel_futures=True)  # after a failure: the runs not started yet are not started
+        # after a failure: the runs not started yet are not started
+        pool.shutdown(cancel_futures=True)
     measured = {}
     for label, (name, extra, _) in runs.items():
         measured[label] = read_run(out / name, mode.cuda) | {
@@ -244,7 +296,9 @@ def report(mode: Mode, command: str, out: Path) -> str:
             "tokens_per_step": tokens_per_step(mode, extra),
         }
         r = measured[label]
-        progress(f"{label}: peak {r['ranks'][0]['peak']:,.0f} MiB, {r['tokens_per_s']:,.0f} tokens/s")
+        progress(
+            f"{label}: peak {r['ranks'][0]['peak']:,.0f} MiB, {r['tokens_per_s']:,.0f} tokens/s"
+        )
     loop = json.loads((out / "loop.json").read_text())
     progress(f"hand-written loop: median ours/raw step time {loop['ratio']:.3f}")
     return render(mode, command, out, measured, loop, skipped)
@@ -275,16 +329,24 @@ def launch(cmd: list[str], log: Path, label: str, timeout: float = 900) -> None:
             code = f"timeout after {timeout:.0f} s"
     if code:
         lines = log.read_text().strip().splitlines() or ["(no output)"]
-        raise RunFailed(f"{label}: {' '.join(cmd[1:])} failed ({code}): {lines[-1]} (whole log: {log})")
+        raise RunFailed(
+            f"{label}: {' '.join(cmd[1:])} failed ({code}): {lines[-1]} (whole log: {log})"
+        )
     progress(f"{label}: done in {time.perf_counter() - start:.0f} s")
 
 
-def train_command(mode: Mode, out: Path, name: str, extra: tuple[str, ...], nproc: int) -> list[str]:
+def train_command(
+    mode: Mode, out: Path, name: str, extra: tuple[str, ...], nproc: int
+) -> list[str]:
     """A fresh `scripts/train.py` run of ``nproc`` ranks (torchrun's when more than one) into ``out``/``name``."""
-    return torchrun_command(nproc, [*mode.args(*extra), f"run.root={out}", f"run.name={name}"], torchrun=nproc > 1)
+    return torchrun_command(
+        nproc, [*mode.args(*extra), f"run.root={out}", f"run.name={name}"], torchrun=nproc > 1
+    )
 
 
-def plan_all(mode: Mode, out: Path, runs: dict[str, tuple[str, tuple[str, ...], int]]) -> dict[str, float | str]:
+def plan_all(
+    mode: Mode, out: Path, runs: dict[str, tuple[str, tuple[str, ...], int]]
+) -> dict[str, float | str]:
     """The planner's peak (MiB) for each run, or why it has none."""
     planned: dict[str, float | str] = {}
     for label, (name, extra, nproc) in runs.items():
@@ -292,10 +354,14 @@ def plan_all(mode: Mode, out: Path, runs: dict[str, tuple[str, tuple[str, ...], 
         try:
             planned[label] = plan_peak(mode, out / f"{name}-plan", extra, nproc)
         except Exception as e:  # noqa: BLE001 (a setting the planner cannot plan is a finding, not the end)
-            planned[label] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]} ({out / name}-plan.txt)"
+            planned[label] = (
+                f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]} ({out / name}-plan.txt)"
+            )
             progress(f"{label}: the planner failed: {planned[label]}")
             continue
-        progress(f"{label}: planned {planned[label]:,.0f} MiB in {time.perf_counter() - start:.0f} s")
+        progress(
+            f"{label}: planned {planned[label]:,.0f} MiB in {time.perf_counter() - start:.0f} s"
+        )
     return planned
 
 
@@ -311,7 +377,15 @@ def plan_peak(mode: Mode, stem: Path, extra: tuple[str, ...], nproc: int) -> flo
         spec = importlib.util.spec_from_file_location("_plan_script", PLAN)
         _PLAN_MODULE = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_PLAN_MODULE)
-    argv = ["--world-size", str(nproc), "--strategy", "full_shard", "--json", f"{stem}.json", *mode.args(*extra)]
+    argv = [
+        "--world-size",
+        str(nproc),
+        "--strategy",
+        "full_shard",
+        "--json",
+        f"{stem}.json",
+        *mode.args(*extra),
+    ]
     with open(f"{stem}.txt", "w") as f, contextlib.redirect_stdout(f):
         code = _PLAN_MODULE.main(argv)
     if code:
@@ -336,14 +410,23 @@ def read_run(run_dir: Path, cuda: bool) -> dict:
         def last(tag: str) -> float:
             return max(acc.Scalars(tag), key=lambda e: e.step).value
 
-        def first_step(tag: str) -> list[float]:  # x = 0 built, 1 after the first backward, 2 after its optimizer step
-            return [e.value for e in sorted(acc.Scalars(f"memory_first_step/{tag}"), key=lambda e: e.step)]
+        # x = 0 built, 1 after the first backward, 2 after its optimizer step
+        def first_step(tag: str) -> list[float]:
+            return [
+                e.value
+                for e in sorted(acc.Scalars(f"memory_first_step/{tag}"), key=lambda e: e.step)
+            ]
 
-        figures = {"model_state_after": last("memory/model_state_mib"), "first_state": first_step("model_state_mib")}
+        figures = {
+            "model_state_after": last("memory/model_state_mib"),
+            "first_state": first_step("model_state_mib"),
+        }
         if cuda:
             figures |= {
                 "peak": mine["peak_reserved_mib"],
-                "peak_allocated": max(e.value for e in acc.Scalars("memory/cuda_peak_allocated_mib")),
+                "peak_allocated": max(
+                    e.value for e in acc.Scalars("memory/cuda_peak_allocated_mib")
+                ),
                 "reserved_after": last("memory/cuda_reserved_mib"),
                 "allocated_after": last("memory/cuda_allocated_mib"),
                 "first_memory": first_step("cuda_allocated_mib"),
@@ -355,7 +438,11 @@ def read_run(run_dir: Path, cuda: bool) -> dict:
                 "first_memory": first_step("cpu_rss_mib"),
             }
         ranks.append(figures)
-    return {"summary": summary, "ranks": ranks, "tokens_per_s": statistics.median(rates[1:] or rates)}
+    return {
+        "summary": summary,
+        "ranks": ranks,
+        "tokens_per_s": statistics.median(rates[1:] or rates),
+    }
 
 
 # ---------------------------------------------------------------------------------
@@ -402,7 +489,8 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
                     "num_params": parts.num_params,
                     "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
                 }
-            parts.model = parts.optimizer = None  # raw_loop builds its own: ours would sit beside it
+            # raw_loop builds its own: ours would sit beside it
+            parts.model = parts.optimizer = None
             gc.collect()
             raw.append(raw_loop(parts, cfg, env)[0])
             raw_peak.append(monitor.read()[peak_key])
@@ -438,7 +526,9 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
 # The markdown block
 
 
-def render(mode: Mode, command: str, out: Path, runs: dict[str, dict], loop: dict, skipped: str | None) -> str:
+def render(
+    mode: Mode, command: str, out: Path, runs: dict[str, dict], loop: dict, skipped: str | None
+) -> str:
     """The markdown block: a heading and the conditions, then one section per part."""
     first = next(iter(runs.values()))["summary"]
     versions = f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if mode.cuda else "")
@@ -457,14 +547,27 @@ def render(mode: Mode, command: str, out: Path, runs: dict[str, dict], loop: dic
             "check the benchmark, not a GPU)",
             "",
         ]
-    lines += memory_section(mode, runs) + first_step_section(mode, runs) + throughput_section(mode, runs, loop)
+    lines += (
+        memory_section(mode, runs)
+        + first_step_section(mode, runs)
+        + throughput_section(mode, runs, loop)
+    )
     lines += loop_section(mode, loop)
-    lines += ["### Two GPUs", "", f"skipped: {skipped}" if skipped else "fp32 on 2 ranks over NCCL: rows above.", ""]
+    lines += [
+        "### Two GPUs",
+        "",
+        f"skipped: {skipped}" if skipped else "fp32 on 2 ranks over NCCL: rows above.",
+        "",
+    ]
     return "\n".join(lines + summary_section(mode, loop))
 
 
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+    return [
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
 
 
 def memory_section(mode: Mode, runs: dict[str, dict]) -> list[str]:
@@ -489,7 +592,11 @@ def memory_section(mode: Mode, runs: dict[str, dict]) -> list[str]:
                 else [f"{r['rss_after']:,.0f}"]
             )
             planned_ok = isinstance(planned, float)
-            ratio = [f"{planned:,.0f}", f"{r['peak'] / planned:.3f}"] if planned_ok else ["failed", "n/a"]
+            ratio = (
+                [f"{planned:,.0f}", f"{r['peak'] / planned:.3f}"]
+                if planned_ok
+                else ["failed", "n/a"]
+            )
             rows.append(cells + [f"{r['model_state_after']:,.2f}", *ratio])
     return [
         f"### Memory per rank (MiB) and the planner's peak {kind}",
@@ -558,7 +665,10 @@ def throughput_section(mode: Mode, runs: dict[str, dict], loop: dict) -> list[st
                 mfu(mode, s.precision, s.num_params, rate, s.world_size),
             ]
         )
-    for label, key in (("hand-written fully_shard loop", "raw_s"), ("ours, the same process", "ours_s")):
+    for label, key in (
+        ("hand-written fully_shard loop", "raw_s"),
+        ("ours, the same process", "ours_s"),
+    ):
         seconds = statistics.median(loop[key]) / loop["steps"]
         rate = loop["tokens_per_step"] / seconds
         rows.append(
@@ -593,7 +703,9 @@ def loop_section(mode: Mode, loop: dict) -> list[str]:
     what, steps = ("reserved" if mode.cuda else "RSS"), loop["steps"]
     rows = [
         [str(i), f"{r / steps:.4f}", f"{o / steps:.4f}", f"{o / r:.3f}", f"{rp:,.0f}", f"{op:,.0f}"]
-        for i, (r, o, rp, op) in enumerate(zip(loop["raw_s"], loop["ours_s"], loop["raw_peak"], loop["ours_peak"]))
+        for i, (r, o, rp, op) in enumerate(
+            zip(loop["raw_s"], loop["ours_s"], loop["raw_peak"], loop["ours_peak"])
+        )
     ]
     head = [
         "repeat",
@@ -617,7 +729,10 @@ def loop_section(mode: Mode, loop: dict) -> list[str]:
 
 def summary_section(mode: Mode, loop: dict) -> list[str]:
     """`torch.cuda.memory_summary()` before and after the build (the worker's), or the CPU's line."""
-    head = ["### torch.cuda.memory_summary(), rank 0, before and after the model is built and sharded", ""]
+    head = [
+        "### torch.cuda.memory_summary(), rank 0, before and after the model is built and sharded",
+        "",
+    ]
     if not mode.cuda:
         return head + [
             f"torch.cuda.memory_summary() is CUDA-only (dry run on the CPU): process RSS before the build "

@@ -57,7 +57,9 @@ def _run(out: Path, name: str, nproc: int, args: list[str]) -> dict:
     rows = RunDir(out / name).metric_rows()
     rows = [r for r in rows if "loss" in r]
     summary = Summary.read(out / name)
-    tokens = int(next(a.split("=")[1] for a in args if a.startswith("train.global_batch_size="))) * 128
+    tokens = (
+        int(next(a.split("=")[1] for a in args if a.startswith("train.global_batch_size="))) * 128
+    )
     return {
         "mib": {k: rows[-1][f"comm/{k}_mib"] for k in KINDS},
         "step_s": statistics.median(tokens / r["tokens_per_s_all_ranks"] for r in rows[1:]),
@@ -67,7 +69,9 @@ def _run(out: Path, name: str, nproc: int, args: list[str]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", help="run folders go here (default: a temporary folder)")
     parser.add_argument("overrides", nargs="*")
@@ -85,7 +89,13 @@ def main() -> int:
                 out,
                 f"{nproc}-{mode}",
                 nproc,
-                [*COMMON, f"train.steps={args.steps}", *extra, *args.overrides, f"parallel.grad_sync={mode}"],
+                [
+                    *COMMON,
+                    f"train.steps={args.steps}",
+                    *extra,
+                    *args.overrides,
+                    f"parallel.grad_sync={mode}",
+                ],
             )
             base = base or got
 

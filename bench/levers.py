@@ -43,7 +43,9 @@ LEVERS = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--out", help="run folders go here (default: a temporary folder)")
     parser.add_argument("overrides", nargs="*")
@@ -52,7 +54,8 @@ def main() -> int:
     rows = {}
     for i, (name, extra) in enumerate(LEVERS.items()):
         cmd = train_command(
-            args.nproc_per_node, [*DEFAULT, *args.overrides, *extra, f"run.root={out}", f"run.name=lever{i}"]
+            args.nproc_per_node,
+            [*DEFAULT, *args.overrides, *extra, f"run.root={out}", f"run.name=lever{i}"],
         )
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         rows[name] = Summary.read(out / f"lever{i}")

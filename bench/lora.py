@@ -54,9 +54,13 @@ RUNS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("--out", help="output folder (default runs/lora-bench-<timestamp>); must not exist")
+    parser.add_argument(
+        "--out", help="output folder (default runs/lora-bench-<timestamp>); must not exist"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     out = Path(args.out or f"runs/lora-bench-{datetime.now():%Y%m%d-%H%M%S}")
@@ -70,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for i, (name, extra) in enumerate(RUNS.items()):
         cmd = train_command(
-            args.nproc_per_node, [*LLAMA_134M, *COMMON, *extra, *args.overrides, f"run.root={out}", f"run.name=run{i}"]
+            args.nproc_per_node,
+            [*LLAMA_134M, *COMMON, *extra, *args.overrides, f"run.root={out}", f"run.name=run{i}"],
         )
         proc = subprocess.run(cmd)
         if proc.returncode:
@@ -87,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     table = "\n".join(rows) + "\n"
     (out / "lora-bench.md").write_text(table)
-    print(f"\n## full fine-tuning vs LoRA, {args.nproc_per_node} ranks\n\n{table}\nwrote {out / 'lora-bench.md'}")
+    print(
+        f"\n## full fine-tuning vs LoRA, {args.nproc_per_node} ranks\n\n{table}\nwrote {out / 'lora-bench.md'}"
+    )
     return 0
 
 

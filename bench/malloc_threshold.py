@@ -23,9 +23,18 @@ from fsdp_zero.tools import train_command
 REPO = Path(__file__).resolve().parents[1]
 # (label, overrides): glibc's default, ours (8 MiB), 1 MiB; DDP at ours for scale.
 SETTINGS = [
-    ("full_shard, glibc default", ["parallel.strategy=full_shard", "memory.malloc_mmap_threshold=default"]),
-    ("full_shard, auto (8 MiB)", ["parallel.strategy=full_shard", "memory.malloc_mmap_threshold=auto"]),
-    ("full_shard, 1 MiB", ["parallel.strategy=full_shard", f"memory.malloc_mmap_threshold={1 << 20}"]),
+    (
+        "full_shard, glibc default",
+        ["parallel.strategy=full_shard", "memory.malloc_mmap_threshold=default"],
+    ),
+    (
+        "full_shard, auto (8 MiB)",
+        ["parallel.strategy=full_shard", "memory.malloc_mmap_threshold=auto"],
+    ),
+    (
+        "full_shard, 1 MiB",
+        ["parallel.strategy=full_shard", f"memory.malloc_mmap_threshold={1 << 20}"],
+    ),
     ("ddp, glibc default", ["parallel.strategy=ddp", "memory.malloc_mmap_threshold=default"]),
     ("ddp, auto (8 MiB)", ["parallel.strategy=ddp", "memory.malloc_mmap_threshold=auto"]),
 ]
@@ -47,20 +56,26 @@ def run(nproc: int, overrides: list[str], root: Path, name: str) -> tuple[float,
             *overrides,
         ],
     )
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True
+    )
     if proc.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     rows = RunDir(root / name).metric_rows()
     config = [line for line in RunDir(root / name).config.read_text().splitlines()]
     seq = int(next(line.split(":")[1] for line in config if line.strip().startswith("seq_len")))
-    gbs = int(next(line.split(":")[1] for line in config if line.strip().startswith("global_batch_size")))
+    gbs = int(
+        next(line.split(":")[1] for line in config if line.strip().startswith("global_batch_size"))
+    )
     peak = max(max(r["peak_mem_mib_per_rank"]) for r in rows)
     step_s = sum(gbs * seq / r["tokens_per_s_all_ranks"] for r in rows[1:]) / len(rows[1:])
     return peak, step_s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -77,7 +92,9 @@ def main() -> None:
     print("| setting | peak RSS / rank (MiB) | vs auto | step (s) | vs auto |")
     print("|---|---|---|---|---|")
     for label, peak, step in results:
-        print(f"| {label} | {peak:,.0f} | {peak / base_peak:.2f} | {step:.2f} | {step / base_step:.2f} |")
+        print(
+            f"| {label} | {peak:,.0f} | {peak / base_peak:.2f} | {step:.2f} | {step / base_step:.2f} |"
+        )
     print(f"(runs in {root})")
 
 

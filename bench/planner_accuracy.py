@@ -85,8 +85,27 @@ def measure(name: str, n: int, out: Path, reuse: bool) -> list[dict]:
     overrides = CONFIGS[name] + COMMON
     cmp_dir, plan_json = out / f"{name}-n{n}", out / f"{name}-n{n}-plan.json"
     if not (reuse and (cmp_dir / "compare.json").exists()):
-        run([sys.executable, "scripts/compare.py", f"--nproc-per-node={n}", "--out", str(cmp_dir), *overrides])
-    run([sys.executable, "scripts/plan.py", "--world-size", str(n), "--json", str(plan_json), *overrides])
+        run(
+            [
+                sys.executable,
+                "scripts/compare.py",
+                f"--nproc-per-node={n}",
+                "--out",
+                str(cmp_dir),
+                *overrides,
+            ]
+        )
+    run(
+        [
+            sys.executable,
+            "scripts/plan.py",
+            "--world-size",
+            str(n),
+            "--json",
+            str(plan_json),
+            *overrides,
+        ]
+    )
     measured = json.loads((cmp_dir / "compare.json").read_text())
     predicted = {p["strategy"]: p for p in json.loads(plan_json.read_text())}
     rows = []
@@ -131,11 +150,19 @@ def pct(a: float, b: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="configurations to run (default: all)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--only", nargs="*", choices=sorted(CONFIGS), help="configurations to run (default: all)"
+    )
     parser.add_argument("--world-sizes", nargs="*", type=int, default=[2, 4])
-    parser.add_argument("--out", help="folder for the runs and the JSON (default: a temporary folder)")
-    parser.add_argument("--reuse", action="store_true", help="keep the runs already in --out; predict again")
+    parser.add_argument(
+        "--out", help="folder for the runs and the JSON (default: a temporary folder)"
+    )
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep the runs already in --out; predict again"
+    )
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="planner-accuracy-"))
     out.mkdir(parents=True, exist_ok=True)

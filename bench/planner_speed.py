@@ -49,8 +49,12 @@ STRATEGIES = ("ddp", "zero1", "shard_grad_op", "full_shard")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="also simulate every block and compare (slow)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="also simulate every block and compare (slow)"
+    )
     args = parser.parse_args(argv)
     lines = [
         f"| shape | parameters | plan.py wall s (4 strategies, {WORLD} ranks) | composed from |",
@@ -66,10 +70,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         seconds = time.perf_counter() - start
         if proc.returncode:
-            print(f"error: plan.py for {name} exited {proc.returncode}: {proc.stderr[-2000:]}", file=sys.stderr)
+            print(
+                f"error: plan.py for {name} exited {proc.returncode}: {proc.stderr[-2000:]}",
+                file=sys.stderr,
+            )
             return 1
-        params = next(line for line in proc.stdout.splitlines() if line.startswith("# memory plan:")).split(", ")[1]
-        composed = next((line.strip("()") for line in proc.stdout.splitlines() if line.startswith("(composed:")), "-")
+        params = next(
+            line for line in proc.stdout.splitlines() if line.startswith("# memory plan:")
+        ).split(", ")[1]
+        composed = next(
+            (
+                line.strip("()")
+                for line in proc.stdout.splitlines()
+                if line.startswith("(composed:")
+            ),
+            "-",
+        )
         lines.append(f"| {name} | {params} | {seconds:.1f} | {composed} |")
         print(lines[-1], file=sys.stderr, flush=True)
     if args.check:

@@ -51,7 +51,9 @@ def steps_done(metrics: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=5, help="checkpoint.every")
@@ -76,9 +78,14 @@ def main() -> None:
         *args.overrides,
     ]
     cmd = train_command(args.nproc, settings)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "OMP_NUM_THREADS": "1",
+    }
     metrics = RunDir(root / "soak").metrics
-    samples: dict[int, list[tuple[int, float, int, int]]] = {}  # rank -> (step, rss MiB, fds, threads)
+    # rank -> (step, rss MiB, fds, threads)
+    samples: dict[int, list[tuple[int, float, int, int]]] = {}
     start = time.perf_counter()
     log = open(root / "torchrun.log", "w")
     launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -99,7 +106,11 @@ def main() -> None:
     if launcher.returncode:
         sys.exit(f"the run failed (exit {launcher.returncode}); see {root / 'torchrun.log'}")
 
-    saved = sum(1 for line in (root / "torchrun.log").read_text().splitlines() if "checkpoint: saved" in line)
+    saved = sum(
+        1
+        for line in (root / "torchrun.log").read_text().splitlines()
+        if "checkpoint: saved" in line
+    )
     print(
         f"{args.steps} steps, {saved} checkpoints (async, every {args.every}), TensorBoard on, {args.nproc} ranks, "
         f"{wall:.0f} s; settings: {' '.join(settings)}"

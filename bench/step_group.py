@@ -69,7 +69,9 @@ def one_repeat(cfg, env, monitor: MemoryMonitor) -> dict:  # noqa: ANN001
     for step in range(cfg.train.steps):
         set_lr(parts.optimizer, cfg.optim, step, cfg.train.steps)
         start = time.perf_counter()
-        step = Step(parts.model, parts.optimizer, parts.loss_fn, env.device, grad_clip=cfg.optim.grad_clip)
+        step = Step(
+            parts.model, parts.optimizer, parts.loss_fn, env.device, grad_clip=cfg.optim.grad_clip
+        )
         out = step.run(parts.cursor.next_batch())
         out.loss.item()  # a sync point: the step is done
         times.append(time.perf_counter() - start)
@@ -82,18 +84,26 @@ def one_repeat(cfg, env, monitor: MemoryMonitor) -> dict:  # noqa: ANN001
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--group", type=int, default=4_000_000, help="optim.step_group_size of the grouped runs")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--group", type=int, default=4_000_000, help="optim.step_group_size of the grouped runs"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(None, DEFAULT + args.overrides)
     settings = {
         0: cfg,
-        args.group: replace(cfg, optim=replace(cfg.optim, step_group_size=args.group), run=replace(cfg.run)),
+        args.group: replace(
+            cfg, optim=replace(cfg.optim, step_group_size=args.group), run=replace(cfg.run)
+        ),
     }
     with distributed(cfg.dist) as env:
-        root = broadcast_object(tempfile.mkdtemp(prefix="fsdp-zero-step-group-") if env.is_rank0 else None, env)
+        root = broadcast_object(
+            tempfile.mkdtemp(prefix="fsdp-zero-step-group-") if env.is_rank0 else None, env
+        )
         monitor = MemoryMonitor(env.device)
         results: dict[int, list[dict]] = {size: [] for size in settings}
         for rep in range(args.repeats):

@@ -37,11 +37,15 @@ DEFAULT = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--group", type=int, default=4_000_000)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", help="output folder (default runs/step-group-rss-<timestamp>); must not exist")
+    parser.add_argument(
+        "--out", help="output folder (default runs/step-group-rss-<timestamp>); must not exist"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     out = Path(args.out or f"runs/step-group-rss-{datetime.now():%Y%m%d-%H%M%S}")
@@ -58,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
             name = f"group{size}-{rep}"
             cmd = train_command(
                 args.nproc_per_node,
-                [*DEFAULT, *args.overrides, f"optim.step_group_size={size}", f"run.root={out}", f"run.name={name}"],
+                [
+                    *DEFAULT,
+                    *args.overrides,
+                    f"optim.step_group_size={size}",
+                    f"run.root={out}",
+                    f"run.name={name}",
+                ],
             )
             if subprocess.run(cmd, capture_output=True).returncode:
                 print(f"error: {' '.join(cmd)} failed", file=sys.stderr)
@@ -73,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ratio = (sum(peaks[args.group]) / len(peaks[args.group])) / (sum(peaks[0]) / len(peaks[0]))
     print(
         f"\n## peak RSS with and without optim.step_group_size={args.group:,}, {args.nproc_per_node} rank(s), "
-        f"fresh processes\n\n" + "\n".join(rows) + f"\n\ngrouped / whole, mean peak RSS: {ratio:.2f} x"
+        f"fresh processes\n\n"
+        + "\n".join(rows)
+        + f"\n\ngrouped / whole, mean peak RSS: {ratio:.2f} x"
     )
     return 0
 

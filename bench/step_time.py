@@ -25,7 +25,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_zero.config import load_config
-from fsdp_zero.distributed import Topology, agree_on_seed, broadcast_object, distributed, exit_process
+from fsdp_zero.distributed import (
+    Topology,
+    agree_on_seed,
+    broadcast_object,
+    distributed,
+    exit_process,
+)
 from fsdp_zero.model import construct, real_buffers, to_device
 from fsdp_zero.monitor import MemoryMonitor, model_state_bytes
 from fsdp_zero.sharding import materializer, model_state_formula
@@ -41,10 +47,16 @@ def raw_loop(parts, cfg, env) -> tuple[float, int]:
     for fqn in parts.plan.submodule_fqns:
         fully_shard(model.get_submodule(fqn), mesh=mesh)
     fully_shard(model, mesh=mesh)
-    materializer(env.device, cfg.model.init, parts.seed, real_buffers(model), [])(model)  # to_empty, buffers, init
+    # to_empty, buffers, init
+    materializer(env.device, cfg.model.init, parts.seed, real_buffers(model), [])(model)
     o = cfg.optim
     opt = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+        model.parameters(),
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        foreach=True,
     )
     cursor = parts.cursor
     dist.barrier()
@@ -68,8 +80,15 @@ def raw_loop(parts, cfg, env) -> tuple[float, int]:
 
 def main() -> None:
     # Checkpoints and the memory profile off: diagnostics, not part of a training step.
-    defaults = ["train.steps=40", "train.log_every=10", "checkpoint.enabled=false", "memory.profile_step=0"]
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = [
+        "train.steps=40",
+        "train.log_every=10",
+        "checkpoint.enabled=false",
+        "memory.profile_step=0",
+    ]
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="*", help="key=value settings over the defaults")
     cfg = load_config(None, defaults + parser.parse_args().overrides)
     with distributed(cfg.dist) as env:
@@ -83,7 +102,8 @@ def run(cfg, env) -> None:  # noqa: ANN001
     cfg.run.root = str(broadcast_object(root, env))
     ours, raw, state = [], [], 0
     monitor = MemoryMonitor(env.device)
-    peaks = {"raw": 0.0, "ours": 0.0}  # this rank's peak RSS (MiB) during each loop, set-up included
+    # this rank's peak RSS (MiB) during each loop, set-up included
+    peaks = {"raw": 0.0, "ours": 0.0}
     for rep in range(REPEATS):
         cfg.run.name = f"raw{rep}"
         monitor.reset_peaks()
@@ -128,7 +148,9 @@ def run(cfg, env) -> None:  # noqa: ANN001
             "model state per rank after an optimizer step / the strategy's formula: "
             + ", ".join(f"rank{i} {s / expected:.4f}" for i, s in enumerate(states))
         )
-        print(f"(formula = {expected / 2**20:.2f} MiB; raw loop holds {state_raw / expected:.4f} x on rank 0)")
+        print(
+            f"(formula = {expected / 2**20:.2f} MiB; raw loop holds {state_raw / expected:.4f} x on rank 0)"
+        )
         print(
             "peak RSS per rank during each loop (MiB; the loops alternate in the same processes, so each "
             "inherits what glibc kept of the other's): raw "

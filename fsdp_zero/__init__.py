@@ -1,6 +1,13 @@
 """fsdp-zero: ZeRO-3 memory savings with plain PyTorch FSDP2, torchrun and omegaconf."""
 
-from fsdp_zero.errors import USAGE_ERROR, CheckpointFailed, CollectiveFailed, Diverged, RunEnded, Stopped
+from fsdp_zero.errors import (
+    USAGE_ERROR,
+    CheckpointFailed,
+    CollectiveFailed,
+    Diverged,
+    RunEnded,
+    Stopped,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -14,8 +21,8 @@ __all__ = [
     "__version__",
 ]
 
-# The package's import order, bottom to top: a module imports from its own subpackage or from a level
-# before its own, never from its own level or above (tests/test_layout.py fails otherwise;
+# The package's import order, bottom to top: a module imports from its own subpackage or from a
+# level before its own, never from its own level or above (tests/test_layout.py fails otherwise;
 # docs/architecture.md renders it). Root modules are named without ``.py``.
 LAYERS = (
     ("errors", "torch_private"),

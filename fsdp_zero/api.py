@@ -1,7 +1,7 @@
 """Your own training loop, with fsdp-zero's sharding, checkpoints and memory curves.
 
-For users coming from ``deepspeed.initialize(...)`` who keep their loop. The same code
-the trainer uses (`fsdp_zero.sharding.build.shard`, `fsdp_zero.checkpoint.dcp`, `fsdp_zero.monitor.memory`),
+For users coming from ``deepspeed.initialize(...)`` who keep their loop. The same code the trainer
+uses (`fsdp_zero.sharding.build.shard`, `fsdp_zero.checkpoint.dcp`, `fsdp_zero.monitor.memory`),
 with plain arguments instead of a config::
 
     import fsdp_zero.api as fz
@@ -91,16 +91,16 @@ def shard(
     ``wrap``: the classes whose instances become FSDP units (default: the model's declared block
     class or Hugging Face's ``_no_split_modules``). A model built under `meta_init` is then
     materialised, each rank allocating only its shards, and initialised from ``seed`` (``init``:
-    auto, standard or model; see `fsdp_zero.sharding.build.initialize`). A model built with real weights
-    keeps them: FSDP shards what is there. zero1: build the optimizer with
+    auto, standard or model; see `fsdp_zero.sharding.build.initialize`). A model built with real
+    weights keeps them: FSDP shards what is there. zero1: build the optimizer with
     ``torch.distributed.optim.ZeroRedundancyOptimizer`` yourself. ``precision``, ``cpu_offload`` and
     ``activation_checkpointing`` are the trainer's (`precision.mode`, `parallel.cpu_offload`,
     `parallel.activation_checkpointing`); fp16-mixed needs a ``torch.amp.GradScaler`` in your loop.
 
     Raises:
         ValueError: an unknown strategy, precision or checkpointing choice, CPU offload without an
-            FSDP strategy (the trainer's `ParallelConfig.check` and `PrecisionConfig.check`), or wrap
-            classes the model does not have.
+            FSDP strategy (the trainer's `ParallelConfig.check` and `PrecisionConfig.check`), or
+            wrap classes the model does not have.
     """
     parallel = ParallelConfig(
         strategy=strategy,
@@ -116,7 +116,9 @@ def shard(
         strategy=Strategy(strategy),
         activation_checkpointing=ActivationCheckpointing(activation_checkpointing),
     )
-    return _shard(model, parallel, env, seed=seed, init=Init(init), precision=resolve(precision_cfg))[0]
+    return _shard(
+        model, parallel, env, seed=seed, init=Init(init), precision=resolve(precision_cfg)
+    )[0]
 
 
 # `shard`'s keywords, by the config key each one sets.
@@ -145,13 +147,23 @@ class Checkpoints:
     """Sharded checkpoints under ``root``/step-NNNNNNN; of those it saves, the newest ``keep_last`` are kept
     (0: all), and checkpoints it did not save are never deleted."""
 
-    def __init__(self, root: str | Path, env: DistEnv, keep_last: int = 2, async_save: bool = False) -> None:
+    def __init__(
+        self, root: str | Path, env: DistEnv, keep_last: int = 2, async_save: bool = False
+    ) -> None:
         self.root, self.env = Path(root), env
         self._writer = Checkpointer(self.root, keep_last, async_save, env.rank, env.device)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict | None = None,
+    ) -> None:
         """Saves model, optimizer, RNG and ``state`` (JSON-serialisable: your loop's position) as ``step``."""
-        self._writer.save(step, model, optimizer, TrainState(step, extra=dict(state or {})), config_yaml="{}\n")
+        self._writer.save(
+            step, model, optimizer, TrainState(step, extra=dict(state or {})), config_yaml="{}\n"
+        )
 
     def resume(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path | None = None
@@ -182,7 +194,11 @@ class MemoryLog:
         self.writer = TensorBoardLogger(RunDir(Path(run_dir)).tensorboard(env.rank))
 
     def log(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **scalars: float
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        **scalars: float,
     ) -> dict:
         """Logs memory (and ``scalars``, as train/<name>) at ``step``; returns the memory figures (MiB)."""
         mem = memory_scalars(self.monitor, model, optimizer)

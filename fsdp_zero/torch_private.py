@@ -63,12 +63,15 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state
 # still say so tell each other through it, which names the ranks that died or hang.
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 
-# FSDP2's default reduce-scatter. The public hook `FSDPModule.set_custom_reduce_scatter`
-# takes an instance of the private `ReduceScatter` interface; gloo runs install a subclass
-# that reduces with an all-reduce (`fsdp_zero.sharding.parallelize.AllReduceScatter`).
-# FSDP2's default all-gather, for the same public hook's twin, `FSDPModule.set_custom_all_gather`:
-# `fsdp_zero.monitor.comm` installs a subclass that counts the bytes each unit gathers, then gathers as FSDP2 does.
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+# FSDP2's default reduce-scatter. The public hook `FSDPModule.set_custom_reduce_scatter` takes an
+# instance of the private `ReduceScatter` interface; gloo runs install a subclass that reduces with
+# an all-reduce (`fsdp_zero.sharding.parallelize.AllReduceScatter`). FSDP2's default all-gather, for
+# the same public hook's twin, `FSDPModule.set_custom_all_gather`: `fsdp_zero.monitor.comm` installs
+# a subclass that counts the bytes each unit gathers, then gathers as FSDP2 does.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 
 # The base classes of Conv1d/2d/3d and ConvTranspose*, and of BatchNorm/InstanceNorm/SyncBatchNorm:
 # `fsdp_zero.model.init.init_standard` recognises every standard convolution and norm through them.
@@ -80,8 +83,8 @@ from torch.nn.modules.conv import _ConvNd as ConvNd
 # (torchtitan's memory estimation and FSDPMemTracker's own tests use it).
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-# A process group's collective timeout, changed after init: public as `dist.set_timeout` from torch 2.15
-# (the pinned version); the GPU machines' torch 2.11 has only the private function it calls.
+# A process group's collective timeout, changed after init: public as `dist.set_timeout` from torch
+# 2.15 (the pinned version); the GPU machines' torch 2.11 has only the private function it calls.
 set_group_timeout = getattr(dist, "set_timeout", None) or c10d._set_pg_timeout
 
 # Private names that DCP's own .metadata pickles (a tensor's storage layout, a chunk's place in
@@ -123,8 +126,8 @@ def fsdp_unit_settings(module: Any) -> dict[str, Any]:
     (``_get_fsdp_state()._fsdp_param_group``): the dtypes its parameters are gathered in and its
     gradients reduced in (None: the stored dtype), whether its shards are offloaded to the CPU (and
     pinned), and what it reshards to after forward (True: its full shard group, ZeRO-3; False: stays
-    gathered until backward, ZeRO-2; k: groups of k ranks, hpZ). The tests read it to check that each
-    setting reached FSDP2; ``{}`` for a unit that holds no parameters of its own."""
+    gathered until backward, ZeRO-2; k: groups of k ranks, hpZ). The tests read it to check that
+    each setting reached FSDP2; ``{}`` for a unit that holds no parameters of its own."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     group = module._get_fsdp_state()._fsdp_param_group
@@ -146,10 +149,10 @@ def fsdp_unit_settings(module: Any) -> dict[str, Any]:
 @contextlib.contextmanager
 def real_post_forward_meshes() -> Iterator[None]:
     """hpZ (``reshard_after_forward=k``) under the planner's FakeTensorMode: ``fully_shard`` makes the
-    post-forward mesh from a view of its mesh's rank tensor (``_fsdp_init._get_post_forward_mesh_info``),
-    which fake mode turns into a tensor whose ranks cannot be read (``DataDependentOutputException``).
-    Inside this, that one function runs outside fake mode: the meshes are made of real rank tensors,
-    as outside a simulation."""
+    post-forward mesh from a view of its mesh's rank tensor
+    (``_fsdp_init._get_post_forward_mesh_info``), which fake mode turns into a tensor whose ranks
+    cannot be read (``DataDependentOutputException``). Inside this, that one function runs outside
+    fake mode: the meshes are made of real rank tensors, as outside a simulation."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.fsdp._fully_shard import _fully_shard
 
@@ -168,9 +171,9 @@ def real_post_forward_meshes() -> Iterator[None]:
 
 def reset_fsdp_iter_state(root: Any) -> None:
     """After a forward without backward (evaluation): every unit resharded and FSDP2's record of the
-    pass's forward order (which backward prefetches by) forgotten. Public from torch 2.15 (the pinned
-    version) as ``FSDPModule.reset_iter_state``; on the GPU machines' torch 2.11, by hand: each unit's
-    ``reshard()`` (public) and the two private records that method clears."""
+    pass's forward order (which backward prefetches by) forgotten. Public from torch 2.15 (the
+    pinned version) as ``FSDPModule.reset_iter_state``; on the GPU machines' torch 2.11, by hand:
+    each unit's ``reshard()`` (public) and the two private records that method clears."""
     if hasattr(root, "reset_iter_state"):
         root.reset_iter_state()
         return
@@ -188,9 +191,10 @@ def reset_fsdp_iter_state(root: Any) -> None:
 def count_zero_broadcasts(optimizer: Any, count: Any) -> None:
     """Counts what a ZeroRedundancyOptimizer broadcasts after its step: ``count(tensor)`` for each tensor
     it is about to broadcast. Its step calls the private ``_broadcast_params_from_rank(r)`` once for
-    every rank r (``_sync_params``), which broadcasts rank r's bucket (``parameters_as_bucket_view``,
-    ``_buckets``) or the parameters of r's partition (``_partition_parameters()[r]``); the method is
-    wrapped on this instance to count the same tensors, from the same structures, before it runs."""
+    every rank r (``_sync_params``), which broadcasts rank r's bucket
+    (``parameters_as_bucket_view``, ``_buckets``) or the parameters of r's partition
+    (``_partition_parameters()[r]``); the method is wrapped on this instance to count the same
+    tensors, from the same structures, before it runs."""
     broadcast = optimizer._broadcast_params_from_rank
 
     def counted(rank: int) -> Any:
@@ -245,7 +249,9 @@ class SizeClasses:
         self._region_totals: dict[str, int] = {}
         update_snap, update_peak = tracker._update_snap, tracker._update_peak_stats
 
-        def on_update(u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None) -> None:
+        def on_update(
+            u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None
+        ) -> None:
             update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
             name, kind = winfo.reftype.name, u_type.name
             if kind == "ADD":
@@ -265,7 +271,10 @@ class SizeClasses:
             if total > self._peak_total:
                 self._peak_total, self.at_peak = total, dict(self.current)
             if total > self._region_totals.get(self.region, -1):
-                self._region_totals[self.region], self.region_peaks[self.region] = total, dict(self.current)
+                self._region_totals[self.region], self.region_peaks[self.region] = (
+                    total,
+                    dict(self.current),
+                )
 
         tracker._update_snap = on_update
         tracker._update_peak_stats = on_op

@@ -29,10 +29,16 @@ from fsdp_zero.tools import DEFAULTS, ORDER, dataparallel_row, read_rows, report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per strategy (default 2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=2, help="ranks per strategy (default 2)"
+    )
     parser.add_argument("--config")
-    parser.add_argument("--out", help="output folder (default runs/compare-<timestamp>); must not exist")
+    parser.add_argument(
+        "--out", help="output folder (default runs/compare-<timestamp>); must not exist"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     out = Path(args.out or f"runs/compare-{datetime.now():%Y%m%d-%H%M%S}")
@@ -47,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for strategy in ORDER:
-        try:  # settings that do not apply to a strategy (bf16-mixed or CPU offload under DDP) skip it
+        # settings that do not apply to a strategy (bf16-mixed or CPU offload under DDP) skip it
+        try:
             load_config(args.config, overrides + [f"parallel.strategy={strategy.value}"])
         except ValueError as e:
             print(f"skipped {strategy.value}: {e}", file=sys.stderr)

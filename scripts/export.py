@@ -28,13 +28,27 @@ from fsdp_zero.monitor import parse_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (…/checkpoints/step-NNNNNNN)")
-    parser.add_argument("--out", type=Path, required=True, help="a new folder, or a file name ending in .safetensors")
-    parser.add_argument(
-        "--dtype", choices=sorted(EXPORT_DTYPES), help="cast floating-point weights (default: as saved)"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--max-shard-size", help="split into files of at most this size, e.g. 2GB (default: one file)")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a checkpoint folder (…/checkpoints/step-NNNNNNN)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="a new folder, or a file name ending in .safetensors",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(EXPORT_DTYPES),
+        help="cast floating-point weights (default: as saved)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        help="split into files of at most this size, e.g. 2GB (default: one file)",
+    )
     parser.add_argument(
         "--weights-only",
         action="store_true",

@@ -29,7 +29,9 @@ from fsdp_zero.distributed import exit_process
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=8, help="global batch, over all ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -40,26 +42,41 @@ def main() -> None:
     with fz.distributed() as env:
         with fz.meta_init():  # no memory for the parameters until each rank materialises its shards
             model = VisionTransformer(
-                image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
+                image_size=32,
+                patch_size=8,
+                num_layers=2,
+                num_heads=2,
+                hidden_dim=32,
+                mlp_dim=64,
+                num_classes=10,
             )
         model = fz.shard(model, env, strategy="full_shard", wrap=["EncoderBlock"], seed=args.seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True
+        )
 
         data = FakeData(
             size=1000,
             image_size=(3, 32, 32),
             num_classes=10,
             random_offset=args.seed,
-            transform=transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]),
+            transform=transforms.Compose(
+                [transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]
+            ),
         )
-        sampler = DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, shuffle=False)
-        loader = DataLoader(data, batch_size=args.batch_size // env.world_size, sampler=sampler, drop_last=True)
+        sampler = DistributedSampler(
+            data, num_replicas=env.world_size, rank=env.rank, shuffle=False
+        )
+        loader = DataLoader(
+            data, batch_size=args.batch_size // env.world_size, sampler=sampler, drop_last=True
+        )
 
         checkpoints = fz.Checkpoints(f"{args.run_dir}/checkpoints", env, keep_last=2)
         start, _ = checkpoints.resume(model, optimizer)  # (0, {}) on a fresh run
         memory = fz.MemoryLog(args.run_dir, env)
         batches = iter(loader)
-        for _ in range(start):  # skip what the checkpoint has seen (1000 images: one pass is enough here)
+        # skip what the checkpoint has seen (1000 images: one pass is enough here)
+        for _ in range(start):
             next(batches)
         for step in range(start + 1, args.steps + 1):
             images, labels = next(batches)
@@ -73,7 +90,10 @@ def main() -> None:
             mean = mean.item() / env.world_size
             mem = memory.log(step, model, optimizer, loss=mean)
             if env.rank == 0:
-                print(f"step {step} loss {mean:.8f} peak rss MiB {mem['memory/cpu_peak_rss_mib']:.0f}", flush=True)
+                print(
+                    f"step {step} loss {mean:.8f} peak rss MiB {mem['memory/cpu_peak_rss_mib']:.0f}",
+                    flush=True,
+                )
             if step % 10 == 0 or step == args.steps:
                 checkpoints.save(step, model, optimizer, {"images_seen": step * args.batch_size})
         memory.close()
@@ -82,4 +102,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_process(0)  # skips a gloo teardown race at interpreter exit (see fsdp_zero.distributed.env.exit_process)
+    # skips a gloo teardown race at interpreter exit (see fsdp_zero.distributed.env.exit_process)
+    exit_process(0)

@@ -55,7 +55,9 @@ ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config")
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument(
@@ -66,14 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device-memory", help="memory per rank to fit in, e.g. 80GB")
     parser.add_argument("--json", help="also write the predictions here")
-    parser.add_argument("--params", type=float, help="a parameter count (e.g. 7.5e9): the ZeRO formulas only")
+    parser.add_argument(
+        "--params", type=float, help="a parameter count (e.g. 7.5e9): the ZeRO formulas only"
+    )
     parser.add_argument(
         "--largest-layer",
         type=float,
         help="with --params: the largest unit's parameters (DeepSpeed's estimate; default: none)",
     )
     parser.add_argument(
-        "--fit", help="memory per rank to fit in, e.g. 3GiB: search the settings, print the cheapest that fits"
+        "--fit",
+        help="memory per rank to fit in, e.g. 3GiB: search the settings, print the cheapest that fits",
     )
     parser.add_argument(
         "--link-gbps",
@@ -86,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         help="--fit: achieved 16-bit compute per rank, TFLOP/s (default: 400 for cuda, 0.05 for cpu)",
     )
     parser.add_argument(
-        "--host-gbps", type=float, help="--fit: host <-> device copies (CPU offload), Gbit/s (default 200)"
+        "--host-gbps",
+        type=float,
+        help="--fit: host <-> device copies (CPU offload), Gbit/s (default 200)",
     )
     parser.add_argument(
         "--search",
@@ -99,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"--fit: a candidate fits when its predicted peak plus this "
         f"fraction of it does (default {MARGIN:g}: the planner's measured accuracy)",
     )
-    parser.add_argument("--show", type=int, help="--fit: how many fitting candidates to print (default 12)")
+    parser.add_argument(
+        "--show", type=int, help="--fit: how many fitting candidates to print (default 12)"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
@@ -116,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"--largest-layer={args.largest_layer:g}: the largest unit's parameters, > 0 and "
                     f"<= --params={args.params:g}"
                 )
-            formulas(int(args.params), int(args.largest_layer) if args.largest_layer else None, args.world_size)
+            formulas(
+                int(args.params),
+                int(args.largest_layer) if args.largest_layer else None,
+                args.world_size,
+            )
             return 0
         for flag in ("search", "margin", "show", "tflops", "host_gbps"):
             if getattr(args, flag) is not None and not args.fit:
@@ -124,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"--{flag.replace('_', '-')}={getattr(args, flag)}: it applies to --fit; add --fit MEMORY"
                 )
         dims = tuple(d for d in args.search.split(",") if d) if args.search else DIMENSIONS
-        cfg = load_config(args.config, [*args.overrides, *(searched_overrides(dims) if args.fit else [])])
+        cfg = load_config(
+            args.config, [*args.overrides, *(searched_overrides(dims) if args.fit else [])]
+        )
         rates = _rates(args, cfg.dist.device.value)
         if args.fit:
             if args.strategy or args.device_memory:
@@ -137,13 +152,24 @@ def main(argv: list[str] | None = None) -> int:
                 parse_size(args.fit, "--fit"),
             )
             if not 0 <= margin < 1:
-                raise ValueError(f"--margin={margin:g}: a fraction of the predicted peak, in [0, 1)")
+                raise ValueError(
+                    f"--margin={margin:g}: a fraction of the predicted peak, in [0, 1)"
+                )
             if show < 1:
                 raise ValueError(f"--show={show}: how many fitting candidates to print, >= 1")
             if budget <= 0:
                 raise ValueError(f"--fit={args.fit}: a memory per rank > 0, e.g. 24GiB")
             given = any(getattr(args, k) is not None for k in ("tflops", "link_gbps", "host_gbps"))
-            return fit(cfg, args.world_size, budget, margin, None if not given else rates, dims, args.json, show)
+            return fit(
+                cfg,
+                args.world_size,
+                budget,
+                margin,
+                None if not given else rates,
+                dims,
+                args.json,
+                show,
+            )
         limit = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
         strategies = [Strategy(s) for s in args.strategy] if args.strategy else ALL
         preds = simulate(cfg, args.world_size, strategies)
@@ -164,14 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                [{k: v for k, v in dataclasses.asdict(p).items() if k not in ("notes", "regions")} for p in preds],
+                [
+                    {
+                        k: v
+                        for k, v in dataclasses.asdict(p).items()
+                        if k not in ("notes", "regions")
+                    }
+                    for p in preds
+                ],
                 f,
                 indent=2,
             )
     return 0
 
 
-def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, limit: int | None) -> None:
+def memory_table(
+    cfg: Config, preds: list[Prediction], num_params: int, n: int, limit: int | None
+) -> None:
     """Each strategy's predicted peak by category, what a rank will show, and whether it fits ``limit``."""
     cuda = cfg.dist.device.value == "cuda"
     kind = "device memory" if cuda else "peak RSS (process)"
@@ -186,7 +221,12 @@ def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, 
         + "\n"
     )
     retained = "" if cuda else "heap kept MiB"  # what glibc's heap keeps beyond the live tensors
-    head = ["strategy"] + [f"{c} MiB" for c in CATEGORIES] + ["tensors MiB", "baseline MiB"] + [retained] * (not cuda)
+    head = (
+        ["strategy"]
+        + [f"{c} MiB" for c in CATEGORIES]
+        + ["tensors MiB", "baseline MiB"]
+        + [retained] * (not cuda)
+    )
     head += [f"{kind} MiB", "model state MiB"]
     if limit:
         head.append(f"fits {format_bytes(limit)}")
@@ -202,7 +242,8 @@ def memory_table(cfg: Config, preds: list[Prediction], num_params: int, n: int, 
             cells.append("yes" if p.peak <= limit else f"no (needs {format_bytes(p.peak)})")
         print("| " + " | ".join(cells) + " |")
     print()
-    for note in sorted({n for p in preds for n in p.notes}):  # a composed simulation says so (fsdp_zero.tools.planner)
+    # a composed simulation says so (fsdp_zero.tools.planner)
+    for note in sorted({n for p in preds for n in p.notes}):
         print(f"({note})\n")
     if cfg.parallel.cpu_offload:
         print(
@@ -219,10 +260,14 @@ def _rates(args: argparse.Namespace, device: str) -> Rates:
     for key, value in given.items():
         if value is not None and not value > 0:
             raise ValueError(f"--{key.replace('_', '-')}={value:g}: must be > 0")
-    return dataclasses.replace(Rates.default(device), **{k: v for k, v in given.items() if v is not None})
+    return dataclasses.replace(
+        Rates.default(device), **{k: v for k, v in given.items() if v is not None}
+    )
 
 
-def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[Strategy], link_gbps: float) -> None:
+def communication(
+    cfg: Config, model: torch.nn.Module, n: int, strategies: list[Strategy], link_gbps: float
+) -> None:
     """Bytes per rank per optimizer step by kind (`fsdp_zero.monitor.comm.comm_formula`), for each strategy and
     precision mode, and the time they take at ``link_gbps``."""
     plan = build_wrap_plan(model, cfg.parallel.wrap, n)
@@ -231,7 +276,9 @@ def communication(cfg: Config, model: torch.nn.Module, n: int, strategies: list[
         f"\n## communication per rank per optimizer step ({accum} micro-batches, parallel.grad_sync="
         f"{cfg.parallel.grad_sync.value}; time at {link_gbps:g} Gbit/s, ring collectives)\n"
     )
-    print("| strategy | precision | all-gather MiB | reduce-scatter MiB | all-reduce MiB | time ms |")
+    print(
+        "| strategy | precision | all-gather MiB | reduce-scatter MiB | all-reduce MiB | time ms |"
+    )
     print("|---|---|---|---|---|---|")
     for strategy in strategies:
         for mode in PLAN_MODES:
@@ -294,7 +341,10 @@ def fit(
         c = s.candidate
         ms = [
             f"{v * 1e3:,.1f}"
-            for v in (s.cost, *(s.parts[k] for k in ("compute_s", "comm_s", "optimizer_s", "offload_s")))
+            for v in (
+                s.cost,
+                *(s.parts[k] for k in ("compute_s", "comm_s", "optimizer_s", "offload_s")),
+            )
         ]
         print(
             f"| {i} | {' | '.join(ms)} "
@@ -321,13 +371,17 @@ def fit(
     return 0
 
 
-def formulas(num_params: int, largest: int | None, n: int, root: int | None = None, frozen: int = 0) -> None:
+def formulas(
+    num_params: int, largest: int | None, n: int, root: int | None = None, frozen: int = 0
+) -> None:
     """The ZeRO paper's model states per device (its Table 1) beside ours per strategy, at rest and
     inside the step, and DeepSpeed's ZeRO-3 estimate. ``largest``: the largest unit's parameters
     besides the root (None: not known); ``root``: the root unit's own (None: not known, counted as 0)."""
     paper = zero_paper_stages(num_params, n)
     states = strategy_states(num_params, n, largest, root or 0, frozen=frozen)
-    print(f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n")
+    print(
+        f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n"
+    )
     print(
         f"- ZeRO paper (Rajbhandari et al. 2020), Table 1, as it states them: mixed-precision Adam (fp16 parameters "
         f"2 B, fp16 gradients 2 B, K = {PAPER_K} B of fp32 optimizer states per parameter), Psi parameters over N_d "
@@ -361,15 +415,24 @@ def formulas(num_params: int, largest: int | None, n: int, root: int | None = No
             if s.refused:
                 cells += ["refused"] * 2
             else:
-                in_step = format_bytes(s.at_rest) + " + 1-2 units" if s.in_step is None else format_bytes(s.in_step)
+                in_step = (
+                    format_bytes(s.at_rest) + " + 1-2 units"
+                    if s.in_step is None
+                    else format_bytes(s.in_step)
+                )
                 cells += [format_bytes(s.at_rest), in_step]
         print("| " + " | ".join(cells) + " |")
     for mode in PLAN_MODES:  # one line per mode: the reasons differ only in the strategy they name
         refused = [s for s in states if s.mode == mode and s.refused]
         if refused:
-            print(f"\nrefused ({mode} with {', '.join(s.strategy.value for s in refused)}): {refused[0].refused}")
-    biggest = largest or root or 0  # DeepSpeed's largest layer: the largest unit besides the root, or the root alone
-    layer = f"largest layer {biggest:,} params" if biggest else "largest layer not given, counted as 0"
+            print(
+                f"\nrefused ({mode} with {', '.join(s.strategy.value for s in refused)}): {refused[0].refused}"
+            )
+    # DeepSpeed's largest layer: the largest unit besides the root, or the root alone
+    biggest = largest or root or 0
+    layer = (
+        f"largest layer {biggest:,} params" if biggest else "largest layer not given, counted as 0"
+    )
     print(
         f"\nDeepSpeed estimate_zero3_model_states_mem_needs (no offload; {layer}): "
         f"{format_bytes(deepspeed_zero3_estimate(num_params, biggest, n))} per GPU"

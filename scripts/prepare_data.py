@@ -26,12 +26,20 @@ from fsdp_zero.data import DEFAULT_VAL_FRACTION, prepare
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--tokenizer", required=True, help="a folder that save_pretrained wrote (a model folder will do)"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files, or folders of them")
-    parser.add_argument("--out", required=True, help="a new folder for train.bin, val.bin and meta.json")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        help="a folder that save_pretrained wrote (a model folder will do)",
+    )
+    parser.add_argument(
+        "--input", nargs="+", required=True, help=".txt or .jsonl files, or folders of them"
+    )
+    parser.add_argument(
+        "--out", required=True, help="a new folder for train.bin, val.bin and meta.json"
+    )
     parser.add_argument(
         "--val-fraction",
         type=float,
@@ -39,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the share of documents held out for validation (default {DEFAULT_VAL_FRACTION})",
     )
     parser.add_argument(
-        "--field", default=None, help="the JSONL field that holds the text (default: text; --format chat: messages)"
+        "--field",
+        default=None,
+        help="the JSONL field that holds the text (default: text; --format chat: messages)",
     )
     parser.add_argument(
         "--format",
@@ -47,12 +57,20 @@ def main(argv: list[str] | None = None) -> int:
         choices=("text", "prompt_completion", "chat"),
         help="text: documents (default); prompt_completion or chat: instruction records, masked",
     )
-    parser.add_argument("--prompt-field", default="prompt", help="--format prompt_completion: the prompt's field")
     parser.add_argument(
-        "--completion-field", default="completion", help="--format prompt_completion: the completion's field"
+        "--prompt-field", default="prompt", help="--format prompt_completion: the prompt's field"
     )
-    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1: this one)")
-    parser.add_argument("--seed", type=int, default=0, help="chooses the validation documents (default 0)")
+    parser.add_argument(
+        "--completion-field",
+        default="completion",
+        help="--format prompt_completion: the completion's field",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="tokenizing processes (default 1: this one)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="chooses the validation documents (default 0)"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -75,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     for split in ("train", "val"):
         print(
             f"{args.out}/{split}.bin: {meta[split]['documents']:,} documents, {meta[split]['tokens']:,} tokens "
-            f"({meta['dtype']})" + (f", {meta[split]['trained_tokens']:,} trained on" if args.format != "text" else "")
+            f"({meta['dtype']})"
+            + (f", {meta[split]['trained_tokens']:,} trained on" if args.format != "text" else "")
         )
     print(
         f"{tokens:,} tokens at {tokens / seconds:,.0f} tokens/s ({args.workers} worker(s); {seconds:.1f} s "

@@ -37,9 +37,13 @@ def _fail(message: str) -> int:
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML file of settings that differ from the defaults")
-    parser.add_argument("--deepspeed", metavar="JSON", help="a DeepSpeed config (ds_config.json), read as-is")
+    parser.add_argument(
+        "--deepspeed", metavar="JSON", help="a DeepSpeed config (ds_config.json), read as-is"
+    )
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. train.steps=50")
     args = parser.parse_args(argv)
     try:
@@ -48,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             mapped, notes = read_deepspeed(args.deepspeed, int(os.environ.get("WORLD_SIZE", "1")))
             overrides = mapped + overrides
             if os.environ.get("RANK", "0") == "0":
-                print(f"--deepspeed {args.deepspeed}: " + (" ".join(mapped) or "nothing mapped"), file=sys.stderr)
+                print(
+                    f"--deepspeed {args.deepspeed}: " + (" ".join(mapped) or "nothing mapped"),
+                    file=sys.stderr,
+                )
                 for note in notes:
                     print(note, file=sys.stderr)
         cfg = load_config(args.config, overrides)
@@ -56,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             train(cfg, env)
     except ValueError as e:  # a user error: every rank raises the same one
         return _fail(str(e))
-    except RunEnded as e:  # diverged (3), stopped with a save (4), a collective failed (5), a save failed (6)
+    # diverged (3), stopped with a save (4), a collective failed (5), a save failed (6)
+    except RunEnded as e:
         if e.every_rank or os.environ.get("RANK", "0") == "0":
             print(f"{e.prefix}{e}", file=sys.stderr)
         return e.exit_code

@@ -26,7 +26,8 @@ import torch
 from tests.conftest import _COLLECTED, REPO, build_model, check, launch
 
 WORKER = REPO / "tests" / "workers" / "jobs.py"
-HAS_HF = importlib.util.find_spec("transformers") is not None  # the `hf` extra (in `dev`): the llama runs
+# the `hf` extra (in `dev`): the llama runs
+HAS_HF = importlib.util.find_spec("transformers") is not None
 
 # tests/test_parity.py's base: 8 AdamW steps, clipping active on every step (asserted there). Without the
 # memory tracker's profiled step (about 0.7 s a run): the runs whose tracker figures a test reads profile step 2.
@@ -42,7 +43,8 @@ BASE = (
     "metrics.tensorboard=false",
     "memory.profile_step=0",
 )
-PROFILED = ("memory.profile_step=2",)  # tests/test_parity.py: the activations and gathered parameters after forward
+# tests/test_parity.py: the activations and gathered parameters after forward
+PROFILED = ("memory.profile_step=2",)
 TIED = ("model.tie_embeddings=true",)
 # tests/test_models.py's: foreign models, 4 steps, a constant learning rate without weight decay.
 COMMON = (
@@ -56,7 +58,8 @@ COMMON = (
     "optim.warmup_steps=0",
     "optim.min_lr_ratio=1",
 )
-VIT = ("--config", "configs/vit_fake.yaml")  # a torchvision VisionTransformer on FakeData, units EncoderBlock
+# a torchvision VisionTransformer on FakeData, units EncoderBlock
+VIT = ("--config", "configs/vit_fake.yaml")
 LLAMA = (
     "model.target=transformers:LlamaForCausalLM",
     "model.kwargs.vocab_size=101",
@@ -91,7 +94,8 @@ class Run:
 class Launch:
     nproc: int  # 0: plain python (world size 1)
     after: tuple[str, ...] = ()  # launches whose checkpoints its runs read
-    prepare: Callable[[Path], None] | None = None  # files its runs read, made first in the test process
+    # files its runs read, made first in the test process
+    prepare: Callable[[Path], None] | None = None
 
 
 P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
@@ -117,7 +121,9 @@ def _weights_to_import(root: Path) -> None:
     model = build_model(args_from_config(load_config(None, list(BASE)).model), device="cpu")
     model.load_state_dict(torch.load(root / "n2.pt", weights_only=True)["final"])
     torch.save(model.state_dict(), root / "weights.pt")
-    export_checkpoint(root / "n2" / "checkpoints" / "step-0000008", root / "exported", max_shard_bytes=100_000)
+    export_checkpoint(
+        root / "n2" / "checkpoints" / "step-0000008", root / "exported", max_shard_bytes=100_000
+    )
 
 
 def _hf_folder(root: Path) -> None:
@@ -156,9 +162,9 @@ def _masked_tokens(root: Path) -> None:
         return
     folder.mkdir(exist_ok=True)
     gen = torch.Generator().manual_seed(20)
-    torch.randint(0, 256, (MASKED_TOKENS,), generator=gen, dtype=torch.int32).numpy().astype("uint16").tofile(
-        folder / "train.bin"
-    )
+    torch.randint(0, 256, (MASKED_TOKENS,), generator=gen, dtype=torch.int32).numpy().astype(
+        "uint16"
+    ).tofile(folder / "train.bin")
     mask, done = torch.zeros(MASKED_TOKENS, dtype=torch.uint8), 0
     while done < MASKED_TOKENS:
         length = int(torch.randint(8, 60, (1,), generator=gen))
@@ -190,25 +196,43 @@ LAUNCHES = {
 RUNS = [
     # ZeRO-3 straight through, saving every 2 steps (retention keeps 6 and 8): the parity run and the
     # checkpoint tests' straight run.
-    Run("n2", "2", (*BASE, *PROFILED, "checkpoint.every=2", "checkpoint.keep_last=2"), (P, C, "test_cli", E, T, S, K)),
+    Run(
+        "n2",
+        "2",
+        (*BASE, *PROFILED, "checkpoint.every=2", "checkpoint.keep_last=2"),
+        (P, C, "test_cli", E, T, S, K),
+    ),
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
     Run(
-        "eval", "2", (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"), (E, T)
+        "eval",
+        "2",
+        (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"),
+        (E, T),
     ),
     Run("n2-tied", "2", (*BASE, *TIED), (P, T)),
     # DDP and ZeRO-2 evaluate too: DDP through its wrapper, ZeRO-2's units left gathered by a forward without
     # backward until FSDP2's reset_iter_state (tests/test_eval.py).
     Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4", *EVAL), (P, C, T, E)),
-    Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T, S)),  # DeepSpeed's name for it
-    Run("zero2", "2", (*BASE, *PROFILED, "parallel.strategy=SHARD_GRAD_OP", *EVAL), (P, T, E)),  # FSDP1's name for it
+    # DeepSpeed's name for it
+    Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T, S)),
+    # FSDP1's name for it
+    Run("zero2", "2", (*BASE, *PROFILED, "parallel.strategy=SHARD_GRAD_OP", *EVAL), (P, T, E)),
     # The memory levers: plain ZeRO-3's numbers bit for bit; CPU offload and full checkpointing share a run.
     Run(
-        "ac-full", "2", (*BASE, *PROFILED, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"), (P,)
+        "ac-full",
+        "2",
+        (*BASE, *PROFILED, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"),
+        (P,),
     ),
     Run(
         "ac-selective",
         "2",
-        (*BASE, *PROFILED, "parallel.activation_checkpointing=selective", "parallel.activation_checkpointing_every=2"),
+        (
+            *BASE,
+            *PROFILED,
+            "parallel.activation_checkpointing=selective",
+            "parallel.activation_checkpointing_every=2",
+        ),
         (P,),
     ),
     Run("bf16-mixed", "2", (*BASE, *PROFILED, "precision=bf16-mixed"), (P, T, S)),
@@ -217,7 +241,12 @@ RUNS = [
     Run(
         "overflow",
         "2",
-        (*BASE, "precision=fp16-mixed", "model.task=custom", "model.loss=tests.user_model:overflow_on_rank1"),
+        (
+            *BASE,
+            "precision=fp16-mixed",
+            "model.task=custom",
+            "model.loss=tests.user_model:overflow_on_rank1",
+        ),
         (P,),
     ),
     Run(
@@ -247,7 +276,12 @@ RUNS = [
         ),
         (M,),
     ),
-    Run("pretrained", "2", ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON), ("test_pretrained",)),
+    Run(
+        "pretrained",
+        "2",
+        ("model.pretrained={root}/tiny-llama", "data.seq_len=16", *COMMON),
+        ("test_pretrained",),
+    ),
     # Masked instruction data (tests/test_masked.py): the token-weighted loss at N = 2, micro-batch 2.
     Run("masked", "2", (*BASE, *MASKED), ("test_masked",)),
     # The same without clipping: AdamW's steps then follow the gradient's scale, which clipping hides.
@@ -274,7 +308,12 @@ RUNS = [
     Run(
         "grad-once-zero2-bf16",
         "2",
-        (*BASE, "parallel.strategy=shard_grad_op", "precision=bf16-true", "parallel.grad_sync=once_per_step"),
+        (
+            *BASE,
+            "parallel.strategy=shard_grad_op",
+            "precision=bf16-true",
+            "parallel.grad_sync=once_per_step",
+        ),
         (T,),
     ),
     # n2, bf16-mixed and zero1 with the optimizer stepped group by group: the same bits.
@@ -309,7 +348,10 @@ RUNS = [
         run_name="overflow",
     ),
     Run(
-        "llama-resumed", "2-resume", (*LLAMA, *COMMON, "checkpoint.resume={root}/llama/checkpoints/step-0000002"), (M,)
+        "llama-resumed",
+        "2-resume",
+        (*LLAMA, *COMMON, "checkpoint.resume={root}/llama/checkpoints/step-0000002"),
+        (M,),
     ),
     Run(
         "pretrained-resumed",
@@ -322,19 +364,35 @@ RUNS = [
         ),
         ("test_pretrained",),
     ),
-    Run("lora-resumed", "2-resume", (*BASE, *LORA, "checkpoint.every=0"), (L,), run_name="lora-split"),
+    Run(
+        "lora-resumed",
+        "2-resume",
+        (*BASE, *LORA, "checkpoint.every=0"),
+        (L,),
+        run_name="lora-split",
+    ),
     # A checkpoint saved reducing every micro-batch, continued deferring: n2's steps 5-8 (grad_sync is no part of it).
     Run(
         "grad-once-resumed",
         "2-resume",
-        (*BASE, "parallel.grad_sync=once_per_step", "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
+        (
+            *BASE,
+            "parallel.grad_sync=once_per_step",
+            "checkpoint.every=0",
+            f"checkpoint.resume={SPLIT}",
+        ),
         (T,),
     ),
     # A checkpoint saved whole-shard continued in groups, and one saved in groups continued whole-shard.
     Run(
         "group-resumed",
         "2-resume",
-        (*BASE, *GROUPED, "checkpoint.every=0", "checkpoint.resume={root}/split/checkpoints/step-0000004"),
+        (
+            *BASE,
+            *GROUPED,
+            "checkpoint.every=0",
+            "checkpoint.resume={root}/split/checkpoints/step-0000004",
+        ),
         (S,),
     ),
     Run(
@@ -360,18 +418,45 @@ RUNS = [
     Run(
         "lora-reshard4",
         "4",
-        (*BASE, *LORA, "checkpoint.every=0", "checkpoint.resume={root}/lora-split/checkpoints/step-0000004"),
+        (
+            *BASE,
+            *LORA,
+            "checkpoint.every=0",
+            "checkpoint.resume={root}/lora-split/checkpoints/step-0000004",
+        ),
         (L,),
     ),
-    Run("hsdp", "4", (*BASE, *PROFILED, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"), (P, T, K)),
+    Run(
+        "hsdp",
+        "4",
+        (*BASE, *PROFILED, "parallel.strategy=hybrid_shard", "parallel.shard_size=2"),
+        (P, T, K),
+    ),
     # ZeRO++ hpZ (resharded over pairs after forward) with explicit prefetch of the next unit.
-    Run("hpz-prefetch", "4", (*BASE, *PROFILED, "parallel.reshard_after_forward=2", "parallel.prefetch=1"), (P, T)),
+    Run(
+        "hpz-prefetch",
+        "4",
+        (*BASE, *PROFILED, "parallel.reshard_after_forward=2", "parallel.prefetch=1"),
+        (P, T),
+    ),
     # HSDP's deferred reductions over micro-batches of 1 (2 a step): the single-process numbers.
-    Run("hsdp-replicas", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=replicas_once_per_step"), (T,)),
+    Run(
+        "hsdp-replicas", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=replicas_once_per_step"), (T,)
+    ),
     Run("hsdp-once", "4", (*BASE, *HSDP_MB1, "parallel.grad_sync=once_per_step"), (T,)),
     # ZeRO-1 and ZeRO-2 at 4 ranks for tests/test_comm.py's bytes (DDP's: full_shard-to-ddp-n4): two steps.
-    Run("zero1-n4", "4", (*BASE, "parallel.strategy=zero1", "train.steps=2", "checkpoint.enabled=false"), (T,)),
-    Run("zero2-n4", "4", (*BASE, "parallel.strategy=shard_grad_op", "train.steps=2", "checkpoint.enabled=false"), (T,)),
+    Run(
+        "zero1-n4",
+        "4",
+        (*BASE, "parallel.strategy=zero1", "train.steps=2", "checkpoint.enabled=false"),
+        (T,),
+    ),
+    Run(
+        "zero2-n4",
+        "4",
+        (*BASE, "parallel.strategy=shard_grad_op", "train.steps=2", "checkpoint.enabled=false"),
+        (T,),
+    ),
     Run("vit-n4", "4", (*VIT, *COMMON, "train.steps=1", "checkpoint.enabled=false"), (M,)),
     Run("reshard4", "4", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
     Run(
@@ -391,7 +476,8 @@ RUNS = [
     Run("masked-n1", "1", (*BASE, *MASKED), ("test_masked",)),
     Run("masked-n1-mb8", "1", (*BASE, *MASKED, "train.micro_batch_size=8"), ("test_masked",)),
     Run("lora-n1", "1", (*BASE, *LORA), (L,)),
-    Run("eval-n1", "1", (*BASE, "train.micro_batch_size=4", *EVAL), (E,)),  # one rank: forwards of 4 and 1 windows
+    # one rank: forwards of 4 and 1 windows
+    Run("eval-n1", "1", (*BASE, "train.micro_batch_size=4", *EVAL), (E,)),
     Run("reshard1", "1", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),
     Run(
         "ddp-to-full_shard-n1",
@@ -427,7 +513,9 @@ class Batches:
 
     def _launch(self, key: str) -> None:
         if key in self.failed:
-            raise AssertionError(f"launch {key!r} failed earlier in this session:\n{self.failed[key]}")
+            raise AssertionError(
+                f"launch {key!r} failed earlier in this session:\n{self.failed[key]}"
+            )
         if key in self.done:
             return
         spec = LAUNCHES[key]
@@ -445,7 +533,13 @@ class Batches:
             for r in RUNS
             if r.launch == key
             and set(r.readers) & self.modules
-            and (HAS_HF or not any(a.startswith(("model.target=transformers:", "model.pretrained=")) for a in r.args))
+            and (
+                HAS_HF
+                or not any(
+                    a.startswith(("model.target=transformers:", "model.pretrained="))
+                    for a in r.args
+                )
+            )
         ]
         spec_file = self.root / f"launch-{key}.json"
         spec_file.write_text(json.dumps(jobs, indent=1))

@@ -11,7 +11,8 @@ last, and skip where no GPU is visible (`visible_gpus`).
 
 from __future__ import annotations
 
-from tests.cpu_only import VISIBLE as _VISIBLE  # first: hides the GPUs from this process (isort: skip)
+# First: hides the GPUs from this process.
+from tests.cpu_only import VISIBLE as _VISIBLE  # isort: skip
 
 import functools  # noqa: E402
 import os  # noqa: E402
@@ -61,7 +62,8 @@ def visible_gpus() -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked gpu run last (in their order), after every test the guard below watches; where no GPU
     is visible they skip."""
-    items.sort(key=lambda item: "gpu" in item.keywords)  # stable: the order within each part is kept
+    # stable: the order within each part is kept
+    items.sort(key=lambda item: "gpu" in item.keywords)
     if not any("gpu" in item.keywords for item in items) or visible_gpus():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -88,7 +90,9 @@ def _cpu_tests_leave_cuda_alone(request: pytest.FixtureRequest):
     before = torch.cuda.is_initialized()
     yield
     if "gpu" not in request.keywords and not before:
-        assert not torch.cuda.is_initialized(), f"{request.node.nodeid} initialised CUDA but is not marked gpu"
+        assert not torch.cuda.is_initialized(), (
+            f"{request.node.nodeid} initialised CUDA but is not marked gpu"
+        )
 
 
 def launch(
@@ -116,7 +120,16 @@ def launch(
     """
     if nproc and not torchrun:
         return _spawn(nproc, [sys.executable, str(script), *args], _run_env(env, gpu), timeout, gpu)
-    return start(nproc, script, *args, timeout=timeout, gpu=gpu, env=env, torchrun_args=torchrun_args, cwd=cwd)()
+    return start(
+        nproc,
+        script,
+        *args,
+        timeout=timeout,
+        gpu=gpu,
+        env=env,
+        torchrun_args=torchrun_args,
+        cwd=cwd,
+    )()
 
 
 def start(
@@ -133,7 +146,9 @@ def start(
     run that the test process works beside."""
     cmd = train_command(nproc, args, script=script, torchrun_args=torchrun_args, torchrun=nproc > 0)
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills up
-    process = subprocess.Popen(cmd, cwd=cwd, env=_run_env(env, gpu), stdout=out, stderr=err, text=True)
+    process = subprocess.Popen(
+        cmd, cwd=cwd, env=_run_env(env, gpu), stdout=out, stderr=err, text=True
+    )
 
     def wait() -> subprocess.CompletedProcess:
         try:
@@ -162,7 +177,9 @@ def _run_env(env: dict[str, str] | None, gpu: bool) -> dict[str, str]:
     return gpu_env(run_env) if gpu else {**run_env, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def _spawn(nproc: int, cmd: list[str], env: dict[str, str], timeout: float, gpu: bool) -> subprocess.CompletedProcess:
+def _spawn(
+    nproc: int, cmd: list[str], env: dict[str, str], timeout: float, gpu: bool
+) -> subprocess.CompletedProcess:
     """``nproc`` ranks of ``cmd`` with torchrun's environment variables; the first failing rank's exit code."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -179,9 +196,12 @@ def _spawn(nproc: int, cmd: list[str], env: dict[str, str], timeout: float, gpu:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
             }
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills up
+            # files: no pipe fills up
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             files.append((out, err))
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=err, text=True))
+            procs.append(
+                subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=err, text=True)
+            )
         for p in procs:
             p.wait(timeout=timeout)
         texts = []
@@ -197,7 +217,10 @@ def _spawn(nproc: int, cmd: list[str], env: dict[str, str], timeout: float, gpu:
             err.close()
     code = next((p.returncode for p in procs if p.returncode), 0)
     proc = subprocess.CompletedProcess(
-        cmd, code, "".join(o for o, _ in texts), "".join(f"[rank{r}] {e}" for r, (_, e) in enumerate(texts))
+        cmd,
+        code,
+        "".join(o for o, _ in texts),
+        "".join(f"[rank{r}] {e}" for r, (_, e) in enumerate(texts)),
     )
     _check_device(proc, cmd, gpu)
     return proc
@@ -246,15 +269,21 @@ def run_script(script: Path, *args: str, cwd: Path = REPO) -> subprocess.Complet
     saved_env, out, err = dict(os.environ), io.StringIO(), io.StringIO()
     root = logging.getLogger()
     saved_logging = (list(root.handlers), root.level)
-    root.handlers = []  # the run's logging.basicConfig(force=True) would close pytest's capture handlers
+    # the run's logging.basicConfig(force=True) would close pytest's capture handlers
+    root.handlers = []
     saved_rng = (torch.get_rng_state(), random.getstate())  # the run seeds both
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     before = os.getcwd()
-    os.chdir(cwd)  # as launch() runs scripts: relative paths (configs/...) from the repository by default
+    # as launch() runs scripts: relative paths (configs/...) from the repository by default
+    os.chdir(cwd)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            warnings.catch_warnings(),
+        ):
             # (the run's logging writes to the redirected stderr too; torchrun's error handler cannot
             # install a fault handler on it, and says so)
             warnings.filterwarnings("ignore", message="Unable to enable fault handler")
@@ -315,4 +344,6 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     state = torch.load(out, weights_only=True)
     out.unlink()
     flat = {f"model.{k}": v for k, v in state["model"].items()}
-    return flat | {f"optim.{p}.{k}": v for p, states in state["optim"].items() for k, v in states.items()}
+    return flat | {
+        f"optim.{p}.{k}": v for p, states in state["optim"].items() for k, v in states.items()
+    }

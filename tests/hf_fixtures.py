@@ -75,7 +75,9 @@ def make_tiny_tokenizer(folder: Path) -> Path:
     # tokenizer(text) starts each text with BOS, as Llama's tokenizers do; EOS is prepare_data's to add.
     bos = ("<s>", tok.token_to_id("<s>"))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
     wrapped.save_pretrained(folder)
     return folder
 

@@ -63,7 +63,10 @@ MUTANTS = {
     "always-reshard": (
         "reshard_after_forward forced to True on the units: ZeRO-2 and hpZ run as ZeRO-3",
         ["tests/test_parity.py", "tests/test_compare.py"],
-        ["test_what_stays_gathered_between_forward_and_backward", "test_table_orders_the_strategies_by_memory"],
+        [
+            "test_what_stays_gathered_between_forward_and_backward",
+            "test_table_orders_the_strategies_by_memory",
+        ],
     ),
     "root-resharded": (
         "the root unit freed after forward, gathered again at once for backward",
@@ -135,8 +138,16 @@ MUTANTS = {
         [f"tests/test_lora.py::{_INIT}"],
         [_INIT],
     ),
-    "lora-dropout-ignored": ("model.lora.dropout never applied", [f"tests/test_lora.py::{_DROPOUT}"], [_DROPOUT]),
-    "lora-scaling-alpha": ("LoRA scaled by alpha, not alpha / rank", [f"tests/test_lora.py::{_SUM}"], [_SUM]),
+    "lora-dropout-ignored": (
+        "model.lora.dropout never applied",
+        [f"tests/test_lora.py::{_DROPOUT}"],
+        [_DROPOUT],
+    ),
+    "lora-scaling-alpha": (
+        "LoRA scaled by alpha, not alpha / rank",
+        [f"tests/test_lora.py::{_SUM}"],
+        [_SUM],
+    ),
     "adapters-only-drops-lora-train": (
         "export.py --adapters-only of a run that trained model.lora.train not refused",
         [f"tests/test_lora.py::{_ADAPTERS}"],
@@ -152,7 +163,11 @@ MUTANTS = {
         ["tests/test_comm.py::test_formula_by_hand"],
         ["test_formula_by_hand"],
     ),
-    "fit-fp32-as-fast": ("the fit on CUDA: fp32 computes as fast as bf16", [f"tests/test_fit.py::{_CUDA}"], [_CUDA]),
+    "fit-fp32-as-fast": (
+        "the fit on CUDA: fp32 computes as fast as bf16",
+        [f"tests/test_fit.py::{_CUDA}"],
+        [_CUDA],
+    ),
     "fit-offload-peak-kept": (
         "the fit on CUDA: offload's host-resident model state still counted on the device",
         [f"tests/test_fit.py::{_CUDA}"],
@@ -239,7 +254,10 @@ def run_tests(files: list[str], mutant: str | None) -> dict:
     seconds = time.monotonic() - start
     failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
     errors = re.findall(r"^ERROR (\S+)", proc.stdout, re.M)
-    summary = (re.findall(r"^=* ?(\d+ (?:passed|failed).*?) in [\d.]+s", proc.stdout, re.M) or [proc.stdout[-300:]])[-1]
+    summary = (
+        re.findall(r"^=* ?(\d+ (?:passed|failed).*?) in [\d.]+s", proc.stdout, re.M)
+        or [proc.stdout[-300:]]
+    )[-1]
     applied = len(log.read_text().split()) if log.exists() else 0
     log.unlink(missing_ok=True)
     return {
@@ -254,13 +272,20 @@ def run_tests(files: list[str], mutant: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("names", nargs="*", help=f"mutants to run (default all): {', '.join(MUTANTS)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "names", nargs="*", help=f"mutants to run (default all): {', '.join(MUTANTS)}"
+    )
     parser.add_argument("--full", action="store_true", help="run the whole suite under each mutant")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.names) - set(MUTANTS))
     if unknown:
-        print(f"error: unknown mutant {unknown[0]!r}; valid choices: {', '.join(MUTANTS)}", file=sys.stderr)
+        print(
+            f"error: unknown mutant {unknown[0]!r}; valid choices: {', '.join(MUTANTS)}",
+            file=sys.stderr,
+        )
         return 2
     names = args.names or list(MUTANTS)
     files = (lambda name: []) if args.full else (lambda name: MUTANTS[name][1])

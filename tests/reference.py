@@ -55,7 +55,10 @@ class Adapted(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.dropout(x, self.dropout, training=True) if self.training and self.dropout > 0 else x
-        return F.linear(x, self.weight, self.bias) + self.scaling * (h @ self.lora_A.weight.T) @ self.lora_B.weight.T
+        return (
+            F.linear(x, self.weight, self.bias)
+            + self.scaling * (h @ self.lora_A.weight.T) @ self.lora_B.weight.T
+        )
 
 
 def lora_targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
@@ -65,7 +68,8 @@ def lora_targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     hits: set[str] = set()
     for target in cfg.targets:
         found = {n for n in linears if n.rpartition(".")[2] == target or re.fullmatch(target, n)}
-        assert found, f"model.lora.targets: {target!r} names no nn.Linear of {linears}"  # the build refuses it
+        # the build refuses it
+        assert found, f"model.lora.targets: {target!r} names no nn.Linear of {linears}"
         hits |= found
     return sorted(hits)
 
@@ -79,7 +83,10 @@ def add_adapters(model: nn.Module, cfg: LoRAConfig, seed: int) -> None:
         owner = model.get_submodule(parent)
         adapted = Adapted(getattr(owner, child), cfg.rank, cfg.alpha, cfg.dropout)
         init_lib.uniform_(
-            adapted.lora_A.weight, bound=1 / math.sqrt(adapted.in_features), seed=seed, name=f"{fqn}.lora_A.weight"
+            adapted.lora_A.weight,
+            bound=1 / math.sqrt(adapted.in_features),
+            seed=seed,
+            name=f"{fqn}.lora_A.weight",
         )
         with torch.no_grad():
             adapted.lora_B.weight.zero_()
@@ -103,23 +110,31 @@ def reference_lr(cfg: OptimConfig, step: int, total_steps: int) -> float:
     return floor + (cfg.lr - floor) * (math.cos(math.pi * done) + 1) / 2
 
 
-def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, device: str = "cpu") -> dict:
+def reference_run(
+    cfg: Config, initial: dict[str, torch.Tensor] | None = None, device: str = "cpu"
+) -> dict:
     """Trains from the model's initial weights for the seed (or from ``initial`` weights) and returns
     losses, norms and weights (on the CPU, whatever ``device`` trained them)."""
     torch.manual_seed(cfg.train.seed)
     precision = resolve(cfg.precision)
     model = construct(cfg.model)
-    model = model.to(precision.stored)  # bf16-true: all bf16 (what fsdp_zero.sharding.build.shard does)
+    # bf16-true: all bf16 (what fsdp_zero.sharding.build.shard does)
+    model = model.to(precision.stored)
     # The base model's weights, initialised as the build does: the built-in model's init_weights and
     # init_standard draw per name, so the adapters' presence in the build changes none of them. No LoRA
     # module exists yet here, so the build's own adapter init (in materializer) finds nothing to do.
-    materializer(torch.device(device), cfg.model.init, cfg.train.seed, real_buffers(model), [])(model)
+    materializer(torch.device(device), cfg.model.init, cfg.train.seed, real_buffers(model), [])(
+        model
+    )
     lora = cfg.model.lora
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]  # the base model's (tied: every name)
+    # the base model's (tied: every name)
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     full = lambda patterns, name: any(re.fullmatch(p, name) for p in patterns)  # noqa: E731
     # model.freeze and model.lora.train by their own words: full matches on the names; with LoRA every base
     # parameter is frozen unless model.lora.train names it (and model.freeze does not).
-    frozen = {n for n in names if full(cfg.model.freeze, n) or (lora.rank and not full(lora.train, n))}
+    frozen = {
+        n for n in names if full(cfg.model.freeze, n) or (lora.rank and not full(lora.train, n))
+    }
     if lora.rank:
         add_adapters(model, lora, cfg.train.seed)
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -169,9 +184,15 @@ def reference_run(cfg: Config, initial: dict[str, torch.Tensor] | None = None, d
             for ps, pm in zip(shadow.parameters(), model.parameters()):
                 if ps.grad is not None:
                     pm.grad, ps.grad = ps.grad.to(pm.dtype) / scale, None
-        norm = torch.nn.utils.clip_grad_norm_(trained, o.grad_clip if o.grad_clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(
+            trained, o.grad_clip if o.grad_clip > 0 else float("inf")
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses[step], norms[step], lrs[step] = loss.item(), norm.item(), optimizer.param_groups[0]["lr"]
+        losses[step], norms[step], lrs[step] = (
+            loss.item(),
+            norm.item(),
+            optimizer.param_groups[0]["lr"],
+        )
     final = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "grad_norms": norms, "lrs": lrs, "initial": initial, "final": final}

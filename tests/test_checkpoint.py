@@ -71,9 +71,13 @@ def test_a_two_rank_checkpoint_continues_at_another_world_size(runs, world):
     for step, loss in got["losses"].items():
         assert loss == pytest.approx(straight["losses"][step], abs=RESHARD_LOSS_ATOL), step
     for name, value in straight["final"].items():
-        torch.testing.assert_close(got["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name)
+        torch.testing.assert_close(
+            got["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name
+        )
     loss_diff = max(abs(loss - straight["losses"][step]) for step, loss in got["losses"].items())
-    weight_diff = max((got["final"][k] - v).abs().max().item() for k, v in straight["final"].items())
+    weight_diff = max(
+        (got["final"][k] - v).abs().max().item() for k, v in straight["final"].items()
+    )
     figure(
         f"checkpoint saved at 2 ranks, continued at {world}",
         f"losses within {loss_diff:.1e}, weights within "
@@ -85,16 +89,23 @@ def test_checkpoint_holds_train_state_config_and_versions(runs, step4):
     state = json.loads((step4 / "train_state.json").read_text())
     assert state["step"] == 4 and state["data_position"] == 4 * 8 and state["world_size"] == 2
     assert "scheduler" not in state  # the learning rate comes from the step
-    assert "seed" not in state and load_config(step4 / "config.yaml").train.seed == 1234  # one place: config.yaml
+    # one place: config.yaml
+    assert "seed" not in state and load_config(step4 / "config.yaml").train.seed == 1234
     assert set(state["versions"]) == {"torch", "fsdp_zero"}
     assert load_config(step4 / "config.yaml").train.stop_after == 4
-    assert sorted(p.name for p in step4.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # one file a rank
+    # one file a rank
+    assert sorted(p.name for p in step4.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # every=2, keep_last=2: of 2, 4, 6, 8 the newest two remain.
-    assert [p.name for p in list_checkpoints(runs.path("n2") / "checkpoints")] == ["step-0000006", "step-0000008"]
+    assert [p.name for p in list_checkpoints(runs.path("n2") / "checkpoints")] == [
+        "step-0000006",
+        "step-0000008",
+    ]
 
 
 def test_naming_discovery_and_retention_are_plain_functions(tmp_path: Path):
-    assert checkpoint_name(42) == "step-0000042" and checkpoint_step(tmp_path / "step-0000042") == 42
+    assert (
+        checkpoint_name(42) == "step-0000042" and checkpoint_step(tmp_path / "step-0000042") == 42
+    )
     assert checkpoint_step(tmp_path / ".partial-step-0000042") is None
     for step in (3, 10, 7):
         d = tmp_path / checkpoint_name(step)
@@ -109,9 +120,15 @@ def test_naming_discovery_and_retention_are_plain_functions(tmp_path: Path):
     (tmp_path / ".partial-step-0000012").mkdir()
     assert latest_checkpoint(tmp_path).name == "step-0000010"
     # Only what this launch wrote may go (here steps 7 and 10; step 3 came from an earlier launch).
-    ours = [tmp_path / checkpoint_name(7), tmp_path / checkpoint_name(10), tmp_path / "step-0000011"]
+    ours = [
+        tmp_path / checkpoint_name(7),
+        tmp_path / checkpoint_name(10),
+        tmp_path / "step-0000011",
+    ]
     assert apply_retention(tmp_path, keep_last=0, written=ours) == []
-    assert [p.name for p in apply_retention(tmp_path, keep_last=1, written=ours)] == ["step-0000007"]
+    assert [p.name for p in apply_retention(tmp_path, keep_last=1, written=ours)] == [
+        "step-0000007"
+    ]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000003", "step-0000010"]
 
 
@@ -127,7 +144,8 @@ def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: P
     model = _plain_model(BASE)
     model.load_state_dict(load_file(single))  # strict: every key, right shapes
     cfg = load_config(None, BASE)
-    tokens = build_source(cfg.data, cfg.train.seed, 256).batch(range(2))[0]  # the worker's fixed batch
+    # the worker's fixed batch
+    tokens = build_source(cfg.data, cfg.train.seed, 256).batch(range(2))[0]
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), straight["logits"], atol=1e-6, rtol=0)
     for name, value in straight["final"].items():
@@ -135,7 +153,11 @@ def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: P
 
     # Sharded export: several files and an index; bf16 cast.
     shards = tmp_path / "shards"
-    check(run_script(EXPORT, str(ckpt), "--out", str(shards), "--max-shard-size", "150KB", "--dtype", "bf16"))
+    check(
+        run_script(
+            EXPORT, str(ckpt), "--out", str(shards), "--max-shard-size", "150KB", "--dtype", "bf16"
+        )
+    )
     index = json.loads((shards / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all((shards / f).stat().st_size <= 150_000 + 4096 for f in files[:-1])
@@ -147,7 +169,9 @@ def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: P
     # Never overwrites; a single file cannot hold more than --max-shard-size.
     proc = run_script(EXPORT, str(ckpt), "--out", str(single))
     assert proc.returncode == 2 and "already exists; it is never overwritten" in proc.stderr
-    proc = run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "x.safetensors"), "--max-shard-size", "10KB")
+    proc = run_script(
+        EXPORT, str(ckpt), "--out", str(tmp_path / "x.safetensors"), "--max-shard-size", "10KB"
+    )
     assert proc.returncode == 2 and "give a folder" in proc.stderr
 
 
@@ -172,7 +196,8 @@ def test_export_then_import_round_trips_bit_for_bit(runs):
 
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path):
     args = [*BASE, "train.steps=6", "checkpoint.every=3", f"run.root={tmp_path}", "run.name=crash"]
-    env_fault = {"FSDP_ZERO_FAULT": "after_write:6"}  # SIGKILL once step 6's files are written, before the rename
+    # SIGKILL once step 6's files are written, before the rename
+    env_fault = {"FSDP_ZERO_FAULT": "after_write:6"}
     os.environ.update(env_fault)
     try:
         proc = launch(2, TRAIN, *args)
@@ -183,19 +208,22 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path):
     assert (ckpts / ".partial-step-0000006" / ".metadata").exists()  # written, never published
     assert latest_checkpoint(ckpts).name == "step-0000003"
     history = tmp_path / "crash" / "metrics.jsonl"
-    assert [json.loads(x)["step"] for x in history.read_text().splitlines()] == list(range(1, 6))  # died saving 6
+    # died saving 6
+    assert [json.loads(x)["step"] for x in history.read_text().splitlines()] == list(range(1, 6))
     proc = check(launch(2, TRAIN, *args, torchrun=False))
     assert "resumed from" in proc.stderr and "step-0000003: step 3" in proc.stderr
     # Steps 4-6 were trained again: the log holds each step once; the old log is kept aside.
     assert [json.loads(x)["step"] for x in history.read_text().splitlines()] == list(range(1, 7))
-    assert [json.loads(x)["step"] for x in (history.parent / "metrics.jsonl.3").read_text().splitlines()] == list(
-        range(1, 6)
-    )
+    assert [
+        json.loads(x)["step"] for x in (history.parent / "metrics.jsonl.3").read_text().splitlines()
+    ] == list(range(1, 6))
     assert [p.name for p in list_checkpoints(ckpts)] == ["step-0000003", "step-0000006"]
     assert not (ckpts / ".partial-step-0000006").exists()
 
 
-def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path: Path):
+def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_checkpoint(
+    tmp_path: Path,
+):
     """Disk full during a save: rank 1's write of the step-4 checkpoint is refused by the kernel
     (tests/user_model.py:disk_full_on_rank1). Every rank stops with exit code 6 and one line naming
     the checkpoint, the cause and the intact one before it; nothing of the failed save is left, and the
@@ -217,8 +245,11 @@ def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_chec
         in proc.stderr
         and f"nothing of it was kept and {ckpts / 'step-0000002'} is intact" in proc.stderr
     ), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and sorted(p.name for p in ckpts.iterdir()) == ["step-0000002"]
-    proc = check(launch(2, TRAIN, *args, torchrun=False))  # the loss's 7th call is not reached from step 2
+    assert "Traceback" not in proc.stderr and sorted(p.name for p in ckpts.iterdir()) == [
+        "step-0000002"
+    ]
+    # the loss's 7th call is not reached from step 2
+    proc = check(launch(2, TRAIN, *args, torchrun=False))
     assert "step-0000002: step 2" in proc.stderr and latest_checkpoint(ckpts).name == "step-0000004"
 
 
@@ -228,7 +259,13 @@ def test_a_save_that_cannot_be_written_stops_the_run_and_keeps_the_previous_chec
 
 def _resume(tmp_path: Path, ckpt: Path, *extra: str):
     return run_script(
-        TRAIN, *BASE, "train.steps=6", f"checkpoint.resume={ckpt}", f"run.root={tmp_path}", "run.name=err", *extra
+        TRAIN,
+        *BASE,
+        "train.steps=6",
+        f"checkpoint.resume={ckpt}",
+        f"run.root={tmp_path}",
+        "run.name=err",
+        *extra,
     )
 
 
@@ -239,7 +276,11 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def test_missing_partial_and_incomplete_checkpoints(step4, tmp_path: Path):
     proc = _resume(tmp_path, tmp_path / "nope")
-    assert proc.returncode == 2 and "checkpoint.resume=" in proc.stderr and "no such checkpoint folder" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "checkpoint.resume=" in proc.stderr
+        and "no such checkpoint folder" in proc.stderr
+    )
     partial = _copy(step4, tmp_path / ".partial-step-0000004")
     proc = _resume(tmp_path, partial)
     assert proc.returncode == 2 and "is a partial save" in proc.stderr
@@ -265,7 +306,8 @@ def test_checkpoint_of_another_model_lists_the_keys(step4, tmp_path: Path):
     proc = _resume(tmp_path, other, "model.n_layers=3")
     assert proc.returncode == 2
     assert "does not fit this model; missing: model.layers.2.attention.wk.weight" in proc.stderr
-    assert "(36 in all)" in proc.stderr  # layer 2's 9 weights + their AdamW step, exp_avg, exp_avg_sq
+    # layer 2's 9 weights + their AdamW step, exp_avg, exp_avg_sq
+    assert "(36 in all)" in proc.stderr
     other2 = _copy(step4, tmp_path / "step-0000004b")
     proc = _resume(tmp_path, other2, "model.dim=32")
     assert proc.returncode == 2 and "model.dim: None in the checkpoint, 32 now" in proc.stderr
@@ -292,7 +334,12 @@ def test_init_from_that_does_not_fit_lists_the_keys(tmp_path: Path):
     sd["output.weight"] = torch.zeros(3, 3)
     torch.save(sd, tmp_path / "bad.pt")
     proc = run_script(
-        TRAIN, *BASE, "train.steps=1", f"model.init_from={tmp_path / 'bad.pt'}", f"run.root={tmp_path}", "run.name=bad"
+        TRAIN,
+        *BASE,
+        "train.steps=1",
+        f"model.init_from={tmp_path / 'bad.pt'}",
+        f"run.root={tmp_path}",
+        "run.name=bad",
     )
     assert proc.returncode == 2
     assert (
@@ -320,7 +367,8 @@ def test_async_save_writes_the_same_checkpoints_while_training_goes_on(runs, tmp
     got, straight = runs["async"], runs["n2"]
     assert got["losses"] == straight["losses"]  # saving in the background changes nothing
     assert [s for s, *_ in got["save_times"]] == [2, 4, 6, 8] and len(got["writes_done"]) == 4
-    for (step, _, returned, _), written in zip(got["save_times"][:-1], got["writes_done"]):  # rank 0's
+    # rank 0's
+    for (step, _, returned, _), written in zip(got["save_times"][:-1], got["writes_done"]):
         assert any(returned < t < written for _, t in got["loss_times"]), step
     ckpts = list_checkpoints(runs.path("async") / "checkpoints")
     assert [p.name for p in ckpts] == ["step-0000006", "step-0000008"]
@@ -349,7 +397,9 @@ MOVES = [
 ]
 
 
-@pytest.mark.parametrize("source,target,ranks", MOVES, ids=[f"{a}-to-{b}-n{n}" for a, b, n in MOVES])
+@pytest.mark.parametrize(
+    "source,target,ranks", MOVES, ids=[f"{a}-to-{b}-n{n}" for a, b, n in MOVES]
+)
 def test_a_checkpoint_moves_between_strategies_and_world_sizes(runs, source, target, ranks):
     """Saved at 2 ranks under ``source`` (step 4), continued at ``ranks`` under ``target``: the same
     training as ZeRO-3 at 2 ranks straight through, up to the order of reductions."""
@@ -358,7 +408,9 @@ def test_a_checkpoint_moves_between_strategies_and_world_sizes(runs, source, tar
     for step, loss in moved["losses"].items():
         assert loss == pytest.approx(straight["losses"][step], abs=RESHARD_LOSS_ATOL), step
     for name, value in straight["final"].items():
-        torch.testing.assert_close(moved["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name)
+        torch.testing.assert_close(
+            moved["final"][name], value, atol=RESHARD_WEIGHT_ATOL, rtol=0, msg=name
+        )
 
 
 def _metadata_payload(module: str, name: str, arg: str) -> bytes:
@@ -379,7 +431,8 @@ def test_a_dotted_name_through_the_metadata_module_is_refused(step4, tmp_path: P
     )
     proc = _resume(tmp_path, evil)
     assert (
-        proc.returncode == 2 and "refusing to unpickle torch.distributed.checkpoint.metadata.os.system" in proc.stderr
+        proc.returncode == 2
+        and "refusing to unpickle torch.distributed.checkpoint.metadata.os.system" in proc.stderr
     )
     assert not marker.exists()
 
@@ -401,7 +454,8 @@ def test_a_changed_learning_rate_applies_on_resume(runs, step4, tmp_path: Path):
     from tests.reference import reference_lr
 
     rows = RunDir(runs.path("n2")).metric_rows()
-    assert rows[0]["step"] == 1 and rows[0]["lr"] == pytest.approx(3e-3 * 0.5)  # the rate step 1 used (warm-up 1/2)
+    # the rate step 1 used (warm-up 1/2)
+    assert rows[0]["step"] == 1 and rows[0]["lr"] == pytest.approx(3e-3 * 0.5)
     check(
         run_script(
             TRAIN,
@@ -421,7 +475,13 @@ def test_a_changed_learning_rate_applies_on_resume(runs, step4, tmp_path: Path):
 
 def test_resuming_an_older_checkpoint_over_newer_ones_is_refused(runs, step4):
     split = runs.path("resumed")  # the split run's folder, continued to step 8
-    proc = run_script(TRAIN, *BASE, f"checkpoint.resume={step4}", f"run.root={split.parent}", f"run.name={split.name}")
+    proc = run_script(
+        TRAIN,
+        *BASE,
+        f"checkpoint.resume={step4}",
+        f"run.root={split.parent}",
+        f"run.name={split.name}",
+    )
     assert proc.returncode == 2 and "holds newer checkpoints (step-0000008)" in proc.stderr
 
 
@@ -430,5 +490,9 @@ def test_export_of_a_corrupt_checkpoint_fails_cleanly(runs, tmp_path: Path):
     shard = bad / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 4])
     proc = run_script(EXPORT, str(bad), "--out", str(tmp_path / "x.safetensors"))
-    assert proc.returncode == 2 and "corrupt or truncated file?" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "corrupt or truncated file?" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000008"]  # no partial output left

@@ -49,7 +49,8 @@ def scalars(event_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-DEFAULT_STEPS = 40  # `make train` runs 150; the first 40 show the loss falling, in a quarter of the time
+# `make train` runs 150; the first 40 show the loss falling, in a quarter of the time
+DEFAULT_STEPS = 40
 LOGGED = list(range(10, DEFAULT_STEPS + 1, 10))
 
 
@@ -58,7 +59,9 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The smoke test: `torchrun --nproc_per_node=2 scripts/train.py` with the default config (`make
     train`'s), cut to its first 40 steps."""
     root = tmp_path_factory.mktemp("runs")
-    proc = check(launch(2, TRAIN, f"run.root={root}", "run.name=default", f"train.steps={DEFAULT_STEPS}"))
+    proc = check(
+        launch(2, TRAIN, f"run.root={root}", "run.name=default", f"train.steps={DEFAULT_STEPS}")
+    )
     return root / "default", proc.stdout + proc.stderr
 
 
@@ -73,9 +76,13 @@ def test_default_run_trains_and_the_loss_falls(default_run):
         f"default run (make train's config), steps 10 and {DEFAULT_STEPS}: loss",
         f"{rows[0]['loss']:.2f} -> {rows[-1]['loss']:.2f}",
     )
-    assert all(len(r["peak_mem_mib_per_rank"]) == 2 and min(r["peak_mem_mib_per_rank"]) > 0 for r in rows)
+    assert all(
+        len(r["peak_mem_mib_per_rank"]) == 2 and min(r["peak_mem_mib_per_rank"]) > 0 for r in rows
+    )
     # Start-up prints the batch arithmetic and the wrap plan; each log line has its fields.
-    assert "global batch 16 samples = micro-batch 4 x grad-accum 2 x data-parallel ranks 2" in output
+    assert (
+        "global batch 16 samples = micro-batch 4 x grad-accum 2 x data-parallel ranks 2" in output
+    )
     assert "layers.3  TransformerBlock" in output and "<root>" in output
     assert f"step    {DEFAULT_STEPS} | loss" in output and "tok/s | peak mem/rank MiB [" in output
     assert (run_dir / "config.yaml").read_text().startswith("model:")
@@ -107,7 +114,10 @@ def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
         # metrics.jsonl row (the cross-rank gather keeps ranks apart).
         rows = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
         for step, peak in tags["memory/cpu_peak_rss_mib"]:
-            assert rows[step]["peak_mem_mib_per_rank"][rank] == pytest.approx(peak, abs=0.01), (rank, step)
+            assert rows[step]["peak_mem_mib_per_rank"][rank] == pytest.approx(peak, abs=0.01), (
+                rank,
+                step,
+            )
         # First step: after build (params only), after backward (+ grads), after the optimizer step (+ Adam).
         first = dict(tags["memory_first_step/model_state_mib"])
         assert sorted(first) == [0, 1, 2]
@@ -120,7 +130,9 @@ def test_tensorboard_holds_memory_curves_for_every_rank(default_run):
 # A GPU machine, simulated: torch in the launched process reports two GPUs (tests/fake_gpu).
 FAKE_GPUS = {
     "FSDP_ZERO_FAKE_GPUS": "2",
-    "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fake_gpu"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "tests" / "fake_gpu"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    ),
 }
 
 
@@ -128,9 +140,22 @@ def test_cpu_tests_stay_on_the_cpu_where_gpus_are_visible(tmp_path: Path):
     """launch() pins un-marked tests to CPU/gloo; here on a simulated 2-GPU machine: unpinned, torch in
     the launched process sees the two GPUs (so a run would take them); pinned, the run trains on the CPU."""
     probe = tmp_path / "probe.py"
-    probe.write_text("import torch\nprint('cuda', torch.cuda.is_available(), torch.cuda.device_count())\n")
-    assert "cuda True 2" in check(launch(0, probe, gpu=True, env=FAKE_GPUS)).stdout  # the simulation works
-    proc = check(launch(0, TRAIN, *NANO, "train.steps=2", f"run.root={tmp_path}", "run.name=pinned", env=FAKE_GPUS))
+    probe.write_text(
+        "import torch\nprint('cuda', torch.cuda.is_available(), torch.cuda.device_count())\n"
+    )
+    # the simulation works
+    assert "cuda True 2" in check(launch(0, probe, gpu=True, env=FAKE_GPUS)).stdout
+    proc = check(
+        launch(
+            0,
+            TRAIN,
+            *NANO,
+            "train.steps=2",
+            f"run.root={tmp_path}",
+            "run.name=pinned",
+            env=FAKE_GPUS,
+        )
+    )
     assert "backend gloo | device cpu" in proc.stdout + proc.stderr
 
 
@@ -197,7 +222,11 @@ def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
     )
     plan = (tmp_path / "size" / "wrap_plan.txt").read_text()
     assert "policy=size_based, 3 FSDP units" in plan
-    assert "layers.0.feed_forward" in plan and "layers.1.feed_forward" in plan and "layers.0 " not in plan
+    assert (
+        "layers.0.feed_forward" in plan
+        and "layers.1.feed_forward" in plan
+        and "layers.0 " not in plan
+    )
     assert [r["step"] for r in read_jsonl(tmp_path / "size" / "metrics.jsonl")] == [2, 4]
 
 
@@ -206,9 +235,18 @@ def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
     [
         (["train.stesp=3"], "unknown config key 'train.stesp'; did you mean 'train.steps'?"),
         (["parallel.wrap.policy=blocks"], "valid choices: transformer, size_based, modules, none"),
-        (["parallel.wrap.classes=[Block]"], "unknown module class 'Block'; this model has: Attention, Embedding"),
-        (["train.global_batch_size=6", "train.micro_batch_size=4"], "not a multiple of train.micro_batch_size=4"),
-        (["optim.step_group_size=-1"], "optim.step_group_size=-1: must be an integer >= 0 (elements per AdamW group"),
+        (
+            ["parallel.wrap.classes=[Block]"],
+            "unknown module class 'Block'; this model has: Attention, Embedding",
+        ),
+        (
+            ["train.global_batch_size=6", "train.micro_batch_size=4"],
+            "not a multiple of train.micro_batch_size=4",
+        ),
+        (
+            ["optim.step_group_size=-1"],
+            "optim.step_group_size=-1: must be an integer >= 0 (elements per AdamW group",
+        ),
     ],
 )
 def test_user_errors_exit_2_with_one_clear_line_and_write_nothing(tmp_path: Path, args, message):
@@ -219,12 +257,20 @@ def test_help_prints_the_usage_and_exits_0():
     """`python scripts/train.py --help` as a user types it (torch's `record` turns argparse's exit into a return
     of None, which the process's exit code must not take as an error: it once ended in a traceback)."""
     proc = launch(0, TRAIN, "--help")
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: train.py") and not proc.stderr, proc.stderr
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: train.py") and not proc.stderr, (
+        proc.stderr
+    )
 
 
 def test_batch_that_does_not_divide_over_ranks_fails_under_torchrun(tmp_path: Path):
     proc = launch(
-        2, TRAIN, *NANO, "train.global_batch_size=6", "train.micro_batch_size=2", f"run.root={tmp_path}", "run.name=bad"
+        2,
+        TRAIN,
+        *NANO,
+        "train.global_batch_size=6",
+        "train.micro_batch_size=2",
+        f"run.root={tmp_path}",
+        "run.name=bad",
     )
     assert proc.returncode != 0
     assert (
@@ -242,9 +288,14 @@ def test_a_run_directory_is_continued_or_refused_never_overwritten(tmp_path: Pat
     # An incompatible change (the data) is refused before anything is written.
     proc = run_script(TRAIN, *NANO, "data.seq_len=16", f"run.root={tmp_path}", "run.name=keep")
     assert proc.returncode == 2
-    assert "cannot continue checkpoint" in proc.stderr and "data.seq_len: 32 in the checkpoint, 16 now" in proc.stderr
+    assert (
+        "cannot continue checkpoint" in proc.stderr
+        and "data.seq_len: 32 in the checkpoint, 16 now" in proc.stderr
+    )
     # A fresh start over existing checkpoints is refused.
-    proc = run_script(TRAIN, *NANO, "checkpoint.resume=none", f"run.root={tmp_path}", "run.name=keep")
+    proc = run_script(
+        TRAIN, *NANO, "checkpoint.resume=none", f"run.root={tmp_path}", "run.name=keep"
+    )
     assert proc.returncode == 2 and "holds checkpoints (newest step-0000004)" in proc.stderr
     assert (run_dir / "config.yaml").read_text() == saved
     # A compatible change (more steps) continues; the old config is kept beside the new one.
@@ -263,11 +314,14 @@ def test_a_summarys_peak_rss_is_measured_or_null_with_its_reason(tmp_path: Path)
     check(run_script(TRAIN, *base, "train.steps=4", "run.name=one-interval"))
     (rank,) = json.loads((tmp_path / "one-interval" / "summary.json").read_text())["ranks"]
     assert rank["peak_rss_mib"] > 100 and rank["peak_rss_note"] is None, rank
-    check(run_script(TRAIN, *base, "train.steps=1", "memory.profile_step=1", "run.name=profiled-only"))
+    check(
+        run_script(TRAIN, *base, "train.steps=1", "memory.profile_step=1", "run.name=profiled-only")
+    )
     (rank,) = json.loads((tmp_path / "profiled-only" / "summary.json").read_text())["ranks"]
     assert (
         rank["peak_rss_mib"] is None
-        and "the only step run was the profiled one (memory.profile_step=1)" in (rank["peak_rss_note"])
+        and "the only step run was the profiled one (memory.profile_step=1)"
+        in (rank["peak_rss_note"])
     ), rank
 
 
@@ -295,7 +349,11 @@ def test_text_source_trains_on_a_local_file_as_world_size_one(tmp_path: Path):
 
 @pytest.mark.gpu
 def test_cuda_run_logs_the_allocator_curves(tmp_path: Path):
-    check(launch(0, TRAIN, *NANO, "dist.device=cuda", f"run.root={tmp_path}", "run.name=gpu", gpu=True))
+    check(
+        launch(
+            0, TRAIN, *NANO, "dist.device=cuda", f"run.root={tmp_path}", "run.name=gpu", gpu=True
+        )
+    )
     tags = scalars(tmp_path / "gpu" / "tb" / "rank0")
     for tag in [
         "memory/cuda_allocated_mib",
@@ -305,7 +363,11 @@ def test_cuda_run_logs_the_allocator_curves(tmp_path: Path):
         "memory/cuda_alloc_retries",
     ]:
         assert [s for s, _ in tags[tag]] == [2, 4], tag
-    assert tags["memory/cuda_peak_reserved_mib"][-1][1] >= tags["memory/cuda_peak_allocated_mib"][-1][1] > 0
+    assert (
+        tags["memory/cuda_peak_reserved_mib"][-1][1]
+        >= tags["memory/cuda_peak_allocated_mib"][-1][1]
+        > 0
+    )
 
 
 def test_a_failed_set_up_leaves_no_trace_so_the_fixed_run_starts(tmp_path: Path):
@@ -338,10 +400,12 @@ def test_a_run_root_that_cannot_be_created_is_one_line_naming_it(tmp_path: Path)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     with pytest.raises(
-        ValueError, match=r"run\.root='.*/a-file/runs': cannot create the run directory .*is not a directory"
+        ValueError,
+        match=r"run\.root='.*/a-file/runs': cannot create the run directory .*is not a directory",
     ):
         check_writable(blocker / "runs" / "r", f"{blocker}/runs")
-    check_writable(tmp_path / "new" / "r", str(tmp_path / "new"))  # creatable: passes, and leaves no trace
+    # creatable: passes, and leaves no trace
+    check_writable(tmp_path / "new" / "r", str(tmp_path / "new"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
@@ -374,7 +438,11 @@ def test_divergence_stops_at_the_step_and_keeps_the_finite_checkpoints(tmp_path:
     assert match, proc.stderr[-3000:]
     step, newest = int(match[1]), Path(match[2].rstrip(","))
     kept = sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir())
-    assert step >= 2 and kept == [f"step-{s:07d}" for s in range(max(1, step - 2), step)] and newest.name == kept[-1]
+    assert (
+        step >= 2
+        and kept == [f"step-{s:07d}" for s in range(max(1, step - 2), step)]
+        and newest.name == kept[-1]
+    )
     logged = [r["step"] for r in read_jsonl(tmp_path / "nan" / "metrics.jsonl")]
     assert logged == list(range(1, step))  # the diverged step is not logged as a result either
     out = tmp_path / "w.safetensors"
@@ -403,15 +471,33 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank_and_the_next_stops_the_run(t
         torchrun=False,
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "step 3: non-finite loss or gradient norm, step skipped (1 of train.skip_nonfinite=1)" in proc.stderr
-    assert "error: training diverged at step 4 after 1 skipped (train.skip_nonfinite=1): loss " in proc.stderr
+    assert (
+        "step 3: non-finite loss or gradient norm, step skipped (1 of train.skip_nonfinite=1)"
+        in proc.stderr
+    )
+    assert (
+        "error: training diverged at step 4 after 1 skipped (train.skip_nonfinite=1): loss "
+        in proc.stderr
+    )
     ckpts = tmp_path / "skip" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000001", "step-0000002", "step-0000003"]
-    assert json.loads((ckpts / "step-0000003" / "train_state.json").read_text())["skipped_nonfinite"] == 1
-    assert [r["skipped_nonfinite"] for r in read_jsonl(tmp_path / "skip" / "metrics.jsonl")] == [0, 0, 1]
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "step-0000001",
+        "step-0000002",
+        "step-0000003",
+    ]
+    assert (
+        json.loads((ckpts / "step-0000003" / "train_state.json").read_text())["skipped_nonfinite"]
+        == 1
+    )
+    assert [r["skipped_nonfinite"] for r in read_jsonl(tmp_path / "skip" / "metrics.jsonl")] == [
+        0,
+        0,
+        1,
+    ]
 
     one, two, three = (checkpoint_tensors(ckpts / f"step-{step:07d}") for step in (1, 2, 3))
-    assert len(two) == 4 * len([k for k in two if k.startswith("model.")])  # weights, exp_avg, exp_avg_sq, step
+    # weights, exp_avg, exp_avg_sq, step
+    assert len(two) == 4 * len([k for k in two if k.startswith("model.")])
     assert all(torch.equal(two[k], three[k]) for k in two)  # the skipped step changed nothing
     assert not all(torch.equal(one[k], two[k]) for k in one)  # while a taken step does
 
@@ -470,7 +556,9 @@ def test_a_rank_that_stops_taking_part_makes_the_others_fail_within_the_timeout(
         torchrun=False,
     )
     lines = proc.stderr.splitlines()
-    assert proc.returncode == 5 and any(x.startswith("error: rank 1, step 3: ") for x in lines), proc.stderr[-3000:]
+    assert proc.returncode == 5 and any(x.startswith("error: rank 1, step 3: ") for x in lines), (
+        proc.stderr[-3000:]
+    )
     line = next(x for x in lines if x.startswith("error: rank 0, step 3: "))
     assert re.search(
         r"gloo:\w+ #\d+ on group \w+ \(sizes .*; flight recorder: .*rank0.json\) failed or did not "

@@ -29,7 +29,13 @@ import torch.distributed as dist
 import yaml
 
 from fsdp_zero.config.loader import load_config
-from fsdp_zero.distributed.env import ATTEMPT_VAR, DistEnv, _free_port, _store_of_this_attempt, silent_ranks
+from fsdp_zero.distributed.env import (
+    ATTEMPT_VAR,
+    DistEnv,
+    _free_port,
+    _store_of_this_attempt,
+    silent_ranks,
+)
 from tests.batches import BASE
 from tests.conftest import REPO, checkpoint_tensors, figure, read_jsonl
 
@@ -53,7 +59,8 @@ def _slurm_env(tmp_path: Path, job: int, **extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "FSDP_ZERO_", "PET_", "TORCHELASTIC_")) and k not in ("RANK", "NPROC_PER_NODE")
+        if not k.startswith(("SLURM_", "FSDP_ZERO_", "PET_", "TORCHELASTIC_"))
+        and k not in ("RANK", "NPROC_PER_NODE")
     }
     return env | {
         "PATH": f"{STAND_INS}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -91,9 +98,10 @@ def _sbatch(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProces
 def _logs(tmp_path: Path, restart: int) -> str:
     """Every node's log of the job's attempt ``restart`` (after ``restart`` requeues)."""
     paths = sorted((tmp_path / "logs").glob(f"*-restart{restart}-node*.log"))
-    assert [p.name.split("-", 2)[2] for p in paths] == [f"restart{restart}-node0.log", f"restart{restart}-node1.log"], (
-        paths
-    )
+    assert [p.name.split("-", 2)[2] for p in paths] == [
+        f"restart{restart}-node0.log",
+        f"restart{restart}-node1.log",
+    ], paths
     return "".join(p.read_text() for p in paths)
 
 
@@ -104,7 +112,8 @@ def _assert_uninterrupted(batches, run_dir: Path) -> list[dict]:
     assert {r["step"]: r["loss"] for r in records} == batches["n2"]["losses"]
     assert [r["step"] for r in records] == list(range(1, 9))
     straight, got = (
-        checkpoint_tensors(path / "checkpoints" / "step-0000008") for path in (batches.path("n2"), run_dir)
+        checkpoint_tensors(path / "checkpoints" / "step-0000008")
+        for path in (batches.path("n2"), run_dir)
     )
     assert straight.keys() == got.keys() and all(torch.equal(straight[k], got[k]) for k in straight)
     return records
@@ -117,7 +126,12 @@ def _fault_time(path: Path) -> float:
 def test_the_batch_script_outside_an_allocation_is_one_line_and_exit_2(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     proc = subprocess.run(
-        ["bash", str(SBATCH), *BASE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30
+        ["bash", str(SBATCH), *BASE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "train.sbatch: error: not inside a Slurm allocation (SLURM_JOB_ID unset): submit with sbatch, or run inside "
@@ -129,7 +143,11 @@ def test_the_batch_script_outside_an_allocation_is_one_line_and_exit_2(tmp_path:
 @pytest.mark.parametrize(
     "var, value, expected",
     [
-        ("FSDP_ZERO_REQUEUE", "yes", "expected 1 (requeue a pre-empted job whose step was saved) or 0"),
+        (
+            "FSDP_ZERO_REQUEUE",
+            "yes",
+            "expected 1 (requeue a pre-empted job whose step was saved) or 0",
+        ),
         ("FSDP_ZERO_MAX_RESTARTS", "three", "expected a whole number"),
         ("FSDP_ZERO_RDZV_PORT", "-1", "expected a whole number"),
     ],
@@ -137,11 +155,13 @@ def test_the_batch_script_outside_an_allocation_is_one_line_and_exit_2(tmp_path:
 def test_the_batch_script_refuses_a_bad_setting_in_one_line_before_it_starts_anything(
     tmp_path: Path, var, value, expected
 ):
-    env = _slurm_env(tmp_path, _job_id(), PYTHON="/bin/false", **{var: value})  # were anything started: exit 1
+    # were anything started: exit 1
+    env = _slurm_env(tmp_path, _job_id(), PYTHON="/bin/false", **{var: value})
     proc, _ = _sbatch(env, *BASE)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"train.sbatch: error: {var}='{value}': {expected}", (
-        proc.stderr
-    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == f"train.sbatch: error: {var}='{value}': {expected}"
+    ), proc.stderr
     assert not list(tmp_path.iterdir())  # no logs, no stand-in Slurm state: srun never ran
 
 
@@ -182,8 +202,16 @@ STOPPED = "stopped after step 3 (SIGTERM); checkpoint runs/x/checkpoints holds i
         ("USR1", STOPPED, "1", True, 4),  # the time limit's signal, the step saved: requeued
         ("TERM", STOPPED, "1", True, 4),  # SIGTERM to the script alone (scancel --batch): the same
         ("USR1", STOPPED, "0", False, 4),  # FSDP_ZERO_REQUEUE=0: saved, not requeued
-        ("USR1", "error: training diverged at step 3 (loss nan) ...", "1", False, 1),  # failed for another reason
-        ("", "stopped after step 1 (the time budget (train.max_minutes) ran out); ...", "1", False, 1),  # no signal
+        # failed for another reason
+        ("USR1", "error: training diverged at step 3 (loss nan) ...", "1", False, 1),
+        # no signal
+        (
+            "",
+            "stopped after step 1 (the time budget (train.max_minutes) ran out); ...",
+            "1",
+            False,
+            1,
+        ),
         ("", "", "1", False, 0),  # finished
     ],
 )
@@ -217,9 +245,15 @@ def test_a_second_signal_during_the_save_is_not_passed_on_again(tmp_path: Path, 
     ranks.write_text(RANKS)
     ranks.chmod(0o755)
     job = _job_id()
-    proc, _ = _sbatch(_slurm_env(tmp_path, job, PYTHON=str(ranks), SIGNAL="USR1", AGAIN=again, LINE=STOPPED, CODE="1"))
+    proc, _ = _sbatch(
+        _slurm_env(
+            tmp_path, job, PYTHON=str(ranks), SIGNAL="USR1", AGAIN=again, LINE=STOPPED, CODE="1"
+        )
+    )
     assert proc.returncode == 4, proc.stderr
-    assert [r["args"] for r in read_jsonl(tmp_path / "slurm" / "scancel")] == [["--signal=TERM", str(job)]]
+    assert [r["args"] for r in read_jsonl(tmp_path / "slurm" / "scancel")] == [
+        ["--signal=TERM", str(job)]
+    ]
     assert [r["job"] for r in read_jsonl(tmp_path / "slurm" / "requeue")] == [str(job)]
     assert [line for line in proc.stderr.splitlines() if " received" in line] == [
         "train.sbatch: SIGUSR1 received: SIGTERM to the ranks, which save their step and stop"
@@ -227,14 +261,24 @@ def test_a_second_signal_during_the_save_is_not_passed_on_again(tmp_path: Path, 
 
 
 # A site's settings (docs/clusters.md): CPUs per task where nodes are shared, a rendezvous on a faster network.
-SITE = {"SLURM_CPUS_PER_TASK": "6", "FSDP_ZERO_RDZV_HOST": "node1-ib0", "FSDP_ZERO_RDZV_PORT": "29400"}
+SITE = {
+    "SLURM_CPUS_PER_TASK": "6",
+    "FSDP_ZERO_RDZV_HOST": "node1-ib0",
+    "FSDP_ZERO_RDZV_PORT": "29400",
+}
 
 
 @pytest.mark.parametrize(
     "env, nproc",
-    [({}, 1), ({"SLURM_GPUS_ON_NODE": "4"}, 4), ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4", **SITE}, 2)],
+    [
+        ({}, 1),
+        ({"SLURM_GPUS_ON_NODE": "4"}, 4),
+        ({"NPROC_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4", **SITE}, 2),
+    ],
 )
-def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(tmp_path: Path, env, nproc):
+def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(
+    tmp_path: Path, env, nproc
+):
     """Each node's command line (tests/slurm/srun's tasks run RANKS in place of the interpreter, which
     writes it to the node's log): ranks per node from NPROC_PER_NODE, else SLURM_GPUS_ON_NODE, else 1;
     the rendezvous on the first host under its Slurm name, the port from the job id, unless
@@ -259,8 +303,13 @@ def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(tm
         assert [r["options"] for r in read_jsonl(tmp_path / "slurm" / "srun")] == [
             {"nodes": "2", "ntasks": "2", "ntasks-per-node": "1", "kill-on-bad-exit": "0", **cpus}
         ]
-        lines = [line for line in _logs(tmp_path, 0).splitlines() if line.startswith("TORCH_DISABLE")]
-        assert sorted(line.split()[1] for line in lines) == ["PET_LOCAL_ADDR=127.0.0.1", "PET_LOCAL_ADDR=localhost"]
+        lines = [
+            line for line in _logs(tmp_path, 0).splitlines() if line.startswith("TORCH_DISABLE")
+        ]
+        assert sorted(line.split()[1] for line in lines) == [
+            "PET_LOCAL_ADDR=127.0.0.1",
+            "PET_LOCAL_ADDR=localhost",
+        ]
         assert {line.split()[0] for line in lines} == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"}
         assert {line.split(maxsplit=2)[2] for line in lines} == {
             f"-m torch.distributed.run --nnodes=2 --nproc-per-node={nproc} --rdzv-backend=c10d "
@@ -271,7 +320,9 @@ def test_the_batch_script_starts_one_torchrun_a_node_with_the_jobs_rendezvous(tm
             log.unlink()
 
 
-def test_a_failure_an_earlier_attempt_reported_does_not_hide_a_dead_rank(monkeypatch: pytest.MonkeyPatch):
+def test_a_failure_an_earlier_attempt_reported_does_not_hide_a_dead_rank(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """A store that outlives an attempt (torchrun's agent store) still holds the keys through which that
     attempt's ranks reported a failed collective. Rank 1 reported in attempt a and died in attempt b: rank 0
     of attempt b must still name it, because the keys are scoped to the attempt (FSDP_ZERO_ATTEMPT)."""
@@ -307,7 +358,9 @@ def test_each_time_the_ranks_meet_they_draw_a_new_attempt_token(monkeypatch: pyt
     assert all(tokens) and tokens[0] != tokens[1], tokens
 
 
-def test_restarted_ranks_meet_in_their_attempts_part_of_the_agents_store(monkeypatch: pytest.MonkeyPatch, capsys):
+def test_restarted_ranks_meet_in_their_attempts_part_of_the_agents_store(
+    monkeypatch: pytest.MonkeyPatch, capsys
+):
     """On one node torchrun's agent lends its store to every attempt: the ranks of restart 1 must not read
     what restart 0's ranks wrote (their addresses: pytorch#135712). Across nodes, where agents count
     restarts differently, fsdp-zero leaves the store to torchrun and warns unless each attempt gets its own."""
@@ -320,7 +373,9 @@ def test_restarted_ranks_meet_in_their_attempts_part_of_the_agents_store(monkeyp
     _store_of_this_attempt(timedelta(seconds=10)).set("rank/1/address", "a dead rank's")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     restarted = _store_of_this_attempt(timedelta(seconds=10))
-    assert not restarted.check(["rank/1/address"]) and agent.check(["fsdp_zero/attempt_0/rank/1/address"])
+    assert not restarted.check(["rank/1/address"]) and agent.check(
+        ["fsdp_zero/attempt_0/rank/1/address"]
+    )
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     monkeypatch.setenv("RANK", "0")
@@ -329,7 +384,9 @@ def test_restarted_ranks_meet_in_their_attempts_part_of_the_agents_store(monkeyp
 
 
 @pytest.mark.slow
-def test_a_slurm_job_restarts_a_dead_rank_saves_on_preemption_and_its_requeue_ends_bit_for_bit(batches, tmp_path: Path):
+def test_a_slurm_job_restarts_a_dead_rank_saves_on_preemption_and_its_requeue_ends_bit_for_bit(
+    batches, tmp_path: Path
+):
     """A 2-node job's life (tests/user_model.py:killed_then_preempted), in two launches of the batch script:
 
     1. rank 1 is SIGKILLed in step 5; rank 0 names it and torchrun (--max-restarts, FSDP_ZERO_MAX_RESTARTS=1)
@@ -356,18 +413,30 @@ def test_a_slurm_job_restarts_a_dead_rank_saves_on_preemption_and_its_requeue_en
     assert proc.returncode == 4, proc.stderr[-3000:] + logs[-6000:]
     assert f"2 node(s) x 1 rank(s), rendezvous localhost:{10000 + job % 20000}" in proc.stderr
     assert re.search(r"error: rank 0, step 5: .*\(rank 1 died or is stuck", logs), logs[-6000:]
-    assert "checkpoints/step-0000004: step 4" in logs and "stopped after step 6 (SIGTERM)" in logs, logs[-6000:]
-    assert "SIGUSR1 received: SIGTERM to the ranks" in proc.stderr and f"requeueing job {job}" in proc.stderr
+    assert (
+        "checkpoints/step-0000004: step 4" in logs and "stopped after step 6 (SIGTERM)" in logs
+    ), logs[-6000:]
+    assert (
+        "SIGUSR1 received: SIGTERM to the ranks" in proc.stderr
+        and f"requeueing job {job}" in proc.stderr
+    )
     run_dir = tmp_path / f"slurm-{job}"  # named after the job, so the requeued job finds it
     # The restarted ranks saved step 6 and kept the first attempt's 2 and 4 (a launch deletes only its own).
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-000000{s}" for s in (2, 4, 6)]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        f"step-000000{s}" for s in (2, 4, 6)
+    ]
     requeues = read_jsonl(tmp_path / "slurm" / "requeue")
     assert [r["job"] for r in requeues] == [str(job)]
 
-    proc, start = _sbatch(_slurm_env(tmp_path, job, SLURM_RESTART_COUNT="1", FAULT_DIR=str(tmp_path)), *args)
+    proc, start = _sbatch(
+        _slurm_env(tmp_path, job, SLURM_RESTART_COUNT="1", FAULT_DIR=str(tmp_path)), *args
+    )
     logs = _logs(tmp_path, 1)
     assert proc.returncode == 0, proc.stderr[-3000:] + logs[-6000:]
-    assert "checkpoints/step-0000006: step 6" in logs and len(read_jsonl(tmp_path / "slurm" / "requeue")) == 1
+    assert (
+        "checkpoints/step-0000006: step 6" in logs
+        and len(read_jsonl(tmp_path / "slurm" / "requeue")) == 1
+    )
     records = _assert_uninterrupted(batches, run_dir)
     figure(
         "slurm: SIGKILLed rank to the restarted ranks' first step (2 nodes, torchrun --max-restarts)",
@@ -382,7 +451,9 @@ def test_a_slurm_job_restarts_a_dead_rank_saves_on_preemption_and_its_requeue_en
 
 def _manifest() -> dict:
     """The PyTorchJob in docs/clusters.md (its one YAML block)."""
-    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "clusters.md").read_text(), flags=re.S)
+    blocks = re.findall(
+        r"```yaml\n(.*?)```", (REPO / "docs" / "clusters.md").read_text(), flags=re.S
+    )
     assert len(blocks) == 1, "docs/clusters.md holds one YAML block: the manifest"
     return yaml.safe_load(blocks[0])
 
@@ -410,17 +481,22 @@ def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path
     job = _manifest()
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert list(replicas) == ["Master", "Worker"] and [r["replicas"] for r in replicas.values()] == [1, 1]
+    assert list(replicas) == ["Master", "Worker"] and [
+        r["replicas"] for r in replicas.values()
+    ] == [1, 1]
     specs = [replicas[kind]["template"]["spec"] for kind in replicas]
     assert specs[0] == specs[1]  # one pod template
     pod = specs[0]
     container = pod["containers"][0]
-    assert all(replicas[kind]["restartPolicy"] == "OnFailure" for kind in replicas)  # an evicted pod comes back
+    # an evicted pod comes back
+    assert all(replicas[kind]["restartPolicy"] == "OnFailure" for kind in replicas)
     shutdown = int(re.search(r"--shutdown-timeout=(\d+)", " ".join(container["command"])).group(1))
-    assert pod["terminationGracePeriodSeconds"] > shutdown  # the ranks get their save before the kubelet's SIGKILL
+    # the ranks get their save before the kubelet's SIGKILL
+    assert pod["terminationGracePeriodSeconds"] > shutdown
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     claims = {v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
-    assert any(f"run.root={mounts[name]}" in container["args"] for name in claims)  # checkpoints on the volume
+    # checkpoints on the volume
+    assert any(f"run.root={mounts[name]}" in container["args"] for name in claims)
     # The manifest's own settings load; the test runs its command with BASE's instead.
     config = container["args"][container["args"].index("--config") + 1]
     load_config(REPO / config, [a for a in container["args"] if "=" in a])
@@ -438,7 +514,11 @@ def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path
     port = _free_port()
 
     def start(rank: int) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_"))
+        }
         env |= {e["name"]: str(e["value"]) for e in container.get("env", [])}
         env |= {
             "MASTER_ADDR": "localhost",
@@ -469,18 +549,27 @@ def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path
     _wait_for_port(port, master)  # the Master pod hosts the rendezvous (its service is MASTER_ADDR)
     worker = start(1)
     deadline = time.monotonic() + TIMEOUT
-    while not (tmp_path / "evicted").exists() and worker.poll() is None and time.monotonic() < deadline:
+    while (
+        not (tmp_path / "evicted").exists()
+        and worker.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     worker.send_signal(signal.SIGTERM)  # the kubelet evicts the pod: SIGTERM to its main process
     out, _ = worker.communicate(timeout=TIMEOUT)
-    assert worker.returncode != 0 and "got signal: 15" in out, out[-4000:]  # the evicted pod's torchrun
+    # the evicted pod's torchrun
+    assert worker.returncode != 0 and "got signal: 15" in out, out[-4000:]
     ckpts = tmp_path / "k8s" / "checkpoints"
-    assert (tmp_path / "evicted").exists() and [p.name for p in ckpts.iterdir()] == ["step-0000003"], out[-4000:]
+    assert (tmp_path / "evicted").exists() and [p.name for p in ckpts.iterdir()] == [
+        "step-0000003"
+    ], out[-4000:]
     worker = start(1)  # the operator recreates the pod (restartPolicy: OnFailure)
     outs = [p.communicate(timeout=TIMEOUT)[0] for p in (worker, master)]
     assert [p.returncode for p in (worker, master)] == [0, 0], "\n".join(o[-3000:] for o in outs)
     logs = out + "".join(outs)
-    assert "stopped after step 3 (SIGTERM)" in logs and "checkpoints/step-0000003: step 3" in logs, logs[-4000:]
+    assert (
+        "stopped after step 3 (SIGTERM)" in logs and "checkpoints/step-0000003: step 3" in logs
+    ), logs[-4000:]
     records = read_jsonl(tmp_path / "k8s" / "metrics.jsonl")
     straight = batches["hsdp"]
     assert {r["step"]: r["loss"] for r in records} == straight["losses"] and len(records) == 8

@@ -63,7 +63,9 @@ def _formula(cfg, world_size: int) -> CommBytes:  # noqa: ANN001
     make_trainable(model, cfg.model)
     plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
     accum = BatchLayout.of(cfg.train, world_size).grad_accum_steps
-    return comm_formula(cfg, Topology.of(cfg.parallel, world_size), model, plan, accum, resolve(cfg.precision))
+    return comm_formula(
+        cfg, Topology.of(cfg.parallel, world_size), model, plan, accum, resolve(cfg.precision)
+    )
 
 
 def _run(batches, name: str):  # noqa: ANN001, ANN202
@@ -81,20 +83,27 @@ def test_counted_bytes_per_step_equal_the_formula(batches, name):
     cfg, summary, rows = _run(batches, name)
     world = summary["world_size"]
     expected = _formula(cfg, world)
-    assert summary["comm_formula_bytes"] == pytest.approx(vars(expected), rel=1e-9)  # the run's own, the same
+    # the run's own, the same
+    assert summary["comm_formula_bytes"] == pytest.approx(vars(expected), rel=1e-9)
     assert rows and [r["step"] for r in rows] == list(range(rows[0]["step"], summary["steps"] + 1))
     for row in rows:
         for kind in KINDS:
-            assert row[f"comm/{kind}_mib"] * MIB == pytest.approx(getattr(expected, kind), rel=0.01), (
+            assert row[f"comm/{kind}_mib"] * MIB == pytest.approx(
+                getattr(expected, kind), rel=0.01
+            ), (
                 row["step"],
                 kind,
             )
     for rank in summary["ranks"]:
-        assert rank["comm_bytes"] == pytest.approx({k: getattr(expected, k) for k in KINDS}, rel=0.01)
+        assert rank["comm_bytes"] == pytest.approx(
+            {k: getattr(expected, k) for k in KINDS}, rel=0.01
+        )
     figure(
         f"comm / formula, {name}",
         ", ".join(
-            f"{k} {rows[-1][f'comm/{k}_mib'] * MIB / getattr(expected, k):.4f}" for k in KINDS if getattr(expected, k)
+            f"{k} {rows[-1][f'comm/{k}_mib'] * MIB / getattr(expected, k):.4f}"
+            for k in KINDS
+            if getattr(expected, k)
         ),
     )
 
@@ -102,7 +111,9 @@ def test_counted_bytes_per_step_equal_the_formula(batches, name):
 def test_evaluation_forwards_stay_out_of_the_steps_counts(batches):
     """The eval run is n2 with validation after steps 3 and 6: each step counts exactly n2's bytes."""
     n2, ev = _run(batches, "n2")[2], _run(batches, "eval")[2]
-    assert [{k: r[f"comm/{k}_mib"] for k in KINDS} for r in ev] == [{k: r[f"comm/{k}_mib"] for k in KINDS} for r in n2]
+    assert [{k: r[f"comm/{k}_mib"] for k in KINDS} for r in ev] == [
+        {k: r[f"comm/{k}_mib"] for k in KINDS} for r in n2
+    ]
 
 
 # bf16-true deferred (grad-once-zero2-bf16) against bf16-true reducing every micro-batch: each micro-batch's
@@ -130,15 +141,20 @@ def test_grad_sync_trains_the_same_with_fewer_reductions(batches, name, baseline
     ref = batches[baseline] if baseline else reference_run(load_config(None, list(BASE)))
     bf16 = cfg.precision.mode == "bf16-true"
     for step, loss in ref["losses"].items():
-        assert got["losses"][step] == pytest.approx(loss, abs=BF16_LOSS_ATOL if bf16 else LOSS_ATOL), step
+        assert got["losses"][step] == pytest.approx(
+            loss, abs=BF16_LOSS_ATOL if bf16 else LOSS_ATOL
+        ), step
     for key, value in ref["final"].items():
         if bf16:  # the difference against how far training moved the weight
             moved = (value.float() - ref["initial"][key].float()).norm()
-            assert (got["final"][key].float() - value.float()).norm() <= BF16_WEIGHT_REL * moved + 1e-6, key
+            assert (
+                got["final"][key].float() - value.float()
+            ).norm() <= BF16_WEIGHT_REL * moved + 1e-6, key
         else:
             torch.testing.assert_close(got["final"][key], value, atol=WEIGHT_ATOL, rtol=0, msg=key)
     every = _formula(
-        replace(cfg, parallel=replace(cfg.parallel, grad_sync=GradSync.every_micro_batch)), summary["world_size"]
+        replace(cfg, parallel=replace(cfg.parallel, grad_sync=GradSync.every_micro_batch)),
+        summary["world_size"],
     )
     for kind in KINDS:
         counted, full = rows[-1][f"comm/{kind}_mib"] * MIB, getattr(every, kind)
@@ -159,16 +175,27 @@ def test_formula_by_hand():
     def formula(world: int = 2, accum: int = 3, precision=fp32, **parallel) -> CommBytes:  # noqa: ANN001
         c = replace(cfg, parallel=replace(cfg.parallel, **parallel))
         return comm_formula(
-            c, Topology.of(c.parallel, world), model, build_wrap_plan(model, c.parallel.wrap, world), accum, precision
+            c,
+            Topology.of(c.parallel, world),
+            model,
+            build_wrap_plan(model, c.parallel.wrap, world),
+            accum,
+            precision,
         )
 
     assert formula() == CommBytes(all_gather=3 * 4 * (2 * p - root), reduce_scatter=3 * 4 * p)
-    assert formula(strategy="shard_grad_op") == CommBytes(all_gather=3 * 4 * p, reduce_scatter=3 * 4 * p)
-    assert formula(4, strategy="hybrid_shard") == CommBytes(3 * 4 * (2 * p - root), 3 * 4 * p, 3 * 4 * p / 2)
+    assert formula(strategy="shard_grad_op") == CommBytes(
+        all_gather=3 * 4 * p, reduce_scatter=3 * 4 * p
+    )
+    assert formula(4, strategy="hybrid_shard") == CommBytes(
+        3 * 4 * (2 * p - root), 3 * 4 * p, 3 * 4 * p / 2
+    )
     assert formula(4, strategy="hybrid_shard", grad_sync="replicas_once_per_step") == CommBytes(
         3 * 4 * (2 * p - root), 3 * 4 * p, 4 * p / 2
     )
-    assert formula(grad_sync="once_per_step") == CommBytes(3 * 4 * (2 * p - root), 4 * p, 0, once_per_step=4 * p)
+    assert formula(grad_sync="once_per_step") == CommBytes(
+        3 * 4 * (2 * p - root), 4 * p, 0, once_per_step=4 * p
+    )
     # hpZ: groups of 2 of 4 ranks gather twice; groups of 1 (FSDP2 reads reshard_after_forward=1 as False) once.
     assert formula(4, reshard_after_forward=2).all_gather == 3 * 4 * (2 * p - root)
     assert formula(4, reshard_after_forward=1).all_gather == 3 * 4 * p
@@ -176,14 +203,18 @@ def test_formula_by_hand():
     assert formula(strategy="zero1") == CommBytes(all_gather=4 * p, all_reduce=4 * p)
     assert formula(1) == CommBytes()  # one rank: FSDP2 issues no collective
     half = resolve(replace(cfg.precision, mode="bf16-mixed"))
-    assert formula(precision=half) == CommBytes(all_gather=3 * 2 * (2 * p - root), reduce_scatter=3 * 4 * p)
+    assert formula(precision=half) == CommBytes(
+        all_gather=3 * 2 * (2 * p - root), reduce_scatter=3 * 4 * p
+    )
     assert formula(3).all_gather > 3 * 4 * (2 * p - root)  # dim 0 padded to a multiple of 3
     # Ring times: 1 GB gathered over 2 ranks at 8 Gbit/s sends half of it: 0.5 s; an all-reduce twice that.
     assert comm_seconds(CommBytes(1e9, 1e9), Topology.of(cfg.parallel, 2), 8.0) == pytest.approx(
         {"all_gather": 0.5, "reduce_scatter": 0.5, "all_reduce": 0.0}
     )
     hsdp = replace(cfg.parallel, strategy="hybrid_shard")
-    assert comm_seconds(CommBytes(all_reduce=1e9), Topology.of(hsdp, 4), 8.0)["all_reduce"] == pytest.approx(1.0)
+    assert comm_seconds(CommBytes(all_reduce=1e9), Topology.of(hsdp, 4), 8.0)[
+        "all_reduce"
+    ] == pytest.approx(1.0)
     # Every strategy by hand, 1 GB of each kind over 4 ranks at 8 Gbit/s (1 s a GB): a ring over n ranks sends
     # (n - 1) / n of it, an all-reduce twice that. DDP and ZeRO-1 all-reduce over all 4 ranks (ZeRO-1's
     # broadcasts timed as an all-gather over all 4); FSDP gathers and reduce-scatters over its shard group:
@@ -246,7 +277,9 @@ def test_grad_sync_user_errors(tmp_path):
         r"shard_grad_op, hybrid_shard only, not ddp",
     ):
         load_config(None, ["parallel.strategy=ddp", "parallel.grad_sync=once_per_step"])
-    with pytest.raises(ValueError, match=r"valid choices: every_micro_batch, replicas_once_per_step, once_per_step"):
+    with pytest.raises(
+        ValueError, match=r"valid choices: every_micro_batch, replicas_once_per_step, once_per_step"
+    ):
         load_config(None, ["parallel.grad_sync=sometimes"])
     assert_user_error(
         tmp_path,
@@ -282,9 +315,14 @@ def test_a_micro_batch_that_raises_leaves_the_reduction_on(monkeypatch):
             return torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()), {}
 
         with pytest.raises(RuntimeError, match="a bad batch"):
-            Step(model, optimizer, loss_fn, env.device, grad_clip=1.0, grad_sync=GradSync.once_per_step).run(
-                [batch, None, batch]
-            )
+            Step(
+                model,
+                optimizer,
+                loss_fn,
+                env.device,
+                grad_clip=1.0,
+                grad_sync=GradSync.once_per_step,
+            ).run([batch, None, batch])
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model, batch)[0].backward()
         assert all(p.grad is not None for p in model.parameters())

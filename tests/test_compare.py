@@ -70,7 +70,11 @@ def measured(compared: Path) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def predicted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict], str]:
     out = tmp_path_factory.mktemp("plan") / "plan.json"
-    proc = check(run_script(PLAN, "--world-size", str(N), "--json", str(out), "--device-memory", "24GB", *CONFIG))
+    proc = check(
+        run_script(
+            PLAN, "--world-size", str(N), "--json", str(out), "--device-memory", "24GB", *CONFIG
+        )
+    )
     return {p["strategy"]: p for p in json.loads(out.read_text())}, proc.stdout
 
 
@@ -96,7 +100,9 @@ def test_table_orders_the_strategies_by_memory(compared: Path, measured):
     assert list(table) == STRATEGIES  # DDP first, as in the lesson
     for s, cells in table.items():  # the table shows the measured rows
         assert num(cells[2]) == pytest.approx(peak_mib(measured[s]), abs=0.5), s
-        assert num(cells[4]) == pytest.approx(max(r["model_state"] for r in measured[s]) / MIB, abs=0.05), s
+        assert num(cells[4]) == pytest.approx(
+            max(r["model_state"] for r in measured[s]) / MIB, abs=0.05
+        ), s
     state = {k: num(v[4]) for k, v in table.items()}
     formula = {k: num(v[5]) for k, v in table.items()}
     for k in state:  # model state follows each strategy's ZeRO formula within 2%
@@ -134,16 +140,29 @@ def test_tensorboard_holds_the_figures_of_the_table(compared: Path, measured):
         peaks = acc.Scalars(f"compare_{s}/peak_rss_mib")
         assert [e.step for e in peaks] == list(range(N))  # x = rank
         for e in peaks:
-            assert e.value == pytest.approx(measured[s][e.step]["peak_rss_mib"], abs=0.01), (s, e.step)
+            assert e.value == pytest.approx(measured[s][e.step]["peak_rss_mib"], abs=0.01), (
+                s,
+                e.step,
+            )
         optimizer = acc.Scalars(f"compare_{s}/optimizer_mib")
         for e in optimizer:
-            assert e.value == pytest.approx(measured[s][e.step]["breakdown"]["optimizer"] / MIB, abs=0.01), (s, e.step)
+            assert e.value == pytest.approx(
+                measured[s][e.step]["breakdown"]["optimizer"] / MIB, abs=0.01
+            ), (s, e.step)
     run = EventAccumulator(str(compared / "full_shard" / "tb" / f"rank{N - 1}"))
     run.Reload()
     scalars = run.Tags()["scalars"]
     assert {
         f"memory_breakdown/{c}_mib"
-        for c in ("params", "gathered_params", "grads", "optimizer", "activations", "comm_buffers", "other")
+        for c in (
+            "params",
+            "gathered_params",
+            "grads",
+            "optimizer",
+            "activations",
+            "comm_buffers",
+            "other",
+        )
     } <= set(scalars)
     assert [e.step for e in run.Scalars("memory_within_step/total_mib")] == [0, 1, 2, 3]
 
@@ -166,7 +185,8 @@ def test_planner_predicts_the_model_dependent_memory(measured, predicted):
         # The PyTorch runtime, measured by a probe process: hundreds of MiB, below any real run's peak.
         assert 200 * MIB < p["baseline"] < min(peak_mib(ranks) for ranks in measured.values()) * MIB
         term = peak - p["baseline"]
-        assert term > 0.75 * p["baseline"]  # the model's memory is of the baseline's order, by construction
+        # the model's memory is of the baseline's order, by construction
+        assert term > 0.75 * p["baseline"]
         tensors = sum(p["tensors"].values())
         retained = HEAP_RETENTION["activations"] * p["heap_activations"]
         retained += HEAP_RETENTION["fsdp"] * p["heap_at_peak"] if s in FSDP else 0
@@ -178,7 +198,9 @@ def test_planner_predicts_the_model_dependent_memory(measured, predicted):
         # A planner that simulated half the tensors fails, whatever it adds on top.
         assert abs(_error(tensors / 2 + retained, term)) > TERM_TOLERANCE, s
         # Model state after an optimizer step, simulated against measured.
-        assert p["model_state"] == pytest.approx(max(r["model_state"] for r in measured[s]), rel=0.01), s
+        assert p["model_state"] == pytest.approx(
+            max(r["model_state"] for r in measured[s]), rel=0.01
+        ), s
     figure(
         f"planner vs measured, held-out 46M model, N={N}: (peak - baseline) vs predicted",
         ", ".join(f"{s} {e:+.1%}" for s, e in errors.items())
@@ -210,14 +232,19 @@ def test_the_plan_prints_the_bytes_each_strategys_run_counted(compared: Path, pr
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 6 and cells[0] in STRATEGIES and cells[1] == "fp32":
-            printed[cells[0]] = dict(zip(("all_gather", "reduce_scatter", "all_reduce"), map(num, cells[2:5])))
+            printed[cells[0]] = dict(
+                zip(("all_gather", "reduce_scatter", "all_reduce"), map(num, cells[2:5]))
+            )
     assert set(printed) == set(STRATEGIES)
     for s, kinds in printed.items():
         counted = json.loads((compared / s / "summary.json").read_text())["ranks"][0]["comm_bytes"]
         for kind, mib in kinds.items():
             assert mib == pytest.approx(counted[kind] / MIB, abs=0.05), (s, kind)
     assert (
-        printed["full_shard"]["all_gather"] > printed["shard_grad_op"]["all_gather"] > 0 == printed["ddp"]["all_gather"]
+        printed["full_shard"]["all_gather"]
+        > printed["shard_grad_op"]["all_gather"]
+        > 0
+        == printed["ddp"]["all_gather"]
     )
 
 
@@ -245,7 +272,10 @@ def fitted(tmp_path_factory: pytest.TempPathFactory, predicted) -> tuple[int, di
         )
     )
     # On a CPU the rates are measured on this machine, and the plan says so before it searches.
-    assert f"rates: measured on this machine by a probe ({N} ranks x 1 thread(s)" in proc.stdout.split("candidates")[0]
+    assert (
+        f"rates: measured on this machine by a probe ({N} ranks x 1 thread(s)"
+        in proc.stdout.split("candidates")[0]
+    )
     assert "pick: " in proc.stdout
     return budget, json.loads(out.read_text())
 
@@ -257,15 +287,21 @@ def test_the_fit_pick_run_stays_within_the_budget_and_its_prediction(fitted, mea
     budget, found = fitted
     preds, _ = predicted
     pick = found["pick"]
-    strategy = next(o.split("=")[1] for o in pick["overrides"] if o.startswith("parallel.strategy="))
+    strategy = next(
+        o.split("=")[1] for o in pick["overrides"] if o.startswith("parallel.strategy=")
+    )
     assert strategy == "shard_grad_op"
-    assert pick["peak_bytes"] == pytest.approx(preds[strategy]["peak"], rel=0.01)  # the planner's own simulation
+    # the planner's own simulation
+    assert pick["peak_bytes"] == pytest.approx(preds[strategy]["peak"], rel=0.01)
     assert peak_mib(measured[strategy]) * MIB <= budget
     assert peak_mib(measured[strategy]) * MIB == pytest.approx(pick["peak_bytes"], rel=0.10)
     ranked = [c for c in found["candidates"]]
     assert [c["cost"] for c in ranked] == sorted(c["cost"] for c in ranked)
     cheaper = ranked[: next(i for i, c in enumerate(ranked) if c["fits"])]
-    rejected = {next(o.split("=")[1] for o in c["overrides"] if o.startswith("parallel.strategy=")) for c in cheaper}
+    rejected = {
+        next(o.split("=")[1] for o in c["overrides"] if o.startswith("parallel.strategy="))
+        for c in cheaper
+    }
     assert rejected == {"ddp", "zero1"}
     for s in rejected:
         assert peak_mib(measured[s]) * MIB > budget, s
@@ -287,7 +323,15 @@ def test_dataparallel_row_with_several_gpus_in_one_process(tmp_path: Path):
     out = tmp_path / "dp"
     check(
         launch(
-            0, COMPARE, "--nproc-per-node", "1", "--out", str(out), "model.preset=gpt_tiny", "train.steps=4", gpu=True
+            0,
+            COMPARE,
+            "--nproc-per-node",
+            "1",
+            "--out",
+            str(out),
+            "model.preset=gpt_tiny",
+            "train.steps=4",
+            gpu=True,
         )
     )
     md = (out / "compare.md").read_text()
@@ -316,7 +360,8 @@ def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
     for s, p in preds.items():
         assert p["baseline"] == 0, s  # device memory holds no libraries
         bytes_per_param = p["model_state"] / num_params
-        if s == "zero1":  # AdamW states split by whole tensors: rank 0's share of 8P is uneven at N=8
+        # AdamW states split by whole tensors: rank 0's share of 8P is uneven at N=8
+        if s == "zero1":
             assert 8 < bytes_per_param < 16, s
         else:
             assert bytes_per_param == pytest.approx(16 if s == "ddp" else 16 / 8, rel=0.01), s
@@ -364,8 +409,11 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
     md = report(_rows(2), 2, tmp_path)
     table = table_rows(md)
     assert list(table) == STRATEGIES
-    assert table["ddp"][3] == "1.00" and num(table["full_shard"][4]) == pytest.approx(16 / 2 * 1e6 / MIB, abs=0.05)
-    assert num(table["zero1"][5]) == pytest.approx((8 + 8 / 2) * 1e6 / MIB, abs=0.05)  # the strategy's formula
+    assert table["ddp"][3] == "1.00" and num(table["full_shard"][4]) == pytest.approx(
+        16 / 2 * 1e6 / MIB, abs=0.05
+    )
+    # the strategy's formula
+    assert num(table["zero1"][5]) == pytest.approx((8 + 8 / 2) * 1e6 / MIB, abs=0.05)
     assert json.loads((tmp_path / "compare.json").read_text()) == _rows(2)
     acc = EventAccumulator(str(tmp_path / "tb" / "compare"))
     acc.Reload()
@@ -400,14 +448,21 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
     (tmp_path / "mixed").mkdir()
     md = report(rows, 2, tmp_path / "mixed")
     assert "bf16-mixed AdamW" in md and "| vs shard_grad_op |" in md
-    assert list(table_rows(md)) == ["shard_grad_op", "full_shard"] and table_rows(md)["shard_grad_op"][3] == "1.00"
+    assert (
+        list(table_rows(md)) == ["shard_grad_op", "full_shard"]
+        and table_rows(md)["shard_grad_op"][3] == "1.00"
+    )
 
 
 def test_compare_refuses_an_existing_folder_and_bad_settings(tmp_path: Path):
     proc = run_script(COMPARE, "--out", str(tmp_path))
     assert proc.returncode == 2 and "already exists; it is never overwritten" in proc.stderr
     proc = run_script(COMPARE, "--out", str(tmp_path / "new"), "train.setps=3")
-    assert proc.returncode == 2 and "did you mean 'train.steps'" in proc.stderr and not (tmp_path / "new").exists()
+    assert (
+        proc.returncode == 2
+        and "did you mean 'train.steps'" in proc.stderr
+        and not (tmp_path / "new").exists()
+    )
 
 
 def test_planner_follows_the_precision_and_offload():
@@ -429,7 +484,9 @@ def test_planner_follows_the_precision_and_offload():
     ]
     expected = 8 * model_args("gpt_nano").num_params() / 2
     (plain,) = simulate(load_config(None, base), 2, [Strategy.full_shard])
-    (offload,) = simulate(load_config(None, base + ["parallel.cpu_offload=true"]), 2, [Strategy.full_shard])
+    (offload,) = simulate(
+        load_config(None, base + ["parallel.cpu_offload=true"]), 2, [Strategy.full_shard]
+    )
     assert plain.model_state == pytest.approx(expected, rel=0.02) and plain.host_state == 0
     assert offload.host_state == pytest.approx(expected, rel=0.02)
     # Device memory without the host-resident state, the allocator's slack on what is left.

@@ -30,8 +30,12 @@ def test_defaults_are_a_full_shard_transformer_run():
 
 def test_yaml_then_overrides(tmp_path: Path):
     path = tmp_path / "x.yaml"
-    path.write_text("train:\n  steps: 7\n  micro_batch_size: 2\nparallel:\n  wrap:\n    policy: none\n")
-    cfg = load_config(path, ["train.steps=9", "parallel.wrap.classes=[TransformerBlock,FeedForward]"])
+    path.write_text(
+        "train:\n  steps: 7\n  micro_batch_size: 2\nparallel:\n  wrap:\n    policy: none\n"
+    )
+    cfg = load_config(
+        path, ["train.steps=9", "parallel.wrap.classes=[TransformerBlock,FeedForward]"]
+    )
     assert cfg.train.steps == 9 and cfg.train.micro_batch_size == 2
     assert cfg.parallel.wrap.policy is WrapPolicy.none
     assert cfg.parallel.wrap.classes == ["TransformerBlock", "FeedForward"]
@@ -48,12 +52,24 @@ def test_yaml_then_overrides(tmp_path: Path):
             r"parallel\.wrap\.policy='sized' is not a valid choice; valid choices: transformer, size_based, modules, "
             r"none",
         ),
-        ("parallel.strategy=zero9", r"valid choices: full_shard, shard_grad_op, hybrid_shard, zero1, ddp"),
-        ("parallel.zero_stage=4", r"parallel\.zero_stage=4 is not a valid choice; valid choices: 0, 1, 2, 3"),
+        (
+            "parallel.strategy=zero9",
+            r"valid choices: full_shard, shard_grad_op, hybrid_shard, zero1, ddp",
+        ),
+        (
+            "parallel.zero_stage=4",
+            r"parallel\.zero_stage=4 is not a valid choice; valid choices: 0, 1, 2, 3",
+        ),
         ("train.steps=abc", r"bad value for 'train\.steps'"),
         ("train.steps=0", r"train\.steps=0: must be > 0"),
-        ("train.global_batch_size=10", r"train\.global_batch_size=10 is not a multiple of train\.micro_batch_size=4"),
-        ("model.preset=gpt_2b", r"model\.preset='gpt_2b' is unknown; did you mean 'gpt_1b'\?; valid choices: gpt_nano"),
+        (
+            "train.global_batch_size=10",
+            r"train\.global_batch_size=10 is not a multiple of train\.micro_batch_size=4",
+        ),
+        (
+            "model.preset=gpt_2b",
+            r"model\.preset='gpt_2b' is unknown; did you mean 'gpt_1b'\?; valid choices: gpt_nano",
+        ),
         ("data.source=text", r"data\.source=text needs data\.path"),
         ("train", r"expected key=value"),
         (
@@ -68,7 +84,11 @@ def test_bad_input_names_the_key_and_the_choices(override: str, message: str):
         load_config(None, [override])
 
 
-VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classification", "data.source=fake_images"]
+VIT = [
+    "model.target=torchvision.models:VisionTransformer",
+    "model.task=classification",
+    "data.source=fake_images",
+]
 
 
 @pytest.mark.parametrize(
@@ -82,10 +102,22 @@ VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classifi
         ),
         ([*VIT, "model.dim=64"], r"model\.dim=64 only applies to the built-in model"),
         (["model.task=custom"], r"model\.task=custom needs model\.loss"),
-        (["model.loss=a.b:c"], r"model\.loss='a\.b:c' is set but model\.task=causal_lm; set model\.task=custom"),
-        (["data.source=tokens"], r"data\.source=tokens needs data\.path \(a \.bin or \.npy file of token ids\)"),
-        (["data.source=tokens", "data.path=pyproject.toml"], r"data\.source=tokens needs a \.bin or \.npy file"),
-        (["data.source=tokens", "data.path=/no/such.bin"], r"data\.path='/no/such\.bin': no such file or folder"),
+        (
+            ["model.loss=a.b:c"],
+            r"model\.loss='a\.b:c' is set but model\.task=causal_lm; set model\.task=custom",
+        ),
+        (
+            ["data.source=tokens"],
+            r"data\.source=tokens needs data\.path \(a \.bin or \.npy file of token ids\)",
+        ),
+        (
+            ["data.source=tokens", "data.path=pyproject.toml"],
+            r"data\.source=tokens needs a \.bin or \.npy file",
+        ),
+        (
+            ["data.source=tokens", "data.path=/no/such.bin"],
+            r"data\.path='/no/such\.bin': no such file or folder",
+        ),
         (
             ["data.source=images"],
             r"data\.source=images does not feed model\.task=causal_lm; valid choices: synthetic, text, tokens",
@@ -99,7 +131,10 @@ VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classifi
             r"data\.token_dtype='float32' is not a valid choice; valid choices: uint16, uint32",
         ),
         ([*VIT, "data.num_workers=-1"], r"data\.num_workers=-1: must be >= 0"),
-        (["model.init=random"], r"model\.init='random' is not a valid choice; valid choices: auto, standard, model"),
+        (
+            ["model.init=random"],
+            r"model\.init='random' is not a valid choice; valid choices: auto, standard, model",
+        ),
         (["parallel.prefetch=-1"], r"parallel\.prefetch=-1: must be >= 0"),
         (
             ["parallel.strategy=ddp", "parallel.reshard_after_forward=2"],
@@ -119,13 +154,19 @@ VIT = ["model.target=torchvision.models:VisionTransformer", "model.task=classifi
             r"lower precision than the stored ones\) needs an FSDP strategy",
         ),
         (["precision.loss_scale=-1"], r"precision\.loss_scale=-1\.0: must be >= 0"),
-        (["parallel.cpu_offload=true", "parallel.strategy=ddp"], r"parallel\.cpu_offload=true needs an FSDP strategy"),
+        (
+            ["parallel.cpu_offload=true", "parallel.strategy=ddp"],
+            r"parallel\.cpu_offload=true needs an FSDP strategy",
+        ),
         (
             ["parallel.activation_checkpointing=some"],
             r"parallel\.activation_checkpointing='some' is not a valid choice; "
             r"valid choices: none, full, selective",
         ),
-        (["parallel.activation_checkpointing_every=0"], r"parallel\.activation_checkpointing_every=0: must be > 0"),
+        (
+            ["parallel.activation_checkpointing_every=0"],
+            r"parallel\.activation_checkpointing_every=0: must be > 0",
+        ),
         (
             ["optim.schedule=step"],
             r"optim\.schedule='step' is not a valid choice; valid choices: cosine, linear, constant",
@@ -141,7 +182,9 @@ def test_precision_shorthand_and_dtypes():
     from fsdp_zero.sharding.precision import resolve
 
     assert load_config(None, ["precision=bf16-mixed"]).precision.mode == "bf16-mixed"
-    p = resolve(load_config(None, ["precision=bf16-mixed", "precision.reduce_dtype=bf16"]).precision)
+    p = resolve(
+        load_config(None, ["precision=bf16-mixed", "precision.reduce_dtype=bf16"]).precision
+    )
     assert (p.stored, p.compute, p.reduce, p.bytes_per_param) == (
         torch.float32,
         torch.bfloat16,
@@ -149,7 +192,9 @@ def test_precision_shorthand_and_dtypes():
         (4, 4, 8),
     )
     p = resolve(load_config(None, ["precision=bf16-true"]).precision)
-    assert (p.stored, p.compute, p.reduce, p.bytes_per_param, p.loss_scaling) == (torch.bfloat16,) * 3 + (
+    assert (p.stored, p.compute, p.reduce, p.bytes_per_param, p.loss_scaling) == (
+        torch.bfloat16,
+    ) * 3 + (
         (2, 2, 4),
         False,
     )
@@ -226,7 +271,9 @@ def test_resolved_config_round_trips_through_yaml(tmp_path: Path):
 # configs/finetune.yaml reads the files its walkthrough makes (a model folder, token files): the test
 # that runs the walkthrough's commands as written (tests/test_finetune.py) loads and runs it.
 @pytest.mark.parametrize(
-    "path", sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "finetune.yaml"), ids=lambda p: p.name
+    "path",
+    sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "finetune.yaml"),
+    ids=lambda p: p.name,
 )
 def test_shipped_configs_load_and_start_with_their_command(path: Path):
     first = path.read_text().splitlines()[0]
@@ -255,11 +302,15 @@ def test_zero_stage_and_strategy_must_agree(tmp_path: Path):
     path = tmp_path / "both.yaml"
     path.write_text("parallel:\n  strategy: ddp\n  zero_stage: 1\n")
     with pytest.raises(
-        ValueError, match=r"parallel\.zero_stage=1 means parallel\.strategy=zero1, but parallel\.strategy=ddp"
+        ValueError,
+        match=r"parallel\.zero_stage=1 means parallel\.strategy=zero1, but parallel\.strategy=ddp",
     ):
         load_config(path)
     # A later override of the same choice wins, as overrides do, in either order; the alias is not kept.
-    assert load_config(None, ["parallel.zero_stage=1", "parallel.strategy=ddp"]).parallel.strategy is Strategy.ddp
+    assert (
+        load_config(None, ["parallel.zero_stage=1", "parallel.strategy=ddp"]).parallel.strategy
+        is Strategy.ddp
+    )
     cfg = load_config(None, ["parallel.strategy=ddp", "parallel.zero_stage=1"])
     assert cfg.parallel.strategy is Strategy.zero1 and "zero_stage" not in to_yaml(cfg)
     # A config.yaml saved before the alias left the schema (zero_stage: null) still loads.
@@ -270,7 +321,8 @@ def test_zero_stage_and_strategy_must_agree(tmp_path: Path):
 def test_hybrid_shard_size_must_divide_the_world():
     cfg = load_config(None, ["parallel.strategy=hybrid_shard", "parallel.shard_size=3"]).parallel
     with pytest.raises(
-        ValueError, match=r"parallel\.shard_size=3 must divide the world size 4; valid choices: \[1, 2, 4\]"
+        ValueError,
+        match=r"parallel\.shard_size=3 must divide the world size 4; valid choices: \[1, 2, 4\]",
     ):
         Topology.of(cfg, 4)
     topology = Topology.of(cfg, 6)
@@ -281,8 +333,12 @@ def test_reshard_after_forward_groups_must_divide_the_world():
     from fsdp_zero.config.schema import ParallelConfig
 
     assert Topology.of(ParallelConfig(reshard_after_forward=2), 4).reshard_after_forward == 2
-    assert Topology.of(ParallelConfig(reshard_after_forward=4), 4).reshard_after_forward is True  # plain ZeRO-3
-    assert Topology.of(ParallelConfig(strategy=Strategy.shard_grad_op), 4).reshard_after_forward is False
+    # plain ZeRO-3
+    assert Topology.of(ParallelConfig(reshard_after_forward=4), 4).reshard_after_forward is True
+    assert (
+        Topology.of(ParallelConfig(strategy=Strategy.shard_grad_op), 4).reshard_after_forward
+        is False
+    )
     with pytest.raises(
         ValueError,
         match=r"parallel\.reshard_after_forward=3 must divide the world size 4 and be "
@@ -304,7 +360,12 @@ def test_a_topology_resolves_each_strategy_once():
     }
     for strategy, (group, shards, replicas) in expected.items():
         t = Topology.of(ParallelConfig(strategy=strategy, shard_size=4), 8)
-        assert (t.shard_group, t.param_shards, t.replicas, t.world_size) == (group, shards, replicas, 8), strategy
+        assert (t.shard_group, t.param_shards, t.replicas, t.world_size) == (
+            group,
+            shards,
+            replicas,
+            8,
+        ), strategy
     assert Topology.of(ParallelConfig(shard_size=4), 8).notes == (
         "parallel.shard_size=4 has no effect with parallel.strategy=full_shard (only hybrid_shard uses it)",
     )
@@ -315,7 +376,11 @@ SECTION_RULES = [
     ("model.target", "a.b", "model.target='a.b': expected package.module:callable"),
     ("model.task", Task.custom, "model.task=custom needs model.loss"),
     ("model.loss", "a.b:c", "model.loss='a.b:c' is set but model.task=causal_lm"),
-    ("model.init_from", "/no/such/weights.pt", "model.init_from='/no/such/weights.pt': no such file or folder"),
+    (
+        "model.init_from",
+        "/no/such/weights.pt",
+        "model.init_from='/no/such/weights.pt': no such file or folder",
+    ),
     ("data.seq_len", 0, "data.seq_len=0: must be > 0"),
     ("data.branching", -1, "data.branching=-1: must be > 0"),
     ("data.image_size", 0, "data.image_size=0: must be > 0"),
@@ -323,16 +388,40 @@ SECTION_RULES = [
     ("data.num_samples", 0, "data.num_samples=0: must be > 0"),
     ("data.source", DataSource.text, "data.source=text needs data.path"),
     ("data.path", "x.txt", "data.path='x.txt' is set but data.source=synthetic reads no files"),
-    ("data.token_dtype", "float32", "data.token_dtype='float32' is not a valid choice; valid choices: uint16"),
+    (
+        "data.token_dtype",
+        "float32",
+        "data.token_dtype='float32' is not a valid choice; valid choices: uint16",
+    ),
     ("data.num_workers", -1, "data.num_workers=-1: must be >= 0"),
-    ("parallel.strategy", "zero9", "parallel.strategy='zero9' is not a valid choice; valid choices: full_shard"),
-    ("parallel.activation_checkpointing", "some", "parallel.activation_checkpointing='some' is not a valid choice"),
+    (
+        "parallel.strategy",
+        "zero9",
+        "parallel.strategy='zero9' is not a valid choice; valid choices: full_shard",
+    ),
+    (
+        "parallel.activation_checkpointing",
+        "some",
+        "parallel.activation_checkpointing='some' is not a valid choice",
+    ),
     ("parallel.prefetch", -1, "parallel.prefetch=-1: must be >= 0"),
     ("parallel.reshard_after_forward", 0, "parallel.reshard_after_forward=0: must be > 0"),
-    ("parallel.activation_checkpointing_every", 0, "parallel.activation_checkpointing_every=0: must be > 0"),
+    (
+        "parallel.activation_checkpointing_every",
+        0,
+        "parallel.activation_checkpointing_every=0: must be > 0",
+    ),
     ("parallel.wrap.min_params", 0, "parallel.wrap.min_params=0: must be > 0"),
-    ("parallel.wrap.policy", WrapPolicy.modules, "parallel.wrap.policy=modules needs parallel.wrap.modules"),
-    ("precision.mode", "fp8", "precision.mode='fp8' is not a valid choice; valid choices: fp32, bf16-mixed"),
+    (
+        "parallel.wrap.policy",
+        WrapPolicy.modules,
+        "parallel.wrap.policy=modules needs parallel.wrap.modules",
+    ),
+    (
+        "precision.mode",
+        "fp8",
+        "precision.mode='fp8' is not a valid choice; valid choices: fp32, bf16-mixed",
+    ),
     ("precision.param_dtype", "half", "precision.param_dtype='half' is not a valid choice"),
     ("precision.reduce_dtype", "fp64", "precision.reduce_dtype='fp64' is not a valid choice"),
     ("precision.loss_scale", -1.0, "precision.loss_scale=-1.0: must be >= 0"),
@@ -345,7 +434,11 @@ SECTION_RULES = [
     ("optim.min_lr_ratio", 1.5, "optim.min_lr_ratio=1.5: must be in [0, 1]"),
     ("optim.betas", [0.9], "optim.betas=[0.9]: must be two numbers in [0, 1)"),
     ("train.steps", 0, "train.steps=0: must be > 0"),
-    ("train.global_batch_size", 10, "train.global_batch_size=10 is not a multiple of train.micro_batch_size=4"),
+    (
+        "train.global_batch_size",
+        10,
+        "train.global_batch_size=10 is not a multiple of train.micro_batch_size=4",
+    ),
     ("train.micro_batch_size", 0, "train.micro_batch_size=0: must be > 0"),
     ("train.log_every", 0, "train.log_every=0: must be > 0"),
     ("train.stop_after", 0, "train.stop_after=0: must be > 0"),
@@ -361,7 +454,11 @@ SECTION_RULES = [
     ("run.name", "a/b", "run.name='a/b': must be a plain folder name"),
     ("dist.timeout_minutes", 0.0, "dist.timeout_minutes=0.0: must be > 0"),
     ("dist.step_timeout_minutes", -1.0, "dist.step_timeout_minutes=-1.0: must be > 0"),
-    ("memory.malloc_mmap_threshold", "lots", "memory.malloc_mmap_threshold='lots': valid choices: auto, default"),
+    (
+        "memory.malloc_mmap_threshold",
+        "lots",
+        "memory.malloc_mmap_threshold='lots': valid choices: auto, default",
+    ),
     ("memory.profile_step", -1, "memory.profile_step=-1: must be >= 0"),
     ("eval.every", 5, "eval.every=5 needs eval.path"),
     ("eval.max_batches", -1, "eval.max_batches=-1: must be >= 0"),
@@ -390,7 +487,8 @@ def test_every_section_has_a_check_and_the_table_covers_every_section():
 
     sections = {f.name for f in fields(Config)}
     assert all(callable(getattr(getattr(Config(), name), "check", None)) for name in sections)
-    assert {key.split(".")[0] for key, _, _ in SECTION_RULES} == sections - {"metrics"}  # metrics: one switch
+    # metrics: one switch
+    assert {key.split(".")[0] for key, _, _ in SECTION_RULES} == sections - {"metrics"}
 
 
 @pytest.mark.parametrize(
@@ -445,14 +543,18 @@ def test_world_size_rules_and_warnings():
     assert ParallelConfig(reshard_after_forward=4).check_world(4) == []
     with pytest.raises(ValueError, match=r"parallel\.shard_size=3 must divide the world size 4"):
         ParallelConfig(strategy=Strategy.hybrid_shard, shard_size=3).check_world(4)
-    with pytest.raises(ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4"):
+    with pytest.raises(
+        ValueError, match=r"parallel\.reshard_after_forward=3 must divide the world size 4"
+    ):
         ParallelConfig(reshard_after_forward=3).check_world(4)
     BatchLayout.of(TrainConfig(global_batch_size=16, micro_batch_size=4), 4)
     with pytest.raises(
-        ValueError, match=r"train\.global_batch_size=16 does not divide into train\.micro_batch_size=4 x 3"
+        ValueError,
+        match=r"train\.global_batch_size=16 does not divide into train\.micro_batch_size=4 x 3",
     ):
         BatchLayout.of(TrainConfig(global_batch_size=16, micro_batch_size=4), 3)
-    rounded = BatchLayout.rounded(TrainConfig(global_batch_size=16, micro_batch_size=4), 3)  # the planner's
+    # the planner's
+    rounded = BatchLayout.rounded(TrainConfig(global_batch_size=16, micro_batch_size=4), 3)
     assert (rounded.global_batch_size, rounded.grad_accum_steps) == (12, 1)
 
 
@@ -471,7 +573,9 @@ def test_the_config_imports_no_model_and_no_torch():
         env={**os.environ, "PYTHONPATH": str(REPO)},
     ).stdout
     modules = sorted(
-        f"fsdp_zero.config.{p.stem}" for p in (REPO / "fsdp_zero" / "config").glob("*.py") if p.stem != "__init__"
+        f"fsdp_zero.config.{p.stem}"
+        for p in (REPO / "fsdp_zero" / "config").glob("*.py")
+        if p.stem != "__init__"
     )
     # fsdp_zero.errors: the exceptions the package's face exports (plain Python, below every subpackage).
     assert out.strip() == str(["fsdp_zero", "fsdp_zero.config", *modules, "fsdp_zero.errors"]), out
@@ -483,19 +587,31 @@ def test_the_package_has_no_import_cycle():
     for path in (REPO / "fsdp_zero").rglob("*.py"):
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_zero."):
-                for a in node.names:  # a submodule (from fsdp_zero.model import init) or a name of the module
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("fsdp_zero.")
+            ):
+                # a submodule (from fsdp_zero.model import init) or a name of the module
+                for a in node.names:
                     module = f"{node.module}.{a.name}"
-                    deps.add(module if (REPO / (module.replace(".", "/") + ".py")).is_file() else node.module)
+                    deps.add(
+                        module
+                        if (REPO / (module.replace(".", "/") + ".py")).is_file()
+                        else node.module
+                    )
             elif isinstance(node, ast.ImportFrom) and node.module == "fsdp_zero":
                 deps |= {f"fsdp_zero.{a.name}" for a in node.names}
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.startswith("fsdp_zero.")}
-        graph[".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")] = deps
+        graph[".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")] = (
+            deps
+        )
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         return any(
-            d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen))) for d in graph.get(start, ())
+            d == goal or (d not in seen and (seen.add(d) or reaches(d, goal, seen)))
+            for d in graph.get(start, ())
         )
 
     assert [m for m in sorted(graph) if reaches(m, m, set())] == []
@@ -508,11 +624,22 @@ def test_the_strategy_table_is_where_a_strategy_means_something():
     import ast
 
     from fsdp_zero.config.schema import ParallelConfig
-    from fsdp_zero.config.strategies import STRATEGIES, STRATEGY_ALIASES, ZERO_STAGES, Strategy, is_fsdp
+    from fsdp_zero.config.strategies import (
+        STRATEGIES,
+        STRATEGY_ALIASES,
+        ZERO_STAGES,
+        Strategy,
+        is_fsdp,
+    )
     from fsdp_zero.sharding.parallelize import formula_note, model_state_formula
 
     assert list(STRATEGIES) == list(Strategy)
-    assert ZERO_STAGES == {0: Strategy.ddp, 1: Strategy.zero1, 2: Strategy.shard_grad_op, 3: Strategy.full_shard}
+    assert ZERO_STAGES == {
+        0: Strategy.ddp,
+        1: Strategy.zero1,
+        2: Strategy.shard_grad_op,
+        3: Strategy.full_shard,
+    }
     assert STRATEGY_ALIASES == {
         "FULL_SHARD": "full_shard",
         "SHARD_GRAD_OP": "shard_grad_op",
@@ -542,7 +669,10 @@ def test_the_strategy_table_is_where_a_strategy_means_something():
     )
     named = []
     for path in sorted((REPO / "fsdp_zero").rglob("*.py")):
-        if path.relative_to(REPO).as_posix() in ("fsdp_zero/config/schema.py", "fsdp_zero/config/strategies.py"):
+        if path.relative_to(REPO).as_posix() in (
+            "fsdp_zero/config/schema.py",
+            "fsdp_zero/config/strategies.py",
+        ):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (
@@ -552,4 +682,7 @@ def test_the_strategy_table_is_where_a_strategy_means_something():
                 and node.attr in Strategy.__members__
             ):
                 named.append(f"{path.name}:{node.lineno}:{node.attr}")
-    assert [n.split(":")[0] + ":" + n.split(":")[2] for n in named] == ["compare.py:ddp", "compare.py:ddp"], named
+    assert [n.split(":")[0] + ":" + n.split(":")[2] for n in named] == [
+        "compare.py:ddp",
+        "compare.py:ddp",
+    ], named

@@ -60,7 +60,10 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
         },
         "communication_data_type": "fp32",
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01},
+        },
         "scheduler": {
             "type": "WarmupCosineLR",
             "params": {"total_num_steps": 100, "warmup_num_steps": 5, "cos_min_ratio": 0.05},
@@ -131,7 +134,10 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
     _same(
         tmp_path,
         {
-            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 40, "warmup_num_steps": 4}},
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {"total_num_steps": 40, "warmup_num_steps": 4},
+            },
             "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
         },
         [
@@ -153,7 +159,11 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
     # sub_group_size: DeepSpeed's default (1e9, one group for any shard below it) as it is; its 0 (one
     # tensor a sub-group) is 1 here (a group never holds more than one tensor larger than 1 element).
     for value, ours in ((1e9, 1_000_000_000), (0, 1), ("2e6", 2_000_000)):
-        _same(tmp_path, {"zero_optimization": {"sub_group_size": value}}, [f"optim.step_group_size={ours}"])
+        _same(
+            tmp_path,
+            {"zero_optimization": {"sub_group_size": value}},
+            [f"optim.step_group_size={ours}"],
+        )
     for stage, strategy in ((0, "ddp"), (1, "zero1"), (2, "shard_grad_op"), (3, "full_shard")):
         mapped, _ = _read(tmp_path, {"zero_optimization": {"stage": stage}})
         assert load_config(None, mapped).parallel.strategy.value == strategy
@@ -171,11 +181,19 @@ def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(tmp_path):
         {"train_batch_size": 32, "gradient_accumulation_steps": 4},
         ["train.global_batch_size=32", "train.micro_batch_size=4"],
     )
-    _same(tmp_path, {"train_batch_size": 32}, ["train.global_batch_size=32", "train.micro_batch_size=16"])
+    _same(
+        tmp_path,
+        {"train_batch_size": 32},
+        ["train.global_batch_size=32", "train.micro_batch_size=16"],
+    )
     # "auto" is ours to decide: the defaults stay, and the key is listed.
     notes = _same(
         tmp_path,
-        {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"},
+        {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_clipping": "auto",
+        },
         [],
     )
     assert sum("=auto: fsdp-zero's value is used" in n for n in notes) == 3
@@ -184,9 +202,17 @@ def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(tmp_path):
         match=r"ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4 x "
         r"gradient_accumulation_steps 2 x 2 ranks = 16",
     ):
-        _read(tmp_path, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+        _read(
+            tmp_path,
+            {
+                "train_batch_size": 32,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+            },
+        )
     with pytest.raises(
-        ValueError, match=r"ds_config train_batch_size=30: does not divide over gradient_accumulation_steps 4"
+        ValueError,
+        match=r"ds_config train_batch_size=30: does not divide over gradient_accumulation_steps 4",
     ):
         _read(tmp_path, {"train_batch_size": 30, "gradient_accumulation_steps": 4})
 
@@ -201,7 +227,8 @@ def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):
         "precision.mode=fp16-mixed",
     ]
     assert [n.split("=")[0] for n in notes] == [
-        f"ds_config zero_optimization.{k}" for k in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")
+        f"ds_config zero_optimization.{k}"
+        for k in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")
     ]
     assert all(": no effect; " in n and n.count("\n") == 0 for n in notes)
     stage3 = {k: 1 for k in NO_EFFECT if k.startswith("stage3_")}
@@ -218,7 +245,10 @@ def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):
             "ds_config zero_optimization.stagee=3: unknown DeepSpeed key; keys of "
             "'zero_optimization' read here: zero_optimization.stage",
         ),
-        ({"zero_optimization": {"stage": 4}}, "ds_config zero_optimization.stage=4: valid choices: 0, 1, 2, 3"),
+        (
+            {"zero_optimization": {"stage": 4}},
+            "ds_config zero_optimization.stage=4: valid choices: 0, 1, 2, 3",
+        ),
         (
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
             "ds_config zero_optimization.offload_param.device='nvme': valid choices: cpu, none",
@@ -235,14 +265,23 @@ def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):
             {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
             "ds_config fp16.enabled=True: fp16 and bf16 are both enabled",
         ),
-        ({"optimizer": {"type": "Lamb"}}, "ds_config optimizer.type='Lamb': valid choices: Adam, AdamW"),
+        (
+            {"optimizer": {"type": "Lamb"}},
+            "ds_config optimizer.type='Lamb': valid choices: Adam, AdamW",
+        ),
         (
             {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}},
             "ds_config optimizer.params.adam_w_mode=False",
         ),
-        ({"scheduler": {"type": "OneCycle"}}, "ds_config scheduler.type='OneCycle': valid choices: WarmupLR"),
+        (
+            {"scheduler": {"type": "OneCycle"}},
+            "ds_config scheduler.type='OneCycle': valid choices: WarmupLR",
+        ),
         ({"gradient_clipping": "one"}, "ds_config gradient_clipping='one': expected a number"),
-        ({"communication_data_type": "int8"}, "ds_config communication_data_type='int8': valid choices: fp32"),
+        (
+            {"communication_data_type": "int8"},
+            "ds_config communication_data_type='int8': valid choices: fp32",
+        ),
     ],
 )
 def test_bad_deepspeed_configs_are_errors_naming_the_key(tmp_path, ds, message):
@@ -263,7 +302,12 @@ WRONG_KIND = (
         for value in ("NaN", "-Infinity", "1e400", "-1", "true", '"1.0"', '"abc"')
     ]
     + [
-        ('{"zero_optimization": {"stage": @}}', value, "zero_optimization.stage", "valid choices: 0, 1, 2, 3")
+        (
+            '{"zero_optimization": {"stage": @}}',
+            value,
+            "zero_optimization.stage",
+            "valid choices: 0, 1, 2, 3",
+        )
         for value in ("NaN", "1e400", "-1", "2.5", "true", '"abc"', '"4"')
     ]
     + [
@@ -285,7 +329,12 @@ WRONG_KIND = (
         for value in ("-1", "2.5", "true", '"abc"')
     ]
     + [
-        ('{"optimizer": {"params": {"lr": @}}}', value, "optimizer.params.lr", "expected a number >= 0")
+        (
+            '{"optimizer": {"params": {"lr": @}}}',
+            value,
+            "optimizer.params.lr",
+            "expected a number >= 0",
+        )
         for value in ("NaN", "1e400", "-1", "true", '"1e-4"', '"abc"')
     ]
     + [
@@ -298,20 +347,36 @@ WRONG_KIND = (
         for value in ("1e400", "-1", "2.5", '"5"')
     ]
     + [
-        ('{"optimizer": {"params": {"betas": @}}}', value, "optimizer.params.betas", "expected two numbers")
+        (
+            '{"optimizer": {"params": {"betas": @}}}',
+            value,
+            "optimizer.params.betas",
+            "expected two numbers",
+        )
         for value in ("[NaN, 0.9]", "[0.9, 1e400]", "[true, 0.9]", '["0.9", 0.99]', "0.9")
     ]
-    + [('{"fp16": {"enabled": @}}', value, "fp16.enabled", "expected true or false") for value in ("2", '"abc"', "[]")]
-    + [('{"scheduler": {"type": @}}', value, "scheduler.type", "valid choices: WarmupLR") for value in ("[1]", "3")]
+    + [
+        ('{"fp16": {"enabled": @}}', value, "fp16.enabled", "expected true or false")
+        for value in ("2", '"abc"', "[]")
+    ]
+    + [
+        ('{"scheduler": {"type": @}}', value, "scheduler.type", "valid choices: WarmupLR")
+        for value in ("[1]", "3")
+    ]
 )
 
 
 @pytest.mark.parametrize("text, value, key, valid", WRONG_KIND)
-def test_values_of_the_wrong_kind_are_one_line_errors_naming_the_key(tmp_path, text, value, key, valid):
+def test_values_of_the_wrong_kind_are_one_line_errors_naming_the_key(
+    tmp_path, text, value, key, valid
+):
     with pytest.raises(ValueError) as e:
         _read_text(tmp_path, text.replace("@", value))
     message = str(e.value)
-    assert message.startswith(f"ds_config {key}={json.loads(value)!r}: {valid}") and "\n" not in message, message
+    assert (
+        message.startswith(f"ds_config {key}={json.loads(value)!r}: {valid}")
+        and "\n" not in message
+    ), message
     # A number written as a string where DeepSpeed does not read it as one: the message says so.
     assert ("not a string" in message) == (value in ('"32"', '"1.0"', '"1e-4"', '"5"')), message
 
@@ -322,7 +387,11 @@ def test_numbers_as_strings_are_read_where_deepspeed_reads_them(tmp_path):
     _same(
         tmp_path,
         {
-            "zero_optimization": {"stage": "3", "zero_hpz_partition_size": "2", "mics_shard_size": "-1"},
+            "zero_optimization": {
+                "stage": "3",
+                "zero_hpz_partition_size": "2",
+                "mics_shard_size": "-1",
+            },
             "fp16": {"enabled": "true", "loss_scale": "128", "initial_scale_power": "12.0"},
             "tensorboard": {"enabled": "false"},
         },
@@ -338,7 +407,9 @@ def test_numbers_as_strings_are_read_where_deepspeed_reads_them(tmp_path):
     )
     mapped, _ = _read(tmp_path, {"zero_optimization": {"stage": "3"}, "bf16": {"enabled": "off"}})
     assert mapped == ["parallel.zero_stage=3"]
-    mapped, notes = _read(tmp_path, {"zero_optimization": {"stage": "auto"}, "fp16": {"enabled": "auto"}})
+    mapped, notes = _read(
+        tmp_path, {"zero_optimization": {"stage": "auto"}, "fp16": {"enabled": "auto"}}
+    )
     assert mapped == [] and len(notes) == 2
 
 
@@ -346,7 +417,9 @@ def _schema_field(key: str) -> bool:
     """Whether a dotted key names a setting of `Config`, section by section (a section is not a setting)."""
     node: typing.Any = Config
     for part in key.split("."):
-        if not (dataclasses.is_dataclass(node) and part in {f.name for f in dataclasses.fields(node)}):
+        if not (
+            dataclasses.is_dataclass(node) and part in {f.name for f in dataclasses.fields(node)}
+        ):
             return False
         node = typing.get_type_hints(node)[part]
     return not dataclasses.is_dataclass(node)
@@ -358,12 +431,21 @@ def test_every_key_of_ours_in_the_rows_is_a_field_of_the_schema():
     shorthand = {"precision": "precision.mode"}
     aliases = {"parallel.zero_stage"}  # not a field: the loader reads it as parallel.strategy
     for rule in MAPPED:
-        keys = [] if rule.ours.startswith("(") else [part.split("=")[0] for part in rule.ours.split(", ")]
+        keys = (
+            []
+            if rule.ours.startswith("(")
+            else [part.split("=")[0] for part in rule.ours.split(", ")]
+        )
         keys = [shorthand.get(key, key) for key in keys]
         assert keys == list(rule.targets), rule
         assert all(_schema_field(key) or key in aliases for key in keys), rule
-    assert not _schema_field("precision") and _schema_field("precision.mode") and not _schema_field("optim.lr.x")
-    assert sum(not rule.targets for rule in MAPPED) == 3  # gradient_accumulation_steps, optimizer.type, wall_clock
+    assert (
+        not _schema_field("precision")
+        and _schema_field("precision.mode")
+        and not _schema_field("optim.lr.x")
+    )
+    # gradient_accumulation_steps, optimizer.type, wall_clock
+    assert sum(not rule.targets for rule in MAPPED) == 3
 
 
 def test_the_overrides_set_only_the_keys_their_rows_name(tmp_path):
@@ -393,7 +475,14 @@ def test_the_overrides_set_only_the_keys_their_rows_name(tmp_path):
             },
             "tensorboard": {"enabled": True},
         },
-        {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 10}},
+        {
+            "fp16": {
+                "enabled": True,
+                "loss_scale": 0,
+                "initial_scale_power": 8,
+                "loss_scale_window": 10,
+            }
+        },
     ]
     seen = set()
     for ds in configs:
@@ -433,17 +522,35 @@ def test_the_zero3_tutorial_config_runs_unchanged(tmp_path):
     assert "precision fp16-mixed: stored weights fp32" in out and "loss_scale 65536" in out
     assert "global batch 32 samples = micro-batch 32 x grad-accum 1 x data-parallel ranks 1" in out
     saved = yaml.safe_load((tmp_path / "ds" / "config.yaml").read_text())
-    assert saved["precision"]["mode"] == "fp16-mixed" and saved["parallel"]["strategy"] == "full_shard"
-    assert (saved["train"]["global_batch_size"], saved["train"]["micro_batch_size"], saved["train"]["steps"]) == (
+    assert (
+        saved["precision"]["mode"] == "fp16-mixed" and saved["parallel"]["strategy"] == "full_shard"
+    )
+    assert (
+        saved["train"]["global_batch_size"],
+        saved["train"]["micro_batch_size"],
+        saved["train"]["steps"],
+    ) == (
         32,
         32,
         2,
     )
     # A contradiction with the world size fails before anything is written.
-    ds.write_text(json.dumps(TUTORIAL | {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
-    bad = run_script(TRAIN, "--deepspeed", str(ds), "model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=bad")
+    ds.write_text(
+        json.dumps(
+            TUTORIAL | {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+        )
+    )
+    bad = run_script(
+        TRAIN,
+        "--deepspeed",
+        str(ds),
+        "model.preset=gpt_nano",
+        f"run.root={tmp_path}",
+        "run.name=bad",
+    )
     assert (
         bad.returncode == 2
-        and "error: ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4" in bad.stderr
+        and "error: ds_config train_batch_size=32: != train_micro_batch_size_per_gpu 4"
+        in bad.stderr
     )
     assert not (tmp_path / "bad").exists()

@@ -57,14 +57,17 @@ def test_the_architecture_tables_name_every_module_under_its_subpackage():
     named, misplaced, heading = set(), [], None
     for line in text.splitlines():
         if line.startswith("### "):
-            heading = m.group(1) if (m := re.match(r"### `fsdp_zero/(\w+)/`", line)) else ""  # "": the root
+            # "": the root
+            heading = m.group(1) if (m := re.match(r"### `fsdp_zero/(\w+)/`", line)) else ""
         elif (m := re.match(r"\| `(fsdp_zero/[^`]*)` \|", line)) and heading is not None:
             cell = m.group(1)
             assert re.fullmatch(r"fsdp_zero/(\w+/)?\w+\.py", cell), (
                 f"docs/architecture.md: one module per row, not {cell}"
             )
             named.add(cell)
-            if cell.count("/") != (2 if heading else 1) or (heading and not cell.startswith(f"fsdp_zero/{heading}/")):
+            if cell.count("/") != (2 if heading else 1) or (
+                heading and not cell.startswith(f"fsdp_zero/{heading}/")
+            ):
                 misplaced.append(cell)
     modules = {
         p.relative_to(REPO).as_posix()
@@ -72,7 +75,9 @@ def test_the_architecture_tables_name_every_module_under_its_subpackage():
         if p.name != "__init__.py" or p.parent.name == "fsdp_zero"
     }
     assert not modules - named, f"docs/architecture.md: add a row for {sorted(modules - named)}"
-    assert not named - modules, f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"
+    assert not named - modules, (
+        f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"
+    )
     assert misplaced == [], "docs/architecture.md: rows under another subpackage's heading"
 
 
@@ -92,7 +97,9 @@ def test_every_relative_link_resolves(page):
         resolved = (page.parent / path).resolve() if path else page
         assert resolved.exists(), f"{page.relative_to(REPO)}: link {target!r}: no such file"
         if anchor:
-            assert resolved.suffix == ".md", f"{page.relative_to(REPO)}: link {target!r}: an anchor into a non-page"
+            assert resolved.suffix == ".md", (
+                f"{page.relative_to(REPO)}: link {target!r}: an anchor into a non-page"
+            )
             assert anchor in _anchors(resolved), (
                 f"{page.relative_to(REPO)}: link {target!r}: no such heading; "
                 f"{resolved.name} has {sorted(_anchors(resolved))}"
@@ -108,7 +115,9 @@ def test_a_stale_block_is_named(tmp_path):
     shutil.copytree(DOCS, tmp_path / "docs")
     page = tmp_path / "docs" / "deepspeed.md"
     page.write_text(page.read_text().replace("| `train_batch_size` |", "| `train_batch_sizes` |"))
-    assert docs.update(tmp_path / "docs", write=False) == ["docs/deepspeed.md: block 'deepspeed-keys' is stale"]
+    assert docs.update(tmp_path / "docs", write=False) == [
+        "docs/deepspeed.md: block 'deepspeed-keys' is stale"
+    ]
     assert docs.update(tmp_path / "docs") and docs.update(tmp_path / "docs", write=False) == []
     assert page.read_text() == (DOCS / "deepspeed.md").read_text()
 

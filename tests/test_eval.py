@@ -72,7 +72,10 @@ def test_the_eval_loss_equals_a_single_process_computation(batches, name):
 def test_the_eval_loss_is_the_same_at_one_and_two_ranks(batches):
     # Different runs (2 ranks x micro-batch 2, 1 rank x 4): their weights differ by the order of reductions.
     one, two = batches["eval-n1"]["evals"], batches["eval"]["evals"]
-    assert all(abs(one[s]["eval/loss"] - two[s]["eval/loss"]) < EVAL_ATOL for s in EVAL_STEPS), (one, two)
+    assert all(abs(one[s]["eval/loss"] - two[s]["eval/loss"]) < EVAL_ATOL for s in EVAL_STEPS), (
+        one,
+        two,
+    )
 
 
 def test_training_is_bit_identical_with_evaluation_on_and_off(batches):
@@ -98,7 +101,8 @@ def test_eval_scalars_reach_metrics_jsonl_and_tensorboard_at_every_k_and_the_las
     rows = RunDir(run_dir).metric_rows()
     evals = {r["step"]: r for r in rows if "eval/loss" in r}
     assert sorted(evals) == EVAL_STEPS
-    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))  # the training rows as before
+    # the training rows as before
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
     expected = batches["eval"]["evals"]
     for rank in (0, 1):
         acc = EventAccumulator(str(run_dir / "tb" / f"rank{rank}"), size_guidance={"scalars": 0})
@@ -117,14 +121,19 @@ def test_evaluation_does_not_raise_the_peak_memory(batches):
     activations or gathered units at gpt_small's size would break it by hundreds of MiB), and
     docs/fine-tuning.md gives the figures of a 21M-parameter model."""
 
-    (off_peak, _), (on_peak, eval_peak) = batches["n2"]["peak_mib"][0], batches["eval"]["peak_mib"][0]
+    (off_peak, _), (on_peak, eval_peak) = (
+        batches["n2"]["peak_mib"][0],
+        batches["eval"]["peak_mib"][0],
+    )
     figure(
         "peak RSS rank 0, gpt_nano at 2 ranks (MiB)",
         f"without eval {off_peak:.1f}, with eval {on_peak:.1f}, through each evaluation {eval_peak:.1f}",
     )
     rows = RunDir(batches.path("eval")).metric_rows()
     # Intervals of training alone: not the profiled step 2, nor 4 and 7 (they hold the evaluations after 3 and 6).
-    training = [r["peak_mem_mib_per_rank"] for r in rows if r["step"] in (1, 3, 5, 6, 8) and "loss" in r]
+    training = [
+        r["peak_mem_mib_per_rank"] for r in rows if r["step"] in (1, 3, 5, 6, 8) and "loss" in r
+    ]
     for rank, (_, evaluating) in enumerate(batches["eval"]["peak_mib"]):
         assert 0 < evaluating <= max(t[rank] for t in training) + 2.0, (rank, evaluating, training)
 
@@ -133,16 +142,33 @@ def test_evaluation_does_not_raise_the_peak_memory(batches):
     "args,message",
     [
         (["eval.every=-1"], "eval.every=-1: must be >= 0 (0: no evaluation)"),
-        (["eval.max_batches=-2", "eval.path=VAL"], "eval.max_batches=-2: must be >= 0 (0: the whole file)"),
+        (
+            ["eval.max_batches=-2", "eval.path=VAL"],
+            "eval.max_batches=-2: must be >= 0 (0: the whole file)",
+        ),
         (["eval.every=5"], "eval.every=5 needs eval.path: a token file (.bin or .npy)"),
         (["eval.every=5", "eval.path=NOPE"], "no such file or folder"),
-        (["eval.every=5", "eval.path=DIR"], "model.task=causal_lm evaluates a token file (.bin or .npy)"),
         (
-            ["eval.every=5", "eval.path=DIR", "model.task=custom", "model.loss=tests.user_model:overflow_on_rank1"],
+            ["eval.every=5", "eval.path=DIR"],
+            "model.task=causal_lm evaluates a token file (.bin or .npy)",
+        ),
+        (
+            [
+                "eval.every=5",
+                "eval.path=DIR",
+                "model.task=custom",
+                "model.loss=tests.user_model:overflow_on_rank1",
+            ],
             "model.task=custom cannot be evaluated",
         ),
-        (["eval.every=5", "eval.path=BIG"], "eval.path='BIG' holds token id 300, but the model's vocabulary has 256"),
-        (["eval.every=5", "eval.path=SHORT"], "eval.path='SHORT' holds 20 tokens, fewer than data.seq_len + 1 = 33"),
+        (
+            ["eval.every=5", "eval.path=BIG"],
+            "eval.path='BIG' holds token id 300, but the model's vocabulary has 256",
+        ),
+        (
+            ["eval.every=5", "eval.path=SHORT"],
+            "eval.path='SHORT' holds 20 tokens, fewer than data.seq_len + 1 = 33",
+        ),
     ],
 )
 def test_bad_eval_settings_exit_2_with_one_line_and_write_nothing(tmp_path: Path, args, message):
@@ -169,27 +195,36 @@ def test_bad_eval_settings_exit_2_with_one_line_and_write_nothing(tmp_path: Path
 @pytest.mark.parametrize(
     "num_items,world_size,micro", [(5, 2, 2), (5, 2, 1), (1, 4, 2), (7, 3, 2), (8, 4, 4), (3, 1, 2)]
 )
-def test_every_item_is_evaluated_once_and_every_rank_forwards_as_often(num_items, world_size, micro):
+def test_every_item_is_evaluated_once_and_every_rank_forwards_as_often(
+    num_items, world_size, micro
+):
     shares = [rank_batches(num_items, world_size, rank, micro) for rank in range(world_size)]
-    assert len({len(share) for share in shares}) == 1  # the same number of forwards (all-gathers) on every rank
+    # the same number of forwards (all-gathers) on every rank
+    assert len({len(share) for share in shares}) == 1
     assert sorted(i for share in shares for batch in share for i in batch) == list(range(num_items))
     assert all(len(batch) <= micro for share in shares for batch in share)
     if (num_items, world_size, micro) == (5, 2, 2):
         assert shares == [[[0, 2], [4]], [[1, 3], []]]  # rank 1's second forward is the dummy
 
 
-def _image_folder(root: Path, classes: tuple[str, ...] = ("ant", "bee", "cat"), per_class: int = 2) -> Path:
+def _image_folder(
+    root: Path, classes: tuple[str, ...] = ("ant", "bee", "cat"), per_class: int = 2
+) -> Path:
     from PIL import Image
 
     gen = np.random.default_rng(0)
     for name in classes:
         (root / name).mkdir(parents=True)
         for i in range(per_class):
-            Image.fromarray(gen.integers(0, 256, (12, 10, 3), dtype=np.uint8)).save(root / name / f"{i}.png")
+            Image.fromarray(gen.integers(0, 256, (12, 10, 3), dtype=np.uint8)).save(
+                root / name / f"{i}.png"
+            )
     return root
 
 
-def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing_random_numbers(tmp_path: Path):
+def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing_random_numbers(
+    tmp_path: Path,
+):
     folder = _image_folder(tmp_path / "val")
     cfg = load_config(
         None,
@@ -204,14 +239,17 @@ def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing
         ],
     )
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(3 * 8 * 8, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(3 * 8 * 8, 3)
+    )
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     whole = build_evaluator(cfg, env, model, None)
     rng, grad_modes = torch.get_rng_state(), []
     hook = model.register_forward_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
     result = whole.run(model)  # 6 images: forwards of 2, 2 and 2
     hook.remove()
-    assert grad_modes == [False] * 3  # no autograd graph: no activations kept for a backward that never comes
+    # no autograd graph: no activations kept for a backward that never comes
+    assert grad_modes == [False] * 3
     assert torch.equal(torch.get_rng_state(), rng) and model.training
 
     images, labels = FolderImages(str(folder), 8).batch(range(6))
@@ -254,12 +292,17 @@ def test_a_token_file_is_read_as_its_meta_json_says_in_file_order(tmp_path: Path
     result = evaluator.run(model)
     windows = torch.from_numpy(tokens[: 3 * SEQ_LEN + 1].astype(np.int64))
     with torch.no_grad():
-        expected = F.cross_entropy(model(windows[:-1]).double(), windows[1:]).item()  # the windows join end to end
-    assert result.count == 3 * SEQ_LEN and result.scalars["eval/loss"] == pytest.approx(expected, abs=1e-6)
+        # the windows join end to end
+        expected = F.cross_entropy(model(windows[:-1]).double(), windows[1:]).item()
+    assert result.count == 3 * SEQ_LEN and result.scalars["eval/loss"] == pytest.approx(
+        expected, abs=1e-6
+    )
     assert [evaluator.due(s, 5) for s in range(1, 6)] == [False, True, False, True, True]
 
 
-def test_image_folders_the_model_cannot_be_evaluated_on_are_refused_and_an_unused_path_is_named(tmp_path: Path, caplog):
+def test_image_folders_the_model_cannot_be_evaluated_on_are_refused_and_an_unused_path_is_named(
+    tmp_path: Path, caplog
+):
     """An eval folder whose classes are not the training folder's (ImageFolder numbers classes by sorted
     folder name: one more folder shifts every label), or that has more classes than the model's last layer
     has outputs, is refused, naming eval.path; an eval.path with eval.every=0 is said to do nothing."""
@@ -277,7 +320,9 @@ def test_image_folders_the_model_cannot_be_evaluated_on_are_refused_and_an_unuse
         "train.micro_batch_size=2",
     ]
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 3))
-    images = load_config(None, [*base, "data.source=images", f"data.path={train}", f"eval.path={other}"])
+    images = load_config(
+        None, [*base, "data.source=images", f"data.path={train}", f"eval.path={other}"]
+    )
     with pytest.raises(
         ValueError,
         match=r"eval.path='.*other' has classes \['ant', 'bee', 'dog'\], but data.path has "
@@ -285,9 +330,14 @@ def test_image_folders_the_model_cannot_be_evaluated_on_are_refused_and_an_unuse
     ):
         build_evaluator(images, env, model, FolderImages(str(train), 8))
     fake = load_config(None, [*base, "data.source=fake_images", f"eval.path={more}"])
-    with pytest.raises(ValueError, match=r"eval.path='.*more' has 4 classes but the model's last layer has 3 outputs"):
+    with pytest.raises(
+        ValueError,
+        match=r"eval.path='.*more' has 4 classes but the model's last layer has 3 outputs",
+    ):
         build_evaluator(fake, env, model, None)
-    unused = load_config(None, [*base, "data.source=fake_images", "eval.every=0", f"eval.path={train}"])
+    unused = load_config(
+        None, [*base, "data.source=fake_images", "eval.every=0", f"eval.path={train}"]
+    )
     with caplog.at_level(logging.WARNING, logger="fsdp_zero"):
         assert build_evaluator(unused, env, model, None) is None
     assert f"eval.path={train} has no effect with eval.every=0 (no evaluation)" in caplog.text
@@ -310,7 +360,12 @@ def test_evaluation_time_is_left_out_of_the_throughput(tmp_path: Path, monkeypat
         model = torch.nn.Linear(4, 4)
         optimizer = torch.optim.AdamW(model.parameters())
         plan = LogPlan(
-            log_every=1, last_step=2, profile_step=0, items_per_rank_step=1000, unit="tokens", tensorboard=False
+            log_every=1,
+            last_step=2,
+            profile_step=0,
+            items_per_rank_step=1000,
+            unit="tokens",
+            tensorboard=False,
         )
         log = StepLogger(env, tmp_path, model, optimizer, plan)
         zero = torch.zeros(())
@@ -321,4 +376,5 @@ def test_evaluation_time_is_left_out_of_the_throughput(tmp_path: Path, monkeypat
         log.close()
     rows = RunDir(tmp_path).metric_rows()
     rates = [r["tokens_per_s_all_ranks"] for r in rows if "loss" in r]
-    assert len(rates) == 2 and rates[1] > 10 * 1000 / 0.5, rates  # with the evaluation's 0.5 s: under 2,000 tokens/s
+    # with the evaluation's 0.5 s: under 2,000 tokens/s
+    assert len(rates) == 2 and rates[1] > 10 * 1000 / 0.5, rates

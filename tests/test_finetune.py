@@ -69,10 +69,14 @@ def _val_loss(folder: Path, tokens: np.ndarray, seq_len: int) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     t = torch.from_numpy(tokens.astype(np.int64))
-    windows = torch.stack([t[k * seq_len : k * seq_len + seq_len + 1] for k in range((len(t) - 1) // seq_len)])
+    windows = torch.stack(
+        [t[k * seq_len : k * seq_len + seq_len + 1] for k in range((len(t) - 1) // seq_len)]
+    )
     with torch.no_grad():
         logits = model(windows[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), windows[:, 1:].flatten()
+    ).item()
 
 
 def test_the_walkthrough_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -102,7 +106,8 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path, monkeypatch: pytest.Mon
     val = np.fromfile("data/mine/val.bin", dtype=meta["dtype"])
     logged = [row for row in RunDir(Path("runs/finetune")).metric_rows() if "eval/loss" in row]
     assert [row["step"] for row in logged] == [4, 8]
-    assert yaml_precision() == "bf16-mixed" and "precision" not in " ".join(TINY)  # the config as shipped
+    # the config as shipped
+    assert yaml_precision() == "bf16-mixed" and "precision" not in " ".join(TINY)
     assert json.loads(Path("runs/finetune/summary.json").read_text())["precision"] == "bf16-mixed"
     ours = _val_loss(Path("models/finetuned"), val, 32)
     assert ours == pytest.approx(logged[-1]["eval/loss"], abs=BF16_LOSS_ATOL)

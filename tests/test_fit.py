@@ -26,8 +26,14 @@ from fsdp_zero.tools.rates import Rates
 from tests.conftest import REPO, figure, run_script
 
 # gpt_nano with a wide vocabulary, so that its activations and states are not lost in rounding.
-NANO = ["model.preset=gpt_nano", "model.vocab_size=4096", "data.seq_len=64", "train.global_batch_size=16"]
-DIMS = ("checkpointing", "micro_batch", "grad_sync")  # full_shard fp32: the dimensions composition covers
+NANO = [
+    "model.preset=gpt_nano",
+    "model.vocab_size=4096",
+    "data.seq_len=64",
+    "train.global_batch_size=16",
+]
+# full_shard fp32: the dimensions composition covers
+DIMS = ("checkpointing", "micro_batch", "grad_sync")
 # Composed peaks against the same candidate simulated alone (tensors and heap terms, no baseline).
 COMPOSED_TOLERANCE = 0.05
 
@@ -43,27 +49,44 @@ def test_the_search_varies_what_it_is_asked_to_and_ranks_by_cost(found):
     cands = [s.candidate for s in result.scored]
     assert {c.checkpointing for c in cands} == set(ActivationCheckpointing)
     assert {c.micro_batch for c in cands} == {1, 2, 4, 8}  # the divisors of the local batch, 16 / 2
-    assert {c.grad_sync for c in cands} == {GradSync.every_micro_batch, GradSync.once_per_step}  # not hybrid
-    assert {(c.strategy, c.precision, c.offload) for c in cands} == {(cfg.parallel.strategy, "fp32", False)}
-    assert not any(c.micro_batch == 8 and c.grad_sync is GradSync.once_per_step for c in cands)  # no accumulation
+    # not hybrid
+    assert {c.grad_sync for c in cands} == {GradSync.every_micro_batch, GradSync.once_per_step}
+    assert {(c.strategy, c.precision, c.offload) for c in cands} == {
+        (cfg.parallel.strategy, "fp32", False)
+    }
+    # no accumulation
+    assert not any(c.micro_batch == 8 and c.grad_sync is GradSync.once_per_step for c in cands)
     costs = [s.cost for s in result.scored]
     assert costs == sorted(costs)
     by = {(c.checkpointing, c.micro_batch, c.grad_sync): s for c, s in zip(cands, result.scored)}
-    none, full, every = ActivationCheckpointing.none, ActivationCheckpointing.full, GradSync.every_micro_batch
+    none, full, every = (
+        ActivationCheckpointing.none,
+        ActivationCheckpointing.full,
+        GradSync.every_micro_batch,
+    )
     # Recomputation costs compute; fewer micro-batches fewer gathers and reductions; once_per_step fewer reductions.
     assert by[full, 2, every].parts["compute_s"] > by[none, 2, every].parts["compute_s"]
-    assert by[none, 8, every].parts["comm_s"] < by[none, 2, every].parts["comm_s"] < by[none, 1, every].parts["comm_s"]
+    assert (
+        by[none, 8, every].parts["comm_s"]
+        < by[none, 2, every].parts["comm_s"]
+        < by[none, 1, every].parts["comm_s"]
+    )
     assert by[none, 1, GradSync.once_per_step].parts["comm_s"] < by[none, 1, every].parts["comm_s"]
     # And memory the other way.
     assert by[full, 4, every].peak < by[none, 4, every].peak
     assert by[none, 1, every].peak < by[none, 2, every].peak < by[none, 4, every].peak
-    assert by[none, 2, GradSync.once_per_step].peak > by[none, 2, every].peak  # unsharded gradients held
+    # unsharded gradients held
+    assert by[none, 2, GradSync.once_per_step].peak > by[none, 2, every].peak
     assert result.fit(2**40) is result.scored[0]  # everything fits 1 TiB
     middle = sorted(s.peak for s in result.scored)[len(cands) // 2]
     pick = result.fit(middle, margin=0)
-    assert pick.peak <= middle and all(s.peak > middle for s in result.scored[: result.scored.index(pick)])
+    assert pick.peak <= middle and all(
+        s.peak > middle for s in result.scored[: result.scored.index(pick)]
+    )
     safe = result.fit(middle)  # the default margin: the peak + 10% fits
-    assert safe.peak * 1.1 <= middle and all(s.peak * 1.1 > middle for s in result.scored[: result.scored.index(safe)])
+    assert safe.peak * 1.1 <= middle and all(
+        s.peak * 1.1 > middle for s in result.scored[: result.scored.index(safe)]
+    )
     assert result.simulations < len(cands)
 
 
@@ -78,7 +101,9 @@ def test_the_search_varies_what_it_is_asked_to_and_ranks_by_cost(found):
 def test_composed_peaks_match_the_candidate_simulated_alone(found, key):
     cfg, result = found
     composed = next(
-        s for s in result.scored if (s.candidate.checkpointing, s.candidate.micro_batch, s.candidate.grad_sync) == key
+        s
+        for s in result.scored
+        if (s.candidate.checkpointing, s.candidate.micro_batch, s.candidate.grad_sync) == key
     )
     with Simulator(cfg, 2, accum_cap=2, baseline=0) as sim:
         alone = sim.predict(composed.candidate.config(cfg)).peak
@@ -107,9 +132,19 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
     # hybrid_shard (shard_size 2) at 2 ranks has one replica: full_shard's twin, left out.
     assert {c.strategy.value for c in every} == {"ddp", "zero1", "shard_grad_op", "full_shard"}
     four = candidates(load_config(None, NANO), 4)
-    assert {c.strategy.value for c in four} == {"ddp", "zero1", "shard_grad_op", "full_shard", "hybrid_shard"}
-    assert {c.strategy.value for c in four if c.grad_sync is GradSync.replicas_once_per_step} == {"hybrid_shard"}
-    assert not any(c.strategy.value in ("ddp", "zero1") and c.precision == "bf16-mixed" for c in every)
+    assert {c.strategy.value for c in four} == {
+        "ddp",
+        "zero1",
+        "shard_grad_op",
+        "full_shard",
+        "hybrid_shard",
+    }
+    assert {c.strategy.value for c in four if c.grad_sync is GradSync.replicas_once_per_step} == {
+        "hybrid_shard"
+    }
+    assert not any(
+        c.strategy.value in ("ddp", "zero1") and c.precision == "bf16-mixed" for c in every
+    )
     assert not any(c.offload for c in every)  # a CPU host: offload moves nothing
     cuda = candidates(load_config(None, NANO + ["dist.device=cuda"]), 2)
     assert {c.offload for c in cuda} == {False, True}
@@ -119,14 +154,17 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
         pasted = load_config(None, NANO + c.overrides())  # what a user pastes selects the candidate
         assert pasted == c.config(cfg)
     with pytest.raises(
-        ValueError, match=r"--search=strategy,ac: 'ac' is not a valid choice; valid choices: strategy, "
+        ValueError,
+        match=r"--search=strategy,ac: 'ac' is not a valid choice; valid choices: strategy, ",
     ):
         candidates(cfg, 2, ("strategy", "ac"))
 
 
 def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
     plan = REPO / "scripts" / "plan.py"
-    proc = run_script(plan, "--world-size", "2", "--fit", "1MiB", "--search", "strategy", "--tflops", "1", *NANO)
+    proc = run_script(
+        plan, "--world-size", "2", "--fit", "1MiB", "--search", "strategy", "--tflops", "1", *NANO
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert re.fullmatch(
         r"error: --fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard .* needs "
@@ -160,7 +198,9 @@ def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
 def on_cuda():
     """A search planned for GPUs (simulated on this CPU): precision x offload, full_shard, 2 micro-batches."""
     cfg = load_config(None, NANO + ["dist.device=cuda"])
-    return cfg, search(cfg, 2, Rates.default("cuda"), ("precision", "offload"), processes=0, baseline=0)
+    return cfg, search(
+        cfg, 2, Rates.default("cuda"), ("precision", "offload"), processes=0, baseline=0
+    )
 
 
 def test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_for_copies(on_cuda):
@@ -175,15 +215,22 @@ def test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_
     for offload in (False, True):
         fp32 = by["fp32", offload].parts["compute_s"]
         for half in ("bf16-mixed", "bf16-true"):
-            assert by[half, offload].parts["compute_s"] * 15 == pytest.approx(fp32, rel=1e-12), (half, offload)
+            assert by[half, offload].parts["compute_s"] * 15 == pytest.approx(fp32, rel=1e-12), (
+                half,
+                offload,
+            )
     for mode, stored in (("fp32", 4), ("bf16-mixed", 4), ("bf16-true", 2)):
         plain, offloaded = by[mode, False], by[mode, True]
         state = model_state_formula(
-            Topology.of(ParallelConfig(), 2), params, resolve(PrecisionConfig(mode=mode)).bytes_per_param
+            Topology.of(ParallelConfig(), 2),
+            params,
+            resolve(PrecisionConfig(mode=mode)).bytes_per_param,
         )
         assert plain.peak - offloaded.peak == pytest.approx(state * 1.10, rel=2e-3), mode
         assert plain.parts["offload_s"] == 0
-        assert offloaded.parts["offload_s"] == pytest.approx((4 + 2) * params / 2 * stored * 8 / 200e9, rel=1e-9), mode
+        assert offloaded.parts["offload_s"] == pytest.approx(
+            (4 + 2) * params / 2 * stored * 8 / 200e9, rel=1e-9
+        ), mode
 
 
 def test_equal_costs_go_to_the_smaller_peak():
@@ -229,19 +276,36 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
     model = construct(cfg.model)
     plan = build_wrap_plan(model, cfg.parallel.wrap, 2)
     p, root = sum(x.numel() for x in model.parameters()), plan.units[-1].num_params
-    every, none, full = GradSync.every_micro_batch, ActivationCheckpointing.none, ActivationCheckpointing.full
+    every, none, full = (
+        GradSync.every_micro_batch,
+        ActivationCheckpointing.none,
+        ActivationCheckpointing.full,
+    )
     cases = {  # candidate: (compute, comm, optimizer) seconds
         Candidate(Strategy.full_shard, "fp32", full, False, 4, every):  # 2 micro-batches of 4
-        (8 * (0.5 + 2 * 0.1 + 2 * 0.03), 2 * 4 * (2 * p - root) * 1e-9 + 2 * 4 * p * 2e-9, p / 2 / 1e8),
-        Candidate(Strategy.ddp, "bf16-true", none, False, 8, every):  # bf16 gradients all-reduced once
-        (8 * (0.2 + 2 * 0.05), 2 * p * 3e-9, p / 2e8),
-        Candidate(Strategy.zero1, "fp32", none, False, 8, every):  # and the updated partitions broadcast
-        (8 * (0.5 + 2 * 0.1), 4 * p * 3e-9 + 4 * p * 4e-9, p / 2 / 1e8),
+        (
+            8 * (0.5 + 2 * 0.1 + 2 * 0.03),
+            2 * 4 * (2 * p - root) * 1e-9 + 2 * 4 * p * 2e-9,
+            p / 2 / 1e8,
+        ),
+        # bf16 gradients all-reduced once
+        Candidate(Strategy.ddp, "bf16-true", none, False, 8, every): (
+            8 * (0.2 + 2 * 0.05),
+            2 * p * 3e-9,
+            p / 2e8,
+        ),
+        # and the updated partitions broadcast
+        Candidate(Strategy.zero1, "fp32", none, False, 8, every): (
+            8 * (0.5 + 2 * 0.1),
+            4 * p * 3e-9 + 4 * p * 4e-9,
+            p / 2 / 1e8,
+        ),
     }
     for cand, (compute, comm, optimizer) in cases.items():
         cost, parts = step_cost(cfg, cand, 2, rates, model, plan)
         assert parts == pytest.approx(
-            {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0}, rel=1e-9
+            {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0},
+            rel=1e-9,
         ), cand
         assert cost == pytest.approx(compute + comm + optimizer, rel=1e-12)
 
@@ -267,12 +331,16 @@ def test_a_global_batch_the_default_micro_batch_does_not_divide_is_searched():
     assert proc.returncode == 0, proc.stderr
     assert "train.micro_batch_size=1 " in proc.stdout.split("pick: ")[1]
     proc = run_script(plan, *args, "--search", "strategy")
-    assert proc.returncode == 2 and "train.global_batch_size=2 is not a multiple of train.micro_batch_size=4" in (
-        proc.stderr
+    assert (
+        proc.returncode == 2
+        and "train.global_batch_size=2 is not a multiple of train.micro_batch_size=4"
+        in (proc.stderr)
     ), proc.stderr
 
 
-def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(monkeypatch: pytest.MonkeyPatch):
+def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """On a CPU without bf16 instructions a bf16 matmul runs about 170 times slower than fp32's: the probe
     must not train the model in it (minutes), but take fp32's times times the matmul ratio, and say so.
     Here every dtype slower than fp32 by any factor counts as slow (`SLOW_DTYPE` 0), whatever this CPU is."""
@@ -288,7 +356,10 @@ def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(monkeypat
     assert sum(compute["float32"][:2]) > 0
     (note,) = notes
     ratio = float(
-        re.match(r"bfloat16 matmuls run ([\d.]+)x slower than float32 here: scaled from float32's times", note).group(1)
+        re.match(
+            r"bfloat16 matmuls run ([\d.]+)x slower than float32 here: scaled from float32's times",
+            note,
+        ).group(1)
     )
     assert [b / f for b, f in zip(compute["bfloat16"], compute["float32"]) if f] == pytest.approx(
         [ratio] * len([f for f in compute["float32"] if f]), rel=0.01

@@ -36,7 +36,9 @@ CUDA_WEIGHT_ATOL = 1e-4
 
 def _worker(root: Path, name: str, *extra: str) -> dict:
     out = root / f"{name}-{len(list(root.glob('*.pt')))}.pt"
-    check(launch(0, WORKER, str(out), *BASE, f"run.root={root}", f"run.name={name}", *extra, gpu=True))
+    check(
+        launch(0, WORKER, str(out), *BASE, f"run.root={root}", f"run.name={name}", *extra, gpu=True)
+    )
     return torch.load(out, weights_only=True)
 
 
@@ -60,7 +62,8 @@ def test_one_rank_on_cuda_trains_like_a_plain_cuda_loop(tmp_path: Path):
     for key, value in ref["final"].items():
         torch.testing.assert_close(got["final"][key], value, atol=CUDA_WEIGHT_ATOL, rtol=0, msg=key)
     figure(
-        "CUDA parity at N=1", f"losses within {max(abs(got['losses'][s] - l) for s, l in ref['losses'].items()):.1e}"
+        "CUDA parity at N=1",
+        f"losses within {max(abs(got['losses'][s] - l) for s, l in ref['losses'].items()):.1e}",
     )
 
 
@@ -131,11 +134,25 @@ def test_planner_predicts_cuda_memory(tmp_path: Path):
     acc.Reload()
     tracked = acc.Scalars("memory_breakdown/tracked_peak_mib")[-1].value
     out = tmp_path / "plan.json"
-    check(launch(0, PLAN, "--world-size", "1", "--strategy", "full_shard", "--json", str(out), *config, gpu=True))
+    check(
+        launch(
+            0,
+            PLAN,
+            "--world-size",
+            "1",
+            "--strategy",
+            "full_shard",
+            "--json",
+            str(out),
+            *config,
+            gpu=True,
+        )
+    )
     (p,) = json.loads(out.read_text())
     assert p["baseline"] == 0  # device memory holds no libraries
     simulated = sum(p["tensors"].values()) / 2**20
-    assert simulated == pytest.approx(tracked, rel=0.05)  # the simulation against the tracker on the GPU
+    # the simulation against the tracker on the GPU
+    assert simulated == pytest.approx(tracked, rel=0.05)
     assert p["peak"] / 2**20 == pytest.approx(peak_reserved, rel=0.20)
     figure(
         "planner on CUDA (gpt_small, N=1)",
@@ -165,8 +182,21 @@ def test_cpu_offload_on_cuda_keeps_model_state_in_pinned_host_memory(tmp_path: P
     runs, peaks = {}, {}
     for name, extra in (("plain", []), ("offload", ["parallel.cpu_offload=true"])):
         out = tmp_path / f"{name}.pt"
-        proc = check(launch(0, WORKER, str(out), *config, *extra, f"run.root={tmp_path}", f"run.name={name}", gpu=True))
-        errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "Traceback"))]
+        proc = check(
+            launch(
+                0,
+                WORKER,
+                str(out),
+                *config,
+                *extra,
+                f"run.root={tmp_path}",
+                f"run.name={name}",
+                gpu=True,
+            )
+        )
+        errors = [
+            line for line in proc.stderr.splitlines() if line.startswith(("error:", "Traceback"))
+        ]
         assert not errors, errors
         runs[name] = torch.load(out, weights_only=True)
         rows = RunDir(tmp_path / name).metric_rows()

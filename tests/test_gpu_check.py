@@ -54,7 +54,9 @@ def test_dry_run_prints_every_figure_of_the_gpu_check(tmp_path: Path):
     assert text.startswith("## GPU check: CPU (dry run)") and "error:" not in text, text[:500]
     tables = _tables(text)
 
-    memory = {row["setting"]: row for row in tables["Memory per rank (MiB) and the planner's peak RSS"]}
+    memory = {
+        row["setting"]: row for row in tables["Memory per rank (MiB) and the planner's peak RSS"]
+    }
     assert list(memory) == SETTINGS
     for name, row in memory.items():
         assert row["ranks"] == "1" and row["rank"] == "0", row
@@ -63,11 +65,19 @@ def test_dry_run_prints_every_figure_of_the_gpu_check(tmp_path: Path):
         assert _number(row["measured / planned"]) == pytest.approx(peak / planned, abs=2e-3), row
         assert abs(peak / planned - 1) < PLANNER_TOLERANCE, (name, peak, planned)
 
-    first = {row["setting"]: row for row in tables[next(t for t in tables if t.startswith("The first step"))]}
+    first = {
+        row["setting"]: row
+        for row in tables[next(t for t in tables if t.startswith("The first step"))]
+    }
     assert list(first) == SETTINGS
-    for row in first.values():  # fp32 model state after build, backward, optimizer step: 4, 8, 16 bytes a parameter
-        built, backward, stepped = (_number(row[k]) for k in ("model state: built", "backward", "optimizer step"))
-        assert backward == pytest.approx(2 * built, rel=0.05) and stepped == pytest.approx(4 * built, rel=0.05), row
+    # fp32 model state after build, backward, optimizer step: 4, 8, 16 bytes a parameter
+    for row in first.values():
+        built, backward, stepped = (
+            _number(row[k]) for k in ("model state: built", "backward", "optimizer step")
+        )
+        assert backward == pytest.approx(2 * built, rel=0.05) and stepped == pytest.approx(
+            4 * built, rel=0.05
+        ), row
 
     speed = {row["run"]: row for row in tables["Throughput"]}
     assert list(speed) == SETTINGS + LOOPS
@@ -78,7 +88,9 @@ def test_dry_run_prints_every_figure_of_the_gpu_check(tmp_path: Path):
 
     loop = tables[next(t for t in tables if t.startswith("Ours against a minimal hand-written"))]
     assert [row["repeat"] for row in loop] == ["0", "1", "2"]
-    assert all(_number(row["hand-written s/step"]) > 0 and _number(row["ours s/step"]) > 0 for row in loop)
+    assert all(
+        _number(row["hand-written s/step"]) > 0 and _number(row["ours s/step"]) > 0 for row in loop
+    )
     ratio = re.search(r"median ours / hand-written step time: ([\d.]+)", text)
     assert ratio and float(ratio.group(1)) > 0
 
@@ -88,14 +100,22 @@ def test_dry_run_prints_every_figure_of_the_gpu_check(tmp_path: Path):
     for log in out.glob("*.log"):  # no run of a dry run saw a GPU
         assert "device cuda" not in log.read_text(), log
     ratios = ", ".join(row["measured / planned"] for row in memory.values())
-    figure("bench/gpu_check.py --dry-run (gpt_nano, CPU): peak RSS / the planner's, per setting", ratios)
+    figure(
+        "bench/gpu_check.py --dry-run (gpt_nano, CPU): peak RSS / the planner's, per setting",
+        ratios,
+    )
 
 
 def test_without_a_gpu_it_asks_for_one_or_for_the_dry_run(tmp_path: Path):
     proc = run_script(GPU_CHECK, "--out", str(tmp_path / "out"))  # this process sees no GPU
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "GPU" in lines[0] and "--dry-run" in lines[0], lines
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("error: ")
+        and "GPU" in lines[0]
+        and "--dry-run" in lines[0]
+    ), lines
     assert proc.stdout == ""
     assert not (tmp_path / "out").exists()  # refused before anything was written
 

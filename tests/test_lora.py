@@ -103,7 +103,8 @@ def test_lora_trains_adapters_only_at_any_world_size(batches, lora_reference, na
     layers = {int(m.group(1)) for k in adapted if (m := re.match(r"layers\.(\d+)\.", k))}
     assert layers == set(range(2)) and len(adapted) == 6, adapted  # wq, wv, w2 in both layers
     assert all(not run["final"][f"{k}.lora_B.weight"].eq(0).all() for k in adapted)
-    assert not any("lora" in unit for unit in run["unit_params"]), run["unit_params"]  # inside their block units
+    # inside their block units
+    assert not any("lora" in unit for unit in run["unit_params"]), run["unit_params"]
     assert sum(run["unit_params"].values()) == run["num_params"]
     # The initial adapters do not depend on the world size; B starts at zero.
     assert all(run["initial"][f"{k}.lora_B.weight"].eq(0).all() for k in adapted)
@@ -127,7 +128,8 @@ def test_lora_resume_is_exact(batches):
 
 
 def test_lora_checkpoint_continues_at_another_world_size(batches):
-    straight, resharded = batches["lora"], batches["lora-reshard4"]  # saved at 2 ranks after step 4, continued at 4
+    # saved at 2 ranks after step 4, continued at 4
+    straight, resharded = batches["lora"], batches["lora-reshard4"]
     assert sorted(resharded["losses"]) == [5, 6, 7, 8]
     for step, loss in resharded["losses"].items():
         assert abs(loss - straight["losses"][step]) < LOSS_ATOL, step
@@ -154,14 +156,20 @@ NANO = [
             "Linear "
             "modules: layers.0.attention.wq",
         ),
-        (["model.lora.targets=[wq]"], "model.lora.targets=['wq'] is set but model.lora.rank=0 (LoRA off)"),
+        (
+            ["model.lora.targets=[wq]"],
+            "model.lora.targets=['wq'] is set but model.lora.rank=0 (LoRA off)",
+        ),
         (
             ["model.freeze=[tok_emb.weight]"],
             "model.freeze: 'tok_emb.weight' matches no parameter (full match); the model's parameters: "
             "tok_embeddings.weight",
         ),
         # A prefix of every layer-1 name (and, as a prefix, of nothing else on 2 layers) is no full match of any.
-        ([r"model.freeze=[layers\.1]"], r"model.freeze: 'layers\\.1' matches no parameter (full match)"),
+        (
+            [r"model.freeze=[layers\.1]"],
+            r"model.freeze: 'layers\\.1' matches no parameter (full match)",
+        ),
         (
             ["model.lora.rank=4", "model.lora.targets=[wq]", "precision=bf16-true"],
             "with precision.mode=bf16-true is not supported",
@@ -173,7 +181,11 @@ def test_bad_freeze_and_lora_settings_exit_2_with_one_line(tmp_path: Path, args,
 
 
 def test_the_start_up_lines_say_what_trains(tmp_path: Path):
-    proc = check(run_script(TRAIN, *NANO, *LORA, "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=ok"))
+    proc = check(
+        run_script(
+            TRAIN, *NANO, *LORA, "checkpoint.enabled=false", f"run.root={tmp_path}", "run.name=ok"
+        )
+    )
     assert re.search(
         r"trained: LoRA rank 4, alpha 16 on 6 Linear modules \(layers\.0\.attention\.wq, .*\); "
         r"[\d,]+ trainable parameters, [\d,]+ frozen",
@@ -191,7 +203,10 @@ def test_formula_without_frozen_parameters_is_unchanged():
         topology = Topology.of(ParallelConfig(strategy=strategy), 4)
         assert model_state_formula(topology, 1001) == model_state_formula(topology, 1001, frozen=0)
     # fp32 full_shard: 4 B per frozen parameter, 16 per trainable, over N.
-    assert model_state_formula(Topology.of(ParallelConfig(), 4), 1000, frozen=600) == (4 * 600 + 16 * 400) / 4
+    assert (
+        model_state_formula(Topology.of(ParallelConfig(), 4), 1000, frozen=600)
+        == (4 * 600 + 16 * 400) / 4
+    )
     # zero1: weights and gradients whole, AdamW states split; frozen ones hold only their weights.
     assert (
         model_state_formula(Topology.of(ParallelConfig(strategy="zero1"), 4), 1000, frozen=600)
@@ -203,7 +218,8 @@ EXPORT = TRAIN.parent / "export.py"
 
 
 @pytest.mark.skipif(
-    not HAS_HF or importlib.util.find_spec("peft") is None, reason="needs the hf extra (transformers, peft)"
+    not HAS_HF or importlib.util.find_spec("peft") is None,
+    reason="needs the hf extra (transformers, peft)",
 )
 def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_path: Path):
     from peft import PeftModel
@@ -212,7 +228,8 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
 
     run, root = batches["pretrained-lora"], batches.root
     base = load_file(root / "tiny-llama" / "model.safetensors")
-    for name, value in base.items():  # the base weights loaded; the adapters initialised, not loaded
+    # the base weights loaded; the adapters initialised, not loaded
+    for name, value in base.items():
         assert torch.equal(run["initial"][name], value), name
     adapted = sorted({k.rpartition(".lora_A.")[0] for k in run["final"] if ".lora_A." in k})
     assert len(adapted) == 4 and all(k.endswith(("q_proj", "v_proj")) for k in adapted), adapted
@@ -242,8 +259,13 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
     # Adapters only: PEFT loads them onto the base and gives the merged model's outputs.
     adapters = tmp_path / "adapters"
     check(run_script(EXPORT, str(ckpt), "--out", str(adapters), "--adapters-only"))
-    assert sorted(p.name for p in adapters.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "tiny-llama"), adapters).eval()
+    assert sorted(p.name for p in adapters.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(root / "tiny-llama"), adapters
+    ).eval()
     with torch.no_grad():
         peft_diff = (peft(inputs).logits - merged_logits).abs().max().item()
     figure(
@@ -254,8 +276,14 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
     # The planner's formulas take the same count.
     from fsdp_zero.tools.planner import strategy_states
 
-    rows = {(s.strategy.value, s.mode): s.at_rest for s in strategy_states(1000, 4, modes=("fp32",), frozen=600)}
-    assert rows[("full_shard", "fp32")] == (4 * 600 + 16 * 400) / 4 and rows[("ddp", "fp32")] == 4 * 1000 + 12 * 400
+    rows = {
+        (s.strategy.value, s.mode): s.at_rest
+        for s in strategy_states(1000, 4, modes=("fp32",), frozen=600)
+    }
+    assert (
+        rows[("full_shard", "fp32")] == (4 * 600 + 16 * 400) / 4
+        and rows[("ddp", "fp32")] == 4 * 1000 + 12 * 400
+    )
 
 
 # ---------------------------------------------------------------------------------
@@ -265,7 +293,8 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
 def _lora_7_to_5(dropout: float = 0.0) -> LoRALinear:
     """A seeded ``LoRALinear(nn.Linear(7, 5), rank=2, alpha=6)`` in float64 (scaling alpha/rank = 3) with
     non-zero A and B, so that the adapter term is as large as the base term and every factor shows."""
-    with torch.random.fork_rng(devices=[]):  # the seed stays with this layer: later tests see the RNG as it was
+    # the seed stays with this layer: later tests see the RNG as it was
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         m = LoRALinear(nn.Linear(7, 5, dtype=torch.float64), rank=2, alpha=6, dropout=dropout)
     g = torch.Generator().manual_seed(1)
@@ -276,7 +305,8 @@ def _lora_7_to_5(dropout: float = 0.0) -> LoRALinear:
 
 
 def _inputs() -> torch.Tensor:
-    return torch.randn(3, 4, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)  # (batch, seq, in)
+    # (batch, seq, in)
+    return torch.randn(3, 4, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
 
 
 def test_lora_linear_adds_alpha_over_rank_times_b_a_x_by_hand():
@@ -300,7 +330,8 @@ def test_init_adapters_draws_a_within_one_over_sqrt_in_and_zeroes_b():
     With in = 7 and out = 5, a bound of 1/sqrt(out) is the larger one: it puts some of A's 14 values
     above 1/sqrt(7) (and changes every value of the exact draw); a bound too small leaves them all
     below 0.8/sqrt(7)."""
-    parent = nn.ModuleDict({"proj": _lora_7_to_5()})  # A's name is then "proj.lora_A.weight", as in a model
+    # A's name is then "proj.lora_A.weight", as in a model
+    parent = nn.ModuleDict({"proj": _lora_7_to_5()})
     m = parent["proj"]
     base = m.weight.detach().clone(), m.bias.detach().clone()
     init_adapters(parent, seed=3)
@@ -324,7 +355,8 @@ def test_lora_dropout_masks_only_the_adapter_input_and_only_in_training():
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(1)
         out1 = m(x)
-        torch.manual_seed(1)  # the same mask again, as dropout draws it: each kept element is 1 / (1 - p) = 2
+        # the same mask again, as dropout draws it: each kept element is 1 / (1 - p) = 2
+        torch.manual_seed(1)
         mask = F.dropout(torch.ones_like(x), 0.5, training=True)
         torch.manual_seed(2)
         out2 = m(x)
@@ -365,7 +397,9 @@ def test_freeze_and_train_patterns_match_whole_names_on_twelve_layers():
     assert _frozen(r"model.freeze=[layers\.1\..*]") == layer1
     # A regex, not a glob: "layers\.1.*" does reach layers 10 and 11 (9 parameters each).
     assert {n.split(".")[1] for n in _frozen(r"model.freeze=[layers\.1.*]")} == {"1", "10", "11"}
-    with pytest.raises(ValueError, match=r"model.freeze: 'layers\\\\.1' matches no parameter \(full match\)"):
+    with pytest.raises(
+        ValueError, match=r"model.freeze: 'layers\\\\.1' matches no parameter \(full match\)"
+    ):
         _frozen(r"model.freeze=[layers\.1]")
     # With LoRA every base parameter is frozen except those model.lora.train matches in full.
     lora = ("model.lora.rank=2", "model.lora.targets=[wq]")
@@ -375,7 +409,9 @@ def test_freeze_and_train_patterns_match_whole_names_on_twelve_layers():
         "layers.11.ffn_norm.weight",
     }
     assert not any(".lora_" in n for n in frozen)
-    with pytest.raises(ValueError, match=r"model.lora.train: 'norm' matches no parameter \(full match\)"):
+    with pytest.raises(
+        ValueError, match=r"model.lora.train: 'norm' matches no parameter \(full match\)"
+    ):
         _frozen(*lora, "model.lora.train=[norm]")  # a prefix of norm.weight only
 
 
@@ -416,7 +452,9 @@ LORA_ONLY = ("model.lora.rank=4", "model.lora.targets=[wq]")  # adapters and not
     ],
     ids=["no-lora", "lora-train", "max-shard-size", "safetensors-out"],
 )
-def test_adapters_only_refusals_exit_2_in_one_line_and_write_nothing(tmp_path: Path, overrides, args, out, message):
+def test_adapters_only_refusals_exit_2_in_one_line_and_write_nothing(
+    tmp_path: Path, overrides, args, out, message
+):
     """Guards scripts/export.py's ``--adapters-only`` refusals: a run without LoRA; a run that also
     trained ``model.lora.train`` (an adapter file would silently lose those weights); a size limit or a
     single ``.safetensors`` file (the output is PEFT's folder of two files). Each is one line and exit
@@ -429,4 +467,6 @@ def test_adapters_only_refusals_exit_2_in_one_line_and_write_nothing(tmp_path: P
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [f"error: {message.format(ckpt=str(ckpt))}"], proc.stderr
     assert proc.stdout == ""
-    assert [p.name for p in tmp_path.iterdir()] == [ckpt.name] and [p.name for p in ckpt.iterdir()] == ["config.yaml"]
+    assert [p.name for p in tmp_path.iterdir()] == [ckpt.name] and [
+        p.name for p in ckpt.iterdir()
+    ] == ["config.yaml"]

@@ -79,7 +79,9 @@ def _chat_tokenizer(folder: Path, tokenizer_dir: Path, template: str = TEMPLATE)
     return folder
 
 
-def test_prompt_completion_marks_exactly_the_completion_and_its_eos(tmp_path: Path, tiny_tokenizer_dir: Path):
+def test_prompt_completion_marks_exactly_the_completion_and_its_eos(
+    tmp_path: Path, tiny_tokenizer_dir: Path
+):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
@@ -94,9 +96,12 @@ def test_prompt_completion_marks_exactly_the_completion_and_its_eos(tmp_path: Pa
         completion_field="a",
     )
     ids, mask = _read(tmp_path / "out")
-    assert len(mask) == len(ids) == meta["train"]["tokens"] and meta["format"] == "prompt_completion"
+    assert (
+        len(mask) == len(ids) == meta["train"]["tokens"] and meta["format"] == "prompt_completion"
+    )
     spans = _trained_spans(ids, mask)
-    assert [tok.decode(s) for s in spans] == [c + "</s>" for _, c in RECORDS]  # each completion, then EOS
+    # each completion, then EOS
+    assert [tok.decode(s) for s in spans] == [c + "</s>" for _, c in RECORDS]
     assert meta["train"]["trained_tokens"] == int(mask.sum()) == sum(map(len, spans))
     untrained = tok.decode([t for t, m in zip(ids.tolist(), mask.tolist()) if not m])
     assert untrained == "".join("<s>" + p for p, _ in RECORDS)  # the prompts, each after its BOS
@@ -151,15 +156,23 @@ def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions
     written to the wrong file; and a mask of another length makes both files unreadable at start-up."""
     from transformers import AutoTokenizer
 
-    records = [(f"{p} ({i})", f"{c} {i}") for i, (p, c) in enumerate(RECORDS * 2)]  # 8 distinct documents
+    # 8 distinct documents
+    records = [(f"{p} ({i})", f"{c} {i}") for i, (p, c) in enumerate(RECORDS * 2)]
     if fmt == "chat":
         folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir)
         rows, close = (
-            [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]} for p, c in records],
+            [
+                {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}
+                for p, c in records
+            ],
             "<|end|>\n</s>",
         )  # the template closes the assistant's turn
     else:
-        folder, rows, close = tiny_tokenizer_dir, [{"prompt": p, "completion": c} for p, c in records], "</s>"
+        folder, rows, close = (
+            tiny_tokenizer_dir,
+            [{"prompt": p, "completion": c} for p, c in records],
+            "</s>",
+        )
     data = _write_jsonl(tmp_path / "sft.jsonl", rows)
     meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0.5, fmt=fmt)
     tok, val = AutoTokenizer.from_pretrained(folder), validation_documents(len(records), 0.5, 0)
@@ -171,9 +184,14 @@ def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions
         bin_path = tmp_path / "out" / f"{split}.bin"
         ids, mask = _read(tmp_path / "out", split)
         assert mask_file(bin_path).stat().st_size == len(ids) == meta[split]["tokens"] > 0, split
-        assert [tok.decode(s) for s in _trained_spans(ids, mask)] == [c + close for _, c in docs], split
-        assert meta[split]["documents"] == len(docs) and meta[split]["trained_tokens"] == int(mask.sum())
-        source = TokenFile(bin_path, 4, 0)  # what data.path and eval.path open: refused if the lengths differ
+        assert [tok.decode(s) for s in _trained_spans(ids, mask)] == [c + close for _, c in docs], (
+            split
+        )
+        assert meta[split]["documents"] == len(docs) and meta[split]["trained_tokens"] == int(
+            mask.sum()
+        )
+        # what data.path and eval.path open: refused if the lengths differ
+        source = TokenFile(bin_path, 4, 0)
         assert source.masked
         targets = source.pairs([0])[1][0].tolist()
         assert targets == [int(ids[j]) if mask[j] else IGNORE for j in range(1, 5)], split
@@ -184,18 +202,26 @@ def _turns(last: str, prompt: str, completion: str) -> list[dict]:
     more turn of ``last``'s role (user or system) that no assistant answers."""
     chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     if last == "assistant":
-        return [*chat, {"role": "user", "content": "and again"}, {"role": "assistant", "content": completion.upper()}]
+        return [
+            *chat,
+            {"role": "user", "content": "and again"},
+            {"role": "assistant", "content": completion.upper()},
+        ]
     return [*chat, {"role": last, "content": "thanks, that will do"}]
 
 
 @pytest.mark.parametrize("last", ["assistant", "user", "system"])
-def test_the_final_eos_is_trained_only_after_an_assistant_turn(tmp_path: Path, tiny_tokenizer_dir: Path, last):
+def test_the_final_eos_is_trained_only_after_an_assistant_turn(
+    tmp_path: Path, tiny_tokenizer_dir: Path, last
+):
     """The EOS that ends a chat is the answer's end only when the assistant spoke last: after a user or a system
     turn, predicting it would train the model to end a conversation with an unanswered message."""
     from transformers import AutoTokenizer
 
     folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir)
-    data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _turns(last, p, c)} for p, c in RECORDS])
+    data = _write_jsonl(
+        tmp_path / "chat.jsonl", [{"messages": _turns(last, p, c)} for p, c in RECORDS]
+    )
     prepare(folder, [data], tmp_path / "out", val_fraction=0, fmt="chat")
     ids, mask = _read(tmp_path / "out")
     tok = AutoTokenizer.from_pretrained(folder)
@@ -203,7 +229,10 @@ def test_the_final_eos_is_trained_only_after_an_assistant_turn(tmp_path: Path, t
     assert len(ends) == len(RECORDS) and ends[-1] == len(ids) - 1  # one EOS a chat, at its end
     assert mask[ends].tolist() == [int(last == "assistant")] * len(RECORDS)
     # the assistant turns are trained on whatever follows them; the last turn, when not the assistant's, is not
-    per_chat = [f"{c}<|end|>\n" + (f"{c.upper()}<|end|>\n</s>" if last == "assistant" else "") for _, c in RECORDS]
+    per_chat = [
+        f"{c}<|end|>\n" + (f"{c.upper()}<|end|>\n</s>" if last == "assistant" else "")
+        for _, c in RECORDS
+    ]
     spans = [tok.decode(s) for s in _trained_spans(ids, mask)]
     assert "".join(spans) == "".join(per_chat), spans
 
@@ -215,13 +244,17 @@ def test_the_final_eos_is_trained_only_after_an_assistant_turn(tmp_path: Path, t
         ("the last message first", "{{ messages[-1]['content'] }}\n" + TEMPLATE),
     ],
 )
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path, tiny_tokenizer_dir: Path, case, template):
+def test_a_template_that_rewrites_earlier_turns_is_refused(
+    tmp_path: Path, tiny_tokenizer_dir: Path, case, template
+):
     """A template whose render of a conversation's first turns is not the start of the whole: the turns are found
     by rendering prefix by prefix, so its mask would mark other tokens than the assistant's. Refused, not guessed."""
     from tests.test_prepare import _refused
 
     folder = _chat_tokenizer(tmp_path / "tok", tiny_tokenizer_dir, template)
-    data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": _turns("assistant", p, c)} for p, c in RECORDS])
+    data = _write_jsonl(
+        tmp_path / "chat.jsonl", [{"messages": _turns("assistant", p, c)} for p, c in RECORDS]
+    )
     line = _refused(folder, tmp_path, str(data), extra=("--format", "chat"))
     assert line == (
         "error: --format chat: the chat template renders a conversation's first 1 messages as "
@@ -230,14 +263,20 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path: Path, tiny_
     )
 
 
-def test_text_format_writes_no_mask_and_a_bad_format_is_one_line(tmp_path: Path, tiny_tokenizer_dir: Path):
+def test_text_format_writes_no_mask_and_a_bad_format_is_one_line(
+    tmp_path: Path, tiny_tokenizer_dir: Path
+):
     data = _write_jsonl(tmp_path / "d.jsonl", [{"text": p} for p, _ in RECORDS])
     meta, _ = prepare(tiny_tokenizer_dir, [data], tmp_path / "out", val_fraction=0)
     assert not mask_file(tmp_path / "out" / "train.bin").exists() and meta["format"] == "text"
     assert set(meta["train"]) == {"documents", "tokens"}
-    with pytest.raises(ValueError, match=r"--format chatml: not a format \(valid: text, prompt_completion, chat\)"):
+    with pytest.raises(
+        ValueError, match=r"--format chatml: not a format \(valid: text, prompt_completion, chat\)"
+    ):
         prepare(tiny_tokenizer_dir, [data], tmp_path / "bad", fmt="chatml")
-    with pytest.raises(ValueError, match=r"no field 'prompt' \(--prompt-field/--completion-field\)"):
+    with pytest.raises(
+        ValueError, match=r"no field 'prompt' \(--prompt-field/--completion-field\)"
+    ):
         prepare(tiny_tokenizer_dir, [data], tmp_path / "bad", fmt="prompt_completion")
     assert not (tmp_path / "bad").exists()
 
@@ -255,7 +294,9 @@ def test_a_mask_file_of_another_length_is_one_line_naming_both(tmp_path: Path):
     with pytest.raises(ValueError) as info:
         TokenFile(path, 8, 0)
     message = str(info.value)
-    assert "\n" not in message and f"{path.with_name('train.mask.bin')} holds 99 mask bytes" in message
+    assert (
+        "\n" not in message and f"{path.with_name('train.mask.bin')} holds 99 mask bytes" in message
+    )
     assert f"{path} holds 100 tokens" in message
 
 
@@ -266,7 +307,8 @@ def test_the_mask_applies_to_the_predicted_token_and_unmasked_data_is_unchanged(
     assert masked.masked and not plain.masked
     inputs, targets = masked.pairs([16])
     assert inputs.tolist() == [list(range(16, 24))]
-    assert targets.tolist() == [[t if t % 3 == 0 else IGNORE for t in range(17, 25)]]  # mask[17..24]
+    # mask[17..24]
+    assert targets.tolist() == [[t if t % 3 == 0 else IGNORE for t in range(17, 25)]]
     assert torch.equal(plain.pairs([16])[1], torch.arange(17, 25)[None])
 
 
@@ -282,16 +324,26 @@ def test_a_global_batch_without_a_trained_token_is_loss_0_and_no_step(tmp_path: 
     batch = source.pairs([0, 32])
     loss, _ = masked_causal_lm(model, batch)
     assert loss.item() == 0.0  # no NaN: a sum over nothing
-    step = Step(model, optimizer, masked_causal_lm, torch.device("cpu"), grad_clip=1.0, token_count=trained_tokens)
+    step = Step(
+        model,
+        optimizer,
+        masked_causal_lm,
+        torch.device("cpu"),
+        grad_clip=1.0,
+        token_count=trained_tokens,
+    )
     out = step.run([batch, source.pairs([64])])
     assert out.loss.item() == 0.0 and out.grad_norm.item() == 0.0 and out.verdict.finite
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # AdamW's decay did not move them
+    # AdamW's decay did not move them
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not optimizer.state
     assert lm_sums(model, batch)[1].item() == 0  # validation counts none of it
 
 
 def test_a_mask_file_under_another_task_is_an_error():
-    cfg = dataclasses.replace(load_config(None, list(BASE)).model, task=Task.custom, loss="tests.user_model:nowhere")
+    cfg = dataclasses.replace(
+        load_config(None, list(BASE)).model, task=Task.custom, loss="tests.user_model:nowhere"
+    )
     with pytest.raises(ValueError, match="model.task=custom: the token file has a mask file"):
         build_task(cfg, masked=True)
 
@@ -312,7 +364,9 @@ def _hand_loss(initial: dict, root: Path, step: int, micro: int | None = None) -
     y = torch.tensor(np.stack([tokens[s + 1 : s + seq + 1] for s in starts]))
     keep = torch.tensor(np.stack([mask[s + 1 : s + seq + 1] for s in starts])).bool()
     with torch.no_grad():
-        losses = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+        losses = F.cross_entropy(
+            model(x).float().flatten(0, 1), y.flatten(), reduction="none"
+        ).view_as(y)
     if micro:
         parts = [
             (losses[i : i + micro] * keep[i : i + micro]).sum() / keep[i : i + micro].sum()
@@ -379,16 +433,25 @@ def test_validation_counts_only_the_trained_tokens(batches, name):
     run, root = batches[name], batches.root
     model = _nano()
     model.load_state_dict(run["final"])
-    tokens = torch.from_numpy(np.fromfile(root / "masked" / "train.bin", np.uint16).astype(np.int64))
+    tokens = torch.from_numpy(
+        np.fromfile(root / "masked" / "train.bin", np.uint16).astype(np.int64)
+    )
     keep = torch.from_numpy(np.fromfile(root / "masked" / "train.mask.bin", np.uint8)).bool()
     total, count = 0.0, 0
     with torch.no_grad():
-        for k in range(64):  # window k: tokens [32 k, 32 k + 33), its targets' mask bytes 32 k + 1 ..
-            x, y, m = tokens[32 * k : 32 * k + 32], tokens[32 * k + 1 : 32 * k + 33], keep[32 * k + 1 : 32 * k + 33]
+        # window k: tokens [32 k, 32 k + 33), its targets' mask bytes 32 k + 1 ..
+        for k in range(64):
+            x, y, m = (
+                tokens[32 * k : 32 * k + 32],
+                tokens[32 * k + 1 : 32 * k + 33],
+                keep[32 * k + 1 : 32 * k + 33],
+            )
             losses = F.cross_entropy(model(x[None])[0].double(), y, reduction="none")
             total, count = total + losses[m].sum().item(), count + int(m.sum())
     got = run["evals"][8]["eval/loss"]
-    figure(f"masked eval/loss against a hand computation ({name})", f"{abs(got - total / count):.2e}")
+    figure(
+        f"masked eval/loss against a hand computation ({name})", f"{abs(got - total / count):.2e}"
+    )
     assert abs(got - total / count) < 1e-5
 
 
@@ -409,18 +472,34 @@ def test_the_masked_loss_is_the_same_at_one_and_two_ranks_and_any_micro_batch(ba
 @pytest.mark.parametrize(
     "case, extra, message",
     [
-        ("no template", ("--format", "chat"), "--format chat: the tokenizer (.*) has no chat template"),
-        ("a .txt", ("--format", "prompt_completion"), r"--format prompt_completion reads \.jsonl files only"),
-        ("not messages", ("--format", "chat", "--field", "text"), r"field 'text' must be a non-empty list of"),
+        (
+            "no template",
+            ("--format", "chat"),
+            "--format chat: the tokenizer (.*) has no chat template",
+        ),
+        (
+            "a .txt",
+            ("--format", "prompt_completion"),
+            r"--format prompt_completion reads \.jsonl files only",
+        ),
+        (
+            "not messages",
+            ("--format", "chat", "--field", "text"),
+            r"field 'text' must be a non-empty list of",
+        ),
     ],
 )
-def test_bad_instruction_inputs_are_one_line_and_exit_2(tmp_path: Path, tiny_tokenizer_dir: Path, case, extra, message):
+def test_bad_instruction_inputs_are_one_line_and_exit_2(
+    tmp_path: Path, tiny_tokenizer_dir: Path, case, extra, message
+):
     from tests.test_prepare import _refused
 
     if case == "a .txt":
         data = tmp_path / "d.txt"
         data.write_text("some text")
     else:
-        data = _write_jsonl(tmp_path / "d.jsonl", [{"text": "hi", "messages": [{"role": "user", "content": "hi"}]}])
+        data = _write_jsonl(
+            tmp_path / "d.jsonl", [{"text": "hi", "messages": [{"role": "user", "content": "hi"}]}]
+        )
     line = _refused(tiny_tokenizer_dir, tmp_path, str(data), extra=extra)
     assert re.search(message, line), line

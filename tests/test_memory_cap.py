@@ -41,10 +41,23 @@ def test_a_model_larger_than_one_ranks_cap_trains_sharded_over_four(tmp_path):
     env = {"FSDP_ZERO_DATA_CAP": str(CAP)}
     single = launch(0, CAPPED, str(TRAIN), *MODEL, f"run.root={tmp_path}", "run.name=one", env=env)
     assert single.returncode != 0 and "can't allocate memory" in single.stderr
-    sharded = launch(4, CAPPED, str(TRAIN), *MODEL, f"run.root={tmp_path}", "run.name=four", env=env, torchrun=False)
+    sharded = launch(
+        4,
+        CAPPED,
+        str(TRAIN),
+        *MODEL,
+        f"run.root={tmp_path}",
+        "run.name=four",
+        env=env,
+        torchrun=False,
+    )
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert "step     1 | loss" in sharded.stdout + sharded.stderr
-    assert "memory after_optimizer_step  model state   610.58 MiB/rank" in sharded.stdout + sharded.stderr  # 16 P / 4
+    # 16 P / 4
+    assert (
+        "memory after_optimizer_step  model state   610.58 MiB/rank"
+        in sharded.stdout + sharded.stderr
+    )
     figure(
         "memory cap (RLIMIT_DATA 2.4 GB per rank), 160M params: 1 rank fails, 4 ranks train",
         f"16 B x P = {16 * num_params / 1e9:.2f} GB; model state per rank at N=4 {4 * num_params / 1e9:.2f} GB",

@@ -52,10 +52,15 @@ def runs(batches):
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    return {name: reference_run(_cfg(name)) for name in ("vit", "vit-defaults", "llama") if name != "llama" or HAS_HF}
+    return {
+        name: reference_run(_cfg(name))
+        for name in ("vit", "vit-defaults", "llama")
+        if name != "llama" or HAS_HF
+    }
 
 
-@pytest.mark.parametrize("name", [*PARAMS, "vit-defaults"])  # vit-defaults: weight decay, warm-up, cosine
+# vit-defaults: weight decay, warm-up, cosine
+@pytest.mark.parametrize("name", [*PARAMS, "vit-defaults"])
 def test_foreign_model_trains_like_single_process(runs, references, name):
     got, ref = runs[name], references[name]
     for key, value in ref["initial"].items():  # N = 2 initialises exactly as N = 1
@@ -85,7 +90,9 @@ def test_model_state_is_the_padded_16p_over_n(runs, name):
     unpadded = 16 * got["num_params"] / 2
     for state in got["model_state_bytes"]:
         assert unpadded <= state <= padded + 4096  # + AdamW's scalar step tensors
-    figure(f"{name} model state / (16 P / N), rank 0", f"{got['model_state_bytes'][0] / unpadded:.4f}")
+    figure(
+        f"{name} model state / (16 P / N), rank 0", f"{got['model_state_bytes'][0] / unpadded:.4f}"
+    )
 
 
 @needs_hf
@@ -105,13 +112,20 @@ def test_export_loads_into_the_plain_model_class(runs, name, tmp_path: Path):
     cfg = _cfg(name)
     module, _, attr = cfg.model.target.partition(":")
     cls = getattr(importlib.import_module(module), attr)
-    plain = cls(cls.config_class(**cfg.model.kwargs)) if hasattr(cls, "config_class") else cls(**cfg.model.kwargs)
-    plain.load_state_dict(load_file(tmp_path / "model.safetensors"))  # strict: every key, right shapes
-    inputs = build_source(cfg.data, cfg.train.seed, getattr(getattr(plain, "config", None), "vocab_size", None)).batch(
-        range(2)
-    )[0]
+    plain = (
+        cls(cls.config_class(**cfg.model.kwargs))
+        if hasattr(cls, "config_class")
+        else cls(**cfg.model.kwargs)
+    )
+    # strict: every key, right shapes
+    plain.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    inputs = build_source(
+        cfg.data, cfg.train.seed, getattr(getattr(plain, "config", None), "vocab_size", None)
+    ).batch(range(2))[0]
     with torch.no_grad():
-        torch.testing.assert_close(logits_of(plain.eval()(inputs)), runs[name]["logits"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            logits_of(plain.eval()(inputs)), runs[name]["logits"], atol=1e-5, rtol=0
+        )
 
 
 @needs_hf
@@ -147,9 +161,11 @@ def test_standard_init_follows_each_layers_distribution_and_keeps_buffers():
     assert torch.equal(block.norm.running_var, torch.ones(256)) and torch.equal(
         block.norm.running_mean, torch.zeros(256)
     )
-    bound = 1 / (256 * 3) ** 0.5  # Conv1d: kaiming_uniform(a=sqrt(5)), fan_in = in_channels x kernel
-    assert block.conv.weight.abs().max() <= bound and block.conv.weight.std().item() == pytest.approx(
-        bound / 3**0.5, rel=0.05
+    # Conv1d: kaiming_uniform(a=sqrt(5)), fan_in = in_channels x kernel
+    bound = 1 / (256 * 3) ** 0.5
+    assert (
+        block.conv.weight.abs().max() <= bound
+        and block.conv.weight.std().item() == pytest.approx(bound / 3**0.5, rel=0.05)
     )
     assert model.embed.weight.std().item() == pytest.approx(1.0, rel=0.05)
     assert torch.equal(block.norm.weight.detach(), torch.ones(256))
@@ -187,7 +203,9 @@ def test_user_model_with_a_custom_loss_on_a_token_file(tmp_path: Path):
 def test_token_files_are_checked_against_the_model(tmp_path: Path):
     np.arange(300, dtype=np.uint16).tofile(tmp_path / "big.bin")
     cfg = DataConfig(source=DataSource.tokens, path=str(tmp_path / "big.bin"), seq_len=16)
-    with pytest.raises(ValueError, match=r"token id 299, but the model's vocabulary has 256 entries"):
+    with pytest.raises(
+        ValueError, match=r"token id 299, but the model's vocabulary has 256 entries"
+    ):
         build_source(cfg, 0, 256)
     (tmp_path / "empty.bin").write_bytes(b"")
     cfg.path = str(tmp_path / "empty.bin")
@@ -198,7 +216,9 @@ def test_token_files_are_checked_against_the_model(tmp_path: Path):
     source = build_source(cfg, 0, 256)
     inputs, targets = source.batch(range(3))
     assert (
-        inputs.shape == (3, 16) and torch.equal(inputs[:, 1:], targets[:, :-1]) and bool((targets - inputs == 1).all())
+        inputs.shape == (3, 16)
+        and torch.equal(inputs[:, 1:], targets[:, :-1])
+        and bool((targets - inputs == 1).all())
     )
 
 
@@ -233,10 +253,20 @@ def test_own_loop_example_matches_the_trainer(runs, tmp_path: Path):
     """scripts/own_loop.py (a hand-written loop: its own DataLoader, no grad accumulation) against
     scripts/train.py on the same model, data and settings (the vit run: 2 micro-batches per rank)."""
     proc = check(
-        launch(2, REPO / "scripts" / "own_loop.py", "--steps", "4", "--run-dir", str(tmp_path / "own"), torchrun=False)
+        launch(
+            2,
+            REPO / "scripts" / "own_loop.py",
+            "--steps",
+            "4",
+            "--run-dir",
+            str(tmp_path / "own"),
+            torchrun=False,
+        )
     )
     own = {
-        int(line.split()[1]): float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")
+        int(line.split()[1]): float(line.split()[3])
+        for line in proc.stdout.splitlines()
+        if line.startswith("step ")
     }
     ours = runs["vit"]["losses"]
     assert set(own) == set(ours)
@@ -267,7 +297,9 @@ def test_plan_answers_for_a_foreign_model_and_for_a_parameter_count(tmp_path: Pa
     assert "largest layer 8,544 params" in proc.stdout  # an EncoderBlock, from the wrap plan
     preds = {p["strategy"]: p for p in json.loads(out.read_text())}
     assert preds["full_shard"]["model_state"] < preds["ddp"]["model_state"]
-    proc = check(run_script(REPO / "scripts" / "plan.py", "--params", "7.5e9", "--world-size", "64"))
+    proc = check(
+        run_script(REPO / "scripts" / "plan.py", "--params", "7.5e9", "--world-size", "64")
+    )
     # The paper's P_os+g (Table 1) beside shard_grad_op: 16 x 7.5e9 / 64 bytes at rest, + 4 x 7.5e9 (fp32) in the step.
     assert "| 16.6 GB | shard_grad_op | 1.75 GiB | 29.69 GiB |" in proc.stdout
     assert "| 1.88 GB | full_shard | 1.75 GiB |" in proc.stdout
@@ -289,7 +321,12 @@ def test_one_build_path():
         return any(
             isinstance(n, ast.ImportFrom)
             and n.module
-            in ("fsdp_zero.sharding.build", "fsdp_zero.sharding", "fsdp_zero.model.construct", "fsdp_zero.model")
+            in (
+                "fsdp_zero.sharding.build",
+                "fsdp_zero.sharding",
+                "fsdp_zero.model.construct",
+                "fsdp_zero.model",
+            )
             and {a.name for a in n.names} & {"build", "shard", "construct"}
             for n in ast.walk(ast.parse(path.read_text()))
         )
@@ -324,7 +361,8 @@ def test_init_from_a_hugging_face_folder_and_a_prefixed_state_dict(tmp_path: Pat
     from transformers import LlamaConfig, LlamaForCausalLM
 
     plain = LlamaForCausalLM(LlamaConfig(**cfg.model.kwargs))  # built the ordinary way, on the CPU
-    assert torch.equal(source.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)  # buffers as constructed
+    # buffers as constructed
+    assert torch.equal(source.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
     source.save_pretrained(tmp_path / "hf")
     target = built(cfg, 6)
     assert load_full_weights(target, tmp_path / "hf") == ""
@@ -356,12 +394,18 @@ def test_wrap_classes_come_from_the_model_or_the_error_lists_them():
     from fsdp_zero.sharding.wrap import build_wrap_plan
 
     llama = construct(_cfg("llama").model)
-    plan = build_wrap_plan(llama, WrapConfig(), 2)  # Hugging Face's _no_split_modules: LlamaDecoderLayer
+    # Hugging Face's _no_split_modules: LlamaDecoderLayer
+    plan = build_wrap_plan(llama, WrapConfig(), 2)
     assert [u.class_name for u in plan.units] == ["LlamaDecoderLayer"] * 2 + ["LlamaForCausalLM"]
     assert sum(u.num_params for u in plan.units) == sum(p.numel() for p in llama.parameters())
     resnet = construct(
         load_config(
-            None, ["model.target=torchvision.models:resnet18", "model.task=classification", "data.source=fake_images"]
+            None,
+            [
+                "model.target=torchvision.models:resnet18",
+                "model.task=classification",
+                "data.source=fake_images",
+            ],
         ).model
     )
     with pytest.raises(
@@ -381,7 +425,10 @@ def test_data_that_the_model_cannot_take_is_refused_before_training():
 
     cfg = _cfg("vit")
     cfg.data.num_classes = 12  # the model has 10 outputs
-    with pytest.raises(ValueError, match=r"has 12 classes but the model's last layer has 10 outputs; .*num_classes=12"):
+    with pytest.raises(
+        ValueError,
+        match=r"has 12 classes but the model's last layer has 10 outputs; .*num_classes=12",
+    ):
         _check_data_fits(cfg, construct(cfg.model), fake_images(cfg.data, 0))
     llama = _cfg("llama")
     llama.data.seq_len = 65  # max_position_embeddings 64
@@ -396,11 +443,13 @@ def test_a_hugging_face_model_can_bring_its_own_initialiser():
 
     cfg = _cfg("llama")
     model = construct(cfg.model)
-    materializer(torch.device("cpu"), cfg.model.init, None, real_buffers(model), [])(model)  # memory only
+    # memory only
+    materializer(torch.device("cpu"), cfg.model.init, None, real_buffers(model), [])(model)
     note = initialize(model, Init.model, seed=3)
     assert note == "LlamaForCausalLM._init_weights (torch.manual_seed(3))"
     weight = model.model.layers[0].mlp.up_proj.weight
     assert weight.std().item() == pytest.approx(
-        cfg.model.kwargs["initializer_range"] if "initializer_range" in cfg.model.kwargs else 0.02, rel=0.1
+        cfg.model.kwargs["initializer_range"] if "initializer_range" in cfg.model.kwargs else 0.02,
+        rel=0.1,
     )
     assert torch.equal(model.model.norm.weight.detach(), torch.ones(32))

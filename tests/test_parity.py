@@ -54,7 +54,8 @@ NAMES = [
 ]
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 FP32 = [name for name in NAMES if name not in PRECISIONS]
-FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1")]  # gloo runs with FSDP2 units (n1: one rank)
+# gloo runs with FSDP2 units (n1: one rank)
+FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1")]
 
 # Tolerances under lower precision, against the single-process run in the same mode. Both runs
 # round the same values to bf16/fp16 but not in the same places: the reference computes the whole
@@ -89,7 +90,9 @@ def references() -> dict:
     extra = {"fp32": [], "tied": list(TIED), "n3": ["train.global_batch_size=12"]} | {
         mode: [f"precision={mode}"] for mode in PRECISIONS
     }
-    return {key: reference_run(load_config(None, BASE + overrides)) for key, overrides in extra.items()}
+    return {
+        key: reference_run(load_config(None, BASE + overrides)) for key, overrides in extra.items()
+    }
 
 
 def _atol(name: str) -> tuple[float, float, float]:
@@ -118,8 +121,11 @@ def test_losses_grad_norms_and_learning_rates_match_single_process(runs, referen
     assert sorted(got["losses"]) == sorted(got["lrs"]) == list(range(1, 9))
     for step in ref["losses"]:
         assert got["losses"][step] == pytest.approx(ref["losses"][step], abs=loss_atol), step
-        assert got["grad_norms"][step] == pytest.approx(ref["grad_norms"][step], abs=norm_atol), step
-        assert got["lrs"][step] == pytest.approx(ref["lrs"][step], rel=1e-12), step  # an independent schedule
+        assert got["grad_norms"][step] == pytest.approx(ref["grad_norms"][step], abs=norm_atol), (
+            step
+        )
+        # an independent schedule
+        assert got["lrs"][step] == pytest.approx(ref["lrs"][step], rel=1e-12), step
     assert ref["losses"][8] < ref["losses"][1]
 
 
@@ -131,7 +137,8 @@ def test_final_weights_match_single_process(runs, references, name):
         assert got[key].dtype == value.dtype, key
         if name in PRECISIONS:  # the two runs' updates, compared in aggregate (see PRECISION_ATOL)
             update = (value.float() - ref["initial"][key].float()).norm()
-            if value.dim() >= 2:  # matrices train in every mode (bf16-true's norm gains at 1.0 may not:
+            # matrices train in every mode (bf16-true's norm gains at 1.0 may not:
+            if value.dim() >= 2:
                 assert update > 0, key  # an update below half a bf16 ulp, 2^-8, rounds away)
             assert (got[key].float() - value.float()).norm() <= _atol(name)[2] * update, key
             continue
@@ -151,7 +158,10 @@ def test_offload_and_activation_checkpointing_change_no_number(runs, name):
 
 def test_activation_checkpointing_lowers_the_activation_peak(runs):
     """The activations alive after the profiled step's first forward: full < selective (every 2nd block) < none."""
-    acts = {name: runs[name]["phases"]["after_forward"]["activations"] for name in ("n2", "ac-selective", "ac-full")}
+    acts = {
+        name: runs[name]["phases"]["after_forward"]["activations"]
+        for name in ("n2", "ac-selective", "ac-full")
+    }
     assert acts["ac-full"] < acts["ac-selective"] < acts["n2"], acts
     figure(
         "activation peak MiB (gpt_nano, 2 ranks): none / selective / full",
@@ -173,7 +183,9 @@ def test_precision_dtypes_and_optimizer_states(runs, name):
     assert all(d == [stored] for d in run["adam_dtypes"]), run["adam_dtypes"]
     assert all(n == [8] for n in run["adam_steps"]), run["adam_steps"]
     if name == "fp16-mixed":
-        assert set(run["loss_scale"].values()) == {2.0**16} and set(run["skipped_steps"].values()) == {0}
+        assert set(run["loss_scale"].values()) == {2.0**16} and set(
+            run["skipped_steps"].values()
+        ) == {0}
     else:
         assert not run["loss_scale"]
 
@@ -217,7 +229,9 @@ def test_cpu_offload_policy_reaches_every_unit(runs, name):
     assert all(devices == ["cpu"] for devices in runs[name]["shard_devices"])
 
 
-def _held_after_forward(run: dict, reshard: bool | int, compute_bytes: int, stored_bytes: int, degree: int) -> float:
+def _held_after_forward(
+    run: dict, reshard: bool | int, compute_bytes: int, stored_bytes: int, degree: int
+) -> float:
     """Parameter bytes a rank holds between forward and backward: every unit's shard (stored dtype, over
     the shard degree), except what stays gathered (compute dtype): the root always, every unit under
     ZeRO-2 (``reshard`` False), 1/k of each unit under hpZ (``reshard`` k); none under ZeRO-3 (True)."""
@@ -252,8 +266,11 @@ def test_what_stays_gathered_between_forward_and_backward(runs, name):
     reshard, compute, stored, degree = GATHERED[name]
     expected = _held_after_forward(run, reshard, compute, stored, degree)
     for rank, held in enumerate(run["param_bytes"]):
-        assert held["after_forward"] == pytest.approx(expected, rel=0.01), rank  # uneven rows: rank shares differ
-        assert held["before_step"] == pytest.approx(stored * run["num_params"] / degree, rel=0.01), rank
+        # uneven rows: rank shares differ
+        assert held["after_forward"] == pytest.approx(expected, rel=0.01), rank
+        assert held["before_step"] == pytest.approx(
+            stored * run["num_params"] / degree, rel=0.01
+        ), rank
     assert {unit: held["reshard_after_forward"] for unit, held in run["units"].items()} == (
         {unit: reshard for unit in run["units"]} | {"<root>": False}
     )
@@ -270,12 +287,17 @@ def test_explicit_prefetch_starts_the_next_units_all_gather_before_a_unit_comput
     issued already (one more all-gather before each unit's compute than without prefetching)."""
 
     def all_gathers_before_each_unit(order: list[str]) -> list[int]:
-        return [order[:i].count("ag") for i, event in enumerate(order) if event not in ("ag", "<root>")]
+        return [
+            order[:i].count("ag") for i, event in enumerate(order) if event not in ("ag", "<root>")
+        ]
 
-    plain, prefetched = (all_gathers_before_each_unit(runs[name]["gather_order"]) for name in ("n4", "hpz-prefetch"))
+    plain, prefetched = (
+        all_gathers_before_each_unit(runs[name]["gather_order"]) for name in ("n4", "hpz-prefetch")
+    )
     units = len(runs["n4"]["unit_params"]) - 1  # non-root units, in forward order
     assert plain == [2 + i for i in range(units)]  # the root's, then one per unit up to this one
-    assert prefetched == [3 + i for i in range(units - 1)] + [1 + units]  # the last has no next unit
+    # the last has no next unit
+    assert prefetched == [3 + i for i in range(units - 1)] + [1 + units]
 
 
 def test_record_the_measured_differences(runs, references):
@@ -287,21 +309,28 @@ def test_record_the_measured_differences(runs, references):
             max(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]),
             max(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]),
             max(
-                ((got["final"][k].float() - v.float()).norm() / (v.float() - ref["initial"][k].float()).norm()).item()
+                (
+                    (got["final"][k].float() - v.float()).norm()
+                    / (v.float() - ref["initial"][k].float()).norm()
+                ).item()
                 for k, v in ref["final"].items()
                 if v.dim() >= 2
             ),
         )
         figure(
             f"parity vs single process, {name} (N=2)",
-            "losses {:.1e}, grad norms {:.1e}, final weights |w - w_ref| / |w_ref - w_0| {:.1e}".format(*diffs)
+            "losses {:.1e}, grad norms {:.1e}, final weights |w - w_ref| / |w_ref - w_0| {:.1e}".format(
+                *diffs
+            )
             + " (tolerances {:.0e}, {:.0e}, {:.2g})".format(*PRECISION_ATOL[name]),
         )
     for name in FP32:
         got, ref = runs[name], references[_key(name)]
         loss = max(loss, *(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]))
         norm = max(norm, *(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]))
-        weight = max(weight, *((got["final"][k] - v).abs().max().item() for k, v in ref["final"].items()))
+        weight = max(
+            weight, *((got["final"][k] - v).abs().max().item() for k, v in ref["final"].items())
+        )
     figure(
         "parity vs single process, fp32 (max over N=1/2/3/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, "
         "AC)",
@@ -335,10 +364,19 @@ EXPECTED_BYTES_PER_PARAM = {
 def test_model_state_per_rank_follows_the_zero_formula(runs, name):
     run = runs[name]
     expected = EXPECTED_BYTES_PER_PARAM[name] * run["num_params"]
-    assert len(run["model_state_bytes"]) == {"n1": 1, "n3": 3, "n4": 4, "hsdp": 4, "hpz-prefetch": 4}.get(name, 2)
+    assert len(run["model_state_bytes"]) == {
+        "n1": 1,
+        "n3": 3,
+        "n4": 4,
+        "hsdp": 4,
+        "hpz-prefetch": 4,
+    }.get(name, 2)
     for rank, got in enumerate(run["model_state_bytes"]):
         assert got == pytest.approx(expected, rel=0.02), rank
-    figure(f"model state / formula, {name}", ", ".join(f"{b / expected:.5f}" for b in run["model_state_bytes"]))
+    figure(
+        f"model state / formula, {name}",
+        ", ".join(f"{b / expected:.5f}" for b in run["model_state_bytes"]),
+    )
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs):
@@ -351,8 +389,12 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs):
     assert run["adam_steps"] == [[7], [7]]
     assert run["skipped_steps"] == {s: float(s >= 3) for s in range(1, 9)}
     assert run["loss_scale"] == {s: 2.0**16 if s <= 3 else 2.0**15 for s in range(1, 9)}
-    assert not math.isfinite(run["grad_norms"][3]) and all(math.isfinite(run["grad_norms"][s]) for s in (1, 2, 4, 8))
-    saved = json.loads((runs.path("overflow") / "checkpoints" / "step-0000008" / "train_state.json").read_text())
+    assert not math.isfinite(run["grad_norms"][3]) and all(
+        math.isfinite(run["grad_norms"][s]) for s in (1, 2, 4, 8)
+    )
+    saved = json.loads(
+        (runs.path("overflow") / "checkpoints" / "step-0000008" / "train_state.json").read_text()
+    )
     assert saved["loss_scaler"]["scale"] == 2.0**15 and saved["loss_scaler"]["skipped_steps"] == 1
     resumed = runs["overflow-resumed"]
     assert sorted(resumed["losses"]) == [9, 10]  # continued from the step-8 checkpoint

@@ -51,17 +51,22 @@ def test_full_shard_gathers_two_units_inside_the_step():
     assert unknown[Strategy.full_shard, "fp32"].in_step is None  # printed as "+ 1-2 units"
     assert known[Strategy.full_shard, "fp32"].in_step == 16 * P / N + 4 * 2 * 200_000_000
     assert known[Strategy.full_shard, "bf16-mixed"].in_step == 16 * P / N + 2 * 2 * 200_000_000
-    whole = {(s.strategy, s.mode): s for s in strategy_states(P, N, largest_unit=P)}  # one unit: no next one
+    # one unit: no next one
+    whole = {(s.strategy, s.mode): s for s in strategy_states(P, N, largest_unit=P)}
     assert whole[Strategy.full_shard, "fp32"].gathered == 4 * P
     # The root unit stays gathered from forward to backward on top (fsdp_zero.sharding.parallelize).
-    rooted = {(s.strategy, s.mode): s for s in strategy_states(P, N, 200_000_000, root_unit=50_000_000)}
+    rooted = {
+        (s.strategy, s.mode): s for s in strategy_states(P, N, 200_000_000, root_unit=50_000_000)
+    }
     assert rooted[Strategy.full_shard, "fp32"].gathered == 4 * (50_000_000 + 2 * 200_000_000)
 
 
 def test_ddp_and_zero1_are_their_formula_at_rest_and_in_the_step():
     s = _states()
     assert s[Strategy.ddp, "fp32"].in_step == s[Strategy.ddp, "fp32"].at_rest == 16 * P
-    assert s[Strategy.zero1, "fp32"].in_step == s[Strategy.zero1, "fp32"].at_rest == 8 * P + 8 * P / N
+    assert (
+        s[Strategy.zero1, "fp32"].in_step == s[Strategy.zero1, "fp32"].at_rest == 8 * P + 8 * P / N
+    )
     assert s[Strategy.zero1, "bf16-true"].in_step == 4 * P + 4 * P / N
     for (strategy, mode), state in s.items():
         bytes_per_param = resolve(PrecisionConfig(mode=mode)).bytes_per_param
@@ -69,33 +74,52 @@ def test_ddp_and_zero1_are_their_formula_at_rest_and_in_the_step():
             Topology.of(ParallelConfig(strategy=strategy), N), P, bytes_per_param
         )
         # The config takes bf16-mixed only with an FSDP strategy.
-        assert bool(state.refused) == (mode == "bf16-mixed" and strategy in (Strategy.ddp, Strategy.zero1))
+        assert bool(state.refused) == (
+            mode == "bf16-mixed" and strategy in (Strategy.ddp, Strategy.zero1)
+        )
 
 
 def test_fp16_mixed_needs_no_column_of_its_own():
-    fp16, bf16 = resolve(PrecisionConfig(mode="fp16-mixed")), resolve(PrecisionConfig(mode="bf16-mixed"))
+    fp16, bf16 = (
+        resolve(PrecisionConfig(mode="fp16-mixed")),
+        resolve(PrecisionConfig(mode="bf16-mixed")),
+    )
     assert "fp16-mixed" not in PLAN_MODES and "bf16-mixed" in PLAN_MODES
-    assert (fp16.bytes_per_param, fp16.compute.itemsize) == (bf16.bytes_per_param, bf16.compute.itemsize)
+    assert (fp16.bytes_per_param, fp16.compute.itemsize) == (
+        bf16.bytes_per_param,
+        bf16.compute.itemsize,
+    )
 
 
 def test_plan_prints_the_paper_beside_ours(capsys: pytest.CaptureFixture[str]):
     assert plan.main(["--params", "7.5e9", "--world-size", "64"]) == 0
     out = capsys.readouterr().out
-    assert "ZeRO paper (Rajbhandari et al. 2020), Table 1" in out and "GB = 10^9 bytes" in out and "GiB = 2^30" in out
+    assert (
+        "ZeRO paper (Rajbhandari et al. 2020), Table 1" in out
+        and "GB = 10^9 bytes" in out
+        and "GiB = 2^30" in out
+    )
     assert "| 0 | baseline | (2 + 2 + K) Psi | 120 GB | ddp | 111.76 GiB | 111.76 GiB |" in out
-    assert "| 1 | P_os | 2 Psi + 2 Psi + K Psi / N_d | 31.4 GB | zero1 | 56.75 GiB | 56.75 GiB |" in out
+    assert (
+        "| 1 | P_os | 2 Psi + 2 Psi + K Psi / N_d | 31.4 GB | zero1 | 56.75 GiB | 56.75 GiB |"
+        in out
+    )
     # fp32 at rest, in step; bf16-mixed at rest, in step
     assert (
         "| 2 | P_os+g | 2 Psi + (2 + K) Psi / N_d | 16.6 GB | shard_grad_op | 1.75 GiB | 29.69 GiB | 1.75 GiB "
         "| 15.72 GiB |"
     ) in out
-    assert "| 3 | P_os+g+p | (2 + 2 + K) Psi / N_d | 1.88 GB | full_shard | 1.75 GiB | 1.75 GiB + 1-2 units |" in out
+    assert (
+        "| 3 | P_os+g+p | (2 + 2 + K) Psi / N_d | 1.88 GB | full_shard | 1.75 GiB | 1.75 GiB + 1-2 units |"
+        in out
+    )
     assert "fp16-mixed: as bf16-mixed" in out
     assert "DeepSpeed estimate_zero3_model_states_mem_needs" in out
 
     assert plan.main(["--params", "7.5e9", "--world-size", "64", "--largest-layer", "2e8"]) == 0
     out = capsys.readouterr().out
-    assert "| full_shard | 1.75 GiB | 3.24 GiB | 1.75 GiB | 2.49 GiB |" in out  # + 4 (then 2) x 2 x 2e8 bytes
+    # + 4 (then 2) x 2 x 2e8 bytes
+    assert "| full_shard | 1.75 GiB | 3.24 GiB | 1.75 GiB | 2.49 GiB |" in out
     assert "largest layer 200,000,000 params" in out
 
     assert plan.main(["--params", "7.5e9", "--world-size", "64", "--largest-layer", "8e9"]) == 2
@@ -121,7 +145,15 @@ DEEP = [
         ),  # rank 0's share of AdamW's states: whole tensors
         # One token a sequence: the backward's part of the step peaks at 4 and 5 blocks, the optimizer step's at 13
         # (its bytes per block, the sharded gradients and AdamW's temporaries, outgrow the backward's).
-        (["parallel.strategy=full_shard", "data.seq_len=1", "model.vocab_size=64", "train.global_batch_size=2"], 2),
+        (
+            [
+                "parallel.strategy=full_shard",
+                "data.seq_len=1",
+                "model.vocab_size=64",
+                "train.global_batch_size=2",
+            ],
+            2,
+        ),
     ],
     ids=["zero1", "zero3-optimizer-step-peaks"],
 )
@@ -134,9 +166,14 @@ def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     cfg = load_config(None, [*DEEP, *case])
     with Simulator(cfg, world, baseline=0) as sim:
         composed, whole = sim.predict(cfg), sim.predict(cfg, whole=True)
-    assert composed.notes == ["composed: layers simulated with 4 and 5 of its 13 blocks"] and not whole.notes
+    assert (
+        composed.notes == ["composed: layers simulated with 4 and 5 of its 13 blocks"]
+        and not whole.notes
+    )
     for name in ("peak", "model_state", "heap_activations", "optimizer_state"):
-        assert getattr(composed, name) == pytest.approx(getattr(whole, name), rel=1e-3, abs=1024), name
+        assert getattr(composed, name) == pytest.approx(getattr(whole, name), rel=1e-3, abs=1024), (
+            name
+        )
     for cat, value in whole.tensors.items():
         assert composed.tensors[cat] == pytest.approx(value, rel=1e-3, abs=1024), cat
 
@@ -145,9 +182,12 @@ def test_a_composition_starts_past_the_units_in_flight_in_whole_checkpointing_pe
     from fsdp_zero.config.schema import ActivationCheckpointing
     from fsdp_zero.tools.planner import first_depth
 
-    assert first_depth(ParallelConfig()) == (3, 1)  # one unit computing, one gathered ahead, one reducing
+    # one unit computing, one gathered ahead, one reducing
+    assert first_depth(ParallelConfig()) == (3, 1)
     assert first_depth(ParallelConfig(prefetch=2)) == (5, 1)  # and those explicit prefetch adds
-    every = ParallelConfig(activation_checkpointing=ActivationCheckpointing.selective, activation_checkpointing_every=2)
+    every = ParallelConfig(
+        activation_checkpointing=ActivationCheckpointing.selective, activation_checkpointing_every=2
+    )
     assert first_depth(every) == (4, 2)  # whole periods: the same blocks recomputed at every depth
 
 
@@ -160,10 +200,20 @@ def test_hpz_is_simulated_and_holds_more_between_forward_and_backward_than_zero3
     from fsdp_zero.config.presets import model_args
     from fsdp_zero.tools.planner import Simulator
 
-    base = ["model.preset=gpt_nano", "data.seq_len=8", "train.global_batch_size=4", "train.micro_batch_size=1"]
-    zero3, hpz = (load_config(None, [*base, *extra]) for extra in ([], ["parallel.reshard_after_forward=2"]))
+    base = [
+        "model.preset=gpt_nano",
+        "data.seq_len=8",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+    ]
+    zero3, hpz = (
+        load_config(None, [*base, *extra]) for extra in ([], ["parallel.reshard_after_forward=2"])
+    )
     with Simulator(zero3, 4, baseline=0) as sim:
-        peak = {name: sum(sim.predict(c).tensors.values()) for name, c in (("zero3", zero3), ("hpz", hpz))}
+        peak = {
+            name: sum(sim.predict(c).tensors.values())
+            for name, c in (("zero3", zero3), ("hpz", hpz))
+        }
     args = model_args("gpt_nano")
     block = (args.num_params() - 2 * args.vocab_size * args.dim - args.dim) // args.n_layers
     assert peak["hpz"] - peak["zero3"] >= 4 * block / 4, (peak, block)

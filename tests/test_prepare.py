@@ -35,11 +35,15 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     """A folder of .txt and .jsonl inputs, and its documents in the order prepare reads them (sorted paths)."""
     root, rng = tmp_path_factory.mktemp("corpus"), random.Random(3)
     (root / "sub").mkdir()
-    a, b = sample_text(rng, 40), "  leading spaces, a trailing newline\n"  # kept as they are: whole files
+    # kept as they are: whole files
+    a, b = sample_text(rng, 40), "  leading spaces, a trailing newline\n"
     lines = [sample_text(rng, rng.randint(1, 30)) for _ in range(30)]
     (root / "a.txt").write_text(a)
     (root / "m.jsonl").write_text(
-        "".join(json.dumps({"text": t, "id": i}) + "\n" + ("\n" if i == 3 else "") for i, t in enumerate(lines))
+        "".join(
+            json.dumps({"text": t, "id": i}) + "\n" + ("\n" if i == 3 else "")
+            for i, t in enumerate(lines)
+        )
     )  # one blank line: no document
     (root / "sub" / "b.txt").write_text(b)
     (root / "notes.md").write_text("not an input kind: a folder's other files are left out")
@@ -56,12 +60,16 @@ def _split_documents(ids: np.ndarray) -> list[np.ndarray]:
     return np.split(ids, ends[:-1] + 1)
 
 
-def test_documents_decode_to_their_text_and_meta_json_describes_the_files(tiny_tokenizer_dir, corpus, tmp_path):
+def test_documents_decode_to_their_text_and_meta_json_describes_the_files(
+    tiny_tokenizer_dir, corpus, tmp_path
+):
     from transformers import AutoTokenizer
 
     folder, docs = corpus
     out = tmp_path / "data"
-    proc = _prepare(tiny_tokenizer_dir, "--input", str(folder), "--out", str(out), "--val-fraction", "0.2")
+    proc = _prepare(
+        tiny_tokenizer_dir, "--input", str(folder), "--out", str(out), "--val-fraction", "0.2"
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     meta = json.loads((out / "meta.json").read_text())
@@ -72,8 +80,12 @@ def test_documents_decode_to_their_text_and_meta_json_describes_the_files(tiny_t
     for split, expected in (("train", train), ("val", [docs[i] for i in val])):
         ids = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
         pieces = _split_documents(ids)
-        assert all(p[0] == BOS and p[-1] == EOS for p in pieces), "tokenizer(text)'s BOS, then EOS, per document"
-        assert [tok.decode(p[1:-1]) for p in pieces] == expected, f"{split}.bin holds other documents"
+        assert all(p[0] == BOS and p[-1] == EOS for p in pieces), (
+            "tokenizer(text)'s BOS, then EOS, per document"
+        )
+        assert [tok.decode(p[1:-1]) for p in pieces] == expected, (
+            f"{split}.bin holds other documents"
+        )
         assert meta[split] == {"documents": len(expected), "tokens": len(ids)}
     files = sorted(p.name for p in tiny_tokenizer_dir.iterdir())
     digest = hashlib.sha256()
@@ -81,22 +93,32 @@ def test_documents_decode_to_their_text_and_meta_json_describes_the_files(tiny_t
         data = (tiny_tokenizer_dir / name).read_bytes()
         digest.update(f"{name}\0{len(data)}\0".encode() + data)
     assert meta["tokenizer"]["sha256"] == digest.hexdigest() and meta["tokenizer"]["files"] == files
-    assert (meta["dtype"], meta["vocab_size"], meta["eos_id"], meta["bos_id"]) == ("uint16", 400, EOS, BOS)
+    assert (meta["dtype"], meta["vocab_size"], meta["eos_id"], meta["bos_id"]) == (
+        "uint16",
+        400,
+        EOS,
+        BOS,
+    )
     assert meta["tokenizer"]["path"] == str(tiny_tokenizer_dir.resolve())
     assert (
         proc.stdout.splitlines()[0] == f"{out}/train.bin: {meta['train']['documents']} documents, "
         f"{meta['train']['tokens']} tokens (uint16)"
     )
     # data.source=tokens follows meta.json (no data.token_dtype given) and reads the documents' ids
-    cfg = load_config(None, ["data.source=tokens", f"data.path={out / 'train.bin'}", "data.seq_len=8"])
+    cfg = load_config(
+        None, ["data.source=tokens", f"data.path={out / 'train.bin'}", "data.seq_len=8"]
+    )
     source = build_source(cfg.data, 0, 400)
     assert source.dtype == "uint16"
     assert source.tokens(0, 5).tolist() == np.fromfile(out / "train.bin", "<u2")[:5].tolist()
 
 
 def test_the_dtype_is_the_narrowest_that_holds_the_vocabulary_and_validation_is_never_empty_or_everything():
-    assert [token_dtype(v) for v in (400, 50_257, 65_536, 65_537, 128_256)] == ["uint16"] * 3 + ["uint32"] * 2
-    assert validation_documents(2, 0.001, 0) in ({0}, {1})  # at least one document with a fraction > 0
+    assert [token_dtype(v) for v in (400, 50_257, 65_536, 65_537, 128_256)] == ["uint16"] * 3 + [
+        "uint32"
+    ] * 2
+    # at least one document with a fraction > 0
+    assert validation_documents(2, 0.001, 0) in ({0}, {1})
     assert len(validation_documents(3, 0.99, 0)) == 2  # never all: training keeps one
     assert validation_documents(1, 0.5, 0) == set() and validation_documents(100, 0.0, 0) == set()
     seven = validation_documents(1000, 0.05, 7)
@@ -107,7 +129,9 @@ def test_the_dtype_is_the_narrowest_that_holds_the_vocabulary_and_validation_is_
 def test_one_and_two_workers_write_the_same_bytes(tiny_tokenizer_dir, tmp_path):
     rng = random.Random(5)
     (tmp_path / "many.jsonl").write_text(
-        "".join(json.dumps({"body": sample_text(rng, rng.randint(1, 20))}) + "\n" for _ in range(200))
+        "".join(
+            json.dumps({"body": sample_text(rng, rng.randint(1, 20))}) + "\n" for _ in range(200)
+        )
     )
     outs = []
     for workers in ("1", "2"):
@@ -128,17 +152,22 @@ def test_one_and_two_workers_write_the_same_bytes(tiny_tokenizer_dir, tmp_path):
         assert proc.returncode == 0, proc.stderr
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
-    assert json.loads((outs[0] / "meta.json").read_text())["val"]["documents"] == 10  # the default 5% of 200
+    # the default 5% of 200
+    assert json.loads((outs[0] / "meta.json").read_text())["val"]["documents"] == 10
 
 
-def _refused(tokenizer: Path, tmp_path: Path, *inputs: str, out: str = "out", extra: tuple[str, ...] = ()) -> str:
+def _refused(
+    tokenizer: Path, tmp_path: Path, *inputs: str, out: str = "out", extra: tuple[str, ...] = ()
+) -> str:
     """Runs prepare, expecting exit 2 and one line; checks nothing was left beside ``out``. Returns the line."""
     before = sorted(tmp_path.iterdir())
     proc = _prepare(tokenizer, "--input", *inputs, "--out", str(tmp_path / out), *extra)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert sorted(tmp_path.iterdir()) == before, "a refused run left files behind (the output or its temporary folder)"
+    assert sorted(tmp_path.iterdir()) == before, (
+        "a refused run left files behind (the output or its temporary folder)"
+    )
     return lines[0]
 
 
@@ -146,7 +175,9 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tiny_tokenizer_dir, tmp_path)
     tok = tiny_tokenizer_dir
     good = tmp_path / "good.txt"
     good.write_text("one document")
-    assert "missing.txt: no such file or folder" in _refused(tok, tmp_path, str(good), str(tmp_path / "missing.txt"))
+    assert "missing.txt: no such file or folder" in _refused(
+        tok, tmp_path, str(good), str(tmp_path / "missing.txt")
+    )
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "blank.jsonl").write_text("\n\n")
     (tmp_path / "empty" / "blank.txt").write_text(" \n")
@@ -155,25 +186,35 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tiny_tokenizer_dir, tmp_path)
     assert "no .txt or .jsonl files" in _refused(tok, tmp_path, str(tmp_path / "nothing"))
     fields = tmp_path / "fields.jsonl"
     fields.write_text('{"text": "fine"}\n\n{"content": "no text field"}\n')
-    assert f"{fields}:3: no field 'text' (--field); the line has ['content']" in _refused(tok, tmp_path, str(fields))
+    assert f"{fields}:3: no field 'text' (--field); the line has ['content']" in _refused(
+        tok, tmp_path, str(fields)
+    )
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"text": "no closing brace"\n')
-    assert f"{broken}:2: malformed JSON at column 29: Expecting ',' delimiter" in _refused(tok, tmp_path, str(broken))
+    assert f"{broken}:2: malformed JSON at column 29: Expecting ',' delimiter" in _refused(
+        tok, tmp_path, str(broken)
+    )
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("café".encode("latin-1"))
     assert f"{latin}: not UTF-8 text" in _refused(tok, tmp_path, str(latin))
     (tmp_path / "notes.md").write_text("# notes")
-    assert "notes.md: not a .txt or .jsonl file" in _refused(tok, tmp_path, str(good), str(tmp_path / "notes.md"))
+    assert "notes.md: not a .txt or .jsonl file" in _refused(
+        tok, tmp_path, str(good), str(tmp_path / "notes.md")
+    )
 
 
-def test_bad_tokenizers_and_outputs_are_one_line_and_leave_nothing(tiny_tokenizer_dir, tmp_path, monkeypatch):
+def test_bad_tokenizers_and_outputs_are_one_line_and_leave_nothing(
+    tiny_tokenizer_dir, tmp_path, monkeypatch
+):
     good = tmp_path / "good.txt"
     good.write_text("one document")
     line = _refused(tmp_path / "no-such-tokenizer", tmp_path, str(good))
     assert line.endswith("no-such-tokenizer: no such folder (a folder that save_pretrained wrote)")
     (tmp_path / "not-a-tokenizer").mkdir()
     (tmp_path / "not-a-tokenizer" / "tokenizer.json").write_text("{}")
-    assert "not-a-tokenizer: not a tokenizer folder (" in _refused(tmp_path / "not-a-tokenizer", tmp_path, str(good))
+    assert "not-a-tokenizer: not a tokenizer folder (" in _refused(
+        tmp_path / "not-a-tokenizer", tmp_path, str(good)
+    )
     no_eos = tmp_path / "no-eos"
     no_eos.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -186,7 +227,9 @@ def test_bad_tokenizers_and_outputs_are_one_line_and_leave_nothing(tiny_tokenize
     saved = tmp_path / "saved"
     saved.mkdir()
     (saved / "train.bin").write_bytes(b"a user's data")
-    assert "saved: already holds train.bin" in _refused(tiny_tokenizer_dir, tmp_path, str(good), out="saved")
+    assert "saved: already holds train.bin" in _refused(
+        tiny_tokenizer_dir, tmp_path, str(good), out="saved"
+    )
     assert (saved / "train.bin").read_bytes() == b"a user's data"
     for flag, value, message in (
         ("--workers", "0", "--workers=0: must be >= 1"),
@@ -194,11 +237,15 @@ def test_bad_tokenizers_and_outputs_are_one_line_and_leave_nothing(tiny_tokenize
     ):
         assert message in _refused(tiny_tokenizer_dir, tmp_path, str(good), extra=(flag, value))
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if the hf extra were not installed
-    assert 'needs transformers: pip install -e ".[hf]"' in _refused(tiny_tokenizer_dir, tmp_path, str(good))
+    assert 'needs transformers: pip install -e ".[hf]"' in _refused(
+        tiny_tokenizer_dir, tmp_path, str(good)
+    )
 
 
 @pytest.mark.parametrize("kind", ["a folder of other files", "a file"])
-def test_an_out_that_is_not_an_empty_folder_is_refused_and_left_as_it_was(tiny_tokenizer_dir, tmp_path, kind):
+def test_an_out_that_is_not_an_empty_folder_is_refused_and_left_as_it_was(
+    tiny_tokenizer_dir, tmp_path, kind
+):
     """``--out`` naming a folder that holds a user's files but no train.bin (or naming a file): refused in
     one line, nothing written into it or removed from it. The output is renamed into place at the end, so
     a folder with anything in it would otherwise fail only after tokenizing, or lose what it held."""
@@ -210,10 +257,14 @@ def test_an_out_that_is_not_an_empty_folder_is_refused_and_left_as_it_was(tiny_t
     else:
         (out / "runs").mkdir(parents=True)
         (out / "notes.txt").write_bytes(b"a user's notes")
-        (out / "runs" / "val.bin").write_bytes(b"not prepare's")  # a val.bin alone is not prepared data either
+        # a val.bin alone is not prepared data either
+        (out / "runs" / "val.bin").write_bytes(b"not prepare's")
     before = {p: p.read_bytes() if p.is_file() else None for p in [out, *out.rglob("*")]}
     line = _refused(tiny_tokenizer_dir, tmp_path, str(good), out="out")
-    assert line == f"error: --out {out}: exists and is not an empty folder; choose a new one (nothing is overwritten)"
+    assert (
+        line
+        == f"error: --out {out}: exists and is not an empty folder; choose a new one (nothing is overwritten)"
+    )
     assert {p: p.read_bytes() if p.is_file() else None for p in [out, *out.rglob("*")]} == before
     # an empty folder is no one's data: prepare writes into it
     empty = tmp_path / "empty"
@@ -225,7 +276,8 @@ def test_an_out_that_is_not_an_empty_folder_is_refused_and_left_as_it_was(tiny_t
 
 def test_a_run_interrupted_while_writing_leaves_nothing(tiny_tokenizer_dir, tmp_path, monkeypatch):
     """Ctrl-C (or a tokenizer's crash) on the 5th document, after the temporary folder holds data."""
-    prepare = importlib.import_module("fsdp_zero.data.prepare")  # the module (the face's `prepare` is its function)
+    # the module (the face's `prepare` is its function)
+    prepare = importlib.import_module("fsdp_zero.data.prepare")
     (tmp_path / "in").mkdir()
     for i in range(8):
         (tmp_path / "in" / f"{i}.txt").write_text(f"document {i}")
@@ -234,22 +286,30 @@ def test_a_run_interrupted_while_writing_leaves_nothing(tiny_tokenizer_dir, tmp_
     def interrupted(text: str):
         seen.append(text)
         if len(seen) == 5:
-            assert [p.name for p in tmp_path.glob(".out.*.tmp/train.bin")] == ["train.bin"]  # half-written now
+            # half-written now
+            assert [p.name for p in tmp_path.glob(".out.*.tmp/train.bin")] == ["train.bin"]
             raise KeyboardInterrupt
         return encode(text)
 
     monkeypatch.setattr(prepare, "_encode", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _prepare(tiny_tokenizer_dir, "--input", str(tmp_path / "in"), "--out", str(tmp_path / "out"))
+        _prepare(
+            tiny_tokenizer_dir, "--input", str(tmp_path / "in"), "--out", str(tmp_path / "out")
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 
 def test_tokens_source_checks_meta_json(tiny_tokenizer_dir, tmp_path):
     (tmp_path / "in.txt").write_text(sample_text(random.Random(0), 200))
-    proc = _prepare(tiny_tokenizer_dir, "--input", str(tmp_path / "in.txt"), "--out", str(tmp_path / "d"))
+    proc = _prepare(
+        tiny_tokenizer_dir, "--input", str(tmp_path / "in.txt"), "--out", str(tmp_path / "d")
+    )
     assert proc.returncode == 0, proc.stderr
     train = tmp_path / "d" / "train.bin"
-    cfg = load_config(None, ["data.source=tokens", f"data.path={train}", "data.seq_len=8", "data.token_dtype=uint32"])
+    cfg = load_config(
+        None,
+        ["data.source=tokens", f"data.path={train}", "data.seq_len=8", "data.token_dtype=uint32"],
+    )
     with pytest.raises(
         ValueError,
         match=r"^data\.token_dtype=uint32, but .*meta\.json says train\.bin holds uint16; "
@@ -285,6 +345,11 @@ def test_throughput_on_a_few_megabytes(tiny_tokenizer_dir, tmp_path):
     with open(tmp_path / "big.jsonl", "w") as f:
         while f.tell() < 4_000_000:
             f.write(json.dumps({"text": sample_text(rng, 150)}, ensure_ascii=False) + "\n")
-    proc = _prepare(tiny_tokenizer_dir, "--input", str(tmp_path / "big.jsonl"), "--out", str(tmp_path / "d"))
+    proc = _prepare(
+        tiny_tokenizer_dir, "--input", str(tmp_path / "big.jsonl"), "--out", str(tmp_path / "d")
+    )
     assert proc.returncode == 0, proc.stderr
-    figure("prepare_data throughput (4 MB of JSONL, tiny byte-level BPE, 1 worker)", proc.stdout.splitlines()[-1])
+    figure(
+        "prepare_data throughput (4 MB of JSONL, tiny byte-level BPE, 1 worker)",
+        proc.stdout.splitlines()[-1],
+    )

@@ -28,7 +28,13 @@ from tests.reference import reference_run
 
 pytestmark = pytest.mark.skipif(not HAS_HF, reason="needs transformers (pip install -e '.[hf]')")
 EXPORT = REPO / "scripts" / "export.py"
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+)
 
 
 def _cfg(name: str, root: Path):
@@ -75,7 +81,8 @@ def test_a_pretrained_run_starts_from_the_folder_and_trains_as_from_pretrained(b
     saved = load_file(root / "tiny-llama" / "model.safetensors")
     for name, value in saved.items():  # the shards hold the folder's weights before step 1
         assert torch.equal(got["initial"][name], value), name
-    assert torch.equal(got["initial"]["lm_head.weight"], saved["model.embed_tokens.weight"])  # tied, saved once
+    # tied, saved once
+    assert torch.equal(got["initial"]["lm_head.weight"], saved["model.embed_tokens.weight"])
     hf = AutoModelForCausalLM.from_pretrained(root / "tiny-llama")
     ref = reference_run(_cfg("pretrained", root), initial=hf.state_dict())
     diff = max(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"])
@@ -89,7 +96,9 @@ def test_a_pretrained_run_starts_from_the_folder_and_trains_as_from_pretrained(b
 
 def test_a_pretrained_run_resumes_from_its_checkpoint_not_the_folder(batches):
     straight, resumed = batches["pretrained"], batches["pretrained-resumed"]
-    assert set(resumed["losses"]) == {3, 4} and all(resumed["losses"][s] == straight["losses"][s] for s in (3, 4))
+    assert set(resumed["losses"]) == {3, 4} and all(
+        resumed["losses"][s] == straight["losses"][s] for s in (3, 4)
+    )
     for key, value in straight["final"].items():
         assert torch.equal(resumed["final"][key], value), key
 
@@ -98,7 +107,9 @@ def _from_pretrained(out: Path):  # noqa: ANN202
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    assert not any(
+        info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+    ), info
     return model
 
 
@@ -108,7 +119,9 @@ def _logits_diff(model, cfg, logits) -> float:  # noqa: ANN001
         return (model.eval()(inputs).logits - logits).abs().max().item()
 
 
-def test_the_export_is_a_from_pretrained_folder_with_the_trained_models_outputs(batches, tmp_path: Path):
+def test_the_export_is_a_from_pretrained_folder_with_the_trained_models_outputs(
+    batches, tmp_path: Path
+):
     from transformers import AutoTokenizer
 
     got, root = batches["pretrained"], batches.root
@@ -117,7 +130,10 @@ def test_the_export_is_a_from_pretrained_folder_with_the_trained_models_outputs(
     proc = check(run_script(EXPORT, str(ckpt), "--out", str(out)))
     assert "note:" not in proc.stderr
     diff = _logits_diff(_from_pretrained(out), _cfg("pretrained", root), got["logits"])
-    figure("pretrained export: from_pretrained logits vs the trained model (fp32), max abs diff", f"{diff:.1e}")
+    figure(
+        "pretrained export: from_pretrained logits vs the trained model (fp32), max abs diff",
+        f"{diff:.1e}",
+    )
     assert diff <= 1e-5
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
@@ -127,7 +143,18 @@ def test_the_export_is_a_from_pretrained_folder_with_the_trained_models_outputs(
     assert AutoTokenizer.from_pretrained(out)("the fox")["input_ids"]
 
     # bf16 in shards: Hugging Face's index and names, the dtype in config.json.
-    check(run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "bf16"), "--dtype", "bf16", "--max-shard-size", "20KB"))
+    check(
+        run_script(
+            EXPORT,
+            str(ckpt),
+            "--out",
+            str(tmp_path / "bf16"),
+            "--dtype",
+            "bf16",
+            "--max-shard-size",
+            "20KB",
+        )
+    )
     index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
@@ -143,7 +170,9 @@ def test_the_export_is_a_from_pretrained_folder_with_the_trained_models_outputs(
     assert 0 < half_diff < 5e-2
 
 
-def test_a_pretrained_runs_export_applies_its_model_kwargs_over_the_folders_config(batches, tmp_path: Path):
+def test_a_pretrained_runs_export_applies_its_model_kwargs_over_the_folders_config(
+    batches, tmp_path: Path
+):
     """A model.pretrained run trained with model.kwargs (here rms_norm_eps=0.1) over the folder's config.json:
     its export's config.json holds the value the run trained with, not the folder's 1e-6."""
     from omegaconf import OmegaConf
@@ -154,7 +183,10 @@ def test_a_pretrained_runs_export_applies_its_model_kwargs_over_the_folders_conf
     cfg.model.kwargs = {"rms_norm_eps": 0.1}
     OmegaConf.save(cfg, ckpt / "config.yaml")
     check(run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "out")))
-    assert json.loads((batches.root / "tiny-llama" / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    assert (
+        json.loads((batches.root / "tiny-llama" / "config.json").read_text())["rms_norm_eps"]
+        == 1e-6
+    )
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["rms_norm_eps"] == 0.1 and config["architectures"] == ["LlamaForCausalLM"]
 
@@ -181,19 +213,29 @@ def test_a_transformers_target_exports_a_config_built_from_its_kwargs(batches, t
         kwargs=LLAMA_CONFIG,
     )
     check(run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "out")))
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
     assert (
         _logits_diff(
-            _from_pretrained(tmp_path / "out"), _cfg("pretrained", batches.root), batches["pretrained"]["logits"]
+            _from_pretrained(tmp_path / "out"),
+            _cfg("pretrained", batches.root),
+            batches["pretrained"]["logits"],
         )
         <= 1e-5
     )
 
 
-def test_weights_only_and_a_model_that_is_not_hugging_faces_export_the_weights_alone(batches, tmp_path: Path):
+def test_weights_only_and_a_model_that_is_not_hugging_faces_export_the_weights_alone(
+    batches, tmp_path: Path
+):
     ckpt = batches.path("pretrained") / "checkpoints" / "step-0000004"
     proc = check(run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "w"), "--weights-only"))
-    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["model.safetensors"] and not proc.stderr
+    assert (
+        sorted(p.name for p in (tmp_path / "w").iterdir()) == ["model.safetensors"]
+        and not proc.stderr
+    )
     builtin = _as_model(ckpt, tmp_path / "b" / "ckpt")
     vit = _as_model(ckpt, tmp_path / "v" / "ckpt", target="torchvision.models:VisionTransformer")
     for source, why in (
@@ -206,7 +248,9 @@ def test_weights_only_and_a_model_that_is_not_hugging_faces_export_the_weights_a
     ):
         out = source.parent / "out"
         proc = check(run_script(EXPORT, str(source), "--out", str(out)))
-        assert proc.stderr.strip().splitlines() == [f"note: no config.json: {why}; the weights only"]
+        assert proc.stderr.strip().splitlines() == [
+            f"note: no config.json: {why}; the weights only"
+        ]
         assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     proc = check(run_script(EXPORT, str(ckpt), "--out", str(tmp_path / "one.safetensors")))
     assert "is one file; give a folder for a from_pretrained folder" in proc.stderr
@@ -218,7 +262,9 @@ def test_weights_only_and_a_model_that_is_not_hugging_faces_export_the_weights_a
 
 def test_a_folder_without_config_json_is_refused(tmp_path: Path):
     (tmp_path / "empty").mkdir()
-    _one_line_exit_2(_train(tmp_path, f"model.pretrained={tmp_path / 'empty'}"), tmp_path, "no config.json in it")
+    _one_line_exit_2(
+        _train(tmp_path, f"model.pretrained={tmp_path / 'empty'}"), tmp_path, "no config.json in it"
+    )
 
 
 def test_an_architecture_transformers_does_not_know_is_refused(folder: Path, tmp_path: Path):
@@ -234,7 +280,9 @@ def test_an_architecture_transformers_does_not_know_is_refused(folder: Path, tmp
     )
 
 
-def test_remote_code_is_refused_and_never_run_without_trust_remote_code(folder: Path, tmp_path: Path):
+def test_remote_code_is_refused_and_never_run_without_trust_remote_code(
+    folder: Path, tmp_path: Path
+):
     bad = shutil.copytree(folder, tmp_path / "remote")
     marker = tmp_path / "ran"
     (bad / "modeling_evil.py").write_text(
@@ -270,27 +318,42 @@ def test_weights_that_do_not_fit_the_config_name_the_key(folder: Path, tmp_path:
     [
         ("model.init_from={folder}/model.safetensors", "and model.init_from="),
         ("model.target=transformers:LlamaForCausalLM", "and model.target="),
-        ("model.n_layers=2", "model.n_layers=2 only applies to the built-in model, not to model.pretrained="),
+        (
+            "model.n_layers=2",
+            "model.n_layers=2 only applies to the built-in model, not to model.pretrained=",
+        ),
     ],
 )
-def test_pretrained_with_a_setting_it_replaces_is_refused(folder: Path, tmp_path: Path, extra: str, fragment: str):
+def test_pretrained_with_a_setting_it_replaces_is_refused(
+    folder: Path, tmp_path: Path, extra: str, fragment: str
+):
     proc = _train(tmp_path, f"model.pretrained={folder}", extra.format(folder=folder))
     _one_line_exit_2(proc, tmp_path, fragment)
 
 
 def test_trust_remote_code_without_pretrained_is_refused(tmp_path: Path):
-    _one_line_exit_2(_train(tmp_path, "model.trust_remote_code=true"), tmp_path, "applies only to model.pretrained")
+    _one_line_exit_2(
+        _train(tmp_path, "model.trust_remote_code=true"),
+        tmp_path,
+        "applies only to model.pretrained",
+    )
 
 
 def test_pretrained_without_transformers_names_the_extra(folder: Path, monkeypatch):
     cfg = load_config(None, [f"model.pretrained={folder}"])
-    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails as when not installed
-    with pytest.raises(ValueError, match=r'needs transformers, which is not installed \(pip install -e "\.\[hf\]"\)'):
+    # import transformers fails as when not installed
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(
+        ValueError,
+        match=r'needs transformers, which is not installed \(pip install -e "\.\[hf\]"\)',
+    ):
         construct(cfg.model)
 
 
 def test_kwargs_override_the_folders_config(folder: Path):
-    model = construct(load_config(None, [f"model.pretrained={folder}", "model.kwargs.num_hidden_layers=1"]).model)
+    model = construct(
+        load_config(None, [f"model.pretrained={folder}", "model.kwargs.num_hidden_layers=1"]).model
+    )
     assert len(model.model.layers) == 1 and model.config.hidden_size == 32
     assert all(p.is_meta for p in model.parameters())  # built like every model: shapes only
 

@@ -46,7 +46,9 @@ def test_grouped_steps_give_the_whole_shard_steps_bits(runs, grouped):
         assert torch.equal(got["final"][key], value), key
         assert not torch.equal(value, whole["initial"][key]), f"{key} did not train"
     final = "checkpoints/step-0000008"
-    ours, theirs = (checkpoint_tensors(runs.path(name) / final) for name in (grouped, PAIRS[grouped]))
+    ours, theirs = (
+        checkpoint_tensors(runs.path(name) / final) for name in (grouped, PAIRS[grouped])
+    )
     optim = sorted(k for k in theirs if k.startswith("optim."))
     assert len(optim) == 3 * len(whole["final"])  # step, exp_avg, exp_avg_sq of every parameter
     assert sorted(ours) == sorted(theirs)
@@ -97,7 +99,8 @@ def test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards():
     grouped, groups = _step_temporaries([*tiny, "optim.step_group_size=20000"])
     assert grouped < whole / 10, (grouped, whole)
     assert whole == 4 * max(whole_groups)  # fp32: the larger of decay / no decay, whole
-    assert grouped == 4 * max(groups) <= 4 * 32768  # a 512 x 128 embedding's 32,768-element shard is the largest
+    # a 512 x 128 embedding's 32,768-element shard is the largest
+    assert grouped == 4 * max(groups) <= 4 * 32768
     assert len(whole_groups) == 2 and len(groups) > 20
     figure(
         "optimizer-step temporaries (MiB, gpt_tiny, rank 0 of 2): whole shard / groups of 20,000",
@@ -111,7 +114,9 @@ def test_step_groups_cut_in_order_with_a_large_tensor_alone():
     cut = step_groups(params, 6)
     assert [[p.numel() for p in g] for g in cut] == [[3], [4], [10], [2, 2, 1], [6]]
     assert [p for g in cut for p in g] == params  # every parameter once, in order
-    assert step_groups(params, 0) == [params] and step_groups([], 6) == [] and step_groups([], 0) == []
+    assert (
+        step_groups(params, 0) == [params] and step_groups([], 6) == [] and step_groups([], 0) == []
+    )
 
 
 def test_fused_and_for_loop_ignore_the_group_size_and_say_so(caplog):
@@ -121,7 +126,8 @@ def test_fused_and_for_loop_ignore_the_group_size_and_say_so(caplog):
             model, OptimConfig(step_group_size=size, implementation=impl), CPU
         ).param_groups
     )
-    assert [len(g["params"]) for g in groups(OptimizerImpl.foreach, 70)] == [1, 1, 2]  # 64 + 64 > 70; biases
+    # 64 + 64 > 70; biases
+    assert [len(g["params"]) for g in groups(OptimizerImpl.foreach, 70)] == [1, 1, 2]
     with caplog.at_level(logging.WARNING, logger="fsdp_zero"):
         assert [len(g["params"]) for g in groups(OptimizerImpl.for_loop, 70)] == [2, 2]
     assert "optim.step_group_size=70 has no effect with for_loop AdamW" in caplog.text

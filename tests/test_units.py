@@ -75,7 +75,9 @@ def test_init_weights_follow_gpt2_scales():
 
 def test_synthetic_data_is_deterministic_per_index_and_learnable():
     src = SyntheticBigram(vocab_size=64, seq_len=16, seed=3)
-    assert torch.equal(src.samples(range(5, 9)), torch.cat([src.samples(range(i, i + 1)) for i in range(5, 9)]))
+    assert torch.equal(
+        src.samples(range(5, 9)), torch.cat([src.samples(range(i, i + 1)) for i in range(5, 9)])
+    )
     assert not torch.equal(src.samples(range(0, 1)), src.samples(range(1, 2)))
     assert src.entropy() < math.log(64) / 2
     t = src.samples(range(0, 4))
@@ -137,7 +139,8 @@ def test_loader_workers_outlive_the_sigterm_a_scheduler_sends_every_process():
     for step in range(1, 5):  # past the two batches the worker had fetched ahead
         micro = cursor.next_batch()
         assert torch.equal(
-            torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in micro]), src.samples(range(4 * step, 4 * step + 4))
+            torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in micro]),
+            src.samples(range(4 * step, 4 * step + 4)),
         )
 
 
@@ -178,9 +181,13 @@ def test_reference_schedule_agrees_with_the_hand_worked_values():
     from fsdp_zero.config.schema import Schedule
 
     linear, constant = (
-        OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(s)) for s in ("linear", "constant")
+        OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(s))
+        for s in ("linear", "constant")
     )
-    assert reference_lr(linear, 13, 20) == pytest.approx(0.55, abs=1e-12) and reference_lr(linear, 1, 20) == 0.25
+    assert (
+        reference_lr(linear, 13, 20) == pytest.approx(0.55, abs=1e-12)
+        and reference_lr(linear, 1, 20) == 0.25
+    )
     assert reference_lr(constant, 13, 20) == reference_lr(constant, 20, 20) == 1.0
 
 
@@ -192,7 +199,9 @@ def test_every_schedule_agrees_with_the_reference(schedule):
 
     cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(schedule))
     for step in range(20):
-        assert lr_factor(step, cfg, 20) == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-12), step
+        assert lr_factor(step, cfg, 20) == pytest.approx(
+            reference_lr(cfg, step + 1, 20), abs=1e-12
+        ), step
 
 
 def test_model_state_bytes_for_adamw_is_16_per_param():
@@ -243,35 +252,48 @@ def test_private_torch_apis_are_where_we_expect_them():
         "op",
         "async_op",
     }
-    assert hasattr(FSDPModule, "set_custom_all_gather") and hasattr(FSDPModule, "set_all_reduce_hook")
+    assert hasattr(FSDPModule, "set_custom_all_gather") and hasattr(
+        FSDPModule, "set_all_reduce_hook"
+    )
     assert inspect.signature(torch_private.DefaultAllGather.__call__).parameters.keys() >= {
         "output_tensor",
         "input_tensor",
         "group",
         "async_op",
     }
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # what count_zero_broadcasts wraps and reads
+    # what count_zero_broadcasts wraps and reads
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     assert hasattr(ZeroRedundancyOptimizer, "_partition_parameters")
-    assert "rank" in inspect.signature(ZeroRedundancyOptimizer._broadcast_params_from_rank).parameters
-    assert "backend" in torch_private.flight_recorder_json.__doc__  # pybind: no inspectable signature
+    assert (
+        "rank" in inspect.signature(ZeroRedundancyOptimizer._broadcast_params_from_rank).parameters
+    )
+    # pybind: no inspectable signature
+    assert "backend" in torch_private.flight_recorder_json.__doc__
     assert callable(torch_private.default_store)
     # The pinned torch has both public APIs the shims stand in for on the GPU machines' torch 2.11.
     assert torch_private.set_group_timeout is torch.distributed.set_timeout
     assert callable(getattr(FSDPModule, "reset_iter_state", None))
     assert torch_private.FakeStore() is not None
     assert torch_private.FakeTensorMode is not None
-    from torch.distributed.fsdp._fully_shard import _fully_shard  # what real_post_forward_meshes wraps
+    # what real_post_forward_meshes wraps
+    from torch.distributed.fsdp._fully_shard import _fully_shard
 
-    assert "reshard_after_forward" in inspect.signature(_fully_shard._get_post_forward_mesh_info).parameters
-    assert {"track_external", "get_tracker_snapshot", "reset_mod_stats"} <= set(dir(torch_private.mem_tracker()))
+    assert (
+        "reshard_after_forward"
+        in inspect.signature(_fully_shard._get_post_forward_mesh_info).parameters
+    )
+    assert {"track_external", "get_tracker_snapshot", "reset_mod_stats"} <= set(
+        dir(torch_private.mem_tracker())
+    )
     assert issubclass(torch_private.fsdp_mem_tracker(), torch_private.mem_tracker())
     assert issubclass(torch.nn.Conv2d, torch_private.ConvNd) and issubclass(
         torch.nn.BatchNorm1d, torch_private.NormBase
     )
     import importlib
 
-    for module, name in torch_private.DCP_METADATA_PRIVATE:  # what the checkpoint reader's unpickler admits
+    # what the checkpoint reader's unpickler admits
+    for module, name in torch_private.DCP_METADATA_PRIVATE:
         assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
     if HAS_HF:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -288,7 +310,9 @@ def test_private_torch_apis_are_where_we_expect_them():
         )
         assert torch_private.hf_no_split_modules(llama) == ["LlamaDecoderLayer"]
         before = llama.lm_head.weight.detach().clone()
-        assert torch_private.hf_init_weights(llama, 0) and not torch.equal(before, llama.lm_head.weight)
+        assert torch_private.hf_init_weights(llama, 0) and not torch.equal(
+            before, llama.lm_head.weight
+        )
     assert (
         not torch_private.hf_init_weights(torch.nn.Linear(2, 2), 0)
         and torch_private.hf_no_split_modules(torch.nn.Linear(2, 2)) == []
@@ -303,13 +327,20 @@ def test_private_torch_apis_are_where_we_expect_them():
             continue
         for line in path.read_text().splitlines():
             if line.lstrip().startswith(("import torch", "from torch", "from omegaconf")):
-                assert "._" not in line.split(" import ")[0] and " import _" not in line, f"{name}: {line}"
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-                base = ast.unparse(node.value)
-                assert not base.startswith(("torch", "nn.")) and node.attr not in ("_get_node", "_value"), (
-                    f"{name}: {base}.{node.attr}"
+                assert "._" not in line.split(" import ")[0] and " import _" not in line, (
+                    f"{name}: {line}"
                 )
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                base = ast.unparse(node.value)
+                assert not base.startswith(("torch", "nn.")) and node.attr not in (
+                    "_get_node",
+                    "_value",
+                ), f"{name}: {base}.{node.attr}"
                 if base not in ("self", "cls"):
                     outside.add(f"{name}: {base}.{node.attr}")
             if (
@@ -369,33 +400,48 @@ def test_run_directory_policy_in_process(tmp_path: Path):
     base = ["model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=r"]
     run_dir = tmp_path / "r"
     cfg = load_config(None, base)
-    assert plan_run_dir(cfg, run_dir, seed_was_set=True) == RunDecision(run_dir, None, 1234)  # nothing there: fresh
+    # nothing there: fresh
+    assert plan_run_dir(cfg, run_dir, seed_was_set=True) == RunDecision(run_dir, None, 1234)
     write_run_dir(run_dir, run_files(cfg, run_dir, 0, "plan"), tag="0")
-    assert (run_dir / "config.yaml").read_text() == to_yaml(cfg) and (run_dir / "wrap_plan.txt").read_text() == "plan\n"
+    assert (run_dir / "config.yaml").read_text() == to_yaml(cfg) and (
+        run_dir / "wrap_plan.txt"
+    ).read_text() == "plan\n"
     with pytest.raises(ValueError, match="already holds a run with a different config"):
         plan_run_dir(load_config(None, base + ["train.steps=7"]), run_dir, seed_was_set=True)
 
     _checkpoint(run_dir, 2, cfg)
     latest = _checkpoint(run_dir, 4, cfg)
     assert (
-        plan_run_dir(load_config(None, base + ["optim.lr=1e-3", "data.num_workers=1"]), run_dir, True).resume == latest
+        plan_run_dir(
+            load_config(None, base + ["optim.lr=1e-3", "data.num_workers=1"]), run_dir, True
+        ).resume
+        == latest
     )
     with pytest.raises(
-        ValueError, match=r"checkpoint\.resume=none but run directory .* holds checkpoints \(newest step-0000004\)"
+        ValueError,
+        match=r"checkpoint\.resume=none but run directory .* holds checkpoints \(newest step-0000004\)",
     ):
         plan_run_dir(load_config(None, base + ["checkpoint.resume=none"]), run_dir, True)
     with pytest.raises(ValueError, match=r"model\.n_layers: None in the checkpoint, 3 now"):
         plan_run_dir(load_config(None, base + ["model.n_layers=3"]), run_dir, True)
-    older = load_config(None, base + [f"checkpoint.resume={run_dir / 'checkpoints' / 'step-0000002'}"])
+    older = load_config(
+        None, base + [f"checkpoint.resume={run_dir / 'checkpoints' / 'step-0000002'}"]
+    )
     with pytest.raises(ValueError, match=r"holds newer checkpoints \(step-0000004\)"):
         plan_run_dir(older, run_dir, True)
     drawn = load_config(None, base + ["train.seed=99"])  # train.seed=null, with rank 0's draw (99)
     decision = plan_run_dir(drawn, run_dir, seed_was_set=False)
-    assert decision.seed == cfg.train.seed and drawn.train.seed == 99  # the checkpoint's seed; the config untouched
-    assert decision.resolve(drawn).train.seed == cfg.train.seed and decision.resolve(drawn).run.name == "r"
+    # the checkpoint's seed; the config untouched
+    assert decision.seed == cfg.train.seed and drawn.train.seed == 99
+    assert (
+        decision.resolve(drawn).train.seed == cfg.train.seed
+        and decision.resolve(drawn).run.name == "r"
+    )
 
     # After a crash at step 6, metrics past the step-4 checkpoint are dropped; the old log is kept.
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s}) + "\n" for s in range(1, 7))
+    )
     write_run_dir(run_dir, run_files(cfg, run_dir, 4, "plan"), tag="4")
     assert [row["step"] for row in RunDir(run_dir).metric_rows()] == [1, 2, 3, 4]
     assert len((run_dir / "metrics.jsonl.4").read_text().splitlines()) == 6
@@ -409,14 +455,21 @@ def test_learning_rate_is_set_from_the_step_alone():
     cfg = OptimConfig(lr=1e-2, warmup_steps=3, min_lr_ratio=0.1)
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.5)
     for step in (7, 0, 19, 3):  # any order: no state carried between calls
-        assert set_lr(opt, cfg, step, 20) == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-15)
-        assert opt.param_groups[0]["lr"] == pytest.approx(reference_lr(cfg, step + 1, 20), abs=1e-15)
+        assert set_lr(opt, cfg, step, 20) == pytest.approx(
+            reference_lr(cfg, step + 1, 20), abs=1e-15
+        )
+        assert opt.param_groups[0]["lr"] == pytest.approx(
+            reference_lr(cfg, step + 1, 20), abs=1e-15
+        )
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"strategy": "zero9"}, "strategy='zero9' is not a valid choice; valid choices: full_shard, shard_grad_op"),
+        (
+            {"strategy": "zero9"},
+            "strategy='zero9' is not a valid choice; valid choices: full_shard, shard_grad_op",
+        ),
         (
             {"precision": "fp8"},
             "precision='fp8' is not a valid choice; valid choices: fp32, bf16-mixed, fp16-mixed, bf16-true",
@@ -451,8 +504,10 @@ def test_train_state_round_trips_and_reads_checkpoints_written_before_it(tmp_pat
     )
     text = state.to_json()
     assert TrainState.from_json(text) == state
-    assert json.loads(text)["samples_seen"] == 3 and "extra" not in json.loads(text)  # the own loop's keys, flat
-    assert "deadline" not in TrainState(step=1).to_json()  # no budget: nothing of it written, as before
+    # the own loop's keys, flat
+    assert json.loads(text)["samples_seen"] == 3 and "extra" not in json.loads(text)
+    # no budget: nothing of it written, as before
+    assert "deadline" not in TrainState(step=1).to_json()
     # A train_state.json as the trainer wrote it before TrainState (an unread "seed", the budget's keys):
     old = {
         "step": 4,
@@ -470,7 +525,9 @@ def test_train_state_round_trips_and_reads_checkpoints_written_before_it(tmp_pat
     for name in (".metadata", "config.yaml"):
         (ckpt / name).write_text("")
     (ckpt / "train_state.json").write_text(json.dumps(old))
-    assert read_train_state(ckpt) == TrainState(4, 32, 0, {"scale": 8.0}, 2.0, "a", 2, old["versions"])
+    assert read_train_state(ckpt) == TrainState(
+        4, 32, 0, {"scale": 8.0}, 2.0, "a", 2, old["versions"]
+    )
     (ckpt / "train_state.json").write_text(json.dumps({"data_position": 1}))
     with pytest.raises(ValueError, match="train_state.json is corrupt: no integer 'step'"):
         read_train_state(ckpt)

@@ -30,12 +30,22 @@ def test_transformer_policy_wraps_each_block_then_root():
 
 
 def test_transformer_policy_with_explicit_classes_bottom_up():
-    plan = build_wrap_plan(nano(), WrapConfig(classes=["TransformerBlock", "FeedForward"]), world_size=2)
-    assert units(plan) == ["layers.0.feed_forward", "layers.1.feed_forward", "layers.0", "layers.1", ""]
+    plan = build_wrap_plan(
+        nano(), WrapConfig(classes=["TransformerBlock", "FeedForward"]), world_size=2
+    )
+    assert units(plan) == [
+        "layers.0.feed_forward",
+        "layers.1.feed_forward",
+        "layers.0",
+        "layers.1",
+        "",
+    ]
 
 
 def test_unknown_class_lists_the_model_classes():
-    with pytest.raises(ValueError, match=r"parallel\.wrap\.classes: unknown module class 'Block'.*TransformerBlock"):
+    with pytest.raises(
+        ValueError, match=r"parallel\.wrap\.classes: unknown module class 'Block'.*TransformerBlock"
+    ):
         build_wrap_plan(nano(), WrapConfig(classes=["Block"]), world_size=2)
 
 
@@ -44,9 +54,13 @@ def test_size_based_follows_fsdp1_semantics():
     # threshold of 20,000 only the feed-forwards qualify; each block then keeps
     # attention + norms (16,512) < 20,000, so blocks are not units; the embeddings
     # (16,384 each) are not either.
-    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=20_000), world_size=2)
+    plan = build_wrap_plan(
+        nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=20_000), world_size=2
+    )
     assert units(plan) == ["layers.0.feed_forward", "layers.1.feed_forward", ""]
-    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=16_000), world_size=2)
+    plan = build_wrap_plan(
+        nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=16_000), world_size=2
+    )
     assert units(plan) == [
         "layers.0.attention",
         "layers.0.feed_forward",
@@ -59,21 +73,31 @@ def test_size_based_follows_fsdp1_semantics():
 
 
 def test_size_based_that_matches_nothing_is_an_error():
-    with pytest.raises(ValueError, match=r"parallel\.wrap\.min_params=10,000,000 matches no module.*53,376"):
-        build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=10_000_000), world_size=2)
+    with pytest.raises(
+        ValueError, match=r"parallel\.wrap\.min_params=10,000,000 matches no module.*53,376"
+    ):
+        build_wrap_plan(
+            nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=10_000_000), world_size=2
+        )
 
 
 def test_modules_policy_by_regex():
     plan = build_wrap_plan(
-        nano(), WrapConfig(policy=WrapPolicy.modules, modules=[r"layers\.\d+\.attention", "output"]), 4
+        nano(),
+        WrapConfig(policy=WrapPolicy.modules, modules=[r"layers\.\d+\.attention", "output"]),
+        4,
     )
     assert units(plan) == ["layers.0.attention", "layers.1.attention", "output", ""]
 
 
-@pytest.mark.parametrize("pattern,message", [("layers.9", "matches no module"), ("layers.(", "not a valid regex")])
+@pytest.mark.parametrize(
+    "pattern,message", [("layers.9", "matches no module"), ("layers.(", "not a valid regex")]
+)
 def test_modules_policy_errors(pattern, message):
     with pytest.raises(ValueError, match=rf"parallel\.wrap\.modules: .*{message}"):
-        build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=[pattern]), world_size=2)
+        build_wrap_plan(
+            nano(), WrapConfig(policy=WrapPolicy.modules, modules=[pattern]), world_size=2
+        )
 
 
 def test_none_policy_is_root_only():
@@ -85,7 +109,9 @@ def test_none_policy_is_root_only():
 def test_tied_embeddings_stay_in_one_unit():
     model = nano(tie_embeddings=True)
     plan = build_wrap_plan(
-        model, WrapConfig(policy=WrapPolicy.modules, modules=["output", "tok_embeddings", r"layers\.\d+"]), 2
+        model,
+        WrapConfig(policy=WrapPolicy.modules, modules=["output", "tok_embeddings", r"layers\.\d+"]),
+        2,
     )
     assert units(plan) == ["layers.0", "layers.1", ""]
     assert any("shares" in n for n in plan.notes)
@@ -101,4 +127,6 @@ def test_plan_table_lists_units_and_bytes():
 
 def test_containers_are_not_units():
     with pytest.raises(ValueError, match=r"'layers' is a ModuleList, a container"):
-        build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=["layers"]), world_size=2)
+        build_wrap_plan(
+            nano(), WrapConfig(policy=WrapPolicy.modules, modules=["layers"]), world_size=2
+        )

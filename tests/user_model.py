@@ -112,7 +112,9 @@ def disk_full_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
     inputs, targets = batch
     _calls[0] += 1
     if dist.get_rank() == 1 and _calls[0] == 7:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+        )
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -157,7 +159,10 @@ def killed_then_preempted(model: nn.Module, batch: tuple[torch.Tensor, torch.Ten
 
     inputs, targets = batch
     _calls[0] += 1
-    killed, signalled = Path(os.environ["FAULT_DIR"], "killed"), Path(os.environ["FAULT_DIR"], "signalled")
+    killed, signalled = (
+        Path(os.environ["FAULT_DIR"], "killed"),
+        Path(os.environ["FAULT_DIR"], "signalled"),
+    )
     if dist.get_rank() == 1 and _calls[0] == 9 and not killed.exists():
         killed.write_text(f"{time.time()}\n")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -186,7 +191,12 @@ def evicted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
     inputs, targets = batch
     _calls[0] += 1
     marker = Path(os.environ.get("FAULT_DIR", "."), "evicted")
-    if os.environ.get("EVICT") == "1" and os.environ["LOCAL_RANK"] == "0" and _calls[0] == 3 and not marker.exists():
+    if (
+        os.environ.get("EVICT") == "1"
+        and os.environ["LOCAL_RANK"] == "0"
+        and _calls[0] == 3
+        and not marker.exists()
+    ):
         _until_sigterm(lambda: marker.write_text(f"{time.time()}\n"))
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

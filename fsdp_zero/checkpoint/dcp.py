@@ -145,7 +145,9 @@ class _MetadataUnpickler(pickle.Unpickler):
                     return obj
             if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
                 return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from checkpoint metadata")
+        raise pickle.UnpicklingError(
+            f"refusing to unpickle {module}.{name} from checkpoint metadata"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -162,9 +164,12 @@ class SafeFileSystemReader(FileSystemReader):
             raise ValueError(f"{self.path}/.metadata is corrupt or not DCP metadata: {e}") from None
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{self.path}/.metadata is not DCP metadata")
-        # We never save anything but tensors; DCP would torch.load(weights_only=False) any byte item.
+        # We never save anything but tensors; DCP would torch.load(weights_only=False) any byte
+        # item.
         not_tensors = sorted(
-            k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)
+            k
+            for k, v in metadata.state_dict_metadata.items()
+            if not isinstance(v, TensorStorageMetadata)
         )
         if not_tensors:
             raise ValueError(
@@ -182,19 +187,26 @@ class TrainState:
     `to_json` and read by `from_json`, nowhere else."""
 
     step: int  # optimizer steps taken
-    data_position: int = 0  # samples of the global batch order consumed (the data cursor's position)
+    # samples of the global batch order consumed (the data cursor's position)
+    data_position: int = 0
     skipped_nonfinite: int = 0  # non-finite steps skipped so far (train.skip_nonfinite)
     loss_scaler: dict | None = None  # fp16's dynamic loss scale and its counters
-    deadline: float | None = None  # the end of the time budget (train.max_minutes), seconds since the epoch
-    job: str | None = None  # the torchrun job whose budget that is (a restart of it keeps the deadline)
+    # the end of the time budget (train.max_minutes), seconds since the epoch
+    deadline: float | None = None
+    # the torchrun job whose budget that is (a restart of it keeps the deadline)
+    job: str | None = None
     world_size: int | None = None  # the save's (set by `Checkpointer.save`)
     versions: dict[str, str] = field(default_factory=dict)  # torch's and ours, at the save
-    extra: dict[str, Any] = field(default_factory=dict)  # the own-loop API's keys (`fsdp_zero.api.Checkpoints`)
+    # the own-loop API's keys (`fsdp_zero.api.Checkpoints`)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         plain = asdict(self)
         extra = plain.pop("extra")
-        return json.dumps({**{k: v for k, v in plain.items() if v is not None}, **extra}, indent=2) + "\n"
+        return (
+            json.dumps({**{k: v for k, v in plain.items() if v is not None}, **extra}, indent=2)
+            + "\n"
+        )
 
     @classmethod
     def from_json(cls, text: str) -> TrainState:
@@ -202,7 +214,8 @@ class TrainState:
         raw = json.loads(text)
         if not isinstance(raw, dict) or not isinstance(raw.get("step"), int):
             raise ValueError("no integer 'step'")
-        raw.pop("seed", None)  # written until 2026-11, never read: a run's seed is in its config.yaml
+        # written until 2026-11, never read: a run's seed is in its config.yaml
+        raw.pop("seed", None)
         known = {f.name for f in fields(cls)} - {"extra"}
         return cls(**{k: raw.pop(k) for k in list(raw) if k in known}, extra=raw)
 
@@ -216,7 +229,9 @@ def read_train_state(path: Path) -> TrainState:
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r}: no such folder")
     if path.name.startswith(_PARTIAL_PREFIX):
-        raise ValueError(f"checkpoint {str(path)!r} is a partial save (interrupted before it completed)")
+        raise ValueError(
+            f"checkpoint {str(path)!r} is a partial save (interrupted before it completed)"
+        )
     missing = [f for f in _REQUIRED if not (path / f).is_file()]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} is incomplete: {', '.join(missing)} missing")
@@ -244,7 +259,10 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
         if not local.state:
             _init_optim_state(local)  # lazily created states must exist to be loaded into
         names = {id(p): fqn for fqn, p in unwrap(model).named_parameters()}
-        return {"model": model_sd, "optim": {names[id(p)]: dict(st) for p, st in local.state.items()}}
+        return {
+            "model": model_sd,
+            "optim": {names[id(p)]: dict(st) for p, st in local.state.items()},
+        }
     return {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer)["state"]}
 
 
@@ -278,7 +296,8 @@ def _check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Pa
         if isinstance(v, TensorStorageMetadata) and k.split(".")[0] in ("model", "optim")
     }
     missing = sorted(set(expected) - set(saved))
-    # Only model keys can be unexpected: under zero1 a rank asks for its partition's optimizer states alone.
+    # Only model keys can be unexpected: under zero1 a rank asks for its partition's optimizer
+    # states alone.
     unexpected = sorted(k for k in set(saved) - set(expected) if k.startswith("model."))
     misshaped = sorted(
         f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
@@ -295,10 +314,16 @@ def does_not_fit(
     """One line naming what does not fit the model (``how``: after a renaming of its keys): the first
     8 of each kind of mismatch, and how many."""
     parts = [f"{what} does not fit this model" + (f" (with the renaming {how})" if how else "")]
-    for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+    for label, items in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("mis-shaped", misshaped),
+    ):
         if items:
             parts.append(
-                f"{label}: " + ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+                f"{label}: "
+                + ", ".join(items[:8])
+                + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
             )
     return ValueError("; ".join(parts))
 
@@ -348,7 +373,12 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: TrainState, config_yaml: str
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: TrainState,
+        config_yaml: str,
     ) -> None:
         """Writes checkpoint ``step`` (``train_state`` with this world size and the versions); returns
         at once when saving asynchronously."""
@@ -383,7 +413,8 @@ class Checkpointer:
             return
         try:
             dcp.save(state, storage_writer=writer)
-        except (Exception, CheckpointException) as e:  # DCP raises on every rank once any rank's write failed
+        # DCP raises on every rank once any rank's write failed
+        except (Exception, CheckpointException) as e:
             raise self._failed(partial, final, e) from None
         _fault_point("after_write", step)
         self._commit(partial, final)
@@ -415,7 +446,11 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         good = latest_checkpoint(self.root)
-        kept = f"{good} is intact (launch again to continue from it)" if good else "no earlier checkpoint exists"
+        kept = (
+            f"{good} is intact (launch again to continue from it)"
+            if good
+            else "no earlier checkpoint exists"
+        )
         return CheckpointFailed(
             f"checkpoint {final.name} could not be written ({_causes(error)}); nothing of it "
             f"was kept and {kept}; free space in {self.root} or point run.root elsewhere"
@@ -430,7 +465,11 @@ class Checkpointer:
         _fsync_dir(self.root)
         self.written.append(final)
         for old in apply_retention(self.root, self.keep_last, self.written):
-            logger.info("checkpoint: removed %s (checkpoint.keep_last=%d of this launch's)", old.name, self.keep_last)
+            logger.info(
+                "checkpoint: removed %s (checkpoint.keep_last=%d of this launch's)",
+                old.name,
+                self.keep_last,
+            )
         logger.info("checkpoint: saved %s", final)
 
     def close(self) -> None:
@@ -482,15 +521,19 @@ def load_checkpoint(
         state[rng_key] = _rng_state(device)
     try:
         dcp.load(state, storage_reader=reader)
-    except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure and raises on all ranks
-        # (CheckpointException derives from BaseException.) Keep the first line of each rank's cause.
+    # DCP gathers every rank's failure and raises on all ranks
+    except (Exception, CheckpointException) as e:
+        # (CheckpointException derives from BaseException.) Keep the first line of each rank's
+        # cause.
         raise ValueError(
             f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {_causes(e)}"
         ) from None
     set_model_state_dict(model, state["model"])
     if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states were loaded in place
         groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
-        set_optimizer_state_dict(model, optimizer, {"state": state["optim"], "param_groups": groups})
+        set_optimizer_state_dict(
+            model, optimizer, {"state": state["optim"], "param_groups": groups}
+        )
     if rng_key in state:
         torch.set_rng_state(state[rng_key]["cpu"])
         if "cuda" in state[rng_key] and device.type == "cuda":

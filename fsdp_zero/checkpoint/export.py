@@ -1,7 +1,7 @@
 """A checkpoint's model weights out, as ``scripts/export.py`` writes them: plain safetensors; a
-Hugging Face model's ``from_pretrained`` folder (config.json and the run's tokenizer files beside the
-weights, `fsdp_zero.model.hf.export_files`); a LoRA run merged, or its adapters alone as PEFT names
-them (`fsdp_zero.model.lora.export_plan`). The weights stream through
+Hugging Face model's ``from_pretrained`` folder (config.json and the run's tokenizer files beside
+the weights, `fsdp_zero.model.hf.export_files`); a LoRA run merged, or its adapters alone as PEFT
+names them (`fsdp_zero.model.lora.export_plan`). The weights stream through
 `fsdp_zero.checkpoint.weights.export_checkpoint`, one tensor in memory at a time."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from fsdp_zero.model.lora import ADAPTER_FILES, export_plan
 @dataclass(frozen=True)
 class _Exported:
     files: list[Path]  # what was written, weights first
-    note: str | None = None  # why a Hugging Face export holds the weights only (None: nothing to say)
+    # why a Hugging Face export holds the weights only (None: nothing to say)
+    note: str | None = None
 
 
 def export(
@@ -38,16 +39,20 @@ def export(
         dtype: cast floating-point weights to it (None: as saved).
         max_shard_bytes: split the weights into files of at most this size (None: one file).
         weights_only: only the safetensors, even for a Hugging Face model.
-        adapters_only: a LoRA run's adapters alone (adapter_model.safetensors, adapter_config.json); by
-            default a LoRA run is merged into its base weights.
+        adapters_only: a LoRA run's adapters alone (adapter_model.safetensors, adapter_config.json);
+            by default a LoRA run is merged into its base weights.
 
     Raises:
-        ValueError: an unreadable checkpoint, an existing ``out``, ``adapters_only`` for a run without
-            LoRA (or with more trained than its adapters, or with a file ``out`` or a size limit).
+        ValueError: an unreadable checkpoint, an existing ``out``, ``adapters_only`` for a run
+            without LoRA (or with more trained than its adapters, or with a file ``out`` or a size
+            limit).
     """
     view, adapter_files = export_plan(checkpoint, adapters_only)
     if adapters_only and (max_shard_bytes or out.suffix == ".safetensors"):
-        raise ValueError("--adapters-only writes one folder of two files: give --out a folder, no --max-shard-size")
+        raise ValueError(
+            "--adapters-only writes one folder of two files: give --out a folder, no "
+            "--max-shard-size"
+        )
     extra, note = adapter_files, None
     if extra is None and not weights_only and (checkpoint / CONFIG_FILE).is_file():
         files_of = export_files(checkpoint)

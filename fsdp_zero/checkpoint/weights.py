@@ -66,9 +66,13 @@ class FullWeights:
                         f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}"
                     ) from None
             elif (path / SINGLE_FILE).is_file():
-                self._files = {name: path / SINGLE_FILE for name in _safetensors_names(path / SINGLE_FILE)}
+                self._files = {
+                    name: path / SINGLE_FILE for name in _safetensors_names(path / SINGLE_FILE)
+                }
             else:
-                raise ValueError(f"{key}={str(path)!r}: a folder needs {INDEX_FILE} or {SINGLE_FILE}")
+                raise ValueError(
+                    f"{key}={str(path)!r}: a folder needs {INDEX_FILE} or {SINGLE_FILE}"
+                )
         elif path.suffix == ".safetensors":
             self._files = {name: path for name in _safetensors_names(path)}
         else:
@@ -76,8 +80,13 @@ class FullWeights:
                 loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:
                 raise ValueError(f"{key}={str(path)!r}: not a loadable state dict ({e})") from None
-            if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-                raise ValueError(f"{key}={str(path)!r}: expected a dict of tensors (torch.save(model.state_dict()))")
+            if not isinstance(loaded, dict) or not all(
+                isinstance(v, torch.Tensor) for v in loaded.values()
+            ):
+                raise ValueError(
+                    f"{key}={str(path)!r}: expected a dict of tensors "
+                    "(torch.save(model.state_dict()))"
+                )
             self._pt = loaded
         self.shapes = self._read_shapes()
 
@@ -137,7 +146,10 @@ def _common_prefixes(keys: list[str]) -> list[str]:
 
 
 def _match_state_dict(
-    model: nn.Module, shapes: dict[str, tuple[int, ...]], origin: str, optional: frozenset[str] = frozenset()
+    model: nn.Module,
+    shapes: dict[str, tuple[int, ...]],
+    origin: str,
+    optional: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, str], str]:
     """Which file tensor fills each of the model's state tensors: {model name: file name}, and the
     renaming applied ('' if none).
@@ -165,7 +177,9 @@ def _match_state_dict(
                     if names[0] not in optional:
                         missing.append(names[0])
                 elif tuple(shapes[renamed[hit]]) != tuple(t.shape):
-                    misshaped.append(f"{names[0]}: file {tuple(shapes[renamed[hit]])} vs model {tuple(t.shape)}")
+                    misshaped.append(
+                        f"{names[0]}: file {tuple(shapes[renamed[hit]])} vs model {tuple(t.shape)}"
+                    )
                 else:
                     mapping[names[0]] = renamed[hit]
             unexpected = sorted(renamed[k] for k in renamed if k not in model_names)
@@ -189,7 +203,9 @@ def load_full_weights(model: nn.Module, path: Path, key: str = "model.init_from"
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
     """
     weights = FullWeights(path, key)
-    mapping, how = _match_state_dict(model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model))
+    mapping, how = _match_state_dict(
+        model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model)
+    )
     state = model.state_dict(keep_vars=True)
     for name, file_name in mapping.items():
         tensor = state[name]
@@ -211,7 +227,11 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[by
     offset, sizes = 0, []
     for name, dtype, shape in entries:
         size = math.prod(shape) * dtype.itemsize
-        meta[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        meta[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
         sizes.append(size)
     text = json.dumps(meta, separators=(",", ":")).encode()
@@ -220,7 +240,9 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[by
 
 
 def _write_safetensors(
-    path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], fetch: Callable[[str], torch.Tensor]
+    path: Path,
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    fetch: Callable[[str], torch.Tensor],
 ) -> None:
     """Writes ``entries`` (name, dtype, shape) to ``path``, calling ``fetch(name)`` for one tensor at a time."""
     header, sizes = _header(entries)
@@ -228,7 +250,13 @@ def _write_safetensors(
         f.write(header)
         for (name, dtype, shape), size in zip(entries, sizes):
             t = fetch(name)
-            assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, t.shape, shape, t.dtype, dtype)
+            assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (
+                name,
+                t.shape,
+                shape,
+                t.dtype,
+                dtype,
+            )
             # Written from the tensor's own buffer: no second copy of the tensor in memory.
             data = t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
             assert len(data) == size
@@ -238,7 +266,9 @@ def _write_safetensors(
         os.fsync(f.fileno())
 
 
-def _plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int) -> list[list[int]]:
+def _plan_shards(
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int
+) -> list[list[int]]:
     """Groups entry indices into files of at most ``max_bytes`` (a tensor larger than that gets a file of its own)."""
     shards: list[list[int]] = [[]]
     used = 0
@@ -261,9 +291,12 @@ def _iter_shard_files(n: int) -> Iterator[str]:
 # Export from a DCP checkpoint
 
 
-# What an export writes: {output name: saved name} and how to read an output tensor, from the saved names
-# and their reader (`fsdp_zero.model.lora.export_view`: LoRA merged, or the adapters alone under PEFT's names).
-ExportView = Callable[[list[str], Callable[[str], torch.Tensor]], tuple[dict[str, str], Callable[[str], torch.Tensor]]]
+# What an export writes: {output name: saved name} and how to read an output tensor, from the saved
+# names and their reader (`fsdp_zero.model.lora.export_view`: LoRA merged, or the adapters alone
+# under PEFT's names).
+ExportView = Callable[
+    [list[str], Callable[[str], torch.Tensor]], tuple[dict[str, str], Callable[[str], torch.Tensor]]
+]
 
 
 def export_checkpoint(
@@ -276,17 +309,18 @@ def export_checkpoint(
 ) -> list[Path]:
     """Consolidates a checkpoint's model weights into safetensors, one tensor in memory at a time.
 
-    ``out`` ending in .safetensors is one file; otherwise a new folder holding
-    model.safetensors, or numbered shards and model.safetensors.index.json when the
-    weights exceed ``max_shard_bytes``, and (folders only) ``extra_files(the exported
-    floating-point dtype)``: {name: bytes} written beside them (a Hugging Face model's
-    config.json and tokenizer, `fsdp_zero.model.hf.export_files`). Needs no GPU and no process group. Writes into
-    a temporary name and renames at the end: an interrupted export leaves nothing
-    that looks finished, and an existing ``out`` is never overwritten. ``view``: which tensors to
-    write, under which names (default: every saved one as it is).
+    ``out`` ending in .safetensors is one file; otherwise a new folder holding model.safetensors, or
+    numbered shards and model.safetensors.index.json when the weights exceed ``max_shard_bytes``,
+    and (folders only) ``extra_files(the exported floating-point dtype)``: {name: bytes} written
+    beside them (a Hugging Face model's config.json and tokenizer,
+    `fsdp_zero.model.hf.export_files`). Needs no GPU and no process group. Writes into a temporary
+    name and renames at the end: an interrupted export leaves nothing that looks finished, and an
+    existing ``out`` is never overwritten. ``view``: which tensors to write, under which names
+    (default: every saved one as it is).
 
     Raises:
-        ValueError: an unreadable checkpoint, an existing ``out``, or a single file over the size limit.
+        ValueError: an unreadable checkpoint, an existing ``out``, or a single file over the size
+            limit.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -309,13 +343,14 @@ def export_checkpoint(
         md = saved[name]
         t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         try:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            # "assuming the intent is to load in a single process": it is
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load({"model": {name: t}}, storage_reader=reader, no_dist=True)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             raise ValueError(
-                f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated file?): "
-                f"{str(e).strip().splitlines()[-1]}"
+                f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated "
+                f"file?): {str(e).strip().splitlines()[-1]}"
             ) from None
         return t
 
@@ -323,7 +358,9 @@ def export_checkpoint(
     entries = [
         (
             name,
-            dtype if (dtype and saved[src].properties.dtype.is_floating_point) else saved[src].properties.dtype,
+            dtype
+            if (dtype and saved[src].properties.dtype.is_floating_point)
+            else saved[src].properties.dtype,
             tuple(saved[src].size),
         )
         for name, src in sources.items()
@@ -331,12 +368,14 @@ def export_checkpoint(
     fetch = lambda name: _cast(read(name), dtype)  # noqa: E731
 
     single = out.suffix == ".safetensors"
-    shards = _plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
+    shards = (
+        _plan_shards(entries, max_shard_bytes) if max_shard_bytes else [list(range(len(entries)))]
+    )
     if single and len(shards) > 1:
         total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
         raise ValueError(
-            f"--out {str(out)!r} is one file, but the weights ({total:,} bytes) exceed --max-shard-size; "
-            "give a folder to write shards into"
+            f"--out {str(out)!r} is one file, but the weights ({total:,} bytes) exceed "
+            "--max-shard-size; give a folder to write shards into"
         )
     tmp = out.with_name(f".{out.name}.partial")
     _remove(tmp)
@@ -347,7 +386,11 @@ def export_checkpoint(
             return [out]
         tmp.mkdir(parents=True)
         names = list(_iter_shard_files(len(shards)))
-        extras = extra_files(next((d for _, d, _ in entries if d.is_floating_point), None)) if extra_files else {}
+        extras = (
+            extra_files(next((d for _, d, _ in entries if d.is_floating_point), None))
+            if extra_files
+            else {}
+        )
         for name, data in extras.items():
             (tmp / name).write_bytes(data)
         weight_map = {}

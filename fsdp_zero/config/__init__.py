@@ -3,7 +3,13 @@
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
 from fsdp_zero.config.loader import load_config, read_saved_config, to_yaml
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE, RunDir
-from fsdp_zero.config.presets import BUILTIN_FIELDS, PRESETS, TransformerArgs, check_model_config, model_args
+from fsdp_zero.config.presets import (
+    BUILTIN_FIELDS,
+    PRESETS,
+    TransformerArgs,
+    check_model_config,
+    model_args,
+)
 from fsdp_zero.config.schema import (
     TOKEN_SOURCES,
     ActivationCheckpointing,

@@ -143,7 +143,10 @@ def _as_number(text: str) -> float | None:
 
 
 def number(
-    kind: type[int] | type[float], *, min: float | None = None, choices: Collection[int] | None = None
+    kind: type[int] | type[float],
+    *,
+    min: float | None = None,
+    choices: Collection[int] | None = None,
 ) -> _Convert:
     """A converter to ``kind``: not a bool, finite, integral for an int, at least ``min``, one of ``choices``."""
     valid = (
@@ -163,9 +166,17 @@ def number(
             or (min is not None and read < min)
             or (choices is not None and read not in choices)
         ):
-            quoted = text and read is value and _as_number(value) is not None  # "32" where DeepSpeed wants 32
+            # "32" where DeepSpeed wants 32
+            quoted = text and read is value and _as_number(value) is not None
             raise _bad(
-                key, value, valid + (", not a string: DeepSpeed reads this key's JSON value as it is" if quoted else "")
+                key,
+                value,
+                valid
+                + (
+                    ", not a string: DeepSpeed reads this key's JSON value as it is"
+                    if quoted
+                    else ""
+                ),
             )
         return kind(read)
 
@@ -178,7 +189,11 @@ def flag(key: str, value: Any) -> bool:
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str) and key.startswith(_PYDANTIC_SECTIONS) and value.lower() in _TRUE + _FALSE:
+    if (
+        isinstance(value, str)
+        and key.startswith(_PYDANTIC_SECTIONS)
+        and value.lower() in _TRUE + _FALSE
+    ):
         return value.lower() in _TRUE
     raise _bad(key, value, "expected true or false")
 
@@ -203,7 +218,9 @@ def pair(key: str, value: Any) -> list[int | float]:
     if not (
         isinstance(value, list)
         and len(value) == 2
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in value)
+        and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in value
+        )
     ):
         raise _bad(key, value, "expected two numbers, e.g. [0.9, 0.999]")
     return value
@@ -254,8 +271,9 @@ class _Rule:
 
     Attributes:
         ds: the DeepSpeed key, dotted (``zero_optimization.stage``).
-        ours: the key of ours it sets, as docs/deepspeed.md shows it: ``key``, ``key=value`` (the value
-            is fixed), several of them joined by ", ", or ``(...)`` when it sets none (why, in brackets).
+        ours: the key of ours it sets, as docs/deepspeed.md shows it: ``key``, ``key=value`` (the
+            value is fixed), several of them joined by ", ", or ``(...)`` when it sets none (why, in
+            brackets).
         convert: checks and converts the JSON value (see `number`, `flag`, `choice`).
         meaning: the table's last column.
     """
@@ -304,7 +322,10 @@ class _Joint:
 
 # Batch sizes.
 _TRAIN_BATCH = _Rule(
-    "train_batch_size", "train.global_batch_size", number(int, min=1), "samples per optimizer step over all ranks"
+    "train_batch_size",
+    "train.global_batch_size",
+    number(int, min=1),
+    "samples per optimizer step over all ranks",
 )
 _MICRO_BATCH = _Rule(
     "train_micro_batch_size_per_gpu",
@@ -326,14 +347,17 @@ def _batch(ds: _Reader) -> list[str]:
     if tbs is not None and micro is not None and gas is not None and tbs != micro * gas * ranks:
         raise ds.bad(
             _TRAIN_BATCH.ds,
-            f"!= {_MICRO_BATCH.ds} {micro} x {_GRAD_ACCUM.ds} {gas} x {ranks} ranks = {micro * gas * ranks}",
+            f"!= {_MICRO_BATCH.ds} {micro} x {_GRAD_ACCUM.ds} {gas} x {ranks} ranks = "
+            f"{micro * gas * ranks}",
         )
     if tbs is None and micro is not None:
         tbs = micro * (gas or 1) * ranks
     if micro is None and tbs is not None:
         per = (gas or 1) * ranks
         if tbs % per:
-            raise ds.bad(_TRAIN_BATCH.ds, f"does not divide over {_GRAD_ACCUM.ds} {gas or 1} x {ranks} ranks")
+            raise ds.bad(
+                _TRAIN_BATCH.ds, f"does not divide over {_GRAD_ACCUM.ds} {gas or 1} x {ranks} ranks"
+            )
         micro = tbs // per
     return [] if tbs is None else _TRAIN_BATCH.overrides(tbs) + _MICRO_BATCH.overrides(micro)
 
@@ -352,7 +376,10 @@ _OFFLOAD_OPTIMIZER = _Rule(
     "cpu: shards and the optimizer step on the CPU (FSDP2 offloads parameters too)",
 )
 _OFFLOAD_PARAM = _Rule(
-    "zero_optimization.offload_param.device", "parallel.cpu_offload", _offload_device, "cpu: as offload_optimizer"
+    "zero_optimization.offload_param.device",
+    "parallel.cpu_offload",
+    _offload_device,
+    "cpu: as offload_optimizer",
 )
 _HPZ = _Rule(
     "zero_optimization.zero_hpz_partition_size",
@@ -371,8 +398,8 @@ _MICS = _Rule(
 def _zero(ds: _Reader) -> list[str]:
     """The stage, offload, hpZ (1: off) and MiCS (-1, DeepSpeed's default: off).
 
-    MiCS shards within groups of ``mics_shard_size`` ranks: FSDP2's hybrid sharding, a strategy of its
-    own that replaces the stage's (both would contradict each other in `load_config`).
+    MiCS shards within groups of ``mics_shard_size`` ranks: FSDP2's hybrid sharding, a strategy of
+    its own that replaces the stage's (both would contradict each other in `load_config`).
     """
     stage = ds[_STAGE]
     offload = _offload(ds, stage)
@@ -394,11 +421,13 @@ def _offload(ds: _Reader, stage: int | None) -> list[str]:
         return []
     if stage is not None and not is_fsdp(ZERO_STAGES[stage]):
         fsdp = " or ".join(str(s) for s, strategy in ZERO_STAGES.items() if is_fsdp(strategy))
-        raise ds.bad(parts[0].ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {_STAGE.ds}={stage}")
+        raise ds.bad(
+            parts[0].ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {_STAGE.ds}={stage}"
+        )
     if parts == [_OFFLOAD_OPTIMIZER]:
         ds.notes.append(
-            "ds_config zero_optimization.offload_optimizer: FSDP2's CPU offload moves the parameter "
-            "shards to host memory too (as offload_param would)"
+            "ds_config zero_optimization.offload_optimizer: FSDP2's CPU offload moves the "
+            "parameter shards to host memory too (as offload_param would)"
         )
     return ["parallel.cpu_offload=true"]
 
@@ -420,10 +449,15 @@ _SUB_GROUP = _Rule(
 
 
 # Precision.
-_FP16 = _Rule("fp16.enabled", "precision=fp16-mixed", flag, "fp32 master weights, fp16 compute, loss scaling")
+_FP16 = _Rule(
+    "fp16.enabled", "precision=fp16-mixed", flag, "fp32 master weights, fp16 compute, loss scaling"
+)
 _LOSS_SCALE = _Rule("fp16.loss_scale", "precision.loss_scale", number(float, min=0), "0: dynamic")
 _SCALE_POWER = _Rule(
-    "fp16.initial_scale_power", "precision.initial_scale_power", number(int, min=0), "first scale 2**power"
+    "fp16.initial_scale_power",
+    "precision.initial_scale_power",
+    number(int, min=0),
+    "first scale 2**power",
 )
 _SCALE_WINDOW = _Rule(
     "fp16.loss_scale_window",
@@ -460,7 +494,8 @@ def _adam(ds: _Reader) -> list[str]:
     """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack)."""
     if ds[_OPTIMIZER] == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
         raise ds.bad(
-            "optimizer.params.adam_w_mode", "Adam with L2 regularisation is not supported; valid: true (AdamW)"
+            "optimizer.params.adam_w_mode",
+            "Adam with L2 regularisation is not supported; valid: true (AdamW)",
         )
     return []
 
@@ -479,9 +514,15 @@ _WARMUP = _Rule(
     number(int, min=0),
     "linear warm-up here (DeepSpeed's default is log)",
 )
-_WARMUP_MAX_LR = _Rule("scheduler.params.warmup_max_lr", "optim.lr", number(float, min=0), "WarmupLR/WarmupDecayLR")
-_TOTAL_STEPS = _Rule("scheduler.params.total_num_steps", "train.steps", number(int, min=1), "the schedule's length")
-_MIN_RATIO = _Rule("scheduler.params.cos_min_ratio", "optim.min_lr_ratio", number(float, min=0), "WarmupCosineLR")
+_WARMUP_MAX_LR = _Rule(
+    "scheduler.params.warmup_max_lr", "optim.lr", number(float, min=0), "WarmupLR/WarmupDecayLR"
+)
+_TOTAL_STEPS = _Rule(
+    "scheduler.params.total_num_steps", "train.steps", number(int, min=1), "the schedule's length"
+)
+_MIN_RATIO = _Rule(
+    "scheduler.params.cos_min_ratio", "optim.min_lr_ratio", number(float, min=0), "WarmupCosineLR"
+)
 
 
 def _schedule(ds: _Reader) -> list[str]:
@@ -501,11 +542,14 @@ def _schedule(ds: _Reader) -> list[str]:
     for rule in (_WARMUP, _TOTAL_STEPS):
         out += [] if (value := ds[rule]) is None else rule.overrides(value)
     floor = ds[_MIN_RATIO]
-    out += _MIN_RATIO.overrides(floor if floor is not None else 1.0 if schedule == _SCHEDULES["WarmupLR"] else 0.0)
+    out += _MIN_RATIO.overrides(
+        floor if floor is not None else 1.0 if schedule == _SCHEDULES["WarmupLR"] else 0.0
+    )
     return out + ([] if lr is None else LR.overrides(lr))
 
 
-# DeepSpeed tests this top-level key for truth as written (get_scalar_param); it only adds a note here.
+# DeepSpeed tests this top-level key for truth as written (get_scalar_param); it only adds a note
+# here.
 _WALL_CLOCK = _Rule(
     "wall_clock_breakdown",
     "(always on)",
@@ -526,7 +570,9 @@ def _wall_clock(ds: _Reader) -> list[str]:
 # Every key we read, in the order its overrides are printed.
 TABLE: tuple[_Rule | _Joint, ...] = (
     _Joint(_batch, (_TRAIN_BATCH, _MICRO_BATCH, _GRAD_ACCUM)),
-    _Rule("gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"),
+    _Rule(
+        "gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"
+    ),
     _Rule("steps_per_print", "train.log_every", number(int, min=0), "steps between log lines"),
     _Joint(_zero, (_STAGE, _OFFLOAD_OPTIMIZER, _OFFLOAD_PARAM, _HPZ, _MICS)),
     _SUB_GROUP,
@@ -535,13 +581,25 @@ TABLE: tuple[_Rule | _Joint, ...] = (
         "communication_data_type",
         "precision.reduce_dtype",
         choice(
-            {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+            {
+                "fp32": "fp32",
+                "fp16": "fp16",
+                "bf16": "bf16",
+                "float32": "fp32",
+                "float16": "fp16",
+                "bfloat16": "bf16",
+            }
         ),
         "gradient reduction dtype",
     ),
     _Joint(_adam, (_OPTIMIZER,)),
     _Rule("optimizer.params.eps", "optim.eps", number(float, min=0)),
-    _Rule("optimizer.params.weight_decay", "optim.weight_decay", number(float, min=0), "decoupled (AdamW)"),
+    _Rule(
+        "optimizer.params.weight_decay",
+        "optim.weight_decay",
+        number(float, min=0),
+        "decoupled (AdamW)",
+    ),
     _Rule("optimizer.params.betas", "optim.betas", pair),
     _Joint(_schedule, (LR, _SCHEDULER, _WARMUP, _WARMUP_MAX_LR, _TOTAL_STEPS, _MIN_RATIO)),
     _Joint(_wall_clock, (_WALL_CLOCK,)),
@@ -603,11 +661,16 @@ def _check_keys(flat: dict[str, Any]) -> list[str]:
             raise _bad(key, value, f"unknown DeepSpeed key{hint}")
         tail = _tail(key)
         if key in UNSUPPORTED or tail in UNSUPPORTED:
-            if value in (False, None, 0) or (isinstance(value, dict) and not value.get("enabled", True)):
+            if value in (False, None, 0) or (
+                isinstance(value, dict) and not value.get("enabled", True)
+            ):
                 continue
             raise _bad(key, value, UNSUPPORTED.get(key) or UNSUPPORTED[tail])
         if key in NO_EFFECT or tail in NO_EFFECT:
-            notes.append(f"ds_config {key}={json.dumps(value)}: no effect; {NO_EFFECT.get(key) or NO_EFFECT[tail]}")
+            notes.append(
+                f"ds_config {key}={json.dumps(value)}: no effect; "
+                f"{NO_EFFECT.get(key) or NO_EFFECT[tail]}"
+            )
         elif _is_auto(value):
             notes.append(f"ds_config {key}=auto: fsdp-zero's value is used")
     return notes

@@ -3,7 +3,8 @@
 The schema and its rules are `fsdp_zero.config.schema`'s. This module turns text into a checked
 `Config`: FSDP1 and DeepSpeed spellings become ours, unknown keys are errors that suggest
 the closest known key, and every section's rules (`fsdp_zero.config.schema.validate`) and the
-built-in model's (`fsdp_zero.model.transformer.check_model_config`) run before anything is built or written.
+built-in model's (`fsdp_zero.model.transformer.check_model_config`) run before anything is built or
+written.
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ def load_config(config_path: str | Path | None = None, overrides: list[str] = ()
             loaded = OmegaConf.load(path)
         except Exception as e:  # yaml's errors carry the line and column
             mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            where = (
+                f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            )
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ValueError(f"--config {str(path)!r}: not valid YAML{where}: {problem}") from None
         if not isinstance(loaded, DictConfig):
-            raise ValueError(f"--config {str(path)!r}: must hold a mapping of keys, got {type(loaded).__name__}")
+            raise ValueError(
+                f"--config {str(path)!r}: must hold a mapping of keys, got {type(loaded).__name__}"
+            )
         layers.append((str(path), loaded))
     for item in overrides:
         if "=" not in item or item.startswith("="):
@@ -109,11 +114,13 @@ def _raw(node: DictConfig, key: str) -> Any:
 
 def _apply_aliases(layer: DictConfig) -> None:
     """``precision=MODE`` to ``precision.mode=MODE``; FSDP1 strategy names (FULL_SHARD, NO_SHARD, ...) to
-    ours; DeepSpeed's zero_stage to a strategy (an alias only: the schema has no zero_stage, and a saved
-    config's ``zero_stage: null`` is dropped)."""
+    ours; DeepSpeed's zero_stage to a strategy (an alias only: the schema has no zero_stage, and a
+    saved config's ``zero_stage: null`` is dropped)."""
     if "precision" in layer and isinstance(_raw(layer, "precision"), str):
         layer.precision = {"mode": _raw(layer, "precision")}
-    parallel = layer.get("parallel") if isinstance(layer.get("parallel", None), DictConfig) else None
+    parallel = (
+        layer.get("parallel") if isinstance(layer.get("parallel", None), DictConfig) else None
+    )
     if parallel is None:
         return
     strategy = parallel.get("strategy", None)
@@ -144,18 +151,24 @@ def _check_keys(node: DictConfig, schema: type, prefix: str, origin: str) -> Non
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
             valid = ", ".join(f"{prefix}{k}" for k in fields)
-            raise ValueError(f"{origin}: unknown config key '{full}'{hint} (valid keys here: {valid})")
+            raise ValueError(
+                f"{origin}: unknown config key '{full}'{hint} (valid keys here: {valid})"
+            )
         ftype = _field_type(schema, key)
         if dataclasses.is_dataclass(ftype):
             value = node[key]
             if not isinstance(value, DictConfig):
-                raise ValueError(f"{origin}: '{full}' is a section; set its keys, e.g. {full}.<key>=...")
+                raise ValueError(
+                    f"{origin}: '{full}' is a section; set its keys, e.g. {full}.<key>=..."
+                )
             _check_keys(value, ftype, prefix=f"{full}.", origin=origin)
         elif isinstance(ftype, type) and issubclass(ftype, enum.Enum):
             raw = _raw(node, key)
             if isinstance(raw, str) and raw not in ftype.__members__:
                 choices = ", ".join(ftype.__members__)
-                raise ValueError(f"{origin}: {full}={raw!r} is not a valid choice; valid choices: {choices}")
+                raise ValueError(
+                    f"{origin}: {full}={raw!r} is not a valid choice; valid choices: {choices}"
+                )
 
 
 def _field_type(schema: type, name: str) -> Any:

@@ -50,16 +50,24 @@ class TransformerArgs:
 PRESETS: dict[str, TransformerArgs] = {
     "gpt_nano": TransformerArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=256),
     "gpt_tiny": TransformerArgs(vocab_size=512, dim=128, n_layers=4, n_heads=4, max_seq_len=512),
-    "gpt_small": TransformerArgs(vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
-    "gpt_medium": TransformerArgs(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, max_seq_len=2048),
-    "gpt_1b": TransformerArgs(vocab_size=32000, dim=2048, n_layers=18, n_heads=16, max_seq_len=2048),
+    "gpt_small": TransformerArgs(
+        vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=1024
+    ),
+    "gpt_medium": TransformerArgs(
+        vocab_size=32000, dim=1024, n_layers=24, n_heads=16, max_seq_len=2048
+    ),
+    "gpt_1b": TransformerArgs(
+        vocab_size=32000, dim=2048, n_layers=18, n_heads=16, max_seq_len=2048
+    ),
 }
 
 
 # The built-in model's settings that model.* exposes (set there, each replaces the preset's value):
 # TransformerArgs's fields that ModelConfig also has (rope_theta and norm_eps are not exposed).
 BUILTIN_FIELDS = tuple(
-    f.name for f in dataclasses.fields(TransformerArgs) if f.name in {g.name for g in dataclasses.fields(ModelConfig)}
+    f.name
+    for f in dataclasses.fields(TransformerArgs)
+    if f.name in {g.name for g in dataclasses.fields(ModelConfig)}
 )
 
 
@@ -70,8 +78,8 @@ def model_args(preset: str, **overrides: int | bool | None) -> TransformerArgs:
 
 def check_model_config(cfg: ModelConfig) -> None:
     """The built-in model's rules for ``model.*``: a known preset; its fields (> 0) only without
-    model.target or model.pretrained; model.kwargs only with one of them. `fsdp_zero.config.loader.load_config` runs
-    them.
+    model.target or model.pretrained; model.kwargs only with one of them.
+    `fsdp_zero.config.loader.load_config` runs them.
 
     Raises:
         ValueError: naming the key, the bad value and the valid choices.
@@ -80,17 +88,22 @@ def check_model_config(cfg: ModelConfig) -> None:
         if cfg.preset not in PRESETS:
             close = difflib.get_close_matches(cfg.preset, PRESETS, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"model.preset={cfg.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}")
+            raise ValueError(
+                f"model.preset={cfg.preset!r} is unknown{hint}; valid choices: {', '.join(PRESETS)}"
+            )
         if cfg.kwargs:
             raise ValueError(
-                f"model.kwargs={dict(cfg.kwargs)} is set without model.target or model.pretrained; the built-in "
-                f"model takes "
-                f"model.{', model.'.join(BUILTIN_FIELDS)}"
+                f"model.kwargs={dict(cfg.kwargs)} is set without model.target or model.pretrained; "
+                f"the built-in model takes model.{', model.'.join(BUILTIN_FIELDS)}"
             )
     else:
-        builtin = [f"model.{k}={getattr(cfg, k)!r}" for k in BUILTIN_FIELDS if getattr(cfg, k) is not None]
+        builtin = [
+            f"model.{k}={getattr(cfg, k)!r}" for k in BUILTIN_FIELDS if getattr(cfg, k) is not None
+        ]
         if builtin:
-            foreign = f"model.target={cfg.target}" if cfg.target else f"model.pretrained={cfg.pretrained}"
+            foreign = (
+                f"model.target={cfg.target}" if cfg.target else f"model.pretrained={cfg.pretrained}"
+            )
             raise ValueError(
                 f"{', '.join(builtin)} only applies to the built-in model, not to {foreign}; "
                 "pass the model's own arguments in model.kwargs"

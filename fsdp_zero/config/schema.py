@@ -7,10 +7,11 @@ type, a bad choice, a batch that does not divide) is a ``ValueError`` naming the
 value and what would be valid, raised before anything is built or written.
 
 Each section checks its own keys in ``check()``, written right under its fields (as FSDP2's policy
-dataclasses validate themselves); the rules that need the world size are ``ParallelConfig.check_world``
-(run by `fsdp_zero.distributed.topology.Topology.of`) and `fsdp_zero.data.batches.BatchLayout.of`'s.
-`validate` runs every section's check and the few rules that span sections. The built-in model's
-own rules (a known preset, its fields) live with its settings: `fsdp_zero.config.presets.check_model_config`.
+dataclasses validate themselves); the rules that need the world size are
+``ParallelConfig.check_world`` (run by `fsdp_zero.distributed.topology.Topology.of`) and
+`fsdp_zero.data.batches.BatchLayout.of`'s. `validate` runs every section's check and the few rules
+that span sections. The built-in model's own rules (a known preset, its fields) live with its
+settings: `fsdp_zero.config.presets.check_model_config`.
 """
 
 from __future__ import annotations
@@ -43,16 +44,20 @@ class WrapPolicy(str, enum.Enum):
 class DataSource(str, enum.Enum):
     synthetic = "synthetic"  # a seeded random bigram process: learnable, no files needed
     text = "text"  # a local file or folder read as byte-level tokens (vocab 256)
-    tokens = "tokens"  # a pre-tokenized file of token ids (.bin as nanoGPT writes it, or .npy), memory-mapped
-    images = "images"  # a torchvision ImageFolder directory (class per sub-folder), for classification
-    fake_images = "fake_images"  # torchvision's FakeData: random images and labels, for tests and demos
+    # a pre-tokenized file of token ids (.bin as nanoGPT writes it, or .npy), memory-mapped
+    tokens = "tokens"
+    # a torchvision ImageFolder directory (class per sub-folder), for classification
+    images = "images"
+    # torchvision's FakeData: random images and labels, for tests and demos
+    fake_images = "fake_images"
 
 
 class Task(str, enum.Enum):
     """What a batch is and how the loss is computed from it (see fsdp_zero.model.tasks)."""
 
     causal_lm = "causal_lm"  # tokens in, next-token cross-entropy
-    classification = "classification"  # images (or features) and labels in, cross-entropy; accuracy logged
+    # images (or features) and labels in, cross-entropy; accuracy logged
+    classification = "classification"
     custom = "custom"  # model.loss(model, batch) returns the loss
 
 
@@ -60,8 +65,10 @@ class Init(str, enum.Enum):
     """How a model's parameters get their initial values after materialisation (see fsdp_zero.model.init)."""
 
     auto = "auto"  # the model's own init_weights(seed) if it has one, else standard
-    standard = "standard"  # each standard layer's reset_parameters distribution, identical at any world size
-    model = "model"  # the model's own initialiser (init_weights(seed), or Hugging Face's _init_weights)
+    # each standard layer's reset_parameters distribution, identical at any world size
+    standard = "standard"
+    # the model's own initialiser (init_weights(seed), or Hugging Face's _init_weights)
+    model = "model"
 
 
 class Backend(str, enum.Enum):
@@ -104,8 +111,8 @@ class OptimizerImpl(str, enum.Enum):
 class LoRAConfig:
     """LoRA (docs/lora.md): each targeted ``nn.Linear`` X computes ``W x + (alpha / rank) * B(A(dropout(x)))``
     with ``W`` frozen, ``A`` (rank x in) initialised as PEFT does and ``B`` (out x rank) zero; its
-    adapters are ``X.lora_A.weight`` and ``X.lora_B.weight``. Everything else is frozen unless ``train``
-    names it."""
+    adapters are ``X.lora_A.weight`` and ``X.lora_B.weight``. Everything else is frozen unless
+    ``train`` names it."""
 
     rank: int = 0  # 0: off
     alpha: float = 16.0
@@ -122,14 +129,14 @@ class LoRAConfig:
             for key in ("targets", "train"):
                 if getattr(self, key):
                     raise ValueError(
-                        f"model.lora.{key}={getattr(self, key)} is set but model.lora.rank=0 (LoRA off); "
-                        "set model.lora.rank to a positive integer, e.g. 8"
+                        f"model.lora.{key}={getattr(self, key)} is set but model.lora.rank=0 (LoRA "
+                        "off); set model.lora.rank to a positive integer, e.g. 8"
                     )
             return
         if not self.targets:
             raise ValueError(
-                f"model.lora.rank={self.rank} needs model.lora.targets, the Linear modules to adapt, "
-                "e.g. 'model.lora.targets=[q_proj,v_proj]'"
+                f"model.lora.rank={self.rank} needs model.lora.targets, the Linear modules to "
+                "adapt, e.g. 'model.lora.targets=[q_proj,v_proj]'"
             )
         check_positive("model.lora.alpha", self.alpha)
         if not 0 <= self.dropout < 1:
@@ -166,7 +173,8 @@ class ModelConfig:
     # architectures, its config from config.json (model.kwargs override keys), its weights streamed
     # into the shards as model.init_from's; instead of model.target and model.init_from.
     pretrained: str | None = None
-    # model.pretrained only: run the folder's own code when its config.json has an auto_map (read it first).
+    # model.pretrained only: run the folder's own code when its config.json has an auto_map (read it
+    # first).
     trust_remote_code: bool = False
     # Parameters not trained (regexes, full matches on parameter names as the checkpoint keys them):
     # no gradients, no AdamW states, still sharded (docs/lora.md).
@@ -183,12 +191,14 @@ class ModelConfig:
             )
         if self.task is Task.custom and self.loss is None:
             raise ValueError(
-                "model.task=custom needs model.loss: package.module:function taking (model, batch), returning the loss"
+                "model.task=custom needs model.loss: package.module:function taking (model, "
+                "batch), returning the loss"
             )
         if self.loss is not None:
             if self.task is not Task.custom:
                 raise ValueError(
-                    f"model.loss={self.loss!r} is set but model.task={self.task.value}; set model.task=custom to use it"
+                    f"model.loss={self.loss!r} is set but model.task={self.task.value}; set "
+                    "model.task=custom to use it"
                 )
             if not _is_target(self.loss):
                 raise ValueError(f"model.loss={self.loss!r}: expected package.module:function")
@@ -212,19 +222,19 @@ class ModelConfig:
         ):
             if getattr(self, key) is not None:
                 raise ValueError(
-                    f"model.pretrained={self.pretrained!r} and model.{key}={getattr(self, key)!r} are both "
-                    f"set; {why}: set one of them"
+                    f"model.pretrained={self.pretrained!r} and model.{key}={getattr(self, key)!r} "
+                    f"are both set; {why}: set one of them"
                 )
         folder = Path(self.pretrained)
         if not folder.is_dir():
             raise ValueError(
-                f"model.pretrained={self.pretrained!r}: no such folder (a Hugging Face model folder, "
-                "save_pretrained's output)"
+                f"model.pretrained={self.pretrained!r}: no such folder (a Hugging Face model "
+                "folder, save_pretrained's output)"
             )
         if not (folder / "config.json").is_file():
             raise ValueError(
-                f"model.pretrained={self.pretrained!r}: no config.json in it; a Hugging Face model folder "
-                "(save_pretrained's output) holds config.json and *.safetensors"
+                f"model.pretrained={self.pretrained!r}: no config.json in it; a Hugging Face model "
+                "folder (save_pretrained's output) holds config.json and *.safetensors"
             )
 
 
@@ -236,7 +246,10 @@ _PATHS = {
     DataSource.tokens: "a .bin or .npy file of token ids",
     DataSource.images: "an ImageFolder directory, one sub-folder of images per class",
 }
-_TASK_SOURCES = {Task.causal_lm: TOKEN_SOURCES, Task.classification: (DataSource.images, DataSource.fake_images)}
+_TASK_SOURCES = {
+    Task.causal_lm: TOKEN_SOURCES,
+    Task.classification: (DataSource.images, DataSource.fake_images),
+}
 
 
 @dataclass
@@ -263,19 +276,27 @@ class DataConfig:
             check_positive(f"data.{key}", getattr(self, key))
         if self.source in _PATHS:
             if not self.path:
-                raise ValueError(f"data.source={self.source.value} needs data.path ({_PATHS[self.source]})")
+                raise ValueError(
+                    f"data.source={self.source.value} needs data.path ({_PATHS[self.source]})"
+                )
             path = Path(self.path)
             if not path.exists():
                 raise ValueError(f"data.path={self.path!r}: no such file or folder")
-            if self.source is DataSource.tokens and (not path.is_file() or path.suffix not in (".bin", ".npy")):
-                raise ValueError(f"data.path={self.path!r}: data.source=tokens needs {_PATHS[self.source]}")
+            if self.source is DataSource.tokens and (
+                not path.is_file() or path.suffix not in (".bin", ".npy")
+            ):
+                raise ValueError(
+                    f"data.path={self.path!r}: data.source=tokens needs {_PATHS[self.source]}"
+                )
             if self.source is DataSource.images and not path.is_dir():
-                raise ValueError(f"data.path={self.path!r}: data.source=images needs {_PATHS[self.source]}")
+                raise ValueError(
+                    f"data.path={self.path!r}: data.source=images needs {_PATHS[self.source]}"
+                )
         elif self.path:
             valid = ", ".join(s.value for s in _PATHS)
             raise ValueError(
-                f"data.path={self.path!r} is set but data.source={self.source.value} reads no files; "
-                f"data.source with a path: {valid}"
+                f"data.path={self.path!r} is set but data.source={self.source.value} reads no "
+                f"files; data.source with a path: {valid}"
             )
         if self.token_dtype is not None and self.token_dtype not in _TOKEN_DTYPES:
             raise ValueError(
@@ -283,7 +304,10 @@ class DataConfig:
                 f"valid choices: {', '.join(_TOKEN_DTYPES)}"
             )
         if self.num_workers is not None and self.num_workers < 0:
-            raise ValueError(f"data.num_workers={self.num_workers}: must be >= 0 (0: load in the training process)")
+            raise ValueError(
+                f"data.num_workers={self.num_workers}: must be >= 0 (0: load in the training "
+                "process)"
+            )
 
 
 @dataclass
@@ -304,8 +328,8 @@ class WrapConfig:
 
 @dataclass
 class ParallelConfig:
-    # The data-parallel strategy (Sharding's table). parallel.zero_stage, DeepSpeed's name for the same
-    # choice, is read as an alias of it: 0 ddp, 1 zero1, 2 shard_grad_op, 3 full_shard.
+    # The data-parallel strategy (Sharding's table). parallel.zero_stage, DeepSpeed's name for the
+    # same choice, is read as an alias of it: 0 ddp, 1 zero1, 2 shard_grad_op, 3 full_shard.
     strategy: Strategy = Strategy.full_shard
     shard_size: int = 2  # hybrid_shard: ranks per sharding group (usually the GPUs of a node)
     wrap: WrapConfig = field(default_factory=WrapConfig)
@@ -316,9 +340,9 @@ class ParallelConfig:
     # ranks instead of all of them (ZeRO++'s hierarchical partitioning, hpZ): backward all-gathers
     # stay within a group (a node), at 16 P / N + 4 P / reshard_after_forward bytes. None: over all.
     reshard_after_forward: int | None = None
-    # FSDP strategies: sharded parameters, gradients and optimizer states live in host memory and the
-    # optimizer steps on the CPU (DeepSpeed's offload_param + offload_optimizer to cpu); each unit is
-    # copied to the device for its forward and backward.
+    # FSDP strategies: sharded parameters, gradients and optimizer states live in host memory and
+    # the optimizer steps on the CPU (DeepSpeed's offload_param + offload_optimizer to cpu); each
+    # unit is copied to the device for its forward and backward.
     cpu_offload: bool = False
     # Recompute activations in backward: none, full (every block of the wrap plan), or selective
     # (every k-th block, k = activation_checkpointing_every). Applied before compiling and sharding.
@@ -326,22 +350,31 @@ class ParallelConfig:
     activation_checkpointing_every: int = 2
     # When gradients are reduced under gradient accumulation. every_micro_batch: each micro-batch's
     # backward reduce-scatters (FSDP; DDP and zero1 all-reduce once a step whatever this says).
-    # replicas_once_per_step (hybrid_shard): reduce-scatter within the shard group every micro-batch,
-    # all-reduce across replicas only after the last; no extra memory. once_per_step (FSDP strategies):
-    # no reduction until the last micro-batch; each rank holds its units' unsharded gradients in between
-    # in the reduce dtype (4 B x P in fp32 and under -mixed precisions; 2 B under bf16-true). The same
-    # results within float rounding (a 16-bit reduce dtype sums the micro-batches in 16 bits); fewer bytes.
+    # replicas_once_per_step (hybrid_shard): reduce-scatter within the shard group every
+    # micro-batch, all-reduce across replicas only after the last; no extra memory. once_per_step
+    # (FSDP strategies): no reduction until the last micro-batch; each rank holds its units'
+    # unsharded gradients in between in the reduce dtype (4 B x P in fp32 and under -mixed
+    # precisions; 2 B under bf16-true). The same results within float rounding (a 16-bit reduce
+    # dtype sums the micro-batches in 16 bits); fewer bytes.
     grad_sync: GradSync = GradSync.every_micro_batch
 
     def check(self) -> None:
         """The choices (a section built by hand, as `fsdp_zero.api.shard` does, may name them), and the
         levers each strategy takes."""
         strategy = _choice("parallel.strategy", self.strategy, Strategy)
-        _choice("parallel.activation_checkpointing", self.activation_checkpointing, ActivationCheckpointing)
+        _choice(
+            "parallel.activation_checkpointing",
+            self.activation_checkpointing,
+            ActivationCheckpointing,
+        )
         check_positive("parallel.reshard_after_forward", self.reshard_after_forward)
-        check_positive("parallel.activation_checkpointing_every", self.activation_checkpointing_every)
+        check_positive(
+            "parallel.activation_checkpointing_every", self.activation_checkpointing_every
+        )
         if self.prefetch < 0:
-            raise ValueError(f"parallel.prefetch={self.prefetch}: must be >= 0 (0: FSDP2's own scheduling)")
+            raise ValueError(
+                f"parallel.prefetch={self.prefetch}: must be >= 0 (0: FSDP2's own scheduling)"
+            )
         if self.reshard_after_forward is not None and not STRATEGIES[strategy].hpz:
             raise ValueError(
                 f"parallel.reshard_after_forward={self.reshard_after_forward} applies to "
@@ -374,24 +407,27 @@ class ParallelConfig:
         if STRATEGIES[self.strategy].hybrid and (size < 1 or world_size % size):
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(
-                f"parallel.shard_size={size} must divide the world size {world_size}; valid choices: {divisors}"
+                f"parallel.shard_size={size} must divide the world size {world_size}; valid "
+                f"choices: {divisors}"
             )
         k = self.reshard_after_forward
         if k is not None and k != world_size and (world_size % k or k >= world_size):
             divisors = [d for d in range(1, world_size) if world_size % d == 0]
             raise ValueError(
-                f"parallel.reshard_after_forward={k} must divide the world size {world_size} and be "
-                f"smaller; valid choices: {divisors} (or null)"
+                f"parallel.reshard_after_forward={k} must divide the world size {world_size} and "
+                f"be smaller; valid choices: {divisors} (or null)"
             )
         if not STRATEGIES[self.strategy].hybrid and size != ParallelConfig.shard_size:
             return [
-                f"parallel.shard_size={size} has no effect with parallel.strategy={self.strategy.value} "
-                f"(only {strategies_that('hybrid')} uses it)"
+                f"parallel.shard_size={size} has no effect with "
+                f"parallel.strategy={self.strategy.value} (only {strategies_that('hybrid')} uses "
+                "it)"
             ]
         return []
 
 
-# precision.mode: how model state is stored, computed and reduced (see fsdp_zero.sharding.precision).
+# precision.mode: how model state is stored, computed and reduced (see
+# fsdp_zero.sharding.precision).
 PRECISION_MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 _PRECISION_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -420,16 +456,20 @@ class PrecisionConfig:
         check_positive("precision.loss_scale_window", self.loss_scale_window)
         if self.mode not in PRECISION_MODES:
             raise ValueError(
-                f"precision.mode={self.mode!r} is not a valid choice; valid choices: {', '.join(PRECISION_MODES)}"
+                f"precision.mode={self.mode!r} is not a valid choice; valid choices: "
+                f"{', '.join(PRECISION_MODES)}"
             )
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
             if value is not None and value not in _PRECISION_DTYPES:
                 raise ValueError(
-                    f"precision.{key}={value!r} is not a valid choice; valid choices: {', '.join(_PRECISION_DTYPES)}"
+                    f"precision.{key}={value!r} is not a valid choice; valid choices: "
+                    f"{', '.join(_PRECISION_DTYPES)}"
                 )
         if self.loss_scale < 0:
-            raise ValueError(f"precision.loss_scale={self.loss_scale}: must be >= 0 (0: dynamic loss scaling)")
+            raise ValueError(
+                f"precision.loss_scale={self.loss_scale}: must be >= 0 (0: dynamic loss scaling)"
+            )
 
 
 @dataclass
@@ -445,10 +485,10 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
     implementation: OptimizerImpl = OptimizerImpl.auto
-    # A bounded optimizer step (DeepSpeed's sub_group_size): foreach AdamW steps this rank's shard in
-    # groups of at most this many elements (a larger tensor is a group of its own), bit-identical to
-    # one step over the whole shard, so its temporaries (a tensor list as large as what it steps at
-    # once) are bounded by a group. 0: the whole shard at once. Fused AdamW (CUDA's default) and
+    # A bounded optimizer step (DeepSpeed's sub_group_size): foreach AdamW steps this rank's shard
+    # in groups of at most this many elements (a larger tensor is a group of its own), bit-identical
+    # to one step over the whole shard, so its temporaries (a tensor list as large as what it steps
+    # at once) are bounded by a group. 0: the whole shard at once. Fused AdamW (CUDA's default) and
     # for_loop make no temporaries larger than one tensor and ignore it (docs/memory-levers.md).
     step_group_size: int = 0
 
@@ -467,7 +507,9 @@ class OptimConfig:
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
         if self.grad_clip < 0:
-            raise ValueError(f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)")
+            raise ValueError(
+                f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -484,7 +526,8 @@ class TrainConfig:
     # still spans train.steps: for jobs cut into pieces by a time limit. None: train.steps.
     stop_after: int | None = None
     seed: int | None = 1234  # None: rank 0 draws one and broadcasts it
-    # torch.compile each block unit (after activation checkpointing, before sharding); off by default.
+    # torch.compile each block unit (after activation checkpointing, before sharding); off by
+    # default.
     compile: bool = False
     # A time budget: after this many minutes of training the run saves a checkpoint and stops (exit
     # code 4, as on SIGTERM), before a scheduler's wall-clock limit; leave a save's time of margin.
@@ -495,11 +538,19 @@ class TrainConfig:
     skip_nonfinite: int = 0
 
     def check(self) -> None:
-        for key in ("steps", "global_batch_size", "micro_batch_size", "log_every", "stop_after", "max_minutes"):
+        for key in (
+            "steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "log_every",
+            "stop_after",
+            "max_minutes",
+        ):
             check_positive(f"train.{key}", getattr(self, key))
         if self.skip_nonfinite < 0:
             raise ValueError(
-                f"train.skip_nonfinite={self.skip_nonfinite}: must be >= 0 (0: stop at the first non-finite step)"
+                f"train.skip_nonfinite={self.skip_nonfinite}: must be >= 0 (0: stop at the first "
+                "non-finite step)"
             )
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
@@ -514,7 +565,8 @@ class _CheckpointConfig:
 
     enabled: bool = True
     every: int = 50  # steps between saves (and always one at the end); 0: only at the end
-    keep_last: int = 2  # of the checkpoints this launch saves, the newest kept (0: all); others' are never deleted
+    # of the checkpoints this launch saves, the newest kept (0: all); others' are never deleted
+    keep_last: int = 2
     # auto: continue from the newest complete checkpoint in the run directory, if any;
     # none: start fresh (refused if the run directory already holds checkpoints);
     # anything else: the path of a checkpoint folder to continue from.
@@ -524,13 +576,13 @@ class _CheckpointConfig:
     def check(self) -> None:
         if self.every < 0 or self.keep_last < 0:
             raise ValueError(
-                f"checkpoint.every={self.every}, checkpoint.keep_last={self.keep_last}: must be >= 0 (0: "
-                "only at the end / keep all)"
+                f"checkpoint.every={self.every}, checkpoint.keep_last={self.keep_last}: must be >= "
+                "0 (0: only at the end / keep all)"
             )
         if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
             raise ValueError(
-                f"checkpoint.resume={self.resume!r}: no such checkpoint folder; valid choices: auto, none, "
-                "or the path of a checkpoint (…/checkpoints/step-NNNNNNN)"
+                f"checkpoint.resume={self.resume!r}: no such checkpoint folder; valid choices: "
+                "auto, none, or the path of a checkpoint (…/checkpoints/step-NNNNNNN)"
             )
 
 
@@ -541,7 +593,9 @@ class _RunConfig:
 
     def check(self) -> None:
         if self.name is not None and ("/" in self.name or self.name in ("", ".", "..")):
-            raise ValueError(f"run.name={self.name!r}: must be a plain folder name (set run.root for the parent)")
+            raise ValueError(
+                f"run.name={self.name!r}: must be a plain folder name (set run.root for the parent)"
+            )
 
 
 @dataclass
@@ -570,10 +624,10 @@ class _MetricsConfig:
 
 @dataclass
 class _MemoryConfig:
-    # glibc only: allocations of at least this many bytes get their own mmap and go back to
-    # the system when freed (see fsdp_zero.monitor.memory.set_malloc_mmap_threshold). "auto": 8 MiB on
-    # CPU runs, glibc's default on CUDA runs (tensors live in CUDA memory there); "default":
-    # glibc's default; or a byte count.
+    # glibc only: allocations of at least this many bytes get their own mmap and go back to the
+    # system when freed (see fsdp_zero.monitor.memory.set_malloc_mmap_threshold). "auto": 8 MiB on
+    # CPU runs, glibc's default on CUDA runs (tensors live in CUDA memory there); "default": glibc's
+    # default; or a byte count.
     malloc_mmap_threshold: str = "auto"
     # The step whose memory is broken down by category (params, gathered params, grads,
     # optimizer, activations, comm buffers) with PyTorch's MemTracker; 0: none. One step
@@ -582,12 +636,17 @@ class _MemoryConfig:
 
     def check(self) -> None:
         threshold = self.malloc_mmap_threshold
-        if threshold not in ("auto", "default") and not (threshold.isdigit() and int(threshold) > 0):
+        if threshold not in ("auto", "default") and not (
+            threshold.isdigit() and int(threshold) > 0
+        ):
             raise ValueError(
-                f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a byte count > 0"
+                f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a "
+                "byte count > 0"
             )
         if self.profile_step < 0:
-            raise ValueError(f"memory.profile_step={self.profile_step}: must be >= 0 (0: no profiling)")
+            raise ValueError(
+                f"memory.profile_step={self.profile_step}: must be >= 0 (0: no profiling)"
+            )
 
 
 # What eval.path holds for each task that can be evaluated (fsdp_zero.training.evaluate).
@@ -602,11 +661,12 @@ class _EvalConfig:
     """Validation on held-out data at every ``every``-th step and at the last (see fsdp_zero.training.evaluate)."""
 
     every: int = 0  # steps between evaluations, and one at the last step; 0: no evaluation
-    # causal_lm: a token file (.bin of data.token_dtype, or .npy), cut into windows of data.seq_len + 1
-    # tokens at stride data.seq_len; classification: an ImageFolder directory (resized, centre-cropped).
+    # causal_lm: a token file (.bin of data.token_dtype, or .npy), cut into windows of data.seq_len
+    # + 1 tokens at stride data.seq_len; classification: an ImageFolder directory (resized,
+    # centre-cropped).
     path: str | None = None
-    # Evaluate only the first max_batches x train.global_batch_size windows (images): the same set at
-    # any world size and micro-batch size. 0: the whole file.
+    # Evaluate only the first max_batches x train.global_batch_size windows (images): the same set
+    # at any world size and micro-batch size. 0: the whole file.
     max_batches: int = 0
 
     def check(self) -> None:
@@ -631,14 +691,20 @@ class _EvalConfig:
             return
         if task not in _EVAL_PATHS:
             raise ValueError(
-                f"eval.every={self.every}: model.task={task.value} cannot be evaluated (its batches "
-                f"are the loss function's own); valid choices: {', '.join(t.value for t in _EVAL_PATHS)}, "
-                "or eval.every=0"
+                f"eval.every={self.every}: model.task={task.value} cannot be evaluated (its "
+                "batches are the loss function's own); valid choices: "
+                f"{', '.join(t.value for t in _EVAL_PATHS)}, or eval.every=0"
             )
         path = Path(self.path)
-        fits = path.is_dir() if task is Task.classification else path.is_file() and path.suffix in (".bin", ".npy")
+        fits = (
+            path.is_dir()
+            if task is Task.classification
+            else path.is_file() and path.suffix in (".bin", ".npy")
+        )
         if not fits:
-            raise ValueError(f"eval.path={self.path!r}: model.task={task.value} evaluates {_EVAL_PATHS[task]}")
+            raise ValueError(
+                f"eval.path={self.path!r}: model.task={task.value} evaluates {_EVAL_PATHS[task]}"
+            )
 
 
 @dataclass
@@ -659,14 +725,16 @@ class Config:
 
 def validate(cfg: Config) -> None:
     """Every section's ``check()``, and the rules that span sections. The built-in model's rules are
-    `fsdp_zero.config.presets.check_model_config`'s (`fsdp_zero.config.loader.load_config` runs both);
-    those that need the world size run when a run is set up (`Topology.of`, `BatchLayout.of`).
+    `fsdp_zero.config.presets.check_model_config`'s (`fsdp_zero.config.loader.load_config` runs
+    both); those that need the world size run when a run is set up (`Topology.of`,
+    `BatchLayout.of`).
 
     Raises:
         ValueError: naming the key, the bad value and the valid choices.
     """
     cfg.model.check()
-    sources = _TASK_SOURCES.get(cfg.model.task)  # before data.check(): with the wrong source, its path is moot
+    # before data.check(): with the wrong source, its path is moot
+    sources = _TASK_SOURCES.get(cfg.model.task)
     if sources and cfg.data.source not in sources:
         raise ValueError(
             f"data.source={cfg.data.source.value} does not feed model.task={cfg.model.task.value}; "
@@ -690,21 +758,27 @@ def validate(cfg: Config) -> None:
     for key in ("stop_after", "max_minutes"):
         if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
             raise ValueError(
-                f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from its checkpoint"
+                f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from "
+                "its checkpoint"
             )
     p, strategy = cfg.precision, cfg.parallel.strategy
     if cfg.model.lora.rank and p.mode == "bf16-true":
         raise ValueError(
-            f"model.lora.rank={cfg.model.lora.rank} with precision.mode=bf16-true is not supported (the "
-            "adapters and their AdamW states would be bf16); LoRA runs with precision.mode=fp32, "
-            "bf16-mixed or fp16-mixed"
+            f"model.lora.rank={cfg.model.lora.rank} with precision.mode=bf16-true is not supported "
+            "(the adapters and their AdamW states would be bf16); LoRA runs with "
+            "precision.mode=fp32, bf16-mixed or fp16-mixed"
         )
-    mixed = p.mode.endswith("-mixed") or p.param_dtype not in (None, "fp32") or p.reduce_dtype not in (None, "fp32")
+    mixed = (
+        p.mode.endswith("-mixed")
+        or p.param_dtype not in (None, "fp32")
+        or p.reduce_dtype not in (None, "fp32")
+    )
     if mixed and p.mode != "bf16-true" and not is_fsdp(strategy):
         raise ValueError(
-            f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored ones) needs "
-            f"an FSDP strategy ({strategies_that('fsdp')}), not parallel.strategy="
-            f"{strategy.value}; with {strategy.value} use precision.mode=fp32 or bf16-true"
+            f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored "
+            f"ones) needs an FSDP strategy ({strategies_that('fsdp')}), not "
+            f"parallel.strategy={strategy.value}; with {strategy.value} use precision.mode=fp32 or "
+            "bf16-true"
         )
 
 
@@ -734,9 +808,13 @@ def _check_regexes(key: str, patterns: list[str]) -> None:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"{key}: {pattern!r} is not a valid regular expression ({e})") from None
+            raise ValueError(
+                f"{key}: {pattern!r} is not a valid regular expression ({e})"
+            ) from None
 
 
 def _is_target(text: str) -> bool:
     module, _, name = text.partition(":")
-    return bool(module and name) and all(part.isidentifier() for part in module.split(".") + name.split("."))
+    return bool(module and name) and all(
+        part.isidentifier() for part in module.split(".") + name.split(".")
+    )

@@ -39,10 +39,13 @@ class StrategySpec:
 
     zero_stage: int  # the ZeRO-DP stage it implements (hybrid_shard: stage 3 within each group)
     label: str  # its name in reports and charts
-    fsdp: bool  # FSDP2's fully_shard, unit by unit; else DistributedDataParallel over the whole model
+    # FSDP2's fully_shard, unit by unit; else DistributedDataParallel over the whole model
+    fsdp: bool
     reshard_after_forward: bool  # FSDP2 frees each unit's gathered parameters after its forward
-    sharded: tuple[bool, bool, bool]  # which of (parameters, gradients, optimizer states) each rank holds a part of
-    hybrid: bool  # sharded within groups of parallel.shard_size ranks, replicated across them (2-D mesh)
+    # which of (parameters, gradients, optimizer states) each rank holds a part of
+    sharded: tuple[bool, bool, bool]
+    # sharded within groups of parallel.shard_size ranks, replicated across them (2-D mesh)
+    hybrid: bool
     deepspeed_stage: int | None  # the zero_optimization.stage (parallel.zero_stage) that selects it
     aliases: tuple[str, ...] = ()  # the names users bring from FSDP1
     hpz: bool = False  # takes parallel.reshard_after_forward=k (ZeRO++'s hierarchical partitioning)
@@ -108,7 +111,8 @@ STRATEGIES: dict[Strategy, StrategySpec] = {
         aliases=("NO_SHARD",),
     ),
 }
-# DeepSpeed's stage -> ours, in stage order (hybrid_shard is DeepSpeed's MiCS, chosen by mics_shard_size).
+# DeepSpeed's stage -> ours, in stage order (hybrid_shard is DeepSpeed's MiCS, chosen by
+# mics_shard_size).
 ZERO_STAGES = {
     spec.deepspeed_stage: s
     for s, spec in sorted(STRATEGIES.items(), key=lambda kv: kv[1].zero_stage)
@@ -124,12 +128,16 @@ def is_fsdp(strategy: Strategy) -> bool:
 class GradSync(str, enum.Enum):
     """When gradients are reduced during gradient accumulation (parallel.grad_sync)."""
 
-    every_micro_batch = "every_micro_batch"  # each micro-batch's backward reduces (DDP: once a step, by no_sync)
-    replicas_once_per_step = "replicas_once_per_step"  # HSDP: reduce-scatter each micro-batch, all-reduce once
-    once_per_step = "once_per_step"  # FSDP: unsharded gradients held until the last micro-batch reduces them
+    # each micro-batch's backward reduces (DDP: once a step, by no_sync)
+    every_micro_batch = "every_micro_batch"
+    # HSDP: reduce-scatter each micro-batch, all-reduce once
+    replicas_once_per_step = "replicas_once_per_step"
+    # FSDP: unsharded gradients held until the last micro-batch reduces them
+    once_per_step = "once_per_step"
 
 
-# The StrategySpec field a strategy needs true to take a grad_sync mode (none: every strategy takes it).
+# The StrategySpec field a strategy needs true to take a grad_sync mode (none: every strategy takes
+# it).
 GRAD_SYNC_NEEDS = {GradSync.replicas_once_per_step: "hybrid", GradSync.once_per_step: "fsdp"}
 
 

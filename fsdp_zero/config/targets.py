@@ -30,7 +30,10 @@ def import_target(target: str, key: str) -> Callable:
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = sorted(n for n in dir(obj) if not n.startswith("_"))[:20]
-            raise ValueError(f"{key}={target!r}: {module_name!r} has no {attr!r} (it has: {', '.join(names)}, ...)")
+            raise ValueError(
+                f"{key}={target!r}: {module_name!r} has no {attr!r} (it has: {', '.join(names)}, "
+                "...)"
+            )
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(f"{key}={target!r} is a {type(obj).__name__}, not a class or function")

@@ -60,7 +60,9 @@ class SyntheticBigram:
             # One generator per sample: its tokens do not depend on who reads it.
             gen.manual_seed(self.seed * 1_000_003 + index)
             first[row] = torch.randint(0, self.vocab_size, (1,), generator=gen)
-            choices[row] = torch.multinomial(self.probs, self.seq_len, replacement=True, generator=gen)
+            choices[row] = torch.multinomial(
+                self.probs, self.seq_len, replacement=True, generator=gen
+            )
         out = torch.empty(n, self.seq_len + 1, dtype=torch.long)
         out[:, 0] = first
         for pos in range(self.seq_len):
@@ -88,7 +90,9 @@ class _Windows:
 
     def __init__(self, num_tokens: int, seq_len: int, seed: int, origin: str) -> None:
         if num_tokens < seq_len + 1:
-            raise ValueError(f"{origin} holds {num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}")
+            raise ValueError(
+                f"{origin} holds {num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}"
+            )
         self.seq_len = seq_len
         self.seed = seed
         self.num_windows = (num_tokens - 1) // seq_len
@@ -105,7 +109,9 @@ class _Windows:
         return self._rows([self._window(index) * self.seq_len for index in indices])
 
     def _rows(self, starts: list[int]) -> torch.Tensor:
-        return torch.stack([self.tokens(start, start + self.seq_len + 1) for start in starts]).long()
+        return torch.stack(
+            [self.tokens(start, start + self.seq_len + 1) for start in starts]
+        ).long()
 
     def pairs(self, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of the windows that start at these token offsets."""
@@ -135,16 +141,18 @@ class TokenFile(_Windows):
     """Pre-tokenized token ids on disk, memory-mapped: a flat ``.bin`` of ``dtype`` (what nanoGPT's
     prepare.py writes: uint16 GPT-2 ids) or a 1-D ``.npy``. Only the windows read are paged in.
 
-    A ``meta.json`` beside the file (`fsdp_zero.data.prepare` writes one) names the ``.bin``'s dtype and
-    the tokenizer's vocabulary size; ``dtype`` None follows it (uint16 without one).
+    A ``meta.json`` beside the file (`fsdp_zero.data.prepare` writes one) names the ``.bin``'s dtype
+    and the tokenizer's vocabulary size; ``dtype`` None follows it (uint16 without one).
 
-    A mask file beside a ``.bin`` (``train.mask.bin``, see `fsdp_zero.data.prepare.mask_file`: uint8, one
-    byte a token) marks the tokens trained on: a target whose mask byte is 0 becomes `IGNORE`, which
-    the loss leaves out (the mask applies to the predicted token: window tokens [s, s + L + 1) predict
-    s + 1 .. s + L, and target s + j counts iff mask[s + j] == 1). ``masked`` says whether there is one.
+    A mask file beside a ``.bin`` (``train.mask.bin``, see `fsdp_zero.data.prepare.mask_file`:
+    uint8, one byte a token) marks the tokens trained on: a target whose mask byte is 0 becomes
+    `IGNORE`, which the loss leaves out (the mask applies to the predicted token: window tokens [s,
+    s + L + 1) predict s + 1 .. s + L, and target s + j counts iff mask[s + j] == 1). ``masked``
+    says whether there is one.
 
     Raises:
-        ValueError: a ``dtype`` that contradicts meta.json's; an unreadable file; a mask of another length.
+        ValueError: a ``dtype`` that contradicts meta.json's; an unreadable file; a mask of another
+            length.
     """
 
     def __init__(self, path: str | Path, seq_len: int, seed: int, dtype: str | None = None) -> None:
@@ -152,8 +160,9 @@ class TokenFile(_Windows):
         written = self.meta["dtype"] if self.meta and self.path.suffix == ".bin" else None
         if dtype is not None and written is not None and dtype != written:
             raise ValueError(
-                f"data.token_dtype={dtype}, but {self.path.with_name(META)} says {self.path.name} holds "
-                f"{written}; set data.token_dtype={written}, or leave it unset (null) to follow meta.json"
+                f"data.token_dtype={dtype}, but {self.path.with_name(META)} says {self.path.name} "
+                f"holds {written}; set data.token_dtype={written}, or leave it unset (null) to "
+                "follow meta.json"
             )
         self.dtype = dtype or written or "uint16"
         self.mask_path = mask_file(self.path) if self.path.suffix == ".bin" else None
@@ -170,19 +179,26 @@ class TokenFile(_Windows):
     def _mask(self) -> np.ndarray:
         if self._mask_mapped is None:  # lazily, as the tokens: a loader worker maps its own
             size = self.mask_path.stat().st_size
-            self._mask_mapped = np.memmap(self.mask_path, dtype=np.uint8, mode="r") if size else np.empty(0, np.uint8)
+            self._mask_mapped = (
+                np.memmap(self.mask_path, dtype=np.uint8, mode="r")
+                if size
+                else np.empty(0, np.uint8)
+            )
         return self._mask_mapped
 
     def pairs(self, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = super().pairs(starts)
         if self.masked:  # unmasked data never comes here: its targets are today's, bit for bit
-            trained = np.stack([self._mask[s + 1 : s + self.seq_len + 1] for s in starts]).astype(bool)
+            trained = np.stack([self._mask[s + 1 : s + self.seq_len + 1] for s in starts]).astype(
+                bool
+            )
             targets = targets.masked_fill(~torch.from_numpy(trained), IGNORE)
         return inputs, targets
 
     @property
     def _array(self) -> np.ndarray:
-        if getattr(self, "_mapped", None) is None:  # opened lazily: a DataLoader worker maps its own
+        # opened lazily: a DataLoader worker maps its own
+        if getattr(self, "_mapped", None) is None:
             try:
                 if self.path.suffix == ".npy":
                     arr = np.load(self.path, mmap_mode="r")
@@ -194,7 +210,8 @@ class TokenFile(_Windows):
                     )
             except ValueError as e:
                 raise ValueError(
-                    f"data.path={str(self.path)!r}: not a token file of data.token_dtype={self.dtype}: {e}"
+                    f"data.path={str(self.path)!r}: not a token file of "
+                    f"data.token_dtype={self.dtype}: {e}"
                 ) from None
             if arr.ndim != 1 or arr.dtype.kind not in "iu":
                 raise ValueError(
@@ -205,7 +222,11 @@ class TokenFile(_Windows):
         return self._mapped
 
     def __getstate__(self) -> dict:
-        return {k: None if k == "_mask_mapped" else v for k, v in self.__dict__.items() if k != "_mapped"}
+        return {
+            k: None if k == "_mask_mapped" else v
+            for k, v in self.__dict__.items()
+            if k != "_mapped"
+        }
 
     def max_token(self, chunk: int = 1 << 26) -> int:
         arr = self._array
@@ -217,15 +238,16 @@ class TokenFile(_Windows):
         if self.meta and self.meta["vocab_size"] > vocab_size:
             raise ValueError(
                 f"data.path={str(self.path)!r} was tokenized with a vocabulary of "
-                f"{self.meta['vocab_size']} entries ({self.path.with_name(META)}), but the model's has "
-                f"{vocab_size}; tokenize with the model's own tokenizer, or enlarge its vocabulary"
+                f"{self.meta['vocab_size']} entries ({self.path.with_name(META)}), but the model's "
+                f"has {vocab_size}; tokenize with the model's own tokenizer, or enlarge its "
+                "vocabulary"
             )
         largest = self.max_token()
         if largest >= vocab_size:
             raise ValueError(
-                f"data.path={str(self.path)!r} holds token id {largest}, but the model's vocabulary has "
-                f"{vocab_size} entries (ids 0..{vocab_size - 1}); tokenize for this model, or "
-                "enlarge its vocabulary"
+                f"data.path={str(self.path)!r} holds token id {largest}, but the model's "
+                f"vocabulary has {vocab_size} entries (ids 0..{vocab_size - 1}); tokenize for this "
+                "model, or enlarge its vocabulary"
             )
 
     def tokens(self, start: int, stop: int) -> torch.Tensor:
@@ -243,7 +265,9 @@ class _ImageSamples:
 
     def __init__(self, dataset: "torch.utils.data.Dataset", seed: int, shuffle: bool) -> None:
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
-        self.num_classes = len(getattr(dataset, "classes", [])) or getattr(dataset, "num_classes", 0)
+        self.num_classes = len(getattr(dataset, "classes", [])) or getattr(
+            dataset, "num_classes", 0
+        )
         self._order: tuple[int, torch.Tensor] | None = None
 
     def _item(self, index: int) -> int:
@@ -301,7 +325,8 @@ def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> S
     """The configured source, checked against the model's vocabulary (token sources).
 
     Raises:
-        ValueError: an empty or unreadable file, token ids the model cannot embed, an empty image folder.
+        ValueError: an empty or unreadable file, token ids the model cannot embed, an empty image
+            folder.
     """
     if cfg.source in TOKEN_SOURCES and vocab_size is None:
         raise ValueError(
@@ -312,7 +337,9 @@ def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> S
         return SyntheticBigram(vocab_size, cfg.seq_len, seed, cfg.branching)
     if cfg.source is DataSource.text:
         if vocab_size < ByteText.vocab_size:
-            raise ValueError(f"data.source=text needs a model vocabulary >= 256 (bytes), got {vocab_size}")
+            raise ValueError(
+                f"data.source=text needs a model vocabulary >= 256 (bytes), got {vocab_size}"
+            )
         return ByteText(cfg.path, cfg.seq_len, seed)
     if cfg.source is DataSource.tokens:
         source = TokenFile(cfg.path, cfg.seq_len, seed, cfg.token_dtype)
@@ -361,7 +388,8 @@ class BatchLayout:
             )
             raise ValueError(
                 f"train.global_batch_size={g} does not divide into "
-                f"train.micro_batch_size={cfg.micro_batch_size} x {dp_size} data-parallel ranks; {hint}"
+                f"train.micro_batch_size={cfg.micro_batch_size} x {dp_size} data-parallel ranks; "
+                f"{hint}"
             )
         return cls(
             cfg.global_batch_size,
@@ -390,7 +418,11 @@ class _StepSlices(torch.utils.data.Dataset):
     """Item ``position``: this rank's samples of the global batch that starts at sample ``position``."""
 
     def __init__(self, source: Source, layout: BatchLayout, rank: int) -> None:
-        self.source, self.per_rank, self.rank = source, layout.global_batch_size // layout.dp_size, rank
+        self.source, self.per_rank, self.rank = (
+            source,
+            layout.global_batch_size // layout.dp_size,
+            rank,
+        )
 
     def __getitem__(self, position: int) -> tuple:
         start = position + self.rank * self.per_rank
@@ -399,8 +431,9 @@ class _StepSlices(torch.utils.data.Dataset):
 
 def _ignore_sigterm(worker_id: int) -> None:
     """A loader worker ignores SIGTERM: a scheduler signals every process of a job (Slurm's time limit and
-    ``scancel --signal`` reach every process of the step), and a worker that died of it would end its
-    rank's run with an error instead of the save that SIGTERM asks the rank for. It ends with its rank."""
+    ``scancel --signal`` reach every process of the step), and a worker that died of it would end
+    its rank's run with an error instead of the save that SIGTERM asks the rank for. It ends with
+    its rank."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
@@ -415,7 +448,14 @@ class BatchCursor:
         position: global samples consumed so far, the whole of the data state.
     """
 
-    def __init__(self, source: Source, layout: BatchLayout, rank: int, num_workers: int = 0, position: int = 0) -> None:
+    def __init__(
+        self,
+        source: Source,
+        layout: BatchLayout,
+        rank: int,
+        num_workers: int = 0,
+        position: int = 0,
+    ) -> None:
         self.source, self.layout, self.rank, self.num_workers = source, layout, rank, num_workers
         self._position = position
         self._batches: Iterator | None = None

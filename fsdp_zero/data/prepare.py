@@ -48,7 +48,8 @@ _TOKENIZER_FILES = (
     "chat_template.*",
 )
 _FORMATS = ("text", "prompt_completion", "chat")
-_CHUNK = 64  # documents per task handed to a worker: few enough messages, small enough to keep order cheap
+# documents per task handed to a worker: few enough messages, small enough to keep order cheap
+_CHUNK = 64
 
 
 # ---------------------------------------------------------------------------------
@@ -69,13 +70,16 @@ def _input_files(paths: Iterable[str | Path]) -> list[Path]:
         elif path.is_file():
             if path.suffix not in _SUFFIXES:
                 raise ValueError(
-                    f"--input {path}: not a .txt or .jsonl file (valid: {', '.join(_SUFFIXES)}, or a folder of them)"
+                    f"--input {path}: not a .txt or .jsonl file (valid: {', '.join(_SUFFIXES)}, or "
+                    "a folder of them)"
                 )
             files.append(path)
         else:
             raise ValueError(f"--input {path}: no such file or folder")
     if not files:
-        raise ValueError(f"--input {' '.join(map(str, paths))}: no .txt or .jsonl files, so no documents")
+        raise ValueError(
+            f"--input {' '.join(map(str, paths))}: no .txt or .jsonl files, so no documents"
+        )
     return files
 
 
@@ -86,16 +90,20 @@ def documents(files: list[Path], field: str | tuple[str, str], fmt: str = "text"
     (prompt, completion) pair of names; chat: the list of messages in ``field`` ("messages").
 
     Raises:
-        ValueError: naming file:line, for malformed JSON, a line without ``field``, or a field that is not
-            text; naming the file, for bytes that are not UTF-8.
+        ValueError: naming file:line, for malformed JSON, a line without ``field``, or a field that
+            is not text; naming the file, for bytes that are not UTF-8.
     """
     for path in files:
         try:
             if fmt != "text" and path.suffix != ".jsonl":
-                raise ValueError(f"--input {path}: --format {fmt} reads .jsonl files only (a record a line)")
+                raise ValueError(
+                    f"--input {path}: --format {fmt} reads .jsonl files only (a record a line)"
+                )
             yield from _documents_of(path, field, fmt)
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)") from None
+            raise ValueError(
+                f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a line)"
+            ) from None
 
 
 def _documents_of(path: Path, field: str | tuple[str, str], fmt: str = "text") -> Iterator[Any]:
@@ -112,15 +120,22 @@ def _documents_of(path: Path, field: str | tuple[str, str], fmt: str = "text") -
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: malformed JSON at column {e.pos + 1}: {e.msg}") from None
+                raise ValueError(
+                    f"{path}:{number}: malformed JSON at column {e.pos + 1}: {e.msg}"
+                ) from None
             if fmt != "text":
                 yield _record(record, field, fmt, f"{path}:{number}")
                 continue
             if not isinstance(record, dict) or field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path}:{number}: no field {field!r} (--field); the line has {keys}")
+                raise ValueError(
+                    f"{path}:{number}: no field {field!r} (--field); the line has {keys}"
+                )
             if not isinstance(record[field], str):
-                raise ValueError(f"{path}:{number}: field {field!r} holds {type(record[field]).__name__}, not text")
+                raise ValueError(
+                    f"{path}:{number}: field {field!r} holds {type(record[field]).__name__}, not "
+                    "text"
+                )
             yield record[field]
 
 
@@ -142,12 +157,15 @@ def _record(record: Any, fields: str | tuple[str, str], fmt: str, where: str) ->
         isinstance(messages, list)
         and messages
         and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
             for m in messages
         )
     ):
         raise ValueError(
-            f'{where}: field {names[0]!r} must be a non-empty list of {{"role": ..., "content": ...}} messages'
+            f'{where}: field {names[0]!r} must be a non-empty list of {{"role": ..., "content": '
+            "...} messages"
         )
     return messages
 
@@ -156,7 +174,9 @@ def validation_documents(count: int, fraction: float, seed: int) -> set[int]:
     """Which of ``count`` documents go to validation: round(fraction * count) of them, chosen by ``seed``,
     at least one when fraction > 0 and there are two documents or more, and never all of them."""
     if not 0 <= fraction < 1:
-        raise ValueError(f"--val-fraction={fraction}: must be in [0, 1) (0: no validation documents)")
+        raise ValueError(
+            f"--val-fraction={fraction}: must be in [0, 1) (0: no validation documents)"
+        )
     if fraction == 0 or count < 2:
         return set()
     n = min(max(1, round(fraction * count)), count - 1)
@@ -176,29 +196,38 @@ def _load_tokenizer(directory: str | Path) -> Any:
     """
     path = Path(directory)
     if not path.is_dir():
-        raise ValueError(f"--tokenizer {directory}: no such folder (a folder that save_pretrained wrote)")
+        raise ValueError(
+            f"--tokenizer {directory}: no such folder (a folder that save_pretrained wrote)"
+        )
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ValueError('scripts/prepare_data.py needs transformers: pip install -e ".[hf]"') from None
+        raise ValueError(
+            'scripts/prepare_data.py needs transformers: pip install -e ".[hf]"'
+        ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 (transformers raises OSError, ValueError, KeyError... for a bad folder)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--tokenizer {directory}: not a tokenizer folder ({first})") from None
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"--tokenizer {directory}: the tokenizer has no EOS token to end each document with")
+        raise ValueError(
+            f"--tokenizer {directory}: the tokenizer has no EOS token to end each document with"
+        )
     return tokenizer
 
 
 def _tokenizer_hash(directory: str | Path) -> tuple[str, list[str]]:
     """A sha256 over the tokenizer's files in ``directory`` (names and bytes, sorted), and their names."""
     folder = Path(directory)
-    names = sorted({p.name for pattern in _TOKENIZER_FILES for p in folder.glob(pattern) if p.is_file()})
+    names = sorted(
+        {p.name for pattern in _TOKENIZER_FILES for p in folder.glob(pattern) if p.is_file()}
+    )
     digest = hashlib.sha256()
     for name in names:
         data = (folder / name).read_bytes()
-        digest.update(f"{name}\0{len(data)}\0".encode())  # the name and length delimit one file from the next
+        # the name and length delimit one file from the next
+        digest.update(f"{name}\0{len(data)}\0".encode())
         digest.update(data)
     return digest.hexdigest(), names
 
@@ -219,13 +248,17 @@ def _encode(doc: Any) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         ids = tokenizer(doc)["input_ids"]
         ids.append(tokenizer.eos_token_id)
         return _ids(ids)
-    ids, mask = _prompt_completion(tokenizer, *doc) if fmt == "prompt_completion" else _chat(tokenizer, doc)
+    ids, mask = (
+        _prompt_completion(tokenizer, *doc) if fmt == "prompt_completion" else _chat(tokenizer, doc)
+    )
     return _ids(ids), np.asarray(mask, dtype=np.uint8)
 
 
 def _ids(ids: list[int]) -> np.ndarray:
     out = np.asarray(ids, dtype=np.int64)
-    assert out.min() >= 0 and out.max() < np.iinfo(_WORKER["dtype"]).max + 1, "ids the output dtype cannot hold"
+    assert out.min() >= 0 and out.max() < np.iinfo(_WORKER["dtype"]).max + 1, (
+        "ids the output dtype cannot hold"
+    )
     return out.astype(_WORKER["dtype"])
 
 
@@ -239,13 +272,17 @@ def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[li
 
 
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)  # transformers 5 may return a BatchEncoding
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=generation_prompt
+    )
+    # transformers 5 may return a BatchEncoding
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def _chat(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
     """A conversation rendered by the tokenizer's chat template, then EOS; trained on: each assistant
-    turn's tokens (its content and what the template closes it with) and the EOS after a last assistant turn.
+    turn's tokens (its content and what the template closes it with) and the EOS after a last
+    assistant turn.
 
     How the turns are found: the template renders the conversation prefix by prefix, and a turn's
     tokens are those the next prefix adds, so no template's markup is parsed. An assistant turn
@@ -267,9 +304,9 @@ def _chat(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
         upto = _render(tokenizer, messages[: i + 1])
         if full[: len(upto)] != upto:
             raise ValueError(
-                "--format chat: the chat template renders a conversation's first "
-                f"{i + 1} messages as other tokens than the start of the whole; its turns cannot be "
-                "told apart (use --format prompt_completion)"
+                f"--format chat: the chat template renders a conversation's first {i + 1} messages "
+                "as other tokens than the start of the whole; its turns cannot be told apart (use "
+                "--format prompt_completion)"
             )
         if message["role"] == "assistant":
             mask[start : len(upto)] = [1] * (len(upto) - start)
@@ -297,7 +334,9 @@ class _Progress:
         except ImportError:
             self._bar = None
         else:
-            self._bar = tqdm(total=self.total, unit="doc", file=sys.stderr, delay=self.every_s, leave=False)
+            self._bar = tqdm(
+                total=self.total, unit="doc", file=sys.stderr, delay=self.every_s, leave=False
+            )
 
     def update(self, tokens: int) -> None:
         self.done += 1
@@ -310,7 +349,8 @@ class _Progress:
             self._last = now
             rate = self.tokens / (now - self._start)
             print(
-                f"prepare: {self.done:,}/{self.total:,} documents, {self.tokens:,} tokens ({rate:,.0f} tokens/s)",
+                f"prepare: {self.done:,}/{self.total:,} documents, {self.tokens:,} tokens "
+                f"({rate:,.0f} tokens/s)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -325,12 +365,16 @@ def _encoded(
 ) -> Iterator[Any]:
     """The ``count`` documents' ids in input order, tokenized by ``workers`` processes (1: in this one, with
     the tokenizer `prepare` loaded; each worker loads its own from ``tokenizer_dir``)."""
-    chunk = max(1, min(_CHUNK, count // (4 * workers)))  # a small input still spreads over every worker
+    # a small input still spreads over every worker
+    chunk = max(1, min(_CHUNK, count // (4 * workers)))
     if workers == 1:
         yield from map(_encode, docs)
         return
-    # imap keeps the input order whichever worker finishes first: the output does not depend on `workers`.
-    with multiprocessing.get_context().Pool(workers, _start_worker, (tokenizer_dir, dtype, fmt)) as pool:
+    # imap keeps the input order whichever worker finishes first: the output does not depend on
+    # `workers`.
+    with multiprocessing.get_context().Pool(
+        workers, _start_worker, (tokenizer_dir, dtype, fmt)
+    ) as pool:
         yield from pool.imap(_encode, docs, chunksize=chunk)
 
 
@@ -349,8 +393,8 @@ def prepare(
     """Tokenizes ``inputs`` into ``out``/train.bin, val.bin and meta.json; the same bytes for any ``workers``.
 
     ``fmt`` text: documents (``field``, default "text"); prompt_completion (``prompt_field``,
-    ``completion_field``) and chat (``field``, default "messages"): instruction records, each split's
-    mask written beside its ``.bin`` (`mask_file`).
+    ``completion_field``) and chat (``field``, default "messages"): instruction records, each
+    split's mask written beside its ``.bin`` (`mask_file`).
 
     Everything is written into a temporary folder beside ``out``, renamed to ``out`` at the end: a
     run that fails leaves nothing behind.
@@ -360,7 +404,8 @@ def prepare(
         over the inputs and loading the tokenizer left out: a throughput figure's denominator).
 
     Raises:
-        ValueError: a bad input, tokenizer or setting, naming it; an ``out`` that already holds data.
+        ValueError: a bad input, tokenizer or setting, naming it; an ``out`` that already holds
+            data.
     """
     out = Path(out)
     if workers < 1:
@@ -371,9 +416,12 @@ def prepare(
     fields = (prompt_field, completion_field) if fmt == "prompt_completion" else field
     _check_out(out)
     files = _input_files(inputs)
-    count = sum(1 for _ in documents(files, fields, fmt))  # a first pass: bad lines fail before any tokenizing
+    # a first pass: bad lines fail before any tokenizing
+    count = sum(1 for _ in documents(files, fields, fmt))
     if count == 0:
-        raise ValueError(f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)")
+        raise ValueError(
+            f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)"
+        )
     val = validation_documents(count, val_fraction, seed)
     tokenizer = _load_tokenizer(tokenizer_dir)
     vocab_size = len(tokenizer)  # the base vocabulary and the added tokens: every id it can emit
@@ -383,7 +431,9 @@ def prepare(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         start = time.perf_counter()
-        encoded = _encoded(documents(files, fields, fmt), count, workers, str(tokenizer_dir), dtype, fmt)
+        encoded = _encoded(
+            documents(files, fields, fmt), count, workers, str(tokenizer_dir), dtype, fmt
+        )
         totals = _write_splits(staging, encoded, val, count)
         seconds = time.perf_counter() - start
         sha, names = _tokenizer_hash(tokenizer_dir)
@@ -423,10 +473,14 @@ def _check_out(out: Path) -> None:
     """Refuses an ``out`` that is a file or a folder with anything in it: what a user saved is never overwritten."""
     if (out / "train.bin").exists():
         raise ValueError(
-            f"--out {out}: already holds train.bin; choose a new folder (prepared data is never overwritten)"
+            f"--out {out}: already holds train.bin; choose a new folder (prepared data is never "
+            "overwritten)"
         )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: exists and is not an empty folder; choose a new one (nothing is overwritten)")
+        raise ValueError(
+            f"--out {out}: exists and is not an empty folder; choose a new one (nothing is "
+            "overwritten)"
+        )
 
 
 def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], count: int) -> dict:
@@ -443,7 +497,9 @@ def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], co
                     if not masks:
                         masks = {s: open(mask_file(folder / f"{s}.bin"), "wb") for s in _SPLITS}
                     masks[split].write(mask.tobytes())
-                    totals[split]["trained_tokens"] = totals[split].get("trained_tokens", 0) + int(mask.sum())
+                    totals[split]["trained_tokens"] = totals[split].get("trained_tokens", 0) + int(
+                        mask.sum()
+                    )
                 f.write(ids.tobytes())
                 totals[split]["documents"] += 1
                 totals[split]["tokens"] += len(ids)
@@ -453,5 +509,7 @@ def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], co
         for split, m in masks.items():
             m.close()
             totals[split].setdefault("trained_tokens", 0)
-    assert totals["train"]["documents"] + totals["val"]["documents"] == count, "the second pass saw other documents"
+    assert totals["train"]["documents"] + totals["val"]["documents"] == count, (
+        "the second pass saw other documents"
+    )
     return totals

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 META = "meta.json"
-_MASK_SUFFIX = ".mask.bin"  # train.bin -> train.mask.bin: uint8, one byte per token, 1 where it is trained on
+# train.bin -> train.mask.bin: uint8, one byte per token, 1 where it is trained on
+_MASK_SUFFIX = ".mask.bin"
 IGNORE = -100  # a target left out of the loss: F.cross_entropy's default ignore_index
 
 
@@ -37,7 +38,9 @@ def read_meta(token_file: str | Path) -> dict[str, Any] | None:
         meta = json.loads(path.read_text())
     except ValueError as e:
         meta = f"not JSON: {e}"
-    missing = [k for k in ("dtype", "vocab_size") if k not in meta] if isinstance(meta, dict) else meta
+    missing = (
+        [k for k in ("dtype", "vocab_size") if k not in meta] if isinstance(meta, dict) else meta
+    )
     if missing:
         raise ValueError(
             f"{path}: not a meta.json that scripts/prepare_data.py writes (lacks {missing}); "

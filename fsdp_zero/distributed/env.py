@@ -66,16 +66,23 @@ def _store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
-        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("RANK") == "0":
+        if (
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and os.environ.get("RANK") == "0"
+        ):
             print(
                 "warning: torchrun --max-restarts over several nodes: launch it with "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or restarted ranks may find the dead ranks' addresses "
-                "in the shared store and fail to connect (pytorch#135712)",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or restarted ranks may find the dead ranks' "
+                "addresses in the shared store and fail to connect (pytorch#135712)",
                 file=sys.stderr,
             )
         return None
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"fsdp_zero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(
+        f"fsdp_zero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent
+    )
 
 
 def init_distributed(cfg: DistConfig) -> DistEnv:
@@ -92,8 +99,12 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
 
     cuda = torch.cuda.is_available()
     if cfg.device is Device.cuda and not cuda:
-        raise ValueError("dist.device=cuda but no CUDA device is visible; valid choices here: auto, cpu")
-    device_type = "cuda" if (cfg.device is Device.cuda or (cfg.device is Device.auto and cuda)) else "cpu"
+        raise ValueError(
+            "dist.device=cuda but no CUDA device is visible; valid choices here: auto, cpu"
+        )
+    device_type = (
+        "cuda" if (cfg.device is Device.cuda or (cfg.device is Device.auto and cuda)) else "cpu"
+    )
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -103,19 +114,26 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl" and device_type != "cuda":
-        raise ValueError("dist.backend=nccl needs dist.device=cuda; on CPU use dist.backend=gloo (or auto)")
+        raise ValueError(
+            "dist.backend=nccl needs dist.device=cuda; on CPU use dist.backend=gloo (or auto)"
+        )
 
     timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     # NCCL for CUDA tensors, gloo for CPU ones (torch's own default when no backend is named): with
     # CPU offload the gradient norm's all-reduce runs on CPU shards, which NCCL alone cannot take.
     spec = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-    # A group of one meets in a store in this process: no port to pick (two runs started at once could pick
-    # the same free one between its test and its use: seen as EADDRINUSE).
+    # A group of one meets in a store in this process: no port to pick (two runs started at once
+    # could pick the same free one between its test and its use: seen as EADDRINUSE).
     store = dist.HashStore() if alone else _store_of_this_attempt(timeout)
-    dist.init_process_group(backend=spec, rank=rank, world_size=world_size, timeout=timeout, store=store, **kwargs)
-    env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
-    os.environ[ATTEMPT_VAR] = broadcast_object(secrets.token_hex(4), env)  # rank 0's: see `failure_key`
+    dist.init_process_group(
+        backend=spec, rank=rank, world_size=world_size, timeout=timeout, store=store, **kwargs
+    )
+    env = DistEnv(
+        rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend
+    )
+    # rank 0's: see `failure_key`
+    os.environ[ATTEMPT_VAR] = broadcast_object(secrets.token_hex(4), env)
     return env
 
 
@@ -155,8 +173,8 @@ def distributed(cfg: DistConfig) -> Iterator[DistEnv]:
 
 class CollectiveTimeout:
     """Which of ``dist.timeout_minutes`` (start-up, checkpoint saves) and ``dist.step_timeout_minutes``
-    applies to the collectives of the default group and of the mesh ``model`` is sharded over (HSDP's
-    shard and replicate groups); ``key`` names it."""
+    applies to the collectives of the default group and of the mesh ``model`` is sharded over
+    (HSDP's shard and replicate groups); ``key`` names it."""
 
     def __init__(self, cfg: DistConfig, model: torch.nn.Module) -> None:
         self.cfg, self.key = cfg, "timeout_minutes"  # what init_process_group set
@@ -203,22 +221,25 @@ def last_collective(out: Path, backend: str) -> str:
 def failure_key(rank: int) -> str:
     """The store key through which ``rank`` says a collective failed on it, scoped to this attempt.
 
-    A store can outlive an attempt: torchrun's agent keeps its own across ``--max-restarts`` restarts,
-    and keys an earlier attempt's ranks wrote would still be there. Unscoped, a rank that reported in
-    attempt 1 and died in attempt 2 would look as if it had reported: the dead rank would be hidden.
-    The scope is a token rank 0 draws when the ranks meet (``init_distributed``), in the environment as
-    FSDP_ZERO_ATTEMPT for code that has no `DistEnv` (a user's loss; the tests' fault injection).
+    A store can outlive an attempt: torchrun's agent keeps its own across ``--max-restarts``
+    restarts, and keys an earlier attempt's ranks wrote would still be there. Unscoped, a rank that
+    reported in attempt 1 and died in attempt 2 would look as if it had reported: the dead rank
+    would be hidden. The scope is a token rank 0 draws when the ranks meet (``init_distributed``),
+    in the environment as FSDP_ZERO_ATTEMPT for code that has no `DistEnv` (a user's loss; the
+    tests' fault injection).
     """
     return f"fsdp_zero/{os.environ.get(ATTEMPT_VAR, '')}/collective_failed/{rank}"
 
 
-def silent_ranks(env: DistEnv, wait_seconds: float = 5.0, store: dist.Store | None = None) -> list[int]:
+def silent_ranks(
+    env: DistEnv, wait_seconds: float = 5.0, store: dist.Store | None = None
+) -> list[int]:
     """The ranks that died or hang, as far as this rank can tell after a collective failed on it.
 
-    Every rank whose collective fails says so through ``store`` (default: the store the ranks met in;
-    the key `failure_key`), and waits up to ``wait_seconds`` for the others to say the same: a rank
-    that died, or that is stuck outside the collective, never does. [] if the store is gone too (its
-    host died).
+    Every rank whose collective fails says so through ``store`` (default: the store the ranks met
+    in; the key `failure_key`), and waits up to ``wait_seconds`` for the others to say the same: a
+    rank that died, or that is stuck outside the collective, never does. [] if the store is gone too
+    (its host died).
     """
     from fsdp_zero.torch_private import default_store
 

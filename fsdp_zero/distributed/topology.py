@@ -17,16 +17,19 @@ class Topology:
 
     strategy: Strategy
     world_size: int
-    shard_group: int  # ranks a sharded state is split over: hybrid_shard's shard_size, else every rank
-    param_shards: int  # ranks each parameter is split over (1: every rank holds them all: ddp, zero1)
-    reshard_after_forward: bool | int  # what FSDP2 reshards to after forward (k: groups of k ranks, hpZ)
+    # ranks a sharded state is split over: hybrid_shard's shard_size, else every rank
+    shard_group: int
+    # ranks each parameter is split over (1: every rank holds them all: ddp, zero1)
+    param_shards: int
+    # what FSDP2 reshards to after forward (k: groups of k ranks, hpZ)
+    reshard_after_forward: bool | int
     notes: tuple[str, ...] = ()  # settings that have no effect at this world size (to log)
 
     @classmethod
     def of(cls, cfg: ParallelConfig, world_size: int) -> Topology:
         """Raises:
-        ValueError: as `ParallelConfig.check_world` (a hybrid_shard shard size or an hpZ group size that
-            does not divide the world size)."""
+        ValueError: as `ParallelConfig.check_world` (a hybrid_shard shard size or an hpZ group size
+            that does not divide the world size)."""
         notes = tuple(cfg.check_world(world_size))
         spec = STRATEGIES[cfg.strategy]
         group = cfg.shard_size if spec.hybrid else world_size
@@ -47,6 +50,8 @@ class Topology:
         """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
         if self.spec.hybrid:
             return init_device_mesh(
-                device_type, (self.replicas, self.param_shards), mesh_dim_names=("dp_replicate", "dp_shard")
+                device_type,
+                (self.replicas, self.param_shards),
+                mesh_dim_names=("dp_replicate", "dp_shard"),
             )
         return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard",))

@@ -1,10 +1,10 @@
 """A model config in, the model out: parameters on the meta device, buffers real.
 
-`construct` imports ``model.target`` (any class or factory returning an ``nn.Module``), builds a Hugging
-Face folder's class (``model.pretrained``) or the built-in transformer, with every parameter on the meta
-device (shapes only: a model larger than one rank's memory never exists whole) and every buffer computed
-as the constructor computes it (BatchNorm statistics, rotary tables), so buffers are right after
-materialisation without any initialiser knowing them (`real_buffers`).
+`construct` imports ``model.target`` (any class or factory returning an ``nn.Module``), builds a
+Hugging Face folder's class (``model.pretrained``) or the built-in transformer, with every parameter
+on the meta device (shapes only: a model larger than one rank's memory never exists whole) and every
+buffer computed as the constructor computes it (BatchNorm statistics, rotary tables), so buffers are
+right after materialisation without any initialiser knowing them (`real_buffers`).
 """
 
 from __future__ import annotations
@@ -50,10 +50,12 @@ def construct(cfg: ModelConfig) -> nn.Module:
     ``model.pretrained``: the folder's class and config (`fsdp_zero.model.hf.build_pretrained`).
 
     Raises:
-        ValueError: a target that does not import, does not accept the kwargs, or returns no nn.Module.
+        ValueError: a target that does not import, does not accept the kwargs, or returns no
+            nn.Module.
     """
     with meta_parameters():
-        if cfg.pretrained is not None:  # a Hugging Face folder: the class and config from its config.json
+        # a Hugging Face folder: the class and config from its config.json
+        if cfg.pretrained is not None:
             return build_pretrained(cfg)
         if cfg.target is None:
             return from_config(cfg)
@@ -61,14 +63,22 @@ def construct(cfg: ModelConfig) -> nn.Module:
         kwargs = dict(cfg.kwargs)
         try:
             config_class = getattr(factory, "config_class", None)
-            if inspect.isclass(factory) and config_class is not None and hasattr(config_class, "to_dict"):
+            if (
+                inspect.isclass(factory)
+                and config_class is not None
+                and hasattr(config_class, "to_dict")
+            ):
                 model = factory(config_class(**kwargs))  # Hugging Face: MyModel(MyConfig(**kwargs))
             else:
                 model = factory(**kwargs)
         except TypeError as e:
-            raise ValueError(f"model.target={cfg.target} does not accept model.kwargs={kwargs}: {e}") from None
+            raise ValueError(
+                f"model.target={cfg.target} does not accept model.kwargs={kwargs}: {e}"
+            ) from None
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model.target={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module")
+        raise ValueError(
+            f"model.target={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
     return model
 
 

@@ -2,10 +2,11 @@
 
 In: the class comes from ``config.json``'s ``architectures`` (a `transformers` attribute; never the
 folder's own code unless ``model.trust_remote_code=true``), its config from ``config.json`` with
-``model.kwargs`` on top; `fsdp_zero.sharding.build.construct` builds it on the meta device like any model and
-the trainer streams the folder's weights into the shards as for ``model.init_from``
-(`fsdp_zero.checkpoint.weights.load_full_weights`). The folder's config, generation config and tokenizer files
-are copied into ``<run dir>/hf/`` with the run's other files (`fsdp_zero.training.rundir.run_files`).
+``model.kwargs`` on top; `fsdp_zero.sharding.build.construct` builds it on the meta device like any
+model and the trainer streams the folder's weights into the shards as for ``model.init_from``
+(`fsdp_zero.checkpoint.weights.load_full_weights`). The folder's config, generation config and
+tokenizer files are copied into ``<run dir>/hf/`` with the run's other files
+(`fsdp_zero.training.rundir.run_files`).
 
 Out: for a Hugging Face model (``model.pretrained``, or a ``model.target`` whose class has a
 ``config_class``), `export_files` gives what the export writes beside the weights: ``config.json``
@@ -34,7 +35,8 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"  # safetensors shards, and which tensor is in which
 SINGLE_FILE = "model.safetensors"
 _RUN_DIR_FOLDER = "hf"  # <run dir>/hf/: the folder's files the export reuses
-# Copied into the run directory when the folder has them (tokenizer.model and spiece.model are binary).
+# Copied into the run directory when the folder has them (tokenizer.model and spiece.model are
+# binary).
 _HF_FILES = (
     CONFIG_FILE,
     "generation_config.json",
@@ -75,25 +77,35 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise ValueError(
-            f"{_key(folder)}: no {CONFIG_FILE} in it; a Hugging Face model folder (save_pretrained's "
-            "output) holds config.json and *.safetensors"
+            f"{_key(folder)}: no {CONFIG_FILE} in it; a Hugging Face model folder "
+            "(save_pretrained's output) holds config.json and *.safetensors"
         )
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{_key(folder)}: {CONFIG_FILE} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{_key(folder)}: {CONFIG_FILE} holds a {type(config).__name__}, not a JSON object")
+        raise ValueError(
+            f"{_key(folder)}: {CONFIG_FILE} holds a {type(config).__name__}, not a JSON object"
+        )
     return config
 
 
 def _remote_class(folder: Path, auto_map: dict[str, Any], trust_remote_code: bool) -> type:
     """The folder's own model class named in ``auto_map``; imported only with trust_remote_code."""
-    names = sorted({v for value in auto_map.values() for v in (value if isinstance(value, list) else [value]) if v})
+    names = sorted(
+        {
+            v
+            for value in auto_map.values()
+            for v in (value if isinstance(value, list) else [value])
+            if v
+        }
+    )
     if not trust_remote_code:
         raise ValueError(
             f"{_key(folder)}: {CONFIG_FILE}'s auto_map asks to run the folder's own code "
-            f"({', '.join(names)}); it is never run unless you read it and set model.trust_remote_code=true"
+            f"({', '.join(names)}); it is never run unless you read it and set "
+            "model.trust_remote_code=true"
         )
     _transformers(_key(folder))
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
@@ -104,7 +116,8 @@ def _remote_class(folder: Path, auto_map: dict[str, Any], trust_remote_code: boo
     )
     if auto is None:
         raise ValueError(
-            f"{_key(folder)}: {CONFIG_FILE}'s auto_map names no model class (AutoModel...): {sorted(auto_map)}"
+            f"{_key(folder)}: {CONFIG_FILE}'s auto_map names no model class (AutoModel...): "
+            f"{sorted(auto_map)}"
         )
     return get_class_from_dynamic_module(auto_map[auto], str(folder))
 
@@ -114,15 +127,20 @@ def _model_class(folder: Path, config: dict[str, Any], trust_remote_code: bool =
     a `transformers` attribute, or the folder's own code (``auto_map``) with ``trust_remote_code``.
 
     Raises:
-        ValueError: remote code without trust_remote_code, transformers missing, or a class it does not know.
+        ValueError: remote code without trust_remote_code, transformers missing, or a class it does
+            not know.
     """
     if config.get("auto_map"):
         return _remote_class(folder, config["auto_map"], trust_remote_code)
     transformers = _transformers(_key(folder))
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS,
+    )
 
     names = config.get("architectures") or [CAUSAL_LMS.get(config.get("model_type"), "")]
-    name = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else repr(names)
+    name = (
+        names[0] if isinstance(names, list) and names and isinstance(names[0], str) else repr(names)
+    )
     cls = getattr(transformers, name, None) if name.isidentifier() else None
     if not (inspect.isclass(cls) and issubclass(cls, nn.Module) and hasattr(cls, "config_class")):
         known = sorted(set(CAUSAL_LMS.values()))
@@ -132,20 +150,24 @@ def _model_class(folder: Path, config: dict[str, Any], trust_remote_code: bool =
             "GPT2LMHeadModel",
         ]
         raise ValueError(
-            f"{_key(folder)}: {CONFIG_FILE} names the class {name or '(none)'!r} (architectures, model_type "
-            f"{config.get('model_type')!r}), which transformers {transformers.__version__} does not have; "
-            f"e.g. {', '.join(close)} (all {len(known)} causal LMs: transformers.models.auto.modeling_auto."
-            "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; a newer transformers may know it)"
+            f"{_key(folder)}: {CONFIG_FILE} names the class {name or '(none)'!r} (architectures, "
+            f"model_type {config.get('model_type')!r}), which transformers "
+            f"{transformers.__version__} does not have; e.g. {', '.join(close)} (all {len(known)} "
+            "causal LMs: "
+            "transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES; a newer "
+            "transformers may know it)"
         )
     return cls
 
 
 def build_pretrained(cfg: ModelConfig) -> nn.Module:
     """``model.pretrained``'s model with ``model.kwargs`` over its config.json, built in the caller's
-    device context (`fsdp_zero.sharding.build.construct`: parameters on the meta device). No weights are read.
+    device context (`fsdp_zero.sharding.build.construct`: parameters on the meta device). No weights
+    are read.
 
     Raises:
-        ValueError: as `_read_config_json` and `_model_class`, or a config the class does not accept.
+        ValueError: as `_read_config_json` and `_model_class`, or a config the class does not
+            accept.
     """
     folder = Path(cfg.pretrained)
     config = _read_config_json(folder)
@@ -172,11 +194,13 @@ def weights_path(folder: Path) -> Path:
         return folder
     if (folder / "pytorch_model.bin").is_file():
         return folder / "pytorch_model.bin"
-    found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".safetensors", ".pt", ".json"))
+    found = sorted(
+        p.name for p in folder.iterdir() if p.suffix in (".bin", ".safetensors", ".pt", ".json")
+    )
     raise ValueError(
         f"{_key(folder)}: no weights it can read: {SINGLE_FILE}, {INDEX_FILE} with its shards, or "
-        f"pytorch_model.bin (found: {', '.join(found) or 'none'}); sharded .bin checkpoints: convert to "
-        "safetensors with save_pretrained(..., safe_serialization=True)"
+        f"pytorch_model.bin (found: {', '.join(found) or 'none'}); sharded .bin checkpoints: "
+        "convert to safetensors with save_pretrained(..., safe_serialization=True)"
     )
 
 
@@ -199,8 +223,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def export_files(checkpoint: Path) -> Callable[[torch.dtype | None], dict[str, bytes]] | str:
     """What scripts/export.py writes beside a Hugging Face model's weights: a function of the exported
-    floating-point dtype giving ``{file name: bytes}`` (config.json first); or, for another model, the
-    reason why there is no config.json.
+    floating-point dtype giving ``{file name: bytes}`` (config.json first); or, for another model,
+    the reason why there is no config.json.
 
     The checkpoint's config.yaml says what the model was. ``model.pretrained``: the run directory's
     copy of the folder's files (``checkpoints/step-N/../../hf``, else the folder itself) with
@@ -219,7 +243,11 @@ def export_files(checkpoint: Path) -> Callable[[torch.dtype | None], dict[str, b
         if not (source / CONFIG_FILE).is_file():
             return f"neither {copied} nor model.pretrained={model.pretrained!r} holds {CONFIG_FILE} any more"
         config = {**json.loads((source / CONFIG_FILE).read_text()), **kwargs}
-        extra = {name: (source / name).read_bytes() for name in _HF_FILES[1:] if (source / name).is_file()}
+        extra = {
+            name: (source / name).read_bytes()
+            for name in _HF_FILES[1:]
+            if (source / name).is_file()
+        }
     elif model.target:
         try:
             cls = import_target(model.target, "model.target")
@@ -234,8 +262,11 @@ def export_files(checkpoint: Path) -> Callable[[torch.dtype | None], dict[str, b
 
     def files(dtype: torch.dtype | None) -> dict[str, bytes]:
         out = dict(config)
-        if dtype is not None:  # the key this config already uses (transformers 5: dtype; 4: torch_dtype)
-            out["torch_dtype" if "torch_dtype" in out and "dtype" not in out else "dtype"] = _dtype_name(dtype)
+        # the key this config already uses (transformers 5: dtype; 4: torch_dtype)
+        if dtype is not None:
+            out["torch_dtype" if "torch_dtype" in out and "dtype" not in out else "dtype"] = (
+                _dtype_name(dtype)
+            )
         return {CONFIG_FILE: (json.dumps(out, indent=2, sort_keys=True) + "\n").encode(), **extra}
 
     return files

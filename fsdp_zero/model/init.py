@@ -57,7 +57,9 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 def _block_seed(seed: int, name: str, block: int) -> int:
     # splitmix64 over (seed, crc32(name), block): distinct, well-mixed generator seeds.
-    x = (seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode()) * 0xBF58476D1CE4E5B9 + block) & _MASK64
+    x = (
+        seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode()) * 0xBF58476D1CE4E5B9 + block
+    ) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
@@ -132,7 +134,8 @@ def _fans(shape: torch.Size) -> tuple[int, int]:
     return shape[1] * receptive, shape[0] * receptive
 
 
-# Classes outside torch.nn that are norms by convention (Hugging Face's LlamaRMSNorm, T5LayerNorm, ...).
+# Classes outside torch.nn that are norms by convention (Hugging Face's LlamaRMSNorm, T5LayerNorm,
+# ...).
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "GroupNorm")
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, NormBase)
 _CONVS = (ConvNd,)
@@ -169,9 +172,12 @@ def init_standard(model: nn.Module, seed: int, linear_std: float | None = None) 
             constant_(p, value)
             done.add(id(p))
 
-    # Children before parents: a parent's rule (MultiheadAttention's out_proj bias) has the last word.
+    # Children before parents: a parent's rule (MultiheadAttention's out_proj bias) has the last
+    # word.
     for _, m in reversed(list(model.named_modules())):
-        if isinstance(m, (nn.Linear, *_CONVS)) and isinstance(getattr(m, "weight", None), torch.Tensor):
+        if isinstance(m, (nn.Linear, *_CONVS)) and isinstance(
+            getattr(m, "weight", None), torch.Tensor
+        ):
             fan_in, _ = _fans(m.weight.shape)
             bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
             if linear_std is None:

@@ -4,8 +4,8 @@ model on the meta device, before sharding (docs/lora.md).
     note = make_trainable(model, cfg.model)   # requires_grad set, LoRA adapters inserted
 
 Frozen parameters keep ``requires_grad=False``: they get no gradients and no AdamW states
-(`fsdp_zero.sharding.build.build_optimizer` takes only trainable ones), and FSDP2 shards them with the
-trainable ones of their unit. LoRA replaces each targeted ``nn.Linear`` X in its parent by a
+(`fsdp_zero.sharding.build.build_optimizer` takes only trainable ones), and FSDP2 shards them with
+the trainable ones of their unit. LoRA replaces each targeted ``nn.Linear`` X in its parent by a
 `LoRALinear` holding the same ``weight`` and ``bias`` (so the base keys do not change) and the
 adapters ``X.lora_A.weight`` (rank x in) and ``X.lora_B.weight`` (out x rank): PEFT's names minus
 ``base_model.model.`` and the adapter name, which the export relies on. Adapters are submodules of
@@ -34,15 +34,23 @@ class LoRALinear(nn.Linear):
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias  # the same Parameters: tied weights stay tied
+        # the same Parameters: tied weights stay tied
+        self.weight, self.bias = base.weight, base.bias
         device = base.weight.device
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=base.weight.dtype)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(
+            base.in_features, rank, bias=False, device=device, dtype=base.weight.dtype
+        )
+        self.lora_B = nn.Linear(
+            rank, base.out_features, bias=False, device=device, dtype=base.weight.dtype
+        )
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return (
+            F.linear(x, self.weight, self.bias)
+            + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        )
 
 
 def _shown(names: list[str], k: int = 8) -> str:
@@ -59,7 +67,10 @@ def _matching(key: str, patterns: list[str], names: list[str], what: str) -> set
     for pattern in patterns:
         found = {n for n in names if re.fullmatch(pattern, n)}
         if not found:
-            raise ValueError(f"{key}: {pattern!r} matches no {what} (full match); the model's {what}s: {_shown(names)}")
+            raise ValueError(
+                f"{key}: {pattern!r} matches no {what} (full match); the model's {what}s: "
+                f"{_shown(names)}"
+            )
         hits |= found
     return hits
 
@@ -72,8 +83,8 @@ def _targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
         found = {n for n in linears if n.rpartition(".")[2] == target or re.fullmatch(target, n)}
         if not found:
             raise ValueError(
-                f"model.lora.targets: {target!r} matches no nn.Linear (by last name component or full "
-                f"name); the model's Linear modules: {_shown(linears)}"
+                f"model.lora.targets: {target!r} matches no nn.Linear (by last name component or "
+                f"full name); the model's Linear modules: {_shown(linears)}"
             )
         hits |= found
     return sorted(hits)
@@ -84,7 +95,8 @@ def make_trainable(model: nn.Module, cfg: ModelConfig) -> str:
     neither is set).
 
     Raises:
-        ValueError: a freeze, train or target pattern that matches nothing (the message lists names).
+        ValueError: a freeze, train or target pattern that matches nothing (the message lists
+            names).
     """
     lora = cfg.lora
     if not cfg.freeze and not lora.rank:
@@ -99,9 +111,12 @@ def make_trainable(model: nn.Module, cfg: ModelConfig) -> str:
         for fqn in targets:
             parent, _, child = fqn.rpartition(".")
             owner = model.get_submodule(parent)
-            setattr(owner, child, LoRALinear(getattr(owner, child), lora.rank, lora.alpha, lora.dropout))
+            setattr(
+                owner, child, LoRALinear(getattr(owner, child), lora.rank, lora.alpha, lora.dropout)
+            )
         notes.append(
-            f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {len(targets)} Linear modules ({_shown(targets, 4)})"
+            f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {len(targets)} Linear modules "
+            f"({_shown(targets, 4)})"
         )
     for name, p in model.named_parameters(remove_duplicate=False):
         if name in frozen:
@@ -117,11 +132,15 @@ def make_trainable(model: nn.Module, cfg: ModelConfig) -> str:
 def init_adapters(model: nn.Module, seed: int) -> None:
     """LoRA's initial adapters, identical for a seed at any world size: each A as PEFT's default
     (kaiming_uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))), drawn per tensor from the
-    seed and its name (`fsdp_zero.model.init.uniform_`); each B zero, so training starts from the base model."""
+    seed and its name (`fsdp_zero.model.init.uniform_`); each B zero, so training starts from the
+    base model."""
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
             init_lib.uniform_(
-                m.lora_A.weight, bound=1 / math.sqrt(m.in_features), seed=seed, name=f"{name}.lora_A.weight"
+                m.lora_A.weight,
+                bound=1 / math.sqrt(m.in_features),
+                seed=seed,
+                name=f"{name}.lora_A.weight",
             )
             init_lib.constant_(m.lora_B.weight, 0.0)
 
@@ -145,7 +164,8 @@ def frozen_count(model: nn.Module) -> int:
 # Export (scripts/export.py): the adapters merged into their weights, or alone under PEFT's names
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
-_PEFT_PREFIX = "base_model.model."  # PEFT's names: this, then ours (its adapter name is dropped in files)
+# PEFT's names: this, then ours (its adapter name is dropped in files)
+_PEFT_PREFIX = "base_model.model."
 
 
 def _adapted_modules(names: list[str]) -> list[str]:
@@ -156,8 +176,8 @@ def _adapted_modules(names: list[str]) -> list[str]:
 def export_view(scaling: float, adapters_only: bool, seen: list[str]):  # noqa: ANN201 - a weights.ExportView
     """What `fsdp_zero.checkpoint.weights.export_checkpoint` writes for a LoRA checkpoint: every base tensor with
     each adapted ``X.weight`` merged, ``W + scaling * B A`` (computed in fp32, stored in W's dtype),
-    adapter keys dropped; or (``adapters_only``) only the adapters, named ``base_model.model.X.lora_A.weight``.
-    The adapted modules' FQNs are appended to ``seen``."""
+    adapter keys dropped; or (``adapters_only``) only the adapters, named
+    ``base_model.model.X.lora_A.weight``. The adapted modules' FQNs are appended to ``seen``."""
 
     def view(names: list[str], read):  # noqa: ANN001, ANN202
         adapted = set(_adapted_modules(names))
@@ -180,16 +200,18 @@ def export_view(scaling: float, adapters_only: bool, seen: list[str]):  # noqa: 
     return view
 
 
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # what PeftModel.from_pretrained reads
+# what PeftModel.from_pretrained reads
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
 def export_plan(checkpoint: Path, adapters_only: bool):  # noqa: ANN201
     """For scripts/export.py: the checkpoint's config.yaml's ``model.lora`` turned into (the export view,
-    or None for a run without LoRA; with ``adapters_only``, the function giving adapter_config.json).
+    or None for a run without LoRA; with ``adapters_only``, the function giving
+    adapter_config.json).
 
     Raises:
-        ValueError: ``adapters_only`` for a run without LoRA, or one that trained more than its adapters
-            (``model.lora.train``: those parameters are only in the merged export).
+        ValueError: ``adapters_only`` for a run without LoRA, or one that trained more than its
+            adapters (``model.lora.train``: those parameters are only in the merged export).
     """
     try:
         model = read_saved_config(checkpoint).model
@@ -199,14 +221,14 @@ def export_plan(checkpoint: Path, adapters_only: bool):  # noqa: ANN201
     if not lora.rank:
         if adapters_only:
             raise ValueError(
-                f"--adapters-only: checkpoint {str(checkpoint)!r} has no LoRA adapters (its config.yaml "
-                "has no model.lora.rank); export it without --adapters-only"
+                f"--adapters-only: checkpoint {str(checkpoint)!r} has no LoRA adapters (its "
+                "config.yaml has no model.lora.rank); export it without --adapters-only"
             )
         return None, None
     if adapters_only and lora.train:
         raise ValueError(
-            f"--adapters-only: the run also trained model.lora.train={lora.train}, which an adapter "
-            "file does not hold; export without --adapters-only (merged) to keep them"
+            f"--adapters-only: the run also trained model.lora.train={lora.train}, which an "
+            "adapter file does not hold; export without --adapters-only (merged) to keep them"
         )
     seen: list[str] = []
     view = export_view(lora.alpha / lora.rank, adapters_only, seen)
@@ -214,7 +236,8 @@ def export_plan(checkpoint: Path, adapters_only: bool):  # noqa: ANN201
         return view, None
 
     def adapter_files(dtype: torch.dtype | None) -> dict[str, bytes]:
-        # target_modules as full names: PEFT adapts a module whose name equals one (or ends with "." + one).
+        # target_modules as full names: PEFT adapts a module whose name equals one (or ends with "."
+        # + one).
         config = {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",

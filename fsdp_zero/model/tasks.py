@@ -9,10 +9,10 @@ custom          ``model.loss``: a function (model, batch) -> loss, or (loss, {na
 
 A task returns the loss and a dict of scalar tensors (detached) to log, averaged like the loss.
 
-Masked token data (a mask file beside the ``.bin``, `fsdp_zero.data.batches.TokenFile`) marks the targets
-left out with `IGNORE`; its task is `masked_causal_lm`, which returns the *summed* loss over the
-trained targets, and `trained_tokens` counts them, which `fsdp_zero.training.step.Step.run` (its ``token_count``)
-uses to divide by the trained tokens of the whole global batch.
+Masked token data (a mask file beside the ``.bin``, `fsdp_zero.data.batches.TokenFile`) marks the
+targets left out with `IGNORE`; its task is `masked_causal_lm`, which returns the *summed* loss over
+the trained targets, and `trained_tokens` counts them, which `fsdp_zero.training.step.Step.run` (its
+``token_count``) uses to divide by the trained tokens of the whole global batch.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ def logits_of(output: Any) -> torch.Tensor:
     """A model's logits: the output itself, or its ``.logits`` (Hugging Face ModelOutput)."""
     logits = getattr(output, "logits", output)
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"the model returned a {type(output).__name__}; the task needs a tensor of logits or .logits")
+        raise TypeError(
+            f"the model returned a {type(output).__name__}; the task needs a tensor of logits or "
+            ".logits"
+        )
     return logits
 
 
@@ -76,7 +79,8 @@ def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
     """The loss function for ``model.task``; ``masked``: the token data has a mask file (`masked_causal_lm`).
 
     Raises:
-        ValueError: a model.loss that does not import; a mask file under another task than causal_lm.
+        ValueError: a model.loss that does not import; a mask file under another task than
+            causal_lm.
     """
     if masked and cfg.task is not Task.causal_lm:
         raise ValueError(
@@ -92,7 +96,8 @@ def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
     def custom(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = user(model, batch)
         loss, extra = out if isinstance(out, tuple) else (out, {})
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):  # the same on every rank: a user error
+        # the same on every rank: a user error
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
             raise ValueError(
                 f"model.loss={cfg.loss} must return a scalar tensor (or (loss, dict of scalars)), "
                 f"got {type(loss).__name__}"
@@ -145,19 +150,28 @@ def lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     (`fsdp_zero.model.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of averaged."""
     inputs, targets = batch
     logits = logits_of(model(inputs)).float()
-    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")  # 0 where IGNORE
+    # 0 where IGNORE
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     counted = (targets != IGNORE).sum().double()  # every target, unless a mask file leaves some out
-    return torch.stack([losses.double().sum(), counted, torch.zeros((), dtype=torch.float64, device=losses.device)])
+    return torch.stack(
+        [losses.double().sum(), counted, torch.zeros((), dtype=torch.float64, device=losses.device)]
+    )
 
 
-def _classification_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _classification_sums(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """(summed cross-entropy, images, images classified right) of one batch, in float64."""
     inputs, labels = batch
     logits = logits_of(model(inputs)).float()
     losses = F.cross_entropy(logits, labels, reduction="none")
     right = (logits.argmax(-1) == labels).sum()
     return torch.stack(
-        [losses.double().sum(), torch.tensor(labels.numel(), dtype=torch.float64, device=losses.device), right.double()]
+        [
+            losses.double().sum(),
+            torch.tensor(labels.numel(), dtype=torch.float64, device=losses.device),
+            right.double(),
+        ]
     )
 
 
@@ -166,20 +180,23 @@ def check_classes_fit(what: str, classes: int, model: nn.Module) -> None:
     outputs = num_outputs(model)
     if classes and outputs and classes > outputs:
         raise ValueError(
-            f"{what} has {classes} classes but the model's last layer has {outputs} outputs; build the "
-            f"model for {classes} (e.g. model.kwargs.num_classes={classes})"
+            f"{what} has {classes} classes but the model's last layer has {outputs} outputs; build "
+            f"the model for {classes} (e.g. model.kwargs.num_classes={classes})"
         )
 
 
 @dataclass(frozen=True)
 class _TaskSpec:
     """What a task means beyond its loss (`build_task`): how an evaluation reads held-out data, sums a
-    batch and reports, and whether the data's classes must fit the model's outputs. Every module that
-    needs a task's meaning reads `TASKS`; none but this one and the schema names a task."""
+    batch and reports, and whether the data's classes must fit the model's outputs. Every module
+    that needs a task's meaning reads `TASKS`; none but this one and the schema names a task."""
 
-    eval_source: DataSource | None  # what eval.path holds (windows of a token file, an ImageFolder); None: none
-    eval_sums: Callable[[nn.Module, Any], torch.Tensor] | None  # a batch's (loss sum, count, right), float64
-    eval_scalars: Callable[[float, float, float], dict[str, float]] | None  # (loss, right, count) -> besides eval/loss
+    # what eval.path holds (windows of a token file, an ImageFolder); None: none
+    eval_source: DataSource | None
+    # a batch's (loss sum, count, right), float64
+    eval_sums: Callable[[nn.Module, Any], torch.Tensor] | None
+    # (loss, right, count) -> besides eval/loss
+    eval_scalars: Callable[[float, float, float], dict[str, float]] | None
     classes_fit_outputs: bool = False  # the data's labels index the model's outputs
 
 

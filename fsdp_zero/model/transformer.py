@@ -30,9 +30,13 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def _rotary_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device) -> torch.Tensor:
+def _rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device
+) -> torch.Tensor:
     """(max_seq_len, head_dim) table holding cos in the first half of the last dim, sin in the second."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
@@ -102,11 +106,19 @@ class Transformer(nn.Module):
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         if args.dim % args.n_heads:
-            raise ValueError(f"model.dim={args.dim} must be a multiple of model.n_heads={args.n_heads}")
+            raise ValueError(
+                f"model.dim={args.dim} must be a multiple of model.n_heads={args.n_heads}"
+            )
         if args.n_heads % args.kv_heads:
-            raise ValueError(f"model.n_heads={args.n_heads} must be a multiple of model.n_kv_heads={args.kv_heads}")
+            raise ValueError(
+                f"model.n_heads={args.n_heads} must be a multiple of "
+                f"model.n_kv_heads={args.kv_heads}"
+            )
         if (args.dim // args.n_heads) % 2:
-            raise ValueError(f"head dim model.dim/model.n_heads={args.dim // args.n_heads} must be even for rotary")
+            raise ValueError(
+                f"head dim model.dim/model.n_heads={args.dim // args.n_heads} must be even for "
+                "rotary"
+            )
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
@@ -116,7 +128,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not a parameter and not saved. Computed on the default device, so a model whose
         # parameters are built on the meta device still has it (init_weights recomputes it).
-        rope = _rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, torch.get_default_device())
+        rope = _rotary_tables(
+            args.dim // args.n_heads, args.max_seq_len, args.rope_theta, torch.get_default_device()
+        )
         self.register_buffer("rope", rope, persistent=False)
 
     @property
@@ -126,7 +140,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(batch, seq) token ids -> (batch, seq, vocab) logits."""
         if tokens.shape[1] > self.args.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} > model.max_seq_len={self.args.max_seq_len}")
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} > model.max_seq_len={self.args.max_seq_len}"
+            )
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
@@ -140,7 +156,9 @@ class Transformer(nn.Module):
         residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers); norms are 1.
         """
         self.rope.copy_(
-            _rotary_tables(self.rope.shape[1], self.args.max_seq_len, self.args.rope_theta, self.rope.device)
+            _rotary_tables(
+                self.rope.shape[1], self.args.max_seq_len, self.args.rope_theta, self.rope.device
+            )
         )
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():

@@ -85,38 +85,53 @@ def _padded(p: nn.Parameter, n: int) -> int:
 
 
 def comm_formula(
-    cfg: Config, topology: Topology, model: nn.Module, plan: WrapPlan, accum: int, precision: Precision
+    cfg: Config,
+    topology: Topology,
+    model: nn.Module,
+    plan: WrapPlan,
+    accum: int,
+    precision: Precision,
 ) -> CommBytes:
     """Bytes per rank per optimizer step that ``cfg.parallel`` communicates, by kind, for ``accum``
     micro-batches a step (what `CommMeter` counts; a step taken, not skipped).
 
     FSDP strategies, per micro-batch: each unit gathered twice (full_shard: forward, and again for
-    backward) or once (shard_grad_op; the root always, which stays gathered from forward to backward),
-    in the compute dtype, over the shard group, each parameter's dim 0 padded to a multiple of the
-    group's size; its trainable parameters' gradients reduce-scattered in the reduce dtype (frozen ones
-    are gathered, never reduced); hybrid_shard all-reduces the reduced shard (1 / shard_size of it)
-    across replicas. parallel.grad_sync=replicas_once_per_step all-reduces once a step,
-    once_per_step reduces (and all-reduces) once a step. A shard group of one rank gathers and
-    reduce-scatters nothing. DDP and zero1: one all-reduce of the trainable gradients a step (no_sync
-    on the other micro-batches); zero1 also broadcasts every updated parameter once (all_gather).
+    backward) or once (shard_grad_op; the root always, which stays gathered from forward to
+    backward), in the compute dtype, over the shard group, each parameter's dim 0 padded to a
+    multiple of the group's size; its trainable parameters' gradients reduce-scattered in the reduce
+    dtype (frozen ones are gathered, never reduced); hybrid_shard all-reduces the reduced shard (1 /
+    shard_size of it) across replicas. parallel.grad_sync=replicas_once_per_step all-reduces once a
+    step, once_per_step reduces (and all-reduces) once a step. A shard group of one rank gathers and
+    reduce-scatters nothing. DDP and zero1: one all-reduce of the trainable gradients a step
+    (no_sync on the other micro-batches); zero1 also broadcasts every updated parameter once
+    (all_gather).
 
     Args:
         cfg: the run's config (parallel.grad_sync).
         topology: ``cfg.parallel`` resolved for the world size.
-        model: the model, unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones).
-        plan: `fsdp_zero.sharding.wrap.build_wrap_plan(model, cfg.parallel.wrap, topology.param_shards)`.
+        model: the model, unsharded (meta is fine) or sharded (its DTensors' shapes are the full
+            ones).
+        plan: `fsdp_zero.sharding.wrap.build_wrap_plan(model, cfg.parallel.wrap,
+            topology.param_shards)`.
         accum: micro-batches per optimizer step.
         precision: `fsdp_zero.sharding.precision.resolve(cfg.precision)`.
     """
     spec, world_size = topology.spec, topology.world_size
     sync = GradSync(cfg.parallel.grad_sync)
     if not spec.fsdp:
-        grads = sum(p.numel() for p in model.parameters() if p.requires_grad) * precision.stored.itemsize
-        return CommBytes(all_gather=grads if spec.zero_redundancy_optimizer else 0, all_reduce=grads)
+        grads = (
+            sum(p.numel() for p in model.parameters() if p.requires_grad)
+            * precision.stored.itemsize
+        )
+        return CommBytes(
+            all_gather=grads if spec.zero_redundancy_optimizer else 0, all_reduce=grads
+        )
     n = topology.shard_group
     reshard = topology.reshard_after_forward
     # FSDP2 reads an int k as "reshard to groups of k" and k = 1 as False (nothing to reshard to).
-    gathers_per_unit = 2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
+    gathers_per_unit = (
+        2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
+    )
     gathered = reduced = held = 0
     for root, params in _unit_params(model, plan):
         gathered += (1 if root else gathers_per_unit) * sum(_padded(p, n) for p in params)
@@ -135,11 +150,13 @@ def comm_formula(
 
 def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[str, float]:
     """Seconds per step that ``comm``'s bytes take on links of ``link_gbps`` Gbit/s, by kind, as ring
-    collectives: all-gather and reduce-scatter of S bytes over a group of n take S / B x (n - 1) / n, an
-    all-reduce twice that. FSDP gathers and reduce-scatters over the shard group and all-reduces over
-    the replicas (hybrid_shard: world_size / shard_size of them); DDP all-reduces over every rank and
-    zero1's broadcasts are timed as an all-gather over every rank. (gloo's `AllReduceScatter` moves
-    twice what it is timed for: the figure is for the reduce-scatter NCCL runs.)"""
+    collectives: all-gather and reduce-scatter of S bytes over a group of n take S / B x (n - 1) /
+        n, an
+    all-reduce twice that. FSDP gathers and reduce-scatters over the shard group and all-reduces
+    over the replicas (hybrid_shard: world_size / shard_size of them); DDP all-reduces over every
+    rank and zero1's broadcasts are timed as an all-gather over every rank. (gloo's
+    `AllReduceScatter` moves twice what it is timed for: the figure is for the reduce-scatter NCCL
+    runs.)"""
     fsdp, world_size = topology.spec.fsdp, topology.world_size
     shard = topology.shard_group if fsdp else world_size
     replicas = topology.replicas if fsdp else world_size
@@ -162,7 +179,11 @@ class _CountedAllGather(DefaultAllGather):
         self.add = add
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
     ) -> dist.Work | None:
         self.add(output_tensor)
         return super().__call__(output_tensor, input_tensor, group, async_op)
@@ -192,8 +213,8 @@ class _CountedReduceScatter(DefaultReduceScatter):
 
 def _counted_all_reduce(meter: CommMeter, bucket):  # noqa: ANN001, ANN202
     """DDP's own all-reduce of a ``dist.GradBucket`` (torch's reference hook: the same result as no hook),
-    counted; returns its future. (Not annotated: DDP rejects annotations other than the exact classes,
-    and under ``from __future__ import annotations`` they would be strings.)"""
+    counted; returns its future. (Not annotated: DDP rejects annotations other than the exact
+    classes, and under ``from __future__ import annotations`` they would be strings.)"""
     meter.add("all_reduce", bucket.buffer())
     return allreduce_hook(None, bucket)
 
@@ -203,22 +224,28 @@ class CommMeter:
 
     def __init__(self, cfg: Config, env: DistEnv, built: Built, accum: int) -> None:
         model, optimizer, topology = built.model, built.optimizer, built.topology
-        self.formula = comm_formula(cfg, topology, unwrap(model), built.plan, accum, built.precision)
+        self.formula = comm_formula(
+            cfg, topology, unwrap(model), built.plan, accum, built.precision
+        )
         self.bytes = dict.fromkeys(KINDS, 0)
         self.active = False
         spec = topology.spec
         if spec.fsdp:
-            # The all-reduce hook only where FSDP2 all-reduces: on 1-D FSDP's units it would run after each
-            # reduce-scatter, and FSDP2 would keep every unit's reduce-scatter output alive until backward
-            # ends (as it holds HSDP's all-reduce buffer; a copy where the reduce dtype is not the stored
-            # one) and, on CUDA, move the post-reduce work to its all-reduce stream.
+            # The all-reduce hook only where FSDP2 all-reduces: on 1-D FSDP's units it would run
+            # after each reduce-scatter, and FSDP2 would keep every unit's reduce-scatter output
+            # alive until backward ends (as it holds HSDP's all-reduce buffer; a copy where the
+            # reduce dtype is not the stored one) and, on CUDA, move the post-reduce work to its
+            # all-reduce stream.
             replicas = topology.replicas
             for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
                 unit.set_custom_all_gather(_CountedAllGather(partial(self.add, "all_gather")))
                 unit.set_custom_reduce_scatter(
-                    _CountedReduceScatter(reduce_scatter_comm(env.backend), partial(self.add, "reduce_scatter"))
+                    _CountedReduceScatter(
+                        reduce_scatter_comm(env.backend), partial(self.add, "reduce_scatter")
+                    )
                 )
-                if replicas > 1:  # FSDP2 calls it right after its all-reduce, and only when it issued one
+                # FSDP2 calls it right after its all-reduce, and only when it issued one
+                if replicas > 1:
                     unit.set_all_reduce_hook(partial(self.add, "all_reduce"))
         elif hasattr(model, "register_comm_hook"):  # DDP (not the planner's stand-in)
             model.register_comm_hook(self, _counted_all_reduce)
@@ -226,8 +253,8 @@ class CommMeter:
                 count_zero_broadcasts(optimizer, partial(self.add, "all_gather"))
         if self.formula.once_per_step:
             logger.info(
-                "parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients between "
-                "micro-batches, %.2f MiB (%s), and reduces once a step",
+                "parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients "
+                "between micro-batches, %.2f MiB (%s), and reduces once a step",
                 self.formula.once_per_step / MIB,
                 NAMES[built.precision.reduce],
             )
@@ -250,7 +277,9 @@ class CommMeter:
         return CommBytes(**self.bytes)
 
 
-def describe(counted: dict[str, float], formula: dict[str, float], strategy: str, grad_sync: str) -> str:
+def describe(
+    counted: dict[str, float], formula: dict[str, float], strategy: str, grad_sync: str
+) -> str:
     """The end-of-run line: the last step's bytes by kind against the strategy's formula (both `CommBytes` as dicts)."""
     parts = [
         f"{k.replace('_', '-')} {counted[k] / MIB:,.2f} MiB"
@@ -258,13 +287,15 @@ def describe(counted: dict[str, float], formula: dict[str, float], strategy: str
         for k in KINDS
     ]
     held = (
-        f"; it held {formula['once_per_step'] / MIB:,.2f} MiB of unsharded gradients between micro-batches"
+        f"; it held {formula['once_per_step'] / MIB:,.2f} MiB of unsharded gradients between "
+        "micro-batches"
         if formula["once_per_step"]
         else ""
     )
     return (
-        f"communication per rank in the last logged step: {', '.join(parts)}, against the {strategy} "
-        f"grad_sync={grad_sync} formula's {', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}"
+        f"communication per rank in the last logged step: {', '.join(parts)}, against the "
+        f"{strategy} grad_sync={grad_sync} formula's "
+        f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}"
     )
 
 

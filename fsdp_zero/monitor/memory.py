@@ -66,7 +66,9 @@ class _ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> _ModelStateBytes:
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> _ModelStateBytes:
     """Bytes of parameters, gradients and optimizer states held by this rank."""
     seen: set[int] = set()
     params = list(model.parameters())
@@ -76,7 +78,9 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     if optimizer is not None:
         # ZeroRedundancyOptimizer (zero1) keeps this rank's partition in its inner optimizer.
         inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-        states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        states = [
+            v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        ]
         o = _storage_bytes(states, seen)
     return _ModelStateBytes(p, g, o)
 
@@ -227,7 +231,15 @@ def set_malloc_mmap_threshold(nbytes: int) -> bool:
 # ---------------------------------------------------------------------------------
 # Where the bytes of one step go, by category (PyTorch's own memory tracker)
 
-CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations", "comm_buffers", "other")
+CATEGORIES = (
+    "params",
+    "gathered_params",
+    "grads",
+    "optimizer",
+    "activations",
+    "comm_buffers",
+    "other",
+)
 # params: what the rank keeps between steps (its shards; the whole model under DDP/ZeRO-1).
 # gathered_params: FSDP's all-gathered (unsharded) parameters, alive while a unit runs.
 # comm_buffers: FSDP's all-gather and reduce-scatter buffers.
@@ -259,7 +271,8 @@ _PLAIN_MAP = {
 def apply_malloc_policy(setting: str, device: torch.device) -> None:
     """memory.malloc_mmap_threshold: before any model memory is allocated."""
     nbytes = mmap_threshold(setting)
-    if nbytes is None or (setting == "auto" and device.type == "cuda"):  # CUDA: tensors are not malloc'd
+    # CUDA: tensors are not malloc'd
+    if nbytes is None or (setting == "auto" and device.type == "cuda"):
         return
     if not set_malloc_mmap_threshold(nbytes):
         logging.getLogger("fsdp_zero").warning(

@@ -16,7 +16,8 @@ class Phase(str, enum.Enum):
     AFTER_FORWARD = "after_forward"  # the first micro-batch's forward
     AFTER_MICRO_BATCH = "after_micro_batch"  # each micro-batch but the last, after its backward
     AFTER_BACKWARD = "after_backward"  # the last micro-batch's backward
-    AFTER_OPTIMIZER_STEP = "after_optimizer_step"  # parameters, gradients and optimizer states all live
+    # parameters, gradients and optimizer states all live
+    AFTER_OPTIMIZER_STEP = "after_optimizer_step"
 
 
 PhaseHook = Callable[[Phase], None]

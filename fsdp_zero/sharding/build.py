@@ -3,11 +3,11 @@
     model = construct(cfg.model)              # parameters on the meta device, buffers real
     built = build(cfg, env, seed)             # wrap plan, parallelize, materialise, init, optimizer
 
-`fsdp_zero.model.construct.construct` makes the model on the meta device. `shard` applies a strategy to
-such a model and materialises each rank's shards; `build` adds the optimizer. No file
-I/O, no broadcasts: the trainer, the planner, the benchmarks and the own-loop API
-(`fsdp_zero.api`) all build through here, and compare.py's single-process DataParallel
-baseline through its parts (`construct`, `materializer`, `build_optimizer`).
+`fsdp_zero.model.construct.construct` makes the model on the meta device. `shard` applies a strategy
+to such a model and materialises each rank's shards; `build` adds the optimizer. No file I/O, no
+broadcasts: the trainer, the planner, the benchmarks and the own-loop API (`fsdp_zero.api`) all
+build through here, and compare.py's single-process DataParallel baseline through its parts
+(`construct`, `materializer`, `build_optimizer`).
 """
 
 from __future__ import annotations
@@ -55,12 +55,13 @@ def initialize(model: nn.Module, how: Init, seed: int) -> str:
     """Gives the materialised (plain or sharded) ``model`` its initial parameters; returns what was done.
 
     auto: the model's own ``init_weights(seed)`` if it has one (the built-in model), else standard.
-    standard: `fsdp_zero.model.init.init_standard`, identical for a seed at any world size; for a Hugging
-        Face model (a config with initializer_range) with that std, as its _init_weights does.
+    standard: `fsdp_zero.model.init.init_standard`, identical for a seed at any world size; for a
+        Hugging Face model (a config with initializer_range) with that std, as its _init_weights
+        does.
     model: the model's own initialiser on each rank's shards: ``init_weights(seed)``, or Hugging
         Face's ``_init_weights`` applied to every module after ``torch.manual_seed(seed)``. What it
-        guarantees across world sizes is what its random calls on sharded tensors guarantee: on CUDA,
-        DTensor's random ops are world-size invariant; on CPU they are not.
+        guarantees across world sizes is what its random calls on sharded tensors guarantee: on
+        CUDA, DTensor's random ops are world-size invariant; on CPU they are not.
 
     Raises:
         ValueError: model.init=model for a model with no initialiser of its own.
@@ -79,9 +80,13 @@ def initialize(model: nn.Module, how: Init, seed: int) -> str:
         )
     std = getattr(getattr(model, "config", None), "initializer_range", None)
     leftover = init_lib.init_standard(model, seed, linear_std=std)
-    note = "standard layers" + (f" (Hugging Face initializer_range {std})" if std is not None else "")
+    note = "standard layers" + (
+        f" (Hugging Face initializer_range {std})" if std is not None else ""
+    )
     if leftover:
-        shown = ", ".join(leftover[:6]) + (f", ... ({len(leftover)} in all)" if len(leftover) > 6 else "")
+        shown = ", ".join(leftover[:6]) + (
+            f", ... ({len(leftover)} in all)" if len(leftover) > 6 else ""
+        )
         note += f"; N(0, 0.02^2) for parameters of no standard layer: {shown}"
     return note
 
@@ -103,9 +108,9 @@ def materializer(
     buffer_device: torch.device | None = None,
 ) -> Callable[[nn.Module], None]:
     """What `parallelize` calls once the model is sharded: allocate each rank's shards on ``device``,
-    put the constructor's buffers back (on ``buffer_device``, default ``device``: with CPU offload the
-    shards live on the CPU and the buffers on the GPU), initialise (``seed`` None: leave the memory as
-    allocated)."""
+    put the constructor's buffers back (on ``buffer_device``, default ``device``: with CPU offload
+    the shards live on the CPU and the buffers on the GPU), initialise (``seed`` None: leave the
+    memory as allocated)."""
 
     def materialize(model: nn.Module) -> None:
         tied = _tied_names(model)
@@ -113,8 +118,10 @@ def materializer(
         if buffer_device is not None and buffer_device != device:
             for module in model.modules():
                 for name, b in module.named_buffers(recurse=False):
-                    setattr(module, name, b.to(buffer_device))  # a registered buffer stays one (same persistence)
-        for first, *others in tied:  # to_empty gives each module a tensor of its own: tie them again
+                    # a registered buffer stays one (same persistence)
+                    setattr(module, name, b.to(buffer_device))
+        # to_empty gives each module a tensor of its own: tie them again
+        for first, *others in tied:
             for name in others:
                 owner, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, model.get_parameter(first))
@@ -156,7 +163,8 @@ def shard(
     """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
     a model with real weights keeps them (FSDP shards what is there). ``precision``: the stored
     dtype the model is cast to first, and FSDP2's mixed-precision policy (default fp32);
-    ``compile``: torch.compile each block (see `parallelize`). ``topology``: ``parallel`` resolved for
+    ``compile``: torch.compile each block (see `parallelize`). ``topology``: ``parallel`` resolved
+        for
     ``env``'s world size, if the caller has it (else resolved here).
 
     Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
@@ -165,7 +173,8 @@ def shard(
     stand-in).
 
     Raises:
-        ValueError: a wrap setting the model does not fit (see `fsdp_zero.sharding.wrap.build_wrap_plan`).
+        ValueError: a wrap setting the model does not fit (see
+            `fsdp_zero.sharding.wrap.build_wrap_plan`).
     """
     precision = precision or resolve(PrecisionConfig())
     cast_to_stored(model, precision)
@@ -173,10 +182,13 @@ def shard(
     wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
     plan = build_wrap_plan(model, wrap, topology.param_shards)
     notes: list[str] = []
-    # With CPU offload FSDP2 wants the shards in host memory from the start; buffers stay on the device.
+    # With CPU offload FSDP2 wants the shards in host memory from the start; buffers stay on the
+    # device.
     device = torch.device("cpu") if parallel.cpu_offload else env.device
     if any(p.is_meta for p in model.parameters()):
-        materialize = materializer(device, init, seed, real_buffers(model), notes, buffer_device=env.device)
+        materialize = materializer(
+            device, init, seed, real_buffers(model), notes, buffer_device=env.device
+        )
     else:
         materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
         notes.append("weights as given")
@@ -203,7 +215,8 @@ def local_numel(p: torch.Tensor) -> int:
 def step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
     """``params`` cut, in order, into consecutive groups of at most ``size`` local elements (a tensor
     larger than ``size`` is a group of its own); ``size`` 0: one group. (DeepSpeed's ZeRO-3 closes a
-    sub-group once it reaches ``sub_group_size``, so its groups may pass it by one tensor; these never do.)
+    sub-group once it reaches ``sub_group_size``, so its groups may pass it by one tensor; these
+    never do.)
 
     AdamW's update is elementwise and per tensor (each parameter's own step count and bias
     correction), so stepping the groups one after another gives the same bits as one step over all
@@ -235,8 +248,8 @@ def build_optimizer(
 
     ``optim.step_group_size`` > 0 with foreach AdamW: each of the two groups is cut into
     `step_groups`, which AdamW steps one after another (the same bits, temporaries bounded by a
-    group). Fused and for_loop AdamW make no temporaries larger than one tensor, so they keep the two
-    groups (a warning says the setting has no effect where it would have cut them).
+    group). Fused and for_loop AdamW make no temporaries larger than one tensor, so they keep the
+    two groups (a warning says the setting has no effect where it would have cut them).
     """
     impl = optimizer_impl(cfg, device)
     groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, impl)]
@@ -260,7 +273,9 @@ def optimizer_impl(cfg: OptimConfig, device: torch.device) -> OptimizerImpl:
     return cfg.implementation
 
 
-def param_groups(model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl) -> list[tuple[list[nn.Parameter], float]]:
+def param_groups(
+    model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl
+) -> list[tuple[list[nn.Parameter], float]]:
     """AdamW's parameter groups and their weight decay, in order: the trainable matrices and embeddings
     (``optim.weight_decay``), then the 1-D parameters (none), each cut into `step_groups` for foreach."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -270,13 +285,17 @@ def param_groups(model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl) -> lis
     if size and impl is not OptimizerImpl.foreach:
         if any(len(step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
             logger.warning(
-                "optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than one "
-                "tensor); it bounds foreach AdamW's",
+                "optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than "
+                "one tensor); it bounds foreach AdamW's",
                 size,
                 impl.value,
             )
         size = 0
-    return [(ps, wd) for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)) for ps in step_groups(group, size)]
+    return [
+        (ps, wd)
+        for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for ps in step_groups(group, size)
+    ]
 
 
 @dataclass
@@ -303,14 +322,17 @@ def build(
     model: nn.Module | None = None,
 ) -> Built:
     """The configured model, sharded by ``cfg.parallel`` over ``env``'s ranks and initialised with
-    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``topology``, ``mesh`` and ``ddp``;
-    ``model``: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor mode).
+    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``topology``, ``mesh`` and
+    ``ddp``;
+    ``model``: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor
+        mode).
 
     Raises:
         ValueError: a model.target that does not build, or a wrap setting the model does not fit.
     """
     model = model if model is not None else construct(cfg.model)
-    trainable_note = make_trainable(model, cfg.model)  # before sharding: FSDP2 shards adapters with their Linear
+    # before sharding: FSDP2 shards adapters with their Linear
+    trainable_note = make_trainable(model, cfg.model)
     num_params, num_frozen = sum(p.numel() for p in model.parameters()), frozen_count(model)
     precision = resolve(cfg.precision)
     topology = topology or Topology.of(cfg.parallel, env.world_size)
@@ -331,4 +353,6 @@ def build(
     optimizer = build_optimizer(
         model, cfg.optim, device, zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer
     )
-    return Built(model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note, topology)
+    return Built(
+        model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note, topology
+    )

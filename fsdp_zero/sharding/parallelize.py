@@ -1,6 +1,6 @@
 """The one function that applies a data-parallel strategy to a model, and each strategy's
-model-state formula, both read from the strategy table (`fsdp_zero.config.strategies.STRATEGIES`; its
-rendering, with the formulas, is docs/sharding.md's table).
+model-state formula, both read from the strategy table (`fsdp_zero.config.strategies.STRATEGIES`;
+its rendering, with the formulas, is docs/sharding.md's table).
 
 Order matters and is fixed: activation checkpointing on the block units, then
 ``torch.compile`` of each block (if on), then sharding (torchtitan's order). FSDP strategies
@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_zero.config.schema import ActivationCheckpointing, ParallelConfig
@@ -33,24 +39,30 @@ _STATE_NAMES = ("weights", "gradients", "AdamW states")
 
 
 def model_state_formula(
-    topology: Topology, num_params: int, bytes_per_param: tuple[int, int, int] = _FP32_ADAMW, frozen: int = 0
+    topology: Topology,
+    num_params: int,
+    bytes_per_param: tuple[int, int, int] = _FP32_ADAMW,
+    frozen: int = 0,
 ) -> float:
     """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
-    the one model-state formula per strategy (the trainer's report, compare.py and the planner use it).
+    the one model-state formula per strategy (the trainer's report, compare.py and the planner use
+    it).
 
-    ``bytes_per_param`` = (w, g, k): fp32 AdamW (4, 4, 8); the ZeRO paper's mixed-precision Adam
-    (2, 2, 12). Each of the three is whole on every rank or split over the shard group, as the
-    strategy's ``sharded`` says (FSDP strategies: all three; zero1: the optimizer states; ddp: none).
-    ``frozen`` of the ``num_params`` do not train (model.freeze, LoRA): they cost only their stored
-    bytes w (no gradient, no AdamW states).
+    ``bytes_per_param`` = (w, g, k): fp32 AdamW (4, 4, 8); the ZeRO paper's mixed-precision Adam (2,
+    2, 12). Each of the three is whole on every rank or split over the shard group, as the
+    strategy's ``sharded`` says (FSDP strategies: all three; zero1: the optimizer states; ddp:
+    none). ``frozen`` of the ``num_params`` do not train (model.freeze, LoRA): they cost only their
+    stored bytes w (no gradient, no AdamW states).
     """
     sharded = topology.spec.sharded
     whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
     split = sum(b for b, split in zip(bytes_per_param, sharded) if split)
     n = topology.shard_group
     if not frozen:
-        return whole * num_params + split * num_params / n  # the formula as it always was, bit for bit
-    counts = (num_params, num_params - frozen, num_params - frozen)  # w of all; g and k of the trainable
+        # the formula as it always was, bit for bit
+        return whole * num_params + split * num_params / n
+    # w of all; g and k of the trainable
+    counts = (num_params, num_params - frozen, num_params - frozen)
     return sum(b * c / n if s else b * c for b, c, s in zip(bytes_per_param, counts, sharded))
 
 
@@ -86,8 +98,8 @@ def _formula_text(spec: StrategySpec, bytes_per_param: tuple[int, int, int] = _F
 def strategy_table() -> str:
     """docs/sharding.md's table of the strategies, rendered from `STRATEGIES`."""
     rows = [
-        "| `parallel.strategy` | ZeRO stage | how | model state per rank (fp32 AdamW) | -mixed precision, CPU "
-        "offload | DeepSpeed |",
+        "| `parallel.strategy` | ZeRO stage | how | model state per rank (fp32 AdamW) | -mixed "
+        "precision, CPU offload | DeepSpeed |",
         "|---|---|---|---|---|---|",
     ]
     for strategy, spec in STRATEGIES.items():
@@ -98,7 +110,11 @@ def strategy_table() -> str:
                 + ("; `parallel.reshard_after_forward=k`: hpZ" if spec.hpz else "")
             )
         else:
-            how = "DDP + ZeroRedundancyOptimizer" if spec.zero_redundancy_optimizer else "DistributedDataParallel"
+            how = (
+                "DDP + ZeroRedundancyOptimizer"
+                if spec.zero_redundancy_optimizer
+                else "DistributedDataParallel"
+            )
         names = ", ".join(f"`{a}`" for a in spec.aliases)
         deepspeed = (
             f"`zero_optimization.stage={spec.deepspeed_stage}`"
@@ -106,8 +122,9 @@ def strategy_table() -> str:
             else "MiCS (`mics_shard_size`)"
         )
         rows.append(
-            f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} ({spec.label}) | {how} "
-            f"| {_formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | {deepspeed} |"
+            f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} "
+            f"({spec.label}) | {how} | {_formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | "
+            f"{deepspeed} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -163,7 +180,11 @@ def checkpointed(cfg: ParallelConfig, blocks: list[str]) -> list[str]:
 
 def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
     """CPU offload: sharded state in host memory, pinned on CUDA (for asynchronous copies)."""
-    return CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    return (
+        CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+        if cfg.cpu_offload
+        else OffloadPolicy()
+    )
 
 
 def parallelize(
@@ -194,10 +215,14 @@ def parallelize(
         mp_policy: FSDP2's mixed precision (see `fsdp_zero.sharding.precision`).
         compile: ``torch.compile`` each block unit.
     """
-    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}  # registration ~ execution order
+    # registration ~ execution order
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     blocks = plan.block_fqns
-    if not is_fsdp(cfg.strategy) and (compile or cfg.activation_checkpointing is not ActivationCheckpointing.none):
-        blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns  # DDP has no units, but the same blocks
+    if not is_fsdp(cfg.strategy) and (
+        compile or cfg.activation_checkpointing is not ActivationCheckpointing.none
+    ):
+        # DDP has no units, but the same blocks
+        blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns
     blocks = sorted(blocks, key=order.get)
     for fqn in checkpointed(cfg, blocks):
         checkpoint_activations(model.get_submodule(fqn))
@@ -209,7 +234,9 @@ def parallelize(
         if ddp is not None:
             return ddp(model)
         return DistributedDataParallel(
-            model, device_ids=[env.device.index] if env.device.type == "cuda" else None, gradient_as_bucket_view=True
+            model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
         )
 
     mesh = mesh or topology.mesh(env.device.type)
@@ -222,7 +249,10 @@ def parallelize(
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         fully_shard(model.get_submodule(fqn), **kwargs)
     if cfg.prefetch:
-        _set_prefetch([model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)], cfg.prefetch)
+        _set_prefetch(
+            [model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)],
+            cfg.prefetch,
+        )
     # The root keeps its parameters gathered from forward to backward, whatever the strategy:
     # backward needs them first, so freeing them would only buy a second all-gather at once. (FSDP2
     # does this by itself only when reshard_after_forward is left unset; an explicit True reshards

@@ -31,7 +31,8 @@ NAMES = {v: k for k, v in _DTYPES.items()}
 @dataclass(frozen=True)
 class Precision:
     mode: str
-    stored: torch.dtype  # sharded parameters (the optimizer's weights), their gradients, AdamW's states
+    # sharded parameters (the optimizer's weights), their gradients, AdamW's states
+    stored: torch.dtype
     compute: torch.dtype  # each unit's gathered parameters in forward and backward
     reduce: torch.dtype  # gradients as they are reduce-scattered (or all-reduced)
 
@@ -59,12 +60,12 @@ class Precision:
         w, g, k = self.bytes_per_param
         n = NAMES
         return (
-            f"precision {self.mode}: stored weights {n[self.stored]} ({w} B/param) | computed in {n[self.compute]} "
-            f"({self.compute.itemsize} B/param, only while a unit is gathered) | gradients {n[self.stored]} ({g} "
-            f"B/param), "
-            f"reduced in {n[self.reduce]} | AdamW states {n[self.stored]} x 2 ({k} B/param) | checkpoints and "
-            f"export {n[self.stored]} | model state {w + g + k} B x {num_params:,} params {where} = "
-            f"{state_bytes / 2**20:,.2f} MiB per rank" + (" | fp16 loss scaling on" if self.loss_scaling else "")
+            f"precision {self.mode}: stored weights {n[self.stored]} ({w} B/param) | computed in "
+            f"{n[self.compute]} ({self.compute.itemsize} B/param, only while a unit is gathered) | "
+            f"gradients {n[self.stored]} ({g} B/param), reduced in {n[self.reduce]} | AdamW states "
+            f"{n[self.stored]} x 2 ({k} B/param) | checkpoints and export {n[self.stored]} | model "
+            f"state {w + g + k} B x {num_params:,} params {where} = {state_bytes / 2**20:,.2f} MiB "
+            "per rank" + (" | fp16 loss scaling on" if self.loss_scaling else "")
         )
 
 
@@ -104,12 +105,20 @@ class LossScaler(torch.amp.GradScaler):
         super().load_state_dict(state)
 
 
-def loss_scaler(cfg: PrecisionConfig, precision: Precision, device: torch.device) -> LossScaler | None:
+def loss_scaler(
+    cfg: PrecisionConfig, precision: Precision, device: torch.device
+) -> LossScaler | None:
     """A loss scaler for fp16 (None otherwise), from DeepSpeed's settings (see PrecisionConfig)."""
     if not precision.loss_scaling:
         return None
     if cfg.loss_scale > 0:  # fixed: never grows, never shrinks
         return LossScaler(
-            device.type, init_scale=cfg.loss_scale, growth_factor=1.0, backoff_factor=1.0, growth_interval=2**31 - 1
+            device.type,
+            init_scale=cfg.loss_scale,
+            growth_factor=1.0,
+            backoff_factor=1.0,
+            growth_interval=2**31 - 1,
         )
-    return LossScaler(device.type, init_scale=2.0**cfg.initial_scale_power, growth_interval=cfg.loss_scale_window)
+    return LossScaler(
+        device.type, init_scale=2.0**cfg.initial_scale_power, growth_interval=cfg.loss_scale_window
+    )

@@ -30,8 +30,8 @@ class _Unit:
     num_params: int  # parameters this unit owns (not those of units nested in it)
     full_bytes: int
     bytes_per_rank: int  # padded shard, as FSDP2 allocates it (dim 0 split in ceil(rows / N))
-    # Chosen by the policy for itself (a transformer block), not as a large module outside the blocks
-    # (an embedding table, an output head) nor the root: where activation checkpointing and
+    # Chosen by the policy for itself (a transformer block), not as a large module outside the
+    # blocks (an embedding table, an output head) nor the root: where activation checkpointing and
     # per-unit compilation apply.
     block: bool = False
 
@@ -56,7 +56,13 @@ class WrapPlan:
         rows = [("unit", "class", "params", "full MiB", f"MiB/rank (N={self.world_size})")]
         for u in self.units:
             rows.append(
-                (u.fqn or "<root>", u.class_name, f"{u.num_params:,}", _mib(u.full_bytes), _mib(u.bytes_per_rank))
+                (
+                    u.fqn or "<root>",
+                    u.class_name,
+                    f"{u.num_params:,}",
+                    _mib(u.full_bytes),
+                    _mib(u.bytes_per_rank),
+                )
             )
         total = sum(u.num_params for u in self.units)
         rows.append(
@@ -71,7 +77,9 @@ class WrapPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"wrap plan: policy={self.policy.value}, {len(self.units)} FSDP units"]
         for i, r in enumerate(rows):
-            cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(r[2:], widths[2:])]
+            cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1])] + [
+                c.rjust(w) for c, w in zip(r[2:], widths[2:])
+            ]
             lines.append("  " + "  ".join(cells))
             if i == 0 or i == len(rows) - 2:
                 lines.append("  " + "  ".join("-" * w for w in widths))
@@ -109,9 +117,10 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
         classes = list(cfg.classes) or _default_block_classes(model)
         if not classes:
             raise ValueError(
-                f"parallel.wrap.policy=transformer: {type(model).__name__} declares no block class (no "
-                "_no_split_modules, no block_class); set parallel.wrap.classes to the repeated block, e.g. "
-                f"parallel.wrap.classes=[...]; this model's module classes: {', '.join(present)}"
+                f"parallel.wrap.policy=transformer: {type(model).__name__} declares no block class "
+                "(no _no_split_modules, no block_class); set parallel.wrap.classes to the "
+                "repeated block, e.g. parallel.wrap.classes=[...]; this model's module classes: "
+                f"{', '.join(present)}"
             )
         unknown = [c for c in classes if c not in present]
         if unknown:
@@ -128,13 +137,15 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
             try:
                 rx = re.compile(pattern)
             except re.error as e:
-                raise ValueError(f"parallel.wrap.modules: {pattern!r} is not a valid regex: {e}") from None
+                raise ValueError(
+                    f"parallel.wrap.modules: {pattern!r} is not a valid regex: {e}"
+                ) from None
             hits = [f for f in fqns if rx.fullmatch(f)]
             if not hits:
                 sample = ", ".join(fqns[:12]) + (", ..." if len(fqns) > 12 else "")
                 raise ValueError(
-                    f"parallel.wrap.modules: {pattern!r} matches no module (patterns must match the whole FQN); "
-                    f"module FQNs: {sample}"
+                    f"parallel.wrap.modules: {pattern!r} matches no module (patterns must match "
+                    f"the whole FQN); module FQNs: {sample}"
                 )
             chosen += [f for f in hits if f not in chosen]
         return [f for f in fqns if f in chosen]  # model order
@@ -154,8 +165,9 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
                 owned |= params.keys()
         if not chosen:
             raise ValueError(
-                f"parallel.wrap.min_params={cfg.min_params:,} matches no module "
-                f"(the largest submodule holds {largest:,} parameters); lower it or use parallel.wrap.policy=none"
+                f"parallel.wrap.min_params={cfg.min_params:,} matches no module (the largest "
+                f"submodule holds {largest:,} parameters); lower it or use "
+                "parallel.wrap.policy=none"
             )
         return [fqn for fqn, _ in named if fqn in chosen]
     raise AssertionError(cfg.policy)
@@ -202,8 +214,9 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         module = model.get_submodule(fqn)
         if isinstance(module, _CONTAINERS):
             raise ValueError(
-                f"parallel.wrap: '{fqn}' is a {type(module).__name__}, a container that is never called; FSDP "
-                f"gathers parameters in forward hooks, so wrap its children instead (e.g. '{fqn}\\.\\d+')"
+                f"parallel.wrap: '{fqn}' is a {type(module).__name__}, a container that is never "
+                "called; FSDP gathers parameters in forward hooks, so wrap its children instead "
+                f"(e.g. '{fqn}\\.\\d+')"
             )
     notes: list[str] = []
 
@@ -234,7 +247,11 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         owned[owner].append(params[pid])
 
     # The transformer policy's large outsiders (see `_with_large_outsiders`) are not blocks.
-    classes = (list(cfg.classes) or _default_block_classes(model)) if cfg.policy is WrapPolicy.transformer else None
+    classes = (
+        (list(cfg.classes) or _default_block_classes(model))
+        if cfg.policy is WrapPolicy.transformer
+        else None
+    )
     plan_units = []
     for fqn in units:
         ps = owned[fqn]
@@ -247,7 +264,9 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
             for p in ps
         )
         block = fqn != ROOT and (classes is None or type(module).__name__ in classes)
-        plan_units.append(_Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank, block))
+        plan_units.append(
+            _Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank, block)
+        )
     if cfg.policy is WrapPolicy.none:
         notes.append("one unit: every rank gathers the whole model for forward and backward")
     return WrapPlan(policy=cfg.policy, world_size=world_size, units=plan_units, notes=notes)

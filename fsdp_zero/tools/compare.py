@@ -30,9 +30,15 @@ from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.training.step import Step, set_lr
 from fsdp_zero.training.steplog import Summary
 
-ORDER = list(reversed(ZERO_STAGES.values()))  # the ZeRO stages' strategies, in the order they run: ZeRO-3 first
+# the ZeRO stages' strategies, in the order they run: ZeRO-3 first
+ORDER = list(reversed(ZERO_STAGES.values()))
 # Short runs: the profiled step (2) for the breakdown, steps around it for peak RSS and step time.
-DEFAULTS = ["train.steps=6", "train.log_every=2", "memory.profile_step=2", "checkpoint.enabled=false"]
+DEFAULTS = [
+    "train.steps=6",
+    "train.log_every=2",
+    "memory.profile_step=2",
+    "checkpoint.enabled=false",
+]
 
 
 def read_rows(out: Path, strategies: list[Strategy] = ORDER) -> dict[str, list[dict]]:
@@ -134,10 +140,12 @@ def table(rows: dict[str, list[dict]], n: int) -> str:
     first = rows[base][0]
     vs = "vs DDP" if base == Strategy.ddp.value else f"vs {base}"
     lines = [
-        f"# DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, {first['precision']} AdamW",
+        f"# DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, {first['precision']} "
+        "AdamW",
         "",
-        f"| strategy | ZeRO | peak RSS / rank (MiB) | {vs} | model state / rank (MiB) | formula (MiB) | "
-        f"gathered params peak (MiB) | tracked tensor peak (MiB) | step (s) | {vs} | final loss |",
+        f"| strategy | ZeRO | peak RSS / rank (MiB) | {vs} | model state / rank (MiB) | formula "
+        f"(MiB) | gathered params peak (MiB) | tracked tensor peak (MiB) | step (s) | {vs} | final "
+        "loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for strategy in present:
@@ -148,26 +156,31 @@ def table(rows: dict[str, list[dict]], n: int) -> str:
         gathered = max(r["breakdown"].get("gathered_params", 0) for r in rs) / MIB
         tracked = max(sum(r["breakdown"].values()) for r in rs) / MIB
         lines.append(
-            f"| {strategy.value} | {STRATEGIES[strategy].zero_stage} ({STRATEGIES[strategy].label}) | {peak:,.0f} | "
-            f"{peak / base_peak:.2f} | {state:,.1f} | {formula:,.1f} | "
-            f"{gathered:,.1f} | {tracked:,.1f} | {rs[0]['step_s']:.3f} | {rs[0]['step_s'] / base_time:.2f} | "
-            f"{rs[0]['final_loss']:.4f} |"
+            f"| {strategy.value} | {STRATEGIES[strategy].zero_stage} "
+            f"({STRATEGIES[strategy].label}) | {peak:,.0f} | {peak / base_peak:.2f} | {state:,.1f} "
+            f"| {formula:,.1f} | {gathered:,.1f} | {tracked:,.1f} | {rs[0]['step_s']:.3f} | "
+            f"{rs[0]['step_s'] / base_time:.2f} | {rs[0]['final_loss']:.4f} |"
         )
     if "dataparallel" in rows:
         dp = rows["dataparallel"][0]
         lines.append(
-            f"| dataparallel (1 process, {torch.cuda.device_count()} GPUs) | - | {dp['peak_rss_mib']:,.0f} (GPU) | "
-            f"{dp['peak_rss_mib'] / base_peak:.2f} | {dp['model_state'] / MIB:,.1f} | "
-            f"{dp['formula'] / MIB:,.1f} | 0.0 | - | "
+            f"| dataparallel (1 process, {torch.cuda.device_count()} GPUs) | - | "
+            f"{dp['peak_rss_mib']:,.0f} (GPU) | {dp['peak_rss_mib'] / base_peak:.2f} | "
+            f"{dp['model_state'] / MIB:,.1f} | {dp['formula'] / MIB:,.1f} | 0.0 | - | "
             f"{dp['step_s']:.3f} | {dp['step_s'] / base_time:.2f} | {dp['final_loss']:.4f} |"
         )
     if first["peak_reserved_mib"] is not None:
         lines += ["", "| strategy | peak reserved / rank (MiB) |", "|---|---|"]
-        lines += [f"| {s.value} | {max(r['peak_reserved_mib'] for r in rows[s.value]):,.0f} |" for s in present]
+        lines += [
+            f"| {s.value} | {max(r['peak_reserved_mib'] for r in rows[s.value]):,.0f} |"
+            for s in present
+        ]
     lines += [
         "",
-        "Peak RSS: the process's highest resident memory over the run (libraries included). Model state:",
-        "parameters + gradients + AdamW states held by a rank after an optimizer step. Tracked tensor peak:",
+        "Peak RSS: the process's highest resident memory over the run (libraries included). Model "
+        "state:",
+        "parameters + gradients + AdamW states held by a rank after an optimizer step. Tracked "
+        "tensor peak:",
         "the sum of live tensors at the profiled step's peak (PyTorch's MemTracker).",
     ]
     return "\n".join(lines) + "\n"
@@ -191,7 +204,14 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
         bottom = [0.0] * len(strategies)
         for c, cat in enumerate(CATEGORIES):
             vals = [rows[s][r]["breakdown"].get(cat, 0) / MIB for s in strategies]
-            left.bar(xs, vals, width * 0.92, bottom=bottom, color=colours[c], label=cat if r == 0 else None)
+            left.bar(
+                xs,
+                vals,
+                width * 0.92,
+                bottom=bottom,
+                color=colours[c],
+                label=cat if r == 0 else None,
+            )
             bottom = [b + v for b, v in zip(bottom, vals)]
         right.bar(
             xs,
@@ -209,7 +229,10 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     left.legend(fontsize=8, loc="upper right")
     right.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, {first['precision']} AdamW")
+    fig.suptitle(
+        f"DDP vs ZeRO-1/2/3: {first['num_params']:,} parameters, {n} ranks, {first['precision']} "
+        "AdamW"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -20,7 +20,8 @@ model) would take too long, so candidates that share tensors share simulations:
   without accumulation have their own reference (the micro-batch that is the whole local batch).
 The simulations run in two processes (they are single-threaded Python), a handful in this one.
 
-The cost, in seconds of one optimizer step under the rates (`fsdp_zero.tools.rates.Rates`), to rank candidates:
+The cost, in seconds of one optimizer step under the rates (`fsdp_zero.tools.rates.Rates`), to rank
+candidates:
 - rates measured on this machine (a CPU target without --tflops / --link-gbps: `fit_rates`, the probe of
   `fsdp_zero.tools.rates.measure`): each sample's forward and backward in the candidate's compute dtype (and each
   checkpointed block's forward again), each byte of `fsdp_zero.monitor.comm.comm_formula` at the rate its
@@ -56,7 +57,13 @@ from fsdp_zero.monitor.comm import comm_formula, comm_seconds
 from fsdp_zero.sharding.parallelize import checkpointed
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, PLAN_MODES, Prediction, Simulator, cached_baseline
+from fsdp_zero.tools.planner import (
+    CUDA_ALLOCATOR_SLACK,
+    PLAN_MODES,
+    Prediction,
+    Simulator,
+    cached_baseline,
+)
 from fsdp_zero.tools.rates import Measured, Rates, measure
 
 
@@ -81,7 +88,8 @@ class Candidate:
         ]
 
     def config(self, cfg: Config) -> Config:
-        hpz = cfg.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None  # full_shard's own
+        # full_shard's own
+        hpz = cfg.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None
         p = replace(
             cfg.parallel,
             strategy=self.strategy,
@@ -102,7 +110,8 @@ class Candidate:
 class Scored:
     candidate: Candidate
     peak: int  # predicted bytes per rank (CPU: peak RSS; CUDA: device memory)
-    cost: float  # seconds per optimizer step under the rates: compute + communication + offload copies
+    # seconds per optimizer step under the rates: compute + communication + offload copies
+    cost: float
     parts: dict[str, float] = field(default_factory=dict)  # the cost's terms
     fits: bool = False
 
@@ -122,15 +131,17 @@ DIMENSIONS = ("strategy", "precision", "checkpointing", "offload", "micro_batch"
 
 def searched_overrides(search: tuple[str, ...]) -> list[str]:
     """What loading the config for a search adds to its overrides: the micro-batch, when searched (every
-    divisor of the local batch is a candidate), is 1, so that the config's own (a default the user may never
-    have set) cannot refuse a global batch it does not divide."""
+    divisor of the local batch is a candidate), is 1, so that the config's own (a default the user
+    may never have set) cannot refuse a global batch it does not divide."""
     return ["train.micro_batch_size=1"] if "micro_batch" in search else []
 
 
-def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSIONS) -> list[Candidate]:
+def candidates(
+    cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSIONS
+) -> list[Candidate]:
     """Every valid candidate: the config's own model, data, global batch and other settings, with each
-    strategy, precision mode, checkpointing, offload, micro-batch and grad_sync the config allows (those
-    of the dimensions not in ``search`` as the config sets them).
+    strategy, precision mode, checkpointing, offload, micro-batch and grad_sync the config allows
+    (those of the dimensions not in ``search`` as the config sets them).
 
     Raises:
         ValueError: ``search`` names something other than `DIMENSIONS`; no candidate is valid.
@@ -138,7 +149,8 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
     for name in search:
         if name not in DIMENSIONS:
             raise ValueError(
-                f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: {', '.join(DIMENSIONS)}"
+                f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: "
+                f"{', '.join(DIMENSIONS)}"
             )
     local = cfg.train.global_batch_size // world_size
     p = cfg.parallel
@@ -181,8 +193,8 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
         out.append(cand)
     if not out:
         raise ValueError(
-            f"no setting varying {', '.join(search)} is valid for this config at {world_size} ranks; "
-            f"the last refused: {refused}"
+            f"no setting varying {', '.join(search)} is valid for this config at {world_size} "
+            f"ranks; the last refused: {refused}"
         )
     return out
 
@@ -190,7 +202,8 @@ def candidates(cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSION
 # Fewer simulations than this run in this process: starting workers (each imports torch) costs more.
 _FEW = 6
 # Worker processes: each owns a Simulator (a fake process group of its own), made by its first task
-# (an error there reaches the caller; one in a pool's initializer would have the pool restart it forever).
+# (an error there reaches the caller; one in a pool's initializer would have the pool restart it
+# forever).
 _SIM: Simulator | None = None
 _ARGS: tuple = ()
 
@@ -213,11 +226,15 @@ def _simulate(
 ) -> list[Prediction]:
     """`Simulator.predict` of each config, in ``processes`` worker processes (0: in this one)."""
     if baseline is None:
-        baseline = cached_baseline(torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu"))
+        baseline = cached_baseline(
+            torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
+        )
     if not processes or len(configs) < _FEW:
         with Simulator(cfg, world_size, accum_cap=2, baseline=baseline) as sim:
             return [sim.predict(c) for c in configs]
-    with multiprocessing.get_context("spawn").Pool(processes, _start, (cfg, world_size, baseline)) as pool:
+    with multiprocessing.get_context("spawn").Pool(
+        processes, _start, (cfg, world_size, baseline)
+    ) as pool:
         return pool.map(_predict, configs, chunksize=1)
 
 
@@ -227,7 +244,11 @@ def _compute_dtype(cfg: Config, c: Candidate) -> torch.dtype:
 
 
 def _predict_peaks(
-    cfg: Config, world_size: int, cands: list[Candidate], processes: int = 2, baseline: int | None = None
+    cfg: Config,
+    world_size: int,
+    cands: list[Candidate],
+    processes: int = 2,
+    baseline: int | None = None,
 ) -> tuple[dict[Candidate, int], int]:
     """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
     and how many simulations it took."""
@@ -250,8 +271,15 @@ def _predict_peaks(
         rep.setdefault(_compute_dtype(cfg, c), c.precision)
 
     def state(c: Candidate) -> Candidate:
-        sync = c.grad_sync if c.grad_sync is GradSync.once_per_step else every  # replicas_: the same tensors
-        return replace(c, checkpointing=none, offload=False, micro_batch=reference(c.micro_batch), grad_sync=sync)
+        # replicas_: the same tensors
+        sync = c.grad_sync if c.grad_sync is GradSync.once_per_step else every
+        return replace(
+            c,
+            checkpointing=none,
+            offload=False,
+            micro_batch=reference(c.micro_batch),
+            grad_sync=sync,
+        )
 
     def activation(c: Candidate, m: int, ac: ActivationCheckpointing) -> Candidate:
         return Candidate(fs, rep[_compute_dtype(cfg, c)], ac, False, m, every)
@@ -263,7 +291,9 @@ def _predict_peaks(
             needed[activation(c, m, c.checkpointing)] = None
             needed[activation(c, reference(m), none)] = None
     sims = list(needed)
-    preds = dict(zip(sims, _simulate(cfg, world_size, [s.config(cfg) for s in sims], processes, baseline)))
+    preds = dict(
+        zip(sims, _simulate(cfg, world_size, [s.config(cfg) for s in sims], processes, baseline))
+    )
     cuda = cfg.dist.device.value == "cuda"
 
     def act(c: Candidate, ac: ActivationCheckpointing, m: int) -> float:
@@ -276,7 +306,9 @@ def _predict_peaks(
     out = {}
     for c in cands:
         s = preds[state(c)]
-        peak = s.peak + act(c, c.checkpointing, c.micro_batch) - act(c, none, reference(c.micro_batch))
+        peak = (
+            s.peak + act(c, c.checkpointing, c.micro_batch) - act(c, none, reference(c.micro_batch))
+        )
         if c.offload and cuda:  # the model state lives in host memory
             peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)
         out[c] = int(peak)
@@ -290,7 +322,10 @@ def step_cost(
     on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
     cc = c.config(cfg)
     precision = resolve(cc.precision)
-    layout, topology = BatchLayout.rounded(cc.train, world_size), Topology.of(cc.parallel, world_size)
+    layout, topology = (
+        BatchLayout.rounded(cc.train, world_size),
+        Topology.of(cc.parallel, world_size),
+    )
     moved = comm_formula(cc, topology, model, plan, layout.grad_accum_steps, precision)
     if rates.measured:
         parts = _measured_cost(cc, c, topology, rates.measured, model, plan, moved)
@@ -298,16 +333,20 @@ def step_cost(
     tokens = layout.global_batch_size // world_size * (cc.data.seq_len or 1)
     params = sum(p.numel() for p in model.parameters())
     recomputed = sum(
-        sum(p.numel() for p in model.get_submodule(b).parameters()) for b in checkpointed(cc.parallel, plan.block_fqns)
+        sum(p.numel() for p in model.get_submodule(b).parameters())
+        for b in checkpointed(cc.parallel, plan.block_fqns)
     )
     flops = 6 * params * tokens + 2 * recomputed * tokens
     slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
     compute = flops * slow / (rates.tflops * 1e12)
     comm = sum(comm_seconds(moved, topology, rates.link_gbps).values())
     offload = 0.0
-    if c.offload:  # each gather first copies the rank's shard to the device, each reduction copies it back
+    # each gather first copies the rank's shard to the device, each reduction copies it back
+    if c.offload:
         shard = params / topology.shard_group * precision.stored.itemsize
-        gathers = layout.grad_accum_steps * (2 if STRATEGIES[c.strategy].reshard_after_forward else 1)
+        gathers = layout.grad_accum_steps * (
+            2 if STRATEGIES[c.strategy].reshard_after_forward else 1
+        )
         reductions = 1 if c.grad_sync is GradSync.once_per_step else layout.grad_accum_steps
         offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)
     parts = {"compute_s": compute, "comm_s": comm, "optimizer_s": 0.0, "offload_s": offload}
@@ -315,14 +354,22 @@ def step_cost(
 
 
 def _measured_cost(
-    cc: Config, c: Candidate, topology: Topology, m: Measured, model: nn.Module, plan: WrapPlan, moved
+    cc: Config,
+    c: Candidate,
+    topology: Topology,
+    m: Measured,
+    model: nn.Module,
+    plan: WrapPlan,
+    moved,
 ) -> dict[str, float]:  # noqa: ANN001 - a CommBytes
     """The step cost from what the probe measured on this machine (`fsdp_zero.tools.rates.measure`): each sample's
-    forward and backward (and each checkpointed block's forward again) in the compute dtype, each byte the
-    strategy moves (`fsdp_zero.monitor.comm.comm_formula`) at the rate its collective ran at, and AdamW's step over
-    the parameters this rank steps."""
+    forward and backward (and each checkpointed block's forward again) in the compute dtype, each
+    byte the strategy moves (`fsdp_zero.monitor.comm.comm_formula`) at the rate its collective ran
+    at, and AdamW's step over the parameters this rank steps."""
     precision = resolve(cc.precision)
-    samples = BatchLayout.rounded(cc.train, topology.world_size).global_batch_size // topology.world_size
+    samples = (
+        BatchLayout.rounded(cc.train, topology.world_size).global_batch_size // topology.world_size
+    )
     fixed, block, forward = m.compute[str(precision.compute).removeprefix("torch.")]
     blocks = checkpointed(cc.parallel, plan.block_fqns)
     compute = samples * (fixed + m.blocks * block + len(blocks) * forward)
@@ -333,8 +380,11 @@ def _measured_cost(
             + moved.reduce_scatter * m.reduce_s_per_byte
             + moved.all_reduce * m.all_reduce_s_per_byte
         )
-    else:  # DDP's buckets all-reduced; ZeRO-1's updated partitions broadcast (an all-gather's bytes)
-        comm = moved.all_reduce * m.all_reduce_s_per_byte + moved.all_gather * m.all_gather_s_per_byte
+    # DDP's buckets all-reduced; ZeRO-1's updated partitions broadcast (an all-gather's bytes)
+    else:
+        comm = (
+            moved.all_reduce * m.all_reduce_s_per_byte + moved.all_gather * m.all_gather_s_per_byte
+        )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     stepped = trainable if spec.zero_stage == 0 else trainable / topology.shard_group
     optimizer = stepped / m.adamw_params_per_s[str(precision.stored).removeprefix("torch.")]
@@ -343,16 +393,16 @@ def _measured_cost(
 
 def fit_rates(cfg: Config, world_size: int, dims: tuple[str, ...] = DIMENSIONS) -> Rates:
     """The rates a search for ``cfg`` assumes when none are given: for the CPU, measured on this machine
-    (`fsdp_zero.tools.rates.measure`, in the compute dtypes the candidates use); for CUDA, `Rates.default`'s
-    (an H100: pass --tflops and --link-gbps for other hardware)."""
+    (`fsdp_zero.tools.rates.measure`, in the compute dtypes the candidates use); for CUDA,
+    `Rates.default`'s (an H100: pass --tflops and --link-gbps for other hardware)."""
     if cfg.dist.device.value == "cuda":
         return Rates.default("cuda")
     dtypes = {resolve(c.config(cfg).precision).compute for c in candidates(cfg, world_size, dims)}
     return measure(cfg, world_size, sorted(dtypes, key=str))
 
 
-# A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have been
-# within 10% of the measured ones on every configuration measured (docs/compare-and-plan.md).
+# A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have
+# been within 10% of the measured ones on every configuration measured (docs/compare-and-plan.md).
 MARGIN = 0.10
 
 
@@ -367,7 +417,8 @@ class _Search:
         rank); returns the cheapest of them.
 
         Raises:
-            ValueError: none fits: the message names the smallest candidate and by how much it misses.
+            ValueError: none fits: the message names the smallest candidate and by how much it
+                misses.
         """
         for s in self.scored:
             s.fits = s.peak * (1 + margin) <= budget
@@ -376,8 +427,9 @@ class _Search:
             need = small.peak * (1 + margin)
             raise ValueError(
                 f"--fit={budget / 2**20:,.0f} MiB: no candidate fits; the smallest, "
-                f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per rank "
-                f"+ {margin:.0%} margin = {need / 2**20:,.0f} MiB ({(need - budget) / 2**20:,.0f} MiB over)"
+                f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per "
+                f"rank + {margin:.0%} margin = {need / 2**20:,.0f} MiB "
+                f"({(need - budget) / 2**20:,.0f} MiB over)"
             )
         return next(s for s in self.scored if s.fits)
 
@@ -403,6 +455,8 @@ def search(
     model = construct(cfg.model)  # meta parameters: free at any size
     make_trainable(model, cfg.model)  # model.freeze, model.lora: frozen parameters are not reduced
     plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
-    scored = [Scored(c, peaks[c], *step_cost(cfg, c, world_size, rates, model, plan)) for c in cands]
+    scored = [
+        Scored(c, peaks[c], *step_cost(cfg, c, world_size, rates, model, plan)) for c in cands
+    ]
     scored.sort(key=lambda s: (s.cost, s.peak))
     return _Search(scored, simulations, time.perf_counter() - start)

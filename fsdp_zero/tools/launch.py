@@ -11,7 +11,12 @@ TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
 
 def train_command(
-    nproc: int, args: Sequence[str], *, script: Path = TRAIN, torchrun_args: Sequence[str] = (), torchrun: bool = True
+    nproc: int,
+    args: Sequence[str],
+    *,
+    script: Path = TRAIN,
+    torchrun_args: Sequence[str] = (),
+    torchrun: bool = True,
 ) -> list[str]:
     """``script`` with ``args`` over ``nproc`` ranks: ``python -m torch.distributed.run --standalone
     --nproc_per_node=N`` (with ``torchrun_args``), or plain ``python`` when ``torchrun`` is false (a

@@ -86,12 +86,14 @@ class Prediction:
     baseline: int  # the process before any model memory (libraries, runtime)
     peak: int = 0  # what the rank will show (see `_predict_peak`)
     model_state: int = 0  # parameters + gradients + optimizer states after an optimizer step
-    host_state: int = 0  # CPU offload: the model state, in host memory (on CUDA, outside device memory)
+    # CPU offload: the model state, in host memory (on CUDA, outside device memory)
+    host_state: int = 0
     heap_at_peak: int = 0  # CPU: bytes of the peak's tensors that glibc serves from its heap
     heap_activations: int = 0  # CPU: heap-allocated activations after the first forward
     optimizer_state: int = 0  # of model_state, the AdamW states
-    # The step in parts (from each phase to the next; `fsdp_zero.monitor.memory.StepProfiler.region_peaks`): bytes by
-    # category at the part's own peak, and how many of them the heap serves. What `compose` extrapolates.
+    # The step in parts (from each phase to the next;
+    # `fsdp_zero.monitor.memory.StepProfiler.region_peaks`): bytes by category at the part's own
+    # peak, and how many of them the heap serves. What `compose` extrapolates.
     regions: dict[str, tuple[dict[str, int], int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -146,7 +148,8 @@ class _StrategyState:
     stage: int  # its ZeRO stage (`fsdp_zero.config.strategies.ZERO_STAGES`)
     mode: str  # precision.mode
     at_rest: float  # after the optimizer step: `fsdp_zero.sharding.parallelize.model_state_formula`
-    gathered: float | None  # held on top between forward and backward; None: one or two units, size unknown
+    # held on top between forward and backward; None: one or two units, size unknown
+    gathered: float | None
     refused: str | None = None  # the config's error when it rejects this strategy with this mode
 
     @property
@@ -168,9 +171,9 @@ def strategy_states(
 
     At rest is `model_state_formula` with the mode's bytes per parameter. Inside the step FSDP holds
     gathered parameters too, in the compute dtype: shard_grad_op (``reshard_after_forward=False``)
-    every unit's, from forward to backward; full_shard the root unit (kept gathered: backward needs it
-    first, `fsdp_zero.sharding.parallelize`), one unit computing and the next prefetched: root + 2 x the largest
-    unit. DDP and ZeRO-1 hold whole parameters already.
+    every unit's, from forward to backward; full_shard the root unit (kept gathered: backward needs
+    it first, `fsdp_zero.sharding.parallelize`), one unit computing and the next prefetched: root +
+    2 x the largest unit. DDP and ZeRO-1 hold whole parameters already.
 
     Args:
         num_params: the model's parameters.
@@ -249,8 +252,8 @@ def measure_baseline(device: torch.device) -> int:
 
     # Not this process's rendezvous (under torchrun, TORCHELASTIC_USE_AGENT_STORE would make the
     # probe wait for an agent store that is not its own). No GPU either: the probe trains on the CPU
-    # (dist.device=cpu), and a process that sees one starts a CUDA context anyway (torch's optimizers
-    # ask the accelerator for its stream), hundreds of MiB that a CPU rank does not hold.
+    # (dist.device=cpu), and a process that sees one starts a CUDA context anyway (torch's
+    # optimizers ask the accelerator for its stream), hundreds of MiB that a CPU rank does not hold.
     env = {
         k: v
         for k, v in os.environ.items()
@@ -293,7 +296,9 @@ class _DDPStandIn(nn.Module):
         dtype = params[0].dtype
         assert all(p.dtype == dtype for p in params), "one bucket dtype"
         # A plain attribute, not a buffer: DDP's buckets are no part of the model's state.
-        self.__dict__["bucket"] = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        self.__dict__["bucket"] = torch.empty(
+            sum(p.numel() for p in params), dtype=dtype, device=params[0].device
+        )
         self._views: dict[nn.Parameter, torch.Tensor] = {}
         offset = 0
         for p in params:
@@ -361,21 +366,32 @@ class Simulator:
     creates the AdamW states, runs one micro-batch.
     """
 
-    def __init__(self, cfg: Config, world_size: int, accum_cap: int | None = None, baseline: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        world_size: int,
+        accum_cap: int | None = None,
+        baseline: int | None = None,
+    ) -> None:
         self.world_size, self.accum_cap = world_size, accum_cap
         self.target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
-        # The step is simulated on the CPU whatever the target: the tensors are the same, and a process
-        # that plans (a test, a login node) must not start CUDA. What the target changes is applied
-        # explicitly: the optimizer's implementation (`predict`) and what a rank shows (`_predict_peak`:
-        # device memory with the allocator's slack and no baseline on CUDA).
+        # The step is simulated on the CPU whatever the target: the tensors are the same, and a
+        # process that plans (a test, a login node) must not start CUDA. What the target changes is
+        # applied explicitly: the optimizer's implementation (`predict`) and what a rank shows
+        # (`_predict_peak`: device memory with the allocator's slack and no baseline on CUDA).
         self.device = torch.device("cpu")
         self.baseline = cached_baseline(self.target) if baseline is None else baseline
-        # glibc serves tensors below this from its heap (CPU); the split decides what the heap keeps.
-        self.heap_threshold = mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
+        # glibc serves tensors below this from its heap (CPU); the split decides what the heap
+        # keeps.
+        self.heap_threshold = (
+            mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
+        )
 
     def __enter__(self) -> "Simulator":
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
-        self.env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, device=self.device, backend="fake")
+        self.env = DistEnv(
+            rank=0, world_size=self.world_size, local_rank=0, device=self.device, backend="fake"
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -384,19 +400,23 @@ class Simulator:
     def predict(self, c: Config, whole: bool = False) -> Prediction:
         """Simulates two steps of ``c`` (its strategy, precision, levers, batch); the second's peak.
 
-        A model whose blocks repeat (`repeated_blocks`) is simulated with only its first few blocks, at
-        three depths a step apart, and composed (`compose`): from some depth on, each block adds the same
-        bytes at every point of the step, so the whole model's figures lie on the line through two
-        depths. The third depth checks that they do (at the smallest depths the units FSDP2 holds in
-        flight still grow with the blocks); where it misses, the depths move up a step. So the
-        simulation's cost does not grow with the layer count; a model that needs all its blocks to run
-        (or has few), or ``whole``, is simulated whole.
+        A model whose blocks repeat (`repeated_blocks`) is simulated with only its first few blocks,
+        at three depths a step apart, and composed (`compose`): from some depth on, each block adds
+        the same bytes at every point of the step, so the whole model's figures lie on the line
+        through two depths. The third depth checks that they do (at the smallest depths the units
+        FSDP2 holds in flight still grow with the blocks); where it misses, the depths move up a
+        step. So the simulation's cost does not grow with the layer count; a model that needs all
+        its blocks to run (or has few), or ``whole``, is simulated whole.
         """
-        # The optimizer the target runs: fused AdamW on CUDA (foreach would add temporaries as large as
-        # the shard), foreach where it steps on the CPU (CPU offload).
+        # The optimizer the target runs: fused AdamW on CUDA (foreach would add temporaries as large
+        # as the shard), foreach where it steps on the CPU (CPU offload).
         stepped_on = torch.device("cpu") if c.parallel.cpu_offload else self.target
         c = replace(c, optim=replace(c.optim, implementation=optimizer_impl(c.optim, stepped_on)))
-        repeats = None if whole else repeated_blocks(c, Topology.of(c.parallel, self.world_size).param_shards)
+        repeats = (
+            None
+            if whole
+            else repeated_blocks(c, Topology.of(c.parallel, self.world_size).param_shards)
+        )
         if repeats is None:
             return self._simulate(c)
         first, step = first_depth(c.parallel)
@@ -427,12 +447,22 @@ class Simulator:
                 repeats.count,
             )
             return self._simulate(c)
-        return compose(at(y), at(z), (y, z), repeats, self.target, _zero1_shares(c, self.world_size, repeats, (y, z)))
+        return compose(
+            at(y),
+            at(z),
+            (y, z),
+            repeats,
+            self.target,
+            _zero1_shares(c, self.world_size, repeats, (y, z)),
+        )
 
     def _simulate(self, c: Config, keep: tuple[str, int] | None = None) -> Prediction:
         """`predict` of ``c`` as it is, or with only the first ``keep[1]`` blocks of container ``keep[0]``."""
         env, device, strategy = self.env, self.device, c.parallel.strategy
-        layout, topology = BatchLayout.rounded(c.train, self.world_size), Topology.of(c.parallel, self.world_size)
+        layout, topology = (
+            BatchLayout.rounded(c.train, self.world_size),
+            Topology.of(c.parallel, self.world_size),
+        )
         if self.accum_cap:
             accum = min(layout.grad_accum_steps, self.accum_cap)
             layout = replace(
@@ -444,22 +474,42 @@ class Simulator:
         mesh = topology.mesh(env.device.type) if is_fsdp(strategy) else None  # needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
         if keep:
-            del meta.get_submodule(keep[0])[keep[1] :]  # (a ModuleList or Sequential renumbers what is left)
+            # (a ModuleList or Sequential renumbers what is left)
+            del meta.get_submodule(keep[0])[keep[1] :]
         cast_to_stored(meta, resolve(c.precision))  # (bf16-true) also outside it
         # Real batches of the configured data (their shapes and dtypes are what matter).
-        micro = BatchCursor(build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0).next_batch()
+        micro = BatchCursor(
+            build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0
+        ).next_batch()
         first = micro[:1] if self.accum_cap else micro
         with FakeTensorMode(allow_non_fake_inputs=True):
             with real_post_forward_meshes():  # hpZ's meshes
-                built = build(c, env, seed=None, topology=topology, mesh=mesh, ddp=_DDPStandIn, model=meta)
+                built = build(
+                    c, env, seed=None, topology=topology, mesh=mesh, ddp=_DDPStandIn, model=meta
+                )
             model, optimizer = built.model, built.optimizer
-            step = Step(model, optimizer, loss_fn, device, grad_clip=c.optim.grad_clip, grad_sync=c.parallel.grad_sync)
+            step = Step(
+                model,
+                optimizer,
+                loss_fn,
+                device,
+                grad_clip=c.optim.grad_clip,
+                grad_sync=c.parallel.grad_sync,
+            )
             step.run(first)  # creates AdamW states
-            with model.bucket_as_gradients() if isinstance(model, _DDPStandIn) else contextlib.nullcontext():
-                profiler = StepProfiler(model, optimizer, device, heap_threshold=self.heap_threshold)
+            with (
+                model.bucket_as_gradients()
+                if isinstance(model, _DDPStandIn)
+                else contextlib.nullcontext()
+            ):
+                profiler = StepProfiler(
+                    model, optimizer, device, heap_threshold=self.heap_threshold
+                )
             state: dict[str, int] = {}
 
-            def on_phase(name: Phase, profiler: StepProfiler = profiler, state: dict[str, int] = state) -> None:
+            def on_phase(
+                name: Phase, profiler: StepProfiler = profiler, state: dict[str, int] = state
+            ) -> None:
                 profiler.phase(name)
                 if name is Phase.AFTER_OPTIMIZER_STEP:
                     cats = profiler.phases[name]
@@ -507,18 +557,24 @@ def _signature(model: nn.Module, prefix: str, units: set[str]) -> tuple:
 
 def repeated_blocks(c: Config, shard_degree: int) -> _Repeats | None:
     """The container (an ``nn.ModuleList`` or ``nn.Sequential``) holding the most parameters in blocks that
-    are all the same (`_signature`, after model.freeze and LoRA, under the config's wrap plan), or None.
-    Any model: the blocks are found by their shapes, not by their class."""
+    are all the same (`_signature`, after model.freeze and LoRA, under the config's wrap plan), or
+    None. Any model: the blocks are found by their shapes, not by their class."""
     model = construct(c.model)  # meta: free at any size
     try:
         make_trainable(model, c.model)
-        wrap = c.parallel.wrap if is_fsdp(c.parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
+        wrap = (
+            c.parallel.wrap if is_fsdp(c.parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
+        )
         units = set(build_wrap_plan(model, wrap, shard_degree).submodule_fqns)
     except ValueError:  # the build will say why, in its own words
         return None
     best, size = None, 0
     for fqn, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2 or fqn in units:
+        if (
+            not isinstance(container, (nn.ModuleList, nn.Sequential))
+            or len(container) < 2
+            or fqn in units
+        ):
             continue
         names = [f"{fqn}.{name}" if fqn else name for name, _ in container.named_children()]
         first = _signature(model, names[0], units)
@@ -531,8 +587,9 @@ def repeated_blocks(c: Config, shard_degree: int) -> _Repeats | None:
 
 def first_depth(parallel: ParallelConfig) -> tuple[int, int]:
     """The smallest depth a composition simulates, and the step between its depths. The smallest holds the
-    units FSDP2 has in flight at once (one computing, one gathered ahead, one reducing) and those explicit
-    prefetch adds; the step is a whole period of selective checkpointing (every k-th block recomputed)."""
+    units FSDP2 has in flight at once (one computing, one gathered ahead, one reducing) and those
+    explicit prefetch adds; the step is a whole period of selective checkpointing (every k-th block
+    recomputed)."""
     step = (
         parallel.activation_checkpointing_every
         if (parallel.activation_checkpointing is ActivationCheckpointing.selective)
@@ -541,7 +598,8 @@ def first_depth(parallel: ParallelConfig) -> tuple[int, int]:
     return step * math.ceil((3 + parallel.prefetch) / step), step
 
 
-# How far the third depth's tensors may lie from the line through the first two (a fraction of them).
+# How far the third depth's tensors may lie from the line through the first two (a fraction of
+# them).
 _ON_LINE = 0.005
 
 
@@ -552,20 +610,26 @@ def _on_line(a: Prediction, b: Prediction, c: Prediction, depths: tuple[int, int
     if not a.regions.keys() == b.regions.keys() == c.regions.keys():
         return False
     for region in c.regions:
-        ta, tb, tc = (sum(v for k, v in p.regions[region][0].items() if k != "optimizer") for p in (a, b, c))
+        ta, tb, tc = (
+            sum(v for k, v in p.regions[region][0].items() if k != "optimizer") for p in (a, b, c)
+        )
         if abs(ta + (tb - ta) * (z - x) / (y - x) - tc) > _ON_LINE * tc:
             return False
     return True
 
 
-def _zero1_shares(c: Config, world_size: int, repeats: _Repeats, depths: tuple[int, int]) -> tuple[int, ...] | None:
+def _zero1_shares(
+    c: Config, world_size: int, repeats: _Repeats, depths: tuple[int, int]
+) -> tuple[int, ...] | None:
     """ZeRO-1 only: rank 0's share of the trainable parameters (elements) at each simulated depth and at the
-    whole model's, as `ZeroRedundancyOptimizer` partitions them (each parameter group's tensors, largest
-    first, each to the rank holding the fewest elements so far). Its AdamW states follow that share, which
-    moves in whole tensors and does not grow evenly with the blocks. None for the other strategies."""
+    whole model's, as `ZeroRedundancyOptimizer` partitions them (each parameter group's tensors,
+    largest first, each to the rank holding the fewest elements so far). Its AdamW states follow
+    that share, which moves in whole tensors and does not grow evenly with the blocks. None for the
+    other strategies."""
     if not STRATEGIES[c.parallel.strategy].zero_redundancy_optimizer:
         return None
-    impl = optimizer_impl(c.optim, torch.device("cpu"))  # the grouping only: the same for every implementation
+    # the grouping only: the same for every implementation
+    impl = optimizer_impl(c.optim, torch.device("cpu"))
     shares = []
     for keep in (*depths, None):
         model = construct(c.model)
@@ -589,27 +653,32 @@ def compose(
     zero1: tuple[int, ...] | None,
 ) -> Prediction:
     """The prediction for all ``repeats.count`` blocks from simulations of the first ``depths`` ones: every
-    figure extrapolated along the line through the two, each part of the step's peak on its own line (the
-    part that peaks can change with the depth: the optimizer step's bytes per block can outgrow the
-    backward's), and the highest of them the step's peak. tests/test_plan_formulas.py checks it against
-    whole simulations. Under ZeRO-1 the AdamW states follow rank 0's share of the parameters instead
-    (``zero1``: at each depth, then the whole model's)."""
+    figure extrapolated along the line through the two, each part of the step's peak on its own line
+    (the part that peaks can change with the depth: the optimizer step's bytes per block can outgrow
+    the backward's), and the highest of them the step's peak. tests/test_plan_formulas.py checks it
+    against whole simulations. Under ZeRO-1 the AdamW states follow rank 0's share of the parameters
+    instead (``zero1``: at each depth, then the whole model's)."""
     (da, db), n = depths, repeats.count
 
     def line(va: float, vb: float) -> int:
         return round(va + (vb - va) * (n - da) / (db - da))
 
-    def states(bytes_at_b: int, bytes_at_a: int) -> int:  # bytes per element of the share: b's, times the share
+    # bytes per element of the share: b's, times the share
+    def states(bytes_at_b: int, bytes_at_a: int) -> int:
         return round(bytes_at_b * zero1[2] / zero1[1]) if zero1 else line(bytes_at_a, bytes_at_b)
 
     regions = {}
-    for region, ((cats_a, heap_a), (cats_b, heap_b)) in ((r, (a.regions[r], b.regions[r])) for r in b.regions):
+    for region, ((cats_a, heap_a), (cats_b, heap_b)) in (
+        (r, (a.regions[r], b.regions[r])) for r in b.regions
+    ):
         cats = {k: line(cats_a[k], cats_b[k]) for k in cats_b}
         cats["optimizer"] = states(cats_b["optimizer"], cats_a["optimizer"])
         regions[region] = (cats, line(heap_a, heap_b))
     tensors, heap_at_peak = max(regions.values(), key=lambda part: sum(part[0].values()))
     optimizer_state = states(b.optimizer_state, a.optimizer_state)
-    model_state = line(a.model_state - a.optimizer_state, b.model_state - b.optimizer_state) + optimizer_state
+    model_state = (
+        line(a.model_state - a.optimizer_state, b.model_state - b.optimizer_state) + optimizer_state
+    )
     pred = Prediction(
         b.strategy,
         b.world_size,

@@ -1,17 +1,18 @@
 """What `fsdp_zero.tools.fit`'s step cost assumes of the hardware (`Rates`), and, when the plan is for this
-machine's CPU, a probe that measures it here (`measure`): the config's own model and collectives, run as
-its ranks will run them.
+machine's CPU, a probe that measures it here (`measure`): the config's own model and collectives,
+run as its ranks will run them.
 
     python scripts/plan.py --world-size 2 --fit 2GiB ...      # dist.device=cpu: measured by the probe
     python scripts/plan.py ... --tflops 0.1 --link-gbps 8      # the rates given: no probe
 
-Why measure: a CPU's rates vary more than any default can say. bf16 runs about 2.3x faster than fp32 on
-a CPU with AVX-512 bf16 instructions and about 170x slower on one without; gloo moves a unit's bytes at
-a fraction of a memory copy's speed, with FSDP's copies into and out of its buffers on top. A cost that
-assumes the wrong ones picks a setting that runs 25 times slower than it said (issue 28).
+Why measure: a CPU's rates vary more than any default can say. bf16 runs about 2.3x faster than fp32
+on a CPU with AVX-512 bf16 instructions and about 170x slower on one without; gloo moves a unit's
+bytes at a fraction of a memory copy's speed, with FSDP's copies into and out of its buffers on top.
+A cost that assumes the wrong ones picks a setting that runs 25 times slower than it said (issue
+28).
 
-The probe starts one process per rank (at most `_MAX_PROBE_RANKS`, with the threads torchrun gives each)
-and measures, all ranks at once as in training:
+The probe starts one process per rank (at most `_MAX_PROBE_RANKS`, with the threads torchrun gives
+each) and measures, all ranks at once as in training:
 - compute: the config's model (the planner's truncation, `fsdp_zero.tools.planner.repeated_blocks`, to 1 and
   `PROBE_DEPTH` of its repeated blocks) trained on one sample, forward and backward, in each compute dtype the search
   asks about, the ranks stepping at once (the shortest of two steps at each depth): the seconds outside
@@ -55,14 +56,15 @@ from fsdp_zero.sharding.parallelize import parallelize
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.planner import repeated_blocks
 
-# More ranks than this are probed with this many (a CPU plan for more is rare; each probe rank is a process).
+# More ranks than this are probed with this many (a CPU plan for more is rare; each probe rank is a
+# process).
 _MAX_PROBE_RANKS = 8
 # A compute dtype whose matmuls run this many times slower than fp32's is scaled from fp32, not run.
 SLOW_DTYPE = 8.0
-# The deeper of the two cuts the compute probe times (or the model's blocks, if fewer): a block's time is a
-# slope over this many minus one blocks, multiplied by the model's depth. Over one block (cuts of 1 and 2)
-# gpt_small's 12-block sample came out between 1.2 and 2.8 s over seven probes; over three, within 10% of
-# the whole model timed (measured 2026-11-26, bench/fit.py's model).
+# The deeper of the two cuts the compute probe times (or the model's blocks, if fewer): a block's
+# time is a slope over this many minus one blocks, multiplied by the model's depth. Over one block
+# (cuts of 1 and 2) gpt_small's 12-block sample came out between 1.2 and 2.8 s over seven probes;
+# over three, within 10% of the whole model timed (measured 2026-11-26, bench/fit.py's model).
 PROBE_DEPTH = 4
 
 
@@ -75,9 +77,12 @@ class Measured:
     # By compute dtype name: seconds per sample outside the repeated blocks, per block (forward and
     # backward), and per block's forward alone.
     compute: dict[str, tuple[float, float, float]]
-    blocks: int  # the model's repeated blocks (0: none found; the first figure is then the whole model)
-    gather_s_per_byte: float  # FSDP2's all-gather, by bytes gathered (its copies in and out included)
-    reduce_s_per_byte: float  # FSDP2's reduce-scatter, by bytes reduced (gloo: an all-reduce, `AllReduceScatter`)
+    # the model's repeated blocks (0: none found; the first figure is then the whole model)
+    blocks: int
+    # FSDP2's all-gather, by bytes gathered (its copies in and out included)
+    gather_s_per_byte: float
+    # FSDP2's reduce-scatter, by bytes reduced (gloo: an all-reduce, `AllReduceScatter`)
+    reduce_s_per_byte: float
     all_reduce_s_per_byte: float  # a plain all-reduce, by bytes reduced (DDP, HSDP's replicas)
     all_gather_s_per_byte: float  # a plain all-gather, by bytes gathered (ZeRO-1's broadcasts)
     adamw_params_per_s: dict[str, float]  # AdamW's step, parameters a second, by stored dtype name
@@ -85,15 +90,17 @@ class Measured:
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        compute = ", ".join(f"{d} {fixed + self.blocks * block:.3g} s" for d, (fixed, block, _) in self.compute.items())
+        compute = ", ".join(
+            f"{d} {fixed + self.blocks * block:.3g} s"
+            for d, (fixed, block, _) in self.compute.items()
+        )
         gbps = lambda s_per_byte: 8 / s_per_byte / 1e9 if s_per_byte else float("inf")  # noqa: E731
         return (
-            f"measured on this machine by a probe ({self.ranks} ranks x {self.threads} thread(s), {self.seconds:.0f} "
-            f"s): "
-            f"forward and backward of one sample: {compute}; FSDP all-gather {gbps(self.gather_s_per_byte):.2g} and "
-            f"reduce-scatter {gbps(self.reduce_s_per_byte):.2g} Gbit/s, all-reduce "
-            f"{gbps(self.all_reduce_s_per_byte):.2g}"
-            f" Gbit/s; AdamW "
+            f"measured on this machine by a probe ({self.ranks} ranks x {self.threads} thread(s), "
+            f"{self.seconds:.0f} s): forward and backward of one sample: {compute}; FSDP "
+            f"all-gather {gbps(self.gather_s_per_byte):.2g} and reduce-scatter "
+            f"{gbps(self.reduce_s_per_byte):.2g} Gbit/s, all-reduce "
+            f"{gbps(self.all_reduce_s_per_byte):.2g} Gbit/s; AdamW "
             + ", ".join(f"{d} {r / 1e6:,.0f}M" for d, r in self.adamw_params_per_s.items())
             + " parameters/s"
             + "".join(f"; {n}" for n in self.notes)
@@ -108,8 +115,8 @@ class Rates:
     tflops: float  # achieved compute per rank in 16-bit dtypes, 10^12 FLOP/s
     link_gbps: float  # per-rank collective bandwidth, Gbit/s
     host_gbps: float = 200.0  # host <-> device copies (CPU offload), Gbit/s
-    # How much faster 16-bit compute runs than fp32. An H100: 989 dense bf16 TFLOP/s against 67 in fp32 (we
-    # do not turn TF32 on); a CPU: about the same (where it is not measured).
+    # How much faster 16-bit compute runs than fp32. An H100: 989 dense bf16 TFLOP/s against 67 in
+    # fp32 (we do not turn TF32 on); a CPU: about the same (where it is not measured).
     fp32_speed: float = 15.0
     measured: Measured | None = None
 
@@ -122,8 +129,8 @@ class Rates:
         if self.measured:
             return self.measured.describe()
         return (
-            f"given or default: {self.tflops:g} TFLOP/s (16-bit; fp32 {self.fp32_speed:g}x slower), link "
-            f"{self.link_gbps:g} Gbit/s, host {self.host_gbps:g} Gbit/s"
+            f"given or default: {self.tflops:g} TFLOP/s (16-bit; fp32 {self.fp32_speed:g}x "
+            f"slower), link {self.link_gbps:g} Gbit/s, host {self.host_gbps:g} Gbit/s"
         )
 
 
@@ -133,8 +140,8 @@ class Rates:
 
 def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: ANN001 - a Config
     """Measures this machine's rates for ``cfg`` at ``world_size`` ranks on the CPU (see the module
-    docstring): one process per rank, up to `_MAX_PROBE_RANKS`, with ``dtypes`` the compute dtypes to
-    time. Raises RuntimeError with the probe's error when a probe process fails."""
+    docstring): one process per rank, up to `_MAX_PROBE_RANKS`, with ``dtypes`` the compute dtypes
+    to time. Raises RuntimeError with the probe's error when a probe process fails."""
     ranks = min(world_size, _MAX_PROBE_RANKS)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fsdp-zero-probe-") as tmp:
@@ -144,7 +151,8 @@ def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: 
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
-        # As torchrun runs the ranks: one thread each when there are several; no GPU (the plan is for the CPU).
+        # As torchrun runs the ranks: one thread each when there are several; no GPU (the plan is
+        # for the CPU).
         env |= {
             "WORLD_SIZE": str(ranks),
             "MASTER_ADDR": "127.0.0.1",
@@ -173,11 +181,16 @@ def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: 
         errors = [p.communicate()[1] for p in procs]
         if any(p.returncode for p in procs):
             failed = next(e for p, e in zip(procs, errors) if p.returncode)
-            raise RuntimeError(f"the rates probe failed: {failed.strip().splitlines()[-1] if failed.strip() else '?'}")
+            raise RuntimeError(
+                "the rates probe failed: "
+                f"{failed.strip().splitlines()[-1] if failed.strip() else '?'}"
+            )
         found = json.loads(out.read_text())
     found["compute"] = {k: tuple(v) for k, v in found["compute"].items()}
     found["notes"] += [f"{world_size} ranks probed as {ranks}"] if ranks < world_size else []
-    return replace(Rates.default("cpu"), measured=Measured(**found, seconds=time.perf_counter() - start))
+    return replace(
+        Rates.default("cpu"), measured=Measured(**found, seconds=time.perf_counter() - start)
+    )
 
 
 def _best_of(fn, repeats: int = 2) -> float:  # noqa: ANN001
@@ -204,10 +217,10 @@ def _model_seconds(
     together=lambda: None,
 ) -> list[tuple[float, float]]:  # noqa: ANN001
     """Forward and forward + backward seconds of one sample of the config's model, initialised as the build
-    does, in ``dtype``: with ``container`` cut to each of ``depths`` blocks in turn (deepest first: the
-    model is built once, warmed up once, and cut), or whole (``container`` None, ``depths`` (0,)). Each the
-    shortest of two steps, each step started by ``together()`` (the probe's ranks step at once, as in
-    training, where they share the machine's memory bandwidth)."""
+    does, in ``dtype``: with ``container`` cut to each of ``depths`` blocks in turn (deepest first:
+    the model is built once, warmed up once, and cut), or whole (``container`` None, ``depths``
+    (0,)). Each the shortest of two steps, each step started by ``together()`` (the probe's ranks
+    step at once, as in training, where they share the machine's memory bandwidth)."""
     model = construct(cfg.model)
     if container is not None:
         del model.get_submodule(container)[max(depths) :]
@@ -215,7 +228,9 @@ def _model_seconds(
     materializer(torch.device("cpu"), cfg.model.init, 0, real_buffers(model), [])(model)
     model.to(dtype)
     source = build_source(cfg.data, 0, vocab_size(model))
-    batch = to_device(BatchCursor(source, BatchLayout(1, 1, 1, 1), 0).next_batch()[0], torch.device("cpu"))
+    batch = to_device(
+        BatchCursor(source, BatchLayout(1, 1, 1, 1), 0).next_batch()[0], torch.device("cpu")
+    )
     loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
 
     def step() -> tuple[float, float]:
@@ -245,13 +260,17 @@ def _compute(
     """Seconds per sample outside the blocks, per block and per block's forward, by dtype name; the blocks; notes."""
     repeats = repeated_blocks(cfg, 1)  # (the blocks are the same whatever the sharding)
     notes, out, fp32_matmul = [], {}, _matmul_seconds(torch.float32)
-    order = sorted(dtypes, key=lambda d: d != "float32")  # fp32 first: a slow dtype is scaled from it
+    # fp32 first: a slow dtype is scaled from it
+    order = sorted(dtypes, key=lambda d: d != "float32")
     for name in order:
         dtype = getattr(torch, name)
         ratio = _matmul_seconds(dtype) / fp32_matmul
         if name != "float32" and ratio > SLOW_DTYPE:
             fixed, block, fwd = (t * ratio for t in out["float32"])
-            notes.append(f"{name} matmuls run {ratio:.3g}x slower than float32 here: scaled from float32's times")
+            notes.append(
+                f"{name} matmuls run {ratio:.3g}x slower than float32 here: scaled from float32's "
+                "times"
+            )
         elif repeats is None:
             fixed, block, fwd = _model_seconds(cfg, None, (0,), dtype, together)[0][1], 0.0, 0.0
         else:
@@ -275,10 +294,19 @@ def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
     model = nn.Sequential(*(nn.Linear(d, d, bias=False) for _ in range(units)))
     parallel = ParallelConfig(wrap=WrapConfig(policy=WrapPolicy.modules, modules=[r"\d+"]))
     env = DistEnv(
-        rank=dist.get_rank(), world_size=n, local_rank=dist.get_rank(), device=torch.device("cpu"), backend="gloo"
+        rank=dist.get_rank(),
+        world_size=n,
+        local_rank=dist.get_rank(),
+        device=torch.device("cpu"),
+        backend="gloo",
     )
     model = parallelize(
-        model, parallel, Topology.of(parallel, n), build_wrap_plan(model, parallel.wrap, n), env, lambda m: None
+        model,
+        parallel,
+        Topology.of(parallel, n),
+        build_wrap_plan(model, parallel.wrap, n),
+        env,
+        lambda m: None,
     )  # ZeRO-3
     x = torch.randn(1, d)
 
@@ -301,10 +329,10 @@ def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
     whole, shard = torch.randn(nbytes // 4), torch.randn(nbytes // 4 // n)
     all_reduce = _best_of(lambda: dist.all_reduce(whole), 3) / nbytes
     all_gather = _best_of(lambda: dist.all_gather_into_tensor(whole, shard), 3) / nbytes
-    # FSDP2's are the plain collective and its copies: never faster than the plain one (on gloo the reduction
-    # is an all-reduce of the same bytes), which bounds what the difference of two noisy timings gives; the
-    # backward's the median of three (a reduction's time is a difference, and gloo's times on a shared machine
-    # scatter both ways).
+    # FSDP2's are the plain collective and its copies: never faster than the plain one (on gloo the
+    # reduction is an all-reduce of the same bytes), which bounds what the difference of two noisy
+    # timings gives; the backward's the median of three (a reduction's time is a difference, and
+    # gloo's times on a shared machine scatter both ways).
     gather = max(t_forward / (units * nbytes), all_gather)
     reduce = max((statistics.median(backwards[1:]) - t_forward) / (units * nbytes), all_reduce)
     return gather, reduce, all_reduce, all_gather

@@ -1,12 +1,14 @@
 """Validation: the loss on held-out data at every ``eval.every``-th step and at the last, the same at any world size.
 
-causal_lm       ``eval.path`` is a token file, read as ``data.source=tokens`` reads one (the same reader,
+causal_lm       ``eval.path`` is a token file, read as ``data.source=tokens`` reads one (the same
+reader,
                 so the same dtype and vocabulary checks). Window k holds the tokens
                 [k * seq_len, k * seq_len + seq_len + 1), k = 0 .. floor((T - 1) / seq_len) - 1, and
                 makes seq_len next-token predictions; ``eval/loss`` is the cross-entropy summed over every
                 prediction divided by their number (token-weighted: never a mean of batch means, which
                 would weigh a short last batch as much as a full one), ``eval/perplexity`` its exp.
-classification  ``eval.path`` is an ImageFolder, each image resized and centre-cropped (no augmentation);
+classification  ``eval.path`` is an ImageFolder, each image resized and centre-cropped (no
+augmentation);
                 ``eval/loss`` the mean cross-entropy over images, ``eval/accuracy`` the fraction right.
 
 The split: item i (a window or an image) goes to rank i mod N, so counts differ by at most one,
@@ -20,9 +22,10 @@ float64, and are reduced in one all-reduce at the end.
 What it leaves as it was: the model's mode (``eval()`` for the pass: no dropout, then ``train()``),
 the RNG (forked around the pass: nothing is drawn from the training's generators), the training's
 data (its own reader; the cursor is never touched) and FSDP2's state. A forward without backward
-would leave the root unit gathered (under ZeRO-2 every unit, see `fsdp_zero.sharding.parallelize`) and its
-units in FSDP2's backward-prefetch record; ``reset_iter_state`` reshards every unit and clears that
-record, so memory after evaluation is what it was before, and the next step trains as it would have.
+would leave the root unit gathered (under ZeRO-2 every unit, see `fsdp_zero.sharding.parallelize`)
+and its units in FSDP2's backward-prefetch record; ``reset_iter_state`` reshards every unit and
+clears that record, so memory after evaluation is what it was before, and the next step trains as it
+would have.
 """
 
 from __future__ import annotations
@@ -67,14 +70,16 @@ class _TokenWindows:
 
     unit = "windows"
 
-    def __init__(self, source: Any, seq_len: int) -> None:  # source: a fsdp_zero.data.batches.TokenFile
+    # source: a fsdp_zero.data.batches.TokenFile
+    def __init__(self, source: Any, seq_len: int) -> None:
         self.source, self.seq_len = source, seq_len
 
     def __len__(self) -> int:
         return self.source.num_windows  # floor((T - 1) / seq_len)
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.source.pairs([k * self.seq_len for k in indices])  # a mask file's untrained targets: IGNORE
+        # a mask file's untrained targets: IGNORE
+        return self.source.pairs([k * self.seq_len for k in indices])
 
 
 class FolderImages:
@@ -87,7 +92,12 @@ class FolderImages:
         from torchvision.datasets import ImageFolder
 
         transform = T.Compose(
-            [T.Resize(size), T.CenterCrop(size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+            [
+                T.Resize(size),
+                T.CenterCrop(size),
+                T.ToTensor(),
+                T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            ]
         )
         try:
             self.dataset = ImageFolder(path, transform=transform)
@@ -99,10 +109,14 @@ class FolderImages:
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = [self.dataset[i] for i in indices]
-        return torch.stack([image for image, _ in pairs]), torch.tensor([int(label) for _, label in pairs])
+        return torch.stack([image for image, _ in pairs]), torch.tensor(
+            [int(label) for _, label in pairs]
+        )
 
 
-def rank_batches(num_items: int, world_size: int, rank: int, micro_batch_size: int) -> list[list[int]]:
+def rank_batches(
+    num_items: int, world_size: int, rank: int, micro_batch_size: int
+) -> list[list[int]]:
     """This rank's micro-batches of item indices: items rank, rank + N, rank + 2N, ..., then empty
     lists (a dummy forward each) up to the count every rank runs, ceil(ceil(n / N) / micro_batch_size)."""
     mine = list(range(rank, num_items, world_size))
@@ -115,7 +129,8 @@ def rank_batches(num_items: int, world_size: int, rank: int, micro_batch_size: i
 class EvalResult:
     """One evaluation, the same on every rank (after the all-reduce)."""
 
-    scalars: dict[str, float]  # eval/loss and eval/perplexity (causal_lm) or eval/accuracy (classification)
+    # eval/loss and eval/perplexity (causal_lm) or eval/accuracy (classification)
+    scalars: dict[str, float]
     items: int  # windows or images evaluated, over all ranks
     unit: str  # "windows" or "images"
     count: int  # predictions: tokens (windows x seq_len) or images
@@ -131,7 +146,13 @@ class Evaluator:
     """Evaluates a model on ``items[:num_items]``, split over the ranks; see the module docstring."""
 
     def __init__(
-        self, items: _Items, num_items: int, task: Task, every: int, micro_batch_size: int, env: DistEnv
+        self,
+        items: _Items,
+        num_items: int,
+        task: Task,
+        every: int,
+        micro_batch_size: int,
+        env: DistEnv,
     ) -> None:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
         self.env = env
@@ -156,7 +177,8 @@ class Evaluator:
             RuntimeError: the model holds gradients (called inside an accumulation).
         """
         start = time.perf_counter()
-        module = unwrap(model)  # DDP holds every parameter whole: no need for its forward's broadcasts
+        # DDP holds every parameter whole: no need for its forward's broadcasts
+        module = unwrap(model)
         if any(p.grad is not None for p in module.parameters()):
             raise RuntimeError(
                 "evaluate between optimizer steps: the model holds gradients, which FSDP2's "
@@ -169,8 +191,11 @@ class Evaluator:
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 for indices in self.batches:
-                    # An empty share still forwards (item 0), so that every rank takes part in every all-gather.
-                    sums = self.spec.eval_sums(module, to_device(self.items.batch(indices or [0]), device))
+                    # An empty share still forwards (item 0), so that every rank takes part in every
+                    # all-gather.
+                    sums = self.spec.eval_sums(
+                        module, to_device(self.items.batch(indices or [0]), device)
+                    )
                     if indices:
                         totals += sums
         finally:
@@ -180,16 +205,20 @@ class Evaluator:
         if dist.is_initialized():
             dist.all_reduce(totals)  # the evaluation's one reduction: loss sum, count, right
         loss_sum, count, right = totals.tolist()  # a sync point, once per evaluation
-        loss = loss_sum / count if count else math.nan  # a masked held-out set without one trained token
+        # a masked held-out set without one trained token
+        loss = loss_sum / count if count else math.nan
         scalars = {"eval/loss": loss, **self.spec.eval_scalars(loss, right, count)}
-        return EvalResult(scalars, self.num_items, self.items.unit, int(count), time.perf_counter() - start)
+        return EvalResult(
+            scalars, self.num_items, self.items.unit, int(count), time.perf_counter() - start
+        )
 
 
 def _token_windows(cfg: Config, vocab: int | None) -> _TokenWindows:
     """eval.path read by the training's own token-file reader (dtype, vocabulary check), windows in file order."""
     data = dataclasses.replace(cfg.data, source=DataSource.tokens, path=cfg.eval.path)
     try:
-        source = build_source(data, cfg.train.seed or 0, vocab)  # the seed orders training windows only
+        # the seed orders training windows only
+        source = build_source(data, cfg.train.seed or 0, vocab)
     except ValueError as e:  # the reader names data.path: here the file is eval.path
         raise ValueError(str(e).replace("data.path=", "eval.path=")) from None
     return _TokenWindows(source, cfg.data.seq_len)
@@ -200,17 +229,23 @@ def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> Folde
     images = FolderImages(cfg.eval.path, cfg.data.image_size)
     classes = images.dataset.classes
     trained = getattr(getattr(train_source, "dataset", None), "classes", None)
-    if cfg.data.source is DataSource.images and trained is not None and list(trained) != list(classes):
+    if (
+        cfg.data.source is DataSource.images
+        and trained is not None
+        and list(trained) != list(classes)
+    ):
         # ImageFolder numbers classes by sorted folder name: other folders would shift every label.
         raise ValueError(
-            f"eval.path={cfg.eval.path!r} has classes {classes}, but data.path has {list(trained)}; "
-            "give both the same class folders"
+            f"eval.path={cfg.eval.path!r} has classes {classes}, but data.path has "
+            f"{list(trained)}; give both the same class folders"
         )
     check_classes_fit(f"eval.path={cfg.eval.path!r}", len(classes), model)
     return images
 
 
-def build_evaluator(cfg: Config, env: DistEnv, model: nn.Module, train_source: object) -> Evaluator | None:
+def build_evaluator(
+    cfg: Config, env: DistEnv, model: nn.Module, train_source: object
+) -> Evaluator | None:
     """The evaluator ``eval.*`` asks for (None: eval.every=0), its data opened and checked.
 
     Raises:
@@ -231,9 +266,12 @@ def build_evaluator(cfg: Config, env: DistEnv, model: nn.Module, train_source: o
     num_items = min(len(items), limit) if limit else len(items)
     if num_items == 0:
         raise ValueError(f"eval.path={e.path!r} holds no {items.unit}")
-    evaluator = Evaluator(items, num_items, cfg.model.task, e.every, cfg.train.micro_batch_size, env)
+    evaluator = Evaluator(
+        items, num_items, cfg.model.task, e.every, cfg.train.micro_batch_size, env
+    )
     logger.info(
-        "evaluation every %d steps and at the last: %d %s of %s (%d forwards a rank, micro-batch %d)",
+        "evaluation every %d steps and at the last: %d %s of %s (%d forwards a rank, micro-batch "
+        "%d)",
         e.every,
         num_items,
         items.unit,

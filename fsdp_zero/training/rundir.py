@@ -1,12 +1,11 @@
 """The run directory: whether a run starts fresh, continues, or is refused; what it writes.
 
 Rank 0 decides the run's name, seed and resume point (`plan_run_dir`, plain and testable
-in-process), every rank learns the `RunDecision` in one broadcast (`decide`), and nothing is
-written until set-up has succeeded (`write_run_dir`). The config is never changed: the decided
-name and seed reach config.yaml through `RunDecision.resolve`. A config that would overwrite a user's run, or
-continue a checkpoint
-with settings that change what it means, is refused with the reason; a file that changes
-is kept beside the new one (name.<step>), never overwritten.
+in-process), every rank learns the `RunDecision` in one broadcast (`decide`), and nothing is written
+until set-up has succeeded (`write_run_dir`). The config is never changed: the decided name and seed
+reach config.yaml through `RunDecision.resolve`. A config that would overwrite a user's run, or
+continue a checkpoint with settings that change what it means, is refused with the reason; a file
+that changes is kept beside the new one (name.<step>), never overwritten.
 """
 
 from __future__ import annotations
@@ -23,7 +22,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from fsdp_zero.checkpoint.dcp import checkpoint_step, latest_checkpoint, list_checkpoints, read_train_state
+from fsdp_zero.checkpoint.dcp import (
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+    read_train_state,
+)
 from fsdp_zero.config.loader import read_saved_config, to_yaml
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import Config
@@ -75,7 +79,8 @@ def check_writable(run_dir: Path, root: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(
-            f"run.root={root!r}: cannot create the run directory {str(run_dir)!r}: {str(existing)!r} is not a directory"
+            f"run.root={root!r}: cannot create the run directory {str(run_dir)!r}: "
+            f"{str(existing)!r} is not a directory"
         )
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".fsdp-zero-probe-", dir=existing))
@@ -96,7 +101,11 @@ class RunDecision:
 
     def resolve(self, cfg: Config) -> Config:
         """``cfg`` with the decided run.name and train.seed, as config.yaml records it."""
-        return replace(cfg, run=replace(cfg.run, name=self.run_dir.name), train=replace(cfg.train, seed=self.seed))
+        return replace(
+            cfg,
+            run=replace(cfg.run, name=self.run_dir.name),
+            train=replace(cfg.train, seed=self.seed),
+        )
 
 
 def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
@@ -113,21 +122,23 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
     if resume == "none":
         if ckpts:
             raise ValueError(
-                f"checkpoint.resume=none but run directory {str(run_dir)!r} holds checkpoints (newest "
-                f"{ckpts[-1].name}) that a fresh run would overwrite; use checkpoint.resume=auto, or another run.name"
+                f"checkpoint.resume=none but run directory {str(run_dir)!r} holds checkpoints "
+                f"(newest {ckpts[-1].name}) that a fresh run would overwrite; use "
+                "checkpoint.resume=auto, or another run.name"
             )
         resume_from = None
     elif resume == "auto":
         resume_from = latest_checkpoint(RunDir(run_dir).checkpoints)
     else:
         resume_from = Path(resume)
-        step = read_train_state(resume_from).step  # a clear error for a partial or missing checkpoint
+        # a clear error for a partial or missing checkpoint
+        step = read_train_state(resume_from).step
         newer = [p for p in ckpts if checkpoint_step(p) > step]
         if newer:
             raise ValueError(
-                f"checkpoint.resume={resume}: run directory {str(run_dir)!r} holds newer checkpoints "
-                f"({', '.join(p.name for p in newer)}) that continuing from step {step} would overwrite; "
-                "continue into another run.name"
+                f"checkpoint.resume={resume}: run directory {str(run_dir)!r} holds newer "
+                f"checkpoints ({', '.join(p.name for p in newer)}) that continuing from step "
+                f"{step} would overwrite; continue into another run.name"
             )
 
     if resume_from is not None:
@@ -136,13 +147,22 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
         if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
             seed = new["train"]["seed"] = old["train"]["seed"]
         diff = config_diff(old, new)
-        bad = {k: v for k, v in diff.items() if k.startswith(INCOMPATIBLE) and not k.startswith(_COMPATIBLE)}
+        bad = {
+            k: v
+            for k, v in diff.items()
+            if k.startswith(INCOMPATIBLE) and not k.startswith(_COMPATIBLE)
+        }
         if bad:
-            changes = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items())
-            raise ValueError(f"cannot continue checkpoint {str(resume_from)!r} with a changed config: {changes}")
+            changes = "; ".join(
+                f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items()
+            )
+            raise ValueError(
+                f"cannot continue checkpoint {str(resume_from)!r} with a changed config: {changes}"
+            )
         if diff:
             logger.info(
-                "resuming with changed settings: %s", "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+                "resuming with changed settings: %s",
+                "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()),
             )
     elif saved_cfg.exists() and saved_cfg.read_text() != to_yaml(cfg):
         raise ValueError(
@@ -163,13 +183,17 @@ def decide(cfg: Config, env: DistEnv) -> RunDecision:
     decision: RunDecision | str | None = None
     if env.is_rank0:
         name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
-        seed = cfg.train.seed if cfg.train.seed is not None else random.SystemRandom().randrange(2**31)
+        seed = (
+            cfg.train.seed if cfg.train.seed is not None else random.SystemRandom().randrange(2**31)
+        )
         run_dir = Path(cfg.run.root) / name
         chosen = RunDecision(run_dir, None, seed).resolve(cfg)
         try:
             decision = plan_run_dir(chosen, run_dir, seed_was_set=cfg.train.seed is not None)
         except Exception as e:  # any failure must reach the other ranks, or they wait forever
-            decision = str(e) if isinstance(e, ValueError) else f"run directory {str(run_dir)!r}: {e!r}"
+            decision = (
+                str(e) if isinstance(e, ValueError) else f"run directory {str(run_dir)!r}: {e!r}"
+            )
     decision = broadcast_object(decision, env)
     if isinstance(decision, str):
         raise ValueError(decision)
@@ -202,7 +226,9 @@ def write_run_dir(run_dir: Path, files: dict[str, str | bytes], tag: str) -> Non
         tmp.replace(path)
 
 
-def run_files(cfg: Config, run_dir: Path, step: int, wrap_table: str | None) -> dict[str, str | bytes]:
+def run_files(
+    cfg: Config, run_dir: Path, step: int, wrap_table: str | None
+) -> dict[str, str | bytes]:
     """What rank 0 writes into the run directory once set-up has succeeded (see `write_run_dir`);
     with model.pretrained, the folder's config and tokenizer files in hf/ (for the export).
 

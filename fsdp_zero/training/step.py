@@ -38,8 +38,10 @@ class StepResult:
 
     loss: torch.Tensor  # this rank's mean loss over its micro-batches
     grad_norm: torch.Tensor  # the global gradient norm, before clipping
-    extra: dict[str, torch.Tensor]  # the task's other scalars (mean over micro-batches), the loss scale
-    verdict: Verdict  # the gate's answer: whether the optimizer step was taken, and whether to stop after it
+    # the task's other scalars (mean over micro-batches), the loss scale
+    extra: dict[str, torch.Tensor]
+    # the gate's answer: whether the optimizer step was taken, and whether to stop after it
+    verdict: Verdict
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -51,11 +53,17 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
         return 1.0
     span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule is Schedule.cosine else 1 - progress
+    shape = (
+        0.5 * (1 + math.cos(math.pi * progress))
+        if cfg.schedule is Schedule.cosine
+        else 1 - progress
+    )
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
-def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int) -> float:
+def set_lr(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int
+) -> float:
     """Sets the learning rate of optimizer step ``step`` (0-based) from the step number alone
     (nothing to save or restore on resume: a changed optim.lr or train.steps applies at once)."""
     lr = cfg.lr * lr_factor(step, cfg, total_steps)
@@ -102,7 +110,9 @@ def _token_weight(
 ) -> tuple[float, int]:
     """N / (trained tokens of the global batch) and that count: this rank's count over its micro-batches
     (their targets, still on the host), one all-reduce, and one read of the sum (a sync point, masked data only)."""
-    total = torch.tensor(float(sum(int(count(b)) for b in micro_batches)), dtype=torch.float64, device=device)
+    total = torch.tensor(
+        float(sum(int(count(b)) for b in micro_batches)), dtype=torch.float64, device=device
+    )
     world = 1
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -116,9 +126,11 @@ def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] |
     None: every backward reduces (every_micro_batch), or the model defers by itself (DDP's ``no_sync``)."""
     grad_sync = GradSync(grad_sync)
     if grad_sync is GradSync.once_per_step and hasattr(model, "set_requires_gradient_sync"):
-        return model.set_requires_gradient_sync  # neither reduce-scatter nor all-reduce until the last
+        # neither reduce-scatter nor all-reduce until the last
+        return model.set_requires_gradient_sync
     if grad_sync is GradSync.replicas_once_per_step and hasattr(model, "set_requires_all_reduce"):
-        return model.set_requires_all_reduce  # HSDP: each reduce-scatter's output summed until the last
+        # HSDP: each reduce-scatter's output summed until the last
+        return model.set_requires_all_reduce
     return None
 
 
@@ -126,9 +138,12 @@ def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] |
 class Step:
     """One optimizer step's fixed parts, built once before the loop; `run` steps one global batch.
 
-    ``scaler`` (fp16): the loss is scaled before backward and the gradients unscaled before clipping.
-    ``gate(loss, grad_norm)``: the `Verdict` every rank agreed on (`fsdp_zero.training.stopping.StepGuard.check`).
-    ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns summed losses.
+    ``scaler`` (fp16): the loss is scaled before backward and the gradients unscaled before
+        clipping.
+    ``gate(loss, grad_norm)``: the `Verdict` every rank agreed on
+        (`fsdp_zero.training.stopping.StepGuard.check`).
+    ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns
+        summed losses.
     ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients.
     """
 
@@ -153,10 +168,13 @@ class Step:
         the scalars). ``gate(loss, grad_norm)``, asked between the gradient norm and the optimizer
         step, returns the `Verdict` every rank agreed on: a step it finds non-finite is skipped (the
         parameters and optimizer states stay as they were); its ``stop`` is the caller's to act on.
-        ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns summed
+        ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns
+            summed
         losses, and the step's loss is their mean over the trained tokens of the whole global batch.
-        ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients (FSDP models;
-        DDP reduces after the last one whatever it says). The gradients, and so the step, are the same.
+        ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients (FSDP
+            models;
+        DDP reduces after the last one whatever it says). The gradients, and so the step, are the
+        same.
         """
         params = [p for p in self.model.parameters()]
         weight, trained = None, None
@@ -166,13 +184,16 @@ class Step:
         _report(hooks, Phase.AFTER_BACKWARD)
         n = len(micro_batches)
         extra = {k: v / n for k, v in extra_sum.items()}
-        loss = loss_sum * weight if weight is not None else loss_sum / n  # masked: the ranks' mean is the token mean
+        # masked: the ranks' mean is the token mean
+        loss = loss_sum * weight if weight is not None else loss_sum / n
         if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # the true gradients (inf/NaN if any rank's overflowed) for the norm
+            # the true gradients (inf/NaN if any rank's overflowed) for the norm
+            self.scaler.unscale_(self.optimizer)
         grad_norm = _grad_norm_(params)  # one all-reduce
         verdict = self.gate(loss, grad_norm) if self.gate else _TAKEN
-        # A global batch without one trained token has nothing to learn from: its loss and gradients are 0,
-        # and the optimizer step is skipped (AdamW would still move the weights by momentum and decay).
+        # A global batch without one trained token has nothing to learn from: its loss and gradients
+        # are 0, and the optimizer step is skipped (AdamW would still move the weights by momentum
+        # and decay).
         if verdict.finite and trained != 0:
             _clip_grads_(params, self.grad_clip, grad_norm)
             if self.scaler:
@@ -182,8 +203,10 @@ class Step:
         if self.scaler:
             self.scaler.count(grad_norm)
             extra |= self.scaler.scalars()  # the scale this step used, and the steps skipped so far
-            self.scaler.update()  # halves the scale after an overflow, grows it after a window without one
-        _report(hooks, Phase.AFTER_OPTIMIZER_STEP)  # parameters, gradients and optimizer states all live
+            # halves the scale after an overflow, grows it after a window without one
+            self.scaler.update()
+        # parameters, gradients and optimizer states all live
+        _report(hooks, Phase.AFTER_OPTIMIZER_STEP)
         self.optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next backward
         return StepResult(loss, grad_norm, extra, verdict)
 
@@ -196,16 +219,22 @@ class Step:
         try:
             loss_sum = torch.zeros((), device=self.device)
             extra_sum: dict[str, torch.Tensor] = {}
-            no_sync = getattr(self.model, "no_sync", None)  # DDP (and the planner's stand-in for it)
+            # DDP (and the planner's stand-in for it)
+            no_sync = getattr(self.model, "no_sync", None)
             for i, batch in enumerate(micro_batches):
                 batch = to_device(batch, self.device)
-                if defer:  # off until the last micro-batch, whose backward reduces the sum (and leaves it on)
+                # off until the last micro-batch, whose backward reduces the sum (and leaves it on)
+                if defer:
                     defer(i == len(micro_batches) - 1)
                 # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
                 # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
                 # sharded gradient, so no unsharded gradient is kept across micro-batches (more
                 # communication, ZeRO-3 memory), unless grad_sync defers it (`_deferral`).
-                with no_sync() if no_sync and i < len(micro_batches) - 1 else contextlib.nullcontext():
+                with (
+                    no_sync()
+                    if no_sync and i < len(micro_batches) - 1
+                    else contextlib.nullcontext()
+                ):
                     loss, extra = self.loss_fn(self.model, batch)
                     if i == 0:
                         _report(hooks, Phase.AFTER_FORWARD)
@@ -222,5 +251,6 @@ class Step:
                     _report(hooks, Phase.AFTER_MICRO_BATCH)
             return loss_sum, extra_sum
         finally:
-            if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual
+            # left on whatever happened: a later step (or evaluation) must reduce as usual
+            if defer:
                 defer(True)

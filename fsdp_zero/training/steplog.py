@@ -1,10 +1,10 @@
 """What the training loop reports, in one object: the loop calls `StepLogger.step` once a step.
 
-On a log step (every ``train.log_every`` steps, and the last) it reads the interval's time and
-this rank's memory, gathers loss, peak memory, throughput and the task's scalars from every
-rank in one all-gather (with ``.item()``: the loop's sync points besides the step's gate, see
-`fsdp_zero.training.step`), and writes the same names to TensorBoard (per rank, under tb/rank<R>) and
-to metrics.jsonl (rank 0):
+On a log step (every ``train.log_every`` steps, and the last) it reads the interval's time and this
+rank's memory, gathers loss, peak memory, throughput and the task's scalars from every rank in one
+all-gather (with ``.item()``: the loop's sync points besides the step's gate, see
+`fsdp_zero.training.step`), and writes the same names to TensorBoard (per rank, under tb/rank<R>)
+and to metrics.jsonl (rank 0):
 
     loss, lr, grad_norm                global: the mean over ranks, the rate, the global norm
     <unit>_per_s_rank                  this rank's throughput (tokens, or samples for images)
@@ -15,7 +15,8 @@ to metrics.jsonl (rank 0):
                                        this rank's bytes of that step's collectives (`fsdp_zero.monitor.comm`;
                                        metrics.jsonl: rank 0's)
 
-After an evaluation (`evaluation`), eval/loss and eval/perplexity or eval/accuracy, in a row of their own.
+After an evaluation (`evaluation`), eval/loss and eval/perplexity or eval/accuracy, in a row of
+their own.
 
 It also records the first step's memory at three phases (memory_first_step/*), the profiled
 step's breakdown (memory_breakdown/*, memory_within_step/*), and the model state after the
@@ -51,8 +52,14 @@ from fsdp_zero.training.evaluate import EvalResult
 
 logger = logging.getLogger("fsdp_zero")
 
-_FIRST_STEP_PHASES = (Phase.AFTER_BUILD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)  # x = 0, 1, 2
-_PROFILE_PHASES = (Phase.START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)
+# x = 0, 1, 2
+_FIRST_STEP_PHASES = (Phase.AFTER_BUILD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP)
+_PROFILE_PHASES = (
+    Phase.START,
+    Phase.AFTER_FORWARD,
+    Phase.AFTER_BACKWARD,
+    Phase.AFTER_OPTIMIZER_STEP,
+)
 
 
 @dataclass
@@ -62,17 +69,22 @@ class StepRecord:
     losses: dict[int, float] = field(default_factory=dict)  # logged steps (1-based)
     grad_norms: dict[int, float] = field(default_factory=dict)
     model_state_bytes: int = 0  # this rank's, after the first optimizer step
-    breakdown: dict[str, int] = field(default_factory=dict)  # tensor bytes by category at the profiled peak
-    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # ... at the profiled step's phases
-    # This rank's highest peak RSS over the steps other than the profiled one (whose tracker holds its own
-    # bookkeeping: hundreds of MiB on gpt_small, not the model's); None when no other step ran, with why.
+    # tensor bytes by category at the profiled peak
+    breakdown: dict[str, int] = field(default_factory=dict)
+    # ... at the profiled step's phases
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    # This rank's highest peak RSS over the steps other than the profiled one (whose tracker holds
+    # its own bookkeeping: hundreds of MiB on gpt_small, not the model's); None when no other step
+    # ran, with why.
     peak_rss_mib: float | None = None
     peak_rss_note: str | None = None
     peak_reserved_mib: float | None = None  # CUDA: the highest peak reserved over the run
     step_seconds: float = 0.0  # mean step time over the last log interval
     evals: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval/* scalars
-    eval_peak_mib: float = 0.0  # this rank's highest peak (as peak_mem) from the last log step through an evaluation
-    comm_bytes: dict[str, float] = field(default_factory=dict)  # this rank's, in the last logged step, by kind
+    # this rank's highest peak (as peak_mem) from the last log step through an evaluation
+    eval_peak_mib: float = 0.0
+    # this rank's, in the last logged step, by kind
+    comm_bytes: dict[str, float] = field(default_factory=dict)
     comm_formula: dict[str, float] = field(
         default_factory=dict
     )  # the strategy's (`fsdp_zero.monitor.comm.comm_formula`)
@@ -116,17 +128,27 @@ class StepLogger:
         comm: CommMeter | None = None,
     ) -> None:
         self.env, self.model, self.optimizer, self.comm = env, model, optimizer, comm
-        self.log_every, self.last_step, self.profile_step = plan.log_every, plan.last_step, plan.profile_step
+        self.log_every, self.last_step, self.profile_step = (
+            plan.log_every,
+            plan.last_step,
+            plan.profile_step,
+        )
         self.items_per_rank_step, self.unit = plan.items_per_rank_step, plan.unit
         self.tb: MetricLogger = (
-            TensorBoardLogger(RunDir(run_dir).tensorboard(env.rank)) if plan.tensorboard else NoOpLogger()
+            TensorBoardLogger(RunDir(run_dir).tensorboard(env.rank))
+            if plan.tensorboard
+            else NoOpLogger()
         )
-        self.history: MetricLogger = JsonLinesLogger(RunDir(run_dir).metrics) if env.is_rank0 else NoOpLogger()
+        self.history: MetricLogger = (
+            JsonLinesLogger(RunDir(run_dir).metrics) if env.is_rank0 else NoOpLogger()
+        )
         self.monitor = MemoryMonitor(env.device)
         self.record = StepRecord(comm_formula=as_dict(comm.formula) if comm else {})
         self.profiler: StepProfiler | None = None
-        self._held: dict[str, float] = {}  # the peaks read when the profiled step ended (before their reset)
-        self._clean_steps = 0  # steps since the peaks were last reset, none of them the profiled one
+        # the peaks read when the profiled step ended (before their reset)
+        self._held: dict[str, float] = {}
+        # steps since the peaks were last reset, none of them the profiled one
+        self._clean_steps = 0
         self._first = True
         self._interval_start, self._interval_steps = time.perf_counter(), 0
         self.first_step_phase(Phase.AFTER_BUILD)
@@ -137,17 +159,25 @@ class StepLogger:
         """The phase hooks for ``step``: the first step's memory reads, the profiler on the profiled step."""
         out = [self.first_step_phase] if self._first else []
         self._first = False
-        self.profiler = StepProfiler(self.model, self.optimizer, self.env.device) if step == self.profile_step else None
+        self.profiler = (
+            StepProfiler(self.model, self.optimizer, self.env.device)
+            if step == self.profile_step
+            else None
+        )
         if self.profiler:
             out.append(self.profiler.phase)
-            if self._clean_steps:  # steps since the last reset of the peaks, before the profiled one: theirs
+            # steps since the last reset of the peaks, before the profiled one: theirs
+            if self._clean_steps:
                 self._clean_peak(self.monitor.read()["cpu_peak_rss_mib"])
         return out
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
         """Around one `Step.run`: the profiler on the profiled step, and the step's collectives counted."""
-        with self.profiler or contextlib.nullcontext(), self.comm.counting() if self.comm else contextlib.nullcontext():
+        with (
+            self.profiler or contextlib.nullcontext(),
+            self.comm.counting() if self.comm else contextlib.nullcontext(),
+        ):
             yield
 
     def first_step_phase(self, phase: Phase) -> None:
@@ -157,26 +187,35 @@ class StepLogger:
         if phase is Phase.AFTER_OPTIMIZER_STEP:  # model state at its peak: gradients not yet freed
             self.record.model_state_bytes = int(scalars["memory/model_state_mib"] * MIB)
         self.tb.log(
-            {k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()}, _FIRST_STEP_PHASES.index(phase)
+            {k.replace("memory/", "memory_first_step/"): v for k, v in scalars.items()},
+            _FIRST_STEP_PHASES.index(phase),
         )
         logger.info(
             "memory %-21s model state %8.2f MiB/rank | %s",
             phase.value,
             scalars["memory/model_state_mib"],
-            ", ".join(f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k),
+            ", ".join(
+                f"{k.split('/')[1]} {v:,.1f}" for k, v in scalars.items() if "model_state" not in k
+            ),
         )
 
     # -- once a step ---------------------------------------------------------------
 
     def step(
-        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, extra: dict[str, torch.Tensor]
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lr: float,
+        extra: dict[str, torch.Tensor],
     ) -> None:
         """Called after every optimizer step; logs on log steps only."""
         profiled = self.profiler is not None
         if profiled:
             self._log_profile(step)
-            # The peaks so far (the profiled step's own included, for this interval's log row), then a fresh
-            # start: the steps after it in this interval are measured without the tracker's bookkeeping.
+            # The peaks so far (the profiled step's own included, for this interval's log row), then
+            # a fresh start: the steps after it in this interval are measured without the tracker's
+            # bookkeeping.
             self._held = self.monitor.read()
             self.monitor.reset_peaks()
         self._interval_steps += 1
@@ -189,9 +228,11 @@ class StepLogger:
         rank_rate = self.items_per_rank_step * self._interval_steps / elapsed
         self.record.step_seconds = elapsed / self._interval_steps
         mem = memory_scalars(self.monitor, self.model, self.optimizer)
-        if self._clean_steps:  # steps since the peaks were last reset, the profiled one not among them
+        # steps since the peaks were last reset, the profiled one not among them
+        if self._clean_steps:
             self._clean_peak(mem["memory/cpu_peak_rss_mib"])
-        for key, held in self._held.items():  # the interval's peaks over all of it, the profiled step's included
+        # the interval's peaks over all of it, the profiled step's included
+        for key, held in self._held.items():
             if "peak" in key:
                 mem[f"memory/{key}"] = max(mem[f"memory/{key}"], held)
         self._held = {}
@@ -205,11 +246,16 @@ class StepLogger:
         mine = torch.stack(
             [
                 loss.double(),
-                *(torch.tensor(v, dtype=torch.float64, device=loss.device) for v in (peak, rank_rate)),
+                *(
+                    torch.tensor(v, dtype=torch.float64, device=loss.device)
+                    for v in (peak, rank_rate)
+                ),
                 *(extra[k].double() for k in names),
             ]
         )
-        gathered = torch.zeros(self.env.world_size, mine.numel(), dtype=torch.float64, device=loss.device)
+        gathered = torch.zeros(
+            self.env.world_size, mine.numel(), dtype=torch.float64, device=loss.device
+        )
         dist.all_gather(list(gathered.unbind(0)), mine)
         gathered = gathered.cpu()
         scalars = {
@@ -221,15 +267,25 @@ class StepLogger:
             **{k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)},
         }
         peaks = gathered[:, 1].tolist()
-        self.record.losses[step], self.record.grad_norms[step] = scalars["loss"], scalars["grad_norm"]
+        self.record.losses[step], self.record.grad_norms[step] = (
+            scalars["loss"],
+            scalars["grad_norm"],
+        )
         comm = self.comm.counted() if self.comm else None  # this step's (counted on the host)
         if comm:
             self.record.comm_bytes = as_dict(comm)
 
-        self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem | (comm.scalars() if comm else {}), step)
-        rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | (comm.scalars() if comm else {})
+        self.tb.log(
+            {f"train/{k}": v for k, v in scalars.items()} | mem | (comm.scalars() if comm else {}),
+            step,
+        )
+        rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | (
+            comm.scalars() if comm else {}
+        )
         self.history.log(
-            rank0 | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]}, step
+            rank0
+            | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]},
+            step,
         )
         logger.info(
             "step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s",
@@ -261,9 +317,11 @@ class StepLogger:
     def evaluation(self, step: int, result: EvalResult) -> None:
         """An evaluation after step ``step`` (its scalars the same on every rank): TensorBoard, metrics.jsonl
         (a row of its own, at the same step) and one line. Its time is left out of the throughput."""
-        mem = self.monitor.read()  # peaks since the last log step: with log_every=1, the evaluation's own
+        # peaks since the last log step: with log_every=1, the evaluation's own
+        mem = self.monitor.read()
         self.record.eval_peak_mib = max(
-            self.record.eval_peak_mib, self.monitor.headline_peak({f"memory/{k}": v for k, v in mem.items()})
+            self.record.eval_peak_mib,
+            self.monitor.headline_peak({f"memory/{k}": v for k, v in mem.items()}),
         )
         self.record.evals[step] = result.scalars
         self.tb.log(result.scalars, step)
@@ -314,10 +372,13 @@ class Summary:
     num_params: int
     num_frozen: int
     world_size: int
-    model_state_formula_bytes: float  # the strategy's formula (`fsdp_zero.sharding.parallelize.model_state_formula`)
+    # the strategy's formula (`fsdp_zero.sharding.parallelize.model_state_formula`)
+    model_state_formula_bytes: float
     grad_sync: str
-    comm_formula_bytes: dict[str, float] | None  # by kind (`fsdp_zero.monitor.comm.comm_formula`); None: not counted
-    ranks: list[dict[str, Any]]  # per rank: model_state_bytes, peak_rss_mib, step_s, breakdown, comm_bytes, ...
+    # by kind (`fsdp_zero.monitor.comm.comm_formula`); None: not counted
+    comm_formula_bytes: dict[str, float] | None
+    # per rank: model_state_bytes, peak_rss_mib, step_s, breakdown, comm_bytes, ...
+    ranks: list[dict[str, Any]]
 
     def write(self, run_dir: Path) -> None:
         RunDir(run_dir).summary.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -333,13 +394,18 @@ class Summary:
             raise ValueError(f"{str(path)!r}: not a summary this version reads ({e})") from None
 
 
-def write_summary(cfg: Config, env: DistEnv, record: StepRecord, built: Built, run_dir: Path, last: int) -> None:
+def write_summary(
+    cfg: Config, env: DistEnv, record: StepRecord, built: Built, run_dir: Path, last: int
+) -> None:
     """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
     only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
     num_params, num_frozen = built.num_params, built.num_frozen
-    formula = model_state_formula(built.topology, num_params, built.precision.bytes_per_param, num_frozen)
+    formula = model_state_formula(
+        built.topology, num_params, built.precision.bytes_per_param, num_frozen
+    )
     logger.info(
-        "model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f MiB)",
+        "model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f "
+        "MiB)",
         record.model_state_bytes / MIB,
         record.model_state_bytes / formula,
         cfg.parallel.strategy.value,
@@ -349,7 +415,12 @@ def write_summary(cfg: Config, env: DistEnv, record: StepRecord, built: Built, r
     if record.comm_bytes:
         logger.info(
             "%s",
-            describe(record.comm_bytes, record.comm_formula, cfg.parallel.strategy.value, cfg.parallel.grad_sync.value),
+            describe(
+                record.comm_bytes,
+                record.comm_formula,
+                cfg.parallel.strategy.value,
+                cfg.parallel.grad_sync.value,
+            ),
         )
     mine = {
         "model_state_bytes": record.model_state_bytes,

@@ -2,8 +2,8 @@
 
 Cleanly: on SIGTERM (what schedulers send before they kill a job) or when
 ``train.max_minutes`` have passed, every rank finishes the step it is in, a checkpoint of that step
-is saved, and the run exits with `Stopped.exit_code` so that a wrapper script knows to launch it again
-(the next launch continues from that checkpoint).
+is saved, and the run exits with `Stopped.exit_code` so that a wrapper script knows to launch it
+again (the next launch continues from that checkpoint).
 
 On divergence: a non-finite loss on any rank, or a non-finite global gradient norm, is found
 before the optimizer step, which every rank then skips; the run stops there (nothing of the step
@@ -75,7 +75,8 @@ class StepGuard:
         self.deadline = deadline
         self.overflow_is_skip = overflow_is_skip
         self._previous = None
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+        # signals reach the main thread only
+        if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
@@ -85,11 +86,19 @@ class StepGuard:
         """What every rank agreed on about this step: whether its numbers are finite on every rank
         (the optimizer step is taken only then) and whether to stop after it. One all-reduce of two
         integers, on the loss's device, and one sync to read them (`Step.run`'s gate)."""
-        stop = 2 if self.signalled else 1 if self.deadline is not None and time.time() >= self.deadline else 0
+        stop = (
+            2
+            if self.signalled
+            else 1
+            if self.deadline is not None and time.time() >= self.deadline
+            else 0
+        )
         bad = ~torch.isfinite(loss.detach())
         if not self.overflow_is_skip:
             bad |= ~torch.isfinite(grad_norm.detach()).to(loss.device)  # CPU with offload
-        flags = torch.stack([bad.to(torch.int32), torch.tensor(stop, dtype=torch.int32, device=loss.device)])
+        flags = torch.stack(
+            [bad.to(torch.int32), torch.tensor(stop, dtype=torch.int32, device=loss.device)]
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, stop = flags.tolist()
         return Verdict(not nonfinite, _REASONS.get(stop))

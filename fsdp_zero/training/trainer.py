@@ -1,11 +1,11 @@
 """The one training loop, and the set-up around it.
 
-``train(cfg, env)`` does, in order: size the batch, decide the run directory, seed and resume
-point (`fsdp_zero.training.rundir.decide`), build the sharded model and its optimizer
-(`fsdp_zero.sharding.build.build`), make the data source and its cursor, resume or import weights, then
-step (`fsdp_zero.training.step.Step.run`: accumulation, clipping with sharded gradients, the sync
-points) and save (`fsdp_zero.checkpoint.dcp`); at the end, the run's summary. The loop in ``train``
-is everything a reader needs to follow a run from step to step.
+``train(cfg, env)`` does, in order: size the batch, decide the run directory, seed and resume point
+(`fsdp_zero.training.rundir.decide`), build the sharded model and its optimizer
+(`fsdp_zero.sharding.build.build`), make the data source and its cursor, resume or import weights,
+then step (`fsdp_zero.training.step.Step.run`: accumulation, clipping with sharded gradients, the
+sync points) and save (`fsdp_zero.checkpoint.dcp`); at the end, the run's summary. The loop in
+``train`` is everything a reader needs to follow a run from step to step.
 """
 
 from __future__ import annotations
@@ -28,11 +28,25 @@ from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource
 from fsdp_zero.config.strategies import is_fsdp
 from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
-from fsdp_zero.distributed.env import CollectiveTimeout, DistEnv, last_collective, seed_all, silent_ranks
+from fsdp_zero.distributed.env import (
+    CollectiveTimeout,
+    DistEnv,
+    last_collective,
+    seed_all,
+    silent_ranks,
+)
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.errors import CollectiveFailed, Diverged, Stopped
 from fsdp_zero.model.hf import weights_path
-from fsdp_zero.model.tasks import TASKS, LossFn, build_task, check_classes_fit, max_seq_len, trained_tokens, vocab_size
+from fsdp_zero.model.tasks import (
+    TASKS,
+    LossFn,
+    build_task,
+    check_classes_fit,
+    max_seq_len,
+    trained_tokens,
+    vocab_size,
+)
 from fsdp_zero.monitor.comm import CommMeter
 from fsdp_zero.monitor.memory import MIB, apply_malloc_policy
 from fsdp_zero.sharding.build import Built, build
@@ -40,7 +54,14 @@ from fsdp_zero.sharding.parallelize import formula_note, model_state_formula, un
 from fsdp_zero.sharding.precision import LossScaler, Precision, loss_scaler
 from fsdp_zero.sharding.wrap import WrapPlan
 from fsdp_zero.training.evaluate import Evaluator, build_evaluator
-from fsdp_zero.training.rundir import RunDecision, config_diff, decide, run_files, to_plain, write_run_dir
+from fsdp_zero.training.rundir import (
+    RunDecision,
+    config_diff,
+    decide,
+    run_files,
+    to_plain,
+    write_run_dir,
+)
 from fsdp_zero.training.step import Step, StepResult, set_lr
 from fsdp_zero.training.steplog import LogPlan, StepLogger, StepRecord, write_summary
 from fsdp_zero.training.stopping import StepGuard, budget_deadline, budget_job
@@ -71,7 +92,8 @@ class _Components:
     scaler: LossScaler | None = None  # fp16's loss scaling
     evaluator: Evaluator | None = None  # eval.every > 0: validation on eval.path
     num_frozen: int = 0  # of num_params, those that do not train (model.freeze, model.lora)
-    built: Built | None = None  # what `fsdp_zero.sharding.build.build` returned (its topology included)
+    # what `fsdp_zero.sharding.build.build` returned (its topology included)
+    built: Built | None = None
 
 
 def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
@@ -79,11 +101,13 @@ def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
     limit = max_seq_len(model)
     if cfg.data.source in TOKEN_SOURCES and limit and cfg.data.seq_len > limit:
         raise ValueError(
-            f"data.seq_len={cfg.data.seq_len} > the model's longest sequence {limit}; lower data.seq_len "
-            "(or raise the model's, e.g. model.max_seq_len)"
+            f"data.seq_len={cfg.data.seq_len} > the model's longest sequence {limit}; lower "
+            "data.seq_len (or raise the model's, e.g. model.max_seq_len)"
         )
     if TASKS[cfg.model.task].classes_fit_outputs:
-        check_classes_fit(f"data.source={cfg.data.source.value}", getattr(source, "num_classes", 0), model)
+        check_classes_fit(
+            f"data.source={cfg.data.source.value}", getattr(source, "num_classes", 0), model
+        )
 
 
 def _data_workers(cfg: Config) -> int:
@@ -104,7 +128,8 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     layout = BatchLayout.of(cfg.train, env.world_size)
     apply_malloc_policy(cfg.memory.malloc_mmap_threshold, env.device)
     strategy = cfg.parallel.strategy
-    topology = Topology.of(cfg.parallel, env.world_size)  # every world-size fact of the run, resolved once
+    # every world-size fact of the run, resolved once
+    topology = Topology.of(cfg.parallel, env.world_size)
     for note in topology.notes:
         logger.warning("%s", note)
     decision = decide(cfg, env)
@@ -116,7 +141,8 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     model, plan = built.model, built.plan
     source = build_source(cfg.data, decision.seed, vocab_size(unwrap(model)))
     _check_data_fits(cfg, unwrap(model), source)
-    loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))  # a mask file: token-weighted loss
+    # a mask file: token-weighted loss
+    loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
     scaler = loss_scaler(cfg.precision, built.precision, env.device)
     _log_setup(cfg, env, decision, built, layout)
     evaluator = build_evaluator(cfg, env, unwrap(model), source)
@@ -124,20 +150,28 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     cursor = BatchCursor(source, layout, env.rank, num_workers=_data_workers(cfg))
     state = _resume(cfg, env, decision, model, built.optimizer, scaler)
     cursor.position = state.data_position
-    state.deadline = budget_deadline(cfg.train.max_minutes, state.deadline, state.job)  # a fresh state has none
+    # a fresh state has none
+    state.deadline = budget_deadline(cfg.train.max_minutes, state.deadline, state.job)
     state.job = budget_job() if state.deadline else None
-    if state.deadline is not None and state.deadline <= time.time():  # every rank resumed from the same checkpoint
+    # every rank resumed from the same checkpoint
+    if state.deadline is not None and state.deadline <= time.time():
         raise Stopped(
-            f"the time budget (train.max_minutes) of this torchrun job ran out before it restarted these "
-            f"ranks; {decision.resume} holds step {state.step}: launch again to continue"
+            "the time budget (train.max_minutes) of this torchrun job ran out before it restarted "
+            f"these ranks; {decision.resume} holds step {state.step}: launch again to continue"
         )
 
     # Only now, with everything built and loaded, does the run leave a trace on disk.
     if env.is_rank0:
         table = plan.table() if is_fsdp(strategy) else None
-        write_run_dir(decision.run_dir, run_files(cfg, decision.run_dir, state.step, table), tag=str(state.step))
+        write_run_dir(
+            decision.run_dir,
+            run_files(cfg, decision.run_dir, state.step, table),
+            tag=str(state.step),
+        )
         if env.device.type == "cuda":  # what users check with torch.cuda.memory_summary()
-            (decision.run_dir / "cuda_memory_summary.txt").write_text(torch.cuda.memory_summary(env.device))
+            (decision.run_dir / "cuda_memory_summary.txt").write_text(
+                torch.cuda.memory_summary(env.device)
+            )
     dist.barrier()
     return _Components(
         cfg,
@@ -159,7 +193,9 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     )
 
 
-def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, layout: BatchLayout) -> None:
+def _log_setup(
+    cfg: Config, env: DistEnv, decision: RunDecision, built: Built, layout: BatchLayout
+) -> None:
     """The start-up lines: versions, the model, what differs from the defaults, the model state's
     formula, the batch, the wrap plan and where the run's files go."""
     strategy, run_dir, num_params, precision, plan = (
@@ -194,18 +230,26 @@ def _log_setup(cfg: Config, env: DistEnv, decision: RunDecision, built: Built, l
         RunDir(run_dir).config,
         ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
     )
-    state_bytes = model_state_formula(built.topology, num_params, precision.bytes_per_param, built.num_frozen)
+    state_bytes = model_state_formula(
+        built.topology, num_params, precision.bytes_per_param, built.num_frozen
+    )
     where = formula_note(built.topology) + (
         f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"
         if built.num_frozen
         else ""
     )
     logger.info("%s", precision.manifest(num_params, state_bytes, where))
-    logger.info("%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None))
+    logger.info(
+        "%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None)
+    )
     if is_fsdp(strategy):
         logger.info("%s", plan.table())
     else:
-        logger.info("strategy %s: no FSDP units; every rank holds all %s parameters", strategy.value, f"{num_params:,}")
+        logger.info(
+            "strategy %s: no FSDP units; every rank holds all %s parameters",
+            strategy.value,
+            f"{num_params:,}",
+        )
     logger.info("run dir %s | tensorboard --logdir %s", run_dir, RunDir(run_dir).tensorboard_root)
 
 
@@ -239,22 +283,28 @@ def _resume(
         env.world_size,
     )
     if given:
-        logger.warning("%s's weights are ignored: the run continues from checkpoint %s", key, decision.resume)
+        logger.warning(
+            "%s's weights are ignored: the run continues from checkpoint %s", key, decision.resume
+        )
     return state
 
 
-def diverged(step: int, out: StepResult, skipped: int, checkpointer: Checkpointer | None, root: Path) -> Diverged:
+def diverged(
+    step: int, out: StepResult, skipped: int, checkpointer: Checkpointer | None, root: Path
+) -> Diverged:
     """The error to stop with, once any save in flight has finished (its step was finite)."""
     if checkpointer:
         checkpointer.close()
     good = latest_checkpoint(root)
     where = (
-        f"the newest checkpoint, {good}, holds the last finite weights (continue from it with a lower "
-        f"optim.lr or with optim.grad_clip > 0)"
+        f"the newest checkpoint, {good}, holds the last finite weights (continue from it with a "
+        "lower optim.lr or with optim.grad_clip > 0)"
         if good
         else "no checkpoint was saved before it"
     )
-    skips = f" after {skipped - 1} skipped (train.skip_nonfinite={skipped - 1})" if skipped > 1 else ""
+    skips = (
+        f" after {skipped - 1} skipped (train.skip_nonfinite={skipped - 1})" if skipped > 1 else ""
+    )
     return Diverged(
         f"training diverged at step {step}{skips}: loss {out.loss.item():.4g}, gradient norm "
         f"{out.grad_norm.item():.4g}; nothing was saved at this step and {where}"
@@ -266,8 +316,10 @@ def collective_failed(
 ) -> CollectiveFailed | None:
     """The one line a rank ends with when a collective failed or timed out (None: ``error`` is not
     a collective's): its rank and step, the collective it was in (from its flight recorder, whose
-    whole record goes to <run dir>/flight_recorder/rank<R>.json) and the timeout ``key`` that applied."""
-    if not (isinstance(error, dist.DistError) or "gloo/" in str(error)):  # NCCL's are DistErrors, gloo's not
+    whole record goes to <run dir>/flight_recorder/rank<R>.json) and the timeout ``key`` that
+    applied."""
+    # NCCL's are DistErrors, gloo's not
+    if not (isinstance(error, dist.DistError) or "gloo/" in str(error)):
         return None
     where = last_collective(RunDir(run_dir).flight_recorder(env.rank), env.backend)
     silent = silent_ranks(env)
@@ -277,8 +329,8 @@ def collective_failed(
         else "another rank died or stopped taking part"
     )
     return CollectiveFailed(
-        f"rank {env.rank}, step {step}: {where or 'a collective'} failed or did not complete within "
-        f"dist.{key}={getattr(cfg.dist, key):g} ({cause}): {str(error).splitlines()[0]}"
+        f"rank {env.rank}, step {step}: {where or 'a collective'} failed or did not complete "
+        f"within dist.{key}={getattr(cfg.dist, key):g} ({cause}): {str(error).splitlines()[0]}"
     )
 
 
@@ -294,7 +346,8 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
         ValueError: as `setup`.
         Diverged: a non-finite loss or gradient norm (the run stops at that step without saving).
         Stopped: SIGTERM or train.max_minutes (the run saved the step it was in, then stopped).
-        CollectiveFailed: another rank died or hung (dist.timeout_minutes, dist.step_timeout_minutes).
+        CollectiveFailed: another rank died or hung (dist.timeout_minutes,
+            dist.step_timeout_minutes).
         CheckpointFailed: a save could not be written (the checkpoints before it are intact).
     """
     parts = parts or setup(cfg, env)
@@ -302,7 +355,9 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
     model, optimizer, cursor = parts.model, parts.optimizer, parts.cursor
     first, last = state.step + 1, min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     comm = CommMeter(cfg, env, parts.built, parts.layout.grad_accum_steps)
-    log = StepLogger(env, parts.run_dir, model, optimizer, LogPlan.of(cfg, parts.layout, last), comm)
+    log = StepLogger(
+        env, parts.run_dir, model, optimizer, LogPlan.of(cfg, parts.layout, last), comm
+    )
     checkpointer = (
         Checkpointer(
             RunDir(parts.run_dir).checkpoints,
@@ -315,10 +370,13 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
         if cfg.checkpoint.enabled
         else None
     )
-    guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)  # SIGTERM, budget, NaN
-    timeout = CollectiveTimeout(cfg.dist, model)  # start-up's until the first step is done, and for saves
+    # SIGTERM, budget, NaN
+    guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)
+    # start-up's until the first step is done, and for saves
+    timeout = CollectiveTimeout(cfg.dist, model)
     verdict, step = None, first
-    count = trained_tokens if getattr(cursor.source, "masked", False) else None  # a mask file: token-weighted loss
+    # a mask file: token-weighted loss
+    count = trained_tokens if getattr(cursor.source, "masked", False) else None
     step_of = Step(
         model,
         optimizer,
@@ -333,17 +391,28 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
-            hooks = log.hooks(step)  # the first step's memory reads; the profiler on memory.profile_step
+            # the first step's memory reads; the profiler on memory.profile_step
+            hooks = log.hooks(step)
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
-            with log.measuring():  # the profiler on its step; the step's collectives counted (not evaluation's)
+            # the profiler on its step; the step's collectives counted (not evaluation's)
+            with log.measuring():
                 out = step_of.run(micro_batches, hooks)
-            verdict = out.verdict  # the same on every rank: they skip, stop and save at the same step
-            if not verdict.finite:  # every rank skipped the optimizer step; nothing non-finite is ever saved
+            # the same on every rank: they skip, stop and save at the same step
+            verdict = out.verdict
+            # every rank skipped the optimizer step; nothing non-finite is ever saved
+            if not verdict.finite:
                 state.skipped_nonfinite += 1
                 if state.skipped_nonfinite > cfg.train.skip_nonfinite:
-                    raise diverged(step, out, state.skipped_nonfinite, checkpointer, RunDir(parts.run_dir).checkpoints)
+                    raise diverged(
+                        step,
+                        out,
+                        state.skipped_nonfinite,
+                        checkpointer,
+                        RunDir(parts.run_dir).checkpoints,
+                    )
                 logger.warning(
-                    "step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
+                    "step %d: non-finite loss or gradient norm, step skipped (%d of "
+                    "train.skip_nonfinite=%d)",
                     step,
                     state.skipped_nonfinite,
                     cfg.train.skip_nonfinite,
@@ -353,13 +422,19 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
             state.step, state.data_position = step, cursor.position
             if checkpointer:
                 checkpointer.poll()  # publishes a finished async save
-                if step == last or verdict.stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                if (
+                    step == last
+                    or verdict.stop
+                    or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+                ):
                     timeout.use("timeout_minutes")  # the save waits for the slowest rank's I/O
                     state.loss_scaler = parts.scaler.state_dict() if parts.scaler else None
                     checkpointer.save(step, model, optimizer, state, to_yaml(cfg))
             timeout.use("step_timeout_minutes")
-            log.step(step, out.loss, out.grad_norm, lr, out.extra)  # on log steps: the loop's other sync points
-            if parts.evaluator and parts.evaluator.due(step, last) and not verdict.stop:  # no_grad, eval mode
+            # on log steps: the loop's other sync points
+            log.step(step, out.loss, out.grad_norm, lr, out.extra)
+            # no_grad, eval mode
+            if parts.evaluator and parts.evaluator.due(step, last) and not verdict.stop:
                 log.evaluation(step, parts.evaluator.run(model))
             if verdict.stop:
                 break
@@ -374,8 +449,8 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
         log.close()
     if verdict and verdict.stop and step < last:
         raise Stopped(
-            f"stopped after step {step} ({verdict.stop}); checkpoint {parts.run_dir / 'checkpoints'} holds "
-            "it: launch the same command again to continue"
+            f"stopped after step {step} ({verdict.stop}); checkpoint "
+            f"{parts.run_dir / 'checkpoints'} holds it: launch the same command again to continue"
         )
     result = TrainResult(**vars(log.record), components=parts)
     if first <= last:  # something was trained (a resume may find nothing left)

@@ -29,6 +29,10 @@ if os.environ.get(
 ):  # under tests/mutants.py: its sitecustomize too (only the first on the path loads)
     import importlib.util
 
-    _site = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mutant_site", "sitecustomize.py")
+    _site = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "mutant_site",
+        "sitecustomize.py",
+    )
     _spec = importlib.util.spec_from_file_location("_mutant_sitecustomize", _site)
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))

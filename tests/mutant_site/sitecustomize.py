@@ -241,7 +241,8 @@ def _source(module: str, old: str, new: str) -> None:
 
     def patch(spec, loader):  # noqa: ANN001, ANN202
         source = open(spec.origin).read()
-        if source.count(old) != 1:  # the code moved: nothing applied, which tests/mutants.py reports
+        # the code moved: nothing applied, which tests/mutants.py reports
+        if source.count(old) != 1:
             return None
         return compile(source.replace(old, new), spec.origin, "exec")
 
@@ -275,7 +276,11 @@ SOURCE = {
         "nn.Dropout(dropout) if dropout > 0 else nn.Identity()",
         "__mutant__(nn.Identity()) if dropout > 0 else nn.Identity()",
     ),
-    "lora-scaling-alpha": ("fsdp_zero.model.lora", "self.scaling = alpha / rank", "self.scaling = __mutant__(alpha)"),
+    "lora-scaling-alpha": (
+        "fsdp_zero.model.lora",
+        "self.scaling = alpha / rank",
+        "self.scaling = __mutant__(alpha)",
+    ),
     "adapters-only-drops-lora-train": (
         "fsdp_zero.model.lora",
         "if adapters_only and lora.train:",
@@ -333,8 +338,9 @@ SOURCE = {
     ),
     "deferral-not-restored": (
         "fsdp_zero.training.step",
-        "if defer:  # left on whatever happened: a later step (or evaluation) must reduce as usual",
-        "if defer and __mutant__(False):",
+        "# left on whatever happened: a later step (or evaluation) must reduce as usual\n            if defer:",
+        "# left on whatever happened: a later step (or evaluation) must reduce as usual\n"
+        "            if defer and __mutant__(False):",
     ),
     "compose-one-peak": (
         "fsdp_zero.tools.planner",
@@ -351,7 +357,11 @@ SOURCE = {
         'self.device = torch.device("cpu")',
         "self.device = __mutant__(self.target)",
     ),
-    "test-process-sees-gpus": ("tests.cpu_only", 'os.environ["CUDA_VISIBLE_DEVICES"] = ""', "__mutant__()"),
+    "test-process-sees-gpus": (
+        "tests.cpu_only",
+        'os.environ["CUDA_VISIBLE_DEVICES"] = ""',
+        "__mutant__()",
+    ),
 }
 
 if _NAME == "source":

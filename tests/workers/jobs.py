@@ -67,7 +67,14 @@ _seen: dict = {}
 
 def _reset_observations() -> None:
     _seen.clear()
-    _seen.update(reduce_dtypes=set(), gather_order=[], recording=False, save_times=[], loss_times=[], writes_done=[])
+    _seen.update(
+        reduce_dtypes=set(),
+        gather_order=[],
+        recording=False,
+        save_times=[],
+        loss_times=[],
+        writes_done=[],
+    )
 
 
 _reduce = AllReduceScatter.__call__
@@ -173,7 +180,9 @@ def _observe_first_forward(parts) -> dict:  # noqa: ANN001
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # Cloned: at world size 1 on CPU the "full" tensors alias the live parameters.
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return {k: v.clone() for k, v in full.items()}
 
 
@@ -182,7 +191,9 @@ def reduce_scatter_matches_gloo(world_size: int, rank: int) -> bool:
     equal = True
     for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
         numel = world_size * 100_003
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-6, 6, numel)
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * torch.logspace(
+            -6, 6, numel
+        )
         ours, theirs = torch.empty(numel // world_size), torch.empty(numel // world_size)
         _reduce(AllReduceScatter(), ours, x.clone(), dist.group.WORLD, op)
         dist.reduce_scatter_tensor(theirs, x.clone(), op=op)
@@ -204,19 +215,32 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     initial = full_weights(parts.model)
     held = _observe_first_forward(parts)
     result = train(cfg, env, parts)
-    held["after_train"] = _param_bytes(parts.model)  # an evaluation at the last step must leave every unit sharded
+    # an evaluation at the last step must leave every unit sharded
+    held["after_train"] = _param_bytes(parts.model)
     final = full_weights(parts.model)
     opt_states = parts.optimizer.state.values()
-    names = {id(p): n for n, p in parts.model.named_parameters()}  # (sharded: before the forward below)
-    optim_names = sorted(names[id(p)] for p in parts.optimizer.state)  # the parameters with AdamW states (rank 0)
+    # (sharded: before the forward below)
+    names = {id(p): n for n, p in parts.model.named_parameters()}
+    # the parameters with AdamW states (rank 0)
+    optim_names = sorted(names[id(p)] for p in parts.optimizer.state)
     # Where this rank's shards and AdamW states live, read before the forward below: a forward without
     # backward leaves the root unit gathered (on the device), since its backward never comes.
-    devices = {str((p.to_local() if hasattr(p, "to_local") else p).device) for p in parts.model.parameters()}
-    devices |= {str(v.device) for st in opt_states for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
+    devices = {
+        str((p.to_local() if hasattr(p, "to_local") else p).device)
+        for p in parts.model.parameters()
+    }
+    devices |= {
+        str(v.device)
+        for st in opt_states
+        for v in st.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    }
     with torch.no_grad():  # the sharded model's outputs on a fixed batch
         inputs = parts.cursor.source.batch(range(2))[0]
         logits = logits_of(parts.model(inputs.to(env.device))).cpu()
-    same_reduce_scatter = reduce_scatter_matches_gloo(env.world_size, env.rank) if env.backend == "gloo" else None
+    same_reduce_scatter = (
+        reduce_scatter_matches_gloo(env.world_size, env.rank) if env.backend == "gloo" else None
+    )
     # Every rank's model state, AdamW step counts and dtypes, and where its shards live.
     mine = (
         result.model_state_bytes,
@@ -230,11 +254,14 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     states = [None] * env.world_size
     dist.all_gather_object(states, mine)
     units = {
-        name or "<root>": fsdp_unit_settings(m) for name, m in parts.model.named_modules() if isinstance(m, FSDPModule)
+        name or "<root>": fsdp_unit_settings(m)
+        for name, m in parts.model.named_modules()
+        if isinstance(m, FSDPModule)
     }
     if env.is_rank0:
         log = RunDir(parts.run_dir).metric_rows()
-        lrs = {row["step"]: row["lr"] for row in log if "lr" in row}  # the rate each logged step used (not eval rows)
+        # the rate each logged step used (not eval rows)
+        lrs = {row["step"]: row["lr"] for row in log if "lr" in row}
         torch.save(
             {
                 "losses": result.losses,
@@ -250,7 +277,8 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
                 "param_bytes": [s[4] for s in states],
                 "reduce_dtypes": sorted({d for s in states for d in s[5]}),
                 "units": {
-                    k: {n: str(v) if isinstance(v, torch.dtype) else v for n, v in u.items()} for k, u in units.items()
+                    k: {n: str(v) if isinstance(v, torch.dtype) else v for n, v in u.items()}
+                    for k, u in units.items()
                 },
                 "gather_order": list(_seen["gather_order"]),
                 "save_times": _seen["save_times"],
@@ -260,7 +288,9 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
                 "phases": {phase.value: dict(cats) for phase, cats in result.phases.items()},
                 "dtypes": sorted({str(v.dtype) for v in final.values() if v.is_floating_point()}),
                 "loss_scale": {r["step"]: r["loss_scale"] for r in log if "loss_scale" in r},
-                "skipped_steps": {r["step"]: r["skipped_steps"] for r in log if "skipped_steps" in r},
+                "skipped_steps": {
+                    r["step"]: r["skipped_steps"] for r in log if "skipped_steps" in r
+                },
                 "num_params": parts.num_params,
                 "shard_bytes": [u.bytes_per_rank for u in parts.plan.units],
                 "unit_params": {u.fqn or "<root>": u.num_params for u in parts.plan.units},
@@ -282,15 +312,22 @@ def main() -> None:
         jobs = [[sys.argv[1], sys.argv[2:]]]
     settings = _config(jobs[0][1]).dist
     for out, args, *_ in jobs:  # one process group serves them all
-        assert _config(args).dist == settings, f"{out}: dist settings differ from the launch's first job"
+        assert _config(args).dist == settings, (
+            f"{out}: dist settings differ from the launch's first job"
+        )
     with distributed(settings) as env:
         for out, args, *options in jobs:
             try:
                 run_job(out, args, env, **(options[0] if options else {}))
             except Exception:
-                print(f"[rank{env.rank}] job {out} failed: {' '.join(args)}", file=sys.stderr, flush=True)
+                print(
+                    f"[rank{env.rank}] job {out} failed: {' '.join(args)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise
-            user_model = sys.modules.get("tests.user_model")  # a loss with a call counter: each job from 0
+            # a loss with a call counter: each job from 0
+            user_model = sys.modules.get("tests.user_model")
             if user_model is not None:
                 user_model._calls[0] = 0
             gc.collect()
