@@ -11,7 +11,7 @@ the planner measured, the prediction and its error; the model-dependent part on 
 would be without the retention term; and the simulated tensor peak against the one the
 tracker measured (the simulation's own fidelity, independent of any constant).
 
-Then fits the heap-retention constants (`fsdp_zero.tools.planner.HEAP_RETENTION`) by least
+Then fits the heap-retention constants (`fsdp_zero.tools.prediction.HEAP_RETENTION`) by least
 squares on configuration `fit` and prints them: every other configuration is held out.
 Writes every figure to DIR/planner_accuracy.json. Takes about 45 minutes on a 2-core CPU
 (the GPT-2-small-shaped `fit` most of it); --reuse keeps the runs already in DIR and
@@ -204,7 +204,7 @@ def main() -> None:
         a, b = fit_retention(rows)
         print(
             f"heap retention fitted on `fit`: activations {a:.2f}, fsdp {b:.2f} "
-            f"(fsdp_zero.tools.planner.HEAP_RETENTION holds {HEAP_RETENTION['activations']:.2f}, "
+            f"(fsdp_zero.tools.prediction.HEAP_RETENTION holds {HEAP_RETENTION['activations']:.2f}, "
             f"{HEAP_RETENTION['fsdp']:.2f})"
         )
     print(f"(runs and JSON in {out})")

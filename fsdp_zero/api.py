@@ -35,19 +35,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
+from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint
+from fsdp_zero.checkpoint.folders import latest_checkpoint
+from fsdp_zero.config.choices import ActivationCheckpointing, Backend, Device, Init, WrapPolicy
 from fsdp_zero.config.paths import RunDir
-from fsdp_zero.config.schema import (
-    ActivationCheckpointing,
-    Backend,
-    Device,
-    DistConfig,
-    Init,
-    ParallelConfig,
-    PrecisionConfig,
-    WrapConfig,
-    WrapPolicy,
-)
+from fsdp_zero.config.schema import DistConfig, ParallelConfig, PrecisionConfig, WrapConfig
 from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.env import distributed as _distributed

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_zero.config.schema import Config, LoRAConfig, OptimConfig, Task
+from fsdp_zero.config.choices import Task
+from fsdp_zero.config.schema import Config, LoRAConfig, OptimConfig
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers

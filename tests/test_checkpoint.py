@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_zero.checkpoint.dcp import (
+from fsdp_zero.checkpoint.folders import (
     apply_retention,
     checkpoint_name,
     checkpoint_step,

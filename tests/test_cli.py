@@ -199,7 +199,7 @@ def test_the_planners_baseline_probe_stays_on_the_cpu_where_gpus_are_visible(mon
     """A CPU plan's baseline is a CPU process's (fsdp_zero.tools.planner.measure_baseline runs a small real
     training): the probe sees no GPU. Unpinned, on a GPU host it would measure a process holding a CUDA
     context (its optimizer asks the accelerator for a stream); on the simulated GPUs here it fails."""
-    from fsdp_zero.tools.planner import measure_baseline
+    from fsdp_zero.tools.prediction import measure_baseline
 
     for key, value in FAKE_GPUS.items():
         monkeypatch.setenv(key, value)

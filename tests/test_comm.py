@@ -17,7 +17,7 @@ import torch
 from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.strategies import GradSync
-from fsdp_zero.data.batches import BatchLayout
+from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable

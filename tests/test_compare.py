@@ -20,8 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from fsdp_zero.config.presets import model_args
 from fsdp_zero.monitor import MIB
 from fsdp_zero.tools.fit import MARGIN
-from fsdp_zero.tools.planner import HEAP_RETENTION
-from fsdp_zero.training.steplog import Summary
+from fsdp_zero.tools.prediction import HEAP_RETENTION
+from fsdp_zero.training.summary import Summary
 from tests.conftest import REPO, check, figure, launch, run_script, start, visible_gpus
 
 COMPARE = REPO / "scripts" / "compare.py"
@@ -472,7 +472,8 @@ def test_planner_follows_the_precision_and_offload():
     from fsdp_zero.config.loader import load_config
     from fsdp_zero.config.presets import model_args
     from fsdp_zero.config.strategies import Strategy
-    from fsdp_zero.tools.planner import CUDA_ALLOCATOR_SLACK, simulate
+    from fsdp_zero.tools.planner import simulate
+    from fsdp_zero.tools.prediction import CUDA_ALLOCATOR_SLACK
 
     base = [
         "model.preset=gpt_nano",

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_zero.config.choices import DataSource, Task, WrapPolicy
 from fsdp_zero.config.loader import load_config, to_yaml
-from fsdp_zero.config.schema import Config, DataSource, Task, TrainConfig, WrapPolicy
+from fsdp_zero.config.schema import Config, TrainConfig
 from fsdp_zero.config.strategies import Strategy
-from fsdp_zero.data.batches import BatchLayout
+from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from tests.conftest import REPO
 

@@ -12,15 +12,17 @@ import re
 
 import pytest
 
+from fsdp_zero.config.choices import ActivationCheckpointing
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.presets import model_args
-from fsdp_zero.config.schema import ActivationCheckpointing, ParallelConfig, PrecisionConfig
+from fsdp_zero.config.schema import ParallelConfig, PrecisionConfig
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.monitor import MIB
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.tools.fit import DIMENSIONS, Candidate, candidates, search
+from fsdp_zero.tools.candidates import DIMENSIONS, Candidate, candidates
+from fsdp_zero.tools.fit import search
 from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.tools.rates import Rates
 from tests.conftest import REPO, figure, run_script

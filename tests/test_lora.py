@@ -274,7 +274,7 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
     )
     assert peft_diff <= 1e-5, peft_diff
     # The planner's formulas take the same count.
-    from fsdp_zero.tools.planner import strategy_states
+    from fsdp_zero.tools.formulas import strategy_states
 
     rows = {
         (s.strategy.value, s.mode): s.at_rest

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fsdp_zero.config.choices import Task
 from fsdp_zero.config.loader import load_config
-from fsdp_zero.config.schema import Task
 from fsdp_zero.data.batches import TokenFile
 from fsdp_zero.data.prepare import prepare, validation_documents
 from fsdp_zero.data.token_files import IGNORE, mask_file

@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 
 from fsdp_zero.checkpoint.weights import export_checkpoint
 from fsdp_zero.config import RunDir
+from fsdp_zero.config.choices import DataSource
 from fsdp_zero.config.loader import load_config
-from fsdp_zero.config.schema import DataConfig, DataSource
+from fsdp_zero.config.schema import DataConfig
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.tasks import logits_of
@@ -438,7 +439,7 @@ def test_data_that_the_model_cannot_take_is_refused_before_training():
 
 @needs_hf
 def test_a_hugging_face_model_can_bring_its_own_initialiser():
-    from fsdp_zero.config.schema import Init
+    from fsdp_zero.config.choices import Init
     from fsdp_zero.sharding.build import initialize
 
     cfg = _cfg("llama")

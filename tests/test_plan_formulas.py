@@ -12,7 +12,7 @@ from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.tools.planner import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
+from fsdp_zero.tools.formulas import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
 from tests.conftest import REPO
 
 P, N = 7_500_000_000, 64  # the paper's Table 1 and Figure 1: Psi = 7.5B, N_d = 64
@@ -159,7 +159,7 @@ DEEP = [
 )
 def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     """The planner simulates a few of the repeated blocks at three depths and composes the rest
-    (`fsdp_zero.tools.planner.compose`): every figure it predicts must equal the whole model's simulation."""
+    (`fsdp_zero.tools.depth.compose`): every figure it predicts must equal the whole model's simulation."""
     from fsdp_zero.config.loader import load_config
     from fsdp_zero.tools.planner import Simulator
 
@@ -179,8 +179,8 @@ def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
 
 
 def test_a_composition_starts_past_the_units_in_flight_in_whole_checkpointing_periods():
-    from fsdp_zero.config.schema import ActivationCheckpointing
-    from fsdp_zero.tools.planner import first_depth
+    from fsdp_zero.config.choices import ActivationCheckpointing
+    from fsdp_zero.tools.depth import first_depth
 
     # one unit computing, one gathered ahead, one reducing
     assert first_depth(ParallelConfig()) == (3, 1)

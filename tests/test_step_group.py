@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_zero.config.choices import OptimizerImpl
 from fsdp_zero.config.loader import load_config
-from fsdp_zero.config.schema import OptimConfig, OptimizerImpl
+from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct

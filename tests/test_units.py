@@ -13,7 +13,8 @@ import torch
 from fsdp_zero.config import RunDir
 from fsdp_zero.config.presets import PRESETS, model_args
 from fsdp_zero.config.schema import OptimConfig
-from fsdp_zero.data.batches import BatchCursor, BatchLayout, ByteText, SyntheticBigram
+from fsdp_zero.data.batches import ByteText, SyntheticBigram
+from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.model import init
 from fsdp_zero.monitor.memory import MemoryMonitor, model_state_bytes
 from fsdp_zero.training.step import lr_factor
@@ -178,7 +179,7 @@ def test_reference_schedule_agrees_with_the_hand_worked_values():
     assert reference_lr(cfg, 13, 20) == pytest.approx(0.55, abs=1e-12)
     assert reference_lr(cfg, 9, 20) == pytest.approx(0.8681980515339464, abs=1e-12)
     # Linear decay: step 13 is half-way from 1.0 to 0.1; constant stays at 1.0.
-    from fsdp_zero.config.schema import Schedule
+    from fsdp_zero.config.choices import Schedule
 
     linear, constant = (
         OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=Schedule(s))
@@ -193,7 +194,7 @@ def test_reference_schedule_agrees_with_the_hand_worked_values():
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_every_schedule_agrees_with_the_reference(schedule):
-    from fsdp_zero.config.schema import Schedule
+    from fsdp_zero.config.choices import Schedule
     from fsdp_zero.training.step import lr_factor
     from tests.reference import reference_lr
 

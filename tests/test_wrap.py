@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from fsdp_zero.config.choices import WrapPolicy
 from fsdp_zero.config.presets import model_args
-from fsdp_zero.config.schema import WrapConfig, WrapPolicy
+from fsdp_zero.config.schema import WrapConfig
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from tests.conftest import build_model
 

@@ -1,15 +1,8 @@
 """State on disk: DCP checkpoints and full weights."""
 
-from fsdp_zero.checkpoint.dcp import (
-    Checkpointer,
-    TrainState,
-    checkpoint_step,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    read_train_state,
-)
+from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint, read_train_state
 from fsdp_zero.checkpoint.export import export
+from fsdp_zero.checkpoint.folders import checkpoint_step, latest_checkpoint, list_checkpoints
 from fsdp_zero.checkpoint.weights import EXPORT_DTYPES, export_checkpoint, load_full_weights
 
 __all__ = [

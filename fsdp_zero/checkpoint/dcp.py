@@ -25,10 +25,7 @@ import datetime
 import json
 import logging
 import os
-import pickle
-import re
 import shutil
-import sys
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -38,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -50,135 +46,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import fsdp_zero
+from fsdp_zero.checkpoint.folders import (
+    PARTIAL_PREFIX,
+    REQUIRED,
+    apply_retention,
+    checkpoint_name,
+    latest_checkpoint,
+)
+from fsdp_zero.checkpoint.safe_read import SafeFileSystemReader
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE
 from fsdp_zero.errors import CheckpointFailed
 from fsdp_zero.sharding.parallelize import unwrap
-from fsdp_zero.torch_private import DCP_METADATA_PRIVATE, _init_optim_state
+from fsdp_zero.torch_private import _init_optim_state
 
 logger = logging.getLogger("fsdp_zero")
-
-_NAME = re.compile(r"step-(\d{7})")
-_PARTIAL_PREFIX = ".partial-"
 
 
 # ---------------------------------------------------------------------------------
 # Folder naming, discovery, retention (pure functions of the file tree)
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:07d}"
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The step of a complete-looking checkpoint folder name, else None (partials included)."""
-    m = _NAME.fullmatch(path.name)
-    return int(m.group(1)) if m else None
-
-
-_REQUIRED = (".metadata", STATE_FILE, CONFIG_FILE)
-
-
-def _is_complete(path: Path) -> bool:
-    return checkpoint_step(path) is not None and all((path / f).is_file() for f in _REQUIRED)
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _is_complete(p)]
-    return sorted(found, key=checkpoint_step)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-def apply_retention(root: Path, keep_last: int, written: list[Path]) -> list[Path]:
-    """Deletes all but the newest ``keep_last`` of the complete checkpoints among ``written`` (0 keeps
-    all); returns those deleted.
-
-    Only what this launch wrote is ever deleted: the checkpoints of earlier launches or restarts
-    (the one resumed from included) stay, so a restart that goes wrong again cannot prune the good
-    ones away.
-    """
-    ours = {path.name for path in written}
-    found = [path for path in list_checkpoints(root) if path.name in ours]
-    doomed = found[:-keep_last] if keep_last > 0 else []
-    for path in doomed:
-        shutil.rmtree(path)
-    return doomed
-
-
 # ---------------------------------------------------------------------------------
 # Safe reading
-
-
-_ALLOWED = DCP_METADATA_PRIVATE | {
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, admitting only DCP's own metadata classes and a few torch types.
-
-    Names are matched exactly: a dotted name (pickle protocol 4 resolves
-    ``metadata.os.system`` through the module's imports) or anything else is refused.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if "." not in name:
-            if (module, name) in _ALLOWED:
-                return super().find_class(module, name)
-            if module == _METADATA_MODULE:
-                obj = getattr(sys.modules[_METADATA_MODULE], name, None)
-                if isinstance(obj, type) and obj.__module__ == _METADATA_MODULE:
-                    return obj
-            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-                return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"refusing to unpickle {module}.{name} from checkpoint metadata"
-        )
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with an allow-listed unpickler for ``.metadata``."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise ValueError(f"{self.path}: not a checkpoint (no .metadata)") from None
-        except Exception as e:
-            raise ValueError(f"{self.path}/.metadata is corrupt or not DCP metadata: {e}") from None
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"{self.path}/.metadata is not DCP metadata")
-        # We never save anything but tensors; DCP would torch.load(weights_only=False) any byte
-        # item.
-        not_tensors = sorted(
-            k
-            for k, v in metadata.state_dict_metadata.items()
-            if not isinstance(v, TensorStorageMetadata)
-        )
-        if not_tensors:
-            raise ValueError(
-                f"{self.path}: holds non-tensor items ({', '.join(not_tensors[:5])}); "
-                "refusing to load them (they would be unpickled)"
-            )
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 @dataclass
@@ -228,11 +117,11 @@ def read_train_state(path: Path) -> TrainState:
     """
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r}: no such folder")
-    if path.name.startswith(_PARTIAL_PREFIX):
+    if path.name.startswith(PARTIAL_PREFIX):
         raise ValueError(
             f"checkpoint {str(path)!r} is a partial save (interrupted before it completed)"
         )
-    missing = [f for f in _REQUIRED if not (path / f).is_file()]
+    missing = [f for f in REQUIRED if not (path / f).is_file()]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} is incomplete: {', '.join(missing)} missing")
     try:
@@ -384,7 +273,7 @@ class Checkpointer:
         at once when saving asynchronously."""
         self.wait()  # one save in flight at a time
         final = self.root / checkpoint_name(step)
-        partial = self.root / f"{_PARTIAL_PREFIX}{final.name}"
+        partial = self.root / f"{PARTIAL_PREFIX}{final.name}"
         error = None
         if self.rank == 0:
             if final.exists():

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_zero.checkpoint.dcp import SafeFileSystemReader, does_not_fit, read_train_state
+from fsdp_zero.checkpoint.dcp import does_not_fit, read_train_state
+from fsdp_zero.checkpoint.safe_read import SafeFileSystemReader
 from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE
 from fsdp_zero.model.init import local_rows
 from fsdp_zero.model.lora import adapter_names

@@ -1,5 +1,16 @@
 """What a run is: the schema, the strategy table, the loader and the DeepSpeed reader (torch-free)."""
 
+from fsdp_zero.config.choices import (
+    ActivationCheckpointing,
+    Backend,
+    DataSource,
+    Device,
+    Init,
+    OptimizerImpl,
+    Schedule,
+    Task,
+    WrapPolicy,
+)
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
 from fsdp_zero.config.loader import load_config, read_saved_config, to_yaml
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE, RunDir
@@ -10,28 +21,19 @@ from fsdp_zero.config.presets import (
     check_model_config,
     model_args,
 )
+from fsdp_zero.config.rules import validate
 from fsdp_zero.config.schema import (
     TOKEN_SOURCES,
-    ActivationCheckpointing,
-    Backend,
     Config,
     DataConfig,
-    DataSource,
-    Device,
     DistConfig,
-    Init,
     LoRAConfig,
     ModelConfig,
     OptimConfig,
-    OptimizerImpl,
     ParallelConfig,
     PrecisionConfig,
-    Schedule,
-    Task,
     TrainConfig,
     WrapConfig,
-    WrapPolicy,
-    validate,
 )
 from fsdp_zero.config.strategies import (
     STRATEGIES,

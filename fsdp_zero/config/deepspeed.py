@@ -19,12 +19,12 @@ docs/deepspeed.md's table is `mapping_table()`, built from the same rows.
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_zero.config.ds_values import Convert, bad, choice, flag, is_auto, number, pair, text
 from fsdp_zero.config.strategies import ZERO_STAGES, is_fsdp
 
 # The one place that knows what a ZeRO stage is here: stage -> our strategy's name.
@@ -100,148 +100,14 @@ UNSUPPORTED = {
 }
 _SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
-# DeepSpeed reads these sections through pydantic models (DeepSpeedZeroConfig, DeepSpeedFP16Config,
-# DeepSpeedBF16Config, TensorBoardConfig: subclasses of DeepSpeedConfigModel in
-# deepspeed/runtime/config_utils.py, whose model_config is not strict), so a number written as a
-# string is read as the number ("3" as 3, "3.0" as an integer 3, "1e-4" as 0.0001) and
-# "true"/"false" as booleans. The top-level scalars (train_batch_size, gradient_clipping, ...: a
-# plain dict.get in get_scalar_param, deepspeed/runtime/config.py), optimizer.params and
-# scheduler.params (passed to torch's optimizer and DeepSpeed's schedulers as written) are not
-# converted, and a string there fails in DeepSpeed; it is an error here too. Read from DeepSpeed's
-# master of 2026-08-22 (edaa722).
-_PYDANTIC_SECTIONS = ("zero_optimization.", "fp16.", "bf16.", "tensorboard.")
-# The strings pydantic's lax mode reads as booleans.
-_TRUE, _FALSE = ("1", "on", "t", "true", "y", "yes"), ("0", "off", "f", "false", "n", "no")
-
-
-def _is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value.lower() == "auto"
-
-
-def _bad(key: str, value: Any, why: str) -> ValueError:
-    """The one-line error for a DeepSpeed key: ``ds_config <key>=<value>: <why>``."""
-    return ValueError(f"ds_config {key}={value!r}: {why}")
-
-
-def _finite(value: int | float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer too large for a float (a JSON literal of 400 digits)
-        return False
-
-
-# Converters: ``(DeepSpeed key, JSON value) -> our value``, or a ValueError naming the key, the
-# value and what is valid. They never see null or "auto" (`_Reader` keeps those as "not given").
-_Convert = Callable[[str, Any], Any]
-
-
-def _as_number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def number(
-    kind: type[int] | type[float],
-    *,
-    min: float | None = None,
-    choices: Collection[int] | None = None,
-) -> _Convert:
-    """A converter to ``kind``: not a bool, finite, integral for an int, at least ``min``, one of ``choices``."""
-    valid = (
-        f"valid choices: {', '.join(map(str, choices))}"
-        if choices is not None
-        else f"expected {'an integer' if kind is int else 'a number'}{f' >= {min}' if min is not None else ''}"
-    )
-
-    def convert(key: str, value: Any) -> int | float:
-        text = isinstance(value, str)
-        read = _as_number(value) if text and key.startswith(_PYDANTIC_SECTIONS) else value
-        if (
-            isinstance(read, bool)
-            or not isinstance(read, (int, float))
-            or not _finite(read)
-            or (kind is int and read != int(read))
-            or (min is not None and read < min)
-            or (choices is not None and read not in choices)
-        ):
-            # "32" where DeepSpeed wants 32
-            quoted = text and read is value and _as_number(value) is not None
-            raise _bad(
-                key,
-                value,
-                valid
-                + (
-                    ", not a string: DeepSpeed reads this key's JSON value as it is"
-                    if quoted
-                    else ""
-                ),
-            )
-        return kind(read)
-
-    return convert
-
-
-def flag(key: str, value: Any) -> bool:
-    """true or false; also 0 and 1, and in pydantic's sections its strings ("true", "off", ...)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if (
-        isinstance(value, str)
-        and key.startswith(_PYDANTIC_SECTIONS)
-        and value.lower() in _TRUE + _FALSE
-    ):
-        return value.lower() in _TRUE
-    raise _bad(key, value, "expected true or false")
-
-
-def choice(options: dict[str, str], valid: str = "", *, fold_case: bool = True) -> _Convert:
-    """A converter from one of ``options``' names (any case, unless ``fold_case`` is off) to its value.
-
-    ``valid`` is what the error lists; by default the names.
-    """
-
-    def convert(key: str, value: Any) -> str:
-        name = value.lower() if isinstance(value, str) and fold_case else value
-        if not isinstance(name, str) or name not in options:
-            raise _bad(key, value, f"valid choices: {valid or ', '.join(options)}")
-        return options[name]
-
-    return convert
-
-
-def pair(key: str, value: Any) -> list[int | float]:
-    """Two finite numbers, as AdamW's betas (written back as given: 0.9 stays 0.9, 1 stays 1)."""
-    if not (
-        isinstance(value, list)
-        and len(value) == 2
-        and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in value
-        )
-    ):
-        raise _bad(key, value, "expected two numbers, e.g. [0.9, 0.999]")
-    return value
-
 
 def _offload_device(key: str, value: Any) -> str | None:
     """``cpu``, or ``none`` in any case (None: no offload)."""
     if isinstance(value, str) and value.lower() == "none":
         return None
     if value != "cpu":
-        raise _bad(key, value, "valid choices: cpu, none (NVMe offload is not supported)")
+        raise bad(key, value, "valid choices: cpu, none (NVMe offload is not supported)")
     return value
-
-
-def _text(value: Any) -> str:
-    """A value as our dotlist overrides spell it."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(map(str, value)) + "]"
-    return str(value)
 
 
 @dataclass
@@ -259,10 +125,10 @@ class _Reader:
 
     def raw(self, key: str) -> Any:
         value = self.flat.get(key)
-        return None if _is_auto(value) else value
+        return None if is_auto(value) else value
 
     def bad(self, key: str, why: str) -> ValueError:
-        return _bad(key, self.flat.get(key), why)
+        return bad(key, self.flat.get(key), why)
 
 
 @dataclass(frozen=True)
@@ -280,7 +146,7 @@ class _Rule:
 
     ds: str
     ours: str
-    convert: _Convert
+    convert: Convert
     meaning: str = ""
 
     @property
@@ -295,7 +161,7 @@ class _Rule:
     def overrides(self, value: Any = None) -> list[str]:
         """Our ``key=value`` overrides: a key ``ours`` fixes keeps its value, any other gets ``value``."""
         assert self.targets, f"{self.ds} sets none of our keys"
-        return [f"{key}={_text(value) if fixed is None else fixed}" for key, fixed in self._parts()]
+        return [f"{key}={text(value) if fixed is None else fixed}" for key, fixed in self._parts()]
 
     def _parts(self) -> list[tuple[str, str | None]]:
         if self.ours.startswith("("):
@@ -658,20 +524,20 @@ def _check_keys(flat: dict[str, Any]) -> list[str]:
                 if section in _SECTIONS
                 else ""
             )
-            raise _bad(key, value, f"unknown DeepSpeed key{hint}")
+            raise bad(key, value, f"unknown DeepSpeed key{hint}")
         tail = _tail(key)
         if key in UNSUPPORTED or tail in UNSUPPORTED:
             if value in (False, None, 0) or (
                 isinstance(value, dict) and not value.get("enabled", True)
             ):
                 continue
-            raise _bad(key, value, UNSUPPORTED.get(key) or UNSUPPORTED[tail])
+            raise bad(key, value, UNSUPPORTED.get(key) or UNSUPPORTED[tail])
         if key in NO_EFFECT or tail in NO_EFFECT:
             notes.append(
                 f"ds_config {key}={json.dumps(value)}: no effect; "
                 f"{NO_EFFECT.get(key) or NO_EFFECT[tail]}"
             )
-        elif _is_auto(value):
+        elif is_auto(value):
             notes.append(f"ds_config {key}=auto: fsdp-zero's value is used")
     return notes
 

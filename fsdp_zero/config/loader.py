@@ -2,7 +2,7 @@
 
 The schema and its rules are `fsdp_zero.config.schema`'s. This module turns text into a checked
 `Config`: FSDP1 and DeepSpeed spellings become ours, unknown keys are errors that suggest
-the closest known key, and every section's rules (`fsdp_zero.config.schema.validate`) and the
+the closest known key, and every section's rules (`fsdp_zero.config.rules.validate`) and the
 built-in model's (`fsdp_zero.model.transformer.check_model_config`) run before anything is built or
 written.
 """
@@ -22,7 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdp_zero.config.paths import CONFIG_FILE
 from fsdp_zero.config.presets import check_model_config
-from fsdp_zero.config.schema import Config, validate
+from fsdp_zero.config.rules import validate
+from fsdp_zero.config.schema import Config
 from fsdp_zero.config.strategies import STRATEGY_ALIASES, ZERO_STAGES
 
 

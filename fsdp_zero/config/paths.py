@@ -41,7 +41,7 @@ class RunDir:
 
     @property
     def summary(self) -> Path:
-        """The run's summary: every rank's figures (`fsdp_zero.training.steplog.Summary`)."""
+        """The run's summary: every rank's figures (`fsdp_zero.training.summary.Summary`)."""
         return self.root / "summary.json"
 
     @property

@@ -9,7 +9,7 @@ value and what would be valid, raised before anything is built or written.
 Each section checks its own keys in ``check()``, written right under its fields (as FSDP2's policy
 dataclasses validate themselves); the rules that need the world size are
 ``ParallelConfig.check_world`` (run by `fsdp_zero.distributed.topology.Topology.of`) and
-`fsdp_zero.data.batches.BatchLayout.of`'s. `validate` runs every section's check and the few rules
+`fsdp_zero.data.loader.BatchLayout.of`'s. `fsdp_zero.config.rules.validate` runs every section's check and the few rules
 that span sections. The built-in model's own rules (a known preset, its fields) live with its
 settings: `fsdp_zero.config.presets.check_model_config`.
 """
@@ -22,6 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_zero.config.choices import (
+    ActivationCheckpointing,
+    Backend,
+    DataSource,
+    Device,
+    Init,
+    OptimizerImpl,
+    Schedule,
+    Task,
+    WrapPolicy,
+)
 from fsdp_zero.config.strategies import (
     GRAD_SYNC_NEEDS,
     STRATEGIES,
@@ -30,81 +41,6 @@ from fsdp_zero.config.strategies import (
     is_fsdp,
     strategies_that,
 )
-
-
-class WrapPolicy(str, enum.Enum):
-    """Which submodules become FSDP units (each unit all-gathers its parameters as one)."""
-
-    transformer = "transformer"  # modules whose class name is in `classes`
-    size_based = "size_based"  # modules holding >= `min_params` not already wrapped
-    modules = "modules"  # modules whose FQN matches one of the regexes in `modules`
-    none = "none"  # only the root: the whole model is one unit
-
-
-class DataSource(str, enum.Enum):
-    synthetic = "synthetic"  # a seeded random bigram process: learnable, no files needed
-    text = "text"  # a local file or folder read as byte-level tokens (vocab 256)
-    # a pre-tokenized file of token ids (.bin as nanoGPT writes it, or .npy), memory-mapped
-    tokens = "tokens"
-    # a torchvision ImageFolder directory (class per sub-folder), for classification
-    images = "images"
-    # torchvision's FakeData: random images and labels, for tests and demos
-    fake_images = "fake_images"
-
-
-class Task(str, enum.Enum):
-    """What a batch is and how the loss is computed from it (see fsdp_zero.model.tasks)."""
-
-    causal_lm = "causal_lm"  # tokens in, next-token cross-entropy
-    # images (or features) and labels in, cross-entropy; accuracy logged
-    classification = "classification"
-    custom = "custom"  # model.loss(model, batch) returns the loss
-
-
-class Init(str, enum.Enum):
-    """How a model's parameters get their initial values after materialisation (see fsdp_zero.model.init)."""
-
-    auto = "auto"  # the model's own init_weights(seed) if it has one, else standard
-    # each standard layer's reset_parameters distribution, identical at any world size
-    standard = "standard"
-    # the model's own initialiser (init_weights(seed), or Hugging Face's _init_weights)
-    model = "model"
-
-
-class Backend(str, enum.Enum):
-    auto = "auto"  # nccl on CUDA, gloo on CPU
-    gloo = "gloo"
-    nccl = "nccl"
-
-
-class Device(str, enum.Enum):
-    auto = "auto"  # cuda when a GPU is visible, else cpu
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class ActivationCheckpointing(str, enum.Enum):
-    """Which units recompute their activations in backward instead of keeping them (see
-    fsdp_zero.sharding.parallelize)."""
-
-    none = "none"
-    full = "full"  # every block unit of the wrap plan
-    selective = "selective"  # every k-th block unit (parallel.activation_checkpointing_every)
-
-
-class Schedule(str, enum.Enum):
-    """The learning rate after the linear warm-up, towards ``min_lr_ratio * lr`` at the last step."""
-
-    cosine = "cosine"  # half a cosine period (DeepSpeed's WarmupCosineLR)
-    linear = "linear"  # a straight line (DeepSpeed's WarmupDecayLR)
-    constant = "constant"  # stays at lr (DeepSpeed's WarmupLR)
-
-
-class OptimizerImpl(str, enum.Enum):
-    auto = "auto"  # fused on CUDA, foreach on CPU
-    fused = "fused"
-    foreach = "foreach"
-    for_loop = "for_loop"
 
 
 @dataclass
@@ -245,10 +181,6 @@ _PATHS = {
     DataSource.text: "a text file or a folder of them",
     DataSource.tokens: "a .bin or .npy file of token ids",
     DataSource.images: "an ImageFolder directory, one sub-folder of images per class",
-}
-_TASK_SOURCES = {
-    Task.causal_lm: TOKEN_SOURCES,
-    Task.classification: (DataSource.images, DataSource.fake_images),
 }
 
 
@@ -721,65 +653,6 @@ class Config:
     metrics: _MetricsConfig = field(default_factory=_MetricsConfig)
     memory: _MemoryConfig = field(default_factory=_MemoryConfig)
     eval: _EvalConfig = field(default_factory=_EvalConfig)
-
-
-def validate(cfg: Config) -> None:
-    """Every section's ``check()``, and the rules that span sections. The built-in model's rules are
-    `fsdp_zero.config.presets.check_model_config`'s (`fsdp_zero.config.loader.load_config` runs
-    both); those that need the world size run when a run is set up (`Topology.of`,
-    `BatchLayout.of`).
-
-    Raises:
-        ValueError: naming the key, the bad value and the valid choices.
-    """
-    cfg.model.check()
-    # before data.check(): with the wrong source, its path is moot
-    sources = _TASK_SOURCES.get(cfg.model.task)
-    if sources and cfg.data.source not in sources:
-        raise ValueError(
-            f"data.source={cfg.data.source.value} does not feed model.task={cfg.model.task.value}; "
-            f"valid choices: {', '.join(s.value for s in sources)}"
-        )
-    for section in (
-        cfg.data,
-        cfg.train,
-        cfg.dist,
-        cfg.optim,
-        cfg.parallel,
-        cfg.precision,
-        cfg.memory,
-        cfg.checkpoint,
-        cfg.run,
-        cfg.metrics,
-        cfg.eval,
-    ):
-        section.check()
-    cfg.eval.check_task(cfg.model.task)
-    for key in ("stop_after", "max_minutes"):
-        if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
-            raise ValueError(
-                f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from "
-                "its checkpoint"
-            )
-    p, strategy = cfg.precision, cfg.parallel.strategy
-    if cfg.model.lora.rank and p.mode == "bf16-true":
-        raise ValueError(
-            f"model.lora.rank={cfg.model.lora.rank} with precision.mode=bf16-true is not supported "
-            "(the adapters and their AdamW states would be bf16); LoRA runs with "
-            "precision.mode=fp32, bf16-mixed or fp16-mixed"
-        )
-    mixed = (
-        p.mode.endswith("-mixed")
-        or p.param_dtype not in (None, "fp32")
-        or p.reduce_dtype not in (None, "fp32")
-    )
-    if mixed and p.mode != "bf16-true" and not is_fsdp(strategy):
-        raise ValueError(
-            f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored "
-            f"ones) needs an FSDP strategy ({strategies_that('fsdp')}), not "
-            f"parallel.strategy={strategy.value}; with {strategy.value} use precision.mode=fp32 or "
-            "bf16-true"
-        )
 
 
 # ---------------------------------------------------------------------------------

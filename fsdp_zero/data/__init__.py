@@ -1,12 +1,7 @@
 """Samples, batches and token files."""
 
-from fsdp_zero.data.batches import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    BatchCursor,
-    BatchLayout,
-    build_source,
-)
+from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
+from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.data.prepare import DEFAULT_VAL_FRACTION, prepare
 from fsdp_zero.data.token_files import IGNORE
 

@@ -26,7 +26,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from fsdp_zero.config.schema import Device, DistConfig
+from fsdp_zero.config.choices import Device
+from fsdp_zero.config.schema import DistConfig
 
 logger = logging.getLogger("fsdp_zero")
 ATTEMPT_VAR = "FSDP_ZERO_ATTEMPT"  # set by `init_distributed`, the same on every rank of an attempt

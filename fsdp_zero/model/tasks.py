@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_zero.config.schema import DataSource, ModelConfig, Task
+from fsdp_zero.config.choices import DataSource, Task
+from fsdp_zero.config.schema import ModelConfig
 from fsdp_zero.config.targets import import_target
 from fsdp_zero.data.token_files import IGNORE
 

@@ -22,16 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from fsdp_zero.config.schema import (
-    Config,
-    Init,
-    OptimConfig,
-    OptimizerImpl,
-    ParallelConfig,
-    PrecisionConfig,
-    WrapConfig,
-    WrapPolicy,
-)
+from fsdp_zero.config.choices import Init, OptimizerImpl, WrapPolicy
+from fsdp_zero.config.schema import Config, OptimConfig, ParallelConfig, PrecisionConfig, WrapConfig
 from fsdp_zero.config.strategies import STRATEGIES, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology

@@ -26,7 +26,8 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_zero.config.schema import ActivationCheckpointing, ParallelConfig
+from fsdp_zero.config.choices import ActivationCheckpointing
+from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.config.strategies import STRATEGIES, StrategySpec, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology

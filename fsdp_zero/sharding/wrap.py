@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fsdp_zero.config.schema import WrapConfig, WrapPolicy
+from fsdp_zero.config.choices import WrapPolicy
+from fsdp_zero.config.schema import WrapConfig
 from fsdp_zero.torch_private import hf_no_split_modules
 
 ROOT = ""

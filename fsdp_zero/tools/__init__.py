@@ -1,21 +1,20 @@
 """Offline: the planner, the fit, compare and the rates probe; never imported by training."""
 
+from fsdp_zero.tools.candidates import DIMENSIONS, Scored, searched_overrides
 from fsdp_zero.tools.compare import DEFAULTS, ORDER, dataparallel_row, read_rows, report
-from fsdp_zero.tools.fit import DIMENSIONS, MARGIN, Scored, fit_rates, search, searched_overrides
-from fsdp_zero.tools.launch import train_command
-from fsdp_zero.tools.planner import (
-    HEAP_RETENTION,
+from fsdp_zero.tools.fit import MARGIN, fit_rates, search
+from fsdp_zero.tools.formulas import (
     PAPER_K,
     PLAN_MODES,
-    Prediction,
-    Simulator,
     deepspeed_zero3_estimate,
     format_bytes,
     format_gb,
-    simulate,
     strategy_states,
     zero_paper_stages,
 )
+from fsdp_zero.tools.launch import train_command
+from fsdp_zero.tools.planner import Simulator, simulate
+from fsdp_zero.tools.prediction import HEAP_RETENTION, Prediction
 from fsdp_zero.tools.rates import Rates
 
 __all__ = [

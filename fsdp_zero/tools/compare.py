@@ -18,7 +18,8 @@ import torch
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import Config, ParallelConfig
 from fsdp_zero.config.strategies import STRATEGIES, ZERO_STAGES, Strategy
-from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, make_trainable
@@ -28,7 +29,7 @@ from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build_optimizer, materializer
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.training.step import Step, set_lr
-from fsdp_zero.training.steplog import Summary
+from fsdp_zero.training.summary import Summary
 
 # the ZeRO stages' strategies, in the order they run: ZeRO-3 first
 ORDER = list(reversed(ZERO_STAGES.values()))

@@ -43,9 +43,11 @@ from pathlib import Path
 
 import torch
 
+from fsdp_zero.config.choices import WrapPolicy
 from fsdp_zero.config.loader import load_config, to_yaml
-from fsdp_zero.config.schema import ParallelConfig, WrapConfig, WrapPolicy
-from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
+from fsdp_zero.config.schema import ParallelConfig, WrapConfig
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct, real_buffers
@@ -54,7 +56,7 @@ from fsdp_zero.model.tasks import build_task, to_device, vocab_size
 from fsdp_zero.sharding.build import materializer
 from fsdp_zero.sharding.parallelize import parallelize
 from fsdp_zero.sharding.wrap import build_wrap_plan
-from fsdp_zero.tools.planner import repeated_blocks
+from fsdp_zero.tools.depth import repeated_blocks
 
 # More ranks than this are probed with this many (a CPU plan for more is rare; each probe rank is a
 # process).

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_zero.config.schema import Config, DataSource, Task
+from fsdp_zero.config.choices import DataSource, Task
+from fsdp_zero.config.schema import Config
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.model.tasks import TASKS, check_classes_fit, to_device, vocab_size

@@ -22,12 +22,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from fsdp_zero.checkpoint.dcp import (
-    checkpoint_step,
-    latest_checkpoint,
-    list_checkpoints,
-    read_train_state,
-)
+from fsdp_zero.checkpoint.dcp import read_train_state
+from fsdp_zero.checkpoint.folders import checkpoint_step, latest_checkpoint, list_checkpoints
 from fsdp_zero.config.loader import read_saved_config, to_yaml
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import Config

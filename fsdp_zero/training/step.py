@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config.schema import OptimConfig, Schedule
+from fsdp_zero.config.choices import Schedule
+from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.model.tasks import LossFn, to_device
 from fsdp_zero.monitor.phases import Phase, PhaseHook

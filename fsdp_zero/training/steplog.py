@@ -26,13 +26,11 @@ first optimizer step, which `summary` reports against the strategy's own formula
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,14 +38,12 @@ from torch import nn
 
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config
-from fsdp_zero.data.batches import BatchLayout
+from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.monitor.comm import KINDS, CommMeter, as_dict, describe
+from fsdp_zero.monitor.comm import CommMeter, as_dict
 from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
 from fsdp_zero.monitor.phases import Phase
-from fsdp_zero.sharding.build import Built
-from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.training.evaluate import EvalResult
 
 logger = logging.getLogger("fsdp_zero")
@@ -358,94 +354,3 @@ class StepLogger:
     def close(self) -> None:
         self.tb.close()
         self.history.close()
-
-
-@dataclass(frozen=True)
-class Summary:
-    """summary.json: what a finished run measured, with every rank's figures (``ranks``, rank order). It is
-    written here and read back only through `Summary.read` (compare.py, the benchmarks)."""
-
-    strategy: str
-    precision: str
-    steps: int
-    final_loss: float | None
-    num_params: int
-    num_frozen: int
-    world_size: int
-    # the strategy's formula (`fsdp_zero.sharding.parallelize.model_state_formula`)
-    model_state_formula_bytes: float
-    grad_sync: str
-    # by kind (`fsdp_zero.monitor.comm.comm_formula`); None: not counted
-    comm_formula_bytes: dict[str, float] | None
-    # per rank: model_state_bytes, peak_rss_mib, step_s, breakdown, comm_bytes, ...
-    ranks: list[dict[str, Any]]
-
-    def write(self, run_dir: Path) -> None:
-        RunDir(run_dir).summary.write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def read(cls, run_dir: Path) -> Summary:
-        """Raises:
-        ValueError: no summary.json in ``run_dir`` (the run did not finish), or one this version did not write."""
-        path = RunDir(run_dir).summary
-        try:
-            return cls(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"{str(path)!r}: not a summary this version reads ({e})") from None
-
-
-def write_summary(
-    cfg: Config, env: DistEnv, record: StepRecord, built: Built, run_dir: Path, last: int
-) -> None:
-    """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
-    only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
-    num_params, num_frozen = built.num_params, built.num_frozen
-    formula = model_state_formula(
-        built.topology, num_params, built.precision.bytes_per_param, num_frozen
-    )
-    logger.info(
-        "model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f "
-        "MiB)",
-        record.model_state_bytes / MIB,
-        record.model_state_bytes / formula,
-        cfg.parallel.strategy.value,
-        cfg.precision.mode,
-        formula / MIB,
-    )
-    if record.comm_bytes:
-        logger.info(
-            "%s",
-            describe(
-                record.comm_bytes,
-                record.comm_formula,
-                cfg.parallel.strategy.value,
-                cfg.parallel.grad_sync.value,
-            ),
-        )
-    mine = {
-        "model_state_bytes": record.model_state_bytes,
-        "peak_rss_mib": record.peak_rss_mib,
-        "peak_rss_note": record.peak_rss_note,
-        "comm_bytes": {k: record.comm_bytes[k] for k in KINDS} if record.comm_bytes else None,
-        "eval_peak_mib": record.eval_peak_mib or None,
-        "peak_reserved_mib": record.peak_reserved_mib,
-        "step_s": record.step_seconds,
-        "breakdown": record.breakdown,
-        "activations_after_forward": record.phases.get(Phase.AFTER_FORWARD, {}).get("activations"),
-    }
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, mine)
-    if env.is_rank0:
-        Summary(
-            strategy=cfg.parallel.strategy.value,
-            precision=cfg.precision.mode,
-            steps=last,
-            final_loss=record.losses.get(last),
-            num_params=num_params,
-            num_frozen=num_frozen,
-            world_size=env.world_size,
-            model_state_formula_bytes=formula,
-            grad_sync=cfg.parallel.grad_sync.value,
-            comm_formula_bytes=record.comm_formula or None,
-            ranks=ranks,
-        ).write(run_dir)

@@ -20,14 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fsdp_zero
-from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, latest_checkpoint, load_checkpoint
+from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint
+from fsdp_zero.checkpoint.folders import latest_checkpoint
 from fsdp_zero.checkpoint.weights import load_full_weights
+from fsdp_zero.config.choices import DataSource
 from fsdp_zero.config.loader import to_yaml
 from fsdp_zero.config.paths import RunDir
-from fsdp_zero.config.schema import TOKEN_SOURCES, Config, DataSource
+from fsdp_zero.config.schema import TOKEN_SOURCES, Config
 from fsdp_zero.config.strategies import is_fsdp
-from fsdp_zero.data.batches import BatchCursor, BatchLayout, build_source
+from fsdp_zero.data.batches import build_source
+from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.env import (
     CollectiveTimeout,
     DistEnv,
@@ -48,23 +50,23 @@ from fsdp_zero.model.tasks import (
     vocab_size,
 )
 from fsdp_zero.monitor.comm import CommMeter
-from fsdp_zero.monitor.memory import MIB, apply_malloc_policy
+from fsdp_zero.monitor.memory import apply_malloc_policy
 from fsdp_zero.sharding.build import Built, build
-from fsdp_zero.sharding.parallelize import formula_note, model_state_formula, unwrap
+from fsdp_zero.sharding.parallelize import unwrap
 from fsdp_zero.sharding.precision import LossScaler, Precision, loss_scaler
 from fsdp_zero.sharding.wrap import WrapPlan
 from fsdp_zero.training.evaluate import Evaluator, build_evaluator
+from fsdp_zero.training.manifest import log_setup
 from fsdp_zero.training.rundir import (
     RunDecision,
-    config_diff,
     decide,
     run_files,
-    to_plain,
     write_run_dir,
 )
 from fsdp_zero.training.step import Step, StepResult, set_lr
-from fsdp_zero.training.steplog import LogPlan, StepLogger, StepRecord, write_summary
+from fsdp_zero.training.steplog import LogPlan, StepLogger, StepRecord
 from fsdp_zero.training.stopping import StepGuard, budget_deadline, budget_job
+from fsdp_zero.training.summary import write_summary
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -144,7 +146,7 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     # a mask file: token-weighted loss
     loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
     scaler = loss_scaler(cfg.precision, built.precision, env.device)
-    _log_setup(cfg, env, decision, built, layout)
+    log_setup(cfg, env, decision, built, layout)
     evaluator = build_evaluator(cfg, env, unwrap(model), source)
 
     cursor = BatchCursor(source, layout, env.rank, num_workers=_data_workers(cfg))
@@ -191,66 +193,6 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
         built.num_frozen,
         built,
     )
-
-
-def _log_setup(
-    cfg: Config, env: DistEnv, decision: RunDecision, built: Built, layout: BatchLayout
-) -> None:
-    """The start-up lines: versions, the model, what differs from the defaults, the model state's
-    formula, the batch, the wrap plan and where the run's files go."""
-    strategy, run_dir, num_params, precision, plan = (
-        cfg.parallel.strategy,
-        decision.run_dir,
-        built.num_params,
-        built.precision,
-        built.plan,
-    )
-    logger.info(
-        "fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
-        fsdp_zero.__version__,
-        torch.__version__,
-        env.world_size,
-        env.backend,
-        env.device.type,
-    )
-    logger.info(
-        "model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s",
-        cfg.model.pretrained or cfg.model.target or cfg.model.preset,
-        f"{num_params:,}",
-        num_params * 4 / MIB,
-        cfg.model.task.value,
-        strategy.value,
-    )
-    logger.info("initialised: %s", built.init_note)
-    if built.trainable_note:
-        logger.info("trained: %s", built.trainable_note)
-    changed = config_diff(to_plain(Config()), to_plain(cfg))
-    logger.info(
-        "settings that differ from the defaults (all in %s): %s",
-        RunDir(run_dir).config,
-        ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
-    )
-    state_bytes = model_state_formula(
-        built.topology, num_params, precision.bytes_per_param, built.num_frozen
-    )
-    where = formula_note(built.topology) + (
-        f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"
-        if built.num_frozen
-        else ""
-    )
-    logger.info("%s", precision.manifest(num_params, state_bytes, where))
-    logger.info(
-        "%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None)
-    )
-    if is_fsdp(strategy):
-        logger.info("%s", plan.table())
-    else:
-        logger.info(
-            "strategy %s: no FSDP units; every rank holds all %s parameters",
-            strategy.value,
-            f"{num_params:,}",
-        )
-    logger.info("run dir %s | tensorboard --logdir %s", run_dir, RunDir(run_dir).tensorboard_root)
 
 
 def _resume(

@@ -322,7 +322,7 @@ SOURCE = {
         'fixed, block, forward = m.compute[__mutant__("float32")]',
     ),
     "fit-micro-batch-not-freed": (
-        "fsdp_zero.tools.fit",
+        "fsdp_zero.tools.candidates",
         'return ["train.micro_batch_size=1"] if "micro_batch" in search else []',
         'return [] if "micro_batch" not in search else __mutant__([])',
     ),
@@ -343,12 +343,12 @@ SOURCE = {
         "            if defer and __mutant__(False):",
     ),
     "compose-one-peak": (
-        "fsdp_zero.tools.planner",
+        "fsdp_zero.tools.depth",
         "tensors, heap_at_peak = max(regions.values(), key=lambda part: sum(part[0].values()))",
         "tensors, heap_at_peak = __mutant__(regions[max(b.regions, key=lambda r: sum(b.regions[r][0].values()))])",
     ),
     "compose-zero1-evenly": (
-        "fsdp_zero.tools.planner",
+        "fsdp_zero.tools.depth",
         "return round(bytes_at_b * zero1[2] / zero1[1]) if zero1 else line(bytes_at_a, bytes_at_b)",
         "return line(bytes_at_a, bytes_at_b) if not zero1 else __mutant__(line(bytes_at_a, bytes_at_b))",
     ),

@@ -1,0 +1,81 @@
+"""The closed sets a configuration key chooses from (enums: a YAML or command-line string is checked
+against their values, `fsdp_zero.config.schema`)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class WrapPolicy(str, enum.Enum):
+    """Which submodules become FSDP units (each unit all-gathers its parameters as one)."""
+
+    transformer = "transformer"  # modules whose class name is in `classes`
+    size_based = "size_based"  # modules holding >= `min_params` not already wrapped
+    modules = "modules"  # modules whose FQN matches one of the regexes in `modules`
+    none = "none"  # only the root: the whole model is one unit
+
+
+class DataSource(str, enum.Enum):
+    synthetic = "synthetic"  # a seeded random bigram process: learnable, no files needed
+    text = "text"  # a local file or folder read as byte-level tokens (vocab 256)
+    # a pre-tokenized file of token ids (.bin as nanoGPT writes it, or .npy), memory-mapped
+    tokens = "tokens"
+    # a torchvision ImageFolder directory (class per sub-folder), for classification
+    images = "images"
+    # torchvision's FakeData: random images and labels, for tests and demos
+    fake_images = "fake_images"
+
+
+class Task(str, enum.Enum):
+    """What a batch is and how the loss is computed from it (see fsdp_zero.model.tasks)."""
+
+    causal_lm = "causal_lm"  # tokens in, next-token cross-entropy
+    # images (or features) and labels in, cross-entropy; accuracy logged
+    classification = "classification"
+    custom = "custom"  # model.loss(model, batch) returns the loss
+
+
+class Init(str, enum.Enum):
+    """How a model's parameters get their initial values after materialisation (see fsdp_zero.model.init)."""
+
+    auto = "auto"  # the model's own init_weights(seed) if it has one, else standard
+    # each standard layer's reset_parameters distribution, identical at any world size
+    standard = "standard"
+    # the model's own initialiser (init_weights(seed), or Hugging Face's _init_weights)
+    model = "model"
+
+
+class Backend(str, enum.Enum):
+    auto = "auto"  # nccl on CUDA, gloo on CPU
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Device(str, enum.Enum):
+    auto = "auto"  # cuda when a GPU is visible, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class ActivationCheckpointing(str, enum.Enum):
+    """Which units recompute their activations in backward instead of keeping them (see
+    fsdp_zero.sharding.parallelize)."""
+
+    none = "none"
+    full = "full"  # every block unit of the wrap plan
+    selective = "selective"  # every k-th block unit (parallel.activation_checkpointing_every)
+
+
+class Schedule(str, enum.Enum):
+    """The learning rate after the linear warm-up, towards ``min_lr_ratio * lr`` at the last step."""
+
+    cosine = "cosine"  # half a cosine period (DeepSpeed's WarmupCosineLR)
+    linear = "linear"  # a straight line (DeepSpeed's WarmupDecayLR)
+    constant = "constant"  # stays at lr (DeepSpeed's WarmupLR)
+
+
+class OptimizerImpl(str, enum.Enum):
+    auto = "auto"  # fused on CUDA, foreach on CPU
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for_loop"

@@ -1,0 +1,73 @@
+"""`validate`: every section's own check, then the few rules that span sections (a task and its data,
+precision and the strategy, evaluation and the task), before anything is built or written."""
+
+from __future__ import annotations
+
+from fsdp_zero.config.choices import DataSource, Task
+from fsdp_zero.config.schema import TOKEN_SOURCES, Config
+from fsdp_zero.config.strategies import is_fsdp, strategies_that
+
+# The data sources each task reads.
+_TASK_SOURCES = {
+    Task.causal_lm: TOKEN_SOURCES,
+    Task.classification: (DataSource.images, DataSource.fake_images),
+}
+
+
+def validate(cfg: Config) -> None:
+    """Every section's ``check()``, and the rules that span sections. The built-in model's rules are
+    `fsdp_zero.config.presets.check_model_config`'s (`fsdp_zero.config.loader.load_config` runs
+    both); those that need the world size run when a run is set up (`Topology.of`,
+    `BatchLayout.of`).
+
+    Raises:
+        ValueError: naming the key, the bad value and the valid choices.
+    """
+    cfg.model.check()
+    # before data.check(): with the wrong source, its path is moot
+    sources = _TASK_SOURCES.get(cfg.model.task)
+    if sources and cfg.data.source not in sources:
+        raise ValueError(
+            f"data.source={cfg.data.source.value} does not feed model.task={cfg.model.task.value}; "
+            f"valid choices: {', '.join(s.value for s in sources)}"
+        )
+    for section in (
+        cfg.data,
+        cfg.train,
+        cfg.dist,
+        cfg.optim,
+        cfg.parallel,
+        cfg.precision,
+        cfg.memory,
+        cfg.checkpoint,
+        cfg.run,
+        cfg.metrics,
+        cfg.eval,
+    ):
+        section.check()
+    cfg.eval.check_task(cfg.model.task)
+    for key in ("stop_after", "max_minutes"):
+        if getattr(cfg.train, key) is not None and not cfg.checkpoint.enabled:
+            raise ValueError(
+                f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from "
+                "its checkpoint"
+            )
+    p, strategy = cfg.precision, cfg.parallel.strategy
+    if cfg.model.lora.rank and p.mode == "bf16-true":
+        raise ValueError(
+            f"model.lora.rank={cfg.model.lora.rank} with precision.mode=bf16-true is not supported "
+            "(the adapters and their AdamW states would be bf16); LoRA runs with "
+            "precision.mode=fp32, bf16-mixed or fp16-mixed"
+        )
+    mixed = (
+        p.mode.endswith("-mixed")
+        or p.param_dtype not in (None, "fp32")
+        or p.reduce_dtype not in (None, "fp32")
+    )
+    if mixed and p.mode != "bf16-true" and not is_fsdp(strategy):
+        raise ValueError(
+            f"precision.mode={p.mode} (gathered parameters in a lower precision than the stored "
+            f"ones) needs an FSDP strategy ({strategies_that('fsdp')}), not "
+            f"parallel.strategy={strategy.value}; with {strategy.value} use precision.mode=fp32 or "
+            "bf16-true"
+        )

@@ -1,0 +1,140 @@
+"""Steps from samples: the batch layout (global batch, micro-batches, accumulation, per rank) and the
+cursor that serves each step's micro-batches in the global order, resumable at any step."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_zero.config.schema import TrainConfig
+from fsdp_zero.data.batches import Source
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's global batch splits over ranks and micro-batches."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    dp_size: int
+    grad_accum_steps: int
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, dp_size: int) -> BatchLayout:
+        """Training's layout: the gradient-accumulation steps derived as DeepSpeed derives them from
+        train_batch_size.
+
+        Raises:
+            ValueError: the global batch does not split evenly over ``dp_size`` ranks.
+        """
+        if cfg.global_batch_size % (cfg.micro_batch_size * dp_size):
+            g = cfg.global_batch_size
+            valid = [m for m in range(1, g + 1) if g % (m * dp_size) == 0]
+            hint = (
+                f"valid train.micro_batch_size values at {dp_size} ranks: {valid}"
+                if valid
+                else (f"train.global_batch_size must be a multiple of the {dp_size} ranks")
+            )
+            raise ValueError(
+                f"train.global_batch_size={g} does not divide into "
+                f"train.micro_batch_size={cfg.micro_batch_size} x {dp_size} data-parallel ranks; "
+                f"{hint}"
+            )
+        return cls(
+            cfg.global_batch_size,
+            cfg.micro_batch_size,
+            dp_size,
+            cfg.global_batch_size // (cfg.micro_batch_size * dp_size),
+        )
+
+    @classmethod
+    def rounded(cls, cfg: TrainConfig, dp_size: int) -> BatchLayout:
+        """The planner's layout: planning is per rank, so a global batch that does not divide over
+        ``dp_size`` ranks is planned with the micro-batch and the accumulation it rounds to."""
+        accum = max(1, cfg.global_batch_size // (cfg.micro_batch_size * dp_size))
+        return cls(cfg.micro_batch_size * accum * dp_size, cfg.micro_batch_size, dp_size, accum)
+
+    def describe(self, seq_len: int | None) -> str:
+        """``seq_len``: tokens per sample, for token data (None: samples are not sequences)."""
+        tokens = f" ({self.global_batch_size * seq_len:,} tokens per step)" if seq_len else ""
+        return (
+            f"global batch {self.global_batch_size} samples = micro-batch {self.micro_batch_size} "
+            f"x grad-accum {self.grad_accum_steps} x data-parallel ranks {self.dp_size}{tokens}"
+        )
+
+
+class _StepSlices(torch.utils.data.Dataset):
+    """Item ``position``: this rank's samples of the global batch that starts at sample ``position``."""
+
+    def __init__(self, source: Source, layout: BatchLayout, rank: int) -> None:
+        self.source, self.per_rank, self.rank = (
+            source,
+            layout.global_batch_size // layout.dp_size,
+            rank,
+        )
+
+    def __getitem__(self, position: int) -> tuple:
+        start = position + self.rank * self.per_rank
+        return self.source.batch(range(start, start + self.per_rank))
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """A loader worker ignores SIGTERM: a scheduler signals every process of a job (Slurm's time limit and
+    ``scancel --signal`` reach every process of the step), and a worker that died of it would end
+    its rank's run with an error instead of the save that SIGTERM asks the rank for. It ends with
+    its rank."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class BatchCursor:
+    """Hands each rank its micro-batches of the next global batch.
+
+    A DataLoader fetches this rank's slice of each global batch (with ``num_workers``
+    processes, ahead of the training step); which samples make up a step depends only on
+    the global position, so a resume at any world size continues where the run left off.
+
+    Attributes:
+        position: global samples consumed so far, the whole of the data state.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        layout: BatchLayout,
+        rank: int,
+        num_workers: int = 0,
+        position: int = 0,
+    ) -> None:
+        self.source, self.layout, self.rank, self.num_workers = source, layout, rank, num_workers
+        self._position = position
+        self._batches: Iterator | None = None
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._position, self._batches = value, None  # the loader restarts from there
+
+    def next_batch(self) -> list[tuple]:
+        """This rank's micro-batches of the next global batch, e.g. (inputs, targets) pairs."""
+        if self._batches is None:
+            loader = torch.utils.data.DataLoader(
+                _StepSlices(self.source, self.layout, self.rank),
+                batch_size=None,
+                sampler=itertools.count(self._position, self.layout.global_batch_size),
+                num_workers=self.num_workers,
+                prefetch_factor=2 if self.num_workers else None,
+                persistent_workers=False,
+                worker_init_fn=_ignore_sigterm if self.num_workers else None,
+            )
+            self._batches = iter(loader)
+        batch = next(self._batches)
+        self._position += self.layout.global_batch_size
+        micro = self.layout.micro_batch_size
+        return list(zip(*(t.split(micro) for t in batch)))

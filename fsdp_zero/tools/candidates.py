@@ -1,0 +1,147 @@
+"""What ``plan.py --fit`` searches: the candidate settings over the asked dimensions (strategy,
+precision, checkpointing, offload, micro-batch, gradient sync), each as overrides."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from fsdp_zero.config.choices import ActivationCheckpointing
+from fsdp_zero.config.rules import validate
+from fsdp_zero.config.schema import Config
+from fsdp_zero.config.strategies import STRATEGIES, GradSync, Strategy
+from fsdp_zero.data.loader import BatchLayout
+from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.tools.formulas import PLAN_MODES
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    precision: str
+    checkpointing: ActivationCheckpointing
+    offload: bool
+    micro_batch: int
+    grad_sync: GradSync
+
+    def overrides(self) -> list[str]:
+        """The key=value overrides that select this candidate, to paste onto the command line."""
+        return [
+            f"parallel.strategy={self.strategy.value}",
+            f"precision.mode={self.precision}",
+            f"parallel.activation_checkpointing={self.checkpointing.value}",
+            f"parallel.cpu_offload={str(self.offload).lower()}",
+            f"train.micro_batch_size={self.micro_batch}",
+            f"parallel.grad_sync={self.grad_sync.value}",
+        ]
+
+    def config(self, cfg: Config) -> Config:
+        # full_shard's own
+        hpz = cfg.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None
+        p = replace(
+            cfg.parallel,
+            strategy=self.strategy,
+            activation_checkpointing=self.checkpointing,
+            cpu_offload=self.offload,
+            grad_sync=self.grad_sync,
+            reshard_after_forward=hpz,
+        )
+        return replace(
+            cfg,
+            parallel=p,
+            precision=replace(cfg.precision, mode=self.precision),
+            train=replace(cfg.train, micro_batch_size=self.micro_batch),
+        )
+
+
+@dataclass
+class Scored:
+    candidate: Candidate
+    peak: int  # predicted bytes per rank (CPU: peak RSS; CUDA: device memory)
+    # seconds per optimizer step under the rates: compute + communication + offload copies
+    cost: float
+    parts: dict[str, float] = field(default_factory=dict)  # the cost's terms
+    fits: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "overrides": self.candidate.overrides(),
+            "peak_bytes": self.peak,
+            "fits": self.fits,
+            "cost": self.cost,
+            "cost_parts": self.parts,
+        }
+
+
+# What --search may name: the settings a candidate varies (the others stay as the config has them).
+DIMENSIONS = ("strategy", "precision", "checkpointing", "offload", "micro_batch", "grad_sync")
+
+
+def searched_overrides(search: tuple[str, ...]) -> list[str]:
+    """What loading the config for a search adds to its overrides: the micro-batch, when searched (every
+    divisor of the local batch is a candidate), is 1, so that the config's own (a default the user
+    may never have set) cannot refuse a global batch it does not divide."""
+    return ["train.micro_batch_size=1"] if "micro_batch" in search else []
+
+
+def candidates(
+    cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSIONS
+) -> list[Candidate]:
+    """Every valid candidate: the config's own model, data, global batch and other settings, with each
+    strategy, precision mode, checkpointing, offload, micro-batch and grad_sync the config allows
+    (those of the dimensions not in ``search`` as the config sets them).
+
+    Raises:
+        ValueError: ``search`` names something other than `DIMENSIONS`; no candidate is valid.
+    """
+    for name in search:
+        if name not in DIMENSIONS:
+            raise ValueError(
+                f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: "
+                f"{', '.join(DIMENSIONS)}"
+            )
+    local = cfg.train.global_batch_size // world_size
+    p = cfg.parallel
+    axes = {
+        "strategy": list(STRATEGIES),
+        "precision": list(PLAN_MODES),
+        "checkpointing": list(ActivationCheckpointing),
+        # On a CPU host offload moves nothing: not a candidate there.
+        "offload": [False, True] if cfg.dist.device.value == "cuda" else [False],
+        "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
+        "grad_sync": list(GradSync),
+    }
+    fixed = {
+        "strategy": [p.strategy],
+        "precision": [cfg.precision.mode],
+        "checkpointing": [p.activation_checkpointing],
+        "offload": [p.cpu_offload],
+        "micro_batch": [cfg.train.micro_batch_size],
+        "grad_sync": [p.grad_sync],
+    }
+    out, refused = [], None
+    for values in itertools.product(*(axes[d] if d in search else fixed[d] for d in DIMENSIONS)):
+        cand = Candidate(*values)
+        if (
+            "grad_sync" in search
+            and local // cand.micro_batch == 1
+            and cand.grad_sync is not GradSync.every_micro_batch
+        ):
+            continue  # without accumulation every mode reduces once: the default stands for them
+        try:
+            c = cand.config(cfg)
+            validate(c)
+            topology = Topology.of(c.parallel, world_size)
+            BatchLayout.of(c.train, world_size)
+        except ValueError as e:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
+            refused = e
+            continue
+        if topology.spec.hybrid and topology.replicas == 1 and "strategy" in search:
+            continue  # one replica: full_shard's twin
+        out.append(cand)
+    if not out:
+        raise ValueError(
+            f"no setting varying {', '.join(search)} is valid for this config at {world_size} "
+            f"ranks; the last refused: {refused}"
+        )
+    return out

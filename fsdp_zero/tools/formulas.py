@@ -1,0 +1,149 @@
+"""Model state by formula, for the plan's tables: the ZeRO paper's stages, each strategy's shares by
+precision, and DeepSpeed's own ZeRO-3 estimate."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fsdp_zero.config.rules import validate
+from fsdp_zero.config.schema import Config, ParallelConfig, PrecisionConfig
+from fsdp_zero.config.strategies import ZERO_STAGES, Strategy, is_fsdp
+from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.sharding.parallelize import model_state_formula
+from fsdp_zero.sharding.precision import resolve
+
+# The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+# Parameter Models", Table 1 and Figure 1) sizes model states for mixed-precision Adam: fp16
+# parameters (2 bytes) and gradients (2 bytes) and K = 12 bytes of fp32 optimizer state (master
+# parameters, momentum, variance) per parameter.
+PAPER_K = 12
+
+
+# The precision modes the plan sets side by side (fp16-mixed stores and gathers the same bytes as
+# bf16-mixed; tests/test_plan_formulas.py keeps that true).
+PLAN_MODES = ("fp32", "bf16-mixed", "bf16-true")
+
+
+@dataclass(frozen=True)
+class _PaperStage:
+    """One stage of the ZeRO paper's Table 1: model-state bytes per device."""
+
+    name: str  # the paper's: baseline, P_os, P_os+g, P_os+g+p
+    formula: str  # as the paper writes it: Psi parameters, N_d data-parallel ranks
+    bytes: float
+
+
+def zero_paper_stages(num_params: int, n: int) -> dict[int, _PaperStage]:
+    """The ZeRO paper's model states per device for each ZeRO-DP stage, as the paper states them.
+
+    Mixed-precision Adam, ``PAPER_K`` = 12. The paper's stage 2 (P_os+g) keeps every fp16 parameter
+    on every device; FSDP's shard_grad_op shards them at rest and holds them gathered from forward
+    to backward, so the paper's figure is what it needs inside the step (`strategy_states`).
+
+    Args:
+        num_params: Psi, the model's parameters.
+        n: N_d, the data-parallel ranks.
+
+    Returns:
+        The stages by ZeRO stage (0: the baseline), the keys of `fsdp_zero.config.strategies.ZERO_STAGES`.
+    """
+    psi, k = num_params, PAPER_K
+    return {
+        0: _PaperStage("baseline", "(2 + 2 + K) Psi", (2 + 2 + k) * psi),
+        1: _PaperStage("P_os", "2 Psi + 2 Psi + K Psi / N_d", 2 * psi + 2 * psi + k * psi / n),
+        2: _PaperStage("P_os+g", "2 Psi + (2 + K) Psi / N_d", 2 * psi + (2 + k) * psi / n),
+        3: _PaperStage("P_os+g+p", "(2 + 2 + K) Psi / N_d", (2 + 2 + k) * psi / n),
+    }
+
+
+@dataclass(frozen=True)
+class _StrategyState:
+    """One strategy's model state per rank under one precision mode, in bytes."""
+
+    strategy: Strategy
+    stage: int  # its ZeRO stage (`fsdp_zero.config.strategies.ZERO_STAGES`)
+    mode: str  # precision.mode
+    at_rest: float  # after the optimizer step: `fsdp_zero.sharding.parallelize.model_state_formula`
+    # held on top between forward and backward; None: one or two units, size unknown
+    gathered: float | None
+    refused: str | None = None  # the config's error when it rejects this strategy with this mode
+
+    @property
+    def in_step(self) -> float | None:
+        """The model state inside the step: at rest plus the gathered parameters (None: not known)."""
+        return None if self.gathered is None else self.at_rest + self.gathered
+
+
+def strategy_states(
+    num_params: int,
+    n: int,
+    largest_unit: int | None = None,
+    root_unit: int = 0,
+    modes: tuple[str, ...] = PLAN_MODES,
+    frozen: int = 0,
+) -> list[_StrategyState]:
+    """Each ZeRO stage's strategy (`fsdp_zero.config.strategies.ZERO_STAGES`), per precision mode: the model state
+    per rank at rest and inside the step.
+
+    At rest is `model_state_formula` with the mode's bytes per parameter. Inside the step FSDP holds
+    gathered parameters too, in the compute dtype: shard_grad_op (``reshard_after_forward=False``)
+    every unit's, from forward to backward; full_shard the root unit (kept gathered: backward needs
+    it first, `fsdp_zero.sharding.parallelize`), one unit computing and the next prefetched: root +
+    2 x the largest unit. DDP and ZeRO-1 hold whole parameters already.
+
+    Args:
+        num_params: the model's parameters.
+        n: ranks.
+        largest_unit: the largest FSDP unit's parameters besides the root; None: not known
+            (full_shard's ``gathered`` is None).
+        root_unit: the root unit's own parameters (those of no other unit), when known.
+        modes: precision modes (`fsdp_zero.config.schema.PRECISION_MODES`).
+        frozen: of ``num_params``, those that do not train (model.freeze, LoRA): stored bytes only.
+
+    Returns:
+        One state per strategy and mode, strategies in ZeRO stage order.
+    """
+
+    out = []
+    for stage, strategy in ZERO_STAGES.items():
+        parallel = ParallelConfig(strategy=strategy)
+        topology = Topology.of(parallel, n)
+        for mode in modes:
+            precision = resolve(PrecisionConfig(mode=mode))
+            compute = precision.compute.itemsize
+            at_rest = model_state_formula(topology, num_params, precision.bytes_per_param, frozen)
+            if not is_fsdp(strategy):
+                gathered: float | None = 0.0
+            elif not topology.reshard_after_forward:
+                gathered = compute * num_params
+            elif largest_unit is None:
+                gathered = None
+            else:  # a model of one or two units never has more than itself gathered
+                gathered = compute * min(root_unit + 2 * largest_unit, num_params)
+            try:
+                validate(Config(parallel=parallel, precision=PrecisionConfig(mode=mode)))
+                refused = None
+            except ValueError as e:  # e.g. bf16-mixed under DDP
+                refused = str(e)
+            out.append(_StrategyState(strategy, stage, mode, at_rest, gathered, refused))
+    return out
+
+
+def deepspeed_zero3_estimate(num_params: int, largest_layer_params: int, n: int) -> int:
+    """DeepSpeed's estimate_zero3_model_states_mem_needs, no offload: GPU bytes per rank.
+
+    4 bytes x the largest layer (its gathered fp16 params and grads) + 18 bytes x P / N
+    (fp16 params 2 + fp32 master params, momentum, variance and grads 16).
+    """
+    return int(4 * largest_layer_params + 18 * num_params / n)
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def format_gb(n: float) -> str:
+    """Bytes as the ZeRO paper prints them: decimal GB (10^9 bytes), three significant digits."""
+    gb = n / 1e9
+    return f"{gb:,.{max(0, 2 - math.floor(math.log10(gb))) if gb > 0 else 0}f} GB"

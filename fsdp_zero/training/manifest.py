@@ -1,0 +1,87 @@
+"""What a run prints before its first step: the resolved settings, the model and its sharding, the
+memory formula, the data and where the run writes."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import fsdp_zero
+from fsdp_zero.config.paths import RunDir
+from fsdp_zero.config.schema import TOKEN_SOURCES, Config
+from fsdp_zero.config.strategies import is_fsdp
+from fsdp_zero.data.loader import BatchLayout
+from fsdp_zero.distributed.env import (
+    DistEnv,
+)
+from fsdp_zero.monitor.memory import MIB
+from fsdp_zero.sharding.build import Built
+from fsdp_zero.sharding.parallelize import formula_note, model_state_formula
+from fsdp_zero.training.rundir import (
+    RunDecision,
+    config_diff,
+    to_plain,
+)
+
+logger = logging.getLogger("fsdp_zero")
+
+
+def log_setup(
+    cfg: Config, env: DistEnv, decision: RunDecision, built: Built, layout: BatchLayout
+) -> None:
+    """The start-up lines: versions, the model, what differs from the defaults, the model state's
+    formula, the batch, the wrap plan and where the run's files go."""
+    strategy, run_dir, num_params, precision, plan = (
+        cfg.parallel.strategy,
+        decision.run_dir,
+        built.num_params,
+        built.precision,
+        built.plan,
+    )
+    logger.info(
+        "fsdp-zero %s | torch %s | world size %d | backend %s | device %s",
+        fsdp_zero.__version__,
+        torch.__version__,
+        env.world_size,
+        env.backend,
+        env.device.type,
+    )
+    logger.info(
+        "model %s: %s parameters (%.1f MiB fp32) | task %s | strategy %s",
+        cfg.model.pretrained or cfg.model.target or cfg.model.preset,
+        f"{num_params:,}",
+        num_params * 4 / MIB,
+        cfg.model.task.value,
+        strategy.value,
+    )
+    logger.info("initialised: %s", built.init_note)
+    if built.trainable_note:
+        logger.info("trained: %s", built.trainable_note)
+    changed = config_diff(to_plain(Config()), to_plain(cfg))
+    logger.info(
+        "settings that differ from the defaults (all in %s): %s",
+        RunDir(run_dir).config,
+        ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
+    )
+    state_bytes = model_state_formula(
+        built.topology, num_params, precision.bytes_per_param, built.num_frozen
+    )
+    where = formula_note(built.topology) + (
+        f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"
+        if built.num_frozen
+        else ""
+    )
+    logger.info("%s", precision.manifest(num_params, state_bytes, where))
+    logger.info(
+        "%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None)
+    )
+    if is_fsdp(strategy):
+        logger.info("%s", plan.table())
+    else:
+        logger.info(
+            "strategy %s: no FSDP units; every rank holds all %s parameters",
+            strategy.value,
+            f"{num_params:,}",
+        )
+    logger.info("run dir %s | tensorboard --logdir %s", run_dir, RunDir(run_dir).tensorboard_root)
