@@ -196,7 +196,7 @@ def test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host():
 
 
 def test_the_planners_baseline_probe_stays_on_the_cpu_where_gpus_are_visible(monkeypatch):
-    """A CPU plan's baseline is a CPU process's (fsdp_zero.tools.planner.measure_baseline runs a small real
+    """A CPU plan's baseline is a CPU process's (fsdp_zero.tools.prediction.measure_baseline runs a small real
     training): the probe sees no GPU. Unpinned, on a GPU host it would measure a process holding a CUDA
     context (its optimizer asks the accelerator for a stream); on the simulated GPUs here it fails."""
     from fsdp_zero.tools.prediction import measure_baseline

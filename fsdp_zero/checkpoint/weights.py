@@ -20,6 +20,7 @@ import struct
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -323,38 +324,10 @@ def export_checkpoint(
         ValueError: an unreadable checkpoint, an existing ``out``, or a single file over the size
             limit.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     read_train_state(checkpoint)
     if out.exists():
         raise ValueError(f"--out {str(out)!r} already exists; it is never overwritten")
-    metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
-    saved = {
-        k[len("model.") :]: v
-        for k, v in metadata.state_dict_metadata.items()
-        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
-    }
-    if not saved:
-        raise ValueError(f"checkpoint {str(checkpoint)!r} holds no model weights")
-    reader = SafeFileSystemReader(str(checkpoint))
-
-    def fetch_saved(name: str) -> torch.Tensor:
-        md = saved[name]
-        t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        try:
-            # "assuming the intent is to load in a single process": it is
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load({"model": {name: t}}, storage_reader=reader, no_dist=True)
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            raise ValueError(
-                f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated "
-                f"file?): {str(e).strip().splitlines()[-1]}"
-            ) from None
-        return t
-
+    saved, fetch_saved = _saved_weights(checkpoint)
     sources, read = view(list(saved), fetch_saved) if view else ({n: n for n in saved}, fetch_saved)
     entries = [
         (
@@ -383,30 +356,85 @@ def export_checkpoint(
     try:
         if single:
             _write_safetensors(tmp, entries, fetch)
-            tmp.replace(out)
-            return [out]
-        tmp.mkdir(parents=True)
-        names = list(_iter_shard_files(len(shards)))
-        extras = (
-            extra_files(next((d for _, d, _ in entries if d.is_floating_point), None))
-            if extra_files
-            else {}
-        )
-        for name, data in extras.items():
-            (tmp / name).write_bytes(data)
-        weight_map = {}
-        for file, idx in zip(names, shards):
-            _write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
-            weight_map.update({entries[i][0]: file for i in idx})
-        if len(shards) > 1:
-            total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            written = [out]
+        else:
+            extras = extra_files(_float_dtype(entries)) if extra_files else {}
+            written = [out / n for n in _write_folder(tmp, entries, shards, fetch, extras)]
         tmp.replace(out)
-        return [out / n for n in [*names, *extras]]
+        return written
     except BaseException:
         _remove(tmp)  # an interrupted export leaves nothing behind
         raise
+
+
+def _saved_weights(
+    checkpoint: Path,
+) -> tuple[dict[str, Any], Callable[[str], torch.Tensor]]:
+    """A checkpoint's saved model tensors ({name: DCP metadata}, "model." dropped) and a reader of one
+    at a time.
+
+    Raises:
+        ValueError: no model weights, or (from the reader) a tensor that cannot be read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
+    saved = {
+        k[len("model.") :]: v
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+    if not saved:
+        raise ValueError(f"checkpoint {str(checkpoint)!r} holds no model weights")
+    reader = SafeFileSystemReader(str(checkpoint))
+
+    def fetch_saved(name: str) -> torch.Tensor:
+        md = saved[name]
+        t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        try:
+            # "assuming the intent is to load in a single process": it is
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({"model": {name: t}}, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise ValueError(
+                f"checkpoint {str(checkpoint)!r}: reading {name} failed (corrupt or truncated "
+                f"file?): {str(e).strip().splitlines()[-1]}"
+            ) from None
+        return t
+
+    return saved, fetch_saved
+
+
+def _float_dtype(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> torch.dtype | None:
+    """The exported floating-point dtype (None: no floating-point tensor)."""
+    return next((d for _, d, _ in entries if d.is_floating_point), None)
+
+
+def _write_folder(
+    tmp: Path,
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    shards: list[list[int]],
+    fetch: Callable[[str], torch.Tensor],
+    extras: dict[str, bytes],
+) -> list[str]:
+    """A folder export into ``tmp``: the extra files, then the shards (with their index when there
+    are several); returns the names written, weights first."""
+    tmp.mkdir(parents=True)
+    names = list(_iter_shard_files(len(shards)))
+    for name, data in extras.items():
+        (tmp / name).write_bytes(data)
+    weight_map = {}
+    for file, idx in zip(names, shards):
+        _write_safetensors(tmp / file, [entries[i] for i in idx], fetch)
+        weight_map.update({entries[i][0]: file for i in idx})
+    if len(shards) > 1:
+        total = sum(math.prod(s) * d.itemsize for _, d, s in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [*names, *extras]
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

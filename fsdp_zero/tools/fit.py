@@ -307,7 +307,7 @@ def search(
 ) -> _Search:
     """Every candidate (varying ``dims``) with its predicted peak and cost, cheapest first.
     ``processes``: worker processes for the simulations (0: this one); ``baseline``:
-    `fsdp_zero.tools.planner.measure_baseline`'s bytes (None: measured now).
+    `fsdp_zero.tools.prediction.measure_baseline`'s bytes (None: measured now).
 
     Raises:
         ValueError: as `candidates`.

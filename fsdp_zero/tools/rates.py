@@ -13,7 +13,7 @@ A cost that assumes the wrong ones picks a setting that runs 25 times slower tha
 
 The probe starts one process per rank (at most `_MAX_PROBE_RANKS`, with the threads torchrun gives
 each) and measures, all ranks at once as in training:
-- compute: the config's model (the planner's truncation, `fsdp_zero.tools.planner.repeated_blocks`, to 1 and
+- compute: the config's model (the planner's truncation, `fsdp_zero.tools.depth.repeated_blocks`, to 1 and
   `PROBE_DEPTH` of its repeated blocks) trained on one sample, forward and backward, in each compute dtype the search
   asks about, the ranks stepping at once (the shortest of two steps at each depth): the seconds outside
   the blocks, per block, and per block's forward (what activation checkpointing recomputes). A dtype

@@ -65,7 +65,7 @@ from fsdp_zero.training.rundir import (
 )
 from fsdp_zero.training.step import Step, StepResult, set_lr
 from fsdp_zero.training.steplog import LogPlan, StepLogger, StepRecord
-from fsdp_zero.training.stopping import StepGuard, budget_deadline, budget_job
+from fsdp_zero.training.stopping import StepGuard, Verdict, budget_deadline, budget_job
 from fsdp_zero.training.summary import write_summary
 
 logger = logging.getLogger("fsdp_zero")
@@ -300,36 +300,13 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
     log = StepLogger(
         env, parts.run_dir, model, optimizer, LogPlan.of(cfg, parts.layout, last), comm
     )
-    checkpointer = (
-        Checkpointer(
-            RunDir(parts.run_dir).checkpoints,
-            cfg.checkpoint.keep_last,
-            cfg.checkpoint.async_save,
-            env.rank,
-            env.device,
-            datetime.timedelta(minutes=cfg.dist.timeout_minutes),
-        )
-        if cfg.checkpoint.enabled
-        else None
-    )
+    checkpointer = _checkpointer(cfg, env, parts.run_dir)
     # SIGTERM, budget, NaN
     guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)
     # start-up's until the first step is done, and for saves
     timeout = CollectiveTimeout(cfg.dist, model)
     verdict, step = None, first
-    # a mask file: token-weighted loss
-    count = trained_tokens if getattr(cursor.source, "masked", False) else None
-    step_of = Step(
-        model,
-        optimizer,
-        parts.loss_fn,
-        env.device,
-        grad_clip=cfg.optim.grad_clip,
-        scaler=parts.scaler,
-        gate=guard.check,
-        token_count=count,
-        grad_sync=cfg.parallel.grad_sync,
-    )
+    step_of = _step_of(parts, guard, env.device)
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
@@ -342,36 +319,10 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
             # the same on every rank: they skip, stop and save at the same step
             verdict = out.verdict
             # every rank skipped the optimizer step; nothing non-finite is ever saved
-            if not verdict.finite:
-                state.skipped_nonfinite += 1
-                if state.skipped_nonfinite > cfg.train.skip_nonfinite:
-                    raise diverged(
-                        step,
-                        out,
-                        state.skipped_nonfinite,
-                        checkpointer,
-                        RunDir(parts.run_dir).checkpoints,
-                    )
-                logger.warning(
-                    "step %d: non-finite loss or gradient norm, step skipped (%d of "
-                    "train.skip_nonfinite=%d)",
-                    step,
-                    state.skipped_nonfinite,
-                    cfg.train.skip_nonfinite,
-                )
-            if cfg.train.skip_nonfinite:
-                out.extra["skipped_nonfinite"] = torch.tensor(float(state.skipped_nonfinite))
+            _count_skips(cfg, state, step, out, checkpointer, parts.run_dir)
             state.step, state.data_position = step, cursor.position
             if checkpointer:
-                checkpointer.poll()  # publishes a finished async save
-                if (
-                    step == last
-                    or verdict.stop
-                    or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-                ):
-                    timeout.use("timeout_minutes")  # the save waits for the slowest rank's I/O
-                    state.loss_scaler = parts.scaler.state_dict() if parts.scaler else None
-                    checkpointer.save(step, model, optimizer, state, to_yaml(cfg))
+                _save_if_due(checkpointer, parts, step, last, verdict, timeout)
             timeout.use("step_timeout_minutes")
             # on log steps: the loop's other sync points
             log.step(step, out.loss, out.grad_norm, lr, out.extra)
@@ -390,11 +341,102 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
         log.finish()
         log.close()
     if verdict and verdict.stop and step < last:
+        where = RunDir(parts.run_dir).checkpoints
         raise Stopped(
-            f"stopped after step {step} ({verdict.stop}); checkpoint "
-            f"{parts.run_dir / 'checkpoints'} holds it: launch the same command again to continue"
+            f"stopped after step {step} ({verdict.stop}); checkpoint {where} holds it: launch the "
+            "same command again to continue"
         )
     result = TrainResult(**vars(log.record), components=parts)
     if first <= last:  # something was trained (a resume may find nothing left)
         write_summary(cfg, env, result, parts.built, parts.run_dir, last)
     return result
+
+
+def _checkpointer(cfg: Config, env: DistEnv, run_dir: Path) -> Checkpointer | None:
+    """The run's checkpointer (None: checkpoint.enabled=false)."""
+    if not cfg.checkpoint.enabled:
+        return None
+    return Checkpointer(
+        RunDir(run_dir).checkpoints,
+        cfg.checkpoint.keep_last,
+        cfg.checkpoint.async_save,
+        env.rank,
+        env.device,
+        datetime.timedelta(minutes=cfg.dist.timeout_minutes),
+    )
+
+
+def _step_of(parts: _Components, guard: StepGuard, device: torch.device) -> Step:
+    """The optimizer step, built once before the loop; a mask file makes the loss token-weighted."""
+    cfg = parts.config
+    count = trained_tokens if getattr(parts.cursor.source, "masked", False) else None
+    return Step(
+        parts.model,
+        parts.optimizer,
+        parts.loss_fn,
+        device,
+        grad_clip=cfg.optim.grad_clip,
+        scaler=parts.scaler,
+        gate=guard.check,
+        token_count=count,
+        grad_sync=cfg.parallel.grad_sync,
+    )
+
+
+def _count_skips(
+    cfg: Config,
+    state: TrainState,
+    step: int,
+    out: StepResult,
+    checkpointer: Checkpointer | None,
+    run_dir: Path,
+) -> None:
+    """A step every rank skipped (non-finite) is counted, and past train.skip_nonfinite the run
+    ends; with train.skip_nonfinite set, the count is logged with every step.
+
+    Raises:
+        Diverged: more skipped steps than train.skip_nonfinite allows.
+    """
+    if not out.verdict.finite:
+        _skipped(cfg, state, step, out, checkpointer, run_dir)
+    if cfg.train.skip_nonfinite:
+        out.extra["skipped_nonfinite"] = torch.tensor(float(state.skipped_nonfinite))
+
+
+def _skipped(
+    cfg: Config,
+    state: TrainState,
+    step: int,
+    out: StepResult,
+    checkpointer: Checkpointer | None,
+    run_dir: Path,
+) -> None:
+    state.skipped_nonfinite += 1
+    if state.skipped_nonfinite > cfg.train.skip_nonfinite:
+        raise diverged(
+            step, out, state.skipped_nonfinite, checkpointer, RunDir(run_dir).checkpoints
+        )
+    logger.warning(
+        "step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
+        step,
+        state.skipped_nonfinite,
+        cfg.train.skip_nonfinite,
+    )
+
+
+def _save_if_due(
+    checkpointer: Checkpointer,
+    parts: _Components,
+    step: int,
+    last: int,
+    verdict: Verdict,
+    timeout: CollectiveTimeout,
+) -> None:
+    """Publishes a finished async save, then saves at the last step, on a stop, and every
+    checkpoint.every steps (under dist.timeout_minutes: a save waits for the slowest rank's I/O)."""
+    checkpointer.poll()
+    every, state = parts.config.checkpoint.every, parts.state
+    if step == last or verdict.stop or (every and step % every == 0):
+        timeout.use("timeout_minutes")
+        state.loss_scaler = parts.scaler.state_dict() if parts.scaler else None
+        checkpointer.save(step, parts.model, parts.optimizer, state, to_yaml(parts.config))

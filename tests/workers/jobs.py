@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_zero.checkpoint import dcp as checkpoint_lib
+from fsdp_zero.checkpoint.folders import checkpoint_step
 from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import distributed, exit_process
@@ -115,7 +116,7 @@ def _timed_save(self, step, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
 def _timed_commit(self, partial, final):  # noqa: ANN001
     _commit(self, partial, final)
     for record in _seen["save_times"]:
-        if record[0] == checkpoint_lib.checkpoint_step(final):
+        if record[0] == checkpoint_step(final):
             record[3] = time.monotonic()
 
 
