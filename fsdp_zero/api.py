@@ -47,6 +47,7 @@ from fsdp_zero.model.construct import meta_parameters
 from fsdp_zero.monitor.memory import MemoryMonitor, memory_scalars
 from fsdp_zero.monitor.metrics import TensorBoardLogger
 from fsdp_zero.sharding.build import shard as _shard
+from fsdp_zero.sharding.parallelize import Compute
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.training.step import clip_grad_norm_
 
@@ -109,7 +110,7 @@ def shard(
         activation_checkpointing=ActivationCheckpointing(activation_checkpointing),
     )
     return _shard(
-        model, parallel, env, seed=seed, init=Init(init), precision=resolve(precision_cfg)
+        model, parallel, env, seed=seed, init=Init(init), compute=Compute(resolve(precision_cfg))
     )[0]
 
 

@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from fsdp_zero.data import DEFAULT_VAL_FRACTION, prepare
+from fsdp_zero.data import DEFAULT_VAL_FRACTION, Fields, prepare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,17 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
+        fields = Fields(args.format, args.field, args.prompt_field, args.completion_field)
         meta, seconds = prepare(
-            args.tokenizer,
-            args.input,
-            args.out,
-            args.val_fraction,
-            args.field,
-            args.workers,
-            args.seed,
-            args.format,
-            args.prompt_field,
-            args.completion_field,
+            args.tokenizer, args.input, args.out, fields, args.val_fraction, args.workers, args.seed
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from fsdp_zero.config.choices import Task
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import TokenFile
-from fsdp_zero.data.prepare import prepare, validation_documents
+from fsdp_zero.data.prepare import Fields, prepare, validation_documents
 from fsdp_zero.data.token_files import IGNORE, mask_file
 from fsdp_zero.model.tasks import build_task, lm_sums, masked_causal_lm, trained_tokens
 from fsdp_zero.model.transformer import args_from_config
@@ -91,9 +91,7 @@ def test_prompt_completion_marks_exactly_the_completion_and_its_eos(
         [data],
         tmp_path / "out",
         val_fraction=0,
-        fmt="prompt_completion",
-        prompt_field="q",
-        completion_field="a",
+        fields=Fields("prompt_completion", prompt="q", completion="a"),
     )
     ids, mask = _read(tmp_path / "out")
     assert (
@@ -111,9 +109,7 @@ def test_prompt_completion_marks_exactly_the_completion_and_its_eos(
         [data],
         tmp_path / "two",
         val_fraction=0,
-        fmt="prompt_completion",
-        prompt_field="q",
-        completion_field="a",
+        fields=Fields("prompt_completion", prompt="q", completion="a"),
         workers=2,
     )  # each worker told the format
     for name in ("train.bin", "train.mask.bin", "val.mask.bin"):
@@ -136,7 +132,7 @@ def test_chat_marks_exactly_the_assistant_turns(tmp_path: Path, tiny_tokenizer_d
         for p, c in RECORDS
     ]
     data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
-    meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0, fmt="chat")
+    meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0, fields=Fields("chat"))
     ids, mask = _read(tmp_path / "out")
     assert len(mask) == len(ids) and meta["format"] == "chat" and meta["field"] == "messages"
     expected = [t for _, c in RECORDS for t in (f"{c}<|end|>\n", f"{c.upper()}<|end|>\n</s>")]
@@ -174,7 +170,7 @@ def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions
             "</s>",
         )
     data = _write_jsonl(tmp_path / "sft.jsonl", rows)
-    meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0.5, fmt=fmt)
+    meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0.5, fields=Fields(fmt))
     tok, val = AutoTokenizer.from_pretrained(folder), validation_documents(len(records), 0.5, 0)
     assert len(val) == 4  # both splits hold documents
     for split, docs in (
@@ -222,7 +218,7 @@ def test_the_final_eos_is_trained_only_after_an_assistant_turn(
     data = _write_jsonl(
         tmp_path / "chat.jsonl", [{"messages": _turns(last, p, c)} for p, c in RECORDS]
     )
-    prepare(folder, [data], tmp_path / "out", val_fraction=0, fmt="chat")
+    prepare(folder, [data], tmp_path / "out", val_fraction=0, fields=Fields("chat"))
     ids, mask = _read(tmp_path / "out")
     tok = AutoTokenizer.from_pretrained(folder)
     ends = np.flatnonzero(ids == tok.eos_token_id)
@@ -273,11 +269,11 @@ def test_text_format_writes_no_mask_and_a_bad_format_is_one_line(
     with pytest.raises(
         ValueError, match=r"--format chatml: not a format \(valid: text, prompt_completion, chat\)"
     ):
-        prepare(tiny_tokenizer_dir, [data], tmp_path / "bad", fmt="chatml")
+        prepare(tiny_tokenizer_dir, [data], tmp_path / "bad", fields=Fields("chatml"))
     with pytest.raises(
         ValueError, match=r"no field 'prompt' \(--prompt-field/--completion-field\)"
     ):
-        prepare(tiny_tokenizer_dir, [data], tmp_path / "bad", fmt="prompt_completion")
+        prepare(tiny_tokenizer_dir, [data], tmp_path / "bad", fields=Fields("prompt_completion"))
     assert not (tmp_path / "bad").exists()
 
 

@@ -77,10 +77,11 @@ def _step_temporaries(overrides: list[str], world_size: int = 2) -> tuple[int, l
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=CPU, backend="fake")
-        mesh = Topology.of(cfg.parallel, world_size).mesh(CPU.type)
+        topology = Topology.of(cfg.parallel, world_size)
+        topology = topology.with_mesh(topology.mesh(CPU.type))  # built outside fake mode
         meta = construct(cfg.model)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            built = build(cfg, env, seed=None, mesh=mesh, model=meta)
+            built = build(cfg, env, seed=None, topology=topology, model=meta)
             for p in built.model.parameters():
                 p.grad = torch.ones_like(p)
             built.optimizer.step()  # creates the AdamW states

@@ -2,7 +2,7 @@
 
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
-from fsdp_zero.data.prepare import DEFAULT_VAL_FRACTION, prepare
+from fsdp_zero.data.prepare import DEFAULT_VAL_FRACTION, Fields, prepare
 from fsdp_zero.data.token_files import IGNORE
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "BatchLayout",
     "build_source",
     "DEFAULT_VAL_FRACTION",
+    "Fields",
     "IGNORE",
     "IMAGENET_MEAN",
     "IMAGENET_STD",

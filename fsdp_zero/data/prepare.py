@@ -264,23 +264,43 @@ def _encoded(
         yield from pool.imap(_encode, docs, chunksize=chunk)
 
 
+@dataclass(frozen=True)
+class Fields:
+    """What a document is and where its text lies: ``format`` text (``field``, default "text": a
+    `.txt` line or that JSON field), prompt_completion (``prompt`` and ``completion``, each split's
+    mask written beside its ``.bin``, `mask_file`) or chat (``field``, default "messages")."""
+
+    format: str = "text"
+    field: str | None = None
+    prompt: str = "prompt"
+    completion: str = "completion"
+
+    def of_records(self) -> str | tuple[str, str]:
+        """The JSON field(s) `fsdp_zero.data.documents.documents` reads.
+
+        Raises:
+            ValueError: an unknown format.
+        """
+        if self.format not in _FORMATS:
+            raise ValueError(f"--format {self.format}: not a format (valid: {', '.join(_FORMATS)})")
+        if self.format == "prompt_completion":
+            return self.prompt, self.completion
+        return self.field or ("messages" if self.format == "chat" else "text")
+
+
 def prepare(
     tokenizer_dir: str | Path,
     inputs: list[str | Path],
     out: str | Path,
+    fields: Fields = Fields(),
     val_fraction: float = DEFAULT_VAL_FRACTION,
-    field: str | None = None,
     workers: int = 1,
     seed: int = 0,
-    fmt: str = "text",
-    prompt_field: str = "prompt",
-    completion_field: str = "completion",
 ) -> tuple[dict, float]:
     """Tokenizes ``inputs`` into ``out``/train.bin, val.bin and meta.json; the same bytes for any ``workers``.
 
-    ``fmt`` text: documents (``field``, default "text"); prompt_completion (``prompt_field``,
-    ``completion_field``) and chat (``field``, default "messages"): instruction records, each
-    split's mask written beside its ``.bin`` (`mask_file`).
+    ``fields``: the documents' format and where their text lies (`Fields`); instruction formats
+    write each split's mask beside its ``.bin`` (`mask_file`).
 
     Everything is written into a temporary folder beside ``out``, renamed to ``out`` at the end: a
     run that fails leaves nothing behind.
@@ -296,14 +316,11 @@ def prepare(
     out = Path(out)
     if workers < 1:
         raise ValueError(f"--workers={workers}: must be >= 1 (1: tokenize in this process)")
-    if fmt not in _FORMATS:
-        raise ValueError(f"--format {fmt}: not a format (valid: {', '.join(_FORMATS)})")
-    field = field or ("messages" if fmt == "chat" else "text")
-    fields = (prompt_field, completion_field) if fmt == "prompt_completion" else field
+    fmt, records = fields.format, fields.of_records()
     _check_out(out)
     files = input_files(inputs)
     # a first pass: bad lines fail before any tokenizing
-    count = sum(1 for _ in documents(files, fields, fmt))
+    count = sum(1 for _ in documents(files, records, fmt))
     if count == 0:
         raise ValueError(
             f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)"
@@ -318,26 +335,19 @@ def prepare(
     try:
         start = time.perf_counter()
         encoded = _encoded(
-            documents(files, fields, fmt), count, workers, str(tokenizer_dir), dtype, fmt
+            documents(files, records, fmt), count, workers, str(tokenizer_dir), dtype, fmt
         )
         totals = _write_splits(staging, encoded, val, count)
         seconds = time.perf_counter() - start
-        sha, names = _tokenizer_hash(tokenizer_dir)
         meta = {
             "dtype": dtype,
             "vocab_size": vocab_size,
             "eos_id": tokenizer.eos_token_id,
             "bos_id": tokenizer.bos_token_id,
-            "tokenizer": {
-                "name": tokenizer.name_or_path,
-                "path": str(Path(tokenizer_dir).resolve()),
-                "class": type(tokenizer).__name__,
-                "sha256": sha,
-                "files": names,
-            },
+            "tokenizer": _tokenizer_record(tokenizer, tokenizer_dir),
             "inputs": [str(f) for f in files],
             "format": fmt,
-            "field": list(fields) if isinstance(fields, tuple) else fields,
+            "field": list(records) if isinstance(records, tuple) else records,
             "val_fraction": val_fraction,
             "seed": seed,
             **totals,
@@ -399,3 +409,15 @@ def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], co
         "the second pass saw other documents"
     )
     return totals
+
+
+def _tokenizer_record(tokenizer: Any, directory: str | Path) -> dict[str, Any]:
+    """meta.json's record of the tokenizer: its name, folder, class and the hash of its files."""
+    sha, names = _tokenizer_hash(directory)
+    return {
+        "name": tokenizer.name_or_path,
+        "path": str(Path(directory).resolve()),
+        "class": type(tokenizer).__name__,
+        "sha256": sha,
+        "files": names,
+    }

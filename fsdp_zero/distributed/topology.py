@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -24,6 +24,8 @@ class Topology:
     # what FSDP2 reshards to after forward (k: groups of k ranks, hpZ)
     reshard_after_forward: bool | int
     notes: tuple[str, ...] = ()  # settings that have no effect at this world size (to log)
+    # a mesh built already (the planner's, on its fake process group), which `mesh` returns
+    fixed_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, cfg: ParallelConfig, world_size: int) -> Topology:
@@ -46,8 +48,14 @@ class Topology:
         """Copies of each shard group (hybrid_shard's all-reduce runs across them)."""
         return self.world_size // self.shard_group
 
+    def with_mesh(self, mesh: DeviceMesh) -> Topology:
+        """This topology, its device mesh ``mesh`` (built already)."""
+        return replace(self, fixed_mesh=mesh)
+
     def mesh(self, device_type: str) -> DeviceMesh:
         """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
+        if self.fixed_mesh is not None:
+            return self.fixed_mesh
         if self.spec.hybrid:
             return init_device_mesh(
                 device_type,

@@ -15,11 +15,10 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fsdp_zero.config.choices import Init, OptimizerImpl, WrapPolicy
@@ -30,7 +29,7 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
-from fsdp_zero.sharding.parallelize import parallelize
+from fsdp_zero.sharding.parallelize import Compute, parallelize
 from fsdp_zero.sharding.precision import Precision, resolve
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.torch_private import hf_init_weights
@@ -147,28 +146,23 @@ def shard(
     seed: int | None,
     init: Init = Init.auto,
     topology: Topology | None = None,
-    mesh: DeviceMesh | None = None,
-    ddp: Callable[[nn.Module], nn.Module] | None = None,
-    precision: Precision | None = None,
-    compile: bool = False,
+    compute: Compute = Compute(),
 ) -> tuple[nn.Module, WrapPlan, str]:
     """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
-    a model with real weights keeps them (FSDP shards what is there). ``precision``: the stored
-    dtype the model is cast to first, and FSDP2's mixed-precision policy (default fp32);
-    ``compile``: torch.compile each block (see `parallelize`). ``topology``: ``parallel`` resolved
-        for
-    ``env``'s world size, if the caller has it (else resolved here).
+    a model with real weights keeps them (FSDP shards what is there). ``compute``: the precision (the
+    stored dtype the model is cast to first, and FSDP2's mixed-precision policy; default fp32),
+    compilation and the DDP wrapper (`fsdp_zero.sharding.parallelize.Compute`). ``topology``:
+    ``parallel`` resolved for ``env``'s world size, if the caller has it (else resolved here).
 
     Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
     parameters were initialised. ``seed`` None leaves them uninitialised (the planner, or weights
-    loaded next). ``ddp`` replaces DistributedDataParallel for the DDP strategies (the planner's
-    stand-in).
+    loaded next).
 
     Raises:
         ValueError: a wrap setting the model does not fit (see
             `fsdp_zero.sharding.wrap.build_wrap_plan`).
     """
-    precision = precision or resolve(PrecisionConfig())
+    precision = compute.precision or resolve(PrecisionConfig())
     cast_to_stored(model, precision)
     topology = topology or Topology.of(parallel, env.world_size)
     wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
@@ -185,16 +179,7 @@ def shard(
         materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
         notes.append("weights as given")
     model = parallelize(
-        model,
-        parallel,
-        topology,
-        plan,
-        env,
-        materialize,
-        mesh=mesh,
-        ddp=ddp,
-        mp_policy=precision.mp_policy(),
-        compile=compile,
+        model, parallel, topology, plan, env, materialize, replace(compute, precision=precision)
     )
     return model, plan, "; ".join(notes)
 
@@ -309,15 +294,14 @@ def build(
     seed: int | None,
     *,
     topology: Topology | None = None,
-    mesh: DeviceMesh | None = None,
     ddp: Callable[[nn.Module], nn.Module] | None = None,
     model: nn.Module | None = None,
 ) -> Built:
     """The configured model, sharded by ``cfg.parallel`` over ``env``'s ranks and initialised with
-    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``topology``, ``mesh`` and
-    ``ddp``;
+    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``topology`` (with its
+    device mesh); ``ddp``: what wraps the model under the DDP strategies (the planner's stand-in);
     ``model``: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor
-        mode).
+    mode).
 
     Raises:
         ValueError: a model.target that does not build, or a wrap setting the model does not fit.
@@ -335,10 +319,7 @@ def build(
         seed=seed,
         init=cfg.model.init,
         topology=topology,
-        mesh=mesh,
-        ddp=ddp,
-        precision=precision,
-        compile=cfg.train.compile,
+        compute=Compute(precision, cfg.train.compile, ddp),
     )
     # With CPU offload the optimizer steps on the CPU, where the shards are.
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device

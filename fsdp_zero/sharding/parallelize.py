@@ -12,11 +12,11 @@ materialise the whole model first (every rank holds all of it: that is what DDP 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -31,6 +31,7 @@ from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.config.strategies import STRATEGIES, StrategySpec, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.sharding.precision import Precision
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
 
@@ -188,6 +189,19 @@ def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
     )
 
 
+@dataclass(frozen=True)
+class Compute:
+    """How a parallelized model computes: its ``precision`` (the stored dtype and FSDP2's
+    mixed-precision policy, `fsdp_zero.sharding.precision`; None: fp32), ``compile``
+    (``torch.compile`` each block unit) and, for the DDP strategies, ``ddp``: what wraps the
+    materialised model (None: DistributedDataParallel with gradients as views into its buckets, one
+    copy of the gradients; the planner passes its stand-in)."""
+
+    precision: Precision | None = None
+    compile: bool = False
+    ddp: Callable[[nn.Module], nn.Module] | None = None
+
+
 def parallelize(
     model: nn.Module,
     cfg: ParallelConfig,
@@ -195,10 +209,7 @@ def parallelize(
     plan: WrapPlan,
     env: DistEnv,
     materialize: Callable[[nn.Module], None],
-    mesh: DeviceMesh | None = None,
-    ddp: Callable[[nn.Module], nn.Module] | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    compile: bool = False,
+    compute: Compute = Compute(),
 ) -> nn.Module:
     """Applies activation checkpointing, compilation and ``cfg.strategy`` to the meta-device ``model``;
     returns the module to train.
@@ -206,45 +217,40 @@ def parallelize(
     Args:
         model: the model, on the meta device.
         cfg: the parallel settings.
-        topology: ``cfg`` resolved for ``env``'s world size.
+        topology: ``cfg`` resolved for ``env``'s world size (and its device mesh, `Topology.mesh`).
         plan: the FSDP units (used by the FSDP strategies).
         env: ranks and device.
         materialize: allocates and initialises the model's (local) tensors in place.
-        mesh: the FSDP device mesh, if already built (default: ``topology.mesh``).
-        ddp: wraps the materialised model for the DDP strategies (default: DistributedDataParallel
-            with gradients as views into its buckets: one copy of the gradients, not two).
-        mp_policy: FSDP2's mixed precision (see `fsdp_zero.sharding.precision`).
-        compile: ``torch.compile`` each block unit.
+        compute: precision, compilation and the DDP wrapper (`Compute`).
     """
     # registration ~ execution order
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
     blocks = plan.block_fqns
     if not is_fsdp(cfg.strategy) and (
-        compile or cfg.activation_checkpointing is not ActivationCheckpointing.none
+        compute.compile or cfg.activation_checkpointing is not ActivationCheckpointing.none
     ):
         # DDP has no units, but the same blocks
         blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns
     blocks = sorted(blocks, key=order.get)
     for fqn in checkpointed(cfg, blocks):
         checkpoint_activations(model.get_submodule(fqn))
-    if compile:
+    if compute.compile:
         for fqn in blocks:
             model.get_submodule(fqn).compile()  # in place: parameter names do not change
     if not is_fsdp(cfg.strategy):
         materialize(model)
-        if ddp is not None:
-            return ddp(model)
+        if compute.ddp is not None:
+            return compute.ddp(model)
         return DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
         )
 
-    mesh = mesh or topology.mesh(env.device.type)
     kwargs = dict(
-        mesh=mesh,
+        mesh=topology.mesh(env.device.type),
         reshard_after_forward=topology.reshard_after_forward,
-        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        mp_policy=compute.precision.mp_policy() if compute.precision else MixedPrecisionPolicy(),
         offload_policy=offload_policy(cfg, env),
     )
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first

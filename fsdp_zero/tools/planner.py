@@ -259,7 +259,12 @@ class Simulator:
         with FakeTensorMode(allow_non_fake_inputs=True):
             with real_post_forward_meshes():  # hpZ's meshes
                 built = build(
-                    c, env, seed=None, topology=topology, mesh=mesh, ddp=_DDPStandIn, model=meta
+                    c,
+                    env,
+                    seed=None,
+                    topology=topology.with_mesh(mesh),
+                    ddp=_DDPStandIn,
+                    model=meta,
                 )
             model, optimizer = built.model, built.optimizer
             step = Step(

@@ -223,37 +223,10 @@ class StepLogger:
         elapsed = time.perf_counter() - self._interval_start
         rank_rate = self.items_per_rank_step * self._interval_steps / elapsed
         self.record.step_seconds = elapsed / self._interval_steps
-        mem = memory_scalars(self.monitor, self.model, self.optimizer)
-        # steps since the peaks were last reset, the profiled one not among them
-        if self._clean_steps:
-            self._clean_peak(mem["memory/cpu_peak_rss_mib"])
-        # the interval's peaks over all of it, the profiled step's included
-        for key, held in self._held.items():
-            if "peak" in key:
-                mem[f"memory/{key}"] = max(mem[f"memory/{key}"], held)
-        self._held = {}
+        mem = self._interval_memory()
         peak = self.monitor.headline_peak(mem)
-        if "memory/cuda_peak_reserved_mib" in mem:
-            self.record.peak_reserved_mib = max(
-                self.record.peak_reserved_mib or 0.0, mem["memory/cuda_peak_reserved_mib"]
-            )
-
         names = sorted(extra)
-        mine = torch.stack(
-            [
-                loss.double(),
-                *(
-                    torch.tensor(v, dtype=torch.float64, device=loss.device)
-                    for v in (peak, rank_rate)
-                ),
-                *(extra[k].double() for k in names),
-            ]
-        )
-        gathered = torch.zeros(
-            self.env.world_size, mine.numel(), dtype=torch.float64, device=loss.device
-        )
-        dist.all_gather(list(gathered.unbind(0)), mine)
-        gathered = gathered.cpu()
+        gathered = self._gather([loss, peak, rank_rate, *(extra[k] for k in names)], loss.device)
         scalars = {
             "loss": gathered[:, 0].mean().item(),
             "lr": lr,
@@ -283,19 +256,51 @@ class StepLogger:
             | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]},
             step,
         )
+        self._print(step, scalars, names, peaks)
+        self.monitor.reset_peaks()
+        self._interval_start, self._interval_steps, self._clean_steps = time.perf_counter(), 0, 0
+
+    def _interval_memory(self) -> dict[str, float]:
+        """The memory scalars of a log step: peaks over the whole interval (the profiled step's
+        included), the clean-step peak RSS recorded, CUDA's highest peak reserved kept."""
+        mem = memory_scalars(self.monitor, self.model, self.optimizer)
+        # steps since the peaks were last reset, the profiled one not among them
+        if self._clean_steps:
+            self._clean_peak(mem["memory/cpu_peak_rss_mib"])
+        # the interval's peaks over all of it, the profiled step's included
+        for key, held in self._held.items():
+            if "peak" in key:
+                mem[f"memory/{key}"] = max(mem[f"memory/{key}"], held)
+        self._held = {}
+        if "memory/cuda_peak_reserved_mib" in mem:
+            self.record.peak_reserved_mib = max(
+                self.record.peak_reserved_mib or 0.0, mem["memory/cuda_peak_reserved_mib"]
+            )
+        return mem
+
+    def _gather(self, values: list[torch.Tensor | float], device: torch.device) -> torch.Tensor:
+        """Every rank's ``values`` (float64), one row a rank, on the host: one all-gather."""
+        mine = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+        gathered = torch.zeros(
+            self.env.world_size, mine.numel(), dtype=torch.float64, device=device
+        )
+        dist.all_gather(list(gathered.unbind(0)), mine)
+        return gathered.cpu()
+
+    def _print(
+        self, step: int, scalars: dict[str, float], names: list[str], peaks: list[float]
+    ) -> None:
         logger.info(
             "step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s",
             step,
             scalars["loss"],
             "".join(f" | {k} {scalars[k]:.4f}" for k in names),
-            lr,
+            scalars["lr"],
             scalars["grad_norm"],
             f"{scalars[f'{self.unit}_per_s_all_ranks']:,.0f}",
             "tok" if self.unit == "tokens" else self.unit,
             "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]",
         )
-        self.monitor.reset_peaks()
-        self._interval_start, self._interval_steps, self._clean_steps = time.perf_counter(), 0, 0
 
     def _clean_peak(self, mib: float) -> None:
         """A peak RSS measured over steps without the profiled one: the run's `StepRecord.peak_rss_mib`."""
