@@ -329,16 +329,7 @@ def export_checkpoint(
         raise ValueError(f"--out {str(out)!r} already exists; it is never overwritten")
     saved, fetch_saved = _saved_weights(checkpoint)
     sources, read = view(list(saved), fetch_saved) if view else ({n: n for n in saved}, fetch_saved)
-    entries = [
-        (
-            name,
-            dtype
-            if (dtype and saved[src].properties.dtype.is_floating_point)
-            else saved[src].properties.dtype,
-            tuple(saved[src].size),
-        )
-        for name, src in sources.items()
-    ]
+    entries = [_entry(name, saved[src], dtype) for name, src in sources.items()]
     fetch = lambda name: _cast(read(name), dtype)  # noqa: E731
 
     single = out.suffix == ".safetensors"
@@ -447,3 +438,12 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def _entry(
+    name: str, saved: Any, dtype: torch.dtype | None
+) -> tuple[str, torch.dtype, tuple[int, ...]]:
+    """An output tensor: its name, the dtype it is written in (``dtype`` for floating-point tensors,
+    None: as saved) and its shape, from its saved tensor's DCP metadata."""
+    stored = saved.properties.dtype
+    return name, dtype if (dtype and stored.is_floating_point) else stored, tuple(saved.size)

@@ -106,26 +106,14 @@ def comm_formula(
     (no_sync on the other micro-batches); zero1 also broadcasts every updated parameter once
     (all_gather).
 
-    Args:
-        cfg: the run's config (parallel.grad_sync).
-        topology: ``cfg.parallel`` resolved for the world size.
-        model: the model, unsharded (meta is fine) or sharded (its DTensors' shapes are the full
-            ones).
-        plan: `fsdp_zero.sharding.wrap.build_wrap_plan(model, cfg.parallel.wrap,
-            topology.param_shards)`.
-        accum: micro-batches per optimizer step.
-        precision: `fsdp_zero.sharding.precision.resolve(cfg.precision)`.
+    ``model``: unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones);
+    ``plan``: its FSDP units (`fsdp_zero.sharding.wrap.build_wrap_plan`); ``precision``:
+    ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`).
     """
     spec, world_size = topology.spec, topology.world_size
     sync = GradSync(cfg.parallel.grad_sync)
     if not spec.fsdp:
-        grads = (
-            sum(p.numel() for p in model.parameters() if p.requires_grad)
-            * precision.stored.itemsize
-        )
-        return CommBytes(
-            all_gather=grads if spec.zero_redundancy_optimizer else 0, all_reduce=grads
-        )
+        return _ddp_bytes(model, topology, precision)
     n = topology.shard_group
     reshard = topology.reshard_after_forward
     # FSDP2 reads an int k as "reshard to groups of k" and k = 1 as False (nothing to reshard to).
@@ -302,3 +290,13 @@ def describe(
 def as_dict(comm: CommBytes) -> dict[str, float]:
     """``comm`` as summary.json and `fsdp_zero.training.steplog.StepRecord` hold it."""
     return asdict(comm)
+
+
+def _ddp_bytes(model: nn.Module, topology: Topology, precision: Precision) -> CommBytes:
+    """DDP and zero1: one all-reduce of the trainable gradients a step; zero1 also broadcasts every
+    updated parameter once (counted as all_gather)."""
+    grads = (
+        sum(p.numel() for p in model.parameters() if p.requires_grad) * precision.stored.itemsize
+    )
+    zero1 = topology.spec.zero_redundancy_optimizer
+    return CommBytes(all_gather=grads if zero1 else 0, all_reduce=grads)

@@ -225,27 +225,10 @@ def parallelize(
     """
     # registration ~ execution order
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    blocks = plan.block_fqns
-    if not is_fsdp(cfg.strategy) and (
-        compute.compile or cfg.activation_checkpointing is not ActivationCheckpointing.none
-    ):
-        # DDP has no units, but the same blocks
-        blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns
-    blocks = sorted(blocks, key=order.get)
-    for fqn in checkpointed(cfg, blocks):
-        checkpoint_activations(model.get_submodule(fqn))
-    if compute.compile:
-        for fqn in blocks:
-            model.get_submodule(fqn).compile()  # in place: parameter names do not change
+    _checkpoint_and_compile(model, cfg, plan, compute.compile, order)
     if not is_fsdp(cfg.strategy):
         materialize(model)
-        if compute.ddp is not None:
-            return compute.ddp(model)
-        return DistributedDataParallel(
-            model,
-            device_ids=[env.device.index] if env.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-        )
+        return _ddp(model, env, compute)
 
     kwargs = dict(
         mesh=topology.mesh(env.device.type),
@@ -269,11 +252,41 @@ def parallelize(
     units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)
     if env.backend == "gloo":  # (`fsdp_zero.monitor.comm.CommMeter` wraps it to count its bytes)
-        comm = reduce_scatter_comm(env.backend)
         for unit in units.values():
-            unit.set_custom_reduce_scatter(comm)
+            unit.set_custom_reduce_scatter(reduce_scatter_comm(env.backend))
     materialize(model)
     return model
+
+
+def _ddp(model: nn.Module, env: DistEnv, compute: Compute) -> nn.Module:
+    """The DDP strategies' wrapper: ``compute.ddp``, or DistributedDataParallel with gradients as
+    views into its buckets (one copy of the gradients, not two)."""
+    if compute.ddp is not None:
+        return compute.ddp(model)
+    return DistributedDataParallel(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
+
+
+def _checkpoint_and_compile(
+    model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, compile: bool, order: dict[str, int]
+) -> None:
+    """Activation checkpointing (``cfg.activation_checkpointing``) and ``torch.compile`` on the block
+    units, in place (parameter names do not change)."""
+    blocks = plan.block_fqns
+    if not is_fsdp(cfg.strategy) and (
+        compile or cfg.activation_checkpointing is not ActivationCheckpointing.none
+    ):
+        # DDP has no units, but the same blocks
+        blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns
+    blocks = sorted(blocks, key=order.get)
+    for fqn in checkpointed(cfg, blocks):
+        checkpoint_activations(model.get_submodule(fqn))
+    if compile:
+        for fqn in blocks:
+            model.get_submodule(fqn).compile()  # in place: parameter names do not change
 
 
 def unwrap(model: nn.Module) -> nn.Module:

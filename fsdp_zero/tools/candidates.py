@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fsdp_zero.config.choices import ActivationCheckpointing
 from fsdp_zero.config.rules import validate
@@ -101,26 +102,8 @@ def candidates(
                 f"{', '.join(DIMENSIONS)}"
             )
     local = cfg.train.global_batch_size // world_size
-    p = cfg.parallel
-    axes = {
-        "strategy": list(STRATEGIES),
-        "precision": list(PLAN_MODES),
-        "checkpointing": list(ActivationCheckpointing),
-        # On a CPU host offload moves nothing: not a candidate there.
-        "offload": [False, True] if cfg.dist.device.value == "cuda" else [False],
-        "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
-        "grad_sync": list(GradSync),
-    }
-    fixed = {
-        "strategy": [p.strategy],
-        "precision": [cfg.precision.mode],
-        "checkpointing": [p.activation_checkpointing],
-        "offload": [p.cpu_offload],
-        "micro_batch": [cfg.train.micro_batch_size],
-        "grad_sync": [p.grad_sync],
-    }
     out, refused = [], None
-    for values in itertools.product(*(axes[d] if d in search else fixed[d] for d in DIMENSIONS)):
+    for values in itertools.product(*_values(cfg, local, search)):
         cand = Candidate(*values)
         if (
             "grad_sync" in search
@@ -145,3 +128,27 @@ def candidates(
             f"ranks; the last refused: {refused}"
         )
     return out
+
+
+def _values(cfg: Config, local: int, search: tuple[str, ...]) -> list[list[Any]]:
+    """Each dimension's values, in `DIMENSIONS` order: every choice where ``search`` names it, else
+    the config's own (``local``: the global batch's samples per rank)."""
+    p = cfg.parallel
+    axes = {
+        "strategy": list(STRATEGIES),
+        "precision": list(PLAN_MODES),
+        "checkpointing": list(ActivationCheckpointing),
+        # On a CPU host offload moves nothing: not a candidate there.
+        "offload": [False, True] if cfg.dist.device.value == "cuda" else [False],
+        "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
+        "grad_sync": list(GradSync),
+    }
+    fixed = {
+        "strategy": [p.strategy],
+        "precision": [cfg.precision.mode],
+        "checkpointing": [p.activation_checkpointing],
+        "offload": [p.cpu_offload],
+        "micro_batch": [cfg.train.micro_batch_size],
+        "grad_sync": [p.grad_sync],
+    }
+    return [axes[d] if d in search else fixed[d] for d in DIMENSIONS]

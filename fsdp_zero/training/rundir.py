@@ -113,8 +113,29 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
     """
     check_writable(run_dir, cfg.run.root)
     saved_cfg = RunDir(run_dir).config
+    resume_from, seed = _resume_point(cfg, run_dir), cfg.train.seed
+    if resume_from is not None:
+        old = to_plain(read_saved_config(resume_from))
+        new = to_plain(cfg)
+        if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
+            seed = new["train"]["seed"] = old["train"]["seed"]
+        _check_continues(resume_from, old, new)
+    elif saved_cfg.exists() and saved_cfg.read_text() != to_yaml(cfg):
+        raise ValueError(
+            f"run directory {str(run_dir)!r} already holds a run with a different config "
+            f"({saved_cfg}); choose another run.name, or delete that folder to start over"
+        )
+    return RunDecision(run_dir, resume_from, seed)
+
+
+def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint checkpoint.resume names (none, auto: the newest, or a path).
+
+    Raises:
+        ValueError: checkpoints a fresh run would overwrite; newer checkpoints than the one named.
+    """
     ckpts = list_checkpoints(RunDir(run_dir).checkpoints)
-    resume, seed = cfg.checkpoint.resume, cfg.train.seed
+    resume = cfg.checkpoint.resume
     if resume == "none":
         if ckpts:
             raise ValueError(
@@ -136,36 +157,32 @@ def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
                 f"checkpoints ({', '.join(p.name for p in newer)}) that continuing from step "
                 f"{step} would overwrite; continue into another run.name"
             )
+    return resume_from
 
-    if resume_from is not None:
-        old = to_plain(read_saved_config(resume_from))
-        new = to_plain(cfg)
-        if not seed_was_set:  # train.seed=null inherits the checkpoint's seed
-            seed = new["train"]["seed"] = old["train"]["seed"]
-        diff = config_diff(old, new)
-        bad = {
-            k: v
-            for k, v in diff.items()
-            if k.startswith(INCOMPATIBLE) and not k.startswith(_COMPATIBLE)
-        }
-        if bad:
-            changes = "; ".join(
-                f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items()
-            )
-            raise ValueError(
-                f"cannot continue checkpoint {str(resume_from)!r} with a changed config: {changes}"
-            )
-        if diff:
-            logger.info(
-                "resuming with changed settings: %s",
-                "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()),
-            )
-    elif saved_cfg.exists() and saved_cfg.read_text() != to_yaml(cfg):
+
+def _check_continues(resume_from: Path, old: dict, new: dict) -> None:
+    """The checkpoint's config (``old``) against this run's (``new``): a change that cannot continue
+    it is refused, the others logged.
+
+    Raises:
+        ValueError: naming every incompatible change.
+    """
+    diff = config_diff(old, new)
+    bad = {
+        k: v
+        for k, v in diff.items()
+        if k.startswith(INCOMPATIBLE) and not k.startswith(_COMPATIBLE)
+    }
+    if bad:
+        changes = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items())
         raise ValueError(
-            f"run directory {str(run_dir)!r} already holds a run with a different config "
-            f"({saved_cfg}); choose another run.name, or delete that folder to start over"
+            f"cannot continue checkpoint {str(resume_from)!r} with a changed config: {changes}"
         )
-    return RunDecision(run_dir, resume_from, seed)
+    if diff:
+        logger.info(
+            "resuming with changed settings: %s",
+            "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()),
+        )
 
 
 def decide(cfg: Config, env: DistEnv) -> RunDecision:

@@ -236,29 +236,26 @@ class StepLogger:
             **{k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)},
         }
         peaks = gathered[:, 1].tolist()
-        self.record.losses[step], self.record.grad_norms[step] = (
-            scalars["loss"],
-            scalars["grad_norm"],
-        )
-        comm = self.comm.counted() if self.comm else None  # this step's (counted on the host)
-        if comm:
-            self.record.comm_bytes = as_dict(comm)
-
-        self.tb.log(
-            {f"train/{k}": v for k, v in scalars.items()} | mem | (comm.scalars() if comm else {}),
-            step,
-        )
-        rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | (
-            comm.scalars() if comm else {}
-        )
-        self.history.log(
-            rank0
-            | {"peak_mem_mib_per_rank": peaks, "model_state_mib": mem["memory/model_state_mib"]},
-            step,
-        )
+        self.record.losses[step] = scalars["loss"]
+        self.record.grad_norms[step] = scalars["grad_norm"]
+        self._write(step, scalars, mem, peaks)
         self._print(step, scalars, names, peaks)
         self.monitor.reset_peaks()
         self._interval_start, self._interval_steps, self._clean_steps = time.perf_counter(), 0, 0
+
+    def _write(
+        self, step: int, scalars: dict[str, float], mem: dict[str, float], peaks: list[float]
+    ) -> None:
+        """A log step to TensorBoard (this rank's) and metrics.jsonl (rank 0's, every rank's peak),
+        with the step's communication counted."""
+        comm = self.comm.counted() if self.comm else None  # this step's (counted on the host)
+        if comm:
+            self.record.comm_bytes = as_dict(comm)
+        counted = comm.scalars() if comm else {}
+        self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem | counted, step)
+        rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | counted
+        state = mem["memory/model_state_mib"]
+        self.history.log(rank0 | {"peak_mem_mib_per_rank": peaks, "model_state_mib": state}, step)
 
     def _interval_memory(self) -> dict[str, float]:
         """The memory scalars of a log step: peaks over the whole interval (the profiled step's
