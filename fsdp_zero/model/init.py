@@ -156,60 +156,71 @@ def init_standard(model: nn.Module, seed: int, linear_std: float | None = None) 
 
     Buffers are not touched: they keep the values the model's constructor gave them.
     """
-    names = {id(p): n for n, p in model.named_parameters()}  # tied weights: one name, one stream
-    done: set[int] = set()
-
-    def normal(p: torch.Tensor, std: float) -> None:
-        normal_(p, std=std, seed=seed, name=names[id(p)])
-        done.add(id(p))
-
-    def uniform(p: torch.Tensor, bound: float) -> None:
-        uniform_(p, bound=bound, seed=seed, name=names[id(p)])
-        done.add(id(p))
-
-    def const(p: torch.Tensor | None, value: float) -> None:
-        if p is not None:
-            constant_(p, value)
-            done.add(id(p))
-
+    draw = _Draw(model, seed)
     # Children before parents: a parent's rule (MultiheadAttention's out_proj bias) has the last
     # word.
     for _, m in reversed(list(model.named_modules())):
-        if isinstance(m, (nn.Linear, *_CONVS)) and isinstance(
-            getattr(m, "weight", None), torch.Tensor
-        ):
-            fan_in, _ = _fans(m.weight.shape)
-            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-            if linear_std is None:
-                uniform(m.weight, bound)
-                if m.bias is not None:
-                    uniform(m.bias, bound)
-            else:
-                normal(m.weight, linear_std)
-                const(m.bias, 0.0)
-        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            normal(m.weight, 1.0 if linear_std is None else linear_std)
-            if m.padding_idx is not None:
-                _zero_row_(m.weight, m.padding_idx)
-        elif isinstance(m, _NORMS) or type(m).__name__.endswith(_NORM_SUFFIXES):
-            const(getattr(m, "weight", None), 1.0)
-            const(getattr(m, "bias", None), 0.0)
-        elif isinstance(m, nn.MultiheadAttention):
-            for w in (m.in_proj_weight, m.q_proj_weight, m.k_proj_weight, m.v_proj_weight):
-                if w is not None:
-                    fan_in, fan_out = _fans(w.shape)
-                    uniform(w, math.sqrt(6.0 / (fan_in + fan_out)))
-            const(m.in_proj_bias, 0.0)
-            const(m.out_proj.bias, 0.0)
-            for b in (m.bias_k, m.bias_v):
-                if b is not None:
-                    fan_in, fan_out = _fans(b.shape)
-                    normal(b, math.sqrt(2.0 / (fan_in + fan_out)))
-    leftover = [n for n, p in model.named_parameters() if id(p) not in done]
+        _init_layer(m, draw, linear_std)
+    leftover = [n for n, p in model.named_parameters() if id(p) not in draw.done]
     for n, p in model.named_parameters():
-        if id(p) not in done:
+        if id(p) not in draw.done:
             if p.dim() == 0:
                 constant_(p, 0.0)
             else:
-                normal(p, 0.02)
+                draw.normal(p, 0.02)
     return leftover
+
+
+class _Draw:
+    """Block-wise draws for ``model``'s parameters under ``seed`` (each parameter its own stream,
+    named by its first name: tied weights one), remembering which were drawn."""
+
+    def __init__(self, model: nn.Module, seed: int) -> None:
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.seed, self.done = seed, set()
+
+    def normal(self, p: torch.Tensor, std: float) -> None:
+        normal_(p, std=std, seed=self.seed, name=self.names[id(p)])
+        self.done.add(id(p))
+
+    def uniform(self, p: torch.Tensor, bound: float) -> None:
+        uniform_(p, bound=bound, seed=self.seed, name=self.names[id(p)])
+        self.done.add(id(p))
+
+    def const(self, p: torch.Tensor | None, value: float) -> None:
+        if p is not None:
+            constant_(p, value)
+            self.done.add(id(p))
+
+
+def _init_layer(m: nn.Module, draw: _Draw, linear_std: float | None) -> None:
+    """One module's own parameters, by its kind (see `init_standard`)."""
+    normal, uniform, const = draw.normal, draw.uniform, draw.const
+    if isinstance(m, (nn.Linear, *_CONVS)) and isinstance(getattr(m, "weight", None), torch.Tensor):
+        fan_in, _ = _fans(m.weight.shape)
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        if linear_std is None:
+            uniform(m.weight, bound)
+            if m.bias is not None:
+                uniform(m.bias, bound)
+        else:
+            normal(m.weight, linear_std)
+            const(m.bias, 0.0)
+    elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+        normal(m.weight, 1.0 if linear_std is None else linear_std)
+        if m.padding_idx is not None:
+            _zero_row_(m.weight, m.padding_idx)
+    elif isinstance(m, _NORMS) or type(m).__name__.endswith(_NORM_SUFFIXES):
+        const(getattr(m, "weight", None), 1.0)
+        const(getattr(m, "bias", None), 0.0)
+    elif isinstance(m, nn.MultiheadAttention):
+        for w in (m.in_proj_weight, m.q_proj_weight, m.k_proj_weight, m.v_proj_weight):
+            if w is not None:
+                fan_in, fan_out = _fans(w.shape)
+                uniform(w, math.sqrt(6.0 / (fan_in + fan_out)))
+        const(m.in_proj_bias, 0.0)
+        const(m.out_proj.bias, 0.0)
+        for b in (m.bias_k, m.bias_v):
+            if b is not None:
+                fan_in, fan_out = _fans(b.shape)
+                normal(b, math.sqrt(2.0 / (fan_in + fan_out)))

@@ -114,64 +114,109 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
     if cfg.policy is WrapPolicy.none:
         return []
     if cfg.policy is WrapPolicy.transformer:
-        present = sorted({type(m).__name__ for _, m in named})
-        classes = list(cfg.classes) or _default_block_classes(model)
-        if not classes:
-            raise ValueError(
-                f"parallel.wrap.policy=transformer: {type(model).__name__} declares no block class "
-                "(no _no_split_modules, no block_class); set parallel.wrap.classes to the "
-                "repeated block, e.g. parallel.wrap.classes=[...]; this model's module classes: "
-                f"{', '.join(present)}"
-            )
-        unknown = [c for c in classes if c not in present]
-        if unknown:
-            raise ValueError(
-                f"parallel.wrap.classes: unknown module class {', '.join(map(repr, unknown))}; "
-                f"this model has: {', '.join(present)}"
-            )
-        blocks = [fqn for fqn, m in named if type(m).__name__ in classes]
-        return _with_large_outsiders(named, blocks)
+        return _select_blocks(model, cfg, named)
     if cfg.policy is WrapPolicy.modules:
-        fqns = [fqn for fqn, _ in named]
-        chosen: list[str] = []
-        for pattern in cfg.modules:
-            try:
-                rx = re.compile(pattern)
-            except re.error as e:
-                raise ValueError(
-                    f"parallel.wrap.modules: {pattern!r} is not a valid regex: {e}"
-                ) from None
-            hits = [f for f in fqns if rx.fullmatch(f)]
-            if not hits:
-                sample = ", ".join(fqns[:12]) + (", ..." if len(fqns) > 12 else "")
-                raise ValueError(
-                    f"parallel.wrap.modules: {pattern!r} matches no module (patterns must match "
-                    f"the whole FQN); module FQNs: {sample}"
-                )
-            chosen += [f for f in hits if f not in chosen]
-        return [f for f in fqns if f in chosen]  # model order
+        return _select_by_name(cfg, [fqn for fqn, _ in named])
     if cfg.policy is WrapPolicy.size_based:
-        # FSDP1's size_based_auto_wrap_policy: bottom-up, a module becomes a unit when the
-        # parameters it holds outside units already chosen below it reach min_params.
-        chosen, owned = [], set()
-        largest = 0
-        for fqn, module in sorted(named, key=lambda x: -x[0].count(".")):
-            if isinstance(module, _CONTAINERS):
-                continue
-            params = {id(p): p.numel() for p in module.parameters() if id(p) not in owned}
-            remaining = sum(params.values())
-            largest = max(largest, remaining)
-            if remaining >= cfg.min_params:
-                chosen.append(fqn)
-                owned |= params.keys()
-        if not chosen:
-            raise ValueError(
-                f"parallel.wrap.min_params={cfg.min_params:,} matches no module (the largest "
-                f"submodule holds {largest:,} parameters); lower it or use "
-                "parallel.wrap.policy=none"
-            )
-        return [fqn for fqn, _ in named if fqn in chosen]
+        return _select_by_size(cfg, named)
     raise AssertionError(cfg.policy)
+
+
+def _select_blocks(
+    model: nn.Module, cfg: WrapConfig, named: list[tuple[str, nn.Module]]
+) -> list[str]:
+    """The transformer policy: every module of a block class, and the large outsiders."""
+    present = sorted({type(m).__name__ for _, m in named})
+    classes = list(cfg.classes) or _default_block_classes(model)
+    if not classes:
+        raise ValueError(
+            f"parallel.wrap.policy=transformer: {type(model).__name__} declares no block class "
+            "(no _no_split_modules, no block_class); set parallel.wrap.classes to the "
+            "repeated block, e.g. parallel.wrap.classes=[...]; this model's module classes: "
+            f"{', '.join(present)}"
+        )
+    unknown = [c for c in classes if c not in present]
+    if unknown:
+        raise ValueError(
+            f"parallel.wrap.classes: unknown module class {', '.join(map(repr, unknown))}; "
+            f"this model has: {', '.join(present)}"
+        )
+    blocks = [fqn for fqn, m in named if type(m).__name__ in classes]
+    return _with_large_outsiders(named, blocks)
+
+
+def _select_by_name(cfg: WrapConfig, fqns: list[str]) -> list[str]:
+    """The modules policy: every module whose FQN a pattern matches whole, in model order."""
+    chosen: list[str] = []
+    for pattern in cfg.modules:
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(
+                f"parallel.wrap.modules: {pattern!r} is not a valid regex: {e}"
+            ) from None
+        hits = [f for f in fqns if rx.fullmatch(f)]
+        if not hits:
+            sample = ", ".join(fqns[:12]) + (", ..." if len(fqns) > 12 else "")
+            raise ValueError(
+                f"parallel.wrap.modules: {pattern!r} matches no module (patterns must match "
+                f"the whole FQN); module FQNs: {sample}"
+            )
+        chosen += [f for f in hits if f not in chosen]
+    return [f for f in fqns if f in chosen]  # model order
+
+
+def _select_by_size(cfg: WrapConfig, named: list[tuple[str, nn.Module]]) -> list[str]:
+    """The size_based policy."""
+    # FSDP1's size_based_auto_wrap_policy: bottom-up, a module becomes a unit when the
+    # parameters it holds outside units already chosen below it reach min_params.
+    chosen, owned = [], set()
+    largest = 0
+    for fqn, module in sorted(named, key=lambda x: -x[0].count(".")):
+        if isinstance(module, _CONTAINERS):
+            continue
+        params = {id(p): p.numel() for p in module.parameters() if id(p) not in owned}
+        remaining = sum(params.values())
+        largest = max(largest, remaining)
+        if remaining >= cfg.min_params:
+            chosen.append(fqn)
+            owned |= params.keys()
+    if not chosen:
+        raise ValueError(
+            f"parallel.wrap.min_params={cfg.min_params:,} matches no module (the largest "
+            f"submodule holds {largest:,} parameters); lower it or use "
+            "parallel.wrap.policy=none"
+        )
+    return [fqn for fqn, _ in named if fqn in chosen]
+
+
+def _parameter_paths(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, object]]:
+    """Every module path through which each parameter is reachable (tied weights: several), and the
+    parameters, both by id."""
+    users: dict[int, list[str]] = {}
+    params: dict[int, object] = {}
+    for mod_fqn, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            users.setdefault(id(p), []).append(f"{mod_fqn}.{name}" if mod_fqn else name)
+            params[id(p)] = p
+    return users, params
+
+
+def _unit(
+    model: nn.Module, fqn: str, ps: list[nn.Parameter], world_size: int, classes: list[str] | None
+) -> _Unit:
+    """The unit at ``fqn`` owning ``ps``: its sizes in full and per rank (dim 0 padded to the world
+    size, as FSDP2 shards), and whether it is a block (of ``classes``; None: any unit)."""
+    module = model.get_submodule(fqn) if fqn else model
+    full = sum(p.numel() * p.element_size() for p in ps)
+    per_rank = sum(
+        math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * p.element_size()
+        if p.dim()
+        else p.element_size()
+        for p in ps
+    )
+    block = fqn != ROOT and (classes is None or type(module).__name__ in classes)
+    return _Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank, block)
 
 
 def _with_large_outsiders(named: list[tuple[str, nn.Module]], blocks: list[str]) -> list[str]:
@@ -220,14 +265,7 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
                 f"(e.g. '{fqn}\\.\\d+')"
             )
     notes: list[str] = []
-
-    # Every module path through which each parameter is reachable (tied weights: several).
-    users: dict[int, list[str]] = {}
-    params: dict[int, object] = {}
-    for mod_fqn, module in model.named_modules(remove_duplicate=False):
-        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
-            users.setdefault(id(p), []).append(f"{mod_fqn}.{name}" if mod_fqn else name)
-            params[id(p)] = p
+    users, params = _parameter_paths(model)
     for paths in users.values():
         if len(paths) < 2:
             continue
@@ -253,21 +291,7 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         if cfg.policy is WrapPolicy.transformer
         else None
     )
-    plan_units = []
-    for fqn in units:
-        ps = owned[fqn]
-        module = model.get_submodule(fqn) if fqn else model
-        full = sum(p.numel() * p.element_size() for p in ps)
-        per_rank = sum(
-            math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * p.element_size()
-            if p.dim()
-            else p.element_size()
-            for p in ps
-        )
-        block = fqn != ROOT and (classes is None or type(module).__name__ in classes)
-        plan_units.append(
-            _Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank, block)
-        )
+    plan_units = [_unit(model, fqn, owned[fqn], world_size, classes) for fqn in units]
     if cfg.policy is WrapPolicy.none:
         notes.append("one unit: every rank gathers the whole model for forward and backward")
     return WrapPlan(policy=cfg.policy, world_size=world_size, units=plan_units, notes=notes)
