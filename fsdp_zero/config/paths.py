@@ -45,6 +45,11 @@ class RunDir:
         return self.root / "summary.json"
 
     @property
+    def cuda_memory_summary(self) -> Path:
+        """CUDA runs: torch.cuda.memory_summary() after set-up."""
+        return self.root / "cuda_memory_summary.txt"
+
+    @property
     def wrap_plan(self) -> Path:
         return self.root / "wrap_plan.txt"
 

@@ -310,28 +310,20 @@ def prepare(
         over the inputs and loading the tokenizer left out: a throughput figure's denominator).
 
     Raises:
-        ValueError: a bad input, tokenizer or setting, naming it; an ``out`` that already holds
-            data.
+        ValueError: a bad input, tokenizer or setting (named); an ``out`` that holds data already.
     """
     out = Path(out)
     if workers < 1:
         raise ValueError(f"--workers={workers}: must be >= 1 (1: tokenize in this process)")
     fmt, records = fields.format, fields.of_records()
     _check_out(out)
-    files = input_files(inputs)
-    # a first pass: bad lines fail before any tokenizing
-    count = sum(1 for _ in documents(files, records, fmt))
-    if count == 0:
-        raise ValueError(
-            f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)"
-        )
+    files, count = _first_pass(inputs, records, fmt)
     val = validation_documents(count, val_fraction, seed)
     tokenizer = _load_tokenizer(tokenizer_dir)
-    vocab_size = len(tokenizer)  # the base vocabulary and the added tokens: every id it can emit
-    dtype = token_dtype(vocab_size)
+    # len: the base vocabulary and the added tokens, every id it can emit
+    dtype = token_dtype(len(tokenizer))
     _WORKER.update(tokenizer=tokenizer, dtype=np.dtype(dtype), format=fmt)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    staging = _staging(out)
     try:
         start = time.perf_counter()
         encoded = _encoded(
@@ -340,11 +332,7 @@ def prepare(
         totals = _write_splits(staging, encoded, val, count)
         seconds = time.perf_counter() - start
         meta = {
-            "dtype": dtype,
-            "vocab_size": vocab_size,
-            "eos_id": tokenizer.eos_token_id,
-            "bos_id": tokenizer.bos_token_id,
-            "tokenizer": _tokenizer_record(tokenizer, tokenizer_dir),
+            **_tokenizer_meta(tokenizer, tokenizer_dir, dtype),
             "inputs": [str(f) for f in files],
             "format": fmt,
             "field": list(records) if isinstance(records, tuple) else records,
@@ -353,10 +341,7 @@ def prepare(
             **totals,
         }
         (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
-        _check_out(out)  # again: another process may have written there while this one tokenized
-        if out.exists():
-            out.rmdir()  # empty, as checked: the rename needs the name free
-        staging.rename(out)
+        _publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -411,13 +396,53 @@ def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], co
     return totals
 
 
-def _tokenizer_record(tokenizer: Any, directory: str | Path) -> dict[str, Any]:
-    """meta.json's record of the tokenizer: its name, folder, class and the hash of its files."""
+def _tokenizer_meta(tokenizer: Any, directory: str | Path, dtype: str) -> dict[str, Any]:
+    """meta.json's tokenizer keys: the token dtype, the vocabulary, EOS and BOS, and its record (its
+    name, folder, class and the hash of its files)."""
     sha, names = _tokenizer_hash(directory)
     return {
-        "name": tokenizer.name_or_path,
-        "path": str(Path(directory).resolve()),
-        "class": type(tokenizer).__name__,
-        "sha256": sha,
-        "files": names,
+        "dtype": dtype,
+        "vocab_size": len(tokenizer),
+        "eos_id": tokenizer.eos_token_id,
+        "bos_id": tokenizer.bos_token_id,
+        "tokenizer": {
+            "name": tokenizer.name_or_path,
+            "path": str(Path(directory).resolve()),
+            "class": type(tokenizer).__name__,
+            "sha256": sha,
+            "files": names,
+        },
     }
+
+
+def _first_pass(
+    inputs: list[str | Path], records: str | tuple[str, str], fmt: str
+) -> tuple[list[Path], int]:
+    """The input files and how many documents they hold: a first pass, so that bad lines fail before
+    any tokenizing.
+
+    Raises:
+        ValueError: a bad file or line (naming it), or no documents at all.
+    """
+    files = input_files(inputs)
+    count = sum(1 for _ in documents(files, records, fmt))
+    if count == 0:
+        raise ValueError(
+            f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)"
+        )
+    return files, count
+
+
+def _staging(out: Path) -> Path:
+    """A new temporary folder beside ``out``, which the data is written into."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """The finished folder renamed to ``out``, checked again first: another process may have written
+    there while this one tokenized."""
+    _check_out(out)
+    if out.exists():
+        out.rmdir()  # empty, as checked: the rename needs the name free
+    staging.rename(out)

@@ -115,67 +115,88 @@ def _predict_peaks(
 ) -> tuple[dict[Candidate, int], int]:
     """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
     and how many simulations it took."""
-    local = cfg.train.global_batch_size // world_size
-    micro = sorted({c.micro_batch for c in cands})
-    accumulating = [m for m in micro if local // m > 1]
-
-    def reference(m: int) -> int:  # the micro-batch the state simulations of m's regime run at
-        return accumulating[0] if m in accumulating else m
-
-    def extrapolated(m: int) -> list[int]:  # the simulated micro-batches m's activations come from
-        if m not in accumulating or len(accumulating) < 2 or m in accumulating[:2]:
-            return [m]
-        return accumulating[:2]
-
-    none, every = ActivationCheckpointing.none, GradSync.every_micro_batch
-    fs = next(s for s, spec in STRATEGIES.items() if spec.zero_stage == 3 and not spec.hybrid)
-    rep = {}  # a precision mode per compute dtype, for the activation simulations
-    for c in cands:
-        rep.setdefault(_compute_dtype(cfg, c), c.precision)
-
-    def state(c: Candidate) -> Candidate:
-        # replicas_: the same tensors
-        sync = c.grad_sync if c.grad_sync is GradSync.once_per_step else every
-        return replace(
-            c,
-            checkpointing=none,
-            offload=False,
-            micro_batch=reference(c.micro_batch),
-            grad_sync=sync,
-        )
-
-    def activation(c: Candidate, m: int, ac: ActivationCheckpointing) -> Candidate:
-        return Candidate(fs, rep[_compute_dtype(cfg, c)], ac, False, m, every)
-
-    needed: dict[Candidate, None] = {}
-    for c in cands:
-        needed[state(c)] = None
-        for m in {*extrapolated(c.micro_batch), reference(c.micro_batch)}:
-            needed[activation(c, m, c.checkpointing)] = None
-            needed[activation(c, reference(m), none)] = None
-    sims = list(needed)
+    shared = _Shared(cfg, world_size, cands)
+    sims = shared.needed(cands)
     preds = dict(
         zip(sims, _simulate(cfg, world_size, [s.config(cfg) for s in sims], processes, baseline))
     )
-    cuda = cfg.dist.device.value == "cuda"
+    return {c: shared.peak(c, preds) for c in cands}, len(sims)
 
-    def act(c: Candidate, ac: ActivationCheckpointing, m: int) -> float:
-        points = extrapolated(m)
-        if len(points) == 1:
-            return preds[activation(c, m, ac)].peak
-        (m0, m1), (p0, p1) = points, [preds[activation(c, x, ac)].peak for x in points]
-        return p0 + (p1 - p0) * (m - m0) / (m1 - m0)
 
-    out = {}
-    for c in cands:
-        s = preds[state(c)]
-        peak = (
-            s.peak + act(c, c.checkpointing, c.micro_batch) - act(c, none, reference(c.micro_batch))
+class _Shared:
+    """The simulations candidates share, and how a candidate's peak is composed from them: its model
+    state from a simulation without checkpointing or offload (at the reference micro-batch of its
+    regime), plus its activations over those of that simulation (full_shard in its compute dtype,
+    extrapolated along the accumulating micro-batches)."""
+
+    def __init__(self, cfg: Config, world_size: int, cands: list[Candidate]) -> None:
+        self.cfg = cfg
+        local = cfg.train.global_batch_size // world_size
+        micro = sorted({c.micro_batch for c in cands})
+        self.accumulating = [m for m in micro if local // m > 1]
+        self.fs = next(
+            s for s, spec in STRATEGIES.items() if spec.zero_stage == 3 and not spec.hybrid
         )
-        if c.offload and cuda:  # the model state lives in host memory
+        self.rep = {}  # a precision mode per compute dtype, for the activation simulations
+        for c in cands:
+            self.rep.setdefault(_compute_dtype(cfg, c), c.precision)
+
+    def reference(self, m: int) -> int:
+        """The micro-batch the state simulations of m's regime run at."""
+        return self.accumulating[0] if m in self.accumulating else m
+
+    def extrapolated(self, m: int) -> list[int]:
+        """The simulated micro-batches m's activations come from."""
+        acc = self.accumulating
+        if m not in acc or len(acc) < 2 or m in acc[:2]:
+            return [m]
+        return acc[:2]
+
+    def state(self, c: Candidate) -> Candidate:
+        # replicas_: the same tensors
+        every = GradSync.every_micro_batch
+        sync = c.grad_sync if c.grad_sync is GradSync.once_per_step else every
+        return replace(
+            c,
+            checkpointing=ActivationCheckpointing.none,
+            offload=False,
+            micro_batch=self.reference(c.micro_batch),
+            grad_sync=sync,
+        )
+
+    def activation(self, c: Candidate, m: int, ac: ActivationCheckpointing) -> Candidate:
+        rep = self.rep[_compute_dtype(self.cfg, c)]
+        return Candidate(self.fs, rep, ac, False, m, GradSync.every_micro_batch)
+
+    def needed(self, cands: list[Candidate]) -> list[Candidate]:
+        """Every simulation the candidates' peaks are composed from, each once."""
+        none = ActivationCheckpointing.none
+        needed: dict[Candidate, None] = {}
+        for c in cands:
+            needed[self.state(c)] = None
+            for m in {*self.extrapolated(c.micro_batch), self.reference(c.micro_batch)}:
+                needed[self.activation(c, m, c.checkpointing)] = None
+                needed[self.activation(c, self.reference(m), none)] = None
+        return list(needed)
+
+    def peak(self, c: Candidate, preds: dict[Candidate, Prediction]) -> int:
+        """``c``'s peak per rank from the simulations' predictions."""
+
+        def act(ac: ActivationCheckpointing, m: int) -> float:
+            points = self.extrapolated(m)
+            if len(points) == 1:
+                return preds[self.activation(c, m, ac)].peak
+            (m0, m1), (p0, p1) = points, [preds[self.activation(c, x, ac)].peak for x in points]
+            return p0 + (p1 - p0) * (m - m0) / (m1 - m0)
+
+        s = preds[self.state(c)]
+        none = ActivationCheckpointing.none
+        peak = (
+            s.peak + act(c.checkpointing, c.micro_batch) - act(none, self.reference(c.micro_batch))
+        )
+        if c.offload and self.cfg.dist.device.value == "cuda":  # the model state in host memory
             peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)
-        out[c] = int(peak)
-    return out, len(sims)
+        return int(peak)
 
 
 def step_cost(

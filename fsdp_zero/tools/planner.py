@@ -233,17 +233,7 @@ class Simulator:
     def _simulate(self, c: Config, keep: tuple[str, int] | None = None) -> Prediction:
         """`predict` of ``c`` as it is, or with only the first ``keep[1]`` blocks of container ``keep[0]``."""
         env, device, strategy = self.env, self.device, c.parallel.strategy
-        layout, topology = (
-            BatchLayout.rounded(c.train, self.world_size),
-            Topology.of(c.parallel, self.world_size),
-        )
-        if self.accum_cap:
-            accum = min(layout.grad_accum_steps, self.accum_cap)
-            layout = replace(
-                layout,
-                grad_accum_steps=accum,
-                global_batch_size=layout.global_batch_size // layout.grad_accum_steps * accum,
-            )
+        layout, topology = self._layout(c), Topology.of(c.parallel, self.world_size)
         loss_fn = build_task(c.model)
         mesh = topology.mesh(env.device.type) if is_fsdp(strategy) else None  # needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
@@ -297,11 +287,28 @@ class Simulator:
 
             with profiler:
                 step.run(micro, [on_phase])
-            tensors = profiler.peak()
+        return self._prediction(c, profiler, state)
+
+    def _layout(self, c: Config) -> BatchLayout:
+        """``c``'s batch layout at this world size (rounded), its accumulation capped at
+        ``accum_cap`` (the micro-batches after the cap's add nothing to the peak)."""
+        layout = BatchLayout.rounded(c.train, self.world_size)
+        if not self.accum_cap:
+            return layout
+        accum = min(layout.grad_accum_steps, self.accum_cap)
+        return replace(
+            layout,
+            grad_accum_steps=accum,
+            global_batch_size=layout.global_batch_size // layout.grad_accum_steps * accum,
+        )
+
+    def _prediction(self, c: Config, profiler: StepProfiler, state: dict[str, int]) -> Prediction:
+        """What the simulated step's profiler saw, and the peak a rank will show."""
+        strategy = c.parallel.strategy
         pred = Prediction(
             strategy.value,
             self.world_size,
-            tensors,
+            profiler.peak(),
             self.baseline,
             model_state=state.get("bytes", 0),
             host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,

@@ -152,28 +152,11 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     cursor = BatchCursor(source, layout, env.rank, num_workers=_data_workers(cfg))
     state = _resume(cfg, env, decision, model, built.optimizer, scaler)
     cursor.position = state.data_position
-    # a fresh state has none
-    state.deadline = budget_deadline(cfg.train.max_minutes, state.deadline, state.job)
-    state.job = budget_job() if state.deadline else None
-    # every rank resumed from the same checkpoint
-    if state.deadline is not None and state.deadline <= time.time():
-        raise Stopped(
-            "the time budget (train.max_minutes) of this torchrun job ran out before it restarted "
-            f"these ranks; {decision.resume} holds step {state.step}: launch again to continue"
-        )
+    _start_budget(cfg, state, decision.resume)
 
     # Only now, with everything built and loaded, does the run leave a trace on disk.
     if env.is_rank0:
-        table = plan.table() if is_fsdp(strategy) else None
-        write_run_dir(
-            decision.run_dir,
-            run_files(cfg, decision.run_dir, state.step, table),
-            tag=str(state.step),
-        )
-        if env.device.type == "cuda":  # what users check with torch.cuda.memory_summary()
-            (decision.run_dir / "cuda_memory_summary.txt").write_text(
-                torch.cuda.memory_summary(env.device)
-            )
+        _write_run_dir(cfg, env, decision.run_dir, plan if is_fsdp(strategy) else None, state.step)
     dist.barrier()
     return _Components(
         cfg,
@@ -288,25 +271,19 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
         ValueError: as `setup`.
         Diverged: a non-finite loss or gradient norm (the run stops at that step without saving).
         Stopped: SIGTERM or train.max_minutes (the run saved the step it was in, then stopped).
-        CollectiveFailed: another rank died or hung (dist.timeout_minutes,
-            dist.step_timeout_minutes).
+        CollectiveFailed: another rank died or hung (dist.timeout_minutes, step_timeout_minutes).
         CheckpointFailed: a save could not be written (the checkpoints before it are intact).
     """
     parts = parts or setup(cfg, env)
     cfg, state = parts.config, parts.state  # the decided run.name and train.seed; where the run is
     model, optimizer, cursor = parts.model, parts.optimizer, parts.cursor
     first, last = state.step + 1, min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    comm = CommMeter(cfg, env, parts.built, parts.layout.grad_accum_steps)
-    log = StepLogger(
-        env, parts.run_dir, model, optimizer, LogPlan.of(cfg, parts.layout, last), comm
-    )
+    log = _logger(parts, env, last)
     checkpointer = _checkpointer(cfg, env, parts.run_dir)
-    # SIGTERM, budget, NaN
-    guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)
+    guard = StepGuard(state.deadline, overflow_is_skip=parts.scaler is not None)  # SIGTERM, NaN
     # start-up's until the first step is done, and for saves
     timeout = CollectiveTimeout(cfg.dist, model)
-    verdict, step = None, first
-    step_of = _step_of(parts, guard, env.device)
+    verdict, step, step_of = None, first, _step_of(parts, guard, env.device)
     try:
         for step in range(first, last + 1):
             micro_batches = cursor.next_batch()
@@ -341,11 +318,7 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
         log.finish()
         log.close()
     if verdict and verdict.stop and step < last:
-        where = RunDir(parts.run_dir).checkpoints
-        raise Stopped(
-            f"stopped after step {step} ({verdict.stop}); checkpoint {where} holds it: launch the "
-            "same command again to continue"
-        )
+        raise _stopped(step, verdict, parts.run_dir)
     result = TrainResult(**vars(log.record), components=parts)
     if first <= last:  # something was trained (a resume may find nothing left)
         write_summary(cfg, env, result, parts.built, parts.run_dir, last)
@@ -440,3 +413,49 @@ def _save_if_due(
         timeout.use("timeout_minutes")
         state.loss_scaler = parts.scaler.state_dict() if parts.scaler else None
         checkpointer.save(step, parts.model, parts.optimizer, state, to_yaml(parts.config))
+
+
+def _start_budget(cfg: Config, state: TrainState, resumed: Path | None) -> None:
+    """train.max_minutes: the deadline, kept across restarts of the same torchrun job.
+
+    Raises:
+        Stopped: a restart that finds its job's budget spent (every rank resumed from the same
+            checkpoint, so every rank stops).
+    """
+    # a fresh state has none
+    state.deadline = budget_deadline(cfg.train.max_minutes, state.deadline, state.job)
+    state.job = budget_job() if state.deadline else None
+    if state.deadline is not None and state.deadline <= time.time():
+        raise Stopped(
+            "the time budget (train.max_minutes) of this torchrun job ran out before it restarted "
+            f"these ranks; {resumed} holds step {state.step}: launch again to continue"
+        )
+
+
+def _write_run_dir(
+    cfg: Config, env: DistEnv, run_dir: Path, plan: WrapPlan | None, step: int
+) -> None:
+    """Rank 0: the run's files (config, wrap plan table for FSDP strategies), and on CUDA what users
+    check with torch.cuda.memory_summary()."""
+    write_run_dir(
+        run_dir, run_files(cfg, run_dir, step, plan.table() if plan else None), tag=str(step)
+    )
+    if env.device.type == "cuda":
+        RunDir(run_dir).cuda_memory_summary.write_text(torch.cuda.memory_summary(env.device))
+
+
+def _logger(parts: _Components, env: DistEnv, last: int) -> StepLogger:
+    """What the loop reports through, its collectives counted for this run's layout."""
+    cfg = parts.config
+    comm = CommMeter(cfg, env, parts.built, parts.layout.grad_accum_steps)
+    plan = LogPlan.of(cfg, parts.layout, last)
+    return StepLogger(env, parts.run_dir, parts.model, parts.optimizer, plan, comm)
+
+
+def _stopped(step: int, verdict: Verdict, run_dir: Path) -> Stopped:
+    """A stop before the last step (SIGTERM, the time budget): the checkpoint to continue from."""
+    where = RunDir(run_dir).checkpoints
+    return Stopped(
+        f"stopped after step {step} ({verdict.stop}); checkpoint {where} holds it: launch the "
+        "same command again to continue"
+    )
