@@ -371,30 +371,19 @@ def _count_skips(
         Diverged: more skipped steps than train.skip_nonfinite allows.
     """
     if not out.verdict.finite:
-        _skipped(cfg, state, step, out, checkpointer, run_dir)
+        state.skipped_nonfinite += 1
+        if state.skipped_nonfinite > cfg.train.skip_nonfinite:
+            raise diverged(
+                step, out, state.skipped_nonfinite, checkpointer, RunDir(run_dir).checkpoints
+            )
+        logger.warning(
+            "step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
+            step,
+            state.skipped_nonfinite,
+            cfg.train.skip_nonfinite,
+        )
     if cfg.train.skip_nonfinite:
         out.extra["skipped_nonfinite"] = torch.tensor(float(state.skipped_nonfinite))
-
-
-def _skipped(
-    cfg: Config,
-    state: TrainState,
-    step: int,
-    out: StepResult,
-    checkpointer: Checkpointer | None,
-    run_dir: Path,
-) -> None:
-    state.skipped_nonfinite += 1
-    if state.skipped_nonfinite > cfg.train.skip_nonfinite:
-        raise diverged(
-            step, out, state.skipped_nonfinite, checkpointer, RunDir(run_dir).checkpoints
-        )
-    logger.warning(
-        "step %d: non-finite loss or gradient norm, step skipped (%d of train.skip_nonfinite=%d)",
-        step,
-        state.skipped_nonfinite,
-        cfg.train.skip_nonfinite,
-    )
 
 
 def _save_if_due(
