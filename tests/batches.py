@@ -114,11 +114,11 @@ def _weights_to_import(root: Path) -> None:
     session ran n2: only the checkpoint tests import them)."""
     from fsdp_zero.checkpoint.weights import export_checkpoint
     from fsdp_zero.config.loader import load_config
-    from fsdp_zero.model.transformer import args_from_config
+    from fsdp_zero.model.transformer import _args_from_config
 
     if not (root / "n2.pt").exists():
         return
-    model = build_model(args_from_config(load_config(None, list(BASE)).model), device="cpu")
+    model = build_model(_args_from_config(load_config(None, list(BASE)).model), device="cpu")
     model.load_state_dict(torch.load(root / "n2.pt", weights_only=True)["final"])
     torch.save(model.state_dict(), root / "weights.pt")
     export_checkpoint(

@@ -33,7 +33,7 @@ from fsdp_zero.checkpoint.folders import (
 from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import build_source
-from fsdp_zero.model.transformer import args_from_config
+from fsdp_zero.model.transformer import _args_from_config
 from tests.batches import BASE
 from tests.conftest import REPO, TRAIN, build_model, check, figure, launch, run_script
 from tests.reference import reference_run
@@ -133,7 +133,7 @@ def test_naming_discovery_and_retention_are_plain_functions(tmp_path: Path):
 
 
 def _plain_model(cfg_args: list[str]):
-    return build_model(args_from_config(load_config(None, cfg_args).model), device="cpu")
+    return build_model(_args_from_config(load_config(None, cfg_args).model), device="cpu")
 
 
 def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: Path):

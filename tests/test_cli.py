@@ -390,7 +390,7 @@ def test_a_failed_set_up_leaves_no_trace_so_the_fixed_run_starts(tmp_path: Path)
 
 def test_a_run_root_that_cannot_be_created_is_one_line_naming_it(tmp_path: Path):
     """Checked before anything is built (a folder made and removed in the nearest existing ancestor)."""
-    from fsdp_zero.training.rundir import check_writable
+    from fsdp_zero.training.rundir import _check_writable
 
     proc = launch(0, TRAIN, *NANO, "run.root=/proc/x", "run.name=r")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -403,9 +403,9 @@ def test_a_run_root_that_cannot_be_created_is_one_line_naming_it(tmp_path: Path)
         ValueError,
         match=r"run\.root='.*/a-file/runs': cannot create the run directory .*is not a directory",
     ):
-        check_writable(blocker / "runs" / "r", f"{blocker}/runs")
+        _check_writable(blocker / "runs" / "r", f"{blocker}/runs")
     # creatable: passes, and leaves no trace
-    check_writable(tmp_path / "new" / "r", str(tmp_path / "new"))
+    _check_writable(tmp_path / "new" / "r", str(tmp_path / "new"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 

@@ -30,7 +30,7 @@ import yaml
 
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import (
-    ATTEMPT_VAR,
+    _ATTEMPT_VAR,
     DistEnv,
     _free_port,
     _store_of_this_attempt,
@@ -328,17 +328,17 @@ def test_a_failure_an_earlier_attempt_reported_does_not_hide_a_dead_rank(
     of attempt b must still name it, because the keys are scoped to the attempt (FSDP_ZERO_ATTEMPT)."""
     store = dist.HashStore()
     cpu = torch.device("cpu")
-    monkeypatch.setenv(ATTEMPT_VAR, "a")
+    monkeypatch.setenv(_ATTEMPT_VAR, "a")
     assert silent_ranks(DistEnv(1, 2, 1, cpu, "gloo"), wait_seconds=0, store=store) == [0]
-    monkeypatch.setenv(ATTEMPT_VAR, "b")
+    monkeypatch.setenv(_ATTEMPT_VAR, "b")
     assert silent_ranks(DistEnv(0, 2, 0, cpu, "gloo"), wait_seconds=0.3, store=store) == [1]
 
 
 def test_each_time_the_ranks_meet_they_draw_a_new_attempt_token(monkeypatch: pytest.MonkeyPatch):
-    """The scope of the failure keys: init_distributed (world size 1, gloo, here) sets FSDP_ZERO_ATTEMPT to a
+    """The scope of the failure keys: _init_distributed (world size 1, gloo, here) sets FSDP_ZERO_ATTEMPT to a
     token rank 0 drew, a new one each time, so a restarted attempt's keys differ from the last one's."""
     from fsdp_zero.config.schema import DistConfig
-    from fsdp_zero.distributed.env import destroy_distributed, init_distributed
+    from fsdp_zero.distributed.env import _destroy_distributed, _init_distributed
 
     for key, value in {
         "RANK": "0",
@@ -346,15 +346,15 @@ def test_each_time_the_ranks_meet_they_draw_a_new_attempt_token(monkeypatch: pyt
         "LOCAL_RANK": "0",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
-        ATTEMPT_VAR: "",
+        _ATTEMPT_VAR: "",
         "CUDA_VISIBLE_DEVICES": "",
     }.items():
         monkeypatch.setenv(key, value)  # restored afterwards
     tokens = []
     for _ in range(2):
-        init_distributed(DistConfig())
-        tokens.append(os.environ[ATTEMPT_VAR])
-        destroy_distributed()
+        _init_distributed(DistConfig())
+        tokens.append(os.environ[_ATTEMPT_VAR])
+        _destroy_distributed()
     assert all(tokens) and tokens[0] != tokens[1], tokens
 
 

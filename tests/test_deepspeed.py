@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_zero.config.deepspeed import MAPPED, NO_EFFECT, UNSUPPORTED, mapping_table, read_deepspeed
+from fsdp_zero.config.deepspeed import (
+    _MAPPED,
+    _NO_EFFECT,
+    _UNSUPPORTED,
+    mapping_table,
+    read_deepspeed,
+)
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.schema import Config
 from tests.conftest import REPO, check, launch, run_script
@@ -231,7 +237,7 @@ def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):
         for k in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")
     ]
     assert all(": no effect; " in n and n.count("\n") == 0 for n in notes)
-    stage3 = {k: 1 for k in NO_EFFECT if k.startswith("stage3_")}
+    stage3 = {k: 1 for k in _NO_EFFECT if k.startswith("stage3_")}
     _, notes = _read(tmp_path, {"zero_optimization": {"stage": 3, **stage3}})
     assert len(notes) == len(stage3)
 
@@ -430,7 +436,7 @@ def test_every_key_of_ours_in_the_rows_is_a_field_of_the_schema():
     # shorthand: precision=MODE is load_config's spelling of precision.mode=MODE.
     shorthand = {"precision": "precision.mode"}
     aliases = {"parallel.zero_stage"}  # not a field: the loader reads it as parallel.strategy
-    for rule in MAPPED:
+    for rule in _MAPPED:
         keys = (
             []
             if rule.ours.startswith("(")
@@ -445,12 +451,12 @@ def test_every_key_of_ours_in_the_rows_is_a_field_of_the_schema():
         and not _schema_field("optim.lr.x")
     )
     # gradient_accumulation_steps, optimizer.type, wall_clock
-    assert sum(not rule.targets for rule in MAPPED) == 3
+    assert sum(not rule.targets for rule in _MAPPED) == 3
 
 
 def test_the_overrides_set_only_the_keys_their_rows_name(tmp_path):
     """What read_deepspeed writes comes from the rows: no key of ours is spelled outside the table."""
-    named = {key for rule in MAPPED for key in rule.targets}
+    named = {key for rule in _MAPPED for key in rule.targets}
     configs = [
         TUTORIAL,
         {
@@ -494,7 +500,7 @@ def test_the_overrides_set_only_the_keys_their_rows_name(tmp_path):
 
 def test_the_key_table_has_a_row_for_every_key():
     """(docs/deepspeed.md shows this table; tests/test_docs.py checks it is current there.)"""
-    assert len(MAPPED) + len(NO_EFFECT) + len(UNSUPPORTED) == mapping_table().count("\n") - 1
+    assert len(_MAPPED) + len(_NO_EFFECT) + len(_UNSUPPORTED) == mapping_table().count("\n") - 1
 
 
 def test_the_zero3_tutorial_config_runs_unchanged(tmp_path):

@@ -27,8 +27,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.model.transformer import args_from_config
-from fsdp_zero.training.evaluate import FolderImages, build_evaluator, rank_batches
+from fsdp_zero.model.transformer import _args_from_config
+from fsdp_zero.training.evaluate import _FolderImages, _rank_batches, build_evaluator
 from tests.batches import BASE, EVAL_TOKENS
 from tests.conftest import TRAIN, build_model, figure, run_script
 
@@ -40,7 +40,7 @@ EVAL_ATOL = 1e-5
 def single_process_eval_loss(final: dict[str, torch.Tensor], val: Path) -> float:
     """The token-weighted mean next-token cross-entropy over windows of SEQ_LEN + 1 tokens at stride SEQ_LEN,
     computed from the definition: one window at a time, the whole model in this process."""
-    model = build_model(args_from_config(load_config(None, list(BASE)).model), device="cpu")
+    model = build_model(_args_from_config(load_config(None, list(BASE)).model), device="cpu")
     model.load_state_dict(final)
     model.eval()
     tokens = torch.from_numpy(np.fromfile(val, dtype=np.uint16).astype(np.int64))
@@ -198,7 +198,7 @@ def test_bad_eval_settings_exit_2_with_one_line_and_write_nothing(tmp_path: Path
 def test_every_item_is_evaluated_once_and_every_rank_forwards_as_often(
     num_items, world_size, micro
 ):
-    shares = [rank_batches(num_items, world_size, rank, micro) for rank in range(world_size)]
+    shares = [_rank_batches(num_items, world_size, rank, micro) for rank in range(world_size)]
     # the same number of forwards (all-gathers) on every rank
     assert len({len(share) for share in shares}) == 1
     assert sorted(i for share in shares for batch in share for i in batch) == list(range(num_items))
@@ -252,7 +252,7 @@ def test_classification_evaluates_loss_and_accuracy_in_eval_mode_without_drawing
     assert grad_modes == [False] * 3
     assert torch.equal(torch.get_rng_state(), rng) and model.training
 
-    images, labels = FolderImages(str(folder), 8).batch(range(6))
+    images, labels = _FolderImages(str(folder), 8).batch(range(6))
     model.eval()
     with torch.no_grad():
         logits = model(images).double()
@@ -328,7 +328,7 @@ def test_image_folders_the_model_cannot_be_evaluated_on_are_refused_and_an_unuse
         match=r"eval.path='.*other' has classes \['ant', 'bee', 'dog'\], but data.path has "
         r"\['ant', 'bee', 'cat'\]; give both the same class folders",
     ):
-        build_evaluator(images, env, model, FolderImages(str(train), 8))
+        build_evaluator(images, env, model, _FolderImages(str(train), 8))
     fake = load_config(None, [*base, "data.source=fake_images", f"eval.path={more}"])
     with pytest.raises(
         ValueError,

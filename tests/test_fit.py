@@ -251,14 +251,14 @@ def test_equal_costs_go_to_the_smaller_peak():
 
 
 def test_a_measured_cost_is_the_probes_seconds_by_hand():
-    """`fsdp_zero.tools.rates.measure`'s figures turned into a step cost (`fsdp_zero.tools.fit.step_cost`): each of the
+    """`fsdp_zero.tools.rates.measure`'s figures turned into a step cost (`fsdp_zero.tools.fit._step_cost`): each of the
     rank's 8 samples forward and backward in the compute dtype (outside the 2 blocks, each block, each
     checkpointed block's forward again), each byte at its collective's measured rate, and AdamW over the
     parameters the rank steps."""
     from fsdp_zero.config.strategies import Strategy
     from fsdp_zero.model.construct import construct
     from fsdp_zero.sharding.wrap import build_wrap_plan
-    from fsdp_zero.tools.fit import step_cost
+    from fsdp_zero.tools.fit import _step_cost
     from fsdp_zero.tools.rates import Measured
 
     cfg = load_config(None, NANO)  # global batch 16 at 2 ranks: 8 samples a rank
@@ -304,7 +304,7 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
         ),
     }
     for cand, (compute, comm, optimizer) in cases.items():
-        cost, parts = step_cost(cfg, cand, 2, rates, model, plan)
+        cost, parts = _step_cost(cfg, cand, 2, rates, model, plan)
         assert parts == pytest.approx(
             {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0},
             rel=1e-9,
@@ -345,10 +345,10 @@ def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(
 ):
     """On a CPU without bf16 instructions a bf16 matmul runs about 170 times slower than fp32's: the probe
     must not train the model in it (minutes), but take fp32's times times the matmul ratio, and say so.
-    Here every dtype slower than fp32 by any factor counts as slow (`SLOW_DTYPE` 0), whatever this CPU is."""
+    Here every dtype slower than fp32 by any factor counts as slow (`_SLOW_DTYPE` 0), whatever this CPU is."""
     from fsdp_zero.tools import rates
 
-    monkeypatch.setattr(rates, "SLOW_DTYPE", 0.0)
+    monkeypatch.setattr(rates, "_SLOW_DTYPE", 0.0)
     compute, blocks, notes = rates._compute(
         load_config(None, ["model.preset=gpt_nano", "data.seq_len=16"]), ["bfloat16", "float32"]
     )

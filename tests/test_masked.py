@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from fsdp_zero.config.choices import Task
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import TokenFile
-from fsdp_zero.data.prepare import Fields, prepare, validation_documents
+from fsdp_zero.data.prepare import Fields, _validation_documents, prepare
 from fsdp_zero.data.token_files import IGNORE, mask_file
-from fsdp_zero.model.tasks import build_task, lm_sums, masked_causal_lm, trained_tokens
-from fsdp_zero.model.transformer import args_from_config
+from fsdp_zero.model.tasks import _lm_sums, _masked_causal_lm, build_task, trained_tokens
+from fsdp_zero.model.transformer import _args_from_config
 from fsdp_zero.training.step import Step
 from tests.batches import BASE, MASKED
 from tests.conftest import build_model, figure
@@ -171,7 +171,7 @@ def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions
         )
     data = _write_jsonl(tmp_path / "sft.jsonl", rows)
     meta, _ = prepare(folder, [data], tmp_path / "out", val_fraction=0.5, fields=Fields(fmt))
-    tok, val = AutoTokenizer.from_pretrained(folder), validation_documents(len(records), 0.5, 0)
+    tok, val = AutoTokenizer.from_pretrained(folder), _validation_documents(len(records), 0.5, 0)
     assert len(val) == 4  # both splits hold documents
     for split, docs in (
         ("train", [r for i, r in enumerate(records) if i not in val]),
@@ -309,7 +309,7 @@ def test_the_mask_applies_to_the_predicted_token_and_unmasked_data_is_unchanged(
 
 
 def _nano() -> torch.nn.Module:
-    return build_model(args_from_config(load_config(None, list(BASE)).model), device="cpu")
+    return build_model(_args_from_config(load_config(None, list(BASE)).model), device="cpu")
 
 
 def test_a_global_batch_without_a_trained_token_is_loss_0_and_no_step(tmp_path: Path):
@@ -318,12 +318,12 @@ def test_a_global_batch_without_a_trained_token_is_loss_0_and_no_step(tmp_path: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     source = TokenFile(_token_file(tmp_path / "d", np.arange(200) % 256, np.zeros(200)), 32, 0)
     batch = source.pairs([0, 32])
-    loss, _ = masked_causal_lm(model, batch)
+    loss, _ = _masked_causal_lm(model, batch)
     assert loss.item() == 0.0  # no NaN: a sum over nothing
     step = Step(
         model,
         optimizer,
-        masked_causal_lm,
+        _masked_causal_lm,
         torch.device("cpu"),
         grad_clip=1.0,
         token_count=trained_tokens,
@@ -333,7 +333,7 @@ def test_a_global_batch_without_a_trained_token_is_loss_0_and_no_step(tmp_path: 
     # AdamW's decay did not move them
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not optimizer.state
-    assert lm_sums(model, batch)[1].item() == 0  # validation counts none of it
+    assert _lm_sums(model, batch)[1].item() == 0  # validation counts none of it
 
 
 def test_a_mask_file_under_another_task_is_an_error():
@@ -346,7 +346,7 @@ def test_a_mask_file_under_another_task_is_an_error():
 
 def _hand_loss(initial: dict, root: Path, step: int, micro: int | None = None) -> float:
     """Step ``step``'s loss from the raw files: plain torch on the whole model at ``initial``, the windows
-    of the global batch (the seeded order `fsdp_zero.data.batches.epoch_order` defines), targets masked by hand;
+    of the global batch (the seeded order `fsdp_zero.data.batches._epoch_order` defines), targets masked by hand;
     ``micro``: the mean of micro-batch means instead (what a token-weighted loss must not be)."""
     cfg = load_config(None, [*BASE, *(a.format(root=root) for a in MASKED)])
     model = _nano()

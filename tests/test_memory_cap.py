@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_zero.config.loader import load_config
-from fsdp_zero.model.transformer import args_from_config
+from fsdp_zero.model.transformer import _args_from_config
 from tests.conftest import REPO, TRAIN, figure, launch
 
 CAPPED = REPO / "tests" / "workers" / "capped.py"
@@ -36,7 +36,7 @@ MODEL = [
 
 @pytest.mark.slow
 def test_a_model_larger_than_one_ranks_cap_trains_sharded_over_four(tmp_path):
-    num_params = args_from_config(load_config(None, MODEL).model).num_params()
+    num_params = _args_from_config(load_config(None, MODEL).model).num_params()
     assert 16 * num_params > CAP  # fp32 AdamW state alone exceeds one rank's memory
     env = {"FSDP_ZERO_DATA_CAP": str(CAP)}
     single = launch(0, CAPPED, str(TRAIN), *MODEL, f"run.root={tmp_path}", "run.name=one", env=env)

@@ -19,7 +19,7 @@ import pytest
 
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import build_source
-from fsdp_zero.data.prepare import validation_documents
+from fsdp_zero.data.prepare import _validation_documents
 from fsdp_zero.data.token_files import read_meta, token_dtype
 from tests.batches import HAS_HF
 from tests.conftest import REPO, figure, run_script
@@ -73,7 +73,7 @@ def test_documents_decode_to_their_text_and_meta_json_describes_the_files(
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
     meta = json.loads((out / "meta.json").read_text())
-    val = sorted(validation_documents(len(docs), 0.2, 0))
+    val = sorted(_validation_documents(len(docs), 0.2, 0))
     assert len(val) == round(0.2 * len(docs))
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     train = [d for i, d in enumerate(docs) if i not in val]
@@ -118,11 +118,11 @@ def test_the_dtype_is_the_narrowest_that_holds_the_vocabulary_and_validation_is_
         "uint32"
     ] * 2
     # at least one document with a fraction > 0
-    assert validation_documents(2, 0.001, 0) in ({0}, {1})
-    assert len(validation_documents(3, 0.99, 0)) == 2  # never all: training keeps one
-    assert validation_documents(1, 0.5, 0) == set() and validation_documents(100, 0.0, 0) == set()
-    seven = validation_documents(1000, 0.05, 7)
-    assert seven == validation_documents(1000, 0.05, 7) != validation_documents(1000, 0.05, 8)
+    assert _validation_documents(2, 0.001, 0) in ({0}, {1})
+    assert len(_validation_documents(3, 0.99, 0)) == 2  # never all: training keeps one
+    assert _validation_documents(1, 0.5, 0) == set() and _validation_documents(100, 0.0, 0) == set()
+    seven = _validation_documents(1000, 0.05, 7)
+    assert seven == _validation_documents(1000, 0.05, 7) != _validation_documents(1000, 0.05, 8)
     assert len(seven) == 50
 
 

@@ -1,4 +1,4 @@
-"""A bounded optimizer step: optim.step_group_size (fsdp_zero/sharding/build.py::step_groups, docs/memory-levers.md).
+"""A bounded optimizer step: optim.step_group_size (fsdp_zero/sharding/build.py::_step_groups, docs/memory-levers.md).
 
 Stepping AdamW group by group gives the whole-shard step's bits: the runs ``group``, ``group-bf16``
 and ``group-zero1`` of tests/batches.py (2 ranks, groups of 5,000 local elements) against ``n2``,
@@ -24,7 +24,7 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.memory import StepProfiler
 from fsdp_zero.monitor.phases import Phase
-from fsdp_zero.sharding.build import build, build_optimizer, local_numel, step_groups
+from fsdp_zero.sharding.build import _local_numel, _step_groups, build, build_optimizer
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
 
@@ -87,7 +87,7 @@ def _step_temporaries(overrides: list[str], world_size: int = 2) -> tuple[int, l
             built.optimizer.step()  # creates the AdamW states
             with StepProfiler(built.model, built.optimizer, CPU) as profiler:
                 built.optimizer.step()
-        groups = [sum(local_numel(p) for p in g["params"]) for g in built.optimizer.param_groups]
+        groups = [sum(_local_numel(p) for p in g["params"]) for g in built.optimizer.param_groups]
     finally:
         dist.destroy_process_group()
     return sum(profiler.peak().values()) - sum(profiler.phases[Phase.START].values()), groups
@@ -113,11 +113,13 @@ def test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards():
 def test_step_groups_cut_in_order_with_a_large_tensor_alone():
     sizes = [3, 4, 10, 2, 2, 1, 6]
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
-    cut = step_groups(params, 6)
+    cut = _step_groups(params, 6)
     assert [[p.numel() for p in g] for g in cut] == [[3], [4], [10], [2, 2, 1], [6]]
     assert [p for g in cut for p in g] == params  # every parameter once, in order
     assert (
-        step_groups(params, 0) == [params] and step_groups([], 6) == [] and step_groups([], 0) == []
+        _step_groups(params, 0) == [params]
+        and _step_groups([], 6) == []
+        and _step_groups([], 0) == []
     )
 
 

@@ -13,7 +13,7 @@ import torch
 from fsdp_zero.config import RunDir
 from fsdp_zero.config.presets import PRESETS, model_args
 from fsdp_zero.config.schema import OptimConfig
-from fsdp_zero.data.batches import ByteText, SyntheticBigram
+from fsdp_zero.data.batches import _ByteText, _SyntheticBigram
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.model import init
 from fsdp_zero.monitor.memory import MemoryMonitor, model_state_bytes
@@ -75,7 +75,7 @@ def test_init_weights_follow_gpt2_scales():
 
 
 def test_synthetic_data_is_deterministic_per_index_and_learnable():
-    src = SyntheticBigram(vocab_size=64, seq_len=16, seed=3)
+    src = _SyntheticBigram(vocab_size=64, seq_len=16, seed=3)
     assert torch.equal(
         src.samples(range(5, 9)), torch.cat([src.samples(range(i, i + 1)) for i in range(5, 9)])
     )
@@ -90,7 +90,7 @@ def test_synthetic_data_is_deterministic_per_index_and_learnable():
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_ranks_read_disjoint_parts_that_make_up_the_global_batch(dp: int):
-    src = SyntheticBigram(vocab_size=64, seq_len=8, seed=0)
+    src = _SyntheticBigram(vocab_size=64, seq_len=8, seed=0)
     layout = BatchLayout(
         global_batch_size=8,
         micro_batch_size=2 if dp < 4 else 1,
@@ -129,7 +129,7 @@ def test_loader_workers_outlive_the_sigterm_a_scheduler_sends_every_process():
     import os
     import signal
 
-    src = SyntheticBigram(vocab_size=64, seq_len=8, seed=0)
+    src = _SyntheticBigram(vocab_size=64, seq_len=8, seed=0)
     layout = BatchLayout(global_batch_size=4, micro_batch_size=2, dp_size=1, grad_accum_steps=2)
     before = _children()
     cursor = BatchCursor(src, layout, 0, num_workers=1)
@@ -149,13 +149,13 @@ def test_byte_text_reads_a_folder_as_bytes(tmp_path: Path):
     (tmp_path / "a.txt").write_text("hello world, " * 20)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.txt").write_text("more text " * 20)
-    src = ByteText(tmp_path, seq_len=16, seed=0)
+    src = _ByteText(tmp_path, seq_len=16, seed=0)
     t = src.samples(range(0, 40))  # more than one pass: the order reshuffles
     assert t.shape == (40, 17) and t.max() < 256
     text = (tmp_path / "a.txt").read_bytes() + (tmp_path / "sub" / "b.txt").read_bytes()
     assert bytes(t[0].tolist()) in text
     with pytest.raises(ValueError, match="fewer than data.seq_len"):
-        ByteText(tmp_path / "a.txt", seq_len=10_000, seed=0)
+        _ByteText(tmp_path / "a.txt", seq_len=10_000, seed=0)
 
 
 def test_lr_warms_up_then_decays_to_the_floor():
@@ -396,24 +396,24 @@ def _checkpoint(run_dir: Path, step: int, cfg) -> Path:
 
 def test_run_directory_policy_in_process(tmp_path: Path):
     from fsdp_zero.config.loader import load_config, to_yaml
-    from fsdp_zero.training.rundir import RunDecision, plan_run_dir, run_files, write_run_dir
+    from fsdp_zero.training.rundir import RunDecision, _plan_run_dir, run_files, write_run_dir
 
     base = ["model.preset=gpt_nano", f"run.root={tmp_path}", "run.name=r"]
     run_dir = tmp_path / "r"
     cfg = load_config(None, base)
     # nothing there: fresh
-    assert plan_run_dir(cfg, run_dir, seed_was_set=True) == RunDecision(run_dir, None, 1234)
+    assert _plan_run_dir(cfg, run_dir, seed_was_set=True) == RunDecision(run_dir, None, 1234)
     write_run_dir(run_dir, run_files(cfg, run_dir, 0, "plan"), tag="0")
     assert (run_dir / "config.yaml").read_text() == to_yaml(cfg) and (
         run_dir / "wrap_plan.txt"
     ).read_text() == "plan\n"
     with pytest.raises(ValueError, match="already holds a run with a different config"):
-        plan_run_dir(load_config(None, base + ["train.steps=7"]), run_dir, seed_was_set=True)
+        _plan_run_dir(load_config(None, base + ["train.steps=7"]), run_dir, seed_was_set=True)
 
     _checkpoint(run_dir, 2, cfg)
     latest = _checkpoint(run_dir, 4, cfg)
     assert (
-        plan_run_dir(
+        _plan_run_dir(
             load_config(None, base + ["optim.lr=1e-3", "data.num_workers=1"]), run_dir, True
         ).resume
         == latest
@@ -422,16 +422,16 @@ def test_run_directory_policy_in_process(tmp_path: Path):
         ValueError,
         match=r"checkpoint\.resume=none but run directory .* holds checkpoints \(newest step-0000004\)",
     ):
-        plan_run_dir(load_config(None, base + ["checkpoint.resume=none"]), run_dir, True)
+        _plan_run_dir(load_config(None, base + ["checkpoint.resume=none"]), run_dir, True)
     with pytest.raises(ValueError, match=r"model\.n_layers: None in the checkpoint, 3 now"):
-        plan_run_dir(load_config(None, base + ["model.n_layers=3"]), run_dir, True)
+        _plan_run_dir(load_config(None, base + ["model.n_layers=3"]), run_dir, True)
     older = load_config(
         None, base + [f"checkpoint.resume={run_dir / 'checkpoints' / 'step-0000002'}"]
     )
     with pytest.raises(ValueError, match=r"holds newer checkpoints \(step-0000004\)"):
-        plan_run_dir(older, run_dir, True)
+        _plan_run_dir(older, run_dir, True)
     drawn = load_config(None, base + ["train.seed=99"])  # train.seed=null, with rank 0's draw (99)
-    decision = plan_run_dir(drawn, run_dir, seed_was_set=False)
+    decision = _plan_run_dir(drawn, run_dir, seed_was_set=False)
     # the checkpoint's seed; the config untouched
     assert decision.seed == cfg.train.seed and drawn.train.seed == 99
     assert (

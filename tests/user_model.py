@@ -73,14 +73,14 @@ def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
 
     import torch.distributed as dist
 
-    from fsdp_zero.distributed.env import failure_key
+    from fsdp_zero.distributed.env import _failure_key
     from fsdp_zero.torch_private import default_store
 
     inputs, targets = batch
     _calls[0] += 1
     if dist.get_rank() == 1 and _calls[0] == 5:
         store, deadline = default_store(), time.monotonic() + 60
-        while not store.check([failure_key(0)]) and time.monotonic() < deadline:
+        while not store.check([_failure_key(0)]) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(8)
     logits = model(inputs).float()

@@ -34,7 +34,7 @@ _STAGES = {stage: strategy.value for stage, strategy in ZERO_STAGES.items()}
 _SHORTHAND = {"precision": "precision.mode"}
 
 # Keys FSDP2 handles differently or makes unnecessary: what fsdp-zero does instead.
-NO_EFFECT = {
+_NO_EFFECT = {
     "overlap_comm": "FSDP2 overlaps all-gathers and reduce-scatters with compute on its own streams",
     "contiguous_gradients": "FSDP2 reduce-scatters each unit's gradients from one flat buffer",
     "reduce_bucket_size": "FSDP2 reduces one unit (wrap plan) at a time; the units are the buckets",
@@ -84,7 +84,7 @@ NO_EFFECT = {
     "dump_state": "the resolved config is printed and saved as config.yaml",
 }
 # Keys whose values we cannot honour, with the valid choices.
-UNSUPPORTED = {
+_UNSUPPORTED = {
     "zero_quantized_weights": "ZeRO++ quantized weights: not supported (valid: false)",
     "zero_quantized_gradients": "ZeRO++ quantized gradients: not supported (valid: false)",
     "zero_quantized_nontrainable_weights": "not supported (valid: false)",
@@ -472,17 +472,17 @@ TABLE: tuple[_Rule | _Joint, ...] = (
     _Rule("tensorboard.enabled", "metrics.tensorboard", flag),
 )
 # The rows, as docs/deepspeed.md lists them.
-MAPPED = tuple(rule for entry in TABLE for rule in entry.rules)
-_MAPPED_KEYS = {rule.ds for rule in MAPPED}
+_MAPPED = tuple(rule for entry in TABLE for rule in entry.rules)
+_MAPPED_KEYS = {rule.ds for rule in _MAPPED}
 # Sections whose unknown keys are answered with the keys of theirs we read.
-_SECTIONS = tuple(dict.fromkeys(rule.ds.split(".")[0] for rule in MAPPED if "." in rule.ds))
+_SECTIONS = tuple(dict.fromkeys(rule.ds.split(".")[0] for rule in _MAPPED if "." in rule.ds))
 
 
 def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in node.items():
         full = f"{prefix}{key}"
-        if isinstance(value, dict) and full not in UNSUPPORTED and full not in NO_EFFECT:
+        if isinstance(value, dict) and full not in _UNSUPPORTED and full not in _NO_EFFECT:
             out |= _flatten(value, f"{full}.")
         else:
             out[full] = value
@@ -495,7 +495,9 @@ def _tail(key: str) -> str:
 
 
 def _known(key: str) -> bool:
-    return key in _MAPPED_KEYS or any(k in NO_EFFECT or k in UNSUPPORTED for k in (key, _tail(key)))
+    return key in _MAPPED_KEYS or any(
+        k in _NO_EFFECT or k in _UNSUPPORTED for k in (key, _tail(key))
+    )
 
 
 def _load(path: str | Path) -> dict[str, Any]:
@@ -520,22 +522,22 @@ def _check_keys(flat: dict[str, Any]) -> list[str]:
             section = key.split(".")[0]
             hint = (
                 f"; keys of '{section}' read here: "
-                + ", ".join(rule.ds for rule in MAPPED if rule.ds.startswith(section + "."))
+                + ", ".join(rule.ds for rule in _MAPPED if rule.ds.startswith(section + "."))
                 if section in _SECTIONS
                 else ""
             )
             raise bad(key, value, f"unknown DeepSpeed key{hint}")
         tail = _tail(key)
-        if key in UNSUPPORTED or tail in UNSUPPORTED:
+        if key in _UNSUPPORTED or tail in _UNSUPPORTED:
             if value in (False, None, 0) or (
                 isinstance(value, dict) and not value.get("enabled", True)
             ):
                 continue
-            raise bad(key, value, UNSUPPORTED.get(key) or UNSUPPORTED[tail])
-        if key in NO_EFFECT or tail in NO_EFFECT:
+            raise bad(key, value, _UNSUPPORTED.get(key) or _UNSUPPORTED[tail])
+        if key in _NO_EFFECT or tail in _NO_EFFECT:
             notes.append(
                 f"ds_config {key}={json.dumps(value)}: no effect; "
-                f"{NO_EFFECT.get(key) or NO_EFFECT[tail]}"
+                f"{_NO_EFFECT.get(key) or _NO_EFFECT[tail]}"
             )
         elif is_auto(value):
             notes.append(f"ds_config {key}=auto: fsdp-zero's value is used")
@@ -567,7 +569,7 @@ def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[s
 def mapping_table() -> str:
     """docs/deepspeed.md's table: each DeepSpeed key and ours, then the keys without effect."""
     rows = ["| DeepSpeed key | fsdp-zero | meaning |", "|---|---|---|"]
-    rows += [f"| `{rule.ds}` | `{rule.ours}` | {rule.meaning} |" for rule in MAPPED]
-    rows += [f"| `{ds}` | no effect | {why} |" for ds, why in NO_EFFECT.items()]
-    rows += [f"| `{ds}` | error unless off | {why} |" for ds, why in UNSUPPORTED.items()]
+    rows += [f"| `{rule.ds}` | `{rule.ours}` | {rule.meaning} |" for rule in _MAPPED]
+    rows += [f"| `{ds}` | no effect | {why} |" for ds, why in _NO_EFFECT.items()]
+    rows += [f"| `{ds}` | error unless off | {why} |" for ds, why in _UNSUPPORTED.items()]
     return "\n".join(rows)

@@ -29,7 +29,7 @@ class Source(Protocol):
         ...
 
 
-class SyntheticBigram:
+class _SyntheticBigram:
     """Tokens from a fixed random first-order Markov chain: learnable, seeded, no files.
 
     Each token has ``branching`` successors, chosen with skewed odds (1/2, 1/4, ...), so
@@ -71,7 +71,7 @@ class SyntheticBigram:
         return _next_token_pairs(self.samples(indices))
 
 
-def epoch_order(
+def _epoch_order(
     index: int, n: int, seed: int, cached: tuple[int, torch.Tensor] | None
 ) -> tuple[tuple[int, torch.Tensor], int]:
     """Global sample ``index`` -> an item of ``n``: a seeded permutation, a fresh one each pass (epoch).
@@ -100,7 +100,7 @@ class _Windows:
         raise NotImplementedError
 
     def _window(self, index: int) -> int:
-        self._order, window = epoch_order(index, self.num_windows, self.seed, self._order)
+        self._order, window = _epoch_order(index, self.num_windows, self.seed, self._order)
         return window
 
     def samples(self, indices: range) -> torch.Tensor:
@@ -119,7 +119,7 @@ class _Windows:
         return self.pairs([self._window(index) * self.seq_len for index in indices])
 
 
-class ByteText(_Windows):
+class _ByteText(_Windows):
     """A local text file, or every file under a folder (sorted), read as bytes (vocab 256)."""
 
     vocab_size = 256
@@ -271,7 +271,7 @@ class _ImageSamples:
     def _item(self, index: int) -> int:
         if not self.shuffle:
             return index % len(self.dataset)
-        self._order, item = epoch_order(index, len(self.dataset), self.seed, self._order)
+        self._order, item = _epoch_order(index, len(self.dataset), self.seed, self._order)
         return item
 
     def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,13 +332,13 @@ def build_source(cfg: DataConfig, seed: int, vocab_size: int | None = None) -> S
             "check them against (no config.vocab_size, no nn.Embedding)"
         )
     if cfg.source is DataSource.synthetic:
-        return SyntheticBigram(vocab_size, cfg.seq_len, seed, cfg.branching)
+        return _SyntheticBigram(vocab_size, cfg.seq_len, seed, cfg.branching)
     if cfg.source is DataSource.text:
-        if vocab_size < ByteText.vocab_size:
+        if vocab_size < _ByteText.vocab_size:
             raise ValueError(
                 f"data.source=text needs a model vocabulary >= 256 (bytes), got {vocab_size}"
             )
-        return ByteText(cfg.path, cfg.seq_len, seed)
+        return _ByteText(cfg.path, cfg.seq_len, seed)
     if cfg.source is DataSource.tokens:
         source = TokenFile(cfg.path, cfg.seq_len, seed, cfg.token_dtype)
         source.check_vocab(vocab_size)

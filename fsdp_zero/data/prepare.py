@@ -56,7 +56,7 @@ _CHUNK = 64
 # Inputs
 
 
-def validation_documents(count: int, fraction: float, seed: int) -> set[int]:
+def _validation_documents(count: int, fraction: float, seed: int) -> set[int]:
     """Which of ``count`` documents go to validation: round(fraction * count) of them, chosen by ``seed``,
     at least one when fraction > 0 and there are two documents or more, and never all of them."""
     if not 0 <= fraction < 1:
@@ -318,7 +318,7 @@ def prepare(
     fmt, records = fields.format, fields.of_records()
     _check_out(out)
     files, count = _first_pass(inputs, records, fmt)
-    val = validation_documents(count, val_fraction, seed)
+    val = _validation_documents(count, val_fraction, seed)
     tokenizer = _load_tokenizer(tokenizer_dir)
     # len: the base vocabulary and the added tokens, every id it can emit
     dtype = token_dtype(len(tokenizer))

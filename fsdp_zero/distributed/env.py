@@ -30,7 +30,9 @@ from fsdp_zero.config.choices import Device
 from fsdp_zero.config.schema import DistConfig
 
 logger = logging.getLogger("fsdp_zero")
-ATTEMPT_VAR = "FSDP_ZERO_ATTEMPT"  # set by `init_distributed`, the same on every rank of an attempt
+_ATTEMPT_VAR = (
+    "FSDP_ZERO_ATTEMPT"  # set by `init_distributed`, the same on every rank of an attempt
+)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def _store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store | None:
     )
 
 
-def init_distributed(cfg: DistConfig) -> DistEnv:
+def _init_distributed(cfg: DistConfig) -> DistEnv:
     """Joins (or, outside torchrun, creates) the default process group.
 
     Raises:
@@ -134,11 +136,11 @@ def init_distributed(cfg: DistConfig) -> DistEnv:
         rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend
     )
     # rank 0's: see `failure_key`
-    os.environ[ATTEMPT_VAR] = broadcast_object(secrets.token_hex(4), env)
+    os.environ[_ATTEMPT_VAR] = broadcast_object(secrets.token_hex(4), env)
     return env
 
 
-def destroy_distributed(barrier: bool = True) -> None:
+def _destroy_distributed(barrier: bool = True) -> None:
     """Leaves the process group; after a barrier on a clean exit.
 
     Without the barrier a rank that finishes first tears down its gloo connections
@@ -162,14 +164,14 @@ def distributed(cfg: DistConfig) -> Iterator[DistEnv]:
     Raises:
         ValueError: as `init_distributed`; whatever the body raises, after leaving the group.
     """
-    env = init_distributed(cfg)
+    env = _init_distributed(cfg)
     _setup_logging(env)
     finished = False
     try:
         yield env
         finished = True
     finally:
-        destroy_distributed(barrier=finished)
+        _destroy_distributed(barrier=finished)
 
 
 class CollectiveTimeout:
@@ -219,7 +221,7 @@ def last_collective(out: Path, backend: str) -> str:
     )
 
 
-def failure_key(rank: int) -> str:
+def _failure_key(rank: int) -> str:
     """The store key through which ``rank`` says a collective failed on it, scoped to this attempt.
 
     A store can outlive an attempt: torchrun's agent keeps its own across ``--max-restarts``
@@ -229,7 +231,7 @@ def failure_key(rank: int) -> str:
     in the environment as FSDP_ZERO_ATTEMPT for code that has no `DistEnv` (a user's loss; the
     tests' fault injection).
     """
-    return f"fsdp_zero/{os.environ.get(ATTEMPT_VAR, '')}/collective_failed/{rank}"
+    return f"fsdp_zero/{os.environ.get(_ATTEMPT_VAR, '')}/collective_failed/{rank}"
 
 
 def silent_ranks(
@@ -246,11 +248,11 @@ def silent_ranks(
 
     try:
         store = store or default_store()
-        store.set(failure_key(env.rank), "1")
+        store.set(_failure_key(env.rank), "1")
         waiting = [r for r in range(env.world_size) if r != env.rank]
         deadline = time.monotonic() + wait_seconds
         while waiting and time.monotonic() < deadline:
-            waiting = [r for r in waiting if not store.check([failure_key(r)])]
+            waiting = [r for r in waiting if not store.check([_failure_key(r)])]
             time.sleep(0.1 if waiting else 0)
         return waiting
     except Exception:  # noqa: BLE001 - the store's host died: nothing more to learn

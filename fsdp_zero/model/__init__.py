@@ -24,9 +24,14 @@ from fsdp_zero.model.tasks import (
     trained_tokens,
     vocab_size,
 )
-from fsdp_zero.model.transformer import Transformer
+
+# The built-in model and its blocks (the class names `parallel.wrap.classes` takes).
+from fsdp_zero.model.transformer import Attention, FeedForward, Transformer, TransformerBlock
 
 __all__ = [
+    "Attention",
+    "FeedForward",
+    "TransformerBlock",
     "ADAPTER_FILES",
     "adapter_names",
     "build_task",

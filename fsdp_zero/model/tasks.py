@@ -53,7 +53,7 @@ def causal_lm(
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), {}
 
 
-def masked_causal_lm(
+def _masked_causal_lm(
     model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """causal_lm's cross-entropy summed over the trained targets (those not `IGNORE`; 0 when none is)."""
@@ -89,7 +89,7 @@ def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
             "model.task=causal_lm reads (valid: causal_lm, or remove the mask file)"
         )
     if cfg.task is Task.causal_lm:
-        return masked_causal_lm if masked else causal_lm
+        return _masked_causal_lm if masked else causal_lm
     if cfg.task is Task.classification:
         return classification
     user = import_target(cfg.loss, "model.loss")
@@ -146,7 +146,7 @@ def num_outputs(model: nn.Module) -> int | None:
     return last.out_features if last is not None else None
 
 
-def lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """(summed next-token cross-entropy, predictions, 0) of one batch, in float64: the training loss
     (`fsdp_zero.model.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of averaged."""
     inputs, targets = batch
@@ -204,7 +204,7 @@ class _TaskSpec:
 TASKS: dict[Task, _TaskSpec] = {
     Task.causal_lm: _TaskSpec(
         DataSource.tokens,
-        lm_sums,
+        _lm_sums,
         lambda loss, right, count: {"eval/perplexity": math.exp(loss) if loss < 700 else math.inf},
     ),
     Task.classification: _TaskSpec(

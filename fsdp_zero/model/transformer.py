@@ -170,7 +170,7 @@ class Transformer(nn.Module):
                 init.normal_(param, std=0.02, seed=seed, name=name)
 
 
-def args_from_config(cfg: ModelConfig) -> TransformerArgs:
+def _args_from_config(cfg: ModelConfig) -> TransformerArgs:
     """The preset named by ``model.preset`` with the ``model.*`` fields that are set applied.
 
     Raises:
@@ -182,4 +182,4 @@ def args_from_config(cfg: ModelConfig) -> TransformerArgs:
 
 def from_config(cfg: ModelConfig) -> Transformer:
     """The built-in model for ``model.preset`` and its fields, on the current default device."""
-    return Transformer(args_from_config(cfg))
+    return Transformer(_args_from_config(cfg))

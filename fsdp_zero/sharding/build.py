@@ -184,12 +184,12 @@ def shard(
     return model, plan, "; ".join(notes)
 
 
-def local_numel(p: torch.Tensor) -> int:
+def _local_numel(p: torch.Tensor) -> int:
     """Elements of ``p`` this rank holds: its shard of an FSDP parameter (a DTensor), else all of them."""
     return (p.to_local() if hasattr(p, "to_local") else p).numel()
 
 
-def step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
+def _step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
     """``params`` cut, in order, into consecutive groups of at most ``size`` local elements (a tensor
     larger than ``size`` is a group of its own); ``size`` 0: one group. (DeepSpeed's ZeRO-3 closes a
     sub-group once it reaches ``sub_group_size``, so its groups may pass it by one tensor; these
@@ -205,7 +205,7 @@ def step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter
     groups: list[list[nn.Parameter]] = []
     count = 0
     for p in params:
-        n = local_numel(p)
+        n = _local_numel(p)
         if not groups or count + n > size:
             groups.append([])
             count = 0
@@ -260,7 +260,7 @@ def param_groups(
     no_decay = [p for p in params if p.dim() < 2]
     size = cfg.step_group_size
     if size and impl is not OptimizerImpl.foreach:
-        if any(len(step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
+        if any(len(_step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
             logger.warning(
                 "optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than "
                 "one tensor); it bounds foreach AdamW's",
@@ -271,7 +271,7 @@ def param_groups(
     return [
         (ps, wd)
         for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
-        for ps in step_groups(group, size)
+        for ps in _step_groups(group, size)
     ]
 
 

@@ -199,7 +199,7 @@ class _Shared:
         return int(peak)
 
 
-def step_cost(
+def _step_cost(
     cfg: Config, c: Candidate, world_size: int, rates: Rates, model: nn.Module, plan: WrapPlan
 ) -> tuple[float, dict[str, float]]:
     """``c``'s step cost in seconds and its terms (see the module docstring). ``model``: the config's model
@@ -340,7 +340,7 @@ def search(
     make_trainable(model, cfg.model)  # model.freeze, model.lora: frozen parameters are not reduced
     plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
     scored = [
-        Scored(c, peaks[c], *step_cost(cfg, c, world_size, rates, model, plan)) for c in cands
+        Scored(c, peaks[c], *_step_cost(cfg, c, world_size, rates, model, plan)) for c in cands
     ]
     scored.sort(key=lambda s: (s.cost, s.peak))
     return _Search(scored, simulations, time.perf_counter() - start)

@@ -7,14 +7,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+_TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
 
 def train_command(
     nproc: int,
     args: Sequence[str],
     *,
-    script: Path = TRAIN,
+    script: Path = _TRAIN,
     torchrun_args: Sequence[str] = (),
     torchrun: bool = True,
 ) -> list[str]:

@@ -62,12 +62,12 @@ from fsdp_zero.tools.depth import repeated_blocks
 # process).
 _MAX_PROBE_RANKS = 8
 # A compute dtype whose matmuls run this many times slower than fp32's is scaled from fp32, not run.
-SLOW_DTYPE = 8.0
+_SLOW_DTYPE = 8.0
 # The deeper of the two cuts the compute probe times (or the model's blocks, if fewer): a block's
 # time is a slope over this many minus one blocks, multiplied by the model's depth. Over one block
 # (cuts of 1 and 2) gpt_small's 12-block sample came out between 1.2 and 2.8 s over seven probes;
 # over three, within 10% of the whole model timed (measured 2026-11-26, bench/fit.py's model).
-PROBE_DEPTH = 4
+_PROBE_DEPTH = 4
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ def _compute(
     for name in order:
         dtype = getattr(torch, name)
         ratio = _matmul_seconds(dtype) / fp32_matmul
-        if name != "float32" and ratio > SLOW_DTYPE:
+        if name != "float32" and ratio > _SLOW_DTYPE:
             fixed, block, fwd = (t * ratio for t in out["float32"])
             notes.append(
                 f"{name} matmuls run {ratio:.3g}x slower than float32 here: scaled from float32's "
@@ -276,7 +276,7 @@ def _compute(
         elif repeats is None:
             fixed, block, fwd = _model_seconds(cfg, None, (0,), dtype, together)[0][1], 0.0, 0.0
         else:
-            deep = min(PROBE_DEPTH, repeats.count)
+            deep = min(_PROBE_DEPTH, repeats.count)
             (f1, t1), (fd, td) = _model_seconds(cfg, repeats.container, (1, deep), dtype, together)
             block, fwd = max((td - t1) / (deep - 1), 0.0), max((fd - f1) / (deep - 1), 0.0)
             fixed = max(t1 - block, 0.0)

@@ -83,7 +83,7 @@ class _TokenWindows:
         return self.source.pairs([k * self.seq_len for k in indices])
 
 
-class FolderImages:
+class _FolderImages:
     """The images of an ImageFolder in its own order, resized and centre-cropped to ``size`` pixels."""
 
     unit = "images"
@@ -115,7 +115,7 @@ class FolderImages:
         )
 
 
-def rank_batches(
+def _rank_batches(
     num_items: int, world_size: int, rank: int, micro_batch_size: int
 ) -> list[list[int]]:
     """This rank's micro-batches of item indices: items rank, rank + N, rank + 2N, ..., then empty
@@ -157,7 +157,7 @@ class Evaluator:
     ) -> None:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
         self.env = env
-        self.batches = rank_batches(num_items, env.world_size, env.rank, micro_batch_size)
+        self.batches = _rank_batches(num_items, env.world_size, env.rank, micro_batch_size)
         self.spec = TASKS[task]
         assert self.spec.eval_sums is not None, (
             f"model.task={task.value} has no evaluation (config.validate refuses it)"
@@ -225,9 +225,9 @@ def _token_windows(cfg: Config, vocab: int | None) -> _TokenWindows:
     return _TokenWindows(source, cfg.data.seq_len)
 
 
-def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> FolderImages:
+def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> _FolderImages:
     """eval.path's images, checked against the model's outputs and the training folder's classes."""
-    images = FolderImages(cfg.eval.path, cfg.data.image_size)
+    images = _FolderImages(cfg.eval.path, cfg.data.image_size)
     classes = images.dataset.classes
     trained = getattr(getattr(train_source, "dataset", None), "classes", None)
     if (

@@ -35,7 +35,7 @@ logger = logging.getLogger("fsdp_zero")
 
 # Settings a checkpoint cannot be continued under: they change the parameters' shapes
 # or what the saved data position means.
-INCOMPATIBLE = ("model.", "data.", "train.global_batch_size", "train.seed")
+_INCOMPATIBLE = ("model.", "data.", "train.global_batch_size", "train.seed")
 # ... except these, which change how, not what, and those that matter only at the start.
 _COMPATIBLE = ("data.num_workers",)
 _IGNORED_IN_DIFF = ("run.", "checkpoint.resume", "model.init_from", "model.init")
@@ -63,7 +63,7 @@ def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     }
 
 
-def check_writable(run_dir: Path, root: str) -> None:
+def _check_writable(run_dir: Path, root: str) -> None:
     """That the run directory can be created (or, if it exists, written), leaving no trace: a folder
     made and removed in the nearest existing ancestor.
 
@@ -104,14 +104,14 @@ class RunDecision:
         )
 
 
-def plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
+def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
     """Rank 0's decision for ``cfg`` (its run.name and train.seed already chosen): which checkpoint
     to resume from, and the seed (the checkpoint's when ``seed_was_set`` is false).
 
     Raises:
         ValueError: a run directory or checkpoint that this config must not continue or overwrite.
     """
-    check_writable(run_dir, cfg.run.root)
+    _check_writable(run_dir, cfg.run.root)
     saved_cfg = RunDir(run_dir).config
     resume_from, seed = _resume_point(cfg, run_dir), cfg.train.seed
     if resume_from is not None:
@@ -171,7 +171,7 @@ def _check_continues(resume_from: Path, old: dict, new: dict) -> None:
     bad = {
         k: v
         for k, v in diff.items()
-        if k.startswith(INCOMPATIBLE) and not k.startswith(_COMPATIBLE)
+        if k.startswith(_INCOMPATIBLE) and not k.startswith(_COMPATIBLE)
     }
     if bad:
         changes = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in bad.items())
@@ -202,7 +202,7 @@ def decide(cfg: Config, env: DistEnv) -> RunDecision:
         run_dir = Path(cfg.run.root) / name
         chosen = RunDecision(run_dir, None, seed).resolve(cfg)
         try:
-            decision = plan_run_dir(chosen, run_dir, seed_was_set=cfg.train.seed is not None)
+            decision = _plan_run_dir(chosen, run_dir, seed_was_set=cfg.train.seed is not None)
         except Exception as e:  # any failure must reach the other ranks, or they wait forever
             decision = (
                 str(e) if isinstance(e, ValueError) else f"run directory {str(run_dir)!r}: {e!r}"

@@ -203,14 +203,14 @@ def _step_groups_ignored() -> None:
     steps the whole shard at once."""
 
     def patch(module):  # noqa: ANN001
-        original = module.step_groups
+        original = module._step_groups
 
-        def step_groups(params, size):  # noqa: ANN001
+        def _step_groups(params, size):  # noqa: ANN001
             if size and len(original(params, size)) > 1:
                 _applied_once()
             return original(params, 0)
 
-        module.step_groups = step_groups
+        module._step_groups = _step_groups
 
     _on_import("fsdp_zero.sharding.build", patch)
 
@@ -328,8 +328,8 @@ SOURCE = {
     ),
     "fit-slow-dtype-run": (
         "fsdp_zero.tools.rates",
-        'if name != "float32" and ratio > SLOW_DTYPE:',
-        'if name != "float32" and ratio > SLOW_DTYPE and __mutant__(False):',
+        'if name != "float32" and ratio > _SLOW_DTYPE:',
+        'if name != "float32" and ratio > _SLOW_DTYPE and __mutant__(False):',
     ),
     "pretrained-kwargs-dropped": (
         "fsdp_zero.model.hf",
