@@ -20,7 +20,7 @@ def units(plan):
 
 
 def test_transformer_policy_wraps_each_block_then_root():
-    plan = build_wrap_plan(nano(), WrapConfig(), world_size=2)
+    plan = build_wrap_plan(nano(), WrapConfig(), shards=2)
     assert units(plan) == ["layers.0", "layers.1", ""]
     model = nano()
     assert sum(u.num_params for u in plan.units) == sum(p.numel() for p in model.parameters())
@@ -32,7 +32,7 @@ def test_transformer_policy_wraps_each_block_then_root():
 
 def test_transformer_policy_with_explicit_classes_bottom_up():
     plan = build_wrap_plan(
-        nano(), WrapConfig(classes=["TransformerBlock", "FeedForward"]), world_size=2
+        nano(), WrapConfig(classes=["TransformerBlock", "FeedForward"]), shards=2
     )
     assert units(plan) == [
         "layers.0.feed_forward",
@@ -47,7 +47,7 @@ def test_unknown_class_lists_the_model_classes():
     with pytest.raises(
         ValueError, match=r"parallel\.wrap\.classes: unknown module class 'Block'.*TransformerBlock"
     ):
-        build_wrap_plan(nano(), WrapConfig(classes=["Block"]), world_size=2)
+        build_wrap_plan(nano(), WrapConfig(classes=["Block"]), shards=2)
 
 
 def test_size_based_follows_fsdp1_semantics():
@@ -56,11 +56,11 @@ def test_size_based_follows_fsdp1_semantics():
     # attention + norms (16,512) < 20,000, so blocks are not units; the embeddings
     # (16,384 each) are not either.
     plan = build_wrap_plan(
-        nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=20_000), world_size=2
+        nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=20_000), shards=2
     )
     assert units(plan) == ["layers.0.feed_forward", "layers.1.feed_forward", ""]
     plan = build_wrap_plan(
-        nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=16_000), world_size=2
+        nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=16_000), shards=2
     )
     assert units(plan) == [
         "layers.0.attention",
@@ -78,7 +78,7 @@ def test_size_based_that_matches_nothing_is_an_error():
         ValueError, match=r"parallel\.wrap\.min_params=10,000,000 matches no module.*53,376"
     ):
         build_wrap_plan(
-            nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=10_000_000), world_size=2
+            nano(), WrapConfig(policy=WrapPolicy.size_based, min_params=10_000_000), shards=2
         )
 
 
@@ -96,13 +96,11 @@ def test_modules_policy_by_regex():
 )
 def test_modules_policy_errors(pattern, message):
     with pytest.raises(ValueError, match=rf"parallel\.wrap\.modules: .*{message}"):
-        build_wrap_plan(
-            nano(), WrapConfig(policy=WrapPolicy.modules, modules=[pattern]), world_size=2
-        )
+        build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=[pattern]), shards=2)
 
 
 def test_none_policy_is_root_only():
-    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.none), world_size=2)
+    plan = build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.none), shards=2)
     assert units(plan) == [""]
     assert plan.units[0].num_params == sum(p.numel() for p in nano().parameters())
 
@@ -121,13 +119,11 @@ def test_tied_embeddings_stay_in_one_unit():
 
 
 def test_plan_table_lists_units_and_bytes():
-    table = build_wrap_plan(nano(), WrapConfig(), world_size=4).table()
+    table = build_wrap_plan(nano(), WrapConfig(), shards=4).table()
     assert "policy=transformer" in table and "<root>" in table and "MiB/rank (N=4)" in table
     assert table.count("TransformerBlock") == 2
 
 
 def test_containers_are_not_units():
     with pytest.raises(ValueError, match=r"'layers' is a ModuleList, a container"):
-        build_wrap_plan(
-            nano(), WrapConfig(policy=WrapPolicy.modules, modules=["layers"]), world_size=2
-        )
+        build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=["layers"]), shards=2)

@@ -245,8 +245,10 @@ def _is_under(fqn: str, unit: str) -> bool:
     return unit == ROOT or fqn == unit or fqn.startswith(unit + ".")
 
 
-def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapPlan:
-    """Chooses the units and what each owns. Works on the meta device.
+def build_wrap_plan(model: nn.Module, cfg: WrapConfig, shards: int) -> WrapPlan:
+    """Chooses the units and what each owns. Works on the meta device. ``shards``: the ranks each
+    parameter is split over (`fsdp_zero.distributed.topology.Topology.param_shards`), which the
+    per-rank sizes are for.
 
     A parameter shared by modules in different units (tied embeddings) must be sharded
     once: any chosen unit that holds only some of a shared parameter's users is dropped,
@@ -291,7 +293,7 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, world_size: int) -> WrapP
         if cfg.policy is WrapPolicy.transformer
         else None
     )
-    plan_units = [_unit(model, fqn, owned[fqn], world_size, classes) for fqn in units]
+    plan_units = [_unit(model, fqn, owned[fqn], shards, classes) for fqn in units]
     if cfg.policy is WrapPolicy.none:
         notes.append("one unit: every rank gathers the whole model for forward and backward")
-    return WrapPlan(policy=cfg.policy, world_size=world_size, units=plan_units, notes=notes)
+    return WrapPlan(policy=cfg.policy, world_size=shards, units=plan_units, notes=notes)
