@@ -6,15 +6,15 @@
     python bench/gpu_check.py --dry-run              # no GPU: the same steps on the CPU, gpt_nano (15 s, 2 cores)
     make gpu-check                                   # pytest -m gpu, then this
 
-Four settings, each `scripts/train.py` in a fresh process at world size 1 (a process never gives back
-all it reserved): fp32, bf16-mixed, fp32 with full activation checkpointing, fp32 with CPU offload.
-From each run's summary (`Summary.read`), metrics and TensorBoard events it reads every rank's peak
-reserved and allocated device memory, both after the step, the model state, the first step's
-memory at its three phases, and tokens/s; beside them, the planner's prediction for the same
+Four settings, each `scripts/train.py` in a fresh process at world size 1 (a process never gives
+back all it reserved): fp32, bf16-mixed, fp32 with full activation checkpointing, fp32 with CPU
+offload. From each run's summary (`Summary.read`), metrics and TensorBoard events it reads every
+rank's peak reserved and allocated device memory, both after the step, the model state, the first
+step's memory at its three phases, and tokens/s; beside them, the planner's prediction for the same
 setting (`scripts/plan.py --world-size N --strategy full_shard --json F`, its `peak`) and measured /
 predicted. MFU is 6 x parameters x tokens/s over the GPU's dense peak (`PEAK_TFLOPS`, by
-`torch.cuda.get_device_name()`; fp32 runs against its fp32 peak: TF32 is off). A worker process
-then prints `torch.cuda.memory_summary()` before and after the model is built and sharded, and times
+`torch.cuda.get_device_name()`; fp32 runs against its fp32 peak: TF32 is off). A worker process then
+prints `torch.cuda.memory_summary()` before and after the model is built and sharded, and times
 bench/step_time.py's minimal hand-written `fully_shard` loop (`raw_loop`) against our whole loop
 (fp32, alternating, `REPEATS` times). With 2 GPUs or more it also runs fp32 on 2 ranks over NCCL;
 with one, that part prints why it was skipped.
@@ -53,8 +53,8 @@ from fsdp_zero.training import Summary
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "scripts" / "plan.py"
 REPEATS = 3  # hand-written loop against ours: the median of alternating repeats
-# (name contains, dense bf16 TFLOP/s, fp32 TFLOP/s without TF32), NVIDIA's data sheets; first match wins.
-# An H100 SXM names itself "NVIDIA H100 80GB HBM3", an H200 SXM "NVIDIA H200".
+# (name contains, dense bf16 TFLOP/s, fp32 TFLOP/s without TF32), NVIDIA's data sheets; first match
+# wins. An H100 SXM names itself "NVIDIA H100 80GB HBM3", an H200 SXM "NVIDIA H200".
 PEAK_TFLOPS = (
     ("H100 PCIe", 756.0, 51.0),
     ("H100 NVL", 835.0, 60.0),
@@ -395,8 +395,9 @@ def plan_peak(mode: Mode, stem: Path, extra: tuple[str, ...], nproc: int) -> flo
 
 
 def read_run(run_dir: Path, cuda: bool) -> dict:
-    """A finished run's figures: per rank from summary.json and TensorBoard (tb/rank<R>), tokens/s from
-    metrics.jsonl (the median over the steps after the first, which warms up kernels and the allocator)."""
+    """A finished run's figures: per rank from its summary (`Summary.read`) and TensorBoard
+    (tb/rank<R>), tokens/s from metrics.jsonl (the median over the steps after the first, which
+    warms up kernels and the allocator)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     summary = Summary.read(run_dir)
@@ -451,8 +452,8 @@ def read_run(run_dir: Path, cuda: bool) -> dict:
 
 def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
     """Builds and shards the model (printing `torch.cuda.memory_summary()` before and after, on CUDA),
-    then times bench/step_time.py's `raw_loop` against `fsdp_zero.training.trainer.train`, alternating,
-    `REPEATS` times, each from a fresh build; writes the figures to ``result``."""
+    then times bench/step_time.py's `raw_loop` against `fsdp_zero.training.trainer.train`,
+    alternating, `REPEATS` times, each from a fresh build; writes the figures to ``result``."""
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -473,8 +474,9 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
             "before": monitor.read(),
             "summary_before": torch.cuda.memory_summary(env.device) if cuda else None,
         }
-        # Peak reserved (CUDA) or RSS: what the device or host must have. Our trainer resets the peaks at its own
-        # log steps, so its share is the higher of what is left after its last reset and its own headline peak.
+        # Peak reserved (CUDA) or RSS: what the device or host must have. Our trainer resets the
+        # peaks at its own log steps, so its share is the higher of what is left after its last
+        # reset and its own headline peak.
         peak_key = "cuda_peak_reserved_mib" if cuda else "cpu_peak_rss_mib"
         raw, ours, raw_peak, ours_peak = [], [], [], []
         for rep in range(REPEATS):
