@@ -13,7 +13,6 @@ Prints GB/s per rank and the ratios.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -24,8 +23,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fsdp_zero.checkpoint import Checkpointer, TrainState, load_checkpoint
-from fsdp_zero.config import RunDir, load_config
-from fsdp_zero.distributed import broadcast_object, distributed, exit_process
+from fsdp_zero.config import RunDir
+from fsdp_zero.distributed import broadcast_object, exit_process
+from fsdp_zero.tools import bench_main
 from fsdp_zero.training import setup, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,13 +78,7 @@ def main() -> None:
         "checkpoint.enabled=false",
         "metrics.tensorboard=false",
     ]
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("overrides", nargs="*", help="key=value settings over the defaults")
-    cfg = load_config(None, defaults + parser.parse_args().overrides)
-    with distributed(cfg.dist) as env:
-        run(cfg, env)
+    bench_main(__doc__, defaults, run)
 
 
 def run(cfg, env) -> None:  # noqa: ANN001

@@ -18,17 +18,15 @@ A measured step time is the median over the steps after the first two (their met
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 
 from fsdp_zero.config import RunDir, load_config
 from fsdp_zero.monitor import MIB, parse_size
-from fsdp_zero.tools import MARGIN, Rates, Scored, fit_rates, search, train_command
+from fsdp_zero.tools import MARGIN, Rates, Scored, fit_rates, script_parser, search, train_command
 from fsdp_zero.training import Summary
 
 MODEL = (
@@ -84,10 +82,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser = script_parser(__doc__, nproc=2, out="fit-bench", overrides=True)
     parser.add_argument("--budgets", default="2.2GiB,2.4GiB")
     parser.add_argument("--ranked", type=int, default=6)
     parser.add_argument(
@@ -98,15 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tflops", type=float)
     parser.add_argument("--link-gbps", type=float)
-    parser.add_argument(
-        "--out", help="output folder (default runs/fit-bench-<timestamp>); must not exist"
-    )
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    out = Path(args.out or f"runs/fit-bench-{datetime.now():%Y%m%d-%H%M%S}")
-    if out.exists():
-        print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
-        return 2
+    out = args.out
     if args.steps < 4:
         print(
             f"error: --steps={args.steps}: at least 4 (the median is over the steps after the 2nd)",

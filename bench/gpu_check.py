@@ -47,6 +47,7 @@ import torch
 
 from fsdp_zero.config import RunDir
 from fsdp_zero.monitor import MIB
+from fsdp_zero.tools import script_parser
 from fsdp_zero.tools import train_command as torchrun_command
 from fsdp_zero.training import Summary
 
@@ -133,9 +134,7 @@ class Mode:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--dry-run", action="store_true", help="no GPU: the same steps on the CPU with gpt_nano"
     )
@@ -454,15 +453,14 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
     """Builds and shards the model (printing `torch.cuda.memory_summary()` before and after, on CUDA),
     then times bench/step_time.py's `raw_loop` against `fsdp_zero.training.trainer.train`,
     alternating, `REPEATS` times, each from a fresh build; writes the figures to ``result``."""
-    import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from step_time import raw_loop  # bench/step_time.py's hand-written loop, as it is
+    from step_time import ours_loop, raw_loop  # bench/step_time.py's two loops, as they are
 
     from fsdp_zero.config import load_config
     from fsdp_zero.distributed import agree_on_seed, distributed, exit_process
     from fsdp_zero.monitor import MemoryMonitor, model_state_bytes
-    from fsdp_zero.training import setup, train
+    from fsdp_zero.training import setup
 
     cfg = load_config(config, overrides)
     cfg.train.log_every = cfg.train.steps  # one log step a loop, as bench/step_time.py's runs
@@ -501,12 +499,8 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
 
             cfg.run.name = f"ours{rep}"
             monitor.reset_peaks()
-            parts = setup(cfg, env)
-            dist.barrier()
-            start = time.perf_counter()
-            record = train(cfg, env, parts)
-            dist.barrier()
-            ours.append(time.perf_counter() - start)
+            t, record, parts = ours_loop(cfg, env)
+            ours.append(t)
             own = record.peak_reserved_mib if cuda else record.peak_rss_mib
             ours_peak.append(max(monitor.read()[peak_key], own or 0.0))
             del parts

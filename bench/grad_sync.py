@@ -12,7 +12,6 @@ highest rank's). Ratios are against every_micro_batch of the same strategy in th
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp_zero.config import RunDir
-from fsdp_zero.tools import train_command
+from fsdp_zero.tools import script_parser, train_command
 from fsdp_zero.training import Summary
 
 COMMON = [
@@ -69,12 +68,9 @@ def _run(out: Path, name: str, nproc: int, args: list[str]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, overrides=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", help="run folders go here (default: a temporary folder)")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="fsdp-zero-grad-sync-"))
     print(

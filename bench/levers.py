@@ -11,14 +11,13 @@ d 768, vocabulary 32768, 256 tokens, 2 sequences per rank in micro-batches of 1)
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from fsdp_zero.monitor import MIB
-from fsdp_zero.tools import train_command
+from fsdp_zero.tools import script_parser, train_command
 from fsdp_zero.training import Summary
 
 DEFAULT = [
@@ -43,12 +42,8 @@ LEVERS = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser = script_parser(__doc__, nproc=2, overrides=True)
     parser.add_argument("--out", help="run folders go here (default: a temporary folder)")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="fsdp-zero-levers-"))
     rows = {}

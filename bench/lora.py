@@ -13,13 +13,10 @@ download is needed; `key=value` overrides apply to both runs (e.g. `train.steps=
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
-from datetime import datetime
-from pathlib import Path
 
-from fsdp_zero.tools import train_command
+from fsdp_zero.tools import script_parser, train_command
 from fsdp_zero.training import Summary
 
 LLAMA_134M = (
@@ -54,19 +51,9 @@ RUNS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument(
-        "--out", help="output folder (default runs/lora-bench-<timestamp>); must not exist"
-    )
-    parser.add_argument("overrides", nargs="*")
+    parser = script_parser(__doc__, nproc=2, out="lora-bench", overrides=True)
     args = parser.parse_args(argv)
-    out = Path(args.out or f"runs/lora-bench-{datetime.now():%Y%m%d-%H%M%S}")
-    if out.exists():
-        print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
-        return 2
+    out = args.out
     rows = [
         "| run | trainable params | model state / rank (MiB) | formula (MiB) | peak RSS / rank (MiB) | step (s) "
         "| final loss |",

@@ -10,7 +10,6 @@ the warm-up and the AdamW states' creation). Prints docs/memory.md's table of th
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp_zero.config import RunDir
-from fsdp_zero.tools import train_command
+from fsdp_zero.tools import script_parser, train_command
 
 REPO = Path(__file__).resolve().parents[1]
 # (label, overrides): glibc's default, ours (8 MiB), 1 MiB; DDP at ours for scale.
@@ -73,11 +72,8 @@ def run(nproc: int, overrides: list[str], root: Path, name: str) -> tuple[float,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, overrides=True)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="malloc-bench-"))
     results = []

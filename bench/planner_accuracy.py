@@ -20,7 +20,6 @@ predicts again (after a change to the planner).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -29,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp_zero.monitor import MIB
-from fsdp_zero.tools import HEAP_RETENTION
+from fsdp_zero.tools import HEAP_RETENTION, script_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,9 +149,7 @@ def pct(a: float, b: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--only", nargs="*", choices=sorted(CONFIGS), help="configurations to run (default: all)"
     )

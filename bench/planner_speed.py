@@ -15,11 +15,12 @@ baseline to measure).
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from fsdp_zero.tools import script_parser
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "scripts" / "plan.py"
@@ -49,9 +50,7 @@ STRATEGIES = ("ddp", "zero1", "shard_grad_op", "full_shard")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--check", action="store_true", help="also simulate every block and compare (slow)"
     )

@@ -12,7 +12,6 @@ go into docs/benchmarks.md and the issue notes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -26,7 +25,7 @@ import psutil
 
 from fsdp_zero.config import RunDir
 from fsdp_zero.monitor import MIB
-from fsdp_zero.tools import train_command
+from fsdp_zero.tools import script_parser, train_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,14 +50,11 @@ def steps_done(metrics: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, overrides=True)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=5, help="checkpoint.every")
     parser.add_argument("--warmup", type=int, default=50, help="steps left out of the fit")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="fsdp-zero-soak-"))

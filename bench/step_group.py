@@ -15,7 +15,6 @@ AdamW states, left out); then grouped / whole as ratios.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from fsdp_zero.config import load_config
 from fsdp_zero.distributed import broadcast_object, distributed, exit_process
 from fsdp_zero.model import to_device
 from fsdp_zero.monitor import MIB, MemoryMonitor, Phase, StepProfiler, release_free_heap
+from fsdp_zero.tools import script_parser
 from fsdp_zero.training import Step, set_lr, setup
 
 DEFAULT = [
@@ -84,14 +84,11 @@ def one_repeat(cfg, env, monitor: MemoryMonitor) -> dict:  # noqa: ANN001
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__, overrides=True)
     parser.add_argument(
         "--group", type=int, default=4_000_000, help="optim.step_group_size of the grouped runs"
     )
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(None, DEFAULT + args.overrides)
     settings = {

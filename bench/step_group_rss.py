@@ -13,13 +13,10 @@ sharding, so the optimizer step (the model state plus foreach AdamW's temporarie
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
-from datetime import datetime
-from pathlib import Path
 
-from fsdp_zero.tools import train_command
+from fsdp_zero.tools import script_parser, train_command
 from fsdp_zero.training import Summary
 
 DEFAULT = (
@@ -37,21 +34,11 @@ DEFAULT = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser = script_parser(__doc__, nproc=1, out="step-group-rss", overrides=True)
     parser.add_argument("--group", type=int, default=4_000_000)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--out", help="output folder (default runs/step-group-rss-<timestamp>); must not exist"
-    )
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    out = Path(args.out or f"runs/step-group-rss-{datetime.now():%Y%m%d-%H%M%S}")
-    if out.exists():
-        print(f"error: --out {out}: already exists; choose a new folder", file=sys.stderr)
-        return 2
+    out = args.out
     rows = [
         "| optim.step_group_size | repeat | peak RSS / rank (MiB) | median step (s) | final loss |",
         "|---|---|---|---|---|",

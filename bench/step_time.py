@@ -15,7 +15,6 @@ state each rank holds after an optimizer step against 16 P / N.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -24,17 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_zero.config import load_config
 from fsdp_zero.distributed import (
     Topology,
     agree_on_seed,
     broadcast_object,
-    distributed,
     exit_process,
 )
 from fsdp_zero.model import construct, real_buffers, to_device
 from fsdp_zero.monitor import MemoryMonitor, model_state_bytes
 from fsdp_zero.sharding import materializer, model_state_formula
+from fsdp_zero.tools import bench_main
 from fsdp_zero.training import setup, train
 
 REPEATS = 3
@@ -78,21 +76,20 @@ def raw_loop(parts, cfg, env) -> tuple[float, int]:
     return elapsed, state
 
 
+def ours_loop(cfg, env) -> tuple[float, object, object]:  # noqa: ANN001
+    """Our trainer from a fresh build: its seconds between barriers, its record and its parts."""
+    parts = setup(cfg, env)
+    dist.barrier()
+    start = time.perf_counter()
+    record = train(cfg, env, parts)
+    dist.barrier()
+    return time.perf_counter() - start, record, parts
+
+
 def main() -> None:
     # Checkpoints and the memory profile off: diagnostics, not part of a training step.
-    defaults = [
-        "train.steps=40",
-        "train.log_every=10",
-        "checkpoint.enabled=false",
-        "memory.profile_step=0",
-    ]
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("overrides", nargs="*", help="key=value settings over the defaults")
-    cfg = load_config(None, defaults + parser.parse_args().overrides)
-    with distributed(cfg.dist) as env:
-        run(cfg, env)
+    off = ["checkpoint.enabled=false", "memory.profile_step=0"]
+    bench_main(__doc__, ["train.steps=40", "train.log_every=10", *off], run)
 
 
 def run(cfg, env) -> None:  # noqa: ANN001
@@ -115,12 +112,8 @@ def run(cfg, env) -> None:  # noqa: ANN001
 
         cfg.run.name = f"ours{rep}"
         monitor.reset_peaks()
-        parts = setup(cfg, env)
-        dist.barrier()
-        start = time.perf_counter()
-        result = train(cfg, env, parts)
-        dist.barrier()
-        ours.append(time.perf_counter() - start)
+        t, result, parts = ours_loop(cfg, env)
+        ours.append(t)
         peaks["ours"] = max(peaks["ours"], monitor.read()["cpu_peak_rss_mib"])
         state, num_params_of_run = result.model_state_bytes, parts.num_params
         del parts, result

@@ -16,7 +16,6 @@ With N = 1 and several GPUs visible it adds torch.nn.DataParallel over all of th
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from datetime import datetime
@@ -25,13 +24,19 @@ from pathlib import Path
 import torch
 
 from fsdp_zero.config import load_config
-from fsdp_zero.tools import DEFAULTS, ORDER, dataparallel_row, read_rows, report, train_command
+from fsdp_zero.tools import (
+    DEFAULTS,
+    ORDER,
+    dataparallel_row,
+    read_rows,
+    report,
+    script_parser,
+    train_command,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--nproc-per-node", type=int, default=2, help="ranks per strategy (default 2)"
     )

@@ -18,7 +18,6 @@ Each generator's block must appear exactly once in docs/.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import enum
@@ -32,6 +31,8 @@ import tokenize
 import typing
 from collections.abc import Callable
 from pathlib import Path
+
+from fsdp_zero.tools import script_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -262,9 +263,7 @@ def update(docs: Path = DOCS, write: bool = True) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--check", action="store_true", help="change nothing; exit 1 if a block is stale"
     )

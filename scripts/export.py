@@ -19,26 +19,21 @@ with PEFT's names, adapter_model.safetensors and adapter_config.json, for
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from fsdp_zero.checkpoint import EXPORT_DTYPES, export
 from fsdp_zero.monitor import parse_size
+from fsdp_zero.tools import script_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "checkpoint", type=Path, help="a checkpoint folder (…/checkpoints/step-NNNNNNN)"
     )
     parser.add_argument(
-        "--out",
-        type=Path,
-        required=True,
-        help="a new folder, or a file name ending in .safetensors",
+        "--out", type=Path, required=True, help="a new folder, or a .safetensors file"
     )
     parser.add_argument(
         "--dtype",

@@ -41,14 +41,9 @@ def main() -> None:
 
     with fz.distributed() as env:
         with fz.meta_init():  # no memory for the parameters until each rank materialises its shards
+            # 32x32 images in 8x8 patches
             model = VisionTransformer(
-                image_size=32,
-                patch_size=8,
-                num_layers=2,
-                num_heads=2,
-                hidden_dim=32,
-                mlp_dim=64,
-                num_classes=10,
+                32, 8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
             )
         model = fz.shard(model, env, strategy="full_shard", wrap=["EncoderBlock"], seed=args.seed)
         optimizer = torch.optim.AdamW(

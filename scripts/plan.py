@@ -44,6 +44,7 @@ from fsdp_zero.tools import (
     fit_rates,
     format_bytes,
     format_gb,
+    script_parser,
     search,
     searched_overrides,
     simulate,
@@ -55,9 +56,7 @@ ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument("--config")
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument(

@@ -18,17 +18,15 @@ them), which data.source=tokens and eval.path read: the loss leaves the other to
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from fsdp_zero.data import DEFAULT_VAL_FRACTION, Fields, prepare
+from fsdp_zero.tools import script_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--tokenizer",
         required=True,

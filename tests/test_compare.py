@@ -28,16 +28,11 @@ COMPARE = REPO / "scripts" / "compare.py"
 PLAN = REPO / "scripts" / "plan.py"
 STRATEGIES = ["ddp", "zero1", "shard_grad_op", "full_shard"]
 FSDP = ("shard_grad_op", "full_shard")
-CONFIG = [
-    "model.preset=gpt_small",
-    "model.dim=512",
-    "model.n_layers=4",
-    "model.n_heads=8",
-    "model.vocab_size=32768",
-    "data.seq_len=64",
-    "train.global_batch_size=4",
-    "train.micro_batch_size=1",
-]
+# wide and shallow, a big vocabulary, short sequences (bench/planner_accuracy.py's "wide")
+CONFIG = (
+    "model.preset=gpt_small model.dim=512 model.n_layers=4 model.n_heads=8 model.vocab_size=32768 "
+    "data.seq_len=64 train.global_batch_size=4 train.micro_batch_size=1"
+).split()
 # Tensors by category from step 2, whose forward is where DDP rebuilds its gradient buckets, so
 # that the tracker sees them whole; peak RSS from steps 1 and 3 (the profiled step's tracker
 # holds bookkeeping of its own, which is not the model's).

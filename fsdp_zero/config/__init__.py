@@ -1,16 +1,5 @@
 """What a run is: the schema, the strategy table, the loader and the DeepSpeed reader (torch-free)."""
 
-from fsdp_zero.config.choices import (
-    ActivationCheckpointing,
-    Backend,
-    DataSource,
-    Device,
-    Init,
-    OptimizerImpl,
-    Schedule,
-    Task,
-    WrapPolicy,
-)
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
 from fsdp_zero.config.loader import load_config, read_saved_config, to_yaml
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE, RunDir
@@ -22,18 +11,29 @@ from fsdp_zero.config.presets import (
     model_args,
 )
 from fsdp_zero.config.rules import validate
+
+# the choices' enums come through the schema, whose fields they type (config/choices.py)
 from fsdp_zero.config.schema import (
     TOKEN_SOURCES,
+    ActivationCheckpointing,
+    Backend,
     Config,
     DataConfig,
+    DataSource,
+    Device,
     DistConfig,
+    Init,
     LoRAConfig,
     ModelConfig,
     OptimConfig,
+    OptimizerImpl,
     ParallelConfig,
     PrecisionConfig,
+    Schedule,
+    Task,
     TrainConfig,
     WrapConfig,
+    WrapPolicy,
 )
 from fsdp_zero.config.strategies import (
     STRATEGIES,

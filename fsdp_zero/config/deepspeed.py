@@ -319,17 +319,12 @@ _FP16 = _Rule(
     "fp16.enabled", "precision=fp16-mixed", flag, "fp32 master weights, fp16 compute, loss scaling"
 )
 _LOSS_SCALE = _Rule("fp16.loss_scale", "precision.loss_scale", number(float, min=0), "0: dynamic")
+_COUNT = number(int, min=0)
 _SCALE_POWER = _Rule(
-    "fp16.initial_scale_power",
-    "precision.initial_scale_power",
-    number(int, min=0),
-    "first scale 2**power",
+    "fp16.initial_scale_power", "precision.initial_scale_power", _COUNT, "first scale 2**power"
 )
 _SCALE_WINDOW = _Rule(
-    "fp16.loss_scale_window",
-    "precision.loss_scale_window",
-    number(int, min=0),
-    "steps without overflow before doubling",
+    "fp16.loss_scale_window", "precision.loss_scale_window", _COUNT, "clean steps before doubling"
 )
 BF16 = _Rule("bf16.enabled", "precision=bf16-mixed", flag, "fp32 master weights, bf16 compute")
 

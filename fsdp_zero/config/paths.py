@@ -11,52 +11,39 @@ CONFIG_FILE = "config.yaml"  # the resolved config: in the run directory, and in
 STATE_FILE = "train_state.json"  # a checkpoint's TrainState (JSON: nothing unpickled)
 
 
+class _File:
+    """A run directory's file or folder: ``run_dir.<attribute>`` is ``run_dir.root / name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, run_dir: RunDir, owner: type | None = None) -> Path:
+        return run_dir.root / self.name
+
+
 @dataclass(frozen=True)
 class RunDir:
     """A run directory's files."""
 
     root: Path
 
+    config = _File(CONFIG_FILE)
+    checkpoints = _File("checkpoints")
+    metrics = _File("metrics.jsonl")  # one JSON line per logged step (rank 0)
+    # the run's summary: every rank's figures (`fsdp_zero.training.summary.Summary`)
+    summary = _File("summary.json")
+    cuda_memory_summary = _File("cuda_memory_summary.txt")  # CUDA: memory_summary() after set-up
+    wrap_plan = _File("wrap_plan.txt")
+    tensorboard_root = _File("tb")  # ``tensorboard --logdir`` this
+
     @classmethod
     def of_checkpoint(cls, checkpoint: Path) -> RunDir:
         """The run directory a checkpoint (``<run dir>/checkpoints/step-N``) was saved in."""
         return cls(checkpoint.resolve().parent.parent)
 
-    @property
-    def config(self) -> Path:
-        return self.root / CONFIG_FILE
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def metrics(self) -> Path:
-        """One JSON line per logged step (rank 0)."""
-        return self.root / "metrics.jsonl"
-
     def metric_rows(self) -> list[dict]:
         """``metrics``, read: one dict per logged step, in order."""
         return [json.loads(line) for line in self.metrics.read_text().splitlines()]
-
-    @property
-    def summary(self) -> Path:
-        """The run's summary: every rank's figures (`fsdp_zero.training.summary.Summary`)."""
-        return self.root / "summary.json"
-
-    @property
-    def cuda_memory_summary(self) -> Path:
-        """CUDA runs: torch.cuda.memory_summary() after set-up."""
-        return self.root / "cuda_memory_summary.txt"
-
-    @property
-    def wrap_plan(self) -> Path:
-        return self.root / "wrap_plan.txt"
-
-    @property
-    def tensorboard_root(self) -> Path:
-        """``tensorboard --logdir`` this."""
-        return self.root / "tb"
 
     def tensorboard(self, rank: int) -> Path:
         return self.tensorboard_root / f"rank{rank}"

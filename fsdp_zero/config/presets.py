@@ -9,7 +9,8 @@ import difflib
 import math
 from dataclasses import dataclass, replace
 
-from fsdp_zero.config.schema import ModelConfig, check_positive
+from fsdp_zero.config.checks import check_positive
+from fsdp_zero.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)

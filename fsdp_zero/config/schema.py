@@ -16,12 +16,12 @@ settings: `fsdp_zero.config.presets.check_model_config`.
 
 from __future__ import annotations
 
-import enum
-import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_zero.config.checks import as_choice, check_positive, check_regexes, is_target
 from fsdp_zero.config.choices import (
     ActivationCheckpointing,
     Backend,
@@ -77,8 +77,8 @@ class LoRAConfig:
         check_positive("model.lora.alpha", self.alpha)
         if not 0 <= self.dropout < 1:
             raise ValueError(f"model.lora.dropout={self.dropout}: must be in [0, 1)")
-        _check_regexes("model.lora.targets", self.targets)
-        _check_regexes("model.lora.train", self.train)
+        check_regexes("model.lora.targets", self.targets)
+        check_regexes("model.lora.train", self.train)
 
 
 @dataclass
@@ -120,7 +120,7 @@ class ModelConfig:
     def check(self) -> None:
         """The rules that need no model; the built-in model's (preset, its fields, kwargs) are
         `fsdp_zero.model.transformer.check_model_config`'s."""
-        if self.target is not None and not _is_target(self.target):
+        if self.target is not None and not is_target(self.target):
             raise ValueError(
                 f"model.target={self.target!r}: expected package.module:callable, e.g. "
                 "torchvision.models:VisionTransformer"
@@ -136,7 +136,7 @@ class ModelConfig:
                     f"model.loss={self.loss!r} is set but model.task={self.task.value}; set "
                     "model.task=custom to use it"
                 )
-            if not _is_target(self.loss):
+            if not is_target(self.loss):
                 raise ValueError(f"model.loss={self.loss!r}: expected package.module:function")
         if self.init_from is not None and not Path(self.init_from).exists():
             raise ValueError(f"model.init_from={self.init_from!r}: no such file or folder")
@@ -147,7 +147,7 @@ class ModelConfig:
                 "model.trust_remote_code=true applies only to model.pretrained (a folder whose "
                 "config.json has an auto_map); set model.pretrained or drop it"
             )
-        _check_regexes("model.freeze", self.freeze)
+        check_regexes("model.freeze", self.freeze)
         self.lora.check()
 
     def _check_pretrained(self) -> None:
@@ -256,6 +256,7 @@ class WrapConfig:
                 "parallel.wrap.policy=modules needs parallel.wrap.modules, a list of FQN regexes, "
                 "e.g. 'parallel.wrap.modules=[layers\\.\\d+]'"
             )
+        check_regexes("parallel.wrap.modules", self.modules)
 
 
 @dataclass
@@ -293,8 +294,8 @@ class ParallelConfig:
     def check(self) -> None:
         """The choices (a section built by hand, as `fsdp_zero.api.shard` does, may name them), and the
         levers each strategy takes."""
-        strategy = _choice("parallel.strategy", self.strategy, Strategy)
-        _choice(
+        strategy = as_choice("parallel.strategy", self.strategy, Strategy)
+        as_choice(
             "parallel.activation_checkpointing",
             self.activation_checkpointing,
             ActivationCheckpointing,
@@ -317,7 +318,7 @@ class ParallelConfig:
                 f"parallel.cpu_offload=true needs an FSDP strategy ({strategies_that('fsdp')}), "
                 f"not parallel.strategy={strategy.value}"
             )
-        needs = GRAD_SYNC_NEEDS.get(_choice("parallel.grad_sync", self.grad_sync, GradSync))
+        needs = GRAD_SYNC_NEEDS.get(as_choice("parallel.grad_sync", self.grad_sync, GradSync))
         if needs and not getattr(STRATEGIES[strategy], needs):
             raise ValueError(
                 f"parallel.grad_sync={GradSync(self.grad_sync).value} applies to parallel.strategy="
@@ -639,55 +640,27 @@ class _EvalConfig:
             )
 
 
-@dataclass
+def _sections(cls: type) -> type:
+    """A dataclass of sections: each field defaults to a fresh instance of its own type."""
+    types = typing.get_type_hints(cls)
+    for name in cls.__annotations__:
+        setattr(cls, name, field(default_factory=types[name]))
+    return dataclass(cls)
+
+
+@_sections
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: _CheckpointConfig = field(default_factory=_CheckpointConfig)
-    run: _RunConfig = field(default_factory=_RunConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    metrics: _MetricsConfig = field(default_factory=_MetricsConfig)
-    memory: _MemoryConfig = field(default_factory=_MemoryConfig)
-    eval: _EvalConfig = field(default_factory=_EvalConfig)
+    """A run's settings: one section a key prefix (``model.*``, ``data.*``, ...)."""
 
-
-# ---------------------------------------------------------------------------------
-# What the checks share
-
-
-def check_positive(key: str, value: int | float | None) -> None:
-    """Raises a ValueError naming ``key`` when ``value`` is set and not > 0."""
-    if value is not None and value <= 0:
-        raise ValueError(f"{key}={value}: must be > 0")
-
-
-def _choice(key: str, value: object, kind: type[enum.Enum]) -> enum.Enum:
-    """``value`` as a member of ``kind`` (a section built by hand may hold a choice's name)."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(
-            f"{key}={value!r} is not a valid choice; valid choices: {', '.join(kind.__members__)}"
-        ) from None
-
-
-def _check_regexes(key: str, patterns: list[str]) -> None:
-    """Each of ``patterns`` compiles as a regular expression."""
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ValueError(
-                f"{key}: {pattern!r} is not a valid regular expression ({e})"
-            ) from None
-
-
-def _is_target(text: str) -> bool:
-    module, _, name = text.partition(":")
-    return bool(module and name) and all(
-        part.isidentifier() for part in module.split(".") + name.split(".")
-    )
+    model: ModelConfig
+    data: DataConfig
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    optim: OptimConfig
+    train: TrainConfig
+    checkpoint: _CheckpointConfig
+    run: _RunConfig
+    dist: DistConfig
+    metrics: _MetricsConfig
+    memory: _MemoryConfig
+    eval: _EvalConfig

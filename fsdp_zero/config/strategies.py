@@ -35,18 +35,14 @@ class Strategy(str, enum.Enum):
 @dataclass(frozen=True)
 class StrategySpec:
     """What a strategy is. Every module that needs a strategy's meaning (how it is applied, its
-    model-state formula, the levers it allows, its DeepSpeed stage, its label) reads `STRATEGIES`."""
+    model-state formula, the levers it allows, its DeepSpeed stage, its label) reads `STRATEGIES`.
+    The stage decides how it is applied and what it shards (the properties below)."""
 
     zero_stage: int  # the ZeRO-DP stage it implements (hybrid_shard: stage 3 within each group)
     label: str  # its name in reports and charts
-    # FSDP2's fully_shard, unit by unit; else DistributedDataParallel over the whole model
-    fsdp: bool
-    reshard_after_forward: bool  # FSDP2 frees each unit's gathered parameters after its forward
-    # which of (parameters, gradients, optimizer states) each rank holds a part of
-    sharded: tuple[bool, bool, bool]
-    # sharded within groups of parallel.shard_size ranks, replicated across them (2-D mesh)
-    hybrid: bool
     deepspeed_stage: int | None  # the zero_optimization.stage (parallel.zero_stage) that selects it
+    # sharded within groups of parallel.shard_size ranks, replicated across them (2-D mesh)
+    hybrid: bool = False
     aliases: tuple[str, ...] = ()  # the names users bring from FSDP1
     hpz: bool = False  # takes parallel.reshard_after_forward=k (ZeRO++'s hierarchical partitioning)
 
@@ -54,62 +50,35 @@ class StrategySpec:
     # need FSDP's units: `fsdp` says whether a strategy allows them.
 
     @property
+    def fsdp(self) -> bool:
+        """FSDP2's fully_shard, unit by unit (stages 2 and 3); else DistributedDataParallel over the
+        whole model."""
+        return self.zero_stage >= 2
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2 frees each unit's gathered parameters after its forward (stage 3)."""
+        return self.zero_stage == 3
+
+    @property
+    def sharded(self) -> tuple[bool, bool, bool]:
+        """Which of (parameters, gradients, optimizer states) each rank holds a part of. FSDP2 keeps
+        parameters sharded between steps at stage 2 too; stage 1 shards the optimizer states only."""
+        return (self.fsdp, self.fsdp, self.zero_stage >= 1)
+
+    @property
     def zero_redundancy_optimizer(self) -> bool:
         """Optimizer states sharded outside FSDP, by torch's ZeroRedundancyOptimizer."""
         return not self.fsdp and self.sharded[2]
 
 
+# One row a strategy: StrategySpec(ZeRO stage, label, DeepSpeed stage, ...).
 STRATEGIES: dict[Strategy, StrategySpec] = {
-    Strategy.full_shard: StrategySpec(
-        3,
-        "ZeRO-3",
-        fsdp=True,
-        reshard_after_forward=True,
-        sharded=(True, True, True),
-        hybrid=False,
-        deepspeed_stage=3,
-        aliases=("FULL_SHARD",),
-        hpz=True,
-    ),
-    Strategy.shard_grad_op: StrategySpec(
-        2,
-        "ZeRO-2",
-        fsdp=True,
-        reshard_after_forward=False,
-        sharded=(True, True, True),
-        hybrid=False,
-        deepspeed_stage=2,
-        aliases=("SHARD_GRAD_OP",),
-    ),
-    Strategy.hybrid_shard: StrategySpec(
-        3,
-        "HSDP",
-        fsdp=True,
-        reshard_after_forward=True,
-        sharded=(True, True, True),
-        hybrid=True,
-        deepspeed_stage=None,
-        aliases=("HYBRID_SHARD",),
-    ),
-    Strategy.zero1: StrategySpec(
-        1,
-        "ZeRO-1",
-        fsdp=False,
-        reshard_after_forward=False,
-        sharded=(False, False, True),
-        hybrid=False,
-        deepspeed_stage=1,
-    ),
-    Strategy.ddp: StrategySpec(
-        0,
-        "DDP",
-        fsdp=False,
-        reshard_after_forward=False,
-        sharded=(False, False, False),
-        hybrid=False,
-        deepspeed_stage=0,
-        aliases=("NO_SHARD",),
-    ),
+    Strategy.full_shard: StrategySpec(3, "ZeRO-3", 3, aliases=("FULL_SHARD",), hpz=True),
+    Strategy.shard_grad_op: StrategySpec(2, "ZeRO-2", 2, aliases=("SHARD_GRAD_OP",)),
+    Strategy.hybrid_shard: StrategySpec(3, "HSDP", None, hybrid=True, aliases=("HYBRID_SHARD",)),
+    Strategy.zero1: StrategySpec(1, "ZeRO-1", 1),
+    Strategy.ddp: StrategySpec(0, "DDP", 0, aliases=("NO_SHARD",)),
 }
 # DeepSpeed's stage -> ours, in stage order (hybrid_shard is DeepSpeed's MiCS, chosen by
 # mics_shard_size).

@@ -191,12 +191,11 @@ class _CountedReduceScatter(DefaultReduceScatter):
         self,
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: object,
-        async_op: bool = False,
+        *args: object,
+        **kwargs: object,
     ) -> dist.Work | None:
         self.add(input_tensor)
-        return self.inner(output_tensor, input_tensor, group, op, async_op)
+        return self.inner(output_tensor, input_tensor, *args, **kwargs)
 
 
 def _counted_all_reduce(meter: CommMeter, bucket):  # noqa: ANN001, ANN202

@@ -12,12 +12,13 @@ from fsdp_zero.tools.formulas import (
     strategy_states,
     zero_paper_stages,
 )
-from fsdp_zero.tools.launch import train_command
+from fsdp_zero.tools.launch import bench_main, script_parser, train_command
 from fsdp_zero.tools.planner import Simulator, simulate
 from fsdp_zero.tools.prediction import HEAP_RETENTION, Prediction
 from fsdp_zero.tools.rates import Rates
 
 __all__ = [
+    "bench_main",
     "dataparallel_row",
     "deepspeed_zero3_estimate",
     "DEFAULTS",
@@ -40,6 +41,7 @@ __all__ = [
     "simulate",
     "Simulator",
     "strategy_states",
+    "script_parser",
     "train_command",
     "zero_paper_stages",
 ]

@@ -1,11 +1,17 @@
 """How the benchmarks, compare.py and the tests start `scripts/train.py` (or another script): one
-command line, torchrun's single-node launch for several ranks, plain ``python`` for one."""
+command line, torchrun's single-node launch for several ranks, plain ``python`` for one; and the
+command line every script and benchmark starts from."""
 
 from __future__ import annotations
 
+import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
+
+from fsdp_zero.config import Config, load_config
+from fsdp_zero.distributed import DistEnv, distributed
 
 _TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
@@ -33,3 +39,44 @@ def train_command(
         str(script),
         *args,
     ]
+
+
+def script_parser(
+    doc: str | None, *, nproc: int | None = None, out: str | None = None, overrides: bool = False
+) -> argparse.ArgumentParser:
+    """A script's or benchmark's command line, its module docstring as the help. With ``nproc``:
+    ``--nproc-per-node`` (that default). With ``out``: ``--out``, a new folder (default
+    runs/<out>-<timestamp>; one that exists is refused, exit 2). With ``overrides``: the positional
+    key=value settings (add a script's own positionals before them)."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    if nproc is not None:
+        parser.add_argument("--nproc-per-node", type=int, default=nproc)
+    if out is not None:
+        parser.add_argument(
+            "--out",
+            type=_new_folder,
+            default=f"runs/{out}-{datetime.now():%Y%m%d-%H%M%S}",
+            help=f"output folder (default runs/{out}-<timestamp>); must not exist",
+        )
+    if overrides:
+        parser.add_argument("overrides", nargs="*", help="key=value settings over the defaults")
+    return parser
+
+
+def bench_main(
+    doc: str | None, defaults: Sequence[str], run: Callable[[Config, DistEnv], None]
+) -> None:
+    """A benchmark that runs in each rank under torchrun: its settings are ``defaults``, then the
+    command line's key=value ones; ``run(cfg, env)`` runs inside the process group."""
+    cfg = load_config(None, [*defaults, *script_parser(doc, overrides=True).parse_args().overrides])
+    with distributed(cfg.dist) as env:
+        run(cfg, env)
+
+
+def _new_folder(text: str) -> Path:
+    path = Path(text)
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{path} already exists; choose a new folder")
+    return path
