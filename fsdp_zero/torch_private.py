@@ -38,6 +38,7 @@ __all__ = [
     "real_post_forward_meshes",
     "reset_fsdp_iter_state",
     "set_group_timeout",
+    "local_shape_and_offset",
 ]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
@@ -72,6 +73,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
 )
+
+# A DTensor's shard as a box of the full tensor (its shape and offset) under any placements, which
+# the world-size-invariant initialiser and the weights loader write (`fsdp_zero.model.init`).
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # The base classes of Conv1d/2d/3d and ConvTranspose*, and of BatchNorm/InstanceNorm/SyncBatchNorm:
 # `fsdp_zero.model.init.init_standard` recognises every standard convolution and norm through them.
@@ -283,3 +288,11 @@ class SizeClasses:
         if nbytes:
             key = (reftype, abs(nbytes) < self.threshold)
             self.current[key] = self.current.get(key, 0) + nbytes
+
+
+def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A DTensor's local shard: its shape and its offset in the full tensor, under any placements
+    (``Shard``, FSDP2's ``_StridedShard`` beside tensor parallelism's, ``Replicate``)."""
+    return compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )

@@ -77,6 +77,7 @@ SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved afte
 # steps 3, 6 and 8; at 2 ranks and micro-batch 2, rank 0 forwards 2 + 1 windows, rank 1 2 and a dummy.
 EVAL = ("eval.every=3", "eval.path={root}/val.bin")
 EVAL_TOKENS = 170
+TP2 = "parallel.tp_size=2"
 HSDP_MB1 = ("parallel.strategy=hybrid_shard", "parallel.shard_size=2", "train.micro_batch_size=1")
 
 
@@ -189,6 +190,7 @@ LAUNCHES = {
     "2": Launch(2, prepare=_launch2_files),
     "2-resume": Launch(2, after=("2",), prepare=_weights_to_import),
     "4": Launch(4, after=("2",)),
+    "4-resume": Launch(4, after=("4",)),
     "1": Launch(0, after=("2",), prepare=_launch1_files),
     "3": Launch(3),
 }
@@ -470,6 +472,29 @@ RUNS = [
         "4",
         (*BASE, "parallel.strategy=ddp", "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
         (C, T),
+    ),
+    # Tensor parallelism (dp 2 x tp 2, sequence-parallel; tp 4 without: the norm gains on FSDP's mesh
+    # alone, the split layers on (dp, tp)), a dp 2 x tp 2 checkpoint continued at dp 4, and back.
+    Run("tp2", "4", (*BASE, *PROFILED, "parallel.tp_size=2"), (P, C)),
+    Run("tp4", "4", (*BASE, "parallel.tp_size=4", "parallel.sequence_parallel=false"), (P,)),
+    # masked data under tensor parallelism: the trained tokens counted over the data-parallel ranks
+    Run("masked-tp2", "4", (*BASE, *MASKED, TP2), ("test_masked",)),
+    Run("tp2-split", "4", (*BASE, TP2, "train.stop_after=4", "checkpoint.every=0"), (C,)),
+    Run(
+        "full_shard-to-tp2-n4",
+        "4",
+        (*BASE, TP2, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
+        (C,),
+    ),
+    Run(
+        "tp2-to-full_shard-n4",
+        "4-resume",
+        (
+            *BASE,
+            "checkpoint.every=0",
+            "checkpoint.resume={root}/tp2-split/checkpoints/step-0000004",
+        ),
+        (C,),
     ),
     Run("n1", "1", BASE, (P, T)),
     # The same at N = 1 with micro-batches of 2 (4 accumulated) and of 8 (one).

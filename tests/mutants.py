@@ -47,6 +47,8 @@ _DEFER = "test_a_micro_batch_that_raises_leaves_the_reduction_on"
 _COMPOSED = "test_a_composed_prediction_equals_the_whole_models_simulation"
 _GPU_HOST = "test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host"
 _GPU_PLAN = "test_planner_plans_for_gpus_from_a_machine_without_one"
+_TP_STATE = "test_model_state_per_rank_follows_the_tensor_parallel_formula"
+_TP_TOKENS = "test_tensor_parallel_counts_the_trained_tokens_over_the_data_parallel_ranks"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -223,6 +225,17 @@ MUTANTS = {
         "the planner simulates a CUDA plan on the target device, not the CPU",
         [f"tests/test_compare.py::{_GPU_PLAN}"],
         [_GPU_PLAN],
+    ),
+    "tp-plan-skipped": (
+        "parallel.tp_size: the model's tensor-parallel plan never applied (FSDP alone, tp ranks repeat)",
+        [f"tests/test_parity.py::{_TP_STATE}"],
+        [_TP_STATE],
+    ),
+    "tokens-over-world": (
+        "masked data under tensor parallelism: trained tokens counted over every rank, not the "
+        "data-parallel ones",
+        [f"tests/test_masked.py::{_TP_TOKENS}"],
+        [_TP_TOKENS],
     ),
     "test-process-sees-gpus": (
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",

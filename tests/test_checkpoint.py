@@ -394,6 +394,8 @@ MOVES = [
     ("zero1", "full_shard", 4),
     ("ddp", "full_shard", 1),
     ("full_shard", "ddp", 4),
+    ("full_shard", "tp2", 4),  # dp 2 -> dp 2 x tp 2
+    ("tp2", "full_shard", 4),  # dp 2 x tp 2 (saved at 4 ranks) -> dp 4
 ]
 
 

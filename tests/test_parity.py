@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from fsdp_zero.config.loader import load_config
+from fsdp_zero.training import Summary
 from tests.batches import BASE, TIED
 from tests.conftest import figure
 from tests.reference import reference_run
@@ -51,11 +52,13 @@ NAMES = [
     "bf16-mixed",
     "fp16-mixed",
     "bf16-true",
+    "tp2",
+    "tp4",
 ]
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 FP32 = [name for name in NAMES if name not in PRECISIONS]
 # gloo runs with FSDP2 units (n1: one rank)
-FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1")]
+FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1", "tp2", "tp4")]
 
 # Tolerances under lower precision, against the single-process run in the same mode. Both runs
 # round the same values to bf16/fp16 but not in the same places: the reference computes the whole
@@ -376,6 +379,28 @@ def test_model_state_per_rank_follows_the_zero_formula(runs, name):
     figure(
         f"model state / formula, {name}",
         ", ".join(f"{b / expected:.5f}" for b in run["model_state_bytes"]),
+    )
+
+
+# Tensor parallelism: the planned weights split over tp x the shard group; the norm gains, which the
+# plan leaves whole ((2 L + 1) x dim of gpt_nano's parameters), over the shard group only:
+# 16 (P - P_whole) / (tp s) + 16 P_whole / s bytes (fp32 AdamW). (tp, shard group):
+TP_LAYOUTS = {"tp2": (2, 2), "tp4": (4, 1)}
+
+
+@pytest.mark.parametrize("name", sorted(TP_LAYOUTS))
+def test_model_state_per_rank_follows_the_tensor_parallel_formula(runs, batches, name):
+    tp, s = TP_LAYOUTS[name]
+    run, whole = runs[name], (2 * 2 + 1) * 64
+    expected = 16 * (run["num_params"] - whole) / (tp * s) + 16 * whole / s
+    # every rank to the byte, with AdamW's step counters (a 4-byte scalar for each of the 21 tensors)
+    assert run["model_state_bytes"] == [expected + 4 * 21] * 4
+    summary = Summary.read(batches.path(name))
+    assert summary.model_state_formula_bytes == expected  # the end-of-run line's formula
+    figure(
+        f"model state / formula, {name}",
+        f"{expected / 2**20:.4f} MiB a rank = {run['num_params'] * 16 / expected:.2f}x less than "
+        "one process",
     )
 
 

@@ -214,9 +214,10 @@ def load_full_weights(model: nn.Module, path: Path, key: str = "model.init_from"
         if tensor.dim() == 0:  # e.g. BatchNorm's num_batches_tracked
             tensor.copy_(weights.rows(file_name, 0, 0).to(tensor.dtype))
             continue
-        local, start, stop = local_rows(tensor)
+        local, start, stop, cols = local_rows(tensor)
         if stop > start:
-            local.copy_(weights.rows(file_name, start, stop).to(local.dtype))
+            rows = weights.rows(file_name, start, stop)
+            local.copy_(rows[(slice(None), *cols)].to(local.dtype))
     return how
 
 

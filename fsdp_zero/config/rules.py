@@ -4,6 +4,7 @@ precision and the strategy, evaluation and the task), before anything is built o
 from __future__ import annotations
 
 from fsdp_zero.config.choices import DataSource, Task
+from fsdp_zero.config.presets import BUILTIN_FIELDS, model_args
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config
 from fsdp_zero.config.strategies import is_fsdp, strategies_that
 
@@ -71,3 +72,48 @@ def validate(cfg: Config) -> None:
             f"parallel.strategy={strategy.value}; with {strategy.value} use precision.mode=fp32 or "
             "bf16-true"
         )
+    _check_tensor_parallel(cfg)
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    """parallel.tp_size > 1: what it supports (the built-in model, untied, fully trained), and
+    every dimension it splits divisible by it: heads and KV heads (attention's colwise wq/wk/wv),
+    the feed-forward's hidden size, the vocabulary (the embedding's rows and the output's columns)
+    and, with sequence parallelism, the sequence."""
+    tp, m = cfg.parallel.tp_size, cfg.model
+    if tp == 1:
+        return
+    setting = f"parallel.tp_size={tp}"
+    if m.target is not None or m.pretrained is not None:
+        foreign = f"model.target={m.target}" if m.target else f"model.pretrained={m.pretrained}"
+        raise ValueError(
+            f"{setting} supports the built-in model only (its tensor-parallel plan), not {foreign}"
+        )
+    for key, value in (("model.lora.rank", m.lora.rank), ("model.freeze", m.freeze)):
+        if value:
+            raise ValueError(f"{key}={value} with {setting} is not supported yet")
+    if cfg.parallel.loss_parallel and m.task is not Task.causal_lm:
+        raise ValueError(
+            f"parallel.loss_parallel=true needs model.task=causal_lm (its cross-entropy runs on "
+            f"the vocabulary's shards), not {m.task.value}"
+        )
+    args = model_args(m.preset, **{name: getattr(m, name) for name in BUILTIN_FIELDS})
+    if args.tie_embeddings:
+        raise ValueError(
+            f"model.tie_embeddings=true with {setting} is not supported (the embedding and the "
+            "output would split one weight two ways); set model.tie_embeddings=false"
+        )
+    split = {
+        "model.n_heads": args.n_heads,
+        "model.n_kv_heads": args.kv_heads,
+        "model.ffn_hidden_dim": args.hidden_dim,
+        "model.vocab_size": args.vocab_size,
+    }
+    if cfg.parallel.sequence_parallel:
+        split["data.seq_len"] = cfg.data.seq_len
+    for key, value in split.items():
+        if value % tp:
+            raise ValueError(
+                f"{key}={value} must be a multiple of {setting} (each rank takes 1/{tp} of it)"
+                + ("; or set parallel.sequence_parallel=false" if key == "data.seq_len" else "")
+            )

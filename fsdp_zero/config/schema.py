@@ -290,6 +290,16 @@ class ParallelConfig:
     # precisions; 2 B under bf16-true). The same results within float rounding (a 16-bit reduce
     # dtype sums the micro-batches in 16 bits); fewer bytes.
     grad_sync: GradSync = GradSync.every_micro_batch
+    # Tensor parallelism (docs/parallelism.md): the model's planned layers split their weights over
+    # groups of tp_size ranks (the mesh's innermost dimension: the GPUs of a node), and the strategy
+    # shards over the world size / tp_size data-parallel ranks.
+    tp_size: int = 1
+    # tp_size > 1: the norms and the residual stream between the layers sharded on the sequence
+    # (activations / tp_size; torchtitan's default). data.seq_len must divide by tp_size.
+    sequence_parallel: bool = True
+    # tp_size > 1: the logits stay sharded over the vocabulary, and the cross-entropy runs on the
+    # shards (no rank holds a whole vocabulary's logits).
+    loss_parallel: bool = False
 
     def check(self) -> None:
         """The choices (a section built by hand, as `fsdp_zero.api.shard` does, may name them), and the
@@ -324,6 +334,17 @@ class ParallelConfig:
                 f"parallel.grad_sync={GradSync(self.grad_sync).value} applies to parallel.strategy="
                 f"{strategies_that(needs)} only, not {strategy.value}"
             )
+        check_positive("parallel.tp_size", self.tp_size)
+        if self.tp_size > 1 and not STRATEGIES[strategy].takes_tp:
+            raise ValueError(
+                f"parallel.tp_size={self.tp_size} needs parallel.strategy="
+                f"{strategies_that('takes_tp')}, not {strategy.value}"
+            )
+        if self.tp_size > 1 and self.cpu_offload:
+            raise ValueError(
+                f"parallel.cpu_offload=true with parallel.tp_size={self.tp_size} is not supported "
+                "yet; set parallel.tp_size=1 or parallel.cpu_offload=false"
+            )
         self.wrap.check()
 
     def check_world(self, world_size: int) -> list[str]:
@@ -333,30 +354,43 @@ class ParallelConfig:
             Warnings for settings that have no effect (to log).
 
         Raises:
-            ValueError: a hybrid_shard shard size, or a reshard_after_forward group size, that does
-                not divide the world size.
+            ValueError: a tp_size that does not divide the world size; a hybrid_shard shard size,
+                or a reshard_after_forward group size, that does not divide the data-parallel
+                ranks (the world size / tp_size).
         """
-        size = self.shard_size
-        if STRATEGIES[self.strategy].hybrid and (size < 1 or world_size % size):
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        tp = self.tp_size
+        if world_size % tp:
             raise ValueError(
-                f"parallel.shard_size={size} must divide the world size {world_size}; valid "
-                f"choices: {divisors}"
+                f"parallel.tp_size={tp} must divide the world size {world_size}; valid choices: "
+                f"{_divisors(world_size)}"
+            )
+        dp = world_size // tp
+        ranks = f"the world size {world_size}" if tp == 1 else f"the {dp} data-parallel ranks"
+        size = self.shard_size
+        if STRATEGIES[self.strategy].hybrid and (size < 1 or dp % size):
+            raise ValueError(
+                f"parallel.shard_size={size} must divide {ranks}; valid choices: {_divisors(dp)}"
             )
         k = self.reshard_after_forward
-        if k is not None and k != world_size and (world_size % k or k >= world_size):
-            divisors = [d for d in range(1, world_size) if world_size % d == 0]
+        if k is not None and k != dp and (dp % k or k >= dp):
             raise ValueError(
-                f"parallel.reshard_after_forward={k} must divide the world size {world_size} and "
-                f"be smaller; valid choices: {divisors} (or null)"
+                f"parallel.reshard_after_forward={k} must divide {ranks} and be smaller; valid "
+                f"choices: {_divisors(dp)[:-1]} (or null)"
             )
+        notes = []
         if not STRATEGIES[self.strategy].hybrid and size != ParallelConfig.shard_size:
-            return [
+            notes.append(
                 f"parallel.shard_size={size} has no effect with "
                 f"parallel.strategy={self.strategy.value} (only {strategies_that('hybrid')} uses "
                 "it)"
-            ]
-        return []
+            )
+        if tp == 1 and self.loss_parallel:
+            notes.append("parallel.loss_parallel=true has no effect with parallel.tp_size=1")
+        return notes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # precision.mode: how model state is stored, computed and reduced (see

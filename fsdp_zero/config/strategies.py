@@ -67,6 +67,12 @@ class StrategySpec:
         return (self.fsdp, self.fsdp, self.zero_stage >= 1)
 
     @property
+    def takes_tp(self) -> bool:
+        """Composes with tensor parallelism (parallel.tp_size > 1): FSDP2 on the data-parallel
+        mesh beside the tensor-parallel one (hybrid_shard's 3-D mesh: not built yet)."""
+        return self.fsdp and not self.hybrid
+
+    @property
     def zero_redundancy_optimizer(self) -> bool:
         """Optimizer states sharded outside FSDP, by torch's ZeroRedundancyOptimizer."""
         return not self.fsdp and self.sharded[2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_zero.config.schema import ParallelConfig
@@ -17,13 +18,16 @@ class Topology:
 
     strategy: Strategy
     world_size: int
-    # ranks a sharded state is split over: hybrid_shard's shard_size, else every rank
+    # ranks a sharded state is split over: hybrid_shard's shard_size, else every data-parallel rank
     shard_group: int
     # ranks each parameter is split over (1: every rank holds them all: ddp, zero1)
     param_shards: int
     # what FSDP2 reshards to after forward (k: groups of k ranks, hpZ)
     reshard_after_forward: bool | int
     notes: tuple[str, ...] = ()  # settings that have no effect at this world size (to log)
+    # ranks each tensor-parallel layer is split over (parallel.tp_size): the mesh's innermost
+    # dimension; the data-parallel ranks are world_size / tp
+    tp: int = 1
     # a mesh built already (the planner's, on its fake process group), which `mesh` returns
     fixed_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
@@ -34,32 +38,58 @@ class Topology:
             that does not divide the world size)."""
         notes = tuple(cfg.check_world(world_size))
         spec = STRATEGIES[cfg.strategy]
-        group = cfg.shard_size if spec.hybrid else world_size
+        dp = world_size // cfg.tp_size
+        group = cfg.shard_size if spec.hybrid else dp
         k = cfg.reshard_after_forward
-        reshard = spec.reshard_after_forward if k is None or k == world_size else k
-        return cls(cfg.strategy, world_size, group, group if spec.sharded[0] else 1, reshard, notes)
+        reshard = spec.reshard_after_forward if k is None or k == dp else k
+        shards = group if spec.sharded[0] else 1
+        return cls(cfg.strategy, world_size, group, shards, reshard, notes, tp=cfg.tp_size)
 
     @property
     def spec(self) -> StrategySpec:
         return STRATEGIES[self.strategy]
 
     @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks: each reads its own part of the global batch (the ranks of a
+        tensor-parallel group read the same)."""
+        return self.world_size // self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global rank ``rank`` (tp innermost: consecutive ranks form a
+        tensor-parallel group)."""
+        return rank // self.tp
+
+    @property
+    def dp_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions FSDP shards (and replicates) over."""
+        return ("dp_replicate", "dp_shard") if self.spec.hybrid else ("dp_shard",)
+
+    @property
     def replicas(self) -> int:
         """Copies of each shard group (hybrid_shard's all-reduce runs across them)."""
-        return self.world_size // self.shard_group
+        return self.dp_size // self.shard_group
+
+    def data_group(self) -> dist.ProcessGroup | None:
+        """This rank's data-parallel peers, whose batches make the global batch (None: every rank,
+        when tp is 1). Under tensor parallelism the mesh must be built (`with_mesh`)."""
+        if self.tp == 1:
+            return None
+        assert self.fixed_mesh is not None, "build the mesh once (with_mesh) before asking for it"
+        return self.fixed_mesh["dp_shard"].get_group()
 
     def with_mesh(self, mesh: DeviceMesh) -> Topology:
         """This topology, its device mesh ``mesh`` (built already)."""
         return replace(self, fixed_mesh=mesh)
 
     def mesh(self, device_type: str) -> DeviceMesh:
-        """1-D (dp_shard) for full_shard/shard_grad_op; 2-D (dp_replicate, dp_shard) for hybrid_shard."""
+        """The run's device mesh, built once: (dp_shard) for full_shard/shard_grad_op, (dp_replicate,
+        dp_shard) for hybrid_shard, then tp when tp > 1 (innermost: a tensor-parallel group's
+        ranks are neighbours, a node's GPUs). FSDP shards over ``mesh[dp_dims]``."""
         if self.fixed_mesh is not None:
             return self.fixed_mesh
-        if self.spec.hybrid:
-            return init_device_mesh(
-                device_type,
-                (self.replicas, self.param_shards),
-                mesh_dim_names=("dp_replicate", "dp_shard"),
-            )
-        return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard",))
+        sizes = {"dp_replicate": self.replicas, "dp_shard": self.dp_size // self.replicas}
+        dims = {name: sizes[name] for name in self.dp_dims} | (
+            {"tp": self.tp} if self.tp > 1 else {}
+        )
+        return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))

@@ -20,9 +20,9 @@ import zlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from fsdp_zero.torch_private import ConvNd, NormBase
+from fsdp_zero.torch_private import ConvNd, NormBase, local_shape_and_offset
 
 # Elements per generated block: large enough to keep the per-block overhead small,
 # small enough that the temporary block is negligible next to a shard.
@@ -30,29 +30,24 @@ _BLOCK_ELEMS = 1 << 20
 _MASK64 = (1 << 64) - 1
 
 
-def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """The local tensor to write and the global rows [start, stop) it holds."""
+def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """The local tensor to write and the box of the full tensor it holds, a slice per dimension:
+    the whole tensor, or a DTensor's shard under any placements (FSDP's rows, tensor parallelism's
+    rows or columns, both at once)."""
     if isinstance(param, DTensor):
         local = param.to_local()
-        start = 0
-        rows = param.shape[0]
-        # Walk the mesh dims: Shard(0) on a dim splits the current row range in
-        # torch.chunk fashion (what FSDP2 uses); Replicate leaves it unchanged.
-        coords = param.device_mesh.get_coordinate()
-        assert coords is not None, "this rank is not part of the parameter's mesh"
-        for mesh_dim, placement in enumerate(param.placements):
-            if isinstance(placement, Shard):
-                assert placement.dim == 0, f"only dim-0 sharding is supported, got {placement}"
-                n = param.device_mesh.size(mesh_dim)
-                chunk = -(-rows // n)
-                lo = min(coords[mesh_dim] * chunk, rows)
-                hi = min(lo + chunk, rows)
-                start, rows = start + lo, hi - lo
-            elif not placement.is_replicate():
-                raise AssertionError(f"unsupported placement {placement}")
-        assert local.shape[0] == rows, (local.shape, rows)
-        return local, start, start + rows
-    return param, 0, param.shape[0]
+        shape, offset = local_shape_and_offset(param)
+        assert tuple(local.shape) == tuple(shape), (local.shape, shape)
+        return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return param, tuple(slice(0, n) for n in param.shape)
+
+
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[slice, ...]]:
+    """`local_box` as rows: the local tensor, the global rows [start, stop) it holds, and the box's
+    slices of the other dimensions."""
+    local, box = local_box(param)
+    rows = box[0] if box else slice(0, 0)
+    return local, rows.start, rows.stop, box[1:]
 
 
 def _block_seed(seed: int, name: str, block: int) -> int:
@@ -67,9 +62,9 @@ def _block_seed(seed: int, name: str, block: int) -> int:
 
 def _fill(param: torch.Tensor, seed: int, name: str, draw) -> None:  # noqa: ANN001
     """Fills ``param`` block by block; ``draw(values, generator)`` fills one block in place."""
-    local, start, stop = local_rows(param)
     if param.dim() == 0:
         raise AssertionError(f"{name}: 0-d parameters are filled with constant_")
+    local, start, stop, cols = local_rows(param)
     if stop <= start:
         return
     full_rows = param.shape[0]
@@ -86,12 +81,12 @@ def _fill(param: torch.Tensor, seed: int, name: str, draw) -> None:  # noqa: ANN
         values = torch.empty((b_hi - b_lo, *param.shape[1:]), dtype=torch.float32)
         draw(values, gen)
         lo, hi = max(start, b_lo), min(stop, b_hi)
-        local[lo - start : hi - start].copy_(values[lo - b_lo : hi - b_lo])
+        local[lo - start : hi - start].copy_(values[(slice(lo - b_lo, hi - b_lo), *cols)])
 
 
 @torch.no_grad()
 def normal_(param: torch.Tensor, *, std: float, seed: int, name: str, mean: float = 0.0) -> None:
-    """Fills ``param`` (plain or dim-0-sharded DTensor) with N(mean, std^2), world-size invariant.
+    """Fills ``param`` (plain or a DTensor's shard) with N(mean, std^2), world-size invariant.
 
     Args:
         param: the parameter; a DTensor writes only its local shard.
@@ -112,14 +107,13 @@ def uniform_(param: torch.Tensor, *, bound: float, seed: int, name: str) -> None
 @torch.no_grad()
 def constant_(param: torch.Tensor, value: float) -> None:
     """Fills ``param`` (plain or DTensor) with ``value``."""
-    local, _, _ = local_rows(param)
-    local.fill_(value)
+    local_box(param)[0].fill_(value)
 
 
 @torch.no_grad()
 def _zero_row_(param: torch.Tensor, row: int) -> None:
     """Zeroes global row ``row`` of ``param`` on the rank that holds it (an embedding's padding_idx)."""
-    local, start, stop = local_rows(param)
+    local, start, stop, _ = local_rows(param)
     if start <= row < stop:
         local[row - start].zero_()
 

@@ -62,9 +62,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: the heads this module computes (all, or its share when wq, wk and wv are split)
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = _apply_rotary(q, rope), _apply_rotary(k, rope)
         if self.n_kv_heads != self.n_heads:
             repeat = self.n_heads // self.n_kv_heads
@@ -102,6 +103,26 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     # The repeated unit, which the `transformer` wrap policy shards by default.
     block_class = TransformerBlock
+    # Tensor parallelism's plan (the styles: `fsdp_zero.sharding.tensor`): attention and
+    # feed-forward split Megatron's way (column-split inputs, row-split outputs), the vocabulary
+    # split in the embedding and the head; under sequence parallelism the norms run on sequence
+    # shards and the attention and feed-forward gather their input.
+    tp_plan = {
+        "tok_embeddings": "embedding_rowwise",
+        "layers.*.attention_norm": "sequence_parallel",
+        "layers.*.attention": "gather_input",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.ffn_norm": "sequence_parallel",
+        "layers.*.feed_forward": "gather_input",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "norm": "sequence_parallel",
+        "output": "colwise_gather_output",
+    }
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()

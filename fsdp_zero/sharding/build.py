@@ -31,6 +31,7 @@ from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
 from fsdp_zero.sharding.parallelize import Compute, parallelize
 from fsdp_zero.sharding.precision import Precision, resolve
+from fsdp_zero.sharding.tensor import tp_whole
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.torch_private import hf_init_weights
 
@@ -286,6 +287,7 @@ class Built:
     num_frozen: int = 0  # parameters that do not train (model.freeze, model.lora)
     trainable_note: str = ""  # what model.freeze and model.lora did ('' when neither is set)
     topology: Topology | None = None  # cfg.parallel resolved for the world size
+    tp_whole: int = 0  # parameters tensor parallelism leaves whole (`fsdp_zero.sharding.tensor`)
 
 
 def build(
@@ -326,6 +328,16 @@ def build(
     optimizer = build_optimizer(
         model, cfg.optim, device, zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer
     )
+    whole = tp_whole(model) if topology.tp > 1 else 0
     return Built(
-        model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note, topology
+        model,
+        optimizer,
+        plan,
+        num_params,
+        precision,
+        note,
+        num_frozen,
+        trainable_note,
+        topology,
+        whole,
     )

@@ -32,6 +32,7 @@ from fsdp_zero.config.strategies import STRATEGIES, StrategySpec, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.precision import Precision
+from fsdp_zero.sharding.tensor import apply_tensor_parallel
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
 
@@ -45,6 +46,7 @@ def model_state_formula(
     num_params: int,
     bytes_per_param: tuple[int, int, int] = _FP32_ADAMW,
     frozen: int = 0,
+    tp_whole: int = 0,
 ) -> float:
     """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
     the one model-state formula per strategy (the trainer's report, compare.py and the planner use
@@ -54,12 +56,18 @@ def model_state_formula(
     2, 12). Each of the three is whole on every rank or split over the shard group, as the
     strategy's ``sharded`` says (FSDP strategies: all three; zero1: the optimizer states; ddp:
     none). ``frozen`` of the ``num_params`` do not train (model.freeze, LoRA): they cost only their
-    stored bytes w (no gradient, no AdamW states).
+    stored bytes w (no gradient, no AdamW states). Under tensor parallelism (tp > 1) a planned
+    parameter is split over tp x the shard group; ``tp_whole`` of them (norm gains: what the plan
+    leaves whole) over the shard group only: 16 (P - P_whole) / (tp N) + 16 P_whole / N in fp32.
     """
     sharded = topology.spec.sharded
     whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
     split = sum(b for b, split in zip(bytes_per_param, sharded) if split)
     n = topology.shard_group
+    if topology.tp > 1:
+        assert not frozen, "config.rules refuses frozen parameters with tensor parallelism"
+        planned = num_params - tp_whole
+        return whole * num_params + split * (planned / (n * topology.tp) + tp_whole / n)
     if not frozen:
         # the formula as it always was, bit for bit
         return whole * num_params + split * num_params / n
@@ -225,13 +233,20 @@ def parallelize(
     """
     # registration ~ execution order
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    _checkpoint_and_compile(model, cfg, plan, compute.compile, order)
     if not is_fsdp(cfg.strategy):
+        _checkpoint_and_compile(model, cfg, plan, compute.compile, order)
         materialize(model)
         return _ddp(model, env, compute)
 
+    # 1. tensor parallelism: the planned layers split over the mesh's tp dimension
+    mesh = topology.mesh(env.device.type)
+    if topology.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel)
+    # 2. activation checkpointing, 3. compile (on the block units)
+    _checkpoint_and_compile(model, cfg, plan, compute.compile, order)
+    # 4. FSDP over the data-parallel ranks: units bottom-up, then the root; 5. materialise
     kwargs = dict(
-        mesh=topology.mesh(env.device.type),
+        mesh=mesh[topology.dp_dims] if topology.tp > 1 else mesh,
         reshard_after_forward=topology.reshard_after_forward,
         mp_policy=compute.precision.mp_policy() if compute.precision else MixedPrecisionPolicy(),
         offload_policy=offload_policy(cfg, env),

@@ -47,6 +47,7 @@ from fsdp_zero.config.choices import DataSource, Task
 from fsdp_zero.config.schema import Config
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.tasks import TASKS, check_classes_fit, to_device, vocab_size
 from fsdp_zero.sharding.parallelize import unwrap
 from fsdp_zero.torch_private import reset_fsdp_iter_state
@@ -154,10 +155,14 @@ class Evaluator:
         every: int,
         micro_batch_size: int,
         env: DistEnv,
+        topology: Topology,
     ) -> None:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
-        self.env = env
-        self.batches = _rank_batches(num_items, env.world_size, env.rank, micro_batch_size)
+        self.env, self.group = env, topology.data_group()
+        # split over the data-parallel ranks (a tensor-parallel group forwards the same items)
+        self.batches = _rank_batches(
+            num_items, topology.dp_size, topology.dp_rank(env.rank), micro_batch_size
+        )
         self.spec = TASKS[task]
         assert self.spec.eval_sums is not None, (
             f"model.task={task.value} has no evaluation (config.validate refuses it)"
@@ -204,7 +209,8 @@ class Evaluator:
             if isinstance(module, FSDPModule):
                 reset_fsdp_iter_state(module)  # reshard every unit; forget the pass's forward order
         if dist.is_initialized():
-            dist.all_reduce(totals)  # the evaluation's one reduction: loss sum, count, right
+            # the evaluation's one reduction: loss sum, count, right
+            dist.all_reduce(totals, group=self.group)
         loss_sum, count, right = totals.tolist()  # a sync point, once per evaluation
         # a masked held-out set without one trained token
         loss = loss_sum / count if count else math.nan
@@ -245,9 +251,14 @@ def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> _Fold
 
 
 def build_evaluator(
-    cfg: Config, env: DistEnv, model: nn.Module, train_source: object
+    cfg: Config,
+    env: DistEnv,
+    model: nn.Module,
+    train_source: object,
+    topology: Topology | None = None,
 ) -> Evaluator | None:
-    """The evaluator ``eval.*`` asks for (None: eval.every=0), its data opened and checked.
+    """The evaluator ``eval.*`` asks for (None: eval.every=0), its data opened and checked, split
+    over ``topology``'s data-parallel ranks (default: ``cfg.parallel`` at ``env``'s world size).
 
     Raises:
         ValueError: an eval.path the model cannot read (token ids past its vocabulary, fewer tokens
@@ -268,7 +279,13 @@ def build_evaluator(
     if num_items == 0:
         raise ValueError(f"eval.path={e.path!r} holds no {items.unit}")
     evaluator = Evaluator(
-        items, num_items, cfg.model.task, e.every, cfg.train.micro_batch_size, env
+        items,
+        num_items,
+        cfg.model.task,
+        e.every,
+        cfg.train.micro_batch_size,
+        env,
+        topology or Topology.of(cfg.parallel, env.world_size),
     )
     logger.info(
         "evaluation every %d steps and at the last: %d %s of %s (%d forwards a rank, micro-batch "

@@ -65,7 +65,7 @@ def log_setup(
         ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
     )
     state_bytes = model_state_formula(
-        built.topology, num_params, precision.bytes_per_param, built.num_frozen
+        built.topology, num_params, precision.bytes_per_param, built.num_frozen, built.tp_whole
     )
     where = formula_note(built.topology) + (
         f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"

@@ -79,19 +79,36 @@ def _grad_norm_(parameters: list[nn.Parameter]) -> torch.Tensor:
 
     With FSDP each rank holds a shard of each gradient (a DTensor). The norm of a
     sharded DTensor is a partial value; ``full_tensor()`` all-reduces it into the norm
-    of the whole model's gradient.
+    of the whole model's gradient. Under tensor parallelism the gradients live on two meshes
+    (the split layers' (dp, tp), the others' dp), which one norm cannot mix (pytorch #180346):
+    each mesh's norm is reduced on its own, and their squares summed.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    return total.full_tensor() if hasattr(total, "full_tensor") else total
+    norms = []
+    for group in _by_mesh(parameters):
+        grads = [p.grad for p in group if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if len(norms) <= 1:
+        return norms[0] if norms else torch.nn.utils.get_total_norm([], norm_type=2.0)
+    return torch.stack([n.float() for n in norms]).square().sum().sqrt()
 
 
 @torch.no_grad()
 def _clip_grads_(parameters: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
     """Scales the gradients so that their global norm ``total`` is at most ``max_norm`` (0: no
-    clipping). Clipping each rank's shard by the global norm is exactly clipping the whole gradient."""
+    clipping). Clipping each rank's shard by the global norm is exactly clipping the whole gradient
+    (one mesh at a time: a foreach op cannot mix them)."""
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        for group in _by_mesh(parameters):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+
+
+def _by_mesh(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``parameters`` grouped by their device mesh (plain tensors: one group), in order."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in parameters:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(groups.values())
 
 
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -107,19 +124,24 @@ def _report(hooks: Sequence[PhaseHook], phase: Phase) -> None:
 
 
 def _token_weight(
-    count: Callable[[object], torch.Tensor], micro_batches: list, device: torch.device
+    count: Callable[[object], torch.Tensor],
+    micro_batches: list,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[float, int]:
     """N / (trained tokens of the global batch) and that count: this rank's count over its micro-batches
-    (their targets, still on the host), one all-reduce, and one read of the sum (a sync point, masked data only)."""
+    (their targets, still on the host), one all-reduce over the data-parallel ranks ``group`` (None:
+    every rank), and one read of the sum (a sync point, masked data only)."""
     total = torch.tensor(
         float(sum(int(count(b)) for b in micro_batches)), dtype=torch.float64, device=device
     )
-    world = 1
+    ranks = 1
     if dist.is_initialized():
-        dist.all_reduce(total)
-        world = dist.get_world_size()  # the ranks FSDP (or DDP) averages gradients over
+        dist.all_reduce(total, group=group)
+        # the ranks FSDP (or DDP) averages gradients over (a tensor-parallel group reads one batch)
+        ranks = dist.get_world_size(group)
     trained = int(total.item())
-    return world / max(trained, 1), trained
+    return ranks / max(trained, 1), trained
 
 
 def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] | None:
@@ -157,6 +179,9 @@ class Step:
     gate: Callable[[torch.Tensor, torch.Tensor], Verdict] | None = None
     token_count: Callable[[object], torch.Tensor] | None = None
     grad_sync: GradSync = GradSync.every_micro_batch
+    # the data-parallel ranks, whose batches make the global batch (None: every rank; under tensor
+    # parallelism a group of its own)
+    data_group: dist.ProcessGroup | None = None
 
     def run(self, micro_batches: list, hooks: Sequence[PhaseHook] = ()) -> StepResult:
         """Forward/backward over this rank's micro-batches, then one optimizer step (at the
@@ -180,7 +205,9 @@ class Step:
         params = [p for p in self.model.parameters()]
         weight, trained = None, None
         if self.token_count:
-            weight, trained = _token_weight(self.token_count, micro_batches, self.device)
+            weight, trained = _token_weight(
+                self.token_count, micro_batches, self.device, self.data_group
+            )
         loss_sum, extra_sum = self._accumulate(micro_batches, hooks, weight)
         _report(hooks, Phase.AFTER_BACKWARD)
         n = len(micro_batches)

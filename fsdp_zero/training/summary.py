@@ -65,7 +65,7 @@ def write_summary(
     only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
     num_params, num_frozen = built.num_params, built.num_frozen
     formula = model_state_formula(
-        built.topology, num_params, built.precision.bytes_per_param, num_frozen
+        built.topology, num_params, built.precision.bytes_per_param, num_frozen, built.tp_whole
     )
     logger.info(
         "model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f "

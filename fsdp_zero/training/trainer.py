@@ -127,11 +127,13 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
             is known (a batch that does not divide, a wrap class the model lacks, ...).
         Stopped: a restart of a torchrun job whose time budget (train.max_minutes) ran out.
     """
-    layout = BatchLayout.of(cfg.train, env.world_size)
-    apply_malloc_policy(cfg.memory.malloc_mmap_threshold, env.device)
-    strategy = cfg.parallel.strategy
     # every world-size fact of the run, resolved once
     topology = Topology.of(cfg.parallel, env.world_size)
+    if topology.tp > 1:  # one mesh for tensor parallelism, FSDP and the data-parallel group
+        topology = topology.with_mesh(topology.mesh(env.device.type))
+    layout = BatchLayout.of(cfg.train, topology.dp_size)
+    apply_malloc_policy(cfg.memory.malloc_mmap_threshold, env.device)
+    strategy = cfg.parallel.strategy
     for note in topology.notes:
         logger.warning("%s", note)
     decision = decide(cfg, env)
@@ -147,9 +149,9 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
     scaler = loss_scaler(cfg.precision, built.precision, env.device)
     log_setup(cfg, env, decision, built, layout)
-    evaluator = build_evaluator(cfg, env, unwrap(model), source)
+    evaluator = build_evaluator(cfg, env, unwrap(model), source, topology)
 
-    cursor = BatchCursor(source, layout, env.rank, num_workers=_data_workers(cfg))
+    cursor = BatchCursor(source, layout, topology.dp_rank(env.rank), num_workers=_data_workers(cfg))
     state = _resume(cfg, env, decision, model, built.optimizer, scaler)
     cursor.position = state.data_position
     _start_budget(cfg, state, decision.resume)
@@ -353,6 +355,7 @@ def _step_of(parts: _Components, guard: StepGuard, device: torch.device) -> Step
         gate=guard.check,
         token_count=count,
         grad_sync=cfg.parallel.grad_sync,
+        data_group=parts.built.topology.data_group(),
     )
 
 

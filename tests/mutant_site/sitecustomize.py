@@ -357,6 +357,16 @@ SOURCE = {
         'self.device = torch.device("cpu")',
         "self.device = __mutant__(self.target)",
     ),
+    "tp-plan-skipped": (
+        "fsdp_zero.sharding.tensor",
+        "    parallelize_module(\n        model,",
+        "    (parallelize_module if __mutant__(False) else lambda *args: None)(\n        model,",
+    ),
+    "tokens-over-world": (
+        "fsdp_zero.training.step",
+        "dist.all_reduce(total, group=group)",
+        "dist.all_reduce(total, group=__mutant__(None))",
+    ),
     "test-process-sees-gpus": (
         "tests.cpu_only",
         'os.environ["CUDA_VISIBLE_DEVICES"] = ""',

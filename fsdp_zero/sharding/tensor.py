@@ -1,0 +1,143 @@
+"""Tensor parallelism: a model's plan, applied with torch's ``parallelize_module`` before FSDP.
+
+A model declares which of its layers split their weights, as Hugging Face models do
+(``base_model_tp_plan``): a class attribute ``tp_plan``, module-name patterns (``*`` stands for
+one name component, a layer's index) mapped to a style:
+
+colwise                 a Linear split by output features: each rank computes its slice
+rowwise                 a Linear split by input features: partial outputs summed (reduce-scattered
+                        onto the sequence under sequence parallelism)
+colwise_gather_output   colwise, its output gathered (the head; kept split under loss parallelism)
+embedding_rowwise       an Embedding split by rows (the vocabulary), its lookups summed
+sequence_parallel       a norm run on sequence shards (sequence parallelism only)
+gather_input            a module whose first input is gathered from sequence shards before it
+                        runs (sequence parallelism only: the attention and the feed-forward)
+
+The model itself stays free of distribution: the plan is data, read here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "embedding_rowwise",
+    "sequence_parallel",
+    "gather_input",
+)
+# the styles that only mean something with sequence parallelism
+_SEQUENCE_ONLY = ("sequence_parallel", "gather_input")
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """``model``'s tensor-parallel plan (pattern -> style).
+
+    Raises:
+        ValueError: the model declares none, or a style outside `STYLES`.
+    """
+    plan = getattr(model, "tp_plan", None)
+    if not plan:
+        raise ValueError(
+            f"parallel.tp_size > 1: {type(model).__name__} declares no tensor-parallel plan "
+            "(a tp_plan attribute)"
+        )
+    unknown = sorted({style for style in plan.values() if style not in STYLES})
+    if unknown:
+        raise ValueError(
+            f"{type(model).__name__}.tp_plan: unknown styles {unknown}; valid choices: "
+            f"{', '.join(STYLES)}"
+        )
+    return dict(plan)
+
+
+def expand(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
+    """The plan's patterns matched against ``model``'s module names, in model order (FQN -> style).
+    Without sequence parallelism its sequence-only styles are left out."""
+    compiled = {
+        re.compile(re.escape(pattern).replace(r"\*", r"[^.]+")): style
+        for pattern, style in plan.items()
+        if sequence_parallel or style not in _SEQUENCE_ONLY
+    }
+    out, hits = {}, dict.fromkeys(compiled, 0)
+    for fqn, _ in model.named_modules():
+        for rx, style in compiled.items():
+            if rx.fullmatch(fqn):
+                out[fqn] = style
+                hits[rx] += 1
+    unmatched = [rx.pattern for rx, n in hits.items() if not n]
+    assert not unmatched, f"{type(model).__name__}.tp_plan: patterns match no module: {unmatched}"
+    return out
+
+
+def _style(
+    module: nn.Module, style: str, sequence_parallel: bool, loss_parallel: bool
+) -> ParallelStyle:
+    """The torch style for one planned module."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=seq)
+    if style == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if style == "colwise_gather_output":
+        return ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if style == "sequence_parallel":
+        return SequenceParallel()
+    assert style == "gather_input", style
+    # the first positional input, the others (rotary tables, masks) as they are
+    rest = (None,) * (len(inspect.signature(module.forward).parameters) - 1)
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *rest),
+        desired_input_layouts=(Replicate(), *rest),
+        use_local_output=True,
+    )
+
+
+def apply_tensor_parallel(
+    model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, str]:
+    """Splits ``model``'s planned layers over ``mesh`` (its tp dimension), in place: each planned
+    parameter becomes a DTensor sharded (or, for sequence-parallel norms, replicated) over it.
+    Returns the plan as applied (FQN -> style)."""
+    applied = expand(model, tp_plan(model), sequence_parallel)
+    parallelize_module(
+        model,
+        mesh,
+        {
+            fqn: _style(model.get_submodule(fqn), style, sequence_parallel, loss_parallel)
+            for fqn, style in applied.items()
+        },
+    )
+    return applied
+
+
+def tp_whole(model: nn.Module) -> int:
+    """Parameters tensor parallelism leaves whole: every rank of a tensor-parallel group holds all of
+    each (norm gains), against the planned ones it splits."""
+    count = 0
+    for p in model.parameters():
+        names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+        if "tp" not in names or not isinstance(p.placements[names.index("tp")], Shard):
+            count += p.numel()
+    return count
