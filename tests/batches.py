@@ -209,7 +209,7 @@ RUNS = [
         "eval",
         "2",
         (*BASE, "checkpoint.every=2", "checkpoint.keep_last=2", *EVAL, "metrics.tensorboard=true"),
-        (E, T),
+        (E, T, P),
     ),
     Run("n2-tied", "2", (*BASE, *TIED), (P, T)),
     # DDP and ZeRO-2 evaluate too: DDP through its wrapper, ZeRO-2's units left gathered by a forward without
@@ -476,6 +476,8 @@ RUNS = [
     # Tensor parallelism (dp 2 x tp 2, sequence-parallel; tp 4 without: the norm gains on FSDP's mesh
     # alone, the split layers on (dp, tp)), a dp 2 x tp 2 checkpoint continued at dp 4, and back.
     Run("tp2", "4", (*BASE, *PROFILED, "parallel.tp_size=2"), (P, C)),
+    # loss parallelism: the logits split over the vocabulary, validated as "eval" is
+    Run("tp2-loss", "4", (*BASE, TP2, "parallel.loss_parallel=true", *EVAL), (P,)),
     Run("tp4", "4", (*BASE, "parallel.tp_size=4", "parallel.sequence_parallel=false"), (P,)),
     # masked data under tensor parallelism: the trained tokens counted over the data-parallel ranks
     Run("masked-tp2", "4", (*BASE, *MASKED, TP2), ("test_masked",)),

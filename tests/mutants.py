@@ -47,6 +47,7 @@ _DEFER = "test_a_micro_batch_that_raises_leaves_the_reduction_on"
 _COMPOSED = "test_a_composed_prediction_equals_the_whole_models_simulation"
 _GPU_HOST = "test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host"
 _GPU_PLAN = "test_planner_plans_for_gpus_from_a_machine_without_one"
+_LOSS_PARALLEL = "test_loss_parallel_keeps_the_logits_split_over_the_vocabulary"
 _TP_STATE = "test_model_state_per_rank_follows_the_tensor_parallel_formula"
 _TP_TOKENS = "test_tensor_parallel_counts_the_trained_tokens_over_the_data_parallel_ranks"
 
@@ -230,6 +231,11 @@ MUTANTS = {
         "parallel.tp_size: the model's tensor-parallel plan never applied (FSDP alone, tp ranks repeat)",
         [f"tests/test_parity.py::{_TP_STATE}"],
         [_TP_STATE],
+    ),
+    "loss-parallel-ignored": (
+        "parallel.loss_parallel: the logits gathered whole all the same",
+        [f"tests/test_parity.py::{_LOSS_PARALLEL}"],
+        [_LOSS_PARALLEL],
     ),
     "tokens-over-world": (
         "masked data under tensor parallelism: trained tokens counted over every rank, not the "

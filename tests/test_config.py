@@ -172,6 +172,59 @@ VIT = [
             ["optim.schedule=step"],
             r"optim\.schedule='step' is not a valid choice; valid choices: cosine, linear, constant",
         ),
+        # tensor parallelism: what it composes with, and each dimension it splits
+        (["parallel.tp_size=0"], r"parallel\.tp_size=0: must be > 0"),
+        (
+            ["parallel.tp_size=2", "parallel.strategy=ddp"],
+            r"parallel\.tp_size=2 needs parallel\.strategy=full_shard, shard_grad_op, not ddp",
+        ),
+        (
+            ["parallel.tp_size=2", "parallel.strategy=hybrid_shard"],
+            r"parallel\.tp_size=2 needs parallel\.strategy=full_shard, shard_grad_op, not hybrid_shard",
+        ),
+        (
+            ["parallel.tp_size=2", "parallel.cpu_offload=true"],
+            r"parallel\.cpu_offload=true with parallel\.tp_size=2 is not supported yet",
+        ),
+        (["parallel.tp_size=3"], r"model\.n_heads=4 must be a multiple of parallel\.tp_size=3"),
+        (
+            ["parallel.tp_size=4", "model.n_kv_heads=2"],
+            r"model\.n_kv_heads=2 must be a multiple of parallel\.tp_size=4",
+        ),
+        (
+            ["parallel.tp_size=2", "model.ffn_hidden_dim=129"],
+            r"model\.ffn_hidden_dim=129 must be a multiple of parallel\.tp_size=2",
+        ),
+        (
+            ["parallel.tp_size=2", "model.vocab_size=511"],
+            r"model\.vocab_size=511 must be a multiple of parallel\.tp_size=2",
+        ),
+        (
+            ["parallel.tp_size=2", "data.seq_len=63"],
+            r"data\.seq_len=63 must be a multiple of parallel\.tp_size=2 .*; or set "
+            r"parallel\.sequence_parallel=false",
+        ),
+        (
+            ["parallel.tp_size=2", "model.tie_embeddings=true"],
+            r"model\.tie_embeddings=true with parallel\.tp_size=2 is not supported",
+        ),
+        (
+            ["parallel.tp_size=2", "model.lora.rank=4", "model.lora.targets=[wq]"],
+            r"model\.lora\.rank=4 with parallel\.tp_size=2 is not supported yet",
+        ),
+        (
+            ["parallel.tp_size=2", *VIT],
+            r"parallel\.tp_size=2 supports the built-in model only .*, not model\.target=torchvision",
+        ),
+        (
+            [
+                "parallel.tp_size=2",
+                "parallel.loss_parallel=true",
+                "model.task=custom",
+                "model.loss=tests.user_model:overflow_on_rank1",
+            ],
+            r"parallel\.loss_parallel=true needs model\.task=causal_lm .*, not custom",
+        ),
     ],
 )
 def test_bad_model_and_data_settings_name_the_key(overrides: list[str], message: str):
@@ -346,6 +399,34 @@ def test_reshard_after_forward_groups_must_divide_the_world():
         r"smaller; valid choices: \[1, 2\]",
     ):
         Topology.of(ParallelConfig(reshard_after_forward=3), 4)
+
+
+def test_a_topology_splits_the_world_into_data_and_tensor_parallel_ranks():
+    """tp innermost: consecutive ranks form a tensor-parallel group and read one batch; the strategy
+    shards over the data-parallel ranks, and hpZ and shard sizes are checked against them."""
+    from fsdp_zero.config.schema import ParallelConfig
+
+    t = Topology.of(ParallelConfig(tp_size=2), 8)
+    assert (t.dp_size, t.shard_group, t.param_shards, t.replicas) == (4, 4, 4, 1)
+    assert [t.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert (
+        Topology.of(ParallelConfig(tp_size=2, reshard_after_forward=2), 8).reshard_after_forward
+        == 2
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"parallel\.tp_size=3 must divide the world size 8; valid choices: \[1, 2, 4, 8\]",
+    ):
+        Topology.of(ParallelConfig(tp_size=3), 8)
+    with pytest.raises(
+        ValueError,
+        match=r"parallel\.reshard_after_forward=3 must divide the 4 data-parallel ranks and be "
+        r"smaller; valid choices: \[1, 2\]",
+    ):
+        Topology.of(ParallelConfig(tp_size=2, reshard_after_forward=3), 8)
+    assert Topology.of(ParallelConfig(loss_parallel=True), 2).notes == (
+        "parallel.loss_parallel=true has no effect with parallel.tp_size=1",
+    )
 
 
 def test_a_topology_resolves_each_strategy_once():

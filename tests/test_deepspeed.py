@@ -221,6 +221,13 @@ def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(tmp_path):
         match=r"ds_config train_batch_size=30: does not divide over gradient_accumulation_steps 4",
     ):
         _read(tmp_path, {"train_batch_size": 30, "gradient_accumulation_steps": 4})
+    # AutoTP: the tensor-parallel ranks read one batch, so 8 ranks at autotp_size 2 are 4 data-parallel
+    _same(
+        tmp_path,
+        {"train_batch_size": 32, "tensor_parallel": {"autotp_size": 2}},
+        ["train.global_batch_size=32", "train.micro_batch_size=8", "parallel.tp_size=2"],
+        world_size=8,
+    )
 
 
 def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):

@@ -53,12 +53,13 @@ NAMES = [
     "fp16-mixed",
     "bf16-true",
     "tp2",
+    "tp2-loss",
     "tp4",
 ]
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 FP32 = [name for name in NAMES if name not in PRECISIONS]
 # gloo runs with FSDP2 units (n1: one rank)
-FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1", "tp2", "tp4")]
+FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1") and not name.startswith("tp")]
 
 # Tolerances under lower precision, against the single-process run in the same mode. Both runs
 # round the same values to bf16/fp16 but not in the same places: the reference computes the whole
@@ -402,6 +403,18 @@ def test_model_state_per_rank_follows_the_tensor_parallel_formula(runs, batches,
         f"{expected / 2**20:.4f} MiB a rank = {run['num_params'] * 16 / expected:.2f}x less than "
         "one process",
     )
+
+
+def test_loss_parallel_keeps_the_logits_split_over_the_vocabulary(runs):
+    """parallel.loss_parallel: the model returns its logits as a DTensor split over the vocabulary
+    (dim 2) on the tensor-parallel ranks, the cross-entropy runs on the shards (the losses above),
+    and validation gathers them: the eval loss of ZeRO-3 at 2 ranks."""
+    assert runs["tp2-loss"]["output_placements"] == "(Shard(dim=2),)"
+    assert runs["tp2"]["output_placements"] == "None"  # a plain tensor, gathered
+    got, want = runs["tp2-loss"]["evals"], runs["eval"]["evals"]
+    assert sorted(got) == sorted(want) == [3, 6, 8]
+    for step in want:
+        assert got[step]["eval/loss"] == pytest.approx(want[step]["eval/loss"], abs=1e-5), step
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs):

@@ -207,9 +207,17 @@ _GRAD_ACCUM = _Rule(
 )
 
 
+# AutoTP: the model's layers split over groups of autotp_size ranks (here: the model's own plan).
+_AUTOTP = _Rule(
+    "tensor_parallel.autotp_size", "parallel.tp_size", number(int, min=1), "AutoTP's degree"
+)
+
+
 def _batch(ds: _Reader) -> list[str]:
-    """DeepSpeed's rule, train_batch_size = micro x accumulation x ranks: any two give the third."""
-    tbs, micro, gas, ranks = ds[_TRAIN_BATCH], ds[_MICRO_BATCH], ds[_GRAD_ACCUM], ds.world_size
+    """DeepSpeed's rule, train_batch_size = micro x accumulation x data-parallel ranks (the world
+    size / AutoTP's degree): any two give the third."""
+    tbs, micro, gas = ds[_TRAIN_BATCH], ds[_MICRO_BATCH], ds[_GRAD_ACCUM]
+    ranks = ds.world_size // (ds[_AUTOTP] or 1)
     if tbs is not None and micro is not None and gas is not None and tbs != micro * gas * ranks:
         raise ds.bad(
             _TRAIN_BATCH.ds,
@@ -431,6 +439,7 @@ def _wall_clock(ds: _Reader) -> list[str]:
 # Every key we read, in the order its overrides are printed.
 TABLE: tuple[_Rule | _Joint, ...] = (
     _Joint(_batch, (_TRAIN_BATCH, _MICRO_BATCH, _GRAD_ACCUM)),
+    _AUTOTP,
     _Rule(
         "gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"
     ),

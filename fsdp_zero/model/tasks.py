@@ -150,7 +150,9 @@ def _lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     """(summed next-token cross-entropy, predictions, 0) of one batch, in float64: the training loss
     (`fsdp_zero.model.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of averaged."""
     inputs, targets = batch
-    logits = logits_of(model(inputs)).float()
+    logits = logits_of(model(inputs))
+    # vocabulary-sharded logits (loss parallelism) gathered: evaluation forwards without backward
+    logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float()
     # 0 where IGNORE
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     counted = (targets != IGNORE).sum().double()  # every target, unless a mask file leaves some out

@@ -18,8 +18,10 @@ The model itself stays free of distribution: the plan is data, read here.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
+from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,8 +32,11 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
+
+from fsdp_zero.config.schema import ParallelConfig
 
 STYLES = (
     "colwise",
@@ -141,3 +146,9 @@ def tp_whole(model: nn.Module) -> int:
         if "tp" not in names or not isinstance(p.placements[names.index("tp")], Shard):
             count += p.numel()
     return count
+
+
+def loss_context(cfg: ParallelConfig) -> Callable[[], contextlib.AbstractContextManager]:
+    """What each forward and backward runs inside: torch's ``loss_parallel`` when the logits stay
+    split over the vocabulary (the cross-entropy then runs on the shards), else nothing."""
+    return loss_parallel if cfg.tp_size > 1 and cfg.loss_parallel else contextlib.nullcontext

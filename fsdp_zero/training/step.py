@@ -103,6 +103,10 @@ def _clip_grads_(parameters: list[nn.Parameter], max_norm: float, total: torch.T
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _by_mesh(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """``parameters`` grouped by their device mesh (plain tensors: one group), in order."""
     groups: dict[object, list[nn.Parameter]] = {}
@@ -182,6 +186,8 @@ class Step:
     # the data-parallel ranks, whose batches make the global batch (None: every rank; under tensor
     # parallelism a group of its own)
     data_group: dist.ProcessGroup | None = None
+    # what each forward and backward runs inside (loss parallelism: torch's loss_parallel)
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def run(self, micro_batches: list, hooks: Sequence[PhaseHook] = ()) -> StepResult:
         """Forward/backward over this rank's micro-batches, then one optimizer step (at the
@@ -261,7 +267,8 @@ class Step:
                 with (
                     no_sync()
                     if no_sync and i < len(micro_batches) - 1
-                    else contextlib.nullcontext()
+                    else contextlib.nullcontext(),
+                    self.loss_context(),
                 ):
                     loss, extra = self.loss_fn(self.model, batch)
                     if i == 0:
@@ -272,7 +279,8 @@ class Step:
                     # over ranks is the mean over every trained token of the global batch.
                     scaled = loss * weight if weight is not None else loss / len(micro_batches)
                     (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-                loss_sum += loss.detach()
+                # a loss-parallel loss is a DTensor, replicated: its local value is the loss
+                loss_sum += _local(loss.detach())
                 for k, v in extra.items():
                     extra_sum[k] = extra_sum.get(k, 0) + v.float()
                 if i < len(micro_batches) - 1:

@@ -54,6 +54,7 @@ from fsdp_zero.monitor.memory import apply_malloc_policy
 from fsdp_zero.sharding.build import Built, build
 from fsdp_zero.sharding.parallelize import unwrap
 from fsdp_zero.sharding.precision import LossScaler, Precision, loss_scaler
+from fsdp_zero.sharding.tensor import loss_context
 from fsdp_zero.sharding.wrap import WrapPlan
 from fsdp_zero.training.evaluate import Evaluator, build_evaluator
 from fsdp_zero.training.manifest import log_setup
@@ -356,6 +357,7 @@ def _step_of(parts: _Components, guard: StepGuard, device: torch.device) -> Step
         token_count=count,
         grad_sync=cfg.parallel.grad_sync,
         data_group=parts.built.topology.data_group(),
+        loss_context=loss_context(cfg.parallel),
     )
 
 

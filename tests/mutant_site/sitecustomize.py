@@ -362,6 +362,11 @@ SOURCE = {
         "    parallelize_module(\n        model,",
         "    (parallelize_module if __mutant__(False) else lambda *args: None)(\n        model,",
     ),
+    "loss-parallel-ignored": (
+        "fsdp_zero.sharding.tensor",
+        "_style(model.get_submodule(fqn), style, sequence_parallel, loss_parallel)",
+        "_style(model.get_submodule(fqn), style, sequence_parallel, __mutant__(False))",
+    ),
     "tokens-over-world": (
         "fsdp_zero.training.step",
         "dist.all_reduce(total, group=group)",

@@ -238,7 +238,10 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     }
     with torch.no_grad():  # the sharded model's outputs on a fixed batch
         inputs = parts.cursor.source.batch(range(2))[0]
-        logits = logits_of(parts.model(inputs.to(env.device))).cpu()
+        output = logits_of(parts.model(inputs.to(env.device)))
+        # loss parallelism: the logits a DTensor split over the vocabulary
+        output_placements = str(getattr(output, "placements", None))
+        logits = (output.full_tensor() if hasattr(output, "full_tensor") else output).cpu()
     same_reduce_scatter = (
         reduce_scatter_matches_gloo(env.world_size, env.rank) if env.backend == "gloo" else None
     )
@@ -271,6 +274,7 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
                 "initial": initial,
                 "final": final,
                 "logits": logits,
+                "output_placements": output_placements,
                 "model_state_bytes": [s[0] for s in states],
                 "adam_steps": [s[1] for s in states],
                 "adam_dtypes": [s[2] for s in states],
