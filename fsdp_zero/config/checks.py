@@ -39,3 +39,8 @@ def is_target(text: str) -> bool:
     return bool(module and name) and all(
         part.isidentifier() for part in module.split(".") + name.split(".")
     )
+
+
+def divisors(n: int) -> list[int]:
+    """The valid choices of a size that must divide ``n``."""
+    return [d for d in range(1, n + 1) if n % d == 0]

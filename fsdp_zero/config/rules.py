@@ -89,9 +89,11 @@ def _check_tensor_parallel(cfg: Config) -> None:
         raise ValueError(
             f"{setting} supports the built-in model only (its tensor-parallel plan), not {foreign}"
         )
-    for key, value in (("model.lora.rank", m.lora.rank), ("model.freeze", m.freeze)):
+    offload = ("parallel.cpu_offload", cfg.parallel.cpu_offload)
+    for key, value in (("model.lora.rank", m.lora.rank), ("model.freeze", m.freeze), offload):
         if value:
-            raise ValueError(f"{key}={value} with {setting} is not supported yet")
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ValueError(f"{key}={shown} with {setting} is not supported yet")
     if cfg.parallel.loss_parallel and m.task is not Task.causal_lm:
         raise ValueError(
             f"parallel.loss_parallel=true needs model.task=causal_lm (its cross-entropy runs on "

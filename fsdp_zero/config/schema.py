@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_zero.config.checks import as_choice, check_positive, check_regexes, is_target
+from fsdp_zero.config.checks import as_choice, check_positive, check_regexes, divisors, is_target
 from fsdp_zero.config.choices import (
     ActivationCheckpointing,
     Backend,
@@ -202,6 +202,13 @@ class DataConfig:
     # so the loss falls from ln(vocab) towards ~ln(branching).
     branching: int = 4
 
+    @property
+    def workers(self) -> int:
+        """num_workers, or its default: 2 processes to decode images, none for tokens."""
+        if self.num_workers is not None:
+            return self.num_workers
+        return 2 if self.source is DataSource.images else 0
+
     def check(self) -> None:
         """Sizes > 0, and a path that exists and suits the source (only sources that read files take one)."""
         for key in ("seq_len", "branching", "image_size", "num_classes", "num_samples"):
@@ -340,11 +347,6 @@ class ParallelConfig:
                 f"parallel.tp_size={self.tp_size} needs parallel.strategy="
                 f"{strategies_that('takes_tp')}, not {strategy.value}"
             )
-        if self.tp_size > 1 and self.cpu_offload:
-            raise ValueError(
-                f"parallel.cpu_offload=true with parallel.tp_size={self.tp_size} is not supported "
-                "yet; set parallel.tp_size=1 or parallel.cpu_offload=false"
-            )
         self.wrap.check()
 
     def check_world(self, world_size: int) -> list[str]:
@@ -362,20 +364,20 @@ class ParallelConfig:
         if world_size % tp:
             raise ValueError(
                 f"parallel.tp_size={tp} must divide the world size {world_size}; valid choices: "
-                f"{_divisors(world_size)}"
+                f"{divisors(world_size)}"
             )
         dp = world_size // tp
         ranks = f"the world size {world_size}" if tp == 1 else f"the {dp} data-parallel ranks"
         size = self.shard_size
         if STRATEGIES[self.strategy].hybrid and (size < 1 or dp % size):
             raise ValueError(
-                f"parallel.shard_size={size} must divide {ranks}; valid choices: {_divisors(dp)}"
+                f"parallel.shard_size={size} must divide {ranks}; valid choices: {divisors(dp)}"
             )
         k = self.reshard_after_forward
         if k is not None and k != dp and (dp % k or k >= dp):
             raise ValueError(
                 f"parallel.reshard_after_forward={k} must divide {ranks} and be smaller; valid "
-                f"choices: {_divisors(dp)[:-1]} (or null)"
+                f"choices: {divisors(dp)[:-1]} (or null)"
             )
         notes = []
         if not STRATEGIES[self.strategy].hybrid and size != ParallelConfig.shard_size:
@@ -387,10 +389,6 @@ class ParallelConfig:
         if tp == 1 and self.loss_parallel:
             notes.append("parallel.loss_parallel=true has no effect with parallel.tp_size=1")
         return notes
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # precision.mode: how model state is stored, computed and reduced (see

@@ -30,7 +30,7 @@ _BLOCK_ELEMS = 1 << 20
 _MASK64 = (1 << 64) - 1
 
 
-def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+def _local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """The local tensor to write and the box of the full tensor it holds, a slice per dimension:
     the whole tensor, or a DTensor's shard under any placements (FSDP's rows, tensor parallelism's
     rows or columns, both at once)."""
@@ -43,9 +43,9 @@ def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
 
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int, tuple[slice, ...]]:
-    """`local_box` as rows: the local tensor, the global rows [start, stop) it holds, and the box's
+    """`_local_box` as rows: the local tensor, the global rows [start, stop) it holds, and the box's
     slices of the other dimensions."""
-    local, box = local_box(param)
+    local, box = _local_box(param)
     rows = box[0] if box else slice(0, 0)
     return local, rows.start, rows.stop, box[1:]
 
@@ -107,7 +107,7 @@ def uniform_(param: torch.Tensor, *, bound: float, seed: int, name: str) -> None
 @torch.no_grad()
 def constant_(param: torch.Tensor, value: float) -> None:
     """Fills ``param`` (plain or DTensor) with ``value``."""
-    local_box(param)[0].fill_(value)
+    _local_box(param)[0].fill_(value)
 
 
 @torch.no_grad()

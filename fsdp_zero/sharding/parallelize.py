@@ -219,8 +219,8 @@ def parallelize(
     materialize: Callable[[nn.Module], None],
     compute: Compute = Compute(),
 ) -> nn.Module:
-    """Applies activation checkpointing, compilation and ``cfg.strategy`` to the meta-device ``model``;
-    returns the module to train.
+    """Applies tensor parallelism, activation checkpointing, compilation and ``cfg.strategy`` to the
+    meta-device ``model``, in that order; returns the module to train.
 
     Args:
         model: the model, on the meta device.
@@ -258,11 +258,10 @@ def parallelize(
             [model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)],
             cfg.prefetch,
         )
-    # The root keeps its parameters gathered from forward to backward, whatever the strategy:
-    # backward needs them first, so freeing them would only buy a second all-gather at once. (FSDP2
-    # does this by itself only when reshard_after_forward is left unset; an explicit True reshards
-    # the root too: measured by tests/test_parity.py's parameter bytes after forward.) A forward
-    # without backward (evaluation) leaves them gathered until the next forward's backward.
+    # The root keeps its parameters gathered from forward to backward (backward needs them first):
+    # FSDP2 does so only with reshard_after_forward unset, an explicit True reshards the root too
+    # (tests/test_parity.py's parameter bytes after forward). A forward without backward
+    # (evaluation) leaves them gathered until the next forward's backward.
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 
 from fsdp_zero.config.schema import ParallelConfig
 
-STYLES = (
+_STYLES = (
     "colwise",
     "rowwise",
     "colwise_gather_output",
@@ -54,7 +54,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     """``model``'s tensor-parallel plan (pattern -> style).
 
     Raises:
-        ValueError: the model declares none, or a style outside `STYLES`.
+        ValueError: the model declares none, or a style outside `_STYLES`.
     """
     plan = getattr(model, "tp_plan", None)
     if not plan:
@@ -62,16 +62,16 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
             f"parallel.tp_size > 1: {type(model).__name__} declares no tensor-parallel plan "
             "(a tp_plan attribute)"
         )
-    unknown = sorted({style for style in plan.values() if style not in STYLES})
+    unknown = sorted({style for style in plan.values() if style not in _STYLES})
     if unknown:
         raise ValueError(
             f"{type(model).__name__}.tp_plan: unknown styles {unknown}; valid choices: "
-            f"{', '.join(STYLES)}"
+            f"{', '.join(_STYLES)}"
         )
     return dict(plan)
 
 
-def expand(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
+def _expand(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
     """The plan's patterns matched against ``model``'s module names, in model order (FQN -> style).
     Without sequence parallelism its sequence-only styles are left out."""
     compiled = {
@@ -125,7 +125,7 @@ def apply_tensor_parallel(
     """Splits ``model``'s planned layers over ``mesh`` (its tp dimension), in place: each planned
     parameter becomes a DTensor sharded (or, for sequence-parallel norms, replicated) over it.
     Returns the plan as applied (FQN -> style)."""
-    applied = expand(model, tp_plan(model), sequence_parallel)
+    applied = _expand(model, tp_plan(model), sequence_parallel)
     parallelize_module(
         model,
         mesh,

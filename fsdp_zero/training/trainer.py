@@ -23,7 +23,6 @@ from torch import nn
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint
 from fsdp_zero.checkpoint.folders import latest_checkpoint
 from fsdp_zero.checkpoint.weights import load_full_weights
-from fsdp_zero.config.choices import DataSource
 from fsdp_zero.config.loader import to_yaml
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config
@@ -113,13 +112,6 @@ def _check_data_fits(cfg: Config, model: nn.Module, source: object) -> None:
         )
 
 
-def _data_workers(cfg: Config) -> int:
-    """data.num_workers, or its default: 2 processes to decode images, none for tokens."""
-    if cfg.data.num_workers is not None:
-        return cfg.data.num_workers
-    return 2 if cfg.data.source is DataSource.images else 0
-
-
 def setup(cfg: Config, env: DistEnv) -> _Components:
     """Builds the sharded, initialised model and everything else a run steps.
 
@@ -152,7 +144,7 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     log_setup(cfg, env, decision, built, layout)
     evaluator = build_evaluator(cfg, env, unwrap(model), source, topology)
 
-    cursor = BatchCursor(source, layout, topology.dp_rank(env.rank), num_workers=_data_workers(cfg))
+    cursor = BatchCursor(source, layout, topology.dp_rank(env.rank), num_workers=cfg.data.workers)
     state = _resume(cfg, env, decision, model, built.optimizer, scaler)
     cursor.position = state.data_position
     _start_budget(cfg, state, decision.resume)
