@@ -139,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(
             args.config, [*args.overrides, *(searched_overrides(dims) if args.fit else [])]
         )
+        if cfg.parallel.tp_size > 1:
+            raise ValueError(
+                f"parallel.tp_size={cfg.parallel.tp_size}: plan.py does not model tensor "
+                "parallelism yet; a run's end-of-run line has its model state against the formula "
+                "(docs/parallelism.md)"
+            )
         rates = _rates(args, cfg.dist.device.value)
         if args.fit:
             if args.strategy or args.device_memory:

@@ -488,3 +488,8 @@ def test_a_bad_size_names_the_option_it_came_from():
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: --device-memory 'lots': expected a size such as 2GB, 500MB or 1GiB"
     ), proc.stderr
+    # a setting the planner cannot predict yet is refused, not predicted wrong
+    proc = run_script(PLAN, "--world-size", "4", "model.preset=gpt_nano", "parallel.tp_size=2")
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "error: parallel.tp_size=2: plan.py does not model tensor parallelism yet"
+    ), proc.stderr
