@@ -475,7 +475,7 @@ RUNS = [
     ),
     # Tensor parallelism (dp 2 x tp 2, sequence-parallel; tp 4 without: the norm gains on FSDP's mesh
     # alone, the split layers on (dp, tp)), a dp 2 x tp 2 checkpoint continued at dp 4, and back.
-    Run("tp2", "4", (*BASE, *PROFILED, "parallel.tp_size=2"), (P, C)),
+    Run("tp2", "4", (*BASE, *PROFILED, "parallel.tp_size=2"), (P, C, T)),
     # loss parallelism: the logits split over the vocabulary, validated as "eval" is
     Run("tp2-loss", "4", (*BASE, TP2, "parallel.loss_parallel=true", *EVAL), (P,)),
     Run("tp4", "4", (*BASE, "parallel.tp_size=4", "parallel.sequence_parallel=false"), (P,)),

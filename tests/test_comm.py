@@ -108,6 +108,24 @@ def test_counted_bytes_per_step_equal_the_formula(batches, name):
     )
 
 
+def test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit(batches):
+    """dp 2 x tp 2: FSDP gathers and reduces each tensor-parallel rank's part of a unit, half of each
+    planned weight and the whole norm gains. By hand for gpt_nano: a block holds 53,248 planned and
+    128 whole elements, the root 32,768 and 64; 2 micro-batches a step, blocks gathered twice (ZeRO-3),
+    the root once, fp32. Counted on every rank, and the run's own formula, to the byte. (TP's own
+    collectives, of activations, are not counted yet: docs/parallelism.md.)"""
+    _, summary, _ = _run(batches, "tp2")
+    block, root = 53_248 // 2 + 128, 32_768 // 2 + 64
+    expected = {
+        "all_gather": 2 * (2 * 2 * block + root) * 4,
+        "reduce_scatter": 2 * (2 * block + root) * 4,
+        "all_reduce": 0,
+    }
+    for rank in summary["ranks"]:
+        assert rank["comm_bytes"] == expected
+    assert {k: summary["comm_formula_bytes"][k] for k in KINDS} == expected
+
+
 def test_evaluation_forwards_stay_out_of_the_steps_counts(batches):
     """The eval run is n2 with validation after steps 3 and 6: each step counts exactly n2's bytes."""
     n2, ev = _run(batches, "n2")[2], _run(batches, "eval")[2]

@@ -330,6 +330,15 @@ def test_record_the_measured_differences(runs, references):
         )
     for name in FP32:
         got, ref = runs[name], references[_key(name)]
+        if name.startswith("tp"):  # docs/parallelism.md quotes them, run by run
+            figure(
+                f"parity vs single process, {name} (4 ranks)",
+                "losses {:.1e}, grad norms {:.1e}, final weights {:.1e}".format(
+                    max(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]),
+                    max(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]),
+                    max((got["final"][k] - v).abs().max().item() for k, v in ref["final"].items()),
+                ),
+            )
         loss = max(loss, *(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]))
         norm = max(norm, *(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]))
         weight = max(
@@ -337,7 +346,7 @@ def test_record_the_measured_differences(runs, references):
         )
     figure(
         "parity vs single process, fp32 (max over N=1/2/3/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, "
-        "AC)",
+        "AC, tp2, tp2-loss, tp4)",
         f"losses {loss:.1e} (tolerance {LOSS_ATOL:.0e}), grad norms {norm:.1e} ({NORM_ATOL:.0e}), "
         f"final weights {weight:.1e} ({WEIGHT_ATOL:.0e})",
     )

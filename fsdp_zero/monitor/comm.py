@@ -43,6 +43,7 @@ from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
 from fsdp_zero.sharding.parallelize import reduce_scatter_comm, unwrap
 from fsdp_zero.sharding.precision import NAMES, Precision
+from fsdp_zero.sharding.tensor import tp_local_shape
 from fsdp_zero.sharding.wrap import ROOT, WrapPlan
 from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter, count_zero_broadcasts
 
@@ -79,9 +80,11 @@ def _unit_params(model: nn.Module, plan: WrapPlan) -> Iterator[tuple[bool, list[
 
 
 def _padded(p: nn.Parameter, n: int) -> int:
-    """Elements of ``p`` as FSDP2 gathers it over ``n`` ranks: dim 0 padded to a multiple of n."""
-    rows = p.shape[0] if p.dim() else 1
-    return math.ceil(rows / n) * n * math.prod(p.shape[1:])
+    """Elements of ``p`` as FSDP2 gathers it over ``n`` ranks: dim 0 padded to a multiple of n (of a
+    tensor-parallel rank's part, under tensor parallelism)."""
+    shape = tp_local_shape(p)
+    rows = shape[0] if shape else 1
+    return math.ceil(rows / n) * n * math.prod(shape[1:])
 
 
 def comm_formula(
@@ -110,7 +113,7 @@ def comm_formula(
     ``plan``: its FSDP units (`fsdp_zero.sharding.wrap.build_wrap_plan`); ``precision``:
     ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`).
     """
-    spec, world_size = topology.spec, topology.world_size
+    spec = topology.spec
     sync = GradSync(cfg.parallel.grad_sync)
     if not spec.fsdp:
         return _ddp_bytes(model, topology, precision)
@@ -131,7 +134,7 @@ def comm_formula(
     return CommBytes(
         all_gather=accum * gathered * precision.compute.itemsize if n > 1 else 0,
         reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
-        all_reduce=all_reduces * reduce_bytes / n if world_size > n else 0,
+        all_reduce=all_reduces * reduce_bytes / n if topology.replicas > 1 else 0,
         once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0,
     )
 

@@ -23,6 +23,7 @@ import inspect
 import re
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -137,15 +138,23 @@ def apply_tensor_parallel(
     return applied
 
 
+def tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of ``p``'s part on one tensor-parallel rank (what FSDP shards and gathers): its
+    split dimension divided by tp, or the whole shape for a parameter the plan leaves whole."""
+    shape = list(p.shape)
+    mesh = getattr(p, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "tp" in names:
+        placement = p.placements[names.index("tp")]
+        if isinstance(placement, Shard):
+            shape[placement.dim] //= mesh.size(names.index("tp"))
+    return tuple(shape)
+
+
 def tp_whole(model: nn.Module) -> int:
     """Parameters tensor parallelism leaves whole: every rank of a tensor-parallel group holds all of
     each (norm gains), against the planned ones it splits."""
-    count = 0
-    for p in model.parameters():
-        names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
-        if "tp" not in names or not isinstance(p.placements[names.index("tp")], Shard):
-            count += p.numel()
-    return count
+    return sum(p.numel() for p in model.parameters() if tp_local_shape(p) == tuple(p.shape))
 
 
 def loss_context(cfg: ParallelConfig) -> Callable[[], contextlib.AbstractContextManager]:
