@@ -78,6 +78,19 @@ class Topology:
         assert self.fixed_mesh is not None, "build the mesh once (with_mesh) before asking for it"
         return self.fixed_mesh["dp_shard"].get_group()
 
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """This rank's tensor-parallel group (None when tp is 1); the mesh must be built."""
+        if self.tp == 1:
+            return None
+        assert self.fixed_mesh is not None, "build the mesh once (with_mesh) before asking for it"
+        return self.fixed_mesh["tp"].get_group()
+
+    def with_own_mesh(self, device_type: str) -> Topology:
+        """Under tensor parallelism, this topology with its mesh built once (tensor parallelism, FSDP,
+        the data-parallel and tensor-parallel groups share it); else itself (each build makes
+        its own)."""
+        return self.with_mesh(self.mesh(device_type)) if self.tp > 1 else self
+
     def with_mesh(self, mesh: DeviceMesh) -> Topology:
         """This topology, its device mesh ``mesh`` (built already)."""
         return replace(self, fixed_mesh=mesh)

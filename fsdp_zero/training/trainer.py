@@ -121,9 +121,7 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
         Stopped: a restart of a torchrun job whose time budget (train.max_minutes) ran out.
     """
     # every world-size fact of the run, resolved once
-    topology = Topology.of(cfg.parallel, env.world_size)
-    if topology.tp > 1:  # one mesh for tensor parallelism, FSDP and the data-parallel group
-        topology = topology.with_mesh(topology.mesh(env.device.type))
+    topology = Topology.of(cfg.parallel, env.world_size).with_own_mesh(env.device.type)
     layout = BatchLayout.of(cfg.train, topology.dp_size)
     apply_malloc_policy(cfg.memory.malloc_mmap_threshold, env.device)
     strategy = cfg.parallel.strategy
@@ -144,7 +142,9 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     log_setup(cfg, env, decision, built, layout)
     evaluator = build_evaluator(cfg, env, unwrap(model), source, topology)
 
-    cursor = BatchCursor(source, layout, topology.dp_rank(env.rank), num_workers=cfg.data.workers)
+    cursor = BatchCursor(
+        source, layout, topology.dp_rank(env.rank), cfg.data.workers, same_as=topology.tp_group()
+    )
     state = _resume(cfg, env, decision, model, built.optimizer, scaler)
     cursor.position = state.data_position
     _start_budget(cfg, state, decision.resume)

@@ -367,6 +367,11 @@ SOURCE = {
         "_style(model.get_submodule(fqn), style, sequence_parallel, loss_parallel)",
         "_style(model.get_submodule(fqn), style, sequence_parallel, __mutant__(False))",
     ),
+    "same-batch-unchecked": (
+        "fsdp_zero.data.loader",
+        "        if self._same_as is not None:",
+        "        if self._same_as is not None and __mutant__(False):",
+    ),
     "tokens-over-world": (
         "fsdp_zero.training.step",
         "dist.all_reduce(total, group=group)",
