@@ -72,6 +72,8 @@ LLAMA = (
     "model.kwargs.tie_word_embeddings=true",
     "data.seq_len=16",
 )  # units: _no_split_modules
+# the llama under tensor parallelism: untied, an even vocabulary (the embedding splits its rows)
+UNTIED_EVEN = ("model.kwargs.tie_word_embeddings=false", "model.kwargs.vocab_size=102")
 SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved after step 4 of 8
 # tests/test_eval.py's validation: 5 windows of 33 tokens (170 tokens: a tail no window reaches), after
 # steps 3, 6 and 8; at 2 ranks and micro-batch 2, rank 0 forwards 2 + 1 windows, rank 1 2 and a dummy.
@@ -481,6 +483,13 @@ RUNS = [
     Run("tp4", "4", (*BASE, "parallel.tp_size=4", "parallel.sequence_parallel=false"), (P,)),
     # masked data under tensor parallelism: the trained tokens counted over the data-parallel ranks
     Run("masked-tp2", "4", (*BASE, *MASKED, TP2), ("test_masked",)),
+    # a Hugging Face Llama, untied, split by its own plan (base_model_tp_plan and the head's)
+    Run(
+        "llama-tp2",
+        "4",
+        (*LLAMA, *UNTIED_EVEN, *COMMON, TP2, "checkpoint.enabled=false"),
+        (M,),
+    ),
     Run("tp2-split", "4", (*BASE, TP2, "train.stop_after=4", "checkpoint.every=0"), (C,)),
     Run(
         "full_shard-to-tp2-n4",

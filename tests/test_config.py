@@ -213,10 +213,6 @@ VIT = [
             r"model\.lora\.rank=4 with parallel\.tp_size=2 is not supported yet",
         ),
         (
-            ["parallel.tp_size=2", *VIT],
-            r"parallel\.tp_size=2 supports the built-in model only .*, not model\.target=torchvision",
-        ),
-        (
             [
                 "parallel.tp_size=2",
                 "parallel.loss_parallel=true",

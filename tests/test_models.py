@@ -55,13 +55,15 @@ def runs(batches):
 def references() -> dict:
     return {
         name: reference_run(_cfg(name))
-        for name in ("vit", "vit-defaults", "llama")
-        if name != "llama" or HAS_HF
+        for name in ("vit", "vit-defaults", "llama", "llama-tp2")
+        if not name.startswith("llama") or HAS_HF
     }
 
 
-# vit-defaults: weight decay, warm-up, cosine
-@pytest.mark.parametrize("name", [*PARAMS, "vit-defaults"])
+# vit-defaults: weight decay, warm-up, cosine; llama-tp2: dp 2 x tp 2 by the model's own plan
+@pytest.mark.parametrize(
+    "name", [*PARAMS, "vit-defaults", pytest.param("llama-tp2", marks=needs_hf)]
+)
 def test_foreign_model_trains_like_single_process(runs, references, name):
     got, ref = runs[name], references[name]
     for key, value in ref["initial"].items():  # N = 2 initialises exactly as N = 1
@@ -454,3 +456,35 @@ def test_a_hugging_face_model_can_bring_its_own_initialiser():
         rel=0.1,
     )
     assert torch.equal(model.model.norm.weight.detach(), torch.ones(32))
+
+
+@needs_hf
+def test_a_tensor_parallel_plan_the_model_cannot_take_is_one_line():
+    """Checked when the model is built, before anything is split: a split dimension or a head count
+    that tp does not divide, a weight the plan would split twice (tied embeddings), no plan at all."""
+    from fsdp_zero.sharding.tensor import _check_splits, _expand, tp_plan
+
+    def check_llama(overrides: list[str], tp: int, message: str) -> None:
+        model = construct(load_config(None, [*BY_NAME["llama"].args, *overrides]).model)
+        with pytest.raises(ValueError, match=message):
+            _check_splits(model, _expand(model, tp_plan(model), False), tp)
+
+    check_llama(
+        [],
+        2,
+        r"model\.embed_tokens\.weight \(101, 32\): dimension 0 must be a multiple of "
+        r"parallel\.tp_size=2 \(embedding_rowwise\)",
+    )
+    check_llama(
+        ["model.kwargs.vocab_size=102"],
+        2,
+        r"parallel\.tp_size=2: model\.embed_tokens\.weight and lm_head\.weight are one weight "
+        r"\(tied embeddings\)",
+    )
+    check_llama(
+        ["model.kwargs.vocab_size=104"],
+        4,
+        r"model\.kwargs\.num_key_value_heads=2 must be a multiple of parallel\.tp_size=4",
+    )
+    with pytest.raises(ValueError, match=r"VisionTransformer declares no tensor-parallel plan"):
+        tp_plan(construct(_cfg("vit").model))

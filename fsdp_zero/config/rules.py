@@ -76,19 +76,15 @@ def validate(cfg: Config) -> None:
 
 
 def _check_tensor_parallel(cfg: Config) -> None:
-    """parallel.tp_size > 1: what it supports (the built-in model, untied, fully trained), and
-    every dimension it splits divisible by it: heads and KV heads (attention's colwise wq/wk/wv),
-    the feed-forward's hidden size, the vocabulary (the embedding's rows and the output's columns)
-    and, with sequence parallelism, the sequence."""
+    """parallel.tp_size > 1: what it supports (fully trained models, on the device), and for the
+    built-in model every dimension it splits divisible by it (untied): heads and KV heads
+    (attention's colwise wq/wk/wv), the feed-forward's hidden size, the vocabulary (the embedding's
+    rows and the output's columns) and, with sequence parallelism, the sequence. Any other model's
+    plan is checked against the model when it is built."""
     tp, m = cfg.parallel.tp_size, cfg.model
     if tp == 1:
         return
     setting = f"parallel.tp_size={tp}"
-    if m.target is not None or m.pretrained is not None:
-        foreign = f"model.target={m.target}" if m.target else f"model.pretrained={m.pretrained}"
-        raise ValueError(
-            f"{setting} supports the built-in model only (its tensor-parallel plan), not {foreign}"
-        )
     offload = ("parallel.cpu_offload", cfg.parallel.cpu_offload)
     for key, value in (("model.lora.rank", m.lora.rank), ("model.freeze", m.freeze), offload):
         if value:
@@ -99,6 +95,8 @@ def _check_tensor_parallel(cfg: Config) -> None:
             f"parallel.loss_parallel=true needs model.task=causal_lm (its cross-entropy runs on "
             f"the vocabulary's shards), not {m.task.value}"
         )
+    if m.target is not None or m.pretrained is not None:
+        return  # a model's own plan, checked against it when it is built (sharding/tensor.py)
     args = model_args(m.preset, **{name: getattr(m, name) for name in BUILTIN_FIELDS})
     if args.tie_embeddings:
         raise ValueError(

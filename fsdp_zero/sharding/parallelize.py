@@ -76,9 +76,15 @@ def model_state_formula(
     return sum(b * c / n if s else b * c for b, c, s in zip(bytes_per_param, counts, sharded))
 
 
-def formula_note(topology: Topology) -> str:
+def formula_note(topology: Topology, tp_whole: int = 0) -> str:
     """How `model_state_formula` divides the bytes per parameter, in words (for the precision manifest)."""
     spec = topology.spec
+    if topology.tp > 1:
+        n = topology.shard_group
+        return (
+            f"/ {topology.tp * n} (tp {topology.tp} x N={n}; the {tp_whole:,} parameters the "
+            f"tensor-parallel plan leaves whole / {n})"
+        )
     if any(spec.sharded) and not all(spec.sharded):
         whole = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if not split)
         split = " and ".join(n for n, split in zip(_STATE_NAMES, spec.sharded) if split)

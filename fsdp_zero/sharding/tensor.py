@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import re
 from collections.abc import Callable
 
@@ -38,6 +39,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_zero.config.schema import ParallelConfig
+
+logger = logging.getLogger("fsdp_zero")
 
 _STYLES = (
     "colwise",
@@ -125,8 +128,30 @@ def apply_tensor_parallel(
 ) -> dict[str, str]:
     """Splits ``model``'s planned layers over ``mesh`` (its tp dimension), in place: each planned
     parameter becomes a DTensor sharded (or, for sequence-parallel norms, replicated) over it.
-    Returns the plan as applied (FQN -> style)."""
-    applied = _expand(model, tp_plan(model), sequence_parallel)
+    Sequence parallelism applies where the plan has its styles (the built-in model's; Hugging
+    Face's plans have none). Returns the plan as applied (FQN -> style).
+
+    Raises:
+        ValueError: the model has no plan, or one it cannot take: a split dimension or a head count
+            not a multiple of tp, or a planned weight shared with another module (tied
+            embeddings).
+    """
+    plan = tp_plan(model)
+    if sequence_parallel and not any(style in _SEQUENCE_ONLY for style in plan.values()):
+        logger.warning(
+            "parallel.sequence_parallel=true has no effect on %s: its plan has no sequence-"
+            "parallel styles",
+            type(model).__name__,
+        )
+        sequence_parallel = False
+    applied = _expand(model, plan, sequence_parallel)
+    _check_splits(model, applied, mesh.size())
+    logger.info(
+        "tensor parallelism over %d ranks, %d modules split: %s",
+        mesh.size(),
+        len(applied),
+        ", ".join(f"{pattern} {style}" for pattern, style in plan.items()),
+    )
     parallelize_module(
         model,
         mesh,
@@ -136,6 +161,43 @@ def apply_tensor_parallel(
         },
     )
     return applied
+
+
+# the weight dimension each style splits (a Linear's weight is (out, in), an Embedding's (rows, dim))
+_SPLIT_DIM = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1, "embedding_rowwise": 0}
+
+
+def _check_splits(model: nn.Module, applied: dict[str, str], tp: int) -> None:
+    """Each planned weight's split dimension, and the model config's head counts (Hugging Face's
+    num_attention_heads, num_key_value_heads: a head is never split), multiples of ``tp``; no
+    planned weight shared with another module."""
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"model.kwargs.{key}={heads} must be a multiple of parallel.tp_size={tp} (each "
+                f"rank computes 1/{tp} of the heads)"
+            )
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for fqn, style in applied.items():
+        weight = getattr(model.get_submodule(fqn), "weight", None)
+        if style in _SPLIT_DIM and weight is not None:
+            dim = _SPLIT_DIM[style]
+            if weight.shape[dim] % tp:
+                raise ValueError(
+                    f"{fqn}.weight {tuple(weight.shape)}: dimension {dim} must be a multiple of "
+                    f"parallel.tp_size={tp} ({style})"
+                )
+            shared = names[id(weight)]
+            if len(shared) > 1:
+                raise ValueError(
+                    f"parallel.tp_size={tp}: {' and '.join(shared)} are one weight (tied "
+                    "embeddings), which the plan would split two ways; untie them (Hugging Face: "
+                    "model.kwargs.tie_word_embeddings=false)"
+                )
 
 
 def tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:

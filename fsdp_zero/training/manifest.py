@@ -67,7 +67,7 @@ def log_setup(
     state_bytes = model_state_formula(
         built.topology, num_params, precision.bytes_per_param, built.num_frozen, built.tp_whole
     )
-    where = formula_note(built.topology) + (
+    where = formula_note(built.topology, built.tp_whole) + (
         f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"
         if built.num_frozen
         else ""
