@@ -115,8 +115,8 @@ def strategy_table() -> str:
     """docs/sharding.md's table of the strategies, rendered from `STRATEGIES`."""
     rows = [
         "| `parallel.strategy` | ZeRO stage | how | model state per rank (fp32 AdamW) | -mixed "
-        "precision, CPU offload | DeepSpeed |",
-        "|---|---|---|---|---|---|",
+        "precision, CPU offload | `parallel.tp_size` > 1 | DeepSpeed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for strategy, spec in STRATEGIES.items():
         if spec.fsdp:
@@ -140,7 +140,7 @@ def strategy_table() -> str:
         rows.append(
             f"| `{strategy.value}`{f' ({names})' if names else ''} | {spec.zero_stage} "
             f"({spec.label}) | {how} | {_formula_text(spec)} | {'yes' if spec.fsdp else 'no'} | "
-            f"{deepspeed} |"
+            f"{'yes' if spec.takes_tp else 'no'} | {deepspeed} |"
         )
     return "\n".join(rows) + "\n"
 
