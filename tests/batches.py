@@ -477,9 +477,11 @@ RUNS = [
     ),
     # Tensor parallelism (dp 2 x tp 2, sequence-parallel; tp 4 without: the norm gains on FSDP's mesh
     # alone, the split layers on (dp, tp)), a dp 2 x tp 2 checkpoint continued at dp 4, and back.
-    Run("tp2", "4", (*BASE, *PROFILED, "parallel.tp_size=2"), (P, C, T)),
+    Run("tp2", "4", (*BASE, *PROFILED, TP2, "checkpoint.every=4"), (P, C, T)),
     # loss parallelism: the logits split over the vocabulary, validated as "eval" is
     Run("tp2-loss", "4", (*BASE, TP2, "parallel.loss_parallel=true", *EVAL), (P,)),
+    # bf16-mixed under tensor parallelism: which dtype reaches TP's reductions (pytorch #190626)
+    Run("tp2-bf16", "4", (*BASE, TP2, "precision=bf16-mixed", "train.steps=2"), (P,)),
     Run("tp4", "4", (*BASE, "parallel.tp_size=4", "parallel.sequence_parallel=false"), (P,)),
     # masked data under tensor parallelism: the trained tokens counted over the data-parallel ranks
     Run("masked-tp2", "4", (*BASE, *MASKED, TP2), ("test_masked",)),
@@ -490,7 +492,6 @@ RUNS = [
         (*LLAMA, *UNTIED_EVEN, *COMMON, TP2, "checkpoint.enabled=false"),
         (M,),
     ),
-    Run("tp2-split", "4", (*BASE, TP2, "train.stop_after=4", "checkpoint.every=0"), (C,)),
     Run(
         "full_shard-to-tp2-n4",
         "4",
@@ -503,7 +504,7 @@ RUNS = [
         (
             *BASE,
             "checkpoint.every=0",
-            "checkpoint.resume={root}/tp2-split/checkpoints/step-0000004",
+            "checkpoint.resume={root}/tp2/checkpoints/step-0000004",
         ),
         (C,),
     ),

@@ -426,6 +426,22 @@ def test_loss_parallel_keeps_the_logits_split_over_the_vocabulary(runs):
         assert got[step]["eval/loss"] == pytest.approx(want[step]["eval/loss"], abs=1e-5), step
 
 
+def test_tensor_parallel_reductions_of_gradients_run_in_the_reduce_dtype(runs):
+    """bf16-mixed at dp 2 x tp 2 (sequence-parallel): the gradients of what the plan leaves whole
+    (the norm gains, replicated over tp) are all-reduced over the tensor-parallel ranks in fp32, the
+    reduce dtype (pytorch #190626 reports bf16 for this all-reduce; with torch 2.15 it is fp32), and
+    FSDP reduce-scatters in fp32 as without TP; the activations' collectives (2-D and 3-D) run in the
+    compute dtype, bf16, as one process computes them."""
+    run = runs["tp2-bf16"]
+    seen = set(map(tuple, run["tp_collectives"]))
+    gradients = {(kind, dtype) for kind, dtype, dims in seen if dims == 1}
+    activations = {dtype for _, dtype, dims in seen if dims > 1}
+    assert gradients == {("all_reduce", "torch.float32")}, seen
+    assert activations == {"torch.bfloat16"}, seen
+    assert run["reduce_dtypes"] == ["torch.float32"]
+    assert not runs["n2"]["tp_collectives"]  # the observer sees nothing without TP
+
+
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs):
     """MP-2: rank 1's gradients overflow at step 3 (tests/user_model.py:overflow_on_rank1). Every
     rank skips that optimizer step (AdamW counts 7 steps of 8 on both), the scale halves, the

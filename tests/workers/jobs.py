@@ -39,6 +39,7 @@ what the tests observe of the run itself (each observation is of the effect, not
     peak_mib            every rank's (peak over the training's log intervals, peak through its evaluations)
 """
 
+import contextlib
 import gc
 import json
 import sys
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_zero.checkpoint import dcp as checkpoint_lib
 from fsdp_zero.checkpoint.folders import checkpoint_step
@@ -75,6 +77,7 @@ def _reset_observations() -> None:
         save_times=[],
         loss_times=[],
         writes_done=[],
+        tp_collectives=set(),
     )
 
 
@@ -204,6 +207,23 @@ def reduce_scatter_matches_gloo(world_size: int, rank: int) -> bool:
     return bool(flag)
 
 
+class _TensorParallelCollectives(TorchDispatchMode):
+    """Records the functional collectives tensor parallelism issues (DTensor's: activations, and
+    the gradients of what the plan leaves whole), as (kind, dtype, dimensions) of their inputs."""
+
+    _KINDS = {
+        torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+        torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+        torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kind = self._KINDS.get(func)
+        if kind:
+            _seen["tp_collectives"].add((kind, str(args[0].dtype), args[0].dim()))
+        return func(*args, **(kwargs or {}))
+
+
 def _config(args: list[str]):  # noqa: ANN202
     return load_config(*((args[1], args[2:]) if args[:1] == ["--config"] else (None, args)))
 
@@ -215,7 +235,9 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     parts = setup(cfg, env)
     initial = full_weights(parts.model)
     held = _observe_first_forward(parts)
-    result = train(cfg, env, parts)
+    # tensor parallelism's collectives observed (the mode costs a little on every op)
+    with _TensorParallelCollectives() if cfg.parallel.tp_size > 1 else contextlib.nullcontext():
+        result = train(cfg, env, parts)
     # an evaluation at the last step must leave every unit sharded
     held["after_train"] = _param_bytes(parts.model)
     final = full_weights(parts.model)
@@ -286,6 +308,7 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
                     for k, u in units.items()
                 },
                 "gather_order": list(_seen["gather_order"]),
+                "tp_collectives": sorted(_seen["tp_collectives"]),
                 "save_times": _seen["save_times"],
                 "loss_times": _seen["loss_times"],
                 "writes_done": _seen["writes_done"],
