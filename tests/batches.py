@@ -478,13 +478,41 @@ RUNS = [
     # Tensor parallelism (dp 2 x tp 2, sequence-parallel; tp 4 without: the norm gains on FSDP's mesh
     # alone, the split layers on (dp, tp)), a dp 2 x tp 2 checkpoint continued at dp 4, and back.
     Run("tp2", "4", (*BASE, *PROFILED, TP2, "checkpoint.every=4"), (P, C, T)),
-    # loss parallelism: the logits split over the vocabulary, validated as "eval" is
-    Run("tp2-loss", "4", (*BASE, TP2, "parallel.loss_parallel=true", *EVAL), (P,)),
+    # loss parallelism: the logits split over the vocabulary, validated as "eval" is; under ZeRO-2
+    # with prefetch (tp4: with activation checkpointing; masked-tp2: reducing once a step)
+    Run(
+        "tp2-loss",
+        "4",
+        (
+            *BASE,
+            TP2,
+            "parallel.loss_parallel=true",
+            *EVAL,
+            "parallel.strategy=shard_grad_op",
+            "parallel.prefetch=1",
+        ),
+        (P,),
+    ),
     # bf16-mixed under tensor parallelism: which dtype reaches TP's reductions (pytorch #190626)
     Run("tp2-bf16", "4", (*BASE, TP2, "precision=bf16-mixed", "train.steps=2"), (P,)),
-    Run("tp4", "4", (*BASE, "parallel.tp_size=4", "parallel.sequence_parallel=false"), (P,)),
+    Run(
+        "tp4",
+        "4",
+        (
+            *BASE,
+            "parallel.tp_size=4",
+            "parallel.sequence_parallel=false",
+            "parallel.activation_checkpointing=full",
+        ),
+        (P,),
+    ),
     # masked data under tensor parallelism: the trained tokens counted over the data-parallel ranks
-    Run("masked-tp2", "4", (*BASE, *MASKED, TP2), ("test_masked",)),
+    Run(
+        "masked-tp2",
+        "4",
+        (*BASE, *MASKED, TP2, "parallel.grad_sync=once_per_step"),
+        ("test_masked",),
+    ),
     # a Hugging Face Llama, untied, split by its own plan (base_model_tp_plan and the head's)
     Run(
         "llama-tp2",

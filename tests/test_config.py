@@ -205,6 +205,10 @@ VIT = [
             r"parallel\.sequence_parallel=false",
         ),
         (
+            ["parallel.tp_size=2", "train.compile=true"],
+            r"train\.compile=true with parallel\.tp_size=2 is not supported yet",
+        ),
+        (
             ["parallel.tp_size=2", "model.tie_embeddings=true"],
             r"model\.tie_embeddings=true with parallel\.tp_size=2 is not supported",
         ),
