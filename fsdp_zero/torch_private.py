@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -39,6 +40,7 @@ __all__ = [
     "reset_fsdp_iter_state",
     "set_group_timeout",
     "local_shape_and_offset",
+    "count_functional_collectives",
 ]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
@@ -87,6 +89,9 @@ from torch.nn.modules.conv import _ConvNd as ConvNd
 # collectives return at once. A testing utility, but the documented way to do this
 # (torchtitan's memory estimation and FSDPMemTracker's own tests use it).
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# Every op seen by Python (the functional collectives DTensor issues, counted by kind).
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # A process group's collective timeout, changed after init: public as `dist.set_timeout` from torch
 # 2.15 (the pinned version); the GPU machines' torch 2.11 has only the private function it calls.
@@ -296,3 +301,34 @@ def local_shape_and_offset(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...
     return compute_local_shape_and_global_offset(
         tensor.shape, tensor.device_mesh, tensor.placements
     )
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Calls ``add(kind, bytes)`` for each functional collective an op issues (DTensor's, under
+    tensor parallelism): the gathered output's bytes, a reduce-scatter's or all-reduce's input's.
+    0-d tensors (a norm's or a loss's scalar) are left out."""
+
+    def __init__(self, add: Any) -> None:
+        super().__init__()
+        self.add = add
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kind = _FUNCTIONAL_KINDS.get(func)
+        if kind and args[0].dim():
+            size = args[0].numel() * args[0].element_size()
+            self.add(kind, size * (args[1] if kind == "all_gather" else 1))
+        return func(*args, **(kwargs or {}))
+
+
+_FUNCTIONAL_KINDS = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+}
+
+
+def count_functional_collectives(add: Any) -> contextlib.AbstractContextManager:
+    """While active, ``add(kind, bytes)`` for each functional collective (all_gather,
+    reduce_scatter, all_reduce): the collectives DTensor issues for tensor parallelism, which no
+    FSDP or DDP hook sees. A dispatch mode: a little work on every op while it is on."""
+    return _FunctionalCollectives(add)

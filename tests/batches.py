@@ -518,7 +518,7 @@ RUNS = [
         "llama-tp2",
         "4",
         (*LLAMA, *UNTIED_EVEN, *COMMON, TP2, "checkpoint.enabled=false"),
-        (M,),
+        (M, T),
     ),
     Run(
         "full_shard-to-tp2-n4",

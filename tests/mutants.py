@@ -49,6 +49,7 @@ _GPU_HOST = "test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host"
 _GPU_PLAN = "test_planner_plans_for_gpus_from_a_machine_without_one"
 _LOSS_PARALLEL = "test_loss_parallel_keeps_the_logits_split_over_the_vocabulary"
 _SAME_BATCH = "test_a_tensor_parallel_group_reading_different_batches_is_refused"
+_TP_COMM = "test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit"
 _TP_STATE = "test_model_state_per_rank_follows_the_tensor_parallel_formula"
 _TP_TOKENS = "test_tensor_parallel_counts_the_trained_tokens_over_the_data_parallel_ranks"
 
@@ -242,6 +243,11 @@ MUTANTS = {
         "a tensor-parallel group's ranks never checked to read the same batch",
         [f"tests/test_units.py::{_SAME_BATCH}"],
         [_SAME_BATCH],
+    ),
+    "tp-collectives-uncounted": (
+        "comm/tp_*: tensor parallelism's collectives never counted",
+        [f"tests/test_comm.py::{_TP_COMM}"],
+        [_TP_COMM],
     ),
     "tokens-over-world": (
         "masked data under tensor parallelism: trained tokens counted over every rank, not the "

@@ -112,18 +112,32 @@ def test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit(batches):
     """dp 2 x tp 2: FSDP gathers and reduces each tensor-parallel rank's part of a unit, half of each
     planned weight and the whole norm gains. By hand for gpt_nano: a block holds 53,248 planned and
     128 whole elements, the root 32,768 and 64; 2 micro-batches a step, blocks gathered twice (ZeRO-3),
-    the root once, fp32. Counted on every rank, and the run's own formula, to the byte. (TP's own
-    collectives, of activations, are not counted yet: docs/parallelism.md.)"""
+    the root once, fp32. Counted on every rank, and the run's own formula, to the byte; and tensor
+    parallelism's own collectives (docs/parallelism.md#communication)."""
     _, summary, _ = _run(batches, "tp2")
     block, root = 53_248 // 2 + 128, 32_768 // 2 + 64
+    # Tensor parallelism's own, with sequence parallelism: A = 2 x 32 tokens x 64 dims x 4 bytes of
+    # activations; per micro-batch 10 A + the logits (2 x 32 x 256 x 4) gathered (each layer's
+    # attention and feed-forward inputs, the head's, and backward each rowwise output's and the
+    # embedding's), 6 A reduce-scattered, and 10 A (the five colwise inputs' gradients a layer) plus
+    # the five norm gains' gradients (64 x 4) all-reduced.
+    a = 2 * 32 * 64 * 4
     expected = {
         "all_gather": 2 * (2 * 2 * block + root) * 4,
         "reduce_scatter": 2 * (2 * block + root) * 4,
         "all_reduce": 0,
+        "tp_all_gather": 2 * (10 * a + 2 * 32 * 256 * 4),
+        "tp_reduce_scatter": 2 * 6 * a,
+        "tp_all_reduce": 2 * (10 * a + 5 * 64 * 4),
     }
     for rank in summary["ranks"]:
         assert rank["comm_bytes"] == expected
-    assert {k: summary["comm_formula_bytes"][k] for k in KINDS} == expected
+    assert {k: summary["comm_formula_bytes"][k] for k in expected} == expected
+    # without sequence parallelism (a Hugging Face Llama by its own plan): counted = the formula
+    _, llama, _ = _run(batches, "llama-tp2")
+    for rank in llama["ranks"]:
+        assert rank["comm_bytes"] == {k: llama["comm_formula_bytes"][k] for k in rank["comm_bytes"]}
+        assert rank["comm_bytes"]["tp_all_reduce"] > 0
 
 
 def test_evaluation_forwards_stay_out_of_the_steps_counts(batches):

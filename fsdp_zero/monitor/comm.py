@@ -12,6 +12,9 @@ Three kinds, in bytes per rank per optimizer step:
                     gradients in the reduce dtype (on gloo `AllReduceScatter` does it as an all-reduce;
                     still counted here, as what FSDP2 asked for)
     all_reduce      gradient all-reduce across replicas: HSDP's reduced shard, DDP's (and ZeRO-1's) buckets
+    tp_*            tensor parallelism's own collectives (parallel.tp_size > 1): activations, and the
+                    gradients of the norm gains its plan leaves whole; counted from the functional
+                    collectives DTensor issues (`fsdp_zero.torch_private.count_functional_collectives`)
 
 Counting happens on the host, from the shapes of the tensors each collective is handed (never
 their values): no device sync, a few Python additions per unit and micro-batch. Only what runs
@@ -43,13 +46,19 @@ from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
 from fsdp_zero.sharding.parallelize import reduce_scatter_comm, unwrap
 from fsdp_zero.sharding.precision import NAMES, Precision
-from fsdp_zero.sharding.tensor import tp_local_shape
+from fsdp_zero.sharding.tensor import resolve_plan, tp_local_shape
 from fsdp_zero.sharding.wrap import ROOT, WrapPlan
-from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter, count_zero_broadcasts
+from fsdp_zero.torch_private import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+    count_functional_collectives,
+    count_zero_broadcasts,
+)
 
 logger = logging.getLogger("fsdp_zero")
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+TP_KINDS = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
 
 
 @dataclass(frozen=True)
@@ -62,10 +71,16 @@ class CommBytes:
     # Not traffic but memory: the unsharded gradients each rank holds between micro-batches under
     # parallel.grad_sync=once_per_step (0 otherwise).
     once_per_step: float = 0
+    # tensor parallelism's own collectives (activations, and the gradients of what its plan leaves
+    # whole), by kind: `TP_KINDS`
+    tp_all_gather: float = 0
+    tp_reduce_scatter: float = 0
+    tp_all_reduce: float = 0
 
     def scalars(self) -> dict[str, float]:
-        """The metrics' names and values: comm/<kind>_mib."""
-        return {f"comm/{k}_mib": getattr(self, k) / MIB for k in KINDS}
+        """The metrics' names and values: comm/<kind>_mib (tensor parallelism's kinds where it ran)."""
+        kinds = KINDS + (TP_KINDS if any(getattr(self, k) for k in TP_KINDS) else ())
+        return {f"comm/{k}_mib": getattr(self, k) / MIB for k in kinds}
 
 
 def _unit_params(model: nn.Module, plan: WrapPlan) -> Iterator[tuple[bool, list[nn.Parameter]]]:
@@ -131,12 +146,47 @@ def comm_formula(
     reductions = 1 if sync is GradSync.once_per_step else accum
     all_reduces = accum if sync is GradSync.every_micro_batch else 1
     reduce_bytes = reduced * precision.reduce.itemsize
+    tp = _tp_bytes(cfg, model, precision) if topology.tp > 1 else {}
     return CommBytes(
         all_gather=accum * gathered * precision.compute.itemsize if n > 1 else 0,
         reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
         all_reduce=all_reduces * reduce_bytes / n if topology.replicas > 1 else 0,
         once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0,
+        **{f"tp_{kind}": accum * b for kind, b in tp.items()},
     )
+
+
+def _tp_bytes(cfg: Config, model: nn.Module, precision: Precision) -> dict[str, float]:
+    """Tensor parallelism's collectives in one micro-batch's forward and backward, by kind, from
+    the plan as applied (docs/parallelism.md#communication): activations of micro-batch x
+    seq_len tokens in the compute dtype, a whole norm gain's gradient in the reduce dtype. A
+    colwise Linear's input gradient is all-reduced; a rowwise output (an embedding's) is
+    reduce-scattered onto the sequence and its gradient gathered back (sequence parallelism), or
+    all-reduced; the head gathers its input from the sequence (its gradient reduce-scattered back)
+    and its logits over the vocabulary; a gather_input module gathers its input. Not in it: the
+    forward collectives activation checkpointing recomputes, and loss parallelism's reductions."""
+    applied, sp = resolve_plan(model, cfg.parallel.sequence_parallel)
+    act = cfg.train.micro_batch_size * cfg.data.seq_len * precision.compute.itemsize
+    out = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0.0)
+    for fqn, style in applied.items():
+        m = model.get_submodule(fqn)
+        if style == "colwise":
+            out["all_reduce"] += act * m.in_features
+        elif style in ("rowwise", "embedding_rowwise"):
+            width = m.out_features if style == "rowwise" else m.embedding_dim
+            for kind in ("reduce_scatter", "all_gather") if sp else ("all_reduce",):
+                out[kind] += act * width
+        elif style == "colwise_gather_output":
+            for kind in ("all_gather", "reduce_scatter") if sp else ("all_reduce",):
+                out[kind] += act * m.in_features
+            out["all_gather"] += 0 if cfg.parallel.loss_parallel else act * m.out_features
+        elif style == "gather_input":
+            out["all_gather"] += (
+                act * next(x for x in m.modules() if isinstance(x, nn.Linear)).in_features
+            )
+        else:  # sequence_parallel: the norm gain's gradient summed over the tp ranks
+            out["all_reduce"] += m.weight.numel() * precision.reduce.itemsize
+    return out
 
 
 def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[str, float]:
@@ -217,8 +267,9 @@ class CommMeter:
         self.formula = comm_formula(
             cfg, topology, unwrap(model), built.plan, accum, built.precision
         )
-        self.bytes = dict.fromkeys(KINDS, 0)
+        self.bytes = dict.fromkeys(KINDS + TP_KINDS, 0)
         self.active = False
+        self.tp = topology.tp > 1
         spec = topology.spec
         if spec.fsdp:
             # The all-reduce hook only where FSDP2 all-reduces: on 1-D FSDP's units it would run
@@ -256,12 +307,18 @@ class CommMeter:
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
         """Counts from zero what runs inside (one optimizer step); `counted` reads it."""
-        self.bytes = dict.fromkeys(KINDS, 0)
+        self.bytes = dict.fromkeys(KINDS + TP_KINDS, 0)
         self.active = True
         try:
-            yield
+            with (
+                count_functional_collectives(self._add_tp) if self.tp else contextlib.nullcontext()
+            ):
+                yield
         finally:
             self.active = False
+
+    def _add_tp(self, kind: str, nbytes: int) -> None:
+        self.bytes[f"tp_{kind}"] += nbytes
 
     def counted(self) -> CommBytes:
         return CommBytes(**self.bytes)
@@ -282,10 +339,18 @@ def describe(
         if formula["once_per_step"]
         else ""
     )
+    tp = [k for k in TP_KINDS if formula.get(k)]
+    tensor = (
+        "; tensor parallelism's "
+        + ", ".join(f"{k[3:].replace('_', '-')} {counted[k] / MIB:,.2f} MiB" for k in tp)
+        + f" against {', '.join(f'{formula[k] / MIB:,.2f}' for k in tp)} MiB"
+        if tp
+        else ""
+    )
     return (
         f"communication per rank in the last logged step: {', '.join(parts)}, against the "
         f"{strategy} grad_sync={grad_sync} formula's "
-        f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}"
+        f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}{tensor}"
     )
 
 

@@ -75,6 +75,14 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
+def resolve_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict[str, str], bool]:
+    """``model``'s plan matched against its modules (FQN -> style), and whether sequence
+    parallelism applies (asked for, and the plan has its styles)."""
+    plan = tp_plan(model)
+    sp = sequence_parallel and any(style in _SEQUENCE_ONLY for style in plan.values())
+    return _expand(model, plan, sp), sp
+
+
 def _expand(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
     """The plan's patterns matched against ``model``'s module names, in model order (FQN -> style).
     Without sequence parallelism its sequence-only styles are left out."""
@@ -137,14 +145,14 @@ def apply_tensor_parallel(
             embeddings).
     """
     plan = tp_plan(model)
-    if sequence_parallel and not any(style in _SEQUENCE_ONLY for style in plan.values()):
+    applied, sp = resolve_plan(model, sequence_parallel)
+    if sequence_parallel and not sp:
         logger.warning(
             "parallel.sequence_parallel=true has no effect on %s: its plan has no sequence-"
             "parallel styles",
             type(model).__name__,
         )
-        sequence_parallel = False
-    applied = _expand(model, plan, sequence_parallel)
+    sequence_parallel = sp
     _check_splits(model, applied, mesh.size())
     logger.info(
         "tensor parallelism over %d ranks, %d modules split: %s",

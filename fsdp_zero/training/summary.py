@@ -14,7 +14,7 @@ import torch.distributed as dist
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import Config
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.monitor.comm import KINDS, describe
+from fsdp_zero.monitor.comm import KINDS, TP_KINDS, describe
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import Built
@@ -90,7 +90,15 @@ def write_summary(
         "model_state_bytes": record.model_state_bytes,
         "peak_rss_mib": record.peak_rss_mib,
         "peak_rss_note": record.peak_rss_note,
-        "comm_bytes": {k: record.comm_bytes[k] for k in KINDS} if record.comm_bytes else None,
+        "comm_bytes": (
+            {
+                k: record.comm_bytes[k]
+                for k in KINDS + TP_KINDS
+                if k in KINDS or record.comm_bytes[k]
+            }
+            if record.comm_bytes
+            else None
+        ),
         "eval_peak_mib": record.eval_peak_mib or None,
         "peak_reserved_mib": record.peak_reserved_mib,
         "step_s": record.step_seconds,

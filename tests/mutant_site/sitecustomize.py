@@ -372,6 +372,11 @@ SOURCE = {
         "        if self._same_as is not None:",
         "        if self._same_as is not None and __mutant__(False):",
     ),
+    "tp-collectives-uncounted": (
+        "fsdp_zero.monitor.comm",
+        "count_functional_collectives(self._add_tp) if self.tp else",
+        "count_functional_collectives(self._add_tp) if self.tp and __mutant__(False) else",
+    ),
     "tokens-over-world": (
         "fsdp_zero.training.step",
         "dist.all_reduce(total, group=group)",

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from fsdp_zero.data.batches import _SyntheticBigram
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
+from fsdp_zero.distributed import exit_process
 
 dist.init_process_group("gloo")
 layout = BatchLayout(global_batch_size=4, micro_batch_size=2, dp_size=2, grad_accum_steps=1)
@@ -22,3 +23,4 @@ try:
 except RuntimeError as e:
     print(e, flush=True)
 dist.destroy_process_group()
+exit_process(0)  # gloo's threads and the interpreter's teardown: see its docstring
