@@ -90,15 +90,7 @@ def write_summary(
         "model_state_bytes": record.model_state_bytes,
         "peak_rss_mib": record.peak_rss_mib,
         "peak_rss_note": record.peak_rss_note,
-        "comm_bytes": (
-            {
-                k: record.comm_bytes[k]
-                for k in KINDS + TP_KINDS
-                if k in KINDS or record.comm_bytes[k]
-            }
-            if record.comm_bytes
-            else None
-        ),
+        "comm_bytes": _by_kind(record.comm_bytes),
         "eval_peak_mib": record.eval_peak_mib or None,
         "peak_reserved_mib": record.peak_reserved_mib,
         "step_s": record.step_seconds,
@@ -121,3 +113,10 @@ def write_summary(
             comm_formula_bytes=record.comm_formula or None,
             ranks=ranks,
         ).write(run_dir)
+
+
+def _by_kind(comm: dict[str, float] | None) -> dict[str, float] | None:
+    """A step's counted bytes by kind (tensor parallelism's where it ran), as summary.json holds them."""
+    if not comm:
+        return None
+    return {k: comm[k] for k in KINDS + TP_KINDS if k in KINDS or comm[k]}
