@@ -39,7 +39,9 @@ CONFIG = (
 RUN = ["train.steps=3", "train.log_every=1", "memory.profile_step=2"]
 N = 2
 # The model-dependent memory, (peak RSS - baseline), against the planner's tensors x (1 + slack).
-TERM_TOLERANCE = 0.08
+# full_shard's measured term moves with what glibc keeps of gloo's FSDP buffers: -1.4% to -12.5% over
+# five runs of the suite on 2 cores; a planner whose tensors are halved misses by about 45%.
+TERM_TOLERANCE = 0.15
 
 
 @pytest.fixture(scope="module")

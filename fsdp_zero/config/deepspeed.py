@@ -207,12 +207,6 @@ _GRAD_ACCUM = _Rule(
 )
 
 
-# AutoTP: the model's layers split over groups of autotp_size ranks (here: the model's own plan).
-_AUTOTP = _Rule(
-    "tensor_parallel.autotp_size", "parallel.tp_size", number(int, min=1), "AutoTP's degree"
-)
-
-
 def _batch(ds: _Reader) -> list[str]:
     """DeepSpeed's rule, train_batch_size = micro x accumulation x data-parallel ranks (the world
     size / AutoTP's degree): any two give the third."""
@@ -234,6 +228,12 @@ def _batch(ds: _Reader) -> list[str]:
             )
         micro = tbs // per
     return [] if tbs is None else _TRAIN_BATCH.overrides(tbs) + _MICRO_BATCH.overrides(micro)
+
+
+# AutoTP: the model's layers split over groups of autotp_size ranks (here: the model's own plan).
+_AUTOTP = _Rule(
+    "tensor_parallel.autotp_size", "parallel.tp_size", number(int, min=1), "AutoTP's degree"
+)
 
 
 # ZeRO: the stage, CPU offload, and the groups of hpZ and MiCS.
