@@ -192,7 +192,7 @@ LAUNCHES = {
     "2": Launch(2, prepare=_launch2_files),
     "2-resume": Launch(2, after=("2",), prepare=_weights_to_import),
     "4": Launch(4, after=("2",)),
-    "4-resume": Launch(4, after=("4",)),
+    "4-resume": Launch(4, after=("4", "2-resume")),
     "1": Launch(0, after=("2",), prepare=_launch1_files),
     "3": Launch(3),
 }
@@ -524,6 +524,19 @@ RUNS = [
         "full_shard-to-tp2-n4",
         "4",
         (*BASE, TP2, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
+        (C,),
+    ),
+    # n2's final weights (a torch.save state dict) into dp 2 x tp 2: each rank reads its box
+    Run(
+        "imported-tp2",
+        "4-resume",
+        (
+            *BASE,
+            TP2,
+            "train.steps=4",
+            "checkpoint.enabled=false",
+            "model.init_from={root}/weights.pt",
+        ),
         (C,),
     ),
     Run(

@@ -175,14 +175,15 @@ def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: P
     assert proc.returncode == 2 and "give a folder" in proc.stderr
 
 
-def test_import_a_torch_save_state_dict_at_two_ranks(runs):
+@pytest.mark.parametrize("name", ["imported", "imported-tp2"])
+def test_import_a_torch_save_state_dict_at_two_ranks(runs, name):
     """A standard full state dict (the straight run's final weights, torch.save(model.state_dict())) as
-    model.init_from at 2 ranks: each rank gets exactly its slices, and training goes on from them as a
-    single process does."""
+    model.init_from at 2 ranks, and at dp 2 x tp 2 (each rank a box of rows and columns): each rank
+    gets exactly its slices, and training goes on from them as a single process does."""
     final = runs["n2"]["final"]
-    got = runs["imported"]
-    for name, value in final.items():
-        assert torch.equal(got["initial"][name], value), name
+    got = runs[name]
+    for key, value in final.items():
+        assert torch.equal(got["initial"][key], value), key
     ref = reference_run(load_config(None, [*BASE, "train.steps=4"]), initial=final)
     for step, loss in ref["losses"].items():
         assert got["losses"][step] == pytest.approx(loss, abs=5e-6), step

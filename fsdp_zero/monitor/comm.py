@@ -19,7 +19,8 @@ Three kinds, in bytes per rank per optimizer step:
 Counting happens on the host, from the shapes of the tensors each collective is handed (never
 their values): no device sync, a few Python additions per unit and micro-batch. Only what runs
 inside `CommMeter.counting` counts (the trainer wraps each `Step.run` in it), so an evaluation's
-gathers never reach a step's figures. Not counted: DDP's broadcast of module buffers before each
+gathers never reach a step's figures; tensor parallelism's on log steps only (their dispatch mode
+looks at every op, and only log steps read the counts). Not counted: DDP's broadcast of module buffers before each
 forward, and the scalar all-reduces of the gradient norm and the step's gate.
 """
 
@@ -305,14 +306,15 @@ class CommMeter:
             self.bytes[kind] += tensor.numel() * tensor.element_size()
 
     @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        """Counts from zero what runs inside (one optimizer step); `counted` reads it."""
+    def counting(self, tensor_parallel: bool = True) -> Iterator[None]:
+        """Counts from zero what runs inside (one optimizer step); `counted` reads it. Tensor
+        parallelism's collectives only with ``tensor_parallel`` (their dispatch mode looks at every
+        op: the trainer counts them on log steps)."""
         self.bytes = dict.fromkeys(KINDS + TP_KINDS, 0)
         self.active = True
+        tp = self.tp and tensor_parallel
         try:
-            with (
-                count_functional_collectives(self._add_tp) if self.tp else contextlib.nullcontext()
-            ):
+            with count_functional_collectives(self._add_tp) if tp else contextlib.nullcontext():
                 yield
         finally:
             self.active = False

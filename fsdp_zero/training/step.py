@@ -74,17 +74,18 @@ def set_lr(
 
 
 @torch.no_grad()
-def _grad_norm_(parameters: list[nn.Parameter]) -> torch.Tensor:
+def _grad_norm_(groups: list[list[nn.Parameter]]) -> torch.Tensor:
     """Global L2 norm of all gradients, sharded or not, the same on every rank.
 
     With FSDP each rank holds a shard of each gradient (a DTensor). The norm of a
     sharded DTensor is a partial value; ``full_tensor()`` all-reduces it into the norm
     of the whole model's gradient. Under tensor parallelism the gradients live on two meshes
     (the split layers' (dp, tp), the others' dp), which one norm cannot mix (pytorch #180346):
-    each mesh's norm is reduced on its own, and their squares summed.
+    each mesh's norm is reduced on its own, and their squares summed. ``groups``: the parameters
+    by mesh (`_by_mesh`).
     """
     norms = []
-    for group in _by_mesh(parameters):
+    for group in groups:
         grads = [p.grad for p in group if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -94,12 +95,12 @@ def _grad_norm_(parameters: list[nn.Parameter]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _clip_grads_(parameters: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+def _clip_grads_(groups: list[list[nn.Parameter]], max_norm: float, total: torch.Tensor) -> None:
     """Scales the gradients so that their global norm ``total`` is at most ``max_norm`` (0: no
     clipping). Clipping each rank's shard by the global norm is exactly clipping the whole gradient
     (one mesh at a time: a foreach op cannot mix them)."""
     if max_norm > 0:
-        for group in _by_mesh(parameters):
+        for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
 
 
@@ -116,9 +117,11 @@ def _by_mesh(parameters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """`_grad_norm_` then `_clip_grads_`: returns the global norm before clipping (one all-reduce)."""
-    total = _grad_norm_(parameters)
-    _clip_grads_(parameters, max_norm, total)
+    """`_grad_norm_` then `_clip_grads_`: returns the global norm before clipping (one all-reduce
+    a device mesh)."""
+    groups = _by_mesh(parameters)
+    total = _grad_norm_(groups)
+    _clip_grads_(groups, max_norm, total)
     return total
 
 
@@ -208,7 +211,7 @@ class Step:
         DDP reduces after the last one whatever it says). The gradients, and so the step, are the
         same.
         """
-        params = [p for p in self.model.parameters()]
+        groups = _by_mesh(list(self.model.parameters()))  # once: the norm and the clipping read it
         weight, trained = None, None
         if self.token_count:
             weight, trained = _token_weight(
@@ -223,13 +226,13 @@ class Step:
         if self.scaler:
             # the true gradients (inf/NaN if any rank's overflowed) for the norm
             self.scaler.unscale_(self.optimizer)
-        grad_norm = _grad_norm_(params)  # one all-reduce
+        grad_norm = _grad_norm_(groups)  # one all-reduce a device mesh
         verdict = self.gate(loss, grad_norm) if self.gate else _TAKEN
         # A global batch without one trained token has nothing to learn from: its loss and gradients
         # are 0, and the optimizer step is skipped (AdamW would still move the weights by momentum
         # and decay).
         if verdict.finite and trained != 0:
-            _clip_grads_(params, self.grad_clip, grad_norm)
+            _clip_grads_(groups, self.grad_clip, grad_norm)
             if self.scaler:
                 self.scaler.step(self.optimizer)  # skipped when any rank's gradients overflowed
             else:

@@ -168,11 +168,13 @@ class StepLogger:
         return out
 
     @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
-        """Around one `Step.run`: the profiler on the profiled step, and the step's collectives counted."""
+    def measuring(self, step: int) -> Iterator[None]:
+        """Around one `Step.run`: the profiler on the profiled step, and the step's collectives counted
+        (tensor parallelism's, which cost a look at every op, on log steps only: they are read there)."""
+        logged = step % self.log_every == 0 or step == self.last_step
         with (
             self.profiler or contextlib.nullcontext(),
-            self.comm.counting() if self.comm else contextlib.nullcontext(),
+            self.comm.counting(tensor_parallel=logged) if self.comm else contextlib.nullcontext(),
         ):
             yield
 

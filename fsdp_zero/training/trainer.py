@@ -286,7 +286,7 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
             hooks = log.hooks(step)
             lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
             # the profiler on its step; the step's collectives counted (not evaluation's)
-            with log.measuring():
+            with log.measuring(step):
                 out = step_of.run(micro_batches, hooks)
             # the same on every rank: they skip, stop and save at the same step
             verdict = out.verdict

@@ -374,8 +374,8 @@ SOURCE = {
     ),
     "tp-collectives-uncounted": (
         "fsdp_zero.monitor.comm",
-        "count_functional_collectives(self._add_tp) if self.tp else",
-        "count_functional_collectives(self._add_tp) if self.tp and __mutant__(False) else",
+        "count_functional_collectives(self._add_tp) if tp else",
+        "count_functional_collectives(self._add_tp) if tp and __mutant__(False) else",
     ),
     "tokens-over-world": (
         "fsdp_zero.training.step",
