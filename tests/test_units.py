@@ -69,8 +69,10 @@ def test_init_is_seeded_named_and_blockwise_invariant():
 def test_init_weights_follow_gpt2_scales():
     model = build_model(model_args("gpt_small", n_layers=2, vocab_size=1024), device="cpu")
     model.init_weights(seed=1)
-    assert model.layers[0].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.02)
-    assert model.layers[0].feed_forward.w2.weight.std().item() == pytest.approx(0.02 / 2, rel=0.02)
+    assert model.layers["0"].attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    assert model.layers["0"].feed_forward.w2.weight.std().item() == pytest.approx(
+        0.02 / 2, rel=0.02
+    )
     assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
 
 

@@ -24,7 +24,7 @@ def test_transformer_policy_wraps_each_block_then_root():
     assert units(plan) == ["layers.0", "layers.1", ""]
     model = nano()
     assert sum(u.num_params for u in plan.units) == sum(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in model.layers[0].parameters())
+    block = sum(p.numel() for p in model.layers["0"].parameters())
     assert plan.units[0].num_params == block
     assert plan.units[0].full_bytes == 4 * block
     assert plan.units[0].bytes_per_rank == 2 * block  # every dim-0 size of nano divides by 2
@@ -128,5 +128,5 @@ def test_plan_table_lists_units_and_bytes():
 
 
 def test_containers_are_not_units():
-    with pytest.raises(ValueError, match=r"'layers' is a ModuleList, a container"):
+    with pytest.raises(ValueError, match=r"'layers' is a ModuleDict, a container"):
         build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=["layers"]), shards=2)

@@ -142,7 +142,8 @@ class Transformer(nn.Module):
             )
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        # keyed by index: a pipeline stage keeps its layers' names (layers.5 stays layers.5)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -164,10 +165,12 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"sequence length {tokens.shape[1]} > model.max_seq_len={self.args.max_seq_len}"
             )
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        # A pipeline stage holds some of the parts (the first the embedding, the last the head):
+        # what it lacks it passes through.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
