@@ -307,6 +307,10 @@ class ParallelConfig:
     # tp_size > 1: the logits stay sharded over the vocabulary, and the cross-entropy runs on the
     # shards (no rank holds a whole vocabulary's logits).
     loss_parallel: bool = False
+    # Pipeline parallelism (draft): the model cut into pp_size stages over the mesh's outermost
+    # dimension; pp_schedule runs the micro-batches (the accumulation steps) through them.
+    pp_size: int = 1
+    pp_schedule: str = "1F1B"
 
     def check(self) -> None:
         """The choices (a section built by hand, as `fsdp_zero.api.shard` does, may name them), and the

@@ -28,6 +28,7 @@ class Topology:
     # ranks each tensor-parallel layer is split over (parallel.tp_size): the mesh's innermost
     # dimension; the data-parallel ranks are world_size / tp
     tp: int = 1
+    pp: int = 1  # pipeline stages (parallel.pp_size), the mesh's outermost dimension (draft)
     # a mesh built already (the planner's, on its fake process group), which `mesh` returns
     fixed_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
