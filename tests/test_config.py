@@ -429,6 +429,21 @@ def test_a_topology_splits_the_world_into_data_and_tensor_parallel_ranks():
     )
 
 
+def test_pipeline_stages_are_the_outermost_dimension():
+    """pp outermost, tp innermost: ranks 0-3 are stage 0, 4-7 stage 1; within a stage, pairs of
+    consecutive ranks are a tensor-parallel group reading one data-parallel rank's batch."""
+    from fsdp_zero.config.schema import ParallelConfig
+
+    t = Topology.of(ParallelConfig(tp_size=2, pp_size=2), 8)
+    assert (t.dp_size, t.shard_group, [t.dp_rank(r) for r in range(8)]) == (
+        2,
+        2,
+        [0, 0, 1, 1, 0, 0, 1, 1],
+    )
+    with pytest.raises(ValueError, match=r"parallel\.pp_size=3 must divide the world size 8"):
+        Topology.of(ParallelConfig(pp_size=3), 8)
+
+
 def test_a_topology_resolves_each_strategy_once():
     """Over how many ranks the states and each parameter are split, and the replicas, per strategy."""
     from fsdp_zero.config.schema import ParallelConfig

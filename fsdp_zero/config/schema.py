@@ -345,11 +345,18 @@ class ParallelConfig:
                 f"parallel.grad_sync={GradSync(self.grad_sync).value} applies to parallel.strategy="
                 f"{strategies_that(needs)} only, not {strategy.value}"
             )
-        check_positive("parallel.tp_size", self.tp_size)
-        if self.tp_size > 1 and not STRATEGIES[strategy].takes_tp:
+        for key in ("tp_size", "pp_size"):
+            size = getattr(self, key)
+            check_positive(f"parallel.{key}", size)
+            if size > 1 and not STRATEGIES[strategy].takes_tp:
+                raise ValueError(
+                    f"parallel.{key}={size} needs parallel.strategy="
+                    f"{strategies_that('takes_tp')}, not {strategy.value}"
+                )
+        if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(
-                f"parallel.tp_size={self.tp_size} needs parallel.strategy="
-                f"{strategies_that('takes_tp')}, not {strategy.value}"
+                f"parallel.pp_schedule={self.pp_schedule!r} is not a valid choice; valid choices: "
+                f"{', '.join(PP_SCHEDULES)}"
             )
         self.wrap.check()
 
@@ -364,13 +371,19 @@ class ParallelConfig:
                 or a reshard_after_forward group size, that does not divide the data-parallel
                 ranks (the world size / tp_size).
         """
-        tp = self.tp_size
-        if world_size % tp:
+        tp, pp = self.tp_size, self.pp_size
+        for key, size in (("tp_size", tp), ("pp_size", pp)):
+            if world_size % size:
+                raise ValueError(
+                    f"parallel.{key}={size} must divide the world size {world_size}; valid "
+                    f"choices: {divisors(world_size)}"
+                )
+        if world_size % (tp * pp):
             raise ValueError(
-                f"parallel.tp_size={tp} must divide the world size {world_size}; valid choices: "
-                f"{divisors(world_size)}"
+                f"parallel.tp_size={tp} x parallel.pp_size={pp} must divide the world size "
+                f"{world_size}"
             )
-        dp = world_size // tp
+        dp = world_size // (tp * pp)
         ranks = f"the world size {world_size}" if tp == 1 else f"the {dp} data-parallel ranks"
         size = self.shard_size
         if STRATEGIES[self.strategy].hybrid and (size < 1 or dp % size):
@@ -393,6 +406,10 @@ class ParallelConfig:
         if tp == 1 and self.loss_parallel:
             notes.append("parallel.loss_parallel=true has no effect with parallel.tp_size=1")
         return notes
+
+
+# parallel.pp_schedule: torch.distributed.pipelining's schedules (draft)
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 # precision.mode: how model state is stored, computed and reduced (see

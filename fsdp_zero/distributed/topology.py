@@ -39,12 +39,14 @@ class Topology:
             that does not divide the world size)."""
         notes = tuple(cfg.check_world(world_size))
         spec = STRATEGIES[cfg.strategy]
-        dp = world_size // cfg.tp_size
+        dp = world_size // (cfg.tp_size * cfg.pp_size)
         group = cfg.shard_size if spec.hybrid else dp
         k = cfg.reshard_after_forward
         reshard = spec.reshard_after_forward if k is None or k == dp else k
         shards = group if spec.sharded[0] else 1
-        return cls(cfg.strategy, world_size, group, shards, reshard, notes, tp=cfg.tp_size)
+        return cls(
+            cfg.strategy, world_size, group, shards, reshard, notes, tp=cfg.tp_size, pp=cfg.pp_size
+        )
 
     @property
     def spec(self) -> StrategySpec:
@@ -54,12 +56,12 @@ class Topology:
     def dp_size(self) -> int:
         """The data-parallel ranks: each reads its own part of the global batch (the ranks of a
         tensor-parallel group read the same)."""
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel rank of global rank ``rank`` (tp innermost: consecutive ranks form a
-        tensor-parallel group)."""
-        return rank // self.tp
+        """The data-parallel rank of global rank ``rank`` (pp outermost, tp innermost: consecutive
+        ranks form a tensor-parallel group)."""
+        return rank % (self.world_size // self.pp) // self.tp
 
     @property
     def dp_dims(self) -> tuple[str, ...]:
@@ -103,7 +105,9 @@ class Topology:
         if self.fixed_mesh is not None:
             return self.fixed_mesh
         sizes = {"dp_replicate": self.replicas, "dp_shard": self.dp_size // self.replicas}
-        dims = {name: sizes[name] for name in self.dp_dims} | (
-            {"tp": self.tp} if self.tp > 1 else {}
+        dims = (
+            ({"pp": self.pp} if self.pp > 1 else {})
+            | {name: sizes[name] for name in self.dp_dims}
+            | ({"tp": self.tp} if self.tp > 1 else {})
         )
         return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
