@@ -307,10 +307,15 @@ class ParallelConfig:
     # tp_size > 1: the logits stay sharded over the vocabulary, and the cross-entropy runs on the
     # shards (no rank holds a whole vocabulary's logits).
     loss_parallel: bool = False
-    # Pipeline parallelism (draft): the model cut into pp_size stages over the mesh's outermost
-    # dimension; pp_schedule runs the micro-batches (the accumulation steps) through them.
+    # Pipeline parallelism (docs/parallelism.md): the model cut into pp_size x pp_stages_per_rank
+    # stages over groups of pp_size ranks (the mesh's outermost dimension: across nodes);
+    # pp_schedule runs each data-parallel rank's micro-batches (train.grad_accum_steps of them)
+    # through them, and each stage reduces its gradients once a step.
     pp_size: int = 1
     pp_schedule: str = "1F1B"
+    # stages a rank holds: 1 for GPipe and 1F1B, 2 or more for the interleaved schedules, 2 (a V)
+    # for ZBVZeroBubble; null: what the schedule needs (1, or 2)
+    pp_stages_per_rank: int | None = None
 
     def check(self) -> None:
         """The choices (a section built by hand, as `fsdp_zero.api.shard` does, may name them), and the
@@ -358,7 +363,23 @@ class ParallelConfig:
                 f"parallel.pp_schedule={self.pp_schedule!r} is not a valid choice; valid choices: "
                 f"{', '.join(PP_SCHEDULES)}"
             )
+        check_positive("parallel.pp_stages_per_rank", self.pp_stages_per_rank)
+        per_rank, shape = self.stages_per_rank, PP_SCHEDULES[self.pp_schedule].stages
+        if (shape == "1") != (per_rank == 1) or (shape == "V" and per_rank != 2):
+            need = {"1": "1", "2+": "2 or more", "V": "2"}[shape]
+            raise ValueError(
+                f"parallel.pp_stages_per_rank={per_rank}: parallel.pp_schedule={self.pp_schedule} "
+                f"runs {need} stages a rank"
+            )
         self.wrap.check()
+
+    @property
+    def stages_per_rank(self) -> int:
+        """``pp_stages_per_rank``, or what ``pp_schedule`` needs (1; 2 for the multi-stage ones)."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        schedule = PP_SCHEDULES.get(self.pp_schedule)
+        return 1 if schedule is None or schedule.stages == "1" else 2
 
     def check_world(self, world_size: int) -> list[str]:
         """The rules that need the world size.
@@ -384,7 +405,7 @@ class ParallelConfig:
                 f"{world_size}"
             )
         dp = world_size // (tp * pp)
-        ranks = f"the world size {world_size}" if tp == 1 else f"the {dp} data-parallel ranks"
+        ranks = f"the world size {world_size}" if tp * pp == 1 else f"the {dp} data-parallel ranks"
         size = self.shard_size
         if STRATEGIES[self.strategy].hybrid and (size < 1 or dp % size):
             raise ValueError(
@@ -403,13 +424,35 @@ class ParallelConfig:
                 f"parallel.strategy={self.strategy.value} (only {strategies_that('hybrid')} uses "
                 "it)"
             )
+        if pp > 1 and GradSync(self.grad_sync) is not GradSync.every_micro_batch:
+            notes.append(
+                f"parallel.grad_sync={GradSync(self.grad_sync).value} has no effect with "
+                "parallel.pp_size > 1: each pipeline stage reduces its gradients once a step"
+            )
         if tp == 1 and self.loss_parallel:
             notes.append("parallel.loss_parallel=true has no effect with parallel.tp_size=1")
         return notes
 
 
-# parallel.pp_schedule: torch.distributed.pipelining's schedules (draft)
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+@dataclass(frozen=True)
+class PPSchedule:
+    """One of torch.distributed.pipelining's schedules (parallel.pp_schedule)."""
+
+    # the stages a rank holds (parallel.pp_stages_per_rank): "1", "2+" (two or more), or "V" (two,
+    # rank r holding stages r and 2 pp - 1 - r)
+    stages: str
+    # zero bubble: each backward split into its input and weight halves (see
+    # fsdp_zero.sharding.pipeline.stage_wrap)
+    zero_bubble: bool = False
+
+
+PP_SCHEDULES = {
+    "GPipe": PPSchedule("1"),
+    "1F1B": PPSchedule("1"),
+    "Interleaved1F1B": PPSchedule("2+"),
+    "InterleavedZeroBubble": PPSchedule("2+", zero_bubble=True),
+    "ZBVZeroBubble": PPSchedule("V", zero_bubble=True),
+}
 
 
 # precision.mode: how model state is stored, computed and reduced (see

@@ -110,12 +110,13 @@ class BatchCursor:
         rank: int,
         num_workers: int = 0,
         position: int = 0,
-        same_as: dist.ProcessGroup | None = None,
+        same_as: tuple[dist.ProcessGroup, ...] = (),
     ) -> None:
         self.source, self.layout, self.rank, self.num_workers = source, layout, rank, num_workers
         self._position = position
         self._batches: Iterator | None = None
-        # ranks that must read the same batches (a tensor-parallel group), checked on the first
+        # groups of ranks that must read the same batches (a tensor-parallel group, a pipeline's
+        # stages), checked on the first
         self._same_as = same_as
 
     @property
@@ -140,22 +141,24 @@ class BatchCursor:
             )
             self._batches = iter(loader)
         batch = next(self._batches)
-        if self._same_as is not None:
-            _check_same_batch(batch, self._same_as)
-            self._same_as = None
+        for group in self._same_as:
+            _check_same_batch(batch, group)
+        self._same_as = ()
         self._position += self.layout.global_batch_size
         micro = self.layout.micro_batch_size
         return list(zip(*(t.split(micro) for t in batch)))
 
 
 def _check_same_batch(batch: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> None:
-    """Every rank of ``group`` holds ``batch`` (DeepSpeed AutoTP's guard): a tensor-parallel group
-    whose ranks read different samples would train on a mix of them without an error."""
+    """Every rank of ``group`` holds ``batch`` (DeepSpeed AutoTP's guard): a tensor-parallel group (or
+    a pipeline's stages) whose ranks read different samples would train on a mix of them without an
+    error."""
     digest = zlib.crc32(b"".join(t.contiguous().numpy().tobytes() for t in batch))
     every: list[int | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, digest, group=group)  # once a run: any backend's device
     if len(set(every)) != 1:
         raise RuntimeError(
-            f"the ranks of a tensor-parallel group read different batches (checksums {every}): "
+            f"the ranks of a tensor- or pipeline-parallel group read different batches (checksums "
+            f"{every}): "
             "each must read its data-parallel rank's"
         )

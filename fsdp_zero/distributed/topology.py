@@ -28,7 +28,10 @@ class Topology:
     # ranks each tensor-parallel layer is split over (parallel.tp_size): the mesh's innermost
     # dimension; the data-parallel ranks are world_size / tp
     tp: int = 1
-    pp: int = 1  # pipeline stages (parallel.pp_size), the mesh's outermost dimension (draft)
+    # pipeline-parallel ranks (parallel.pp_size): the mesh's outermost dimension; each holds
+    # stages_per_rank of the pp x stages_per_rank stages
+    pp: int = 1
+    stages_per_rank: int = 1
     # a mesh built already (the planner's, on its fake process group), which `mesh` returns
     fixed_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
@@ -45,7 +48,15 @@ class Topology:
         reshard = spec.reshard_after_forward if k is None or k == dp else k
         shards = group if spec.sharded[0] else 1
         return cls(
-            cfg.strategy, world_size, group, shards, reshard, notes, tp=cfg.tp_size, pp=cfg.pp_size
+            cfg.strategy,
+            world_size,
+            group,
+            shards,
+            reshard,
+            notes,
+            tp=cfg.tp_size,
+            pp=cfg.pp_size,
+            stages_per_rank=cfg.stages_per_rank,
         )
 
     @property
@@ -63,6 +74,16 @@ class Topology:
         ranks form a tensor-parallel group)."""
         return rank % (self.world_size // self.pp) // self.tp
 
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline rank of global rank ``rank`` (pp outermost: blocks of world / pp ranks)."""
+        return rank // (self.world_size // self.pp)
+
+    @property
+    def split(self) -> bool:
+        """Whether the model is split beyond data parallelism (tensor or pipeline parallelism): the
+        run then has one device mesh, built once, and data-parallel groups of its own."""
+        return self.tp > 1 or self.pp > 1
+
     @property
     def dp_dims(self) -> tuple[str, ...]:
         """The mesh dimensions FSDP shards (and replicates) over."""
@@ -75,8 +96,8 @@ class Topology:
 
     def data_group(self) -> dist.ProcessGroup | None:
         """This rank's data-parallel peers, whose batches make the global batch (None: every rank,
-        when tp is 1). Under tensor parallelism the mesh must be built (`with_mesh`)."""
-        if self.tp == 1:
+        when neither tp nor pp splits the model). Then the mesh must be built (`with_mesh`)."""
+        if not self.split:
             return None
         assert self.fixed_mesh is not None, "build the mesh once (with_mesh) before asking for it"
         return self.fixed_mesh["dp_shard"].get_group()
@@ -88,11 +109,18 @@ class Topology:
         assert self.fixed_mesh is not None, "build the mesh once (with_mesh) before asking for it"
         return self.fixed_mesh["tp"].get_group()
 
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """This rank's pipeline group, its stages' peers (None when pp is 1); the mesh must be built."""
+        if self.pp == 1:
+            return None
+        assert self.fixed_mesh is not None, "build the mesh once (with_mesh) before asking for it"
+        return self.fixed_mesh["pp"].get_group()
+
     def with_own_mesh(self, device_type: str) -> Topology:
-        """Under tensor parallelism, this topology with its mesh built once (tensor parallelism, FSDP,
-        the data-parallel and tensor-parallel groups share it); else itself (each build makes
-        its own)."""
-        return self.with_mesh(self.mesh(device_type)) if self.tp > 1 else self
+        """Under tensor or pipeline parallelism, this topology with its mesh built once (they, FSDP,
+        and the data-parallel, tensor- and pipeline-parallel groups share it); else itself (each
+        build makes its own)."""
+        return self.with_mesh(self.mesh(device_type)) if self.split else self
 
     def with_mesh(self, mesh: DeviceMesh) -> Topology:
         """This topology, its device mesh ``mesh`` (built already)."""

@@ -123,6 +123,9 @@ class Transformer(nn.Module):
         "norm": "sequence_parallel",
         "output": "colwise_gather_output",
     }
+    # Pipeline parallelism's cut (`fsdp_zero.sharding.pipeline`): the embedding on the first stage,
+    # the blocks in contiguous runs, the final norm and the head on the last.
+    pp_plan = {"first": ("tok_embeddings",), "layers": "layers", "last": ("norm", "output")}
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()

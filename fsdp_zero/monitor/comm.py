@@ -130,7 +130,8 @@ def comm_formula(
     ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`).
     """
     spec = topology.spec
-    sync = GradSync(cfg.parallel.grad_sync)
+    # a pipeline stage reduces once a step, whatever grad_sync says
+    sync = GradSync.once_per_step if topology.pp > 1 else GradSync(cfg.parallel.grad_sync)
     if not spec.fsdp:
         return _ddp_bytes(model, topology, precision)
     n = topology.shard_group
@@ -147,7 +148,7 @@ def comm_formula(
     reductions = 1 if sync is GradSync.once_per_step else accum
     all_reduces = accum if sync is GradSync.every_micro_batch else 1
     reduce_bytes = reduced * precision.reduce.itemsize
-    tp = _tp_bytes(cfg, model, precision) if topology.tp > 1 else {}
+    tp = _tp_bytes(cfg, model, precision, topology.pp == 1) if topology.tp > 1 else {}
     return CommBytes(
         all_gather=accum * gathered * precision.compute.itemsize if n > 1 else 0,
         reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
@@ -157,7 +158,9 @@ def comm_formula(
     )
 
 
-def _tp_bytes(cfg: Config, model: nn.Module, precision: Precision) -> dict[str, float]:
+def _tp_bytes(
+    cfg: Config, model: nn.Module, precision: Precision, whole: bool = True
+) -> dict[str, float]:
     """Tensor parallelism's collectives in one micro-batch's forward and backward, by kind, from
     the plan as applied (docs/parallelism.md#communication): activations of micro-batch x
     seq_len tokens in the compute dtype, a whole norm gain's gradient in the reduce dtype. A
@@ -166,7 +169,7 @@ def _tp_bytes(cfg: Config, model: nn.Module, precision: Precision) -> dict[str, 
     all-reduced; the head gathers its input from the sequence (its gradient reduce-scattered back)
     and its logits over the vocabulary; a gather_input module gathers its input. Not in it: the
     forward collectives activation checkpointing recomputes, and loss parallelism's reductions."""
-    applied, sp = resolve_plan(model, cfg.parallel.sequence_parallel)
+    applied, sp = resolve_plan(model, cfg.parallel.sequence_parallel, whole)
     act = cfg.train.micro_batch_size * cfg.data.seq_len * precision.compute.itemsize
     out = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0.0)
     for fqn, style in applied.items():
@@ -265,9 +268,17 @@ class CommMeter:
 
     def __init__(self, cfg: Config, env: DistEnv, built: Built, accum: int) -> None:
         model, optimizer, topology = built.model, built.optimizer, built.topology
-        self.formula = comm_formula(
-            cfg, topology, unwrap(model), built.plan, accum, built.precision
+        # each pipeline stage is sharded on its own: its units, its formula (summed)
+        parts = (
+            list(zip(built.stages.parts, built.stages.plans))
+            if built.stages
+            else [(unwrap(model), built.plan)]
         )
+        formulas = [
+            asdict(comm_formula(cfg, topology, part, plan, accum, built.precision))
+            for part, plan in parts
+        ]
+        self.formula = CommBytes(**{k: sum(f[k] for f in formulas) for k in formulas[0]})
         self.bytes = dict.fromkeys(KINDS + TP_KINDS, 0)
         self.active = False
         self.tp = topology.tp > 1
@@ -279,7 +290,8 @@ class CommMeter:
             # reduce dtype is not the stored one) and, on CUDA, move the post-reduce work to its
             # all-reduce stream.
             replicas = topology.replicas
-            for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+            units = (m for part, _ in parts for m in part.modules() if isinstance(m, FSDPModule))
+            for unit in units:
                 unit.set_custom_all_gather(_CountedAllGather(partial(self.add, "all_gather")))
                 unit.set_custom_reduce_scatter(
                     _CountedReduceScatter(

@@ -29,7 +29,8 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
-from fsdp_zero.sharding.parallelize import Compute, parallelize
+from fsdp_zero.sharding.parallelize import Compute, parallelize, unwrap
+from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.precision import Precision, resolve
 from fsdp_zero.sharding.tensor import tp_whole
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
@@ -288,6 +289,24 @@ class Built:
     trainable_note: str = ""  # what model.freeze and model.lora did ('' when neither is set)
     topology: Topology | None = None  # cfg.parallel resolved for the world size
     tp_whole: int = 0  # parameters tensor parallelism leaves whole (`fsdp_zero.sharding.tensor`)
+    # pipeline parallelism: this rank's stages (``model`` is their view), None without
+    stages: RankStages | None = None
+
+    @property
+    def whole(self) -> nn.Module:
+        """The model its facts are read from (vocabulary, sequence length, outputs): the model
+        itself without its DDP wrapper, or under pipeline parallelism the whole one, on meta."""
+        if self.stages is not None:
+            return self.stages.whole
+        return unwrap(self.model)
+
+    @property
+    def rank_params(self) -> int:
+        """The parameters whose state this rank holds a share of: the whole model's, or under
+        pipeline parallelism its stages' (what the model-state formula counts)."""
+        if self.stages is None:
+            return self.num_params
+        return sum(p.numel() for p in self.model.parameters())
 
 
 def build(
@@ -314,15 +333,21 @@ def build(
     num_params, num_frozen = sum(p.numel() for p in model.parameters()), frozen_count(model)
     precision = resolve(cfg.precision)
     topology = topology or Topology.of(cfg.parallel, env.world_size)
-    model, plan, note = shard(
-        model,
-        cfg.parallel,
-        env,
-        seed=seed,
-        init=cfg.model.init,
-        topology=topology,
-        compute=Compute(precision, cfg.train.compile, ddp),
-    )
+    compute = Compute(precision, cfg.train.compile, ddp)
+    stages = None
+    if topology.pp > 1:
+        stages, plan, note = _shard_stages(model, cfg, env, seed, topology, compute)
+        model = stages.model
+    else:
+        model, plan, note = shard(
+            model,
+            cfg.parallel,
+            env,
+            seed=seed,
+            init=cfg.model.init,
+            topology=topology,
+            compute=compute,
+        )
     # With CPU offload the optimizer steps on the CPU, where the shards are.
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
     optimizer = build_optimizer(
@@ -340,4 +365,50 @@ def build(
         trainable_note,
         topology,
         whole,
+        stages,
     )
+
+
+def _shard_stages(
+    model: nn.Module,
+    cfg: Config,
+    env: DistEnv,
+    seed: int | None,
+    topology: Topology,
+    compute: Compute,
+) -> tuple[RankStages, WrapPlan, str]:
+    """Pipeline parallelism: this rank's stages of the meta-device ``model``, each sharded by
+    `shard` (its own FSDP units over the data-parallel ranks); their wrap plans as one (each stage's
+    root named ``stage<s>``) and how they were initialised."""
+    plans: list[WrapPlan] = []
+    notes: list[str] = []
+    parallel, wrap_note = stage_wrap(cfg.parallel)
+    if wrap_note:
+        logger.warning("%s", wrap_note)
+
+    def one(part: nn.Module) -> nn.Module:
+        part, plan, note = shard(
+            part,
+            parallel,
+            env,
+            seed=seed,
+            init=cfg.model.init,
+            topology=topology,
+            compute=compute,
+        )
+        plans.append(plan)
+        notes.append(note)
+        return part
+
+    stages = build_stages(
+        model,
+        topology.pp_rank(env.rank),
+        topology.pp,
+        topology.stages_per_rank,
+        cfg.parallel.pp_schedule,
+        topology.pp_group(),
+        env.device,
+        one,
+    )
+    stages.plans = plans
+    return stages, stages_plan(plans, stages.ids), notes[0]

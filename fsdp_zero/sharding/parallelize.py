@@ -12,7 +12,7 @@ materialise the whole model first (every rank holds all of it: that is what DDP 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,7 @@ def model_state_formula(
     stored bytes w (no gradient, no AdamW states). Under tensor parallelism (tp > 1) a planned
     parameter is split over tp x the shard group; ``tp_whole`` of them (norm gains: what the plan
     leaves whole) over the shard group only: 16 (P - P_whole) / (tp N) + 16 P_whole / N in fp32.
+    Under pipeline parallelism ``num_params`` (and ``tp_whole``) are the rank's stages'.
     """
     sharded = topology.spec.sharded
     whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
@@ -79,6 +80,12 @@ def model_state_formula(
 def formula_note(topology: Topology, tp_whole: int = 0) -> str:
     """How `model_state_formula` divides the bytes per parameter, in words (for the precision manifest)."""
     spec = topology.spec
+    if topology.pp > 1:  # the parameters counted are the rank's stages'
+        stages = topology.pp * topology.stages_per_rank
+        return (
+            formula_note(replace(topology, pp=1), tp_whole)
+            + f", of this rank's {topology.stages_per_rank} of {stages} pipeline stages"
+        )
     if topology.tp > 1:
         n = topology.shard_group
         return (
@@ -247,12 +254,14 @@ def parallelize(
     # 1. tensor parallelism: the planned layers split over the mesh's tp dimension
     mesh = topology.mesh(env.device.type)
     if topology.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel)
+        apply_tensor_parallel(
+            model, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel, whole=topology.pp == 1
+        )
     # 2. activation checkpointing, 3. compile (on the block units)
     _checkpoint_and_compile(model, cfg, plan, compute.compile, order)
     # 4. FSDP over the data-parallel ranks: units bottom-up, then the root; 5. materialise
     kwargs = dict(
-        mesh=mesh[topology.dp_dims] if topology.tp > 1 else mesh,
+        mesh=mesh[topology.dp_dims] if topology.split else mesh,
         reshard_after_forward=topology.reshard_after_forward,
         mp_policy=compute.precision.mp_policy() if compute.precision else MixedPrecisionPolicy(),
         offload_policy=offload_policy(cfg, env),

@@ -75,17 +75,23 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
-def resolve_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict[str, str], bool]:
+def resolve_plan(
+    model: nn.Module, sequence_parallel: bool, whole: bool = True
+) -> tuple[dict[str, str], bool]:
     """``model``'s plan matched against its modules (FQN -> style), and whether sequence
-    parallelism applies (asked for, and the plan has its styles)."""
+    parallelism applies (asked for, and the plan has its styles). ``whole``: False for a pipeline
+    stage, which lacks some planned modules."""
     plan = tp_plan(model)
     sp = sequence_parallel and any(style in _SEQUENCE_ONLY for style in plan.values())
-    return _expand(model, plan, sp), sp
+    return _expand(model, plan, sp, whole), sp
 
 
-def _expand(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
+def _expand(
+    model: nn.Module, plan: dict[str, str], sequence_parallel: bool, whole: bool = True
+) -> dict[str, str]:
     """The plan's patterns matched against ``model``'s module names, in model order (FQN -> style).
-    Without sequence parallelism its sequence-only styles are left out."""
+    Without sequence parallelism its sequence-only styles are left out; every pattern matches a
+    module of a ``whole`` model."""
     compiled = {
         re.compile(re.escape(pattern).replace(r"\*", r"[^.]+")): style
         for pattern, style in plan.items()
@@ -98,7 +104,7 @@ def _expand(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> 
                 out[fqn] = style
                 hits[rx] += 1
     unmatched = [rx.pattern for rx, n in hits.items() if not n]
-    assert not unmatched, f"{type(model).__name__}.tp_plan: patterns match no module: {unmatched}"
+    assert not (whole and unmatched), f"{type(model).__name__}.tp_plan: patterns match no module: {unmatched}"
     return out
 
 
@@ -132,12 +138,17 @@ def _style(
 
 
 def apply_tensor_parallel(
-    model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool
+    model: nn.Module,
+    mesh: DeviceMesh,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    whole: bool = True,
 ) -> dict[str, str]:
     """Splits ``model``'s planned layers over ``mesh`` (its tp dimension), in place: each planned
     parameter becomes a DTensor sharded (or, for sequence-parallel norms, replicated) over it.
     Sequence parallelism applies where the plan has its styles (the built-in model's; Hugging
-    Face's plans have none). Returns the plan as applied (FQN -> style).
+    Face's plans have none). ``whole``: False for a pipeline stage. Returns the plan as applied
+    (FQN -> style).
 
     Raises:
         ValueError: the model has no plan, or one it cannot take: a split dimension or a head count
@@ -145,7 +156,7 @@ def apply_tensor_parallel(
             embeddings).
     """
     plan = tp_plan(model)
-    applied, sp = resolve_plan(model, sequence_parallel)
+    applied, sp = resolve_plan(model, sequence_parallel, whole)
     if sequence_parallel and not sp:
         logger.warning(
             "parallel.sequence_parallel=true has no effect on %s: its plan has no sequence-"

@@ -51,6 +51,7 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.tasks import TASKS, check_classes_fit, to_device, vocab_size
 from fsdp_zero.sharding.parallelize import unwrap
 from fsdp_zero.torch_private import reset_fsdp_iter_state
+from fsdp_zero.training.step import Pipeline
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -158,6 +159,7 @@ class Evaluator:
         topology: Topology,
     ) -> None:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
+        self.micro_batch_size = micro_batch_size
         self.env, self.group = env, topology.data_group()
         # split over the data-parallel ranks (a tensor-parallel group forwards the same items)
         self.batches = _rank_batches(
@@ -173,8 +175,9 @@ class Evaluator:
         return step % self.every == 0 or step == last
 
     @torch.no_grad()
-    def run(self, model: nn.Module) -> EvalResult:
-        """One pass over the held-out set; every rank must call it (it runs collectives).
+    def run(self, model: nn.Module, pipeline: Pipeline | None = None) -> EvalResult:
+        """One pass over the held-out set; every rank must call it (it runs collectives). Under
+        pipeline parallelism ``pipeline``'s schedule runs the forwards (`_pipelined_sums`).
 
         Call it between optimizer steps, as the trainer does: FSDP2's reset at the end drops
         gradients, so a model holding any is refused.
@@ -194,9 +197,12 @@ class Evaluator:
         totals = torch.zeros(3, dtype=torch.float64, device=device)
         was_training = module.training
         module.eval()
+        roots = pipeline.stages.parts if pipeline else [module]
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                for indices in self.batches:
+                if pipeline:
+                    totals += self._pipelined_sums(pipeline)
+                for indices in self.batches if not pipeline else ():
                     # An empty share still forwards (item 0), so that every rank takes part in every
                     # all-gather.
                     sums = self.spec.eval_sums(
@@ -206,11 +212,15 @@ class Evaluator:
                         totals += sums
         finally:
             module.train(was_training)
-            if isinstance(module, FSDPModule):
-                reset_fsdp_iter_state(module)  # reshard every unit; forget the pass's forward order
+            for root in roots:
+                if isinstance(root, FSDPModule):
+                    # reshard every unit; forget the pass's forward order
+                    reset_fsdp_iter_state(root)
         if dist.is_initialized():
             # the evaluation's one reduction: loss sum, count, right
             dist.all_reduce(totals, group=self.group)
+            if pipeline:  # the last stage's sums, to every stage
+                dist.all_reduce(totals, group=pipeline.stages.group)
         loss_sum, count, right = totals.tolist()  # a sync point, once per evaluation
         # a masked held-out set without one trained token
         loss = loss_sum / count if count else math.nan
@@ -218,6 +228,35 @@ class Evaluator:
         return EvalResult(
             scalars, self.num_items, self.items.unit, int(count), time.perf_counter() - start
         )
+
+
+    def _pipelined_sums(self, pipeline: Pipeline) -> torch.Tensor:
+        """The sums of this rank's items under pipeline parallelism (on the last stage; zeros on the
+        others): the schedule's forward-only pass over as many micro-batches as a step has, each
+        filled up to train.micro_batch_size with item 0 (a stage's buffers have one shape), the
+        fill's rows dropped before the sums."""
+        device, size = self.env.device, self.micro_batch_size
+        n = pipeline.micro_batches
+        batches = self.batches + [[]] * (-len(self.batches) % n)
+        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        for start in range(0, len(batches), n):
+            group = batches[start : start + n]
+            data = [
+                to_device(self.items.batch(ix + [0] * (size - len(ix))), device) for ix in group
+            ]
+            out = pipeline.schedule.eval(
+                arg_mbs=[(d[0],) for d in data] if pipeline.stages.is_first else None,
+                target_mbs=[d[1] for d in data] if pipeline.stages.is_last else None,
+            )
+            if not pipeline.stages.is_last:
+                continue
+            for ix, d, logits in zip(group, data, out.split(size)):
+                if ix:
+                    rows = len(ix)
+                    totals += self.spec.eval_sums(
+                        lambda _inputs, x=logits[:rows]: x, (None, d[1][:rows])
+                    )
+        return totals
 
 
 def _token_windows(cfg: Config, vocab: int | None) -> _TokenWindows:

@@ -26,6 +26,7 @@ from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.model.tasks import LossFn, to_device
 from fsdp_zero.monitor.phases import Phase, PhaseHook
+from fsdp_zero.sharding.pipeline import RankStages
 from fsdp_zero.sharding.precision import LossScaler
 from fsdp_zero.training.stopping import Verdict
 
@@ -74,7 +75,9 @@ def set_lr(
 
 
 @torch.no_grad()
-def _grad_norm_(groups: list[list[nn.Parameter]]) -> torch.Tensor:
+def _grad_norm_(
+    groups: list[list[nn.Parameter]], pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Global L2 norm of all gradients, sharded or not, the same on every rank.
 
     With FSDP each rank holds a shard of each gradient (a DTensor). The norm of a
@@ -82,13 +85,18 @@ def _grad_norm_(groups: list[list[nn.Parameter]]) -> torch.Tensor:
     of the whole model's gradient. Under tensor parallelism the gradients live on two meshes
     (the split layers' (dp, tp), the others' dp), which one norm cannot mix (pytorch #180346):
     each mesh's norm is reduced on its own, and their squares summed. ``groups``: the parameters
-    by mesh (`_by_mesh`).
+    by mesh (`_by_mesh`). Under pipeline parallelism each rank holds its stages' gradients: the
+    squares are then summed over ``pp_group`` too.
     """
     norms = []
     for group in groups:
         grads = [p.grad for p in group if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if pp_group is not None:
+        square = torch.stack([n.float() for n in norms]).square().sum()
+        dist.all_reduce(square, group=pp_group)
+        return square.sqrt()
     if len(norms) <= 1:
         return norms[0] if norms else torch.nn.utils.get_total_norm([], norm_type=2.0)
     return torch.stack([n.float() for n in norms]).square().sum().sqrt()
@@ -164,6 +172,54 @@ def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] |
     return None
 
 
+class _StageLoss:
+    """A pipeline schedule's ``loss_fn``: the task's loss of the last stage's output for one
+    micro-batch, times the step's ``weight`` (1 / micro-batches, or masked N / trained tokens: the
+    share `Step._accumulate` gives it); ``raw`` keeps the unweighted losses of the step."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.loss_fn, self.weight = loss_fn, 1.0
+        self.raw: list[torch.Tensor] = []
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss, _ = self.loss_fn(lambda _inputs: output, (None, target))
+        self.raw.append(loss.detach())
+        return loss * self.weight
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Pipeline parallelism's part of a step: the schedule over this rank's stages, which runs the
+    micro-batches (forward, backward, each stage's gradient reduction after the last one) in
+    place of `Step._accumulate`'s loop."""
+
+    stages: RankStages
+    schedule: object
+    loss: _StageLoss
+    micro_batches: int  # a step's, on each data-parallel rank: the schedule's n_microbatches
+
+    @classmethod
+    def of(cls, stages: RankStages, micro_batches: int, loss_fn: LossFn) -> Pipeline:
+        loss = _StageLoss(loss_fn)
+        return cls(stages, stages.schedule_for(micro_batches, loss), loss, micro_batches)
+
+    def run(self, micro_batches: list, weight: float, device: torch.device) -> torch.Tensor:
+        """One step's forwards and backwards; returns the micro-batches' summed (unweighted) losses,
+        on every rank (the last stage computes them; one all-reduce over the pipeline group)."""
+        self.loss.weight, self.loss.raw = weight, []
+        batches = [to_device(b, device) for b in micro_batches]
+        self.schedule.step(
+            arg_mbs=[(b[0],) for b in batches] if self.stages.is_first else None,
+            target_mbs=[b[1] for b in batches] if self.stages.is_last else None,
+        )
+        # the last stage's losses, one a micro-batch (on the first step the stage's shape
+        # inference calls the loss once more, first, on an output of no meaning)
+        raw = self.loss.raw[len(self.loss.raw) - len(micro_batches) :]
+        total = torch.stack(raw).sum() if raw else torch.zeros((), device=device)
+        dist.all_reduce(total, group=self.stages.group)
+        return total
+
+
 @dataclass(frozen=True)
 class Step:
     """One optimizer step's fixed parts, built once before the loop; `run` steps one global batch.
@@ -191,6 +247,8 @@ class Step:
     data_group: dist.ProcessGroup | None = None
     # what each forward and backward runs inside (loss parallelism: torch's loss_parallel)
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # pipeline parallelism: the schedule that runs the micro-batches through this rank's stages
+    pipeline: Pipeline | None = None
 
     def run(self, micro_batches: list, hooks: Sequence[PhaseHook] = ()) -> StepResult:
         """Forward/backward over this rank's micro-batches, then one optimizer step (at the
@@ -217,16 +275,21 @@ class Step:
             weight, trained = _token_weight(
                 self.token_count, micro_batches, self.device, self.data_group
             )
-        loss_sum, extra_sum = self._accumulate(micro_batches, hooks, weight)
-        _report(hooks, Phase.AFTER_BACKWARD)
         n = len(micro_batches)
+        if self.pipeline:
+            loss_sum = self.pipeline.run(micro_batches, weight or 1 / n, self.device)
+            extra_sum: dict[str, torch.Tensor] = {}
+        else:
+            loss_sum, extra_sum = self._accumulate(micro_batches, hooks, weight)
+        _report(hooks, Phase.AFTER_BACKWARD)
         extra = {k: v / n for k, v in extra_sum.items()}
         # masked: the ranks' mean is the token mean
         loss = loss_sum * weight if weight is not None else loss_sum / n
         if self.scaler:
             # the true gradients (inf/NaN if any rank's overflowed) for the norm
             self.scaler.unscale_(self.optimizer)
-        grad_norm = _grad_norm_(groups)  # one all-reduce a device mesh
+        # one all-reduce a device mesh (and one over the pipeline's stages)
+        grad_norm = _grad_norm_(groups, self.pipeline.stages.group if self.pipeline else None)
         verdict = self.gate(loss, grad_norm) if self.gate else _TAKEN
         # A global batch without one trained token has nothing to learn from: its loss and gradients
         # are 0, and the optimizer step is skipped (AdamW would still move the weights by momentum

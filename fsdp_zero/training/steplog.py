@@ -103,10 +103,19 @@ class LogPlan:
         """The trainer's: throughput in tokens for token data, in samples (images) otherwise."""
         tokens = cfg.data.source in TOKEN_SOURCES
         per_rank = layout.global_batch_size // layout.dp_size * (cfg.data.seq_len if tokens else 1)
+        profile = cfg.memory.profile_step
+        if profile and cfg.parallel.pp_size > 1:
+            logger.info(
+                "memory.profile_step=%d: not profiled under parallel.pp_size > 1 (PyTorch's "
+                "MemTracker cannot follow a module forwarded again after a backward, as a "
+                "pipeline schedule does)",
+                profile,
+            )
+            profile = 0
         return cls(
             cfg.train.log_every,
             last_step,
-            cfg.memory.profile_step,
+            profile,
             per_rank,
             "tokens" if tokens else "samples",
             cfg.metrics.tensorboard,

@@ -36,7 +36,8 @@ class Summary:
     num_params: int
     num_frozen: int
     world_size: int
-    # the strategy's formula (`fsdp_zero.sharding.parallelize.model_state_formula`)
+    # the strategy's formula (`fsdp_zero.sharding.parallelize.model_state_formula`); rank 0's
+    # (under pipeline parallelism each rank's own is in ``ranks``)
     model_state_formula_bytes: float
     grad_sync: str
     # by kind (`fsdp_zero.monitor.comm.comm_formula`); None: not counted
@@ -64,8 +65,9 @@ def write_summary(
     """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
     only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
     num_params, num_frozen = built.num_params, built.num_frozen
+    # under pipeline parallelism each rank's own: its stages' parameters
     formula = model_state_formula(
-        built.topology, num_params, built.precision.bytes_per_param, num_frozen, built.tp_whole
+        built.topology, built.rank_params, built.precision.bytes_per_param, num_frozen, built.tp_whole
     )
     logger.info(
         "model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f "
@@ -88,6 +90,8 @@ def write_summary(
         )
     mine = {
         "model_state_bytes": record.model_state_bytes,
+        "model_state_formula_bytes": formula,
+        "comm_formula_bytes": _by_kind(record.comm_formula),
         "peak_rss_mib": record.peak_rss_mib,
         "peak_rss_note": record.peak_rss_note,
         "comm_bytes": _by_kind(record.comm_bytes),

@@ -63,7 +63,7 @@ from fsdp_zero.training.rundir import (
     run_files,
     write_run_dir,
 )
-from fsdp_zero.training.step import Step, StepResult, set_lr
+from fsdp_zero.training.step import Pipeline, Step, StepResult, set_lr
 from fsdp_zero.training.steplog import LogPlan, StepLogger, StepRecord
 from fsdp_zero.training.stopping import StepGuard, Verdict, budget_deadline, budget_job
 from fsdp_zero.training.summary import write_summary
@@ -134,17 +134,16 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     # Parameters on the meta device: shapes only, sharded before any memory is allocated.
     built = build(cfg, env, decision.seed, topology=topology)
     model, plan = built.model, built.plan
-    source = build_source(cfg.data, decision.seed, vocab_size(unwrap(model)))
-    _check_data_fits(cfg, unwrap(model), source)
+    source = build_source(cfg.data, decision.seed, vocab_size(built.whole))
+    _check_data_fits(cfg, built.whole, source)
     # a mask file: token-weighted loss
     loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
     scaler = loss_scaler(cfg.precision, built.precision, env.device)
     log_setup(cfg, env, decision, built, layout)
-    evaluator = build_evaluator(cfg, env, unwrap(model), source, topology)
+    evaluator = build_evaluator(cfg, env, built.whole, source, topology)
 
-    cursor = BatchCursor(
-        source, layout, topology.dp_rank(env.rank), cfg.data.workers, same_as=topology.tp_group()
-    )
+    peers = tuple(g for g in (topology.tp_group(), topology.pp_group()) if g is not None)
+    cursor = BatchCursor(source, layout, topology.dp_rank(env.rank), cfg.data.workers, same_as=peers)
     state = _resume(cfg, env, decision, model, built.optimizer, scaler)
     cursor.position = state.data_position
     _start_budget(cfg, state, decision.resume)
@@ -300,7 +299,7 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
             log.step(step, out.loss, out.grad_norm, lr, out.extra)
             # no_grad, eval mode
             if parts.evaluator and parts.evaluator.due(step, last) and not verdict.stop:
-                log.evaluation(step, parts.evaluator.run(model))
+                log.evaluation(step, parts.evaluator.run(model, step_of.pipeline))
             if verdict.stop:
                 break
         if checkpointer:
@@ -350,6 +349,9 @@ def _step_of(parts: _Components, guard: StepGuard, device: torch.device) -> Step
         grad_sync=cfg.parallel.grad_sync,
         data_group=parts.built.topology.data_group(),
         loss_context=loss_context(cfg.parallel),
+        pipeline=Pipeline.of(parts.built.stages, parts.layout.grad_accum_steps, parts.loss_fn)
+        if parts.built.stages
+        else None,
     )
 
 

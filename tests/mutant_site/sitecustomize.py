@@ -369,8 +369,8 @@ SOURCE = {
     ),
     "same-batch-unchecked": (
         "fsdp_zero.data.loader",
-        "        if self._same_as is not None:",
-        "        if self._same_as is not None and __mutant__(False):",
+        "        for group in self._same_as:",
+        "        for group in self._same_as if __mutant__(False) else ():",
     ),
     "tp-collectives-uncounted": (
         "fsdp_zero.monitor.comm",

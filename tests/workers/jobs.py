@@ -182,12 +182,18 @@ def _observe_first_forward(parts) -> dict:  # noqa: ANN001
 # ---------------------------------------------------------------------------------
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(model: torch.nn.Module, pipeline: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's weights (under pipeline parallelism every stage's, from its ranks)."""
     # Cloned: at world size 1 on CPU the "full" tensors alias the live parameters.
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    return {k: v.clone() for k, v in full.items()}
+    full = {k: v.clone() for k, v in full.items()}
+    if pipeline:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, full)
+        full = {k: v for stage in every for k, v in stage.items()}
+    return full
 
 
 def reduce_scatter_matches_gloo(world_size: int, rank: int) -> bool:
@@ -233,14 +239,15 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
     _slow_writes(slow_writes)
     _reset_observations()
     parts = setup(cfg, env)
-    initial = full_weights(parts.model)
+    pipeline = parts.built.stages is not None
+    initial = full_weights(parts.model, pipeline)
     held = _observe_first_forward(parts)
     # tensor parallelism's collectives observed (the mode costs a little on every op)
     with _TensorParallelCollectives() if cfg.parallel.tp_size > 1 else contextlib.nullcontext():
         result = train(cfg, env, parts)
     # an evaluation at the last step must leave every unit sharded
     held["after_train"] = _param_bytes(parts.model)
-    final = full_weights(parts.model)
+    final = full_weights(parts.model, pipeline)
     opt_states = parts.optimizer.state.values()
     # (sharded: before the forward below)
     names = {id(p): n for n, p in parts.model.named_parameters()}
@@ -258,9 +265,9 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
         for v in st.values()
         if torch.is_tensor(v) and v.dim() > 0
     }
-    with torch.no_grad():  # the sharded model's outputs on a fixed batch
+    with torch.no_grad():  # the sharded model's outputs on a fixed batch (not of a pipeline stage)
         inputs = parts.cursor.source.batch(range(2))[0]
-        output = logits_of(parts.model(inputs.to(env.device)))
+        output = logits_of(parts.model(inputs.to(env.device)) if not pipeline else torch.zeros(1))
         # loss parallelism: the logits a DTensor split over the vocabulary
         output_placements = str(getattr(output, "placements", None))
         logits = (output.full_tensor() if hasattr(output, "full_tensor") else output).cpu()

@@ -15,7 +15,7 @@ from fsdp_zero.distributed import exit_process
 dist.init_process_group("gloo")
 layout = BatchLayout(global_batch_size=4, micro_batch_size=2, dp_size=2, grad_accum_steps=1)
 rank = 0 if sys.argv[1] == "same" else dist.get_rank()
-cursor = BatchCursor(_SyntheticBigram(64, 8, 0), layout, rank, same_as=dist.group.WORLD)
+cursor = BatchCursor(_SyntheticBigram(64, 8, 0), layout, rank, same_as=(dist.group.WORLD,))
 try:
     cursor.next_batch()
     cursor.next_batch()  # checked once: no collective here
