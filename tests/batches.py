@@ -80,6 +80,9 @@ SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved afte
 EVAL = ("eval.every=3", "eval.path={root}/val.bin")
 EVAL_TOKENS = 170
 TP2 = "parallel.tp_size=2"
+# pipeline parallelism: two stages (gpt_nano's two layers, one each; four under the V schedule)
+PP2 = "parallel.pp_size=2"
+FOUR_LAYERS = ("model.n_layers=4",)
 HSDP_MB1 = ("parallel.strategy=hybrid_shard", "parallel.shard_size=2", "train.micro_batch_size=1")
 
 
@@ -324,6 +327,10 @@ RUNS = [
     Run("group", "2", (*BASE, *GROUPED, "checkpoint.every=4"), (S,)),
     Run("group-bf16", "2", (*BASE, *GROUPED, "precision=bf16-mixed"), (S,)),
     Run("group-zero1", "2", (*BASE, *GROUPED, "parallel.zero_stage=1", "checkpoint.every=4"), (S,)),
+    # Pipeline parallelism, 1F1B: two stages, one a rank, 4 micro-batches; zero bubble (a V of four
+    # stages, two a rank) on the four-layer model
+    Run("pp2", "2", (*BASE, PP2), (P,)),
+    Run("pp2-zbv", "2", (*BASE, *FOUR_LAYERS, PP2, "parallel.pp_schedule=ZBVZeroBubble"), (P,)),
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
@@ -520,6 +527,15 @@ RUNS = [
         (*LLAMA, *UNTIED_EVEN, *COMMON, TP2, "checkpoint.enabled=false"),
         (M, T),
     ),
+    # pp 2 x dp 2 (1F1B, 2 micro-batches a dp rank), validated as "eval" is; pp 2 x tp 2
+    Run("pp2-dp2", "4", (*BASE, PP2, "checkpoint.every=4", *EVAL), (P, C)),
+    Run("pp2-tp2", "4", (*BASE, PP2, TP2), (P,)),
+    Run(
+        "full_shard-to-pp2-dp2-n4",
+        "4",
+        (*BASE, PP2, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
+        (C,),
+    ),
     Run(
         "full_shard-to-tp2-n4",
         "4",
@@ -536,6 +552,30 @@ RUNS = [
             "train.steps=4",
             "checkpoint.enabled=false",
             "model.init_from={root}/weights.pt",
+        ),
+        (C,),
+    ),
+    # ... into pp 2 x tp 2: each rank reads its stage's tensors, its box of each
+    Run(
+        "imported-pp2-tp2",
+        "4-resume",
+        (
+            *BASE,
+            TP2,
+            PP2,
+            "train.steps=4",
+            "checkpoint.enabled=false",
+            "model.init_from={root}/weights.pt",
+        ),
+        (C,),
+    ),
+    Run(
+        "pp2-dp2-to-full_shard-n4",
+        "4-resume",
+        (
+            *BASE,
+            "checkpoint.every=0",
+            "checkpoint.resume={root}/pp2-dp2/checkpoints/step-0000004",
         ),
         (C,),
     ),

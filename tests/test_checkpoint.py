@@ -175,10 +175,11 @@ def test_export_loads_into_a_plain_model_with_the_same_outputs(runs, tmp_path: P
     assert proc.returncode == 2 and "give a folder" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["imported", "imported-tp2"])
+@pytest.mark.parametrize("name", ["imported", "imported-tp2", "imported-pp2-tp2"])
 def test_import_a_torch_save_state_dict_at_two_ranks(runs, name):
     """A standard full state dict (the straight run's final weights, torch.save(model.state_dict())) as
-    model.init_from at 2 ranks, and at dp 2 x tp 2 (each rank a box of rows and columns): each rank
+    model.init_from at 2 ranks, at dp 2 x tp 2 (each rank a box of rows and columns) and at pp 2 x
+    tp 2 (each rank its stage's tensors, a box of each): each rank
     gets exactly its slices, and training goes on from them as a single process does."""
     final = runs["n2"]["final"]
     got = runs[name]
@@ -397,6 +398,8 @@ MOVES = [
     ("full_shard", "ddp", 4),
     ("full_shard", "tp2", 4),  # dp 2 -> dp 2 x tp 2
     ("tp2", "full_shard", 4),  # dp 2 x tp 2 (saved at 4 ranks) -> dp 4
+    ("full_shard", "pp2-dp2", 4),  # dp 2 -> pp 2 x dp 2
+    ("pp2-dp2", "full_shard", 4),  # pp 2 x dp 2 (saved at 4 ranks) -> dp 4
 ]
 
 

@@ -26,7 +26,7 @@ import torch
 
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.training import Summary
-from tests.batches import BASE, TIED
+from tests.batches import BASE, FOUR_LAYERS, TIED
 from tests.conftest import figure
 from tests.reference import reference_run
 
@@ -55,11 +55,19 @@ NAMES = [
     "tp2",
     "tp2-loss",
     "tp4",
+    "pp2",
+    "pp2-zbv",
+    "pp2-dp2",
+    "pp2-tp2",
 ]
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 FP32 = [name for name in NAMES if name not in PRECISIONS]
 # gloo runs with FSDP2 units (n1: one rank)
-FSDP = [name for name in NAMES if name not in ("n1", "ddp", "zero1") and not name.startswith("tp")]
+FSDP = [
+    name
+    for name in NAMES
+    if name not in ("n1", "ddp", "zero1") and not name.startswith(("tp", "pp"))
+]
 
 # Tolerances under lower precision, against the single-process run in the same mode. Both runs
 # round the same values to bf16/fp16 but not in the same places: the reference computes the whole
@@ -86,12 +94,19 @@ def runs(batches):
 
 def _key(name: str) -> str:
     """Which single-process reference a run compares with."""
+    if name == "pp2-zbv":  # four layers: two stages a rank
+        return "fp32-4"
     return "tied" if name.endswith("tied") else name if name in PRECISIONS + ("n3",) else "fp32"
 
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    extra = {"fp32": [], "tied": list(TIED), "n3": ["train.global_batch_size=12"]} | {
+    extra = {
+        "fp32": [],
+        "fp32-4": list(FOUR_LAYERS),
+        "tied": list(TIED),
+        "n3": ["train.global_batch_size=12"],
+    } | {
         mode: [f"precision={mode}"] for mode in PRECISIONS
     }
     return {
@@ -330,9 +345,9 @@ def test_record_the_measured_differences(runs, references):
         )
     for name in FP32:
         got, ref = runs[name], references[_key(name)]
-        if name.startswith("tp"):  # docs/parallelism.md quotes them, run by run
+        if name.startswith(("tp", "pp")):  # docs/parallelism.md quotes them, run by run
             figure(
-                f"parity vs single process, {name} (4 ranks)",
+                f"parity vs single process, {name} ({len(got['model_state_bytes'])} ranks)",
                 "losses {:.1e}, grad norms {:.1e}, final weights {:.1e}".format(
                     max(abs(got["losses"][s] - ref["losses"][s]) for s in ref["losses"]),
                     max(abs(got["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["losses"]),
@@ -346,7 +361,7 @@ def test_record_the_measured_differences(runs, references):
         )
     figure(
         "parity vs single process, fp32 (max over N=1/2/3/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, "
-        "AC, tp2, tp2-loss, tp4)",
+        "AC, tp2, tp2-loss, tp4, pp2, pp2-zbv, pp2-dp2, pp2-tp2)",
         f"losses {loss:.1e} (tolerance {LOSS_ATOL:.0e}), grad norms {norm:.1e} ({NORM_ATOL:.0e}), "
         f"final weights {weight:.1e} ({WEIGHT_ATOL:.0e})",
     )
@@ -412,6 +427,44 @@ def test_model_state_per_rank_follows_the_tensor_parallel_formula(runs, batches,
         f"{expected / 2**20:.4f} MiB a rank = {run['num_params'] * 16 / expected:.2f}x less than "
         "one process",
     )
+
+
+# Pipeline parallelism: each rank holds its stages' state, split over its data-parallel ranks (and,
+# planned weights, its tensor-parallel ones). gpt_nano's stages at pp 2: the embedding (256 x 64)
+# and layer 0 (9 tensors, 53,376 parameters, 128 of them norm gains); layer 1, the final norm (64)
+# and the head (64 x 256). (data-parallel ranks s, tp) by run:
+PP_LAYOUTS = {"pp2": (1, 1), "pp2-dp2": (2, 1), "pp2-tp2": (1, 2)}
+_STAGES = [  # (parameters, of them left whole by tensor parallelism, tensors)
+    (256 * 64 + 53_376, 128, 10),
+    (53_376 + 64 + 64 * 256, 128 + 64, 11),
+]
+
+
+@pytest.mark.parametrize("name", sorted(PP_LAYOUTS))
+def test_model_state_per_rank_follows_the_pipeline_formula(runs, batches, name):
+    s, tp = PP_LAYOUTS[name]
+    run, ranks = runs[name], Summary.read(batches.path(name)).ranks
+    per_stage = len(run["model_state_bytes"]) // 2  # ranks of a stage: pp outermost
+    for rank, got in enumerate(run["model_state_bytes"]):
+        params, whole, tensors = _STAGES[rank // per_stage]
+        expected = 16 * (params - whole) / (tp * s) + 16 * whole / s
+        # to the byte, with AdamW's step counters (a 4-byte scalar a tensor)
+        assert got == expected + 4 * tensors, rank
+        assert ranks[rank]["model_state_formula_bytes"] == expected, rank  # the end-of-run line's
+    figure(
+        f"model state / formula, {name}",
+        ", ".join(f"{b / 2**20:.4f}" for b in run["model_state_bytes"]) + " MiB a rank",
+    )
+
+
+def test_pipeline_validation_matches_zero3(runs):
+    """Validation at pp 2 x dp 2: the schedule's forward-only pass over each data-parallel rank's
+    windows, filled up to whole micro-batches, the fill dropped: the eval losses of ZeRO-3 at 2
+    ranks."""
+    got, want = runs["pp2-dp2"]["evals"], runs["eval"]["evals"]
+    assert sorted(got) == sorted(want) == [3, 6, 8]
+    for step in want:
+        assert got[step]["eval/loss"] == pytest.approx(want[step]["eval/loss"], abs=1e-5), step
 
 
 def test_loss_parallel_keeps_the_logits_split_over_the_vocabulary(runs):

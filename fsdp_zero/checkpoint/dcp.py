@@ -177,8 +177,14 @@ def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Siz
     return out
 
 
-def _check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
-    """Raises a ValueError listing missing, unexpected and mis-shaped tensors, if any."""
+def _check_matches(
+    metadata: Metadata,
+    expected: dict[str, torch.Size],
+    path: Path,
+    known: set[str] | None = None,
+) -> None:
+    """Raises a ValueError listing missing, unexpected and mis-shaped tensors, if any. ``known``:
+    the whole model's keys, when ``expected`` holds only some (a pipeline rank's stages)."""
     saved = {
         k: v.size
         for k, v in metadata.state_dict_metadata.items()
@@ -187,7 +193,9 @@ def _check_matches(metadata: Metadata, expected: dict[str, torch.Size], path: Pa
     missing = sorted(set(expected) - set(saved))
     # Only model keys can be unexpected: under zero1 a rank asks for its partition's optimizer
     # states alone.
-    unexpected = sorted(k for k in set(saved) - set(expected) if k.startswith("model."))
+    unexpected = sorted(
+        k for k in set(saved) - set(expected) - (known or set()) if k.startswith("model.")
+    )
     misshaped = sorted(
         f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
         for k in set(saved) & set(expected)
@@ -390,12 +398,18 @@ def _fault_point(where: str, step: int) -> None:
 
 
 def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    device: torch.device,
+    whole: nn.Module | None = None,
 ) -> TrainState:
     """Loads model, optimizer and this rank's RNG from ``path``; returns its train state.
 
     Works at any world size: DCP reads, for each rank, the parts of the saved chunks
-    that overlap the rank's shards.
+    that overlap the rank's shards. Under pipeline parallelism ``model`` holds this rank's stages
+    and ``whole`` is the whole model (on meta), whose other tensors the checkpoint also holds.
 
     Raises:
         ValueError: a missing, partial or corrupt checkpoint, or one of another model.
@@ -404,7 +418,8 @@ def load_checkpoint(
     reader = SafeFileSystemReader(str(path))
     metadata = reader.read_metadata()
     state = _tensor_state(model, optimizer)  # the structure (and shards) to load into
-    _check_matches(metadata, _flat_shapes(state), path)
+    known = {f"model.{k}" for k in whole.state_dict()} if whole is not None else None
+    _check_matches(metadata, _flat_shapes(state), path, known)
     rng_key = _rng_key(rank)
     if any(k.startswith(f"{rng_key}.") for k in metadata.state_dict_metadata):
         state[rng_key] = _rng_state(device)

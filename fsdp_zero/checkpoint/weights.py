@@ -196,20 +196,28 @@ def _match_state_dict(
 
 
 @torch.no_grad()
-def load_full_weights(model: nn.Module, path: Path, key: str = "model.init_from") -> str:
+def load_full_weights(
+    model: nn.Module, path: Path, key: str = "model.init_from", whole: nn.Module | None = None
+) -> str:
     """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
     model, each rank reading only its rows; returns the renaming applied (see `_match_state_dict`).
-    ``key``: the setting that named ``path``, for the errors.
+    ``key``: the setting that named ``path``, for the errors. Under pipeline parallelism ``model``
+    holds this rank's stages and the file is matched against ``whole``, the whole model (on meta).
 
     Raises:
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
     """
     weights = FullWeights(path, key)
     mapping, how = _match_state_dict(
-        model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model)
+        whole if whole is not None else model,
+        weights.shapes,
+        f"{key}={str(path)!r}",
+        adapter_names(model),
     )
     state = model.state_dict(keep_vars=True)
     for name, file_name in mapping.items():
+        if name not in state:  # another pipeline stage's
+            continue
         tensor = state[name]
         if tensor.dim() == 0:  # e.g. BatchNorm's num_batches_tracked
             tensor.copy_(weights.rows(file_name, 0, 0).to(tensor.dtype))

@@ -144,7 +144,7 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
 
     peers = tuple(g for g in (topology.tp_group(), topology.pp_group()) if g is not None)
     cursor = BatchCursor(source, layout, topology.dp_rank(env.rank), cfg.data.workers, same_as=peers)
-    state = _resume(cfg, env, decision, model, built.optimizer, scaler)
+    state = _resume(cfg, env, decision, built, scaler)
     cursor.position = state.data_position
     _start_budget(cfg, state, decision.resume)
 
@@ -173,24 +173,22 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
 
 
 def _resume(
-    cfg: Config,
-    env: DistEnv,
-    decision: RunDecision,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: LossScaler | None,
+    cfg: Config, env: DistEnv, decision: RunDecision, built: Built, scaler: LossScaler | None
 ) -> TrainState:
     """Loads the decided checkpoint (or imports model.init_from's or model.pretrained's weights);
     returns where the run is."""
     key = "model.pretrained" if cfg.model.pretrained else "model.init_from"
     given = cfg.model.pretrained or cfg.model.init_from
+    whole = built.whole if built.stages else None  # a pipeline rank holds its stages only
     if decision.resume is None:
         if given:
             path = weights_path(Path(given)) if key == "model.pretrained" else Path(given)
-            renamed = load_full_weights(unwrap(model), path, key)
+            renamed = load_full_weights(unwrap(built.model), path, key, whole)
             logger.info("initialised from %s%s", path, f" ({renamed})" if renamed else "")
         return TrainState(step=0)
-    state = load_checkpoint(decision.resume, model, optimizer, env.rank, env.device)
+    state = load_checkpoint(
+        decision.resume, built.model, built.optimizer, env.rank, env.device, whole
+    )
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
     logger.info(

@@ -185,10 +185,12 @@ def _observe_first_forward(parts) -> dict:  # noqa: ANN001
 def full_weights(model: torch.nn.Module, pipeline: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's weights (under pipeline parallelism every stage's, from its ranks)."""
     # Cloned: at world size 1 on CPU the "full" tensors alias the live parameters.
+    # (with cpu_offload only global rank 0 receives them: under pipeline parallelism every stage's
+    # first rank must)
     full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=not pipeline)
     )
-    full = {k: v.clone() for k, v in full.items()}
+    full = {k: v.detach().cpu().clone() for k, v in full.items()}
     if pipeline:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, full)
