@@ -225,6 +225,74 @@ VIT = [
             ],
             r"parallel\.loss_parallel=true needs model\.task=causal_lm .*, not custom",
         ),
+        # pipeline parallelism: schedules and stages, what it composes with
+        (["parallel.pp_size=0"], r"parallel\.pp_size=0: must be > 0"),
+        (
+            ["parallel.pp_size=2", "parallel.strategy=zero1"],
+            r"parallel\.pp_size=2 needs parallel\.strategy=full_shard, shard_grad_op, not zero1",
+        ),
+        (
+            ["parallel.pp_size=2", "parallel.pp_schedule=Looped"],
+            r"parallel\.pp_schedule='Looped' is not a valid choice; valid choices: GPipe, 1F1B, "
+            r"Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble",
+        ),
+        (
+            ["parallel.pp_size=2", "parallel.pp_stages_per_rank=2"],
+            r"parallel\.pp_stages_per_rank=2: parallel\.pp_schedule=1F1B runs 1 stages a rank",
+        ),
+        (
+            ["parallel.pp_size=2", "parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_stages_per_rank=3"],
+            r"parallel\.pp_stages_per_rank=3: parallel\.pp_schedule=ZBVZeroBubble runs 2 stages",
+        ),
+        (
+            ["parallel.pp_size=2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=1"],
+            r"parallel\.pp_stages_per_rank=1: parallel\.pp_schedule=Interleaved1F1B runs 2 or more",
+        ),
+        (
+            ["parallel.pp_size=2", "model.preset=gpt_nano", "parallel.pp_schedule=Interleaved1F1B"],
+            r"model\.n_layers=2 cannot fill 4 pipeline stages \(parallel\.pp_size=2 x "
+            r"parallel\.pp_stages_per_rank=2\)",
+        ),
+        (
+            ["parallel.pp_size=2", "model.tie_embeddings=true"],
+            r"model\.tie_embeddings=true with parallel\.pp_size=2 is not supported .*first stage",
+        ),
+        (
+            ["parallel.pp_size=2", "parallel.cpu_offload=true"],
+            r"parallel\.cpu_offload=true with parallel\.pp_size=2 is not supported yet",
+        ),
+        (
+            ["parallel.pp_size=2", "model.freeze=[output]"],
+            r"model\.freeze=\['output'\] with parallel\.pp_size=2 is not supported yet",
+        ),
+        (
+            ["parallel.pp_size=2", "precision=fp16-mixed"],
+            r"precision\.mode=fp16-mixed with parallel\.pp_size=2 is not supported yet",
+        ),
+        (
+            ["parallel.pp_size=2", "parallel.tp_size=2", "parallel.loss_parallel=true"],
+            r"parallel\.loss_parallel=true with parallel\.pp_size=2 is not supported yet",
+        ),
+        (
+            [
+                "parallel.pp_size=2",
+                "model.task=custom",
+                "model.loss=tests.user_model:overflow_on_rank1",
+            ],
+            r"model\.task=custom with parallel\.pp_size=2 is not supported; valid choices: causal_lm",
+        ),
+        (
+            [
+                "parallel.pp_size=2",
+                "parallel.pp_schedule=ZBVZeroBubble",
+                "parallel.activation_checkpointing=full",
+            ],
+            r"parallel\.activation_checkpointing=full with parallel\.pp_schedule=ZBVZeroBubble",
+        ),
+        (
+            ["parallel.pp_size=2", "parallel.pp_schedule=ZBVZeroBubble", "eval.every=2", "eval.path=README.md"],
+            r"eval\.every=2 with parallel\.pp_schedule=ZBVZeroBubble: .*no forward-only pass",
+        ),
     ],
 )
 def test_bad_model_and_data_settings_name_the_key(overrides: list[str], message: str):
@@ -427,6 +495,12 @@ def test_a_topology_splits_the_world_into_data_and_tensor_parallel_ranks():
     assert Topology.of(ParallelConfig(loss_parallel=True), 2).notes == (
         "parallel.loss_parallel=true has no effect with parallel.tp_size=1",
     )
+
+
+def test_a_hugging_face_folder_is_refused_under_pipeline_parallelism(tmp_path: Path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model\.pretrained with parallel\.pp_size=2 is not supported: .*stage boundary"):
+        load_config(None, ["parallel.pp_size=2", f"model.pretrained={tmp_path}"])
 
 
 def test_pipeline_stages_are_the_outermost_dimension():

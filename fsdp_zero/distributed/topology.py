@@ -46,6 +46,10 @@ class Topology:
         group = cfg.shard_size if spec.hybrid else dp
         k = cfg.reshard_after_forward
         reshard = spec.reshard_after_forward if k is None or k == dp else k
+        # A pipeline stage keeps its units' gradients unsharded until the step's last micro-batch
+        # (torch's PipelineStage); its parameters stay gathered with them (torchtitan's default
+        # under pp): each unit is gathered once a step instead of twice a micro-batch.
+        reshard = False if cfg.pp_size > 1 else reshard
         shards = group if spec.sharded[0] else 1
         return cls(
             cfg.strategy,

@@ -123,7 +123,8 @@ def comm_formula(
     step, once_per_step reduces (and all-reduces) once a step. A shard group of one rank gathers and
     reduce-scatters nothing. DDP and zero1: one all-reduce of the trainable gradients a step
     (no_sync on the other micro-batches); zero1 also broadcasts every updated parameter once
-    (all_gather).
+    (all_gather). Under pipeline parallelism ``model`` and ``plan`` are one stage's (the meter sums
+    a rank's stages): its units are gathered once a step and stay gathered, and reduce once a step.
 
     ``model``: unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones);
     ``plan``: its FSDP units (`fsdp_zero.sharding.wrap.build_wrap_plan`); ``precision``:
@@ -149,8 +150,10 @@ def comm_formula(
     all_reduces = accum if sync is GradSync.every_micro_batch else 1
     reduce_bytes = reduced * precision.reduce.itemsize
     tp = _tp_bytes(cfg, model, precision, topology.pp == 1) if topology.tp > 1 else {}
+    # a pipeline stage's units stay gathered from their first forward to the step's end
+    gathers = 1 if topology.pp > 1 else accum
     return CommBytes(
-        all_gather=accum * gathered * precision.compute.itemsize if n > 1 else 0,
+        all_gather=gathers * gathered * precision.compute.itemsize if n > 1 else 0,
         reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
         all_reduce=all_reduces * reduce_bytes / n if topology.replicas > 1 else 0,
         once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0,
