@@ -52,6 +52,8 @@ _SAME_BATCH = "test_a_tensor_parallel_group_reading_different_batches_is_refused
 _TP_COMM = "test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit"
 _TP_STATE = "test_model_state_per_rank_follows_the_tensor_parallel_formula"
 _TP_TOKENS = "test_tensor_parallel_counts_the_trained_tokens_over_the_data_parallel_ranks"
+_PP_STAGES = "test_each_pipeline_stage_holds_its_own_layers_under_their_full_names"
+_PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -254,6 +256,17 @@ MUTANTS = {
         "data-parallel ones",
         [f"tests/test_masked.py::{_TP_TOKENS}"],
         [_TP_TOKENS],
+    ),
+    "stage-built-whole": (
+        "parallel.pp_size: each rank builds the whole model, not its stages",
+        [f"tests/test_models.py::{_PP_STAGES}"],
+        [_PP_STAGES],
+    ),
+    "pp-norm-per-stage": (
+        "parallel.pp_size: the gradient norm (and so the clipping) of a rank's stages only, not "
+        "summed over the pipeline",
+        [f"tests/test_parity.py::{_PARITY}[pp2]"],
+        [_PARITY],
     ),
     "test-process-sees-gpus": (
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",

@@ -241,11 +241,19 @@ VIT = [
             r"parallel\.pp_stages_per_rank=2: parallel\.pp_schedule=1F1B runs 1 stages a rank",
         ),
         (
-            ["parallel.pp_size=2", "parallel.pp_schedule=ZBVZeroBubble", "parallel.pp_stages_per_rank=3"],
+            [
+                "parallel.pp_size=2",
+                "parallel.pp_schedule=ZBVZeroBubble",
+                "parallel.pp_stages_per_rank=3",
+            ],
             r"parallel\.pp_stages_per_rank=3: parallel\.pp_schedule=ZBVZeroBubble runs 2 stages",
         ),
         (
-            ["parallel.pp_size=2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=1"],
+            [
+                "parallel.pp_size=2",
+                "parallel.pp_schedule=Interleaved1F1B",
+                "parallel.pp_stages_per_rank=1",
+            ],
             r"parallel\.pp_stages_per_rank=1: parallel\.pp_schedule=Interleaved1F1B runs 2 or more",
         ),
         (
@@ -288,10 +296,6 @@ VIT = [
                 "parallel.activation_checkpointing=full",
             ],
             r"parallel\.activation_checkpointing=full with parallel\.pp_schedule=ZBVZeroBubble",
-        ),
-        (
-            ["parallel.pp_size=2", "parallel.pp_schedule=ZBVZeroBubble", "eval.every=2", "eval.path=README.md"],
-            r"eval\.every=2 with parallel\.pp_schedule=ZBVZeroBubble: .*no forward-only pass",
         ),
     ],
 )
@@ -497,10 +501,22 @@ def test_a_topology_splits_the_world_into_data_and_tensor_parallel_ranks():
     )
 
 
-def test_a_hugging_face_folder_is_refused_under_pipeline_parallelism(tmp_path: Path):
+def test_pipeline_refusals_that_need_files(tmp_path: Path):
+    """A Hugging Face folder (its layers pass keyword tensors), and validation under a zero-bubble
+    schedule (no forward-only pass in torch 2.15)."""
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"model\.pretrained with parallel\.pp_size=2 is not supported: .*stage boundary"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.pretrained with parallel\.pp_size=2 is not supported: .*stage boundary",
+    ):
         load_config(None, ["parallel.pp_size=2", f"model.pretrained={tmp_path}"])
+    (tmp_path / "val.bin").write_bytes(bytes(200))
+    zbv = ["parallel.pp_size=2", "parallel.pp_schedule=ZBVZeroBubble", "eval.every=2"]
+    with pytest.raises(
+        ValueError,
+        match=r"eval\.every=2 with parallel\.pp_schedule=ZBVZeroBubble: .*no forward-only pass",
+    ):
+        load_config(None, [*zbv, f"eval.path={tmp_path / 'val.bin'}"])
 
 
 def test_pipeline_stages_are_the_outermost_dimension():

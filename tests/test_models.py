@@ -488,3 +488,37 @@ def test_a_tensor_parallel_plan_the_model_cannot_take_is_one_line():
     )
     with pytest.raises(ValueError, match=r"VisionTransformer declares no tensor-parallel plan"):
         tp_plan(construct(_cfg("vit").model))
+
+
+def test_each_pipeline_stage_holds_its_own_layers_under_their_full_names():
+    """The built-in model cut for pp 2 x 2 stages a rank under the V schedule (rank 0: stages 0 and
+    3) and the loop (rank 0: stages 0 and 2): each stage its run of layers, the embedding on the
+    first, the norm and head on the last, nothing else (never the whole model); the rank's view
+    holds exactly its stages' parameters, the same objects, under the full model's names. A model
+    without a pipeline plan is one line."""
+    from fsdp_zero.sharding.pipeline import build_stages, pp_plan
+
+    with torch.device("meta"):
+        model = construct(load_config(None, ["model.preset=gpt_nano", "model.n_layers=4"]).model)
+    names = {n for n, _ in model.named_parameters()}
+    for schedule, want in (
+        ("ZBVZeroBubble", [["tok_embeddings", "layers.0"], ["layers.3", "norm", "output"]]),
+        ("Interleaved1F1B", [["tok_embeddings", "layers.0"], ["layers.2"]]),
+    ):
+        stages = build_stages(model, 0, 2, 2, schedule, None, torch.device("cpu"), lambda m: m)
+        held = [sorted({_top(n) for n, _ in part.named_parameters()}) for part in stages.parts]
+        assert held == [sorted(w) for w in want], (schedule, held)
+        view = dict(stages.model.named_parameters())
+        parts = {n: p for part in stages.parts for n, p in part.named_parameters()}
+        assert view.keys() == parts.keys() < names
+        assert all(view[n] is parts[n] for n in view)
+        with pytest.raises(RuntimeError, match="not called"):
+            stages.model(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"VisionTransformer declares no pipeline plan"):
+        pp_plan(construct(_cfg("vit").model))
+
+
+def _top(name: str) -> str:
+    """A parameter's top-level module: a layer (layers.3) or a part (output)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]

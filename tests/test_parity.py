@@ -106,9 +106,7 @@ def references() -> dict:
         "fp32-4": list(FOUR_LAYERS),
         "tied": list(TIED),
         "n3": ["train.global_batch_size=12"],
-    } | {
-        mode: [f"precision={mode}"] for mode in PRECISIONS
-    }
+    } | {mode: [f"precision={mode}"] for mode in PRECISIONS}
     return {
         key: reference_run(load_config(None, BASE + overrides)) for key, overrides in extra.items()
     }

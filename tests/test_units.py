@@ -112,14 +112,15 @@ def test_ranks_read_disjoint_parts_that_make_up_the_global_batch(dp: int):
 
 def test_a_tensor_parallel_group_reading_different_batches_is_refused():
     """DeepSpeed AutoTP's guard, on the first batch: ranks that must read the same batch (a
-    tensor-parallel group) and do not stop on every rank, with both checksums."""
+    tensor-parallel group, or a pipeline's stages) and do not stop on every rank, with both
+    checksums."""
     worker = REPO / "tests" / "workers" / "same_batch.py"
     same = check(launch(2, worker, "same", torchrun=False))
     assert same.stdout.split() == ["read", "read"]
     own = check(launch(2, worker, "own", torchrun=False))
     lines = own.stdout.strip().splitlines()
     assert len(lines) == 2 and all(
-        line.startswith("the ranks of a tensor-parallel group read different batches")
+        line.startswith("the ranks of a tensor- or pipeline-parallel group read different batches")
         for line in lines
     ), own.stdout
 

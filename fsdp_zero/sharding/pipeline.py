@@ -43,7 +43,6 @@ from fsdp_zero.config.schema import PP_SCHEDULES, ParallelConfig, WrapConfig
 from fsdp_zero.sharding.wrap import ROOT, WrapPlan
 
 
-
 def stage_wrap(cfg: ParallelConfig) -> tuple[ParallelConfig, str | None]:
     """The parallel settings each stage is sharded with, and a note when they differ from ``cfg``.
 

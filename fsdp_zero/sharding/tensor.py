@@ -104,7 +104,9 @@ def _expand(
                 out[fqn] = style
                 hits[rx] += 1
     unmatched = [rx.pattern for rx, n in hits.items() if not n]
-    assert not (whole and unmatched), f"{type(model).__name__}.tp_plan: patterns match no module: {unmatched}"
+    assert not (whole and unmatched), (
+        f"{type(model).__name__}.tp_plan: patterns match no module: {unmatched}"
+    )
     return out
 
 

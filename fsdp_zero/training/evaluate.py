@@ -229,7 +229,6 @@ class Evaluator:
             scalars, self.num_items, self.items.unit, int(count), time.perf_counter() - start
         )
 
-
     def _pipelined_sums(self, pipeline: Pipeline) -> torch.Tensor:
         """The sums of this rank's items under pipeline parallelism (on the last stage; zeros on the
         others): the schedule's forward-only pass over as many micro-batches as a step has, each

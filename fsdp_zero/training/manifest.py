@@ -65,7 +65,11 @@ def log_setup(
         ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
     )
     state_bytes = model_state_formula(
-        built.topology, built.rank_params, precision.bytes_per_param, built.num_frozen, built.tp_whole
+        built.topology,
+        built.rank_params,
+        precision.bytes_per_param,
+        built.num_frozen,
+        built.tp_whole,
     )
     where = formula_note(built.topology, built.tp_whole) + (
         f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"

@@ -67,7 +67,11 @@ def write_summary(
     num_params, num_frozen = built.num_params, built.num_frozen
     # under pipeline parallelism each rank's own: its stages' parameters
     formula = model_state_formula(
-        built.topology, built.rank_params, built.precision.bytes_per_param, num_frozen, built.tp_whole
+        built.topology,
+        built.rank_params,
+        built.precision.bytes_per_param,
+        num_frozen,
+        built.tp_whole,
     )
     logger.info(
         "model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f "

@@ -143,7 +143,9 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     evaluator = build_evaluator(cfg, env, built.whole, source, topology)
 
     peers = tuple(g for g in (topology.tp_group(), topology.pp_group()) if g is not None)
-    cursor = BatchCursor(source, layout, topology.dp_rank(env.rank), cfg.data.workers, same_as=peers)
+    cursor = BatchCursor(
+        source, layout, topology.dp_rank(env.rank), cfg.data.workers, same_as=peers
+    )
     state = _resume(cfg, env, decision, built, scaler)
     cursor.position = state.data_position
     _start_budget(cfg, state, decision.resume)

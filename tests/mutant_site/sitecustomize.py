@@ -382,6 +382,16 @@ SOURCE = {
         "dist.all_reduce(total, group=group)",
         "dist.all_reduce(total, group=__mutant__(None))",
     ),
+    "stage-built-whole": (
+        "fsdp_zero.sharding.pipeline",
+        "parts = [parallelize(cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]",
+        "parts = [parallelize(__mutant__(copy.deepcopy(model))) for s in ids]",
+    ),
+    "pp-norm-per-stage": (
+        "fsdp_zero.training.step",
+        "grad_norm = _grad_norm_(groups, self.pipeline.stages.group if self.pipeline else None)",
+        "grad_norm = _grad_norm_(groups, self.pipeline.stages.group if __mutant__(False) else None)",
+    ),
     "test-process-sees-gpus": (
         "tests.cpu_only",
         'os.environ["CUDA_VISIBLE_DEVICES"] = ""',
