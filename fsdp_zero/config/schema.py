@@ -312,6 +312,8 @@ class ParallelConfig:
     # pp_schedule runs each data-parallel rank's micro-batches (train.grad_accum_steps of them)
     # through them, and each stage reduces its gradients once a step.
     pp_size: int = 1
+    # torch.distributed.pipelining's schedule: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble
+    # or ZBVZeroBubble (docs/parallelism.md#pipeline-stages-and-schedules)
     pp_schedule: str = "1F1B"
     # stages a rank holds: 1 for GPipe and 1F1B, 2 or more for the interleaved schedules, 2 (a V)
     # for ZBVZeroBubble; null: what the schedule needs (1, or 2)

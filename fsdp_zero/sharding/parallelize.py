@@ -122,7 +122,7 @@ def strategy_table() -> str:
     """docs/sharding.md's table of the strategies, rendered from `STRATEGIES`."""
     rows = [
         "| `parallel.strategy` | ZeRO stage | how | model state per rank (fp32 AdamW) | -mixed "
-        "precision, CPU offload | `parallel.tp_size` > 1 | DeepSpeed |",
+        "precision, CPU offload | `parallel.tp_size`, `pp_size` > 1 | DeepSpeed |",
         "|---|---|---|---|---|---|---|",
     ]
     for strategy, spec in STRATEGIES.items():

@@ -23,8 +23,23 @@ from fsdp_zero.tools.prediction import Prediction, predict_peak
 class _Repeats:
     """A run of identical blocks filling one container: what the planner composes (`Simulator.predict`)."""
 
-    container: str  # the ModuleList's or Sequential's FQN
+    container: str  # the FQN of its ModuleList, Sequential or ModuleDict
     count: int  # its blocks
+
+
+# the containers of repeated blocks (the built-in model keeps its blocks in a ModuleDict keyed by
+# index, so that a pipeline stage keeps their names)
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def keep_first(model: nn.Module, container: str, n: int) -> None:
+    """``model``'s ``container`` of blocks cut to its first ``n``, in place."""
+    blocks = model.get_submodule(container)
+    if isinstance(blocks, nn.ModuleDict):
+        for name in list(blocks)[n:]:
+            del blocks[name]
+    else:
+        del blocks[n:]
 
 
 def _signature(model: nn.Module, prefix: str, units: set[str]) -> tuple:
@@ -40,9 +55,10 @@ def _signature(model: nn.Module, prefix: str, units: set[str]) -> tuple:
 
 
 def repeated_blocks(c: Config, shard_degree: int) -> _Repeats | None:
-    """The container (an ``nn.ModuleList`` or ``nn.Sequential``) holding the most parameters in blocks that
-    are all the same (`_signature`, after model.freeze and LoRA, under the config's wrap plan), or
-    None. Any model: the blocks are found by their shapes, not by their class."""
+    """The container (an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``) holding the most
+    parameters in blocks that are all the same (`_signature`, after model.freeze and LoRA, under the
+    config's wrap plan), or None. Any model: the blocks are found by their shapes, not by their
+    class."""
     model = construct(c.model)  # meta: free at any size
     try:
         make_trainable(model, c.model)
@@ -54,11 +70,7 @@ def repeated_blocks(c: Config, shard_degree: int) -> _Repeats | None:
         return None
     best, size = None, 0
     for fqn, container in model.named_modules():
-        if (
-            not isinstance(container, (nn.ModuleList, nn.Sequential))
-            or len(container) < 2
-            or fqn in units
-        ):
+        if not isinstance(container, _CONTAINERS) or len(container) < 2 or fqn in units:
             continue
         names = [f"{fqn}.{name}" if fqn else name for name, _ in container.named_children()]
         first = _signature(model, names[0], units)
@@ -118,7 +130,7 @@ def zero1_shares(
     for keep in (*depths, None):
         model = construct(c.model)
         if keep is not None:
-            del model.get_submodule(repeats.container)[keep:]
+            keep_first(model, repeats.container, keep)
         make_trainable(model, c.model)
         sizes = [0] * world_size
         for params, _ in param_groups(model, c.optim, impl):

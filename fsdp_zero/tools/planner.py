@@ -42,7 +42,14 @@ from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mma
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build, cast_to_stored, optimizer_impl
 from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.tools.depth import compose, first_depth, on_line, repeated_blocks, zero1_shares
+from fsdp_zero.tools.depth import (
+    compose,
+    first_depth,
+    keep_first,
+    on_line,
+    repeated_blocks,
+    zero1_shares,
+)
 from fsdp_zero.tools.prediction import Prediction, cached_baseline, predict_peak
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode, real_post_forward_meshes
 from fsdp_zero.training.step import Step
@@ -238,8 +245,7 @@ class Simulator:
         mesh = topology.mesh(env.device.type) if is_fsdp(strategy) else None  # needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
         if keep:
-            # (a ModuleList or Sequential renumbers what is left)
-            del meta.get_submodule(keep[0])[keep[1] :]
+            keep_first(meta, *keep)
         cast_to_stored(meta, resolve(c.precision))  # (bf16-true) also outside it
         # Real batches of the configured data (their shapes and dtypes are what matter).
         micro = BatchCursor(

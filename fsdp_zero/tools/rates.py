@@ -56,7 +56,7 @@ from fsdp_zero.model.tasks import build_task, to_device, vocab_size
 from fsdp_zero.sharding.build import materializer
 from fsdp_zero.sharding.parallelize import parallelize
 from fsdp_zero.sharding.wrap import build_wrap_plan
-from fsdp_zero.tools.depth import repeated_blocks
+from fsdp_zero.tools.depth import keep_first, repeated_blocks
 
 # More ranks than this are probed with this many (a CPU plan for more is rare; each probe rank is a
 # process).
@@ -225,7 +225,7 @@ def _model_seconds(
     step at once, as in training, where they share the machine's memory bandwidth)."""
     model = construct(cfg.model)
     if container is not None:
-        del model.get_submodule(container)[max(depths) :]
+        keep_first(model, container, max(depths))
     make_trainable(model, cfg.model)
     materializer(torch.device("cpu"), cfg.model.init, 0, real_buffers(model), [])(model)
     model.to(dtype)
@@ -248,7 +248,7 @@ def _model_seconds(
     out = []
     for depth in sorted(depths, reverse=True):
         if container is not None:
-            del model.get_submodule(container)[depth:]
+            keep_first(model, container, depth)
         timed = [step(), step()]
         out.append((min(t[0] for t in timed), min(t[1] for t in timed)))
     return out[::-1]
