@@ -139,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(
             args.config, [*args.overrides, *(searched_overrides(dims) if args.fit else [])]
         )
-        if cfg.parallel.tp_size > 1:
-            raise ValueError(
-                f"parallel.tp_size={cfg.parallel.tp_size}: plan.py does not model tensor "
-                "parallelism yet; a run's end-of-run line has its model state against the formula "
-                "(docs/parallelism.md)"
-            )
+        for key in ("tp_size", "pp_size"):
+            if getattr(cfg.parallel, key) > 1:
+                raise ValueError(
+                    f"parallel.{key}={getattr(cfg.parallel, key)}: plan.py does not model tensor or "
+                    "pipeline parallelism yet; a run's start-up and end-of-run lines have its "
+                    "model state per rank against the formula (docs/parallelism.md)"
+                )
         rates = _rates(args, cfg.dist.device.value)
         if args.fit:
             if args.strategy or args.device_memory:
