@@ -40,10 +40,12 @@ from fsdp_zero.tools import (
     PLAN_MODES,
     Prediction,
     Rates,
+    StageRow,
     deepspeed_zero3_estimate,
     fit_rates,
     format_bytes,
     format_gb,
+    layout_rows,
     script_parser,
     search,
     searched_overrides,
@@ -139,13 +141,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(
             args.config, [*args.overrides, *(searched_overrides(dims) if args.fit else [])]
         )
-        for key in ("tp_size", "pp_size"):
-            if getattr(cfg.parallel, key) > 1:
+        if cfg.parallel.tp_size > 1 or cfg.parallel.pp_size > 1:
+            if args.fit or args.strategy or args.device_memory:
                 raise ValueError(
-                    f"parallel.{key}={getattr(cfg.parallel, key)}: plan.py does not model tensor or "
-                    "pipeline parallelism yet; a run's start-up and end-of-run lines have its "
-                    "model state per rank against the formula (docs/parallelism.md)"
+                    "parallel.tp_size/pp_size > 1: plan.py gives their layout by formula (no "
+                    "simulation, no search): drop --fit, --strategy and --device-memory"
                 )
+            rows = layout_rows(cfg, args.world_size)
+            layout_table(cfg, rows, args.world_size)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump([dataclasses.asdict(r) for r in rows], f, indent=2)
+            return 0
         rates = _rates(args, cfg.dist.device.value)
         if args.fit:
             if args.strategy or args.device_memory:
@@ -208,6 +215,31 @@ def main(argv: list[str] | None = None) -> int:
                 indent=2,
             )
     return 0
+
+
+def layout_table(cfg: Config, rows: list[StageRow], n: int) -> None:
+    """Tensor and pipeline parallel layouts: each pipeline rank's stages, their parameters, the model
+    state per rank after a step (what the run's end-of-run line compares with), and under pipeline
+    parallelism what a stage holds inside a step and sends across a boundary (fsdp_zero.tools.layout)."""
+    p = cfg.parallel
+    print(
+        f"# layout by formula: {cfg.model.target or cfg.model.preset}, {n} ranks = pp {p.pp_size} x "
+        f"dp {n // (p.pp_size * p.tp_size)} x tp {p.tp_size}, {cfg.parallel.strategy.value}, "
+        f"{cfg.precision.mode} AdamW"
+        + (f", {p.pp_schedule}" if p.pp_size > 1 else "")
+        + " (activations not predicted: no simulation runs a pipeline or tensor parallelism)\n"
+    )
+    print(
+        "| pipeline rank | stages | parameters | left whole by tp | model state MiB/rank | "
+        "held in the step MiB/rank | boundary MiB/micro-batch |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.pp_rank} | {', '.join(map(str, r.stages))} | {r.params:,} | {r.whole:,} | "
+            f"{r.model_state / MIB:,.4f} | {r.held_in_step / MIB:,.4f} | "
+            + (f"{r.boundary / MIB:,.4f} |" if r.boundary is not None else "- |")
+        )
 
 
 def memory_table(

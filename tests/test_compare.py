@@ -490,8 +490,19 @@ def test_a_bad_size_names_the_option_it_came_from():
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: --device-memory 'lots': expected a size such as 2GB, 500MB or 1GiB"
     ), proc.stderr
-    # a setting the planner cannot predict yet is refused, not predicted wrong
-    proc = run_script(PLAN, "--world-size", "4", "model.preset=gpt_nano", "parallel.tp_size=2")
+    # tensor and pipeline layouts come by formula: a search over them is refused, not run wrong
+    proc = run_script(PLAN, "--world-size", "4", "parallel.tp_size=2", "--fit", "1GiB")
     assert proc.returncode == 2 and proc.stderr.startswith(
-        "error: parallel.tp_size=2: plan.py does not model tensor parallelism yet"
+        "error: parallel.tp_size/pp_size > 1: plan.py gives their layout by formula"
     ), proc.stderr
+    proc = run_script(
+        PLAN,
+        "--world-size",
+        "4",
+        "model.preset=gpt_nano",
+        "parallel.pp_size=2",
+        "parallel.tp_size=2",
+    )
+    assert proc.returncode == 0 and "| 1 | 1 | 69,824 | 192 | 0.5342 | 0.2671 | 0.0625 |" in (
+        proc.stdout
+    ), proc.stdout

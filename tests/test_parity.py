@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from fsdp_zero.config.loader import load_config
+from fsdp_zero.tools import layout_rows
 from fsdp_zero.training import Summary
-from tests.batches import BASE, FOUR_LAYERS, TIED
+from tests.batches import BASE, FOUR_LAYERS, PP2, TIED, TP2
 from tests.conftest import figure
 from tests.reference import reference_run
 
@@ -453,6 +454,21 @@ def test_model_state_per_rank_follows_the_pipeline_formula(runs, batches, name):
         f"model state / formula, {name}",
         ", ".join(f"{b / 2**20:.4f}" for b in run["model_state_bytes"]) + " MiB a rank",
     )
+
+
+@pytest.mark.parametrize(
+    "name,overrides",
+    [("pp2", [PP2]), ("pp2-dp2", [PP2]), ("pp2-tp2", [PP2, TP2]), ("tp2", [TP2])],
+)
+def test_the_planners_layout_is_what_each_rank_holds(runs, batches, name, overrides):
+    """scripts/plan.py's layout by formula (fsdp_zero.tools.layout, from the meta model cut and
+    planned as the run does) gives each rank's model state exactly as the run's own formula, which
+    the tests above hold to the measured bytes."""
+    ranks = Summary.read(batches.path(name)).ranks
+    rows = layout_rows(load_config(None, [*BASE, *overrides]), len(ranks))
+    per_stage = len(ranks) // len(rows)  # pp outermost
+    for rank, mine in enumerate(ranks):
+        assert rows[rank // per_stage].model_state == mine["model_state_formula_bytes"], rank
 
 
 def test_pipeline_validation_matches_zero3(runs):

@@ -221,6 +221,17 @@ def _check_splits(model: nn.Module, applied: dict[str, str], tp: int) -> None:
                 )
 
 
+def split_weights(model: nn.Module, sequence_parallel: bool, whole: bool = True) -> int:
+    """Parameters ``model``'s plan splits (the weights of its colwise, rowwise and embedding styles),
+    counted on the model before it is split (meta is fine): the rest it leaves whole."""
+    applied, _ = resolve_plan(model, sequence_parallel, whole)
+    return sum(
+        getattr(model.get_submodule(fqn), "weight").numel()
+        for fqn, style in applied.items()
+        if style in _SPLIT_DIM
+    )
+
+
 def tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
     """The shape of ``p``'s part on one tensor-parallel rank (what FSDP shards and gathers): its
     split dimension divided by tp, or the whole shape for a parameter the plan leaves whole."""

@@ -13,6 +13,7 @@ from fsdp_zero.tools.formulas import (
     zero_paper_stages,
 )
 from fsdp_zero.tools.launch import bench_main, script_parser, train_command
+from fsdp_zero.tools.layout import StageRow, layout_rows
 from fsdp_zero.tools.planner import Simulator, simulate
 from fsdp_zero.tools.prediction import HEAP_RETENTION, Prediction
 from fsdp_zero.tools.rates import Rates
@@ -27,6 +28,7 @@ __all__ = [
     "format_bytes",
     "format_gb",
     "HEAP_RETENTION",
+    "layout_rows",
     "MARGIN",
     "ORDER",
     "PAPER_K",
@@ -36,6 +38,7 @@ __all__ = [
     "read_rows",
     "report",
     "Scored",
+    "StageRow",
     "search",
     "searched_overrides",
     "simulate",
