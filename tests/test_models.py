@@ -496,6 +496,8 @@ def test_each_pipeline_stage_holds_its_own_layers_under_their_full_names():
     first, the norm and head on the last, nothing else (never the whole model); the rank's view
     holds exactly its stages' parameters, the same objects, under the full model's names. A model
     without a pipeline plan is one line."""
+    from fsdp_zero.config.schema import ParallelConfig
+    from fsdp_zero.distributed import Topology
     from fsdp_zero.sharding.pipeline import build_stages, pp_plan
 
     with torch.device("meta"):
@@ -505,7 +507,8 @@ def test_each_pipeline_stage_holds_its_own_layers_under_their_full_names():
         ("ZBVZeroBubble", [["tok_embeddings", "layers.0"], ["layers.3", "norm", "output"]]),
         ("Interleaved1F1B", [["tok_embeddings", "layers.0"], ["layers.2"]]),
     ):
-        stages = build_stages(model, 0, 2, 2, schedule, None, torch.device("cpu"), lambda m: m)
+        topology = Topology.of(ParallelConfig(pp_size=2, pp_schedule=schedule), 2)
+        stages = build_stages(model, topology, 0, schedule, torch.device("cpu"), lambda m: m)
         held = [sorted({_top(n) for n, _ in part.named_parameters()}) for part in stages.parts]
         assert held == [sorted(w) for w in want], (schedule, held)
         view = dict(stages.model.named_parameters())

@@ -1,13 +1,13 @@
 """Full (non-sharded) weights in and out: import into a sharded model, streaming export.
 
-Import: ``model.init_from`` names a ``torch.save(model.state_dict())`` file, a
-``.safetensors`` file, or a folder of safetensors shards with a
-``model.safetensors.index.json``. Each rank reads only the rows of each tensor that
-fall in its own shard (safetensors slices; ``torch.load(mmap=True, weights_only=True)``
-for .pt, which maps the file rather than reading it), so no rank builds the full model.
+Import: ``model.init_from`` names a ``torch.save(model.state_dict())`` file, a ``.safetensors``
+file, or a folder of safetensors shards with a ``model.safetensors.index.json``. Each rank reads
+only the rows of each tensor that fall in its own shard (safetensors slices; ``torch.load(mmap=True,
+weights_only=True)`` for .pt, which maps the file rather than reading it), so no rank builds the
+full model.
 
-Export: tensors are read from a DCP checkpoint one at a time and written straight into
-safetensors files, so peak memory is about the largest tensor, not the model.
+Export: tensors are read from a DCP checkpoint one at a time and written straight into safetensors
+files, so peak memory is about the largest tensor, not the model.
 """
 
 from __future__ import annotations
@@ -200,24 +200,18 @@ def load_full_weights(
     model: nn.Module, path: Path, key: str = "model.init_from", whole: nn.Module | None = None
 ) -> str:
     """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
-    model, each rank reading only its rows; returns the renaming applied (see `_match_state_dict`).
-    ``key``: the setting that named ``path``, for the errors. Under pipeline parallelism ``model``
-    holds this rank's stages and the file is matched against ``whole``, the whole model (on meta).
+    model, each rank reading only its rows; returns the renaming applied (`_match_state_dict`).
+    ``key``: the setting that named ``path``, for the errors; ``whole``: the model (on meta) the
+    file is matched against when ``model`` holds a pipeline rank's stages only.
 
     Raises:
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
     """
-    weights = FullWeights(path, key)
-    mapping, how = _match_state_dict(
-        whole if whole is not None else model,
-        weights.shapes,
-        f"{key}={str(path)!r}",
-        adapter_names(model),
-    )
+    weights, what = FullWeights(path, key), f"{key}={str(path)!r}"
+    fits = whole if whole is not None else model  # a pipeline rank: the whole model's names
+    mapping, how = _match_state_dict(fits, weights.shapes, what, adapter_names(model))
     state = model.state_dict(keep_vars=True)
-    for name, file_name in mapping.items():
-        if name not in state:  # another pipeline stage's
-            continue
+    for name, file_name in ((n, f) for n, f in mapping.items() if n in state):  # this rank's
         tensor = state[name]
         if tensor.dim() == 0:  # e.g. BatchNorm's num_batches_tracked
             tensor.copy_(weights.rows(file_name, 0, 0).to(tensor.dtype))
@@ -323,15 +317,13 @@ def export_checkpoint(
     ``out`` ending in .safetensors is one file; otherwise a new folder holding model.safetensors, or
     numbered shards and model.safetensors.index.json when the weights exceed ``max_shard_bytes``,
     and (folders only) ``extra_files(the exported floating-point dtype)``: {name: bytes} written
-    beside them (a Hugging Face model's config.json and tokenizer,
-    `fsdp_zero.model.hf.export_files`). Needs no GPU and no process group. Writes into a temporary
-    name and renames at the end: an interrupted export leaves nothing that looks finished, and an
-    existing ``out`` is never overwritten. ``view``: which tensors to write, under which names
-    (default: every saved one as it is).
+    beside them (a Hugging Face model's config.json and tokenizer, `fsdp_zero.model.hf.export_files`).
+    Needs no GPU and no process group. Writes into a temporary name and renames at the end: an
+    interrupted export leaves nothing that looks finished, and an existing ``out`` is never
+    overwritten. ``view``: which tensors to write, under which names (default: every saved one).
 
     Raises:
-        ValueError: an unreadable checkpoint, an existing ``out``, or a single file over the size
-            limit.
+        ValueError: an unreadable checkpoint, an existing ``out``, or a file over the size limit.
     """
     read_train_state(checkpoint)
     if out.exists():

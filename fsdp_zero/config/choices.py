@@ -4,6 +4,7 @@ against their values, `fsdp_zero.config.schema`)."""
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class WrapPolicy(str, enum.Enum):
@@ -79,3 +80,46 @@ class OptimizerImpl(str, enum.Enum):
     fused = "fused"
     foreach = "foreach"
     for_loop = "for_loop"
+
+
+@dataclass(frozen=True)
+class _PPSchedule:
+    """One of torch.distributed.pipelining's schedules (parallel.pp_schedule)."""
+
+    # the stages a rank holds (parallel.pp_stages_per_rank): "1", "2+" (two or more), or "V" (two,
+    # rank r holding stages r and 2 pp - 1 - r)
+    stages: str
+    # zero bubble: each backward split into its input and weight halves (see
+    # fsdp_zero.sharding.pipeline.stage_wrap)
+    zero_bubble: bool = False
+
+
+PP_SCHEDULES = {
+    "GPipe": _PPSchedule("1"),
+    "1F1B": _PPSchedule("1"),
+    "Interleaved1F1B": _PPSchedule("2+"),
+    "InterleavedZeroBubble": _PPSchedule("2+", zero_bubble=True),
+    "ZBVZeroBubble": _PPSchedule("V", zero_bubble=True),
+}
+_STAGES_NEEDED = {"1": "1", "2+": "2 or more", "V": "2"}
+
+
+def stages_needed(schedule: str) -> int:
+    """The stages a rank holds under ``schedule`` when parallel.pp_stages_per_rank is not set."""
+    return 1 if schedule not in PP_SCHEDULES or PP_SCHEDULES[schedule].stages == "1" else 2
+
+
+def check_stages(schedule: str, per_rank: int) -> None:
+    """A ValueError naming parallel.pp_schedule when it is not a schedule, or
+    parallel.pp_stages_per_rank when ``schedule`` does not run ``per_rank`` stages a rank."""
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(
+            f"parallel.pp_schedule={schedule!r} is not a valid choice; valid choices: "
+            f"{', '.join(PP_SCHEDULES)}"
+        )
+    shape = PP_SCHEDULES[schedule].stages
+    if (shape == "1") != (per_rank == 1) or (shape == "V" and per_rank != 2):
+        raise ValueError(
+            f"parallel.pp_stages_per_rank={per_rank}: parallel.pp_schedule={schedule} runs "
+            f"{_STAGES_NEEDED[shape]} stages a rank"
+        )

@@ -3,9 +3,9 @@ precision and the strategy, evaluation and the task), before anything is built o
 
 from __future__ import annotations
 
-from fsdp_zero.config.choices import ActivationCheckpointing, DataSource, Task
+from fsdp_zero.config.choices import PP_SCHEDULES, ActivationCheckpointing, DataSource, Task
 from fsdp_zero.config.presets import BUILTIN_FIELDS, model_args
-from fsdp_zero.config.schema import PP_SCHEDULES, TOKEN_SOURCES, Config
+from fsdp_zero.config.schema import TOKEN_SOURCES, Config
 from fsdp_zero.config.strategies import is_fsdp, strategies_that
 
 # The data sources each task reads.

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_zero.config.checks import as_choice, check_positive, check_regexes, divisors, is_target
+from fsdp_zero.config.checks import (
+    as_choice,
+    check_positive,
+    check_regexes,
+    is_target,
+    world_notes,
+)
 from fsdp_zero.config.choices import (
     ActivationCheckpointing,
     Backend,
@@ -32,6 +38,8 @@ from fsdp_zero.config.choices import (
     Schedule,
     Task,
     WrapPolicy,
+    check_stages,
+    stages_needed,
 )
 from fsdp_zero.config.strategies import (
     GRAD_SYNC_NEEDS,
@@ -360,28 +368,14 @@ class ParallelConfig:
                     f"parallel.{key}={size} needs parallel.strategy="
                     f"{strategies_that('takes_tp')}, not {strategy.value}"
                 )
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(
-                f"parallel.pp_schedule={self.pp_schedule!r} is not a valid choice; valid choices: "
-                f"{', '.join(PP_SCHEDULES)}"
-            )
         check_positive("parallel.pp_stages_per_rank", self.pp_stages_per_rank)
-        per_rank, shape = self.stages_per_rank, PP_SCHEDULES[self.pp_schedule].stages
-        if (shape == "1") != (per_rank == 1) or (shape == "V" and per_rank != 2):
-            need = {"1": "1", "2+": "2 or more", "V": "2"}[shape]
-            raise ValueError(
-                f"parallel.pp_stages_per_rank={per_rank}: parallel.pp_schedule={self.pp_schedule} "
-                f"runs {need} stages a rank"
-            )
+        check_stages(self.pp_schedule, self.stages_per_rank)
         self.wrap.check()
 
     @property
     def stages_per_rank(self) -> int:
-        """``pp_stages_per_rank``, or what ``pp_schedule`` needs (1; 2 for the multi-stage ones)."""
-        if self.pp_stages_per_rank is not None:
-            return self.pp_stages_per_rank
-        schedule = PP_SCHEDULES.get(self.pp_schedule)
-        return 1 if schedule is None or schedule.stages == "1" else 2
+        """``pp_stages_per_rank``, or what ``pp_schedule`` needs (`stages_needed`)."""
+        return self.pp_stages_per_rank or stages_needed(self.pp_schedule)
 
     def check_world(self, world_size: int) -> list[str]:
         """The rules that need the world size.
@@ -390,71 +384,11 @@ class ParallelConfig:
             Warnings for settings that have no effect (to log).
 
         Raises:
-            ValueError: a tp_size that does not divide the world size; a hybrid_shard shard size,
-                or a reshard_after_forward group size, that does not divide the data-parallel
-                ranks (the world size / tp_size).
+            ValueError: a tp_size or pp_size that does not divide the world size; a
+                hybrid_shard shard size, or a reshard_after_forward group size, that does not
+                divide the data-parallel ranks (the world size / (tp_size x pp_size)).
         """
-        tp, pp = self.tp_size, self.pp_size
-        for key, size in (("tp_size", tp), ("pp_size", pp)):
-            if world_size % size:
-                raise ValueError(
-                    f"parallel.{key}={size} must divide the world size {world_size}; valid "
-                    f"choices: {divisors(world_size)}"
-                )
-        if world_size % (tp * pp):
-            raise ValueError(
-                f"parallel.tp_size={tp} x parallel.pp_size={pp} must divide the world size "
-                f"{world_size}"
-            )
-        dp = world_size // (tp * pp)
-        ranks = f"the world size {world_size}" if tp * pp == 1 else f"the {dp} data-parallel ranks"
-        size = self.shard_size
-        if STRATEGIES[self.strategy].hybrid and (size < 1 or dp % size):
-            raise ValueError(
-                f"parallel.shard_size={size} must divide {ranks}; valid choices: {divisors(dp)}"
-            )
-        k = self.reshard_after_forward
-        if k is not None and k != dp and (dp % k or k >= dp):
-            raise ValueError(
-                f"parallel.reshard_after_forward={k} must divide {ranks} and be smaller; valid "
-                f"choices: {divisors(dp)[:-1]} (or null)"
-            )
-        notes = []
-        if not STRATEGIES[self.strategy].hybrid and size != ParallelConfig.shard_size:
-            notes.append(
-                f"parallel.shard_size={size} has no effect with "
-                f"parallel.strategy={self.strategy.value} (only {strategies_that('hybrid')} uses "
-                "it)"
-            )
-        if pp > 1 and GradSync(self.grad_sync) is not GradSync.every_micro_batch:
-            notes.append(
-                f"parallel.grad_sync={GradSync(self.grad_sync).value} has no effect with "
-                "parallel.pp_size > 1: each pipeline stage reduces its gradients once a step"
-            )
-        if tp == 1 and self.loss_parallel:
-            notes.append("parallel.loss_parallel=true has no effect with parallel.tp_size=1")
-        return notes
-
-
-@dataclass(frozen=True)
-class PPSchedule:
-    """One of torch.distributed.pipelining's schedules (parallel.pp_schedule)."""
-
-    # the stages a rank holds (parallel.pp_stages_per_rank): "1", "2+" (two or more), or "V" (two,
-    # rank r holding stages r and 2 pp - 1 - r)
-    stages: str
-    # zero bubble: each backward split into its input and weight halves (see
-    # fsdp_zero.sharding.pipeline.stage_wrap)
-    zero_bubble: bool = False
-
-
-PP_SCHEDULES = {
-    "GPipe": PPSchedule("1"),
-    "1F1B": PPSchedule("1"),
-    "Interleaved1F1B": PPSchedule("2+"),
-    "InterleavedZeroBubble": PPSchedule("2+", zero_bubble=True),
-    "ZBVZeroBubble": PPSchedule("V", zero_bubble=True),
-}
+        return world_notes(self, world_size)
 
 
 # precision.mode: how model state is stored, computed and reduced (see

@@ -29,7 +29,7 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
-from fsdp_zero.sharding.parallelize import Compute, parallelize, unwrap
+from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.precision import Precision, resolve
 from fsdp_zero.sharding.tensor import tp_whole
@@ -300,6 +300,17 @@ class Built:
             return self.stages.whole
         return unwrap(self.model)
 
+    def state_formula(self) -> float:
+        """This rank's model state after a step by `model_state_formula`: what the start-up and
+        end-of-run lines show."""
+        return model_state_formula(
+            self.topology,
+            self.rank_params,
+            self.precision.bytes_per_param,
+            self.num_frozen,
+            self.tp_whole,
+        )
+
     @property
     def rank_params(self) -> int:
         """The parameters whose state this rank holds a share of: the whole model's, or under
@@ -400,15 +411,6 @@ def _shard_stages(
         notes.append(note)
         return part
 
-    stages = build_stages(
-        model,
-        topology.pp_rank(env.rank),
-        topology.pp,
-        topology.stages_per_rank,
-        cfg.parallel.pp_schedule,
-        topology.pp_group(),
-        env.device,
-        one,
-    )
+    stages = build_stages(model, topology, env.rank, cfg.parallel.pp_schedule, env.device, one)
     stages.plans = plans
     return stages, stages_plan(plans, stages.ids), notes[0]

@@ -252,11 +252,9 @@ def parallelize(
         return _ddp(model, env, compute)
 
     # 1. tensor parallelism: the planned layers split over the mesh's tp dimension
-    mesh = topology.mesh(env.device.type)
+    mesh, pp = topology.mesh(env.device.type), topology.pp
     if topology.tp > 1:
-        apply_tensor_parallel(
-            model, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel, whole=topology.pp == 1
-        )
+        apply_tensor_parallel(model, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel, pp == 1)
     # 2. activation checkpointing, 3. compile (on the block units)
     _checkpoint_and_compile(model, cfg, plan, compute.compile, order)
     # 4. FSDP over the data-parallel ranks: units bottom-up, then the root; 5. materialise

@@ -38,9 +38,10 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from fsdp_zero.config.choices import WrapPolicy
-from fsdp_zero.config.schema import PP_SCHEDULES, ParallelConfig, WrapConfig
-from fsdp_zero.sharding.wrap import ROOT, WrapPlan
+from fsdp_zero.config.choices import PP_SCHEDULES, WrapPolicy
+from fsdp_zero.config.schema import ParallelConfig, WrapConfig
+from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.sharding.wrap import WrapPlan
 
 
 def stage_wrap(cfg: ParallelConfig) -> tuple[ParallelConfig, str | None]:
@@ -85,7 +86,7 @@ def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
-def stage_layers(n_layers: int, num_stages: int) -> list[range]:
+def _stage_layers(n_layers: int, num_stages: int) -> list[range]:
     """Contiguous, balanced runs of layer indices, one a stage (the first stages take the remainder)."""
     per, extra = divmod(n_layers, num_stages)
     out, start = [], 0
@@ -96,7 +97,7 @@ def stage_layers(n_layers: int, num_stages: int) -> list[range]:
     return out
 
 
-def check_layers(model: nn.Module, num_stages: int) -> None:
+def _check_layers(model: nn.Module, num_stages: int) -> None:
     """Raises a ValueError when ``model`` has fewer blocks than ``num_stages`` (a stage without one)."""
     blocks = model.get_submodule(pp_plan(model)["layers"])
     if len(blocks) < num_stages:
@@ -111,7 +112,7 @@ def cut_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     modules on stage 0, the last ones on the last stage; the rest deleted (blocks) or set to None."""
     plan = pp_plan(model)
     blocks = model.get_submodule(plan["layers"])
-    keep = {str(i) for i in stage_layers(len(blocks), num_stages)[stage]}
+    keep = {str(i) for i in _stage_layers(len(blocks), num_stages)[stage]}
     for name in [n for n in blocks if n not in keep]:
         del blocks[name]
     for names, kept in ((plan["first"], stage == 0), (plan["last"], stage == num_stages - 1)):
@@ -189,33 +190,21 @@ class RankStages:
 
 def build_stages(
     model: nn.Module,
-    pp_rank: int,
-    pp: int,
-    per_rank: int,
+    topology: Topology,
+    rank: int,
     schedule: str,
-    group: dist.ProcessGroup,
     device: torch.device,
     parallelize: Callable[[nn.Module], nn.Module],
 ) -> RankStages:
-    """This rank's stages of the meta-device ``model``: each a copy of it cut to the stage (on meta:
-    no rank ever holds the whole model), then ``parallelize``-d (sharded, materialised, initialised);
-    and their view (`RankStages.model`)."""
+    """Global rank ``rank``'s stages of the meta-device ``model`` under ``topology``: each a copy of
+    it cut to the stage (on meta: no rank ever holds the whole model), then ``parallelize``-d
+    (sharded, materialised, initialised); and their view (`RankStages.model`)."""
+    pp, per_rank = topology.pp, topology.stages_per_rank
     num_stages = pp * per_rank
-    check_layers(model, num_stages)
-    ids = stage_ids(pp_rank, pp, per_rank, schedule)
+    _check_layers(model, num_stages)
+    ids = stage_ids(topology.pp_rank(rank), pp, per_rank, schedule)
     parts = [parallelize(cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]
+    group = topology.pp_group() if dist.is_initialized() else None
     stages = RankStages(parts, ids, num_stages, schedule, group, device, whole=model)
     stages.model = _rank_view(model, parts)
     return stages
-
-
-def stages_plan(plans: Sequence[WrapPlan], ids: Sequence[int]) -> WrapPlan:
-    """The wrap plans of a rank's stages as one table: each stage's units, its root named
-    ``stage<s>`` (a stage's root unit holds what no block unit does: the embedding, the head)."""
-    units = [
-        dataclasses.replace(u, fqn=f"stage{s}") if u.fqn == ROOT else u
-        for plan, s in zip(plans, ids)
-        for u in plan.units
-    ]
-    notes = [n for plan in plans for n in plan.notes]
-    return WrapPlan(plans[0].policy, plans[0].world_size, units, notes)

@@ -17,7 +17,7 @@ from fsdp_zero.distributed.env import (
 )
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
-from fsdp_zero.sharding.parallelize import formula_note, model_state_formula
+from fsdp_zero.sharding.parallelize import formula_note
 from fsdp_zero.training.rundir import (
     RunDecision,
     config_diff,
@@ -64,13 +64,7 @@ def log_setup(
         RunDir(run_dir).config,
         ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
     )
-    state_bytes = model_state_formula(
-        built.topology,
-        built.rank_params,
-        precision.bytes_per_param,
-        built.num_frozen,
-        built.tp_whole,
-    )
+    state_bytes = built.state_formula()
     where = formula_note(built.topology, built.tp_whole) + (
         f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"
         if built.num_frozen

@@ -18,7 +18,6 @@ from fsdp_zero.monitor.comm import KINDS, TP_KINDS, describe
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import Built
-from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.training.steplog import StepRecord
 
 logger = logging.getLogger("fsdp_zero")
@@ -65,14 +64,7 @@ def write_summary(
     """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
     only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
     num_params, num_frozen = built.num_params, built.num_frozen
-    # under pipeline parallelism each rank's own: its stages' parameters
-    formula = model_state_formula(
-        built.topology,
-        built.rank_params,
-        built.precision.bytes_per_param,
-        num_frozen,
-        built.tp_whole,
-    )
+    formula = built.state_formula()  # under pipeline parallelism this rank's stages'
     logger.info(
         "model state per rank after an optimizer step: %.2f MiB = %.4f x the %s %s formula (%.2f "
         "MiB)",
