@@ -528,7 +528,7 @@ RUNS = [
         (M, T),
     ),
     # pp 2 x dp 2 (1F1B, 2 micro-batches a dp rank), validated as "eval" is; pp 2 x tp 2
-    Run("pp2-dp2", "4", (*BASE, PP2, "checkpoint.every=4", *EVAL), (P, C)),
+    Run("pp2-dp2", "4", (*BASE, PP2, "checkpoint.every=4", *EVAL), (P, C, T)),
     Run("pp2-tp2", "4", (*BASE, PP2, TP2), (P,)),
     Run(
         "full_shard-to-pp2-dp2-n4",

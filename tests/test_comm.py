@@ -108,6 +108,21 @@ def test_counted_bytes_per_step_equal_the_formula(batches, name):
     )
 
 
+def test_a_pipeline_stage_gathers_and_reduces_once_a_step(batches):
+    """pp 2 x dp 2, 2 micro-batches a step: each stage's units are gathered once a step (they stay
+    gathered from the first micro-batch to the last) and reduce-scattered once, over the stage's 2
+    data-parallel ranks: 4 bytes x the stage's parameters each way (stage 0: the embedding and layer
+    0; stage 1: layer 1, the norm and the head), counted on every rank, and each rank's own
+    formula (docs/parallelism.md#communication)."""
+    _, summary, _ = _run(batches, "pp2-dp2")
+    stages = [256 * 64 + 53_376, 53_376 + 64 + 64 * 256]
+    for rank, mine in enumerate(summary["ranks"]):
+        want = {"all_gather": 4 * stages[rank // 2], "reduce_scatter": 4 * stages[rank // 2]}
+        want["all_reduce"] = 0
+        assert mine["comm_bytes"] == want, rank
+        assert mine["comm_formula_bytes"] == want, rank
+
+
 def test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit(batches):
     """dp 2 x tp 2: FSDP gathers and reduces each tensor-parallel rank's part of a unit, half of each
     planned weight and the whole norm gains. By hand for gpt_nano: a block holds 53,248 planned and

@@ -41,7 +41,7 @@ from torch.distributed.pipelining.schedules import (
 from fsdp_zero.config.choices import PP_SCHEDULES, WrapPolicy
 from fsdp_zero.config.schema import ParallelConfig, WrapConfig
 from fsdp_zero.distributed.topology import Topology
-from fsdp_zero.sharding.wrap import WrapPlan
+from fsdp_zero.sharding.wrap import ROOT, WrapPlan
 
 
 def stage_wrap(cfg: ParallelConfig) -> tuple[ParallelConfig, str | None]:
@@ -208,3 +208,15 @@ def build_stages(
     stages = RankStages(parts, ids, num_stages, schedule, group, device, whole=model)
     stages.model = _rank_view(model, parts)
     return stages
+
+
+def stages_plan(plans: Sequence[WrapPlan], ids: Sequence[int]) -> WrapPlan:
+    """The wrap plans of a rank's stages as one table: each stage's units, its root named
+    ``stage<s>`` (a stage's root unit holds what no block unit does: the embedding, the head)."""
+    units = [
+        dataclasses.replace(u, fqn=f"stage{s}") if u.fqn == ROOT else u
+        for plan, s in zip(plans, ids)
+        for u in plan.units
+    ]
+    notes = [n for plan in plans for n in plan.notes]
+    return WrapPlan(plans[0].policy, plans[0].world_size, units, notes)
