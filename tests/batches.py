@@ -520,6 +520,8 @@ RUNS = [
         (*BASE, *MASKED, TP2, "parallel.grad_sync=once_per_step"),
         ("test_masked",),
     ),
+    # ... and under pipeline parallelism (pp 2 x dp 2: the stages of a dp rank read one batch)
+    Run("masked-pp2", "4", (*BASE, *MASKED, PP2), ("test_masked",)),
     # a Hugging Face Llama, untied, split by its own plan (base_model_tp_plan and the head's)
     Run(
         "llama-tp2",

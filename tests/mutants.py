@@ -51,7 +51,7 @@ _LOSS_PARALLEL = "test_loss_parallel_keeps_the_logits_split_over_the_vocabulary"
 _SAME_BATCH = "test_a_tensor_parallel_group_reading_different_batches_is_refused"
 _TP_COMM = "test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit"
 _TP_STATE = "test_model_state_per_rank_follows_the_tensor_parallel_formula"
-_TP_TOKENS = "test_tensor_parallel_counts_the_trained_tokens_over_the_data_parallel_ranks"
+_TP_TOKENS = "test_tp_and_pp_count_the_trained_tokens_over_the_data_parallel_ranks"
 _PP_STAGES = "test_each_pipeline_stage_holds_its_own_layers_under_their_full_names"
 _PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
 
@@ -252,8 +252,8 @@ MUTANTS = {
         [_TP_COMM],
     ),
     "tokens-over-world": (
-        "masked data under tensor parallelism: trained tokens counted over every rank, not the "
-        "data-parallel ones",
+        "masked data under tensor or pipeline parallelism: trained tokens counted over every rank, "
+        "not the data-parallel ones",
         [f"tests/test_masked.py::{_TP_TOKENS}"],
         [_TP_TOKENS],
     ),
