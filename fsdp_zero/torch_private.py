@@ -31,6 +31,7 @@ __all__ = [
     "_init_optim_state",
     "default_store",
     "flight_recorder_json",
+    "flatten_mesh",
     "fsdp_mem_tracker",
     "fsdp_unit_settings",
     "hf_init_weights",
@@ -332,3 +333,11 @@ def count_functional_collectives(add: Any) -> contextlib.AbstractContextManager:
     reduce_scatter, all_reduce): the collectives DTensor issues for tensor parallelism, which no
     FSDP or DDP hook sees. A dispatch mode: a little work on every op while it is on."""
     return _FunctionalCollectives(add)
+
+
+def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
+    """``DeviceMesh._flatten``: ``mesh``'s dimensions ``dims`` as one more, ``name``, whose group
+    spans them (torchtitan's ``dp_shard_cp``): hybrid_shard's data-parallel ranks under tensor or
+    pipeline parallelism, which (dp_replicate, dp_shard) hold together. Every rank calls it once
+    (it creates process groups)."""
+    return mesh[dims]._flatten(name)

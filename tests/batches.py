@@ -532,6 +532,14 @@ RUNS = [
     # pp 2 x dp 2 (1F1B, 2 micro-batches a dp rank), validated as "eval" is; pp 2 x tp 2
     Run("pp2-dp2", "4", (*BASE, PP2, "checkpoint.every=4", *EVAL), (P, C, T)),
     Run("pp2-tp2", "4", (*BASE, PP2, TP2), (P,)),
+    # hybrid_shard under tensor parallelism: the mesh (dp_replicate 2, dp_shard 1, tp 2), the
+    # replicas' all-reduce beside TP's collectives, the data-parallel group over both dimensions
+    Run(
+        "hsdp-tp2",
+        "4",
+        (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=1", TP2),
+        (P,),
+    ),
     Run(
         "full_shard-to-pp2-dp2-n4",
         "4",

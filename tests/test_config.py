@@ -176,11 +176,8 @@ VIT = [
         (["parallel.tp_size=0"], r"parallel\.tp_size=0: must be > 0"),
         (
             ["parallel.tp_size=2", "parallel.strategy=ddp"],
-            r"parallel\.tp_size=2 needs parallel\.strategy=full_shard, shard_grad_op, not ddp",
-        ),
-        (
-            ["parallel.tp_size=2", "parallel.strategy=hybrid_shard"],
-            r"parallel\.tp_size=2 needs parallel\.strategy=full_shard, shard_grad_op, not hybrid_shard",
+            r"parallel\.tp_size=2 needs parallel\.strategy=full_shard, shard_grad_op, hybrid_shard, "
+            r"not ddp",
         ),
         (
             ["parallel.tp_size=2", "parallel.cpu_offload=true"],
@@ -229,7 +226,8 @@ VIT = [
         (["parallel.pp_size=0"], r"parallel\.pp_size=0: must be > 0"),
         (
             ["parallel.pp_size=2", "parallel.strategy=zero1"],
-            r"parallel\.pp_size=2 needs parallel\.strategy=full_shard, shard_grad_op, not zero1",
+            r"parallel\.pp_size=2 needs parallel\.strategy=full_shard, shard_grad_op, hybrid_shard, "
+            r"not zero1",
         ),
         (
             ["parallel.pp_size=2", "parallel.pp_schedule=Looped"],

@@ -60,6 +60,7 @@ NAMES = [
     "pp2-zbv",
     "pp2-dp2",
     "pp2-tp2",
+    "hsdp-tp2",
 ]
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 FP32 = [name for name in NAMES if name not in PRECISIONS]
@@ -67,7 +68,7 @@ FP32 = [name for name in NAMES if name not in PRECISIONS]
 FSDP = [
     name
     for name in NAMES
-    if name not in ("n1", "ddp", "zero1") and not name.startswith(("tp", "pp"))
+    if name not in ("n1", "ddp", "zero1") and not name.startswith(("tp", "pp", "hsdp-"))
 ]
 
 # Tolerances under lower precision, against the single-process run in the same mode. Both runs
@@ -344,7 +345,7 @@ def test_record_the_measured_differences(runs, references):
         )
     for name in FP32:
         got, ref = runs[name], references[_key(name)]
-        if name.startswith(("tp", "pp")):  # docs/parallelism.md quotes them, run by run
+        if name.startswith(("tp", "pp", "hsdp-")):  # docs/parallelism.md quotes them, one by one
             figure(
                 f"parity vs single process, {name} ({len(got['model_state_bytes'])} ranks)",
                 "losses {:.1e}, grad norms {:.1e}, final weights {:.1e}".format(
@@ -360,7 +361,7 @@ def test_record_the_measured_differences(runs, references):
         )
     figure(
         "parity vs single process, fp32 (max over N=1/2/3/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, "
-        "AC, tp2, tp2-loss, tp4, pp2, pp2-zbv, pp2-dp2, pp2-tp2)",
+        "AC, tp2, tp2-loss, tp4, pp2, pp2-zbv, pp2-dp2, pp2-tp2, hsdp-tp2)",
         f"losses {loss:.1e} (tolerance {LOSS_ATOL:.0e}), grad norms {norm:.1e} ({NORM_ATOL:.0e}), "
         f"final weights {weight:.1e} ({WEIGHT_ATOL:.0e})",
     )
@@ -409,7 +410,7 @@ def test_model_state_per_rank_follows_the_zero_formula(runs, name):
 # Tensor parallelism: the planned weights split over tp x the shard group; the norm gains, which the
 # plan leaves whole ((2 L + 1) x dim of gpt_nano's parameters), over the shard group only:
 # 16 (P - P_whole) / (tp s) + 16 P_whole / s bytes (fp32 AdamW). (tp, shard group):
-TP_LAYOUTS = {"tp2": (2, 2), "tp4": (4, 1)}
+TP_LAYOUTS = {"tp2": (2, 2), "tp4": (4, 1), "hsdp-tp2": (2, 1)}
 
 
 @pytest.mark.parametrize("name", sorted(TP_LAYOUTS))
@@ -458,7 +459,13 @@ def test_model_state_per_rank_follows_the_pipeline_formula(runs, batches, name):
 
 @pytest.mark.parametrize(
     "name,overrides",
-    [("pp2", [PP2]), ("pp2-dp2", [PP2]), ("pp2-tp2", [PP2, TP2]), ("tp2", [TP2])],
+    [
+        ("pp2", [PP2]),
+        ("pp2-dp2", [PP2]),
+        ("pp2-tp2", [PP2, TP2]),
+        ("tp2", [TP2]),
+        ("hsdp-tp2", ["parallel.strategy=hybrid_shard", "parallel.shard_size=1", TP2]),
+    ],
 )
 def test_the_planners_layout_is_what_each_rank_holds(runs, batches, name, overrides):
     """scripts/plan.py's layout by formula (fsdp_zero.tools.layout, from the meta model cut and

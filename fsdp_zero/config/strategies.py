@@ -68,9 +68,10 @@ class StrategySpec:
 
     @property
     def takes_tp(self) -> bool:
-        """Composes with tensor parallelism (parallel.tp_size > 1): FSDP2 on the data-parallel
-        mesh beside the tensor-parallel one (hybrid_shard's 3-D mesh: not built yet)."""
-        return self.fsdp and not self.hybrid
+        """Composes with tensor and pipeline parallelism (parallel.tp_size, pp_size > 1): FSDP2 on
+        the data-parallel mesh (hybrid_shard's: replicate x shard) beside the tensor-parallel one
+        and within a pipeline stage's ranks."""
+        return self.fsdp
 
     @property
     def zero_redundancy_optimizer(self) -> bool:

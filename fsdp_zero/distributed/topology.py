@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.config.strategies import STRATEGIES, Strategy, StrategySpec
+from fsdp_zero.torch_private import flatten_mesh
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class Topology:
         if not self.split:
             return None
         assert self.fixed_mesh is not None, "build the mesh once (with_mesh) before asking for it"
-        return self.fixed_mesh["dp_shard"].get_group()
+        return self.fixed_mesh["dp" if self.spec.hybrid else "dp_shard"].get_group()
 
     def tp_group(self) -> dist.ProcessGroup | None:
         """This rank's tensor-parallel group (None when tp is 1); the mesh must be built."""
@@ -124,7 +125,12 @@ class Topology:
         """Under tensor or pipeline parallelism, this topology with its mesh built once (they, FSDP,
         and the data-parallel, tensor- and pipeline-parallel groups share it); else itself (each
         build makes its own)."""
-        return self.with_mesh(self.mesh(device_type)) if self.split else self
+        if not self.split:
+            return self
+        mesh = self.mesh(device_type)
+        if self.spec.hybrid:  # the data-parallel ranks span two dimensions: one group over both
+            flatten_mesh(mesh, self.dp_dims, "dp")
+        return self.with_mesh(mesh)
 
     def with_mesh(self, mesh: DeviceMesh) -> Topology:
         """This topology, its device mesh ``mesh`` (built already)."""
