@@ -508,7 +508,9 @@ def test_each_pipeline_stage_holds_its_own_layers_under_their_full_names():
         ("Interleaved1F1B", [["tok_embeddings", "layers.0"], ["layers.2"]]),
     ):
         topology = Topology.of(ParallelConfig(pp_size=2, pp_schedule=schedule), 2)
-        stages = build_stages(model, topology, 0, schedule, torch.device("cpu"), lambda m: m)
+        stages = build_stages(
+            model, topology, 0, schedule, torch.device("cpu"), lambda m: (m, None)
+        )
         held = [sorted({_top(n) for n, _ in part.named_parameters()}) for part in stages.parts]
         assert held == [sorted(w) for w in want], (schedule, held)
         view = dict(stages.model.named_parameters())

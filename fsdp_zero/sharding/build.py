@@ -391,26 +391,17 @@ def _shard_stages(
     """Pipeline parallelism: this rank's stages of the meta-device ``model``, each sharded by
     `shard` (its own FSDP units over the data-parallel ranks); their wrap plans as one (each stage's
     root named ``stage<s>``) and how they were initialised."""
-    plans: list[WrapPlan] = []
     notes: list[str] = []
     parallel, wrap_note = stage_wrap(cfg.parallel)
     if wrap_note:
-        logger.warning("%s", wrap_note)
+        logger.info("%s", wrap_note)
 
-    def one(part: nn.Module) -> nn.Module:
+    def one(part: nn.Module) -> tuple[nn.Module, WrapPlan]:
         part, plan, note = shard(
-            part,
-            parallel,
-            env,
-            seed=seed,
-            init=cfg.model.init,
-            topology=topology,
-            compute=compute,
+            part, parallel, env, seed=seed, init=cfg.model.init, topology=topology, compute=compute
         )
-        plans.append(plan)
         notes.append(note)
-        return part
+        return part, plan
 
     stages = build_stages(model, topology, env.rank, cfg.parallel.pp_schedule, env.device, one)
-    stages.plans = plans
-    return stages, stages_plan(plans, stages.ids), notes[0]
+    return stages, stages_plan(stages.plans, stages.ids), notes[0]

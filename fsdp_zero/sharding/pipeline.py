@@ -154,15 +154,15 @@ class RankStages:
     view of all of them under the full model's names."""
 
     parts: list[nn.Module]
+    plans: list[WrapPlan]  # each part's FSDP units
     ids: list[int]
     num_stages: int
     schedule: str
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None  # the pipeline's ranks (None: no process group, in tests)
     device: torch.device
-    model: nn.Module = field(init=False)
-    plans: list[WrapPlan] = field(default_factory=list)  # each part's FSDP units
     # the whole model, on the meta device: what its facts (vocabulary, sequence length) are read from
-    whole: nn.Module | None = None
+    whole: nn.Module
+    model: nn.Module = field(init=False)
 
     @property
     def is_first(self) -> bool:
@@ -194,18 +194,19 @@ def build_stages(
     rank: int,
     schedule: str,
     device: torch.device,
-    parallelize: Callable[[nn.Module], nn.Module],
+    parallelize: Callable[[nn.Module], tuple[nn.Module, WrapPlan]],
 ) -> RankStages:
     """Global rank ``rank``'s stages of the meta-device ``model`` under ``topology``: each a copy of
     it cut to the stage (on meta: no rank ever holds the whole model), then ``parallelize``-d
-    (sharded, materialised, initialised); and their view (`RankStages.model`)."""
+    (sharded, materialised, initialised: the part and its wrap plan); and their view
+    (`RankStages.model`)."""
     pp, per_rank = topology.pp, topology.stages_per_rank
     num_stages = pp * per_rank
     _check_layers(model, num_stages)
     ids = stage_ids(topology.pp_rank(rank), pp, per_rank, schedule)
-    parts = [parallelize(cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]
+    parts, plans = zip(*(parallelize(cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids))
     group = topology.pp_group() if dist.is_initialized() else None
-    stages = RankStages(parts, ids, num_stages, schedule, group, device, whole=model)
+    stages = RankStages(list(parts), list(plans), ids, num_stages, schedule, group, device, model)
     stages.model = _rank_view(model, parts)
     return stages
 

@@ -384,8 +384,8 @@ SOURCE = {
     ),
     "stage-built-whole": (
         "fsdp_zero.sharding.pipeline",
-        "parts = [parallelize(cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]",
-        "parts = [parallelize(__mutant__(copy.deepcopy(model))) for s in ids]",
+        "parallelize(cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids",
+        "parallelize(__mutant__(copy.deepcopy(model))) for s in ids",
     ),
     "pp-norm-per-stage": (
         "fsdp_zero.training.step",
