@@ -529,9 +529,10 @@ RUNS = [
         (*LLAMA, *UNTIED_EVEN, *COMMON, TP2, "checkpoint.enabled=false"),
         (M, T),
     ),
-    # pp 2 x dp 2 (1F1B, 2 micro-batches a dp rank), validated as "eval" is; pp 2 x tp 2
+    # pp 2 x dp 2 (1F1B, 2 micro-batches a dp rank), validated as "eval" is
     Run("pp2-dp2", "4", (*BASE, PP2, "checkpoint.every=4", *EVAL), (P, C, T)),
-    Run("pp2-tp2", "4", (*BASE, PP2, TP2), (P,)),
+    # pp 2 x tp 2 with loss parallelism: the last stage's logits split over the vocabulary, validated
+    Run("pp2-tp2", "4", (*BASE, PP2, TP2, "parallel.loss_parallel=true", *EVAL), (P,)),
     # hybrid_shard under tensor parallelism: the mesh (dp_replicate 2, dp_shard 1, tp 2), the
     # replicas' all-reduce beside TP's collectives, the data-parallel group over both dimensions
     Run(

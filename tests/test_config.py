@@ -276,10 +276,6 @@ VIT = [
             r"precision\.mode=fp16-mixed with parallel\.pp_size=2 is not supported yet",
         ),
         (
-            ["parallel.pp_size=2", "parallel.tp_size=2", "parallel.loss_parallel=true"],
-            r"parallel\.loss_parallel=true with parallel\.pp_size=2 is not supported yet",
-        ),
-        (
             [
                 "parallel.pp_size=2",
                 "model.task=custom",

@@ -106,8 +106,6 @@ def _check_pipeline(cfg: Config) -> None:
             f"precision.mode=fp16-mixed with {setting} is not supported yet (its loss scaling); "
             "use bf16-mixed"
         )
-    if par.loss_parallel:
-        raise ValueError(f"parallel.loss_parallel=true with {setting} is not supported yet")
     if PP_SCHEDULES[par.pp_schedule].zero_bubble:
         # each stage one FSDP unit (sharding/pipeline.py's stage_wrap): no blocks to recompute
         if par.activation_checkpointing is not ActivationCheckpointing.none:

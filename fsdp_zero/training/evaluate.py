@@ -243,10 +243,11 @@ class Evaluator:
             data = [
                 to_device(self.items.batch(ix + [0] * (size - len(ix))), device) for ix in group
             ]
-            out = pipeline.schedule.eval(
-                arg_mbs=[(d[0],) for d in data] if pipeline.stages.is_first else None,
-                target_mbs=[d[1] for d in data] if pipeline.stages.is_last else None,
-            )
+            with pipeline.context():  # (the schedule computes its loss on the last stage)
+                out = pipeline.schedule.eval(
+                    arg_mbs=[(d[0],) for d in data] if pipeline.stages.is_first else None,
+                    target_mbs=[d[1] for d in data] if pipeline.stages.is_last else None,
+                )
             if not pipeline.stages.is_last:
                 continue
             for ix, d, logits in zip(group, data, out.split(size)):

@@ -183,7 +183,8 @@ class _StageLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss, _ = self.loss_fn(lambda _inputs: output, (None, target))
-        self.raw.append(loss.detach())
+        # a loss-parallel loss is a DTensor, replicated: its local value is the loss
+        self.raw.append(_local(loss.detach()))
         return loss * self.weight
 
 
@@ -197,21 +198,30 @@ class Pipeline:
     schedule: object
     loss: _StageLoss
     micro_batches: int  # a step's, on each data-parallel rank: the schedule's n_microbatches
+    # what the schedule's forwards and backwards run inside (loss parallelism: torch's loss_parallel)
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @classmethod
-    def of(cls, stages: RankStages, micro_batches: int, loss_fn: LossFn) -> Pipeline:
+    def of(
+        cls,
+        stages: RankStages,
+        micro_batches: int,
+        loss_fn: LossFn,
+        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> Pipeline:
         loss = _StageLoss(loss_fn)
-        return cls(stages, stages.schedule_for(micro_batches, loss), loss, micro_batches)
+        return cls(stages, stages.schedule_for(micro_batches, loss), loss, micro_batches, context)
 
     def run(self, micro_batches: list, weight: float, device: torch.device) -> torch.Tensor:
         """One step's forwards and backwards; returns the micro-batches' summed (unweighted) losses,
         on every rank (the last stage computes them; one all-reduce over the pipeline group)."""
         self.loss.weight, self.loss.raw = weight, []
         batches = [to_device(b, device) for b in micro_batches]
-        self.schedule.step(
-            arg_mbs=[(b[0],) for b in batches] if self.stages.is_first else None,
-            target_mbs=[b[1] for b in batches] if self.stages.is_last else None,
-        )
+        with self.context():
+            self.schedule.step(
+                arg_mbs=[(b[0],) for b in batches] if self.stages.is_first else None,
+                target_mbs=[b[1] for b in batches] if self.stages.is_last else None,
+            )
         # the last stage's losses, one a micro-batch (on the first step the stage's shape
         # inference calls the loss once more, first, on an output of no meaning)
         raw = self.loss.raw[len(self.loss.raw) - len(micro_batches) :]

@@ -349,7 +349,12 @@ def _step_of(parts: _Components, guard: StepGuard, device: torch.device) -> Step
         grad_sync=cfg.parallel.grad_sync,
         data_group=parts.built.topology.data_group(),
         loss_context=loss_context(cfg.parallel),
-        pipeline=Pipeline.of(parts.built.stages, parts.layout.grad_accum_steps, parts.loss_fn)
+        pipeline=Pipeline.of(
+            parts.built.stages,
+            parts.layout.grad_accum_steps,
+            parts.loss_fn,
+            loss_context(cfg.parallel),
+        )
         if parts.built.stages
         else None,
     )
