@@ -1,7 +1,7 @@
 """Tensor and pipeline parallel layouts at 4 ranks against ZeRO-3: model state per rank against each
 rank's formula, peak RSS, step time, bytes moved, final loss.
 
-    python bench/layouts.py [--steps 4] [--out DIR] [key=value ...]
+    python bench/layouts.py [--steps 4] [--out NEW_DIR] [key=value ...]
 
 gpt_small (vocabulary 8192, 128 tokens, untied), global batch 16 sequences of 1 a micro-batch:
 ZeRO-3 at dp 4, dp 2 x tp 2 (sequence parallel), pp 2 x dp 2 (1F1B) and pp 2 x tp 2. Each runs
@@ -17,10 +17,10 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from fsdp_zero.config import RunDir
+from fsdp_zero.monitor import MIB
 from fsdp_zero.tools import script_parser, train_command
 from fsdp_zero.training import Summary
 
@@ -42,7 +42,6 @@ LAYOUTS = [
     ("pp 2 x dp 2, 1F1B", ["parallel.pp_size=2"]),
     ("pp 2 x tp 2, 1F1B", ["parallel.pp_size=2", "parallel.tp_size=2"]),
 ]
-MIB = 2**20
 
 
 def _run(out: Path, name: str, args: list[str]) -> dict:
@@ -66,11 +65,10 @@ def _run(out: Path, name: str, args: list[str]) -> dict:
 
 
 def main() -> int:
-    parser = script_parser(__doc__, overrides=True)
+    parser = script_parser(__doc__, out="layouts", overrides=True)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--out", help="run folders go here (default: a temporary folder)")
     args = parser.parse_args()
-    out = Path(args.out or tempfile.mkdtemp(prefix="fsdp-zero-layouts-"))
+    out = args.out
     print(
         "| layout | model state / rank (MiB) | / its formula | peak RSS / rank (MiB) | step (s) | "
         "FSDP MiB / step | TP MiB / step | final loss |"

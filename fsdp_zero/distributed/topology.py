@@ -114,6 +114,10 @@ class Topology:
         assert self.fixed_mesh is not None, "build the mesh once (with_mesh) before asking for it"
         return self.fixed_mesh["tp"].get_group()
 
+    def same_batch(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups whose ranks read one batch: this rank's tensor-parallel group and pipeline."""
+        return tuple(g for g in (self.tp_group(), self.pp_group()) if g is not None)
+
     def pp_group(self) -> dist.ProcessGroup | None:
         """This rank's pipeline group, its stages' peers (None when pp is 1); the mesh must be built."""
         if self.pp == 1:

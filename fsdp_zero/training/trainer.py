@@ -142,10 +142,8 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     log_setup(cfg, env, decision, built, layout)
     evaluator = build_evaluator(cfg, env, built.whole, source, topology)
 
-    peers = tuple(g for g in (topology.tp_group(), topology.pp_group()) if g is not None)
-    cursor = BatchCursor(
-        source, layout, topology.dp_rank(env.rank), cfg.data.workers, same_as=peers
-    )
+    rank, same = topology.dp_rank(env.rank), topology.same_batch()
+    cursor = BatchCursor(source, layout, rank, cfg.data.workers, same_as=same)
     state = _resume(cfg, env, decision, built, scaler)
     cursor.position = state.data_position
     _start_budget(cfg, state, decision.resume)
@@ -337,6 +335,8 @@ def _step_of(parts: _Components, guard: StepGuard, device: torch.device) -> Step
     """The optimizer step, built once before the loop; a mask file makes the loss token-weighted."""
     cfg = parts.config
     count = trained_tokens if getattr(parts.cursor.source, "masked", False) else None
+    stages, accum = parts.built.stages, parts.layout.grad_accum_steps
+    pipeline = stages and Pipeline.of(stages, accum, parts.loss_fn, loss_context(cfg.parallel))
     return Step(
         parts.model,
         parts.optimizer,
@@ -349,14 +349,7 @@ def _step_of(parts: _Components, guard: StepGuard, device: torch.device) -> Step
         grad_sync=cfg.parallel.grad_sync,
         data_group=parts.built.topology.data_group(),
         loss_context=loss_context(cfg.parallel),
-        pipeline=Pipeline.of(
-            parts.built.stages,
-            parts.layout.grad_accum_steps,
-            parts.loss_fn,
-            loss_context(cfg.parallel),
-        )
-        if parts.built.stages
-        else None,
+        pipeline=pipeline,
     )
 
 
