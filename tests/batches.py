@@ -535,10 +535,11 @@ RUNS = [
     Run("pp2-tp2", "4", (*BASE, PP2, TP2, "parallel.loss_parallel=true", *EVAL), (P,)),
     # hybrid_shard under tensor parallelism: the mesh (dp_replicate 2, dp_shard 1, tp 2), the
     # replicas' all-reduce beside TP's collectives, the data-parallel group over both dimensions
+    # (validated: its sums reduced over that group)
     Run(
         "hsdp-tp2",
         "4",
-        (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=1", TP2),
+        (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=1", TP2, *EVAL),
         (P,),
     ),
     Run(

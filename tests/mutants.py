@@ -54,6 +54,7 @@ _TP_STATE = "test_model_state_per_rank_follows_the_tensor_parallel_formula"
 _TP_TOKENS = "test_tp_and_pp_count_the_trained_tokens_over_the_data_parallel_ranks"
 _PP_STAGES = "test_each_pipeline_stage_holds_its_own_layers_under_their_full_names"
 _PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
+_SPLIT_EVAL = "test_pipeline_validation_matches_zero3"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -261,6 +262,12 @@ MUTANTS = {
         "parallel.pp_size: each rank builds the whole model, not its stages",
         [f"tests/test_models.py::{_PP_STAGES}"],
         [_PP_STAGES],
+    ),
+    "hybrid-data-group-one-dim": (
+        "hybrid_shard with tp or pp: the data-parallel group over dp_shard alone, not replicate x "
+        "shard",
+        [f"tests/test_parity.py::{_SPLIT_EVAL}[hsdp-tp2]"],
+        [_SPLIT_EVAL],
     ),
     "pp-norm-per-stage": (
         "parallel.pp_size: the gradient norm (and so the clipping) of a rank's stages only, not "

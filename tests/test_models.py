@@ -10,6 +10,7 @@ the own-loop example against the trainer, the data sources, and plan.py on a for
 from __future__ import annotations
 
 import ast
+import copy
 import importlib
 import json
 from pathlib import Path
@@ -498,7 +499,7 @@ def test_each_pipeline_stage_holds_its_own_layers_under_their_full_names():
     without a pipeline plan is one line."""
     from fsdp_zero.config.schema import ParallelConfig
     from fsdp_zero.distributed import Topology
-    from fsdp_zero.sharding.pipeline import build_stages, pp_plan
+    from fsdp_zero.sharding.pipeline import build_stages, cut_rank, pp_plan
 
     with torch.device("meta"):
         model = construct(load_config(None, ["model.preset=gpt_nano", "model.n_layers=4"]).model)
@@ -521,6 +522,21 @@ def test_each_pipeline_stage_holds_its_own_layers_under_their_full_names():
             stages.model(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"VisionTransformer declares no pipeline plan"):
         pp_plan(construct(_cfg("vit").model))
+    # what cannot be cut, whatever the model: a parameter on two stages, blocks without names
+    topology = Topology.of(ParallelConfig(pp_size=2), 2)
+    with torch.device("meta"):
+        tied = construct(
+            load_config(None, ["model.preset=gpt_nano", "model.tie_embeddings=true"]).model
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"tok_embeddings\.weight and output\.weight are one parameter on different pipeline",
+    ):
+        cut_rank(tied, topology, 0, "1F1B")
+    listed = copy.deepcopy(model)
+    listed.layers = torch.nn.ModuleList(listed.layers.values())
+    with pytest.raises(ValueError, match=r"layers is a ModuleList; .* an nn\.ModuleDict"):
+        cut_rank(listed, topology, 0, "1F1B")
 
 
 def _top(name: str) -> str:

@@ -90,7 +90,7 @@ def world_notes(cfg: Any, world_size: int) -> list[str]:
             f"parallel.strategy={cfg.strategy.value} (only {strategies_that('hybrid')} uses "
             "it)"
         )
-    if pp > 1 and GradSync(cfg.grad_sync) is not GradSync.every_micro_batch:
+    if GradSync(cfg.grad_sync) not in (GradSync.every_micro_batch, cfg.grad_sync_in_effect):
         notes.append(
             f"parallel.grad_sync={GradSync(cfg.grad_sync).value} has no effect with "
             "parallel.pp_size > 1: each pipeline stage reduces its gradients once a step"

@@ -373,6 +373,12 @@ class ParallelConfig:
         self.wrap.check()
 
     @property
+    def grad_sync_in_effect(self) -> GradSync:
+        """``grad_sync`` as it runs: once a step under pipeline parallelism, whose stages reduce
+        after the last micro-batch whatever it says."""
+        return GradSync.once_per_step if self.pp_size > 1 else GradSync(self.grad_sync)
+
+    @property
     def stages_per_rank(self) -> int:
         """``pp_stages_per_rank``, or what ``pp_schedule`` needs (`stages_needed`)."""
         return self.pp_stages_per_rank or stages_needed(self.pp_schedule)

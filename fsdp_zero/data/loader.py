@@ -158,7 +158,6 @@ def _check_same_batch(batch: tuple[torch.Tensor, ...], group: dist.ProcessGroup)
     dist.all_gather_object(every, digest, group=group)  # once a run: any backend's device
     if len(set(every)) != 1:
         raise RuntimeError(
-            f"the ranks of a tensor- or pipeline-parallel group read different batches (checksums "
-            f"{every}): "
-            "each must read its data-parallel rank's"
+            "the ranks of a tensor- or pipeline-parallel group read different batches "
+            f"(checksums {every}): each must read its data-parallel rank's"
         )

@@ -131,8 +131,7 @@ def comm_formula(
     ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`).
     """
     spec = topology.spec
-    # a pipeline stage reduces once a step, whatever grad_sync says
-    sync = GradSync.once_per_step if topology.pp > 1 else GradSync(cfg.parallel.grad_sync)
+    sync = cfg.parallel.grad_sync_in_effect
     if not spec.fsdp:
         return _ddp_bytes(model, topology, precision)
     n = topology.shard_group

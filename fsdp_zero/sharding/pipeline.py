@@ -97,14 +97,51 @@ def _stage_layers(n_layers: int, num_stages: int) -> list[range]:
     return out
 
 
-def _check_layers(model: nn.Module, num_stages: int) -> None:
-    """Raises a ValueError when ``model`` has fewer blocks than ``num_stages`` (a stage without one)."""
-    blocks = model.get_submodule(pp_plan(model)["layers"])
+def _check_cut(model: nn.Module, num_stages: int) -> None:
+    """Raises a ValueError when ``model`` cannot be cut into ``num_stages``: its blocks not an
+    ``nn.ModuleDict`` (a stage keeps their names), fewer blocks than stages, or a parameter shared
+    by modules of two stages (tied embeddings: each stage would train its own copy)."""
+    plan = pp_plan(model)
+    blocks = model.get_submodule(plan["layers"])
+    if not isinstance(blocks, nn.ModuleDict):
+        raise ValueError(
+            f"{type(model).__name__}.pp_plan: {plan['layers']} is a {type(blocks).__name__}; "
+            "pipeline parallelism cuts an nn.ModuleDict of blocks keyed by index"
+        )
     if len(blocks) < num_stages:
         raise ValueError(
             f"{len(blocks)} layers cannot fill {num_stages} pipeline stages (parallel.pp_size x "
             "parallel.pp_stages_per_rank); lower them or raise model.n_layers"
         )
+    runs = _stage_layers(len(blocks), num_stages)
+    stage_of = {f"{plan['layers']}.{i}": s for s, run in enumerate(runs) for i in run}
+    stage_of |= {fqn: 0 for fqn in plan["first"]} | {fqn: num_stages - 1 for fqn in plan["last"]}
+    users: dict[int, dict[int, str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        stage = next((s for fqn, s in stage_of.items() if name.startswith(f"{fqn}.")), 0)
+        users.setdefault(id(p), {})[stage] = name
+    shared = next((names for names in users.values() if len(names) > 1), None)
+    if shared:
+        raise ValueError(
+            f"parallel.pp_size > 1: {' and '.join(shared.values())} are one parameter on "
+            "different pipeline stages (tied embeddings); untie them (model.tie_embeddings=false)"
+        )
+
+
+def cut_rank(
+    model: nn.Module, topology: Topology, pp_rank: int, schedule: str
+) -> list[tuple[int, nn.Module]]:
+    """Pipeline rank ``pp_rank``'s stages of the meta-device ``model``: (stage index, a copy of
+    ``model`` cut to it), in order (`stage_ids`, `cut_stage`).
+
+    Raises:
+        ValueError: a model that cannot be cut so (`_check_cut`).
+    """
+    pp, per_rank = topology.pp, topology.stages_per_rank
+    num_stages = pp * per_rank
+    _check_cut(model, num_stages)
+    ids = stage_ids(pp_rank, pp, per_rank, schedule)
+    return [(s, cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]
 
 
 def cut_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
@@ -200,12 +237,10 @@ def build_stages(
     it cut to the stage (on meta: no rank ever holds the whole model), then ``parallelize``-d
     (sharded, materialised, initialised: the part and its wrap plan); and their view
     (`RankStages.model`)."""
-    pp, per_rank = topology.pp, topology.stages_per_rank
-    num_stages = pp * per_rank
-    _check_layers(model, num_stages)
-    ids = stage_ids(topology.pp_rank(rank), pp, per_rank, schedule)
-    parts, plans = zip(*(parallelize(cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids))
+    cut = cut_rank(model, topology, topology.pp_rank(rank), schedule)
+    parts, plans = zip(*(parallelize(part) for _, part in cut))
     group = topology.pp_group() if dist.is_initialized() else None
+    num_stages, ids = topology.pp * topology.stages_per_rank, [s for s, _ in cut]
     stages = RankStages(list(parts), list(plans), ids, num_stages, schedule, group, device, model)
     stages.model = _rank_view(model, parts)
     return stages

@@ -8,7 +8,7 @@ and its tensor-parallel plan as the run resolves it (`fsdp_zero.sharding.tensor`
 
 - the model state per rank after a step: `fsdp_zero.sharding.parallelize.model_state_formula` with
   the rank's stages' parameters and those the plan leaves whole: what the run's end-of-run line
-  compares with (tests/test_plan_formulas.py checks both against the measured runs, to the byte);
+  compares with (tests/test_parity.py checks it against the measured runs, to the byte);
 - inside a step, under pipeline parallelism: the stage's gathered parameters (compute dtype) and
   unsharded gradients (reduce dtype), held from the first micro-batch to the last;
 - what crosses a stage boundary, each way, per micro-batch (the hidden states, / tp under sequence
@@ -19,7 +19,6 @@ Activations are not predicted here: the run's own memory reads measure them.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 from torch import nn
@@ -28,7 +27,7 @@ from fsdp_zero.config.schema import Config
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.sharding.pipeline import cut_stage, pp_plan, stage_ids
+from fsdp_zero.sharding.pipeline import cut_rank, pp_plan
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.sharding.tensor import split_weights
 
@@ -46,12 +45,11 @@ class StageRow:
     boundary: float | None  # bytes a micro-batch sends across a stage boundary, each way (pp)
 
 
-def _parts(model: nn.Module, topology: Topology, schedule: str, pp_rank: int) -> list[nn.Module]:
-    if topology.pp == 1:
-        return [model]
-    n = topology.pp * topology.stages_per_rank
-    ids = stage_ids(pp_rank, topology.pp, topology.stages_per_rank, schedule)
-    return [cut_stage(copy.deepcopy(model), s, n) for s in ids]
+def _parts(
+    model: nn.Module, topology: Topology, schedule: str, pp_rank: int
+) -> dict[int, nn.Module]:
+    """Pipeline rank ``pp_rank``'s stages, cut as the run cuts them (all of ``model`` when pp is 1)."""
+    return dict(cut_rank(model, topology, pp_rank, schedule)) if topology.pp > 1 else {0: model}
 
 
 def _hidden(model: nn.Module) -> int | None:
@@ -78,8 +76,12 @@ def layout_rows(cfg: Config, world_size: int) -> list[StageRow]:
     rows = []
     for pp_rank in range(topology.pp):
         parts = _parts(model, topology, cfg.parallel.pp_schedule, pp_rank)
-        params = sum(p.numel() for part in parts for p in part.parameters())
-        split = sum(split_weights(part, sp, topology.pp == 1) for part in parts) if tp > 1 else 0
+        params = sum(p.numel() for part in parts.values() for p in part.parameters())
+        split = (
+            sum(split_weights(part, sp, topology.pp == 1) for part in parts.values())
+            if tp > 1
+            else 0
+        )
         whole = params - split if tp > 1 else 0
         state = model_state_formula(topology, params, precision.bytes_per_param, 0, whole)
         per_rank = (params - whole) / tp + whole  # elements of the stages a tp rank computes with
@@ -92,10 +94,5 @@ def layout_rows(cfg: Config, world_size: int) -> list[StageRow]:
         if hidden is not None:
             tokens = cfg.train.micro_batch_size * cfg.data.seq_len / (tp if tp > 1 and sp else 1)
             boundary = tokens * hidden * precision.compute.itemsize
-        stages = tuple(
-            stage_ids(pp_rank, topology.pp, topology.stages_per_rank, cfg.parallel.pp_schedule)
-            if topology.pp > 1
-            else (0,)
-        )
-        rows.append(StageRow(pp_rank, stages, params, whole, state, held, boundary))
+        rows.append(StageRow(pp_rank, tuple(parts), params, whole, state, held, boundary))
     return rows

@@ -81,8 +81,7 @@ def write_summary(
                 record.comm_bytes,
                 record.comm_formula,
                 cfg.parallel.strategy.value,
-                # a pipeline stage reduces once a step whatever grad_sync says
-                cfg.parallel.grad_sync.value if cfg.parallel.pp_size == 1 else "once_per_step",
+                cfg.parallel.grad_sync_in_effect.value,
             ),
         )
     mine = {

@@ -384,8 +384,13 @@ SOURCE = {
     ),
     "stage-built-whole": (
         "fsdp_zero.sharding.pipeline",
-        "parallelize(cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids",
-        "parallelize(__mutant__(copy.deepcopy(model))) for s in ids",
+        "return [(s, cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]",
+        "return [(s, __mutant__(copy.deepcopy(model))) for s in ids]",
+    ),
+    "hybrid-data-group-one-dim": (
+        "fsdp_zero.distributed.topology",
+        'self.fixed_mesh["dp" if self.spec.hybrid else "dp_shard"]',
+        'self.fixed_mesh["dp_shard" if __mutant__(True) else "dp"]',
     ),
     "pp-norm-per-stage": (
         "fsdp_zero.training.step",
