@@ -312,19 +312,16 @@ class ParallelConfig:
     # tp_size > 1: the norms and the residual stream between the layers sharded on the sequence
     # (activations / tp_size; torchtitan's default). data.seq_len must divide by tp_size.
     sequence_parallel: bool = True
-    # tp_size > 1: the logits stay sharded over the vocabulary, and the cross-entropy runs on the
-    # shards (no rank holds a whole vocabulary's logits).
+    # tp_size > 1: the logits stay split over the vocabulary, the cross-entropy runs on the shards
     loss_parallel: bool = False
     # Pipeline parallelism (docs/parallelism.md): the model cut into pp_size x pp_stages_per_rank
-    # stages over groups of pp_size ranks (the mesh's outermost dimension: across nodes);
-    # pp_schedule runs each data-parallel rank's micro-batches (train.grad_accum_steps of them)
-    # through them, and each stage reduces its gradients once a step.
+    # stages over groups of pp_size ranks (the mesh's outermost dimension: across nodes), through
+    # which pp_schedule runs each data-parallel rank's micro-batches; gradients reduce once a step.
     pp_size: int = 1
     # torch.distributed.pipelining's schedule: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble
     # or ZBVZeroBubble (docs/parallelism.md#pipeline-stages-and-schedules)
     pp_schedule: str = "1F1B"
-    # stages a rank holds: 1 for GPipe and 1F1B, 2 or more for the interleaved schedules, 2 (a V)
-    # for ZBVZeroBubble; null: what the schedule needs (1, or 2)
+    # stages a rank holds (GPipe, 1F1B: 1; interleaved: 2 or more; ZBV: 2); null: as the schedule
     pp_stages_per_rank: int | None = None
 
     def check(self) -> None:
@@ -374,8 +371,7 @@ class ParallelConfig:
 
     @property
     def grad_sync_in_effect(self) -> GradSync:
-        """``grad_sync`` as it runs: once a step under pipeline parallelism, whose stages reduce
-        after the last micro-batch whatever it says."""
+        """``grad_sync`` as it runs: once a step under pipeline parallelism (each stage's way)."""
         return GradSync.once_per_step if self.pp_size > 1 else GradSync(self.grad_sync)
 
     @property

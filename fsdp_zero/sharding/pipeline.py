@@ -78,7 +78,7 @@ def pp_plan(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
-def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+def _stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
     """The stages pipeline rank ``pp_rank`` holds, in order: ``pp_rank + k pp`` (loop), or ``pp_rank``
     and ``2 pp - 1 - pp_rank`` for the V-shaped schedules."""
     if PP_SCHEDULES[schedule].stages == "V":
@@ -132,7 +132,7 @@ def cut_rank(
     model: nn.Module, topology: Topology, pp_rank: int, schedule: str
 ) -> list[tuple[int, nn.Module]]:
     """Pipeline rank ``pp_rank``'s stages of the meta-device ``model``: (stage index, a copy of
-    ``model`` cut to it), in order (`stage_ids`, `cut_stage`).
+    ``model`` cut to it), in order (`_stage_ids`, `_cut_stage`).
 
     Raises:
         ValueError: a model that cannot be cut so (`_check_cut`).
@@ -140,11 +140,11 @@ def cut_rank(
     pp, per_rank = topology.pp, topology.stages_per_rank
     num_stages = pp * per_rank
     _check_cut(model, num_stages)
-    ids = stage_ids(pp_rank, pp, per_rank, schedule)
-    return [(s, cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]
+    ids = _stage_ids(pp_rank, pp, per_rank, schedule)
+    return [(s, _cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]
 
 
-def cut_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+def _cut_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     """``model`` (on meta) cut to pipeline stage ``stage`` in place: its run of blocks, the first
     modules on stage 0, the last ones on the last stage; the rest deleted (blocks) or set to None."""
     plan = pp_plan(model)

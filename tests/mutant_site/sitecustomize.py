@@ -384,7 +384,7 @@ SOURCE = {
     ),
     "stage-built-whole": (
         "fsdp_zero.sharding.pipeline",
-        "return [(s, cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]",
+        "return [(s, _cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]",
         "return [(s, __mutant__(copy.deepcopy(model))) for s in ids]",
     ),
     "hybrid-data-group-one-dim": (
