@@ -455,7 +455,7 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
     alternating, `REPEATS` times, each from a fresh build; writes the figures to ``result``."""
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from step_time import ours_loop, raw_loop  # bench/step_time.py's two loops, as they are
+    from step_time import ours_loop, raw_inputs, raw_loop  # bench/step_time.py's two loops, as they are
 
     from fsdp_zero.config import load_config
     from fsdp_zero.distributed import agree_on_seed, distributed, exit_process
@@ -477,11 +477,20 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
         # reset and its own headline peak.
         peak_key = "cuda_peak_reserved_mib" if cuda else "cpu_peak_rss_mib"
         raw, ours, raw_peak, ours_peak = [], [], [], []
+
+        def fresh() -> None:
+            # Each loop's peak its own: the loop before freed, and (CUDA) its cached blocks handed
+            # back, or the reserved peak of the second loop would hold the first's cache.
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            monitor.reset_peaks()
+
         for rep in range(REPEATS):
             cfg.run.name = f"raw{rep}"
-            monitor.reset_peaks()
-            parts = setup(cfg, env)
+            fresh()
             if rep == 0:  # the model built and sharded, AdamW's states not yet allocated
+                parts = setup(cfg, env)
                 figures |= {
                     "after": monitor.read(),
                     "state_after": model_state_bytes(parts.model).total / MIB,
@@ -489,22 +498,19 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
                     "num_params": parts.num_params,
                     "tokens_per_step": cfg.train.global_batch_size * cfg.data.seq_len,
                 }
-            # raw_loop builds its own: ours would sit beside it
-            parts.model = parts.optimizer = None
-            gc.collect()
-            raw.append(raw_loop(parts, cfg, env)[0])
+                del parts
+                fresh()
+            # raw_loop builds its own model; set-up's is freed first (each loop's peak holds one)
+            raw.append(raw_loop(raw_inputs(cfg, env), cfg, env)[0])
             raw_peak.append(monitor.read()[peak_key])
-            del parts
-            gc.collect()
 
             cfg.run.name = f"ours{rep}"
-            monitor.reset_peaks()
+            fresh()
             t, record, parts = ours_loop(cfg, env)
             ours.append(t)
             own = record.peak_reserved_mib if cuda else record.peak_rss_mib
             ours_peak.append(max(monitor.read()[peak_key], own or 0.0))
-            del parts
-            gc.collect()
+            del parts, record  # the record holds the trained model too (TrainResult.components)
         if env.is_rank0:
             figures |= {
                 "raw_s": raw,
