@@ -455,7 +455,8 @@ def loop_worker(result: Path, config: str | None, overrides: list[str]) -> int:
     alternating, `REPEATS` times, each from a fresh build; writes the figures to ``result``."""
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from step_time import ours_loop, raw_inputs, raw_loop  # bench/step_time.py's two loops, as they are
+    # bench/step_time.py's two loops, as they are
+    from step_time import ours_loop, raw_inputs, raw_loop
 
     from fsdp_zero.config import load_config
     from fsdp_zero.distributed import agree_on_seed, distributed, exit_process
