@@ -10,6 +10,10 @@ and its own formula: under pipeline parallelism its stages'; peak RSS, the highe
 metrics.jsonl (the step time: the median over the steps after the first; FSDP's bytes and tensor
 parallelism's, counted on the last step). On CPU (gloo) TP and PP prove memory and correctness,
 not speed: the step times are this machine's, ratios against ZeRO-3 in the same invocation.
+Beside each peak and step, `scripts/plan.py --fit --search layout`'s prediction for the same
+layout (`fsdp_zero.tools.fit`: ZeRO-3's simulated peak, with the model state, what a unit holds
+gathered and the activations replaced by the layout's formulas; the step cost at the rates the
+fit's probe measures on this machine first).
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsdp_zero.config import RunDir
+from fsdp_zero.config import RunDir, load_config
 from fsdp_zero.monitor import MIB
-from fsdp_zero.tools import script_parser, train_command
+from fsdp_zero.tools import fit_rates, script_parser, search, train_command
 from fsdp_zero.training import Summary
 
 COMMON = [
@@ -36,12 +40,21 @@ COMMON = [
     "checkpoint.enabled=false",
     "metrics.tensorboard=false",
 ]
-LAYOUTS = [
-    ("ZeRO-3, dp 4", []),
-    ("dp 2 x tp 2", ["parallel.tp_size=2"]),
-    ("pp 2 x dp 2, 1F1B", ["parallel.pp_size=2"]),
-    ("pp 2 x tp 2, 1F1B", ["parallel.pp_size=2", "parallel.tp_size=2"]),
+LAYOUTS = [  # label, overrides, (tp, pp)
+    ("ZeRO-3, dp 4", [], (1, 1)),
+    ("dp 2 x tp 2", ["parallel.tp_size=2"], (2, 1)),
+    ("pp 2 x dp 2, 1F1B", ["parallel.pp_size=2"], (1, 2)),
+    ("pp 2 x tp 2, 1F1B", ["parallel.pp_size=2", "parallel.tp_size=2"], (2, 2)),
 ]
+
+
+def _predicted(overrides: list[str]) -> dict[tuple[int, int], tuple[float, float]]:
+    """The fit's predicted peak per rank (MiB) and step cost (s, at the rates its probe measures on
+    this machine now) of each (tp, pp) at 4 ranks."""
+    cfg = load_config(None, [*COMMON, *overrides])
+    rates = fit_rates(cfg, 4, ("layout",))
+    found = search(cfg, 4, rates, ("layout",), processes=0)
+    return {(s.candidate.tp, s.candidate.pp): (s.peak / MIB, s.cost) for s in found.scored}
 
 
 def _run(out: Path, name: str, args: list[str]) -> dict:
@@ -69,22 +82,27 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     out = args.out
+    predicted = _predicted(args.overrides)
     print(
-        "| layout | model state / rank (MiB) | / its formula | peak RSS / rank (MiB) | step (s) | "
-        "FSDP MiB / step | TP MiB / step | final loss |"
+        "| layout | model state / rank (MiB) | / its formula | peak RSS / rank (MiB) | predicted "
+        "(MiB) | measured / predicted | step (s) | predicted step (s) | FSDP MiB / step | "
+        "TP MiB / step | final loss |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     base = None
-    for i, (label, extra) in enumerate(LAYOUTS):
+    for i, (label, extra, layout) in enumerate(LAYOUTS):
         got = _run(
             out, f"layout{i}", [*COMMON, f"train.steps={args.steps}", *extra, *args.overrides]
         )
         base = base or got
+        peak, cost = predicted[layout]
         states = ", ".join(f"{s:,.1f}" for s in sorted(set(got["state"])))
         ratios = f"{min(got['ratio']):.4f}-{max(got['ratio']):.4f}"
         print(
             f"| {label} | {states} | {ratios} | {got['rss']:,.0f} ({got['rss'] / base['rss']:.2f} x) | "
-            f"{got['step_s']:.2f} ({got['step_s'] / base['step_s']:.2f} x) | {got['fsdp_mib']:,.1f} | "
+            f"{peak:,.0f} | {got['rss'] / peak:.3f} | "
+            f"{got['step_s']:.2f} ({got['step_s'] / base['step_s']:.2f} x) | {cost:.2f} | "
+            f"{got['fsdp_mib']:,.1f} | "
             f"{got['tp_mib']:,.1f} | {got['loss']:.4f} |",
             flush=True,
         )

@@ -44,7 +44,9 @@ def raw_inputs(cfg, env) -> SimpleNamespace:  # noqa: ANN001
     """What `raw_loop` takes from our set-up (the wrap plan's units, the seed, the batches, the loss) and
     nothing that holds set-up's model: that one is freed, or the raw loop's peak would hold two models."""
     parts = setup(cfg, env)
-    keep = SimpleNamespace(plan=parts.plan, seed=parts.seed, cursor=parts.cursor, loss_fn=parts.loss_fn)
+    keep = SimpleNamespace(
+        plan=parts.plan, seed=parts.seed, cursor=parts.cursor, loss_fn=parts.loss_fn
+    )
     del parts
     gc.collect()
     return keep

@@ -38,6 +38,8 @@ __all__ = [
     "hf_no_split_modules",
     "mem_tracker",
     "real_post_forward_meshes",
+    "schedule_order",
+    "storage_key",
     "reset_fsdp_iter_state",
     "set_group_timeout",
     "local_shape_and_offset",
@@ -341,3 +343,52 @@ def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
     pipeline parallelism, which (dp_replicate, dp_shard) hold together. Every rank calls it once
     (it creates process groups)."""
     return mesh[dims]._flatten(name)
+
+
+def schedule_order(
+    schedule: str, pp: int, stage_ids: list[int], n_microbatches: int, pp_rank: int
+) -> list[tuple[int, str, int]] | None:
+    """A multi-stage pipeline schedule's actions for pipeline rank ``pp_rank``, in order: (stage,
+    kind, micro-batch), kind ``F`` (forward), ``B`` (backward), ``I`` (its input half) or ``W``
+    (its weight half). Read from the schedule's own ``pipeline_order``, which it computes from the
+    stages' indices and counts alone, so stand-ins take the stages' place (no module, no group).
+    None for a single-stage schedule (GPipe, 1F1B), which keeps no such table."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    cls = get_schedule_class(schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        return None
+    stages = [
+        SimpleNamespace(
+            group_size=pp,
+            group_rank=pp_rank,
+            stage_index=s,
+            num_stages=pp * len(stage_ids),
+            is_first=s == 0,
+            is_last=s == pp * len(stage_ids) - 1,
+            submod=None,
+        )
+        for s in stage_ids
+    ]
+    order = cls(stages, n_microbatches, loss_fn=lambda out, target: out).pipeline_order[pp_rank]
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    out = []
+    for action in order:
+        if action is None:  # an idle slot
+            continue
+        kind = kinds.get(action.computation_type.name)
+        assert kind, f"an action {action} this reading does not know"
+        out.append((action.stage_index, kind, action.microbatch_index))
+    return out
+
+
+def storage_key(tensor: Any) -> tuple[int, int]:
+    """(an identity of ``tensor``'s storage, its bytes), of one tensor-parallel rank's part for a
+    DTensor (``_local_tensor``, not ``to_local()``, which would record an op inside a saved-tensor
+    hook). Views share their base's identity; on the meta device, where every ``data_ptr`` is 0,
+    the storage object's own (``_cdata``) tells them apart."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    storage = local.untyped_storage()
+    return storage._cdata, storage.nbytes()

@@ -14,8 +14,13 @@ beside each strategy's model state at rest and inside the step (fsdp_zero.tools.
 strategy and precision mode communicates per step (fsdp_zero.monitor.comm) with their time at --link-gbps.
 
 --fit searches strategy x precision x activation checkpointing x CPU offload x micro-batch x
-parallel.grad_sync (fsdp_zero.tools.fit) and prints the candidates ranked by a relative step cost, and
-the cheapest that fits as key=value overrides to paste onto the training command line.
+parallel.grad_sync (fsdp_zero.tools.fit), and with `--search ...,layout` every parallel.tp_size x
+parallel.pp_size too (their peaks and costs by formula, fsdp_zero.tools.layout), and prints the
+candidates ranked by a relative step cost, and the cheapest that fits as key=value overrides to paste
+onto the training command line.
+
+With parallel.tp_size or parallel.pp_size > 1 and no --fit, it prints their layout by formula
+instead of simulating (fsdp_zero.tools.layout).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from fsdp_zero.model import construct, frozen_count, make_trainable
 from fsdp_zero.monitor import CATEGORIES, MIB, comm_formula, comm_seconds, parse_size
 from fsdp_zero.sharding import build_wrap_plan, resolve
 from fsdp_zero.tools import (
+    DEFAULT_SEARCH,
     DIMENSIONS,
     MARGIN,
     PAPER_K,
@@ -98,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--search",
-        help=f"--fit: the settings to vary, comma-separated (default: all of "
-        f"{','.join(DIMENSIONS)}); the others stay as the config sets them",
+        help=f"--fit: the settings to vary, comma-separated, of {','.join(DIMENSIONS)} "
+        f"(default: {','.join(DEFAULT_SEARCH)}); the others stay as the config sets them",
     )
     parser.add_argument(
         "--margin",
@@ -137,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(
                     f"--{flag.replace('_', '-')}={getattr(args, flag)}: it applies to --fit; add --fit MEMORY"
                 )
-        dims = tuple(d for d in args.search.split(",") if d) if args.search else DIMENSIONS
+        dims = tuple(d for d in args.search.split(",") if d) if args.search else DEFAULT_SEARCH
         cfg = load_config(
             args.config, [*args.overrides, *(searched_overrides(dims) if args.fit else [])]
         )
-        if cfg.parallel.tp_size > 1 or cfg.parallel.pp_size > 1:
-            if args.fit or args.strategy or args.device_memory:
+        if (cfg.parallel.tp_size > 1 or cfg.parallel.pp_size > 1) and not args.fit:
+            if args.strategy or args.device_memory:
                 raise ValueError(
                     "parallel.tp_size/pp_size > 1: plan.py gives their layout by formula (no "
-                    "simulation, no search): drop --fit, --strategy and --device-memory"
+                    "simulation): drop --strategy and --device-memory, or search with --fit"
                 )
             rows = layout_rows(cfg, args.world_size)
             layout_table(cfg, rows, args.world_size)
@@ -219,27 +225,33 @@ def main(argv: list[str] | None = None) -> int:
 
 def layout_table(cfg: Config, rows: list[StageRow], n: int) -> None:
     """Tensor and pipeline parallel layouts: each pipeline rank's stages, their parameters, the model
-    state per rank after a step (what the run's end-of-run line compares with), and under pipeline
-    parallelism what a stage holds inside a step and sends across a boundary (fsdp_zero.tools.layout)."""
+    state per rank after a step (what the run's end-of-run line compares with), the activations it
+    holds at its schedule's peak, and under pipeline parallelism what a stage holds inside a step
+    and sends across a boundary (fsdp_zero.tools.layout)."""
     p = cfg.parallel
     print(
         f"# layout by formula: {cfg.model.target or cfg.model.preset}, {n} ranks = pp {p.pp_size} x "
         f"dp {n // (p.pp_size * p.tp_size)} x tp {p.tp_size}, {cfg.parallel.strategy.value}, "
-        f"{cfg.precision.mode} AdamW"
+        f"{cfg.precision.mode} AdamW, micro-batch {cfg.train.micro_batch_size}"
         + (f", {p.pp_schedule}" if p.pp_size > 1 else "")
-        + " (activations not predicted: no simulation runs a pipeline or tensor parallelism)\n"
+        + " (no simulation runs a pipeline or tensor parallelism: --fit --search layout composes "
+        "these with one that does)\n"
     )
     print(
         "| pipeline rank | stages | parameters | left whole by tp | model state MiB/rank | "
-        "held in the step MiB/rank | boundary MiB/micro-batch |"
+        "activations MiB/rank | held in the step MiB/rank | boundary MiB/micro-batch |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r.pp_rank} | {', '.join(map(str, r.stages))} | {r.params:,} | {r.whole:,} | "
-            f"{r.model_state / MIB:,.4f} | {r.held_in_step / MIB:,.4f} | "
+            f"{r.model_state / MIB:,.4f} | {r.activations / MIB:,.1f} | {r.held_in_step / MIB:,.4f} | "
             + (f"{r.boundary / MIB:,.4f} |" if r.boundary is not None else "- |")
         )
+    print(
+        "\nactivations: what autograd saves for backward in a micro-batch's forward and loss (the meta "
+        "device, one tp rank's shapes), times the micro-batches the schedule holds at once"
+    )
 
 
 def memory_table(
@@ -372,22 +384,25 @@ def fit(
     )
     print(
         "| # | cost ms | compute ms | comm ms | optimizer ms | offload ms | peak | strategy | precision | "
-        "checkpointing | offload | micro-batch | grad_sync |"
+        "checkpointing | offload | micro-batch | grad_sync | tp | pp |"
     )
-    print("|" + "---|" * 13)
+    print("|" + "---|" * 15)
     for i, s in enumerate(fitting[:show], start=1):
-        c = s.candidate
+        c, part = s.candidate, s.parts.get
         ms = [
             f"{v * 1e3:,.1f}"
             for v in (
                 s.cost,
-                *(s.parts[k] for k in ("compute_s", "comm_s", "optimizer_s", "offload_s")),
+                part("compute_s", 0) + part("bubble_s", 0),  # a pipeline's bubble is idle compute
+                part("comm_s", 0) + part("tp_comm_s", 0) + part("p2p_s", 0),
+                part("optimizer_s", 0),
+                part("offload_s", 0),
             )
         ]
         print(
             f"| {i} | {' | '.join(ms)} "
             f"| {format_bytes(s.peak)} | {c.strategy.value} | {c.precision} | {c.checkpointing.value} | "
-            f"{'yes' if c.offload else 'no'} | {c.micro_batch} | {c.grad_sync.value} |"
+            f"{'yes' if c.offload else 'no'} | {c.micro_batch} | {c.grad_sync.value} | {c.tp} | {c.pp} |"
         )
     print(
         f"\npick: cost {best.cost * 1e3:,.1f} ms, peak {format_bytes(best.peak)} (+ {margin:.0%}: "

@@ -55,6 +55,8 @@ _TP_TOKENS = "test_tp_and_pp_count_the_trained_tokens_over_the_data_parallel_ran
 _PP_STAGES = "test_each_pipeline_stage_holds_its_own_layers_under_their_full_names"
 _PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
 _SPLIT_EVAL = "test_pipeline_validation_matches_zero3"
+_PP_HELD = "test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_stage_saves"
+_LAYOUT_FIT = "test_a_layout_search_composes_each_layout_from_zero3_by_formula"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -274,6 +276,16 @@ MUTANTS = {
         "summed over the pipeline",
         [f"tests/test_parity.py::{_PARITY}[pp2]"],
         [_PARITY],
+    ),
+    "pp-holds-every-micro-batch": (
+        "plan.py's layouts: 1F1B holds all of a step's micro-batches' activations, as GPipe does",
+        [f"tests/test_fit.py::{_PP_HELD}"],
+        [_PP_HELD],
+    ),
+    "layout-keeps-twin-activations": (
+        "--fit --search layout: a layout's peak keeps its ZeRO-3 twin's activations, not its own",
+        [f"tests/test_fit.py::{_LAYOUT_FIT}"],
+        [_LAYOUT_FIT],
     ),
     "test-process-sees-gpus": (
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",

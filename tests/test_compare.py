@@ -490,8 +490,8 @@ def test_a_bad_size_names_the_option_it_came_from():
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: --device-memory 'lots': expected a size such as 2GB, 500MB or 1GiB"
     ), proc.stderr
-    # tensor and pipeline layouts come by formula: a search over them is refused, not run wrong
-    proc = run_script(PLAN, "--world-size", "4", "parallel.tp_size=2", "--fit", "1GiB")
+    # tensor and pipeline layouts come by formula: a strategy's simulation of them is refused
+    proc = run_script(PLAN, "--world-size", "4", "parallel.tp_size=2", "--strategy", "full_shard")
     assert proc.returncode == 2 and proc.stderr.startswith(
         "error: parallel.tp_size/pp_size > 1: plan.py gives their layout by formula"
     ), proc.stderr
@@ -503,6 +503,35 @@ def test_a_bad_size_names_the_option_it_came_from():
         "parallel.pp_size=2",
         "parallel.tp_size=2",
     )
-    assert proc.returncode == 0 and "| 1 | 1 | 69,824 | 192 | 0.5342 | 0.2671 | 0.0625 |" in (
+    # model state, activations at 1F1B's peak (one micro-batch in flight on the last rank), held
+    # in the step, a boundary's bytes
+    assert proc.returncode == 0 and "| 1 | 1 | 69,824 | 192 | 0.5342 | 2.8 | 0.2671 | 0.0625 |" in (
         proc.stdout
     ), proc.stdout
+
+
+def test_fit_searches_the_rest_with_the_configs_tensor_parallel_layout(tmp_path: Path):
+    """--fit with parallel.tp_size=2 in the config: every candidate keeps tp 2 (its peak and cost by
+    formula), and the pick pastes back to a tp 2 run."""
+    out = tmp_path / "fit.json"
+    proc = run_script(
+        PLAN,
+        "--world-size",
+        "4",
+        "model.preset=gpt_nano",
+        "parallel.tp_size=2",
+        "--fit",
+        "2GiB",
+        "--search",
+        "micro_batch",
+        "--tflops",
+        "1",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(out.read_text())
+    assert len(found["candidates"]) == 4  # micro-batches 1, 2, 4, 8 of dp 2's 8 samples
+    assert all("parallel.tp_size=2" in c["overrides"] for c in found["candidates"])
+    assert all(c["cost_parts"]["tp_comm_s"] > 0 for c in found["candidates"])
+    assert "parallel.tp_size=2 parallel.pp_size=1" in proc.stdout

@@ -152,7 +152,8 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
     assert {c.offload for c in cuda} == {False, True}
     assert not any(c.offload and c.strategy.value in ("ddp", "zero1") for c in cuda)
     for c in every[:: max(1, len(every) // 20)]:
-        assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS)
+        # one override a dimension, two for the layout (tp_size, pp_size)
+        assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS) + 1
         pasted = load_config(None, NANO + c.overrides())  # what a user pastes selects the candidate
         assert pasted == c.config(cfg)
     with pytest.raises(
@@ -366,3 +367,71 @@ def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(
     assert [b / f for b, f in zip(compute["bfloat16"], compute["float32"]) if f] == pytest.approx(
         [ratio] * len([f for f in compute["float32"] if f]), rel=0.01
     )  # (the note rounds the ratio)
+
+
+# gpt_nano untied (pipeline stages cannot share the embedding), 2 micro-batches of 2 at dp 2
+LAYERED = NANO + ["model.tie_embeddings=false", "train.micro_batch_size=2"]
+
+
+def test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_stage_saves():
+    """`fsdp_zero.tools.layout`: the bytes autograd saves, on the meta device, per pipeline unit and
+    per tp rank; each pipeline rank's peak is its schedule's micro-batches in flight times its
+    stage's: GPipe all of a step's, 1F1B pp - rank, Interleaved1F1B from its own action table."""
+    from fsdp_zero.tools.layout import activation_peaks, saved_per_unit
+
+    cfg = load_config(None, LAYERED)
+    whole = saved_per_unit(cfg, 1)
+    blocks = [v for k, v in whole.items() if k.startswith("layers.")]
+    # the same shapes save the same bytes; the first block also the rotary tables both read
+    assert len(blocks) == 2 and blocks[0] == pytest.approx(blocks[1], rel=0.05) and blocks[1] > 0
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    assert whole["output"] >= tokens * 4096 * 4  # the head's unit holds the logits (fp32)
+    tp = sum(
+        saved_per_unit(
+            load_config(None, LAYERED + ["parallel.sequence_parallel=false"]), 2
+        ).values()
+    )
+    sp = sum(saved_per_unit(cfg, 2).values())
+    assert sp < tp < sum(whole.values())  # tp splits the blocks' insides; sp the rest too
+    # pp 2 x dp 2: 8 samples a data-parallel rank, 4 micro-batches of 2
+    stage = [
+        whole["tok_embeddings"] + whole["layers.0"],
+        sum(whole.values()) - whole["tok_embeddings"] - whole["layers.0"],
+    ]
+
+    def peaks(schedule: str, extra: tuple[str, ...] = ()) -> list[float]:
+        over = LAYERED + ["parallel.pp_size=2", f"parallel.pp_schedule={schedule}", *extra]
+        return activation_peaks(load_config(None, over), 4)
+
+    assert peaks("GPipe") == [4 * stage[0], 4 * stage[1]]
+    assert peaks("1F1B") == [2 * stage[0], 1 * stage[1]]
+    # 4 layers, 2 stages a rank: rank 0 holds stages 0 and 2; its table runs 2 micro-batches of
+    # stage 0 and 2 of stage 2 before its first backward
+    deep = ["model.n_layers=4"]
+    four = saved_per_unit(load_config(None, LAYERED + deep), 1)
+    s0, s2 = four["tok_embeddings"] + four["layers.0"], four["layers.2"]
+    assert peaks("Interleaved1F1B", tuple(deep))[0] >= 2 * s0 + 2 * s2
+
+
+def test_a_layout_search_composes_each_layout_from_zero3_by_formula():
+    """--fit --search layout at 4 ranks: every tp x pp the model takes (gpt_nano's 2 layers fill no 4
+    stages), each from its ZeRO-3 twin's one simulation; GPipe holds more activations than 1F1B,
+    so it peaks higher; the costs carry the bubble, tensor parallelism's and the stages' bytes."""
+    found = {}
+    for schedule in ("1F1B", "GPipe"):
+        cfg = load_config(None, LAYERED + [f"parallel.pp_schedule={schedule}"])
+        result = search(cfg, 4, Rates.default("cpu"), ("layout",), processes=0, baseline=0)
+        found[schedule] = {(s.candidate.tp, s.candidate.pp): s for s in result.scored}
+    one = found["1F1B"]
+    assert set(one) == {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)}
+    assert found["GPipe"][(1, 2)].peak > one[(1, 2)].peak  # 4 micro-batches in flight against 2
+    assert found["GPipe"][(1, 1)].peak == one[(1, 1)].peak  # no pipeline: the same simulation
+    pp2 = one[(1, 2)].parts
+    assert pp2["bubble_s"] == pytest.approx(pp2["compute_s"] * (2 - 1) / 4)  # 4 micro-batches
+    assert pp2["p2p_s"] > 0 and pp2["tp_comm_s"] == 0
+    tp4 = one[(4, 1)].parts
+    assert tp4["tp_comm_s"] > 0 and tp4["comm_s"] == 0  # dp 1: FSDP gathers from no one
+    assert one[(1, 1)].parts["comm_s"] > 0 and "tp_comm_s" not in one[(1, 1)].parts
+    for (tp, pp), s in one.items():
+        pasted = load_config(None, LAYERED + s.candidate.overrides())
+        assert (pasted.parallel.tp_size, pasted.parallel.pp_size) == (tp, pp)

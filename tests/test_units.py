@@ -294,6 +294,20 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert callable(getattr(FSDPModule, "reset_iter_state", None))
     assert torch_private.FakeStore() is not None
     assert torch_private.FakeTensorMode is not None
+    # a saved tensor's storage on the meta device, a DTensor's local part (plan.py's activations)
+    base = torch.empty(4, 8, device="meta")
+    assert torch_private.storage_key(base.t())[0] == torch_private.storage_key(base)[0]
+    assert torch_private.storage_key(base)[0] != torch_private.storage_key(base.clone())[0]
+    assert torch_private.storage_key(base)[1] == 4 * 8 * 4
+    # the pipeline schedules' action tables, read from stand-in stages (plan.py's activations)
+    assert torch_private.schedule_order("1F1B", 2, [0], 4, 0) is None
+    order = torch_private.schedule_order("Interleaved1F1B", 2, [0, 2], 4, 0)
+    assert order[:4] == [(0, "F", 0), (0, "F", 1), (2, "F", 0), (2, "F", 1)] and len(order) == 16
+    assert {k for _, k, _ in torch_private.schedule_order("ZBVZeroBubble", 2, [0, 3], 4, 0)} == {
+        "F",
+        "I",
+        "W",
+    }
     # what real_post_forward_meshes wraps
     from torch.distributed.fsdp._fully_shard import _fully_shard
 

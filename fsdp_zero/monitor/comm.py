@@ -148,7 +148,7 @@ def comm_formula(
     reductions = 1 if sync is GradSync.once_per_step else accum
     all_reduces = accum if sync is GradSync.every_micro_batch else 1
     reduce_bytes = reduced * precision.reduce.itemsize
-    tp = _tp_bytes(cfg, model, precision, topology.pp == 1) if topology.tp > 1 else {}
+    tp = tp_bytes(cfg, model, precision, topology.pp == 1) if topology.tp > 1 else {}
     # a pipeline stage's units stay gathered from their first forward to the step's end
     gathers = 1 if topology.pp > 1 else accum
     return CommBytes(
@@ -160,7 +160,7 @@ def comm_formula(
     )
 
 
-def _tp_bytes(
+def tp_bytes(
     cfg: Config, model: nn.Module, precision: Precision, whole: bool = True
 ) -> dict[str, float]:
     """Tensor parallelism's collectives in one micro-batch's forward and backward, by kind, from

@@ -113,12 +113,10 @@ def _check_cut(model: nn.Module, num_stages: int) -> None:
             f"{len(blocks)} layers cannot fill {num_stages} pipeline stages (parallel.pp_size x "
             "parallel.pp_stages_per_rank); lower them or raise model.n_layers"
         )
-    runs = _stage_layers(len(blocks), num_stages)
-    stage_of = {f"{plan['layers']}.{i}": s for s, run in enumerate(runs) for i in run}
-    stage_of |= {fqn: 0 for fqn in plan["first"]} | {fqn: num_stages - 1 for fqn in plan["last"]}
+    units = stage_units(model, num_stages)
     users: dict[int, dict[int, str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        stage = next((s for fqn, s in stage_of.items() if name.startswith(f"{fqn}.")), 0)
+        stage = next((s for fqn, s in units.items() if name.startswith(f"{fqn}.")), 0)
         users.setdefault(id(p), {})[stage] = name
     shared = next((names for names in users.values() if len(names) > 1), None)
     if shared:
@@ -126,6 +124,21 @@ def _check_cut(model: nn.Module, num_stages: int) -> None:
             f"parallel.pp_size > 1: {' and '.join(shared.values())} are one parameter on "
             "different pipeline stages (tied embeddings); untie them (model.tie_embeddings=false)"
         )
+
+
+def stage_units(model: nn.Module, num_stages: int) -> dict[str, int]:
+    """The stage each unit of ``model``'s pipeline plan goes to, by FQN: the first modules to stage
+    0, each block to its stage's run (`_stage_layers`), the last modules to the last stage."""
+    plan = pp_plan(model)
+    runs = _stage_layers(len(model.get_submodule(plan["layers"])), num_stages)
+    units = {fqn: 0 for fqn in plan["first"]}
+    units |= {f"{plan['layers']}.{i}": s for s, run in enumerate(runs) for i in run}
+    return units | {fqn: num_stages - 1 for fqn in plan["last"]}
+
+
+def stage_ids(pp_rank: int, topology: Topology, schedule: str) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds under ``topology`` and ``schedule`` (`_stage_ids`)."""
+    return _stage_ids(pp_rank, topology.pp, topology.stages_per_rank, schedule)
 
 
 def cut_rank(

@@ -1,6 +1,6 @@
 """Offline: the planner, the fit, compare and the rates probe; never imported by training."""
 
-from fsdp_zero.tools.candidates import DIMENSIONS, Scored, searched_overrides
+from fsdp_zero.tools.candidates import DEFAULT_SEARCH, DIMENSIONS, Scored, searched_overrides
 from fsdp_zero.tools.compare import DEFAULTS, ORDER, dataparallel_row, read_rows, report
 from fsdp_zero.tools.fit import MARGIN, fit_rates, search
 from fsdp_zero.tools.formulas import (
@@ -23,6 +23,7 @@ __all__ = [
     "dataparallel_row",
     "deepspeed_zero3_estimate",
     "DEFAULTS",
+    "DEFAULT_SEARCH",
     "DIMENSIONS",
     "fit_rates",
     "format_bytes",

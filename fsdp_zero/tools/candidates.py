@@ -1,5 +1,6 @@
 """What ``plan.py --fit`` searches: the candidate settings over the asked dimensions (strategy,
-precision, checkpointing, offload, micro-batch, gradient sync), each as overrides."""
+precision, checkpointing, offload, micro-batch, gradient sync, and, when asked, the tensor and
+pipeline parallel layout), each as overrides."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ class Candidate:
     offload: bool
     micro_batch: int
     grad_sync: GradSync
+    tp: int = 1  # parallel.tp_size
+    pp: int = 1  # parallel.pp_size
+
+    @property
+    def layered(self) -> bool:
+        """Tensor or pipeline parallel: its peak and cost by formula (`fsdp_zero.tools.layout`)."""
+        return self.tp > 1 or self.pp > 1
 
     def overrides(self) -> list[str]:
         """The key=value overrides that select this candidate, to paste onto the command line."""
@@ -34,6 +42,8 @@ class Candidate:
             f"parallel.cpu_offload={str(self.offload).lower()}",
             f"train.micro_batch_size={self.micro_batch}",
             f"parallel.grad_sync={self.grad_sync.value}",
+            f"parallel.tp_size={self.tp}",
+            f"parallel.pp_size={self.pp}",
         ]
 
     def config(self, cfg: Config) -> Config:
@@ -46,6 +56,8 @@ class Candidate:
             cpu_offload=self.offload,
             grad_sync=self.grad_sync,
             reshard_after_forward=hpz,
+            tp_size=self.tp,
+            pp_size=self.pp,
         )
         return replace(
             cfg,
@@ -75,7 +87,19 @@ class Scored:
 
 
 # What --search may name: the settings a candidate varies (the others stay as the config has them).
-DIMENSIONS = ("strategy", "precision", "checkpointing", "offload", "micro_batch", "grad_sync")
+# "layout": every parallel.tp_size x parallel.pp_size the world size divides into.
+DIMENSIONS = (
+    "strategy",
+    "precision",
+    "checkpointing",
+    "offload",
+    "micro_batch",
+    "grad_sync",
+    "layout",
+)
+# What --fit searches unless told: all but the layout (on a CPU host tensor and pipeline
+# parallelism prove correctness, not speed; ask for them with --search ...,layout).
+DEFAULT_SEARCH = DIMENSIONS[:-1]
 
 
 def searched_overrides(search: tuple[str, ...]) -> list[str]:
@@ -86,11 +110,11 @@ def searched_overrides(search: tuple[str, ...]) -> list[str]:
 
 
 def candidates(
-    cfg: Config, world_size: int, search: tuple[str, ...] = DIMENSIONS
+    cfg: Config, world_size: int, search: tuple[str, ...] = DEFAULT_SEARCH
 ) -> list[Candidate]:
     """Every valid candidate: the config's own model, data, global batch and other settings, with each
-    strategy, precision mode, checkpointing, offload, micro-batch and grad_sync the config allows
-    (those of the dimensions not in ``search`` as the config sets them).
+    strategy, precision mode, checkpointing, offload, micro-batch, grad_sync and layout the config
+    allows (those of the dimensions not in ``search`` as the config sets them).
 
     Raises:
         ValueError: ``search`` names something other than `DIMENSIONS`; no candidate is valid.
@@ -101,10 +125,10 @@ def candidates(
                 f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: "
                 f"{', '.join(DIMENSIONS)}"
             )
-    local = cfg.train.global_batch_size // world_size
     out, refused = [], None
-    for values in itertools.product(*_values(cfg, local, search)):
-        cand = Candidate(*values)
+    for *values, (tp, pp) in itertools.product(*_values(cfg, world_size, search)):
+        cand = Candidate(*values, tp=tp, pp=pp)
+        local = cfg.train.global_batch_size * tp * pp // world_size  # per data-parallel rank
         if (
             "grad_sync" in search
             and local // cand.micro_batch == 1
@@ -115,7 +139,7 @@ def candidates(
             c = cand.config(cfg)
             validate(c)
             topology = Topology.of(c.parallel, world_size)
-            BatchLayout.of(c.train, world_size)
+            BatchLayout.of(c.train, topology.dp_size)
         except ValueError as e:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
             refused = e
             continue
@@ -130,10 +154,16 @@ def candidates(
     return out
 
 
-def _values(cfg: Config, local: int, search: tuple[str, ...]) -> list[list[Any]]:
+def _values(cfg: Config, world_size: int, search: tuple[str, ...]) -> list[list[Any]]:
     """Each dimension's values, in `DIMENSIONS` order: every choice where ``search`` names it, else
-    the config's own (``local``: the global batch's samples per rank)."""
+    the config's own. Micro-batches: the divisors of the most samples a data-parallel rank may
+    take (a layout's own divide fewer: `candidates` drops the rest)."""
     p = cfg.parallel
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    layouts = [(t, q) for t in divisors for q in divisors if world_size % (t * q) == 0]
+    if "layout" not in search:
+        layouts = [(p.tp_size, p.pp_size)]
+    local = cfg.train.global_batch_size * max(t * q for t, q in layouts) // world_size
     axes = {
         "strategy": list(STRATEGIES),
         "precision": list(PLAN_MODES),
@@ -142,6 +172,7 @@ def _values(cfg: Config, local: int, search: tuple[str, ...]) -> list[list[Any]]
         "offload": [False, True] if cfg.dist.device.value == "cuda" else [False],
         "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
         "grad_sync": list(GradSync),
+        "layout": layouts,
     }
     fixed = {
         "strategy": [p.strategy],
@@ -150,5 +181,6 @@ def _values(cfg: Config, local: int, search: tuple[str, ...]) -> list[list[Any]]
         "offload": [p.cpu_offload],
         "micro_batch": [cfg.train.micro_batch_size],
         "grad_sync": [p.grad_sync],
+        "layout": [(p.tp_size, p.pp_size)],
     }
     return [axes[d] if d in search else fixed[d] for d in DIMENSIONS]

@@ -2,8 +2,9 @@
 
 Candidates are every valid combination of strategy, precision mode, activation checkpointing,
 CPU offload (CUDA only: on a CPU host it moves nothing), micro-batch size (the global batch
-fixed) and ``parallel.grad_sync``. Each gets a predicted peak per rank and a relative step cost;
-the pick is the cheapest candidate whose peak fits.
+fixed) and ``parallel.grad_sync``, and, when asked, the tensor x pipeline parallel layout (those
+candidates composed from a data-parallel twin's: `fsdp_zero.tools.layered`). Each gets a predicted
+peak per rank and a relative step cost; the pick is the cheapest candidate whose peak fits.
 
 The peak. Simulating every candidate (`fsdp_zero.tools.planner.Simulator`, about 4 s each for a 134M
 model) would take too long, so candidates that share tensors share simulations:
@@ -57,7 +58,8 @@ from fsdp_zero.monitor.comm import comm_formula, comm_seconds
 from fsdp_zero.sharding.parallelize import checkpointed
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-from fsdp_zero.tools.candidates import DIMENSIONS, Candidate, Scored, candidates
+from fsdp_zero.tools.candidates import DEFAULT_SEARCH, Candidate, Scored, candidates
+from fsdp_zero.tools.layered import Layouts, Terms, twin
 from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.tools.prediction import CUDA_ALLOCATOR_SLACK, Prediction, cached_baseline
 from fsdp_zero.tools.rates import Measured, Rates, measure
@@ -112,15 +114,26 @@ def _predict_peaks(
     cands: list[Candidate],
     processes: int = 2,
     baseline: int | None = None,
+    layouts: Layouts | None = None,
 ) -> tuple[dict[Candidate, int], int]:
     """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
-    and how many simulations it took."""
-    shared = _Shared(cfg, world_size, cands)
-    sims = shared.needed(cands)
+    and how many simulations it took. A tensor or pipeline parallel candidate's comes from its
+    twin's (`fsdp_zero.tools.layered`); one the model cannot take is left out."""
+    layouts = layouts or Layouts(cfg, world_size)
+    twins = {c: twin(cfg, c, world_size) for c in cands if c.layered}
+    simulated = list(dict.fromkeys([c for c in cands if not c.layered] + list(twins.values())))
+    shared = _Shared(cfg, world_size, simulated)
+    sims = shared.needed(simulated)
     preds = dict(
         zip(sims, _simulate(cfg, world_size, [s.config(cfg) for s in sims], processes, baseline))
     )
-    return {c: shared.peak(c, preds) for c in cands}, len(sims)
+    peaks = {c: shared.peak(c, preds) for c in simulated}
+    for c, pair in twins.items():
+        try:
+            peaks[c] = layouts.peak(c, peaks[pair], shared.terms(pair, preds))
+        except ValueError:  # a split or cut the model cannot take (heads, layers): not a candidate
+            continue
+    return {c: peaks[c] for c in cands if c in peaks}, len(sims)
 
 
 class _Shared:
@@ -179,15 +192,34 @@ class _Shared:
                 needed[self.activation(c, self.reference(m), none)] = None
         return list(needed)
 
+    def terms(self, c: Candidate, preds: dict[Candidate, Prediction]) -> Terms:
+        """What a layout changes in ``c``'s peak, as the simulations saw it: its model state, the
+        parameters gathered at its peak, and its activations (its checkpointing, its micro-batch)."""
+        s = preds[self.state(c)]
+
+        def activations(p: Prediction) -> float:
+            return p.tensors.get("activations", 0)
+
+        return Terms(
+            s.model_state,
+            s.tensors.get("gathered_params", 0),
+            self._along(c, c.micro_batch, c.checkpointing, preds, activations),
+        )
+
+    def _along(self, c, m, ac, preds, read) -> float:  # noqa: ANN001
+        """``read`` of ``c``'s activation simulation at micro-batch ``m`` and checkpointing ``ac``,
+        extrapolated along the accumulating micro-batches (`extrapolated`)."""
+        points = self.extrapolated(m)
+        if len(points) == 1:
+            return read(preds[self.activation(c, m, ac)])
+        (m0, m1), (p0, p1) = points, [read(preds[self.activation(c, x, ac)]) for x in points]
+        return p0 + (p1 - p0) * (m - m0) / (m1 - m0)
+
     def peak(self, c: Candidate, preds: dict[Candidate, Prediction]) -> int:
         """``c``'s peak per rank from the simulations' predictions."""
 
         def act(ac: ActivationCheckpointing, m: int) -> float:
-            points = self.extrapolated(m)
-            if len(points) == 1:
-                return preds[self.activation(c, m, ac)].peak
-            (m0, m1), (p0, p1) = points, [preds[self.activation(c, x, ac)].peak for x in points]
-            return p0 + (p1 - p0) * (m - m0) / (m1 - m0)
+            return self._along(c, m, ac, preds, lambda p: p.peak)
 
         s = preds[self.state(c)]
         none = ActivationCheckpointing.none
@@ -200,10 +232,20 @@ class _Shared:
 
 
 def _step_cost(
-    cfg: Config, c: Candidate, world_size: int, rates: Rates, model: nn.Module, plan: WrapPlan
+    cfg: Config,
+    c: Candidate,
+    world_size: int,
+    rates: Rates,
+    model: nn.Module,
+    plan: WrapPlan,
+    layouts: Layouts | None = None,
 ) -> tuple[float, dict[str, float]]:
     """``c``'s step cost in seconds and its terms (see the module docstring). ``model``: the config's model
-    on the meta device, its frozen parameters marked; ``plan``: its wrap plan."""
+    on the meta device, its frozen parameters marked; ``plan``: its wrap plan; ``layouts``: the
+    search's, for a tensor or pipeline parallel ``c`` (its twin's cost, then `Layouts.cost`)."""
+    if c.layered:
+        _, parts = _step_cost(cfg, twin(cfg, c, world_size), world_size, rates, model, plan)
+        return (layouts or Layouts(cfg, world_size)).cost(c, rates, parts)
     cc = c.config(cfg)
     precision = resolve(cc.precision)
     layout, topology = (
@@ -275,14 +317,16 @@ def _measured_cost(
     return {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0}
 
 
-def fit_rates(cfg: Config, world_size: int, dims: tuple[str, ...] = DIMENSIONS) -> Rates:
+def fit_rates(cfg: Config, world_size: int, dims: tuple[str, ...] = DEFAULT_SEARCH) -> Rates:
     """The rates a search for ``cfg`` assumes when none are given: for the CPU, measured on this machine
     (`fsdp_zero.tools.rates.measure`, in the compute dtypes the candidates use); for CUDA,
     `Rates.default`'s (an H100: pass --tflops and --link-gbps for other hardware)."""
     if cfg.dist.device.value == "cuda":
         return Rates.default("cuda")
     dtypes = {resolve(c.config(cfg).precision).compute for c in candidates(cfg, world_size, dims)}
-    return measure(cfg, world_size, sorted(dtypes, key=str))
+    # the probe runs data parallel: a layout's compute is its twin's (`Layouts.cost`)
+    flat = replace(cfg, parallel=replace(cfg.parallel, tp_size=1, pp_size=1))
+    return measure(flat, world_size, sorted(dtypes, key=str))
 
 
 # A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have
@@ -322,7 +366,7 @@ def search(
     cfg: Config,
     world_size: int,
     rates: Rates,
-    dims: tuple[str, ...] = DIMENSIONS,
+    dims: tuple[str, ...] = DEFAULT_SEARCH,
     processes: int = 2,
     baseline: int | None = None,
 ) -> _Search:
@@ -334,13 +378,16 @@ def search(
         ValueError: as `candidates`.
     """
     start = time.perf_counter()
+    layouts = Layouts(cfg, world_size)
     cands = candidates(cfg, world_size, dims)
-    peaks, simulations = _predict_peaks(cfg, world_size, cands, processes, baseline)
+    peaks, simulations = _predict_peaks(cfg, world_size, cands, processes, baseline, layouts)
+    cands = [c for c in cands if c in peaks]
     model = construct(cfg.model)  # meta parameters: free at any size
     make_trainable(model, cfg.model)  # model.freeze, model.lora: frozen parameters are not reduced
     plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
     scored = [
-        Scored(c, peaks[c], *_step_cost(cfg, c, world_size, rates, model, plan)) for c in cands
+        Scored(c, peaks[c], *_step_cost(cfg, c, world_size, rates, model, plan, layouts))
+        for c in cands
     ]
     scored.sort(key=lambda s: (s.cost, s.peak))
     return _Search(scored, simulations, time.perf_counter() - start)

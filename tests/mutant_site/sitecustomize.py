@@ -397,6 +397,16 @@ SOURCE = {
         "grad_norm = _grad_norm_(groups, self.pipeline.stages.group if self.pipeline else None)",
         "grad_norm = _grad_norm_(groups, self.pipeline.stages.group if __mutant__(False) else None)",
     ),
+    "pp-holds-every-micro-batch": (
+        "fsdp_zero.tools.layout",
+        'in_flight = micro if schedule == "GPipe" else min(micro, pp - pp_rank)',
+        "in_flight = micro if __mutant__(True) else min(micro, pp - pp_rank)",
+    ),
+    "layout-keeps-twin-activations": (
+        "fsdp_zero.tools.layered",
+        "activations = terms.activations * row.activations / at_twin",
+        "activations = __mutant__(terms.activations)",
+    ),
     "test-process-sees-gpus": (
         "tests.cpu_only",
         'os.environ["CUDA_VISIBLE_DEVICES"] = ""',
