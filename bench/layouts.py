@@ -4,7 +4,8 @@ rank's formula, peak RSS, step time, bytes moved, final loss.
     python bench/layouts.py [--steps 4] [--out NEW_DIR] [key=value ...]
 
 gpt_small (vocabulary 8192, 128 tokens, untied), global batch 16 sequences of 1 a micro-batch:
-ZeRO-3 at dp 4, dp 2 x tp 2 (sequence parallel), pp 2 x dp 2 (1F1B) and pp 2 x tp 2. Each runs
+ZeRO-3 at dp 4, dp 2 x tp 2 (sequence parallel), pp 2 x dp 2 (1F1B) and pp 2 x tp 2, then pp 2 x
+dp 2 under GPipe and Interleaved1F1B (two stages a rank): the schedules' activations in flight. Each runs
 `scripts/train.py` in fresh processes and reads back its summary.json (each rank's model state
 and its own formula: under pipeline parallelism its stages'; peak RSS, the highest rank's) and
 metrics.jsonl (the step time: the median over the steps after the first; FSDP's bytes and tensor
@@ -45,16 +46,31 @@ LAYOUTS = [  # label, overrides, (tp, pp)
     ("dp 2 x tp 2", ["parallel.tp_size=2"], (2, 1)),
     ("pp 2 x dp 2, 1F1B", ["parallel.pp_size=2"], (1, 2)),
     ("pp 2 x tp 2, 1F1B", ["parallel.pp_size=2", "parallel.tp_size=2"], (2, 2)),
+    ("pp 2 x dp 2, GPipe", ["parallel.pp_size=2", "parallel.pp_schedule=GPipe"], (1, 2)),
+    (
+        "pp 2 x dp 2, Interleaved1F1B",
+        ["parallel.pp_size=2", "parallel.pp_schedule=Interleaved1F1B"],
+        (1, 2),
+    ),
 ]
 
 
-def _predicted(overrides: list[str]) -> dict[tuple[int, int], tuple[float, float]]:
+def _predicted(overrides: list[str]) -> dict[tuple[str, int, int], tuple[float, float]]:
     """The fit's predicted peak per rank (MiB) and step cost (s, at the rates its probe measures on
-    this machine now) of each (tp, pp) at 4 ranks."""
+    this machine now) of each (schedule, tp, pp) at 4 ranks."""
     cfg = load_config(None, [*COMMON, *overrides])
     rates = fit_rates(cfg, 4, ("layout",))
-    found = search(cfg, 4, rates, ("layout",), processes=0)
-    return {(s.candidate.tp, s.candidate.pp): (s.peak / MIB, s.cost) for s in found.scored}
+    out = {}
+    for schedule in sorted({_schedule(extra) for _, extra, _ in LAYOUTS}):
+        scheduled = load_config(None, [*COMMON, *overrides, f"parallel.pp_schedule={schedule}"])
+        found = search(scheduled, 4, rates, ("layout",), processes=0)
+        for s in found.scored:
+            out[schedule, s.candidate.tp, s.candidate.pp] = (s.peak / MIB, s.cost)
+    return out
+
+
+def _schedule(extra: list[str]) -> str:
+    return next((o.split("=")[1] for o in extra if o.startswith("parallel.pp_schedule=")), "1F1B")
 
 
 def _run(out: Path, name: str, args: list[str]) -> dict:
@@ -95,7 +111,7 @@ def main() -> int:
             out, f"layout{i}", [*COMMON, f"train.steps={args.steps}", *extra, *args.overrides]
         )
         base = base or got
-        peak, cost = predicted[layout]
+        peak, cost = predicted[(_schedule(extra), *layout)]
         states = ", ".join(f"{s:,.1f}" for s in sorted(set(got["state"])))
         ratios = f"{min(got['ratio']):.4f}-{max(got['ratio']):.4f}"
         print(

@@ -330,7 +330,7 @@ def fit_rates(cfg: Config, world_size: int, dims: tuple[str, ...] = DEFAULT_SEAR
 
 
 # A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have
-# been within 10% of the measured ones on every configuration of its accuracy table, and 14% low on
+# been within 10% of the measured ones on every configuration of its accuracy table, and 10-14% low on
 # one with four micro-batches of one short sequence (docs/compare-and-plan.md says which).
 MARGIN = 0.10
 
