@@ -25,6 +25,7 @@ from fsdp_zero.tools.candidates import DIMENSIONS, Candidate, candidates
 from fsdp_zero.tools.fit import search
 from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.tools.rates import Rates
+from tests.batches import HAS_HF
 from tests.conftest import REPO, figure, run_script
 
 # gpt_nano with a wide vocabulary, so that its activations and states are not lost in rounding.
@@ -435,3 +436,22 @@ def test_a_layout_search_composes_each_layout_from_zero3_by_formula():
     for (tp, pp), s in one.items():
         pasted = load_config(None, LAYERED + s.candidate.overrides())
         assert (pasted.parallel.tp_size, pasted.parallel.pp_size) == (tp, pp)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs the hf extra (transformers)")
+def test_a_hugging_face_models_layout_counts_its_activations_without_our_pipeline_plan(tmp_path):
+    """A Hugging Face model has a `pp_plan` of its own (another schema): the layout counts its saved
+    tensors as one unit, and tensor parallelism (its own plan) saves less on each rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdp_zero.tools.layout import layout_rows, saved_per_unit
+    from tests.hf_fixtures import LLAMA_CONFIG
+
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA_CONFIG, "tie_word_embeddings": False})).save_pretrained(
+        tmp_path
+    )
+    over = [f"model.pretrained={tmp_path}", "data.seq_len=32", "train.micro_batch_size=2"]
+    whole = saved_per_unit(load_config(None, over), 1)
+    assert set(whole) == {""} and whole[""] > 0
+    (row,) = layout_rows(load_config(None, [*over, "parallel.tp_size=2"]), 2)
+    assert 0 < row.activations < whole[""]

@@ -68,7 +68,7 @@ def pp_plan(model: nn.Module) -> dict[str, Any]:
         ValueError: the model declares none.
     """
     plan = getattr(model, "pp_plan", None)
-    if not plan:
+    if not declares_stages(model):
         raise ValueError(
             f"parallel.pp_size > 1: {type(model).__name__} declares no pipeline plan (a pp_plan "
             "attribute: its first modules, its blocks, its last modules) and a forward that passes "
@@ -124,6 +124,13 @@ def _check_cut(model: nn.Module, num_stages: int) -> None:
             f"parallel.pp_size > 1: {' and '.join(shared.values())} are one parameter on "
             "different pipeline stages (tied embeddings); untie them (model.tie_embeddings=false)"
         )
+
+
+def declares_stages(model: nn.Module) -> bool:
+    """Whether ``model`` declares our pipeline plan (first, layers, last), not another library's
+    attribute of the same name (Hugging Face models have a ``pp_plan`` of their own)."""
+    plan = getattr(model, "pp_plan", None)
+    return isinstance(plan, dict) and {"first", "layers", "last"} <= plan.keys()
 
 
 def stage_units(model: nn.Module, num_stages: int) -> dict[str, int]:

@@ -40,7 +40,13 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.tasks import build_task, to_device, vocab_size
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.sharding.pipeline import cut_rank, pp_plan, stage_ids, stage_units
+from fsdp_zero.sharding.pipeline import (
+    cut_rank,
+    declares_stages,
+    pp_plan,
+    stage_ids,
+    stage_units,
+)
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.sharding.tensor import apply_tensor_parallel, split_weights
 from fsdp_zero.torch_private import FakeStore, schedule_order, storage_key
@@ -148,7 +154,7 @@ def _saved(cfg: Config, model: nn.Module) -> dict[str, int]:
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, buf.to("meta"))
     params = {storage_key(p)[0] for p in model.parameters()}
-    units = list(stage_units(model, 1)) if getattr(model, "pp_plan", None) else []
+    units = list(stage_units(model, 1)) if declares_stages(model) else []
     current, saved = [""], {}  # the unit running now; storage -> (unit, bytes)
 
     def enter(fqn: str):  # noqa: ANN202
