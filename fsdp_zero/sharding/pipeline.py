@@ -67,7 +67,6 @@ def pp_plan(model: nn.Module) -> dict[str, Any]:
     Raises:
         ValueError: the model declares none.
     """
-    plan = getattr(model, "pp_plan", None)
     if not declares_stages(model):
         raise ValueError(
             f"parallel.pp_size > 1: {type(model).__name__} declares no pipeline plan (a pp_plan "
@@ -75,7 +74,7 @@ def pp_plan(model: nn.Module) -> dict[str, Any]:
             "through the parts a stage lacks; the built-in model has both (Hugging Face models: "
             "use parallel.tp_size)"
         )
-    return plan
+    return model.pp_plan
 
 
 def _stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:

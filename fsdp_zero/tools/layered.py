@@ -55,8 +55,10 @@ class Layouts:
     def __init__(self, cfg: Config, world_size: int) -> None:
         self.cfg, self.world_size = cfg, world_size
         self._rows: dict[tuple, list[StageRow]] = {}
+        self._saved: dict[tuple, int] = {}  # (micro-batch, precision) -> bytes saved at tp 1
 
     def rows(self, c: Candidate) -> list[StageRow]:
+        """``c``'s layout by formula, per pipeline rank."""
         key = (c.tp, c.pp, c.micro_batch, c.precision, c.strategy)
         if key not in self._rows:
             self._rows[key] = layout_rows(c.config(self.cfg), self.world_size)
@@ -73,8 +75,11 @@ class Layouts:
         Raises:
             ValueError: a layout the model cannot take (heads, layers, tied weights).
         """
-        pair = twin(self.cfg, c, self.world_size).config(self.cfg)
-        at_twin = sum(saved_per_unit(pair, 1).values())
+        pair = twin(self.cfg, c, self.world_size)
+        key = (pair.micro_batch, pair.precision)
+        if key not in self._saved:
+            self._saved[key] = sum(saved_per_unit(pair.config(self.cfg), 1).values())
+        at_twin = self._saved[key]
         peaks = []
         for row in self.rows(c):
             held = row.held_in_step if c.pp > 1 else terms.gathered * row.per_rank / row.params
