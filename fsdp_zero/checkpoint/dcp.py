@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -86,6 +87,9 @@ class TrainState:
     job: str | None = None
     world_size: int | None = None  # the save's (set by `Checkpointer.save`)
     versions: dict[str, str] = field(default_factory=dict)  # torch's and ours, at the save
+    # QLoRA: the NF4 base the checkpoint leaves out, and what rebuilds it
+    # (`fsdp_zero.sharding.quantize.NF4Base.record`: its source, names and digest)
+    nf4_base: dict | None = None
     # the own-loop API's keys (`fsdp_zero.api.Checkpoints`)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -134,15 +138,18 @@ def read_train_state(path: Path) -> TrainState:
 # State
 
 
-def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and optimizer tensors keyed by parameter FQN (sharded DTensors under FSDP).
+def _tensor_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rebuilt: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Model and optimizer tensors keyed by parameter FQN (sharded DTensors under FSDP), less the
+    ``rebuilt`` model tensors (QLoRA's NF4 base: every start rebuilds it from its source).
 
     The values are the live tensors (or views of them), so DCP loads in place.
     ZeroRedundancyOptimizer (zero1) is not covered by torch's state-dict API: each rank
     contributes the AdamW states of its own partition, under the same FQN keys, so the
     checkpoint holds every parameter's state once, in full, like a DDP one.
     """
-    model_sd = get_model_state_dict(model)
+    model_sd = {k: v for k, v in get_model_state_dict(model).items() if k not in rebuilt}
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         local = optimizer.optim  # this rank's AdamW over its partition
         if not local.state:
@@ -276,9 +283,10 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         train_state: TrainState,
         config_yaml: str,
+        rebuilt: frozenset[str] = frozenset(),
     ) -> None:
         """Writes checkpoint ``step`` (``train_state`` with this world size and the versions); returns
-        at once when saving asynchronously."""
+        at once when saving asynchronously. ``rebuilt``: model tensors left out (`_tensor_state`)."""
         self.wait()  # one save in flight at a time
         final = self.root / checkpoint_name(step)
         partial = self.root / f"{PARTIAL_PREFIX}{final.name}"
@@ -301,7 +309,10 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0)  # every rank stops, or none does
         if box[0]:
             raise ValueError(box[0])
-        state = {**_tensor_state(model, optimizer), _rng_key(self.rank): _rng_state(self.device)}
+        state = {
+            **_tensor_state(model, optimizer, rebuilt),
+            _rng_key(self.rank): _rng_state(self.device),
+        }
         _fault_point("before_write", step)
         writer = dcp.FileSystemWriter(str(partial))
         if self.async_group is not None:
@@ -404,12 +415,14 @@ def load_checkpoint(
     rank: int,
     device: torch.device,
     whole: nn.Module | None = None,
+    rebuilt: frozenset[str] = frozenset(),
 ) -> TrainState:
     """Loads model, optimizer and this rank's RNG from ``path``; returns its train state.
 
     Works at any world size: DCP reads, for each rank, the parts of the saved chunks
     that overlap the rank's shards. Under pipeline parallelism ``model`` holds this rank's stages
     and ``whole`` is the whole model (on meta), whose other tensors the checkpoint also holds.
+    ``rebuilt``: model tensors the checkpoint leaves out (QLoRA's NF4 base, rebuilt already).
 
     Raises:
         ValueError: a missing, partial or corrupt checkpoint, or one of another model.
@@ -417,8 +430,12 @@ def load_checkpoint(
     train_state = read_train_state(path)
     reader = SafeFileSystemReader(str(path))
     metadata = reader.read_metadata()
-    state = _tensor_state(model, optimizer)  # the structure (and shards) to load into
-    known = {f"model.{k}" for k in whole.state_dict()} if whole is not None else None
+    state = _tensor_state(model, optimizer, rebuilt)  # the structure (and shards) to load into
+    known = (
+        {f"model.{k}" for k in whole.state_dict() if k not in rebuilt}
+        if whole is not None
+        else None
+    )
     _check_matches(metadata, _flat_shapes(state), path, known)
     rng_key = _rng_key(rank)
     if any(k.startswith(f"{rng_key}.") for k in metadata.state_dict_metadata):
@@ -432,7 +449,7 @@ def load_checkpoint(
         raise ValueError(
             f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {_causes(e)}"
         ) from None
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not rebuilt))
     if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states were loaded in place
         groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
         set_optimizer_state_dict(

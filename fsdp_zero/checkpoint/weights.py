@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_zero.checkpoint.dcp import does_not_fit, read_train_state
+from fsdp_zero.checkpoint.dcp import TrainState, does_not_fit, read_train_state
 from fsdp_zero.checkpoint.safe_read import SafeFileSystemReader
-from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE
+from fsdp_zero.config.schema import ModelConfig
+from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE, weights_path
 from fsdp_zero.model.init import local_rows
 from fsdp_zero.model.lora import adapter_names
 
@@ -195,23 +196,83 @@ def _match_state_dict(
     return mapping, how
 
 
-@torch.no_grad()
-def load_full_weights(
-    model: nn.Module, path: Path, key: str = "model.init_from", whole: nn.Module | None = None
-) -> str:
-    """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
-    model, each rank reading only its rows; returns the renaming applied (`_match_state_dict`).
-    ``key``: the setting that named ``path``, for the errors; ``whole``: the model (on meta) the
-    file is matched against when ``model`` holds a pipeline rank's stages only.
+def base_source(cfg: ModelConfig) -> tuple[str, Path] | None:
+    """The weights a run starts from: (``model.pretrained``, its folder's weights) or
+    (``model.init_from``, its file); None when neither is set."""
+    if cfg.pretrained:
+        return "model.pretrained", weights_path(Path(cfg.pretrained))
+    if cfg.init_from:
+        return "model.init_from", Path(cfg.init_from)
+    return None
+
+
+def match_weights(model: nn.Module, path: Path, key: str) -> tuple[FullWeights, dict[str, str], str]:
+    """``path``'s weights, which file tensor fills each of ``model``'s state tensors ({model name:
+    file name}) and the renaming applied (`_match_state_dict`); ``key`` names the setting.
 
     Raises:
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
     """
-    weights, what = FullWeights(path, key), f"{key}={str(path)!r}"
+    weights = FullWeights(path, key)
+    mapping, how = _match_state_dict(
+        model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model)
+    )
+    return weights, mapping, how
+
+
+def check_rebuilt_base(nf4: Any, state: TrainState, checkpoint: Path) -> None:
+    """A resumed QLoRA run's NF4 base, rebuilt from its source (``nf4``, a
+    `fsdp_zero.sharding.quantize.NF4Base`), is the one the checkpoint's adapters were trained on:
+    the same digest as train_state.json records. Records it in ``state`` for the next saves.
+
+    Raises:
+        ValueError: a checkpoint with no NF4 base record, or another base (a changed source file,
+            other block sizes or targets).
+    """
+    saved = state.nf4_base
+    if nf4 is None:
+        if saved is not None:
+            raise ValueError(
+                f"checkpoint {str(checkpoint)!r} was trained with model.lora.quantize=nf4 (its base "
+                "is not in the checkpoint); resume it with model.lora.quantize=nf4"
+            )
+        return
+    if saved is None:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} holds its base weights (it was not trained with "
+            "model.lora.quantize=nf4); resume it with model.lora.quantize=none"
+        )
+    if saved.get("digest") != nf4.digest:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r}: the NF4 base rebuilt from {nf4.key}={nf4.source!r} "
+            f"(digest {nf4.digest}) is not the one its adapters were trained on (digest "
+            f"{saved.get('digest')}, from {saved.get('source')!r}); give that base, with the same "
+            "model.lora.quantize_targets and block sizes"
+        )
+    state.nf4_base = nf4.record()
+
+
+@torch.no_grad()
+def load_full_weights(
+    model: nn.Module,
+    path: Path,
+    key: str = "model.init_from",
+    whole: nn.Module | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> str:
+    """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
+    model, each rank reading only its rows; returns the renaming applied (`_match_state_dict`).
+    ``key``: the setting that named ``path``, for the errors; ``whole``: the model (on meta) the
+    file is matched against when ``model`` holds a pipeline rank's stages only; ``skip``: names
+    filled already (QLoRA's NF4 base, quantized from the same file while sharding).
+
+    Raises:
+        ValueError: an unreadable file, or keys/shapes that do not fit the model.
+    """
     fits = whole if whole is not None else model  # a pipeline rank: the whole model's names
-    mapping, how = _match_state_dict(fits, weights.shapes, what, adapter_names(model))
+    weights, mapping, how = match_weights(fits, path, key)
     state = model.state_dict(keep_vars=True)
-    for name, file_name in ((n, f) for n, f in mapping.items() if n in state):  # this rank's
+    for name, file_name in ((n, f) for n, f in mapping.items() if n in state and n not in skip):
         tensor = state[name]
         if tensor.dim() == 0:  # e.g. BatchNorm's num_batches_tracked
             tensor.copy_(weights.rows(file_name, 0, 0).to(tensor.dtype))

@@ -46,6 +46,14 @@ class Init(str, enum.Enum):
     model = "model"
 
 
+class Quantize(str, enum.Enum):
+    """How LoRA's frozen base is stored (``model.lora.quantize``, docs/lora.md)."""
+
+    none = "none"  # in the stored dtype, as every other parameter
+    # QLoRA: 4-bit NormalFloat with double-quantized scalers, about 0.516 B per parameter (torchao)
+    nf4 = "nf4"
+
+
 class Backend(str, enum.Enum):
     auto = "auto"  # nccl on CUDA, gloo on CPU
     gloo = "gloo"

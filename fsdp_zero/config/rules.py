@@ -3,7 +3,13 @@ precision and the strategy, evaluation and the task), before anything is built o
 
 from __future__ import annotations
 
-from fsdp_zero.config.choices import PP_SCHEDULES, ActivationCheckpointing, DataSource, Task
+from fsdp_zero.config.choices import (
+    PP_SCHEDULES,
+    ActivationCheckpointing,
+    DataSource,
+    Quantize,
+    Task,
+)
 from fsdp_zero.config.presets import BUILTIN_FIELDS, model_args
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config
 from fsdp_zero.config.strategies import is_fsdp, strategies_that
@@ -72,8 +78,41 @@ def validate(cfg: Config) -> None:
             f"parallel.strategy={strategy.value}; with {strategy.value} use precision.mode=fp32 or "
             "bf16-true"
         )
+    _check_qlora(cfg)
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
+
+
+def _check_qlora(cfg: Config) -> None:
+    """model.lora.quantize=nf4: a pretrained base (the weights it quantizes, and rebuilds from on
+    resume and export), an FSDP strategy (the NF4 shards are FSDP2's), a precision NF4 dequantizes to.
+    The rules that need the model and the world size (whole NF4 blocks per shard, two shards at
+    least) are `fsdp_zero.sharding.quantize.check_nf4`'s."""
+    lora, m = cfg.model.lora, cfg.model
+    if lora.quantize is Quantize.none:
+        return
+    setting = f"model.lora.quantize={lora.quantize.value}"
+    if m.pretrained is None and m.init_from is None:
+        raise ValueError(
+            f"{setting} quantizes a pretrained base, and none is given: set model.pretrained (a "
+            "Hugging Face folder) or model.init_from (a state dict file)"
+        )
+    strategy = cfg.parallel.strategy
+    if not is_fsdp(strategy):
+        raise ValueError(
+            f"{setting} needs an FSDP strategy ({strategies_that('fsdp')}), not "
+            f"parallel.strategy={strategy.value}: FSDP2 shards and gathers the NF4 base"
+        )
+    if cfg.precision.mode not in _NF4_MODES:
+        raise ValueError(
+            f"{setting} with precision.mode={cfg.precision.mode}: valid choices: "
+            f"{', '.join(_NF4_MODES)}"
+        )
+
+
+# The precision modes QLoRA runs in: the NF4 base dequantizes to the stored dtype (fp32) and FSDP2
+# gathers it for the compute dtype (bf16-mixed); bf16-true is LoRA's refusal, fp16-mixed untested.
+_NF4_MODES = ("fp32", "bf16-mixed")
 
 
 def _check_untested(cfg: Config, setting: str) -> None:

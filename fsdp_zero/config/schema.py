@@ -35,6 +35,7 @@ from fsdp_zero.config.choices import (
     Device,
     Init,
     OptimizerImpl,
+    Quantize,
     Schedule,
     Task,
     WrapPolicy,
@@ -65,12 +66,26 @@ class LoRAConfig:
     targets: list[str] = field(default_factory=list)
     # Regexes (full matches on parameter names) of more parameters to train: norms, the head.
     train: list[str] = field(default_factory=list)
+    # QLoRA: nf4 stores the frozen base's Linear weights in 4-bit NormalFloat (`fsdp_zero.sharding.quantize`),
+    # each quantized whole from model.pretrained's or model.init_from's tensor before it is sharded.
+    quantize: Quantize = Quantize.none
+    # The Linear modules whose weights nf4 quantizes (regexes, full matches on module names); empty:
+    # every frozen Linear inside an FSDP unit other than the root (never the embeddings or the head).
+    quantize_targets: list[str] = field(default_factory=list)
+    nf4_block_size: int = 64  # elements per 4-bit block (one int8 scaler each)
+    nf4_scaler_block_size: int = 256  # scalers per block of the double quantization (one factor each)
 
     def check(self) -> None:
         if self.rank < 0:
             raise ValueError(f"model.lora.rank={self.rank}: must be >= 0 (0: LoRA off)")
+        self.quantize = as_choice("model.lora.quantize", self.quantize, Quantize)
         if self.rank == 0:
-            for key in ("targets", "train"):
+            if self.quantize is not Quantize.none:
+                raise ValueError(
+                    f"model.lora.quantize={self.quantize.value} quantizes LoRA's frozen base, but "
+                    "model.lora.rank=0 (LoRA off); set model.lora.rank and model.lora.targets"
+                )
+            for key in ("targets", "train", "quantize_targets"):
                 if getattr(self, key):
                     raise ValueError(
                         f"model.lora.{key}={getattr(self, key)} is set but model.lora.rank=0 (LoRA "
@@ -87,6 +102,14 @@ class LoRAConfig:
             raise ValueError(f"model.lora.dropout={self.dropout}: must be in [0, 1)")
         check_regexes("model.lora.targets", self.targets)
         check_regexes("model.lora.train", self.train)
+        check_regexes("model.lora.quantize_targets", self.quantize_targets)
+        check_positive("model.lora.nf4_block_size", self.nf4_block_size)
+        check_positive("model.lora.nf4_scaler_block_size", self.nf4_scaler_block_size)
+        if self.quantize_targets and self.quantize is Quantize.none:
+            raise ValueError(
+                f"model.lora.quantize_targets={self.quantize_targets} is set but "
+                "model.lora.quantize=none; set model.lora.quantize=nf4"
+            )
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -44,10 +45,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages holding ``t``'s bytes: a tensor subclass that packs its data into inner tensors
+    (torchao's NF4, a low-bit optimizer state) is their storages, not the logical one it reports."""
+    t = _local(t)
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None or type(t) in (torch.Tensor, nn.Parameter):
+        yield t.untyped_storage()
+        return
+    for name in flatten()[0]:
+        yield from _storages(getattr(t, name))
+
+
 def _storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
     total = 0
-    for t in tensors:
-        storage = _local(t).untyped_storage()
+    for storage in (s for t in tensors for s in _storages(t)):
         if storage.data_ptr() in seen or storage.nbytes() == 0:
             continue
         seen.add(storage.data_ptr())

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from fsdp_zero.config.choices import Init, OptimizerImpl, WrapPolicy
+from fsdp_zero.checkpoint.weights import base_source
+from fsdp_zero.config.choices import Init, OptimizerImpl, Quantize, WrapPolicy
 from fsdp_zero.config.schema import Config, OptimConfig, ParallelConfig, PrecisionConfig, WrapConfig
 from fsdp_zero.config.strategies import STRATEGIES, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
@@ -32,6 +33,7 @@ from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
 from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.precision import Precision, resolve
+from fsdp_zero.sharding.quantize import NF4Base
 from fsdp_zero.sharding.tensor import tp_whole
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.torch_private import hf_init_weights
@@ -99,15 +101,23 @@ def materializer(
     buffers: dict[str, torch.Tensor],
     notes: list[str],
     buffer_device: torch.device | None = None,
+    base_init: bool = True,
 ) -> Callable[[nn.Module], None]:
     """What `parallelize` calls once the model is sharded: allocate each rank's shards on ``device``,
     put the constructor's buffers back (on ``buffer_device``, default ``device``: with CPU offload
     the shards live on the CPU and the buffers on the GPU), initialise (``seed`` None: leave the
-    memory as allocated)."""
+    memory as allocated; ``base_init`` False: LoRA's adapters only, the base comes from its file).
+    Parameters that hold values already (QLoRA's NF4 base, quantized while sharding) keep them."""
 
     def materialize(model: nn.Module) -> None:
         tied = _tied_names(model)
-        model.to_empty(device=device)  # FSDP: each rank allocates only its shards
+        if all(p.is_meta for p in model.parameters()):
+            model.to_empty(device=device)  # FSDP: each rank allocates only its shards
+        else:  # only the modules still on meta: a root to_empty would empty the others
+            for m in model.modules():
+                own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+                if any(t.is_meta for t in own):
+                    m.to_empty(device=device, recurse=False)
         if buffer_device is not None and buffer_device != device:
             for module in model.modules():
                 for name, b in module.named_buffers(recurse=False):
@@ -122,7 +132,10 @@ def materializer(
             for name, value in buffers.items():
                 model.get_buffer(name).copy_(value)
         if seed is not None:
-            notes.append(initialize(model, how, seed))
+            if base_init:
+                notes.append(initialize(model, how, seed))
+            else:
+                notes.append("LoRA's adapters only (the base is read from its file)")
             init_adapters(model, seed)  # LoRA's A and B (none without model.lora)
 
     return materialize
@@ -149,12 +162,15 @@ def shard(
     init: Init = Init.auto,
     topology: Topology | None = None,
     compute: Compute = Compute(),
+    quantize: Callable[[str, nn.Module], None] | None = None,
 ) -> tuple[nn.Module, WrapPlan, str]:
     """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
     a model with real weights keeps them (FSDP shards what is there). ``compute``: the precision (the
     stored dtype the model is cast to first, and FSDP2's mixed-precision policy; default fp32),
     compilation and the DDP wrapper (`fsdp_zero.sharding.parallelize.Compute`). ``topology``:
     ``parallel`` resolved for ``env``'s world size, if the caller has it (else resolved here).
+    ``quantize``: QLoRA's quantizer (`fsdp_zero.sharding.quantize.NF4Base.quantizer`), run on each
+    unit before it is sharded; the rest of the base is then left for its file, not initialised.
 
     Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
     parameters were initialised. ``seed`` None leaves them uninitialised (the planner, or weights
@@ -175,13 +191,26 @@ def shard(
     device = torch.device("cpu") if parallel.cpu_offload else env.device
     if any(p.is_meta for p in model.parameters()):
         materialize = materializer(
-            device, init, seed, real_buffers(model), notes, buffer_device=env.device
+            device,
+            init,
+            seed,
+            real_buffers(model),
+            notes,
+            buffer_device=env.device,
+            base_init=quantize is None,
         )
     else:
         materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
         notes.append("weights as given")
     model = parallelize(
-        model, parallel, topology, plan, env, materialize, replace(compute, precision=precision)
+        model,
+        parallel,
+        topology,
+        plan,
+        env,
+        materialize,
+        replace(compute, precision=precision),
+        quantize,
     )
     return model, plan, "; ".join(notes)
 
@@ -291,6 +320,12 @@ class Built:
     tp_whole: int = 0  # parameters tensor parallelism leaves whole (`fsdp_zero.sharding.tensor`)
     # pipeline parallelism: this rank's stages (``model`` is their view), None without
     stages: RankStages | None = None
+    nf4: NF4Base | None = None  # QLoRA's quantized base (model.lora.quantize=nf4), None without
+
+    @property
+    def rebuilt(self) -> frozenset[str]:
+        """Model tensors checkpoints leave out, rebuilt at every start: QLoRA's NF4 base."""
+        return frozenset(self.nf4.names) if self.nf4 is not None else frozenset()
 
     @property
     def whole(self) -> nn.Module:
@@ -309,6 +344,7 @@ class Built:
             self.precision.bytes_per_param,
             self.num_frozen,
             self.tp_whole,
+            (self.nf4.numel, self.nf4.rank_bytes) if self.nf4 else (0, 0.0),
         )
 
     @property
@@ -345,7 +381,11 @@ def build(
     precision = resolve(cfg.precision)
     topology = topology or Topology.of(cfg.parallel, env.world_size)
     compute = Compute(precision, cfg.train.compile, ddp)
-    stages = None
+    stages, nf4, quantize = None, None, None
+    if cfg.model.lora.quantize is Quantize.nf4:
+        plan = build_wrap_plan(model, cfg.parallel.wrap, topology.param_shards)
+        nf4 = NF4Base.plan(model, plan, cfg.model, topology.param_shards, base_source(cfg.model))
+        quantize = nf4.quantizer(model)
     if topology.pp > 1:
         stages, plan, note = _shard_stages(model, cfg, env, seed, topology, compute)
         model = stages.model
@@ -358,6 +398,7 @@ def build(
             init=cfg.model.init,
             topology=topology,
             compute=compute,
+            quantize=quantize,
         )
     # With CPU offload the optimizer steps on the CPU, where the shards are.
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
@@ -377,6 +418,7 @@ def build(
         topology,
         whole,
         stages,
+        nf4,
     )
 
 

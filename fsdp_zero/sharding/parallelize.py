@@ -47,6 +47,7 @@ def model_state_formula(
     bytes_per_param: tuple[int, int, int] = _FP32_ADAMW,
     frozen: int = 0,
     tp_whole: int = 0,
+    quantized: tuple[int, float] = (0, 0.0),
 ) -> float:
     """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
     the one model-state formula per strategy (the trainer's report, compare.py and the planner use
@@ -60,6 +61,8 @@ def model_state_formula(
     parameter is split over tp x the shard group; ``tp_whole`` of them (norm gains: what the plan
     leaves whole) over the shard group only: 16 (P - P_whole) / (tp N) + 16 P_whole / N in fp32.
     Under pipeline parallelism ``num_params`` (and ``tp_whole``) are the rank's stages'.
+    ``quantized`` = (count, bytes): of the frozen, those QLoRA stores in NF4 and the bytes a rank
+    holds of them (`fsdp_zero.sharding.quantize.nf4_bytes`, about 0.516 P_q / N) instead of w each.
     """
     sharded = topology.spec.sharded
     whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
@@ -72,9 +75,11 @@ def model_state_formula(
     if not frozen:
         # the formula as it always was, bit for bit
         return whole * num_params + split * num_params / n
-    # w of all; g and k of the trainable
-    counts = (num_params, num_params - frozen, num_params - frozen)
-    return sum(b * c / n if s else b * c for b, c, s in zip(bytes_per_param, counts, sharded))
+    # w of all but the NF4 base; g and k of the trainable
+    q, q_bytes = quantized
+    counts = (num_params - q, num_params - frozen, num_params - frozen)
+    state = sum(b * c / n if s else b * c for b, c, s in zip(bytes_per_param, counts, sharded))
+    return state + q_bytes
 
 
 def formula_note(topology: Topology, tp_whole: int = 0) -> str:
@@ -231,6 +236,7 @@ def parallelize(
     env: DistEnv,
     materialize: Callable[[nn.Module], None],
     compute: Compute = Compute(),
+    quantize: Callable[[str, nn.Module], None] | None = None,
 ) -> nn.Module:
     """Applies tensor parallelism, activation checkpointing, compilation and ``cfg.strategy`` to the
     meta-device ``model``, in that order; returns the module to train.
@@ -243,6 +249,8 @@ def parallelize(
         env: ranks and device.
         materialize: allocates and initialises the model's (local) tensors in place.
         compute: precision, compilation and the DDP wrapper (`Compute`).
+        quantize: called with each FSDP unit (its FQN, '' the root) just before it is sharded:
+            QLoRA's NF4 base quantized whole (`fsdp_zero.sharding.quantize`).
     """
     # registration ~ execution order
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
@@ -265,6 +273,8 @@ def parallelize(
         offload_policy=offload_policy(cfg, env),
     )
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
+        if quantize is not None:
+            quantize(fqn, model.get_submodule(fqn))
         fully_shard(model.get_submodule(fqn), **kwargs)
     if cfg.prefetch:
         _set_prefetch(
@@ -275,6 +285,8 @@ def parallelize(
     # FSDP2 does so only with reshard_after_forward unset, an explicit True reshards the root too
     # (tests/test_parity.py's parameter bytes after forward). A forward without backward
     # (evaluation) leaves them gathered until the next forward's backward.
+    if quantize is not None:
+        quantize("", model)
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)

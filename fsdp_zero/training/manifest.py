@@ -65,11 +65,18 @@ def log_setup(
         ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
     )
     state_bytes = built.state_formula()
+    nf4 = built.nf4
     where = formula_note(built.topology, built.tp_whole) + (
         f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"
         if built.num_frozen
         else ""
     )
+    if nf4 is not None:
+        per_param = nf4.rank_bytes * built.topology.param_shards / nf4.numel
+        where += (
+            f", {nf4.numel:,} of those in NF4 ({per_param:.3f} B, blocks {nf4.block} x "
+            f"{nf4.scaler_block}, quantized from {nf4.key}; digest {nf4.digest})"
+        )
     logger.info("%s", precision.manifest(built.rank_params, state_bytes, where))
     logger.info(
         "%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None)

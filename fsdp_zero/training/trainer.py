@@ -22,7 +22,7 @@ from torch import nn
 
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint
 from fsdp_zero.checkpoint.folders import latest_checkpoint
-from fsdp_zero.checkpoint.weights import load_full_weights
+from fsdp_zero.checkpoint.weights import base_source, check_rebuilt_base, load_full_weights
 from fsdp_zero.config.loader import to_yaml
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config
@@ -38,7 +38,6 @@ from fsdp_zero.distributed.env import (
 )
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.errors import CollectiveFailed, Diverged, Stopped
-from fsdp_zero.model.hf import weights_path
 from fsdp_zero.model.tasks import (
     TASKS,
     LossFn,
@@ -177,18 +176,18 @@ def _resume(
 ) -> TrainState:
     """Loads the decided checkpoint (or imports model.init_from's or model.pretrained's weights);
     returns where the run is."""
-    key = "model.pretrained" if cfg.model.pretrained else "model.init_from"
-    given = cfg.model.pretrained or cfg.model.init_from
+    given = base_source(cfg.model)
     whole = built.whole if built.stages else None  # a pipeline rank holds its stages only
     if decision.resume is None:
         if given:
-            path = weights_path(Path(given)) if key == "model.pretrained" else Path(given)
-            renamed = load_full_weights(unwrap(built.model), path, key, whole)
+            key, path = given
+            renamed = load_full_weights(unwrap(built.model), path, key, whole, built.rebuilt)
             logger.info("initialised from %s%s", path, f" ({renamed})" if renamed else "")
-        return TrainState(step=0)
+        return TrainState(step=0, nf4_base=built.nf4.record() if built.nf4 else None)
     state = load_checkpoint(
-        decision.resume, built.model, built.optimizer, env.rank, env.device, whole
+        decision.resume, built.model, built.optimizer, env.rank, env.device, whole, built.rebuilt
     )
+    check_rebuilt_base(built.nf4, state, decision.resume)
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
     logger.info(
@@ -199,9 +198,11 @@ def _resume(
         state.world_size,
         env.world_size,
     )
-    if given:
+    if given and built.nf4 is None:
         logger.warning(
-            "%s's weights are ignored: the run continues from checkpoint %s", key, decision.resume
+            "%s's weights are ignored: the run continues from checkpoint %s",
+            given[0],
+            decision.resume,
         )
     return state
 
@@ -398,7 +399,14 @@ def _save_if_due(
     if step == last or verdict.stop or (every and step % every == 0):
         timeout.use("timeout_minutes")
         state.loss_scaler = parts.scaler.state_dict() if parts.scaler else None
-        checkpointer.save(step, parts.model, parts.optimizer, state, to_yaml(parts.config))
+        checkpointer.save(
+            step,
+            parts.model,
+            parts.optimizer,
+            state,
+            to_yaml(parts.config),
+            parts.built.rebuilt,
+        )
 
 
 def _start_budget(cfg: Config, state: TrainState, resumed: Path | None) -> None:

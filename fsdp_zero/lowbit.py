@@ -1,0 +1,47 @@
+"""Every torchao import (the ``lowbit`` extra): NF4 for QLoRA's frozen base (``model.lora.quantize``).
+
+torchao moves its APIs between releases (NF4 left ``torchao.dtypes.nf4tensor`` for
+``torchao.quantization`` in 0.18), so this module is the one place that knows where they live. The core
+never imports it unless a key that needs it is set: `fsdp_zero.sharding.quantize` imports it when
+``model.lora.quantize`` is nf4.
+
+NF4 (Dettmers et al. 2023, QLoRA): a tensor in blocks of ``block`` elements, each element a 4-bit code
+into a 16-entry table scaled by its block's absolute maximum; the block scalers themselves quantized to
+int8 in blocks of ``scaler_block``, with one factor per scaler block and one mean per tensor (double
+quantization). ``F.linear`` on an `NF4Tensor` dequantizes it to its dtype and multiplies (torchao's
+own ``__torch_function__``), in forward and in backward; FSDP2 shards and all-gathers it through its
+``fsdp_pre_all_gather``/``fsdp_post_all_gather`` (the inner tensors, as bytes).
+"""
+
+from __future__ import annotations
+
+try:
+    import torchao  # noqa: F401
+except ImportError as e:  # pragma: no cover - the extra is in dev, so the tests always have it
+    raise ValueError(
+        "model.lora.quantize=nf4 needs torchao: pip install 'fsdp-zero[lowbit]'"
+    ) from e
+
+import torch
+
+try:  # torchao >= 0.18
+    from torchao.quantization import NF4Tensor, to_nf4
+except ImportError:  # torchao 0.17
+    from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+
+__all__ = ["NF4Tensor", "to_nf4", "is_nf4", "dequantize", "quantized_data"]
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or a DTensor's local shard) is NF4."""
+    return isinstance(getattr(t, "_local_tensor", t), NF4Tensor)
+
+
+def dequantize(t: torch.Tensor) -> torch.Tensor:
+    """A whole (not sharded) NF4 tensor as a plain one in its dtype: the weight the forward computes with."""
+    return t.get_original_weight()
+
+
+def quantized_data(t: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of an NF4 tensor, two per byte (what a digest of the base reads)."""
+    return t.quantized_data

@@ -1,0 +1,227 @@
+"""QLoRA's frozen base in NF4 (``model.lora.quantize=nf4``, docs/lora.md): which weights, the rules
+they must fit, and the quantizer `fsdp_zero.sharding.parallelize.parallelize` runs on each FSDP unit
+just before ``fully_shard`` shards it.
+
+    base = NF4Base.plan(model, plan, cfg.model, shards)     # which weights; their blocks checked
+    parallelize(..., quantize=base.quantizer(model))       # each unit's weights quantized, then sharded
+
+Each weight is quantized whole, from the base's full tensor (``model.pretrained``'s or
+``model.init_from``'s, read one tensor at a time), never from a rank's rows: NF4's double quantization
+keeps one scaler mean per tensor, and FSDP2 rebuilds the gathered weight with the local shard's, so a
+per-shard quantization gathers into another tensor (measured 7x the error, ../shared/research/lowbit.md
+2.2). FSDP2 then chunks the NF4 tensor (its codes, scalers and factors) along dim 0: each shard must
+be whole scaler blocks. No rank ever holds more than one full tensor of the base.
+
+The quantized weights are not saved in checkpoints: every start rebuilds them from the same source,
+bit-identical, and `NF4Base.digest` (recorded in train_state.json) proves it.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fsdp_zero.config.choices import Quantize
+from fsdp_zero.config.schema import LoRAConfig, ModelConfig
+from fsdp_zero.sharding.wrap import WrapPlan
+
+# Bytes per parameter of an NF4 tensor, besides a few per tensor: 4-bit codes, one int8 scaler per
+# block, one factor (the source dtype) per scaler block.
+
+
+def nf4_bytes(
+    numel: int, block: int = 64, scaler_block: int = 256, itemsize: int = 4, shards: int = 1
+) -> float:
+    """Bytes one rank holds of an NF4 tensor of ``numel`` elements quantized from a tensor of
+    ``itemsize``-byte elements and sharded ``shards`` ways: its codes (4 bits an element), scalers
+    (one int8 per ``block``) and factors (one per ``block`` x ``scaler_block``) split, its scaler mean
+    and 16-entry table whole on every rank. numel / 2 + numel / 64 + 4 numel / 16,384 + 68 for an
+    fp32 source at the defaults: 0.5159 B per parameter (0.516, the formulas' figure)."""
+    split = numel / 2 + numel / block + itemsize * numel / (block * scaler_block)
+    return split / shards + 17 * itemsize
+
+
+def default_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
+    """The Linear modules nf4 quantizes by default: each frozen, untied ``nn.Linear`` (LoRA's
+    included) inside an FSDP unit other than the root: a block's projections, never the
+    embeddings or the head, which live in the root unit."""
+    units = [u.fqn for u in plan.units if u.fqn]
+    tied = _tied(model)
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and not m.weight.requires_grad
+        and id(m.weight) not in tied
+        and any(name.startswith(u + ".") for u in units)
+    ]
+
+
+def _tied(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {i for i, n in seen.items() if n > 1}
+
+
+def chosen_targets(model: nn.Module, plan: WrapPlan, lora: LoRAConfig) -> list[str]:
+    """``model.lora.quantize_targets``'s Linear modules (full-name regexes), else `default_targets`.
+
+    Raises:
+        ValueError: a pattern that matches no Linear, or one whose weight trains or is tied.
+    """
+    if not lora.quantize_targets:
+        return default_targets(model, plan)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    tied, hits = _tied(model), set()
+    for pattern in lora.quantize_targets:
+        found = {n for n in linears if re.fullmatch(pattern, n)}
+        if not found:
+            shown = ", ".join(list(linears)[:8]) + (f", ... ({len(linears)} in all)" if len(linears) > 8 else "")
+            raise ValueError(
+                f"model.lora.quantize_targets: {pattern!r} matches no nn.Linear (full match); the "
+                f"model's Linear modules: {shown}"
+            )
+        for n in sorted(found):
+            w = linears[n].weight
+            if w.requires_grad or id(w) in tied:
+                why = "trains" if w.requires_grad else "is tied to another module's"
+                raise ValueError(
+                    f"model.lora.quantize_targets: {n}.weight {why}; NF4 holds frozen, untied "
+                    "weights only (drop it from the pattern)"
+                )
+        hits |= found
+    return sorted(hits, key=list(linears).index)
+
+
+def check_nf4(
+    shapes: dict[str, torch.Size], shards: int, block: int, scaler_block: int
+) -> None:
+    """Each weight to quantize fits NF4 sharded ``shards`` ways: whole scaler blocks per shard.
+
+    Raises:
+        ValueError: one shard (FSDP2 cannot gather NF4 at one shard, pytorch PR #197999), or a weight
+            that does not split into whole blocks, naming it and the fix.
+    """
+    if shards < 2:
+        raise ValueError(
+            f"model.lora.quantize=nf4 at a shard degree of {shards} (one rank, or a hybrid "
+            "strategy's shard group of one) is not supported: FSDP2 cannot gather an NF4 weight "
+            "it does not split (pytorch PR #197999); run 2 or more ranks per shard group"
+        )
+    unit = block * scaler_block
+    for name, shape in shapes.items():
+        numel = shape.numel()
+        if shape[0] % shards or numel % (unit * shards):
+            raise ValueError(
+                f"model.lora.quantize=nf4: {name} {tuple(shape)} does not split into {shards} "
+                f"shards of whole NF4 scaler blocks (dim 0 divisible by {shards}, and each shard "
+                f"a multiple of model.lora.nf4_block_size x nf4_scaler_block_size = {block} x "
+                f"{scaler_block} = {unit} elements); lower model.lora.nf4_scaler_block_size, or "
+                "leave it unquantized with model.lora.quantize_targets"
+            )
+
+
+@dataclass
+class NF4Base:
+    """The quantized base of a QLoRA run: where its tensors come from and what they became.
+
+    ``names``: {the model's parameter name: the source file's tensor name}; ``digest``: a CRC-32 of
+    every NF4 tensor (codes, scalers, factors, in name order), filled in by the quantizer, the same at
+    any world size; train_state.json records it and a resume checks it.
+    """
+
+    key: str  # model.pretrained or model.init_from
+    source: str  # the weights file or folder read
+    names: dict[str, str]
+    block: int
+    scaler_block: int
+    digest: str = ""
+    numel: int = 0  # parameters quantized
+    rank_bytes: float = 0.0  # what one rank holds of them (`nf4_bytes` per tensor)
+
+    @classmethod
+    def plan(
+        cls, model: nn.Module, plan: WrapPlan, cfg: ModelConfig, shards: int, source: tuple[str, Path]
+    ) -> NF4Base:
+        """The weights of the meta-device ``model`` (LoRA applied) that nf4 quantizes, checked against
+        NF4's blocks at ``shards`` and matched to ``source`` (its key and path).
+
+        Raises:
+            ValueError: see `chosen_targets`, `check_nf4`, and a source that does not fit the model.
+        """
+        from fsdp_zero.checkpoint.weights import match_weights
+
+        lora = cfg.lora
+        assert lora.quantize is Quantize.nf4
+        weights = [f"{m}.weight" for m in chosen_targets(model, plan, lora)]
+        params = dict(model.named_parameters())
+        check_nf4({n: params[n].shape for n in weights}, shards, lora.nf4_block_size, lora.nf4_scaler_block_size)
+        key, path = source
+        _, mapping, _ = match_weights(model, path, key)
+        block, scaler_block = lora.nf4_block_size, lora.nf4_scaler_block_size
+        return cls(
+            key,
+            str(path),
+            {n: mapping[n] for n in weights},
+            block,
+            scaler_block,
+            numel=sum(params[n].numel() for n in weights),
+            rank_bytes=sum(
+                nf4_bytes(params[n].numel(), block, scaler_block, params[n].element_size(), shards)
+                for n in weights
+            ),
+        )
+
+    def quantizer(self, model: nn.Module) -> Callable[[str, nn.Module], None]:
+        """What `parallelize` calls with each FSDP unit (its FQN, '' the root) before sharding it:
+        each of the unit's weights still on meta read whole, cast to its dtype, quantized and set
+        as a frozen NF4 parameter; after the root, `digest` holds every tensor's."""
+        from fsdp_zero import lowbit
+        from fsdp_zero.checkpoint.weights import FullWeights
+
+        source = FullWeights(Path(self.source), self.key)
+        crcs: dict[str, int] = {}
+
+        @torch.no_grad()
+        def quantize(fqn: str, unit: nn.Module) -> None:
+            for name, file_name in self.names.items():
+                if fqn and not name.startswith(fqn + "."):
+                    continue
+                owner, _, attr = name.rpartition(".")
+                module = model.get_submodule(owner)
+                meta = getattr(module, attr)
+                if not meta.is_meta:  # an inner unit's, already quantized and sharded
+                    continue
+                whole = source.rows(file_name, 0, meta.shape[0]).to(meta.dtype)
+                nf4 = lowbit.to_nf4(whole, self.block, self.scaler_block)
+                del whole
+                crcs[name] = _crc(nf4)
+                setattr(module, attr, nn.Parameter(nf4, requires_grad=False))
+            if not fqn:
+                assert sorted(crcs) == sorted(self.names), "every quantized weight is in a unit"
+                total = 0
+                for name in sorted(crcs):
+                    total = zlib.crc32(crcs[name].to_bytes(4, "little"), total)
+                self.digest = f"{total:08x}"
+
+        return quantize
+
+    def record(self) -> dict:
+        """What train_state.json keeps (`fsdp_zero.checkpoint.dcp.TrainState.nf4_base`)."""
+        out = asdict(self)
+        out.pop("rank_bytes")  # this world size's
+        return out
+
+
+def _crc(nf4: torch.Tensor) -> int:
+    crc = 0
+    for inner in (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean):
+        crc = zlib.crc32(inner.reshape(-1).contiguous().view(torch.uint8).numpy(), crc)
+    return crc
