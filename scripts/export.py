@@ -14,7 +14,9 @@ A LoRA run (model.lora) is merged by default: each adapted weight becomes W + al
 the adapter keys are dropped, a plain model (for a Hugging Face model its from_pretrained folder, in
 which only the adapted weights differ from the base). ``--adapters-only`` writes the adapters alone
 with PEFT's names, adapter_model.safetensors and adapter_config.json, for
-``peft.PeftModel.from_pretrained(base, out)``.
+``peft.PeftModel.from_pretrained(base, out)``. A QLoRA run (model.lora.quantize=nf4) keeps its base
+out of its checkpoints: the export reads it again from the recorded file and merges into the
+dequantized NF4 weights the adapters were trained on (``--merge-into original``: into the file's own).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fsdp_zero.checkpoint import EXPORT_DTYPES, export
+from fsdp_zero.checkpoint import EXPORT_DTYPES, MERGE_INTO, export
 from fsdp_zero.monitor import parse_size
 from fsdp_zero.tools import script_parser
 
@@ -54,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a LoRA run: only the adapters, as PEFT's adapter_model.safetensors and adapter_config.json",
     )
+    parser.add_argument(
+        "--merge-into",
+        choices=MERGE_INTO,
+        default="trained",
+        help="a QLoRA run (model.lora.quantize=nf4): merge the adapters into the dequantized NF4 base "
+        "they were trained on (trained, the default) or into the original weights",
+    )
     args = parser.parse_args(argv)
     try:
         limit = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
@@ -64,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=limit,
             weights_only=args.weights_only,
             adapters_only=args.adapters_only,
+            merge_into=args.merge_into,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

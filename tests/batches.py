@@ -75,6 +75,7 @@ LLAMA = (
 # the llama under tensor parallelism: untied, an even vocabulary (the embedding splits its rows)
 UNTIED_EVEN = ("model.kwargs.tie_word_embeddings=false", "model.kwargs.vocab_size=102")
 SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved after step 4 of 8
+QLORA_4 = "{root}/qlora/checkpoints/step-0000004"
 # tests/test_eval.py's validation: 5 windows of 33 tokens (170 tokens: a tail no window reaches), after
 # steps 3, 6 and 8; at 2 ranks and micro-batch 2, rank 0 forwards 2 + 1 windows, rank 1 2 and a dummy.
 EVAL = ("eval.every=3", "eval.path={root}/val.bin")
@@ -105,7 +106,7 @@ class Launch:
 
 
 P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
-T, S, K = "test_comm", "test_step_group", "test_clusters"
+T, S, K, Q = "test_comm", "test_step_group", "test_clusters", "test_qlora"
 # tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm
 # trained.
 FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
@@ -113,6 +114,16 @@ LORA = ("model.lora.rank=4", "model.lora.targets=[wq,wv,w2]", "model.lora.train=
 # tests/test_step_group.py's bounded optimizer step: groups of at most 5,000 local elements (gpt_nano's
 # ~70k a rank at 2 ranks: 13 groups under FSDP, a 64 x 64 matrix's 2,048-element shards two to a group).
 GROUPED = ("optim.step_group_size=5000",)
+# tests/test_qlora.py's: LoRA's settings on a pretrained base (a seeded gpt_nano saved as a state dict),
+# every block Linear stored in NF4. Scaler blocks of 16 (not 256): gpt_nano's 64 x 64 matrices then
+# split into whole blocks of 64 x 16 elements at 2 and 4 ranks.
+QLORA = (
+    *LORA,
+    "model.lora.quantize=nf4",
+    "model.lora.nf4_scaler_block_size=16",
+    "model.init_from={root}/bases/qlora.pt",
+)
+QLORA_BASE_SEED = 5
 
 
 def _weights_to_import(root: Path) -> None:
@@ -180,7 +191,31 @@ def _masked_tokens(root: Path) -> None:
     mask.numpy().tofile(folder / "train.mask.bin")
 
 
+def _qlora_bases(root: Path) -> None:
+    """The QLoRA runs' base: gpt_nano initialised by the build for seed 5 (not the runs' seed), as a
+    torch.save state dict; and the same with one weight nudged by one bf16 step (the base a resume
+    must refuse)."""
+    folder = root / "bases"  # (a run's results are <root>/<run name>.pt)
+    if (folder / "qlora-nudged.pt").exists():
+        return
+    folder.mkdir(exist_ok=True)
+    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.model.construct import construct, real_buffers
+    from fsdp_zero.sharding.build import materializer
+
+    cfg = load_config(None, list(BASE))
+    model = construct(cfg.model)
+    materializer(torch.device("cpu"), cfg.model.init, QLORA_BASE_SEED, real_buffers(model), [])(
+        model
+    )
+    state = model.state_dict()
+    torch.save(state, folder / "qlora.pt")
+    state["layers.1.attention.wk.weight"][0, 0] += 0.05
+    torch.save(state, folder / "qlora-nudged.pt")
+
+
 def _launch2_files(root: Path) -> None:
+    _qlora_bases(root)
     _hf_folder(root)
     _eval_tokens(root)
     _masked_tokens(root)
@@ -309,6 +344,9 @@ RUNS = [
         (L,),
     ),
     Run("lora-split", "2", (*BASE, *LORA, "train.stop_after=4", "checkpoint.every=0"), (L,)),
+    # QLoRA: saved at 4 and 8; in bf16-mixed (2 steps)
+    Run("qlora", "2", (*BASE, *QLORA, "checkpoint.every=4"), (Q,)),
+    Run("qlora-bf16", "2", (*BASE, *QLORA, "precision=bf16-mixed", "train.steps=2"), (Q,)),
     # parallel.grad_sync=once_per_step (tests/test_comm.py): n2's numbers, half its reduce-scatter bytes.
     Run("grad-once", "2", (*BASE, "parallel.grad_sync=once_per_step"), (T,)),
     # ... under ZeRO-2 in bf16-true: bf16-true's numbers (its gradients accumulated unsharded, in bf16).
@@ -334,6 +372,26 @@ RUNS = [
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
+    # qlora continued from step 4 in a new process (the base rebuilt from its file), and refused with
+    # another base
+    Run(
+        "qlora-resumed",
+        "2-resume",
+        (*BASE, *QLORA, "checkpoint.every=0", f"checkpoint.resume={QLORA_4}"),
+        (Q,),
+    ),
+    Run(
+        "qlora-other-base",
+        "2-resume",
+        (
+            *BASE,
+            *QLORA,
+            "model.init_from={root}/bases/qlora-nudged.pt",
+            f"checkpoint.resume={QLORA_4}",
+        ),
+        (Q,),
+        options={"expect_error": True},
+    ),
     Run(
         "zero1-resumed",
         "2-resume",
@@ -426,6 +484,10 @@ RUNS = [
     ),
     Run("n4", "4", (*BASE, *PROFILED), (P, T)),
     Run("lora-n4", "4", (*BASE, *LORA), (L,)),
+    # qlora's step-4 checkpoint continued at 4 ranks: the base rebuilt in 4 shards, the adapters resharded
+    Run(
+        "qlora-n4", "4", (*BASE, *QLORA, "checkpoint.every=0", f"checkpoint.resume={QLORA_4}"), (Q,)
+    ),
     Run(
         "lora-reshard4",
         "4",

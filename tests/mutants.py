@@ -57,6 +57,8 @@ _PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
 _SPLIT_EVAL = "test_pipeline_validation_matches_zero3"
 _PP_HELD = "test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_stage_saves"
 _LAYOUT_FIT = "test_a_layout_search_composes_each_layout_from_zero3_by_formula"
+_NF4_WHOLE = "test_the_base_is_nf4_on_every_rank_quantized_whole_and_never_changes"
+_NF4_RESUME = "test_resume_rebuilds_the_base_and_continues_exactly"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -286,6 +288,26 @@ MUTANTS = {
         "--fit --search layout: a layout's peak keeps its ZeRO-3 twin's activations, not its own",
         [f"tests/test_fit.py::{_LAYOUT_FIT}"],
         [_LAYOUT_FIT],
+    ),
+    "nf4-per-shard": (
+        "QLoRA: each shard's rows quantized on their own (their own scaler mean), not the whole tensor",
+        [f"tests/test_qlora.py::{_NF4_WHOLE}"],
+        [_NF4_WHOLE],
+    ),
+    "nf4-base-checkpointed": (
+        "QLoRA: checkpoints keep the NF4 base (pickled shards no export or reshard reads)",
+        [f"tests/test_qlora.py::{_NF4_RESUME}"],
+        [_NF4_RESUME],
+    ),
+    "nf4-base-unchecked": (
+        "QLoRA: a resume rebuilds the base from whatever file is given, unchecked against the trained one",
+        [f"tests/test_qlora.py::{_NF4_RESUME}"],
+        [_NF4_RESUME],
+    ),
+    "nf4-counted-as-stored": (
+        "QLoRA: the model-state formula counts the NF4 base at the stored dtype's bytes",
+        [f"tests/test_qlora.py::{_NF4_WHOLE}"],
+        [_NF4_WHOLE],
     ),
     "test-process-sees-gpus": (
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",

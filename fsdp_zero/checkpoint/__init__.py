@@ -1,7 +1,7 @@
 """State on disk: DCP checkpoints and full weights."""
 
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint, read_train_state
-from fsdp_zero.checkpoint.export import export
+from fsdp_zero.checkpoint.export import MERGE_INTO, export
 from fsdp_zero.checkpoint.folders import checkpoint_step, latest_checkpoint, list_checkpoints
 from fsdp_zero.checkpoint.weights import EXPORT_DTYPES, export_checkpoint, load_full_weights
 
@@ -13,6 +13,7 @@ __all__ = [
     "EXPORT_DTYPES",
     "latest_checkpoint",
     "list_checkpoints",
+    "MERGE_INTO",
     "load_checkpoint",
     "load_full_weights",
     "read_train_state",

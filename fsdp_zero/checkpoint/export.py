@@ -11,10 +11,15 @@ from pathlib import Path
 
 import torch
 
+from fsdp_zero.checkpoint.dcp import read_train_state
 from fsdp_zero.checkpoint.weights import export_checkpoint
 from fsdp_zero.config.paths import CONFIG_FILE
 from fsdp_zero.model.hf import SINGLE_FILE, export_files
 from fsdp_zero.model.lora import ADAPTER_FILES, export_plan
+
+# What a QLoRA run's adapters are merged into (--merge-into): the NF4 base they were trained on,
+# dequantized, or the original weights it was quantized from.
+MERGE_INTO = ("trained", "original")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ def export(
     max_shard_bytes: int | None = None,
     weights_only: bool = False,
     adapters_only: bool = False,
+    merge_into: str = "trained",
 ) -> _Exported:
     """Writes ``checkpoint``'s model weights to ``out`` (a new folder, or one ``.safetensors`` file).
 
@@ -41,6 +47,9 @@ def export(
         weights_only: only the safetensors, even for a Hugging Face model.
         adapters_only: a LoRA run's adapters alone (adapter_model.safetensors, adapter_config.json);
             by default a LoRA run is merged into its base weights.
+        merge_into: a QLoRA run's base (model.lora.quantize=nf4, not in its checkpoints: read
+            again from its recorded file): ``trained``, the dequantized NF4 weights the adapters
+            were trained on (the function that was trained), or ``original``, the file's weights.
 
     Raises:
         ValueError: an unreadable checkpoint, an existing ``out``, ``adapters_only`` for a run
@@ -62,7 +71,20 @@ def export(
             note = f"--out {str(out)!r} is one file; give a folder for a from_pretrained folder"
         else:
             extra = files_of
-    files = export_checkpoint(checkpoint, out, dtype, max_shard_bytes, extra, view)
+    if merge_into not in MERGE_INTO:
+        raise ValueError(f"--merge-into={merge_into}: valid choices: {', '.join(MERGE_INTO)}")
+    record = read_train_state(checkpoint).nf4_base
+    if record is None and merge_into != "trained":
+        raise ValueError(
+            f"--merge-into={merge_into}: checkpoint {str(checkpoint)!r} has no NF4 base "
+            "(model.lora.quantize=nf4); drop it"
+        )
+    rebuilt = None
+    if record is not None and not adapters_only:
+        from fsdp_zero.sharding.quantize import RebuiltBase
+
+        rebuilt = RebuiltBase(record, original=merge_into == "original")
+    files = export_checkpoint(checkpoint, out, dtype, max_shard_bytes, extra, view, rebuilt)
     if adapter_files:  # PEFT's file name for the one safetensors file
         files = [f.rename(out / ADAPTER_FILES[0]) if f.name == SINGLE_FILE else f for f in files]
     return _Exported(files, note)

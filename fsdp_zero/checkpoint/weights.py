@@ -27,8 +27,7 @@ from torch import nn
 
 from fsdp_zero.checkpoint.dcp import TrainState, does_not_fit, read_train_state
 from fsdp_zero.checkpoint.safe_read import SafeFileSystemReader
-from fsdp_zero.config.schema import ModelConfig
-from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE, weights_path
+from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE
 from fsdp_zero.model.init import local_rows
 from fsdp_zero.model.lora import adapter_names
 
@@ -196,17 +195,9 @@ def _match_state_dict(
     return mapping, how
 
 
-def base_source(cfg: ModelConfig) -> tuple[str, Path] | None:
-    """The weights a run starts from: (``model.pretrained``, its folder's weights) or
-    (``model.init_from``, its file); None when neither is set."""
-    if cfg.pretrained:
-        return "model.pretrained", weights_path(Path(cfg.pretrained))
-    if cfg.init_from:
-        return "model.init_from", Path(cfg.init_from)
-    return None
-
-
-def match_weights(model: nn.Module, path: Path, key: str) -> tuple[FullWeights, dict[str, str], str]:
+def match_weights(
+    model: nn.Module, path: Path, key: str
+) -> tuple[FullWeights, dict[str, str], str]:
     """``path``'s weights, which file tensor fills each of ``model``'s state tensors ({model name:
     file name}) and the renaming applied (`_match_state_dict`); ``key`` names the setting.
 
@@ -372,6 +363,7 @@ def export_checkpoint(
     max_shard_bytes: int | None = None,
     extra_files: Callable[[torch.dtype | None], dict[str, bytes]] | None = None,
     view: ExportView | None = None,
+    rebuilt: Any = None,
 ) -> list[Path]:
     """Consolidates a checkpoint's model weights into safetensors, one tensor in memory at a time.
 
@@ -382,6 +374,9 @@ def export_checkpoint(
     Needs no GPU and no process group. Writes into a temporary name and renames at the end: an
     interrupted export leaves nothing that looks finished, and an existing ``out`` is never
     overwritten. ``view``: which tensors to write, under which names (default: every saved one).
+    ``rebuilt``: the tensors the checkpoint leaves out, read from elsewhere (QLoRA's base,
+    `fsdp_zero.sharding.quantize.RebuiltBase`: its ``entries``, ``read`` and ``verify``, called before
+    the export is made visible).
 
     Raises:
         ValueError: an unreadable checkpoint, an existing ``out``, or a file over the size limit.
@@ -390,6 +385,10 @@ def export_checkpoint(
     if out.exists():
         raise ValueError(f"--out {str(out)!r} already exists; it is never overwritten")
     saved, fetch_saved = _saved_weights(checkpoint)
+    if rebuilt is not None:
+        saved = {**saved, **rebuilt.entries}
+        checkpointed = fetch_saved
+        fetch_saved = lambda n: rebuilt.read(n) if n in rebuilt.entries else checkpointed(n)  # noqa: E731
     sources, read = view(list(saved), fetch_saved) if view else ({n: n for n in saved}, fetch_saved)
     entries = [_entry(name, saved[src], dtype) for name, src in sources.items()]
     fetch = lambda name: _cast(read(name), dtype)  # noqa: E731
@@ -413,6 +412,8 @@ def export_checkpoint(
         else:
             extras = extra_files(_float_dtype(entries)) if extra_files else {}
             written = [out / n for n in _write_folder(tmp, entries, shards, fetch, extras)]
+        if rebuilt is not None:
+            rebuilt.verify()
         tmp.replace(out)
         return written
     except BaseException:
@@ -423,8 +424,8 @@ def export_checkpoint(
 def _saved_weights(
     checkpoint: Path,
 ) -> tuple[dict[str, Any], Callable[[str], torch.Tensor]]:
-    """A checkpoint's saved model tensors ({name: DCP metadata}, "model." dropped) and a reader of one
-    at a time.
+    """A checkpoint's saved model tensors ({name: (dtype, shape)}, "model." dropped) and a reader of
+    one at a time.
 
     Raises:
         ValueError: no model weights, or (from the reader) a tensor that cannot be read.
@@ -435,7 +436,7 @@ def _saved_weights(
 
     metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
     saved = {
-        k[len("model.") :]: v
+        k[len("model.") :]: (v.properties.dtype, tuple(v.size))
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
@@ -444,8 +445,8 @@ def _saved_weights(
     reader = SafeFileSystemReader(str(checkpoint))
 
     def fetch_saved(name: str) -> torch.Tensor:
-        md = saved[name]
-        t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        dtype, size = saved[name]
+        t = torch.empty(size, dtype=dtype)
         try:
             # "assuming the intent is to load in a single process": it is
             with warnings.catch_warnings():
@@ -503,9 +504,9 @@ def _remove(path: Path) -> None:
 
 
 def _entry(
-    name: str, saved: Any, dtype: torch.dtype | None
+    name: str, saved: tuple[torch.dtype, tuple[int, ...]], dtype: torch.dtype | None
 ) -> tuple[str, torch.dtype, tuple[int, ...]]:
     """An output tensor: its name, the dtype it is written in (``dtype`` for floating-point tensors,
-    None: as saved) and its shape, from its saved tensor's DCP metadata."""
-    stored = saved.properties.dtype
-    return name, dtype if (dtype and stored.is_floating_point) else stored, tuple(saved.size)
+    None: as saved) and its shape, from its saved tensor's (dtype, shape)."""
+    stored, shape = saved
+    return name, dtype if (dtype and stored.is_floating_point) else stored, tuple(shape)

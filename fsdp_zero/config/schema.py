@@ -73,7 +73,9 @@ class LoRAConfig:
     # every frozen Linear inside an FSDP unit other than the root (never the embeddings or the head).
     quantize_targets: list[str] = field(default_factory=list)
     nf4_block_size: int = 64  # elements per 4-bit block (one int8 scaler each)
-    nf4_scaler_block_size: int = 256  # scalers per block of the double quantization (one factor each)
+    nf4_scaler_block_size: int = (
+        256  # scalers per block of the double quantization (one factor each)
+    )
 
     def check(self) -> None:
         if self.rank < 0:

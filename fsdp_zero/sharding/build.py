@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from fsdp_zero.checkpoint.weights import base_source
 from fsdp_zero.config.choices import Init, OptimizerImpl, Quantize, WrapPolicy
 from fsdp_zero.config.schema import Config, OptimConfig, ParallelConfig, PrecisionConfig, WrapConfig
 from fsdp_zero.config.strategies import STRATEGIES, is_fsdp
@@ -29,6 +28,7 @@ from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
+from fsdp_zero.model.hf import base_source
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
 from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan

@@ -83,7 +83,9 @@ def chosen_targets(model: nn.Module, plan: WrapPlan, lora: LoRAConfig) -> list[s
     for pattern in lora.quantize_targets:
         found = {n for n in linears if re.fullmatch(pattern, n)}
         if not found:
-            shown = ", ".join(list(linears)[:8]) + (f", ... ({len(linears)} in all)" if len(linears) > 8 else "")
+            shown = ", ".join(list(linears)[:8]) + (
+                f", ... ({len(linears)} in all)" if len(linears) > 8 else ""
+            )
             raise ValueError(
                 f"model.lora.quantize_targets: {pattern!r} matches no nn.Linear (full match); the "
                 f"model's Linear modules: {shown}"
@@ -100,9 +102,7 @@ def chosen_targets(model: nn.Module, plan: WrapPlan, lora: LoRAConfig) -> list[s
     return sorted(hits, key=list(linears).index)
 
 
-def check_nf4(
-    shapes: dict[str, torch.Size], shards: int, block: int, scaler_block: int
-) -> None:
+def check_nf4(shapes: dict[str, torch.Size], shards: int, block: int, scaler_block: int) -> None:
     """Each weight to quantize fits NF4 sharded ``shards`` ways: whole scaler blocks per shard.
 
     Raises:
@@ -142,13 +142,19 @@ class NF4Base:
     names: dict[str, str]
     block: int
     scaler_block: int
+    dtype: str = "float32"  # the stored dtype each weight is cast to and quantized from
     digest: str = ""
     numel: int = 0  # parameters quantized
     rank_bytes: float = 0.0  # what one rank holds of them (`nf4_bytes` per tensor)
 
     @classmethod
     def plan(
-        cls, model: nn.Module, plan: WrapPlan, cfg: ModelConfig, shards: int, source: tuple[str, Path]
+        cls,
+        model: nn.Module,
+        plan: WrapPlan,
+        cfg: ModelConfig,
+        shards: int,
+        source: tuple[str, Path],
     ) -> NF4Base:
         """The weights of the meta-device ``model`` (LoRA applied) that nf4 quantizes, checked against
         NF4's blocks at ``shards`` and matched to ``source`` (its key and path).
@@ -162,7 +168,12 @@ class NF4Base:
         assert lora.quantize is Quantize.nf4
         weights = [f"{m}.weight" for m in chosen_targets(model, plan, lora)]
         params = dict(model.named_parameters())
-        check_nf4({n: params[n].shape for n in weights}, shards, lora.nf4_block_size, lora.nf4_scaler_block_size)
+        check_nf4(
+            {n: params[n].shape for n in weights},
+            shards,
+            lora.nf4_block_size,
+            lora.nf4_scaler_block_size,
+        )
         key, path = source
         _, mapping, _ = match_weights(model, path, key)
         block, scaler_block = lora.nf4_block_size, lora.nf4_scaler_block_size
@@ -172,6 +183,7 @@ class NF4Base:
             {n: mapping[n] for n in weights},
             block,
             scaler_block,
+            str(params[weights[0]].dtype).removeprefix("torch.") if weights else "float32",
             numel=sum(params[n].numel() for n in weights),
             rank_bytes=sum(
                 nf4_bytes(params[n].numel(), block, scaler_block, params[n].element_size(), shards)
@@ -206,10 +218,7 @@ class NF4Base:
                 setattr(module, attr, nn.Parameter(nf4, requires_grad=False))
             if not fqn:
                 assert sorted(crcs) == sorted(self.names), "every quantized weight is in a unit"
-                total = 0
-                for name in sorted(crcs):
-                    total = zlib.crc32(crcs[name].to_bytes(4, "little"), total)
-                self.digest = f"{total:08x}"
+                self.digest = _digest(crcs)
 
         return quantize
 
@@ -220,8 +229,63 @@ class NF4Base:
         return out
 
 
+class RebuiltBase:
+    """A QLoRA checkpoint's NF4 base, rebuilt from its recorded source for ``scripts/export.py``
+    (`fsdp_zero.checkpoint.weights.export_checkpoint`'s ``rebuilt``): each weight read whole,
+    quantized as in training and written dequantized (``original`` False: the function that was
+    trained) or as read (``original`` True: the adapters then merge into the original weights).
+    `verify` checks the digest of what was quantized against the recorded one."""
+
+    def __init__(self, record: dict, original: bool) -> None:
+        from fsdp_zero.checkpoint.weights import FullWeights
+
+        self.record, self.original = record, original
+        self.dtype = getattr(torch, record.get("dtype", "float32"))
+        try:
+            self.source = FullWeights(Path(record["source"]), record["key"])
+        except ValueError as e:
+            raise ValueError(
+                f"the QLoRA base this checkpoint was trained on cannot be read: {e}"
+            ) from None
+        names: dict[str, str] = record["names"]
+        self.entries = {n: (self.dtype, self.source.shapes[f]) for n, f in names.items()}
+        self.crcs: dict[str, int] = {}
+
+    def read(self, name: str) -> torch.Tensor:
+        from fsdp_zero import lowbit
+
+        file_name = self.record["names"][name]
+        whole = self.source.rows(file_name, 0, self.entries[name][1][0]).to(self.dtype)
+        nf4 = lowbit.to_nf4(whole, self.record["block"], self.record["scaler_block"])
+        self.crcs[name] = _crc(nf4)
+        return whole if self.original else lowbit.dequantize(nf4)
+
+    def verify(self) -> None:
+        """Raises a ValueError when every weight was read and their digest is not the recorded one."""
+        if sorted(self.crcs) != sorted(self.record["names"]):
+            return  # (an adapters-only export reads none of them)
+        if _digest(self.crcs) != self.record["digest"]:
+            raise ValueError(
+                f"{self.record['key']}={self.record['source']!r} no longer holds the base this "
+                f"checkpoint was trained on (NF4 digest {_digest(self.crcs)}, recorded "
+                f"{self.record['digest']}); nothing was written"
+            )
+
+
+def _digest(crcs: dict[str, int]) -> str:
+    total = 0
+    for name in sorted(crcs):
+        total = zlib.crc32(crcs[name].to_bytes(4, "little"), total)
+    return f"{total:08x}"
+
+
 def _crc(nf4: torch.Tensor) -> int:
     crc = 0
-    for inner in (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean):
+    for inner in (
+        nf4.quantized_data,
+        nf4.quantized_scalers,
+        nf4.quantization_factor,
+        nf4.scaler_mean,
+    ):
         crc = zlib.crc32(inner.reshape(-1).contiguous().view(torch.uint8).numpy(), crc)
     return crc

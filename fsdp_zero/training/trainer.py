@@ -22,7 +22,7 @@ from torch import nn
 
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint
 from fsdp_zero.checkpoint.folders import latest_checkpoint
-from fsdp_zero.checkpoint.weights import base_source, check_rebuilt_base, load_full_weights
+from fsdp_zero.checkpoint.weights import check_rebuilt_base, load_full_weights
 from fsdp_zero.config.loader import to_yaml
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config
@@ -38,6 +38,7 @@ from fsdp_zero.distributed.env import (
 )
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.errors import CollectiveFailed, Diverged, Stopped
+from fsdp_zero.model.hf import base_source
 from fsdp_zero.model.tasks import (
     TASKS,
     LossFn,

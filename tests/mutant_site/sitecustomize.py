@@ -407,6 +407,27 @@ SOURCE = {
         "activations = terms.activations * row.activations / at_twin",
         "activations = __mutant__(terms.activations)",
     ),
+    "nf4-per-shard": (
+        "fsdp_zero.sharding.quantize",
+        "nf4 = lowbit.to_nf4(whole, self.block, self.scaler_block)",
+        "nf4 = lowbit.to_nf4(__mutant__(torch.cat([lowbit.dequantize(lowbit.to_nf4(c, self.block, "
+        "self.scaler_block)) for c in whole.chunk(2)])), self.block, self.scaler_block)",
+    ),
+    "nf4-base-checkpointed": (
+        "fsdp_zero.checkpoint.dcp",
+        "model_sd = {k: v for k, v in get_model_state_dict(model).items() if k not in rebuilt}",
+        "model_sd = {k: v for k, v in get_model_state_dict(model).items() if k not in __mutant__(())}",
+    ),
+    "nf4-base-unchecked": (
+        "fsdp_zero.training.trainer",
+        "check_rebuilt_base(built.nf4, state, decision.resume)",
+        "__mutant__()",
+    ),
+    "nf4-counted-as-stored": (
+        "fsdp_zero.sharding.parallelize",
+        "counts = (num_params - q, num_params - frozen, num_params - frozen)",
+        "counts = (num_params - __mutant__(0), num_params - frozen, num_params - frozen)",
+    ),
     "test-process-sees-gpus": (
         "tests.cpu_only",
         'os.environ["CUDA_VISIBLE_DEVICES"] = ""',

@@ -4,7 +4,8 @@
     python tests/workers/jobs.py --jobs JOBS.json      # [[OUT.pt, [args ...], {options}], ...] in order
 
 Options: ``slow_writes`` (seconds each checkpoint write is delayed: a slow disk, to show that an
-async save overlaps training).
+async save overlaps training); ``expect_error``: the job is to stop at set-up with a ValueError (the
+one line a user would see): OUT.pt holds ``{"error": message}``, or None when it did not.
 
 The ranks are started by torchrun, or by tests/conftest.py's `launch` (torchrun's variables
 without its agent). The jobs of a launch run one after another in one process group (the first
@@ -37,6 +38,9 @@ what the tests observe of the run itself (each observation is of the effect, not
     loss_times          (call, time) at the end of each loss computation (a forward)
     evals               eval.every > 0: the eval/* scalars by step (fsdp_zero.training.evaluate)
     peak_mib            every rank's (peak over the training's log intervals, peak through its evaluations)
+    nf4                 QLoRA runs: every rank's {quantized name: (its local shard's class, bytes of its
+                        inner tensors, elements)}; their weights in ``initial``/``final`` are the
+                        gathered NF4 tensors dequantized (what the forward computes with)
 """
 
 import contextlib
@@ -182,6 +186,40 @@ def _observe_first_forward(parts) -> dict:  # noqa: ANN001
 # ---------------------------------------------------------------------------------
 
 
+def _nf4_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A QLoRA model's weights, whole: each FSDP unit gathered by FSDP2 itself (``unshard``: its NF4
+    weights through their own all-gather hooks, exactly as a forward gathers them), its own tensors
+    read (NF4 dequantized), then resharded."""
+    from fsdp_zero import lowbit
+
+    full = {}
+    for fqn, unit in model.named_modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        unit.unshard()
+        prefix = f"{fqn}." if fqn else ""
+        for name, p in unit.named_parameters():
+            if not hasattr(p, "to_local"):  # this unit's (the others' stay sharded)
+                value = lowbit.dequantize(p) if lowbit.is_nf4(p) else p
+                full[prefix + name] = value.detach().cpu().clone()
+        unit.reshard()
+    return full
+
+
+def _nf4_locals(model: torch.nn.Module, names: dict) -> dict:
+    """This rank's quantized weights: {name: (local shard class, bytes of its inner tensors, elements)}."""
+    from fsdp_zero.monitor.memory import model_state_bytes
+
+    params = dict(model.named_parameters())
+    out = {}
+    for name in names:
+        local = params[name].to_local()
+        holder = torch.nn.Module()
+        holder.register_parameter("w", torch.nn.Parameter(local, requires_grad=False))
+        out[name] = (type(local).__name__, model_state_bytes(holder).params, local.numel())
+    return out
+
+
 def full_weights(model: torch.nn.Module, pipeline: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's weights (under pipeline parallelism every stage's, from its ranks)."""
     # Cloned: at world size 1 on CPU the "full" tensors alias the live parameters.
@@ -236,20 +274,33 @@ def _config(args: list[str]):  # noqa: ANN202
     return load_config(*((args[1], args[2:]) if args[:1] == ["--config"] else (None, args)))
 
 
-def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  # noqa: ANN001
+def run_job(  # noqa: ANN001
+    out: str, args: list[str], env, slow_writes: float = 0.0, expect_error: bool = False
+) -> None:
     cfg = _config(args)
     _slow_writes(slow_writes)
     _reset_observations()
+    if expect_error:  # {"error": None}: set-up went through (the test fails, the launch goes on)
+        error = None
+        try:
+            setup(cfg, env)
+        except ValueError as e:
+            error = str(e)
+        if env.is_rank0:
+            torch.save({"error": error}, out)
+        return
     parts = setup(cfg, env)
     pipeline = parts.built.stages is not None
-    initial = full_weights(parts.model, pipeline)
+    nf4 = parts.built.nf4
+    weights = (lambda m, _: _nf4_full_weights(m)) if nf4 else full_weights
+    initial = weights(parts.model, pipeline)
     held = _observe_first_forward(parts)
     # tensor parallelism's collectives observed (the mode costs a little on every op)
     with _TensorParallelCollectives() if cfg.parallel.tp_size > 1 else contextlib.nullcontext():
         result = train(cfg, env, parts)
     # an evaluation at the last step must leave every unit sharded
     held["after_train"] = _param_bytes(parts.model)
-    final = full_weights(parts.model, pipeline)
+    final = weights(parts.model, pipeline)
     opt_states = parts.optimizer.state.values()
     # (sharded: before the forward below)
     names = {id(p): n for n, p in parts.model.named_parameters()}
@@ -285,6 +336,7 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
         held,
         sorted(_seen["reduce_dtypes"]),
         (result.peak_rss_mib, result.eval_peak_mib),
+        _nf4_locals(parts.model, nf4.names) if nf4 else None,
     )
     states = [None] * env.world_size
     dist.all_gather_object(states, mine)
@@ -336,6 +388,8 @@ def run_job(out: str, args: list[str], env, slow_writes: float = 0.0) -> None:  
                 "peak_mib": [s[6] for s in states],
                 "optim_names": optim_names,
                 "num_frozen": parts.num_frozen,
+                "nf4": [s[7] for s in states] if nf4 else None,
+                "nf4_numel": nf4.numel if nf4 else 0,
             },
             out,
         )

@@ -1,0 +1,263 @@
+"""QLoRA (model.lora.quantize=nf4) on sharded models (docs/lora.md, "QLoRA").
+
+The runs are declared in tests/batches.py (``qlora`` and its bf16-mixed, resumed, 4-rank and
+wrong-base twins): LoRA's settings on a pretrained gpt_nano (a state dict file), every block Linear
+stored in NF4. Their weights are read back gathered by FSDP2 itself (each unit unsharded, its NF4
+dequantized: what the forward computes with, tests/workers/jobs.py). They are compared with the
+single-process reference (tests/reference.py) started from the same dequantized weights: NF4 is
+exact from there on, so 2 ranks must match 1 process within the fp32 parity tolerances. The rest
+runs in process: NF4's bytes by formula against torchao's tensors, the export's merges, the refusals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.schema import ParallelConfig
+from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model.construct import construct
+from fsdp_zero.sharding.parallelize import model_state_formula
+from fsdp_zero.sharding.quantize import nf4_bytes
+from tests.batches import BASE, QLORA
+from tests.conftest import REPO, assert_user_error, check, figure, run_script
+from tests.reference import reference_run
+from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
+
+lowbit = pytest.importorskip("fsdp_zero.lowbit")  # the lowbit extra (in dev)
+EXPORT = REPO / "scripts" / "export.py"
+BLOCK, SCALER = 64, 16  # tests/batches.py's QLORA
+QUANTIZED = [
+    f"layers.{i}.{w}.weight"
+    for i in range(2)
+    for w in (
+        "attention.wq",
+        "attention.wk",
+        "attention.wv",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+    )
+]
+
+
+def _base(root: Path, name: str = "qlora.pt") -> dict[str, torch.Tensor]:
+    return torch.load(root / "bases" / name, weights_only=True)
+
+
+def _trained(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or name == "norm.weight"
+
+
+def _cfg(root: Path, *more: str):  # noqa: ANN202
+    return load_config(None, [a.format(root=root) for a in (*BASE, *QLORA, *more)])
+
+
+def test_the_base_is_nf4_on_every_rank_quantized_whole_and_never_changes(batches):
+    run, root = batches["qlora"], batches.root
+    base = _base(root)
+    # Every block Linear, never the embedding or the head; on every rank an NF4 shard.
+    assert sorted(run["nf4"][0]) == sorted(QUANTIZED)
+    per_rank = []
+    for rank in run["nf4"]:
+        assert {kind for kind, _, _ in rank.values()} == {"NF4Tensor"}, rank
+        held, numel = sum(b for _, b, _ in rank.values()), sum(n for _, _, n in rank.values())
+        # codes, scalers and factors split; each tensor's mean and table whole on every rank
+        expected = sum(nf4_bytes(base[n].numel(), BLOCK, SCALER, 4, 2) for n in QUANTIZED)
+        assert held == expected and numel * 2 == run["nf4_numel"], (held, expected, numel)
+        per_rank.append(held / numel)
+    # The gathered weight is the whole tensor's NF4, bit for bit (a per-shard quantization is not:
+    # each shard's own scaler mean), and the frozen base is the same after 8 steps.
+    for name in QUANTIZED:
+        whole = lowbit.dequantize(lowbit.to_nf4(base[name], BLOCK, SCALER))
+        assert torch.equal(run["initial"][name], whole), name
+        assert torch.equal(run["final"][name], whole), name
+    for name, value in base.items():
+        if name not in QUANTIZED:
+            assert torch.equal(run["initial"][name], value), name
+    # Only the adapters (and model.lora.train's norm) train and hold AdamW states.
+    assert run["optim_names"] == sorted(n for n in run["initial"] if _trained(n))
+    for name in run["initial"]:
+        same = torch.equal(run["initial"][name], run["final"][name])
+        assert same != _trained(name), name
+    # The model state by the formula, NF4's bytes included.
+    nf4_rank = sum(nf4_bytes(base[n].numel(), BLOCK, SCALER, 4, 2) for n in QUANTIZED)
+    formula = model_state_formula(
+        Topology.of(ParallelConfig(), 2),
+        run["num_params"],
+        frozen=run["num_frozen"],
+        quantized=(run["nf4_numel"], nf4_rank),
+    )
+    assert all(b == pytest.approx(formula, rel=0.01) for b in run["model_state_bytes"]), (
+        run["model_state_bytes"],
+        formula,
+    )
+    figure(
+        "QLoRA NF4 base per rank at N=2 (gpt_nano, blocks 64 x 16)",
+        f"{max(per_rank):.4f} B/param (formula {nf4_rank / (run['nf4_numel'] / 2):.4f}); "
+        f"model state {max(run['model_state_bytes']) / formula:.4f} x the formula",
+    )
+
+
+def test_two_ranks_train_as_one_process_on_the_dequantized_base(batches):
+    run, root = batches["qlora"], batches.root
+    cfg = _cfg(root)
+    ref = reference_run(cfg, initial=run["initial"])
+    dl = max(abs(run["losses"][s] - ref["losses"][s]) for s in ref["losses"])
+    dn = max(abs(run["grad_norms"][s] - ref["grad_norms"][s]) for s in ref["grad_norms"])
+    dw = max((run["final"][k] - v).abs().max().item() for k, v in ref["final"].items())
+    assert dl < LOSS_ATOL and dn < NORM_ATOL and dw < WEIGHT_ATOL, (dl, dn, dw)
+    # Against LoRA on the original (unquantized) base: NF4's error, ~0.1 of a weight's std per
+    # element, moves the losses by well under 1% over 8 steps.
+    original = {**run["initial"], **{n: _base(root)[n] for n in QUANTIZED}}
+    lora = reference_run(cfg, initial=original)
+    rel = max(abs(run["losses"][s] / lora["losses"][s] - 1) for s in lora["losses"])
+    assert 0 < rel < 1e-2, rel
+    figure(
+        "QLoRA at N=2 vs one process on the same NF4 base (loss, norm, weight); vs LoRA on the original",
+        f"{dl:.1e}, {dn:.1e}, {dw:.1e}; losses within {rel:.2%}",
+    )
+
+
+def test_bf16_mixed_gathers_and_computes_the_nf4_base_in_bf16(batches):
+    run, fp32 = batches["qlora-bf16"], batches["qlora"]
+    assert sorted(run["nf4"][0]) == sorted(QUANTIZED)
+    # bf16 compute: its losses within bf16's rounding of the fp32 run's (2 steps)
+    rel = max(abs(run["losses"][s] / fp32["losses"][s] - 1) for s in run["losses"])
+    assert rel < 5e-3, rel
+    assert run["reduce_dtypes"] == ["torch.float32"]
+
+
+def test_resume_rebuilds_the_base_and_continues_exactly(batches):
+    straight, resumed = batches["qlora"], batches["qlora-resumed"]
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+    for step, loss in resumed["losses"].items():
+        assert loss == straight["losses"][step], step
+    for name, value in straight["final"].items():
+        assert torch.equal(resumed["final"][name], value), name
+    # The checkpoint holds no NF4 weight: the base is rebuilt from its file and its digest checked.
+    from fsdp_zero.checkpoint.weights import _saved_weights
+
+    ckpt = batches.path("qlora") / "checkpoints" / "step-0000004"
+    saved, _ = _saved_weights(ckpt)
+    assert not set(QUANTIZED) & set(saved) and "layers.0.attention.wq.lora_A.weight" in saved
+    error = batches["qlora-other-base"]["error"]  # None: the resume went through
+    assert error and "is not the one its adapters were trained on" in error, error
+    assert "qlora-nudged.pt" in error
+
+
+def test_a_checkpoint_continues_at_four_ranks(batches):
+    straight, moved = batches["qlora"], batches["qlora-n4"]
+    assert sorted(moved["nf4"][0]) == sorted(QUANTIZED) and len(moved["nf4"]) == 4
+    dl = max(abs(moved["losses"][s] - straight["losses"][s]) for s in moved["losses"])
+    dw = max((moved["final"][k] - v).abs().max().item() for k, v in straight["final"].items())
+    assert dl < LOSS_ATOL and dw < WEIGHT_ATOL, (dl, dw)
+
+
+def test_export_merges_into_the_trained_base_or_the_original(batches, tmp_path: Path):
+    run, root = batches["qlora"], batches.root
+    from safetensors.torch import load_file
+
+    ckpt = batches.path("qlora") / "checkpoints" / "step-0000008"
+    trained, original = tmp_path / "trained", tmp_path / "original"
+    check(run_script(EXPORT, str(ckpt), "--out", str(trained)))
+    check(run_script(EXPORT, str(ckpt), "--out", str(original), "--merge-into", "original"))
+    a, b = load_file(trained / "model.safetensors"), load_file(original / "model.safetensors")
+    base, final = _base(root), run["final"]
+    assert sorted(a) == sorted(b) == sorted(base)
+    for name in QUANTIZED:
+        module = name.removesuffix(".weight")
+        delta = 0
+        if f"{module}.lora_A.weight" in final:
+            delta = 4 * final[f"{module}.lora_B.weight"] @ final[f"{module}.lora_A.weight"]
+        torch.testing.assert_close(a[name], final[name] + delta, rtol=0, atol=1e-6)
+        torch.testing.assert_close(b[name], base[name] + delta, rtol=0, atol=1e-6)
+    # The trained export computes what the QLoRA model computed.
+    model = construct(_cfg(root).model).to_empty(device="cpu")
+    model.load_state_dict(a, strict=False)
+    from fsdp_zero.model.construct import real_buffers
+
+    for name, value in real_buffers(construct(_cfg(root).model)).items():
+        model.get_buffer(name).copy_(value)
+    from fsdp_zero.data.batches import build_source
+
+    cfg = _cfg(root)
+    inputs = build_source(cfg.data, cfg.train.seed, 256).batch(range(2))[0]
+    with torch.no_grad():
+        diff = (model(inputs) - run["logits"]).abs().max().item()
+    assert diff < 1e-4, diff
+    # A base file that changed since: refused, nothing written.
+    moved = tmp_path / "moved-ckpt"
+    import shutil
+
+    shutil.copytree(ckpt, moved)
+    state = (moved / "train_state.json").read_text()
+    other = str(root / "bases" / "qlora-nudged.pt")
+    (moved / "train_state.json").write_text(state.replace(str(root / "bases" / "qlora.pt"), other))
+    proc = run_script(EXPORT, str(moved), "--out", str(tmp_path / "bad"))
+    assert proc.returncode == 2 and "no longer holds the base" in proc.stderr, proc.stderr
+    assert not (tmp_path / "bad").exists() and not any(tmp_path.glob(".bad*"))
+
+
+def test_nf4_bytes_per_parameter_at_the_default_blocks():
+    """0.516 B per parameter: torchao's tensors against `nf4_bytes`, whole and in two shards."""
+    from fsdp_zero.monitor.memory import _storage_bytes
+
+    w = torch.randn(512, 256)
+    nf4 = lowbit.to_nf4(w)
+    assert _storage_bytes([nf4], set()) == nf4_bytes(w.numel())
+    assert nf4_bytes(4096 * 4096) / (4096 * 4096) == pytest.approx(0.5159, abs=1e-4)
+    # the 70B planner line's per-parameter cost
+    assert nf4_bytes(8192 * 28672, shards=2) / (8192 * 28672 / 2) < 0.52
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("model.lora.quantize=nf4",), "model.lora.rank=0 (LoRA off)"),
+        (
+            ("model.lora.rank=4", "model.lora.targets=[wq]", "model.lora.quantize=nf4"),
+            "quantizes a pretrained base, and none is given",
+        ),
+        (
+            (*QLORA, "parallel.strategy=ddp"),
+            "model.lora.quantize=nf4 needs an FSDP strategy",
+        ),
+        ((*QLORA, "precision=bf16-true"), "not supported"),
+        ((*QLORA, "precision=fp16-mixed"), "valid choices: fp32, bf16-mixed"),
+        ((*QLORA, "model.lora.quantize=int4"), "valid choices: none, nf4"),
+        # one rank: FSDP2 cannot gather an NF4 weight it does not split
+        ((*QLORA,), "at a shard degree of 1"),
+        (
+            (*QLORA, r"model.lora.quantize_targets=[layers\.0\.attention\.wq\.lora_A]"),
+            "layers.0.attention.wq.lora_A.weight trains",
+        ),
+        ((*QLORA, "model.lora.quantize_targets=[nothing]"), "matches no nn.Linear"),
+    ],
+)
+def test_qlora_refusals_exit_2_in_one_line(tmp_path: Path, qlora_base: Path, args, message):
+    args = tuple(a.replace("{root}", str(qlora_base)) for a in args)
+    assert_user_error(tmp_path, message, *BASE, *args)
+
+
+@pytest.fixture(scope="module")
+def qlora_base(tmp_path_factory) -> Path:  # noqa: ANN001
+    from tests.batches import _qlora_bases
+
+    root = tmp_path_factory.mktemp("qlora-base")
+    _qlora_bases(root)
+    return root
+
+
+def test_whole_blocks_per_shard_are_checked_before_anything_is_read():
+    from fsdp_zero.sharding.quantize import check_nf4
+
+    check_nf4({"w": torch.Size([64, 64])}, 4, 64, 16)
+    with pytest.raises(ValueError, match=r"w \(64, 64\) does not split into 2 shards"):
+        check_nf4({"w": torch.Size([64, 64])}, 2, 64, 256)
+    with pytest.raises(ValueError, match=r"dim 0 divisible by 3"):
+        check_nf4({"w": torch.Size([64, 96])}, 3, 64, 16)
