@@ -23,6 +23,7 @@ except ImportError as e:  # pragma: no cover - the extra is in dev, so the tests
     ) from e
 
 import torch
+from torch.distributed.tensor import DTensor
 
 try:  # torchao >= 0.18
     from torchao.quantization import NF4Tensor, to_nf4
@@ -34,7 +35,7 @@ __all__ = ["NF4Tensor", "to_nf4", "is_nf4", "dequantize", "quantized_data"]
 
 def is_nf4(t: torch.Tensor) -> bool:
     """Whether ``t`` (or a DTensor's local shard) is NF4."""
-    return isinstance(getattr(t, "_local_tensor", t), NF4Tensor)
+    return isinstance(t.to_local() if isinstance(t, DTensor) else t, NF4Tensor)
 
 
 def dequantize(t: torch.Tensor) -> torch.Tensor:

@@ -32,12 +32,12 @@ import sys
 
 import torch
 
-from fsdp_zero.config import ZERO_STAGES, Config, Strategy, load_config, validate
+from fsdp_zero.config import ZERO_STAGES, Config, Quantize, Strategy, load_config, validate
 from fsdp_zero.data import BatchLayout
 from fsdp_zero.distributed import Topology
 from fsdp_zero.model import construct, frozen_count, make_trainable
 from fsdp_zero.monitor import CATEGORIES, MIB, comm_formula, comm_seconds, parse_size
-from fsdp_zero.sharding import build_wrap_plan, resolve
+from fsdp_zero.sharding import build_wrap_plan, nf4_bytes, resolve
 from fsdp_zero.tools import (
     DEFAULT_SEARCH,
     DIMENSIONS,
@@ -52,6 +52,7 @@ from fsdp_zero.tools import (
     format_bytes,
     format_gb,
     layout_rows,
+    nf4_saving,
     script_parser,
     search,
     searched_overrides,
@@ -77,6 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the predictions here")
     parser.add_argument(
         "--params", type=float, help="a parameter count (e.g. 7.5e9): the ZeRO formulas only"
+    )
+    parser.add_argument(
+        "--frozen",
+        type=float,
+        help="with --params: of them, the parameters that do not train (LoRA's base; default 0)",
+    )
+    parser.add_argument(
+        "--nf4",
+        type=float,
+        help="with --params: of the frozen, those QLoRA stores in NF4 (0.516 B each; default 0)",
     )
     parser.add_argument(
         "--largest-layer",
@@ -132,12 +143,26 @@ def main(argv: list[str] | None = None) -> int:
                     f"--largest-layer={args.largest_layer:g}: the largest unit's parameters, > 0 and "
                     f"<= --params={args.params:g}"
                 )
+            frozen, nf4 = int(args.frozen or 0), int(args.nf4 or 0)
+            if not 0 <= nf4 <= frozen <= args.params:
+                raise ValueError(
+                    f"--frozen={frozen:g}, --nf4={nf4:g}: 0 <= --nf4 <= --frozen <= "
+                    f"--params={args.params:g} (NF4 stores frozen parameters only)"
+                )
             formulas(
                 int(args.params),
                 int(args.largest_layer) if args.largest_layer else None,
                 args.world_size,
+                frozen=frozen,
+                nf4=nf4,
             )
             return 0
+        for flag in ("frozen", "nf4"):
+            if getattr(args, flag) is not None:
+                raise ValueError(
+                    f"--{flag}={getattr(args, flag):g}: it applies to --params (with a config, the "
+                    "model's own counts are used)"
+                )
         for flag in ("search", "margin", "show", "tflops", "host_gbps"):
             if getattr(args, flag) is not None and not args.fit:
                 raise ValueError(
@@ -204,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     largest = max((u.num_params for u in units if u.fqn), default=0)  # 0: the root is the only unit
     n = args.world_size
     memory_table(cfg, preds, num_params, n, limit)
-    formulas(num_params, largest, n, root, frozen_count(model))
+    nf4 = nf4_saving(cfg, n)[0] if cfg.model.lora.quantize is Quantize.nf4 else 0
+    formulas(num_params, largest, n, root, frozen_count(model), nf4)
     communication(cfg, model, n, [Strategy(p.strategy) for p in preds], rates.link_gbps)
     if args.json:
         with open(args.json, "w") as f:
@@ -425,13 +451,18 @@ def fit(
 
 
 def formulas(
-    num_params: int, largest: int | None, n: int, root: int | None = None, frozen: int = 0
+    num_params: int,
+    largest: int | None,
+    n: int,
+    root: int | None = None,
+    frozen: int = 0,
+    nf4: int = 0,
 ) -> None:
     """The ZeRO paper's model states per device (its Table 1) beside ours per strategy, at rest and
     inside the step, and DeepSpeed's ZeRO-3 estimate. ``largest``: the largest unit's parameters
     besides the root (None: not known); ``root``: the root unit's own (None: not known, counted as 0)."""
     paper = zero_paper_stages(num_params, n)
-    states = strategy_states(num_params, n, largest, root or 0, frozen=frozen)
+    states = strategy_states(num_params, n, largest, root or 0, frozen=frozen, nf4=nf4)
     print(
         f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n"
     )
@@ -456,6 +487,18 @@ def formulas(
         )
         + ", ddp and zero1 nothing beyond their whole copy."
     )
+    if frozen:
+        print(
+            f"- {frozen:,} of the parameters frozen (LoRA's base, model.freeze): their weights only, no "
+            "gradients or AdamW states"
+            + (
+                f"; {nf4:,} of those in NF4 (QLoRA): {nf4_bytes(nf4) / nf4:.4f} B each instead of the "
+                "stored dtype's, / N (the FSDP strategies only)"
+                if nf4
+                else ""
+            )
+            + "."
+        )
     print("- fp16-mixed: as bf16-mixed (the same bytes).\n")
     head = ["ZeRO", "paper stage", "paper formula", "paper"]
     head += ["ours"] + [f"{m} {when}" for m in PLAN_MODES for when in ("at rest", "in step")]

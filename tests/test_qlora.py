@@ -123,6 +123,41 @@ def test_two_ranks_train_as_one_process_on_the_dequantized_base(batches):
     )
 
 
+def test_the_all_gather_moves_the_nf4_bytes(batches):
+    """Counted all-gather bytes per step (every rank) equal the formula with each NF4 weight's
+    codes, scalers and factors in place of its elements in the compute dtype."""
+    import json
+
+    from fsdp_zero.data.loader import BatchLayout
+    from fsdp_zero.model.lora import make_trainable
+    from fsdp_zero.monitor.comm import comm_formula
+    from fsdp_zero.sharding.precision import resolve
+    from fsdp_zero.sharding.quantize import nf4_gathered_bytes
+    from fsdp_zero.sharding.wrap import build_wrap_plan
+
+    path = batches.path("qlora")
+    summary = json.loads((path / "summary.json").read_text())
+    cfg = _cfg(batches.root)
+    model = construct(cfg.model)
+    make_trainable(model, cfg.model)
+    shapes = dict(model.named_parameters())
+    gathered = {n: nf4_gathered_bytes(shapes[n].numel(), BLOCK, SCALER, 4) for n in QUANTIZED}
+    args = (
+        cfg,
+        Topology.of(cfg.parallel, 2),
+        model,
+        build_wrap_plan(model, cfg.parallel.wrap, 2),
+        BatchLayout.of(cfg.train, 2).grad_accum_steps,
+        resolve(cfg.precision),
+    )
+    nf4, plain = comm_formula(*args, gathered).all_gather, comm_formula(*args).all_gather
+    assert summary["comm_formula_bytes"]["all_gather"] == pytest.approx(nf4, rel=1e-9)
+    for rank in summary["ranks"]:
+        assert rank["comm_bytes"]["all_gather"] == pytest.approx(nf4, rel=0.01)
+    assert nf4 < 0.3 * plain, (nf4, plain)
+    figure("QLoRA all-gather bytes / LoRA's (fp32, gpt_nano at N=2)", f"{nf4 / plain:.4f}")
+
+
 def test_bf16_mixed_gathers_and_computes_the_nf4_base_in_bf16(batches):
     run, fp32 = batches["qlora-bf16"], batches["qlora"]
     assert sorted(run["nf4"][0]) == sorted(QUANTIZED)
@@ -213,6 +248,51 @@ def test_nf4_bytes_per_parameter_at_the_default_blocks():
     assert nf4_bytes(4096 * 4096) / (4096 * 4096) == pytest.approx(0.5159, abs=1e-4)
     # the 70B planner line's per-parameter cost
     assert nf4_bytes(8192 * 28672, shards=2) / (8192 * 28672 / 2) < 0.52
+
+
+def test_the_plan_counts_nf4_at_its_bytes_for_a_70b_model_on_two_ranks():
+    """plan.py --params 70e9 --world-size 2 --frozen --nf4: the formulas' QLoRA (Llama-2-70B's split:
+    68.5e9 Linear weights in NF4, 1.3e9 other frozen, 0.2e9 adapters), and a QLoRA config's counts."""
+    from fsdp_zero.tools.formulas import strategy_states
+
+    p, f, q, n = 70e9, 69.8e9, 68.5e9, 2
+    rows = {
+        (s.strategy.value, s.mode): s
+        for s in strategy_states(int(p), n, int(0.86e9), 0, frozen=int(f), nf4=int(q))
+    }
+    nf4 = nf4_bytes(int(q), shards=n)
+    assert nf4 / (q / n) == pytest.approx(0.5159, abs=1e-4)
+    # bf16-mixed: 4 B of each other frozen weight, 16 of each trained one, all / N
+    at_rest = rows[("full_shard", "bf16-mixed")].at_rest
+    assert at_rest == pytest.approx((4 * (f - q) + 16 * (p - f)) / n + nf4, rel=1e-12)
+    assert 20 * 2**30 < at_rest < 21 * 2**30
+    assert rows[("ddp", "fp32")].refused and "FSDP strategy" in rows[("ddp", "fp32")].refused
+    assert "valid choices: fp32, bf16-mixed" in rows[("full_shard", "bf16-true")].refused
+    out = run_script(
+        REPO / "scripts" / "plan.py",
+        *("--params", "70e9", "--world-size", "2", "--frozen", "69.8e9", "--nf4", "68.5e9"),
+    )
+    assert out.returncode == 0 and "of those in NF4 (QLoRA): 0.5159 B each" in out.stdout, out
+    assert "| full_shard | 20.37 GiB |" in out.stdout, out.stdout
+    bad = run_script(
+        REPO / "scripts" / "plan.py", "--params", "1e9", "--world-size", "2", "--nf4", "2e9"
+    )
+    assert bad.returncode == 2 and "--nf4 <= --frozen" in bad.stderr
+
+
+def test_the_planner_predicts_the_runs_model_state_without_reading_the_base(batches):
+    """plan.py's simulation of a QLoRA config: the LoRA model simulated, the NF4 saving taken by
+    formula: the model state it predicts is what the qlora run measured."""
+    from fsdp_zero.config.strategies import Strategy
+    from fsdp_zero.tools.planner import simulate
+
+    run = batches["qlora"]
+    (pred,) = simulate(_cfg(batches.root), 2, [Strategy.full_shard])
+    assert pred.model_state == pytest.approx(run["model_state_bytes"][0], rel=0.01), (
+        pred.model_state,
+        run["model_state_bytes"],
+    )
+    assert any("QLoRA" in note for note in pred.notes)
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,7 @@ from fsdp_zero.checkpoint.folders import (
 from fsdp_zero.checkpoint.safe_read import SafeFileSystemReader
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE
 from fsdp_zero.errors import CheckpointFailed
+from fsdp_zero.model.source import does_not_fit
 from fsdp_zero.sharding.parallelize import unwrap
 from fsdp_zero.torch_private import _init_optim_state
 
@@ -210,30 +211,6 @@ def _check_matches(
     )
     if missing or unexpected or misshaped:
         raise does_not_fit(f"checkpoint {str(path)!r}", missing, unexpected, misshaped)
-
-
-def does_not_fit(
-    what: str, missing: list[str], unexpected: list[str], misshaped: list[str], how: str = ""
-) -> ValueError:
-    """One line naming what does not fit the model (``how``: after a renaming of its keys): the first
-    8 of each kind of mismatch, and how many."""
-    parts = [f"{what} does not fit this model" + (f" (with the renaming {how})" if how else "")]
-    for label, items in (
-        ("missing", missing),
-        ("unexpected", unexpected),
-        ("mis-shaped", misshaped),
-    ):
-        if items:
-            parts.append(
-                f"{label}: "
-                + ", ".join(items[:8])
-                + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
-            )
-    return ValueError("; ".join(parts))
-
-
-# ---------------------------------------------------------------------------------
-# Save
 
 
 def _causes(error: BaseException) -> str:

@@ -16,6 +16,7 @@ from fsdp_zero.checkpoint.weights import export_checkpoint
 from fsdp_zero.config.paths import CONFIG_FILE
 from fsdp_zero.model.hf import SINGLE_FILE, export_files
 from fsdp_zero.model.lora import ADAPTER_FILES, export_plan
+from fsdp_zero.sharding.quantize import RebuiltBase
 
 # What a QLoRA run's adapters are merged into (--merge-into): the NF4 base they were trained on,
 # dequantized, or the original weights it was quantized from.
@@ -81,8 +82,6 @@ def export(
         )
     rebuilt = None
     if record is not None and not adapters_only:
-        from fsdp_zero.sharding.quantize import RebuiltBase
-
         rebuilt = RebuiltBase(record, original=merge_into == "original")
     files = export_checkpoint(checkpoint, out, dtype, max_shard_bytes, extra, view, rebuilt)
     if adapter_files:  # PEFT's file name for the one safetensors file

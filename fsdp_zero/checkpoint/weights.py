@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_zero.checkpoint.dcp import TrainState, does_not_fit, read_train_state
+from fsdp_zero.checkpoint.dcp import TrainState, read_train_state
 from fsdp_zero.checkpoint.safe_read import SafeFileSystemReader
 from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE
 from fsdp_zero.model.init import local_rows
-from fsdp_zero.model.lora import adapter_names
+from fsdp_zero.model.source import match_weights
 
 _ST_DTYPES = {
     torch.float64: "F64",
@@ -44,171 +44,6 @@ _ST_DTYPES = {
     torch.bool: "BOOL",
 }
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# ---------------------------------------------------------------------------------
-# Reading a full state dict lazily
-
-
-class FullWeights:
-    """Name -> shape, and row ranges read on demand, from a .pt, a .safetensors or a shard folder."""
-
-    def __init__(self, path: Path, key: str = "model.init_from") -> None:
-        self.path = path
-        self._files: dict[str, Path] = {}
-        self._pt: dict[str, torch.Tensor] | None = None
-        if path.is_dir():
-            index = path / INDEX_FILE
-            if index.is_file():
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                    self._files = {name: path / file for name, file in weight_map.items()}
-                except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
-                    raise ValueError(
-                        f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}"
-                    ) from None
-            elif (path / SINGLE_FILE).is_file():
-                self._files = {
-                    name: path / SINGLE_FILE for name in _safetensors_names(path / SINGLE_FILE)
-                }
-            else:
-                raise ValueError(
-                    f"{key}={str(path)!r}: a folder needs {INDEX_FILE} or {SINGLE_FILE}"
-                )
-        elif path.suffix == ".safetensors":
-            self._files = {name: path for name in _safetensors_names(path)}
-        else:
-            try:
-                loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except Exception as e:
-                raise ValueError(f"{key}={str(path)!r}: not a loadable state dict ({e})") from None
-            if not isinstance(loaded, dict) or not all(
-                isinstance(v, torch.Tensor) for v in loaded.values()
-            ):
-                raise ValueError(
-                    f"{key}={str(path)!r}: expected a dict of tensors "
-                    "(torch.save(model.state_dict()))"
-                )
-            self._pt = loaded
-        self.shapes = self._read_shapes()
-
-    def _read_shapes(self) -> dict[str, tuple[int, ...]]:
-        if self._pt is not None:
-            return {k: tuple(v.shape) for k, v in self._pt.items()}
-        from safetensors import safe_open
-
-        shapes = {}
-        for file in sorted(set(self._files.values())):
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-        return shapes
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of tensor ``name`` (the whole of a 0-d tensor)."""
-        if self._pt is not None:
-            t = self._pt[name]
-            return t if t.dim() == 0 else t[start:stop]
-        from safetensors import safe_open
-
-        with safe_open(self._files[name], framework="pt") as f:
-            sl = f.get_slice(name)
-            return f.get_tensor(name) if len(sl.get_shape()) == 0 else sl[start:stop]
-
-
-def _safetensors_names(path: Path) -> list[str]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    except Exception as e:
-        raise ValueError(f"{str(path)!r}: not a readable safetensors file ({e})") from None
-
-
-def _state_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """Every tensor of the model's state dict once, with all the names it goes by (tied weights:
-    several; Hugging Face saves only one of them)."""
-    names: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(name)
-        tensors[id(t)] = t
-    return [(names[i], tensors[i]) for i in names]
-
-
-def _common_prefixes(keys: list[str]) -> list[str]:
-    """'' and each leading dotted path ('a.', 'a.b.') that every key starts with."""
-    out, first = [""], keys[0].split(".")[:-1] if keys else []
-    for depth in range(1, min(3, len(first) + 1)):
-        prefix = ".".join(first[:depth]) + "."
-        if all(k.startswith(prefix) for k in keys):
-            out.append(prefix)
-    return out
-
-
-def _match_state_dict(
-    model: nn.Module,
-    shapes: dict[str, tuple[int, ...]],
-    origin: str,
-    optional: frozenset[str] = frozenset(),
-) -> tuple[dict[str, str], str]:
-    """Which file tensor fills each of the model's state tensors: {model name: file name}, and the
-    renaming applied ('' if none).
-
-    Names may differ by a prefix a wrapper adds or removes (DDP's 'module.', torch.compile's
-    '_orig_mod.', a Hugging Face base model's 'model.'): every way of stripping a prefix all file
-    names share and adding one all model names share is tried, and the one that fits is used.
-    A tied weight needs only one of its names in the file; the ``optional`` ones (LoRA's adapters,
-    initialised, not loaded) need not be there.
-
-    Raises:
-        ValueError: no renaming fits; lists missing, unexpected and mis-shaped keys.
-    """
-    state = _state_tensors(model)
-    model_names = {n for names, _ in state for n in names}
-    files = list(shapes)
-    best: tuple[int, dict[str, str], list[str], list[str], list[str], str] | None = None
-    for strip in _common_prefixes(files):
-        for add in _common_prefixes(sorted(model_names)):
-            renamed = {add + k[len(strip) :]: k for k in files}
-            mapping, missing, misshaped = {}, [], []
-            for names, t in state:
-                hit = next((n for n in names if n in renamed), None)
-                if hit is None:
-                    if names[0] not in optional:
-                        missing.append(names[0])
-                elif tuple(shapes[renamed[hit]]) != tuple(t.shape):
-                    misshaped.append(
-                        f"{names[0]}: file {tuple(shapes[renamed[hit]])} vs model {tuple(t.shape)}"
-                    )
-                else:
-                    mapping[names[0]] = renamed[hit]
-            unexpected = sorted(renamed[k] for k in renamed if k not in model_names)
-            how = "" if not (strip or add) else f"file names {strip or ''!r} -> {add or ''!r}"
-            errors = len(missing) + len(misshaped) + len(unexpected)
-            if best is None or errors < best[0]:
-                best = (errors, mapping, sorted(missing), unexpected, sorted(misshaped), how)
-    errors, mapping, missing, unexpected, misshaped, how = best
-    if errors:
-        raise does_not_fit(origin, missing, unexpected, misshaped, how)
-    return mapping, how
-
-
-def match_weights(
-    model: nn.Module, path: Path, key: str
-) -> tuple[FullWeights, dict[str, str], str]:
-    """``path``'s weights, which file tensor fills each of ``model``'s state tensors ({model name:
-    file name}) and the renaming applied (`_match_state_dict`); ``key`` names the setting.
-
-    Raises:
-        ValueError: an unreadable file, or keys/shapes that do not fit the model.
-    """
-    weights = FullWeights(path, key)
-    mapping, how = _match_state_dict(
-        model, weights.shapes, f"{key}={str(path)!r}", adapter_names(model)
-    )
-    return weights, mapping, how
 
 
 def check_rebuilt_base(nf4: Any, state: TrainState, checkpoint: Path) -> None:

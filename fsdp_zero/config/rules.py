@@ -78,12 +78,12 @@ def validate(cfg: Config) -> None:
             f"parallel.strategy={strategy.value}; with {strategy.value} use precision.mode=fp32 or "
             "bf16-true"
         )
-    _check_qlora(cfg)
+    check_qlora(cfg)
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
 
 
-def _check_qlora(cfg: Config) -> None:
+def check_qlora(cfg: Config) -> None:
     """model.lora.quantize=nf4: a pretrained base (the weights it quantizes, and rebuilds from on
     resume and export), an FSDP strategy (the NF4 shards are FSDP2's), a precision NF4 dequantizes to.
     The rules that need the model and the world size (whole NF4 blocks per shard, two shards at
@@ -97,16 +97,16 @@ def _check_qlora(cfg: Config) -> None:
             f"{setting} quantizes a pretrained base, and none is given: set model.pretrained (a "
             "Hugging Face folder) or model.init_from (a state dict file)"
         )
+    if cfg.precision.mode not in _NF4_MODES:
+        raise ValueError(
+            f"{setting} with precision.mode={cfg.precision.mode}: valid choices: "
+            f"{', '.join(_NF4_MODES)}"
+        )
     strategy = cfg.parallel.strategy
     if not is_fsdp(strategy):
         raise ValueError(
             f"{setting} needs an FSDP strategy ({strategies_that('fsdp')}), not "
             f"parallel.strategy={strategy.value}: FSDP2 shards and gathers the NF4 base"
-        )
-    if cfg.precision.mode not in _NF4_MODES:
-        raise ValueError(
-            f"{setting} with precision.mode={cfg.precision.mode}: valid choices: "
-            f"{', '.join(_NF4_MODES)}"
         )
 
 

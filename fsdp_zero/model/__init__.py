@@ -12,6 +12,7 @@ from fsdp_zero.model.lora import (
     init_adapters,
     make_trainable,
 )
+from fsdp_zero.model.source import FullWeights, base_source, match_weights
 from fsdp_zero.model.tasks import (
     TASKS,
     LossFn,
@@ -33,6 +34,7 @@ __all__ = [
     "FeedForward",
     "TransformerBlock",
     "ADAPTER_FILES",
+    "base_source",
     "adapter_names",
     "build_task",
     "check_classes_fit",
@@ -40,6 +42,7 @@ __all__ = [
     "export_files",
     "export_plan",
     "frozen_count",
+    "FullWeights",
     "INDEX_FILE",
     "init_adapters",
     "local_rows",
@@ -47,6 +50,7 @@ __all__ = [
     "LoRALinear",
     "LossFn",
     "make_trainable",
+    "match_weights",
     "max_seq_len",
     "meta_parameters",
     "num_outputs",

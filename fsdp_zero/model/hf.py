@@ -182,18 +182,8 @@ def build_pretrained(cfg: ModelConfig) -> nn.Module:
         ) from None
 
 
-def base_source(cfg: ModelConfig) -> tuple[str, Path] | None:
-    """The weights a run starts from: (``model.pretrained``, its folder's weights) or
-    (``model.init_from``, its file); None when neither is set."""
-    if cfg.pretrained:
-        return "model.pretrained", weights_path(Path(cfg.pretrained))
-    if cfg.init_from:
-        return "model.init_from", Path(cfg.init_from)
-    return None
-
-
 def weights_path(folder: Path) -> Path:
-    """Where the folder's weights are, for `fsdp_zero.checkpoint.weights.FullWeights`: the folder itself
+    """Where the folder's weights are, for `fsdp_zero.model.source.FullWeights`: the folder itself
     (model.safetensors, or shards with their index), or its pytorch_model.bin (read with
     ``torch.load(weights_only=True)``: tensors only, nothing unpickled beyond them).
 

@@ -110,6 +110,7 @@ def comm_formula(
     plan: WrapPlan,
     accum: int,
     precision: Precision,
+    nf4: dict[str, float] | None = None,
 ) -> CommBytes:
     """Bytes per rank per optimizer step that ``cfg.parallel`` communicates, by kind, for ``accum``
     micro-batches a step (what `CommMeter` counts; a step taken, not skipped).
@@ -128,7 +129,9 @@ def comm_formula(
 
     ``model``: unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones);
     ``plan``: its FSDP units (`fsdp_zero.sharding.wrap.build_wrap_plan`); ``precision``:
-    ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`).
+    ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`); ``nf4``: QLoRA's NF4
+    weights, {name: bytes one gather of it moves} (`fsdp_zero.sharding.quantize.NF4Base.gathered`):
+    those instead of their elements in the compute dtype.
     """
     spec = topology.spec
     sync = cfg.parallel.grad_sync_in_effect
@@ -140,9 +143,15 @@ def comm_formula(
     gathers_per_unit = (
         2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
     )
+    packed = {id(p): nf4[name] for name, p in model.named_parameters() if name in (nf4 or {})}
+    compute = precision.compute.itemsize
+
+    def gathered_bytes(p: nn.Parameter) -> float:
+        return packed[id(p)] if id(p) in packed else _padded(p, n) * compute
+
     gathered = reduced = held = 0
     for root, params in _unit_params(model, plan):
-        gathered += (1 if root else gathers_per_unit) * sum(_padded(p, n) for p in params)
+        gathered += (1 if root else gathers_per_unit) * sum(gathered_bytes(p) for p in params)
         reduced += sum(_padded(p, n) for p in params if p.requires_grad)
         held += sum(p.numel() for p in params if p.requires_grad)
     reductions = 1 if sync is GradSync.once_per_step else accum
@@ -152,7 +161,7 @@ def comm_formula(
     # a pipeline stage's units stay gathered from their first forward to the step's end
     gathers = 1 if topology.pp > 1 else accum
     return CommBytes(
-        all_gather=gathers * gathered * precision.compute.itemsize if n > 1 else 0,
+        all_gather=gathers * gathered if n > 1 else 0,
         reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
         all_reduce=all_reduces * reduce_bytes / n if topology.replicas > 1 else 0,
         once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0,
@@ -277,7 +286,17 @@ class CommMeter:
             else [(unwrap(model), built.plan)]
         )
         formulas = [
-            asdict(comm_formula(cfg, topology, part, plan, accum, built.precision))
+            asdict(
+                comm_formula(
+                    cfg,
+                    topology,
+                    part,
+                    plan,
+                    accum,
+                    built.precision,
+                    built.nf4.gathered if built.nf4 else None,
+                )
+            )
             for part, plan in parts
         ]
         self.formula = CommBytes(**{k: sum(f[k] for f in formulas) for k in formulas[0]})

@@ -20,6 +20,7 @@ from fsdp_zero.sharding.parallelize import (
     unwrap,
 )
 from fsdp_zero.sharding.precision import NAMES, LossScaler, Precision, loss_scaler, resolve
+from fsdp_zero.sharding.quantize import NF4Base, RebuiltBase, chosen_targets, nf4_bytes
 from fsdp_zero.sharding.wrap import ROOT, WrapPlan, build_wrap_plan
 
 __all__ = [
@@ -29,16 +30,20 @@ __all__ = [
     "Built",
     "cast_to_stored",
     "checkpointed",
+    "chosen_targets",
     "formula_note",
     "loss_scaler",
     "LossScaler",
     "materializer",
     "model_state_formula",
     "NAMES",
+    "NF4Base",
+    "nf4_bytes",
     "optimizer_impl",
     "parallelize",
     "param_groups",
     "Precision",
+    "RebuiltBase",
     "reduce_scatter_comm",
     "resolve",
     "ROOT",

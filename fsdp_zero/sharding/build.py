@@ -28,8 +28,8 @@ from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
-from fsdp_zero.model.hf import base_source
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
+from fsdp_zero.model.source import base_source
 from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.precision import Precision, resolve

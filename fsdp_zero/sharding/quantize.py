@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 
 from fsdp_zero.config.choices import Quantize
 from fsdp_zero.config.schema import LoRAConfig, ModelConfig
+from fsdp_zero.model.source import FullWeights, match_weights
 from fsdp_zero.sharding.wrap import WrapPlan
 
 # Bytes per parameter of an NF4 tensor, besides a few per tensor: 4-bit codes, one int8 scaler per
@@ -43,8 +44,13 @@ def nf4_bytes(
     (one int8 per ``block``) and factors (one per ``block`` x ``scaler_block``) split, its scaler mean
     and 16-entry table whole on every rank. numel / 2 + numel / 64 + 4 numel / 16,384 + 68 for an
     fp32 source at the defaults: 0.5159 B per parameter (0.516, the formulas' figure)."""
-    split = numel / 2 + numel / block + itemsize * numel / (block * scaler_block)
-    return split / shards + 17 * itemsize
+    return nf4_gathered_bytes(numel, block, scaler_block, itemsize) / shards + 17 * itemsize
+
+
+def nf4_gathered_bytes(numel: int, block: int, scaler_block: int, itemsize: int) -> float:
+    """Bytes one all-gather of an NF4 tensor produces: its codes, scalers and factors whole (FSDP2
+    gathers them as bytes; the scaler mean and table travel as metadata)."""
+    return numel / 2 + numel / block + itemsize * numel / (block * scaler_block)
 
 
 def default_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
@@ -146,6 +152,7 @@ class NF4Base:
     digest: str = ""
     numel: int = 0  # parameters quantized
     rank_bytes: float = 0.0  # what one rank holds of them (`nf4_bytes` per tensor)
+    gathered: dict[str, float] = field(default_factory=dict)  # `nf4_gathered_bytes` per weight
 
     @classmethod
     def plan(
@@ -162,8 +169,6 @@ class NF4Base:
         Raises:
             ValueError: see `chosen_targets`, `check_nf4`, and a source that does not fit the model.
         """
-        from fsdp_zero.checkpoint.weights import match_weights
-
         lora = cfg.lora
         assert lora.quantize is Quantize.nf4
         weights = [f"{m}.weight" for m in chosen_targets(model, plan, lora)]
@@ -189,6 +194,12 @@ class NF4Base:
                 nf4_bytes(params[n].numel(), block, scaler_block, params[n].element_size(), shards)
                 for n in weights
             ),
+            gathered={
+                n: nf4_gathered_bytes(
+                    params[n].numel(), block, scaler_block, params[n].element_size()
+                )
+                for n in weights
+            },
         )
 
     def quantizer(self, model: nn.Module) -> Callable[[str, nn.Module], None]:
@@ -196,7 +207,6 @@ class NF4Base:
         each of the unit's weights still on meta read whole, cast to its dtype, quantized and set
         as a frozen NF4 parameter; after the root, `digest` holds every tensor's."""
         from fsdp_zero import lowbit
-        from fsdp_zero.checkpoint.weights import FullWeights
 
         source = FullWeights(Path(self.source), self.key)
         crcs: dict[str, int] = {}
@@ -226,6 +236,7 @@ class NF4Base:
         """What train_state.json keeps (`fsdp_zero.checkpoint.dcp.TrainState.nf4_base`)."""
         out = asdict(self)
         out.pop("rank_bytes")  # this world size's
+        out.pop("gathered")
         return out
 
 
@@ -237,8 +248,6 @@ class RebuiltBase:
     `verify` checks the digest of what was quantized against the recorded one."""
 
     def __init__(self, record: dict, original: bool) -> None:
-        from fsdp_zero.checkpoint.weights import FullWeights
-
         self.record, self.original = record, original
         self.dtype = getattr(torch, record.get("dtype", "float32"))
         try:

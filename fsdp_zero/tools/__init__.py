@@ -14,7 +14,7 @@ from fsdp_zero.tools.formulas import (
 )
 from fsdp_zero.tools.launch import bench_main, script_parser, train_command
 from fsdp_zero.tools.layout import StageRow, layout_rows
-from fsdp_zero.tools.planner import Simulator, simulate
+from fsdp_zero.tools.planner import Simulator, nf4_saving, simulate
 from fsdp_zero.tools.prediction import HEAP_RETENTION, Prediction
 from fsdp_zero.tools.rates import Rates
 
@@ -31,6 +31,7 @@ __all__ = [
     "HEAP_RETENTION",
     "layout_rows",
     "MARGIN",
+    "nf4_saving",
     "ORDER",
     "PAPER_K",
     "PLAN_MODES",

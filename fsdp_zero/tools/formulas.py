@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fsdp_zero.config.rules import validate
-from fsdp_zero.config.schema import Config, ParallelConfig, PrecisionConfig
+from fsdp_zero.config.choices import Quantize
+from fsdp_zero.config.rules import check_qlora, validate
+from fsdp_zero.config.schema import Config, LoRAConfig, ParallelConfig, PrecisionConfig
 from fsdp_zero.config.strategies import ZERO_STAGES, Strategy, is_fsdp
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.quantize import nf4_bytes
 
 # The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 # Parameter Models", Table 1 and Figure 1) sizes model states for mixed-precision Adam: fp16
@@ -82,6 +84,7 @@ def strategy_states(
     root_unit: int = 0,
     modes: tuple[str, ...] = PLAN_MODES,
     frozen: int = 0,
+    nf4: int = 0,
 ) -> list[_StrategyState]:
     """Each ZeRO stage's strategy (`fsdp_zero.config.strategies.ZERO_STAGES`), per precision mode: the model state
     per rank at rest and inside the step.
@@ -100,6 +103,9 @@ def strategy_states(
         root_unit: the root unit's own parameters (those of no other unit), when known.
         modes: precision modes (`fsdp_zero.config.schema.PRECISION_MODES`).
         frozen: of ``num_params``, those that do not train (model.freeze, LoRA): stored bytes only.
+        nf4: of ``frozen``, those QLoRA stores in NF4 (`fsdp_zero.sharding.quantize.nf4_bytes`,
+            0.516 B each, / N; counted as one tensor); only FSDP strategies take them, and only
+            the modes QLoRA runs in (`fsdp_zero.config.rules`).
 
     Returns:
         One state per strategy and mode, strategies in ZeRO stage order.
@@ -112,22 +118,44 @@ def strategy_states(
         for mode in modes:
             precision = resolve(PrecisionConfig(mode=mode))
             compute = precision.compute.itemsize
-            at_rest = model_state_formula(topology, num_params, precision.bytes_per_param, frozen)
+            quantized = (nf4, nf4_bytes(nf4, shards=topology.param_shards)) if nf4 else (0, 0.0)
+            at_rest = model_state_formula(
+                topology, num_params, precision.bytes_per_param, frozen, quantized=quantized
+            )
+            # NF4 weights gather as their codes, scalers and factors (a unit's share of them taken
+            # as the model's)
+            packed = (compute * (num_params - nf4) + nf4_bytes(nf4) - nf4_bytes(0)) / (
+                compute * num_params
+            )
             if not is_fsdp(strategy):
                 gathered: float | None = 0.0
             elif not topology.reshard_after_forward:
-                gathered = compute * num_params
+                gathered = packed * compute * num_params
             elif largest_unit is None:
                 gathered = None
             else:  # a model of one or two units never has more than itself gathered
-                gathered = compute * min(root_unit + 2 * largest_unit, num_params)
+                gathered = packed * compute * min(root_unit + 2 * largest_unit, num_params)
             try:
                 validate(Config(parallel=parallel, precision=PrecisionConfig(mode=mode)))
                 refused = None
             except ValueError as e:  # e.g. bf16-mixed under DDP
                 refused = str(e)
+            if nf4 and not refused:
+                refused = _nf4_refusal(strategy, mode)
             out.append(_StrategyState(strategy, stage, mode, at_rest, gathered, refused))
     return out
+
+
+def _nf4_refusal(strategy: Strategy, mode: str) -> str | None:
+    """What `fsdp_zero.config.rules` says of a QLoRA run with ``strategy`` and ``mode`` (None: runs)."""
+    cfg = Config(parallel=ParallelConfig(strategy=strategy), precision=PrecisionConfig(mode=mode))
+    cfg.model.init_from = "base.safetensors"  # (the rule that needs one is not the strategy's)
+    cfg.model.lora = LoRAConfig(rank=8, targets=["q_proj"], quantize=Quantize.nf4)
+    try:
+        check_qlora(cfg)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def deepspeed_zero3_estimate(num_params: int, largest_layer_params: int, n: int) -> int:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_zero.config.choices import Quantize
 from fsdp_zero.config.rules import validate
 from fsdp_zero.config.schema import Config
 from fsdp_zero.config.strategies import Strategy, is_fsdp
@@ -37,11 +38,14 @@ from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
+from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.model.tasks import build_task, vocab_size
 from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build, cast_to_stored, optimizer_impl
 from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.quantize import chosen_targets, nf4_bytes
+from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.depth import (
     compose,
     first_depth,
@@ -137,6 +141,25 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
         return [sim.predict(c) for c in configs]
 
 
+def nf4_saving(c: Config, world_size: int) -> tuple[int, float]:
+    """QLoRA: the weights model.lora.quantize=nf4 stores in NF4 (`fsdp_zero.sharding.quantize.chosen_targets`
+    on the meta model) and the bytes a rank saves by it: each weight's stored bytes / N less its NF4
+    shard (`nf4_bytes`)."""
+    model = construct(c.model)
+    make_trainable(model, c.model)
+    shards = Topology.of(c.parallel, world_size).param_shards
+    plan = build_wrap_plan(model, c.parallel.wrap, shards)
+    lora, count, saved = c.model.lora, 0, 0.0
+    stored = resolve(c.precision).stored.itemsize
+    for name in chosen_targets(model, plan, lora):
+        numel = model.get_submodule(name).weight.numel()
+        count += numel
+        saved += stored * numel / shards - nf4_bytes(
+            numel, lora.nf4_block_size, lora.nf4_scaler_block_size, stored, shards
+        )
+    return count, saved
+
+
 class Simulator:
     """One rank of ``world_size`` on a fake process group: `predict` simulates a step of any
     (validated) config of that world size. A context manager: it owns the fake process group.
@@ -179,6 +202,29 @@ class Simulator:
         dist.destroy_process_group()
 
     def predict(self, c: Config, whole: bool = False) -> Prediction:
+        """`_predict`; for QLoRA (model.lora.quantize=nf4) the LoRA model's, less what its NF4 base
+        saves by formula (`nf4_saving`): the simulation never reads the base's file."""
+        if c.model.lora.quantize is Quantize.none:
+            return self._predict(c, whole)
+        plain = replace(
+            c,
+            model=replace(
+                c.model, lora=replace(c.model.lora, quantize=Quantize.none, quantize_targets=[])
+            ),
+        )
+        pred = self._predict(plain, whole)
+        count, saved = nf4_saving(c, self.world_size)
+        pred.model_state -= saved
+        pred.tensors["params"] = pred.tensors.get("params", 0) - saved
+        pred.peak -= saved
+        pred.notes.append(
+            f"QLoRA: the LoRA model simulated, its {count:,} NF4 weights' saving ({saved / 2**20:,.1f} MiB a "
+            "rank) taken by formula; gathered units still counted in the compute dtype (NF4 gathers 0.516 B "
+            "a parameter: an overestimate)"
+        )
+        return pred
+
+    def _predict(self, c: Config, whole: bool = False) -> Prediction:
         """Simulates two steps of ``c`` (its strategy, precision, levers, batch); the second's peak.
 
         A model whose blocks repeat (`repeated_blocks`) is simulated with only its first few blocks,

@@ -38,7 +38,7 @@ from fsdp_zero.distributed.env import (
 )
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.errors import CollectiveFailed, Diverged, Stopped
-from fsdp_zero.model.hf import base_source
+from fsdp_zero.model.source import base_source
 from fsdp_zero.model.tasks import (
     TASKS,
     LossFn,
