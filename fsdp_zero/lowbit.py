@@ -1,9 +1,10 @@
-"""Every torchao import (the ``lowbit`` extra): NF4 for QLoRA's frozen base (``model.lora.quantize``).
+"""Every torchao import (the ``lowbit`` extra): NF4 for QLoRA's frozen base (``model.lora.quantize``)
+and the low-bit AdamW states (``optim.state_bits``).
 
 torchao moves its APIs between releases (NF4 left ``torchao.dtypes.nf4tensor`` for
 ``torchao.quantization`` in 0.18), so this module is the one place that knows where they live. The core
 never imports it unless a key that needs it is set: `fsdp_zero.sharding.quantize` imports it when
-``model.lora.quantize`` is nf4.
+``model.lora.quantize`` is nf4, `fsdp_zero.sharding.build` when ``optim.state_bits`` is 8 or 4.
 
 NF4 (Dettmers et al. 2023, QLoRA): a tensor in blocks of ``block`` elements, each element a 4-bit code
 into a 16-entry table scaled by its block's absolute maximum; the block scalers themselves quantized to
@@ -30,7 +31,7 @@ try:  # torchao >= 0.18
 except ImportError:  # torchao 0.17
     from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
 
-__all__ = ["NF4Tensor", "to_nf4", "is_nf4", "dequantize", "quantized_data"]
+__all__ = ["NF4Tensor", "to_nf4", "is_nf4", "dequantize", "quantized_data", "low_bit_adamw"]
 
 
 def is_nf4(t: torch.Tensor) -> bool:
@@ -46,3 +47,14 @@ def dequantize(t: torch.Tensor) -> torch.Tensor:
 def quantized_data(t: torch.Tensor) -> torch.Tensor:
     """The 4-bit codes of an NF4 tensor, two per byte (what a digest of the base reads)."""
     return t.quantized_data
+
+
+def low_bit_adamw(bits: int) -> type[torch.optim.Optimizer]:
+    """torchao's AdamW with ``bits``-bit states (8: AdamW8bit, blocks of 256; 4: AdamW4bit, blocks of
+    128). Each parameter's update is a compiled function (``torch.compile(fullgraph=True,
+    dynamic=False)``, one graph per shape): the caller turns AOTAutograd's cache off first
+    (`fsdp_zero.torch_private.disable_autograd_cache`). Its learning rate is a tensor
+    (`fsdp_zero.training.step.set_lr` fills it)."""
+    from torchao.optim import AdamW4bit, AdamW8bit
+
+    return {8: AdamW8bit, 4: AdamW4bit}[bits]

@@ -392,3 +392,11 @@ def storage_key(tensor: Any) -> tuple[int, int]:
     local = getattr(tensor, "_local_tensor", tensor)
     storage = local.untyped_storage()
     return storage._cdata, storage.nbytes()
+
+
+def disable_autograd_cache() -> None:
+    """Turns AOTAutograd's on-disk cache off for this process (torchao's low-bit AdamW kinds collide in
+    it on torch 2.15: `fsdp_zero.lowbit.low_bit_adamw`). torch._functorch.config is private."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.enable_autograd_cache = False

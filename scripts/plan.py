@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --params: of the frozen, those QLoRA stores in NF4 (0.516 B each; default 0)",
     )
     parser.add_argument(
+        "--state-bits",
+        type=int,
+        choices=(32, 8, 4),
+        help="with --params: bits per AdamW state value (optim.state_bits; default 32)",
+    )
+    parser.add_argument(
         "--largest-layer",
         type=float,
         help="with --params: the largest unit's parameters (DeepSpeed's estimate; default: none)",
@@ -155,13 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                 args.world_size,
                 frozen=frozen,
                 nf4=nf4,
+                state_bits=args.state_bits or 32,
             )
             return 0
-        for flag in ("frozen", "nf4"):
+        for flag in ("frozen", "nf4", "state_bits"):
             if getattr(args, flag) is not None:
                 raise ValueError(
-                    f"--{flag}={getattr(args, flag):g}: it applies to --params (with a config, the "
-                    "model's own counts are used)"
+                    f"--{flag.replace('_', '-')}={getattr(args, flag):g}: it applies to --params (with "
+                    "a config, the config's and the model's own are used)"
                 )
         for flag in ("search", "margin", "show", "tflops", "host_gbps"):
             if getattr(args, flag) is not None and not args.fit:
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.world_size
     memory_table(cfg, preds, num_params, n, limit)
     nf4 = nf4_saving(cfg, n)[0] if cfg.model.lora.quantize is Quantize.nf4 else 0
-    formulas(num_params, largest, n, root, frozen_count(model), nf4)
+    formulas(num_params, largest, n, root, frozen_count(model), nf4, cfg.optim.state_bits)
     communication(cfg, model, n, [Strategy(p.strategy) for p in preds], rates.link_gbps)
     if args.json:
         with open(args.json, "w") as f:
@@ -457,12 +464,15 @@ def formulas(
     root: int | None = None,
     frozen: int = 0,
     nf4: int = 0,
+    state_bits: int = 32,
 ) -> None:
     """The ZeRO paper's model states per device (its Table 1) beside ours per strategy, at rest and
     inside the step, and DeepSpeed's ZeRO-3 estimate. ``largest``: the largest unit's parameters
     besides the root (None: not known); ``root``: the root unit's own (None: not known, counted as 0)."""
     paper = zero_paper_stages(num_params, n)
-    states = strategy_states(num_params, n, largest, root or 0, frozen=frozen, nf4=nf4)
+    states = strategy_states(
+        num_params, n, largest, root or 0, frozen=frozen, nf4=nf4, state_bits=state_bits
+    )
     print(
         f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n"
     )
@@ -498,6 +508,12 @@ def formulas(
                 else ""
             )
             + "."
+        )
+    if state_bits != 32:
+        print(
+            f"- AdamW states in {state_bits} bits (optim.state_bits, torchao): "
+            f"{2 * (state_bits / 8 + 4 / {8: 256, 4: 128}[state_bits]):.4f} B a trained parameter instead of "
+            "8 (shards under 4,096 values keep 8)."
         )
     print("- fp16-mixed: as bf16-mixed (the same bytes).\n")
     head = ["ZeRO", "paper stage", "paper formula", "paper"]

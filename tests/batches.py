@@ -76,6 +76,7 @@ LLAMA = (
 UNTIED_EVEN = ("model.kwargs.tie_word_embeddings=false", "model.kwargs.vocab_size=102")
 SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved after step 4 of 8
 QLORA_4 = "{root}/qlora/checkpoints/step-0000004"
+ADAMW8_4 = "{root}/adamw8/checkpoints/step-0000004"
 # tests/test_eval.py's validation: 5 windows of 33 tokens (170 tokens: a tail no window reaches), after
 # steps 3, 6 and 8; at 2 ranks and micro-batch 2, rank 0 forwards 2 + 1 windows, rank 1 2 and a dummy.
 EVAL = ("eval.every=3", "eval.path={root}/val.bin")
@@ -106,7 +107,7 @@ class Launch:
 
 
 P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
-T, S, K, Q = "test_comm", "test_step_group", "test_clusters", "test_qlora"
+T, S, K, Q, B = "test_comm", "test_step_group", "test_clusters", "test_qlora", "test_lowbit_adamw"
 # tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm
 # trained.
 FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
@@ -145,7 +146,7 @@ def _weights_to_import(root: Path) -> None:
 
 def _hf_folder(root: Path) -> None:
     """The tiny Hugging Face folder that model.pretrained reads (when test_pretrained runs)."""
-    if HAS_HF and {"test_pretrained", L} & _COLLECTED and not (root / "tiny-llama").exists():
+    if HAS_HF and {"test_pretrained", L, Q} & _COLLECTED and not (root / "tiny-llama").exists():
         from tests.hf_fixtures import tiny_llama
 
         tiny_llama(root / "tiny-llama")
@@ -242,7 +243,7 @@ RUNS = [
         "n2",
         "2",
         (*BASE, *PROFILED, "checkpoint.every=2", "checkpoint.keep_last=2"),
-        (P, C, "test_cli", E, T, S, K),
+        (P, C, "test_cli", E, T, S, K, B),
     ),
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
     Run(
@@ -347,6 +348,25 @@ RUNS = [
     # QLoRA: saved at 4 and 8; in bf16-mixed (2 steps)
     Run("qlora", "2", (*BASE, *QLORA, "checkpoint.every=4"), (Q,)),
     Run("qlora-bf16", "2", (*BASE, *QLORA, "precision=bf16-mixed", "train.steps=2"), (Q,)),
+    # torchao's low-bit AdamW states (each launch compiles their update once per shard shape: ~7 s)
+    Run("adamw8", "2", (*BASE, "optim.state_bits=8", "checkpoint.every=4"), (B,)),
+    Run("adamw4", "2", (*BASE, "optim.state_bits=4", "checkpoint.enabled=false"), (B,)),
+    # configs/qlora.yaml as shipped (bf16-mixed, activation checkpointing, every projection adapted and
+    # in NF4) on the tiny Llama folder, synthetic data, 4 steps; scaler blocks of 4 (its k_proj is 16 x 32)
+    Run(
+        "qlora-llama",
+        "2",
+        (
+            "--config",
+            "configs/qlora.yaml",
+            "model.pretrained={root}/tiny-llama",
+            *("data.source=synthetic", "data.path=null", "eval.every=0", "eval.path=null"),
+            *("data.seq_len=16", "train.steps=4", "train.global_batch_size=8"),
+            *("train.micro_batch_size=2", "optim.warmup_steps=0", "checkpoint.every=4"),
+            "model.lora.nf4_scaler_block_size=4",
+        ),
+        (Q,),
+    ),
     # parallel.grad_sync=once_per_step (tests/test_comm.py): n2's numbers, half its reduce-scatter bytes.
     Run("grad-once", "2", (*BASE, "parallel.grad_sync=once_per_step"), (T,)),
     # ... under ZeRO-2 in bf16-true: bf16-true's numbers (its gradients accumulated unsharded, in bf16).
@@ -372,6 +392,12 @@ RUNS = [
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
+    Run(
+        "adamw8-resumed",
+        "2-resume",
+        (*BASE, "optim.state_bits=8", "checkpoint.every=0", f"checkpoint.resume={ADAMW8_4}"),
+        (B,),
+    ),
     # qlora continued from step 4 in a new process (the base rebuilt from its file), and refused with
     # another base
     Run(
@@ -484,6 +510,12 @@ RUNS = [
     ),
     Run("n4", "4", (*BASE, *PROFILED), (P, T)),
     Run("lora-n4", "4", (*BASE, *LORA), (L,)),
+    Run(
+        "adamw8-n4",
+        "4",
+        (*BASE, "optim.state_bits=8", "checkpoint.every=0", f"checkpoint.resume={ADAMW8_4}"),
+        (B,),
+    ),
     # qlora's step-4 checkpoint continued at 4 ranks: the base rebuilt in 4 shards, the adapters resharded
     Run(
         "qlora-n4", "4", (*BASE, *QLORA, "checkpoint.every=0", f"checkpoint.resume={QLORA_4}"), (Q,)

@@ -59,6 +59,7 @@ _PP_HELD = "test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_
 _LAYOUT_FIT = "test_a_layout_search_composes_each_layout_from_zero3_by_formula"
 _NF4_WHOLE = "test_the_base_is_nf4_on_every_rank_quantized_whole_and_never_changes"
 _NF4_RESUME = "test_resume_rebuilds_the_base_and_continues_exactly"
+_LOW_BIT = "test_states_are_low_bit_where_a_shard_is_whole_blocks_and_train_like_adamw"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -308,6 +309,21 @@ MUTANTS = {
         "QLoRA: the model-state formula counts the NF4 base at the stored dtype's bytes",
         [f"tests/test_qlora.py::{_NF4_WHOLE}"],
         [_NF4_WHOLE],
+    ),
+    "low-bit-lr-frozen": (
+        "low-bit AdamW: the schedule never reaches torchao's tensor learning rate (it stays optim.lr)",
+        [f"tests/test_lowbit_adamw.py::{_LOW_BIT}"],
+        [_LOW_BIT],
+    ),
+    "low-bit-states-ignored": (
+        "optim.state_bits: torch's AdamW built whatever it says",
+        [f"tests/test_lowbit_adamw.py::{_LOW_BIT}"],
+        [_LOW_BIT],
+    ),
+    "low-bit-bytes-as-fp32": (
+        "low-bit AdamW: the model-state formula counts its states at fp32's 8 B a value",
+        [f"tests/test_lowbit_adamw.py::{_LOW_BIT}"],
+        [_LOW_BIT],
     ),
     "test-process-sees-gpus": (
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",

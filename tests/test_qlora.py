@@ -22,8 +22,9 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.quantize import nf4_bytes
-from tests.batches import BASE, QLORA
+from tests.batches import BASE, HAS_HF, QLORA
 from tests.conftest import REPO, assert_user_error, check, figure, run_script
+from tests.hf_fixtures import LLAMA_CONFIG
 from tests.reference import reference_run
 from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
 
@@ -236,6 +237,48 @@ def test_export_merges_into_the_trained_base_or_the_original(batches, tmp_path: 
     proc = run_script(EXPORT, str(moved), "--out", str(tmp_path / "bad"))
     assert proc.returncode == 2 and "no longer holds the base" in proc.stderr, proc.stderr
     assert not (tmp_path / "bad").exists() and not any(tmp_path.glob(".bad*"))
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs the hf extra (transformers, peft)")
+def test_the_shipped_config_fine_tunes_a_llama_and_exports_a_from_pretrained_folder(
+    batches, tmp_path: Path
+):
+    """configs/qlora.yaml on a Hugging Face Llama: every projection in NF4 (the tied embedding and
+    head not), and the merged export, loaded by from_pretrained, computes what the trained model did."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run, root = batches["qlora-llama"], batches.root
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert sorted(run["nf4"][0]) == sorted(
+        f"model.layers.{i}.{kind}.{p}.weight"
+        for i in range(2)
+        for kind, ps in (("self_attn", projections[:4]), ("mlp", projections[4:]))
+        for p in ps
+    )
+    ckpt = batches.path("qlora-llama") / "checkpoints" / "step-0000004"
+    merged, adapters = tmp_path / "merged", tmp_path / "adapters"
+    check(run_script(EXPORT, str(ckpt), "--out", str(merged)))
+    check(run_script(EXPORT, str(ckpt), "--out", str(adapters), "--adapters-only"))
+    cfg = load_config(batches.path("qlora-llama") / "config.yaml")  # (the run's seed resolved)
+    from fsdp_zero.data.batches import build_source
+
+    inputs = build_source(cfg.data, cfg.train.seed, LLAMA_CONFIG["vocab_size"]).batch(range(2))[0]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(merged).eval()(inputs).logits
+        # (the run computed in bf16: its logits within bf16's rounding of the fp32 export's)
+        diff = (logits - run["logits"]).abs().max().item() / run["logits"].abs().max().item()
+        assert diff < 2e-2, diff
+        # PEFT loads the adapters onto the original base (not NF4's): close to the merged model
+        peft = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(root / "tiny-llama"), adapters
+        ).eval()
+        gap = (peft(inputs).logits - logits).abs().max().item() / logits.abs().max().item()
+    assert gap < 0.1, gap
+    figure(
+        "configs/qlora.yaml on a tiny Llama: merged export vs the run; PEFT on the original base vs merged (max rel)",
+        f"{diff:.1e}; {gap:.1e}",
+    )
 
 
 def test_nf4_bytes_per_parameter_at_the_default_blocks():

@@ -12,7 +12,7 @@ from fsdp_zero.config.choices import (
 )
 from fsdp_zero.config.presets import BUILTIN_FIELDS, model_args
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config
-from fsdp_zero.config.strategies import is_fsdp, strategies_that
+from fsdp_zero.config.strategies import STRATEGIES, is_fsdp, strategies_that
 
 # The data sources each task reads.
 _TASK_SOURCES = {
@@ -79,6 +79,7 @@ def validate(cfg: Config) -> None:
             "bf16-true"
         )
     check_qlora(cfg)
+    _check_state_bits(cfg)
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
 
@@ -108,6 +109,37 @@ def check_qlora(cfg: Config) -> None:
             f"{setting} needs an FSDP strategy ({strategies_that('fsdp')}), not "
             f"parallel.strategy={strategy.value}: FSDP2 shards and gathers the NF4 base"
         )
+
+
+def _check_state_bits(cfg: Config) -> None:
+    """optim.state_bits < 32 (torchao's low-bit AdamW): what it does not combine with."""
+    bits, o, par = cfg.optim.state_bits, cfg.optim, cfg.parallel
+    if bits == 32:
+        return
+    setting = f"optim.state_bits={bits}"
+    refused = (
+        (
+            "optim.step_group_size",
+            o.step_group_size,
+            "torchao's AdamW steps one tensor at a time already",
+        ),
+        (
+            "parallel.strategy",
+            "zero1" if STRATEGIES[par.strategy].zero_redundancy_optimizer else "",
+            "ZeroRedundancyOptimizer takes torch's optimizers; use shard_grad_op or full_shard",
+        ),
+        (
+            "parallel.cpu_offload",
+            par.cpu_offload,
+            "torchao's compiled step mixes the devices (pytorch/ao #1931)",
+        ),
+        ("parallel.tp_size", par.tp_size > 1 and par.tp_size, "untested"),
+        ("parallel.pp_size", par.pp_size > 1 and par.pp_size, "untested"),
+    )
+    for key, value, why in refused:
+        if value:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ValueError(f"{setting} with {key}={shown} is not supported: {why}")
 
 
 # The precision modes QLoRA runs in: the NF4 base dequantizes to the stored dtype (fp32) and FSDP2

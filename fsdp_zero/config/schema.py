@@ -464,6 +464,10 @@ class PrecisionConfig:
             )
 
 
+# optim.state_bits' choices: torch's AdamW, torchao's AdamW8bit and AdamW4bit
+STATE_BITS = (32, 8, 4)
+
+
 @dataclass
 class OptimConfig:
     """AdamW with linear warm-up, then a cosine (or linear, or no) decay to ``min_lr_ratio * lr``."""
@@ -483,9 +487,19 @@ class OptimConfig:
     # at once) are bounded by a group. 0: the whole shard at once. Fused AdamW (CUDA's default) and
     # for_loop make no temporaries larger than one tensor and ignore it (docs/memory-levers.md).
     step_group_size: int = 0
+    # Bits per AdamW state value: 32 (torch's AdamW), or 8 / 4: torchao's AdamW8bit / AdamW4bit, each
+    # state block-quantized (blocks of 256 / 128 values, one fp32 scale each): 2.03 / 1.06 B per
+    # parameter instead of 8; a tensor whose shard is under 4,096 values (or not whole blocks) keeps
+    # fp32 states. Their step is compiled (the first one takes 20-40 s on 2 cores). docs/memory-levers.md.
+    state_bits: int = 32
 
     def check(self) -> None:
         check_positive("optim.lr", self.lr)
+        if self.state_bits not in STATE_BITS:
+            raise ValueError(
+                f"optim.state_bits={self.state_bits!r}: valid choices: "
+                f"{', '.join(map(str, STATE_BITS))}"
+            )
         size = self.step_group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(

@@ -33,10 +33,10 @@ from fsdp_zero.model.source import base_source
 from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.precision import Precision, resolve
-from fsdp_zero.sharding.quantize import NF4Base
+from fsdp_zero.sharding.quantize import NF4Base, adamw_state_bytes
 from fsdp_zero.sharding.tensor import tp_whole
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-from fsdp_zero.torch_private import hf_init_weights
+from fsdp_zero.torch_private import disable_autograd_cache, hf_init_weights
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -270,6 +270,14 @@ def build_optimizer(
     )
     if zero1:
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    if cfg.state_bits != 32:  # (config.rules refuses zero1 and step groups with it)
+        from fsdp_zero import lowbit
+
+        # torchao 0.18 on torch 2.15 crashes reading one kind's cached graph for another
+        # (../shared/research/lowbit.md 2.3)
+        disable_autograd_cache()
+        adamw = lowbit.low_bit_adamw(cfg.state_bits)
+        return adamw(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     return torch.optim.AdamW(groups, **kwargs)
 
 
@@ -321,6 +329,7 @@ class Built:
     # pipeline parallelism: this rank's stages (``model`` is their view), None without
     stages: RankStages | None = None
     nf4: NF4Base | None = None  # QLoRA's quantized base (model.lora.quantize=nf4), None without
+    state_bits: int = 32  # optim.state_bits: AdamW's states, 32-bit or torchao's 8- or 4-bit
 
     @property
     def rebuilt(self) -> frozenset[str]:
@@ -345,6 +354,15 @@ class Built:
             self.num_frozen,
             self.tp_whole,
             (self.nf4.numel, self.nf4.rank_bytes) if self.nf4 else (0, 0.0),
+            self.optimizer_bytes() if self.state_bits != 32 else None,
+        )
+
+    def optimizer_bytes(self) -> float:
+        """This rank's AdamW states by `adamw_state_bytes`, tensor by tensor (its shards' sizes)."""
+        return sum(
+            adamw_state_bytes(_local_numel(p), self.state_bits)
+            for p in self.model.parameters()
+            if p.requires_grad
         )
 
     @property
@@ -419,6 +437,7 @@ def build(
         whole,
         stages,
         nf4,
+        cfg.optim.state_bits,
     )
 
 

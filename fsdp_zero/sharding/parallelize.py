@@ -48,6 +48,7 @@ def model_state_formula(
     frozen: int = 0,
     tp_whole: int = 0,
     quantized: tuple[int, float] = (0, 0.0),
+    optimizer_bytes: float | None = None,
 ) -> float:
     """Bytes of parameters + gradients + optimizer states a rank holds after an optimizer step:
     the one model-state formula per strategy (the trainer's report, compare.py and the planner use
@@ -63,7 +64,14 @@ def model_state_formula(
     Under pipeline parallelism ``num_params`` (and ``tp_whole``) are the rank's stages'.
     ``quantized`` = (count, bytes): of the frozen, those QLoRA stores in NF4 and the bytes a rank
     holds of them (`fsdp_zero.sharding.quantize.nf4_bytes`, about 0.516 P_q / N) instead of w each.
+    ``optimizer_bytes``: the optimizer states a rank holds, where k is not one figure a parameter
+    (low-bit AdamW, `fsdp_zero.sharding.quantize.adamw_state_bytes` of each shard), in place of k's term.
     """
+    if optimizer_bytes is not None:
+        w, g, _ = bytes_per_param
+        return optimizer_bytes + model_state_formula(
+            topology, num_params, (w, g, 0), frozen, tp_whole, quantized
+        )
     sharded = topology.spec.sharded
     whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
     split = sum(b for b, split in zip(bytes_per_param, sharded) if split)

@@ -1,6 +1,7 @@
 """QLoRA's frozen base in NF4 (``model.lora.quantize=nf4``, docs/lora.md): which weights, the rules
 they must fit, and the quantizer `fsdp_zero.sharding.parallelize.parallelize` runs on each FSDP unit
-just before ``fully_shard`` shards it.
+just before ``fully_shard`` shards it. And the bytes of the low-bit AdamW states (``optim.state_bits``,
+`adamw_state_bytes`).
 
     base = NF4Base.plan(model, plan, cfg.model, shards)     # which weights; their blocks checked
     parallelize(..., quantize=base.quantizer(model))       # each unit's weights quantized, then sharded
@@ -51,6 +52,22 @@ def nf4_gathered_bytes(numel: int, block: int, scaler_block: int, itemsize: int)
     """Bytes one all-gather of an NF4 tensor produces: its codes, scalers and factors whole (FSDP2
     gathers them as bytes; the scaler mean and table travel as metadata)."""
     return numel / 2 + numel / block + itemsize * numel / (block * scaler_block)
+
+
+# torchao's low-bit AdamW (optim.state_bits): values per scale block, and the smallest shard it
+# quantizes (a shard under it, or not whole blocks, keeps fp32 states: bitsandbytes' rule)
+STATE_BLOCK = {8: 256, 4: 128}
+STATE_MIN_NUMEL = 4096
+
+
+def adamw_state_bytes(numel: int, bits: int) -> float:
+    """Bytes of AdamW's two states for a shard of ``numel`` values at ``bits`` bits (32: torch's, 8
+    B a value): each state ``bits`` / 8 B a value, one fp32 scale per block and its code table (256
+    fp32 values at 8 bits, 16 at 4); 2.03 (8-bit) or 1.06 (4-bit) B a value for large shards."""
+    block = STATE_BLOCK.get(bits)
+    if block is None or numel < STATE_MIN_NUMEL or numel % block:
+        return 8 * numel
+    return 2 * (numel * bits / 8 + 4 * numel / block + 4 * 2**bits)
 
 
 def default_targets(model: nn.Module, plan: WrapPlan) -> list[str]:

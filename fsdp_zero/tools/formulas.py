@@ -8,12 +8,18 @@ from dataclasses import dataclass
 
 from fsdp_zero.config.choices import Quantize
 from fsdp_zero.config.rules import check_qlora, validate
-from fsdp_zero.config.schema import Config, LoRAConfig, ParallelConfig, PrecisionConfig
+from fsdp_zero.config.schema import (
+    Config,
+    LoRAConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+)
 from fsdp_zero.config.strategies import ZERO_STAGES, Strategy, is_fsdp
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.sharding.quantize import nf4_bytes
+from fsdp_zero.sharding.quantize import STATE_BLOCK, nf4_bytes
 
 # The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 # Parameter Models", Table 1 and Figure 1) sizes model states for mixed-precision Adam: fp16
@@ -85,6 +91,7 @@ def strategy_states(
     modes: tuple[str, ...] = PLAN_MODES,
     frozen: int = 0,
     nf4: int = 0,
+    state_bits: int = 32,
 ) -> list[_StrategyState]:
     """Each ZeRO stage's strategy (`fsdp_zero.config.strategies.ZERO_STAGES`), per precision mode: the model state
     per rank at rest and inside the step.
@@ -106,6 +113,9 @@ def strategy_states(
         nf4: of ``frozen``, those QLoRA stores in NF4 (`fsdp_zero.sharding.quantize.nf4_bytes`,
             0.516 B each, / N; counted as one tensor); only FSDP strategies take them, and only
             the modes QLoRA runs in (`fsdp_zero.config.rules`).
+        state_bits: AdamW's states (optim.state_bits): 8 or 4 counts torchao's bytes a value for
+            large shards (2.03 or 1.06, `fsdp_zero.sharding.quantize.adamw_state_bytes`) instead of 8;
+            zero1 refused with them.
 
     Returns:
         One state per strategy and mode, strategies in ZeRO stage order.
@@ -118,9 +128,12 @@ def strategy_states(
         for mode in modes:
             precision = resolve(PrecisionConfig(mode=mode))
             compute = precision.compute.itemsize
+            w, g, k = precision.bytes_per_param
+            if state_bits != 32:  # per value of a large shard (each tensor's few tables left out)
+                k = 2 * (state_bits / 8 + 4 / STATE_BLOCK[state_bits])
             quantized = (nf4, nf4_bytes(nf4, shards=topology.param_shards)) if nf4 else (0, 0.0)
             at_rest = model_state_formula(
-                topology, num_params, precision.bytes_per_param, frozen, quantized=quantized
+                topology, num_params, (w, g, k), frozen, quantized=quantized
             )
             # NF4 weights gather as their codes, scalers and factors (a unit's share of them taken
             # as the model's)
@@ -142,6 +155,17 @@ def strategy_states(
                 refused = str(e)
             if nf4 and not refused:
                 refused = _nf4_refusal(strategy, mode)
+            if state_bits != 32 and not refused:
+                try:
+                    validate(
+                        Config(
+                            parallel=parallel,
+                            precision=PrecisionConfig(mode=mode),
+                            optim=OptimConfig(state_bits=state_bits),
+                        )
+                    )
+                except ValueError as e:
+                    refused = str(e)
             out.append(_StrategyState(strategy, stage, mode, at_rest, gathered, refused))
     return out
 

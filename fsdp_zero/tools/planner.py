@@ -44,7 +44,7 @@ from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mma
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build, cast_to_stored, optimizer_impl
 from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.sharding.quantize import chosen_targets, nf4_bytes
+from fsdp_zero.sharding.quantize import adamw_state_bytes, chosen_targets, nf4_bytes
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.depth import (
     compose,
@@ -160,6 +160,29 @@ def nf4_saving(c: Config, world_size: int) -> tuple[int, float]:
     return count, saved
 
 
+def state_saving(c: Config, world_size: int) -> float:
+    """Low-bit AdamW states (optim.state_bits): the bytes rank 0 saves against fp32 AdamW's 8 a value,
+    tensor by tensor (`adamw_state_bytes` of its shard: FSDP2's first dim-0 chunk, or the whole tensor
+    where the strategy does not shard)."""
+    model = construct(c.model)
+    make_trainable(model, c.model)
+    topology = Topology.of(c.parallel, world_size)
+    n = topology.param_shards if is_fsdp(c.parallel.strategy) else 1
+    saved = 0.0
+    for p in model.parameters():
+        if p.requires_grad:
+            local = min(-(-p.shape[0] // n), p.shape[0]) * p[0].numel() if p.dim() else 1
+            saved += 8 * local - adamw_state_bytes(local, c.optim.state_bits)
+    return saved
+
+
+def _take(pred: Prediction, category: str, saved: float) -> None:
+    """``saved`` bytes less of ``category`` in ``pred``'s model state, peak tensors and peak."""
+    pred.model_state -= saved
+    pred.tensors[category] = pred.tensors.get(category, 0) - saved
+    pred.peak -= saved
+
+
 class Simulator:
     """One rank of ``world_size`` on a fake process group: `predict` simulates a step of any
     (validated) config of that world size. A context manager: it owns the fake process group.
@@ -203,25 +226,32 @@ class Simulator:
 
     def predict(self, c: Config, whole: bool = False) -> Prediction:
         """`_predict`; for QLoRA (model.lora.quantize=nf4) the LoRA model's, less what its NF4 base
-        saves by formula (`nf4_saving`): the simulation never reads the base's file."""
-        if c.model.lora.quantize is Quantize.none:
+        saves by formula (`nf4_saving`): the simulation never reads the base's file. For low-bit AdamW
+        states (optim.state_bits 8 or 4) torch's AdamW's, less what they save by formula
+        (`state_saving`): torchao's compiled update does not run in fake-tensor mode."""
+        nf4, bits = c.model.lora.quantize is not Quantize.none, c.optim.state_bits
+        if not nf4 and bits == 32:
             return self._predict(c, whole)
-        plain = replace(
-            c,
-            model=replace(
-                c.model, lora=replace(c.model.lora, quantize=Quantize.none, quantize_targets=[])
-            ),
-        )
+        lora = replace(c.model.lora, quantize=Quantize.none, quantize_targets=[])
+        plain = replace(c, model=replace(c.model, lora=lora), optim=replace(c.optim, state_bits=32))
         pred = self._predict(plain, whole)
-        count, saved = nf4_saving(c, self.world_size)
-        pred.model_state -= saved
-        pred.tensors["params"] = pred.tensors.get("params", 0) - saved
-        pred.peak -= saved
-        pred.notes.append(
-            f"QLoRA: the LoRA model simulated, its {count:,} NF4 weights' saving ({saved / 2**20:,.1f} MiB a "
-            "rank) taken by formula; gathered units still counted in the compute dtype (NF4 gathers 0.516 B "
-            "a parameter: an overestimate)"
-        )
+        if nf4:
+            count, saved = nf4_saving(c, self.world_size)
+            _take(pred, "params", saved)
+            pred.notes.append(
+                f"QLoRA: the LoRA model simulated, its {count:,} NF4 weights' saving "
+                f"({saved / 2**20:,.1f} MiB a rank) taken by formula; gathered units still counted in "
+                "the compute dtype (NF4 gathers 0.516 B a parameter: an overestimate)"
+            )
+        if bits != 32:
+            saved = state_saving(c, self.world_size)
+            _take(pred, "optimizer", saved)
+            pred.optimizer_state -= saved
+            pred.notes.append(
+                f"AdamW states in {bits} bits: torch's AdamW simulated, the states' saving "
+                f"({saved / 2**20:,.1f} MiB a rank) taken by formula; its step's temporaries still "
+                "foreach AdamW's (torchao's update makes one tensor's at a time: an overestimate)"
+            )
         return pred
 
     def _predict(self, c: Config, whole: bool = False) -> Prediction:

@@ -70,7 +70,10 @@ def set_lr(
     (nothing to save or restore on resume: a changed optim.lr or train.steps applies at once)."""
     lr = cfg.lr * lr_factor(step, cfg, total_steps)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):  # torchao's low-bit AdamW keeps it a tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
     return lr
 
 

@@ -112,6 +112,15 @@ class LogPlan:
                 profile,
             )
             profile = 0
+        if profile and cfg.optim.state_bits != 32:
+            logger.info(
+                "memory.profile_step=%d: not profiled with optim.state_bits=%d (torch.compile, which "
+                "torchao's low-bit AdamW runs its update in, refuses to run under PyTorch's "
+                "MemTracker)",
+                profile,
+                cfg.optim.state_bits,
+            )
+            profile = 0
         return cls(
             cfg.train.log_every,
             last_step,

@@ -428,6 +428,21 @@ SOURCE = {
         "counts = (num_params - q, num_params - frozen, num_params - frozen)",
         "counts = (num_params - __mutant__(0), num_params - frozen, num_params - frozen)",
     ),
+    "low-bit-lr-frozen": (
+        "fsdp_zero.training.step",
+        'group["lr"].fill_(lr)',
+        "__mutant__()",
+    ),
+    "low-bit-states-ignored": (
+        "fsdp_zero.sharding.build",
+        "if cfg.state_bits != 32:  # (config.rules refuses zero1 and step groups with it)",
+        "if cfg.state_bits != __mutant__(cfg.state_bits):",
+    ),
+    "low-bit-bytes-as-fp32": (
+        "fsdp_zero.sharding.quantize",
+        "return 2 * (numel * bits / 8 + 4 * numel / block + 4 * 2**bits)",
+        "return __mutant__(8 * numel)",
+    ),
     "test-process-sees-gpus": (
         "tests.cpu_only",
         'os.environ["CUDA_VISIBLE_DEVICES"] = ""',

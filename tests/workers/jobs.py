@@ -38,6 +38,8 @@ what the tests observe of the run itself (each observation is of the effect, not
     loss_times          (call, time) at the end of each loss computation (a forward)
     evals               eval.every > 0: the eval/* scalars by step (fsdp_zero.training.evaluate)
     peak_mib            every rank's (peak over the training's log intervals, peak through its evaluations)
+    optim_states        every rank's (AdamW state classes of its shards, bytes of its optimizer states)
+                        after training, and the learning rate its optimizer last stepped with
     nf4                 QLoRA runs: every rank's {quantized name: (its local shard's class, bytes of its
                         inner tensors, elements)}; their weights in ``initial``/``final`` are the
                         gathered NF4 tensors dequantized (what the forward computes with)
@@ -62,6 +64,7 @@ from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import distributed, exit_process
 from fsdp_zero.model.tasks import logits_of
+from fsdp_zero.monitor.memory import model_state_bytes
 from fsdp_zero.sharding.parallelize import AllReduceScatter
 from fsdp_zero.torch_private import fsdp_unit_settings
 from fsdp_zero.training.trainer import setup, train
@@ -208,8 +211,6 @@ def _nf4_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _nf4_locals(model: torch.nn.Module, names: dict) -> dict:
     """This rank's quantized weights: {name: (local shard class, bytes of its inner tensors, elements)}."""
-    from fsdp_zero.monitor.memory import model_state_bytes
-
     params = dict(model.named_parameters())
     out = {}
     for name in names:
@@ -337,6 +338,18 @@ def run_job(  # noqa: ANN001
         sorted(_seen["reduce_dtypes"]),
         (result.peak_rss_mib, result.eval_peak_mib),
         _nf4_locals(parts.model, nf4.names) if nf4 else None,
+        (
+            sorted(
+                {
+                    type(getattr(v, "_local_tensor", v)).__name__
+                    for st in opt_states
+                    for k, v in st.items()
+                    if k.startswith("exp_avg")
+                }
+            ),
+            model_state_bytes(parts.model, parts.optimizer).optimizer,
+            float(parts.optimizer.param_groups[0]["lr"]),
+        ),
     )
     states = [None] * env.world_size
     dist.all_gather_object(states, mine)
@@ -389,6 +402,7 @@ def run_job(  # noqa: ANN001
                 "optim_names": optim_names,
                 "num_frozen": parts.num_frozen,
                 "nf4": [s[7] for s in states] if nf4 else None,
+                "optim_states": [s[8] for s in states],
                 "nf4_numel": nf4.numel if nf4 else 0,
             },
             out,

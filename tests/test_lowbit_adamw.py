@@ -1,0 +1,135 @@
+"""Low-bit AdamW states (optim.state_bits=8 or 4: torchao's AdamW8bit and AdamW4bit) on sharded
+models (docs/memory-levers.md, "Low-bit AdamW states").
+
+The runs are declared in tests/batches.py: ZeRO-3 at 2 ranks with 8-bit and 4-bit states against the
+same run with torch's AdamW (``n2``), the 8-bit one resumed from its step-4 checkpoint in a new
+process and at 4 ranks. Each launch compiles torchao's update once per shard shape (about 7 s of a
+2-core machine): the tests are marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.schema import ParallelConfig
+from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model.construct import construct
+from fsdp_zero.sharding.quantize import adamw_state_bytes
+from tests.batches import BASE
+from tests.conftest import assert_user_error, figure
+
+pytest.importorskip("fsdp_zero.lowbit")  # the lowbit extra (in dev)
+pytestmark = pytest.mark.slow
+
+# torchao's state classes, and how far their losses may drift from torch's AdamW's over 8 early steps
+# (lr warm-up to 3e-3, clipping): block quantization perturbs every update. Measured on gpt_nano at N=2:
+# 8-bit at most 8.9e-4 (0.02% of the loss), 4-bit 3.3e-2 (0.6%: its second moment on 16 levels, which
+# early, uneven gradients feel most; it still makes 94% of AdamW's progress). Twice the measured.
+KINDS = {8: "OptimState8bit", 4: "OptimState4bit"}
+LOSS_ATOL = {8: 2e-3, 4: 7e-2}
+
+
+def _local_numels(world_size: int) -> list[int]:
+    """gpt_nano's trained shards on rank 0: FSDP2's dim-0 chunks (every parameter trains)."""
+    model = construct(load_config(None, list(BASE)).model)
+    out = []
+    for p in model.parameters():
+        rows = p.shape[0]
+        chunk = -(-rows // world_size)
+        out.append(min(chunk, rows) * p[0].numel() if p.dim() else 1)
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_states_are_low_bit_where_a_shard_is_whole_blocks_and_train_like_adamw(batches, bits):
+    run, adamw = batches[f"adamw{bits}"], batches["n2"]
+    for kinds, nbytes, lr in run["optim_states"]:
+        # quantized where a shard holds >= 4,096 values in whole blocks; fp32 (a plain Tensor) elsewhere
+        assert kinds == sorted({KINDS[bits], "Tensor"}), kinds
+        # the states' bytes: every tensor's by adamw_state_bytes (+ 4 B of step count each)
+        numels = _local_numels(2)
+        expected = sum(adamw_state_bytes(n, bits) for n in numels) + 4 * len(numels)
+        assert nbytes == pytest.approx(expected, rel=1e-3), (nbytes, expected)
+        # the schedule reached torchao's tensor learning rate: the last step's, not optim.lr
+        assert lr == pytest.approx(run["lrs"][8], rel=1e-6) and lr != 3e-3, lr
+    fp32 = sum(8 * n for n in _local_numels(2))
+    quantized = [n for n in _local_numels(2) if adamw_state_bytes(n, bits) < 8 * n]
+    per_value = sum(adamw_state_bytes(n, bits) for n in quantized) / sum(quantized)
+    # the model state by the formula, tensor by tensor
+    assert all(
+        abs(b / s - 1) < 0.01 for b, s in zip(run["model_state_bytes"], _formula(run, bits))
+    ), run["model_state_bytes"]
+    dl = max(abs(run["losses"][s] - adamw["losses"][s]) for s in adamw["losses"])
+    assert dl < LOSS_ATOL[bits], dl
+    progress = (run["losses"][1] - run["losses"][8]) / (adamw["losses"][1] - adamw["losses"][8])
+    assert progress > 0.9, progress
+    figure(
+        f"AdamW {bits}-bit states at N=2 (gpt_nano)",
+        f"{per_value:.4f} B per quantized value; optimizer {run['optim_states'][0][1] / fp32:.3f} x "
+        f"fp32 AdamW's; losses within {dl:.1e} of AdamW, {progress:.0%} of its progress",
+    )
+
+
+def _formula(run: dict, bits: int) -> list[float]:
+    from fsdp_zero.sharding.parallelize import model_state_formula
+
+    numels = _local_numels(2)
+    states = sum(adamw_state_bytes(n, bits) for n in numels)
+    topology = Topology.of(ParallelConfig(), 2)
+    return [model_state_formula(topology, run["num_params"], optimizer_bytes=states)] * 2
+
+
+def test_a_resume_continues_exactly_and_at_four_ranks_within_the_quantization(batches):
+    straight = batches["adamw8"]
+    resumed, moved = batches["adamw8-resumed"], batches["adamw8-n4"]
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+    for step, loss in resumed["losses"].items():
+        assert loss == straight["losses"][step], step
+    for name, value in straight["final"].items():
+        assert (resumed["final"][name] == value).all(), name
+    # At 4 ranks more shards fall under 4,096 values and keep fp32 states (torchao decides by the shard):
+    # the continuation differs by the quantization's own error only.
+    dl = max(abs(moved["losses"][s] - straight["losses"][s]) for s in moved["losses"])
+    assert dl < LOSS_ATOL[8], dl
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("optim.state_bits=16",), "valid choices: 32, 8, 4"),
+        (
+            ("optim.state_bits=8", "optim.step_group_size=5000"),
+            "optim.step_group_size=5000 is not supported",
+        ),
+        (
+            ("optim.state_bits=4", "parallel.strategy=zero1"),
+            "parallel.strategy=zero1 is not supported",
+        ),
+        (("optim.state_bits=8", "parallel.cpu_offload=true"), "pytorch/ao #1931"),
+    ],
+)
+def test_low_bit_refusals_exit_2_in_one_line(tmp_path, args, message):
+    assert_user_error(tmp_path, message, *BASE, *args)
+
+
+def test_the_planner_predicts_the_runs_model_state_and_the_formulas_count_the_bits(batches):
+    """plan.py's simulation of an 8-bit config (torch's AdamW simulated, the states' saving taken by
+    formula) predicts what the run measured; --params --state-bits counts 2.03 / 1.06 B a value."""
+    from fsdp_zero.config.strategies import Strategy
+    from fsdp_zero.tools.formulas import strategy_states
+    from fsdp_zero.tools.planner import simulate
+
+    run = batches["adamw8"]
+    cfg = load_config(None, [*BASE, "optim.state_bits=8"])
+    (pred,) = simulate(cfg, 2, [Strategy.full_shard])
+    assert pred.model_state == pytest.approx(run["model_state_bytes"][0], rel=0.01), (
+        pred.model_state,
+        run["model_state_bytes"],
+    )
+    p, n = int(7e9), 8
+    for bits, k in ((8, 2 * (1 + 4 / 256)), (4, 2 * (0.5 + 4 / 128))):
+        rows = {(s.strategy.value, s.mode): s for s in strategy_states(p, n, state_bits=bits)}
+        assert rows[("full_shard", "fp32")].at_rest == pytest.approx((4 + 4 + k) * p / n)
+        assert rows[("full_shard", "bf16-true")].at_rest == pytest.approx((2 + 2 + k) * p / n)
+        assert "ZeroRedundancyOptimizer" in rows[("zero1", "fp32")].refused
