@@ -2,9 +2,9 @@
 models (docs/memory-levers.md, "Low-bit AdamW states").
 
 The runs are declared in tests/batches.py: ZeRO-3 at 2 ranks with 8-bit and 4-bit states against the
-same run with torch's AdamW (``n2``), the 8-bit one resumed from its step-4 checkpoint in a new
-process and at 4 ranks. Each launch compiles torchao's update once per shard shape (about 7 s of a
-2-core machine): the tests are marked slow.
+same run with torch's AdamW (``adamw32``: w1, w3 and wq train, the rest is frozen, so two shard shapes
+compile), the 8-bit one resumed from its step-4 checkpoint in a new process. Each process compiles
+torchao's update once per shard shape (seconds on a 2-core machine): the tests are marked slow.
 """
 
 from __future__ import annotations
@@ -15,26 +15,29 @@ from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
+from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.sharding.quantize import adamw_state_bytes
-from tests.batches import BASE
+from tests.batches import BASE, LOW_BIT
 from tests.conftest import assert_user_error, figure
 
 pytest.importorskip("fsdp_zero.lowbit")  # the lowbit extra (in dev)
 pytestmark = pytest.mark.slow
 
 # torchao's state classes, and how far their losses may drift from torch's AdamW's over 8 early steps
-# (lr warm-up to 3e-3, clipping): block quantization perturbs every update. Measured on gpt_nano at N=2:
-# 8-bit at most 8.9e-4 (0.02% of the loss), 4-bit 3.3e-2 (0.6%: its second moment on 16 levels, which
-# early, uneven gradients feel most; it still makes 94% of AdamW's progress). Twice the measured.
+# (lr warm-up to 3e-3, clipping): block quantization perturbs every update. Measured at N=2: 8-bit at
+# most 2.0e-5, 4-bit 4.9e-3 (0.1% of the loss: its second moment on 16 levels, which early, uneven
+# gradients feel most; 96% of AdamW's progress). About twice the measured (and 5x for 8-bit's tiny one).
 KINDS = {8: "OptimState8bit", 4: "OptimState4bit"}
-LOSS_ATOL = {8: 2e-3, 4: 7e-2}
+LOSS_ATOL = {8: 1e-4, 4: 1e-2}
 
 
 def _local_numels(world_size: int) -> list[int]:
-    """gpt_nano's trained shards on rank 0: FSDP2's dim-0 chunks (every parameter trains)."""
-    model = construct(load_config(None, list(BASE)).model)
+    """The runs' trained shards on rank 0: FSDP2's dim-0 chunks."""
+    cfg = load_config(None, [*BASE, *LOW_BIT])
+    model = construct(cfg.model)
+    make_trainable(model, cfg.model)
     out = []
-    for p in model.parameters():
+    for p in (p for p in model.parameters() if p.requires_grad):
         rows = p.shape[0]
         chunk = -(-rows // world_size)
         out.append(min(chunk, rows) * p[0].numel() if p.dim() else 1)
@@ -43,7 +46,7 @@ def _local_numels(world_size: int) -> list[int]:
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_states_are_low_bit_where_a_shard_is_whole_blocks_and_train_like_adamw(batches, bits):
-    run, adamw = batches[f"adamw{bits}"], batches["n2"]
+    run, adamw = batches[f"adamw{bits}"], batches["adamw32"]
     for kinds, nbytes, lr in run["optim_states"]:
         # quantized where a shard holds >= 4,096 values in whole blocks; fp32 (a plain Tensor) elsewhere
         assert kinds == sorted({KINDS[bits], "Tensor"}), kinds
@@ -77,21 +80,19 @@ def _formula(run: dict, bits: int) -> list[float]:
     numels = _local_numels(2)
     states = sum(adamw_state_bytes(n, bits) for n in numels)
     topology = Topology.of(ParallelConfig(), 2)
-    return [model_state_formula(topology, run["num_params"], optimizer_bytes=states)] * 2
+    formula = model_state_formula(
+        topology, run["num_params"], frozen=run["num_frozen"], optimizer_bytes=states
+    )
+    return [formula] * 2
 
 
-def test_a_resume_continues_exactly_and_at_four_ranks_within_the_quantization(batches):
-    straight = batches["adamw8"]
-    resumed, moved = batches["adamw8-resumed"], batches["adamw8-n4"]
+def test_a_resume_continues_exactly(batches):
+    straight, resumed = batches["adamw8"], batches["adamw8-resumed"]
     assert sorted(resumed["losses"]) == [5, 6, 7, 8]
     for step, loss in resumed["losses"].items():
         assert loss == straight["losses"][step], step
     for name, value in straight["final"].items():
         assert (resumed["final"][name] == value).all(), name
-    # At 4 ranks more shards fall under 4,096 values and keep fp32 states (torchao decides by the shard):
-    # the continuation differs by the quantization's own error only.
-    dl = max(abs(moved["losses"][s] - straight["losses"][s]) for s in moved["losses"])
-    assert dl < LOSS_ATOL[8], dl
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,7 @@ def test_the_planner_predicts_the_runs_model_state_and_the_formulas_count_the_bi
     from fsdp_zero.tools.planner import simulate
 
     run = batches["adamw8"]
-    cfg = load_config(None, [*BASE, "optim.state_bits=8"])
+    cfg = load_config(None, [*BASE, *LOW_BIT, "optim.state_bits=8"])
     (pred,) = simulate(cfg, 2, [Strategy.full_shard])
     assert pred.model_state == pytest.approx(run["model_state_bytes"][0], rel=0.01), (
         pred.model_state,
