@@ -1,10 +1,11 @@
 """Every torchao import (the ``lowbit`` extra): NF4 for QLoRA's frozen base (``model.lora.quantize``)
-and the low-bit AdamW states (``optim.state_bits``).
+the low-bit AdamW states (``optim.state_bits``) and float8 compute (``precision.float8``).
 
 torchao moves its APIs between releases (NF4 left ``torchao.dtypes.nf4tensor`` for
 ``torchao.quantization`` in 0.18), so this module is the one place that knows where they live. The core
 never imports it unless a key that needs it is set: `fsdp_zero.sharding.quantize` imports it when
-``model.lora.quantize`` is nf4, `fsdp_zero.sharding.build` when ``optim.state_bits`` is 8 or 4.
+``model.lora.quantize`` is nf4, `fsdp_zero.sharding.build` when ``optim.state_bits`` is 8 or 4 or
+``precision.float8`` is set.
 
 NF4 (Dettmers et al. 2023, QLoRA): a tensor in blocks of ``block`` elements, each element a 4-bit code
 into a 16-entry table scaled by its block's absolute maximum; the block scalers themselves quantized to
@@ -31,7 +32,16 @@ try:  # torchao >= 0.18
 except ImportError:  # torchao 0.17
     from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
 
-__all__ = ["NF4Tensor", "to_nf4", "is_nf4", "dequantize", "quantized_data", "low_bit_adamw"]
+__all__ = [
+    "NF4Tensor",
+    "to_nf4",
+    "is_nf4",
+    "dequantize",
+    "quantized_data",
+    "low_bit_adamw",
+    "convert_float8",
+    "precompute_float8_scales",
+]
 
 
 def is_nf4(t: torch.Tensor) -> bool:
@@ -58,3 +68,29 @@ def low_bit_adamw(bits: int) -> type[torch.optim.Optimizer]:
     from torchao.optim import AdamW4bit, AdamW8bit
 
     return {8: AdamW8bit, 4: AdamW4bit}[bits]
+
+
+def convert_float8(model: torch.nn.Module, linears: list[str], recipe: str, emulate: bool) -> None:
+    """Swaps each of ``model``'s ``linears`` (FQNs of ``nn.Linear`` modules, on the meta device before
+    sharding, as torchtitan does) for torchao's ``Float8Linear`` (the same weight and bias, so names and
+    checkpoints do not change): its three matmuls in float8 with dynamic scales, per tensor
+    (``tensorwise``: the weight also all-gathered by FSDP2 in float8) or per row (``rowwise``: gathered
+    in bf16). ``emulate``: quantize for real but multiply in fp32 (a device without float8 units)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
+    else:
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    chosen = set(linears)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+
+
+def precompute_float8_scales(model: torch.nn.Module) -> None:
+    """tensorwise: every float8 weight's scale (its absolute maximum) for the next all-gather, in one
+    all-reduce after the optimizer step instead of one per weight (the same numbers)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

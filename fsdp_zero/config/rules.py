@@ -80,6 +80,7 @@ def validate(cfg: Config) -> None:
         )
     check_qlora(cfg)
     _check_state_bits(cfg)
+    _check_float8(cfg)
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
 
@@ -109,6 +110,38 @@ def check_qlora(cfg: Config) -> None:
             f"{setting} needs an FSDP strategy ({strategies_that('fsdp')}), not "
             f"parallel.strategy={strategy.value}: FSDP2 shards and gathers the NF4 base"
         )
+
+
+def _check_float8(cfg: Config) -> None:
+    """precision.float8: bf16 compute around it, an FSDP strategy, and not what it cannot take yet
+    (LoRA: torchao's conversion would replace a LoRALinear by a Float8Linear and drop its adapters).
+    Compile with emulation is refused when the device is known (`fsdp_zero.sharding.build`)."""
+    recipe, par = cfg.precision.float8, cfg.parallel
+    if recipe == "none":
+        return
+    setting = f"precision.float8={recipe}"
+    if cfg.precision.mode not in ("bf16-mixed", "bf16-true"):
+        raise ValueError(
+            f"{setting} with precision.mode={cfg.precision.mode}: valid choices: bf16-mixed, "
+            "bf16-true (float8 replaces bf16 matmuls)"
+        )
+    if not is_fsdp(par.strategy):
+        raise ValueError(
+            f"{setting} needs an FSDP strategy ({strategies_that('fsdp')}), not "
+            f"parallel.strategy={par.strategy.value}"
+        )
+    refused = (
+        (
+            "model.lora.rank",
+            cfg.model.lora.rank,
+            "torchao would replace LoRA's Linear and drop its adapters",
+        ),
+        ("parallel.tp_size", par.tp_size > 1 and par.tp_size, "untested"),
+        ("parallel.pp_size", par.pp_size > 1 and par.pp_size, "untested"),
+    )
+    for key, value, why in refused:
+        if value:
+            raise ValueError(f"{setting} with {key}={value} is not supported yet: {why}")
 
 
 def _check_state_bits(cfg: Config) -> None:

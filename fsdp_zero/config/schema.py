@@ -424,6 +424,10 @@ PRECISION_MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 _PRECISION_DTYPES = ("fp32", "bf16", "fp16")
 
 
+# precision.float8's choices
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+
+
 @dataclass
 class PrecisionConfig:
     """``precision=bf16-mixed`` is short for ``precision.mode=bf16-mixed``.
@@ -443,9 +447,19 @@ class PrecisionConfig:
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
+    # float8 compute (torchao, as torchtitan): each block Linear's matmuls in float8 with dynamic
+    # scales, per tensor (tensorwise: the weights also all-gathered in float8, 1 B instead of 2) or per
+    # row (rowwise: gathered in bf16); emulated (real quantization, fp32 matmul) where the device has no
+    # float8 units. No memory saved. none: off. docs/memory-levers.md.
+    float8: str = "none"
 
     def check(self) -> None:
         check_positive("precision.loss_scale_window", self.loss_scale_window)
+        if self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(
+                f"precision.float8={self.float8!r} is not a valid choice; valid choices: "
+                f"{', '.join(FLOAT8_RECIPES)}"
+            )
         if self.mode not in PRECISION_MODES:
             raise ValueError(
                 f"precision.mode={self.mode!r} is not a valid choice; valid choices: "

@@ -45,12 +45,11 @@ from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
-from fsdp_zero.sharding.parallelize import reduce_scatter_comm, unwrap
+from fsdp_zero.sharding.parallelize import ByteAllGather, reduce_scatter_comm, unwrap
 from fsdp_zero.sharding.precision import NAMES, Precision
 from fsdp_zero.sharding.tensor import resolve_plan, tp_local_shape
 from fsdp_zero.sharding.wrap import ROOT, WrapPlan
 from fsdp_zero.torch_private import (
-    DefaultAllGather,
     DefaultReduceScatter,
     count_functional_collectives,
     count_zero_broadcasts,
@@ -110,7 +109,7 @@ def comm_formula(
     plan: WrapPlan,
     accum: int,
     precision: Precision,
-    nf4: dict[str, float] | None = None,
+    packed: dict[str, float] | None = None,
 ) -> CommBytes:
     """Bytes per rank per optimizer step that ``cfg.parallel`` communicates, by kind, for ``accum``
     micro-batches a step (what `CommMeter` counts; a step taken, not skipped).
@@ -129,9 +128,9 @@ def comm_formula(
 
     ``model``: unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones);
     ``plan``: its FSDP units (`fsdp_zero.sharding.wrap.build_wrap_plan`); ``precision``:
-    ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`); ``nf4``: QLoRA's NF4
-    weights, {name: bytes one gather of it moves} (`fsdp_zero.sharding.quantize.NF4Base.gathered`):
-    those instead of their elements in the compute dtype.
+    ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`); ``packed``: the weights not
+    gathered in the compute dtype (QLoRA's NF4, tensorwise float8's), {name: bytes one gather of it
+    moves} (`fsdp_zero.sharding.build.Built.gathered_bytes`): those instead of their elements.
     """
     spec = topology.spec
     sync = cfg.parallel.grad_sync_in_effect
@@ -143,11 +142,11 @@ def comm_formula(
     gathers_per_unit = (
         2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
     )
-    packed = {id(p): nf4[name] for name, p in model.named_parameters() if name in (nf4 or {})}
+    by_id = {id(p): packed[name] for name, p in model.named_parameters() if name in (packed or {})}
     compute = precision.compute.itemsize
 
     def gathered_bytes(p: nn.Parameter) -> float:
-        return packed[id(p)] if id(p) in packed else _padded(p, n) * compute
+        return by_id[id(p)] if id(p) in by_id else _padded(p, n) * compute
 
     gathered = reduced = held = 0
     for root, params in _unit_params(model, plan):
@@ -228,8 +227,9 @@ def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[
     }
 
 
-class _CountedAllGather(DefaultAllGather):
-    """FSDP2's all-gather, counting its output's bytes first."""
+class _CountedAllGather(ByteAllGather):
+    """FSDP2's all-gather (float8 as bytes, `fsdp_zero.sharding.parallelize.ByteAllGather`), counting its
+    output's bytes first."""
 
     def __init__(self, add: partial) -> None:
         self.add = add
@@ -294,7 +294,7 @@ class CommMeter:
                     plan,
                     accum,
                     built.precision,
-                    built.nf4.gathered if built.nf4 else None,
+                    built.gathered_bytes,
                 )
             )
             for part, plan in parts

@@ -33,7 +33,7 @@ from fsdp_zero.model.source import base_source
 from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.precision import Precision, resolve
-from fsdp_zero.sharding.quantize import NF4Base, adamw_state_bytes
+from fsdp_zero.sharding.quantize import NF4Base, adamw_state_bytes, float8_targets
 from fsdp_zero.sharding.tensor import tp_whole
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.torch_private import disable_autograd_cache, hf_init_weights
@@ -314,6 +314,58 @@ def param_groups(
     ]
 
 
+@dataclass(frozen=True)
+class Float8Plan:
+    """precision.float8 as built: its recipe, whether it is emulated (no float8 units on the device),
+    whether FSDP2 gathers the weights in float8 (tensorwise), and the converted weights' {name:
+    values}."""
+
+    recipe: str
+    emulate: bool
+    all_gather: bool
+    weights: dict[str, int]
+
+    def note(self) -> str:
+        """The start-up line."""
+        how = (
+            "emulated (no float8 units on this device: real quantization, fp32 matmuls, no speed-up)"
+            if self.emulate
+            else "on the device's float8 units"
+        )
+        gather = (
+            "weights all-gathered in float8" if self.all_gather else "weights all-gathered in bf16"
+        )
+        return (
+            f"float8 {self.recipe} on {len(self.weights)} Linear modules ({sum(self.weights.values()):,} "
+            f"weight values), {how}; {gather}"
+        )
+
+
+def _float8(cfg: Config, model: nn.Module, env: DistEnv, topology: Topology) -> Float8Plan | None:
+    """precision.float8 applied to the meta-device ``model``: `float8_targets` converted (torchao).
+
+    Raises:
+        ValueError: train.compile with emulated float8 (torchtitan's rule: emulation is eager-only).
+    """
+    recipe = cfg.precision.float8
+    if recipe == "none":
+        return None
+    from fsdp_zero import lowbit
+
+    cuda = env.device.type == "cuda"
+    emulate = not (cuda and torch.cuda.get_device_capability(env.device) >= (8, 9))
+    if emulate and cfg.train.compile:
+        raise ValueError(
+            f"precision.float8={recipe} with train.compile=true: this device has no float8 units, and "
+            "emulated float8 runs eager only; set train.compile=false"
+        )
+    plan = build_wrap_plan(model, cfg.parallel.wrap, topology.param_shards)
+    linears = float8_targets(model, plan)
+    weights = {f"{n}.weight": model.get_submodule(n).weight.numel() for n in linears}
+    lowbit.convert_float8(model, linears, recipe, emulate)
+    return Float8Plan(recipe, emulate, recipe == "tensorwise", weights)
+
+
 @dataclass
 class Built:
     model: nn.Module  # what to call: the sharded model, or its DDP wrapper
@@ -330,6 +382,16 @@ class Built:
     stages: RankStages | None = None
     nf4: NF4Base | None = None  # QLoRA's quantized base (model.lora.quantize=nf4), None without
     state_bits: int = 32  # optim.state_bits: AdamW's states, 32-bit or torchao's 8- or 4-bit
+    float8: Float8Plan | None = None  # precision.float8's Linears, None without
+
+    @property
+    def gathered_bytes(self) -> dict[str, float]:
+        """The weights not gathered in the compute dtype, {name: bytes one gather moves}: QLoRA's NF4
+        (`NF4Base.gathered`) and float8's all-gathered ones (1 B a value)."""
+        out = dict(self.nf4.gathered) if self.nf4 else {}
+        if self.float8 is not None and self.float8.all_gather:
+            out.update(self.float8.weights)
+        return out
 
     @property
     def rebuilt(self) -> frozenset[str]:
@@ -404,6 +466,7 @@ def build(
         plan = build_wrap_plan(model, cfg.parallel.wrap, topology.param_shards)
         nf4 = NF4Base.plan(model, plan, cfg.model, topology.param_shards, base_source(cfg.model))
         quantize = nf4.quantizer(model)
+    float8 = _float8(cfg, model, env, topology)
     if topology.pp > 1:
         stages, plan, note = _shard_stages(model, cfg, env, seed, topology, compute)
         model = stages.model
@@ -423,6 +486,10 @@ def build(
     optimizer = build_optimizer(
         model, cfg.optim, device, zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer
     )
+    if float8 is not None and float8.all_gather:  # the next all-gather's scales, in one all-reduce
+        from fsdp_zero import lowbit
+
+        optimizer.register_step_post_hook(lambda *_: lowbit.precompute_float8_scales(model))
     whole = tp_whole(model) if topology.tp > 1 else 0
     return Built(
         model,
@@ -438,6 +505,7 @@ def build(
         stages,
         nf4,
         cfg.optim.state_bits,
+        float8,
     )
 
 

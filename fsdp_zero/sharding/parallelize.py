@@ -34,7 +34,7 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.precision import Precision
 from fsdp_zero.sharding.tensor import apply_tensor_parallel
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-from fsdp_zero.torch_private import DefaultReduceScatter, checkpoint_activations
+from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter, checkpoint_activations
 
 # Bytes per parameter of (parameters, gradients, optimizer states): fp32 AdamW holds 4 + 4 + 8.
 _FP32_ADAMW = (4, 4, 8)
@@ -198,6 +198,26 @@ class AllReduceScatter(DefaultReduceScatter):
         output_tensor.copy_(chunks[group.rank()].view_as(output_tensor))
 
 
+class ByteAllGather(DefaultAllGather):
+    """FSDP2's all-gather with 1-byte floating tensors (float8) sent as their bytes: gloo has no float8
+    dtypes ("Invalid scalar type"). FSDP2 itself falls back to bytes only where a unit's inputs mix
+    dtypes; a unit holding only float8 weights (tensorwise float8's all-gather) needs this. Installed on
+    gloo runs (`fsdp_zero.monitor.comm.CommMeter`'s counting all-gather is one too)."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if output_tensor.dtype.is_floating_point and output_tensor.dtype.itemsize == 1:
+            output_tensor, input_tensor = (
+                t.view(torch.uint8) for t in (output_tensor, input_tensor)
+            )
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
 def reduce_scatter_comm(backend: str) -> DefaultReduceScatter:
     """The gradient reduction FSDP2 runs on ``backend``: `AllReduceScatter` on gloo, FSDP2's own elsewhere."""
     return AllReduceScatter() if backend == "gloo" else DefaultReduceScatter()
@@ -301,6 +321,7 @@ def parallelize(
     if env.backend == "gloo":  # (`fsdp_zero.monitor.comm.CommMeter` wraps it to count its bytes)
         for unit in units.values():
             unit.set_custom_reduce_scatter(reduce_scatter_comm(env.backend))
+            unit.set_custom_all_gather(ByteAllGather())
     materialize(model)
     return model
 

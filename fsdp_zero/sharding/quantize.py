@@ -1,7 +1,7 @@
 """QLoRA's frozen base in NF4 (``model.lora.quantize=nf4``, docs/lora.md): which weights, the rules
 they must fit, and the quantizer `fsdp_zero.sharding.parallelize.parallelize` runs on each FSDP unit
-just before ``fully_shard`` shards it. And the bytes of the low-bit AdamW states (``optim.state_bits``,
-`adamw_state_bytes`).
+just before ``fully_shard`` shards it. The bytes of the low-bit AdamW states (``optim.state_bits``,
+`adamw_state_bytes`), and which Linears float8 computes (``precision.float8``, `float8_targets`).
 
     base = NF4Base.plan(model, plan, cfg.model, shards)     # which weights; their blocks checked
     parallelize(..., quantize=base.quantizer(model))       # each unit's weights quantized, then sharded
@@ -91,6 +91,21 @@ def _tied(model: nn.Module) -> set[int]:
     for _, p in model.named_parameters(remove_duplicate=False):
         seen[id(p)] = seen.get(id(p), 0) + 1
     return {i for i, n in seen.items() if n > 1}
+
+
+def float8_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
+    """The Linear modules precision.float8 converts: each ``nn.Linear`` inside an FSDP unit other than
+    the root (a block's projections, never the head: torchtitan leaves the output in bf16) whose
+    in and out features are multiples of 16 (float8 matmuls' alignment)."""
+    units = [u.fqn for u in plan.units if u.fqn]
+    return [
+        name
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear
+        and m.in_features % 16 == 0
+        and m.out_features % 16 == 0
+        and any(name.startswith(u + ".") for u in units)
+    ]
 
 
 def chosen_targets(model: nn.Module, plan: WrapPlan, lora: LoRAConfig) -> list[str]:

@@ -57,6 +57,8 @@ def log_setup(
         strategy.value,
     )
     logger.info("initialised: %s", built.init_note)
+    if built.float8 is not None:
+        logger.info("%s", built.float8.note())
     if built.trainable_note:
         logger.info("trained: %s", built.trainable_note)
     changed = config_diff(to_plain(Config()), to_plain(cfg))
