@@ -77,6 +77,7 @@ UNTIED_EVEN = ("model.kwargs.tie_word_embeddings=false", "model.kwargs.vocab_siz
 SPLIT = "{root}/split/checkpoints/step-0000004"  # ZeRO-3 at 2 ranks, saved after step 4 of 8
 QLORA_4 = "{root}/qlora/checkpoints/step-0000004"
 ADAMW8_4 = "{root}/adamw8/checkpoints/step-0000004"
+FP8_4 = "{root}/fp8-tw/checkpoints/step-0000004"
 # tests/test_eval.py's validation: 5 windows of 33 tokens (170 tokens: a tail no window reaches), after
 # steps 3, 6 and 8; at 2 ranks and micro-batch 2, rank 0 forwards 2 + 1 windows, rank 1 2 and a dummy.
 EVAL = ("eval.every=3", "eval.path={root}/val.bin")
@@ -107,7 +108,8 @@ class Launch:
 
 
 P, C, M, E, L = "test_parity", "test_checkpoint", "test_models", "test_eval", "test_lora"
-T, S, K, Q, B = "test_comm", "test_step_group", "test_clusters", "test_qlora", "test_lowbit_adamw"
+T, S, K = "test_comm", "test_step_group", "test_clusters"
+Q, B, F = "test_qlora", "test_lowbit_adamw", "test_float8"
 # tests/test_lora.py's: the embedding and layer 0's attention frozen; LoRA on three Linear kinds with the final norm
 # trained.
 FREEZE = (r"model.freeze=[tok_embeddings.weight,layers\.0\.attention\..*]",)
@@ -127,6 +129,10 @@ QLORA = (
 QLORA_BASE_SEED = 5
 # tests/test_lowbit_adamw.py's: only the feed-forward's w1 and w3 (96 x 64 shards at 2 ranks: 6,144 values,
 # packed) and the attention's wq (2,048: fp32 states) train
+# tests/test_float8.py's: bf16-mixed, the feed-forwards as FSDP units of their own (three float8 Linears
+# and nothing else: the all-gather that gloo cannot send without ByteAllGather)
+BF16 = ("precision=bf16-mixed",)
+FF_UNITS = ("parallel.wrap.policy=modules", r"parallel.wrap.modules=[layers\.\d+\.feed_forward]")
 LOW_BIT = (
     r"model.freeze=[tok_embeddings.weight,output.weight,.*norm.*,.*\.(wk|wv|wo|w2)\.weight]",
 )
@@ -283,7 +289,7 @@ RUNS = [
         ),
         (P,),
     ),
-    Run("bf16-mixed", "2", (*BASE, *PROFILED, "precision=bf16-mixed"), (P, T, S)),
+    Run("bf16-mixed", "2", (*BASE, *PROFILED, "precision=bf16-mixed"), (P, T, S, F)),
     Run("fp16-mixed", "2", (*BASE, "precision=fp16-mixed"), (P,)),
     Run("bf16-true", "2", (*BASE, *PROFILED, "precision=bf16-true"), (P, T)),
     Run(
@@ -353,6 +359,18 @@ RUNS = [
     # QLoRA: saved at 4 and 8; in bf16-mixed (2 steps)
     Run("qlora", "2", (*BASE, *QLORA, "checkpoint.every=4"), (Q,)),
     Run("qlora-bf16", "2", (*BASE, *QLORA, "precision=bf16-mixed", "train.steps=2"), (Q,)),
+    # float8 (emulated) against bf16-mixed: tensorwise (float8 all-gather) and its bf16 twin, rowwise
+    # against the bf16-mixed run
+    Run(
+        "fp8-tw",
+        "2",
+        (*BASE, *BF16, *FF_UNITS, "precision.float8=tensorwise", "checkpoint.every=4"),
+        (F,),
+    ),
+    Run("fp8-bf16-ff", "2", (*BASE, *BF16, *FF_UNITS, "checkpoint.enabled=false"), (F,)),
+    Run(
+        "fp8-rw", "2", (*BASE, *BF16, "precision.float8=rowwise", "checkpoint.enabled=false"), (F,)
+    ),
     # torchao's low-bit AdamW states against torch's AdamW, two shard shapes trained (each process
     # compiles torchao's update once per shape: seconds each)
     Run("adamw32", "2", (*BASE, *LOW_BIT, "checkpoint.enabled=false"), (B,)),
@@ -399,6 +417,19 @@ RUNS = [
     Run("compile", "2", (*BASE, "train.compile=true"), (P,)),  # ~25 s of inductor: last
     # Each continues a checkpoint of launch "2" in a fresh process.
     Run("resumed", "2-resume", (*BASE, "checkpoint.every=0"), (C,), run_name="split"),
+    Run(
+        "fp8-tw-resumed",
+        "2-resume",
+        (
+            *BASE,
+            *BF16,
+            *FF_UNITS,
+            "precision.float8=tensorwise",
+            "checkpoint.every=0",
+            f"checkpoint.resume={FP8_4}",
+        ),
+        (F,),
+    ),
     Run(
         "adamw8-resumed",
         "2-resume",
@@ -707,6 +738,14 @@ RUNS = [
     Run("masked-n1", "1", (*BASE, *MASKED), ("test_masked",)),
     Run("masked-n1-mb8", "1", (*BASE, *MASKED, "train.micro_batch_size=8"), ("test_masked",)),
     Run("lora-n1", "1", (*BASE, *LORA), (L,)),
+    # float8 at one rank: tensorwise and its bf16 twin (4 steps)
+    Run(
+        "fp8-tw-n1",
+        "1",
+        (*BASE, *BF16, *FF_UNITS, "precision.float8=tensorwise", "train.steps=4"),
+        (F,),
+    ),
+    Run("fp8-bf16-ff-n1", "1", (*BASE, *BF16, *FF_UNITS, "train.steps=4"), (F,)),
     # one rank: forwards of 4 and 1 windows
     Run("eval-n1", "1", (*BASE, "train.micro_batch_size=4", *EVAL), (E,)),
     Run("reshard1", "1", (*BASE, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"), (C,)),

@@ -60,6 +60,10 @@ _LAYOUT_FIT = "test_a_layout_search_composes_each_layout_from_zero3_by_formula"
 _NF4_WHOLE = "test_the_base_is_nf4_on_every_rank_quantized_whole_and_never_changes"
 _NF4_RESUME = "test_resume_rebuilds_the_base_and_continues_exactly"
 _LOW_BIT = "test_states_are_low_bit_where_a_shard_is_whole_blocks_and_train_like_adamw"
+_FP8_LINEARS = "test_the_block_linears_compute_in_float8_and_train_as_bf16_does"
+_FP8_RESUME = "test_a_resume_continues_exactly"
+_FP8_GATHER = "test_tensorwise_all_gathers_its_weights_in_float8"
+_FP8_BYTES = "test_a_unit_of_float8_weights_is_gathered_as_bytes_on_gloo"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -324,6 +328,26 @@ MUTANTS = {
         "low-bit AdamW: the model-state formula counts its states at fp32's 8 B a value",
         [f"tests/test_lowbit_adamw.py::{_LOW_BIT}"],
         [_LOW_BIT],
+    ),
+    "float8-ignored": (
+        "precision.float8: no Linear converted (bf16 matmuls under a float8 setting)",
+        [f"tests/test_float8.py::{_FP8_LINEARS}"],
+        [_FP8_LINEARS],
+    ),
+    "float8-stale-scales-after-load": (
+        "float8 tensorwise: a resumed run gathers with scales computed before its weights were loaded",
+        [f"tests/test_float8.py::{_FP8_RESUME}"],
+        [_FP8_RESUME],
+    ),
+    "float8-gathered-at-bf16": (
+        "float8 tensorwise: the communication formula counts its weights' all-gather at bf16's 2 B",
+        [f"tests/test_float8.py::{_FP8_GATHER}"],
+        [_FP8_GATHER],
+    ),
+    "float8-bytes-unviewed": (
+        "gloo: float8 tensors all-gathered as themselves (gloo has no float8 dtype)",
+        [f"tests/test_float8.py::{_FP8_BYTES}"],
+        [_FP8_BYTES],
     ),
     "test-process-sees-gpus": (
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",

@@ -384,6 +384,16 @@ class Built:
     state_bits: int = 32  # optim.state_bits: AdamW's states, 32-bit or torchao's 8- or 4-bit
     float8: Float8Plan | None = None  # precision.float8's Linears, None without
 
+    def weights_loaded(self) -> None:
+        """What follows a load into the built model (a checkpoint, model.init_from): tensorwise
+        float8's precomputed scales recomputed from the loaded weights. (Loading a checkpoint creates
+        the optimizer's states by a step with zero gradients, whose post-hook computed them from the
+        weights before the load: the first step after a resume would gather with stale scales.)"""
+        if self.float8 is not None and self.float8.all_gather:
+            from fsdp_zero import lowbit
+
+            lowbit.precompute_float8_scales(self.model)
+
     @property
     def gathered_bytes(self) -> dict[str, float]:
         """The weights not gathered in the compute dtype, {name: bytes one gather moves}: QLoRA's NF4

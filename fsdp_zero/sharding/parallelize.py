@@ -211,11 +211,10 @@ class ByteAllGather(DefaultAllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        if output_tensor.dtype.is_floating_point and output_tensor.dtype.itemsize == 1:
-            output_tensor, input_tensor = (
-                t.view(torch.uint8) for t in (output_tensor, input_tensor)
-            )
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        out, inp = output_tensor, input_tensor
+        if out.dtype.is_floating_point and out.dtype.itemsize == 1:
+            out, inp = out.view(torch.uint8), inp.view(torch.uint8)
+        return super().__call__(out, inp, group, async_op)
 
 
 def reduce_scatter_comm(backend: str) -> DefaultReduceScatter:

@@ -228,13 +228,25 @@ class Simulator:
         """`_predict`; for QLoRA (model.lora.quantize=nf4) the LoRA model's, less what its NF4 base
         saves by formula (`nf4_saving`): the simulation never reads the base's file. For low-bit AdamW
         states (optim.state_bits 8 or 4) torch's AdamW's, less what they save by formula
-        (`state_saving`): torchao's compiled update does not run in fake-tensor mode."""
+        (`state_saving`): torchao's compiled update does not run in fake-tensor mode. float8 compute
+        (precision.float8) as bf16's: it saves no memory."""
         nf4, bits = c.model.lora.quantize is not Quantize.none, c.optim.state_bits
-        if not nf4 and bits == 32:
+        float8 = c.precision.float8 != "none"
+        if not nf4 and bits == 32 and not float8:
             return self._predict(c, whole)
         lora = replace(c.model.lora, quantize=Quantize.none, quantize_targets=[])
-        plain = replace(c, model=replace(c.model, lora=lora), optim=replace(c.optim, state_bits=32))
+        plain = replace(
+            c,
+            model=replace(c.model, lora=lora),
+            optim=replace(c.optim, state_bits=32),
+            precision=replace(c.precision, float8="none"),
+        )
         pred = self._predict(plain, whole)
+        if float8:
+            pred.notes.append(
+                f"float8 {c.precision.float8}: simulated as bf16 (it saves no memory; tensorwise gathers "
+                "its weights in 1 B instead of 2: an overestimate of the gathered units)"
+            )
         if nf4:
             count, saved = nf4_saving(c, self.world_size)
             _take(pred, "params", saved)

@@ -183,12 +183,14 @@ def _resume(
         if given:
             key, path = given
             renamed = load_full_weights(unwrap(built.model), path, key, whole, built.rebuilt)
+            built.weights_loaded()
             logger.info("initialised from %s%s", path, f" ({renamed})" if renamed else "")
         return TrainState(step=0, nf4_base=built.nf4.record() if built.nf4 else None)
     state = load_checkpoint(
         decision.resume, built.model, built.optimizer, env.rank, env.device, whole, built.rebuilt
     )
     check_rebuilt_base(built.nf4, state, decision.resume)
+    built.weights_loaded()
     if scaler is not None and state.loss_scaler is not None:
         scaler.load_state_dict(state.loss_scaler)
     logger.info(

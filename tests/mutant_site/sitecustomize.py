@@ -443,6 +443,26 @@ SOURCE = {
         "return 2 * (numel * bits / 8 + 4 * numel / block + 4 * 2**bits)",
         "return __mutant__(8 * numel)",
     ),
+    "float8-ignored": (
+        "fsdp_zero.sharding.build",
+        "lowbit.convert_float8(model, linears, recipe, emulate)",
+        "__mutant__()",
+    ),
+    "float8-stale-scales-after-load": (
+        "fsdp_zero.sharding.build",
+        "lowbit.precompute_float8_scales(self.model)",
+        "__mutant__()",
+    ),
+    "float8-gathered-at-bf16": (
+        "fsdp_zero.sharding.build",
+        "out.update(self.float8.weights)",
+        "__mutant__()",
+    ),
+    "float8-bytes-unviewed": (
+        "fsdp_zero.sharding.parallelize",
+        "out, inp = out.view(torch.uint8), inp.view(torch.uint8)",
+        "__mutant__()",
+    ),
     "test-process-sees-gpus": (
         "tests.cpu_only",
         'os.environ["CUDA_VISIBLE_DEVICES"] = ""',

@@ -403,6 +403,12 @@ def run_job(  # noqa: ANN001
                 "num_frozen": parts.num_frozen,
                 "nf4": [s[7] for s in states] if nf4 else None,
                 "optim_states": [s[8] for s in states],
+                # the class of every Linear-like module (float8 swaps some for torchao's Float8Linear)
+                "linear_classes": {
+                    n: type(m).__name__
+                    for n, m in parts.model.named_modules()
+                    if isinstance(m, torch.nn.Linear)
+                },
                 "nf4_numel": nf4.numel if nf4 else 0,
             },
             out,
