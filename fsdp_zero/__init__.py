@@ -23,11 +23,9 @@ __all__ = [
 
 # The package's import order, bottom to top: a module imports from its own subpackage or from a
 # level before its own, never from its own level or above (tests/test_layout.py fails otherwise;
-# docs/architecture.md renders it). Root modules are named without ``.py``. ``lowbit`` (torchao, an
-# optional extra) is imported inside the functions that need it, as ``torch_private``'s lazy imports are:
-# the core never imports torchao unless a key that needs it is set.
+# docs/architecture.md renders it). Root modules are named without ``.py``.
 LAYERS = (
-    ("errors", "torch_private", "lowbit"),
+    ("errors", "torch_private"),
     ("config",),
     ("distributed",),
     ("data",),

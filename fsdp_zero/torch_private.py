@@ -1,5 +1,5 @@
 """Every private PyTorch (and Hugging Face) API fsdp-zero uses, in one place, each with
-what it is for.
+what it is for; and torchao's (the ``lowbit`` extra), whose public APIs move between releases.
 
 Private names move between releases. Importing them here (and nowhere else) means a
 torch upgrade breaks one module, loudly, and `tests/test_units.py` checks each is still
@@ -44,6 +44,10 @@ __all__ = [
     "set_group_timeout",
     "local_shape_and_offset",
     "count_functional_collectives",
+    "to_nf4",
+    "low_bit_adamw",
+    "convert_float8",
+    "precompute_float8_scales",
 ]
 
 # FakeTensorMode: tensors with shapes, dtypes and devices but no storage; the planner runs
@@ -394,9 +398,50 @@ def storage_key(tensor: Any) -> tuple[int, int]:
     return storage._cdata, storage.nbytes()
 
 
-def disable_autograd_cache() -> None:
-    """Turns AOTAutograd's on-disk cache off for this process (torchao's low-bit AdamW kinds collide in
-    it on torch 2.15: `fsdp_zero.lowbit.low_bit_adamw`). torch._functorch.config is private."""
+# ---------------------------------------------------------------------------------
+# torchao (the `lowbit` extra: QLoRA's NF4, low-bit AdamW, float8), imported on first use: the core never
+# imports it unless a key needs one (config.rules checks it is installed); its APIs move between
+# releases (NF4 left torchao.dtypes.nf4tensor for torchao.quantization in 0.18).
+
+
+def to_nf4(tensor: torch.Tensor, block: int, scaler_block: int) -> Any:
+    """torchao's ``NF4Tensor`` of ``tensor``: ``F.linear`` dequantizes it (``get_original_weight``) in
+    forward and backward; FSDP2 shards and gathers its inner tensors."""
+    try:
+        from torchao.quantization import to_nf4 as nf4
+    except ImportError:  # torchao 0.17
+        from torchao.dtypes.nf4tensor import to_nf4 as nf4
+    return nf4(tensor, block, scaler_block)
+
+
+def low_bit_adamw(bits: int) -> type[torch.optim.Optimizer]:
+    """torchao's AdamW with ``bits``-bit states (AdamW8bit: blocks of 256; AdamW4bit: 128): its
+    update is compiled per shape, its learning rate a tensor. AOTAutograd's on-disk cache is turned off
+    first: torchao 0.18 on torch 2.15 crashes reading one kind's cached graph for another."""
     import torch._functorch.config as functorch_config
+    from torchao.optim import AdamW4bit, AdamW8bit
 
     functorch_config.enable_autograd_cache = False
+    return {8: AdamW8bit, 4: AdamW4bit}[bits]
+
+
+def convert_float8(model: torch.nn.Module, linears: list[str], recipe: str, emulate: bool) -> None:
+    """Swaps ``model``'s ``linears`` (FQNs) for torchao's ``Float8Linear`` (the same parameters),
+    scaled per tensor (tensorwise: FSDP2 gathers its weight in float8) or per row (rowwise);
+    ``emulate``: real quantization, fp32 matmuls. ``Float8Linear`` is "not a public API"."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
+    if recipe != "tensorwise":
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    chosen = set(linears)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+
+
+def precompute_float8_scales(model: torch.nn.Module) -> None:
+    """Every tensorwise float8 weight's scale for its next all-gather, in one all-reduce."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

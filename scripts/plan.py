@@ -47,6 +47,7 @@ from fsdp_zero.tools import (
     Prediction,
     Rates,
     StageRow,
+    Trained,
     deepspeed_zero3_estimate,
     fit_rates,
     format_bytes,
@@ -159,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 int(args.params),
                 int(args.largest_layer) if args.largest_layer else None,
                 args.world_size,
-                frozen=frozen,
-                nf4=nf4,
-                state_bits=args.state_bits or 32,
+                trained=Trained(frozen, nf4, args.state_bits or 32),
             )
             return 0
         for flag in ("frozen", "nf4", "state_bits"):
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.world_size
     memory_table(cfg, preds, num_params, n, limit)
     nf4 = nf4_saving(cfg, n)[0] if cfg.model.lora.quantize is Quantize.nf4 else 0
-    formulas(num_params, largest, n, root, frozen_count(model), nf4, cfg.optim.state_bits)
+    formulas(num_params, largest, n, root, Trained(frozen_count(model), nf4, cfg.optim.state_bits))
     communication(cfg, model, n, [Strategy(p.strategy) for p in preds], rates.link_gbps)
     if args.json:
         with open(args.json, "w") as f:
@@ -462,17 +461,15 @@ def formulas(
     largest: int | None,
     n: int,
     root: int | None = None,
-    frozen: int = 0,
-    nf4: int = 0,
-    state_bits: int = 32,
+    trained: Trained = Trained(),
 ) -> None:
     """The ZeRO paper's model states per device (its Table 1) beside ours per strategy, at rest and
     inside the step, and DeepSpeed's ZeRO-3 estimate. ``largest``: the largest unit's parameters
-    besides the root (None: not known); ``root``: the root unit's own (None: not known, counted as 0)."""
+    besides the root (None: not known); ``root``: the root unit's own (None: not known, counted as 0);
+    ``trained``: frozen, NF4 and the AdamW states' bits."""
+    frozen, nf4, state_bits = trained.frozen, trained.nf4, trained.state_bits
     paper = zero_paper_stages(num_params, n)
-    states = strategy_states(
-        num_params, n, largest, root or 0, frozen=frozen, nf4=nf4, state_bits=state_bits
-    )
+    states = strategy_states(num_params, n, largest, root or 0, trained=trained)
     print(
         f"## model states per rank, {num_params:,} parameters over {n} ranks: the ZeRO paper and ours\n"
     )

@@ -22,7 +22,7 @@ from fsdp_zero.torch_private import DefaultAllGather
 from tests.batches import BASE, BF16
 from tests.conftest import assert_user_error, figure
 
-pytest.importorskip("fsdp_zero.lowbit")  # the lowbit extra (in dev)
+pytest.importorskip("torchao")  # the lowbit extra (in dev)
 
 # Per-step loss against bf16-mixed: float8's e4m3 keeps 3 mantissa bits (bf16 7), so each matmul is
 # off by a few percent (3.6% on one Linear: ../shared/research/lowbit.md 2.1), which averages out in the

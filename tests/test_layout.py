@@ -14,9 +14,7 @@ PACKAGE = REPO / "fsdp_zero"
 
 # "": fsdp_zero itself (__version__)
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names} | {"": 0}
-ROOT_FILES = {"__init__.py", "api.py", "errors.py", "lowbit.py", "torch_private.py"}
-# imported inside functions: private torch APIs resolved at import time, and the optional torchao extra
-LAZY = ("torch_private", "lowbit")
+ROOT_FILES = {"__init__.py", "api.py", "errors.py", "torch_private.py"}
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
 
 
@@ -66,7 +64,7 @@ def _modules() -> list[tuple[Path, str]]:
     ]
 
 
-def test_the_root_holds_five_files_and_every_subpackage_has_a_level():
+def test_the_root_holds_four_files_and_every_subpackage_has_a_level():
     assert {p.name for p in PACKAGE.glob("*.py")} == ROOT_FILES
     assert set(SUBPACKAGES) == set(LEVEL) - {"", *(f.removesuffix(".py") for f in ROOT_FILES)}, (
         SUBPACKAGES
@@ -75,8 +73,7 @@ def test_the_root_holds_five_files_and_every_subpackage_has_a_level():
 
 def test_imports_run_down_the_order_and_none_hides_in_a_function():
     """A module imports from its own subpackage or from a lower level, at the top of the module
-    (an import inside a function hides a dependency; torch_private's lazy imports are for import time,
-    lowbit's for the optional torchao)."""
+    (an import inside a function hides a dependency; torch_private's lazy imports are for import time)."""
     upward, hidden = [], []
     for path, home in _modules():
         if home == "__init__":
@@ -86,7 +83,7 @@ def test_imports_run_down_the_order_and_none_hides_in_a_function():
             to = _home(target)
             if to != home and (to not in LEVEL or LEVEL[to] >= LEVEL[home]):
                 upward.append(where)
-            if in_function and to not in LAZY:
+            if in_function and to != "torch_private":
                 hidden.append(where)
     assert upward == [], "imports up (or across) the order of fsdp_zero.LAYERS"
     assert hidden == []

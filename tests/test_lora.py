@@ -274,11 +274,11 @@ def test_lora_on_a_pretrained_llama_exports_merged_and_for_peft(batches, tmp_pat
     )
     assert peft_diff <= 1e-5, peft_diff
     # The planner's formulas take the same count.
-    from fsdp_zero.tools.formulas import strategy_states
+    from fsdp_zero.tools.formulas import Trained, strategy_states
 
     rows = {
         (s.strategy.value, s.mode): s.at_rest
-        for s in strategy_states(1000, 4, modes=("fp32",), frozen=600)
+        for s in strategy_states(1000, 4, modes=("fp32",), trained=Trained(frozen=600))
     }
     assert (
         rows[("full_shard", "fp32")] == (4 * 600 + 16 * 400) / 4

@@ -20,7 +20,7 @@ from fsdp_zero.sharding.quantize import adamw_state_bytes
 from tests.batches import BASE, LOW_BIT
 from tests.conftest import assert_user_error, figure
 
-pytest.importorskip("fsdp_zero.lowbit")  # the lowbit extra (in dev)
+pytest.importorskip("torchao")  # the lowbit extra (in dev)
 pytestmark = pytest.mark.slow
 
 # torchao's state classes, and how far their losses may drift from torch's AdamW's over 8 early steps
@@ -118,7 +118,7 @@ def test_the_planner_predicts_the_runs_model_state_and_the_formulas_count_the_bi
     """plan.py's simulation of an 8-bit config (torch's AdamW simulated, the states' saving taken by
     formula) predicts what the run measured; --params --state-bits counts 2.03 / 1.06 B a value."""
     from fsdp_zero.config.strategies import Strategy
-    from fsdp_zero.tools.formulas import strategy_states
+    from fsdp_zero.tools.formulas import Trained, strategy_states
     from fsdp_zero.tools.planner import simulate
 
     run = batches["adamw8"]
@@ -130,7 +130,10 @@ def test_the_planner_predicts_the_runs_model_state_and_the_formulas_count_the_bi
     )
     p, n = int(7e9), 8
     for bits, k in ((8, 2 * (1 + 4 / 256)), (4, 2 * (0.5 + 4 / 128))):
-        rows = {(s.strategy.value, s.mode): s for s in strategy_states(p, n, state_bits=bits)}
+        rows = {
+            (s.strategy.value, s.mode): s
+            for s in strategy_states(p, n, trained=Trained(state_bits=bits))
+        }
         assert rows[("full_shard", "fp32")].at_rest == pytest.approx((4 + 4 + k) * p / n)
         assert rows[("full_shard", "bf16-true")].at_rest == pytest.approx((2 + 2 + k) * p / n)
         assert "ZeroRedundancyOptimizer" in rows[("zero1", "fp32")].refused

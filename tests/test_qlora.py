@@ -22,13 +22,14 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.quantize import nf4_bytes
+from fsdp_zero.torch_private import to_nf4
 from tests.batches import BASE, HAS_HF, QLORA
 from tests.conftest import REPO, assert_user_error, check, figure, run_script
 from tests.hf_fixtures import LLAMA_CONFIG
 from tests.reference import reference_run
 from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
 
-lowbit = pytest.importorskip("fsdp_zero.lowbit")  # the lowbit extra (in dev)
+pytest.importorskip("torchao")  # the lowbit extra (in dev)
 EXPORT = REPO / "scripts" / "export.py"
 BLOCK, SCALER = 64, 16  # tests/batches.py's QLORA
 QUANTIZED = [
@@ -74,7 +75,7 @@ def test_the_base_is_nf4_on_every_rank_quantized_whole_and_never_changes(batches
     # The gathered weight is the whole tensor's NF4, bit for bit (a per-shard quantization is not:
     # each shard's own scaler mean), and the frozen base is the same after 8 steps.
     for name in QUANTIZED:
-        whole = lowbit.dequantize(lowbit.to_nf4(base[name], BLOCK, SCALER))
+        whole = to_nf4(base[name], BLOCK, SCALER).get_original_weight()
         assert torch.equal(run["initial"][name], whole), name
         assert torch.equal(run["final"][name], whole), name
     for name, value in base.items():
@@ -133,7 +134,7 @@ def test_the_all_gather_moves_the_nf4_bytes(batches):
     from fsdp_zero.model.lora import make_trainable
     from fsdp_zero.monitor.comm import comm_formula
     from fsdp_zero.sharding.precision import resolve
-    from fsdp_zero.sharding.quantize import nf4_gathered_bytes
+    from fsdp_zero.sharding.quantize import _nf4_gathered_bytes
     from fsdp_zero.sharding.wrap import build_wrap_plan
 
     path = batches.path("qlora")
@@ -142,7 +143,7 @@ def test_the_all_gather_moves_the_nf4_bytes(batches):
     model = construct(cfg.model)
     make_trainable(model, cfg.model)
     shapes = dict(model.named_parameters())
-    gathered = {n: nf4_gathered_bytes(shapes[n].numel(), BLOCK, SCALER, 4) for n in QUANTIZED}
+    gathered = {n: _nf4_gathered_bytes(shapes[n].numel(), BLOCK, SCALER, 4) for n in QUANTIZED}
     args = (
         cfg,
         Topology.of(cfg.parallel, 2),
@@ -286,7 +287,7 @@ def test_nf4_bytes_per_parameter_at_the_default_blocks():
     from fsdp_zero.monitor.memory import _storage_bytes
 
     w = torch.randn(512, 256)
-    nf4 = lowbit.to_nf4(w)
+    nf4 = to_nf4(w, 64, 256)
     assert _storage_bytes([nf4], set()) == nf4_bytes(w.numel())
     assert nf4_bytes(4096 * 4096) / (4096 * 4096) == pytest.approx(0.5159, abs=1e-4)
     # the 70B planner line's per-parameter cost
@@ -296,12 +297,12 @@ def test_nf4_bytes_per_parameter_at_the_default_blocks():
 def test_the_plan_counts_nf4_at_its_bytes_for_a_70b_model_on_two_ranks():
     """plan.py --params 70e9 --world-size 2 --frozen --nf4: the formulas' QLoRA (Llama-2-70B's split:
     68.5e9 Linear weights in NF4, 1.3e9 other frozen, 0.2e9 adapters), and a QLoRA config's counts."""
-    from fsdp_zero.tools.formulas import strategy_states
+    from fsdp_zero.tools.formulas import Trained, strategy_states
 
     p, f, q, n = 70e9, 69.8e9, 68.5e9, 2
     rows = {
         (s.strategy.value, s.mode): s
-        for s in strategy_states(int(p), n, int(0.86e9), 0, frozen=int(f), nf4=int(q))
+        for s in strategy_states(int(p), n, int(0.86e9), 0, trained=Trained(int(f), int(q)))
     }
     nf4 = nf4_bytes(int(q), shards=n)
     assert nf4 / (q / n) == pytest.approx(0.5159, abs=1e-4)

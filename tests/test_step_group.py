@@ -24,7 +24,8 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.memory import StepProfiler
 from fsdp_zero.monitor.phases import Phase
-from fsdp_zero.sharding.build import _local_numel, _step_groups, build, build_optimizer
+from fsdp_zero.sharding.build import build
+from fsdp_zero.sharding.optim import _local_numel, _step_groups, build_optimizer
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
 

@@ -219,11 +219,7 @@ def export_checkpoint(
     read_train_state(checkpoint)
     if out.exists():
         raise ValueError(f"--out {str(out)!r} already exists; it is never overwritten")
-    saved, fetch_saved = _saved_weights(checkpoint)
-    if rebuilt is not None:
-        saved = {**saved, **rebuilt.entries}
-        checkpointed = fetch_saved
-        fetch_saved = lambda n: rebuilt.read(n) if n in rebuilt.entries else checkpointed(n)  # noqa: E731
+    saved, fetch_saved = _saved_weights(checkpoint, rebuilt)
     sources, read = view(list(saved), fetch_saved) if view else ({n: n for n in saved}, fetch_saved)
     entries = [_entry(name, saved[src], dtype) for name, src in sources.items()]
     fetch = lambda name: _cast(read(name), dtype)  # noqa: E731
@@ -257,10 +253,10 @@ def export_checkpoint(
 
 
 def _saved_weights(
-    checkpoint: Path,
+    checkpoint: Path, rebuilt: Any = None
 ) -> tuple[dict[str, Any], Callable[[str], torch.Tensor]]:
     """A checkpoint's saved model tensors ({name: (dtype, shape)}, "model." dropped) and a reader of
-    one at a time.
+    one at a time; with ``rebuilt``'s tensors (`export_checkpoint`) among them.
 
     Raises:
         ValueError: no model weights, or (from the reader) a tensor that cannot be read.
@@ -294,6 +290,11 @@ def _saved_weights(
             ) from None
         return t
 
+    if rebuilt is not None:
+        return {
+            **saved,
+            **rebuilt.entries,
+        }, lambda n: rebuilt.read(n) if n in rebuilt.entries else fetch_saved(n)
     return saved, fetch_saved
 
 

@@ -1,7 +1,9 @@
 """What a run is: the schema, the strategy table, the loader and the DeepSpeed reader (torch-free)."""
 
+from fsdp_zero.config.choices import Quantize
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
 from fsdp_zero.config.loader import load_config, read_saved_config, to_yaml
+from fsdp_zero.config.lora import LoRAConfig
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE, RunDir
 from fsdp_zero.config.presets import (
     BUILTIN_FIELDS,
@@ -23,13 +25,11 @@ from fsdp_zero.config.schema import (
     Device,
     DistConfig,
     Init,
-    LoRAConfig,
     ModelConfig,
     OptimConfig,
     OptimizerImpl,
     ParallelConfig,
     PrecisionConfig,
-    Quantize,
     Schedule,
     Task,
     TrainConfig,

@@ -3,6 +3,8 @@ precision and the strategy, evaluation and the task), before anything is built o
 
 from __future__ import annotations
 
+import importlib.util
+
 from fsdp_zero.config.choices import (
     PP_SCHEDULES,
     ActivationCheckpointing,
@@ -59,6 +61,17 @@ def validate(cfg: Config) -> None:
                 f"train.{key} needs checkpoint.enabled=true: a run stopped early continues from "
                 "its checkpoint"
             )
+    _check_precision(cfg)
+    check_qlora(cfg)
+    _check_state_bits(cfg)
+    _check_float8(cfg)
+    _check_torchao(cfg)
+    _check_tensor_parallel(cfg)
+    _check_pipeline(cfg)
+
+
+def _check_precision(cfg: Config) -> None:
+    """LoRA's adapters never bf16; a gathered precision lower than the stored one needs FSDP."""
     p, strategy = cfg.precision, cfg.parallel.strategy
     if cfg.model.lora.rank and p.mode == "bf16-true":
         raise ValueError(
@@ -78,11 +91,6 @@ def validate(cfg: Config) -> None:
             f"parallel.strategy={strategy.value}; with {strategy.value} use precision.mode=fp32 or "
             "bf16-true"
         )
-    check_qlora(cfg)
-    _check_state_bits(cfg)
-    _check_float8(cfg)
-    _check_tensor_parallel(cfg)
-    _check_pipeline(cfg)
 
 
 def check_qlora(cfg: Config) -> None:
@@ -109,6 +117,21 @@ def check_qlora(cfg: Config) -> None:
         raise ValueError(
             f"{setting} needs an FSDP strategy ({strategies_that('fsdp')}), not "
             f"parallel.strategy={strategy.value}: FSDP2 shards and gathers the NF4 base"
+        )
+
+
+def _check_torchao(cfg: Config) -> None:
+    """The keys that need torchao (the ``lowbit`` extra) find it installed."""
+    needs = {
+        "model.lora.quantize": cfg.model.lora.quantize.value,
+        "optim.state_bits": cfg.optim.state_bits,
+        "precision.float8": cfg.precision.float8,
+    }
+    used = {k: v for k, v in needs.items() if v not in ("none", 32)}
+    if used and importlib.util.find_spec("torchao") is None:
+        key, value = next(iter(used.items()))
+        raise ValueError(
+            f"{key}={value} needs torchao, which is not installed: pip install 'fsdp-zero[lowbit]'"
         )
 
 

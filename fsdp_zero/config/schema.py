@@ -35,13 +35,13 @@ from fsdp_zero.config.choices import (
     Device,
     Init,
     OptimizerImpl,
-    Quantize,
     Schedule,
     Task,
     WrapPolicy,
     check_stages,
     stages_needed,
 )
+from fsdp_zero.config.lora import LoRAConfig
 from fsdp_zero.config.strategies import (
     GRAD_SYNC_NEEDS,
     STRATEGIES,
@@ -50,68 +50,6 @@ from fsdp_zero.config.strategies import (
     is_fsdp,
     strategies_that,
 )
-
-
-@dataclass
-class LoRAConfig:
-    """LoRA (docs/lora.md): each targeted ``nn.Linear`` X computes ``W x + (alpha / rank) * B(A(dropout(x)))``
-    with ``W`` frozen, ``A`` (rank x in) initialised as PEFT does and ``B`` (out x rank) zero; its
-    adapters are ``X.lora_A.weight`` and ``X.lora_B.weight``. Everything else is frozen unless
-    ``train`` names it."""
-
-    rank: int = 0  # 0: off
-    alpha: float = 16.0
-    dropout: float = 0.0
-    # The Linear modules to adapt: a last name component (q_proj) or a regex matching the full name.
-    targets: list[str] = field(default_factory=list)
-    # Regexes (full matches on parameter names) of more parameters to train: norms, the head.
-    train: list[str] = field(default_factory=list)
-    # QLoRA: nf4 stores the frozen base's Linear weights in 4-bit NormalFloat (`fsdp_zero.sharding.quantize`),
-    # each quantized whole from model.pretrained's or model.init_from's tensor before it is sharded.
-    quantize: Quantize = Quantize.none
-    # The Linear modules whose weights nf4 quantizes (regexes, full matches on module names); empty:
-    # every frozen Linear inside an FSDP unit other than the root (never the embeddings or the head).
-    quantize_targets: list[str] = field(default_factory=list)
-    nf4_block_size: int = 64  # elements per 4-bit block (one int8 scaler each)
-    nf4_scaler_block_size: int = (
-        256  # scalers per block of the double quantization (one factor each)
-    )
-
-    def check(self) -> None:
-        if self.rank < 0:
-            raise ValueError(f"model.lora.rank={self.rank}: must be >= 0 (0: LoRA off)")
-        self.quantize = as_choice("model.lora.quantize", self.quantize, Quantize)
-        if self.rank == 0:
-            if self.quantize is not Quantize.none:
-                raise ValueError(
-                    f"model.lora.quantize={self.quantize.value} quantizes LoRA's frozen base, but "
-                    "model.lora.rank=0 (LoRA off); set model.lora.rank and model.lora.targets"
-                )
-            for key in ("targets", "train", "quantize_targets"):
-                if getattr(self, key):
-                    raise ValueError(
-                        f"model.lora.{key}={getattr(self, key)} is set but model.lora.rank=0 (LoRA "
-                        "off); set model.lora.rank to a positive integer, e.g. 8"
-                    )
-            return
-        if not self.targets:
-            raise ValueError(
-                f"model.lora.rank={self.rank} needs model.lora.targets, the Linear modules to "
-                "adapt, e.g. 'model.lora.targets=[q_proj,v_proj]'"
-            )
-        check_positive("model.lora.alpha", self.alpha)
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"model.lora.dropout={self.dropout}: must be in [0, 1)")
-        check_regexes("model.lora.targets", self.targets)
-        check_regexes("model.lora.train", self.train)
-        check_regexes("model.lora.quantize_targets", self.quantize_targets)
-        check_positive("model.lora.nf4_block_size", self.nf4_block_size)
-        check_positive("model.lora.nf4_scaler_block_size", self.nf4_scaler_block_size)
-        if self.quantize_targets and self.quantize is Quantize.none:
-            raise ValueError(
-                f"model.lora.quantize_targets={self.quantize_targets} is set but "
-                "model.lora.quantize=none; set model.lora.quantize=nf4"
-            )
 
 
 @dataclass
@@ -425,7 +363,7 @@ _PRECISION_DTYPES = ("fp32", "bf16", "fp16")
 
 
 # precision.float8's choices
-FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+_FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
 @dataclass
@@ -455,10 +393,10 @@ class PrecisionConfig:
 
     def check(self) -> None:
         check_positive("precision.loss_scale_window", self.loss_scale_window)
-        if self.float8 not in FLOAT8_RECIPES:
+        if self.float8 not in _FLOAT8_RECIPES:
             raise ValueError(
                 f"precision.float8={self.float8!r} is not a valid choice; valid choices: "
-                f"{', '.join(FLOAT8_RECIPES)}"
+                f"{', '.join(_FLOAT8_RECIPES)}"
             )
         if self.mode not in PRECISION_MODES:
             raise ValueError(
@@ -479,7 +417,7 @@ class PrecisionConfig:
 
 
 # optim.state_bits' choices: torch's AdamW, torchao's AdamW8bit and AdamW4bit
-STATE_BITS = (32, 8, 4)
+_STATE_BITS = (32, 8, 4)
 
 
 @dataclass
@@ -509,10 +447,10 @@ class OptimConfig:
 
     def check(self) -> None:
         check_positive("optim.lr", self.lr)
-        if self.state_bits not in STATE_BITS:
+        if self.state_bits not in _STATE_BITS:
             raise ValueError(
                 f"optim.state_bits={self.state_bits!r}: valid choices: "
-                f"{', '.join(map(str, STATE_BITS))}"
+                f"{', '.join(map(str, _STATE_BITS))}"
             )
         size = self.step_group_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:

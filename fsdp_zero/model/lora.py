@@ -4,7 +4,7 @@ model on the meta device, before sharding (docs/lora.md).
     note = make_trainable(model, cfg.model)   # requires_grad set, LoRA adapters inserted
 
 Frozen parameters keep ``requires_grad=False``: they get no gradients and no AdamW states
-(`fsdp_zero.sharding.build.build_optimizer` takes only trainable ones), and FSDP2 shards them with
+(`fsdp_zero.sharding.optim.build_optimizer` takes only trainable ones), and FSDP2 shards them with
 the trainable ones of their unit. LoRA replaces each targeted ``nn.Linear`` X in its parent by a
 `LoRALinear` holding the same ``weight`` and ``bias`` (so the base keys do not change) and the
 adapters ``X.lora_A.weight`` (rank x in) and ``X.lora_B.weight`` (out x rank): PEFT's names minus
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_zero.config.loader import read_saved_config
-from fsdp_zero.config.schema import LoRAConfig, ModelConfig
+from fsdp_zero.config.lora import LoRAConfig
+from fsdp_zero.config.schema import ModelConfig
 from fsdp_zero.model import init as init_lib
 
 

@@ -143,14 +143,10 @@ def comm_formula(
         2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
     )
     by_id = {id(p): packed[name] for name, p in model.named_parameters() if name in (packed or {})}
-    compute = precision.compute.itemsize
-
-    def gathered_bytes(p: nn.Parameter) -> float:
-        return by_id[id(p)] if id(p) in by_id else _padded(p, n) * compute
-
     gathered = reduced = held = 0
     for root, params in _unit_params(model, plan):
-        gathered += (1 if root else gathers_per_unit) * sum(gathered_bytes(p) for p in params)
+        one = sum(by_id.get(id(p), _padded(p, n) * precision.compute.itemsize) for p in params)
+        gathered += (1 if root else gathers_per_unit) * one
         reduced += sum(_padded(p, n) for p in params if p.requires_grad)
         held += sum(p.numel() for p in params if p.requires_grad)
     reductions = 1 if sync is GradSync.once_per_step else accum

@@ -1,15 +1,7 @@
 """A strategy applied: wrap units, precision, parallelize, build and the optimizer."""
 
-from fsdp_zero.sharding.build import (
-    Built,
-    build,
-    build_optimizer,
-    cast_to_stored,
-    materializer,
-    optimizer_impl,
-    param_groups,
-    shard,
-)
+from fsdp_zero.sharding.build import Built, build, cast_to_stored, materializer, shard
+from fsdp_zero.sharding.optim import build_optimizer, optimizer_impl, param_groups
 from fsdp_zero.sharding.parallelize import (
     checkpointed,
     formula_note,

@@ -19,24 +19,29 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from fsdp_zero.config.choices import Init, OptimizerImpl, Quantize, WrapPolicy
-from fsdp_zero.config.schema import Config, OptimConfig, ParallelConfig, PrecisionConfig, WrapConfig
+from fsdp_zero.config.choices import Init, WrapPolicy
+from fsdp_zero.config.schema import Config, ParallelConfig, PrecisionConfig, WrapConfig
 from fsdp_zero.config.strategies import STRATEGIES, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
-from fsdp_zero.model.source import base_source
+from fsdp_zero.sharding.optim import _local_numel, build_optimizer
 from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.precision import Precision, resolve
-from fsdp_zero.sharding.quantize import NF4Base, adamw_state_bytes, float8_targets
+from fsdp_zero.sharding.quantize import (
+    Float8Plan,
+    NF4Base,
+    adamw_state_bytes,
+    plan_float8,
+    plan_nf4,
+)
 from fsdp_zero.sharding.tensor import tp_whole
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-from fsdp_zero.torch_private import disable_autograd_cache, hf_init_weights
+from fsdp_zero.torch_private import hf_init_weights, precompute_float8_scales
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -142,7 +147,7 @@ def materializer(
 
 
 # ---------------------------------------------------------------------------------
-# Sharding and the optimizer
+# Sharding
 
 
 def cast_to_stored(model: nn.Module, precision: Precision) -> None:
@@ -162,15 +167,14 @@ def shard(
     init: Init = Init.auto,
     topology: Topology | None = None,
     compute: Compute = Compute(),
-    quantize: Callable[[str, nn.Module], None] | None = None,
 ) -> tuple[nn.Module, WrapPlan, str]:
     """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
     a model with real weights keeps them (FSDP shards what is there). ``compute``: the precision (the
     stored dtype the model is cast to first, and FSDP2's mixed-precision policy; default fp32),
     compilation and the DDP wrapper (`fsdp_zero.sharding.parallelize.Compute`). ``topology``:
     ``parallel`` resolved for ``env``'s world size, if the caller has it (else resolved here).
-    ``quantize``: QLoRA's quantizer (`fsdp_zero.sharding.quantize.NF4Base.quantizer`), run on each
-    unit before it is sharded; the rest of the base is then left for its file, not initialised.
+    With ``compute.quantize`` (QLoRA's quantizer) the rest of the base is left for its file, not
+    initialised.
 
     Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
     parameters were initialised. ``seed`` None leaves them uninitialised (the planner, or weights
@@ -197,7 +201,7 @@ def shard(
             real_buffers(model),
             notes,
             buffer_device=env.device,
-            base_init=quantize is None,
+            base_init=compute.quantize is None,
         )
     else:
         materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
@@ -210,160 +214,8 @@ def shard(
         env,
         materialize,
         replace(compute, precision=precision),
-        quantize,
     )
     return model, plan, "; ".join(notes)
-
-
-def _local_numel(p: torch.Tensor) -> int:
-    """Elements of ``p`` this rank holds: its shard of an FSDP parameter (a DTensor), else all of them."""
-    return (p.to_local() if hasattr(p, "to_local") else p).numel()
-
-
-def _step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
-    """``params`` cut, in order, into consecutive groups of at most ``size`` local elements (a tensor
-    larger than ``size`` is a group of its own); ``size`` 0: one group. (DeepSpeed's ZeRO-3 closes a
-    sub-group once it reaches ``sub_group_size``, so its groups may pass it by one tensor; these
-    never do.)
-
-    AdamW's update is elementwise and per tensor (each parameter's own step count and bias
-    correction), so stepping the groups one after another gives the same bits as one step over all
-    of them; foreach AdamW's temporaries (a tensor list as large as the group, e.g. the square roots
-    of ``exp_avg_sq``) are then as large as a group instead of the whole shard.
-    """
-    if size == 0:
-        return [params] if params else []
-    groups: list[list[nn.Parameter]] = []
-    count = 0
-    for p in params:
-        n = _local_numel(p)
-        if not groups or count + n > size:
-            groups.append([])
-            count = 0
-        groups[-1].append(p)
-        count += n
-    return groups
-
-
-def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False
-) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and embeddings, none on 1-D parameters (norm gains, biases).
-
-    With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
-    its own partition of the parameters (whole tensors, balanced by size) and broadcasts
-    its updated parameters after the step.
-
-    ``optim.step_group_size`` > 0 with foreach AdamW: each of the two groups is cut into
-    `step_groups`, which AdamW steps one after another (the same bits, temporaries bounded by a
-    group). Fused and for_loop AdamW make no temporaries larger than one tensor, so they keep the
-    two groups (a warning says the setting has no effect where it would have cut them).
-    """
-    impl = optimizer_impl(cfg, device)
-    groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, impl)]
-    kwargs = dict(
-        lr=cfg.lr,
-        betas=tuple(cfg.betas),
-        eps=cfg.eps,
-        fused=impl is OptimizerImpl.fused,
-        foreach=impl is OptimizerImpl.foreach,
-    )
-    if zero1:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
-    if cfg.state_bits != 32:  # (config.rules refuses zero1 and step groups with it)
-        from fsdp_zero import lowbit
-
-        # torchao 0.18 on torch 2.15 crashes reading one kind's cached graph for another
-        # (../shared/research/lowbit.md 2.3)
-        disable_autograd_cache()
-        adamw = lowbit.low_bit_adamw(cfg.state_bits)
-        return adamw(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    return torch.optim.AdamW(groups, **kwargs)
-
-
-def optimizer_impl(cfg: OptimConfig, device: torch.device) -> OptimizerImpl:
-    """``optim.implementation`` resolved for the device the optimizer steps on: auto is fused on CUDA,
-    foreach elsewhere."""
-    if cfg.implementation is OptimizerImpl.auto:
-        return OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
-    return cfg.implementation
-
-
-def param_groups(
-    model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl
-) -> list[tuple[list[nn.Parameter], float]]:
-    """AdamW's parameter groups and their weight decay, in order: the trainable matrices and embeddings
-    (``optim.weight_decay``), then the 1-D parameters (none), each cut into `step_groups` for foreach."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    size = cfg.step_group_size
-    if size and impl is not OptimizerImpl.foreach:
-        if any(len(_step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
-            logger.warning(
-                "optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than "
-                "one tensor); it bounds foreach AdamW's",
-                size,
-                impl.value,
-            )
-        size = 0
-    return [
-        (ps, wd)
-        for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
-        for ps in _step_groups(group, size)
-    ]
-
-
-@dataclass(frozen=True)
-class Float8Plan:
-    """precision.float8 as built: its recipe, whether it is emulated (no float8 units on the device),
-    whether FSDP2 gathers the weights in float8 (tensorwise), and the converted weights' {name:
-    values}."""
-
-    recipe: str
-    emulate: bool
-    all_gather: bool
-    weights: dict[str, int]
-
-    def note(self) -> str:
-        """The start-up line."""
-        how = (
-            "emulated (no float8 units on this device: real quantization, fp32 matmuls, no speed-up)"
-            if self.emulate
-            else "on the device's float8 units"
-        )
-        gather = (
-            "weights all-gathered in float8" if self.all_gather else "weights all-gathered in bf16"
-        )
-        return (
-            f"float8 {self.recipe} on {len(self.weights)} Linear modules ({sum(self.weights.values()):,} "
-            f"weight values), {how}; {gather}"
-        )
-
-
-def _float8(cfg: Config, model: nn.Module, env: DistEnv, topology: Topology) -> Float8Plan | None:
-    """precision.float8 applied to the meta-device ``model``: `float8_targets` converted (torchao).
-
-    Raises:
-        ValueError: train.compile with emulated float8 (torchtitan's rule: emulation is eager-only).
-    """
-    recipe = cfg.precision.float8
-    if recipe == "none":
-        return None
-    from fsdp_zero import lowbit
-
-    cuda = env.device.type == "cuda"
-    emulate = not (cuda and torch.cuda.get_device_capability(env.device) >= (8, 9))
-    if emulate and cfg.train.compile:
-        raise ValueError(
-            f"precision.float8={recipe} with train.compile=true: this device has no float8 units, and "
-            "emulated float8 runs eager only; set train.compile=false"
-        )
-    plan = build_wrap_plan(model, cfg.parallel.wrap, topology.param_shards)
-    linears = float8_targets(model, plan)
-    weights = {f"{n}.weight": model.get_submodule(n).weight.numel() for n in linears}
-    lowbit.convert_float8(model, linears, recipe, emulate)
-    return Float8Plan(recipe, emulate, recipe == "tensorwise", weights)
 
 
 @dataclass
@@ -390,9 +242,7 @@ class Built:
         the optimizer's states by a step with zero gradients, whose post-hook computed them from the
         weights before the load: the first step after a resume would gather with stale scales.)"""
         if self.float8 is not None and self.float8.all_gather:
-            from fsdp_zero import lowbit
-
-            lowbit.precompute_float8_scales(self.model)
+            precompute_float8_scales(self.model)
 
     @property
     def gathered_bytes(self) -> dict[str, float]:
@@ -465,18 +315,16 @@ def build(
         ValueError: a model.target that does not build, or a wrap setting the model does not fit.
     """
     model = model if model is not None else construct(cfg.model)
-    # before sharding: FSDP2 shards adapters with their Linear
-    trainable_note = make_trainable(model, cfg.model)
+    trainable_note = make_trainable(
+        model, cfg.model
+    )  # before sharding: adapters in their Linear's unit
     num_params, num_frozen = sum(p.numel() for p in model.parameters()), frozen_count(model)
     precision = resolve(cfg.precision)
     topology = topology or Topology.of(cfg.parallel, env.world_size)
-    compute = Compute(precision, cfg.train.compile, ddp)
-    stages, nf4, quantize = None, None, None
-    if cfg.model.lora.quantize is Quantize.nf4:
-        plan = build_wrap_plan(model, cfg.parallel.wrap, topology.param_shards)
-        nf4 = NF4Base.plan(model, plan, cfg.model, topology.param_shards, base_source(cfg.model))
-        quantize = nf4.quantizer(model)
-    float8 = _float8(cfg, model, env, topology)
+    nf4 = plan_nf4(cfg, model, topology.param_shards)  # QLoRA's base, quantized while sharding
+    compute = Compute(precision, cfg.train.compile, ddp, nf4.quantizer(model) if nf4 else None)
+    float8 = plan_float8(cfg, model, env, topology.param_shards)  # converted here, on meta
+    stages = None
     if topology.pp > 1:
         stages, plan, note = _shard_stages(model, cfg, env, seed, topology, compute)
         model = stages.model
@@ -489,34 +337,17 @@ def build(
             init=cfg.model.init,
             topology=topology,
             compute=compute,
-            quantize=quantize,
         )
     # With CPU offload the optimizer steps on the CPU, where the shards are.
     device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
     optimizer = build_optimizer(
         model, cfg.optim, device, zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer
     )
-    if float8 is not None and float8.all_gather:  # the next all-gather's scales, in one all-reduce
-        from fsdp_zero import lowbit
-
-        optimizer.register_step_post_hook(lambda *_: lowbit.precompute_float8_scales(model))
+    if float8 is not None:
+        float8.after_steps(optimizer, model)
     whole = tp_whole(model) if topology.tp > 1 else 0
-    return Built(
-        model,
-        optimizer,
-        plan,
-        num_params,
-        precision,
-        note,
-        num_frozen,
-        trainable_note,
-        topology,
-        whole,
-        stages,
-        nf4,
-        cfg.optim.state_bits,
-        float8,
-    )
+    built = (model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note)
+    return Built(*built, topology, whole, stages, nf4, cfg.optim.state_bits, float8)
 
 
 def _shard_stages(

@@ -246,13 +246,16 @@ def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
 class Compute:
     """How a parallelized model computes: its ``precision`` (the stored dtype and FSDP2's
     mixed-precision policy, `fsdp_zero.sharding.precision`; None: fp32), ``compile``
-    (``torch.compile`` each block unit) and, for the DDP strategies, ``ddp``: what wraps the
+    (``torch.compile`` each block unit), for the DDP strategies ``ddp``: what wraps the
     materialised model (None: DistributedDataParallel with gradients as views into its buckets, one
-    copy of the gradients; the planner passes its stand-in)."""
+    copy of the gradients; the planner passes its stand-in), and QLoRA's ``quantize``."""
 
     precision: Precision | None = None
     compile: bool = False
     ddp: Callable[[nn.Module], nn.Module] | None = None
+    # QLoRA: called with each FSDP unit (its FQN, '' the root) just before it is sharded, to quantize
+    # its base weights whole (`fsdp_zero.sharding.quantize.NF4Base.quantizer`)
+    quantize: Callable[[str, nn.Module], None] | None = None
 
 
 def parallelize(
@@ -263,7 +266,6 @@ def parallelize(
     env: DistEnv,
     materialize: Callable[[nn.Module], None],
     compute: Compute = Compute(),
-    quantize: Callable[[str, nn.Module], None] | None = None,
 ) -> nn.Module:
     """Applies tensor parallelism, activation checkpointing, compilation and ``cfg.strategy`` to the
     meta-device ``model``, in that order; returns the module to train.
@@ -275,9 +277,7 @@ def parallelize(
         plan: the FSDP units (used by the FSDP strategies).
         env: ranks and device.
         materialize: allocates and initialises the model's (local) tensors in place.
-        compute: precision, compilation and the DDP wrapper (`Compute`).
-        quantize: called with each FSDP unit (its FQN, '' the root) just before it is sharded:
-            QLoRA's NF4 base quantized whole (`fsdp_zero.sharding.quantize`).
+        compute: precision, compilation, the DDP wrapper and QLoRA's quantizer (`Compute`).
     """
     # registration ~ execution order
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
@@ -299,28 +299,23 @@ def parallelize(
         mp_policy=compute.precision.mp_policy() if compute.precision else MixedPrecisionPolicy(),
         offload_policy=offload_policy(cfg, env),
     )
+    quantize = compute.quantize or (lambda fqn, unit: None)
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
-        if quantize is not None:
-            quantize(fqn, model.get_submodule(fqn))
+        quantize(fqn, model.get_submodule(fqn))
         fully_shard(model.get_submodule(fqn), **kwargs)
     if cfg.prefetch:
-        _set_prefetch(
-            [model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)],
-            cfg.prefetch,
-        )
-    # The root keeps its parameters gathered from forward to backward (backward needs them first):
-    # FSDP2 does so only with reshard_after_forward unset, an explicit True reshards the root too
-    # (tests/test_parity.py's parameter bytes after forward). A forward without backward
+        units = [model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)]
+        _set_prefetch(units, cfg.prefetch)
+    # The root keeps its parameters gathered from forward to backward (backward needs them first;
+    # an explicit True would reshard it: tests/test_parity.py). A forward without backward
     # (evaluation) leaves them gathered until the next forward's backward.
-    if quantize is not None:
-        quantize("", model)
+    quantize("", model)
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-    units = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
-    assert sorted(units) == sorted(u.fqn for u in plan.units), (units, plan.units)
-    if env.backend == "gloo":  # (`fsdp_zero.monitor.comm.CommMeter` wraps it to count its bytes)
-        for unit in units.values():
-            unit.set_custom_reduce_scatter(reduce_scatter_comm(env.backend))
-            unit.set_custom_all_gather(ByteAllGather())
+    fsdp = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
+    assert sorted(fsdp) == sorted(u.fqn for u in plan.units), (fsdp, plan.units)
+    for unit in fsdp.values() if env.backend == "gloo" else ():  # (CommMeter counts through them)
+        unit.set_custom_reduce_scatter(reduce_scatter_comm(env.backend))
+        unit.set_custom_all_gather(ByteAllGather())
     materialize(model)
     return model
 

@@ -1,7 +1,7 @@
 """QLoRA's frozen base in NF4 (``model.lora.quantize=nf4``, docs/lora.md): which weights, the rules
 they must fit, and the quantizer `fsdp_zero.sharding.parallelize.parallelize` runs on each FSDP unit
 just before ``fully_shard`` shards it. The bytes of the low-bit AdamW states (``optim.state_bits``,
-`adamw_state_bytes`), and which Linears float8 computes (``precision.float8``, `float8_targets`).
+`adamw_state_bytes`), and which Linears float8 computes (``precision.float8``, `_float8_targets`).
 
     base = NF4Base.plan(model, plan, cfg.model, shards)     # which weights; their blocks checked
     parallelize(..., quantize=base.quantizer(model))       # each unit's weights quantized, then sharded
@@ -29,9 +29,12 @@ import torch
 from torch import nn
 
 from fsdp_zero.config.choices import Quantize
-from fsdp_zero.config.schema import LoRAConfig, ModelConfig
-from fsdp_zero.model.source import FullWeights, match_weights
-from fsdp_zero.sharding.wrap import WrapPlan
+from fsdp_zero.config.lora import LoRAConfig
+from fsdp_zero.config.schema import Config, ModelConfig
+from fsdp_zero.distributed.env import DistEnv
+from fsdp_zero.model.source import FullWeights, base_source, match_weights
+from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
+from fsdp_zero.torch_private import convert_float8, precompute_float8_scales, to_nf4
 
 # Bytes per parameter of an NF4 tensor, besides a few per tensor: 4-bit codes, one int8 scaler per
 # block, one factor (the source dtype) per scaler block.
@@ -45,10 +48,10 @@ def nf4_bytes(
     (one int8 per ``block``) and factors (one per ``block`` x ``scaler_block``) split, its scaler mean
     and 16-entry table whole on every rank. numel / 2 + numel / 64 + 4 numel / 16,384 + 68 for an
     fp32 source at the defaults: 0.5159 B per parameter (0.516, the formulas' figure)."""
-    return nf4_gathered_bytes(numel, block, scaler_block, itemsize) / shards + 17 * itemsize
+    return _nf4_gathered_bytes(numel, block, scaler_block, itemsize) / shards + 17 * itemsize
 
 
-def nf4_gathered_bytes(numel: int, block: int, scaler_block: int, itemsize: int) -> float:
+def _nf4_gathered_bytes(numel: int, block: int, scaler_block: int, itemsize: int) -> float:
     """Bytes one all-gather of an NF4 tensor produces: its codes, scalers and factors whole (FSDP2
     gathers them as bytes; the scaler mean and table travel as metadata)."""
     return numel / 2 + numel / block + itemsize * numel / (block * scaler_block)
@@ -57,7 +60,7 @@ def nf4_gathered_bytes(numel: int, block: int, scaler_block: int, itemsize: int)
 # torchao's low-bit AdamW (optim.state_bits): values per scale block, and the smallest shard it
 # quantizes (a shard under it, or not whole blocks, keeps fp32 states: bitsandbytes' rule)
 STATE_BLOCK = {8: 256, 4: 128}
-STATE_MIN_NUMEL = 4096
+_STATE_MIN_NUMEL = 4096
 
 
 def adamw_state_bytes(numel: int, bits: int) -> float:
@@ -65,12 +68,12 @@ def adamw_state_bytes(numel: int, bits: int) -> float:
     B a value): each state ``bits`` / 8 B a value, one fp32 scale per block and its code table (256
     fp32 values at 8 bits, 16 at 4); 2.03 (8-bit) or 1.06 (4-bit) B a value for large shards."""
     block = STATE_BLOCK.get(bits)
-    if block is None or numel < STATE_MIN_NUMEL or numel % block:
+    if block is None or numel < _STATE_MIN_NUMEL or numel % block:
         return 8 * numel
     return 2 * (numel * bits / 8 + 4 * numel / block + 4 * 2**bits)
 
 
-def default_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
+def _default_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
     """The Linear modules nf4 quantizes by default: each frozen, untied ``nn.Linear`` (LoRA's
     included) inside an FSDP unit other than the root: a block's projections, never the
     embeddings or the head, which live in the root unit."""
@@ -93,7 +96,7 @@ def _tied(model: nn.Module) -> set[int]:
     return {i for i, n in seen.items() if n > 1}
 
 
-def float8_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
+def _float8_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
     """The Linear modules precision.float8 converts: each ``nn.Linear`` inside an FSDP unit other than
     the root (a block's projections, never the head: torchtitan leaves the output in bf16) whose
     in and out features are multiples of 16 (float8 matmuls' alignment)."""
@@ -109,13 +112,13 @@ def float8_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
 
 
 def chosen_targets(model: nn.Module, plan: WrapPlan, lora: LoRAConfig) -> list[str]:
-    """``model.lora.quantize_targets``'s Linear modules (full-name regexes), else `default_targets`.
+    """``model.lora.quantize_targets``'s Linear modules (full-name regexes), else `_default_targets`.
 
     Raises:
         ValueError: a pattern that matches no Linear, or one whose weight trains or is tied.
     """
     if not lora.quantize_targets:
-        return default_targets(model, plan)
+        return _default_targets(model, plan)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tied, hits = _tied(model), set()
     for pattern in lora.quantize_targets:
@@ -184,7 +187,7 @@ class NF4Base:
     digest: str = ""
     numel: int = 0  # parameters quantized
     rank_bytes: float = 0.0  # what one rank holds of them (`nf4_bytes` per tensor)
-    gathered: dict[str, float] = field(default_factory=dict)  # `nf4_gathered_bytes` per weight
+    gathered: dict[str, float] = field(default_factory=dict)  # `_nf4_gathered_bytes` per weight
 
     @classmethod
     def plan(
@@ -227,7 +230,7 @@ class NF4Base:
                 for n in weights
             ),
             gathered={
-                n: nf4_gathered_bytes(
+                n: _nf4_gathered_bytes(
                     params[n].numel(), block, scaler_block, params[n].element_size()
                 )
                 for n in weights
@@ -238,8 +241,6 @@ class NF4Base:
         """What `parallelize` calls with each FSDP unit (its FQN, '' the root) before sharding it:
         each of the unit's weights still on meta read whole, cast to its dtype, quantized and set
         as a frozen NF4 parameter; after the root, `digest` holds every tensor's."""
-        from fsdp_zero import lowbit
-
         source = FullWeights(Path(self.source), self.key)
         crcs: dict[str, int] = {}
 
@@ -254,7 +255,7 @@ class NF4Base:
                 if not meta.is_meta:  # an inner unit's, already quantized and sharded
                     continue
                 whole = source.rows(file_name, 0, meta.shape[0]).to(meta.dtype)
-                nf4 = lowbit.to_nf4(whole, self.block, self.scaler_block)
+                nf4 = to_nf4(whole, self.block, self.scaler_block)
                 del whole
                 crcs[name] = _crc(nf4)
                 setattr(module, attr, nn.Parameter(nf4, requires_grad=False))
@@ -270,6 +271,71 @@ class NF4Base:
         out.pop("rank_bytes")  # this world size's
         out.pop("gathered")
         return out
+
+
+@dataclass(frozen=True)
+class Float8Plan:
+    """precision.float8 as built: its recipe, whether it is emulated (no float8 units on the device),
+    whether FSDP2 gathers the weights in float8 (tensorwise), and the converted weights' {name:
+    values}."""
+
+    recipe: str
+    emulate: bool
+    all_gather: bool
+    weights: dict[str, int]
+
+    def after_steps(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        """tensorwise: every float8 weight's scale for the next all-gather computed after each
+        optimizer step, in one all-reduce instead of one per weight (the same numbers)."""
+        if self.all_gather:
+            optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(model))
+
+    def note(self) -> str:
+        """The start-up line."""
+        how = (
+            "emulated (no float8 units on this device: real quantization, fp32 matmuls, no speed-up)"
+            if self.emulate
+            else "on the device's float8 units"
+        )
+        gather = (
+            "weights all-gathered in float8" if self.all_gather else "weights all-gathered in bf16"
+        )
+        return (
+            f"float8 {self.recipe} on {len(self.weights)} Linear modules ({sum(self.weights.values()):,} "
+            f"weight values), {how}; {gather}"
+        )
+
+
+def plan_nf4(cfg: Config, model: nn.Module, shards: int) -> NF4Base | None:
+    """model.lora.quantize=nf4's base for the meta-device ``model`` (LoRA applied) at ``shards``
+    (`NF4Base.plan`); None without it."""
+    if cfg.model.lora.quantize is Quantize.none:
+        return None
+    plan = build_wrap_plan(model, cfg.parallel.wrap, shards)
+    return NF4Base.plan(model, plan, cfg.model, shards, base_source(cfg.model))
+
+
+def plan_float8(cfg: Config, model: nn.Module, env: DistEnv, shards: int) -> Float8Plan | None:
+    """precision.float8 applied to the meta-device ``model``: `_float8_targets` converted (torchao).
+
+    Raises:
+        ValueError: train.compile with emulated float8 (torchtitan's rule: emulation is eager-only).
+    """
+    recipe = cfg.precision.float8
+    if recipe == "none":
+        return None
+    cuda = env.device.type == "cuda"
+    emulate = not (cuda and torch.cuda.get_device_capability(env.device) >= (8, 9))
+    if emulate and cfg.train.compile:
+        raise ValueError(
+            f"precision.float8={recipe} with train.compile=true: this device has no float8 units, and "
+            "emulated float8 runs eager only; set train.compile=false"
+        )
+    plan = build_wrap_plan(model, cfg.parallel.wrap, shards)
+    linears = _float8_targets(model, plan)
+    weights = {f"{n}.weight": model.get_submodule(n).weight.numel() for n in linears}
+    convert_float8(model, linears, recipe, emulate)
+    return Float8Plan(recipe, emulate, recipe == "tensorwise", weights)
 
 
 class RebuiltBase:
@@ -293,13 +359,11 @@ class RebuiltBase:
         self.crcs: dict[str, int] = {}
 
     def read(self, name: str) -> torch.Tensor:
-        from fsdp_zero import lowbit
-
         file_name = self.record["names"][name]
         whole = self.source.rows(file_name, 0, self.entries[name][1][0]).to(self.dtype)
-        nf4 = lowbit.to_nf4(whole, self.record["block"], self.record["scaler_block"])
+        nf4 = to_nf4(whole, self.record["block"], self.record["scaler_block"])
         self.crcs[name] = _crc(nf4)
-        return whole if self.original else lowbit.dequantize(nf4)
+        return whole if self.original else nf4.get_original_weight()
 
     def verify(self) -> None:
         """Raises a ValueError when every weight was read and their digest is not the recorded one."""

@@ -6,6 +6,7 @@ from fsdp_zero.tools.fit import MARGIN, fit_rates, search
 from fsdp_zero.tools.formulas import (
     PAPER_K,
     PLAN_MODES,
+    Trained,
     deepspeed_zero3_estimate,
     format_bytes,
     format_gb,
@@ -48,5 +49,6 @@ __all__ = [
     "strategy_states",
     "script_parser",
     "train_command",
+    "Trained",
     "zero_paper_stages",
 ]

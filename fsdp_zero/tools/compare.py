@@ -26,7 +26,8 @@ from fsdp_zero.model.lora import frozen_count, make_trainable
 from fsdp_zero.model.tasks import build_task, vocab_size
 from fsdp_zero.monitor.memory import CATEGORIES, MIB, model_state_bytes
 from fsdp_zero.monitor.phases import Phase
-from fsdp_zero.sharding.build import build_optimizer, materializer
+from fsdp_zero.sharding.build import materializer
+from fsdp_zero.sharding.optim import build_optimizer
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.training.step import Step, set_lr
 from fsdp_zero.training.summary import Summary

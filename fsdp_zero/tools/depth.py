@@ -14,7 +14,7 @@ from fsdp_zero.config.schema import Config, ParallelConfig, WrapConfig
 from fsdp_zero.config.strategies import STRATEGIES, Strategy, is_fsdp
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
-from fsdp_zero.sharding.build import optimizer_impl, param_groups
+from fsdp_zero.sharding.optim import optimizer_impl, param_groups
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.prediction import Prediction, predict_peak
 

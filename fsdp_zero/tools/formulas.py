@@ -83,15 +83,25 @@ class _StrategyState:
         return None if self.gathered is None else self.at_rest + self.gathered
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What trains and how its state is stored, for `strategy_states`: ``frozen`` parameters (model.freeze,
+    LoRA: stored bytes only), ``nf4`` of them in NF4 (QLoRA: `fsdp_zero.sharding.quantize.nf4_bytes`, 0.516 B
+    each / N, counted as one tensor; the FSDP strategies and QLoRA's modes only), and AdamW's
+    ``state_bits`` (8 or 4: torchao's bytes a value of a large shard, 2.03 or 1.06, instead of 8)."""
+
+    frozen: int = 0
+    nf4: int = 0
+    state_bits: int = 32
+
+
 def strategy_states(
     num_params: int,
     n: int,
     largest_unit: int | None = None,
     root_unit: int = 0,
     modes: tuple[str, ...] = PLAN_MODES,
-    frozen: int = 0,
-    nf4: int = 0,
-    state_bits: int = 32,
+    trained: Trained = Trained(),
 ) -> list[_StrategyState]:
     """Each ZeRO stage's strategy (`fsdp_zero.config.strategies.ZERO_STAGES`), per precision mode: the model state
     per rank at rest and inside the step.
@@ -109,65 +119,51 @@ def strategy_states(
             (full_shard's ``gathered`` is None).
         root_unit: the root unit's own parameters (those of no other unit), when known.
         modes: precision modes (`fsdp_zero.config.schema.PRECISION_MODES`).
-        frozen: of ``num_params``, those that do not train (model.freeze, LoRA): stored bytes only.
-        nf4: of ``frozen``, those QLoRA stores in NF4 (`fsdp_zero.sharding.quantize.nf4_bytes`,
-            0.516 B each, / N; counted as one tensor); only FSDP strategies take them, and only
-            the modes QLoRA runs in (`fsdp_zero.config.rules`).
-        state_bits: AdamW's states (optim.state_bits): 8 or 4 counts torchao's bytes a value for
-            large shards (2.03 or 1.06, `fsdp_zero.sharding.quantize.adamw_state_bytes`) instead of 8;
-            zero1 refused with them.
+        trained: what trains and how (`Trained`).
 
     Returns:
         One state per strategy and mode, strategies in ZeRO stage order.
     """
-
-    out = []
+    out, nf4, bits = [], trained.nf4, trained.state_bits
     for stage, strategy in ZERO_STAGES.items():
-        parallel = ParallelConfig(strategy=strategy)
-        topology = Topology.of(parallel, n)
+        topology = Topology.of(ParallelConfig(strategy=strategy), n)
         for mode in modes:
             precision = resolve(PrecisionConfig(mode=mode))
             compute = precision.compute.itemsize
             w, g, k = precision.bytes_per_param
-            if state_bits != 32:  # per value of a large shard (each tensor's few tables left out)
-                k = 2 * (state_bits / 8 + 4 / STATE_BLOCK[state_bits])
+            if bits != 32:  # per value of a large shard (each tensor's few tables left out)
+                k = 2 * (bits / 8 + 4 / STATE_BLOCK[bits])
             quantized = (nf4, nf4_bytes(nf4, shards=topology.param_shards)) if nf4 else (0, 0.0)
             at_rest = model_state_formula(
-                topology, num_params, (w, g, k), frozen, quantized=quantized
+                topology, num_params, (w, g, k), trained.frozen, 0, quantized
             )
-            # NF4 weights gather as their codes, scalers and factors (a unit's share of them taken
-            # as the model's)
-            packed = (compute * (num_params - nf4) + nf4_bytes(nf4) - nf4_bytes(0)) / (
-                compute * num_params
-            )
+            # NF4 weights gather as their codes, scalers and factors (a unit's share taken as the model's)
+            packed = (compute * (num_params - nf4) + nf4_bytes(nf4) - nf4_bytes(0)) / num_params
             if not is_fsdp(strategy):
                 gathered: float | None = 0.0
             elif not topology.reshard_after_forward:
-                gathered = packed * compute * num_params
+                gathered = packed * num_params
             elif largest_unit is None:
                 gathered = None
             else:  # a model of one or two units never has more than itself gathered
-                gathered = packed * compute * min(root_unit + 2 * largest_unit, num_params)
-            try:
-                validate(Config(parallel=parallel, precision=PrecisionConfig(mode=mode)))
-                refused = None
-            except ValueError as e:  # e.g. bf16-mixed under DDP
-                refused = str(e)
-            if nf4 and not refused:
-                refused = _nf4_refusal(strategy, mode)
-            if state_bits != 32 and not refused:
-                try:
-                    validate(
-                        Config(
-                            parallel=parallel,
-                            precision=PrecisionConfig(mode=mode),
-                            optim=OptimConfig(state_bits=state_bits),
-                        )
-                    )
-                except ValueError as e:
-                    refused = str(e)
+                gathered = packed * min(root_unit + 2 * largest_unit, num_params)
+            refused = _refusal(strategy, mode, trained)
             out.append(_StrategyState(strategy, stage, mode, at_rest, gathered, refused))
     return out
+
+
+def _refusal(strategy: Strategy, mode: str, trained: Trained) -> str | None:
+    """What the config rules say of ``strategy`` with ``mode`` and ``trained``'s levers (None: runs)."""
+    cfg = Config(
+        parallel=ParallelConfig(strategy=strategy),
+        precision=PrecisionConfig(mode=mode),
+        optim=OptimConfig(state_bits=trained.state_bits),
+    )
+    try:
+        validate(cfg)  # e.g. bf16-mixed under DDP
+    except ValueError as e:
+        return str(e)
+    return _nf4_refusal(strategy, mode) if trained.nf4 else None
 
 
 def _nf4_refusal(strategy: Strategy, mode: str) -> str | None:

@@ -42,7 +42,8 @@ from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.model.tasks import build_task, vocab_size
 from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 from fsdp_zero.monitor.phases import Phase
-from fsdp_zero.sharding.build import build, cast_to_stored, optimizer_impl
+from fsdp_zero.sharding.build import build, cast_to_stored
+from fsdp_zero.sharding.optim import optimizer_impl
 from fsdp_zero.sharding.precision import resolve
 from fsdp_zero.sharding.quantize import adamw_state_bytes, chosen_targets, nf4_bytes
 from fsdp_zero.sharding.wrap import build_wrap_plan
@@ -160,7 +161,7 @@ def nf4_saving(c: Config, world_size: int) -> tuple[int, float]:
     return count, saved
 
 
-def state_saving(c: Config, world_size: int) -> float:
+def _state_saving(c: Config, world_size: int) -> float:
     """Low-bit AdamW states (optim.state_bits): the bytes rank 0 saves against fp32 AdamW's 8 a value,
     tensor by tensor (`adamw_state_bytes` of its shard: FSDP2's first dim-0 chunk, or the whole tensor
     where the strategy does not shard)."""
@@ -228,7 +229,7 @@ class Simulator:
         """`_predict`; for QLoRA (model.lora.quantize=nf4) the LoRA model's, less what its NF4 base
         saves by formula (`nf4_saving`): the simulation never reads the base's file. For low-bit AdamW
         states (optim.state_bits 8 or 4) torch's AdamW's, less what they save by formula
-        (`state_saving`): torchao's compiled update does not run in fake-tensor mode. float8 compute
+        (`_state_saving`): torchao's compiled update does not run in fake-tensor mode. float8 compute
         (precision.float8) as bf16's: it saves no memory."""
         nf4, bits = c.model.lora.quantize is not Quantize.none, c.optim.state_bits
         float8 = c.precision.float8 != "none"
@@ -256,7 +257,7 @@ class Simulator:
                 "the compute dtype (NF4 gathers 0.516 B a parameter: an overestimate)"
             )
         if bits != 32:
-            saved = state_saving(c, self.world_size)
+            saved = _state_saving(c, self.world_size)
             _take(pred, "optimizer", saved)
             pred.optimizer_state -= saved
             pred.notes.append(

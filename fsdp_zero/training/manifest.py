@@ -67,36 +67,9 @@ def log_setup(
         RunDir(run_dir).config,
         ", ".join(f"{k}={new}" for k, (_, new) in changed.items()) or "none",
     )
-    state_bytes = built.state_formula()
-    nf4 = built.nf4
-    where = formula_note(built.topology, built.tp_whole) + (
-        f", {built.num_frozen:,} of them frozen (weights only, {precision.bytes_per_param[0]} B)"
-        if built.num_frozen
-        else ""
-    )
-    if nf4 is not None:
-        per_param = nf4.rank_bytes * built.topology.param_shards / nf4.numel
-        where += (
-            f", {nf4.numel:,} of those in NF4 ({per_param:.3f} B, blocks {nf4.block} x "
-            f"{nf4.scaler_block}, quantized from {nf4.key}; digest {nf4.digest})"
-        )
-    logger.info("%s", precision.manifest(built.rank_params, state_bytes, where))
+    logger.info("%s", precision.manifest(built.rank_params, built.state_formula(), _where(built)))
     if built.state_bits != 32:
-        trained = [p for p in built.model.parameters() if p.requires_grad]
-        local = [p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trained]
-        packed = sum(n for n in local if adamw_state_bytes(n, built.state_bits) < 8 * n)
-        logger.info(
-            "AdamW states in %d bits (torchao AdamW%dbit, blocks of %d values): %s of this rank's %s "
-            "trained values, %.2f MiB in all (the formula's above) instead of %.2f MiB in fp32; its "
-            "first step compiles the update (20-40 s on 2 CPU cores)",
-            built.state_bits,
-            built.state_bits,
-            STATE_BLOCK[built.state_bits],
-            f"{packed:,}",
-            f"{sum(local):,}",
-            built.optimizer_bytes() / MIB,
-            8 * sum(local) / MIB,
-        )
+        logger.info("%s", _low_bit_states(built))
     logger.info(
         "%s", layout.describe(cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else None)
     )
@@ -109,3 +82,36 @@ def log_setup(
             f"{num_params:,}",
         )
     logger.info("run dir %s | tensorboard --logdir %s", run_dir, RunDir(run_dir).tensorboard_root)
+
+
+def _where(built: Built) -> str:
+    """How the model-state formula divides, with the frozen parameters and QLoRA's NF4 ones."""
+    where = formula_note(built.topology, built.tp_whole)
+    if built.num_frozen:
+        w = built.precision.bytes_per_param[0]
+        where += f", {built.num_frozen:,} of them frozen (weights only, {w} B)"
+    nf4 = built.nf4
+    if nf4 is not None:
+        per_param = nf4.rank_bytes * built.topology.param_shards / nf4.numel
+        where += (
+            f", {nf4.numel:,} of those in NF4 ({per_param:.3f} B, blocks {nf4.block} x "
+            f"{nf4.scaler_block}, quantized from {nf4.key}; digest {nf4.digest})"
+        )
+    return where
+
+
+def _low_bit_states(built: Built) -> str:
+    """optim.state_bits < 32: how many of this rank's trained values torchao packs, and their bytes."""
+    bits = built.state_bits
+    local = [
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        for p in built.model.parameters()
+        if p.requires_grad
+    ]
+    packed = sum(n for n in local if adamw_state_bytes(n, bits) < 8 * n)
+    return (
+        f"AdamW states in {bits} bits (torchao AdamW{bits}bit, blocks of {STATE_BLOCK[bits]} values): "
+        f"{packed:,} of this rank's {sum(local):,} trained values, {built.optimizer_bytes() / MIB:.2f} MiB "
+        f"in all (the formula's above) instead of {8 * sum(local) / MIB:.2f} MiB in fp32; its first step "
+        "compiles the update (20-40 s on 2 CPU cores)"
+    )

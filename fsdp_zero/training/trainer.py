@@ -201,11 +201,9 @@ def _resume(
         state.world_size,
         env.world_size,
     )
-    if given and built.nf4 is None:
+    if given and built.nf4 is None:  # (QLoRA's base is rebuilt from them)
         logger.warning(
-            "%s's weights are ignored: the run continues from checkpoint %s",
-            given[0],
-            decision.resume,
+            "%s's weights are ignored: the run continues from %s", given[0], decision.resume
         )
     return state
 
@@ -402,14 +400,8 @@ def _save_if_due(
     if step == last or verdict.stop or (every and step % every == 0):
         timeout.use("timeout_minutes")
         state.loss_scaler = parts.scaler.state_dict() if parts.scaler else None
-        checkpointer.save(
-            step,
-            parts.model,
-            parts.optimizer,
-            state,
-            to_yaml(parts.config),
-            parts.built.rebuilt,
-        )
+        config, rebuilt = to_yaml(parts.config), parts.built.rebuilt
+        checkpointer.save(step, parts.model, parts.optimizer, state, config, rebuilt)
 
 
 def _start_budget(cfg: Config, state: TrainState, resumed: Path | None) -> None:

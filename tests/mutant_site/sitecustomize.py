@@ -199,7 +199,7 @@ def _all_reduce_uncounted() -> None:
 
 
 def _step_groups_ignored() -> None:
-    """optim.step_group_size: the groups never cut (ours, patched when fsdp_zero.sharding.build is imported): AdamW
+    """optim.step_group_size: the groups never cut (ours, patched when fsdp_zero.sharding.optim is imported): AdamW
     steps the whole shard at once."""
 
     def patch(module):  # noqa: ANN001
@@ -212,7 +212,7 @@ def _step_groups_ignored() -> None:
 
         module._step_groups = _step_groups
 
-    _on_import("fsdp_zero.sharding.build", patch)
+    _on_import("fsdp_zero.sharding.optim", patch)
 
 
 MUTANTS = {
@@ -409,9 +409,9 @@ SOURCE = {
     ),
     "nf4-per-shard": (
         "fsdp_zero.sharding.quantize",
-        "nf4 = lowbit.to_nf4(whole, self.block, self.scaler_block)",
-        "nf4 = lowbit.to_nf4(__mutant__(torch.cat([lowbit.dequantize(lowbit.to_nf4(c, self.block, "
-        "self.scaler_block)) for c in whole.chunk(2)])), self.block, self.scaler_block)",
+        "nf4 = to_nf4(whole, self.block, self.scaler_block)",
+        "nf4 = to_nf4(__mutant__(torch.cat([to_nf4(c, self.block, self.scaler_block)"
+        ".get_original_weight() for c in whole.chunk(2)])), self.block, self.scaler_block)",
     ),
     "nf4-base-checkpointed": (
         "fsdp_zero.checkpoint.dcp",
@@ -434,7 +434,7 @@ SOURCE = {
         "__mutant__()",
     ),
     "low-bit-states-ignored": (
-        "fsdp_zero.sharding.build",
+        "fsdp_zero.sharding.optim",
         "if cfg.state_bits != 32:  # (config.rules refuses zero1 and step groups with it)",
         "if cfg.state_bits != __mutant__(cfg.state_bits):",
     ),
@@ -444,13 +444,13 @@ SOURCE = {
         "return __mutant__(8 * numel)",
     ),
     "float8-ignored": (
-        "fsdp_zero.sharding.build",
-        "lowbit.convert_float8(model, linears, recipe, emulate)",
+        "fsdp_zero.sharding.quantize",
+        "convert_float8(model, linears, recipe, emulate)",
         "__mutant__()",
     ),
     "float8-stale-scales-after-load": (
         "fsdp_zero.sharding.build",
-        "lowbit.precompute_float8_scales(self.model)",
+        "precompute_float8_scales(self.model)",
         "__mutant__()",
     ),
     "float8-gathered-at-bf16": (

@@ -193,8 +193,6 @@ def _nf4_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A QLoRA model's weights, whole: each FSDP unit gathered by FSDP2 itself (``unshard``: its NF4
     weights through their own all-gather hooks, exactly as a forward gathers them), its own tensors
     read (NF4 dequantized), then resharded."""
-    from fsdp_zero import lowbit
-
     full = {}
     for fqn, unit in model.named_modules():
         if not isinstance(unit, FSDPModule):
@@ -203,7 +201,7 @@ def _nf4_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         prefix = f"{fqn}." if fqn else ""
         for name, p in unit.named_parameters():
             if not hasattr(p, "to_local"):  # this unit's (the others' stay sharded)
-                value = lowbit.dequantize(p) if lowbit.is_nf4(p) else p
+                value = p.get_original_weight() if type(p).__name__ == "NF4Tensor" else p
                 full[prefix + name] = value.detach().cpu().clone()
         unit.reshard()
     return full

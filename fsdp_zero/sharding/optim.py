@@ -1,0 +1,114 @@
+"""The optimizer: AdamW over a built model's trainable parameters (torch's, ZeRO-1's
+ZeroRedundancyOptimizer, or torchao's low-bit AdamW: ``optim.state_bits``), its parameter groups and
+the bounded step's groups (``optim.step_group_size``).
+
+    optimizer = build_optimizer(model, cfg.optim, device, zero1=False)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from fsdp_zero.config.choices import OptimizerImpl
+from fsdp_zero.config.schema import OptimConfig
+from fsdp_zero.torch_private import low_bit_adamw
+
+logger = logging.getLogger("fsdp_zero")
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    """Elements of ``p`` this rank holds: its shard of an FSDP parameter (a DTensor), else all of them."""
+    return (p.to_local() if hasattr(p, "to_local") else p).numel()
+
+
+def _step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
+    """``params`` cut, in order, into consecutive groups of at most ``size`` local elements (a tensor
+    larger than ``size`` is a group of its own); ``size`` 0: one group. (DeepSpeed's ZeRO-3 closes a
+    sub-group once it reaches ``sub_group_size``, so its groups may pass it by one tensor; these
+    never do.)
+
+    AdamW's update is elementwise and per tensor (each parameter's own step count and bias
+    correction), so stepping the groups one after another gives the same bits as one step over all
+    of them; foreach AdamW's temporaries (a tensor list as large as the group, e.g. the square roots
+    of ``exp_avg_sq``) are then as large as a group instead of the whole shard.
+    """
+    if size == 0:
+        return [params] if params else []
+    groups: list[list[nn.Parameter]] = []
+    count = 0
+    for p in params:
+        n = _local_numel(p)
+        if not groups or count + n > size:
+            groups.append([])
+            count = 0
+        groups[-1].append(p)
+        count += n
+    return groups
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False
+) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and embeddings, none on 1-D parameters (norm gains, biases).
+
+    With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
+    its own partition of the parameters (whole tensors, balanced by size) and broadcasts
+    its updated parameters after the step.
+
+    ``optim.step_group_size`` > 0 with foreach AdamW: each of the two groups is cut into
+    `step_groups`, which AdamW steps one after another (the same bits, temporaries bounded by a
+    group). Fused and for_loop AdamW make no temporaries larger than one tensor, so they keep the
+    two groups (a warning says the setting has no effect where it would have cut them).
+    """
+    impl = optimizer_impl(cfg, device)
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, impl)]
+    kwargs = dict(
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        fused=impl is OptimizerImpl.fused,
+        foreach=impl is OptimizerImpl.foreach,
+    )
+    if zero1:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    if cfg.state_bits != 32:  # (config.rules refuses zero1 and step groups with it)
+        adamw = low_bit_adamw(cfg.state_bits)  # (torchao, on first use)
+        return adamw(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def optimizer_impl(cfg: OptimConfig, device: torch.device) -> OptimizerImpl:
+    """``optim.implementation`` resolved for the device the optimizer steps on: auto is fused on CUDA,
+    foreach elsewhere."""
+    if cfg.implementation is OptimizerImpl.auto:
+        return OptimizerImpl.fused if device.type == "cuda" else OptimizerImpl.foreach
+    return cfg.implementation
+
+
+def param_groups(
+    model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl
+) -> list[tuple[list[nn.Parameter], float]]:
+    """AdamW's parameter groups and their weight decay, in order: the trainable matrices and embeddings
+    (``optim.weight_decay``), then the 1-D parameters (none), each cut into `step_groups` for foreach."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    size = cfg.step_group_size
+    if size and impl is not OptimizerImpl.foreach:
+        if any(len(_step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
+            logger.warning(
+                "optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than "
+                "one tensor); it bounds foreach AdamW's",
+                size,
+                impl.value,
+            )
+        size = 0
+    return [
+        (ps, wd)
+        for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for ps in _step_groups(group, size)
+    ]
