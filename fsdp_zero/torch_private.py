@@ -427,16 +427,25 @@ def low_bit_adamw(bits: int) -> type[torch.optim.Optimizer]:
 
 def convert_float8(model: torch.nn.Module, linears: list[str], recipe: str, emulate: bool) -> None:
     """Swaps ``model``'s ``linears`` (FQNs) for torchao's ``Float8Linear`` (the same parameters),
-    scaled per tensor (tensorwise: FSDP2 gathers its weight in float8) or per row (rowwise);
-    ``emulate``: real quantization, fp32 matmuls. ``Float8Linear`` is "not a public API"."""
+    scaled per tensor (tensorwise: FSDP2 gathers its weight in float8) or per row (rowwise), or
+    (mxfp8) wraps their weights for MXFP8 matmuls (a scale per 32 values); ``emulate``: real
+    quantization, fp32 matmuls. ``Float8Linear`` is "not a public API"."""
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    chosen = set(linears)
+    if recipe == "mxfp8":  # a prototype in torchao 0.18: each weight wrapped, the module kept
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig as Op
+        from torchao.prototype.moe_training.config import MXFP8TrainingRecipe as Recipe
+        from torchao.quantization import quantize_
+
+        mx = Recipe.MXFP8_EMULATED_RCEIL if emulate else Recipe.MXFP8_RCEIL
+        quantize_(model, Op.from_recipe(mx), filter_fn=lambda m, fqn: fqn in chosen)
+        return
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
     if recipe != "tensorwise":
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    chosen = set(linears)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
 
 

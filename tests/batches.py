@@ -371,6 +371,7 @@ RUNS = [
     Run(
         "fp8-rw", "2", (*BASE, *BF16, "precision.float8=rowwise", "checkpoint.enabled=false"), (F,)
     ),
+    Run("fp8-mx", "2", (*BASE, *BF16, "precision.float8=mxfp8", "checkpoint.enabled=false"), (F,)),
     # torchao's low-bit AdamW states against torch's AdamW, two shard shapes trained (each process
     # compiles torchao's update once per shape: seconds each)
     Run("adamw32", "2", (*BASE, *LOW_BIT, "checkpoint.enabled=false"), (B,)),

@@ -56,10 +56,16 @@ def test_the_block_linears_compute_in_float8_and_train_as_bf16_does(batches):
     assert rw["linear_classes"]["output"] == "Linear"
     # tensorwise with the feed-forwards as units: theirs only (the attention is in the root unit)
     assert floats(tw) == sorted(n for n in BLOCK_LINEARS if "feed_forward" in n)
+    # mxfp8: the Linears kept, their weights wrapped (torchao's prototype), the same ones
+    mx = batches["fp8-mx"]
+    wrapped = sorted(n for n, c in mx["linear_weights"].items() if c not in ("Tensor", "Parameter"))
+    assert wrapped == sorted(BLOCK_LINEARS), mx["linear_weights"]
+    assert all("MXFP8" in mx["linear_weights"][n] for n in wrapped), mx["linear_weights"]
     measured = {
         "tensorwise, N=2": _rel(tw, batches["fp8-bf16-ff"]),
         "tensorwise, N=1": _rel(batches["fp8-tw-n1"], batches["fp8-bf16-ff-n1"]),
         "rowwise, N=2": _rel(rw, batches["bf16-mixed"]),
+        "mxfp8, N=2": _rel(mx, batches["bf16-mixed"]),
     }
     assert all(0 < r < RTOL for r in measured.values()), measured
     for run in (tw, rw):
@@ -132,7 +138,11 @@ def test_the_planner_simulates_float8_as_bf16(batches):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (("precision.float8=e5m2",), "valid choices: none, tensorwise, rowwise"),
+        (("precision.float8=e5m2",), "valid choices: none, tensorwise, rowwise, mxfp8"),
+        (
+            (*BF16, "precision.float8=mxfp8", "train.micro_batch_size=1", "data.seq_len=16"),
+            "not a multiple of MXFP8's blocks of 32",
+        ),
         (("precision.float8=rowwise",), "valid choices: bf16-mixed, bf16-true"),
         ((*BF16, "precision.float8=rowwise", "parallel.strategy=ddp"), "needs an FSDP strategy"),
         (

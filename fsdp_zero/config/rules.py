@@ -137,7 +137,8 @@ def _check_torchao(cfg: Config) -> None:
 
 def _check_float8(cfg: Config) -> None:
     """precision.float8: bf16 compute around it, an FSDP strategy, and not what it cannot take yet
-    (LoRA: torchao's conversion would replace a LoRALinear by a Float8Linear and drop its adapters).
+    (LoRA: torchao's conversion would replace a LoRALinear by a Float8Linear and drop its adapters);
+    MXFP8's micro-batch a whole number of its 32-value blocks.
     Compile with emulation is refused when the device is known (`fsdp_zero.sharding.build`)."""
     recipe, par = cfg.precision.float8, cfg.parallel
     if recipe == "none":
@@ -165,6 +166,14 @@ def _check_float8(cfg: Config) -> None:
     for key, value, why in refused:
         if value:
             raise ValueError(f"{setting} with {key}={value} is not supported yet: {why}")
+    tokens = cfg.train.micro_batch_size * (
+        cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else 1
+    )
+    if recipe == "mxfp8" and tokens % 32:
+        raise ValueError(
+            f"{setting}: a micro-batch of {tokens} tokens (train.micro_batch_size x data.seq_len) "
+            "is not a multiple of MXFP8's blocks of 32; change either"
+        )
 
 
 def _check_state_bits(cfg: Config) -> None:

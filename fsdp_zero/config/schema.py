@@ -363,7 +363,7 @@ _PRECISION_DTYPES = ("fp32", "bf16", "fp16")
 
 
 # precision.float8's choices
-_FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+_FLOAT8_RECIPES = ("none", "tensorwise", "rowwise", "mxfp8")
 
 
 @dataclass
@@ -386,9 +386,10 @@ class PrecisionConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     # float8 compute (torchao, as torchtitan): each block Linear's matmuls in float8 with dynamic
-    # scales, per tensor (tensorwise: the weights also all-gathered in float8, 1 B instead of 2) or per
-    # row (rowwise: gathered in bf16); emulated (real quantization, fp32 matmul) where the device has no
-    # float8 units. No memory saved. none: off. docs/memory-levers.md.
+    # scales, per tensor (tensorwise: the weights also all-gathered in float8, 1 B instead of 2), per
+    # row (rowwise: gathered in bf16) or per 32 values (mxfp8, torchao's prototype: dims and a
+    # micro-batch's tokens multiples of 32); emulated (real quantization, fp32 matmul) where the device
+    # has no float8 units. No memory saved. none: off. docs/memory-levers.md.
     float8: str = "none"
 
     def check(self) -> None:

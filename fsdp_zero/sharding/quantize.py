@@ -96,17 +96,17 @@ def _tied(model: nn.Module) -> set[int]:
     return {i for i, n in seen.items() if n > 1}
 
 
-def _float8_targets(model: nn.Module, plan: WrapPlan) -> list[str]:
+def _float8_targets(model: nn.Module, plan: WrapPlan, align: int = 16) -> list[str]:
     """The Linear modules precision.float8 converts: each ``nn.Linear`` inside an FSDP unit other than
     the root (a block's projections, never the head: torchtitan leaves the output in bf16) whose
-    in and out features are multiples of 16 (float8 matmuls' alignment)."""
+    in and out features are multiples of ``align`` (float8 matmuls': 16, MXFP8's blocks: 32)."""
     units = [u.fqn for u in plan.units if u.fqn]
     return [
         name
         for name, m in model.named_modules()
         if type(m) is nn.Linear
-        and m.in_features % 16 == 0
-        and m.out_features % 16 == 0
+        and m.in_features % align == 0
+        and m.out_features % align == 0
         and any(name.startswith(u + ".") for u in units)
     ]
 
@@ -324,15 +324,17 @@ def plan_float8(cfg: Config, model: nn.Module, env: DistEnv, shards: int) -> Flo
     recipe = cfg.precision.float8
     if recipe == "none":
         return None
-    cuda = env.device.type == "cuda"
-    emulate = not (cuda and torch.cuda.get_device_capability(env.device) >= (8, 9))
+    cuda, mx = env.device.type == "cuda", recipe == "mxfp8"  # MXFP8's units: SM 10.0 (B200) on
+    emulate = not (
+        cuda and torch.cuda.get_device_capability(env.device) >= ((10, 0) if mx else (8, 9))
+    )
     if emulate and cfg.train.compile:
         raise ValueError(
             f"precision.float8={recipe} with train.compile=true: this device has no float8 units, and "
             "emulated float8 runs eager only; set train.compile=false"
         )
     plan = build_wrap_plan(model, cfg.parallel.wrap, shards)
-    linears = _float8_targets(model, plan)
+    linears = _float8_targets(model, plan, 32 if mx else 16)
     weights = {f"{n}.weight": model.get_submodule(n).weight.numel() for n in linears}
     convert_float8(model, linears, recipe, emulate)
     return Float8Plan(recipe, emulate, recipe == "tensorwise", weights)

@@ -407,6 +407,12 @@ def run_job(  # noqa: ANN001
                     for n, m in parts.model.named_modules()
                     if isinstance(m, torch.nn.Linear)
                 },
+                # ... and of their weights' local shards (MXFP8 wraps the weight, not the module)
+                "linear_weights": {
+                    n: type(getattr(m.weight, "_local_tensor", m.weight)).__name__
+                    for n, m in parts.model.named_modules()
+                    if isinstance(m, torch.nn.Linear)
+                },
                 "nf4_numel": nf4.numel if nf4 else 0,
             },
             out,
