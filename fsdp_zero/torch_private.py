@@ -399,14 +399,12 @@ def storage_key(tensor: Any) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------
-# torchao (the `lowbit` extra: QLoRA's NF4, low-bit AdamW, float8), imported on first use: the core never
-# imports it unless a key needs one (config.rules checks it is installed); its APIs move between
-# releases (NF4 left torchao.dtypes.nf4tensor for torchao.quantization in 0.18).
+# torchao (the `lowbit` extra: NF4, low-bit AdamW, float8), imported on first use: the core never imports
+# it unless a key needs one; its APIs move between releases (NF4 left torchao.dtypes in 0.18).
 
 
 def to_nf4(tensor: torch.Tensor, block: int, scaler_block: int) -> Any:
-    """torchao's ``NF4Tensor`` of ``tensor``: ``F.linear`` dequantizes it (``get_original_weight``) in
-    forward and backward; FSDP2 shards and gathers its inner tensors."""
+    """torchao's ``NF4Tensor`` of ``tensor`` (``F.linear`` dequantizes it; FSDP2 gathers its insides)."""
     try:
         from torchao.quantization import to_nf4 as nf4
     except ImportError:  # torchao 0.17
@@ -415,42 +413,38 @@ def to_nf4(tensor: torch.Tensor, block: int, scaler_block: int) -> Any:
 
 
 def low_bit_adamw(bits: int) -> type[torch.optim.Optimizer]:
-    """torchao's AdamW with ``bits``-bit states (AdamW8bit: blocks of 256; AdamW4bit: 128): its
-    update is compiled per shape, its learning rate a tensor. AOTAutograd's on-disk cache is turned off
-    first: torchao 0.18 on torch 2.15 crashes reading one kind's cached graph for another."""
+    """torchao's AdamW8bit or AdamW4bit (update compiled per shape, learning rate a tensor), with
+    AOTAutograd's disk cache off: torchao 0.18 on torch 2.15 crashes reading one kind's graph for another."""
     import torch._functorch.config as functorch_config
-    from torchao.optim import AdamW4bit, AdamW8bit
+    import torchao.optim
 
     functorch_config.enable_autograd_cache = False
-    return {8: AdamW8bit, 4: AdamW4bit}[bits]
+    return getattr(torchao.optim, f"AdamW{bits}bit")
 
 
 def convert_float8(model: torch.nn.Module, linears: list[str], recipe: str, emulate: bool) -> None:
-    """Swaps ``model``'s ``linears`` (FQNs) for torchao's ``Float8Linear`` (the same parameters),
-    scaled per tensor (tensorwise: FSDP2 gathers its weight in float8) or per row (rowwise), or
-    (mxfp8) wraps their weights for MXFP8 matmuls (a scale per 32 values); ``emulate``: real
-    quantization, fp32 matmuls. ``Float8Linear`` is "not a public API"."""
+    """Swaps ``model``'s ``linears`` (FQNs) for torchao's ``Float8Linear`` ("not a public API"),
+    scaled per tensor (tensorwise: FSDP2 gathers its weight in float8) or per row, or (mxfp8, a
+    prototype) wraps their weights; ``emulate``: real quantization, fp32 matmuls."""
     import dataclasses
 
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    import torchao.prototype.moe_training.config as mx
+    from torchao.float8 import Float8LinearConfig as Config
+    from torchao.float8 import convert_to_float8_training
+    from torchao.quantization import quantize_
 
-    chosen = set(linears)
-    if recipe == "mxfp8":  # a prototype in torchao 0.18: each weight wrapped, the module kept
-        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig as Op
-        from torchao.prototype.moe_training.config import MXFP8TrainingRecipe as Recipe
-        from torchao.quantization import quantize_
-
-        mx = Recipe.MXFP8_EMULATED_RCEIL if emulate else Recipe.MXFP8_RCEIL
-        quantize_(model, Op.from_recipe(mx), filter_fn=lambda m, fqn: fqn in chosen)
-        return
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
+    chosen = lambda m, fqn: fqn in set(linears)  # noqa: E731
+    mx_recipe = mx.MXFP8TrainingRecipe["MXFP8_EMULATED_RCEIL" if emulate else "MXFP8_RCEIL"]
+    if recipe == "mxfp8":  # each weight wrapped, the module kept
+        return quantize_(model, mx.MXFP8TrainingOpConfig.from_recipe(mx_recipe), chosen)
+    config = Config(enable_fsdp_float8_all_gather=True, emulate=emulate)
     if recipe != "tensorwise":
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+        config = dataclasses.replace(Config.from_recipe_name(recipe), emulate=emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=chosen)
 
 
 def precompute_float8_scales(model: torch.nn.Module) -> None:
     """Every tensorwise float8 weight's scale for its next all-gather, in one all-reduce."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    import torchao.float8
 
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    torchao.float8.precompute_float8_dynamic_scale_for_fsdp(model)

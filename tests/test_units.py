@@ -563,3 +563,33 @@ def test_train_state_round_trips_and_reads_checkpoints_written_before_it(tmp_pat
     (ckpt / "train_state.json").write_text(json.dumps({"data_position": 1}))
     with pytest.raises(ValueError, match="train_state.json is corrupt: no integer 'step'"):
         read_train_state(ckpt)
+
+
+def test_the_torchao_apis_we_use_are_where_we_expect_them():
+    """fsdp_zero.torch_private imports torchao's APIs on first use (the lowbit extra): an upgrade that
+    moves one fails here, by name, not in a run's set-up."""
+    pytest.importorskip("torchao")
+    import importlib
+
+    import torch._functorch.config as functorch_config
+
+    assert hasattr(functorch_config, "enable_autograd_cache")
+    wanted = {
+        "torchao.quantization": ["quantize_", "to_nf4", "NF4Tensor"],
+        "torchao.optim": ["AdamW8bit", "AdamW4bit"],
+        "torchao.float8": [
+            "Float8LinearConfig",
+            "convert_to_float8_training",
+            "precompute_float8_dynamic_scale_for_fsdp",
+        ],
+        "torchao.prototype.moe_training.config": ["MXFP8TrainingOpConfig", "MXFP8TrainingRecipe"],
+    }
+    for module, names in wanted.items():
+        found = importlib.import_module(module)
+        assert all(hasattr(found, n) for n in names), (
+            module,
+            [n for n in names if not hasattr(found, n)],
+        )
+    from torchao.prototype.moe_training.config import MXFP8TrainingRecipe
+
+    assert {"MXFP8_RCEIL", "MXFP8_EMULATED_RCEIL"} <= set(MXFP8TrainingRecipe.__members__)
