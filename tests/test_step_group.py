@@ -25,7 +25,7 @@ from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.memory import StepProfiler
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build
-from fsdp_zero.sharding.optim import _local_numel, _step_groups, build_optimizer
+from fsdp_zero.sharding.optim import _step_groups, build_optimizer, local_numel
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
 
@@ -88,7 +88,7 @@ def _step_temporaries(overrides: list[str], world_size: int = 2) -> tuple[int, l
             built.optimizer.step()  # creates the AdamW states
             with StepProfiler(built.model, built.optimizer, CPU) as profiler:
                 built.optimizer.step()
-        groups = [sum(_local_numel(p) for p in g["params"]) for g in built.optimizer.param_groups]
+        groups = [sum(local_numel(p) for p in g["params"]) for g in built.optimizer.param_groups]
     finally:
         dist.destroy_process_group()
     return sum(profiler.peak().values()) - sum(profiler.phases[Phase.START].values()), groups

@@ -28,7 +28,7 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
-from fsdp_zero.sharding.optim import _local_numel, build_optimizer
+from fsdp_zero.sharding.optim import build_optimizer, local_numel
 from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.precision import Precision, resolve
@@ -282,7 +282,7 @@ class Built:
     def optimizer_bytes(self) -> float:
         """This rank's AdamW states by `adamw_state_bytes`, tensor by tensor (its shards' sizes)."""
         return sum(
-            adamw_state_bytes(_local_numel(p), self.state_bits)
+            adamw_state_bytes(local_numel(p), self.state_bits)
             for p in self.model.parameters()
             if p.requires_grad
         )

@@ -20,7 +20,7 @@ from fsdp_zero.torch_private import low_bit_adamw
 logger = logging.getLogger("fsdp_zero")
 
 
-def _local_numel(p: torch.Tensor) -> int:
+def local_numel(p: torch.Tensor) -> int:
     """Elements of ``p`` this rank holds: its shard of an FSDP parameter (a DTensor), else all of them."""
     return (p.to_local() if hasattr(p, "to_local") else p).numel()
 
@@ -41,7 +41,7 @@ def _step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Paramete
     groups: list[list[nn.Parameter]] = []
     count = 0
     for p in params:
-        n = _local_numel(p)
+        n = local_numel(p)
         if not groups or count + n > size:
             groups.append([])
             count = 0

@@ -3,8 +3,8 @@ they must fit, and the quantizer `fsdp_zero.sharding.parallelize.parallelize` ru
 just before ``fully_shard`` shards it. The bytes of the low-bit AdamW states (``optim.state_bits``,
 `adamw_state_bytes`), and which Linears float8 computes (``precision.float8``, `_float8_targets`).
 
-    base = NF4Base.plan(model, plan, cfg.model, shards)     # which weights; their blocks checked
-    parallelize(..., quantize=base.quantizer(model))       # each unit's weights quantized, then sharded
+    nf4 = plan_nf4(cfg, model, shards)              # which weights; their blocks checked
+    Compute(..., quantize=nf4.quantizer(model))     # parallelize: each unit's weights quantized, then sharded
 
 Each weight is quantized whole, from the base's full tensor (``model.pretrained``'s or
 ``model.init_from``'s, read one tensor at a time), never from a rank's rows: NF4's double quantization
@@ -35,9 +35,6 @@ from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.model.source import FullWeights, base_source, match_weights
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.torch_private import convert_float8, precompute_float8_scales, to_nf4
-
-# Bytes per parameter of an NF4 tensor, besides a few per tensor: 4-bit codes, one int8 scaler per
-# block, one factor (the source dtype) per scaler block.
 
 
 def nf4_bytes(
