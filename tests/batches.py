@@ -132,6 +132,13 @@ QLORA_BASE_SEED = 5
 # tests/test_float8.py's: bf16-mixed, the feed-forwards as FSDP units of their own (three float8 Linears
 # and nothing else: the all-gather that gloo cannot send without ByteAllGather)
 BF16 = ("precision=bf16-mixed",)
+# gpt_nano's Linear modules inside its block units (what NF4 and float8 take by default)
+BLOCK_LINEARS = [
+    f"layers.{i}.{m}"
+    for i in range(2)
+    for m in ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+    + ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+]
 FF_UNITS = ("parallel.wrap.policy=modules", r"parallel.wrap.modules=[layers\.\d+\.feed_forward]")
 LOW_BIT = (
     r"model.freeze=[tok_embeddings.weight,output.weight,.*norm.*,.*\.(wk|wv|wo|w2)\.weight]",

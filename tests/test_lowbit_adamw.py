@@ -108,6 +108,10 @@ def test_a_resume_continues_exactly(batches):
             "parallel.strategy=zero1 is not supported",
         ),
         (("optim.state_bits=8", "parallel.cpu_offload=true"), "pytorch/ao #1931"),
+        (
+            ("optim.state_bits=8", "parallel.tp_size=2"),
+            "with parallel.tp_size=2 is not supported yet",
+        ),
     ],
 )
 def test_low_bit_refusals_exit_2_in_one_line(tmp_path, args, message):

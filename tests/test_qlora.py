@@ -23,7 +23,7 @@ from fsdp_zero.model.construct import construct
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.quantize import nf4_bytes
 from fsdp_zero.torch_private import to_nf4
-from tests.batches import BASE, HAS_HF, QLORA
+from tests.batches import BASE, BLOCK_LINEARS, HAS_HF, QLORA
 from tests.conftest import REPO, assert_user_error, check, figure, run_script
 from tests.hf_fixtures import LLAMA_CONFIG
 from tests.reference import reference_run
@@ -32,19 +32,7 @@ from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
 pytest.importorskip("torchao")  # the lowbit extra (in dev)
 EXPORT = REPO / "scripts" / "export.py"
 BLOCK, SCALER = 64, 16  # tests/batches.py's QLORA
-QUANTIZED = [
-    f"layers.{i}.{w}.weight"
-    for i in range(2)
-    for w in (
-        "attention.wq",
-        "attention.wk",
-        "attention.wv",
-        "attention.wo",
-        "feed_forward.w1",
-        "feed_forward.w2",
-        "feed_forward.w3",
-    )
-]
+QUANTIZED = [f"{n}.weight" for n in BLOCK_LINEARS]
 
 
 def _base(root: Path, name: str = "qlora.pt") -> dict[str, torch.Tensor]:

@@ -154,18 +154,11 @@ def _check_float8(cfg: Config) -> None:
             f"{setting} needs an FSDP strategy ({strategies_that('fsdp')}), not "
             f"parallel.strategy={par.strategy.value}"
         )
-    refused = (
-        (
-            "model.lora.rank",
-            cfg.model.lora.rank,
-            "torchao would replace LoRA's Linear and drop its adapters",
-        ),
-        ("parallel.tp_size", par.tp_size > 1 and par.tp_size, "untested"),
-        ("parallel.pp_size", par.pp_size > 1 and par.pp_size, "untested"),
-    )
-    for key, value, why in refused:
-        if value:
-            raise ValueError(f"{setting} with {key}={value} is not supported yet: {why}")
+    if cfg.model.lora.rank:
+        raise ValueError(
+            f"{setting} with model.lora.rank={cfg.model.lora.rank} is not supported yet: torchao "
+            "would replace LoRA's Linear and drop its adapters"
+        )
     tokens = cfg.train.micro_batch_size * (
         cfg.data.seq_len if cfg.data.source in TOKEN_SOURCES else 1
     )
@@ -198,8 +191,6 @@ def _check_state_bits(cfg: Config) -> None:
             par.cpu_offload,
             "torchao's compiled step mixes the devices (pytorch/ao #1931)",
         ),
-        ("parallel.tp_size", par.tp_size > 1 and par.tp_size, "untested"),
-        ("parallel.pp_size", par.pp_size > 1 and par.pp_size, "untested"),
     )
     for key, value, why in refused:
         if value:
@@ -214,13 +205,16 @@ _NF4_MODES = ("fp32", "bf16-mixed")
 
 def _check_untested(cfg: Config, setting: str) -> None:
     """What tensor and pipeline parallelism do not take yet: adapters, frozen weights, offload,
-    compile (measured to train differently from one process at dp 2 x tp 2, torch 2.15)."""
+    compile (measured to train differently from one process at dp 2 x tp 2, torch 2.15), and the
+    low-bit levers (torchao's states and float8, untested there)."""
     m = cfg.model
     untested = (
         ("model.lora.rank", m.lora.rank),
         ("model.freeze", m.freeze),
         ("parallel.cpu_offload", cfg.parallel.cpu_offload),
         ("train.compile", cfg.train.compile),
+        ("optim.state_bits", cfg.optim.state_bits != 32 and cfg.optim.state_bits),
+        ("precision.float8", cfg.precision.float8 != "none" and cfg.precision.float8),
     )
     for key, value in untested:
         if value:
