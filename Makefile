@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: install train test test-quick test-gpu-host mutants bench docs format gpu-check
+.PHONY: install train test test-quick test-gpu-host mutants bench docs format gpu-check deepspeed-runs
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -52,3 +52,13 @@ format: $(VENV)/.installed
 gpu-check: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q -m gpu
 	$(VENV)/bin/python bench/gpu_check.py
+
+# The real DeepSpeed runs whose checkpoints tests/test_ds_import.py imports (tests/deepspeed_runs/, committed):
+# DeepSpeed goes into .deepspeed/ (pip --target: not in .venv, not a dependency; its build imports torch, hence
+# --no-build-isolation), then runs on the CPU over gloo at 2 and 3 ranks (about 1 minute).
+DEEPSPEED ?= deepspeed==0.19.8
+deepspeed-runs: $(VENV)/.installed
+	DS_BUILD_OPS=0 $(VENV)/bin/pip install -q --no-build-isolation --no-deps --target .deepspeed "$(DEEPSPEED)" \
+		einops hjson msgpack ninja py-cpuinfo pydantic pydantic-core annotated-types typing-inspection
+	for n in 2 3; do PYTHONPATH=.deepspeed DS_ACCELERATOR=cpu $(VENV)/bin/torchrun --standalone \
+		--nproc_per_node=$$n tests/deepspeed_runs/make.py || exit 1; done

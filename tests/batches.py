@@ -233,6 +233,55 @@ def _qlora_bases(root: Path) -> None:
     torch.save(state, folder / "qlora-nudged.pt")
 
 
+# tests/test_ds_import.py's: real DeepSpeed runs (tests/deepspeed_runs/make.py) imported, then continued
+# here at 2 and 4 ranks with their own ds_config.json, model and data; run -> (DeepSpeed's case, ranks).
+DS_RUNS = REPO / "tests" / "deepspeed_runs"
+DS_CONTINUED = {
+    "ds-zero1": ("zero1", 2),
+    "ds-zero2": ("zero2", 2),
+    "ds-zero3": ("zero3", 2),
+    "ds-universal": ("zero3-universal", 2),
+    "ds-zero3-n4": ("zero3", 4),
+    "ds-zero3-n3-n4": ("zero3-n3", 4),
+}
+
+
+def ds_settings(case: str, ranks: int) -> list[str]:
+    """What scripts/train.py --deepspeed ds_config.json gives at ``ranks`` ranks, with DeepSpeed's model
+    and data overrides (WarmupLR has no length of its own: 8 steps, as DeepSpeed ran)."""
+    from fsdp_zero.config.deepspeed import read_deepspeed
+
+    folder = DS_RUNS / case.removesuffix("-universal")
+    mapped, _ = read_deepspeed(folder / "ds_config.json", ranks)
+    record = json.loads((folder / "run.json").read_text())
+    return [*mapped, *record["overrides"], f"train.steps={len(record['losses'])}"]
+
+
+def _ds_imports(root: Path, ranks: int) -> None:
+    """scripts/import_deepspeed.py of each DeepSpeed checkpoint continued at ``ranks`` ranks (in this
+    process; when tests/test_ds_import.py runs)."""
+    if "test_ds_import" not in _COLLECTED:
+        return
+    from tests.conftest import run_script
+
+    for name, (case, n) in DS_CONTINUED.items():
+        if n == ranks:
+            check(
+                run_script(
+                    REPO / "scripts" / "import_deepspeed.py",
+                    str(DS_RUNS / case),
+                    "--run-dir",
+                    str(root / name),
+                    *ds_settings(case, ranks),
+                )
+            )
+
+
+def _resume2_files(root: Path) -> None:
+    _weights_to_import(root)
+    _ds_imports(root, 2)
+
+
 def _launch2_files(root: Path) -> None:
     _qlora_bases(root)
     _hf_folder(root)
@@ -247,9 +296,9 @@ def _launch1_files(root: Path) -> None:
 
 LAUNCHES = {
     "2": Launch(2, prepare=_launch2_files),
-    "2-resume": Launch(2, after=("2",), prepare=_weights_to_import),
+    "2-resume": Launch(2, after=("2",), prepare=_resume2_files),
     "4": Launch(4, after=("2",)),
-    "4-resume": Launch(4, after=("4", "2-resume")),
+    "4-resume": Launch(4, after=("4", "2-resume"), prepare=lambda root: _ds_imports(root, 4)),
     "1": Launch(0, after=("2",), prepare=_launch1_files),
     "3": Launch(3),
 }
@@ -763,6 +812,22 @@ RUNS = [
         (*BASE, "checkpoint.every=0", "checkpoint.resume={root}/ddp/checkpoints/step-0000004"),
         (C,),
     ),
+    # DeepSpeed's checkpoints continued (imported by the launch's prepare)
+    *(
+        Run(
+            name,
+            "2-resume" if ranks == 2 else "4-resume",
+            (
+                *ds_settings(case, ranks),
+                "train.log_every=1",
+                "checkpoint.every=0",
+                "metrics.tensorboard=false",
+                "memory.profile_step=0",
+            ),
+            ("test_ds_import",),
+        )
+        for name, (case, ranks) in DS_CONTINUED.items()
+    ),
     # gloo's reduction at 3 ranks: uneven shards (64 rows over 3) and padding; 2 micro-batches of 2 a rank.
     Run("n3", "3", (*BASE, "train.global_batch_size=12"), (P, T)),
 ]
@@ -819,6 +884,9 @@ class Batches:
                 )
             )
         ]
+        if not jobs:  # no collected module reads this launch's runs (only a later launch's)
+            self.done.add(key)
+            return
         spec_file = self.root / f"launch-{key}.json"
         spec_file.write_text(json.dumps(jobs, indent=1))
         try:

@@ -95,6 +95,7 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
             "optim.weight_decay=0.01",
             "optim.schedule=cosine",
             "optim.warmup_steps=5",
+            "optim.warmup=deepspeed_log",
             "train.steps=100",
             "optim.min_lr_ratio=0.05",
             "metrics.tensorboard=false",
@@ -134,6 +135,7 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
             "optim.lr=5e-4",
             "optim.schedule=constant",
             "optim.warmup_steps=20",
+            "optim.warmup=deepspeed_log",
             "optim.min_lr_ratio=1.0",
         ],
     )
@@ -149,8 +151,10 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
         [
             "optim.schedule=linear",
             "optim.warmup_steps=4",
+            "optim.warmup=deepspeed_log",
             "train.steps=40",
             "optim.min_lr_ratio=0.0",
+            "optim.lr=0.001",  # WarmupDecayLR's own default peak
             "parallel.zero_stage=3",
             "parallel.reshard_after_forward=2",
         ],

@@ -91,6 +91,8 @@ class TrainState:
     # QLoRA: the NF4 base the checkpoint leaves out, and what rebuilds it
     # (`fsdp_zero.sharding.quantize.NF4Base.record`: its source, names and digest)
     nf4_base: dict | None = None
+    # an imported checkpoint's source (scripts/import_deepspeed.py): its folder, form and version
+    origin: dict | None = None
     # the own-loop API's keys (`fsdp_zero.api.Checkpoints`)
     extra: dict[str, Any] = field(default_factory=dict)
 

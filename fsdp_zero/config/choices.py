@@ -83,6 +83,16 @@ class Schedule(str, enum.Enum):
     constant = "constant"  # stays at lr (DeepSpeed's WarmupLR)
 
 
+class Warmup(str, enum.Enum):
+    """How the learning rate climbs, and from which step the schedule counts."""
+
+    linear = "linear"  # step s of warmup_steps at (s + 1) / warmup_steps of lr
+    # DeepSpeed's schedulers exactly (--deepspeed sets them): step s at the factor of step s - 1, the
+    # first at warmup_start_ratio; a logarithmic or linear climb over max(2, warmup_steps) steps
+    deepspeed_log = "deepspeed_log"
+    deepspeed_linear = "deepspeed_linear"
+
+
 class OptimizerImpl(str, enum.Enum):
     auto = "auto"  # fused on CUDA, foreach on CPU
     fused = "fused"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_zero.config.ds_values import Convert, bad, choice, flag, is_auto, number, pair, text
+from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.config.strategies import ZERO_STAGES, is_fsdp
 
 # The one place that knows what a ZeRO stage is here: stage -> our strategy's name.
@@ -74,9 +75,6 @@ _NO_EFFECT = {
     "parallel.activation_checkpointing=full|selective",
     "tensorboard.output_path": "TensorBoard events go to <run dir>/tb (run.root, run.name)",
     "tensorboard.job_name": "TensorBoard events go to <run dir>/tb (run.root, run.name)",
-    "scheduler.params.warmup_min_lr": "warm-up starts at lr / warmup_steps",
-    "scheduler.params.warmup_type": "the warm-up is linear",
-    "scheduler.params.warmup_min_ratio": "warm-up starts at lr / warmup_steps",
     "scheduler.params.last_batch_iteration": "the learning rate is set from the step number on resume",
     "optimizer.params.torch_adam": "torch's AdamW",
     "optimizer.params.adam_w_mode": "AdamW (decoupled weight decay)",
@@ -374,46 +372,90 @@ _SCHEDULER = _Rule(
     "scheduler.type",
     "optim.schedule",
     choice(_SCHEDULES, fold_case=False),
-    "after the warm-up: WarmupLR constant, WarmupDecayLR linear to 0 at total_num_steps, "
+    "after the warm-up: WarmupLR constant, WarmupDecayLR linear to warmup_min_lr at total_num_steps, "
     "WarmupCosineLR cosine to cos_min_ratio",
 )
 _WARMUP = _Rule(
     "scheduler.params.warmup_num_steps",
     "optim.warmup_steps",
     number(int, min=0),
-    "linear warm-up here (DeepSpeed's default is log)",
+    "DeepSpeed's default 1000 when absent",
+)
+_WARMUP_TYPE = _Rule(
+    "scheduler.params.warmup_type",
+    "optim.warmup",
+    choice({"log": "deepspeed_log", "linear": "deepspeed_linear"}, fold_case=False),
+    "DeepSpeed's climb (default log) and step count, step for step",
 )
 _WARMUP_MAX_LR = _Rule(
-    "scheduler.params.warmup_max_lr", "optim.lr", number(float, min=0), "WarmupLR/WarmupDecayLR"
+    "scheduler.params.warmup_max_lr",
+    "optim.lr",
+    number(float, min=0),
+    "WarmupLR (default: the optimizer's lr), WarmupDecayLR (default 0.001)",
+)
+_WARMUP_MIN_LR = _Rule(
+    "scheduler.params.warmup_min_lr",
+    "optim.warmup_start_ratio",
+    number(float, min=0),
+    "as a ratio of the peak; WarmupDecayLR also decays to it (optim.min_lr_ratio)",
+)
+_WARMUP_MIN_RATIO = _Rule(
+    "scheduler.params.warmup_min_ratio",
+    "optim.warmup_start_ratio",
+    number(float, min=0),
+    "WarmupCosineLR",
 )
 _TOTAL_STEPS = _Rule(
     "scheduler.params.total_num_steps", "train.steps", number(int, min=1), "the schedule's length"
 )
 _MIN_RATIO = _Rule(
-    "scheduler.params.cos_min_ratio", "optim.min_lr_ratio", number(float, min=0), "WarmupCosineLR"
+    "scheduler.params.cos_min_ratio",
+    "optim.min_lr_ratio",
+    number(float, min=0),
+    "WarmupCosineLR (default 0.0001)",
 )
+# DeepSpeed's defaults for what a scheduler block leaves out (deepspeed/runtime/lr_schedules.py)
+_DS_WARMUP_STEPS, _DS_DECAY_PEAK, _DS_COS_MIN_RATIO = 1000, 0.001, 0.0001
 
 
 def _schedule(ds: _Reader) -> list[str]:
-    """The schedule and the peak LR; DeepSpeed reads scheduler.params only with a scheduler.type.
+    """The schedule and the peak LR; DeepSpeed reads scheduler.params only with a scheduler.type, and
+    then its schedule is followed step for step (`fsdp_zero.training.step.lr_factor`), its defaults
+    for what the block leaves out included.
 
-    WarmupLR and WarmupDecayLR warm up to ``warmup_max_lr`` (which wins over the optimizer's lr);
-    WarmupCosineLR to the optimizer's lr. WarmupLR then stays there (min_lr_ratio 1), the others
-    decay to 0 unless ``cos_min_ratio`` says otherwise.
+    WarmupLR warms up to ``warmup_max_lr`` (default: the optimizer's lr) and stays there;
+    WarmupDecayLR to ``warmup_max_lr`` (default 0.001), then straight down to ``warmup_min_lr`` at
+    total_num_steps; WarmupCosineLR to the optimizer's lr, then a cosine down to ``cos_min_ratio``.
     """
     lr, schedule = ds[LR], ds[_SCHEDULER]
     if schedule is None:
         return [] if lr is None else LR.overrides(lr)
     out = _SCHEDULER.overrides(schedule)
+    cosine, decay = _SCHEDULES["WarmupCosineLR"], _SCHEDULES["WarmupDecayLR"]
     peak = ds[_WARMUP_MAX_LR]
-    if peak is not None and schedule != _SCHEDULES["WarmupCosineLR"]:
+    if schedule == decay and peak is None:
+        peak = _DS_DECAY_PEAK
+    if schedule != cosine and peak is not None:
         lr = peak
-    for rule in (_WARMUP, _TOTAL_STEPS):
-        out += [] if (value := ds[rule]) is None else rule.overrides(value)
-    floor = ds[_MIN_RATIO]
-    out += _MIN_RATIO.overrides(
-        floor if floor is not None else 1.0 if schedule == _SCHEDULES["WarmupLR"] else 0.0
-    )
+    warmup = ds[_WARMUP]
+    out += _WARMUP.overrides(_DS_WARMUP_STEPS if warmup is None else warmup)
+    out += _WARMUP_TYPE.overrides(ds[_WARMUP_TYPE] or "deepspeed_log")
+    out += [] if (steps := ds[_TOTAL_STEPS]) is None else _TOTAL_STEPS.overrides(steps)
+    if schedule == cosine:
+        start = ds[_WARMUP_MIN_RATIO] or 0.0
+        floor = ds[_MIN_RATIO]
+        floor = _DS_COS_MIN_RATIO if floor is None else floor
+    else:
+        low = ds[_WARMUP_MIN_LR] or 0.0
+        peak_lr = lr if lr is not None else OptimConfig().lr
+        if low > peak_lr:
+            raise ds.bad(
+                "scheduler.params.warmup_min_lr",
+                f"must be at most the peak learning rate {peak_lr}",
+            )
+        start = low / peak_lr
+        floor = 1.0 if schedule == _SCHEDULES["WarmupLR"] else start
+    out += _WARMUP_MIN_LR.overrides(start) + _MIN_RATIO.overrides(floor)
     return out + ([] if lr is None else LR.overrides(lr))
 
 
@@ -471,7 +513,20 @@ TABLE: tuple[_Rule | _Joint, ...] = (
         "decoupled (AdamW)",
     ),
     _Rule("optimizer.params.betas", "optim.betas", pair),
-    _Joint(_schedule, (LR, _SCHEDULER, _WARMUP, _WARMUP_MAX_LR, _TOTAL_STEPS, _MIN_RATIO)),
+    _Joint(
+        _schedule,
+        (
+            LR,
+            _SCHEDULER,
+            _WARMUP,
+            _WARMUP_TYPE,
+            _WARMUP_MAX_LR,
+            _WARMUP_MIN_LR,
+            _WARMUP_MIN_RATIO,
+            _TOTAL_STEPS,
+            _MIN_RATIO,
+        ),
+    ),
     _Joint(_wall_clock, (_WALL_CLOCK,)),
     _Rule("tensorboard.enabled", "metrics.tensorboard", flag),
 )
@@ -548,11 +603,11 @@ def _check_keys(flat: dict[str, Any]) -> list[str]:
     return notes
 
 
-def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[str]]:
+def read_deepspeed(path: str | Path | dict, world_size: int) -> tuple[list[str], list[str]]:
     """The overrides a DeepSpeed config stands for, and one note per key without effect or left to us.
 
     Args:
-        path: the DeepSpeed JSON file.
+        path: the DeepSpeed JSON file (or its object, as a DeepSpeed checkpoint keeps it).
         world_size: the number of ranks, for DeepSpeed's batch arithmetic.
 
     Returns:
@@ -563,7 +618,7 @@ def read_deepspeed(path: str | Path, world_size: int) -> tuple[list[str], list[s
             unsupported value, or a contradiction; one line naming the key (as ``ds_config <key>``),
             the value and the valid choices.
     """
-    flat = _load(path)
+    flat = _flatten(path) if isinstance(path, dict) else _load(path)
     notes = _check_keys(flat)
     ds = _Reader(flat, world_size)
     overrides = [override for entry in TABLE for override in entry(ds)]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config.choices import Schedule
+from fsdp_zero.config.choices import Schedule, Warmup
 from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.model.tasks import LossFn, to_device
@@ -48,7 +48,9 @@ class StepResult:
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warm-up, then
-    ``cfg.schedule`` (cosine, linear or constant)."""
+    ``cfg.schedule`` (cosine, linear or constant); or DeepSpeed's schedule (`_deepspeed_factor`)."""
+    if cfg.warmup is not Warmup.linear:
+        return _deepspeed_factor(step, cfg, total_steps)
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule is Schedule.constant:
@@ -61,6 +63,30 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
         else 1 - progress
     )
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def _deepspeed_factor(step: int, cfg: OptimConfig, total: int) -> float:
+    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR (deepspeed/runtime/lr_schedules.py) for
+    step ``step``: DeepSpeed steps its scheduler after each optimizer step, so step s runs at the
+    factor of ``last_batch_iteration`` s - 1 (before any: the warm-up's start, WarmupCosineLR's 0)."""
+    i, warmup, start = step - 1, max(2, cfg.warmup_steps), cfg.warmup_start_ratio
+    if i < 0:
+        return 0.0 if cfg.schedule is Schedule.cosine else start
+    if i < warmup:
+        # (1 / log W) * log(i + 1), as DeepSpeed multiplies it
+        rise = (
+            (1.0 / math.log(warmup)) * math.log(i + 1)
+            if cfg.warmup is Warmup.deepspeed_log
+            else i / warmup
+        )
+        return start + (1 - start) * rise
+    floor, span = cfg.min_lr_ratio, max(1, total - warmup)
+    if cfg.schedule is Schedule.constant:
+        return 1.0
+    if cfg.schedule is Schedule.linear:
+        return floor + (1 - floor) * max(0.0, (total - i) / span)
+    shape = (1 + math.cos(math.pi * min(1.0, (i - warmup + 1) / span))) / 2
+    return max(0.0, floor + (1 - floor) * shape)
 
 
 def set_lr(

@@ -1,0 +1,129 @@
+"""A checkpoint of ours written in one process from whole tensors: what ``scripts/import_deepspeed.py``
+makes of a DeepSpeed checkpoint (`from_deepspeed`, then `write_imported`).
+
+It is the trainer's layout (`fsdp_zero.checkpoint.dcp`): DCP files of ``model.NAME`` and
+``optim.NAME.{step,exp_avg,exp_avg_sq}``, each tensor whole (one chunk, which DCP reads into any
+rank's shard at any world size), ``train_state.json`` and ``config.yaml``; written into
+``.partial-step-K`` and renamed once complete, into a run directory that holds nothing yet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from fsdp_zero.checkpoint.dcp import TrainState
+from fsdp_zero.checkpoint.deepspeed_in import DsCheckpoint
+from fsdp_zero.checkpoint.folders import PARTIAL_PREFIX, checkpoint_name
+from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE, RunDir
+from fsdp_zero.config.schema import OptimConfig
+from fsdp_zero.model.source import does_not_fit
+
+
+def renamed(name: str, renames: list[tuple[str, str]]) -> str:
+    """``name`` with the first matching prefix replaced (``--rename OLD=NEW``; NEW may be empty)."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def from_deepspeed(
+    ckpt: DsCheckpoint, model: nn.Module, cfg: OptimConfig, renames: list[tuple[str, str]]
+) -> tuple[dict, list[str]]:
+    """The state to save for ``model`` (on the meta device: names and shapes), and notes on what
+    DeepSpeed did that this config does differently (its AdamW settings, decayed parameters).
+
+    Raises:
+        ValueError: DeepSpeed's names and shapes do not fit the model (missing, unexpected and
+            mis-shaped names, after ``renames``).
+    """
+    ours = {renamed(n, renames): p for n, p in ckpt.params.items()}
+    buffers = {renamed(n, renames): b for n, b in ckpt.buffers.items()}
+    tied = {renamed(a, renames): renamed(b, renames) for a, b in ckpt.shared.items()}
+    first = {}  # each Parameter's first name: the optimizer state's key
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(p, name)
+    where = f"DeepSpeed checkpoint {ckpt.folder}"
+    how = ", ".join(f"{o}->{n}" for o, n in renames)
+    expected = model.state_dict()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing, misshaped, state_model, state_optim = [], [], {}, {}
+    for key, like in expected.items():
+        source = first.get(params[key], key) if key in params else key
+        source = tied.get(source, source)
+        got = ours[source].fp32 if source in ours else buffers.get(source)
+        if got is None:
+            missing.append(key)
+        elif tuple(got.shape) != tuple(like.shape):
+            misshaped.append(f"{key}: checkpoint {tuple(got.shape)} vs model {tuple(like.shape)}")
+        else:
+            state_model[key] = got
+    unexpected = sorted(set(ours) - {first.get(params[k], k) for k in params} - set(tied.values()))
+    if missing or unexpected or misshaped:
+        raise does_not_fit(where, missing, unexpected, misshaped, how)
+    notes, decayed_1d = [], []
+    for name in dict(model.named_parameters()):
+        p = ours[tied.get(name, name)]
+        state_optim[name] = {
+            "step": torch.tensor(p.adam_step, dtype=torch.float32),
+            "exp_avg": p.exp_avg,
+            "exp_avg_sq": p.exp_avg_sq,
+        }
+        ours_wd = cfg.weight_decay if p.fp32.dim() >= 2 else 0.0
+        if not math.isclose(p.weight_decay, ours_wd):
+            decayed_1d.append(f"{name} ({p.weight_decay:g} there, {ours_wd:g} here)")
+    if decayed_1d:
+        notes.append(
+            f"warning: DeepSpeed's weight decay differs from this config's for {len(decayed_1d)} "
+            f"parameters ({', '.join(decayed_1d[:4])}{', ...' if len(decayed_1d) > 4 else ''}): "
+            "fsdp-zero decays matrices and embeddings by optim.weight_decay and 1-D parameters "
+            "not at all, so their updates will differ from DeepSpeed's"
+        )
+    any_param = next(iter(ours.values()))
+    for key, theirs, here in (
+        ("optim.betas", any_param.betas, tuple(cfg.betas)),
+        ("optim.eps", (any_param.eps,), (cfg.eps,)),
+    ):
+        if not all(math.isclose(a, b) for a, b in zip(theirs, here)):
+            notes.append(
+                f"warning: DeepSpeed's AdamW ran with {key}={theirs}; this config has {here}"
+            )
+    return {"model": state_model, "optim": state_optim}, notes
+
+
+def write_imported(run_dir: Path, state: dict, train_state: TrainState, config_yaml: str) -> Path:
+    """Writes checkpoint ``train_state.step`` of ``state`` into ``run_dir`` (which must hold no
+    checkpoint); returns its folder.
+
+    Raises:
+        ValueError: ``run_dir`` holds a run already (nothing is overwritten).
+    """
+    root = RunDir(run_dir).checkpoints
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(
+            f"--run-dir {str(run_dir)!r} exists and is not empty; the import writes a new run "
+            "directory (choose another, or delete that one)"
+        )
+    final = root / checkpoint_name(train_state.step)
+    partial = root / f"{PARTIAL_PREFIX}{final.name}"
+    made = run_dir if not run_dir.exists() else root  # what a failure removes again
+    partial.mkdir(parents=True)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), no_dist=True)
+        (partial / STATE_FILE).write_text(train_state.to_json())
+        (partial / CONFIG_FILE).write_text(config_yaml)
+    except BaseException:
+        shutil.rmtree(made, ignore_errors=True)
+        raise
+    os.replace(partial, final)
+    return final
