@@ -51,6 +51,8 @@ MODEL = (
     "data.seq_len=16",
     "train.seed=0",
 )
+# ZeRO-1's model ties its output layer to the embedding (DeepSpeed's shared_params)
+TIED = ("model.tie_embeddings=true",)
 STEPS = 8
 _OPTIMIZER = {
     "type": "AdamW",
@@ -139,7 +141,8 @@ def run_case(name: str, stage: int, batch: int, save_after: int, scheduler: dict
     rank, world = dist.get_rank(), dist.get_world_size()
     out = HERE / name
     config = ds_config(stage, batch, scheduler)
-    cfg = load_config(None, list(MODEL))
+    overrides = [*MODEL, *TIED] if name == "zero1" else list(MODEL)
+    cfg = load_config(None, overrides)
     model = _model(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -172,7 +175,7 @@ def run_case(name: str, stage: int, batch: int, save_after: int, scheduler: dict
         (out / "ds_config.json").write_text(json.dumps(config, indent=1) + "\n")
         save_file(final, out / "final.safetensors")
         record = {
-            "overrides": list(MODEL),
+            "overrides": overrides,
             "world_size": world,
             "saved_after": save_after,
             "losses": losses,
