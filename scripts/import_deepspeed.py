@@ -45,9 +45,10 @@ def _renames(pairs: list[str]) -> list[tuple[str, str]]:
     out = []
     for pair in pairs:
         old, eq, new = pair.partition("=")
-        if not eq or not old:
+        if not eq:
             raise ValueError(
-                f"--rename {pair!r}: expected OLD=NEW (a name prefix and its replacement)"
+                f"--rename {pair!r}: expected OLD=NEW (a name prefix and its replacement; "
+                "OLD empty: NEW is put before every name)"
             )
         out.append((old, new))
     return out

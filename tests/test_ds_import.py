@@ -157,7 +157,7 @@ def test_a_prefixed_model_needs_its_rename(tmp_path):
         if folder.is_dir():
             folder.rename(folder.with_name(f"inner.{folder.name}"))
     proc = _import("zero3-universal", tmp_path / "bad", source=source)
-    _refused(proc, "missing: tok_embeddings.weight", "unexpected: inner.")
+    _refused(proc, "missing: tok_embeddings.weight", "unexpected: inner.", "--rename inner.=)")
     assert not (tmp_path / "bad").exists()
     proc = _import("zero3-universal", tmp_path / "run", "--rename", "inner.=", source=source)
     assert proc.returncode == 0, proc.stderr

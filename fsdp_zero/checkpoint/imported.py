@@ -68,7 +68,8 @@ def from_deepspeed(
             state_model[key] = got
     unexpected = sorted(set(ours) - {first.get(params[k], k) for k in params} - set(tied.values()))
     if missing or unexpected or misshaped:
-        raise does_not_fit(where, missing, unexpected, misshaped, how)
+        error = does_not_fit(where, missing, unexpected, misshaped, how)
+        raise ValueError(f"{error}{_rename_hint(missing, unexpected)}")
     notes, decayed_1d = [], []
     for name in dict(model.named_parameters()):
         p = ours[tied.get(name, name)]
@@ -99,6 +100,19 @@ def from_deepspeed(
     return {"model": state_model, "optim": state_optim}, notes
 
 
+def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
+    """``; try --rename X=Y`` when one prefix, taken off DeepSpeed's names or put on them, turns the
+    unexpected names into the missing ones."""
+    for theirs, ours in ((unexpected, missing), (missing, unexpected)):
+        if not theirs or len(theirs) != len(ours):
+            continue
+        prefix = os.path.commonprefix(theirs).rpartition(".")[0]
+        if prefix and sorted(n[len(prefix) + 1 :] for n in theirs) == sorted(ours):
+            rename = f"{prefix}.=" if theirs is unexpected else f"={prefix}."
+            return f" (DeepSpeed's names differ by a prefix: --rename {rename})"
+    return ""
+
+
 def write_imported(run_dir: Path, state: dict, train_state: TrainState, config_yaml: str) -> Path:
     """Writes checkpoint ``train_state.step`` of ``state`` into ``run_dir`` (which must hold no
     checkpoint); returns its folder.
@@ -117,7 +131,9 @@ def write_imported(run_dir: Path, state: dict, train_state: TrainState, config_y
     made = run_dir if not run_dir.exists() else root  # what a failure removes again
     partial.mkdir(parents=True)
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        with (
+            warnings.catch_warnings()
+        ):  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), no_dist=True)
         (partial / STATE_FILE).write_text(train_state.to_json())
