@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fsdp_zero.checkpoint.weights import export_checkpoint  # noqa: E402
+from fsdp_zero.checkpoint import export_checkpoint  # noqa: E402
 from tests.batches import DS_RUNS, ds_settings  # noqa: E402
 
 

@@ -31,14 +31,16 @@ from pathlib import Path
 import torch
 
 import fsdp_zero
-from fsdp_zero.checkpoint.dcp import TrainState
-from fsdp_zero.checkpoint.deepspeed_in import read_checkpoint
-from fsdp_zero.checkpoint.imported import from_deepspeed, write_imported
-from fsdp_zero.config import load_config, read_deepspeed
-from fsdp_zero.config.loader import to_yaml
-from fsdp_zero.model.construct import construct
+from fsdp_zero.checkpoint import (
+    TrainState,
+    from_deepspeed,
+    read_deepspeed_checkpoint,
+    write_imported,
+)
+from fsdp_zero.config import load_config, read_deepspeed, to_yaml
+from fsdp_zero.model import construct
 from fsdp_zero.tools import script_parser
-from fsdp_zero.training.step import lr_factor
+from fsdp_zero.training import lr_factor
 
 
 def _renames(pairs: list[str]) -> list[tuple[str, str]]:
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     try:
         renames = _renames(args.rename)
-        ckpt = read_checkpoint(args.checkpoint)
+        ckpt = read_deepspeed_checkpoint(args.checkpoint)
         mapped, _ = read_deepspeed(args.deepspeed or ckpt.ds_config, ckpt.world_size)
         run = [f"run.root={args.run_dir.parent}", f"run.name={args.run_dir.name}"]
         cfg = load_config(args.config, mapped + args.overrides + run)

@@ -1,17 +1,24 @@
-"""Tokenize text or JSONL with a Hugging Face tokenizer into the token files data.source=tokens reads.
+"""Tokenize text, JSONL, Parquet, Arrow or CSV with a Hugging Face tokenizer into the token files
+data.source=tokens reads.
 
-    python scripts/prepare_data.py --tokenizer MODEL_DIR --input corpus/ [more.jsonl ...] --out data/mine \\
+    python scripts/prepare_data.py --tokenizer MODEL_DIR --input corpus/ [more.parquet ...] --out data/mine \\
         [--val-fraction 0.05] [--field text] [--workers 4] [--seed 0] \\
         [--format text|prompt_completion|chat] [--prompt-field prompt] [--completion-field completion]
 
-Each .txt file is one document, each line of a .jsonl file one (its text in --field); folders are
-read recursively in sorted order. Writes OUT/train.bin, OUT/val.bin and OUT/meta.json (see
-fsdp_zero.data.prepare); train with data.source=tokens data.path=OUT/train.bin. The output is the same,
-byte for byte, for any --workers. Needs the `hf` extra (transformers).
+Each .txt file is one document, each line of a .jsonl file one (its text in --field), and each row
+of a .parquet, .arrow or .csv file or of a folder that datasets' save_to_disk wrote one (its text in
+the column --field); other folders are read recursively in sorted order. Tables are read through
+Hugging Face datasets (the `hf` extra), streamed a batch of rows at a time: memory does not grow with
+the input. Writes OUT/train.bin, OUT/val.bin and OUT/meta.json (see fsdp_zero.data.prepare); train
+with data.source=tokens data.path=OUT/train.bin. The output is the same, byte for byte, for any
+--workers, and for the same records in any of those kinds of file. Needs the `hf` extra
+(transformers; datasets for tables). A bar with documents/s and tokens/s shows on a terminal
+(stderr). docs/fine-tuning.md#input-formats has the details.
 
---format prompt_completion reads JSONL records with a prompt and a completion; --format chat
-records with a list of messages (--field, default messages), rendered by the tokenizer's chat
-template. Both write OUT/train.mask.bin and OUT/val.mask.bin beside the token files (one byte
+--format prompt_completion reads records with a prompt and a completion (JSONL fields or table
+columns: --prompt-field, --completion-field); --format chat records with a list of messages
+(--field, default messages; not from CSV, whose cells hold no lists), rendered by the tokenizer's
+chat template. Both write OUT/train.mask.bin and OUT/val.mask.bin beside the token files (one byte
 a token, 1 where it is trained on: the completion, or the assistant turns, and the EOS after
 them), which data.source=tokens and eval.path read: the loss leaves the other tokens out.
 """
@@ -33,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         help="a folder that save_pretrained wrote (a model folder will do)",
     )
     parser.add_argument(
-        "--input", nargs="+", required=True, help=".txt or .jsonl files, or folders of them"
+        "--input",
+        nargs="+",
+        required=True,
+        help=".txt, .jsonl, .parquet, .arrow or .csv files, save_to_disk folders, or folders of them",
     )
     parser.add_argument(
         "--out", required=True, help="a new folder for train.bin, val.bin and meta.json"
@@ -47,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--field",
         default=None,
-        help="the JSONL field that holds the text (default: text; --format chat: messages)",
+        help="the JSONL field or table column that holds the text (default: text; --format chat: "
+        "messages)",
     )
     parser.add_argument(
         "--format",
@@ -56,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         help="text: documents (default); prompt_completion or chat: instruction records, masked",
     )
     parser.add_argument(
-        "--prompt-field", default="prompt", help="--format prompt_completion: the prompt's field"
+        "--prompt-field",
+        default="prompt",
+        help="--format prompt_completion: the prompt's field (column)",
     )
     parser.add_argument(
         "--completion-field",
         default="completion",
-        help="--format prompt_completion: the completion's field",
+        help="--format prompt_completion: the completion's field (column)",
     )
     parser.add_argument(
         "--workers", type=int, default=1, help="tokenizing processes (default 1: this one)"

@@ -64,6 +64,12 @@ _FP8_LINEARS = "test_the_block_linears_compute_in_float8_and_train_as_bf16_does"
 _FP8_RESUME = "test_a_resume_continues_exactly"
 _FP8_GATHER = "test_tensorwise_all_gathers_its_weights_in_float8"
 _FP8_BYTES = "test_a_unit_of_float8_weights_is_gathered_as_bytes_on_gloo"
+_TABLES = "test_every_table_kind_gives_the_jsonl_bytes_at_one_and_two_workers"
+_TABLE_MEMORY = "test_memory_does_not_grow_with_the_parquet_file"
+_DS_BITS = "test_the_import_holds_deepspeeds_weights_moments_and_position_bit_for_bit"
+_DS_LR = "test_deepspeeds_schedule_is_followed_step_for_step"
+_DS_CONTINUED = "test_a_continued_run_takes_deepspeeds_next_steps"
+_DS_DAMAGED = "test_a_damaged_checkpoint_is_one_line_and_nothing_is_written"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -149,6 +155,22 @@ MUTANTS = {
         "prepare_data: a chat's final EOS trained after a user or system turn too",
         [f"tests/test_masked.py::{_EOS}"],
         [_EOS],
+    ),
+    "table-row-groups-reversed": (
+        "prepare_data: a Parquet file's row groups read last first",
+        [f"tests/test_datasets.py::{_TABLES}"],
+        [_TABLES],
+    ),
+    "table-column-flags-ignored": (
+        "prepare_data: --field, --prompt-field and --completion-field ignored for tables (their "
+        "default columns read)",
+        [f"tests/test_datasets.py::{_TABLES}"],
+        [_TABLES],
+    ),
+    "table-read-whole": (
+        "prepare_data: a Parquet file read whole into one Arrow table, not a batch of rows at a time",
+        [f"tests/test_datasets.py::{_TABLE_MEMORY}"],
+        [_TABLE_MEMORY],
     ),
     "lora-a-bound-out": (
         "LoRA's A drawn within 1/sqrt(out_features), not in_features",
@@ -353,6 +375,31 @@ MUTANTS = {
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",
         [f"tests/test_cli.py::{_GPU_HOST}"],
         [_GPU_HOST],
+    ),
+    "ds-zero3-floor": (
+        "DeepSpeed import: ZeRO-3's partitions taken as floor(numel / N), not ceil (padding misread)",
+        [f"tests/test_ds_import.py::{_DS_BITS}"],
+        [_DS_BITS],
+    ),
+    "ds-schedule-unlagged": (
+        "--deepspeed's schedulers: step s at the rate of s, not DeepSpeed's s - 1",
+        [f"tests/test_ds_import.py::{_DS_LR}"],
+        [_DS_LR],
+    ),
+    "ds-samples-dropped": (
+        "DeepSpeed import: the data position starts at 0, not at DeepSpeed's global samples",
+        ["tests/test_ds_import.py"],
+        [_DS_BITS, _DS_CONTINUED],
+    ),
+    "ds-moments-swapped": (
+        "DeepSpeed import: exp_avg and exp_avg_sq read into each other's place",
+        ["tests/test_ds_import.py"],
+        [_DS_BITS, _DS_CONTINUED],
+    ),
+    "ds-unpickle-anything": (
+        "DeepSpeed import: its files unpickled with weights_only=False (any class, any code)",
+        [f"tests/test_ds_import.py::{_DS_DAMAGED}"],
+        [_DS_DAMAGED],
     ),
 }
 

@@ -493,7 +493,7 @@ def test_tp_and_pp_count_the_trained_tokens_over_the_data_parallel_ranks(batches
         (
             "a .txt",
             ("--format", "prompt_completion"),
-            r"--format prompt_completion reads \.jsonl files only",
+            r"--format prompt_completion reads records \(\.jsonl, .*\), not \.txt files",
         ),
         (
             "not messages",

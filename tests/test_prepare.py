@@ -183,7 +183,9 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tiny_tokenizer_dir, tmp_path)
     (tmp_path / "empty" / "blank.txt").write_text(" \n")
     assert "no documents" in _refused(tok, tmp_path, str(tmp_path / "empty"))
     (tmp_path / "nothing").mkdir()
-    assert "no .txt or .jsonl files" in _refused(tok, tmp_path, str(tmp_path / "nothing"))
+    assert "no .txt, .jsonl, .parquet, .arrow or .csv files" in _refused(
+        tok, tmp_path, str(tmp_path / "nothing")
+    )
     fields = tmp_path / "fields.jsonl"
     fields.write_text('{"text": "fine"}\n\n{"content": "no text field"}\n')
     assert f"{fields}:3: no field 'text' (--field); the line has ['content']" in _refused(
@@ -198,7 +200,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tiny_tokenizer_dir, tmp_path)
     latin.write_bytes("café".encode("latin-1"))
     assert f"{latin}: not UTF-8 text" in _refused(tok, tmp_path, str(latin))
     (tmp_path / "notes.md").write_text("# notes")
-    assert "notes.md: not a .txt or .jsonl file" in _refused(
+    assert "notes.md: not a .txt, .jsonl, .parquet, .arrow or .csv file" in _refused(
         tok, tmp_path, str(good), str(tmp_path / "notes.md")
     )
 

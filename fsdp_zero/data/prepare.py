@@ -1,17 +1,22 @@
-"""Raw text in, token files out: what ``scripts/prepare_data.py`` does, and the ``meta.json`` it leaves.
+"""Raw text in, token files out: what ``scripts/prepare_data.py`` does, and the ``meta.json`` it
+leaves.
 
-Inputs are ``.txt`` files (one document each), ``.jsonl`` files (one document per line, its text
-in a field) or folders of them, read in sorted order. Each document is tokenized as the Hugging Face
-tokenizer's ``tokenizer(text)`` tokenizes it (its own special tokens, e.g. BOS) and followed by the
-tokenizer's EOS id; whole documents go to validation by a seeded choice. The output folder holds
-``train.bin`` and ``val.bin`` in nanoGPT's raw layout (a flat array of uint16 ids, uint32 for a
-vocabulary over 65,536 entries), which ``data.source=tokens`` memory-maps, and ``meta.json``
-(dtype, vocabulary, EOS id, the tokenizer's path and a hash of its files, documents and tokens per
-split), which ``data.source=tokens`` reads when it sits beside the ``.bin``.
+Inputs are ``.txt`` files (one document each), ``.jsonl`` files (one document per line, its text in
+a field), Parquet, Arrow (``.arrow``) and CSV files and ``save_to_disk`` folders (one document per
+row, its text in a column; `fsdp_zero.data.tables`), or folders of them, read in sorted order and
+streamed: two passes (the first counts and checks every document, the second tokenizes), neither
+holding more than a document or a batch of rows. Each document is tokenized as the Hugging Face tokenizer's
+``tokenizer(text)`` tokenizes it (its own special tokens, e.g. BOS) and followed by the tokenizer's
+EOS id; whole documents go to validation by a seeded choice. The output folder holds ``train.bin``
+and ``val.bin`` in nanoGPT's raw layout (a flat array of uint16 ids, uint32 for a vocabulary over
+65,536 entries), which ``data.source=tokens`` memory-maps, and ``meta.json`` (dtype, vocabulary,
+EOS id, the tokenizer's path and a hash of its files, documents and tokens per split), which
+``data.source=tokens`` reads when it sits beside the ``.bin``. The same records give the same bytes
+whichever kind of file holds them.
 
 The files' format (``meta.json``, the mask beside a ``.bin``) is `fsdp_zero.data.token_files`'s;
-``transformers`` is imported only inside the functions that tokenize (the ``hf`` extra), so the core
-imports this module without it.
+``transformers`` is imported only inside the functions that tokenize, ``datasets`` only inside those
+that read tables (both the ``hf`` extra), so the core imports this module without them.
 """
 
 from __future__ import annotations
@@ -206,37 +211,46 @@ def _chat(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
 
 @dataclass
 class _Progress:
-    """Documents done, on stderr: tqdm's bar when it is installed, else a line every few seconds;
-    nothing for a run shorter than that."""
+    """Documents and tokens done, and their rates, on stderr: tqdm's bar on a terminal
+    (documents/s, and tokens/s beside it), shown after ``delay_s`` so that a short run shows none;
+    elsewhere (a log file, a test's captured stderr, no tqdm) a line every ``every_s``, without
+    carriage returns."""
 
     total: int
-    every_s: float = 5.0
+    delay_s: float = 5.0
+    every_s: float = 30.0
 
     def __post_init__(self) -> None:
         self._start = self._last = time.monotonic()
         self.done = self.tokens = 0
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._bar = None
-        else:
+        self._bar = None
+        if getattr(sys.stderr, "isatty", lambda: False)():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
             self._bar = tqdm(
-                total=self.total, unit="doc", file=sys.stderr, delay=self.every_s, leave=False
+                total=self.total, unit="doc", file=sys.stderr, delay=self.delay_s, leave=False
             )
 
     def update(self, tokens: int) -> None:
         self.done += 1
         self.tokens += tokens
+        now = time.monotonic()
         if self._bar is not None:
             self._bar.update()
+            # the tokens' rate once a second: formatting it costs more than a document
+            if now - self._last >= 1.0:
+                self._last = now
+                rate = self.tokens / (now - self._start)
+                self._bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
             return
-        now = time.monotonic()
         if now - self._last >= self.every_s:
             self._last = now
-            rate = self.tokens / (now - self._start)
+            seconds = now - self._start
             print(
-                f"prepare: {self.done:,}/{self.total:,} documents, {self.tokens:,} tokens "
-                f"({rate:,.0f} tokens/s)",
+                f"prepare: {self.done:,}/{self.total:,} documents ({self.done / seconds:,.0f}/s), "
+                f"{self.tokens:,} tokens ({self.tokens / seconds:,.0f}/s)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -266,9 +280,10 @@ def _encoded(
 
 @dataclass(frozen=True)
 class Fields:
-    """What a document is and where its text lies: ``format`` text (``field``, default "text": a
-    `.txt` line or that JSON field), prompt_completion (``prompt`` and ``completion``, each split's
-    mask written beside its ``.bin``, `mask_file`) or chat (``field``, default "messages")."""
+    """What a document is and where its text lies: ``format`` text (``field``, default "text": the
+    JSON field or table column; a `.txt` file is a document whole), prompt_completion (``prompt``
+    and ``completion``, each split's mask written beside its ``.bin``, `mask_file`) or chat
+    (``field``, default "messages")."""
 
     format: str = "text"
     field: str | None = None
@@ -276,7 +291,7 @@ class Fields:
     completion: str = "completion"
 
     def of_records(self) -> str | tuple[str, str]:
-        """The JSON field(s) `fsdp_zero.data.documents.documents` reads.
+        """The JSON field(s) or table column(s) `fsdp_zero.data.documents.documents` reads.
 
         Raises:
             ValueError: an unknown format.
@@ -428,7 +443,8 @@ def _first_pass(
     count = sum(1 for _ in documents(files, records, fmt))
     if count == 0:
         raise ValueError(
-            f"--input {' '.join(map(str, inputs))}: no documents (only empty files and blank lines)"
+            f"--input {' '.join(map(str, inputs))}: no documents (only empty files, blank lines "
+            "and empty tables)"
         )
     return files, count
 

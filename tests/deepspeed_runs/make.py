@@ -4,16 +4,17 @@
         tests/deepspeed_runs/make.py     # and again with 3 ranks: the cases of each world size
 
 DeepSpeed (CPU accelerator, gloo, no compiled ops) trains the built-in transformer (a 7,000-parameter
-gpt_nano) for ``STEPS`` AdamW steps at 2 ranks under ZeRO-1, -2 and -3, and under ZeRO-3 at 3 ranks
-(partitions padded), each case with another of DeepSpeed's schedules, its own ds_config.json, its optimizer built from the JSON (torch's AdamW) over
-fsdp-zero's two parameter groups (decay on matrices and embeddings only, as ours), and the batches of
+gpt_nano; ZeRO-1's with its output layer tied to the embedding) for ``STEPS`` AdamW steps at 2 ranks under
+ZeRO-1, -2 and -3, and under ZeRO-3 at 3 ranks (partitions padded). Each case has another of DeepSpeed's
+schedules and its own ds_config.json; its optimizer is built from the JSON (torch's AdamW) over
+fsdp-zero's two parameter groups (decay on matrices and embeddings only, as ours), and it trains on
 fsdp-zero's data order (the synthetic source: the global batch of step s is samples [s G, (s+1) G), rank
 r's share its r-th slice, cut into micro-batches). It saves with ``engine.save_checkpoint`` after step
 ``k`` and goes on to the end. Each case's folder keeps what DeepSpeed wrote (``latest``,
 ``global_stepK/``; DeepSpeed's copies of its zero_to_*.py scripts are deleted), the ds_config.json it ran
 with, ``run.json`` (the loss and learning rate of every step, as DeepSpeed computed them, and the
-versions), ``saved.safetensors`` (each parameter's fp32 weight and AdamW moments at the save, as
-DeepSpeed's own ``ds_to_universal`` gathers them: ``NAME/fp32``, ``NAME/exp_avg``, ``NAME/exp_avg_sq``, flat)
+versions), ``saved.safetensors`` (each parameter's fp32 weight and AdamW moments at the save, flat, as
+DeepSpeed's own ``ds_to_universal`` gathers them: ``NAME/fp32``, ``NAME/exp_avg``, ``NAME/exp_avg_sq``)
 and ``final.safetensors`` (the fp32 weights after the last step). ZeRO-3's universal form is kept,
 as ``zero3-universal/``.
 
@@ -133,7 +134,9 @@ def ds_config(stage: int, batch: int, scheduler: dict) -> dict:
 def _model(cfg) -> torch.nn.Module:
     """The built-in model with its initial weights for the seed, as fsdp-zero initialises it."""
     model = construct(cfg.model)
-    materializer(torch.device("cpu"), cfg.model.init, cfg.train.seed, real_buffers(model), [])(model)
+    materializer(torch.device("cpu"), cfg.model.init, cfg.train.seed, real_buffers(model), [])(
+        model
+    )
     return model
 
 
@@ -157,7 +160,9 @@ def run_case(name: str, stage: int, batch: int, save_after: int, scheduler: dict
     for step in range(STEPS):
         lrs.append(engine.get_lr()[0])
         total = torch.zeros(())
-        for start in range(step * batch + rank * per_rank, step * batch + (rank + 1) * per_rank, micro):
+        for start in range(
+            step * batch + rank * per_rank, step * batch + (rank + 1) * per_rank, micro
+        ):
             loss, _ = causal_lm(engine, source.batch(range(start, start + micro)))
             engine.backward(loss)
             engine.step()
@@ -170,7 +175,10 @@ def run_case(name: str, stage: int, batch: int, save_after: int, scheduler: dict
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         final = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     if rank == 0:
-        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's code: not ours to commit
+        for script in (
+            "zero_to_fp32.py",
+            "zero_to_torch.py",
+        ):  # DeepSpeed's code: not ours to commit
             (out / script).unlink(missing_ok=True)
         (out / "ds_config.json").write_text(json.dumps(config, indent=1) + "\n")
         save_file(final, out / "final.safetensors")
@@ -211,7 +219,9 @@ def _universal(name: str) -> None:
     for folder in sorted((universal / f"{tag}_universal" / "zero").iterdir()):
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             if (folder / f"{key}.pt").is_file():
-                loaded = torch.load(folder / f"{key}.pt")  # ZeRO-3's: the tensor; others: {"param": ...}
+                loaded = torch.load(
+                    folder / f"{key}.pt"
+                )  # ZeRO-3's: the tensor; others: {"param": ...}
                 loaded = loaded["param"] if isinstance(loaded, dict) else loaded
                 saved[f"{folder.name}/{key}"] = loaded.flatten()
     save_file(saved, HERE / name / "saved.safetensors")

@@ -266,6 +266,24 @@ SOURCE = {
         'mask + [int(messages[-1]["role"] == "assistant")]',
         'mask + [1 if messages[-1]["role"] == "assistant" else __mutant__(1)]',
     ),
+    "table-row-groups-reversed": (
+        "fsdp_zero.data.tables",
+        "batch_size=BATCH, columns=names, use_threads=False",
+        "batch_size=BATCH, columns=names, use_threads=False, "
+        "row_groups=__mutant__(range(source.num_row_groups - 1, -1, -1))",
+    ),
+    "table-column-flags-ignored": (
+        "fsdp_zero.data.documents",
+        "    names = [fields] if isinstance(fields, str) else list(fields)\n    table = open_table(path)",
+        '    fields = __mutant__({"text": "text", "prompt_completion": ("prompt", "completion")}'
+        '.get(fmt, "messages"))\n'
+        "    names = [fields] if isinstance(fields, str) else list(fields)\n    table = open_table(path)",
+    ),
+    "table-read-whole": (
+        "fsdp_zero.data.tables",
+        "lambda names: source.iter_batches(",
+        "lambda names: __mutant__(lambda **_: iter(source.read(columns=names).to_batches(BATCH)))(",
+    ),
     "lora-a-bound-out": (
         "fsdp_zero.model.lora",
         "bound=1 / math.sqrt(m.in_features)",
@@ -467,6 +485,31 @@ SOURCE = {
         "tests.cpu_only",
         'os.environ["CUDA_VISIBLE_DEVICES"] = ""',
         "__mutant__()",
+    ),
+    "ds-zero3-floor": (
+        "fsdp_zero.checkpoint.deepspeed_in",
+        "part = math.ceil(numel / n)",
+        "part = __mutant__(numel // n)",
+    ),
+    "ds-schedule-unlagged": (
+        "fsdp_zero.training.step",
+        "i, warmup, start = step - 1, max(2, cfg.warmup_steps), cfg.warmup_start_ratio",
+        "i, warmup, start = __mutant__(step), max(2, cfg.warmup_steps), cfg.warmup_start_ratio",
+    ),
+    "ds-samples-dropped": (
+        "fsdp_zero.checkpoint.deepspeed_in",
+        'int(meta.get("global_samples") or 0),',
+        "__mutant__(0),",
+    ),
+    "ds-moments-swapped": (
+        "fsdp_zero.checkpoint.deepspeed_in",
+        '_MOMENTS = ("exp_avg", "exp_avg_sq")\n',
+        '_MOMENTS = ("exp_avg_sq", "exp_avg")\n__mutant__(0)\n',
+    ),
+    "ds-unpickle-anything": (
+        "fsdp_zero.checkpoint.deepspeed_in",
+        'map_location="cpu", weights_only=True, mmap=True',
+        'map_location="cpu", weights_only=__mutant__(False), mmap=True',
     ),
 }
 
