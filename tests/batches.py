@@ -234,14 +234,13 @@ def _qlora_bases(root: Path) -> None:
 
 
 # tests/test_ds_import.py's: real DeepSpeed runs (tests/deepspeed_runs/make.py) imported, then continued
-# here at 2 and 4 ranks with their own ds_config.json, model and data; run -> (DeepSpeed's case, ranks).
+# here at 2 and 4 ranks (ZeRO-3 saved at 3 ranks) with their own ds_config.json, model and data; run -> (DeepSpeed's case, ranks).
 DS_RUNS = REPO / "tests" / "deepspeed_runs"
 DS_CONTINUED = {
     "ds-zero1": ("zero1", 2),
     "ds-zero2": ("zero2", 2),
     "ds-zero3": ("zero3", 2),
-    "ds-universal": ("zero3-universal", 2),
-    "ds-zero3-n4": ("zero3", 4),
+    # (the universal form's import is ZeRO-3's, bit for bit: not continued again)
     "ds-zero3-n3-n4": ("zero3-n3", 4),
 }
 

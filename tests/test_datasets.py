@@ -348,11 +348,17 @@ def _parquet_of_size(path: Path, megabytes: float) -> int:
 
     rng = random.Random(7)
     pool = [sample_text(rng, 150) for _ in range(500)]  # ~1 kB each
-    texts, size = [], 0
-    while size < megabytes * 1e6:
-        texts.append(f"{len(texts)} {pool[len(texts) % len(pool)]}")
-        size += len(texts[-1].encode())
-    pq.write_table(pa.table({"text": texts}), path, row_group_size=1000)
+    schema = pa.schema([("text", pa.string())])
+    # a row group at a time: 40 MB of Python strings at once would stay in this process's heap (freed but
+    # resident, ~10x their size), where later tests' allocations would reuse it unseen
+    size, rows, texts = 0, 0, []
+    with pq.ParquetWriter(path, schema) as writer:
+        while size < megabytes * 1e6:
+            texts.append(f"{rows} {pool[rows % len(pool)]}")
+            rows, size = rows + 1, size + len(texts[-1].encode())
+            if len(texts) == 1000 or size >= megabytes * 1e6:
+                writer.write_table(pa.table({"text": texts}, schema=schema))
+                texts = []
     return size
 
 
