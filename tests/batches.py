@@ -234,7 +234,8 @@ def _qlora_bases(root: Path) -> None:
 
 
 # tests/test_ds_import.py's: real DeepSpeed runs (tests/deepspeed_runs/make.py) imported, then continued
-# here at 2 and 4 ranks (ZeRO-3 saved at 3 ranks) with their own ds_config.json, model and data; run -> (DeepSpeed's case, ranks).
+# here at 2 and 4 ranks (ZeRO-3 saved at 3 ranks) with their own ds_config.json, model and data;
+# run -> (DeepSpeed's case, ranks).
 DS_RUNS = REPO / "tests" / "deepspeed_runs"
 DS_CONTINUED = {
     "ds-zero1": ("zero1", 2),
