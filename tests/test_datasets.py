@@ -456,7 +456,7 @@ def test_tables_are_read_offline_and_nothing_lands_in_the_caches(child):
 
 def test_the_progress_bar_shows_documents_and_tokens_per_second(monkeypatch):
     """On a terminal: tqdm's bar with documents/s and tokens/s; elsewhere a plain line (here every 0 s)."""
-    progress = importlib.import_module("fsdp_zero.data.prepare")._Progress
+    from fsdp_zero.data.progress import Progress as progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

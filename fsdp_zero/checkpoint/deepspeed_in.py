@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["DsCheckpoint", "DsParam", "read_checkpoint"]
+
 # DeepSpeed's names for what its checkpoints pickle besides tensors and plain containers.
 _SCALERS = ("LossScaler", "DynamicLossScaler")
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -55,7 +57,7 @@ _STAND_INS = [
 ]
 
 
-def safe_load(path: Path) -> Any:
+def _safe_load(path: Path) -> Any:
     """``torch.load(weights_only=True)`` admitting DeepSpeed's own records (`_STAND_INS`) as data.
 
     Raises:
@@ -102,7 +104,7 @@ class DsCheckpoint:
     shared: dict[str, str] = field(default_factory=dict)  # tied name -> the name it shares
 
 
-def step_folder(path: Path) -> Path:
+def _step_folder(path: Path) -> Path:
     """The ``global_stepK`` folder that ``path`` names: itself, or the one ``latest`` (or
     ``latest_universal``) names in it.
 
@@ -156,11 +158,11 @@ def read_checkpoint(path: Path) -> DsCheckpoint:
     Raises:
         ValueError: naming the file (and the parameter) that cannot be read.
     """
-    folder = step_folder(path)
+    folder = _step_folder(path)
     models = _ranked(folder, _MODEL)
     if not models:
         raise ValueError(f"{folder}: no *model_states.pt file")
-    meta = safe_load(models[0])
+    meta = _safe_load(models[0])
     for key in ("global_steps", "param_shapes", "ds_config"):
         if key not in meta:
             raise ValueError(f"{models[0]}: no {key!r}: not a DeepSpeed model-states file")
@@ -188,7 +190,7 @@ def read_checkpoint(path: Path) -> DsCheckpoint:
         raise ValueError(
             f"{folder}: no *optim_states.pt files: a checkpoint without ZeRO (stage 0) is not read"
         )
-    states = [safe_load(p)["optimizer_state_dict"] for p in optims]
+    states = [_safe_load(p)["optimizer_state_dict"] for p in optims]
     stage = int(states[0].get("zero_stage", 0))
     ckpt.form = f"ZeRO-{stage}"
     if len(optims) != ckpt.world_size:
@@ -322,7 +324,7 @@ def _read_universal(zero: Path, param_shapes: list[dict], ckpt: DsCheckpoint) ->
     """The universal form: each parameter whole in zero/NAME/{fp32,exp_avg,exp_avg_sq}.pt (and step.pt,
     else the step of zero/optimizer_state.pt)."""
     common = (
-        safe_load(zero / "optimizer_state.pt") if (zero / "optimizer_state.pt").is_file() else {}
+        _safe_load(zero / "optimizer_state.pt") if (zero / "optimizer_state.pt").is_file() else {}
     )
     inner = common.get("optimizer_state_dict", common) if isinstance(common, dict) else {}
     groups, default_step = _groups_and_step(inner, param_shapes, zero / "optimizer_state.pt", ckpt)
@@ -335,7 +337,7 @@ def _read_universal(zero: Path, param_shapes: list[dict], ckpt: DsCheckpoint) ->
                     continue
                 if not path.is_file():
                     raise ValueError(f"{path}: missing (parameter {name})")
-                loaded = safe_load(path)
+                loaded = _safe_load(path)
                 tensors[key] = loaded["param"] if isinstance(loaded, dict) else loaded
                 if key != "step":
                     _check_numel(name, tensors[key].numel(), tuple(shape), path)

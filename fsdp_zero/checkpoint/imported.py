@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fsdp_zero.checkpoint.dcp import TrainState
-from fsdp_zero.checkpoint.deepspeed_in import DsCheckpoint
+from fsdp_zero.checkpoint.deepspeed_in import DsCheckpoint, DsParam
 from fsdp_zero.checkpoint.folders import PARTIAL_PREFIX, checkpoint_name
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE, RunDir
 from fsdp_zero.config.schema import OptimConfig
@@ -70,7 +70,6 @@ def from_deepspeed(
     if missing or unexpected or misshaped:
         error = does_not_fit(where, missing, unexpected, misshaped, how)
         raise ValueError(f"{error}{_rename_hint(missing, unexpected)}")
-    notes, decayed_1d = [], []
     for name in dict(model.named_parameters()):
         p = ours[tied.get(name, name)]
         state_optim[name] = {
@@ -78,17 +77,25 @@ def from_deepspeed(
             "exp_avg": p.exp_avg,
             "exp_avg_sq": p.exp_avg_sq,
         }
+    notes = _differences({n: ours[tied.get(n, n)] for n in state_optim}, cfg)
+    return {"model": state_model, "optim": state_optim}, notes
+
+
+def _differences(params: dict[str, DsParam], cfg: OptimConfig) -> list[str]:
+    """A warning for each AdamW setting of DeepSpeed's that this config does not share."""
+    notes, decayed = [], []
+    for name, p in params.items():
         ours_wd = cfg.weight_decay if p.fp32.dim() >= 2 else 0.0
         if not math.isclose(p.weight_decay, ours_wd):
-            decayed_1d.append(f"{name} ({p.weight_decay:g} there, {ours_wd:g} here)")
-    if decayed_1d:
+            decayed.append(f"{name} ({p.weight_decay:g} there, {ours_wd:g} here)")
+    if decayed:
         notes.append(
-            f"warning: DeepSpeed's weight decay differs from this config's for {len(decayed_1d)} "
-            f"parameters ({', '.join(decayed_1d[:4])}{', ...' if len(decayed_1d) > 4 else ''}): "
+            f"warning: DeepSpeed's weight decay differs from this config's for {len(decayed)} "
+            f"parameters ({', '.join(decayed[:4])}{', ...' if len(decayed) > 4 else ''}): "
             "fsdp-zero decays matrices and embeddings by optim.weight_decay and 1-D parameters "
             "not at all, so their updates will differ from DeepSpeed's"
         )
-    any_param = next(iter(ours.values()))
+    any_param = next(iter(params.values()))
     for key, theirs, here in (
         ("optim.betas", any_param.betas, tuple(cfg.betas)),
         ("optim.eps", (any_param.eps,), (cfg.eps,)),
@@ -97,7 +104,7 @@ def from_deepspeed(
             notes.append(
                 f"warning: DeepSpeed's AdamW ran with {key}={theirs}; this config has {here}"
             )
-    return {"model": state_model, "optim": state_optim}, notes
+    return notes
 
 
 def _rename_hint(missing: list[str], unexpected: list[str]) -> str:

@@ -432,8 +432,7 @@ class OptimConfig:
     schedule: Schedule = Schedule.cosine
     # linear, or DeepSpeed's schedulers step for step (deepspeed_log, deepspeed_linear; docs/deepspeed.md)
     warmup: Warmup = Warmup.linear
-    # deepspeed_*: the factor of lr that the first step takes and the warm-up climbs from (DeepSpeed's
-    # warmup_min_lr / lr, or warmup_min_ratio)
+    # deepspeed_*: where the warm-up starts, a factor of lr (DeepSpeed's warmup_min_lr / lr, warmup_min_ratio)
     warmup_start_ratio: float = 0.0
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -475,12 +474,9 @@ class OptimConfig:
             raise ValueError(
                 f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)"
             )
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
-        if not 0 <= self.warmup_start_ratio <= 1:
-            raise ValueError(
-                f"optim.warmup_start_ratio={self.warmup_start_ratio}: must be in [0, 1]"
-            )
+        for key in ("min_lr_ratio", "warmup_start_ratio"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"optim.{key}={getattr(self, key)}: must be in [0, 1]")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optim.betas={list(self.betas)}: must be two numbers in [0, 1)")
 

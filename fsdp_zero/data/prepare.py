@@ -25,7 +25,6 @@ import hashlib
 import json
 import multiprocessing
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_zero.data.documents import documents, input_files
+from fsdp_zero.data.progress import Progress
 from fsdp_zero.data.token_files import META, mask_file, token_dtype
 
 _SPLITS = ("train", "val")
@@ -209,57 +209,6 @@ def _chat(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
 # Writing
 
 
-@dataclass
-class _Progress:
-    """Documents and tokens done, and their rates, on stderr: tqdm's bar on a terminal
-    (documents/s, and tokens/s beside it), shown after ``delay_s`` so that a short run shows none;
-    elsewhere (a log file, a test's captured stderr, no tqdm) a line every ``every_s``, without
-    carriage returns."""
-
-    total: int
-    delay_s: float = 5.0
-    every_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        self._start = self._last = time.monotonic()
-        self.done = self.tokens = 0
-        self._bar = None
-        if getattr(sys.stderr, "isatty", lambda: False)():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self._bar = tqdm(
-                total=self.total, unit="doc", file=sys.stderr, delay=self.delay_s, leave=False
-            )
-
-    def update(self, tokens: int) -> None:
-        self.done += 1
-        self.tokens += tokens
-        now = time.monotonic()
-        if self._bar is not None:
-            self._bar.update()
-            # the tokens' rate once a second: formatting it costs more than a document
-            if now - self._last >= 1.0:
-                self._last = now
-                rate = self.tokens / (now - self._start)
-                self._bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
-            return
-        if now - self._last >= self.every_s:
-            self._last = now
-            seconds = now - self._start
-            print(
-                f"prepare: {self.done:,}/{self.total:,} documents ({self.done / seconds:,.0f}/s), "
-                f"{self.tokens:,} tokens ({self.tokens / seconds:,.0f}/s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 def _encoded(
     docs: Iterator[Any], count: int, workers: int, tokenizer_dir: str, dtype: str, fmt: str = "text"
 ) -> Iterator[Any]:
@@ -382,7 +331,7 @@ def _check_out(out: Path) -> None:
 def _write_splits(folder: Path, encoded: Iterator[np.ndarray], val: set[int], count: int) -> dict:
     """Appends each document's ids to train.bin or val.bin; the documents and tokens per split."""
     totals = {split: {"documents": 0, "tokens": 0} for split in _SPLITS}
-    progress = _Progress(count)
+    progress = Progress(count)
     masks: dict[str, Any] = {}  # split -> its open mask file, made at the first masked document
     try:
         with open(folder / "train.bin", "wb") as train, open(folder / "val.bin", "wb") as held_out:

@@ -35,12 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+__all__ = ["BATCH", "is_saved_dataset", "open_table", "Table", "TABLE_SUFFIXES"]
+
 TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
 # Rows converted to Python at a time: what a batch holds in memory beside the reader's own buffers.
 BATCH = 256
 # What save_to_disk writes beside a Dataset's shards, and instead of them for a DatasetDict.
-SAVED_FILES = ("state.json", "dataset_info.json")
-SAVED_DICT = "dataset_dict.json"
+_SAVED_FILES = ("state.json", "dataset_info.json")
+_SAVED_DICT = "dataset_dict.json"
 _PARQUET_BUFFER = 1 << 20
 _INSTALL = (
     "reading .parquet, .arrow, .csv files and save_to_disk folders needs datasets: "
@@ -54,14 +56,14 @@ def is_saved_dataset(folder: Path) -> bool:
     Raises:
         ValueError: a ``DatasetDict``'s folder (naming its splits).
     """
-    if (folder / SAVED_DICT).is_file():
-        splits = sorted(p.name for p in folder.iterdir() if (p / SAVED_FILES[0]).is_file())
+    if (folder / _SAVED_DICT).is_file():
+        splits = sorted(p.name for p in folder.iterdir() if (p / _SAVED_FILES[0]).is_file())
         example = "train" if "train" in splits or not splits else splits[0]
         raise ValueError(
             f"--input {folder}: a DatasetDict that save_to_disk wrote (splits: "
             f"{', '.join(splits)}); name the split to read, e.g. {folder / example}"
         )
-    return all((folder / name).is_file() for name in SAVED_FILES)
+    return all((folder / name).is_file() for name in _SAVED_FILES)
 
 
 @dataclass
