@@ -241,6 +241,7 @@ DS_CONTINUED = {
     "ds-zero1": ("zero1", 2),
     "ds-zero2": ("zero2", 2),
     "ds-zero3": ("zero3", 2),
+    "ds-zero1-bf16": ("zero1-bf16", 2),
     # (the universal form's import is ZeRO-3's, bit for bit: not continued again)
     "ds-zero3-n3-n4": ("zero3-n3", 4),
 }
@@ -248,13 +249,16 @@ DS_CONTINUED = {
 
 def ds_settings(case: str, ranks: int) -> list[str]:
     """What scripts/train.py --deepspeed ds_config.json gives at ``ranks`` ranks, with DeepSpeed's model
-    and data overrides (WarmupLR has no length of its own: 8 steps, as DeepSpeed ran)."""
+    and data overrides (WarmupLR has no length of its own: 8 steps, as DeepSpeed ran; bf16's ZeRO-1 runs as
+    ZeRO-2 here)."""
     from fsdp_zero.config.deepspeed import read_deepspeed
 
     folder = DS_RUNS / case.removesuffix("-universal")
     mapped, _ = read_deepspeed(folder / "ds_config.json", ranks)
     record = json.loads((folder / "run.json").read_text())
-    return [*mapped, *record["overrides"], f"train.steps={len(record['losses'])}"]
+    # our ZeRO-1 (DDP with a sharded optimizer) takes fp32 or bf16-true: bf16-mixed continues under ZeRO-2
+    bf16 = ["parallel.zero_stage=2"] if case.endswith("-bf16") else []
+    return [*mapped, *record["overrides"], f"train.steps={len(record['losses'])}", *bf16]
 
 
 def _ds_imports(root: Path, ranks: int) -> None:

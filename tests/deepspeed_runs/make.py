@@ -1,11 +1,11 @@
 """Real DeepSpeed runs whose checkpoints tests/test_ds_import.py imports: ``make deepspeed-runs`` reruns them.
 
     PYTHONPATH=.deepspeed DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 \\
-        tests/deepspeed_runs/make.py     # and again with 3 ranks: the cases of each world size
+        tests/deepspeed_runs/make.py [CASE ...]   # and again with 3 ranks: the cases of each world size
 
 DeepSpeed (CPU accelerator, gloo, no compiled ops) trains the built-in transformer (a 7,000-parameter
 gpt_nano; ZeRO-1's with its output layer tied to the embedding) for ``STEPS`` AdamW steps at 2 ranks under
-ZeRO-1, -2 and -3, and under ZeRO-3 at 3 ranks (partitions padded). Each case has another of DeepSpeed's
+ZeRO-1 (fp32 and bf16), -2 and -3, and under ZeRO-3 at 3 ranks (partitions padded). Each case has another of DeepSpeed's
 schedules and its own ds_config.json; its optimizer is built from the JSON (torch's AdamW) over
 fsdp-zero's two parameter groups (decay on matrices and embeddings only, as ours), and it trains on
 fsdp-zero's data order (the synthetic source: the global batch of step s is samples [s G, (s+1) G), rank
@@ -106,6 +106,14 @@ CASES = {
             },
         },
     ),
+    # bf16: ZeRO-1 is DeepSpeed's BF16_Optimizer then (its own files, bf16_zero_pp_rank_*), fp32 masters
+    "zero1-bf16": (
+        2,
+        1,
+        8,
+        2,
+        {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 3e-3}},
+    ),
     # 3 ranks: ZeRO-3's partitions padded (256 / 3 elements of a 16 x 16 matrix a rank)
     "zero3-n3": (
         3,
@@ -117,9 +125,9 @@ CASES = {
 }
 
 
-def ds_config(stage: int, batch: int, scheduler: dict) -> dict:
+def ds_config(name: str, stage: int, batch: int, scheduler: dict) -> dict:
     """The case's ds_config.json: ``batch`` samples a step, micro-batches of 2 (gradient accumulation
-    derived from the world size), clipping at 0.5, fp32."""
+    derived from the world size), clipping at 0.5, fp32 (bf16 for a case named so)."""
     return {
         "train_batch_size": batch,
         "train_micro_batch_size_per_gpu": 2,
@@ -128,6 +136,7 @@ def ds_config(stage: int, batch: int, scheduler: dict) -> dict:
         "scheduler": scheduler,
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
+        **({"bf16": {"enabled": True}} if name.endswith("-bf16") else {}),
     }
 
 
@@ -143,7 +152,7 @@ def _model(cfg) -> torch.nn.Module:
 def run_case(name: str, stage: int, batch: int, save_after: int, scheduler: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = HERE / name
-    config = ds_config(stage, batch, scheduler)
+    config = ds_config(name, stage, batch, scheduler)
     overrides = [*MODEL, *TIED] if name == "zero1" else list(MODEL)
     cfg = load_config(None, overrides)
     model = _model(cfg)
@@ -232,7 +241,8 @@ def _universal(name: str) -> None:
 def main() -> None:
     """Runs the cases for this world size (``make deepspeed-runs`` launches 2, then 3 ranks)."""
     deepspeed.init_distributed(dist_backend="gloo")
-    cases = {k: v for k, v in CASES.items() if v[0] == dist.get_world_size()}
+    named = sys.argv[1:] or list(CASES)  # some cases only: make.py CASE ...
+    cases = {k: v for k, v in CASES.items() if v[0] == dist.get_world_size() and k in named}
     for name, (_, stage, batch, save_after, scheduler) in cases.items():
         if dist.get_rank() == 0:
             shutil.rmtree(HERE / name, ignore_errors=True)
