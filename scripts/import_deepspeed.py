@@ -23,14 +23,10 @@ foreign class: one line, exit 2, nothing written. docs/deepspeed.md, "Coming fro
 from __future__ import annotations
 
 import math
-import random
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-import fsdp_zero
 from fsdp_zero.checkpoint import (
     TrainState,
     from_deepspeed,
@@ -38,6 +34,7 @@ from fsdp_zero.checkpoint import (
     write_imported,
 )
 from fsdp_zero.config import load_config, read_deepspeed, to_yaml
+from fsdp_zero.distributed import draw_seed
 from fsdp_zero.model import construct
 from fsdp_zero.tools import script_parser
 from fsdp_zero.training import lr_factor
@@ -79,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 "parameter trained (valid: model.lora.rank=0, model.freeze=[])"
             )
         if cfg.train.seed is None:
-            cfg = replace(
-                cfg, train=replace(cfg.train, seed=random.SystemRandom().randrange(2**31))
-            )
+            cfg = replace(cfg, train=replace(cfg.train, seed=draw_seed()))
         state, notes = from_deepspeed(ckpt, construct(cfg.model), cfg.optim, renames)
         ours = cfg.optim.lr * lr_factor(ckpt.step, cfg.optim, cfg.train.steps)
         theirs = next(iter(ckpt.params.values())).lr
@@ -95,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             step=ckpt.step,
             data_position=ckpt.samples,
             world_size=ckpt.world_size,
-            versions={"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__},
             origin=origin,
         )
         written = write_imported(args.run_dir, state, train_state, to_yaml(cfg))

@@ -116,6 +116,11 @@ class TrainState:
         return cls(**{k: raw.pop(k) for k in list(raw) if k in known}, extra=raw)
 
 
+def versions() -> dict[str, str]:
+    """What a checkpoint records of the code that wrote it (`TrainState.versions`)."""
+    return {"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__}
+
+
 def read_train_state(path: Path) -> TrainState:
     """The JSON side of a checkpoint.
 
@@ -280,7 +285,7 @@ class Checkpointer:
                 state = replace(
                     train_state,
                     world_size=dist.get_world_size(),
-                    versions={"torch": torch.__version__, "fsdp_zero": fsdp_zero.__version__},
+                    versions=versions(),
                 )
                 (partial / STATE_FILE).write_text(state.to_json())
                 (partial / CONFIG_FILE).write_text(config_yaml)

@@ -13,13 +13,14 @@ import math
 import os
 import shutil
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fsdp_zero.checkpoint.dcp import TrainState
+from fsdp_zero.checkpoint.dcp import TrainState, versions
 from fsdp_zero.checkpoint.deepspeed_in import DsCheckpoint, DsParam
 from fsdp_zero.checkpoint.folders import PARTIAL_PREFIX, checkpoint_name
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE, RunDir
@@ -27,7 +28,7 @@ from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.model.source import does_not_fit
 
 
-def renamed(name: str, renames: list[tuple[str, str]]) -> str:
+def _renamed(name: str, renames: list[tuple[str, str]]) -> str:
     """``name`` with the first matching prefix replaced (``--rename OLD=NEW``; NEW may be empty)."""
     for old, new in renames:
         if name.startswith(old):
@@ -45,9 +46,9 @@ def from_deepspeed(
         ValueError: DeepSpeed's names and shapes do not fit the model (missing, unexpected and
             mis-shaped names, after ``renames``).
     """
-    ours = {renamed(n, renames): p for n, p in ckpt.params.items()}
-    buffers = {renamed(n, renames): b for n, b in ckpt.buffers.items()}
-    tied = {renamed(a, renames): renamed(b, renames) for a, b in ckpt.shared.items()}
+    ours = {_renamed(n, renames): p for n, p in ckpt.params.items()}
+    buffers = {_renamed(n, renames): b for n, b in ckpt.buffers.items()}
+    tied = {_renamed(a, renames): _renamed(b, renames) for a, b in ckpt.shared.items()}
     first = {}  # each Parameter's first name: the optimizer state's key
     for name, p in model.named_parameters(remove_duplicate=False):
         first.setdefault(p, name)
@@ -122,7 +123,7 @@ def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
 
 def write_imported(run_dir: Path, state: dict, train_state: TrainState, config_yaml: str) -> Path:
     """Writes checkpoint ``train_state.step`` of ``state`` into ``run_dir`` (which must hold no
-    checkpoint); returns its folder.
+    checkpoint), with this code's versions; returns its folder.
 
     Raises:
         ValueError: ``run_dir`` holds a run already (nothing is overwritten).
@@ -138,12 +139,11 @@ def write_imported(run_dir: Path, state: dict, train_state: TrainState, config_y
     made = run_dir if not run_dir.exists() else root  # what a failure removes again
     partial.mkdir(parents=True)
     try:
-        with (
-            warnings.catch_warnings()
-        ):  # "assuming the intent is to save in a single process": it is
+        # DCP warns "assuming the intent is to save in a single process": it is
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)), no_dist=True)
-        (partial / STATE_FILE).write_text(train_state.to_json())
+        (partial / STATE_FILE).write_text(replace(train_state, versions=versions()).to_json())
         (partial / CONFIG_FILE).write_text(config_yaml)
     except BaseException:
         shutil.rmtree(made, ignore_errors=True)

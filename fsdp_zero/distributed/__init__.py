@@ -6,6 +6,7 @@ from fsdp_zero.distributed.env import (
     agree_on_seed,
     broadcast_object,
     distributed,
+    draw_seed,
     exit_process,
     last_collective,
     seed_all,
@@ -16,6 +17,7 @@ from fsdp_zero.distributed.topology import Topology
 __all__ = [
     "agree_on_seed",
     "broadcast_object",
+    "draw_seed",
     "CollectiveTimeout",
     "DistEnv",
     "distributed",

@@ -283,11 +283,16 @@ def broadcast_object(obj: object, env: DistEnv) -> object:
     return box[0]
 
 
+def draw_seed() -> int:
+    """A seed for ``train.seed=null``: drawn from the system's entropy, once per run (by rank 0)."""
+    return random.SystemRandom().randrange(2**31)
+
+
 def agree_on_seed(seed: int | None, env: DistEnv) -> int:
     """The configured seed, or one drawn by rank 0, on every rank; seeds every RNG with it (for the
     benchmarks; the trainer's seed comes from `fsdp_zero.training.rundir.decide`)."""
     if seed is None:
-        seed = random.SystemRandom().randrange(2**31)
+        seed = draw_seed()
     seed = int(broadcast_object(seed, env))
     seed_all(seed)
     return seed

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import tempfile
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -27,7 +26,7 @@ from fsdp_zero.checkpoint.folders import checkpoint_step, latest_checkpoint, lis
 from fsdp_zero.config.loader import read_saved_config, to_yaml
 from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import Config
-from fsdp_zero.distributed.env import DistEnv, broadcast_object
+from fsdp_zero.distributed.env import DistEnv, broadcast_object, draw_seed
 from fsdp_zero.model.hf import run_dir_files
 
 logger = logging.getLogger("fsdp_zero")
@@ -196,9 +195,7 @@ def decide(cfg: Config, env: DistEnv) -> RunDecision:
     decision: RunDecision | str | None = None
     if env.is_rank0:
         name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
-        seed = (
-            cfg.train.seed if cfg.train.seed is not None else random.SystemRandom().randrange(2**31)
-        )
+        seed = cfg.train.seed if cfg.train.seed is not None else draw_seed()
         run_dir = Path(cfg.run.root) / name
         chosen = RunDecision(run_dir, None, seed).resolve(cfg)
         try:
