@@ -24,15 +24,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_zero import USAGE_ERROR, RunEnded
 from fsdp_zero.config import load_config, read_deepspeed
-from fsdp_zero.distributed import distributed, exit_process
+from fsdp_zero.distributed import distributed, exit_process, report_end
 from fsdp_zero.training import train
-
-
-def _fail(message: str) -> int:
-    # Every rank hits the same user error; one copy of the message is enough.
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {message}", file=sys.stderr)
-    return USAGE_ERROR
 
 
 @record
@@ -45,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         "--deepspeed", metavar="JSON", help="a DeepSpeed config (ds_config.json), read as-is"
     )
     parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. train.steps=50")
-    args = parser.parse_args(argv)
+    # --config and --deepspeed anywhere among the key=value settings, not only before them
+    args = parser.parse_intermixed_args(argv)
     try:
         overrides = args.overrides
         if args.deepspeed:
@@ -61,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         with distributed(cfg.dist) as env:
             train(cfg, env)
-    except ValueError as e:  # a user error: every rank raises the same one
-        return _fail(str(e))
-    # diverged (3), stopped with a save (4), a collective failed (5), a save failed (6)
+    # A user error (every rank raises the same one); a run that diverged (3), stopped with a save (4),
+    # saw a collective fail (5) or a save fail (6): its line shown whichever rank exits first.
+    except ValueError as e:
+        report_end(f"error: {e}")
+        return USAGE_ERROR
     except RunEnded as e:
-        if e.every_rank or os.environ.get("RANK", "0") == "0":
-            print(f"{e.prefix}{e}", file=sys.stderr)
+        report_end(f"{e.prefix}{e}", every_rank=e.every_rank)
         return e.exit_code
     return 0
 

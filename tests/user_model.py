@@ -200,3 +200,14 @@ def evicted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
         _until_sigterm(lambda: marker.write_text(f"{time.time()}\n"))
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def refused_with_rank0_last(**kwargs) -> nn.Module:  # noqa: ANN003
+    """A model factory that refuses its settings on every rank (a ValueError: a user error), rank 0 a few
+    seconds after the others: the race in which torchrun ends rank 0 before it can print the line."""
+    import os
+    import time
+
+    if os.environ.get("RANK", "0") == "0":
+        time.sleep(8)
+    raise ValueError("model.kwargs.width=3: must be even (the user's own check)")

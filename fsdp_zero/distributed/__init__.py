@@ -9,6 +9,7 @@ from fsdp_zero.distributed.env import (
     draw_seed,
     exit_process,
     last_collective,
+    report_end,
     seed_all,
     silent_ranks,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "distributed",
     "exit_process",
     "last_collective",
+    "report_end",
     "seed_all",
     "silent_ranks",
     "Topology",

@@ -259,6 +259,34 @@ def silent_ranks(
         return []
 
 
+def report_end(line: str, every_rank: bool = False) -> None:
+    """Shows the line a run ends with, whichever rank ends first.
+
+    Every rank of a user error (or of a `RunEnded` that is every rank's) raises the same one. Printed
+    on rank 0 alone, it is lost whenever another rank exits first: torchrun then ends rank 0 (SIGTERM)
+    before it prints, often while it is still importing, and the user sees only "ChildFailedError
+    ... exitcode 2". So every rank also writes the line into torchrun's error file
+    (TORCHELASTIC_ERROR_FILE, set by torchrun for each rank): torchrun prints the file of the rank
+    that ended first as the "Root Cause", so the line is shown once there, from whichever rank it
+    is. Written before the process exits, it cannot be lost to the race. Rank 0 (every rank with
+    ``every_rank``: each has its own line) also prints it, for runs without torchrun.
+
+    Args:
+        line: the whole line (``error: ...``).
+        every_rank: print on every rank, not rank 0 only.
+    """
+    if every_rank or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # torchrun's format (torch.distributed.elastic's ErrorHandler): the "py_callstack" is what its
+    # report shows as the failure's "traceback": our one line instead of a Python traceback.
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": line, "extraInfo": info}}, f)
+
+
 def exit_process(code: int) -> NoReturn:
     """Ends the process once everything is closed, skipping the interpreter's teardown.
 
