@@ -1,8 +1,10 @@
-"""Wrap plans on the built-in model (meta device: no memory, no process group)."""
+"""Wrap plans on the built-in model and on models that declare no block (meta device: no memory, no process group)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from fsdp_zero.config.choices import WrapPolicy
 from fsdp_zero.config.presets import model_args
@@ -130,3 +132,42 @@ def test_plan_table_lists_units_and_bytes():
 def test_containers_are_not_units():
     with pytest.raises(ValueError, match=r"'layers' is a ModuleDict, a container"):
         build_wrap_plan(nano(), WrapConfig(policy=WrapPolicy.modules, modules=["layers"]), shards=2)
+
+
+def test_a_model_that_declares_no_block_wraps_the_class_its_outermost_list_repeats():
+    """A user's own GPT (tests/user_gpt.py: no _no_split_modules, no block_class): its blocks are the class
+    that its ModuleList repeats; a list nested in those blocks (an attention's heads) is not searched, a
+    list of mixed classes is not a stack of blocks, and the plan's note names what was found and the key
+    that overrides it."""
+    from tests.user_gpt import GPT
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)])  # mixed: not blocks
+            self.body = nn.Sequential(Heads(), Heads())
+
+    with torch.device("meta"):
+        gpt, nested = GPT(depth=3), Model()
+    plan = build_wrap_plan(gpt, WrapConfig(), shards=2)
+    assert (
+        units(plan) == ["blocks.0", "blocks.1", "blocks.2", ""]
+        and plan.block_fqns == units(plan)[:3]
+    )
+    assert plan.notes == [
+        "blocks found, not declared: Block, repeated in blocks (3); to wrap other classes, set "
+        "parallel.wrap.classes (e.g. parallel.wrap.classes=[Block])"
+    ]
+    assert "note: blocks found, not declared: Block" in plan.table()
+    assert units(build_wrap_plan(nested, WrapConfig(), shards=2)) == ["body.0", "body.1", ""]
+    # a declared class, or one named in parallel.wrap.classes, is taken as it is: nothing found, no note
+    assert not build_wrap_plan(nano(), WrapConfig(), shards=2).notes
+    named = build_wrap_plan(gpt, WrapConfig(classes=["Attention"]), shards=2)
+    assert (
+        named.block_fqns == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"] and not named.notes
+    )

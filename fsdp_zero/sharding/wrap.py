@@ -92,16 +92,57 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
-def _default_block_classes(model: nn.Module) -> list[str]:
-    """The block classes a model declares: a ``block_class`` attribute (the built-in model), or
-    Hugging Face's ``_no_split_modules`` (what Accelerate wraps by default), keeping the names
-    of classes the model actually holds."""
+def _default_block_classes(model: nn.Module) -> tuple[list[str], str | None]:
+    """The block classes of a model that names none in ``parallel.wrap.classes``, and a note for the
+    plan when they were found rather than declared.
+
+    Declared first: a ``block_class`` attribute (the built-in model), or Hugging Face's
+    ``_no_split_modules`` (what Accelerate wraps by default), keeping the classes the model holds.
+    Otherwise found (`_repeated_classes`): the class repeated in the model's outermost ``ModuleList``
+    or ``Sequential``, the shape in which users write a stack of blocks (nanoGPT's ``h``, torchvision's
+    ``layers``). [] when neither gives one.
+    """
     block = getattr(type(model), "block_class", None)
     if block is not None:
-        return [block.__name__]
+        return [block.__name__], None
     declared = hf_no_split_modules(model)
     present = {type(m).__name__ for m in model.modules()}
-    return [c for c in declared if c in present]
+    if declared:
+        return [c for c in declared if c in present], None
+    found = _repeated_classes(model)
+    if not found:
+        return [], None
+    classes = list(dict.fromkeys(cls for _, _, cls in found))
+    where = "; ".join(
+        f"{cls}, repeated in " + ", ".join(f"{fqn} ({n})" for fqn, n, c in found if c == cls)
+        for cls in classes
+    )
+    note = (
+        f"blocks found, not declared: {where}; to wrap other classes, set parallel.wrap.classes "
+        f"(e.g. parallel.wrap.classes=[{classes[0]}])"
+    )
+    return classes, note
+
+
+def _repeated_classes(model: nn.Module) -> list[tuple[str, int, str]]:
+    """``(fqn, count, class)`` for each outermost ``ModuleList`` or ``Sequential`` whose children are
+    at least two modules of one class that holds parameters; those nested in another's children are
+    left out (an attention's list of heads inside a block)."""
+    found: list[tuple[str, int, str]] = []
+    for fqn, module in model.named_modules():  # parents before their children
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(
+            fqn.startswith(f"{outer}.") for outer, _, _ in found
+        ):
+            continue
+        children = list(module.children())
+        kinds = {type(child) for child in children}
+        if (
+            len(children) >= 2
+            and len(kinds) == 1
+            and next(children[0].parameters(), None) is not None
+        ):
+            found.append((fqn, len(children), type(children[0]).__name__))
+    return found
 
 
 def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
@@ -127,13 +168,13 @@ def _select_blocks(
 ) -> list[str]:
     """The transformer policy: every module of a block class, and the large outsiders."""
     present = sorted({type(m).__name__ for _, m in named})
-    classes = list(cfg.classes) or _default_block_classes(model)
+    classes = list(cfg.classes) or _default_block_classes(model)[0]
     if not classes:
         raise ValueError(
             f"parallel.wrap.policy=transformer: {type(model).__name__} declares no block class "
-            "(no _no_split_modules, no block_class); set parallel.wrap.classes to the "
-            "repeated block, e.g. parallel.wrap.classes=[...]; this model's module classes: "
-            f"{', '.join(present)}"
+            "(no _no_split_modules, no block_class) and repeats none in a ModuleList or Sequential; "
+            "set parallel.wrap.classes to the repeated block, e.g. parallel.wrap.classes=[...]; "
+            f"this model's module classes: {', '.join(present)}"
         )
     unknown = [c for c in classes if c not in present]
     if unknown:
@@ -283,11 +324,11 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, shards: int) -> WrapPlan:
         owned[owner].append(params[pid])
 
     # The transformer policy's large outsiders (see `_with_large_outsiders`) are not blocks.
-    classes = (
-        (list(cfg.classes) or _default_block_classes(model))
-        if cfg.policy is WrapPolicy.transformer
-        else None
-    )
+    classes = None
+    if cfg.policy is WrapPolicy.transformer:
+        found, note = ([*cfg.classes], None) if cfg.classes else _default_block_classes(model)
+        classes = found
+        notes += [note] if note else []
     plan_units = [_unit(model, fqn, owned[fqn], shards, classes) for fqn in units]
     if cfg.policy is WrapPolicy.none:
         notes.append("one unit: every rank gathers the whole model for forward and backward")
