@@ -107,13 +107,14 @@ def test_table_orders_the_strategies_by_memory(compared: Path, measured):
     assert state["ddp"] > state["zero1"] > state["shard_grad_op"] == state["full_shard"]
     tracked = {k: num(v[7]) for k, v in table.items()}  # tensor bytes at the profiled step's peak
     assert tracked["ddp"] > tracked["zero1"] > tracked["shard_grad_op"] > tracked["full_shard"]
-    # Gathered parameters at the step's peak (early in backward): ZeRO-2 keeps every unit gathered from
-    # forward to its backward (here 113 of 177 MiB = 4 P bytes: the output head's backward is done), ZeRO-3
-    # one unit at a time (the root: a norm, ~0), and DDP and ZeRO-1 gather nothing.
+    # Gathered parameters after the first forward, a fixed phase (the step's peak has two near-equal
+    # moments under ZeRO-3, and which wins varies from run to run): ZeRO-2 keeps every unit gathered from
+    # forward to its backward (4 P bytes), ZeRO-3 only the root (a norm: under 1 KiB), DDP and ZeRO-1
+    # gather nothing.
     gathered = {k: num(v[6]) for k, v in table.items()}
     full = 4 * measured["ddp"][0]["num_params"] / MIB
-    assert gathered["shard_grad_op"] > 0.5 * full and gathered["full_shard"] < 0.1 * full
-    assert gathered["ddp"] == gathered["zero1"] == 0
+    assert gathered["shard_grad_op"] == pytest.approx(full, abs=0.05)
+    assert gathered["full_shard"] == 0 and gathered["ddp"] == gathered["zero1"] == 0
     # What a user sees: DDP's peak RSS is the highest and ZeRO-3's the lowest.
     peak = {k: num(v[2]) for k, v in table.items()}
     assert peak["ddp"] == max(peak.values()) and peak["full_shard"] == min(peak.values())
@@ -208,10 +209,17 @@ def test_simulated_tensors_match_the_tracker(measured, predicted):
     preds, _ = predicted
     for s in STRATEGIES:
         tracked = max(sum(r["breakdown"].values()) for r in measured[s])
-        assert sum(preds[s]["tensors"].values()) == pytest.approx(tracked, rel=0.01), s
-        if s in FSDP:
-            for cat, value in preds[s]["tensors"].items():
-                assert value == pytest.approx(measured[s][0]["breakdown"][cat], abs=MIB), (s, cat)
+        # ZeRO-3's peak has two moments within 1.6% of each other (early backward with the root gathered,
+        # and one with a vocabulary matrix gathered): which one a real run peaks at depends on when gloo
+        # frees its buffers, so the peak's total is held to 2% and its categories are compared at the
+        # step's fixed phases instead, where nothing races.
+        assert sum(preds[s]["tensors"].values()) == pytest.approx(tracked, rel=0.02), s
+        if s not in FSDP:
+            continue
+        for phase in ("after_forward", "after_backward", "after_optimizer_step"):
+            for cat, value in preds[s]["phases"][phase].items():
+                real = measured[s][0]["phases"][phase][cat]
+                assert value == pytest.approx(real, abs=MIB), (s, phase, cat)
 
 
 def test_the_plan_prints_the_bytes_each_strategys_run_counted(compared: Path, predicted):

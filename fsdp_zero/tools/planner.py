@@ -411,6 +411,7 @@ class Simulator:
             heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"],
             optimizer_state=state.get("optimizer", 0),
             regions=profiler.region_peaks(),
+            phases={Phase(k).value: v for k, v in profiler.phases.items()},
         )
         pred.peak = predict_peak(pred, self.target, fsdp=is_fsdp(strategy))
         return pred

@@ -48,6 +48,9 @@ class Prediction:
     # `fsdp_zero.monitor.memory.StepProfiler.region_peaks`): bytes by category at the part's own
     # peak, and how many of them the heap serves. What `compose` extrapolates.
     regions: dict[str, tuple[dict[str, int], int]] = field(default_factory=dict)
+    # bytes by category at each phase of the simulated step (`StepProfiler.phases`): what a run's
+    # summary.json holds at the same fixed moments
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
