@@ -218,6 +218,46 @@ def test_a_folder_mixes_kinds_in_sorted_order_and_a_saved_folder_is_one_input(
     ]
 
 
+# TEMPLATE, with a message's name where it has one (tool and function calls are told apart so).
+NAMED_TEMPLATE = TEMPLATE.replace(
+    "<|{{ m['role'] }}|>", "<|{{ m['role'] }}|>{% if m.name is defined %} {{ m.name }}{% endif %}"
+)
+
+
+def test_a_chat_messages_fields_are_only_its_own(tiny_tokenizer_dir, tmp_path):
+    """Messages with a field of their own (a name on some of them): every message of an Arrow column has
+    every field, null where the JSON had none; `Table.rows` leaves those out, so each kind of table gives
+    each message the keys its JSONL line gave it, and a template that renders a name where one is defined
+    writes the JSONL's bytes. (Older transformers render a null name as "None"; recent ones, 5.24 among
+    them, drop null fields themselves before rendering: with those, only the rows tell.)"""
+    from transformers import AutoTokenizer
+
+    from fsdp_zero.data.tables import open_table
+
+    rng, rows = random.Random(4), []
+    for i in range(10):
+        user = {"role": "user", "content": sample_text(rng, rng.randint(1, 6))}
+        if i % 3 == 0:
+            user["name"] = f"user{i}"
+        rows.append({"messages": [user, {"role": "assistant", "content": sample_text(rng, 4)}]})
+    rows[1]["messages"][1]["name"] = "helper"  # an assistant's, once
+    assert sum("name" in m for r in rows for m in r["messages"]) == 5
+    tokenizer = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer_dir, tokenizer)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    tok.chat_template = NAMED_TEMPLATE
+    tok.save_pretrained(tokenizer)
+    fields = Fields("chat", field="messages")
+    reference = tmp_path / "from-jsonl"
+    prepare(tokenizer, [_write("jsonl", rows, tmp_path / "in")], reference, fields, VAL)
+    for kind in KINDS["chat"]:
+        table = _write(kind, rows, tmp_path / kind)
+        got = [row for _, row in open_table(table).rows(["messages"])]
+        assert got == [{"messages": r["messages"]} for r in rows], kind
+        prepare(tokenizer, [table], tmp_path / f"{kind}-out", fields, VAL)
+        _same_output(tmp_path / f"{kind}-out", reference)
+
+
 # ---------------------------------------------------------------------------------
 # Bad tables
 

@@ -85,6 +85,47 @@ def test_tensorwise_all_gathers_its_weights_in_float8(batches):
     )
 
 
+def test_only_tensorwise_weights_are_all_gathered_in_float8():
+    """The plan says float8 all-gathers only where torchao's weights do it: tensorwise's are its float8
+    all-gather tensors; rowwise's stay plain (FSDP2 gathers them in bf16) and MXFP8's wrapper gathers its
+    bf16 data. The start-up line says which."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.distributed.env import DistEnv
+    from fsdp_zero.model.construct import construct
+    from fsdp_zero.sharding.quantize import plan_float8
+
+    env = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for recipe in ("tensorwise", "rowwise", "mxfp8"):
+        cfg = load_config(None, [*BASE, *BF16, f"precision.float8={recipe}"])
+        model = construct(cfg.model)
+        plan = plan_float8(cfg, model, env, 2)
+        assert plan.all_gather == (recipe == "tensorwise"), recipe
+        assert plan.note().endswith("in float8" if plan.all_gather else "in bf16"), plan.note()
+        assert sorted(plan.weights) == sorted(f"{n}.weight" for n in BLOCK_LINEARS)
+        for name in plan.weights:
+            w = model.get_parameter(name)
+            if recipe == "tensorwise":
+                assert type(w).__name__ == "WeightWithDynamicFloat8CastTensor", (name, type(w))
+            elif recipe == "rowwise":
+                assert not hasattr(w, "fsdp_pre_all_gather"), (name, type(w))
+            else:
+                (sent,), _ = w.fsdp_pre_all_gather(None, w.shape, w.stride(), None, bf16)
+                assert sent.dtype == torch.bfloat16, (name, sent.dtype)
+
+
+def test_rowwise_and_mxfp8_all_gather_their_weights_in_bf16(batches):
+    """The counted all-gather bytes of the rowwise and MXFP8 runs equal the formula with every weight at
+    bf16's 2 B (their weights are not gathered in float8)."""
+    for name in ("fp8-rw", "fp8-mx"):
+        summary = json.loads((batches.path(name) / "summary.json").read_text())
+        formula = summary["comm_formula_bytes"]["all_gather"]
+        for rank in summary["ranks"]:
+            assert rank["comm_bytes"]["all_gather"] == pytest.approx(formula, rel=0.01), name
+
+
 def test_a_unit_of_float8_weights_is_gathered_as_bytes_on_gloo():
     """gloo has no float8 dtype: FSDP2's own all-gather fails on a unit holding only float8 weights;
     ByteAllGather sends their bytes (bit for bit)."""

@@ -10,6 +10,7 @@ torchao's update once per shard shape (seconds on a 2-core machine): the tests a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.schema import ParallelConfig
@@ -84,6 +85,72 @@ def _formula(run: dict, bits: int) -> list[float]:
         topology, run["num_params"], frozen=run["num_frozen"], optimizer_bytes=states
     )
     return [formula] * 2
+
+
+def _step_eagerly(optimizer: torch.optim.Optimizer) -> None:
+    """One step, torchao's compiled update run eagerly (the same function; compiling it per shape would take
+    seconds each here)."""
+    with torch.compiler.set_stance("force_eager"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_state_bytes_are_torchaos_tensor_by_tensor(bits):
+    """Stepped tensors of 4,095 values (under the 4,096 torchao quantizes), 4,096, 4,100 (not whole
+    blocks) and 4,352 (whole blocks at 8 and 4 bits): each one's state class, and the bytes its two states
+    hold, are what `adamw_state_bytes` says."""
+    from fsdp_zero.monitor.memory import _storage_bytes
+    from fsdp_zero.sharding.quantize import STATE_BLOCK
+    from fsdp_zero.torch_private import low_bit_adamw
+
+    numels = [4095, 4096, 4100, 4352]
+    params = [torch.nn.Parameter(torch.randn(n)) for n in numels]
+    optimizer = low_bit_adamw(bits)(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    _step_eagerly(optimizer)
+    for n, p in zip(numels, params):
+        states = [optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq")]
+        quantized = n >= 4096 and n % STATE_BLOCK[bits] == 0
+        assert {type(s).__name__ for s in states} == {KINDS[bits] if quantized else "Tensor"}, n
+        assert _storage_bytes(states, set()) == adamw_state_bytes(n, bits), n
+        assert (adamw_state_bytes(n, bits) < 8 * n) == quantized, n
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_adamws_settings_reach_the_low_bit_optimizer(bits):
+    """optim.eps, betas and weight_decay other than torchao's defaults: every parameter group carries
+    torch's AdamW's settings, and a step of tensors whose states stay fp32 (under 4,096 values) moves them
+    as torch's AdamW does (eps 1e-3 is over three times the median gradient here: at 1e-8 the update is
+    lr, 10,000 times the tolerance)."""
+    from fsdp_zero.config.schema import OptimConfig
+    from fsdp_zero.sharding.optim import build_optimizer
+
+    cpu = torch.device("cpu")
+    settings = dict(eps=1e-3, betas=(0.8, 0.9), weight_decay=0.3, lr=1e-2)
+    twins = []
+    for state_bits in (bits, 32):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.LayerNorm(16))
+        optimizer = build_optimizer(model, OptimConfig(state_bits=state_bits, **settings), cpu)
+        twins.append((model, optimizer))
+    (low, low_bit), (model, adamw) = twins
+    assert type(low_bit).__name__ == f"AdamW{bits}bit"
+    assert len(low_bit.param_groups) == len(adamw.param_groups) >= 2
+    settings_of = lambda g: (g["eps"], tuple(g["betas"]), g["weight_decay"])  # noqa: E731
+    for got, want in zip(low_bit.param_groups, adamw.param_groups):
+        assert float(got["lr"]) == pytest.approx(want["lr"]) and want["lr"] == 1e-2
+        assert settings_of(got) == settings_of(want), (settings_of(got), settings_of(want))
+        assert settings_of(want)[:2] == (1e-3, (0.8, 0.9))
+    decays = {g["weight_decay"] for g in low_bit.param_groups}
+    assert 0.3 in decays, decays
+    x = torch.randn(8, 32)
+    for m, optimizer in twins:
+        m(x).square().sum().backward()
+    _step_eagerly(low_bit)
+    adamw.step()
+    for (name, got), want in zip(low.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
 
 
 def test_a_resume_continues_exactly(batches):

@@ -282,6 +282,69 @@ def test_nf4_bytes_per_parameter_at_the_default_blocks():
     assert nf4_bytes(8192 * 28672, shards=2) / (8192 * 28672 / 2) < 0.52
 
 
+def _quantized(path: Path, seed: int, *more: str):  # noqa: ANN202
+    """A seeded random gpt_nano base saved at ``path``, and the meta-device LoRA model of QLORA + ``more``
+    started from it, quantized for 2 ranks in this process (the quantizer run on the root unit: every
+    weight); returns the base, the model and its `NF4Base`."""
+    from fsdp_zero.model.lora import make_trainable
+    from fsdp_zero.sharding.quantize import plan_nf4
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = construct(load_config(None, list(BASE)).model).state_dict()
+    base = {n: torch.randn(t.shape, generator=gen) for n, t in shapes.items()}
+    torch.save(base, path)
+    cfg = _cfg(path.parent, *more, f"model.init_from={path}")
+    model = construct(cfg.model)
+    make_trainable(model, cfg.model)
+    nf4 = plan_nf4(cfg, model, 2)
+    nf4.quantizer(model)("", model)
+    return base, model, nf4
+
+
+def test_the_nf4_block_size_reaches_the_quantizer(tmp_path: Path):
+    """model.lora.nf4_block_size=32 (not the default 64): every quantized weight is torchao's NF4 at
+    blocks of 32 x 16, bit for bit the base's, at the bytes `nf4_bytes` counts for them; the export
+    rebuilds the same base from the record (its digest verified)."""
+    from fsdp_zero.monitor.memory import _storage_bytes
+    from fsdp_zero.sharding.quantize import RebuiltBase
+
+    base, model, nf4 = _quantized(tmp_path / "base.pt", 0, "model.lora.nf4_block_size=32")
+    assert sorted(nf4.names) == sorted(QUANTIZED) and (nf4.block, nf4.scaler_block) == (32, SCALER)
+    for name in QUANTIZED:
+        w = model.get_parameter(name)
+        assert type(w).__name__ == "NF4Tensor" and not w.requires_grad, name
+        assert (w.block_size, w.scaler_block_size) == (32, SCALER), name
+        whole = to_nf4(base[name], 32, SCALER).get_original_weight()
+        assert torch.equal(w.get_original_weight(), whole), name
+        assert _storage_bytes([w], set()) == nf4_bytes(w.numel(), 32, SCALER), name
+    rebuilt = RebuiltBase(nf4.record(), original=False)
+    for name in QUANTIZED:
+        rebuilt.read(name)
+    rebuilt.verify()  # raises where the record's blocks rebuild another base ("no longer holds the base")
+
+
+def test_a_resume_checks_the_rebuilt_bases_digest_not_its_path(tmp_path: Path):
+    """A base file changed in place (the same path, other weights) rebuilds to another NF4 digest: the
+    resume is refused, naming both digests; the same weights at another path are taken (and recorded)."""
+    from fsdp_zero.checkpoint.dcp import TrainState
+    from fsdp_zero.checkpoint.weights import check_rebuilt_base
+
+    ckpt, path = tmp_path / "checkpoints" / "step-0000004", tmp_path / "base.pt"
+    _, _, trained = _quantized(path, 0)
+    state = TrainState(step=4, nf4_base=trained.record())
+    _, _, changed = _quantized(path, 1)  # the file rewritten with other weights
+    assert changed.source == trained.source and changed.digest != trained.digest
+    with pytest.raises(ValueError) as refused:
+        check_rebuilt_base(changed, state, ckpt)
+    message = str(refused.value)
+    assert f"(digest {changed.digest}) is not the one its adapters were trained on" in message
+    assert f"(digest {trained.digest}, from" in message and state.nf4_base == trained.record()
+    _, _, moved = _quantized(tmp_path / "moved.pt", 0)
+    assert moved.source != trained.source and moved.digest == trained.digest
+    check_rebuilt_base(moved, state, ckpt)
+    assert state.nf4_base == moved.record()
+
+
 def test_the_plan_counts_nf4_at_its_bytes_for_a_70b_model_on_two_ranks():
     """plan.py --params 70e9 --world-size 2 --frozen --nf4: the formulas' QLoRA (Llama-2-70B's split:
     68.5e9 Linear weights in NF4, 1.3e9 other frozen, 0.2e9 adapters), and a QLoRA config's counts."""
