@@ -370,6 +370,33 @@ def test_the_probe_scales_a_slow_dtype_from_fp32_instead_of_running_it(
     )  # (the note rounds the ratio)
 
 
+def test_the_probe_takes_a_blocks_seconds_as_the_slope_between_its_two_cuts(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """`rates._compute`'s arithmetic on timings given (the model's and the matmuls' stubbed: what is
+    tested is what it makes of them): a 12-block model is timed cut to 1 and 4 blocks; 1 block takes
+    1.0 s (0.3 s forward), 4 blocks 2.5 s (0.75 s), so a block costs (2.5 - 1.0) / 3 = 0.5 s (its
+    forward 0.15 s), the rest of the model 1.0 - 0.5 = 0.5 s, and a sample of all 12 blocks 6.5 s."""
+    import torch
+
+    from fsdp_zero.tools import rates
+
+    asked = []
+
+    def model_seconds(cfg, container, depths, dtype, together=None):  # noqa: ANN001, ANN202
+        asked.append((container, depths, dtype))
+        return [{1: (0.3, 1.0), 4: (0.75, 2.5)}[d] for d in depths]
+
+    monkeypatch.setattr(rates, "_model_seconds", model_seconds)
+    monkeypatch.setattr(rates, "_matmul_seconds", lambda dtype: 1e-3)
+    cfg = load_config(None, ["model.preset=gpt_nano", "model.n_layers=12"])
+    compute, blocks, notes = rates._compute(cfg, ["float32"])
+    assert asked == [("layers", (1, 4), torch.float32)] and blocks == 12 and not notes
+    fixed, block, forward = compute["float32"]
+    assert (fixed, block, forward) == pytest.approx((0.5, 0.5, 0.15), rel=1e-12)
+    assert fixed + blocks * block == pytest.approx(6.5, rel=1e-12)
+
+
 # gpt_nano untied (pipeline stages cannot share the embedding), 2 micro-batches of 2 at dp 2
 LAYERED = NANO + ["model.tie_embeddings=false", "train.micro_batch_size=2"]
 
@@ -429,13 +456,58 @@ def test_a_layout_search_composes_each_layout_from_zero3_by_formula():
     assert found["GPipe"][(1, 1)].peak == one[(1, 1)].peak  # no pipeline: the same simulation
     pp2 = one[(1, 2)].parts
     assert pp2["bubble_s"] == pytest.approx(pp2["compute_s"] * (2 - 1) / 4)  # 4 micro-batches
-    assert pp2["p2p_s"] > 0 and pp2["tp_comm_s"] == 0
+    # each micro-batch's hidden states (2 samples x 64 tokens x dim 64, fp32) cross the boundary
+    # forward and their gradients back, at the default 20 Gbit/s; under sequence parallelism (the
+    # default) a tp rank sends its half of the tokens, for the 8 micro-batches of dp 1
+    assert pp2["p2p_s"] == pytest.approx(2 * 4 * (2 * 64 * 64 * 4) * 8 / 20e9, rel=1e-12)
+    assert pp2["tp_comm_s"] == 0
+    p2p = one[(2, 2)].parts["p2p_s"]
+    assert p2p == pytest.approx(2 * 8 * (2 * 64 // 2 * 64 * 4) * 8 / 20e9, rel=1e-12)
     tp4 = one[(4, 1)].parts
     assert tp4["tp_comm_s"] > 0 and tp4["comm_s"] == 0  # dp 1: FSDP gathers from no one
     assert one[(1, 1)].parts["comm_s"] > 0 and "tp_comm_s" not in one[(1, 1)].parts
     for (tp, pp), s in one.items():
         pasted = load_config(None, LAYERED + s.candidate.overrides())
         assert (pasted.parallel.tp_size, pasted.parallel.pp_size) == (tp, pp)
+
+
+def test_a_layout_peak_holds_a_tp_ranks_part_and_a_stage_with_its_gradients():
+    """`Layouts.peak` by hand, from a twin's terms made up (no simulation): its model state and
+    activations replaced by zero, its gathered parameters G. At tp 2 a rank holds gathered its part
+    of G (half of what the plan splits, the norm gains whole); at pp 2 each stage holds all its
+    parameters gathered in the compute dtype and its gradients unsharded in the reduce dtype, the
+    whole step: 4 + 4 B a parameter in fp32, 2 + 4 under bf16-mixed."""
+    from fsdp_zero.config.strategies import Strategy
+    from fsdp_zero.model.construct import construct
+    from fsdp_zero.tools.layered import Layouts, Terms
+
+    cfg = load_config(None, LAYERED)
+    sizes = {name: p.numel() for name, p in construct(cfg.model).named_parameters()}
+    params = sum(sizes.values())
+    gains = sum(n for name, n in sizes.items() if "norm" in name)
+    assert gains == 5 * 64  # 2 a block and the final norm: what the plan leaves whole
+    first = sum(n for name, n in sizes.items() if name.startswith(("tok_embeddings.", "layers.0.")))
+    layouts, gathered = Layouts(cfg, 4), 1_000_000
+    terms = Terms(state=0, gathered=gathered, activations=0)
+
+    def candidate(precision: str, tp: int, pp: int) -> Candidate:
+        none, sync = ActivationCheckpointing.none, cfg.parallel.grad_sync
+        return Candidate(Strategy.full_shard, precision, none, False, 2, sync, tp, pp)
+
+    tp2 = candidate("fp32", 2, 1)
+    (row,) = layouts.rows(tp2)
+    per_rank = (params - gains) / 2 + gains
+    assert row.per_rank == per_rank
+    assert layouts.peak(tp2, 0, terms) == int(
+        row.model_state + gathered * per_rank / params - gathered
+    )
+    for precision, nbytes in (("fp32", 4 + 4), ("bf16-mixed", 2 + 4)):
+        pp2 = candidate(precision, 1, 2)
+        rows = layouts.rows(pp2)
+        assert [r.per_rank for r in rows] == [first, params - first]
+        assert [r.held_in_step for r in rows] == [nbytes * first, nbytes * (params - first)]
+        want = max(r.model_state + nbytes * r.per_rank for r in rows) - gathered
+        assert layouts.peak(pp2, 0, terms) == int(want), precision
 
 
 @pytest.mark.skipif(not HAS_HF, reason="needs the hf extra (transformers)")

@@ -154,8 +154,10 @@ DEEP = [
             ],
             2,
         ),
+        # CPU offload planned for GPUs: the model state lives on the host, off the device's peak
+        (["dist.device=cuda", "parallel.cpu_offload=true", "train.global_batch_size=2"], 2),
     ],
-    ids=["zero1", "zero3-optimizer-step-peaks"],
+    ids=["zero1", "zero3-optimizer-step-peaks", "cuda-offload"],
 )
 def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     """The planner simulates a few of the repeated blocks at three depths and composes the rest
@@ -170,7 +172,7 @@ def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
         composed.notes == ["composed: layers simulated with 4 and 5 of its 13 blocks"]
         and not whole.notes
     )
-    for name in ("peak", "model_state", "heap_activations", "optimizer_state"):
+    for name in ("peak", "model_state", "host_state", "heap_activations", "optimizer_state"):
         assert getattr(composed, name) == pytest.approx(getattr(whole, name), rel=1e-3, abs=1024), (
             name
         )

@@ -115,14 +115,51 @@ def test_a_tensor_parallel_group_reading_different_batches_is_refused():
     tensor-parallel group, or a pipeline's stages) and do not stop on every rank, with both
     checksums."""
     worker = REPO / "tests" / "workers" / "same_batch.py"
+    kinds = ["pp_size", "pp_size", "tp_size", "tp_size"]  # both ranks' lines, sorted
     same = check(launch(2, worker, "same", torchrun=False))
-    assert same.stdout.split() == ["read", "read"]
+    assert sorted(same.stdout.splitlines()) == [f"{kind}: read" for kind in kinds], same.stdout
     own = check(launch(2, worker, "own", torchrun=False))
-    lines = own.stdout.strip().splitlines()
-    assert len(lines) == 2 and all(
-        line.startswith("the ranks of a tensor- or pipeline-parallel group read different batches")
-        for line in lines
+    lines = sorted(own.stdout.strip().splitlines())
+    refused = "the ranks of a tensor- or pipeline-parallel group read different batches"
+    assert [line.split(": ", 1)[0] for line in lines] == kinds and all(
+        line.split(": ", 1)[1].startswith(refused) for line in lines
     ), own.stdout
+
+
+@pytest.mark.parametrize(
+    "sizes, world, peers",  # peers: each rank's same-batch groups, by a rank's global rank
+    [
+        # pp 2 x dp 2 (pp outermost): rank r's pipeline is r and r +- 2, never its dp peer
+        ({"pp_size": 2}, 4, lambda r: [[r % 2, r % 2 + 2]]),
+        # pp 2 x dp 2 x tp 2: its tensor-parallel pair, then its pipeline (r and r +- 4)
+        (
+            {"pp_size": 2, "tp_size": 2},
+            8,
+            lambda r: [[r - r % 2, r - r % 2 + 1], [r % 4, r % 4 + 4]],
+        ),
+    ],
+    ids=["pp2-dp2", "pp2-dp2-tp2"],
+)
+def test_the_same_batch_groups_are_a_ranks_tensor_parallel_pair_and_its_pipeline(
+    sizes, world, peers
+):
+    """`Topology.same_batch`, which the trainer hands to `BatchCursor`'s first-batch check: the
+    groups' members, rank by rank, on the mesh the run builds (over torch's fake process group: group
+    membership is bookkeeping, no collective runs)."""
+    import torch.distributed as dist
+
+    from fsdp_zero.config.schema import ParallelConfig
+    from fsdp_zero.distributed import Topology
+    from fsdp_zero.torch_private import FakeStore
+
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            topology = Topology.of(ParallelConfig(**sizes), world).with_own_mesh("cpu")
+            got = [sorted(dist.get_process_group_ranks(g)) for g in topology.same_batch()]
+        finally:
+            dist.destroy_process_group()
+        assert got == peers(rank), (rank, got)
 
 
 def _children() -> set[int]:
