@@ -1,13 +1,15 @@
 """A real DeepSpeed run continued here, side by side with DeepSpeed's own continuation of it.
 
-    python bench/ds_continue.py [--case zero3] [--nproc-per-node 2]
+    python bench/ds_continue.py [--case zero3] [--nproc-per-node 2] [key=value ...]
 
 Takes one of tests/deepspeed_runs/'s DeepSpeed checkpoints (``make deepspeed-runs`` wrote them:
-zero1, zero2, zero3, zero3-universal, zero3-n3), imports it with scripts/import_deepspeed.py into a
-temporary run directory, continues it with ``torchrun scripts/train.py --deepspeed`` its own
-ds_config.json at N ranks, and prints each step after the save: DeepSpeed's loss and learning rate
-(what its own run computed, run.json) next to ours, and the largest weight difference after the last
-step against DeepSpeed's (final.safetensors). docs/deepspeed.md holds the figures.
+zero1, zero1-bf16, zero2, zero3, zero3-universal, zero3-n3, user-gpt), imports it with
+scripts/import_deepspeed.py into a temporary run directory, continues it with ``torchrun
+scripts/train.py --deepspeed`` its own ds_config.json at N ranks, and prints each step after the save:
+DeepSpeed's loss and learning rate (what its own run computed, run.json) next to ours, and the largest
+weight difference after the last step against DeepSpeed's (final.safetensors). ``key=value`` settings go
+on top, to both (``optim.decay_1d=false``: the user's GPT continued without decaying its 1-D parameters,
+as DeepSpeed did). docs/deepspeed.md holds the figures.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ def main() -> int:
     )
     parser.add_argument("--case", default="zero3")
     parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="key=value settings on top, for both")
     args = parser.parse_args()
     folder = DS_RUNS / args.case.removesuffix("-universal")
     record = json.loads((folder / "run.json").read_text())
-    settings = ds_settings(args.case, args.nproc_per_node)
+    settings = [*ds_settings(args.case, args.nproc_per_node), *args.overrides]
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         subprocess.run(
@@ -78,18 +81,21 @@ def main() -> int:
     k = record["saved_after"]
     print(
         f"DeepSpeed {record['versions']['deepspeed']} {args.case} at {record['world_size']} ranks, saved after step "
-        f"{k}; continued here at {args.nproc_per_node} ranks"
+        f"{k}; continued here at {args.nproc_per_node} ranks{''.join(' ' + o for o in args.overrides)}"
     )
     print(
         "| step | DeepSpeed loss | fsdp-zero loss | relative difference | DeepSpeed lr | fsdp-zero lr |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
+    worst = 0.0
     for step in range(k + 1, len(record["losses"]) + 1):
         a, b = record["losses"][step - 1], ours[step]["loss"]
+        worst = max(worst, abs(a - b) / abs(a))
         print(
             f"| {step} | {a:.7f} | {b:.7f} | {abs(a - b) / abs(a):.1e} | {record['lrs'][step - 1]:.6g} | "
             f"{ours[step]['lr']:.6g} |"
         )
+    print(f"largest relative loss difference over steps {k + 1}-{last}: {worst:.1e}")
     print(
         f"largest weight difference after step {last}: {diff:.1e} (fp32; {torch.finfo(torch.float32).eps:.1e} eps)"
     )

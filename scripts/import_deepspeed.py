@@ -10,7 +10,9 @@ DS_CHECKPOINT is the folder ``engine.save_checkpoint`` wrote (holding ``latest``
 number of ranks. The settings are train.py's, in its order (defaults, --config, --deepspeed, then
 key=value; without --deepspeed, the ds_config the checkpoint saved): give train.py the same ones.
 The run directory gets checkpoint K (DeepSpeed's global step): the fp32 weights, AdamW's moments and
-step for each parameter, and the data position DeepSpeed reached (its global samples); train.py
+step for each parameter, and the data position DeepSpeed reached (its global samples); its
+config.yaml records whether DeepSpeed's optimizer decayed the 1-D parameters (``optim.decay_1d``,
+read from the checkpoint's parameter groups; a warning when the settings said otherwise); train.py
 continues with step K + 1 at the learning rate DeepSpeed's scheduler had set for it, at any world
 size. ``--rename OLD=NEW`` replaces a prefix of DeepSpeed's parameter names (e.g. ``--rename
 model.=`` for a model that DeepSpeed saw inside a wrapper). Needs no DeepSpeed, no GPU and no
@@ -77,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if cfg.train.seed is None:
             cfg = replace(cfg, train=replace(cfg.train, seed=draw_seed()))
-        state, notes = from_deepspeed(ckpt, construct(cfg.model), cfg.optim, renames)
+        # (optim.decay_1d as DeepSpeed's optimizer ran, recorded in config.yaml)
+        state, optim, notes = from_deepspeed(ckpt, construct(cfg.model), cfg.optim, renames)
+        cfg = replace(cfg, optim=optim)
         ours = cfg.optim.lr * lr_factor(ckpt.step, cfg.optim, cfg.train.steps)
         theirs = next(iter(ckpt.params.values())).lr
         if not math.isclose(ours, theirs, rel_tol=1e-9):

@@ -30,6 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / "tests" / "mutant_site"
 
 # The tests that catch the source mutants below without a training run (their pytest node ids' last part).
+_DS_DEFAULTS = "test_the_optimizer_settings_a_ds_config_leaves_out_are_deepspeeds_defaults"
+_REPEATED = "test_a_model_that_declares_no_block_wraps_the_class_its_outermost_list_repeats"
+_END_LINE = "test_a_bad_setting_shows_its_line_under_torchrun_whichever_rank_exits_first"
 _SPLITS = "test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions"
 _EOS = "test_the_final_eos_is_trained_only_after_an_assistant_turn"
 _INIT = "test_init_adapters_draws_a_within_one_over_sqrt_in_and_zeroes_b"
@@ -70,6 +73,20 @@ _DS_BITS = "test_the_import_holds_deepspeeds_weights_moments_and_position_bit_fo
 _DS_LR = "test_deepspeeds_schedule_is_followed_step_for_step"
 _DS_CONTINUED = "test_a_continued_run_takes_deepspeeds_next_steps"
 _DS_DAMAGED = "test_a_damaged_checkpoint_is_one_line_and_nothing_is_written"
+_TP_TWELVE = "test_the_tensor_parallel_plan_reaches_every_layer_of_twelve"
+_FOREIGN = "test_foreign_model_trains_like_single_process"
+_SAME_GROUPS = "test_the_same_batch_groups_are_a_ranks_tensor_parallel_pair_and_its_pipeline"
+_LAYOUT_PEAK = "test_a_layout_peak_holds_a_tp_ranks_part_and_a_stage_with_its_gradients"
+_PROBE_SLOPE = "test_the_probe_takes_a_blocks_seconds_as_the_slope_between_its_two_cuts"
+_NF4_BLOCK = "test_the_nf4_block_size_reaches_the_quantizer"
+_NF4_DIGEST = "test_a_resume_checks_the_rebuilt_bases_digest_not_its_path"
+_LOW_BIT_SETTINGS = "test_adamws_settings_reach_the_low_bit_optimizer"
+_LOW_BIT_BYTES = "test_the_state_bytes_are_torchaos_tensor_by_tensor"
+_FP8_WHICH = "test_only_tensorwise_weights_are_all_gathered_in_float8"
+_DS_RANKS = "test_rank_files_are_taken_in_numeric_rank_order"
+_DS_FLAG = "test_the_deepspeed_flag_gives_the_settings_over_the_checkpoints_own"
+_TABLE_FIELDS = "test_a_chat_messages_fields_are_only_its_own"
+_DS_ADAM_STEP = "test_adamws_step_is_the_optimizers_not_deepspeeds_global_step"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 MUTANTS = {
@@ -138,6 +155,23 @@ MUTANTS = {
     ),
     # Source mutants (tests/mutant_site/sitecustomize.py's SOURCE): one expression of ours changed. Where the
     # catchers need no training run, only they run (pytest node ids).
+    "ds-optimizer-defaults-ours": (
+        "--deepspeed: the optimizer settings a ds_config leaves out take ours (weight decay 0.1, betas 0.95), "
+        "not DeepSpeed's",
+        [f"tests/test_deepspeed.py::{_DS_DEFAULTS}"],
+        [_DS_DEFAULTS],
+    ),
+    "wrap-repeats-unseen": (
+        "the transformer policy: a model that declares no block is refused, the class its ModuleList repeats "
+        "never looked for",
+        [f"tests/test_wrap.py::{_REPEATED}"],
+        [_REPEATED],
+    ),
+    "end-line-rank0-only": (
+        "a run's last line (a bad setting's) printed by rank 0 alone: lost when torchrun ends rank 0 first",
+        [f"tests/test_cli.py::{_END_LINE}"],
+        [_END_LINE],
+    ),
     "masked-grad-unweighted": (
         "masked data: the backward's loss not token-weighted (the logged loss still is)",
         ["tests/test_masked.py"],
@@ -400,6 +434,106 @@ MUTANTS = {
         "DeepSpeed import: its files unpickled with weights_only=False (any class, any code)",
         [f"tests/test_ds_import.py::{_DS_DAMAGED}"],
         [_DS_DAMAGED],
+    ),
+    "nf4-block-size-ignored": (
+        "QLoRA: model.lora.nf4_block_size never reaches the quantizer (always 64; the record says otherwise)",
+        [f"tests/test_qlora.py::{_NF4_BLOCK}"],
+        [_NF4_BLOCK],
+    ),
+    "nf4-resume-checks-source-path": (
+        "QLoRA resume: the rebuilt base checked by its file path, not its NF4 digest",
+        [f"tests/test_qlora.py::{_NF4_DIGEST}"],
+        [_NF4_DIGEST],
+    ),
+    "lowbit-eps-ignored": (
+        "optim.state_bits=8/4: optim.eps never reaches torchao's AdamW (its default 1e-8)",
+        [f"tests/test_lowbit_adamw.py::{_LOW_BIT_SETTINGS}"],
+        [_LOW_BIT_SETTINGS],
+    ),
+    "lowbit-partial-blocks-counted": (
+        "adamw_state_bytes: a shard of 4,096+ values that is not whole blocks counted as low-bit (torchao "
+        "keeps it fp32)",
+        [f"tests/test_lowbit_adamw.py::{_LOW_BIT_BYTES}"],
+        [_LOW_BIT_BYTES],
+    ),
+    "float8-rowwise-counted-as-float8-gather": (
+        "float8 rowwise and mxfp8 planned as all-gathering in float8 (the formula's 1 B a weight, the "
+        "start-up line)",
+        [f"tests/test_float8.py::{_FP8_WHICH}"],
+        [_FP8_WHICH],
+    ),
+    "ds-ranks-sorted-as-text": (
+        "DeepSpeed import: rank files taken in file-name order (rank_10 before rank_2)",
+        [f"tests/test_ds_import.py::{_DS_RANKS}"],
+        [_DS_RANKS],
+    ),
+    "ds-import-ignores-deepspeed-flag": (
+        "import_deepspeed.py --deepspeed JSON ignored: the ds_config saved in the checkpoint used instead",
+        [f"tests/test_ds_import.py::{_DS_FLAG}"],
+        [_DS_FLAG],
+    ),
+    "table-struct-nulls-kept": (
+        "prepare_data: a chat message's null struct fields kept (name: None where its JSON had no name)",
+        [f"tests/test_datasets.py::{_TABLE_FIELDS}"],
+        [_TABLE_FIELDS],
+    ),
+    "tp-plan-index-one-digit": (
+        "parallel.tp_size: a plan pattern's * matched as one digit: from layers.10 on no layer is split",
+        [f"tests/test_models.py::{_TP_TWELVE}"],
+        [_TP_TWELVE],
+    ),
+    "pp-remainder-layers-dropped": (
+        "parallel.pp_size: the layers the stages do not divide evenly go to no stage",
+        [f"tests/test_models.py::{_PP_STAGES}"],
+        [_PP_STAGES],
+    ),
+    "tp-norm-first-mesh-only": (
+        "parallel.tp_size without sequence parallelism: the gradient norm (and the clipping) of the split "
+        "layers' mesh only, the norm gains' left out",
+        [f"tests/test_models.py::{_FOREIGN}[llama-tp2]"],
+        [_FOREIGN],
+    ),
+    "pp-same-batch-unchecked": (
+        "the first-batch check over a rank's tensor-parallel group only, not its pipeline",
+        [f"tests/test_units.py::{_SAME_BATCH}", f"tests/test_units.py::{_SAME_GROUPS}"],
+        [_SAME_BATCH, _SAME_GROUPS],
+    ),
+    "layout-pp-held-no-gradients": (
+        "plan.py's pipeline layouts: a stage's unsharded gradients left out of what it holds in the step",
+        [f"tests/test_fit.py::{_LAYOUT_PEAK}"],
+        [_LAYOUT_PEAK],
+    ),
+    "layout-p2p-one-way": (
+        "--fit --search layout: the bytes crossing a stage boundary counted one way, not forward and back",
+        [f"tests/test_fit.py::{_LAYOUT_FIT}"],
+        [_LAYOUT_FIT],
+    ),
+    "layout-tp-gathered-whole": (
+        "--fit --search layout: a tp candidate holds its twin's gathered parameters whole, not a tp rank's part",
+        [f"tests/test_fit.py::{_LAYOUT_PEAK}"],
+        [_LAYOUT_PEAK],
+    ),
+    "compose-host-state-shallow": (
+        "the planner's composition, CPU offload on CUDA: the shallow simulation's host state taken off the peak",
+        [f"tests/test_plan_formulas.py::{_COMPOSED}[cuda-offload]"],
+        [_COMPOSED],
+    ),
+    "rates-block-slope-off-by-one": (
+        "the rates probe: a block's seconds the slope over its deeper cut's blocks, not the blocks between "
+        "the cuts",
+        [f"tests/test_fit.py::{_PROBE_SLOPE}"],
+        [_PROBE_SLOPE],
+    ),
+    "decay-1d-ignored": (
+        "optim.decay_1d never reaches AdamW's groups: the 1-D parameters are not decayed",
+        [f"tests/test_ds_import.py::{_DS_CONTINUED}"],
+        [_DS_CONTINUED],
+    ),
+    "ds-adam-step-from-global-steps": (
+        "DeepSpeed import, ZeRO-1/2: AdamW's step taken from global_steps (which counts fp16's skipped "
+        "steps), not the optimizer's state",
+        [f"tests/test_ds_import.py::{_DS_ADAM_STEP}"],
+        [_DS_ADAM_STEP],
     ),
 }
 

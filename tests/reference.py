@@ -146,10 +146,12 @@ def reference_run(
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     o = cfg.optim
     trained = [p for p in model.parameters() if p.requires_grad]
+    # the 1-D parameters: decayed only with optim.decay_1d (DeepSpeed's JSON optimizer decays every one)
+    decay_1d = o.weight_decay if o.decay_1d else 0.0
     optimizer = torch.optim.AdamW(
         [
             {"params": [p for p in trained if p.dim() >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for p in trained if p.dim() < 2], "weight_decay": decay_1d},
         ],
         lr=o.lr,
         betas=tuple(o.betas),

@@ -616,6 +616,8 @@ SECTION_RULES = [
     ("optim.warmup_steps", -1, "optim.warmup_steps=-1: must be >= 0"),
     ("optim.eps", 0.0, "optim.eps=0.0: must be > 0"),
     ("optim.weight_decay", -0.1, "optim.weight_decay=-0.1: must be >= 0"),
+    # (a string, truthy, set without the loader)
+    ("optim.decay_1d", "false", "optim.decay_1d='false': valid choices: true, false"),
     ("optim.grad_clip", -1.0, "optim.grad_clip=-1.0: must be >= 0"),
     ("optim.min_lr_ratio", 1.5, "optim.min_lr_ratio=1.5: must be in [0, 1]"),
     ("optim.betas", [0.9], "optim.betas=[0.9]: must be two numbers in [0, 1)"),

@@ -89,6 +89,7 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
             "optim.step_group_size=4000000",
             "precision.reduce_dtype=fp32",
             "precision=bf16-mixed",
+            "optim.decay_1d=true",  # the JSON's optimizer, over model.parameters(): every parameter decayed
             "optim.lr=2e-4",
             "optim.betas=[0.9,0.98]",
             "optim.eps=1e-6",
@@ -132,6 +133,11 @@ def test_every_mapped_key_resolves_as_its_native_equivalent(tmp_path):
             "precision.loss_scale=0",
             "precision.initial_scale_power=12",
             "precision.loss_scale_window=500",
+            "optim.decay_1d=true",
+            # the params the JSON leaves out are DeepSpeed's FusedAdam's, not ours (0.1, [0.9, 0.95])
+            "optim.weight_decay=0.0",
+            "optim.betas=[0.9,0.999]",
+            "optim.eps=1e-8",
             "optim.lr=5e-4",
             "optim.schedule=constant",
             "optim.warmup_steps=20",
@@ -461,8 +467,8 @@ def test_every_key_of_ours_in_the_rows_is_a_field_of_the_schema():
         and _schema_field("precision.mode")
         and not _schema_field("optim.lr.x")
     )
-    # gradient_accumulation_steps, optimizer.type, wall_clock
-    assert sum(not rule.targets for rule in _MAPPED) == 3
+    # gradient_accumulation_steps, wall_clock
+    assert sum(not rule.targets for rule in _MAPPED) == 2
 
 
 def test_the_overrides_set_only_the_keys_their_rows_name(tmp_path):
@@ -571,3 +577,29 @@ def test_the_zero3_tutorial_config_runs_unchanged(tmp_path):
         in bad.stderr
     )
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_optimizer_settings_a_ds_config_leaves_out_are_deepspeeds_defaults(tmp_path):
+    """DeepSpeed builds the JSON's Adam(W) with its own defaults for what the params leave out: no weight decay
+    (FusedAdam, DeepSpeedCPUAdam) or torch's AdamW's 0.01 (torch_adam), betas (0.9, 0.999), eps 1e-8; ours
+    (0.1, [0.9, 0.95]) would train another run. "auto" (Hugging Face's) leaves the value to our settings."""
+
+    def optim(params: dict):
+        mapped, _ = _read(tmp_path, {"optimizer": {"type": "AdamW", "params": params}}, 2)
+        o = load_config(None, mapped).optim
+        return o.weight_decay, o.betas, o.eps, o.decay_1d
+
+    assert optim({"lr": 1e-3}) == (0.0, [0.9, 0.999], 1e-8, True)
+    assert optim({"lr": 1e-3, "torch_adam": True}) == (0.01, [0.9, 0.999], 1e-8, True)
+    assert optim({"weight_decay": 0.2, "betas": [0.8, 0.9], "eps": 1e-6}) == (
+        0.2,
+        [0.8, 0.9],
+        1e-6,
+        True,
+    )
+    assert optim({"weight_decay": "auto", "betas": "auto", "eps": "auto"}) == (
+        0.1,
+        [0.9, 0.95],
+        1e-8,
+        True,
+    )

@@ -1,8 +1,9 @@
 """A DeepSpeed run continued here (scripts/import_deepspeed.py, fsdp_zero/checkpoint/deepspeed_in.py).
 
 The checkpoints are real DeepSpeed's (tests/deepspeed_runs/, written by its make.py, ``make
-deepspeed-runs``): ZeRO-1, -2 and -3 at 2 ranks, ZeRO-3 at 3 (padded partitions), and ZeRO-3's
-universal form from DeepSpeed's own ds_to_universal, each with DeepSpeed's losses and learning rates
+deepspeed-runs``): ZeRO-1, -2 and -3 at 2 ranks, ZeRO-3 at 3 (padded partitions), ZeRO-3's universal
+form from DeepSpeed's own ds_to_universal, and a user's GPT whose LayerNorms and biases DeepSpeed's
+optimizer decayed (ZeRO-3 at 2 ranks), each with DeepSpeed's losses and learning rates
 for every step and its weights after the last. The import reproduces what DeepSpeed's own converter
 gathers (saved.safetensors) bit for bit; the runs continued here (tests/batches.py, at 2 and 4 ranks)
 take DeepSpeed's next steps at its learning rates, with its losses and final weights within fp32
@@ -31,7 +32,7 @@ from tests.batches import DS_CONTINUED, DS_RUNS, ds_settings
 from tests.conftest import REPO, run_script
 
 IMPORT = REPO / "scripts" / "import_deepspeed.py"
-CASES = ("zero1", "zero1-bf16", "zero2", "zero3", "zero3-universal", "zero3-n3")
+CASES = ("zero1", "zero1-bf16", "zero2", "zero3", "zero3-universal", "zero3-n3", "user-gpt")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -115,19 +116,25 @@ def test_deepspeeds_schedule_is_followed_step_for_step(case):
 @pytest.mark.slow
 @pytest.mark.parametrize("run", sorted(DS_CONTINUED))
 def test_a_continued_run_takes_deepspeeds_next_steps(batches, run):
-    """The run continued here at 2 or 4 ranks from DeepSpeed's checkpoint (saved at 2 or 3): DeepSpeed's
+    """The run continued here at 2 or 4 ranks from DeepSpeed's checkpoint (saved at 2): DeepSpeed's
     learning rate at every step after k (to 1e-15), its losses and its weights after the last step.
     fp32: losses to 1e-6 relative (the sums run in another order over other shards; measured 6e-8),
     weights to 1e-6 (8 AdamW steps of at most lr = 3e-3, differing by a few ulps of the updates; measured
-    1.2e-7). bf16 (DeepSpeed's bf16 ZeRO-1 against our bf16-mixed ZeRO-2): both compute in bf16 (8 bits of
-    mantissa) from fp32 masters, rounding in other places, so a gradient element may differ by its bf16
-    rounding and AdamW's normalised update by up to 2 lr a step: losses to 1e-4 (measured 1.2e-5), weights
-    to 1e-2, about 3 lr (measured 3.9e-3)."""
+    1.2e-7). The user's GPT (ZeRO-3, continued at 2 and 4 ranks) has 1-D parameters that DeepSpeed's
+    optimizer, built from the JSON over model.parameters(), decayed by 0.1: the import records
+    optim.decay_1d=true and --deepspeed sets it (without it: losses 5.2e-5 off, weights 1.1e-3; bench/
+    ds_continue.py --case user-gpt optim.decay_1d=false). bf16 (DeepSpeed's bf16 ZeRO-1 against our
+    bf16-mixed ZeRO-2): both compute in bf16 (8 bits of mantissa) from fp32 masters, rounding in other
+    places, so a gradient element may differ by its bf16 rounding and AdamW's normalised update by up to 2
+    lr a step: losses to 1e-4 (measured 1.2e-5), weights to 1e-2, about 3 lr (measured 3.9e-3)."""
     case, _ = DS_CONTINUED[run]
     record, out = _record(case), batches[run]
     loss_tol, weight_tol = (1e-4, 1e-2) if case.endswith("-bf16") else (1e-6, 1e-6)
     k, steps = record["saved_after"], len(record["losses"])
     assert sorted(out["losses"]) == list(range(k + 1, steps + 1)), "continued at the next step"
+    # DeepSpeed's groups, as the import read them
+    imported = load_config(batches.path(run) / "checkpoints" / f"step-{k:07d}" / "config.yaml")
+    assert imported.optim.decay_1d is (case == "user-gpt"), imported.optim
     for step in range(k + 1, steps + 1):
         assert math.isclose(out["lrs"][step], record["lrs"][step - 1], rel_tol=1e-15), step
         assert math.isclose(out["losses"][step], record["losses"][step - 1], rel_tol=loss_tol), (
@@ -234,3 +241,89 @@ def test_settings_that_differ_from_deepspeeds_are_named(tmp_path):
     assert "weight decay differs" in decay and "for 16 parameters" in decay, decay
     assert "optim.betas=(0.9, 0.95)" in betas and "(0.9, 0.99)" in betas, betas
     assert "lr 0.002325 for step 5" in lr and "gives 0.000775" in lr, lr
+
+
+def test_rank_files_are_taken_in_numeric_rank_order(tmp_path):
+    """Twelve ranks' files: rank 10 comes after rank 9, not after rank 1 (their names' order), for the
+    model-states and the optimizer-states files alike (ZeRO-1/2 pieces concatenate in this order)."""
+    from fsdp_zero.checkpoint.deepspeed_in import _MODEL, _OPTIM, _ranked
+
+    for r in range(12):
+        for kind in ("model", "optim"):
+            (tmp_path / f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt").touch()
+    for pattern, kind in ((_MODEL, "model"), (_OPTIM, "optim")):
+        got = [p.name for p in _ranked(tmp_path, pattern)]
+        assert got == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(12)], got
+
+
+def test_the_deepspeed_flag_gives_the_settings_over_the_checkpoints_own(tmp_path):
+    """--deepspeed names the run's ds_config.json: its settings, not the ds_config the checkpoint saved,
+    make the run directory's config and the next step's learning rate; where its schedule differs from
+    the one DeepSpeed ran, the import warns with DeepSpeed's rate."""
+    record = _record("zero3")
+    ds_config = json.loads((DS_RUNS / "zero3" / "ds_config.json").read_text())
+    ds_config["scheduler"]["params"]["warmup_max_lr"] = 0.001  # DeepSpeed ran 0.003
+    changed = tmp_path / "ds_config.json"
+    changed.write_text(json.dumps(ds_config))
+    run = tmp_path / "run"
+    args = ("--run-dir", str(run), "--deepspeed", str(changed), *record["overrides"])
+    proc = run_script(IMPORT, str(DS_RUNS / "zero3"), *args)
+    assert proc.returncode == 0, proc.stderr
+    k, theirs = record["saved_after"], record["lrs"][record["saved_after"]]
+    cfg = load_config(run / "checkpoints" / f"step-{k:07d}" / "config.yaml")
+    assert cfg.optim.lr == 0.001, cfg.optim
+    # step 4: the linear warm-up from 1e-4 over 4 steps, a step behind (DeepSpeed's lag): 1e-4 + 0.9e-3 * 2 / 4
+    ours = cfg.optim.lr * lr_factor(k, cfg.optim, cfg.train.steps)
+    assert math.isclose(ours, 0.00055) and math.isclose(theirs, 0.00155), (ours, theirs)
+    assert "step 4 runs at lr 0.00055 (DeepSpeed's: 0.00155)" in proc.stdout, proc.stdout
+    (warning,) = [w for w in proc.stderr.splitlines() if "scheduler" in w]
+    assert warning.startswith("warning: DeepSpeed's scheduler set lr 0.00155 for step 4"), warning
+    assert "this config gives 0.00055" in warning, warning
+
+
+def test_the_import_records_whether_deepspeeds_optimizer_decayed_the_1d_parameters(tmp_path):
+    """The user's GPT's optimizer, built from the JSON over model.parameters(), decayed its LayerNorms and
+    biases; zero2's, given fsdp-zero's two groups, did not. Whatever the settings say (here the opposite of
+    each), the run's config.yaml records what DeepSpeed did, and one warning says so."""
+    for case, said, theirs in (("user-gpt", "false", True), ("zero2", "true", False)):
+        run = tmp_path / case
+        proc = _import(case, run, f"optim.decay_1d={said}")
+        assert proc.returncode == 0, proc.stderr
+        k = _record(case)["saved_after"]
+        cfg = load_config(run / "checkpoints" / f"step-{k:07d}" / "config.yaml")
+        assert cfg.optim.decay_1d is theirs, cfg.optim
+        (warning,) = proc.stderr.strip().splitlines()
+        did = "decayed" if theirs else "did not decay"
+        assert warning.startswith(f"warning: DeepSpeed's optimizer {did} the 1-D"), warning
+        assert f"give train.py optim.decay_1d={str(theirs).lower()} too" in warning, warning
+
+
+def test_adamws_step_is_the_optimizers_not_deepspeeds_global_step(tmp_path):
+    """fp16's skipped steps: DeepSpeed counts an overflowed step in global_steps and global_samples, but
+    steps neither AdamW (ZeRO-1/2's step() returns before it) nor its scheduler. DeepSpeed's CPU
+    accelerator refuses fp16 on this machine ("Type fp16 is not supported on your device": no AVX512-FP16),
+    so zero2's real checkpoint stands in, its record rewritten (plain data) as after 2 skipped steps:
+    global_steps k + 2, skipped_steps 2, global_samples 2 batches on; AdamW's states stay at k. Every
+    parameter's AdamW step (its bias correction) is k = global_steps - skipped_steps, the position k + 2,
+    and the import warns that DeepSpeed's scheduler, k steps in, set another rate than this config gives."""
+    source = tmp_path / "zero2"
+    shutil.copytree(DS_RUNS / "zero2", source)
+    k = _record("zero2")["saved_after"]
+    (path,) = (source / f"global_step{k}").glob("*model_states.pt")
+    meta = torch.load(path, weights_only=True)
+    batch = meta["ds_config"]["train_batch_size"]
+    position = (meta["global_steps"], meta["skipped_steps"], meta["global_samples"])
+    assert position == (k, 0, k * batch), position
+    meta |= {"global_steps": k + 2, "skipped_steps": 2, "global_samples": (k + 2) * batch}
+    torch.save(meta, path)
+    proc = _import("zero2", tmp_path / "run", source=source)
+    assert proc.returncode == 0, proc.stderr
+    ckpt = tmp_path / "run" / "checkpoints" / f"step-{k + 2:07d}"
+    names = {key.split("/")[0] for key in load_file(DS_RUNS / "zero2" / "saved.safetensors")}
+    steps = {key: t.item() for key, t in _read_back(ckpt).items() if key.endswith(".step")}
+    assert steps == {f"optim.{name}.step": k for name in names}, steps
+    state = read_train_state(ckpt)
+    assert (state.step, state.data_position) == (k + 2, (k + 2) * batch)
+    (warning,) = [w for w in proc.stderr.splitlines() if "scheduler" in w]
+    theirs = _record("zero2")["lrs"][k]  # for step k + 1: the scheduler is k steps in
+    assert f"DeepSpeed's scheduler set lr {theirs:.6g} for step {k + 3}; this" in warning, warning

@@ -38,9 +38,10 @@ def _renamed(name: str, renames: list[tuple[str, str]]) -> str:
 
 def from_deepspeed(
     ckpt: DsCheckpoint, model: nn.Module, cfg: OptimConfig, renames: list[tuple[str, str]]
-) -> tuple[dict, list[str]]:
-    """The state to save for ``model`` (on the meta device: names and shapes), and notes on what
-    DeepSpeed did that this config does differently (its AdamW settings, decayed parameters).
+) -> tuple[dict, OptimConfig, list[str]]:
+    """The state to save for ``model`` (on the meta device: names and shapes), ``cfg`` with
+    ``decay_1d`` as DeepSpeed's optimizer ran (`decays_1d`; the run's config.yaml records it), and notes
+    on what DeepSpeed did that this config does differently (its AdamW settings, decayed parameters).
 
     Raises:
         ValueError: DeepSpeed's names and shapes do not fit the model (missing, unexpected and
@@ -78,23 +79,49 @@ def from_deepspeed(
             "exp_avg": p.exp_avg,
             "exp_avg_sq": p.exp_avg_sq,
         }
-    notes = _differences({n: ours[tied.get(n, n)] for n in state_optim}, cfg)
-    return {"model": state_model, "optim": state_optim}, notes
+    params = {n: ours[tied.get(n, n)] for n in state_optim}
+    notes = []
+    theirs = decays_1d(params)
+    if theirs is not None and theirs != cfg.decay_1d:
+        value = str(theirs).lower()
+        notes.append(
+            f"warning: DeepSpeed's optimizer {'decayed' if theirs else 'did not decay'} the 1-D "
+            f"parameters (norm gains, biases); this config has optim.decay_1d={str(cfg.decay_1d).lower()}:"
+            f" optim.decay_1d={value} is recorded in the run's config.yaml; give train.py "
+            f"optim.decay_1d={value} too"
+        )
+        cfg = replace(cfg, decay_1d=theirs)
+    notes += _differences(params, cfg)
+    return {"model": state_model, "optim": state_optim}, cfg, notes
+
+
+def decays_1d(params: dict[str, DsParam]) -> bool | None:
+    """Whether DeepSpeed's optimizer decayed the 1-D parameters (norm gains, biases): True when every
+    one of them had weight decay (an optimizer over ``model.parameters()``: DeepSpeed's from the JSON),
+    False when none had and others had (no-decay groups, as ours without ``optim.decay_1d``); None
+    when the checkpoint cannot tell (no 1-D parameters, nothing decayed, or some 1-D ones only)."""
+    flat = [p.weight_decay > 0 for p in params.values() if p.fp32.dim() < 2]
+    if flat and all(flat):
+        return True
+    if flat and not any(flat) and any(p.weight_decay > 0 for p in params.values()):
+        return False
+    return None
 
 
 def _differences(params: dict[str, DsParam], cfg: OptimConfig) -> list[str]:
     """A warning for each AdamW setting of DeepSpeed's that this config does not share."""
     notes, decayed = [], []
     for name, p in params.items():
-        ours_wd = cfg.weight_decay if p.fp32.dim() >= 2 else 0.0
+        ours_wd = cfg.weight_decay if p.fp32.dim() >= 2 or cfg.decay_1d else 0.0
         if not math.isclose(p.weight_decay, ours_wd):
             decayed.append(f"{name} ({p.weight_decay:g} there, {ours_wd:g} here)")
     if decayed:
         notes.append(
             f"warning: DeepSpeed's weight decay differs from this config's for {len(decayed)} "
             f"parameters ({', '.join(decayed[:4])}{', ...' if len(decayed) > 4 else ''}): "
-            "fsdp-zero decays matrices and embeddings by optim.weight_decay and 1-D parameters "
-            "not at all, so their updates will differ from DeepSpeed's"
+            "fsdp-zero decays matrices and embeddings by optim.weight_decay, 1-D parameters too "
+            f"with optim.decay_1d (here: {str(cfg.decay_1d).lower()}), so their updates will differ "
+            "from DeepSpeed's"
         )
     any_param = next(iter(params.values()))
     for key, theirs, here in (

@@ -348,23 +348,51 @@ def _precision(ds: _Reader) -> list[str]:
     return out
 
 
-# Optimizer and schedule.
+# Optimizer and schedule. DeepSpeed builds the JSON's optimizer (engine._configure_basic_optimizer) over
+# the model_parameters given to deepspeed.initialize: by default the module's parameters() (the engine's
+# own default, and what Hugging Face's Trainer and Accelerate pass: the trainable parameters), one group
+# whose weight_decay decays every parameter, 1-D ones included. The JSON cannot say when a loop passed
+# groups of its own instead (no decay on norms and biases): optim.decay_1d=false on the command line then,
+# and scripts/import_deepspeed.py reads it from the checkpoint's groups.
 _OPTIMIZER = _Rule(
     "optimizer.type",
-    "(AdamW)",
+    "optim.decay_1d=true",
     choice({"adam": "adam", "adamw": "adamw"}, "Adam, AdamW (fsdp-zero trains with AdamW)"),
-    "Adam and AdamW (DeepSpeed's Adam is AdamW unless adam_w_mode=false)",
+    "Adam and AdamW (DeepSpeed's Adam is AdamW unless adam_w_mode=false), built over model.parameters(): "
+    "weight decay on every parameter, 1-D ones (norms, biases) too; a loop that passed deepspeed.initialize "
+    "groups without decay on them: optim.decay_1d=false",
 )
 
 
 def _adam(ds: _Reader) -> list[str]:
-    """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack)."""
-    if ds[_OPTIMIZER] == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
+    """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack); built
+    from the JSON, it decays every parameter (``optim.decay_1d``), and the settings the JSON leaves out
+    are its optimizer's defaults, not ours (`_ADAM_DEFAULTS`)."""
+    kind = ds[_OPTIMIZER]
+    if kind == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
         raise ds.bad(
             "optimizer.params.adam_w_mode",
             "Adam with L2 regularisation is not supported; valid: true (AdamW)",
         )
-    return []
+    if kind is None:
+        return []
+    torch_adam = bool(ds.raw("optimizer.params.torch_adam"))
+    # absent, not "auto": "auto" (Hugging Face's) leaves the value to our settings
+    return _OPTIMIZER.overrides() + [
+        f"{ours}={value(torch_adam)}"
+        for key, (ours, value) in _ADAM_DEFAULTS.items()
+        if f"optimizer.params.{key}" not in ds.flat
+    ]
+
+
+# What DeepSpeed's Adam(W) uses where the JSON's params leave a setting out (engine._configure_basic_optimizer):
+# FusedAdam (its default on GPUs) and DeepSpeedCPUAdam (ZeRO-Offload) decay by 0, torch's AdamW
+# (torch_adam: true) by 0.01; all three take betas (0.9, 0.999) and eps 1e-8. Ours differ (0.1, [0.9, 0.95]).
+_ADAM_DEFAULTS: dict[str, tuple[str, Callable[[bool], str]]] = {
+    "weight_decay": ("optim.weight_decay", lambda torch_adam: "0.01" if torch_adam else "0.0"),
+    "betas": ("optim.betas", lambda _: "[0.9,0.999]"),
+    "eps": ("optim.eps", lambda _: "1e-08"),
+}
 
 
 LR = _Rule("optimizer.params.lr", "optim.lr", number(float, min=0), "peak learning rate")

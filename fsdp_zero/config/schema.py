@@ -224,7 +224,9 @@ class DataConfig:
 @dataclass
 class WrapConfig:
     policy: WrapPolicy = WrapPolicy.transformer
-    classes: list[str] = field(default_factory=list)  # empty: the model's block class
+    classes: list[str] = field(
+        default_factory=list
+    )  # empty: the model's block class, or the one it repeats
     min_params: int = 1_000_000
     modules: list[str] = field(default_factory=list)  # FQN regexes (re.fullmatch)
 
@@ -435,6 +437,10 @@ class OptimConfig:
     # deepspeed_*: where the warm-up starts, a factor of lr (DeepSpeed's warmup_min_lr / lr, warmup_min_ratio)
     warmup_start_ratio: float = 0.0
     weight_decay: float = 0.1
+    # Decay the 1-D parameters (norm gains, biases) by weight_decay too, as an optimizer built over
+    # model.parameters() does (DeepSpeed's from a ds_config's optimizer section: --deepspeed sets it).
+    # false: matrices and embeddings only (Hugging Face's Trainer's groups).
+    decay_1d: bool = False
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
@@ -470,6 +476,8 @@ class OptimConfig:
             raise ValueError(f"optim.eps={self.eps}: must be > 0")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+        if not isinstance(self.decay_1d, bool):
+            raise ValueError(f"optim.decay_1d={self.decay_1d!r}: valid choices: true, false")
         if self.grad_clip < 0:
             raise ValueError(
                 f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)"

@@ -53,7 +53,8 @@ def _step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Paramete
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False
 ) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and embeddings, none on 1-D parameters (norm gains, biases).
+    """AdamW; weight decay on matrices and embeddings, and on 1-D parameters (norm gains, biases) only
+    with ``optim.decay_1d``.
 
     With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
     its own partition of the parameters (whole tensors, balanced by size) and broadcasts
@@ -93,10 +94,17 @@ def param_groups(
     model: nn.Module, cfg: OptimConfig, impl: OptimizerImpl
 ) -> list[tuple[list[nn.Parameter], float]]:
     """AdamW's parameter groups and their weight decay, in order: the trainable matrices and embeddings
-    (``optim.weight_decay``), then the 1-D parameters (none), each cut into `step_groups` for foreach."""
+    (``optim.weight_decay``), then the 1-D parameters (none; ``optim.weight_decay`` with
+    ``optim.decay_1d``), each cut into `step_groups` for foreach.
+
+    With ``optim.decay_1d`` the groups stay two, with equal settings: AdamW's update is per tensor, so
+    each parameter is updated as by one group over ``model.parameters()`` (DeepSpeed's optimizer from
+    the JSON), and a checkpoint's groups keep their order whichever way it was set."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
+    # DeepSpeed's JSON optimizer, built over model.parameters(), decays every parameter
+    decay_1d = cfg.weight_decay if cfg.decay_1d else 0.0
     size = cfg.step_group_size
     if size and impl is not OptimizerImpl.foreach:
         if any(len(_step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
@@ -109,6 +117,6 @@ def param_groups(
         size = 0
     return [
         (ps, wd)
-        for group, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for group, wd in ((decay, cfg.weight_decay), (no_decay, decay_1d))
         for ps in _step_groups(group, size)
     ]

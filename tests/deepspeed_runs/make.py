@@ -5,11 +5,15 @@
 
 DeepSpeed (CPU accelerator, gloo, no compiled ops) trains the built-in transformer (a 7,000-parameter
 gpt_nano; ZeRO-1's with its output layer tied to the embedding) for ``STEPS`` AdamW steps at 2 ranks under
-ZeRO-1 (fp32 and bf16), -2 and -3, and under ZeRO-3 at 3 ranks (partitions padded). Each case has another of DeepSpeed's
-schedules and its own ds_config.json; its optimizer is built from the JSON (torch's AdamW) over
-fsdp-zero's two parameter groups (decay on matrices and embeddings only, as ours), and it trains on
-fsdp-zero's data order (the synthetic source: the global batch of step s is samples [s G, (s+1) G), rank
-r's share its r-th slice, cut into micro-batches). It saves with ``engine.save_checkpoint`` after step
+ZeRO-1 (fp32 and bf16), -2 and -3, and under ZeRO-3 at 3 ranks (partitions padded); and, as a DeepSpeed user
+runs it, a GPT of the user's own (tests/user_gpt.py: LayerNorms and biases) under ZeRO-3 at 2 ranks
+(``user-gpt``). Each case has another of DeepSpeed's schedules and its own ds_config.json; its optimizer is
+built from the JSON (torch's AdamW): the built-in model's over fsdp-zero's two parameter groups (decay on
+matrices and embeddings only: ``optim.decay_1d=false``, recorded with its overrides), the user's GPT's over
+``model.parameters()`` (one group, every parameter decayed, as DeepSpeed, Hugging Face's Trainer and
+Accelerate build it: what ``--deepspeed`` assumes). Each trains on fsdp-zero's data order (the synthetic
+source: the global batch of step s is samples [s G, (s+1) G), rank r's share its r-th slice, cut into
+micro-batches). It saves with ``engine.save_checkpoint`` after step
 ``k`` and goes on to the end. Each case's folder keeps what DeepSpeed wrote (``latest``,
 ``global_stepK/``; DeepSpeed's copies of its zero_to_*.py scripts are deleted), the ds_config.json it ran
 with, ``run.json`` (the loss and learning rate of every step, as DeepSpeed computed them, and the
@@ -54,6 +58,18 @@ MODEL = (
 )
 # ZeRO-1's model ties its output layer to the embedding (DeepSpeed's shared_params)
 TIED = ("model.tie_embeddings=true",)
+# DeepSpeed given fsdp-zero's two groups: ours without decay on the 1-D parameters, which --deepspeed
+# (an optimizer section: optim.decay_1d=true) cannot read in the JSON
+TWO_GROUPS = ("optim.decay_1d=false",)
+# A DeepSpeed user's own GPT (LayerNorms, biases), its optimizer over model.parameters()
+USER_GPT = (
+    "model.target=tests.user_gpt:GPT",
+    "model.task=causal_lm",
+    "model.kwargs.vocab=64",
+    "model.kwargs.seq_len=16",
+    "data.seq_len=16",
+    "train.seed=0",
+)
 STEPS = 8
 _OPTIMIZER = {
     "type": "AdamW",
@@ -122,17 +138,44 @@ CASES = {
         2,
         {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": STEPS}},
     ),
+    # the user's GPT, its LayerNorms and biases decayed by weight_decay 0.1 too; zero3's schedule, saved
+    # inside the warm-up
+    "user-gpt": (
+        2,
+        3,
+        8,
+        3,
+        {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_num_steps": 4,
+                "warmup_type": "linear",
+                "warmup_min_lr": 1e-4,
+                "warmup_max_lr": 3e-3,
+                "total_num_steps": STEPS,
+            },
+        },
+    ),
 }
 
 
 def ds_config(name: str, stage: int, batch: int, scheduler: dict) -> dict:
     """The case's ds_config.json: ``batch`` samples a step, micro-batches of 2 (gradient accumulation
-    derived from the world size), clipping at 0.5, fp32 (bf16 for a case named so)."""
+    derived from the world size), clipping at 0.5, fp32 (bf16 for a case named so).
+
+    The user's GPT's AdamW has eps 1e-5: its attention's key bias (qkv.bias[dim:2 dim]) has a gradient of
+    zero in exact arithmetic (softmax ignores a shift shared by every key), so what it gets is rounding
+    (about 1e-10, different in every implementation and world size), which eps 1e-8 would turn into
+    steps of about lr / 300, each run its own (a continuation here ends 6.8e-5 off DeepSpeed's there);
+    with 1e-5, about lr / 1e5."""
+    optimizer = _OPTIMIZER
+    if name == "user-gpt":
+        optimizer = {**optimizer, "params": {**optimizer["params"], "eps": 1e-5}}
     return {
         "train_batch_size": batch,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": 0.5,
-        "optimizer": _OPTIMIZER,
+        "optimizer": optimizer,
         "scheduler": scheduler,
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
@@ -141,7 +184,8 @@ def ds_config(name: str, stage: int, batch: int, scheduler: dict) -> dict:
 
 
 def _model(cfg) -> torch.nn.Module:
-    """The built-in model with its initial weights for the seed, as fsdp-zero initialises it."""
+    """The case's model (the built-in one, or the user's GPT) with its initial weights for the seed, as
+    fsdp-zero initialises it."""
     model = construct(cfg.model)
     materializer(torch.device("cpu"), cfg.model.init, cfg.train.seed, real_buffers(model), [])(
         model
@@ -153,14 +197,20 @@ def run_case(name: str, stage: int, batch: int, save_after: int, scheduler: dict
     rank, world = dist.get_rank(), dist.get_world_size()
     out = HERE / name
     config = ds_config(name, stage, batch, scheduler)
-    overrides = [*MODEL, *TIED] if name == "zero1" else list(MODEL)
+    if name == "user-gpt":
+        overrides = list(USER_GPT)
+    else:
+        overrides = [*MODEL, *(TIED if name == "zero1" else ()), *TWO_GROUPS]
     cfg = load_config(None, overrides)
     model = _model(cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2]},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    if name == "user-gpt":
+        groups = model.parameters()  # one group: DeepSpeed decays every parameter
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     source = build_source(cfg.data, cfg.train.seed, vocab_size(model))
     batch, micro = config["train_batch_size"], config["train_micro_batch_size_per_gpu"]

@@ -246,11 +246,56 @@ def _source(module: str, old: str, new: str) -> None:
             return None
         return compile(source.replace(old, new), spec.origin, "exec")
 
+    if module.endswith(".py"):
+        return _script_source(module, patch)
     _on_import(name=module, patch=None, compile_with=patch)
 
 
-# name: (our module, the exact text, its wrong replacement); tests/mutants.py says what each is and what catches it.
+def _script_source(path: str, compile_with) -> None:  # noqa: ANN001
+    """A script (``path`` from the repository root: scripts/x.py) changed where a test loads it from its file
+    (tests.conftest.run_script, which runs its ``main`` in the test process); one launched as a process of its
+    own runs unchanged."""
+    import importlib.abc
+    import importlib.util
+    from pathlib import Path
+
+    original = importlib.util.spec_from_file_location
+
+    def spec_from_file_location(name, location=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        spec = original(name, location, *args, **kwargs)
+        ours = spec is not None and Path(str(location)).as_posix().endswith("/" + path)
+        code = compile_with(spec, spec.loader) if ours else None
+        if code is not None:
+
+            class Loader(importlib.abc.Loader):
+                def exec_module(self, module):  # noqa: ANN001
+                    module.__dict__["__mutant__"] = _mutant
+                    exec(code, module.__dict__)
+
+            spec.loader = Loader()
+        return spec
+
+    importlib.util.spec_from_file_location = spec_from_file_location
+
+
+# name: (our module, or a script's path run in the test process, the exact text, its wrong replacement);
+# tests/mutants.py says what each is and what catches it.
 SOURCE = {
+    "ds-optimizer-defaults-ours": (
+        "fsdp_zero.config.deepspeed",
+        'if f"optimizer.params.{key}" not in ds.flat',
+        "if __mutant__(False)",
+    ),
+    "wrap-repeats-unseen": (
+        "fsdp_zero.sharding.wrap",
+        "found = _repeated_classes(model)",
+        "found = __mutant__([])",
+    ),
+    "end-line-rank0-only": (
+        "fsdp_zero.distributed.env",
+        'path = os.environ.get("TORCHELASTIC_ERROR_FILE")',
+        "path = __mutant__(None)",
+    ),
     "masked-grad-unweighted": (
         "fsdp_zero.training.step",
         "scaled = loss * weight if weight is not None else loss / len(micro_batches)",
@@ -425,6 +470,51 @@ SOURCE = {
         "activations = terms.activations * row.activations / at_twin",
         "activations = __mutant__(terms.activations)",
     ),
+    "tp-plan-index-one-digit": (
+        "fsdp_zero.sharding.tensor",
+        'replace(r"\\*", r"[^.]+")',
+        'replace(r"\\*", __mutant__(r"\\d"))',
+    ),
+    "pp-remainder-layers-dropped": (
+        "fsdp_zero.sharding.pipeline",
+        "stop = start + per + (1 if s < extra else 0)",
+        "stop = start + per + (1 if s < extra and __mutant__(False) else 0)",
+    ),
+    "tp-norm-first-mesh-only": (
+        "fsdp_zero.training.step",
+        "    return torch.stack([n.float() for n in norms]).square().sum().sqrt()",
+        "    return __mutant__(norms[0])",
+    ),
+    "pp-same-batch-unchecked": (
+        "fsdp_zero.distributed.topology",
+        "(self.tp_group(), self.pp_group())",
+        "(self.tp_group(), None if self.pp == 1 else __mutant__(None))",
+    ),
+    "layout-pp-held-no-gradients": (
+        "fsdp_zero.tools.layout",
+        "per_rank * (precision.compute.itemsize + precision.reduce.itemsize)",
+        "per_rank * (precision.compute.itemsize + __mutant__(0))",
+    ),
+    "layout-p2p-one-way": (
+        "fsdp_zero.tools.layered",
+        "sends = 2 * micro * (row.boundary or 0)",
+        "sends = __mutant__(1) * micro * (row.boundary or 0)",
+    ),
+    "layout-tp-gathered-whole": (
+        "fsdp_zero.tools.layered",
+        "else terms.gathered * row.per_rank / row.params",
+        "else __mutant__(terms.gathered)",
+    ),
+    "compose-host-state-shallow": (
+        "fsdp_zero.tools.depth",
+        "host_state=model_state if b.host_state else 0,",
+        "host_state=__mutant__(b.host_state) if b.host_state else 0,",
+    ),
+    "rates-block-slope-off-by-one": (
+        "fsdp_zero.tools.rates",
+        "max((td - t1) / (deep - 1), 0.0)",
+        "max((td - t1) / __mutant__(deep), 0.0)",
+    ),
     "nf4-per-shard": (
         "fsdp_zero.sharding.quantize",
         "nf4 = to_nf4(whole, self.block, self.scaler_block)",
@@ -510,6 +600,56 @@ SOURCE = {
         "fsdp_zero.checkpoint.deepspeed_in",
         'map_location="cpu", weights_only=True, mmap=True',
         'map_location="cpu", weights_only=__mutant__(False), mmap=True',
+    ),
+    "nf4-block-size-ignored": (
+        "fsdp_zero.sharding.quantize",
+        "nf4 = to_nf4(whole, self.block, self.scaler_block)",
+        "nf4 = to_nf4(whole, 64 if self.block == 64 else __mutant__(64), self.scaler_block)",
+    ),
+    "nf4-resume-checks-source-path": (
+        "fsdp_zero.checkpoint.weights",
+        'if saved.get("digest") != nf4.digest:',
+        'if saved.get("source") != __mutant__(nf4.source):',
+    ),
+    "lowbit-eps-ignored": (
+        "fsdp_zero.sharding.optim",
+        "eps=cfg.eps)",
+        "eps=cfg.eps if cfg.eps == 1e-8 else __mutant__(1e-8))",
+    ),
+    "lowbit-partial-blocks-counted": (
+        "fsdp_zero.sharding.quantize",
+        "numel < _STATE_MIN_NUMEL or numel % block:",
+        "numel < _STATE_MIN_NUMEL or (numel % block and __mutant__(False)):",
+    ),
+    "float8-rowwise-counted-as-float8-gather": (
+        "fsdp_zero.sharding.quantize",
+        'Float8Plan(recipe, emulate, recipe == "tensorwise", weights)',
+        'Float8Plan(recipe, emulate, recipe == "tensorwise" or __mutant__(True), weights)',
+    ),
+    "ds-ranks-sorted-as-text": (
+        "fsdp_zero.checkpoint.deepspeed_in",
+        "return [found[r] for r in range(len(found))]",
+        "return __mutant__(sorted(found.values()))",
+    ),
+    "ds-import-ignores-deepspeed-flag": (
+        "scripts/import_deepspeed.py",
+        "read_deepspeed(args.deepspeed or ckpt.ds_config,",
+        "read_deepspeed(ckpt.ds_config if not args.deepspeed else __mutant__(ckpt.ds_config),",
+    ),
+    "table-struct-nulls-kept": (
+        "fsdp_zero.data.tables",
+        "{k: v for k, v in item.items() if v is not None}",
+        "{k: v for k, v in item.items() if v is not None or __mutant__(True)}",
+    ),
+    "decay-1d-ignored": (
+        "fsdp_zero.sharding.optim",
+        "decay_1d = cfg.weight_decay if cfg.decay_1d else 0.0",
+        "decay_1d = cfg.weight_decay if cfg.decay_1d and __mutant__(False) else 0.0",
+    ),
+    "ds-adam-step-from-global-steps": (
+        "fsdp_zero.checkpoint.deepspeed_in",
+        'adam_step=float(moments.get("step", ckpt.step)),',
+        "adam_step=float(__mutant__(ckpt.step)),",
     ),
 }
 
