@@ -42,7 +42,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 16, n_heads: int = 2, depth: int = 2, seq_len: int = 16) -> None:
+    def __init__(
+        self, vocab: int = 64, dim: int = 16, n_heads: int = 2, depth: int = 2, seq_len: int = 16
+    ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(seq_len, dim)
