@@ -40,8 +40,9 @@ def from_deepspeed(
     ckpt: DsCheckpoint, model: nn.Module, cfg: OptimConfig, renames: list[tuple[str, str]]
 ) -> tuple[dict, OptimConfig, list[str]]:
     """The state to save for ``model`` (on the meta device: names and shapes), ``cfg`` with
-    ``decay_1d`` as DeepSpeed's optimizer ran (`decays_1d`; the run's config.yaml records it), and notes
-    on what DeepSpeed did that this config does differently (its AdamW settings, decayed parameters).
+    ``decay_1d`` as DeepSpeed's optimizer ran (`decays_1d`; the run's config.yaml records it), and
+    notes on what DeepSpeed did that this config does differently (its AdamW settings, decayed
+    parameters).
 
     Raises:
         ValueError: DeepSpeed's names and shapes do not fit the model (missing, unexpected and
@@ -96,10 +97,11 @@ def from_deepspeed(
 
 
 def decays_1d(params: dict[str, DsParam]) -> bool | None:
-    """Whether DeepSpeed's optimizer decayed the 1-D parameters (norm gains, biases): True when every
-    one of them had weight decay (an optimizer over ``model.parameters()``: DeepSpeed's from the JSON),
-    False when none had and others had (no-decay groups, as ours without ``optim.decay_1d``); None
-    when the checkpoint cannot tell (no 1-D parameters, nothing decayed, or some 1-D ones only)."""
+    """Whether DeepSpeed's optimizer decayed the 1-D parameters (norm gains, biases): True when
+    every one of them had weight decay (an optimizer over ``model.parameters()``: DeepSpeed's from
+    the JSON), False when none had and others had (no-decay groups, as ours without
+    ``optim.decay_1d``); None when the checkpoint cannot tell (no 1-D parameters, nothing decayed,
+    or some 1-D ones only)."""
     flat = [p.weight_decay > 0 for p in params.values() if p.fp32.dim() < 2]
     if flat and all(flat):
         return True

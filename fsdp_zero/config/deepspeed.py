@@ -348,12 +348,13 @@ def _precision(ds: _Reader) -> list[str]:
     return out
 
 
-# Optimizer and schedule. DeepSpeed builds the JSON's optimizer (engine._configure_basic_optimizer) over
-# the model_parameters given to deepspeed.initialize: by default the module's parameters() (the engine's
-# own default, and what Hugging Face's Trainer and Accelerate pass: the trainable parameters), one group
-# whose weight_decay decays every parameter, 1-D ones included. The JSON cannot say when a loop passed
-# groups of its own instead (no decay on norms and biases): optim.decay_1d=false on the command line then,
-# and scripts/import_deepspeed.py reads it from the checkpoint's groups.
+# Optimizer and schedule. DeepSpeed builds the JSON's optimizer (engine._configure_basic_optimizer)
+# over the model_parameters given to deepspeed.initialize: by default the module's parameters() (the
+# engine's own default, and what Hugging Face's Trainer and Accelerate pass: the trainable
+# parameters), one group whose weight_decay decays every parameter, 1-D ones included. The JSON
+# cannot say when a loop passed groups of its own instead (no decay on norms and biases):
+# optim.decay_1d=false on the command line then, and scripts/import_deepspeed.py reads it from the
+# checkpoint's groups.
 _OPTIMIZER = _Rule(
     "optimizer.type",
     "optim.decay_1d=true",
@@ -365,9 +366,9 @@ _OPTIMIZER = _Rule(
 
 
 def _adam(ds: _Reader) -> list[str]:
-    """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack); built
-    from the JSON, it decays every parameter (``optim.decay_1d``), and the settings the JSON leaves out
-    are its optimizer's defaults, not ours (`_ADAM_DEFAULTS`)."""
+    """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack);
+    built from the JSON, it decays every parameter (``optim.decay_1d``), and the settings the JSON
+    leaves out are its optimizer's defaults, not ours (`_ADAM_DEFAULTS`)."""
     kind = ds[_OPTIMIZER]
     if kind == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
         raise ds.bad(
@@ -385,9 +386,10 @@ def _adam(ds: _Reader) -> list[str]:
     ]
 
 
-# What DeepSpeed's Adam(W) uses where the JSON's params leave a setting out (engine._configure_basic_optimizer):
-# FusedAdam (its default on GPUs) and DeepSpeedCPUAdam (ZeRO-Offload) decay by 0, torch's AdamW
-# (torch_adam: true) by 0.01; all three take betas (0.9, 0.999) and eps 1e-8. Ours differ (0.1, [0.9, 0.95]).
+# What DeepSpeed's Adam(W) uses where the JSON's params leave a setting out
+# (engine._configure_basic_optimizer): FusedAdam (its default on GPUs) and DeepSpeedCPUAdam
+# (ZeRO-Offload) decay by 0, torch's AdamW (torch_adam: true) by 0.01; all three take betas (0.9,
+# 0.999) and eps 1e-8. Ours differ (0.1, [0.9, 0.95]).
 _ADAM_DEFAULTS: dict[str, tuple[str, Callable[[bool], str]]] = {
     "weight_decay": ("optim.weight_decay", lambda torch_adam: "0.01" if torch_adam else "0.0"),
     "betas": ("optim.betas", lambda _: "[0.9,0.999]"),

@@ -438,8 +438,8 @@ class OptimConfig:
     warmup_start_ratio: float = 0.0
     weight_decay: float = 0.1
     # Decay the 1-D parameters (norm gains, biases) by weight_decay too, as an optimizer built over
-    # model.parameters() does (DeepSpeed's from a ds_config's optimizer section: --deepspeed sets it).
-    # false: matrices and embeddings only (Hugging Face's Trainer's groups).
+    # model.parameters() does (DeepSpeed's from a ds_config's optimizer section: --deepspeed sets
+    # it). false: matrices and embeddings only (Hugging Face's Trainer's groups).
     decay_1d: bool = False
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8

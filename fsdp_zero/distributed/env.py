@@ -262,10 +262,10 @@ def silent_ranks(
 def report_end(line: str, every_rank: bool = False) -> None:
     """Shows the line a run ends with, whichever rank ends first.
 
-    Every rank of a user error (or of a `RunEnded` that is every rank's) raises the same one. Printed
-    on rank 0 alone, it is lost whenever another rank exits first: torchrun then ends rank 0 (SIGTERM)
-    before it prints, often while it is still importing, and the user sees only "ChildFailedError
-    ... exitcode 2". So every rank also writes the line into torchrun's error file
+    Every rank of a user error (or of a `RunEnded` that is every rank's) raises the same one.
+    Printed on rank 0 alone, it is lost whenever another rank exits first: torchrun then ends rank 0
+    (SIGTERM) before it prints, often while it is still importing, and the user sees only
+    "ChildFailedError ... exitcode 2". So every rank also writes the line into torchrun's error file
     (TORCHELASTIC_ERROR_FILE, set by torchrun for each rank): torchrun prints the file of the rank
     that ended first as the "Root Cause", so the line is shown once there, from whichever rank it
     is. Written before the process exits, it cannot be lost to the race. Rank 0 (every rank with

@@ -53,8 +53,8 @@ def _step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Paramete
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False
 ) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and embeddings, and on 1-D parameters (norm gains, biases) only
-    with ``optim.decay_1d``.
+    """AdamW; weight decay on matrices and embeddings, and on 1-D parameters (norm gains, biases)
+    only with ``optim.decay_1d``.
 
     With ``zero1``, torch's ZeroRedundancyOptimizer: each rank keeps the AdamW states of
     its own partition of the parameters (whole tensors, balanced by size) and broadcasts
@@ -97,9 +97,9 @@ def param_groups(
     (``optim.weight_decay``), then the 1-D parameters (none; ``optim.weight_decay`` with
     ``optim.decay_1d``), each cut into `step_groups` for foreach.
 
-    With ``optim.decay_1d`` the groups stay two, with equal settings: AdamW's update is per tensor, so
-    each parameter is updated as by one group over ``model.parameters()`` (DeepSpeed's optimizer from
-    the JSON), and a checkpoint's groups keep their order whichever way it was set."""
+    With ``optim.decay_1d`` the groups stay two, with equal settings: AdamW's update is per tensor,
+    so each parameter is updated as by one group over ``model.parameters()`` (DeepSpeed's optimizer
+    from the JSON), and a checkpoint's groups keep their order whichever way it was set."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]

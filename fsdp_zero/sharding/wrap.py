@@ -98,9 +98,9 @@ def _default_block_classes(model: nn.Module) -> tuple[list[str], str | None]:
 
     Declared first: a ``block_class`` attribute (the built-in model), or Hugging Face's
     ``_no_split_modules`` (what Accelerate wraps by default), keeping the classes the model holds.
-    Otherwise found (`_repeated_classes`): the class repeated in the model's outermost ``ModuleList``
-    or ``Sequential``, the shape in which users write a stack of blocks (nanoGPT's ``h``, torchvision's
-    ``layers``). [] when neither gives one.
+    Otherwise found (`_repeated_classes`): the class repeated in the model's outermost
+    ``ModuleList`` or ``Sequential``, the shape in which users write a stack of blocks (nanoGPT's
+    ``h``, torchvision's ``layers``). [] when neither gives one.
     """
     block = getattr(type(model), "block_class", None)
     if block is not None:
@@ -125,9 +125,9 @@ def _default_block_classes(model: nn.Module) -> tuple[list[str], str | None]:
 
 
 def _repeated_classes(model: nn.Module) -> list[tuple[str, int, str]]:
-    """``(fqn, count, class)`` for each outermost ``ModuleList`` or ``Sequential`` whose children are
-    at least two modules of one class that holds parameters; those nested in another's children are
-    left out (an attention's list of heads inside a block)."""
+    """``(fqn, count, class)`` for each outermost ``ModuleList`` or ``Sequential`` whose children
+    are at least two modules of one class that holds parameters; those nested in another's children
+    are left out (an attention's list of heads inside a block)."""
     found: list[tuple[str, int, str]] = []
     for fqn, module in model.named_modules():  # parents before their children
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(

@@ -72,12 +72,12 @@ def read_rows(out: Path, strategies: list[Strategy] = ORDER) -> dict[str, list[d
 
 
 def _after_forward(row: dict, category: str) -> int:
-    """A rank's bytes of ``category`` after the profiled step's first forward: what stays gathered between
-    forward and backward (ZeRO-2: every unit; ZeRO-3: the root), read at that fixed phase. At the step's
-    peak it would not be: ZeRO-3's step has two near-equal peaks (early backward with the root gathered,
-    and a moment with a vocabulary matrix gathered), and which wins depends on when gloo frees its
-    buffers."""
-    return row["phases"].get(Phase.AFTER_FORWARD.value, {}).get(category, 0)
+    """A rank's bytes of ``category`` after the profiled step's first forward: what stays gathered
+    between forward and backward (ZeRO-2: every unit; ZeRO-3: the root), read at that fixed phase.
+    At the step's peak it would not be: ZeRO-3's step has two near-equal peaks (early backward with
+    the root gathered, and a moment with a vocabulary matrix gathered), and which wins depends on
+    when gloo frees its buffers."""
+    return row.get("phases", {}).get(Phase.AFTER_FORWARD.value, {}).get(category, 0)
 
 
 def report(rows: dict[str, list[dict]], n: int, out: Path) -> str:
