@@ -395,6 +395,8 @@ def _rows(n: int) -> dict[str, list[dict]]:
                     "comm_buffers": 0,
                     "other": 1,
                 },
+                # what stays gathered after the forward: ZeRO-2's every unit
+                "phases": {"after_forward": {"gathered_params": 4 * MIB * (s == "shard_grad_op")}},
             }
             for r in range(n)
         ]
@@ -412,6 +414,7 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
     )
     # the strategy's formula
     assert num(table["zero1"][5]) == pytest.approx((8 + 8 / 2) * 1e6 / MIB, abs=0.05)
+    assert [num(table[k][6]) for k in STRATEGIES] == [0, 0, 4, 0]  # gathered after forward (MiB)
     assert json.loads((tmp_path / "compare.json").read_text()) == _rows(2)
     acc = EventAccumulator(str(tmp_path / "tb" / "compare"))
     acc.Reload()
@@ -420,7 +423,10 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
     for s in ORDER:
         (tmp_path / s.value).mkdir()
         ranks = [
-            {k: r[k] for k in ("peak_rss_mib", "peak_reserved_mib", "step_s", "breakdown")}
+            {
+                k: r[k]
+                for k in ("peak_rss_mib", "peak_reserved_mib", "step_s", "breakdown", "phases")
+            }
             | {"model_state_bytes": r["model_state"]}
             for r in _rows(2)[s.value]
         ]
