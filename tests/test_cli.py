@@ -266,29 +266,21 @@ def test_help_prints_the_usage_and_exits_0():
 def test_a_bad_setting_shows_its_line_under_torchrun_whichever_rank_exits_first(tmp_path: Path):
     """Every rank raises a user error; when another rank exits first, torchrun ends rank 0 (SIGTERM) before
     it prints, and once the user saw only "ChildFailedError ... exitcode 2" (6 launches in 7 at 2 and 4 ranks
-    on a busy machine). Four launches at once (12 ranks) keep the machine busy; in the last, rank 0 reaches the error
-    seconds after the others (tests/user_model.py:refused_with_rank0_last), so torchrun always ends it
-    first: the line must reach the user every time, from torchrun's report of the rank that ended first."""
+    on a busy machine). Three launches at once (8 ranks on the suite's 2 cores) keep the machine busy; in the
+    4-rank one rank 0 reaches the error seconds after the others (tests/user_model.py:refused_with_rank0_last),
+    so torchrun always ends it first: the line must reach the user every time, from torchrun's report of the
+    rank that ended first (its error file)."""
     ds = tmp_path / "ds_config.json"
-    ds.write_text(json.dumps({"train_batch_size": 6, "gradient_accumulation_steps": 1}))
+    ds.write_text(json.dumps({"train_batch_size": 5, "gradient_accumulation_steps": 1}))
     late = (
         "model.target=tests.user_model:refused_with_rank0_last",
         "model.task=custom",
         "model.loss=tests.user_model:next_token_loss",
     )
-    divides = (
-        "train.global_batch_size=6 does not divide into train.micro_batch_size=2 x 2 data-parallel "
-        "ranks; valid train.micro_batch_size values at 2 ranks: [1, 3]"
-    )
     cases = {  # name: (ranks, arguments, the line)
-        "lr-4": (4, ("optim.lr=-1",), "error: optim.lr=-1.0: must be > 0"),
-        "divides-2": (
-            2,
-            ("train.global_batch_size=6", "train.micro_batch_size=2"),
-            f"error: {divides}",
-        ),
-        "deepspeed-4": (4, ("--deepspeed", str(ds)), "error: ds_config train_batch_size=6"),
-        "late-2": (2, late, "error: model.kwargs.width=3: must be even"),
+        "late-4": (4, late, "error: model.kwargs.width=3: must be even"),
+        "lr-2": (2, ("optim.lr=-1",), "error: optim.lr=-1.0: must be > 0"),
+        "deepspeed-2": (2, ("--deepspeed", str(ds)), "error: ds_config train_batch_size=5"),
     }
     waits = {
         name: start(n, TRAIN, *NANO, *args, f"run.root={tmp_path}", f"run.name={name}")
@@ -299,10 +291,12 @@ def test_a_bad_setting_shows_its_line_under_torchrun_whichever_rank_exits_first(
         assert proc.returncode != 0 and line in proc.stderr, (name, proc.stderr[-3000:])
         assert "exitcode  : 2" in proc.stderr, name  # torchrun reports each rank's exit code
         assert not (tmp_path / name).exists(), name
-    # where rank 0 came last, torchrun ended it: the line came from the root cause's error file alone
-    assert "Signal 15 (SIGTERM)" in proc.stderr and f"traceback : {line}" in proc.stderr, (
-        proc.stderr[-3000:]
-    )
+        if (
+            name == "late-4"
+        ):  # torchrun ended rank 0: the line came from the root cause's error file alone
+            assert "Signal 15 (SIGTERM)" in proc.stderr and f"traceback : {line}" in proc.stderr, (
+                proc.stderr
+            )
 
 
 def test_a_run_directory_is_continued_or_refused_never_overwritten(tmp_path: Path):

@@ -82,7 +82,7 @@ def stall_on_rank1(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
         store, deadline = default_store(), time.monotonic() + 60
         while not store.check([_failure_key(0)]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(8)
+        time.sleep(5)
     logits = model(inputs).float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -203,11 +203,12 @@ def evicted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
 
 
 def refused_with_rank0_last(**kwargs) -> nn.Module:  # noqa: ANN003
-    """A model factory that refuses its settings on every rank (a ValueError: a user error), rank 0 a few
-    seconds after the others: the race in which torchrun ends rank 0 before it can print the line."""
+    """A model factory that refuses its settings on every rank (a ValueError: a user error), rank 0 only
+    after the others have exited: the race in which torchrun ends rank 0 before it can print the line.
+    (Rank 0 waits up to a minute; torchrun ends it as soon as another rank exits non-zero.)"""
     import os
     import time
 
     if os.environ.get("RANK", "0") == "0":
-        time.sleep(8)
+        time.sleep(60)
     raise ValueError("model.kwargs.width=3: must be even (the user's own check)")
