@@ -202,20 +202,22 @@ def test_planner_predicts_the_model_dependent_memory(measured, predicted):
 
 
 def test_simulated_tensors_match_the_tracker(measured, predicted):
-    """The simulation runs the real step on fake tensors and sees, at the step's peak, what the tracker
-    sees in a real run: to the MiB, category by category, under FSDP (gloo's reduce-scatter copy
-    included), and in total under DDP and ZeRO-1 (the real tracker files the gradient buckets DDP
-    rebuilds in step 2's forward as activations; the simulation, as gradients)."""
+    """The simulation runs the real step on fake tensors and sees what the tracker sees in a real run: under
+    FSDP category by category at the step's fixed phases (after the first forward, the backward and the
+    optimizer step), to the MiB; under DDP and ZeRO-1 the total at the step's peak to 1% (the real tracker
+    files the gradient buckets DDP rebuilds in step 2's forward as activations; the simulation, as
+    gradients). An FSDP run's tracked peak is not a fixed moment: gloo frees the buffers of its
+    asynchronous collectives when their work objects go, so a real run's peak holds, besides the simulated
+    moment, whatever of them is still alive then (measured +1.6% and +5.2% over the simulation on ZeRO-3,
+    in two suite runs): it is held between the simulation's peak and 8% above it."""
     preds, _ = predicted
     for s in STRATEGIES:
         tracked = max(sum(r["breakdown"].values()) for r in measured[s])
-        # ZeRO-3's peak has two moments within 1.6% of each other (early backward with the root gathered,
-        # and one with a vocabulary matrix gathered): which one a real run peaks at depends on when gloo
-        # frees its buffers, so the peak's total is held to 2% and its categories are compared at the
-        # step's fixed phases instead, where nothing races.
-        assert sum(preds[s]["tensors"].values()) == pytest.approx(tracked, rel=0.02), s
+        simulated = sum(preds[s]["tensors"].values())
         if s not in FSDP:
+            assert simulated == pytest.approx(tracked, rel=0.01), s
             continue
+        assert 0.99 * simulated <= tracked <= 1.08 * simulated, (s, tracked, simulated)
         for phase in ("after_forward", "after_backward", "after_optimizer_step"):
             for cat, value in preds[s]["phases"][phase].items():
                 real = measured[s][0]["phases"][phase][cat]
