@@ -71,6 +71,17 @@ USER_GPT = (
     "train.seed=0",
 )
 STEPS = 8
+# WarmupDecayLR's linear warm-up from warmup_min_lr, saved inside it (zero3's and the user's GPT's)
+_WARMUP_DECAY = {
+    "type": "WarmupDecayLR",
+    "params": {
+        "warmup_num_steps": 4,
+        "warmup_type": "linear",
+        "warmup_min_lr": 1e-4,
+        "warmup_max_lr": 3e-3,
+        "total_num_steps": STEPS,
+    },
+}
 _OPTIMIZER = {
     "type": "AdamW",
     "params": {
@@ -111,16 +122,7 @@ CASES = {
         3,
         8,
         3,
-        {
-            "type": "WarmupDecayLR",
-            "params": {
-                "warmup_num_steps": 4,
-                "warmup_type": "linear",
-                "warmup_min_lr": 1e-4,
-                "warmup_max_lr": 3e-3,
-                "total_num_steps": STEPS,
-            },
-        },
+        _WARMUP_DECAY,
     ),
     # bf16: ZeRO-1 is DeepSpeed's BF16_Optimizer then (its own files, bf16_zero_pp_rank_*), fp32 masters
     "zero1-bf16": (
@@ -145,16 +147,7 @@ CASES = {
         3,
         8,
         3,
-        {
-            "type": "WarmupDecayLR",
-            "params": {
-                "warmup_num_steps": 4,
-                "warmup_type": "linear",
-                "warmup_min_lr": 1e-4,
-                "warmup_max_lr": 3e-3,
-                "total_num_steps": STEPS,
-            },
-        },
+        _WARMUP_DECAY,
     ),
 }
 
