@@ -67,7 +67,7 @@ def main() -> int:
     for name, s in rows.items():
         ranks = s.ranks
         step = ranks[0]["step_s"]
-        acts = max(r["activations_after_forward"] or 0 for r in ranks) / MIB
+        acts = max(r["phases"].get("after_forward", {}).get("activations", 0) for r in ranks) / MIB
         print(
             f"| {name} | {step:.2f} | {step / base:.2f} | {max(r['peak_rss_mib'] for r in ranks):,.0f} | "
             f"{max(r['model_state_bytes'] for r in ranks) / MIB:,.1f} | {s.model_state_formula_bytes / MIB:,.1f} | "

@@ -368,7 +368,7 @@ _OPTIMIZER = _Rule(
 def _adam(ds: _Reader) -> list[str]:
     """DeepSpeed's Adam is AdamW unless ``adam_w_mode`` is false (L2 regularisation, which we lack);
     built from the JSON, it decays every parameter (``optim.decay_1d``), and the settings the JSON
-    leaves out are its optimizer's defaults, not ours (`_ADAM_DEFAULTS`)."""
+    leaves out are its optimizer's defaults, not ours (see `_EPS`)."""
     kind = ds[_OPTIMIZER]
     if kind == "adam" and ds.raw("optimizer.params.adam_w_mode") is False:
         raise ds.bad(
@@ -377,24 +377,23 @@ def _adam(ds: _Reader) -> list[str]:
         )
     if kind is None:
         return []
-    torch_adam = bool(ds.raw("optimizer.params.torch_adam"))
     # absent, not "auto": "auto" (Hugging Face's) leaves the value to our settings
+    torch_adam = bool(ds.raw("optimizer.params.torch_adam"))
+    defaults = ((_WEIGHT_DECAY, 0.01 if torch_adam else 0.0), (_BETAS, [0.9, 0.999]), (_EPS, 1e-8))
     return _OPTIMIZER.overrides() + [
-        f"{ours}={value(torch_adam)}"
-        for key, (ours, value) in _ADAM_DEFAULTS.items()
-        if f"optimizer.params.{key}" not in ds.flat
+        o for rule, value in defaults if rule.ds not in ds.flat for o in rule.overrides(value)
     ]
 
 
 # What DeepSpeed's Adam(W) uses where the JSON's params leave a setting out
 # (engine._configure_basic_optimizer): FusedAdam (its default on GPUs) and DeepSpeedCPUAdam
 # (ZeRO-Offload) decay by 0, torch's AdamW (torch_adam: true) by 0.01; all three take betas (0.9,
-# 0.999) and eps 1e-8. Ours differ (0.1, [0.9, 0.95]).
-_ADAM_DEFAULTS: dict[str, tuple[str, Callable[[bool], str]]] = {
-    "weight_decay": ("optim.weight_decay", lambda torch_adam: "0.01" if torch_adam else "0.0"),
-    "betas": ("optim.betas", lambda _: "[0.9,0.999]"),
-    "eps": ("optim.eps", lambda _: "1e-08"),
-}
+# 0.999) and eps 1e-8 (`_adam`). Ours differ (0.1, [0.9, 0.95]).
+_EPS = _Rule("optimizer.params.eps", "optim.eps", number(float, min=0))
+_WEIGHT_DECAY = _Rule(
+    "optimizer.params.weight_decay", "optim.weight_decay", number(float, min=0), "decoupled (AdamW)"
+)
+_BETAS = _Rule("optimizer.params.betas", "optim.betas", pair)
 
 
 LR = _Rule("optimizer.params.lr", "optim.lr", number(float, min=0), "peak learning rate")
@@ -535,14 +534,9 @@ TABLE: tuple[_Rule | _Joint, ...] = (
         "gradient reduction dtype",
     ),
     _Joint(_adam, (_OPTIMIZER,)),
-    _Rule("optimizer.params.eps", "optim.eps", number(float, min=0)),
-    _Rule(
-        "optimizer.params.weight_decay",
-        "optim.weight_decay",
-        number(float, min=0),
-        "decoupled (AdamW)",
-    ),
-    _Rule("optimizer.params.betas", "optim.betas", pair),
+    _EPS,
+    _WEIGHT_DECAY,
+    _BETAS,
     _Joint(
         _schedule,
         (

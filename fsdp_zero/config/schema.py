@@ -224,9 +224,8 @@ class DataConfig:
 @dataclass
 class WrapConfig:
     policy: WrapPolicy = WrapPolicy.transformer
-    classes: list[str] = field(
-        default_factory=list
-    )  # empty: the model's block class, or the one it repeats
+    # empty: the model's declared block class, or the class it repeats in a ModuleList or Sequential
+    classes: list[str] = field(default_factory=list)
     min_params: int = 1_000_000
     modules: list[str] = field(default_factory=list)  # FQN regexes (re.fullmatch)
 

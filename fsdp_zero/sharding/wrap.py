@@ -92,16 +92,19 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
-def _default_block_classes(model: nn.Module) -> tuple[list[str], str | None]:
-    """The block classes of a model that names none in ``parallel.wrap.classes``, and a note for the
-    plan when they were found rather than declared.
+def _block_classes(model: nn.Module, cfg: WrapConfig) -> tuple[list[str], str | None]:
+    """The transformer policy's block classes, and a note for the plan when they were found rather
+    than named or declared.
 
-    Declared first: a ``block_class`` attribute (the built-in model), or Hugging Face's
-    ``_no_split_modules`` (what Accelerate wraps by default), keeping the classes the model holds.
+    ``parallel.wrap.classes`` first, then what the model declares: a ``block_class`` attribute (the
+    built-in model), or Hugging Face's ``_no_split_modules`` (what Accelerate wraps by default),
+    keeping the classes the model holds.
     Otherwise found (`_repeated_classes`): the class repeated in the model's outermost
     ``ModuleList`` or ``Sequential``, the shape in which users write a stack of blocks (nanoGPT's
     ``h``, torchvision's ``layers``). [] when neither gives one.
     """
+    if cfg.classes:
+        return list(cfg.classes), None
     block = getattr(type(model), "block_class", None)
     if block is not None:
         return [block.__name__], None
@@ -145,8 +148,9 @@ def _repeated_classes(model: nn.Module) -> list[tuple[str, int, str]]:
     return found
 
 
-def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
-    """FQNs of the submodules the policy picks (not the root).
+def _select(model: nn.Module, cfg: WrapConfig, classes: list[str] | None) -> list[str]:
+    """FQNs of the submodules the policy picks (not the root); ``classes``: the transformer policy's
+    (`_block_classes`).
 
     Raises:
         ValueError: an unknown class name, or a policy that matches no module.
@@ -155,7 +159,7 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
     if cfg.policy is WrapPolicy.none:
         return []
     if cfg.policy is WrapPolicy.transformer:
-        return _select_blocks(model, cfg, named)
+        return _select_blocks(model, classes or [], named)
     if cfg.policy is WrapPolicy.modules:
         return _select_by_name(cfg, [fqn for fqn, _ in named])
     if cfg.policy is WrapPolicy.size_based:
@@ -164,11 +168,10 @@ def _select(model: nn.Module, cfg: WrapConfig) -> list[str]:
 
 
 def _select_blocks(
-    model: nn.Module, cfg: WrapConfig, named: list[tuple[str, nn.Module]]
+    model: nn.Module, classes: list[str], named: list[tuple[str, nn.Module]]
 ) -> list[str]:
     """The transformer policy: every module of a block class, and the large outsiders."""
     present = sorted({type(m).__name__ for _, m in named})
-    classes = list(cfg.classes) or _default_block_classes(model)[0]
     if not classes:
         raise ValueError(
             f"parallel.wrap.policy=transformer: {type(model).__name__} declares no block class "
@@ -293,7 +296,10 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, shards: int) -> WrapPlan:
     Raises:
         ValueError: as `_select`.
     """
-    selected = _select(model, cfg)
+    classes, found = (
+        _block_classes(model, cfg) if cfg.policy is WrapPolicy.transformer else (None, None)
+    )
+    selected = _select(model, cfg, classes)
     for fqn in selected:
         module = model.get_submodule(fqn)
         if isinstance(module, _CONTAINERS):
@@ -302,7 +308,7 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, shards: int) -> WrapPlan:
                 "called; FSDP gathers parameters in forward hooks, so wrap its children instead "
                 f"(e.g. '{fqn}\\.\\d+')"
             )
-    notes: list[str] = []
+    notes = [found] if found else []
     users, params = _parameter_paths(model)
     for paths in users.values():
         if len(paths) < 2:
@@ -324,11 +330,6 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, shards: int) -> WrapPlan:
         owned[owner].append(params[pid])
 
     # The transformer policy's large outsiders (see `_with_large_outsiders`) are not blocks.
-    classes = None
-    if cfg.policy is WrapPolicy.transformer:
-        found, note = ([*cfg.classes], None) if cfg.classes else _default_block_classes(model)
-        classes = found
-        notes += [note] if note else []
     plan_units = [_unit(model, fqn, owned[fqn], shards, classes) for fqn in units]
     if cfg.policy is WrapPolicy.none:
         notes.append("one unit: every rank gathers the whole model for forward and backward")

@@ -77,7 +77,7 @@ def _after_forward(row: dict, category: str) -> int:
     At the step's peak it would not be: ZeRO-3's step has two near-equal peaks (early backward with
     the root gathered, and a moment with a vocabulary matrix gathered), and which wins depends on
     when gloo frees its buffers."""
-    return row.get("phases", {}).get(Phase.AFTER_FORWARD.value, {}).get(category, 0)
+    return row["phases"].get(Phase.AFTER_FORWARD.value, {}).get(category, 0)
 
 
 def report(rows: dict[str, list[dict]], n: int, out: Path) -> str:

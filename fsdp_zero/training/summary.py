@@ -95,7 +95,6 @@ def write_summary(
         "peak_reserved_mib": record.peak_reserved_mib,
         "step_s": record.step_seconds,
         "breakdown": record.breakdown,
-        "activations_after_forward": record.phases.get(Phase.AFTER_FORWARD, {}).get("activations"),
         # bytes by category at each phase of the profiled step: fixed moments, where the peak
         # (above) is whichever of two near-equal moments wins (see `fsdp_zero.tools.compare`)
         "phases": {Phase(k).value: v for k, v in record.phases.items()},

@@ -283,7 +283,7 @@ def _script_source(path: str, compile_with) -> None:  # noqa: ANN001
 SOURCE = {
     "ds-optimizer-defaults-ours": (
         "fsdp_zero.config.deepspeed",
-        'if f"optimizer.params.{key}" not in ds.flat',
+        "if rule.ds not in ds.flat",
         "if __mutant__(False)",
     ),
     "wrap-repeats-unseen": (
