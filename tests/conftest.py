@@ -220,7 +220,8 @@ def _spawn(
         cmd,
         code,
         "".join(o for o, _ in texts),
-        "".join(f"[rank{r}] {e}" for r, (_, e) in enumerate(texts)),
+        # each rank's stderr under a line of its own: its first line stays as the rank printed it
+        "".join(f"--- rank {r}'s stderr ---\n{e}" for r, (_, e) in enumerate(texts)),
     )
     _check_device(proc, cmd, gpu)
     return proc
