@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fsdp_zero.checkpoint import Checkpointer, TrainState, load_checkpoint
+from fsdp_zero.checkpoint import Checkpointer, TrainState, load_checkpoint, training_parts
 from fsdp_zero.config import RunDir
 from fsdp_zero.distributed import broadcast_object, exit_process
 from fsdp_zero.tools import bench_main
@@ -81,6 +81,47 @@ def main() -> None:
     bench_main(__doc__, defaults, run)
 
 
+def report(preset: str, parts, root: Path, ckpt: Path, rows: list) -> None:  # noqa: ANN001
+    """Rank 0's tables: each rank's save, load and plain-write rates, then export.py's peak RSS
+    against the model's bytes; removes ``root`` afterwards."""
+    model_bytes = parts.num_params * 4
+    largest = max(p.numel() for p in parts.model.parameters()) * 4
+    out = root / "export.safetensors"
+    export_rss = peak_rss_of(["scripts/export.py", str(ckpt), "--out", str(out)])
+    assert out.stat().st_size > model_bytes, "export did not run"
+    base_rss = peak_rss_of(
+        None,
+        body="import torch, torch.distributed.checkpoint, safetensors, fsdp_zero.checkpoint.weights",
+    )
+    print(
+        f"\n## checkpoint I/O: {preset} ({parts.num_params:,} params), world size {len(rows)}, "
+        f"disk under {root}"
+    )
+    print(
+        f"{'rank':>4} {'shard GB':>9} {'save GB/s':>10} {'load GB/s':>10} {'plain write GB/s':>17} "
+        f"{'save/plain':>11}"
+    )
+    for r, (b, s, l, p) in enumerate(rows):
+        print(
+            f"{r:>4} {b / GB:>9.3f} {b / s / GB:>10.3f} {b / l / GB:>10.3f} {b / p / GB:>17.3f} "
+            f"{(b / s) / (b / p):>11.2f}"
+        )
+    print("(the load reads what the save just wrote, mostly from the page cache)")
+    print(
+        f"export peak RSS {export_rss / 2**20:,.0f} MiB; a process importing the same modules peaks at "
+        f"{base_rss / 2**20:,.0f} MiB; model weights {model_bytes / 2**20:,.0f} MiB, largest tensor "
+        f"{largest / 2**20:,.0f} MiB"
+    )
+    print(
+        f"export peak RSS / model bytes = {export_rss / model_bytes:.2f}; "
+        f"(peak - import baseline) / model bytes = {(export_rss - base_rss) / model_bytes:.2f}; "
+        f"(peak - baseline) / largest tensor = {(export_rss - base_rss) / largest:.2f}"
+    )
+    import shutil
+
+    shutil.rmtree(root)
+
+
 def run(cfg, env) -> None:  # noqa: ANN001
     root = Path(
         broadcast_object(
@@ -99,13 +140,13 @@ def run(cfg, env) -> None:  # noqa: ANN001
     # 2. sharded save, then load into the same model
     dist.barrier()
     t0 = time.perf_counter()
-    checkpointer.save(1, parts.model, parts.optimizer, state, "{}\n")
+    checkpointer.save(training_parts(parts.model, parts.optimizer), state, "{}\n")
     save_s = time.perf_counter() - t0
     ckpt = ckroot / "step-0000001"
     my_bytes = (ckpt / f"__{env.rank}_0.distcp").stat().st_size
     dist.barrier()
     t0 = time.perf_counter()
-    load_checkpoint(ckpt, parts.model, parts.optimizer, env.rank, env.device)
+    load_checkpoint(ckpt, training_parts(parts.model, parts.optimizer), env.rank, env.device)
     dist.barrier()
     load_s = time.perf_counter() - t0
 
@@ -118,42 +159,7 @@ def run(cfg, env) -> None:  # noqa: ANN001
     rows = [None] * env.world_size
     dist.all_gather_object(rows, (my_bytes, save_s, load_s, plain_s))
     if env.is_rank0:
-        model_bytes = parts.num_params * 4
-        largest = max(p.numel() for p in parts.model.parameters()) * 4
-        out = root / "export.safetensors"
-        export_rss = peak_rss_of(["scripts/export.py", str(ckpt), "--out", str(out)])
-        assert out.stat().st_size > model_bytes, "export did not run"
-        base_rss = peak_rss_of(
-            None,
-            body="import torch, torch.distributed.checkpoint, safetensors, fsdp_zero.checkpoint.weights",
-        )
-        print(
-            f"\n## checkpoint I/O: {cfg.model.preset} ({parts.num_params:,} params), world size {env.world_size}, "
-            f"disk under {root}"
-        )
-        print(
-            f"{'rank':>4} {'shard GB':>9} {'save GB/s':>10} {'load GB/s':>10} {'plain write GB/s':>17} "
-            f"{'save/plain':>11}"
-        )
-        for r, (b, s, l, p) in enumerate(rows):
-            print(
-                f"{r:>4} {b / GB:>9.3f} {b / s / GB:>10.3f} {b / l / GB:>10.3f} {b / p / GB:>17.3f} "
-                f"{(b / s) / (b / p):>11.2f}"
-            )
-        print("(the load reads what the save just wrote, mostly from the page cache)")
-        print(
-            f"export peak RSS {export_rss / 2**20:,.0f} MiB; a process importing the same modules peaks at "
-            f"{base_rss / 2**20:,.0f} MiB; model weights {model_bytes / 2**20:,.0f} MiB, largest tensor "
-            f"{largest / 2**20:,.0f} MiB"
-        )
-        print(
-            f"export peak RSS / model bytes = {export_rss / model_bytes:.2f}; "
-            f"(peak - import baseline) / model bytes = {(export_rss - base_rss) / model_bytes:.2f}; "
-            f"(peak - baseline) / largest tensor = {(export_rss - base_rss) / largest:.2f}"
-        )
-        import shutil
-
-        shutil.rmtree(root)
+        report(cfg.model.preset, parts, root, ckpt, rows)
 
 
 if __name__ == "__main__":

@@ -31,24 +31,16 @@ from fsdp_zero.checkpoint import export_checkpoint  # noqa: E402
 from tests.batches import DS_RUNS, ds_settings  # noqa: E402
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--case", default="zero3")
-    parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("overrides", nargs="*", help="key=value settings on top, for both")
-    args = parser.parse_args()
-    folder = DS_RUNS / args.case.removesuffix("-universal")
-    record = json.loads((folder / "run.json").read_text())
-    settings = [*ds_settings(args.case, args.nproc_per_node), *args.overrides]
+def continue_here(case: str, nproc: int, settings: list[str]) -> tuple[dict, int, dict]:
+    """DeepSpeed's checkpoint of ``case`` imported and continued here at ``nproc`` ranks: our
+    metrics by step, the last step, and the weights after it."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         subprocess.run(
             [
                 sys.executable,
                 REPO / "scripts/import_deepspeed.py",
-                DS_RUNS / args.case,
+                DS_RUNS / case,
                 "--run-dir",
                 run,
                 *settings,
@@ -59,7 +51,7 @@ def main() -> int:
             [
                 Path(sys.executable).parent / "torchrun",
                 "--standalone",
-                f"--nproc_per_node={args.nproc_per_node}",
+                f"--nproc_per_node={nproc}",
                 REPO / "scripts/train.py",
                 *settings,
                 "train.log_every=1",
@@ -76,6 +68,21 @@ def main() -> int:
         last = max(ours)
         export_checkpoint(run / "checkpoints" / f"step-{last:07d}", Path(tmp) / "final.safetensors")
         final = load_file(Path(tmp) / "final.safetensors")
+    return ours, last, final
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--case", default="zero3")
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="key=value settings on top, for both")
+    args = parser.parse_args()
+    folder = DS_RUNS / args.case.removesuffix("-universal")
+    record = json.loads((folder / "run.json").read_text())
+    settings = [*ds_settings(args.case, args.nproc_per_node), *args.overrides]
+    ours, last, final = continue_here(args.case, args.nproc_per_node, settings)
     theirs = load_file(folder / "final.safetensors")
     diff = max((final[n] - w).abs().max().item() for n, w in theirs.items())
     k = record["saved_after"]

@@ -1,4 +1,4 @@
-"""The planner's search (`scripts/plan.py --fit`) against real runs: its picks for the budgets, and its
+"""The planner's search (`scripts/plan.py fit`) against real runs: its picks for the budgets, and its
 predicted step cost against each run's measured step time, on gpt_small at N ranks.
 
     python bench/fit.py [--nproc-per-node 2] [--budgets 2.2GiB,2.4GiB] [--margin 0.1] [--ranked 6]
@@ -18,6 +18,7 @@ A measured step time is the median over the steps after the first two (their met
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import subprocess
@@ -26,7 +27,16 @@ from pathlib import Path
 
 from fsdp_zero.config import RunDir, load_config
 from fsdp_zero.monitor import MIB, parse_size
-from fsdp_zero.tools import MARGIN, Rates, Scored, fit_rates, script_parser, search, train_command
+from fsdp_zero.tools import (
+    FIT_MARGIN,
+    FitSearch,
+    Rates,
+    Scored,
+    fit_rates,
+    fit_search,
+    script_parser,
+    train_command,
+)
 from fsdp_zero.training import Summary
 
 MODEL = (
@@ -63,8 +73,8 @@ def run(
 def short(s: Scored) -> str:
     c = s.candidate
     return (
-        f"{c.strategy.value}, {c.precision}, AC {c.checkpointing.value}, mb {c.micro_batch}, {c.grad_sync.value}"
-        + (", offload" if c.offload else "")
+        f"{c.strategy.value}, {c.precision}, AC {c.checkpointing.value}, mb {c.micro_batch}, "
+        f"{c.value('grad_sync').value}" + (", offload" if c.value("cpu_offload") else "")
     )
 
 
@@ -81,6 +91,62 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def picks(args: argparse.Namespace, found, model: list[str]) -> list[str]:  # noqa: ANN001
+    """Each budget's pick run: its predicted and measured peak and step time, a table's rows."""
+    lines = []
+    for i, text in enumerate(args.budgets.split(",")):
+        budget = parse_size(text, "--budgets")
+        pick = found.fit(budget, args.margin)
+        summary, step = run(
+            args.out,
+            f"pick{i}",
+            args.nproc_per_node,
+            [*model, *pick.candidate.overrides()],
+            args.steps,
+        )
+        measured = max(r["peak_rss_mib"] for r in summary.ranks)
+        lines.append(
+            f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
+            f"{'yes' if measured * MIB <= budget else 'NO'} | {pick.cost:.2f} | {step:.2f} | {step / pick.cost:.2f} |"
+        )
+    return lines
+
+
+def spread(args: argparse.Namespace, found, model: list[str]) -> list[str]:  # noqa: ANN001
+    """``--ranked`` candidates spread over the cost ranking, each run: predicted against measured,
+    and the rank correlation of cost and step time."""
+    spread = [
+        found.scored[round(i * (len(found.scored) - 1) / max(1, args.ranked - 1))]
+        for i in range(args.ranked)
+    ]
+    lines = [
+        "",
+        "| cost rank | candidate | predicted cost s | measured step s | measured / predicted | "
+        "predicted peak MiB | measured peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    costs, times = [], []
+    for s in spread:
+        summary, step = run(
+            args.out,
+            f"rank{found.scored.index(s)}",
+            args.nproc_per_node,
+            [*model, *s.candidate.overrides()],
+            args.steps,
+        )
+        peak = max(r["peak_rss_mib"] for r in summary.ranks)
+        costs.append(s.cost)
+        times.append(step)
+        lines.append(
+            f"| {found.scored.index(s) + 1} of {len(found.scored)} | {short(s)} | {s.cost:.2f} | {step:.2f} "
+            f"| {step / s.cost:.2f} | {s.peak / MIB:,.0f} | {peak:,.0f} |"
+        )
+    lines.append(
+        f"\nrank correlation of predicted cost and measured step time (Spearman): {spearman(costs, times):+.2f}"
+    )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser(__doc__, nproc=2, out="fit-bench", overrides=True)
     parser.add_argument("--budgets", default="2.2GiB,2.4GiB")
@@ -89,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=6, help="steps a run (the median is over those after the 2nd)"
     )
     parser.add_argument(
-        "--margin", type=float, default=MARGIN, help="as plan.py --fit's (default 0.1)"
+        "--margin", type=float, default=FIT_MARGIN, help="as plan.py fit's (default 0.1)"
     )
     parser.add_argument("--tflops", type=float)
     parser.add_argument("--link-gbps", type=float)
@@ -103,57 +169,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n, model = args.nproc_per_node, [*MODEL, *args.overrides]
     cfg = load_config(None, model)
+    search = FitSearch(cfg, n)
     given = {
         k: v for k, v in (("tflops", args.tflops), ("link_gbps", args.link_gbps)) if v is not None
     }
     rates = (
         dataclasses.replace(Rates.default(cfg.dist.device.value), **given)
         if given
-        else fit_rates(cfg, n)
+        else fit_rates(search)
     )
-    found = search(cfg, n, rates)
+    found = fit_search(search, rates)
     lines = [
-        f"# plan.py --fit against real runs: {' '.join(model)}, {n} ranks",
+        f"# plan.py fit against real runs: {' '.join(model)}, {n} ranks",
         f"\nrates: {rates.describe()}\n\nsearch: {len(found.scored)} candidates, {found.simulations} simulations, "
         f"{found.seconds:.0f} s; margin {args.margin:g}; runs of {args.steps} steps\n",
         "| budget | pick | predicted peak MiB | measured peak MiB | within budget | predicted step s | "
         "measured step s | measured / predicted |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for i, text in enumerate(args.budgets.split(",")):
-        budget = parse_size(text, "--budgets")
-        pick = found.fit(budget, args.margin)
-        summary, step = run(out, f"pick{i}", n, [*model, *pick.candidate.overrides()], args.steps)
-        measured = max(r["peak_rss_mib"] for r in summary.ranks)
-        lines.append(
-            f"| {text} | {short(pick)} | {pick.peak / MIB:,.0f} | {measured:,.0f} | "
-            f"{'yes' if measured * MIB <= budget else 'NO'} | {pick.cost:.2f} | {step:.2f} | {step / pick.cost:.2f} |"
-        )
-    spread = [
-        found.scored[round(i * (len(found.scored) - 1) / max(1, args.ranked - 1))]
-        for i in range(args.ranked)
-    ]
-    lines += [
-        "",
-        "| cost rank | candidate | predicted cost s | measured step s | measured / predicted | "
-        "predicted peak MiB | measured peak MiB |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    costs, times = [], []
-    for s in spread:
-        summary, step = run(
-            out, f"rank{found.scored.index(s)}", n, [*model, *s.candidate.overrides()], args.steps
-        )
-        peak = max(r["peak_rss_mib"] for r in summary.ranks)
-        costs.append(s.cost)
-        times.append(step)
-        lines.append(
-            f"| {found.scored.index(s) + 1} of {len(found.scored)} | {short(s)} | {s.cost:.2f} | {step:.2f} "
-            f"| {step / s.cost:.2f} | {s.peak / MIB:,.0f} | {peak:,.0f} |"
-        )
-    lines.append(
-        f"\nrank correlation of predicted cost and measured step time (Spearman): {spearman(costs, times):+.2f}"
-    )
+    lines += picks(args, found, model)
+    lines += spread(args, found, model)
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "fit-bench.md").write_text(text)

@@ -11,7 +11,7 @@ and its own formula: under pipeline parallelism its stages'; peak RSS, the highe
 metrics.jsonl (the step time: the median over the steps after the first; FSDP's bytes and tensor
 parallelism's, counted on the last step). On CPU (gloo) TP and PP prove memory and correctness,
 not speed: the step times are this machine's, ratios against ZeRO-3 in the same invocation.
-Beside each peak and step, `scripts/plan.py --fit --search layout`'s prediction for the same
+Beside each peak and step, `scripts/plan.py fit --search layout`'s prediction for the same
 layout (`fsdp_zero.tools.fit`: ZeRO-3's simulated peak, with the model state, what a unit holds
 gathered and the activations replaced by the layout's formulas; the step cost at the rates the
 fit's probe measures on this machine first).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from fsdp_zero.config import RunDir, load_config
 from fsdp_zero.monitor import MIB
-from fsdp_zero.tools import fit_rates, script_parser, search, train_command
+from fsdp_zero.tools import FitSearch, fit_rates, fit_search, script_parser, train_command
 from fsdp_zero.training import Summary
 
 COMMON = [
@@ -59,13 +59,14 @@ def _predicted(overrides: list[str]) -> dict[tuple[str, int, int], tuple[float, 
     """The fit's predicted peak per rank (MiB) and step cost (s, at the rates its probe measures on
     this machine now) of each (schedule, tp, pp) at 4 ranks."""
     cfg = load_config(None, [*COMMON, *overrides])
-    rates = fit_rates(cfg, 4, ("layout",))
+    rates = fit_rates(FitSearch(cfg, 4, ("layout",)))
     out = {}
     for schedule in sorted({_schedule(extra) for _, extra, _ in LAYOUTS}):
         scheduled = load_config(None, [*COMMON, *overrides, f"parallel.pp_schedule={schedule}"])
-        found = search(scheduled, 4, rates, ("layout",), processes=0)
+        found = fit_search(FitSearch(scheduled, 4, ("layout",)), rates, processes=0)
         for s in found.scored:
-            out[schedule, s.candidate.tp, s.candidate.pp] = (s.peak / MIB, s.cost)
+            tp, pp = s.candidate.size("tp"), s.candidate.size("pp")
+            out[schedule, tp, pp] = (s.peak / MIB, s.cost)
     return out
 
 

@@ -98,6 +98,7 @@ def measure(name: str, n: int, out: Path, reuse: bool) -> list[dict]:
         [
             sys.executable,
             "scripts/plan.py",
+            "simulate",
             "--world-size",
             str(n),
             "--json",

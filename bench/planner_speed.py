@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, shape in SHAPES.items():
         start = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, str(PLAN), "--world-size", str(WORLD), *shape, *COMMON],
+            [sys.executable, str(PLAN), "simulate", "--world-size", str(WORLD), *shape, *COMMON],
             capture_output=True,
             text=True,
             cwd=REPO,
@@ -107,7 +107,7 @@ def check() -> list[str]:
     for name, shape in SHAPES.items():
         for strategy in STRATEGIES:
             cfg = load_config(None, [*shape, *COMMON, f"parallel.strategy={strategy}"])
-            with Simulator(cfg, WORLD, baseline=0) as sim:
+            with Simulator(cfg.dist.device, WORLD, baseline=0) as sim:
                 start = time.perf_counter()
                 composed = sim.predict(cfg)
                 middle = time.perf_counter()

@@ -49,6 +49,54 @@ def steps_done(metrics: Path) -> int:
         return 0
 
 
+def sample(cmd: list[str], env: dict[str, str], root: Path) -> dict[int, list[tuple]]:
+    """Runs ``cmd`` (its output in root/torchrun.log) and samples each rank every 0.5 s: rank ->
+    (step, RSS MiB, open fds, threads). Exits naming the log when the run fails."""
+    metrics = RunDir(root / "soak").metrics
+    samples: dict[int, list[tuple[int, float, int, int]]] = {}
+    log = open(root / "torchrun.log", "w")
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    agent = psutil.Process(launcher.pid)
+    while launcher.poll() is None:
+        step = steps_done(metrics)
+        for rank, proc in workers(agent).items():
+            try:
+                with proc.oneshot():
+                    samples.setdefault(rank, []).append(
+                        (step, proc.memory_info().rss / MIB, proc.num_fds(), proc.num_threads())
+                    )
+            except psutil.Error:
+                continue
+        time.sleep(0.5)
+    log.close()
+    if launcher.returncode:
+        sys.exit(f"the run failed (exit {launcher.returncode}); see {root / 'torchrun.log'}")
+    return samples
+
+
+def fit(rank: int, samples: list[tuple], warmup: int) -> dict | None:
+    """Prints a rank's line: RSS first and last after ``warmup`` steps, its slope per 100 steps (a
+    least-squares line), fds and threads; returns them (None: too few samples)."""
+    rows = [r for r in samples if r[0] >= warmup]
+    if len(rows) < 3:
+        print(f"{rank:>4}  too few samples after step {warmup}")
+        return None
+    steps = np.array([r[0] for r in rows], dtype=float)
+    rss = np.array([r[1] for r in rows])
+    slope = np.polyfit(steps, rss, 1)[0] * 100
+    first, last = rows[0], rows[-1]
+    print(
+        f"{rank:>4}  {first[1]:>10,.1f} -> {last[1]:>10,.1f}  {slope:>20.2f}  {first[2]:>3} -> {last[2]:<3}  "
+        f"{first[3]:>3} -> {last[3]:<3}  {len(rows)} (steps {first[0]}-{last[0]})"
+    )
+    return {
+        "slope_mib_per_100_steps": slope,
+        "rss_mib": [first[1], last[1]],
+        "fds": [first[2], last[2]],
+        "threads": [first[3], last[3]],
+    }
+
+
 def main() -> None:
     parser = script_parser(__doc__, overrides=True)
     parser.add_argument("--nproc", type=int, default=2)
@@ -79,28 +127,9 @@ def main() -> None:
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         "OMP_NUM_THREADS": "1",
     }
-    metrics = RunDir(root / "soak").metrics
-    # rank -> (step, rss MiB, fds, threads)
-    samples: dict[int, list[tuple[int, float, int, int]]] = {}
     start = time.perf_counter()
-    log = open(root / "torchrun.log", "w")
-    launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    agent = psutil.Process(launcher.pid)
-    while launcher.poll() is None:
-        step = steps_done(metrics)
-        for rank, proc in workers(agent).items():
-            try:
-                with proc.oneshot():
-                    samples.setdefault(rank, []).append(
-                        (step, proc.memory_info().rss / MIB, proc.num_fds(), proc.num_threads())
-                    )
-            except psutil.Error:
-                continue
-        time.sleep(0.5)
+    samples = sample(cmd, env, root)
     wall = time.perf_counter() - start
-    log.close()
-    if launcher.returncode:
-        sys.exit(f"the run failed (exit {launcher.returncode}); see {root / 'torchrun.log'}")
 
     saved = sum(
         1
@@ -114,26 +143,8 @@ def main() -> None:
     print(
         f"{'rank':>4}  {'RSS MiB (start -> end)':>24}  {'slope MiB/100 steps':>20}  {'fds':>9}  {'threads':>9}  samples"
     )
-    result = {}
-    for rank in sorted(samples):
-        rows = [r for r in samples[rank] if r[0] >= args.warmup]
-        if len(rows) < 3:
-            print(f"{rank:>4}  too few samples after step {args.warmup}")
-            continue
-        steps = np.array([r[0] for r in rows], dtype=float)
-        rss = np.array([r[1] for r in rows])
-        slope = np.polyfit(steps, rss, 1)[0] * 100
-        first, last = rows[0], rows[-1]
-        print(
-            f"{rank:>4}  {first[1]:>10,.1f} -> {last[1]:>10,.1f}  {slope:>20.2f}  {first[2]:>3} -> {last[2]:<3}  "
-            f"{first[3]:>3} -> {last[3]:<3}  {len(rows)} (steps {first[0]}-{last[0]})"
-        )
-        result[rank] = {
-            "slope_mib_per_100_steps": slope,
-            "rss_mib": [first[1], last[1]],
-            "fds": [first[2], last[2]],
-            "threads": [first[3], last[3]],
-        }
+    result = {rank: fit(rank, samples[rank], args.warmup) for rank in sorted(samples)}
+    result = {rank: r for rank, r in result.items() if r is not None}
     (root / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"run directory and soak.json: {root}")
 

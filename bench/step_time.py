@@ -55,7 +55,7 @@ def raw_inputs(cfg, env) -> SimpleNamespace:  # noqa: ANN001
 def raw_loop(parts, cfg, env) -> tuple[float, int]:
     """The hand-written baseline over `raw_inputs`' parts; returns (seconds, model-state bytes after the
     last step's optimizer step)."""
-    mesh = Topology.of(cfg.parallel, env.world_size).mesh(env.device.type)
+    mesh = Topology.of(cfg.parallel, env.world_size).on(env.device.type).mesh
     model = construct(cfg.model)  # the same model and units, sharded by hand
     for fqn in parts.plan.submodule_fqns:
         fully_shard(model.get_submodule(fqn), mesh=mesh)

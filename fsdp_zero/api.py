@@ -37,18 +37,26 @@ from torch import nn
 
 from fsdp_zero.checkpoint.dcp import Checkpointer, TrainState, load_checkpoint
 from fsdp_zero.checkpoint.folders import latest_checkpoint
+from fsdp_zero.checkpoint.parts import training_parts
 from fsdp_zero.config.choices import ActivationCheckpointing, Backend, Device, Init, WrapPolicy
 from fsdp_zero.config.paths import RunDir
-from fsdp_zero.config.schema import DistConfig, ParallelConfig, PrecisionConfig, WrapConfig
+from fsdp_zero.config.rules import check_refusals
+from fsdp_zero.config.schema import (
+    Config,
+    DistConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    WrapConfig,
+)
 from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.env import distributed as _distributed
+from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import meta_parameters
 from fsdp_zero.monitor.memory import MemoryMonitor, memory_scalars
 from fsdp_zero.monitor.metrics import TensorBoardLogger
 from fsdp_zero.sharding.build import shard as _shard
-from fsdp_zero.sharding.parallelize import Compute
-from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.levers import BuildContext
 from fsdp_zero.training.step import clip_grad_norm_
 
 __all__ = ["Checkpoints", "MemoryLog", "clip_grad_norm_", "distributed", "meta_init", "shard"]
@@ -92,8 +100,8 @@ def shard(
 
     Raises:
         ValueError: an unknown strategy, precision or checkpointing choice, CPU offload without an
-            FSDP strategy (the trainer's `ParallelConfig.check` and `PrecisionConfig.check`), or
-            wrap classes the model does not have.
+            FSDP strategy (the trainer's `ParallelConfig.check`, `PrecisionConfig.check` and
+            `fsdp_zero.config.rules.REFUSALS`), or wrap classes the model does not have.
     """
     parallel = ParallelConfig(
         strategy=strategy,
@@ -109,9 +117,9 @@ def shard(
         strategy=Strategy(strategy),
         activation_checkpointing=ActivationCheckpointing(activation_checkpointing),
     )
-    return _shard(
-        model, parallel, env, seed=seed, init=Init(init), compute=Compute(resolve(precision_cfg))
-    )[0]
+    cfg = Config(parallel=parallel, precision=precision_cfg)
+    topology = Topology.of(parallel, env.world_size).on(env.device.type)
+    return _shard(model, BuildContext(cfg, env, topology), seed=seed, init=Init(init))[0]
 
 
 # `shard`'s keywords, by the config key each one sets.
@@ -124,11 +132,13 @@ _KEYWORDS = {
 }
 
 
-def _check_as_keywords(*sections: ParallelConfig | PrecisionConfig) -> None:
-    """The trainer's rules for these config sections (their ``check()``), with errors in `shard`'s keywords."""
+def _check_as_keywords(parallel: ParallelConfig, precision: PrecisionConfig) -> None:
+    """The trainer's rules for these config sections (their ``check()``, and what CPU offload
+    refuses), with errors in `shard`'s keywords."""
     try:
-        for section in sections:
-            section.check()
+        parallel.check()
+        precision.check()
+        check_refusals(Config(parallel=parallel, precision=precision), "parallel.cpu_offload")
     except ValueError as e:
         message = str(e)
         for key, keyword in _KEYWORDS.items():
@@ -155,7 +165,9 @@ class Checkpoints:
     ) -> None:
         """Saves model, optimizer, RNG and ``state`` (JSON-serialisable: your loop's position) as ``step``."""
         self._writer.save(
-            step, model, optimizer, TrainState(step, extra=dict(state or {})), config_yaml="{}\n"
+            training_parts(model, optimizer),
+            TrainState(step, extra=dict(state or {})),
+            config_yaml="{}\n",
         )
 
     def resume(
@@ -166,7 +178,8 @@ class Checkpoints:
         path = Path(path) if path else latest_checkpoint(self.root)
         if path is None:
             return 0, {}
-        state = load_checkpoint(path, model, optimizer, self.env.rank, self.env.device)
+        parts = training_parts(model, optimizer)
+        state = load_checkpoint(path, parts, self.env.rank, self.env.device)
         return state.step, {
             "step": state.step,
             **state.extra,

@@ -2,7 +2,7 @@
 what it is for; and torchao's (the ``lowbit`` extra), whose public APIs move between releases.
 
 Private names move between releases. Importing them here (and nowhere else) means a
-torch upgrade breaks one module, loudly, and `tests/test_units.py` checks each is still
+torch upgrade breaks one module, loudly, and `tests/test_torch_private.py` checks each is still
 where we expect it. The memory trackers are imported on first use: importing
 ``torch.distributed._tools`` costs about a second, which a run without profiling skips.
 """
@@ -439,12 +439,13 @@ def convert_float8(model: torch.nn.Module, linears: list[str], recipe: str, emul
         return quantize_(model, mx.MXFP8TrainingOpConfig.from_recipe(mx_recipe), chosen)
     config = Config(enable_fsdp_float8_all_gather=True, emulate=emulate)
     if recipe != "tensorwise":
-        config = dataclasses.replace(Config.from_recipe_name(recipe), emulate=emulate)
+        # str(): torchao reads a recipe name only when its type is exactly str
+        config = dataclasses.replace(Config.from_recipe_name(str(recipe)), emulate=emulate)
     convert_to_float8_training(model, config=config, module_filter_fn=chosen)
 
 
 def precompute_float8_scales(model: torch.nn.Module) -> None:
     """Every tensorwise float8 weight's scale for its next all-gather, in one all-reduce."""
-    import torchao.float8
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    torchao.float8.precompute_float8_dynamic_scale_for_fsdp(model)
+    precompute_float8_dynamic_scale_for_fsdp(model)

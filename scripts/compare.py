@@ -25,11 +25,11 @@ import torch
 
 from fsdp_zero.config import load_config
 from fsdp_zero.tools import (
-    DEFAULTS,
-    ORDER,
+    COMPARE_DEFAULTS,
+    COMPARE_ORDER,
+    compare_report,
     dataparallel_row,
     read_rows,
-    report,
     script_parser,
     train_command,
 )
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     out = Path(args.out or f"runs/compare-{datetime.now():%Y%m%d-%H%M%S}")
-    overrides = DEFAULTS + args.overrides + [f"run.root={out}"]
+    overrides = COMPARE_DEFAULTS + args.overrides + [f"run.root={out}"]
     try:
         cfg = load_config(args.config, overrides)  # every config error before anything runs
         if args.nproc_per_node < 1:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for strategy in ORDER:
+    for strategy in COMPARE_ORDER:
         # settings that do not apply to a strategy (bf16-mixed or CPU offload under DDP) skip it
         try:
             load_config(args.config, overrides + [f"parallel.strategy={strategy.value}"])
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     rows = read_rows(out)
     if args.nproc_per_node == 1 and torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        rows["dataparallel"] = [dataparallel_row(cfg)]
-    print(report(rows, args.nproc_per_node, out))
+        rows["dataparallel"] = [dataparallel_row(cfg.model, cfg.data, cfg.train, cfg.optim)]
+    print(compare_report(rows, args.nproc_per_node, out))
     print(f"wrote {out / 'compare.md'}, {out / 'compare.png'}, {out / 'tb'}")
     return 0
 

@@ -25,7 +25,24 @@ from torchvision.datasets import FakeData
 from torchvision.models import VisionTransformer
 
 import fsdp_zero.api as fz
-from fsdp_zero.distributed import exit_process
+from fsdp_zero.distributed import DistEnv, exit_process
+
+
+def fake_images(seed: int, batch_size: int, env: DistEnv) -> DataLoader:
+    """1000 fake 32x32 images in 10 classes, each rank its share of a ``batch_size`` global batch."""
+    data = FakeData(
+        size=1000,
+        image_size=(3, 32, 32),
+        num_classes=10,
+        random_offset=seed,
+        transform=transforms.Compose(
+            [transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]
+        ),
+    )
+    sampler = DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, shuffle=False)
+    return DataLoader(
+        data, batch_size=batch_size // env.world_size, sampler=sampler, drop_last=True
+    )
 
 
 def main() -> None:
@@ -50,22 +67,7 @@ def main() -> None:
             model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True
         )
 
-        data = FakeData(
-            size=1000,
-            image_size=(3, 32, 32),
-            num_classes=10,
-            random_offset=args.seed,
-            transform=transforms.Compose(
-                [transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)]
-            ),
-        )
-        sampler = DistributedSampler(
-            data, num_replicas=env.world_size, rank=env.rank, shuffle=False
-        )
-        loader = DataLoader(
-            data, batch_size=args.batch_size // env.world_size, sampler=sampler, drop_last=True
-        )
-
+        loader = fake_images(args.seed, args.batch_size, env)
         checkpoints = fz.Checkpoints(f"{args.run_dir}/checkpoints", env, keep_last=2)
         start, _ = checkpoints.resume(model, optimizer)  # (0, {}) on a fresh run
         memory = fz.MemoryLog(args.run_dir, env)

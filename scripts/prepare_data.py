@@ -25,6 +25,7 @@ them), which data.source=tokens and eval.path read: the loss leaves the other to
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -32,7 +33,8 @@ from fsdp_zero.data import DEFAULT_VAL_FRACTION, Fields, prepare
 from fsdp_zero.tools import script_parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """prepare_data.py's command line."""
     parser = script_parser(__doc__)
     parser.add_argument(
         "--tokenizer",
@@ -82,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seed", type=int, default=0, help="chooses the validation documents (default 0)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     start = time.perf_counter()
     try:
         fields = Fields(args.format, args.field, args.prompt_field, args.completion_field)

@@ -78,7 +78,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def batches(tmp_path_factory: pytest.TempPathFactory):
-    """The training runs the test modules read, launched in batches (tests/batches.py)."""
+    """The training runs the test modules read, launched in batches (tests/batches/)."""
     from tests.batches import Batches
 
     return Batches(tmp_path_factory.mktemp("batches"), _COLLECTED)

@@ -27,7 +27,7 @@ from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.tasks import vocab_size
 from fsdp_zero.sharding.build import materializer
-from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.precision import resolve_precision
 
 
 class _Matrix(nn.Module):
@@ -117,7 +117,7 @@ def reference_run(
     """Trains from the model's initial weights for the seed (or from ``initial`` weights) and returns
     losses, norms and weights (on the CPU, whatever ``device`` trained them)."""
     torch.manual_seed(cfg.train.seed)
-    precision = resolve(cfg.precision)
+    precision = resolve_precision(cfg.precision)
     model = construct(cfg.model)
     # bf16-true: all bf16 (what fsdp_zero.sharding.build.shard does)
     model = model.to(precision.stored)

@@ -5,9 +5,13 @@ continued at 1 or 4 ranks differs from continuing at 2 only by the order of redu
 (`make test` prints the measured differences; about 1e-7 on CPU/gloo with torch 2.15),
 well inside the 1e-5 tolerances below. The runs (ZeRO-3 at 2 ranks straight through, saving
 every 2 steps; the same stopped after step 4 and resumed in a fresh process; ZeRO-1 and DDP
-checkpoints continued under other strategies and world sizes) are tests/batches.py's, shared
+checkpoints continued under other strategies and world sizes) are tests/batches', shared
 with tests/test_parity.py. Start-up errors (a missing, corrupt or foreign checkpoint) run
 scripts/train.py's main in this process: they end before training, with one line and exit 2.
+
+Covers: fsdp_zero/checkpoint/dcp.py, fsdp_zero/checkpoint/parts.py, fsdp_zero/checkpoint/folders.py,
+    fsdp_zero/checkpoint/weights.py, fsdp_zero/checkpoint/export.py,
+    fsdp_zero/checkpoint/safe_read.py, fsdp_zero/model/source.py
 """
 
 from __future__ import annotations

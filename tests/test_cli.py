@@ -3,6 +3,11 @@
 Each exit code is shown by a real process (plain python or torchrun, which lists every rank's code);
 the start-up errors and run-directory decisions behind exit code 2 are also checked in this process
 (`tests.conftest.run_script`: the script's own main), which costs no process start.
+
+Covers: fsdp_zero/training/trainer.py, fsdp_zero/training/rundir.py, fsdp_zero/training/stopping.py,
+    fsdp_zero/training/steplog.py, fsdp_zero/training/summary.py, fsdp_zero/training/manifest.py,
+    fsdp_zero/errors.py, fsdp_zero/monitor/metrics.py, fsdp_zero/distributed/env.py,
+    fsdp_zero/config/paths.py
 """
 
 from __future__ import annotations
@@ -246,7 +251,7 @@ def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
         ),
         (
             ["optim.step_group_size=-1"],
-            "optim.step_group_size=-1: must be an integer >= 0 (elements per AdamW group",
+            "optim.step_group_size=-1: must be >= 0 (elements per AdamW group",
         ),
     ],
 )

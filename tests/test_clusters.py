@@ -3,11 +3,13 @@
 scripts/train.sbatch runs as Slurm would run it, under stand-ins for srun, scancel and scontrol
 (tests/slurm/: one task per "node", both nodes this machine, the SLURM_* variables as Slurm sets them);
 the PyTorchJob manifest in docs/clusters.md runs its own command line, with the variables the Kubeflow
-training operator gives each pod. Both train tests/batches.py's BASE: the Slurm job on 2 nodes x 1 rank,
+training operator gives each pod. Both train tests/batches' BASE: the Slurm job on 2 nodes x 1 rank,
 through a killed rank, a pre-emption and a requeue, to the losses, weights and AdamW states of the same
 run on one node (n2: 2 ranks, uninterrupted) bit for bit; the manifest's on 2 pods x 2 ranks under
 HYBRID_SHARD (sharded within a pod, replicated across), through a pod's eviction, to the same run's on
 one node (hsdp: 4 ranks, uninterrupted) bit for bit.
+
+Covers: fsdp_zero/distributed/env.py, fsdp_zero/training/stopping.py
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def _logs(tmp_path: Path, restart: int) -> str:
 
 
 def _assert_uninterrupted(batches, run_dir: Path) -> list[dict]:
-    """The run's logged losses and final checkpoint equal tests/batches.py's n2 (one node, 2 ranks, never
+    """The run's logged losses and final checkpoint equal tests/batches' n2 (one node, 2 ranks, never
     stopped), bit for bit; its metrics records."""
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert {r["step"]: r["loss"] for r in records} == batches["n2"]["losses"]
@@ -477,7 +479,7 @@ def test_the_kubernetes_manifest_runs_and_survives_an_eviction(batches, tmp_path
     the command's exec; tests/user_model.py:evicted). All four ranks stop after step 3, though only the
     Worker's were signalled, and save it; the Master's torchrun restarts its ranks and waits; the recreated
     Worker joins, and the run ends with the losses and weights of the same run on one node
-    (tests/batches.py's hsdp), bit for bit."""
+    (tests/batches' hsdp), bit for bit."""
     job = _manifest()
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     replicas = job["spec"]["pytorchReplicaSpecs"]

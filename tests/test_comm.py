@@ -1,9 +1,11 @@
 """Communication per step (fsdp_zero/monitor/comm.py) and parallel.grad_sync.
 
 The counted bytes come from the collectives FSDP2, DDP and ZeroRedundancyOptimizer issue in real gloo
-runs (tests/batches.py's, shared with the other modules: every run writes comm/*_mib to
+runs (tests/batches', shared with the other modules: every run writes comm/*_mib to
 metrics.jsonl); the formula is computed here again, from each run's config.yaml on the meta device,
 as the planner calls it. The grad_sync runs train to the same numbers with fewer reductions.
+
+Covers: fsdp_zero/monitor/comm.py, fsdp_zero/training/step.py, fsdp_zero/sharding/parallelize.py
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
-from fsdp_zero.monitor.comm import KINDS, CommBytes, comm_formula, comm_seconds
+from fsdp_zero.monitor.comm import COLLECTIVE_KINDS, CommBytes, comm_formula, comm_seconds
 from fsdp_zero.monitor.memory import MIB
-from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.levers import deferral
+from fsdp_zero.sharding.precision import resolve_precision
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from tests.batches import BASE
 from tests.conftest import TRAIN, assert_user_error, check, figure, run_script
@@ -64,7 +67,12 @@ def _formula(cfg, world_size: int) -> CommBytes:  # noqa: ANN001
     plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
     accum = BatchLayout.of(cfg.train, world_size).grad_accum_steps
     return comm_formula(
-        cfg, Topology.of(cfg.parallel, world_size), model, plan, accum, resolve(cfg.precision)
+        cfg,
+        Topology.of(cfg.parallel, world_size),
+        model,
+        plan,
+        accum,
+        resolve_precision(cfg.precision),
     )
 
 
@@ -87,7 +95,7 @@ def test_counted_bytes_per_step_equal_the_formula(batches, name):
     assert summary["comm_formula_bytes"] == pytest.approx(vars(expected), rel=1e-9)
     assert rows and [r["step"] for r in rows] == list(range(rows[0]["step"], summary["steps"] + 1))
     for row in rows:
-        for kind in KINDS:
+        for kind in COLLECTIVE_KINDS:
             assert row[f"comm/{kind}_mib"] * MIB == pytest.approx(
                 getattr(expected, kind), rel=0.01
             ), (
@@ -96,13 +104,13 @@ def test_counted_bytes_per_step_equal_the_formula(batches, name):
             )
     for rank in summary["ranks"]:
         assert rank["comm_bytes"] == pytest.approx(
-            {k: getattr(expected, k) for k in KINDS}, rel=0.01
+            {k: getattr(expected, k) for k in COLLECTIVE_KINDS}, rel=0.01
         )
     figure(
         f"comm / formula, {name}",
         ", ".join(
             f"{k} {rows[-1][f'comm/{k}_mib'] * MIB / getattr(expected, k):.4f}"
-            for k in KINDS
+            for k in COLLECTIVE_KINDS
             if getattr(expected, k)
         ),
     )
@@ -158,8 +166,8 @@ def test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit(batches):
 def test_evaluation_forwards_stay_out_of_the_steps_counts(batches):
     """The eval run is n2 with validation after steps 3 and 6: each step counts exactly n2's bytes."""
     n2, ev = _run(batches, "n2")[2], _run(batches, "eval")[2]
-    assert [{k: r[f"comm/{k}_mib"] for k in KINDS} for r in ev] == [
-        {k: r[f"comm/{k}_mib"] for k in KINDS} for r in n2
+    assert [{k: r[f"comm/{k}_mib"] for k in COLLECTIVE_KINDS} for r in ev] == [
+        {k: r[f"comm/{k}_mib"] for k in COLLECTIVE_KINDS} for r in n2
     ]
 
 
@@ -203,7 +211,7 @@ def test_grad_sync_trains_the_same_with_fewer_reductions(batches, name, baseline
         replace(cfg, parallel=replace(cfg.parallel, grad_sync=GradSync.every_micro_batch)),
         summary["world_size"],
     )
-    for kind in KINDS:
+    for kind in COLLECTIVE_KINDS:
         counted, full = rows[-1][f"comm/{kind}_mib"] * MIB, getattr(every, kind)
         assert counted == pytest.approx(full / 2 if kind in cut else full, rel=0.01), kind
         assert full > 0 or kind not in cut
@@ -217,7 +225,7 @@ def test_formula_by_hand():
     p = sum(x.numel() for x in model.parameters())
     plan = build_wrap_plan(model, cfg.parallel.wrap, 2)
     root = plan.units[-1].num_params
-    fp32 = resolve(cfg.precision)
+    fp32 = resolve_precision(cfg.precision)
 
     def formula(world: int = 2, accum: int = 3, precision=fp32, **parallel) -> CommBytes:  # noqa: ANN001
         c = replace(cfg, parallel=replace(cfg.parallel, **parallel))
@@ -249,7 +257,7 @@ def test_formula_by_hand():
     assert formula(strategy="ddp") == CommBytes(all_reduce=4 * p)
     assert formula(strategy="zero1") == CommBytes(all_gather=4 * p, all_reduce=4 * p)
     assert formula(1) == CommBytes()  # one rank: FSDP2 issues no collective
-    half = resolve(replace(cfg.precision, mode="bf16-mixed"))
+    half = resolve_precision(replace(cfg.precision, mode="bf16-mixed"))
     assert formula(precision=half) == CommBytes(
         all_gather=3 * 2 * (2 * p - root), reduce_scatter=3 * 4 * p
     )
@@ -320,8 +328,8 @@ def test_grad_sync_user_errors(tmp_path):
     applies to (exit 2 at start-up); a bad value lists the choices."""
     with pytest.raises(
         ValueError,
-        match=r"parallel.grad_sync=once_per_step applies to parallel.strategy=full_shard, "
-        r"shard_grad_op, hybrid_shard only, not ddp",
+        match=r"parallel.grad_sync=once_per_step with parallel.strategy=ddp is not supported: it "
+        r"applies to parallel.strategy=full_shard, shard_grad_op, hybrid_shard only",
     ):
         load_config(None, ["parallel.strategy=ddp", "parallel.grad_sync=once_per_step"])
     with pytest.raises(
@@ -330,7 +338,8 @@ def test_grad_sync_user_errors(tmp_path):
         load_config(None, ["parallel.grad_sync=sometimes"])
     assert_user_error(
         tmp_path,
-        "parallel.grad_sync=replicas_once_per_step applies to parallel.strategy=hybrid_shard only, not full_shard",
+        "parallel.grad_sync=replicas_once_per_step with parallel.strategy=full_shard is not supported: "
+        "it applies to parallel.strategy=hybrid_shard only",
         "parallel.grad_sync=replicas_once_per_step",
     )
 
@@ -368,7 +377,7 @@ def test_a_micro_batch_that_raises_leaves_the_reduction_on(monkeypatch):
                 loss_fn,
                 env.device,
                 grad_clip=1.0,
-                grad_sync=GradSync.once_per_step,
+                defer=deferral(model, GradSync.once_per_step),
             ).run([batch, None, batch])
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model, batch)[0].backward()

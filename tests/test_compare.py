@@ -7,6 +7,9 @@ comparison's ordering shows in peak RSS and the planner's prediction of the mode
 memory can be told apart from the baseline. The planner's heap-retention constants were fitted on a
 GPT-2-small-shaped model
 (`bench/planner_accuracy.py`, configuration `fit`): this configuration is held out.
+
+Covers: fsdp_zero/tools/compare.py, fsdp_zero/tools/planner.py, fsdp_zero/tools/prediction.py,
+    fsdp_zero/tools/launch.py, fsdp_zero/training/summary.py
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fsdp_zero.config.presets import model_args
 from fsdp_zero.monitor import MIB
-from fsdp_zero.tools.fit import MARGIN
+from fsdp_zero.tools.fit import FIT_MARGIN
 from fsdp_zero.tools.prediction import HEAP_RETENTION
 from fsdp_zero.training.summary import Summary
 from tests.conftest import REPO, check, figure, launch, run_script, start, visible_gpus
@@ -69,7 +72,9 @@ def predicted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict]
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     proc = check(
         run_script(
-            PLAN, "--world-size", str(N), "--json", str(out), "--device-memory", "24GB", *CONFIG
+            PLAN,
+            "simulate",
+            *("--world-size", str(N), "--json", str(out), "--device-memory", "24GB", *CONFIG),
         )
     )
     return {p["strategy"]: p for p in json.loads(out.read_text())}, proc.stdout
@@ -250,7 +255,7 @@ def test_the_plan_prints_the_bytes_each_strategys_run_counted(compared: Path, pr
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory: pytest.TempPathFactory, predicted) -> tuple[int, dict]:
-    """plan.py --fit over the strategies, with a budget between ZeRO-1's predicted peak and ZeRO-2's and no
+    """plan.py fit over the strategies, with a budget between ZeRO-1's predicted peak and ZeRO-2's and no
     margin (the default 10% is checked from the same JSON)."""
     preds, _ = predicted
     budget = (preds["zero1"]["peak"] + preds["shard_grad_op"]["peak"]) // 2 // MIB * MIB
@@ -258,9 +263,10 @@ def fitted(tmp_path_factory: pytest.TempPathFactory, predicted) -> tuple[int, di
     proc = check(
         run_script(
             PLAN,
+            "fit",
             "--world-size",
             str(N),
-            "--fit",
+            "--device-memory",
             f"{budget // MIB}MiB",
             "--search",
             "strategy",
@@ -306,7 +312,7 @@ def test_the_fit_pick_run_stays_within_the_budget_and_its_prediction(fitted, mea
     for s in rejected:
         assert peak_mib(measured[s]) * MIB > budget, s
     # With the default margin the same budget takes a candidate whose peak + 10% fits: ZeRO-3, within it too.
-    safe = next(c for c in ranked if c["peak_bytes"] * (1 + MARGIN) <= budget)
+    safe = next(c for c in ranked if c["peak_bytes"] * (1 + FIT_MARGIN) <= budget)
     assert "parallel.strategy=full_shard" in safe["overrides"]
     assert peak_mib(measured["full_shard"]) * MIB <= budget
     figure(
@@ -342,6 +348,7 @@ def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
     """dist.device=cuda on a CPU machine: device memory, no process baseline, the formulas still hold."""
     out = tmp_path / "gpu.json"
     args = [
+        "simulate",
         "--world-size",
         "8",
         "--json",
@@ -352,7 +359,7 @@ def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
         "data.seq_len=32",
         "dist.device=cuda",
     ]
-    proc = check(run_script(PLAN, "--device-memory", "80GB", *args))
+    proc = check(run_script(PLAN, *args, "--device-memory", "80GB"))
     assert "device memory MiB" in proc.stdout and "| yes |" in proc.stdout
     preds = {p["strategy"]: p for p in json.loads(out.read_text())}
     assert set(preds) == set(STRATEGIES)
@@ -367,7 +374,7 @@ def test_planner_plans_for_gpus_from_a_machine_without_one(tmp_path: Path):
             assert bytes_per_param == pytest.approx(16 if s == "ddp" else 16 / 8, rel=0.01), s
     assert preds["ddp"]["peak"] > preds["zero1"]["peak"] > preds["full_shard"]["peak"]
     out.unlink()
-    tight = check(run_script(PLAN, "--device-memory", "1MB", *args)).stdout
+    tight = check(run_script(PLAN, *args, "--device-memory", "1MB")).stdout
     assert "| no (needs " in tight
 
 
@@ -406,9 +413,9 @@ def _rows(n: int) -> dict[str, list[dict]]:
 
 
 def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
-    from fsdp_zero.tools.compare import ORDER, read_rows, report
+    from fsdp_zero.tools.compare import COMPARE_ORDER, compare_report, read_rows
 
-    md = report(_rows(2), 2, tmp_path)
+    md = compare_report(_rows(2), 2, tmp_path)
     table = table_rows(md)
     assert list(table) == STRATEGIES
     assert table["ddp"][3] == "1.00" and num(table["full_shard"][4]) == pytest.approx(
@@ -422,7 +429,7 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
     acc.Reload()
     assert [e.value for e in acc.Scalars("compare_ddp/optimizer_mib")] == [200.0, 200.0]
     # read_rows: the runs' summary.json files, written as the trainer writes them (Summary), back into rows.
-    for s in ORDER:
+    for s in COMPARE_ORDER:
         (tmp_path / s.value).mkdir()
         ranks = [
             {
@@ -445,14 +452,14 @@ def test_the_report_is_library_code_tested_in_process(tmp_path: Path):
             comm_formula_bytes=None,
             ranks=ranks,
         ).write(tmp_path / s.value)
-    assert read_rows(tmp_path) == {s.value: _rows(2)[s.value] for s in ORDER}
+    assert read_rows(tmp_path) == {s.value: _rows(2)[s.value] for s in COMPARE_ORDER}
     # Without DDP (bf16-mixed, say, which DDP does not run) the ratios are to the first strategy run.
     rows = {k: v for k, v in _rows(2).items() if k not in ("ddp", "zero1")}
     for rs in rows.values():
         for r in rs:
             r["precision"] = "bf16-mixed"
     (tmp_path / "mixed").mkdir()
-    md = report(rows, 2, tmp_path / "mixed")
+    md = compare_report(rows, 2, tmp_path / "mixed")
     assert "bf16-mixed AdamW" in md and "| vs shard_grad_op |" in md
     assert (
         list(table_rows(md)) == ["shard_grad_op", "full_shard"]
@@ -502,17 +509,22 @@ def test_planner_follows_the_precision_and_offload():
 
 
 def test_a_bad_size_names_the_option_it_came_from():
-    proc = run_script(PLAN, "--world-size", "2", "--device-memory", "lots", "model.preset=gpt_nano")
+    proc = run_script(
+        PLAN, "simulate", "--world-size", "2", "--device-memory", "lots", "model.preset=gpt_nano"
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: --device-memory 'lots': expected a size such as 2GB, 500MB or 1GiB"
     ), proc.stderr
     # tensor and pipeline layouts come by formula: a strategy's simulation of them is refused
-    proc = run_script(PLAN, "--world-size", "4", "parallel.tp_size=2", "--strategy", "full_shard")
+    proc = run_script(
+        PLAN, "simulate", "--world-size", "4", "parallel.tp_size=2", "--strategy", "full_shard"
+    )
     assert proc.returncode == 2 and proc.stderr.startswith(
         "error: parallel.tp_size/pp_size > 1: plan.py gives their layout by formula"
     ), proc.stderr
     proc = run_script(
         PLAN,
+        "layout",
         "--world-size",
         "4",
         "model.preset=gpt_nano",
@@ -527,16 +539,17 @@ def test_a_bad_size_names_the_option_it_came_from():
 
 
 def test_fit_searches_the_rest_with_the_configs_tensor_parallel_layout(tmp_path: Path):
-    """--fit with parallel.tp_size=2 in the config: every candidate keeps tp 2 (its peak and cost by
+    """plan.py fit with parallel.tp_size=2 in the config: every candidate keeps tp 2 (its peak and cost by
     formula), and the pick pastes back to a tp 2 run."""
     out = tmp_path / "fit.json"
     proc = run_script(
         PLAN,
+        "fit",
         "--world-size",
         "4",
         "model.preset=gpt_nano",
         "parallel.tp_size=2",
-        "--fit",
+        "--device-memory",
         "2GiB",
         "--search",
         "micro_batch",

@@ -6,6 +6,9 @@ memory does not grow with the table; nothing is written into the Hugging Face ca
 The tokenizer is tests/hf_fixtures.py's. The comparisons call `prepare` in this process (and its two
 workers); the bad-input cases run the script's ``main`` in this process (`run_script`); the memory and
 cache checks run one process of their own.
+
+Covers: fsdp_zero/data/tables.py, fsdp_zero/data/documents.py, fsdp_zero/data/prepare.py,
+    fsdp_zero/data/progress.py
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 docs/architecture.md names every fsdp_zero/*.py module and no other; the README stays short and
 links every docs/ page; every relative link (and #anchor) in them resolves; and the blocks that
 scripts/docs.py generates (the config reference, the DeepSpeed key table) are current.
+
+Covers: fsdp_zero/config/schema.py, fsdp_zero/config/deepspeed.py
 """
 
 from __future__ import annotations

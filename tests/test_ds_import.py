@@ -5,10 +5,13 @@ deepspeed-runs``): ZeRO-1, -2 and -3 at 2 ranks, ZeRO-3 at 3 (padded partitions)
 form from DeepSpeed's own ds_to_universal, and a user's GPT whose LayerNorms and biases DeepSpeed's
 optimizer decayed (ZeRO-3 at 2 ranks), each with DeepSpeed's losses and learning rates
 for every step and its weights after the last. The import reproduces what DeepSpeed's own converter
-gathers (saved.safetensors) bit for bit; the runs continued here (tests/batches.py, at 2 and 4 ranks)
+gathers (saved.safetensors) bit for bit; the runs continued here (tests/batches/, at 2 and 4 ranks)
 take DeepSpeed's next steps at its learning rates, with its losses and final weights within fp32
 tolerance; a foreign model, a truncated file, a foreign pickle, a missing moment or a used run
 directory is one line, exit 2, nothing written.
+
+Covers: fsdp_zero/checkpoint/deepspeed_in.py, fsdp_zero/checkpoint/imported.py,
+    fsdp_zero/checkpoint/safe_read.py
 """
 
 from __future__ import annotations

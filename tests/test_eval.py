@@ -1,6 +1,6 @@
 """Validation (eval.*): the loss every eval.every steps and at the last, split over ranks, training untouched.
 
-The runs are tests/batches.py's ``eval`` (n2 with validation: ZeRO-3 at 2 ranks, 5 windows, so
+The runs are tests/batches' ``eval`` (n2 with validation: ZeRO-3 at 2 ranks, 5 windows, so
 rank 0 evaluates 3 and rank 1 2 and a dummy batch) and ``eval-n1`` (one rank, micro-batch 4).
 Each evaluation at the last step is compared with a single-process computation written here in
 plain torch on the run's final full weights; the training losses, gradient norms and weights of
@@ -11,6 +11,8 @@ Seen failing: counting the dummy batch (the 2-rank loss moves off the reference)
 change); leaving out ``eval()`` or ``no_grad`` (the in-process classification test). Leaving out the
 dummy forward hangs rank 0 in an all-gather while rank 1 waits in the all-reduce, until
 dist.step_timeout_minutes ends the run with exit code 5 (tried by hand at 0.25 minutes: 20 s).
+
+Covers: fsdp_zero/training/evaluate.py
 """
 
 from __future__ import annotations

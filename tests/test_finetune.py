@@ -7,6 +7,8 @@ overrides that shrink it to the tiny model: its context is 64 tokens) and the va
 export.py writes `models/finetuned`. `from_pretrained` on that folder, in this process, gives the
 validation loss the run logged last (within bf16's rounding: the config trains in bf16-mixed, as shipped),
 and its tokenizer reads the prepared tokens back.
+
+Covers: fsdp_zero/model/hf.py, fsdp_zero/checkpoint/export.py, fsdp_zero/data/prepare.py
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""`scripts/plan.py --fit`'s search (fsdp_zero.tools.fit), in process, on a tiny model.
+"""`scripts/plan.py fit`'s search (fsdp_zero.tools.fit), in process, on a tiny model.
 
 The pick measured against a real run lives in tests/test_compare.py, which has the runs; here:
 the candidates the search forms, the peaks it composes from shared simulations against the same
 candidates simulated one by one, its cost's order, and its errors.
+
+Covers: fsdp_zero/tools/fit.py, fsdp_zero/tools/candidates.py, fsdp_zero/tools/rates.py,
+    fsdp_zero/tools/layout.py, fsdp_zero/tools/layered.py
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.monitor import MIB
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.tools.candidates import DIMENSIONS, Candidate, candidates
-from fsdp_zero.tools.fit import search
+from fsdp_zero.sharding.precision import resolve_precision
+from fsdp_zero.tools.candidates import DIMENSIONS, Candidate, FitSearch, lever_values
+from fsdp_zero.tools.fit import fit_search
+from fsdp_zero.tools.layout import Workload
 from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.tools.rates import Rates
 from tests.batches import HAS_HF
@@ -44,7 +48,8 @@ COMPOSED_TOLERANCE = 0.05
 @pytest.fixture(scope="module")
 def found():
     cfg = load_config(None, NANO)
-    return cfg, search(cfg, 2, Rates.default("cpu"), DIMS, processes=0, baseline=0)
+    search = FitSearch(cfg, 2, DIMS)
+    return cfg, fit_search(search, Rates.default("cpu"), processes=0, baseline=0)
 
 
 def test_the_search_varies_what_it_is_asked_to_and_ranks_by_cost(found):
@@ -53,15 +58,23 @@ def test_the_search_varies_what_it_is_asked_to_and_ranks_by_cost(found):
     assert {c.checkpointing for c in cands} == set(ActivationCheckpointing)
     assert {c.micro_batch for c in cands} == {1, 2, 4, 8}  # the divisors of the local batch, 16 / 2
     # not hybrid
-    assert {c.grad_sync for c in cands} == {GradSync.every_micro_batch, GradSync.once_per_step}
-    assert {(c.strategy, c.precision, c.offload) for c in cands} == {
+    assert {c.value("grad_sync") for c in cands} == {
+        GradSync.every_micro_batch,
+        GradSync.once_per_step,
+    }
+    assert {(c.strategy, c.precision, c.value("cpu_offload")) for c in cands} == {
         (cfg.parallel.strategy, "fp32", False)
     }
     # no accumulation
-    assert not any(c.micro_batch == 8 and c.grad_sync is GradSync.once_per_step for c in cands)
+    assert not any(
+        c.micro_batch == 8 and c.value("grad_sync") is GradSync.once_per_step for c in cands
+    )
     costs = [s.cost for s in result.scored]
     assert costs == sorted(costs)
-    by = {(c.checkpointing, c.micro_batch, c.grad_sync): s for c, s in zip(cands, result.scored)}
+    by = {
+        (c.checkpointing, c.micro_batch, c.value("grad_sync")): s
+        for c, s in zip(cands, result.scored)
+    }
     none, full, every = (
         ActivationCheckpointing.none,
         ActivationCheckpointing.full,
@@ -106,9 +119,10 @@ def test_composed_peaks_match_the_candidate_simulated_alone(found, key):
     composed = next(
         s
         for s in result.scored
-        if (s.candidate.checkpointing, s.candidate.micro_batch, s.candidate.grad_sync) == key
+        if (s.candidate.checkpointing, s.candidate.micro_batch, s.candidate.value("grad_sync"))
+        == key
     )
-    with Simulator(cfg, 2, accum_cap=2, baseline=0) as sim:
+    with Simulator(cfg.dist.device, 2, accum_cap=2, baseline=0) as sim:
         alone = sim.predict(composed.candidate.config(cfg)).peak
     figure(
         f"fit: composed peak / simulated alone, {' '.join(composed.candidate.overrides()[2:])}",
@@ -122,7 +136,7 @@ def test_a_budget_nothing_fits_names_the_smallest_candidate_and_by_how_much(foun
     smallest = min(result.scored, key=lambda s: s.peak)
     with pytest.raises(
         ValueError,
-        match=r"--fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard "
+        match=r"--device-memory=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard "
         r".*needs [\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)",
     ) as e:
         result.fit(MIB)
@@ -131,10 +145,10 @@ def test_a_budget_nothing_fits_names_the_smallest_candidate_and_by_how_much(foun
 
 def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
     cfg = load_config(None, NANO)
-    every = candidates(cfg, 2)
+    every = FitSearch(cfg, 2).candidates()
     # hybrid_shard (shard_size 2) at 2 ranks has one replica: full_shard's twin, left out.
     assert {c.strategy.value for c in every} == {"ddp", "zero1", "shard_grad_op", "full_shard"}
-    four = candidates(load_config(None, NANO), 4)
+    four = FitSearch(load_config(None, NANO), 4).candidates()
     assert {c.strategy.value for c in four} == {
         "ddp",
         "zero1",
@@ -142,16 +156,16 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
         "full_shard",
         "hybrid_shard",
     }
-    assert {c.strategy.value for c in four if c.grad_sync is GradSync.replicas_once_per_step} == {
-        "hybrid_shard"
-    }
+    assert {
+        c.strategy.value for c in four if c.value("grad_sync") is GradSync.replicas_once_per_step
+    } == {"hybrid_shard"}
     assert not any(
         c.strategy.value in ("ddp", "zero1") and c.precision == "bf16-mixed" for c in every
     )
-    assert not any(c.offload for c in every)  # a CPU host: offload moves nothing
-    cuda = candidates(load_config(None, NANO + ["dist.device=cuda"]), 2)
-    assert {c.offload for c in cuda} == {False, True}
-    assert not any(c.offload and c.strategy.value in ("ddp", "zero1") for c in cuda)
+    assert not any(c.value("cpu_offload") for c in every)  # a CPU host: offload moves nothing
+    cuda = FitSearch(load_config(None, NANO + ["dist.device=cuda"]), 2).candidates()
+    assert {c.value("cpu_offload") for c in cuda} == {False, True}
+    assert not any(c.value("cpu_offload") and c.strategy.value in ("ddp", "zero1") for c in cuda)
     for c in every[:: max(1, len(every) // 20)]:
         # one override a dimension, two for the layout (tp_size, pp_size)
         assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS) + 1
@@ -161,17 +175,16 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
         ValueError,
         match=r"--search=strategy,ac: 'ac' is not a valid choice; valid choices: strategy, ",
     ):
-        candidates(cfg, 2, ("strategy", "ac"))
+        FitSearch(cfg, 2, ("strategy", "ac")).candidates()
 
 
 def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
     plan = REPO / "scripts" / "plan.py"
-    proc = run_script(
-        plan, "--world-size", "2", "--fit", "1MiB", "--search", "strategy", "--tflops", "1", *NANO
-    )
+    fit = ("fit", "--world-size", "2", "--device-memory")
+    proc = run_script(plan, *fit, "1MiB", "--search", "strategy", "--tflops", "1", *NANO)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert re.fullmatch(
-        r"error: --fit=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard .* needs "
+        r"error: --device-memory=1 MiB: no candidate fits; the smallest, parallel.strategy=full_shard .* needs "
         r"[\d,]+ MiB per rank \+ 10% margin = [\d,]+ MiB \([\d,]+ MiB over\)\n",
         proc.stderr,
     ), proc.stderr
@@ -180,21 +193,19 @@ def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
         (["--margin", "1.5"], "--margin=1.5: a fraction of the predicted peak, in [0, 1)"),
         (["--link-gbps", "0"], "--link-gbps=0: must be > 0"),
     ):
-        proc = run_script(plan, "--world-size", "2", "--fit", "1GiB", *args, *NANO)
+        proc = run_script(plan, *fit, "1GiB", *args, *NANO)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
         assert proc.stderr.count("\n") == 1
+    for args in (["--search", "strategy"], ["--show", "3"]):  # the fit's own flags
+        with pytest.raises(SystemExit) as refused:  # argparse's usage line, exit 2
+            run_script(plan, "simulate", "--world-size", "2", *args, *NANO)
+        assert refused.value.code == 2
     for args, message in (
-        (["--search", "strategy"], "--search=strategy: it applies to --fit; add --fit MEMORY"),
-        (["--show", "3"], "--show=3: it applies to --fit"),
+        (["0"], "--device-memory=0: a memory per rank > 0"),
+        (["1.2.3GB"], "--device-memory '1.2.3GB': expected a size such as 2GB"),
+        (["1GiB", "--show", "0"], "--show=0: how many fitting candidates to print, >= 1"),
     ):
-        proc = run_script(plan, "--world-size", "2", *args, *NANO)
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    for args, message in (
-        (["--fit", "0"], "--fit=0: a memory per rank > 0"),
-        (["--fit", "1.2.3GB"], "--fit '1.2.3GB': expected a size such as 2GB"),
-        (["--fit", "1GiB", "--show", "0"], "--show=0: how many fitting candidates to print, >= 1"),
-    ):
-        proc = run_script(plan, "--world-size", "2", *args, *NANO)
+        proc = run_script(plan, *fit, *args, *NANO)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
@@ -202,9 +213,8 @@ def test_the_command_line_says_what_misses_in_one_line_and_exits_2():
 def on_cuda():
     """A search planned for GPUs (simulated on this CPU): precision x offload, full_shard, 2 micro-batches."""
     cfg = load_config(None, NANO + ["dist.device=cuda"])
-    return cfg, search(
-        cfg, 2, Rates.default("cuda"), ("precision", "offload"), processes=0, baseline=0
-    )
+    search = FitSearch(cfg, 2, ("precision", "offload"))
+    return cfg, fit_search(search, Rates.default("cuda"), processes=0, baseline=0)
 
 
 def test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_for_copies(on_cuda):
@@ -213,7 +223,7 @@ def test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_
     allocator's 10% slack) leaves the device's peak, and each gather and reduction copies the rank's shard
     across the host link (2 micro-batches: 4 gathers under ZeRO-3 and 2 reductions, at 200 Gbit/s)."""
     cfg, result = on_cuda
-    by = {(s.candidate.precision, s.candidate.offload): s for s in result.scored}
+    by = {(s.candidate.precision, s.candidate.value("cpu_offload")): s for s in result.scored}
     assert set(by) == {(p, o) for p in ("fp32", "bf16-mixed", "bf16-true") for o in (False, True)}
     params = model_args("gpt_nano", vocab_size=4096).num_params()
     for offload in (False, True):
@@ -228,7 +238,7 @@ def test_on_cuda_fp32_computes_15_times_slower_and_offload_trades_device_memory_
         state = model_state_formula(
             Topology.of(ParallelConfig(), 2),
             params,
-            resolve(PrecisionConfig(mode=mode)).bytes_per_param,
+            resolve_precision(PrecisionConfig(mode=mode)).bytes_per_param,
         )
         assert plain.peak - offloaded.peak == pytest.approx(state * 1.10, rel=2e-3), mode
         assert plain.parts["offload_s"] == 0
@@ -242,7 +252,7 @@ def test_equal_costs_go_to_the_smaller_peak():
     first (the search forms checkpointing none, selective, full: largest peak first)."""
     cfg = load_config(None, NANO)
     free = Rates(tflops=float("inf"), link_gbps=float("inf"), fp32_speed=1.0)
-    result = search(cfg, 2, free, ("checkpointing",), processes=0, baseline=0)
+    result = fit_search(FitSearch(cfg, 2, ("checkpointing",)), free, processes=0, baseline=0)
     assert {s.cost for s in result.scored} == {0.0} and len(result.scored) == 3
     assert [s.candidate.checkpointing for s in result.scored] == [
         ActivationCheckpointing.full,
@@ -280,33 +290,29 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
     model = construct(cfg.model)
     plan = build_wrap_plan(model, cfg.parallel.wrap, 2)
     p, root = sum(x.numel() for x in model.parameters()), plan.units[-1].num_params
-    every, none, full = (
-        GradSync.every_micro_batch,
-        ActivationCheckpointing.none,
-        ActivationCheckpointing.full,
-    )
+    none, full = ActivationCheckpointing.none, ActivationCheckpointing.full
     cases = {  # candidate: (compute, comm, optimizer) seconds
-        Candidate(Strategy.full_shard, "fp32", full, False, 4, every):  # 2 micro-batches of 4
+        Candidate(Strategy.full_shard, "fp32", full, 4):  # 2 micro-batches of 4
         (
             8 * (0.5 + 2 * 0.1 + 2 * 0.03),
             2 * 4 * (2 * p - root) * 1e-9 + 2 * 4 * p * 2e-9,
             p / 2 / 1e8,
         ),
         # bf16 gradients all-reduced once
-        Candidate(Strategy.ddp, "bf16-true", none, False, 8, every): (
+        Candidate(Strategy.ddp, "bf16-true", none, 8): (
             8 * (0.2 + 2 * 0.05),
             2 * p * 3e-9,
             p / 2e8,
         ),
         # and the updated partitions broadcast
-        Candidate(Strategy.zero1, "fp32", none, False, 8, every): (
+        Candidate(Strategy.zero1, "fp32", none, 8): (
             8 * (0.5 + 2 * 0.1),
             4 * p * 3e-9 + 4 * p * 4e-9,
             p / 2 / 1e8,
         ),
     }
     for cand, (compute, comm, optimizer) in cases.items():
-        cost, parts = _step_cost(cfg, cand, 2, rates, model, plan)
+        cost, parts = _step_cost(FitSearch(cfg, 2), cand, rates, model, plan)
         assert parts == pytest.approx(
             {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0},
             rel=1e-9,
@@ -315,13 +321,14 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
 
 
 def test_a_global_batch_the_default_micro_batch_does_not_divide_is_searched():
-    """plan.py --fit searches the micro-batch: a config whose own (here the default, 4, never set) does not
+    """plan.py fit searches the micro-batch: a config whose own (here the default, 4, never set) does not
     divide the global batch is planned over the divisors of the local batch; not searched, it is refused."""
     plan = REPO / "scripts" / "plan.py"
     args = [
+        "fit",
         "--world-size",
         "2",
-        "--fit",
+        "--device-memory",
         "4GiB",
         "--tflops",
         "1",
@@ -408,7 +415,7 @@ def test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_stage_sa
     from fsdp_zero.tools.layout import activation_peaks, saved_per_unit
 
     cfg = load_config(None, LAYERED)
-    whole = saved_per_unit(cfg, 1)
+    whole = saved_per_unit(Workload.of(cfg), 1)
     blocks = [v for k, v in whole.items() if k.startswith("layers.")]
     # the same shapes save the same bytes; the first block also the rotary tables both read
     assert len(blocks) == 2 and blocks[0] == pytest.approx(blocks[1], rel=0.05) and blocks[1] > 0
@@ -416,10 +423,10 @@ def test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_stage_sa
     assert whole["output"] >= tokens * 4096 * 4  # the head's unit holds the logits (fp32)
     tp = sum(
         saved_per_unit(
-            load_config(None, LAYERED + ["parallel.sequence_parallel=false"]), 2
+            Workload.of(load_config(None, LAYERED + ["parallel.sequence_parallel=false"])), 2
         ).values()
     )
-    sp = sum(saved_per_unit(cfg, 2).values())
+    sp = sum(saved_per_unit(Workload.of(cfg), 2).values())
     assert sp < tp < sum(whole.values())  # tp splits the blocks' insides; sp the rest too
     # pp 2 x dp 2: 8 samples a data-parallel rank, 4 micro-batches of 2
     stage = [
@@ -429,14 +436,14 @@ def test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_stage_sa
 
     def peaks(schedule: str, extra: tuple[str, ...] = ()) -> list[float]:
         over = LAYERED + ["parallel.pp_size=2", f"parallel.pp_schedule={schedule}", *extra]
-        return activation_peaks(load_config(None, over), 4)
+        return activation_peaks(Workload.of(load_config(None, over)), 4)
 
     assert peaks("GPipe") == [4 * stage[0], 4 * stage[1]]
     assert peaks("1F1B") == [2 * stage[0], 1 * stage[1]]
     # 4 layers, 2 stages a rank: rank 0 holds stages 0 and 2; its table runs 2 micro-batches of
     # stage 0 and 2 of stage 2 before its first backward
     deep = ["model.n_layers=4"]
-    four = saved_per_unit(load_config(None, LAYERED + deep), 1)
+    four = saved_per_unit(Workload.of(load_config(None, LAYERED + deep)), 1)
     s0, s2 = four["tok_embeddings"] + four["layers.0"], four["layers.2"]
     assert peaks("Interleaved1F1B", tuple(deep))[0] >= 2 * s0 + 2 * s2
 
@@ -448,8 +455,11 @@ def test_a_layout_search_composes_each_layout_from_zero3_by_formula():
     found = {}
     for schedule in ("1F1B", "GPipe"):
         cfg = load_config(None, LAYERED + [f"parallel.pp_schedule={schedule}"])
-        result = search(cfg, 4, Rates.default("cpu"), ("layout",), processes=0, baseline=0)
-        found[schedule] = {(s.candidate.tp, s.candidate.pp): s for s in result.scored}
+        search = FitSearch(cfg, 4, ("layout",))
+        result = fit_search(search, Rates.default("cpu"), processes=0, baseline=0)
+        found[schedule] = {
+            (s.candidate.size("tp"), s.candidate.size("pp")): s for s in result.scored
+        }
     one = found["1F1B"]
     assert set(one) == {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)}
     assert found["GPipe"][(1, 2)].peak > one[(1, 2)].peak  # 4 micro-batches in flight against 2
@@ -487,12 +497,15 @@ def test_a_layout_peak_holds_a_tp_ranks_part_and_a_stage_with_its_gradients():
     gains = sum(n for name, n in sizes.items() if "norm" in name)
     assert gains == 5 * 64  # 2 a block and the final norm: what the plan leaves whole
     first = sum(n for name, n in sizes.items() if name.startswith(("tok_embeddings.", "layers.0.")))
-    layouts, gathered = Layouts(cfg, 4), 1_000_000
+    layouts, gathered = Layouts(Workload.of(cfg), 4), 1_000_000
     terms = Terms(state=0, gathered=gathered, activations=0)
 
     def candidate(precision: str, tp: int, pp: int) -> Candidate:
         none, sync = ActivationCheckpointing.none, cfg.parallel.grad_sync
-        return Candidate(Strategy.full_shard, precision, none, False, 2, sync, tp, pp)
+        split = (("tp", tp), ("pp", pp))
+        return Candidate(
+            Strategy.full_shard, precision, none, 2, lever_values({"grad_sync": sync}), split
+        )
 
     tp2 = candidate("fp32", 2, 1)
     (row,) = layouts.rows(tp2)
@@ -523,7 +536,7 @@ def test_a_hugging_face_models_layout_counts_its_activations_without_our_pipelin
         tmp_path
     )
     over = [f"model.pretrained={tmp_path}", "data.seq_len=32", "train.micro_batch_size=2"]
-    whole = saved_per_unit(load_config(None, over), 1)
+    whole = saved_per_unit(Workload.of(load_config(None, over)), 1)
     assert set(whole) == {""} and whole[""] > 0
-    (row,) = layout_rows(load_config(None, [*over, "parallel.tp_size=2"]), 2)
+    (row,) = layout_rows(Workload.of(load_config(None, [*over, "parallel.tp_size=2"])), 2)
     assert 0 < row.activations < whole[""]

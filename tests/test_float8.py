@@ -2,11 +2,13 @@
 "float8 compute").
 
 Without float8 units (this machine) it is emulated: the quantization to float8 with dynamic scales is
-real, the matmuls fp32. The runs are declared in tests/batches.py, bf16-mixed, `gpt_nano`: tensorwise
+real, the matmuls fp32. The runs are declared in tests/batches/, bf16-mixed, `gpt_nano`: tensorwise
 (weights all-gathered in float8) with the feed-forwards as FSDP units of their own (nothing but float8
 weights in them) against the same run in bf16, at 2 ranks and at 1; rowwise against the bf16-mixed
 parity run; tensorwise resumed from its step-4 checkpoint. float8's scales are dynamic per local batch,
 so it is not bit-invariant across world sizes: the comparisons carry a tolerance (below).
+
+Covers: fsdp_zero/sharding/quantize.py, fsdp_zero/sharding/parallelize.py
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def test_only_tensorwise_weights_are_all_gathered_in_float8():
     for recipe in ("tensorwise", "rowwise", "mxfp8"):
         cfg = load_config(None, [*BASE, *BF16, f"precision.float8={recipe}"])
         model = construct(cfg.model)
-        plan = plan_float8(cfg, model, env, 2)
+        plan = plan_float8(cfg.precision.float8, cfg.parallel.wrap, model, env, 2)
         assert plan.all_gather == (recipe == "tensorwise"), recipe
         assert plan.note().endswith("in float8" if plan.all_gather else "in bf16"), plan.note()
         assert sorted(plan.weights) == sorted(f"{n}.weight" for n in BLOCK_LINEARS)

@@ -8,6 +8,9 @@ same step need not agree to the bit (hence resume is checked to 1e-5, not bit fo
 
 Every CUDA computation runs in a process of its own (`launch(..., gpu=True)`; the reference loop through
 tests/workers/reference.py): the suite's own process sees no GPU (tests/conftest.py).
+
+Covers: fsdp_zero/training/trainer.py, fsdp_zero/monitor/memory.py, fsdp_zero/tools/planner.py,
+    fsdp_zero/sharding/precision.py
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ def test_planner_predicts_cuda_memory(tmp_path: Path):
         launch(
             0,
             PLAN,
+            "simulate",
             "--world-size",
             "1",
             "--strategy",

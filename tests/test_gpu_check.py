@@ -4,6 +4,8 @@ The dry run takes the GPU check's own steps on the CPU with gpt_nano (four setti
 `scripts/train.py` run; the planner for each; the worker that builds the model and times the
 hand-written loop against ours), so the suite checks every part of the benchmark but the CUDA
 calls. Without --dry-run and without a GPU it must say so in one line before doing anything.
+
+Covers: fsdp_zero/tools/launch.py
 """
 
 from __future__ import annotations

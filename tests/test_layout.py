@@ -1,5 +1,8 @@
 """The package's shape: subpackages in one import order (`fsdp_zero.LAYERS`), each with a public face
-(docs/architecture.md renders both; tests/test_docs.py keeps it true)."""
+(docs/architecture.md renders both; tests/test_docs.py keeps it true).
+
+Covers: fsdp_zero/api.py, fsdp_zero/errors.py
+"""
 
 from __future__ import annotations
 
@@ -133,7 +136,7 @@ def test_scripts_and_bench_import_only_faces():
 def test_every_source_mutant_still_finds_the_expression_it_replaces():
     """make mutants replaces one expression of our source per mutant (tests/mutant_site); a mutant whose
     expression moved or changed would not apply (NOT APPLIED after a 24-minute run): caught here at once."""
-    site = ast.parse((REPO / "tests" / "mutant_site" / "sitecustomize.py").read_text())
+    site = ast.parse((REPO / "tests" / "mutant_site" / "source_mutants.py").read_text())
     table = next(
         n.value
         for n in site.body

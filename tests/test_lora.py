@@ -1,11 +1,13 @@
 """Frozen parameters (model.freeze) and LoRA (model.lora) on sharded models (docs/lora.md).
 
-The runs are declared in tests/batches.py (``freeze``, ``lora`` and its 1-, 4-rank and resumed
+The runs are declared in tests/batches/ (``freeze``, ``lora`` and its 1-, 4-rank and resumed
 twins): the parity suite's base, 8 AdamW steps with clipping on every step. Each is compared with
 the single-process reference (tests/reference.py), which freezes the same parameters and builds and
 initialises its adapters by hand, so a wrong LoRA forward, scaling or adapter init fails the parity.
 The rest runs in process without training: LoRALinear's sum, dropout and init against values computed
 by hand, the full-match rule of model.freeze and model.lora.train, and export.py's --adapters-only refusals.
+
+Covers: fsdp_zero/model/lora.py, fsdp_zero/config/lora.py, fsdp_zero/checkpoint/export.py
 """
 
 from __future__ import annotations

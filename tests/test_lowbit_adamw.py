@@ -1,10 +1,12 @@
 """Low-bit AdamW states (optim.state_bits=8 or 4: torchao's AdamW8bit and AdamW4bit) on sharded
 models (docs/memory-levers.md, "Low-bit AdamW states").
 
-The runs are declared in tests/batches.py: ZeRO-3 at 2 ranks with 8-bit and 4-bit states against the
+The runs are declared in tests/batches/: ZeRO-3 at 2 ranks with 8-bit and 4-bit states against the
 same run with torch's AdamW (``adamw32``: w1, w3 and wq train, the rest is frozen, so two shard shapes
 compile), the 8-bit one resumed from its step-4 checkpoint in a new process. Each process compiles
 torchao's update once per shard shape (seconds on a 2-core machine): the tests are marked slow.
+
+Covers: fsdp_zero/sharding/optim.py, fsdp_zero/sharding/quantize.py
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """Instruction data with masked prompts (issue 20, point 4): prepare's two formats and their mask files,
 the token-weighted loss over the global batch, and validation on a masked held-out file.
 
-The training runs are batched (`tests/batches.py`: ``masked`` at N = 2 and micro-batch 2,
+The training runs are batched (`tests/batches/`: ``masked`` at N = 2 and micro-batch 2,
 ``masked-noclip`` the same without clipping, ``masked-n1`` at N = 1 with 4 accumulated micro-batches
 of 2, ``masked-n1-mb8`` with one of 8). Each is compared on its losses, gradient norms and weights.
+
+Covers: fsdp_zero/data/token_files.py, fsdp_zero/data/prepare.py, fsdp_zero/model/tasks.py,
+    fsdp_zero/training/step.py
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from fsdp_zero.config.choices import Task
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.data.batches import TokenFile
 from fsdp_zero.data.prepare import Fields, _validation_documents, prepare
-from fsdp_zero.data.token_files import IGNORE, mask_file
+from fsdp_zero.data.token_files import IGNORE_INDEX, mask_file
 from fsdp_zero.model.tasks import _lm_sums, _masked_causal_lm, build_task, trained_tokens
 from fsdp_zero.model.transformer import _args_from_config
 from fsdp_zero.training.step import Step
@@ -190,7 +193,7 @@ def test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions
         source = TokenFile(bin_path, 4, 0)
         assert source.masked
         targets = source.pairs([0])[1][0].tolist()
-        assert targets == [int(ids[j]) if mask[j] else IGNORE for j in range(1, 5)], split
+        assert targets == [int(ids[j]) if mask[j] else IGNORE_INDEX for j in range(1, 5)], split
 
 
 def _turns(last: str, prompt: str, completion: str) -> list[dict]:
@@ -304,7 +307,7 @@ def test_the_mask_applies_to_the_predicted_token_and_unmasked_data_is_unchanged(
     inputs, targets = masked.pairs([16])
     assert inputs.tolist() == [list(range(16, 24))]
     # mask[17..24]
-    assert targets.tolist() == [[t if t % 3 == 0 else IGNORE for t in range(17, 25)]]
+    assert targets.tolist() == [[t if t % 3 == 0 else IGNORE_INDEX for t in range(17, 25)]]
     assert torch.equal(plain.pairs([16])[1], torch.arange(17, 25)[None])
 
 

@@ -5,6 +5,8 @@ RLIMIT_DATA at 2.4 GB, less than the 2.56 GB that 16 bytes x 160M parameters of 
 take. Single-process training cannot allocate it; FULL_SHARD over 4 ranks holds 16 P / 4 per rank
 and takes an optimizer step (the step that allocates the AdamW states: model state at its full
 16 P / N). About 30 s on 2 cores: 4 ranks of a 160M-parameter model.
+
+Covers: fsdp_zero/sharding/build.py, fsdp_zero/model/construct.py
 """
 
 from __future__ import annotations

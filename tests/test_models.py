@@ -1,16 +1,19 @@
 """Bring your own model: torchvision, Hugging Face and a user's module through the same path.
 
-One ZeRO-3 run per foreign model at N = 2 (checkpointing every 2 steps; tests/batches.py), reused by
+One ZeRO-3 run per foreign model at N = 2 (checkpointing every 2 steps; tests/batches/), reused by
 every test here: parity with single-process training on the same global batch (fp32), initial
 weights identical at N = 1, 2, 4, model state against the padded 16 P / N, an exact resume from
 step 2 (the llama: tied weights and a rotary buffer), and export into the plain model class. Then
 the own-loop example against the trainer, the data sources, and plan.py on a foreign model.
+
+Covers: fsdp_zero/model/construct.py, fsdp_zero/model/contract.py, fsdp_zero/config/targets.py,
+    fsdp_zero/sharding/build.py, fsdp_zero/sharding/wrap.py, fsdp_zero/checkpoint/weights.py,
+    fsdp_zero/data/batches.py, fsdp_zero/api.py
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import importlib
 import json
 import re
@@ -30,7 +33,7 @@ from fsdp_zero.data.batches import build_source
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.tasks import logits_of
 from fsdp_zero.sharding.build import materializer
-from tests.batches import BY_NAME, HAS_HF, VIT
+from tests.batches import HAS_HF, VIT, run_config
 from tests.conftest import REPO, TRAIN, check, figure, launch, run_script
 from tests.reference import reference_run
 
@@ -40,16 +43,9 @@ PARAMS = [pytest.param("vit"), pytest.param("llama", marks=needs_hf)]
 LOSS_ATOL, WEIGHT_ATOL, NORM_RTOL = 5e-6, 3e-5, 2e-6
 
 
-def _cfg(name: str):
-    """The config of tests/batches.py's run ``name``."""
-    args = BY_NAME[name].args
-    path, extra = (args[1], list(args[2:])) if args[:1] == ("--config",) else (None, list(args))
-    return load_config(path and str(REPO / path), extra)
-
-
 @pytest.fixture(scope="module")
 def runs(batches):
-    """Per model, ZeRO-3 at N = 2 straight through, checkpointing every 2 steps (tests/batches.py); the
+    """Per model, ZeRO-3 at N = 2 straight through, checkpointing every 2 steps (tests/batches/); the
     llama run resumed from its step-2 checkpoint in a fresh process; the ViT's first step at N = 4."""
     return batches
 
@@ -57,7 +53,7 @@ def runs(batches):
 @pytest.fixture(scope="module")
 def references() -> dict:
     return {
-        name: reference_run(_cfg(name))
+        name: reference_run(run_config(name))
         for name in ("vit", "vit-defaults", "llama", "llama-tp2")
         if not name.startswith("llama") or HAS_HF
     }
@@ -78,7 +74,7 @@ def test_foreign_model_trains_like_single_process(runs, references, name):
             # The key bias (middle third) has no gradient by construction (softmax is shift invariant):
             # AdamW turns its rounding-noise gradient into steps of +-lr, so it may differ by 2 lr a step.
             third = d.shape[0] // 3
-            assert d[third : 2 * third].max() <= 2 * 4 * _cfg(name).optim.lr
+            assert d[third : 2 * third].max() <= 2 * 4 * run_config(name).optim.lr
             d[third : 2 * third] = 0
     weight = max(d.max().item() for d in diffs.values())
     # the global norm before clipping, every step (llama-tp2: its split layers' mesh and the norm
@@ -120,7 +116,7 @@ def test_a_foreign_model_resumes_exactly(runs):
 def test_export_loads_into_the_plain_model_class(runs, name, tmp_path: Path):
     ckpt = runs.path(name) / "checkpoints" / "step-0000004"
     export_checkpoint(ckpt, tmp_path / "model.safetensors")
-    cfg = _cfg(name)
+    cfg = run_config(name)
     module, _, attr = cfg.model.target.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     plain = (
@@ -296,6 +292,7 @@ def test_plan_answers_for_a_foreign_model_and_for_a_parameter_count(tmp_path: Pa
     proc = check(
         run_script(
             REPO / "scripts" / "plan.py",
+            "simulate",
             *VIT,
             "--world-size",
             "3",
@@ -312,7 +309,9 @@ def test_plan_answers_for_a_foreign_model_and_for_a_parameter_count(tmp_path: Pa
     preds = {p["strategy"]: p for p in json.loads(out.read_text())}
     assert preds["full_shard"]["model_state"] < preds["ddp"]["model_state"]
     proc = check(
-        run_script(REPO / "scripts" / "plan.py", "--params", "7.5e9", "--world-size", "64")
+        run_script(
+            REPO / "scripts" / "plan.py", "formulas", "--params", "7.5e9", "--world-size", "64"
+        )
     )
     # The paper's P_os+g (Table 1) beside shard_grad_op: 16 x 7.5e9 / 64 bytes at rest, + 4 x 7.5e9 (fp32) in the step.
     assert "| 16.6 GB | shard_grad_op | 1.75 GiB | 29.69 GiB |" in proc.stdout
@@ -370,7 +369,7 @@ def test_init_from_a_hugging_face_folder_and_a_prefixed_state_dict(tmp_path: Pat
         materializer(torch.device("cpu"), cfg.model.init, seed, real_buffers(model), [])(model)
         return model
 
-    cfg = _cfg("llama")
+    cfg = run_config("llama")
     source = built(cfg, 5)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -407,7 +406,7 @@ def test_wrap_classes_come_from_the_model_or_the_error_lists_them():
     from fsdp_zero.config.schema import WrapConfig
     from fsdp_zero.sharding.wrap import build_wrap_plan
 
-    llama = construct(_cfg("llama").model)
+    llama = construct(run_config("llama").model)
     # Hugging Face's _no_split_modules: LlamaDecoderLayer
     plan = build_wrap_plan(llama, WrapConfig(), 2)
     assert [u.class_name for u in plan.units] == ["LlamaDecoderLayer"] * 2 + ["LlamaForCausalLM"]
@@ -454,17 +453,17 @@ def test_data_that_the_model_cannot_take_is_refused_before_training():
     from fsdp_zero.data.batches import fake_images
     from fsdp_zero.training.trainer import _check_data_fits
 
-    cfg = _cfg("vit")
+    cfg = run_config("vit")
     cfg.data.num_classes = 12  # the model has 10 outputs
     with pytest.raises(
         ValueError,
         match=r"has 12 classes but the model's last layer has 10 outputs; .*num_classes=12",
     ):
-        _check_data_fits(cfg, construct(cfg.model), fake_images(cfg.data, 0))
-    llama = _cfg("llama")
+        _check_data_fits(cfg.data, cfg.model.task, construct(cfg.model), fake_images(cfg.data, 0))
+    llama = run_config("llama")
     llama.data.seq_len = 65  # max_position_embeddings 64
     with pytest.raises(ValueError, match=r"data\.seq_len=65 > the model's longest sequence 64"):
-        _check_data_fits(llama, construct(llama.model), None)
+        _check_data_fits(llama.data, llama.model.task, construct(llama.model), None)
 
 
 @needs_hf
@@ -472,7 +471,7 @@ def test_a_hugging_face_model_can_bring_its_own_initialiser():
     from fsdp_zero.config.choices import Init
     from fsdp_zero.sharding.build import initialize
 
-    cfg = _cfg("llama")
+    cfg = run_config("llama")
     model = construct(cfg.model)
     # memory only
     materializer(torch.device("cpu"), cfg.model.init, None, real_buffers(model), [])(model)
@@ -484,131 +483,3 @@ def test_a_hugging_face_model_can_bring_its_own_initialiser():
         rel=0.1,
     )
     assert torch.equal(model.model.norm.weight.detach(), torch.ones(32))
-
-
-@needs_hf
-def test_a_tensor_parallel_plan_the_model_cannot_take_is_one_line():
-    """Checked when the model is built, before anything is split: a split dimension or a head count
-    that tp does not divide, a weight the plan would split twice (tied embeddings), no plan at all."""
-    from fsdp_zero.sharding.tensor import _check_splits, _expand, tp_plan
-
-    def check_llama(overrides: list[str], tp: int, message: str) -> None:
-        model = construct(load_config(None, [*BY_NAME["llama"].args, *overrides]).model)
-        with pytest.raises(ValueError, match=message):
-            _check_splits(model, _expand(model, tp_plan(model), False), tp)
-
-    check_llama(
-        [],
-        2,
-        r"model\.embed_tokens\.weight \(101, 32\): dimension 0 must be a multiple of "
-        r"parallel\.tp_size=2 \(embedding_rowwise\)",
-    )
-    check_llama(
-        ["model.kwargs.vocab_size=102"],
-        2,
-        r"parallel\.tp_size=2: model\.embed_tokens\.weight and lm_head\.weight are one weight "
-        r"\(tied embeddings\)",
-    )
-    check_llama(
-        ["model.kwargs.vocab_size=104"],
-        4,
-        r"model\.kwargs\.num_key_value_heads=2 must be a multiple of parallel\.tp_size=4",
-    )
-    with pytest.raises(ValueError, match=r"VisionTransformer declares no tensor-parallel plan"):
-        tp_plan(construct(_cfg("vit").model))
-
-
-def test_the_tensor_parallel_plan_reaches_every_layer_of_twelve():
-    """A plan pattern's ``*`` is one name component, whatever its length: on gpt_nano with 12
-    layers, ``layers.10`` and ``layers.11`` are planned as ``layers.0`` is (no error would say
-    otherwise: every pattern still matches some module), and the plan splits every Linear weight
-    and the embedding, counted by module type."""
-    from fsdp_zero.sharding.tensor import resolve_plan, split_weights
-
-    with torch.device("meta"):
-        model = construct(load_config(None, ["model.preset=gpt_nano", "model.n_layers=12"]).model)
-    for sp, per_layer in ((True, 11), (False, 7)):  # 7 Linears; with sp 2 norms and 2 gathers
-        planned, _ = resolve_plan(model, sp)
-        layers = [fqn.split(".")[1] for fqn in planned if fqn.startswith("layers.")]
-        assert {i: layers.count(str(i)) for i in range(12)} == dict.fromkeys(range(12), per_layer)
-        assert len(layers) == 12 * per_layer, sorted(set(layers))
-    by_type = sum(
-        m.weight.numel()
-        for m in model.modules()
-        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
-    )
-    assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == 12 * 7 + 1  # the head
-    assert split_weights(model, True) == split_weights(model, False) == by_type
-
-
-def test_each_pipeline_stage_holds_its_own_layers_under_their_full_names():
-    """The built-in model cut for pp 2 x 2 stages a rank under the V schedule (rank 0: stages 0 and
-    3) and the loop (rank 0: stages 0 and 2): each stage its run of layers, the embedding on the
-    first, the norm and head on the last, nothing else (never the whole model); the rank's view
-    holds exactly its stages' parameters, the same objects, under the full model's names. Layers
-    the stages do not divide go one each to the first stages, none left out. A model without a
-    pipeline plan is one line."""
-    from fsdp_zero.config.schema import ParallelConfig
-    from fsdp_zero.distributed import Topology
-    from fsdp_zero.sharding.pipeline import build_stages, cut_rank, pp_plan
-
-    with torch.device("meta"):
-        model = construct(load_config(None, ["model.preset=gpt_nano", "model.n_layers=4"]).model)
-    names = {n for n, _ in model.named_parameters()}
-    for schedule, want in (
-        ("ZBVZeroBubble", [["tok_embeddings", "layers.0"], ["layers.3", "norm", "output"]]),
-        ("Interleaved1F1B", [["tok_embeddings", "layers.0"], ["layers.2"]]),
-    ):
-        topology = Topology.of(ParallelConfig(pp_size=2, pp_schedule=schedule), 2)
-        stages = build_stages(
-            model, topology, 0, schedule, torch.device("cpu"), lambda m: (m, None)
-        )
-        held = [sorted({_top(n) for n, _ in part.named_parameters()}) for part in stages.parts]
-        assert held == [sorted(w) for w in want], (schedule, held)
-        view = dict(stages.model.named_parameters())
-        parts = {n: p for part in stages.parts for n, p in part.named_parameters()}
-        assert view.keys() == parts.keys() < names
-        assert all(view[n] is parts[n] for n in view)
-        with pytest.raises(RuntimeError, match="not called"):
-            stages.model(torch.zeros(1, 4, dtype=torch.long))
-    # Layers that the stages do not divide (config.rules asks only for n_layers >= stages): the
-    # first stages take one more each, and every layer is on a stage, in order (3 at pp 2; 5 over
-    # pp 2 x 2 stages a rank, Interleaved1F1B: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3).
-    for n_layers, schedule, runs in (
-        (3, "1F1B", [[0, 1], [2]]),
-        (5, "Interleaved1F1B", [[0, 1], [2], [3], [4]]),
-    ):
-        with torch.device("meta"):
-            uneven = construct(
-                load_config(None, ["model.preset=gpt_nano", f"model.n_layers={n_layers}"]).model
-            )
-        topology = Topology.of(ParallelConfig(pp_size=2, pp_schedule=schedule), 2)
-        cut = dict(s for r in range(2) for s in cut_rank(uneven, topology, r, schedule))
-        held = [
-            [int(name) for name in cut[s].layers]
-            for s in range(topology.pp * topology.stages_per_rank)
-        ]
-        assert held == runs, (schedule, held)
-    with pytest.raises(ValueError, match=r"VisionTransformer declares no pipeline plan"):
-        pp_plan(construct(_cfg("vit").model))
-    # what cannot be cut, whatever the model: a parameter on two stages, blocks without names
-    topology = Topology.of(ParallelConfig(pp_size=2), 2)
-    with torch.device("meta"):
-        tied = construct(
-            load_config(None, ["model.preset=gpt_nano", "model.tie_embeddings=true"]).model
-        )
-    with pytest.raises(
-        ValueError,
-        match=r"tok_embeddings\.weight and output\.weight are one parameter on different pipeline",
-    ):
-        cut_rank(tied, topology, 0, "1F1B")
-    listed = copy.deepcopy(model)
-    listed.layers = torch.nn.ModuleList(listed.layers.values())
-    with pytest.raises(ValueError, match=r"layers is a ModuleList; .* an nn\.ModuleDict"):
-        cut_rank(listed, topology, 0, "1F1B")
-
-
-def _top(name: str) -> str:
-    """A parameter's top-level module: a layer (layers.3) or a part (output)."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]

@@ -13,7 +13,12 @@ also record what reached FSDP2 and what it did (tests/workers/jobs.py): the dtyp
 at the reduction, the policy every unit holds, the parameter bytes held between forward and
 backward, and the order of all-gathers and computations.
 
-The runs are declared in tests/batches.py and shared with the other test modules.
+The runs are declared in tests/batches/ and shared with the other test modules.
+
+Covers: fsdp_zero/training/trainer.py, fsdp_zero/training/step.py,
+    fsdp_zero/sharding/parallelize.py, fsdp_zero/sharding/build.py, fsdp_zero/sharding/levers.py,
+    fsdp_zero/sharding/precision.py, fsdp_zero/sharding/tensor.py, fsdp_zero/sharding/pipeline.py,
+    fsdp_zero/distributed/topology.py, fsdp_zero/monitor/memory.py, fsdp_zero/monitor/phases.py
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import pytest
 import torch
 
 from fsdp_zero.config.loader import load_config
-from fsdp_zero.tools import layout_rows
+from fsdp_zero.tools import Workload, layout_rows
 from fsdp_zero.training import Summary
 from tests.batches import BASE, FOUR_LAYERS, PP2, TIED, TP2
 from tests.conftest import figure
@@ -36,7 +41,7 @@ LOSS_ATOL = 5e-6
 NORM_ATOL = 2e-6
 WEIGHT_ATOL = 3e-5
 
-# Each run of tests/batches.py this module compares with single-process training.
+# Each run of tests/batches/ this module compares with single-process training.
 NAMES = [
     "n1",
     "n2",
@@ -472,7 +477,7 @@ def test_the_planners_layout_is_what_each_rank_holds(runs, batches, name, overri
     planned as the run does) gives each rank's model state exactly as the run's own formula, which
     the tests above hold to the measured bytes."""
     ranks = Summary.read(batches.path(name)).ranks
-    rows = layout_rows(load_config(None, [*BASE, *overrides]), len(ranks))
+    rows = layout_rows(Workload.of(load_config(None, [*BASE, *overrides])), len(ranks))
     per_stage = len(ranks) // len(rows)  # pp outermost
     for rank, mine in enumerate(ranks):
         assert rows[rank // per_stage].model_state == mine["model_state_formula_bytes"], rank

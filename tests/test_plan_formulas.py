@@ -1,5 +1,9 @@
 """The ZeRO paper's model states (its Table 1) and ours at rest and inside the step, as
-`scripts/plan.py` prints them: arithmetic only, in this process, nothing built."""
+`scripts/plan.py` prints them: arithmetic only, in this process, nothing built.
+
+Covers: fsdp_zero/tools/formulas.py, fsdp_zero/tools/planner.py, fsdp_zero/tools/depth.py,
+    fsdp_zero/tools/render.py, fsdp_zero/sharding/parallelize.py
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from fsdp_zero.config.schema import ParallelConfig, PrecisionConfig
 from fsdp_zero.config.strategies import Strategy
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.precision import resolve_precision
 from fsdp_zero.tools.formulas import PLAN_MODES, format_gb, strategy_states, zero_paper_stages
 from tests.conftest import REPO
 
@@ -69,7 +73,7 @@ def test_ddp_and_zero1_are_their_formula_at_rest_and_in_the_step():
     )
     assert s[Strategy.zero1, "bf16-true"].in_step == 4 * P + 4 * P / N
     for (strategy, mode), state in s.items():
-        bytes_per_param = resolve(PrecisionConfig(mode=mode)).bytes_per_param
+        bytes_per_param = resolve_precision(PrecisionConfig(mode=mode)).bytes_per_param
         assert state.at_rest == model_state_formula(
             Topology.of(ParallelConfig(strategy=strategy), N), P, bytes_per_param
         )
@@ -81,8 +85,8 @@ def test_ddp_and_zero1_are_their_formula_at_rest_and_in_the_step():
 
 def test_fp16_mixed_needs_no_column_of_its_own():
     fp16, bf16 = (
-        resolve(PrecisionConfig(mode="fp16-mixed")),
-        resolve(PrecisionConfig(mode="bf16-mixed")),
+        resolve_precision(PrecisionConfig(mode="fp16-mixed")),
+        resolve_precision(PrecisionConfig(mode="bf16-mixed")),
     )
     assert "fp16-mixed" not in PLAN_MODES and "bf16-mixed" in PLAN_MODES
     assert (fp16.bytes_per_param, fp16.compute.itemsize) == (
@@ -92,7 +96,7 @@ def test_fp16_mixed_needs_no_column_of_its_own():
 
 
 def test_plan_prints_the_paper_beside_ours(capsys: pytest.CaptureFixture[str]):
-    assert plan.main(["--params", "7.5e9", "--world-size", "64"]) == 0
+    assert plan.main(["formulas", "--params", "7.5e9", "--world-size", "64"]) == 0
     out = capsys.readouterr().out
     assert (
         "ZeRO paper (Rajbhandari et al. 2020), Table 1" in out
@@ -116,13 +120,19 @@ def test_plan_prints_the_paper_beside_ours(capsys: pytest.CaptureFixture[str]):
     assert "fp16-mixed: as bf16-mixed" in out
     assert "DeepSpeed estimate_zero3_model_states_mem_needs" in out
 
-    assert plan.main(["--params", "7.5e9", "--world-size", "64", "--largest-layer", "2e8"]) == 0
+    assert (
+        plan.main(["formulas", "--params", "7.5e9", "--world-size", "64", "--largest-layer", "2e8"])
+        == 0
+    )
     out = capsys.readouterr().out
     # + 4 (then 2) x 2 x 2e8 bytes
     assert "| full_shard | 1.75 GiB | 3.24 GiB | 1.75 GiB | 2.49 GiB |" in out
     assert "largest layer 200,000,000 params" in out
 
-    assert plan.main(["--params", "7.5e9", "--world-size", "64", "--largest-layer", "8e9"]) == 2
+    assert (
+        plan.main(["formulas", "--params", "7.5e9", "--world-size", "64", "--largest-layer", "8e9"])
+        == 2
+    )
     assert "--largest-layer=8e+09" in capsys.readouterr().err
 
 
@@ -166,7 +176,7 @@ def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     from fsdp_zero.tools.planner import Simulator
 
     cfg = load_config(None, [*DEEP, *case])
-    with Simulator(cfg, world, baseline=0) as sim:
+    with Simulator(cfg.dist.device, world, baseline=0) as sim:
         composed, whole = sim.predict(cfg), sim.predict(cfg, whole=True)
     assert (
         composed.notes == ["composed: layers simulated with 4 and 5 of its 13 blocks"]
@@ -211,7 +221,7 @@ def test_hpz_is_simulated_and_holds_more_between_forward_and_backward_than_zero3
     zero3, hpz = (
         load_config(None, [*base, *extra]) for extra in ([], ["parallel.reshard_after_forward=2"])
     )
-    with Simulator(zero3, 4, baseline=0) as sim:
+    with Simulator(zero3.dist.device, 4, baseline=0) as sim:
         peak = {
             name: sum(sim.predict(c).tensors.values())
             for name, c in (("zero3", zero3), ("hpz", hpz))

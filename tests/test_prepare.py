@@ -3,6 +3,8 @@ data.source=tokens reads, and the meta.json beside them.
 
 The tokenizer is tests/hf_fixtures.py's (a byte-level BPE trained in the test session); the script
 runs in this process (`run_script`), except for the worker processes that ``--workers 2`` starts.
+
+Covers: fsdp_zero/data/prepare.py, fsdp_zero/data/documents.py, fsdp_zero/data/token_files.py
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """A Hugging Face folder in (model.pretrained), a from_pretrained folder out (scripts/export.py).
 
 One ZeRO-3 run at N = 2 from a tiny Llama folder saved in the test (tests/hf_fixtures.py; the run in
-tests/batches.py's 2-rank launch, its resume from step 2 in the 2-resume launch): it starts from the
+tests/batches' 2-rank launch, its resume from step 2 in the 2-resume launch): it starts from the
 folder's weights and trains as a single process does from `from_pretrained`'s model; its export loads
 with `AutoModelForCausalLM.from_pretrained` with no missing or unexpected keys and the trained
 model's logits. The bad folders and settings end before training, in this process.
+
+Covers: fsdp_zero/model/hf.py, fsdp_zero/model/source.py, fsdp_zero/checkpoint/export.py
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """QLoRA (model.lora.quantize=nf4) on sharded models (docs/lora.md, "QLoRA").
 
-The runs are declared in tests/batches.py (``qlora`` and its bf16-mixed, resumed, 4-rank and
+The runs are declared in tests/batches/ (``qlora`` and its bf16-mixed, resumed, 4-rank and
 wrong-base twins): LoRA's settings on a pretrained gpt_nano (a state dict file), every block Linear
 stored in NF4. Their weights are read back gathered by FSDP2 itself (each unit unsharded, its NF4
 dequantized: what the forward computes with, tests/workers/jobs.py). They are compared with the
 single-process reference (tests/reference.py) started from the same dequantized weights: NF4 is
 exact from there on, so 2 ranks must match 1 process within the fp32 parity tolerances. The rest
 runs in process: NF4's bytes by formula against torchao's tensors, the export's merges, the refusals.
+
+Covers: fsdp_zero/sharding/quantize.py, fsdp_zero/model/lora.py, fsdp_zero/checkpoint/weights.py
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
 
 pytest.importorskip("torchao")  # the lowbit extra (in dev)
 EXPORT = REPO / "scripts" / "export.py"
-BLOCK, SCALER = 64, 16  # tests/batches.py's QLORA
+BLOCK, SCALER = 64, 16  # tests/batches' QLORA
 QUANTIZED = [f"{n}.weight" for n in BLOCK_LINEARS]
 
 
@@ -121,7 +123,7 @@ def test_the_all_gather_moves_the_nf4_bytes(batches):
     from fsdp_zero.data.loader import BatchLayout
     from fsdp_zero.model.lora import make_trainable
     from fsdp_zero.monitor.comm import comm_formula
-    from fsdp_zero.sharding.precision import resolve
+    from fsdp_zero.sharding.precision import resolve_precision
     from fsdp_zero.sharding.quantize import _nf4_gathered_bytes
     from fsdp_zero.sharding.wrap import build_wrap_plan
 
@@ -138,7 +140,7 @@ def test_the_all_gather_moves_the_nf4_bytes(batches):
         model,
         build_wrap_plan(model, cfg.parallel.wrap, 2),
         BatchLayout.of(cfg.train, 2).grad_accum_steps,
-        resolve(cfg.precision),
+        resolve_precision(cfg.precision),
     )
     nf4, plain = comm_formula(*args, gathered).all_gather, comm_formula(*args).all_gather
     assert summary["comm_formula_bytes"]["all_gather"] == pytest.approx(nf4, rel=1e-9)
@@ -296,7 +298,7 @@ def _quantized(path: Path, seed: int, *more: str):  # noqa: ANN202
     cfg = _cfg(path.parent, *more, f"model.init_from={path}")
     model = construct(cfg.model)
     make_trainable(model, cfg.model)
-    nf4 = plan_nf4(cfg, model, 2)
+    nf4 = plan_nf4(cfg.model, cfg.parallel.wrap, model, 2)
     nf4.quantizer(model)("", model)
     return base, model, nf4
 
@@ -346,7 +348,7 @@ def test_a_resume_checks_the_rebuilt_bases_digest_not_its_path(tmp_path: Path):
 
 
 def test_the_plan_counts_nf4_at_its_bytes_for_a_70b_model_on_two_ranks():
-    """plan.py --params 70e9 --world-size 2 --frozen --nf4: the formulas' QLoRA (Llama-2-70B's split:
+    """plan.py formulas --params 70e9 --world-size 2 --frozen --nf4: the formulas' QLoRA (Llama-2-70B's split:
     68.5e9 Linear weights in NF4, 1.3e9 other frozen, 0.2e9 adapters), and a QLoRA config's counts."""
     from fsdp_zero.tools.formulas import Trained, strategy_states
 
@@ -365,12 +367,20 @@ def test_the_plan_counts_nf4_at_its_bytes_for_a_70b_model_on_two_ranks():
     assert "valid choices: fp32, bf16-mixed" in rows[("full_shard", "bf16-true")].refused
     out = run_script(
         REPO / "scripts" / "plan.py",
+        "formulas",
         *("--params", "70e9", "--world-size", "2", "--frozen", "69.8e9", "--nf4", "68.5e9"),
     )
     assert out.returncode == 0 and "of those in NF4 (QLoRA): 0.5159 B each" in out.stdout, out
     assert "| full_shard | 20.37 GiB |" in out.stdout, out.stdout
     bad = run_script(
-        REPO / "scripts" / "plan.py", "--params", "1e9", "--world-size", "2", "--nf4", "2e9"
+        REPO / "scripts" / "plan.py",
+        "formulas",
+        "--params",
+        "1e9",
+        "--world-size",
+        "2",
+        "--nf4",
+        "2e9",
     )
     assert bad.returncode == 2 and "--nf4 <= --frozen" in bad.stderr
 
@@ -400,7 +410,7 @@ def test_the_planner_predicts_the_runs_model_state_without_reading_the_base(batc
         ),
         (
             (*QLORA, "parallel.strategy=ddp"),
-            "model.lora.quantize=nf4 needs an FSDP strategy",
+            "model.lora.quantize=nf4 with parallel.strategy=ddp is not supported: it needs an FSDP",
         ),
         ((*QLORA, "precision=bf16-true"), "not supported"),
         ((*QLORA, "precision=fp16-mixed"), "valid choices: fp32, bf16-mixed"),

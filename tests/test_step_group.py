@@ -1,11 +1,13 @@
 """A bounded optimizer step: optim.step_group_size (fsdp_zero/sharding/build.py::_step_groups, docs/memory-levers.md).
 
 Stepping AdamW group by group gives the whole-shard step's bits: the runs ``group``, ``group-bf16``
-and ``group-zero1`` of tests/batches.py (2 ranks, groups of 5,000 local elements) against ``n2``,
+and ``group-zero1`` of tests/batches/ (2 ranks, groups of 5,000 local elements) against ``n2``,
 ``bf16-mixed`` and ``zero1``: losses, final weights and AdamW states equal. A checkpoint continues
 under another group size with the same bits (``group-resumed``, ``group-to-whole``). The optimizer
 step's temporaries, as PyTorch's MemTracker counts them on a simulated rank of 2 (fake tensors, the
 planner's fake process group), are one group's instead of the whole shard's.
+
+Covers: fsdp_zero/sharding/optim.py, fsdp_zero/monitor/phases.py, fsdp_zero/monitor/memory.py
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ def _step_temporaries(overrides: list[str], world_size: int = 2) -> tuple[int, l
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=CPU, backend="fake")
-        topology = Topology.of(cfg.parallel, world_size)
-        topology = topology.with_mesh(topology.mesh(CPU.type))  # built outside fake mode
+        # the mesh built outside fake mode
+        topology = Topology.of(cfg.parallel, world_size).on(CPU.type)
         meta = construct(cfg.model)
         with FakeTensorMode(allow_non_fake_inputs=True):
             built = build(cfg, env, seed=None, topology=topology, model=meta)

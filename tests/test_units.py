@@ -1,10 +1,15 @@
-"""Model, init, data and memory pieces on their own (single process)."""
+"""Model, init, data and memory pieces on their own (single process).
+
+Covers: fsdp_zero/model/transformer.py, fsdp_zero/model/init.py, fsdp_zero/config/presets.py,
+    fsdp_zero/data/batches.py, fsdp_zero/data/loader.py, fsdp_zero/training/step.py,
+    fsdp_zero/monitor/memory.py, fsdp_zero/training/rundir.py, fsdp_zero/checkpoint/dcp.py,
+    fsdp_zero/api.py
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +23,6 @@ from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.model import init
 from fsdp_zero.monitor.memory import MemoryMonitor, model_state_bytes
 from fsdp_zero.training.step import lr_factor
-from tests.batches import HAS_HF
 from tests.conftest import REPO, build_model, check, launch
 
 
@@ -155,7 +159,7 @@ def test_the_same_batch_groups_are_a_ranks_tensor_parallel_pair_and_its_pipeline
     for rank in range(world):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
-            topology = Topology.of(ParallelConfig(**sizes), world).with_own_mesh("cpu")
+            topology = Topology.of(ParallelConfig(**sizes), world).on("cpu")
             got = [sorted(dist.get_process_group_ranks(g)) for g in topology.same_batch()]
         finally:
             dist.destroy_process_group()
@@ -288,141 +292,6 @@ def test_cpu_memory_monitor_reads_rss_and_resets_its_peak():
     assert "cuda_allocated_mib" not in after
 
 
-def test_private_torch_apis_are_where_we_expect_them():
-    """fsdp_zero.torch_private imports every private torch API we use; a torch upgrade that moves
-    one fails here, by name, not somewhere deep in a run."""
-    import inspect
-
-    from fsdp_zero import torch_private
-
-    assert callable(torch_private._init_optim_state)
-    assert "optim" in inspect.signature(torch_private._init_optim_state).parameters
-    from torch.distributed.fsdp import FSDPModule
-
-    assert hasattr(FSDPModule, "set_custom_reduce_scatter")
-    assert inspect.signature(torch_private.DefaultReduceScatter.__call__).parameters.keys() >= {
-        "output_tensor",
-        "input_tensor",
-        "group",
-        "op",
-        "async_op",
-    }
-    assert hasattr(FSDPModule, "set_custom_all_gather") and hasattr(
-        FSDPModule, "set_all_reduce_hook"
-    )
-    assert inspect.signature(torch_private.DefaultAllGather.__call__).parameters.keys() >= {
-        "output_tensor",
-        "input_tensor",
-        "group",
-        "async_op",
-    }
-    # what count_zero_broadcasts wraps and reads
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    assert hasattr(ZeroRedundancyOptimizer, "_partition_parameters")
-    assert (
-        "rank" in inspect.signature(ZeroRedundancyOptimizer._broadcast_params_from_rank).parameters
-    )
-    # pybind: no inspectable signature
-    assert "backend" in torch_private.flight_recorder_json.__doc__
-    assert callable(torch_private.default_store)
-    # The pinned torch has both public APIs the shims stand in for on the GPU machines' torch 2.11.
-    assert torch_private.set_group_timeout is torch.distributed.set_timeout
-    assert callable(getattr(FSDPModule, "reset_iter_state", None))
-    assert torch_private.FakeStore() is not None
-    assert torch_private.FakeTensorMode is not None
-    # a saved tensor's storage on the meta device, a DTensor's local part (plan.py's activations)
-    base = torch.empty(4, 8, device="meta")
-    assert torch_private.storage_key(base.t())[0] == torch_private.storage_key(base)[0]
-    assert torch_private.storage_key(base)[0] != torch_private.storage_key(base.clone())[0]
-    assert torch_private.storage_key(base)[1] == 4 * 8 * 4
-    # the pipeline schedules' action tables, read from stand-in stages (plan.py's activations)
-    assert torch_private.schedule_order("1F1B", 2, [0], 4, 0) is None
-    order = torch_private.schedule_order("Interleaved1F1B", 2, [0, 2], 4, 0)
-    assert order[:4] == [(0, "F", 0), (0, "F", 1), (2, "F", 0), (2, "F", 1)] and len(order) == 16
-    assert {k for _, k, _ in torch_private.schedule_order("ZBVZeroBubble", 2, [0, 3], 4, 0)} == {
-        "F",
-        "I",
-        "W",
-    }
-    # what real_post_forward_meshes wraps
-    from torch.distributed.fsdp._fully_shard import _fully_shard
-
-    assert (
-        "reshard_after_forward"
-        in inspect.signature(_fully_shard._get_post_forward_mesh_info).parameters
-    )
-    assert {"track_external", "get_tracker_snapshot", "reset_mod_stats"} <= set(
-        dir(torch_private.mem_tracker())
-    )
-    assert issubclass(torch_private.fsdp_mem_tracker(), torch_private.mem_tracker())
-    assert issubclass(torch.nn.Conv2d, torch_private.ConvNd) and issubclass(
-        torch.nn.BatchNorm1d, torch_private.NormBase
-    )
-    import importlib
-
-    # what the checkpoint reader's unpickler admits
-    for module, name in torch_private.DCP_METADATA_PRIVATE:
-        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
-    if HAS_HF:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        llama = LlamaForCausalLM(
-            LlamaConfig(
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                vocab_size=64,
-            )
-        )
-        assert torch_private.hf_no_split_modules(llama) == ["LlamaDecoderLayer"]
-        before = llama.lm_head.weight.detach().clone()
-        assert torch_private.hf_init_weights(llama, 0) and not torch.equal(
-            before, llama.lm_head.weight
-        )
-    assert (
-        not torch_private.hf_init_weights(torch.nn.Linear(2, 2), 0)
-        and torch_private.hf_no_split_modules(torch.nn.Linear(2, 2)) == []
-    )
-    # No other module imports a private torch or OmegaConf name, or reaches one through attributes.
-    import ast
-
-    outside = set()
-    for path in (REPO / "fsdp_zero").rglob("*.py"):
-        name = path.relative_to(REPO / "fsdp_zero").as_posix()
-        if name == "torch_private.py":
-            continue
-        for line in path.read_text().splitlines():
-            if line.lstrip().startswith(("import torch", "from torch", "from omegaconf")):
-                assert "._" not in line.split(" import ")[0] and " import _" not in line, (
-                    f"{name}: {line}"
-                )
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr.startswith("_")
-                and not node.attr.startswith("__")
-            ):
-                base = ast.unparse(node.value)
-                assert not base.startswith(("torch", "nn.")) and node.attr not in (
-                    "_get_node",
-                    "_value",
-                ), f"{name}: {base}.{node.attr}"
-                if base not in ("self", "cls"):
-                    outside.add(f"{name}: {base}.{node.attr}")
-            if (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr")
-                and isinstance(node.args[1], ast.Constant)
-                and re.match(r"_[A-Za-z]", str(node.args[1].value))
-            ):
-                outside.add(f"{name}: '{node.args[1].value}'")  # getattr(x, "_private")
-    # Only our own private names (a data source's memory map) and os._exit remain outside.
-    assert outside == {"data/batches.py: '_mapped'", "distributed/env.py: os._exit"}, outside
-
-
 _MONITOR = """
 import torch
 from fsdp_zero.monitor.memory import MemoryMonitor
@@ -471,7 +340,7 @@ def test_run_directory_policy_in_process(tmp_path: Path):
     cfg = load_config(None, base)
     # nothing there: fresh
     assert _plan_run_dir(cfg, run_dir, seed_was_set=True) == RunDecision(run_dir, None, 1234)
-    write_run_dir(run_dir, run_files(cfg, run_dir, 0, "plan"), tag="0")
+    write_run_dir(run_dir, run_files(to_yaml(cfg), cfg.model, run_dir, 0, "plan"), tag="0")
     assert (run_dir / "config.yaml").read_text() == to_yaml(cfg) and (
         run_dir / "wrap_plan.txt"
     ).read_text() == "plan\n"
@@ -511,7 +380,7 @@ def test_run_directory_policy_in_process(tmp_path: Path):
     (run_dir / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": s}) + "\n" for s in range(1, 7))
     )
-    write_run_dir(run_dir, run_files(cfg, run_dir, 4, "plan"), tag="4")
+    write_run_dir(run_dir, run_files(to_yaml(cfg), cfg.model, run_dir, 4, "plan"), tag="4")
     assert [row["step"] for row in RunDir(run_dir).metric_rows()] == [1, 2, 3, 4]
     assert len((run_dir / "metrics.jsonl.4").read_text().splitlines()) == 6
 
@@ -600,33 +469,3 @@ def test_train_state_round_trips_and_reads_checkpoints_written_before_it(tmp_pat
     (ckpt / "train_state.json").write_text(json.dumps({"data_position": 1}))
     with pytest.raises(ValueError, match="train_state.json is corrupt: no integer 'step'"):
         read_train_state(ckpt)
-
-
-def test_the_torchao_apis_we_use_are_where_we_expect_them():
-    """fsdp_zero.torch_private imports torchao's APIs on first use (the lowbit extra): an upgrade that
-    moves one fails here, by name, not in a run's set-up."""
-    pytest.importorskip("torchao")
-    import importlib
-
-    import torch._functorch.config as functorch_config
-
-    assert hasattr(functorch_config, "enable_autograd_cache")
-    wanted = {
-        "torchao.quantization": ["quantize_", "to_nf4", "NF4Tensor"],
-        "torchao.optim": ["AdamW8bit", "AdamW4bit"],
-        "torchao.float8": [
-            "Float8LinearConfig",
-            "convert_to_float8_training",
-            "precompute_float8_dynamic_scale_for_fsdp",
-        ],
-        "torchao.prototype.moe_training.config": ["MXFP8TrainingOpConfig", "MXFP8TrainingRecipe"],
-    }
-    for module, names in wanted.items():
-        found = importlib.import_module(module)
-        assert all(hasattr(found, n) for n in names), (
-            module,
-            [n for n in names if not hasattr(found, n)],
-        )
-    from torchao.prototype.moe_training.config import MXFP8TrainingRecipe
-
-    assert {"MXFP8_RCEIL", "MXFP8_EMULATED_RCEIL"} <= set(MXFP8TrainingRecipe.__members__)

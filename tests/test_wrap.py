@@ -1,4 +1,7 @@
-"""Wrap plans on the built-in model and on models that declare no block (meta device: no memory, no process group)."""
+"""Wrap plans on the built-in model and on models that declare no block (meta device: no memory, no process group).
+
+Covers: fsdp_zero/sharding/wrap.py
+"""
 
 from __future__ import annotations
 

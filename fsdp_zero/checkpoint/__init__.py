@@ -5,6 +5,7 @@ from fsdp_zero.checkpoint.deepspeed_in import read_checkpoint as read_deepspeed_
 from fsdp_zero.checkpoint.export import MERGE_INTO, export
 from fsdp_zero.checkpoint.folders import checkpoint_step, latest_checkpoint, list_checkpoints
 from fsdp_zero.checkpoint.imported import from_deepspeed, write_imported
+from fsdp_zero.checkpoint.parts import training_parts
 from fsdp_zero.checkpoint.weights import EXPORT_DTYPES, export_checkpoint, load_full_weights
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "read_deepspeed_checkpoint",
     "read_train_state",
     "TrainState",
+    "training_parts",
     "write_imported",
 ]

@@ -15,8 +15,10 @@ Only tensors go through DCP: its loader unpickles non-tensor items with
 A save writes into ``.partial-step-0000050`` and is renamed by rank 0 once DCP has
 written the metadata, which it does only after every rank reported its files. A crash
 mid-save leaves a hidden partial folder that discovery never picks up; the previous
-checkpoint is untouched. Model and optimizer tensors are keyed by parameter FQN with
-their global shapes, so a checkpoint saved at N ranks loads at any M.
+checkpoint is untouched. What is saved and loaded is a mapping of `Stateful` parts
+(`fsdp_zero.checkpoint.parts`: model, optimizer), each under its key; model and optimizer
+tensors are keyed by parameter FQN with their global shapes, so a checkpoint saved at N ranks
+loads at any M.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -34,17 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.checkpoint.stateful import Stateful
 
 import fsdp_zero
 from fsdp_zero.checkpoint.folders import (
@@ -54,22 +49,13 @@ from fsdp_zero.checkpoint.folders import (
     checkpoint_name,
     latest_checkpoint,
 )
+from fsdp_zero.checkpoint.parts import MODEL, OPTIM, RngState
 from fsdp_zero.checkpoint.safe_read import SafeFileSystemReader
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE
 from fsdp_zero.errors import CheckpointFailed
 from fsdp_zero.model.source import does_not_fit
-from fsdp_zero.sharding.parallelize import unwrap
-from fsdp_zero.torch_private import _init_optim_state
 
 logger = logging.getLogger("fsdp_zero")
-
-
-# ---------------------------------------------------------------------------------
-# Folder naming, discovery, retention (pure functions of the file tree)
-
-
-# ---------------------------------------------------------------------------------
-# Safe reading
 
 
 @dataclass
@@ -146,39 +132,13 @@ def read_train_state(path: Path) -> TrainState:
 # State
 
 
-def _tensor_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, rebuilt: frozenset[str] = frozenset()
-) -> dict[str, Any]:
-    """Model and optimizer tensors keyed by parameter FQN (sharded DTensors under FSDP), less the
-    ``rebuilt`` model tensors (QLoRA's NF4 base: every start rebuilds it from its source).
-
-    The values are the live tensors (or views of them), so DCP loads in place.
-    ZeroRedundancyOptimizer (zero1) is not covered by torch's state-dict API: each rank
-    contributes the AdamW states of its own partition, under the same FQN keys, so the
-    checkpoint holds every parameter's state once, in full, like a DDP one.
-    """
-    model_sd = {k: v for k, v in get_model_state_dict(model).items() if k not in rebuilt}
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        local = optimizer.optim  # this rank's AdamW over its partition
-        if not local.state:
-            _init_optim_state(local)  # lazily created states must exist to be loaded into
-        names = {id(p): fqn for fqn, p in unwrap(model).named_parameters()}
-        return {
-            "model": model_sd,
-            "optim": {names[id(p)]: dict(st) for p, st in local.state.items()},
-        }
-    return {"model": model_sd, "optim": get_optimizer_state_dict(model, optimizer)["state"]}
+def _tensor_state(parts: Mapping[str, Stateful]) -> dict[str, Any]:
+    """Each part's tensors under its key: the live tensors (or views), so DCP loads in place."""
+    return {name: part.state_dict() for name, part in parts.items()}
 
 
 def _rng_key(rank: int) -> str:
     return f"rng_rank{rank}"
-
-
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
 
 
 def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Size]:
@@ -203,13 +163,13 @@ def _check_matches(
     saved = {
         k: v.size
         for k, v in metadata.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata) and k.split(".")[0] in ("model", "optim")
+        if isinstance(v, TensorStorageMetadata) and k.split(".")[0] in (MODEL, OPTIM)
     }
     missing = sorted(set(expected) - set(saved))
     # Only model keys can be unexpected: under zero1 a rank asks for its partition's optimizer
     # states alone.
     unexpected = sorted(
-        k for k in set(saved) - set(expected) - (known or set()) if k.startswith("model.")
+        k for k in set(saved) - set(expected) - (known or set()) if k.startswith(f"{MODEL}.")
     )
     misshaped = sorted(
         f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(expected[k])}"
@@ -261,16 +221,13 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
 
     def save(
-        self,
-        step: int,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_state: TrainState,
-        config_yaml: str,
-        rebuilt: frozenset[str] = frozenset(),
+        self, parts: Mapping[str, Stateful], train_state: TrainState, config_yaml: str
     ) -> None:
-        """Writes checkpoint ``step`` (``train_state`` with this world size and the versions); returns
-        at once when saving asynchronously. ``rebuilt``: model tensors left out (`_tensor_state`)."""
+        """Writes checkpoint ``train_state.step``: the tensors of ``parts``
+        (`fsdp_zero.checkpoint.parts`) and this rank's RNG through DCP, ``train_state`` (with this
+        world size and the versions) and ``config_yaml`` beside them; returns at once when saving
+        asynchronously."""
+        step = train_state.step
         self.wait()  # one save in flight at a time
         final = self.root / checkpoint_name(step)
         partial = self.root / f"{PARTIAL_PREFIX}{final.name}"
@@ -293,10 +250,7 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0)  # every rank stops, or none does
         if box[0]:
             raise ValueError(box[0])
-        state = {
-            **_tensor_state(model, optimizer, rebuilt),
-            _rng_key(self.rank): _rng_state(self.device),
-        }
+        state = {**_tensor_state(parts), _rng_key(self.rank): RngState(self.device).state_dict()}
         _fault_point("before_write", step)
         writer = dcp.FileSystemWriter(str(partial))
         if self.async_group is not None:
@@ -393,20 +347,20 @@ def _fault_point(where: str, step: int) -> None:
 
 
 def load_checkpoint(
-    path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    rank: int,
-    device: torch.device,
-    whole: nn.Module | None = None,
-    rebuilt: frozenset[str] = frozenset(),
+    path: Path, parts: Mapping[str, Stateful], rank: int, device: torch.device
 ) -> TrainState:
-    """Loads model, optimizer and this rank's RNG from ``path``; returns its train state.
+    """Loads ``parts`` (`fsdp_zero.checkpoint.parts.training_parts`: the model's is a `ModelState`)
+    and this rank's RNG from ``path``; returns its train state.
 
     Works at any world size: DCP reads, for each rank, the parts of the saved chunks
-    that overlap the rank's shards. Under pipeline parallelism ``model`` holds this rank's stages
-    and ``whole`` is the whole model (on meta), whose other tensors the checkpoint also holds.
-    ``rebuilt``: model tensors the checkpoint leaves out (QLoRA's NF4 base, rebuilt already).
+    that overlap the rank's shards.
+
+    Args:
+        path: the checkpoint's folder.
+        parts: what to load into, each under its key in the checkpoint (their ``state_dict()`` gives
+            the live tensors DCP loads into in place).
+        rank: this rank (its RNG's key).
+        device: where this rank's GPU RNG lives (a CPU run has none).
 
     Raises:
         ValueError: a missing, partial or corrupt checkpoint, or one of another model.
@@ -414,16 +368,13 @@ def load_checkpoint(
     train_state = read_train_state(path)
     reader = SafeFileSystemReader(str(path))
     metadata = reader.read_metadata()
-    state = _tensor_state(model, optimizer, rebuilt)  # the structure (and shards) to load into
-    known = (
-        {f"model.{k}" for k in whole.state_dict() if k not in rebuilt}
-        if whole is not None
-        else None
-    )
+    state = _tensor_state(parts)  # the structure (and shards) to load into
+    whole = parts[MODEL].known_keys()  # under pipeline parallelism, the other stages' keys too
+    known = {f"{MODEL}.{k}" for k in whole} if whole is not None else None
     _check_matches(metadata, _flat_shapes(state), path, known)
-    rng_key = _rng_key(rank)
+    rng_key, rng = _rng_key(rank), RngState(device)
     if any(k.startswith(f"{rng_key}.") for k in metadata.state_dict_metadata):
-        state[rng_key] = _rng_state(device)
+        state[rng_key] = rng.state_dict()
     try:
         dcp.load(state, storage_reader=reader)
     # DCP gathers every rank's failure and raises on all ranks
@@ -433,14 +384,8 @@ def load_checkpoint(
         raise ValueError(
             f"checkpoint {str(path)!r} could not be read (corrupt or truncated file?): {_causes(e)}"
         ) from None
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not rebuilt))
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states were loaded in place
-        groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
-        set_optimizer_state_dict(
-            model, optimizer, {"state": state["optim"], "param_groups": groups}
-        )
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
     if rng_key in state:
-        torch.set_rng_state(state[rng_key]["cpu"])
-        if "cuda" in state[rng_key] and device.type == "cuda":
-            torch.cuda.set_rng_state(state[rng_key]["cuda"], device)
+        rng.load_state_dict(state[rng_key])
     return train_state

@@ -170,12 +170,12 @@ def read_checkpoint(path: Path) -> DsCheckpoint:
         raise ValueError(f"{models[0]}: frozen parameters are not read yet (model.freeze)")
     ckpt = DsCheckpoint(
         folder,
-        "",
-        int(meta["global_steps"]),
-        int(meta.get("global_samples") or 0),
-        int(meta.get("dp_world_size") or 1),
-        meta["ds_config"],
-        str(meta.get("ds_version", "?")),
+        form="",
+        step=int(meta["global_steps"]),
+        samples=int(meta.get("global_samples") or 0),
+        world_size=int(meta.get("dp_world_size") or 1),
+        ds_config=meta["ds_config"],
+        version=str(meta.get("ds_version", "?")),
         shared=dict(meta.get("shared_params") or {}),
     )
     shapes = {n: tuple(s) for group in meta["param_shapes"] for n, s in group.items()}

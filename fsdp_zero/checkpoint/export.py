@@ -83,7 +83,15 @@ def export(
     rebuilt = None
     if record is not None and not adapters_only:
         rebuilt = RebuiltBase(record, original=merge_into == "original")
-    files = export_checkpoint(checkpoint, out, dtype, max_shard_bytes, extra, view, rebuilt)
+    files = export_checkpoint(
+        checkpoint,
+        out,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        extra_files=extra,
+        view=view,
+        rebuilt=rebuilt,
+    )
     if adapter_files:  # PEFT's file name for the one safetensors file
         files = [f.rename(out / ADAPTER_FILES[0]) if f.name == SINGLE_FILE else f for f in files]
     return _Exported(files, note)

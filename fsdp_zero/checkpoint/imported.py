@@ -44,6 +44,12 @@ def from_deepspeed(
     notes on what DeepSpeed did that this config does differently (its AdamW settings, decayed
     parameters).
 
+    Args:
+        ckpt: the DeepSpeed checkpoint, read (`fsdp_zero.checkpoint.deepspeed_in.read_checkpoint`).
+        model: the model it trained, on the meta device.
+        cfg: this run's optimizer settings.
+        renames: (old prefix, new prefix) pairs applied to DeepSpeed's names first.
+
     Raises:
         ValueError: DeepSpeed's names and shapes do not fit the model (missing, unexpected and
             mis-shaped names, after ``renames``).
@@ -153,6 +159,12 @@ def _rename_hint(missing: list[str], unexpected: list[str]) -> str:
 def write_imported(run_dir: Path, state: dict, train_state: TrainState, config_yaml: str) -> Path:
     """Writes checkpoint ``train_state.step`` of ``state`` into ``run_dir`` (which must hold no
     checkpoint), with this code's versions; returns its folder.
+
+    Args:
+        run_dir: the new run directory (missing or empty).
+        state: the tensors, as `from_deepspeed` returns them (DCP's keys: model.*, optim.*).
+        train_state: the checkpoint's JSON side.
+        config_yaml: the run's resolved config, written beside it as config.yaml.
 
     Raises:
         ValueError: ``run_dir`` holds a run already (nothing is overwritten).

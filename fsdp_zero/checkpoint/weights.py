@@ -88,9 +88,14 @@ def load_full_weights(
 ) -> str:
     """Copies a full state dict (parameters and persistent buffers) into the (sharded or plain)
     model, each rank reading only its rows; returns the renaming applied (`_match_state_dict`).
-    ``key``: the setting that named ``path``, for the errors; ``whole``: the model (on meta) the
-    file is matched against when ``model`` holds a pipeline rank's stages only; ``skip``: names
-    filled already (QLoRA's NF4 base, quantized from the same file while sharding).
+
+    Args:
+        model: the (sharded or plain) model to fill.
+        path: the weights: a .pt, a .safetensors, or a folder of shards with their index.
+        key: the setting that named ``path``, for the errors.
+        whole: the model (on meta) the file is matched against when ``model`` holds a pipeline
+            rank's stages only; None otherwise.
+        skip: names filled already (QLoRA's NF4 base, quantized from the same file while sharding).
 
     Raises:
         ValueError: an unreadable file, or keys/shapes that do not fit the model.
@@ -208,10 +213,18 @@ def export_checkpoint(
     beside them (a Hugging Face model's config.json and tokenizer, `fsdp_zero.model.hf.export_files`).
     Needs no GPU and no process group. Writes into a temporary name and renames at the end: an
     interrupted export leaves nothing that looks finished, and an existing ``out`` is never
-    overwritten. ``view``: which tensors to write, under which names (default: every saved one).
-    ``rebuilt``: the tensors the checkpoint leaves out, read from elsewhere (QLoRA's base,
-    `fsdp_zero.sharding.quantize.RebuiltBase`: its ``entries``, ``read`` and ``verify``, called before
-    the export is made visible).
+    overwritten.
+
+    Args:
+        checkpoint: the checkpoint's folder.
+        out: a .safetensors file, or a new folder.
+        dtype: the floating-point dtype to write (None: as saved).
+        max_shard_bytes: the largest shard of a folder (None: one file).
+        extra_files: the files written beside a folder's weights, given the exported dtype.
+        view: which tensors to write, under which names (default: every saved one).
+        rebuilt: the tensors the checkpoint leaves out, read from elsewhere (QLoRA's base,
+            `fsdp_zero.sharding.quantize.RebuiltBase`: its ``entries``, ``read`` and ``verify``,
+            called before the export is made visible).
 
     Raises:
         ValueError: an unreadable checkpoint, an existing ``out``, or a file over the size limit.

@@ -1,6 +1,7 @@
 """What a run is: the schema, the strategy table, the loader and the DeepSpeed reader (torch-free)."""
 
 from fsdp_zero.config.choices import Quantize
+from fsdp_zero.config.constraints import field_constraint
 from fsdp_zero.config.deepspeed import mapping_table, read_deepspeed
 from fsdp_zero.config.loader import load_config, read_saved_config, to_yaml
 from fsdp_zero.config.lora import LoRAConfig
@@ -12,7 +13,7 @@ from fsdp_zero.config.presets import (
     check_model_config,
     model_args,
 )
-from fsdp_zero.config.rules import validate
+from fsdp_zero.config.rules import refusal_matrix, validate
 
 # the choices' enums come through the schema, whose fields they type (config/choices.py)
 from fsdp_zero.config.schema import (
@@ -58,6 +59,7 @@ __all__ = [
     "DataSource",
     "Device",
     "DistConfig",
+    "field_constraint",
     "GradSync",
     "import_target",
     "Init",
@@ -75,6 +77,7 @@ __all__ = [
     "PRESETS",
     "read_deepspeed",
     "read_saved_config",
+    "refusal_matrix",
     "RunDir",
     "Schedule",
     "STATE_FILE",

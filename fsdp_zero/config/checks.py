@@ -3,8 +3,11 @@ is valid."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from fsdp_zero.config.strategies import STRATEGIES, GradSync, strategies_that
@@ -49,29 +52,64 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _data_parallel(world_size: int, tp: int, pp: int) -> int:
-    """The data-parallel ranks, world_size / (tp x pp); a ValueError naming parallel.tp_size or
-    parallel.pp_size when they do not divide the world size."""
-    for key, size in (("tp_size", tp), ("pp_size", pp)):
+_AXIS = "grid_axis"
+
+
+@dataclass(frozen=True)
+class GridAxis:
+    """A parallel dimension's place in the rank grid, declared beside its size key
+    (``parallel.<name>_size``) in the schema: `fsdp_zero.distributed.Topology` reads the grid from
+    these, so a new dimension adds no line to it."""
+
+    name: str  # "tp": the key parallel.tp_size sizes it
+    # outside the data-parallel axes (pp: stages across nodes); else inside them, declared
+    # outermost first (tp last: a tensor-parallel group's ranks are a node's neighbours)
+    outer: bool = False
+    # the roles (`Role` values) whose ranks span it besides its own groups: torchtitan's context
+    # parallelism joins "loss" and "shard" (its ranks' tokens make one sequence; FSDP shards over it)
+    joins: tuple[str, ...] = ()
+
+
+def grid_axis(name: str, outer: bool = False, joins: tuple[str, ...] = ()) -> dict:
+    """Field metadata: the field sizes the grid axis ``name`` (`GridAxis`)."""
+    return {_AXIS: GridAxis(name, outer, joins)}
+
+
+def grid_axes(section: Any) -> tuple[GridAxis, ...]:
+    """The axes that split the model, as the parallel section (``section``: its class or an
+    instance) declares them, in declaration order (the order their errors are reported in)."""
+    return tuple(f.metadata[_AXIS] for f in dataclasses.fields(section) if _AXIS in f.metadata)
+
+
+def split_sizes(cfg: Any) -> dict[str, int]:
+    """The sizes of the axes that split the model (``cfg``: the parallel section), by axis name;
+    the data-parallel ranks are what they leave of the world."""
+    return {axis.name: getattr(cfg, f"{axis.name}_size") for axis in grid_axes(cfg)}
+
+
+def data_parallel(world_size: int, sizes: dict[str, int]) -> int:
+    """The data-parallel ranks: the world size over the product of ``sizes`` (`split_sizes`), the
+    one place the world is factored; a ValueError naming the keys that do not divide it."""
+    for axis, size in sizes.items():
         if world_size % size:
             raise ValueError(
-                f"parallel.{key}={size} must divide the world size {world_size}; valid choices: "
-                f"{_divisors(world_size)}"
+                f"parallel.{axis}_size={size} must divide the world size {world_size}; valid "
+                f"choices: {_divisors(world_size)}"
             )
-    if world_size % (tp * pp):
-        raise ValueError(
-            f"parallel.tp_size={tp} x parallel.pp_size={pp} must divide the world size {world_size}"
-        )
-    return world_size // (tp * pp)
+    split = math.prod(sizes.values())
+    if world_size % split:
+        keys = " x ".join(f"parallel.{axis}_size={size}" for axis, size in sizes.items())
+        raise ValueError(f"{keys} must divide the world size {world_size}")
+    return world_size // split
 
 
 def world_notes(cfg: Any, world_size: int) -> list[str]:
     """`ParallelConfig.check_world`'s rules (``cfg``: the parallel section): the sizes that must
     divide the world size or the data-parallel ranks, and the notes on settings that have no
     effect there."""
-    tp, pp = cfg.tp_size, cfg.pp_size
-    dp = _data_parallel(world_size, tp, pp)
-    ranks = f"the world size {world_size}" if tp * pp == 1 else f"the {dp} data-parallel ranks"
+    sizes = split_sizes(cfg)
+    dp = data_parallel(world_size, sizes)
+    ranks = f"the world size {world_size}" if dp == world_size else f"the {dp} data-parallel ranks"
     size = cfg.shard_size
     if STRATEGIES[cfg.strategy].hybrid and (size < 1 or dp % size):
         raise ValueError(
@@ -90,11 +128,13 @@ def world_notes(cfg: Any, world_size: int) -> list[str]:
             f"parallel.strategy={cfg.strategy.value} (only {strategies_that('hybrid')} uses "
             "it)"
         )
-    if GradSync(cfg.grad_sync) not in (GradSync.every_micro_batch, cfg.grad_sync_in_effect):
+    # under pipeline parallelism each stage reduces once a step (`sharding.levers.sync_in_effect`)
+    sync = GradSync(cfg.grad_sync)
+    if sizes["pp"] > 1 and sync not in (GradSync.every_micro_batch, GradSync.once_per_step):
         notes.append(
-            f"parallel.grad_sync={GradSync(cfg.grad_sync).value} has no effect with "
+            f"parallel.grad_sync={sync.value} has no effect with "
             "parallel.pp_size > 1: each pipeline stage reduces its gradients once a step"
         )
-    if tp == 1 and cfg.loss_parallel:
+    if sizes["tp"] == 1 and cfg.loss_parallel:
         notes.append("parallel.loss_parallel=true has no effect with parallel.tp_size=1")
     return notes

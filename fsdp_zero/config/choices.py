@@ -93,6 +93,50 @@ class Warmup(str, enum.Enum):
     deepspeed_linear = "deepspeed_linear"
 
 
+class PrecisionMode(enum.StrEnum):
+    """How model state is stored, computed and reduced (see fsdp_zero.sharding.precision)."""
+
+    fp32 = "fp32"  # everything fp32
+    # fp32 master weights, gradients and states; each unit gathered in bf16 (fp16) for compute
+    bf16_mixed = "bf16-mixed"
+    fp16_mixed = "fp16-mixed"
+    bf16_true = "bf16-true"  # parameters, gradients and AdamW states all bf16
+
+
+class DType(enum.StrEnum):
+    """A floating-point dtype by its short name (precision.param_dtype, precision.reduce_dtype)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Float8Recipe(enum.StrEnum):
+    """How float8 compute scales its values (torchao's recipes; docs/memory-levers.md)."""
+
+    none = "none"  # off
+    tensorwise = "tensorwise"  # one scale a tensor; the weights all-gathered in float8
+    rowwise = "rowwise"  # one scale a row; gathered in bf16
+    mxfp8 = "mxfp8"  # one scale per 32 values (torchao's prototype)
+
+
+class TokenDtype(enum.StrEnum):
+    """The integer dtype of a .bin token file's ids."""
+
+    uint16 = "uint16"
+    uint32 = "uint32"
+    int32 = "int32"
+    int64 = "int64"
+
+
+class StateBits(enum.IntEnum):
+    """Bits per AdamW state value (optim.state_bits); written as the number (32, 8, 4)."""
+
+    fp32 = 32  # torch's AdamW
+    bits8 = 8  # torchao's AdamW8bit
+    bits4 = 4  # torchao's AdamW4bit
+
+
 class OptimizerImpl(str, enum.Enum):
     auto = "auto"  # fused on CUDA, foreach on CPU
     fused = "fused"
@@ -106,7 +150,7 @@ class _PPSchedule:
 
     # the stages a rank holds (parallel.pp_stages_per_rank): "1", "2+" (two or more), or "V" (two,
     # rank r holding stages r and 2 pp - 1 - r)
-    stages: str
+    per_rank: str
     # zero bubble: each backward split into its input and weight halves (see
     # fsdp_zero.sharding.pipeline.stage_wrap)
     zero_bubble: bool = False
@@ -124,7 +168,7 @@ _STAGES_NEEDED = {"1": "1", "2+": "2 or more", "V": "2"}
 
 def stages_needed(schedule: str) -> int:
     """The stages a rank holds under ``schedule`` when parallel.pp_stages_per_rank is not set."""
-    return 1 if schedule not in PP_SCHEDULES or PP_SCHEDULES[schedule].stages == "1" else 2
+    return 1 if schedule not in PP_SCHEDULES or PP_SCHEDULES[schedule].per_rank == "1" else 2
 
 
 def check_stages(schedule: str, per_rank: int) -> None:
@@ -135,7 +179,7 @@ def check_stages(schedule: str, per_rank: int) -> None:
             f"parallel.pp_schedule={schedule!r} is not a valid choice; valid choices: "
             f"{', '.join(PP_SCHEDULES)}"
         )
-    shape = PP_SCHEDULES[schedule].stages
+    shape = PP_SCHEDULES[schedule].per_rank
     if (shape == "1") != (per_rank == 1) or (shape == "V" and per_rank != 2):
         raise ValueError(
             f"parallel.pp_stages_per_rank={per_rank}: parallel.pp_schedule={schedule} runs "

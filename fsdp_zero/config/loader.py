@@ -103,7 +103,19 @@ def _merged(layers: list[tuple[str, DictConfig]]) -> Config:
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """``cfg`` as a YAML file that `load_config` reads back, each choice spelled by its value
+    (``bf16-mixed``, ``8``), as a user writes it, not by its Python name (OmegaConf's)."""
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=False)
+    return OmegaConf.to_yaml(OmegaConf.create(_values(plain)))
+
+
+def _values(node: Any) -> Any:
+    """``node`` (a container's dicts and lists) with each enum member replaced by its value."""
+    if isinstance(node, dict):
+        return {k: _values(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_values(v) for v in node]
+    return node.value if isinstance(node, enum.Enum) else node
 
 
 def _raw(node: DictConfig, key: str) -> Any:
@@ -165,11 +177,19 @@ def _check_keys(node: DictConfig, schema: type, prefix: str, origin: str) -> Non
             _check_keys(value, ftype, prefix=f"{full}.", origin=origin)
         elif isinstance(ftype, type) and issubclass(ftype, enum.Enum):
             raw = _raw(node, key)
-            if isinstance(raw, str) and raw not in ftype.__members__:
-                choices = ", ".join(ftype.__members__)
+            if not _is_choice(raw, ftype):
+                choices = ", ".join(str(m.value) for m in ftype)
                 raise ValueError(
                     f"{origin}: {full}={raw!r} is not a valid choice; valid choices: {choices}"
                 )
+
+
+def _is_choice(raw: Any, kind: type[enum.Enum]) -> bool:
+    """``raw`` (as written) names a member of ``kind`` by value or name, or is null or an
+    interpolation (resolved and checked later)."""
+    if raw is None or (isinstance(raw, str) and raw.startswith("${")) or raw in kind.__members__:
+        return True
+    return any(raw == m.value and type(raw) is type(m.value) for m in kind)
 
 
 def _field_type(schema: type, name: str) -> Any:

@@ -6,11 +6,14 @@ command line (`fsdp_zero.config.loader`). Every user mistake (an unknown key, a 
 type, a bad choice, a batch that does not divide) is a ``ValueError`` naming the key, the bad
 value and what would be valid, raised before anything is built or written.
 
-Each section checks its own keys in ``check()``, written right under its fields (as FSDP2's policy
-dataclasses validate themselves); the rules that need the world size are
+Each field declares its simple constraint beside it (``field(default=..., metadata=gt(0))``, read
+by `fsdp_zero.config.constraints.check_fields`, which also checks an enum field's choices); each
+section's ``check()``, written right under its fields (as FSDP2's policy dataclasses validate
+themselves), runs that and the rules between its own keys. The rules that need the world size are
 ``ParallelConfig.check_world`` (run by `fsdp_zero.distributed.topology.Topology.of`) and
-`fsdp_zero.data.loader.BatchLayout.of`'s. `fsdp_zero.config.rules.validate` runs every section's check and the few rules
-that span sections. The built-in model's own rules (a known preset, its fields) live with its
+`fsdp_zero.data.loader.BatchLayout.of`'s. `fsdp_zero.config.rules.validate` runs every section's
+check, then the rules that span sections (`fsdp_zero.config.rules.REFUSALS`: what one setting does
+not combine with). The built-in model's own rules (a known preset, its fields) live with its
 settings: `fsdp_zero.config.presets.check_model_config`.
 """
 
@@ -21,36 +24,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_zero.config.checks import (
-    as_choice,
-    check_positive,
-    check_regexes,
-    is_target,
-    world_notes,
-)
+from fsdp_zero.config.checks import check_regexes, grid_axis, is_target, world_notes
 from fsdp_zero.config.choices import (
     ActivationCheckpointing,
     Backend,
     DataSource,
     Device,
+    DType,
+    Float8Recipe,
     Init,
     OptimizerImpl,
+    PrecisionMode,
     Schedule,
+    StateBits,
     Task,
+    TokenDtype,
     Warmup,
     WrapPolicy,
     check_stages,
     stages_needed,
 )
+from fsdp_zero.config.constraints import check_fields, ge, gt, within
 from fsdp_zero.config.lora import LoRAConfig
-from fsdp_zero.config.strategies import (
-    GRAD_SYNC_NEEDS,
-    STRATEGIES,
-    GradSync,
-    Strategy,
-    is_fsdp,
-    strategies_that,
-)
+from fsdp_zero.config.strategies import GradSync, Strategy
 
 
 @dataclass
@@ -92,6 +88,7 @@ class ModelConfig:
     def check(self) -> None:
         """The rules that need no model; the built-in model's (preset, its fields, kwargs) are
         `fsdp_zero.model.transformer.check_model_config`'s."""
+        check_fields(self, "model")
         if self.target is not None and not is_target(self.target):
             raise ValueError(
                 f"model.target={self.target!r}: expected package.module:callable, e.g. "
@@ -147,7 +144,6 @@ class ModelConfig:
 
 
 TOKEN_SOURCES = (DataSource.synthetic, DataSource.text, DataSource.tokens)
-_TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 # What each source needs in data.path, and which tasks it feeds (custom takes any).
 _PATHS = {
     DataSource.text: "a text file or a folder of them",
@@ -160,19 +156,21 @@ _PATHS = {
 class DataConfig:
     source: DataSource = DataSource.synthetic
     path: str | None = None  # file or folder, for source=text
-    seq_len: int = 128
+    seq_len: int = field(default=128, metadata=gt(0))
     # tokens: the dtype of a .bin file (a .npy file carries its own). None: the dtype that the
     # meta.json beside the file names (scripts/prepare_data.py writes one), else uint16.
-    token_dtype: str | None = None
+    token_dtype: TokenDtype | None = None
     # images / fake_images: square side in pixels after resizing and cropping.
-    image_size: int = 32
-    num_classes: int = 10  # fake_images: how many label values FakeData draws
-    num_samples: int = 1000  # fake_images: how many distinct images before they repeat
+    image_size: int = field(default=32, metadata=gt(0))
+    # fake_images: how many label values FakeData draws
+    num_classes: int = field(default=10, metadata=gt(0))
+    # fake_images: how many distinct images before they repeat
+    num_samples: int = field(default=1000, metadata=gt(0))
     # DataLoader worker processes per rank; None: 2 for images (decoding), 0 otherwise.
-    num_workers: int | None = None
+    num_workers: int | None = field(default=None, metadata=ge(0, "0: load in the training process"))
     # synthetic: each token is followed by one of `branching` successors (skewed odds),
     # so the loss falls from ln(vocab) towards ~ln(branching).
-    branching: int = 4
+    branching: int = field(default=4, metadata=gt(0))
 
     @property
     def workers(self) -> int:
@@ -182,9 +180,9 @@ class DataConfig:
         return 2 if self.source is DataSource.images else 0
 
     def check(self) -> None:
-        """Sizes > 0, and a path that exists and suits the source (only sources that read files take one)."""
-        for key in ("seq_len", "branching", "image_size", "num_classes", "num_samples"):
-            check_positive(f"data.{key}", getattr(self, key))
+        """The declared constraints, and a path that exists and suits the source (only sources that
+        read files take one)."""
+        check_fields(self, "data")
         if self.source in _PATHS:
             if not self.path:
                 raise ValueError(
@@ -209,16 +207,6 @@ class DataConfig:
                 f"data.path={self.path!r} is set but data.source={self.source.value} reads no "
                 f"files; data.source with a path: {valid}"
             )
-        if self.token_dtype is not None and self.token_dtype not in _TOKEN_DTYPES:
-            raise ValueError(
-                f"data.token_dtype={self.token_dtype!r} is not a valid choice; "
-                f"valid choices: {', '.join(_TOKEN_DTYPES)}"
-            )
-        if self.num_workers is not None and self.num_workers < 0:
-            raise ValueError(
-                f"data.num_workers={self.num_workers}: must be >= 0 (0: load in the training "
-                "process)"
-            )
 
 
 @dataclass
@@ -226,11 +214,11 @@ class WrapConfig:
     policy: WrapPolicy = WrapPolicy.transformer
     # empty: the model's declared block class, or the class it repeats in a ModuleList or Sequential
     classes: list[str] = field(default_factory=list)
-    min_params: int = 1_000_000
+    min_params: int = field(default=1_000_000, metadata=gt(0))
     modules: list[str] = field(default_factory=list)  # FQN regexes (re.fullmatch)
 
     def check(self) -> None:
-        check_positive("parallel.wrap.min_params", self.min_params)
+        check_fields(self, "parallel.wrap")
         if self.policy is WrapPolicy.modules and not self.modules:
             raise ValueError(
                 "parallel.wrap.policy=modules needs parallel.wrap.modules, a list of FQN regexes, "
@@ -248,11 +236,11 @@ class ParallelConfig:
     wrap: WrapConfig = field(default_factory=WrapConfig)
     # Explicit prefetch: each unit starts the all-gather of the next `prefetch` units (forward), and
     # of the previous ones (backward), before it computes. 0: FSDP2's own scheduling.
-    prefetch: int = 0
+    prefetch: int = field(default=0, metadata=ge(0, "0: FSDP2's own scheduling"))
     # full_shard only: after forward, keep each unit's parameters sharded over groups of this many
     # ranks instead of all of them (ZeRO++'s hierarchical partitioning, hpZ): backward all-gathers
     # stay within a group (a node), at 16 P / N + 4 P / reshard_after_forward bytes. None: over all.
-    reshard_after_forward: int | None = None
+    reshard_after_forward: int | None = field(default=None, metadata=gt(0))
     # FSDP strategies: sharded parameters, gradients and optimizer states live in host memory and
     # the optimizer steps on the CPU (DeepSpeed's offload_param + offload_optimizer to cpu); each
     # unit is copied to the device for its forward and backward.
@@ -260,7 +248,7 @@ class ParallelConfig:
     # Recompute activations in backward: none, full (every block of the wrap plan), or selective
     # (every k-th block, k = activation_checkpointing_every). Applied before compiling and sharding.
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
-    activation_checkpointing_every: int = 2
+    activation_checkpointing_every: int = field(default=2, metadata=gt(0))
     # When gradients are reduced under gradient accumulation. every_micro_batch: each micro-batch's
     # backward reduce-scatters (FSDP; DDP and zero1 all-reduce once a step whatever this says).
     # replicas_once_per_step (hybrid_shard): reduce-scatter within the shard group every
@@ -273,7 +261,7 @@ class ParallelConfig:
     # Tensor parallelism (docs/parallelism.md): the model's planned layers split their weights over
     # groups of tp_size ranks (the mesh's innermost dimension: the GPUs of a node), and the strategy
     # shards over the world size / tp_size data-parallel ranks.
-    tp_size: int = 1
+    tp_size: int = field(default=1, metadata=gt(0) | grid_axis("tp"))
     # tp_size > 1: the norms and the residual stream between the layers sharded on the sequence
     # (activations / tp_size; torchtitan's default). data.seq_len must divide by tp_size.
     sequence_parallel: bool = True
@@ -282,62 +270,20 @@ class ParallelConfig:
     # Pipeline parallelism (docs/parallelism.md): the model cut into pp_size x pp_stages_per_rank
     # stages over groups of pp_size ranks (the mesh's outermost dimension: across nodes), through
     # which pp_schedule runs each data-parallel rank's micro-batches; gradients reduce once a step.
-    pp_size: int = 1
+    pp_size: int = field(default=1, metadata=gt(0) | grid_axis("pp", outer=True))
     # torch.distributed.pipelining's schedule: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble
     # or ZBVZeroBubble (docs/parallelism.md#pipeline-stages-and-schedules)
     pp_schedule: str = "1F1B"
     # stages a rank holds (GPipe, 1F1B: 1; interleaved: 2 or more; ZBV: 2); null: as the schedule
-    pp_stages_per_rank: int | None = None
+    pp_stages_per_rank: int | None = field(default=None, metadata=gt(0))
 
     def check(self) -> None:
-        """The choices (a section built by hand, as `fsdp_zero.api.shard` does, may name them), and the
-        levers each strategy takes."""
-        strategy = as_choice("parallel.strategy", self.strategy, Strategy)
-        as_choice(
-            "parallel.activation_checkpointing",
-            self.activation_checkpointing,
-            ActivationCheckpointing,
-        )
-        check_positive("parallel.reshard_after_forward", self.reshard_after_forward)
-        check_positive(
-            "parallel.activation_checkpointing_every", self.activation_checkpointing_every
-        )
-        if self.prefetch < 0:
-            raise ValueError(
-                f"parallel.prefetch={self.prefetch}: must be >= 0 (0: FSDP2's own scheduling)"
-            )
-        if self.reshard_after_forward is not None and not STRATEGIES[strategy].hpz:
-            raise ValueError(
-                f"parallel.reshard_after_forward={self.reshard_after_forward} applies to "
-                f"parallel.strategy={strategies_that('hpz')} only, not {strategy.value}"
-            )
-        if self.cpu_offload and not is_fsdp(strategy):
-            raise ValueError(
-                f"parallel.cpu_offload=true needs an FSDP strategy ({strategies_that('fsdp')}), "
-                f"not parallel.strategy={strategy.value}"
-            )
-        needs = GRAD_SYNC_NEEDS.get(as_choice("parallel.grad_sync", self.grad_sync, GradSync))
-        if needs and not getattr(STRATEGIES[strategy], needs):
-            raise ValueError(
-                f"parallel.grad_sync={GradSync(self.grad_sync).value} applies to parallel.strategy="
-                f"{strategies_that(needs)} only, not {strategy.value}"
-            )
-        for key in ("tp_size", "pp_size"):
-            size = getattr(self, key)
-            check_positive(f"parallel.{key}", size)
-            if size > 1 and not STRATEGIES[strategy].takes_tp:
-                raise ValueError(
-                    f"parallel.{key}={size} needs parallel.strategy="
-                    f"{strategies_that('takes_tp')}, not {strategy.value}"
-                )
-        check_positive("parallel.pp_stages_per_rank", self.pp_stages_per_rank)
+        """The declared constraints and choices (a section built by hand, as `fsdp_zero.api.shard`
+        does, may name them), and the stages a rank holds under the schedule; what each strategy
+        takes is `fsdp_zero.config.rules.REFUSALS`'."""
+        check_fields(self, "parallel")
         check_stages(self.pp_schedule, self.stages_per_rank)
         self.wrap.check()
-
-    @property
-    def grad_sync_in_effect(self) -> GradSync:
-        """``grad_sync`` as it runs: once a step under pipeline parallelism (each stage's way)."""
-        return GradSync.once_per_step if self.pp_size > 1 else GradSync(self.grad_sync)
 
     @property
     def stages_per_rank(self) -> int:
@@ -358,16 +304,6 @@ class ParallelConfig:
         return world_notes(self, world_size)
 
 
-# precision.mode: how model state is stored, computed and reduced (see
-# fsdp_zero.sharding.precision).
-PRECISION_MODES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-_PRECISION_DTYPES = ("fp32", "bf16", "fp16")
-
-
-# precision.float8's choices
-_FLOAT8_RECIPES = ("none", "tensorwise", "rowwise", "mxfp8")
-
-
 @dataclass
 class PrecisionConfig:
     """``precision=bf16-mixed`` is short for ``precision.mode=bf16-mixed``.
@@ -378,152 +314,97 @@ class PrecisionConfig:
     and the precision to match). fp16 gradients are loss-scaled (a dynamic scale, as DeepSpeed's).
     """
 
-    mode: str = "fp32"
-    param_dtype: str | None = None  # the gathered (compute) dtype; None: the mode's
-    reduce_dtype: str | None = None  # the gradient reduction dtype; None: fp32 (bf16 for bf16-true)
+    mode: PrecisionMode = PrecisionMode.fp32
+    param_dtype: DType | None = None  # the gathered (compute) dtype; None: the mode's.
+    # the gradient reduction dtype; None: fp32 (bf16 for bf16-true).
+    reduce_dtype: DType | None = None
     # fp16 loss scaling: 0 = dynamic, starting at 2**initial_scale_power, doubled after
     # loss_scale_window steps without overflow, halved (and the step skipped) on an overflow;
     # > 0 = a fixed scale (overflowing steps are still skipped).
-    loss_scale: float = 0.0
+    loss_scale: float = field(default=0.0, metadata=ge(0, "0: dynamic loss scaling"))
     initial_scale_power: int = 16
-    loss_scale_window: int = 1000
+    loss_scale_window: int = field(default=1000, metadata=gt(0))
     # float8 compute (torchao, as torchtitan): each block Linear's matmuls in float8 with dynamic
     # scales, per tensor (tensorwise: the weights also all-gathered in float8, 1 B instead of 2), per
     # row (rowwise: gathered in bf16) or per 32 values (mxfp8, torchao's prototype: dims and a
     # micro-batch's tokens multiples of 32); emulated (real quantization, fp32 matmul) where the device
     # has no float8 units. No memory saved. none: off. docs/memory-levers.md.
-    float8: str = "none"
+    float8: Float8Recipe = Float8Recipe.none
 
     def check(self) -> None:
-        check_positive("precision.loss_scale_window", self.loss_scale_window)
-        if self.float8 not in _FLOAT8_RECIPES:
-            raise ValueError(
-                f"precision.float8={self.float8!r} is not a valid choice; valid choices: "
-                f"{', '.join(_FLOAT8_RECIPES)}"
-            )
-        if self.mode not in PRECISION_MODES:
-            raise ValueError(
-                f"precision.mode={self.mode!r} is not a valid choice; valid choices: "
-                f"{', '.join(PRECISION_MODES)}"
-            )
-        for key in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, key)
-            if value is not None and value not in _PRECISION_DTYPES:
-                raise ValueError(
-                    f"precision.{key}={value!r} is not a valid choice; valid choices: "
-                    f"{', '.join(_PRECISION_DTYPES)}"
-                )
-        if self.loss_scale < 0:
-            raise ValueError(
-                f"precision.loss_scale={self.loss_scale}: must be >= 0 (0: dynamic loss scaling)"
-            )
-
-
-# optim.state_bits' choices: torch's AdamW, torchao's AdamW8bit and AdamW4bit
-_STATE_BITS = (32, 8, 4)
+        """The declared constraints and choices; what they combine with is `fsdp_zero.config.rules`'."""
+        check_fields(self, "precision")
 
 
 @dataclass
 class OptimConfig:
     """AdamW with linear warm-up, then a cosine (or linear, or no) decay to ``min_lr_ratio * lr``."""
 
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
+    lr: float = field(default=3e-3, metadata=gt(0))
+    min_lr_ratio: float = field(default=0.1, metadata=within(0, 1))
+    warmup_steps: int = field(default=10, metadata=ge(0))
     schedule: Schedule = Schedule.cosine
     # linear, or DeepSpeed's schedulers step for step (deepspeed_log, deepspeed_linear; docs/deepspeed.md)
     warmup: Warmup = Warmup.linear
     # deepspeed_*: where the warm-up starts, a factor of lr (DeepSpeed's warmup_min_lr / lr, warmup_min_ratio)
-    warmup_start_ratio: float = 0.0
-    weight_decay: float = 0.1
+    warmup_start_ratio: float = field(default=0.0, metadata=within(0, 1))
+    weight_decay: float = field(default=0.1, metadata=ge(0))
     # Decay the 1-D parameters (norm gains, biases) by weight_decay too, as an optimizer built over
     # model.parameters() does (DeepSpeed's from a ds_config's optimizer section: --deepspeed sets
     # it). false: matrices and embeddings only (Hugging Face's Trainer's groups).
     decay_1d: bool = False
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global L2 norm of the gradients; 0 disables clipping
+    eps: float = field(default=1e-8, metadata=gt(0))
+    # max global L2 norm of the gradients; 0 disables clipping
+    grad_clip: float = field(default=1.0, metadata=ge(0, "0 disables clipping"))
     implementation: OptimizerImpl = OptimizerImpl.auto
     # A bounded optimizer step (DeepSpeed's sub_group_size): foreach AdamW steps this rank's shard
     # in groups of at most this many elements (a larger tensor is a group of its own), bit-identical
     # to one step over the whole shard, so its temporaries (a tensor list as large as what it steps
     # at once) are bounded by a group. 0: the whole shard at once. Fused AdamW (CUDA's default) and
     # for_loop make no temporaries larger than one tensor and ignore it (docs/memory-levers.md).
-    step_group_size: int = 0
+    step_group_size: int = field(
+        default=0, metadata=ge(0, "elements per AdamW group; 0: the whole shard at once")
+    )
     # Bits per AdamW state value: 32 (torch's AdamW), or 8 / 4: torchao's AdamW8bit / AdamW4bit, each
     # state block-quantized (blocks of 256 / 128 values, one fp32 scale each): 2.03 / 1.06 B per
     # parameter instead of 8; a tensor whose shard is under 4,096 values (or not whole blocks) keeps
     # fp32 states. Their step is compiled (the first one takes 20-40 s on 2 cores). docs/memory-levers.md.
-    state_bits: int = 32
+    state_bits: StateBits = StateBits.fp32
 
     def check(self) -> None:
-        check_positive("optim.lr", self.lr)
-        if self.state_bits not in _STATE_BITS:
-            raise ValueError(
-                f"optim.state_bits={self.state_bits!r}: valid choices: "
-                f"{', '.join(map(str, _STATE_BITS))}"
-            )
-        size = self.step_group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(
-                f"optim.step_group_size={size!r}: must be an integer >= 0 (elements per AdamW "
-                "group; 0: the whole shard at once)"
-            )
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
-        if self.eps <= 0:
-            raise ValueError(f"optim.eps={self.eps}: must be > 0")
-        if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
-        if not isinstance(self.decay_1d, bool):
-            raise ValueError(f"optim.decay_1d={self.decay_1d!r}: valid choices: true, false")
-        if self.grad_clip < 0:
-            raise ValueError(
-                f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)"
-            )
-        for key in ("min_lr_ratio", "warmup_start_ratio"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ValueError(f"optim.{key}={getattr(self, key)}: must be in [0, 1]")
+        """The declared constraints and choices, and AdamW's two betas."""
+        check_fields(self, "optim")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optim.betas={list(self.betas)}: must be two numbers in [0, 1)")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 150
-    global_batch_size: int = 16  # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 4  # sequences per forward/backward on one rank
-    log_every: int = 10
+    steps: int = field(default=150, metadata=gt(0))
+    # sequences per optimizer step, over all ranks
+    global_batch_size: int = field(default=16, metadata=gt(0))
+    # sequences per forward/backward on one rank
+    micro_batch_size: int = field(default=4, metadata=gt(0))
+    log_every: int = field(default=10, metadata=gt(0))
     # Stop this invocation after this step (saving a checkpoint) while the LR schedule
     # still spans train.steps: for jobs cut into pieces by a time limit. None: train.steps.
-    stop_after: int | None = None
+    stop_after: int | None = field(default=None, metadata=gt(0))
     seed: int | None = 1234  # None: rank 0 draws one and broadcasts it
     # torch.compile each block unit (after activation checkpointing, before sharding); off by
     # default.
     compile: bool = False
     # A time budget: after this many minutes of training the run saves a checkpoint and stops (exit
     # code 4, as on SIGTERM), before a scheduler's wall-clock limit; leave a save's time of margin.
-    max_minutes: float | None = None
+    max_minutes: float | None = field(default=None, metadata=gt(0))
     # Non-finite steps (a NaN or inf loss on any rank, or gradient norm) to skip over the whole run
     # before stopping as diverged (exit code 3); a skipped step leaves weights and AdamW states as
     # they were. 0: stop at the first. Counted in TensorBoard (train/skipped_nonfinite).
-    skip_nonfinite: int = 0
+    skip_nonfinite: int = field(default=0, metadata=ge(0, "0: stop at the first non-finite step"))
 
     def check(self) -> None:
-        for key in (
-            "steps",
-            "global_batch_size",
-            "micro_batch_size",
-            "log_every",
-            "stop_after",
-            "max_minutes",
-        ):
-            check_positive(f"train.{key}", getattr(self, key))
-        if self.skip_nonfinite < 0:
-            raise ValueError(
-                f"train.skip_nonfinite={self.skip_nonfinite}: must be >= 0 (0: stop at the first "
-                "non-finite step)"
-            )
+        """The declared constraints, and whole micro-batches in a step."""
+        check_fields(self, "train")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size={self.global_batch_size} is not a multiple of "
@@ -532,13 +413,14 @@ class TrainConfig:
 
 
 @dataclass
-class _CheckpointConfig:
+class CheckpointConfig:
     """Sharded DCP checkpoints under <run dir>/checkpoints/step-NNNNNNN/."""
 
     enabled: bool = True
-    every: int = 50  # steps between saves (and always one at the end); 0: only at the end
+    # steps between saves (and always one at the end); 0: only at the end
+    every: int = field(default=50, metadata=ge(0, "0: only at the end"))
     # of the checkpoints this launch saves, the newest kept (0: all); others' are never deleted
-    keep_last: int = 2
+    keep_last: int = field(default=2, metadata=ge(0, "0: keep all"))
     # auto: continue from the newest complete checkpoint in the run directory, if any;
     # none: start fresh (refused if the run directory already holds checkpoints);
     # anything else: the path of a checkpoint folder to continue from.
@@ -546,11 +428,8 @@ class _CheckpointConfig:
     async_save: bool = False  # write in a background thread while training goes on
 
     def check(self) -> None:
-        if self.every < 0 or self.keep_last < 0:
-            raise ValueError(
-                f"checkpoint.every={self.every}, checkpoint.keep_last={self.keep_last}: must be >= "
-                "0 (0: only at the end / keep all)"
-            )
+        """The declared constraints, and a resume folder that exists."""
+        check_fields(self, "checkpoint")
         if self.resume not in ("auto", "none") and not Path(self.resume).is_dir():
             raise ValueError(
                 f"checkpoint.resume={self.resume!r}: no such checkpoint folder; valid choices: "
@@ -564,6 +443,7 @@ class _RunConfig:
     name: str | None = None  # None: a timestamp; the run directory is root/name
 
     def check(self) -> None:
+        check_fields(self, "run")
         if self.name is not None and ("/" in self.name or self.name in ("", ".", "..")):
             raise ValueError(
                 f"run.name={self.name!r}: must be a plain folder name (set run.root for the parent)"
@@ -578,12 +458,11 @@ class DistConfig:
     # naming its step and the collective it was in (a rank that died or hangs): timeout_minutes
     # during start-up (building, loading a checkpoint) and checkpoint saves, which wait for the
     # slowest rank's I/O; step_timeout_minutes from the end of the first step on.
-    timeout_minutes: float = 30.0
-    step_timeout_minutes: float = 5.0
+    timeout_minutes: float = field(default=30.0, metadata=gt(0))
+    step_timeout_minutes: float = field(default=5.0, metadata=gt(0))
 
     def check(self) -> None:
-        check_positive("dist.timeout_minutes", self.timeout_minutes)
-        check_positive("dist.step_timeout_minutes", self.step_timeout_minutes)
+        check_fields(self, "dist")
 
 
 @dataclass
@@ -591,7 +470,8 @@ class _MetricsConfig:
     tensorboard: bool = True
 
     def check(self) -> None:
-        """Nothing to check: a switch."""
+        """A switch: true or false."""
+        check_fields(self, "metrics")
 
 
 @dataclass
@@ -604,9 +484,10 @@ class _MemoryConfig:
     # The step whose memory is broken down by category (params, gathered params, grads,
     # optimizer, activations, comm buffers) with PyTorch's MemTracker; 0: none. One step
     # only: the tracker intercepts every op and is slow.
-    profile_step: int = 2
+    profile_step: int = field(default=2, metadata=ge(0, "0: no profiling"))
 
     def check(self) -> None:
+        check_fields(self, "memory")
         threshold = self.malloc_mmap_threshold
         if threshold not in ("auto", "default") and not (
             threshold.isdigit() and int(threshold) > 0
@@ -614,10 +495,6 @@ class _MemoryConfig:
             raise ValueError(
                 f"memory.malloc_mmap_threshold={threshold!r}: valid choices: auto, default, or a "
                 "byte count > 0"
-            )
-        if self.profile_step < 0:
-            raise ValueError(
-                f"memory.profile_step={self.profile_step}: must be >= 0 (0: no profiling)"
             )
 
 
@@ -632,23 +509,19 @@ _EVAL_PATHS = {
 class _EvalConfig:
     """Validation on held-out data at every ``every``-th step and at the last (see fsdp_zero.training.evaluate)."""
 
-    every: int = 0  # steps between evaluations, and one at the last step; 0: no evaluation
+    # steps between evaluations, and one at the last step; 0: no evaluation
+    every: int = field(default=0, metadata=ge(0, "0: no evaluation"))
     # causal_lm: a token file (.bin of data.token_dtype, or .npy), cut into windows of data.seq_len
     # + 1 tokens at stride data.seq_len; classification: an ImageFolder directory (resized,
     # centre-cropped).
     path: str | None = None
     # Evaluate only the first max_batches x train.global_batch_size windows (images): the same set
     # at any world size and micro-batch size. 0: the whole file.
-    max_batches: int = 0
+    max_batches: int = field(default=0, metadata=ge(0, "0: the whole file"))
 
     def check(self) -> None:
-        """Counts >= 0, and a path that exists whenever evaluation is on."""
-        for key in ("every", "max_batches"):
-            if getattr(self, key) < 0:
-                raise ValueError(
-                    f"eval.{key}={getattr(self, key)}: must be >= 0 (0: "
-                    f"{'no evaluation' if key == 'every' else 'the whole file'})"
-                )
+        """The declared constraints, and a path that exists whenever evaluation is on."""
+        check_fields(self, "eval")
         if self.every and not self.path:
             raise ValueError(
                 f"eval.every={self.every} needs eval.path: {_EVAL_PATHS[Task.causal_lm]} for "
@@ -697,7 +570,7 @@ class Config:
     precision: PrecisionConfig
     optim: OptimConfig
     train: TrainConfig
-    checkpoint: _CheckpointConfig
+    checkpoint: CheckpointConfig
     run: _RunConfig
     dist: DistConfig
     metrics: _MetricsConfig

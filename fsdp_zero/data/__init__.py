@@ -3,7 +3,7 @@
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.data.prepare import DEFAULT_VAL_FRACTION, Fields, prepare
-from fsdp_zero.data.token_files import IGNORE
+from fsdp_zero.data.token_files import IGNORE_INDEX
 
 __all__ = [
     "BatchCursor",
@@ -11,7 +11,7 @@ __all__ = [
     "build_source",
     "DEFAULT_VAL_FRACTION",
     "Fields",
-    "IGNORE",
+    "IGNORE_INDEX",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "prepare",

@@ -20,7 +20,7 @@ import torch
 
 from fsdp_zero.config.choices import DataSource
 from fsdp_zero.config.schema import TOKEN_SOURCES, DataConfig
-from fsdp_zero.data.token_files import IGNORE, META, mask_file, read_meta
+from fsdp_zero.data.token_files import IGNORE_INDEX, META, mask_file, read_meta
 
 
 class Source(Protocol):
@@ -144,9 +144,9 @@ class TokenFile(_Windows):
 
     A mask file beside a ``.bin`` (``train.mask.bin``, see `fsdp_zero.data.prepare.mask_file`:
     uint8, one byte a token) marks the tokens trained on: a target whose mask byte is 0 becomes
-    `IGNORE`, which the loss leaves out (the mask applies to the predicted token: window tokens [s,
-    s + L + 1) predict s + 1 .. s + L, and target s + j counts iff mask[s + j] == 1). ``masked``
-    says whether there is one.
+    `IGNORE_INDEX`, which the loss leaves out (the mask applies to the predicted token: window
+    tokens [s, s + L + 1) predict s + 1 .. s + L, and target s + j counts iff mask[s + j] == 1).
+    ``masked`` says whether there is one.
 
     Raises:
         ValueError: a ``dtype`` that contradicts meta.json's; an unreadable file; a mask of another
@@ -190,7 +190,7 @@ class TokenFile(_Windows):
             trained = np.stack([self._mask[s + 1 : s + self.seq_len + 1] for s in starts]).astype(
                 bool
             )
-            targets = targets.masked_fill(~torch.from_numpy(trained), IGNORE)
+            targets = targets.masked_fill(~torch.from_numpy(trained), IGNORE_INDEX)
         return inputs, targets
 
     @property

@@ -263,11 +263,18 @@ def prepare(
 ) -> tuple[dict, float]:
     """Tokenizes ``inputs`` into ``out``/train.bin, val.bin and meta.json; the same bytes for any ``workers``.
 
-    ``fields``: the documents' format and where their text lies (`Fields`); instruction formats
-    write each split's mask beside its ``.bin`` (`mask_file`).
+    Instruction formats write each split's mask beside its ``.bin`` (`mask_file`). Everything is
+    written into a temporary folder beside ``out``, renamed to ``out`` at the end: a run that fails
+    leaves nothing behind.
 
-    Everything is written into a temporary folder beside ``out``, renamed to ``out`` at the end: a
-    run that fails leaves nothing behind.
+    Args:
+        tokenizer_dir: a Hugging Face tokenizer's folder.
+        inputs: the documents' files or folders.
+        out: the folder to write (it must hold no data).
+        fields: the documents' format and where their text lies (`Fields`).
+        val_fraction: the share of documents held out for val.bin.
+        workers: tokenizing processes (1: this one).
+        seed: what draws the validation documents.
 
     Returns:
         The meta.json written, and the seconds spent tokenizing and writing (start-up, the first pass
@@ -291,7 +298,12 @@ def prepare(
     try:
         start = time.perf_counter()
         encoded = _encoded(
-            documents(files, records, fmt), count, workers, str(tokenizer_dir), dtype, fmt
+            documents(files, records, fmt),
+            count,
+            workers=workers,
+            tokenizer_dir=str(tokenizer_dir),
+            dtype=dtype,
+            fmt=fmt,
         )
         totals = _write_splits(staging, encoded, val, count)
         seconds = time.perf_counter() - start

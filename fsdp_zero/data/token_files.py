@@ -11,7 +11,7 @@ from typing import Any
 META = "meta.json"
 # train.bin -> train.mask.bin: uint8, one byte per token, 1 where it is trained on
 _MASK_SUFFIX = ".mask.bin"
-IGNORE = -100  # a target left out of the loss: F.cross_entropy's default ignore_index
+IGNORE_INDEX = -100  # a target left out of the loss: F.cross_entropy's default ignore_index
 
 
 def token_dtype(vocab_size: int) -> str:

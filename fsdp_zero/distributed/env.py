@@ -318,7 +318,7 @@ def draw_seed() -> int:
 
 def agree_on_seed(seed: int | None, env: DistEnv) -> int:
     """The configured seed, or one drawn by rank 0, on every rank; seeds every RNG with it (for the
-    benchmarks; the trainer's seed comes from `fsdp_zero.training.rundir.decide`)."""
+    benchmarks; the trainer's seed comes from `fsdp_zero.training.rundir.decide_run`)."""
     if seed is None:
         seed = draw_seed()
     seed = int(broadcast_object(seed, env))

@@ -1,6 +1,13 @@
 """What is trained: construction, the built-in transformer, tasks, initialisation, LoRA, Hugging Face in."""
 
 from fsdp_zero.model.construct import construct, meta_parameters, real_buffers
+from fsdp_zero.model.contract import (
+    DECLARED,
+    FsdpZeroModel,
+    ModelFacts,
+    contract_table,
+    model_facts,
+)
 from fsdp_zero.model.hf import INDEX_FILE, SINGLE_FILE, export_files, run_dir_files, weights_path
 from fsdp_zero.model.init import local_rows
 from fsdp_zero.model.lora import (
@@ -39,6 +46,11 @@ __all__ = [
     "build_task",
     "check_classes_fit",
     "construct",
+    "contract_table",
+    "DECLARED",
+    "FsdpZeroModel",
+    "model_facts",
+    "ModelFacts",
     "export_files",
     "export_plan",
     "frozen_count",

@@ -100,7 +100,14 @@ def normal_(param: torch.Tensor, *, std: float, seed: int, name: str, mean: floa
 
 @torch.no_grad()
 def uniform_(param: torch.Tensor, *, bound: float, seed: int, name: str) -> None:
-    """Fills ``param`` with U(-bound, bound), world-size invariant (as `normal_`)."""
+    """Fills ``param`` with U(-bound, bound), world-size invariant (as `normal_`).
+
+    Args:
+        param: the parameter; a DTensor writes only its local shard.
+        bound: the half-width of the interval.
+        seed: the run's seed.
+        name: a stable name for the parameter (its FQN), so each parameter gets its own stream.
+    """
     _fill(param, seed, name, lambda v, g: v.uniform_(-bound, bound, generator=g))
 
 

@@ -194,8 +194,16 @@ def match_weights(
 def does_not_fit(
     what: str, missing: list[str], unexpected: list[str], misshaped: list[str], how: str = ""
 ) -> ValueError:
-    """One line naming what does not fit the model (``how``: after a renaming of its keys): the first
-    8 of each kind of mismatch, and how many."""
+    """One line naming what does not fit the model: the first 8 of each kind of mismatch, and how
+    many.
+
+    Args:
+        what: what did not fit, as the line starts (e.g. ``checkpoint 'runs/a/step-0000004'``).
+        missing: the model's names it lacks.
+        unexpected: its names the model does not have.
+        misshaped: ``"name: its shape vs the model's"`` lines.
+        how: the renaming of its keys it was matched after ('' for none).
+    """
     parts = [f"{what} does not fit this model" + (f" (with the renaming {how})" if how else "")]
     for label, items in (
         ("missing", missing),

@@ -10,9 +10,10 @@ custom          ``model.loss``: a function (model, batch) -> loss, or (loss, {na
 A task returns the loss and a dict of scalar tensors (detached) to log, averaged like the loss.
 
 Masked token data (a mask file beside the ``.bin``, `fsdp_zero.data.batches.TokenFile`) marks the
-targets left out with `IGNORE`; its task is `masked_causal_lm`, which returns the *summed* loss over
-the trained targets, and `trained_tokens` counts them, which `fsdp_zero.training.step.Step.run` (its
-``token_count``) uses to divide by the trained tokens of the whole global batch.
+targets left out with `IGNORE_INDEX`; its task is `masked_causal_lm`, which returns the *summed*
+loss over the trained targets, and `trained_tokens` counts them, which
+`fsdp_zero.training.step.Step.run` (its ``token_count``) uses to divide by the trained tokens of
+the whole global batch.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch import nn
 from fsdp_zero.config.choices import DataSource, Task
 from fsdp_zero.config.schema import ModelConfig
 from fsdp_zero.config.targets import import_target
-from fsdp_zero.data.token_files import IGNORE
+from fsdp_zero.data.token_files import IGNORE_INDEX
+from fsdp_zero.model.contract import model_facts
 
 LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -56,7 +58,8 @@ def causal_lm(
 def _masked_causal_lm(
     model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """causal_lm's cross-entropy summed over the trained targets (those not `IGNORE`; 0 when none is)."""
+    """causal_lm's cross-entropy summed over the trained targets (those not `IGNORE_INDEX`; 0 when
+    none is)."""
     inputs, targets = batch
     logits = logits_of(model(inputs))
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"), {}
@@ -64,7 +67,7 @@ def _masked_causal_lm(
 
 def trained_tokens(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The targets of a causal_lm batch that the loss counts."""
-    return (batch[1] != IGNORE).sum()
+    return (batch[1] != IGNORE_INDEX).sum()
 
 
 def classification(
@@ -121,7 +124,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def vocab_size(model: nn.Module) -> int | None:
     """A language model's vocabulary: its Hugging Face config's, else its first embedding's rows."""
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    size = model_facts(model).vocab_size
     if size is not None:
         return int(size)
     first = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
@@ -131,10 +134,7 @@ def vocab_size(model: nn.Module) -> int | None:
 def max_seq_len(model: nn.Module) -> int | None:
     """The longest sequence the model takes, where it says (``max_seq_len``, or a Hugging Face config's
     max_position_embeddings); None: not stated."""
-    limit = getattr(model, "max_seq_len", None)
-    if limit is None:
-        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return int(limit) if isinstance(limit, int) else None
+    return model_facts(model).max_seq_len
 
 
 def num_outputs(model: nn.Module) -> int | None:
@@ -153,9 +153,11 @@ def _lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     logits = logits_of(model(inputs))
     # vocabulary-sharded logits (loss parallelism) gathered: evaluation forwards without backward
     logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float()
-    # 0 where IGNORE
+    # 0 where IGNORE_INDEX
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    counted = (targets != IGNORE).sum().double()  # every target, unless a mask file leaves some out
+    counted = (
+        (targets != IGNORE_INDEX).sum().double()
+    )  # every target, unless a mask file leaves some out
     return torch.stack(
         [losses.double().sum(), counted, torch.zeros((), dtype=torch.float64, device=losses.device)]
     )

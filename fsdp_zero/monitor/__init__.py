@@ -1,9 +1,16 @@
 """What a step measures: memory, communication, metrics."""
 
-from fsdp_zero.monitor.comm import KINDS, CommMeter, as_dict, comm_formula, comm_seconds, describe
+from fsdp_zero.monitor.comm import (
+    COLLECTIVE_KINDS,
+    CommMeter,
+    comm_as_dict,
+    comm_formula,
+    comm_seconds,
+    describe_comm,
+)
 from fsdp_zero.monitor.memory import (
-    CATEGORIES,
     GLIBC_MAX_MMAP_THRESHOLD,
+    MEMORY_CATEGORIES,
     MIB,
     MemoryMonitor,
     StepProfiler,
@@ -19,15 +26,15 @@ from fsdp_zero.monitor.phases import Phase, PhaseHook
 
 __all__ = [
     "apply_malloc_policy",
-    "as_dict",
-    "CATEGORIES",
+    "COLLECTIVE_KINDS",
+    "comm_as_dict",
     "comm_formula",
     "comm_seconds",
     "CommMeter",
-    "describe",
+    "describe_comm",
     "GLIBC_MAX_MMAP_THRESHOLD",
     "JsonLinesLogger",
-    "KINDS",
+    "MEMORY_CATEGORIES",
     "memory_scalars",
     "MemoryMonitor",
     "MetricLogger",

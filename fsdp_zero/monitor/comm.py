@@ -40,15 +40,21 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_zero.config.schema import Config
-from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
-from fsdp_zero.sharding.parallelize import ByteAllGather, reduce_scatter_comm, unwrap
-from fsdp_zero.sharding.precision import NAMES, Precision
-from fsdp_zero.sharding.tensor import resolve_plan, tp_local_shape
-from fsdp_zero.sharding.wrap import ROOT, WrapPlan
+from fsdp_zero.sharding.levers import (
+    GRAD_SYNC,
+    all_reduces_per_step,
+    holds_unsharded,
+    reductions_per_step,
+    sync_in_effect,
+)
+from fsdp_zero.sharding.parallelize import ByteAllGather, reduce_scatter_comm
+from fsdp_zero.sharding.precision import DTYPE_NAMES, Precision
+from fsdp_zero.sharding.tensor import tp_bytes, tp_local_shape
+from fsdp_zero.sharding.wrap import ROOT_FQN, WrapPlan
 from fsdp_zero.torch_private import (
     DefaultReduceScatter,
     count_functional_collectives,
@@ -57,7 +63,7 @@ from fsdp_zero.torch_private import (
 
 logger = logging.getLogger("fsdp_zero")
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 TP_KINDS = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
 
 
@@ -79,7 +85,7 @@ class CommBytes:
 
     def scalars(self) -> dict[str, float]:
         """The metrics' names and values: comm/<kind>_mib (tensor parallelism's kinds where it ran)."""
-        kinds = KINDS + (TP_KINDS if any(getattr(self, k) for k in TP_KINDS) else ())
+        kinds = COLLECTIVE_KINDS + (TP_KINDS if any(getattr(self, k) for k in TP_KINDS) else ())
         return {f"comm/{k}_mib": getattr(self, k) / MIB for k in kinds}
 
 
@@ -88,10 +94,10 @@ def _unit_params(model: nn.Module, plan: WrapPlan) -> Iterator[tuple[bool, list[
     unit inside it already owns (the plan moved shared parameters to a unit holding all their users)."""
     seen: set[int] = set()
     for unit in plan.units:
-        module = model.get_submodule(unit.fqn) if unit.fqn != ROOT else model
+        module = model.get_submodule(unit.fqn) if unit.fqn != ROOT_FQN else model
         own = [p for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
-        yield unit.fqn == ROOT, own
+        yield unit.fqn == ROOT_FQN, own
 
 
 def _padded(p: nn.Parameter, n: int) -> int:
@@ -126,14 +132,19 @@ def comm_formula(
     (all_gather). Under pipeline parallelism ``model`` and ``plan`` are one stage's (the meter sums
     a rank's stages): its units are gathered once a step and stay gathered, and reduce once a step.
 
-    ``model``: unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones);
-    ``plan``: its FSDP units (`fsdp_zero.sharding.wrap.build_wrap_plan`); ``precision``:
-    ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve`); ``packed``: the weights not
-    gathered in the compute dtype (QLoRA's NF4, tensorwise float8's), {name: bytes one gather of it
-    moves} (`fsdp_zero.sharding.build.Built.gathered_bytes`): those instead of their elements.
+    Args:
+        cfg: the run's config (``parallel``, and the micro-batch's tokens tensor parallelism moves).
+        topology: ``cfg.parallel`` at the world size.
+        model: unsharded (meta is fine) or sharded (its DTensors' shapes are the full ones).
+        plan: its FSDP units (`fsdp_zero.sharding.wrap.build_wrap_plan`).
+        accum: micro-batches a step.
+        precision: ``cfg.precision`` resolved (`fsdp_zero.sharding.precision.resolve_precision`).
+        packed: the weights not gathered in the compute dtype (QLoRA's NF4, tensorwise
+            float8's), {name: bytes one gather of it moves}
+            (`fsdp_zero.sharding.build.Built.gathered_bytes`): those instead of their elements.
     """
     spec = topology.spec
-    sync = cfg.parallel.grad_sync_in_effect
+    sync = sync_in_effect(GRAD_SYNC.value(cfg), topology)
     if not spec.fsdp:
         return _ddp_bytes(model, topology, precision)
     n = topology.shard_group
@@ -149,54 +160,20 @@ def comm_formula(
         gathered += (1 if root else gathers_per_unit) * one
         reduced += sum(_padded(p, n) for p in params if p.requires_grad)
         held += sum(p.numel() for p in params if p.requires_grad)
-    reductions = 1 if sync is GradSync.once_per_step else accum
-    all_reduces = accum if sync is GradSync.every_micro_batch else 1
+    reductions, all_reduces = reductions_per_step(sync, accum), all_reduces_per_step(sync, accum)
     reduce_bytes = reduced * precision.reduce.itemsize
-    tp = tp_bytes(cfg, model, precision, topology.pp == 1) if topology.tp > 1 else {}
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len  # a micro-batch's, on each rank
+    whole = topology.size("pp") == 1  # else a stage: some planned modules are on other stages
+    tp = tp_bytes(cfg.parallel, tokens, model, precision, whole) if topology.size("tp") > 1 else {}
     # a pipeline stage's units stay gathered from their first forward to the step's end
-    gathers = 1 if topology.pp > 1 else accum
+    gathers = 1 if topology.size("pp") > 1 else accum
     return CommBytes(
         all_gather=gathers * gathered if n > 1 else 0,
         reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
         all_reduce=all_reduces * reduce_bytes / n if topology.replicas > 1 else 0,
-        once_per_step=held * precision.reduce.itemsize if sync is GradSync.once_per_step else 0,
+        once_per_step=held * precision.reduce.itemsize if holds_unsharded(sync) else 0,
         **{f"tp_{kind}": accum * b for kind, b in tp.items()},
     )
-
-
-def tp_bytes(
-    cfg: Config, model: nn.Module, precision: Precision, whole: bool = True
-) -> dict[str, float]:
-    """Tensor parallelism's collectives in one micro-batch's forward and backward, by kind, from
-    the plan as applied (docs/parallelism.md#communication): activations of micro-batch x
-    seq_len tokens in the compute dtype, a whole norm gain's gradient in the reduce dtype. A
-    colwise Linear's input gradient is all-reduced; a rowwise output (an embedding's) is
-    reduce-scattered onto the sequence and its gradient gathered back (sequence parallelism), or
-    all-reduced; the head gathers its input from the sequence (its gradient reduce-scattered back)
-    and its logits over the vocabulary; a gather_input module gathers its input. Not in it: the
-    forward collectives activation checkpointing recomputes, and loss parallelism's reductions."""
-    applied, sp = resolve_plan(model, cfg.parallel.sequence_parallel, whole)
-    act = cfg.train.micro_batch_size * cfg.data.seq_len * precision.compute.itemsize
-    out = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0.0)
-    for fqn, style in applied.items():
-        m = model.get_submodule(fqn)
-        if style == "colwise":
-            out["all_reduce"] += act * m.in_features
-        elif style in ("rowwise", "embedding_rowwise"):
-            width = m.out_features if style == "rowwise" else m.embedding_dim
-            for kind in ("reduce_scatter", "all_gather") if sp else ("all_reduce",):
-                out[kind] += act * width
-        elif style == "colwise_gather_output":
-            for kind in ("all_gather", "reduce_scatter") if sp else ("all_reduce",):
-                out[kind] += act * m.in_features
-            out["all_gather"] += 0 if cfg.parallel.loss_parallel else act * m.out_features
-        elif style == "gather_input":
-            out["all_gather"] += (
-                act * next(x for x in m.modules() if isinstance(x, nn.Linear)).in_features
-            )
-        else:  # sequence_parallel: the norm gain's gradient summed over the tp ranks
-            out["all_reduce"] += m.weight.numel() * precision.reduce.itemsize
-    return out
 
 
 def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[str, float]:
@@ -276,11 +253,7 @@ class CommMeter:
     def __init__(self, cfg: Config, env: DistEnv, built: Built, accum: int) -> None:
         model, optimizer, topology = built.model, built.optimizer, built.topology
         # each pipeline stage is sharded on its own: its units, its formula (summed)
-        parts = (
-            list(zip(built.stages.parts, built.stages.plans))
-            if built.stages
-            else [(unwrap(model), built.plan)]
-        )
+        parts = built.sharded_parts
         formulas = [
             asdict(
                 comm_formula(
@@ -288,17 +261,17 @@ class CommMeter:
                     topology,
                     part,
                     plan,
-                    accum,
-                    built.precision,
-                    built.gathered_bytes,
+                    accum=accum,
+                    precision=built.precision,
+                    packed=built.gathered_bytes,
                 )
             )
             for part, plan in parts
         ]
         self.formula = CommBytes(**{k: sum(f[k] for f in formulas) for k in formulas[0]})
-        self.bytes = dict.fromkeys(KINDS + TP_KINDS, 0)
+        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS, 0)
         self.active = False
-        self.tp = topology.tp > 1
+        self.tensor_parallel = topology.size("tp") > 1  # (its collectives counted apart)
         spec = topology.spec
         if spec.fsdp:
             # The all-reduce hook only where FSDP2 all-reduces: on 1-D FSDP's units it would run
@@ -327,7 +300,7 @@ class CommMeter:
                 "parallel.grad_sync=once_per_step: each rank holds its units' unsharded gradients "
                 "between micro-batches, %.2f MiB (%s), and reduces once a step",
                 self.formula.once_per_step / MIB,
-                NAMES[built.precision.reduce],
+                DTYPE_NAMES[built.precision.reduce],
             )
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
@@ -339,9 +312,9 @@ class CommMeter:
         """Counts from zero what runs inside (one optimizer step); `counted` reads it. Tensor
         parallelism's collectives only with ``tensor_parallel`` (their dispatch mode looks at every
         op: the trainer counts them on log steps)."""
-        self.bytes = dict.fromkeys(KINDS + TP_KINDS, 0)
+        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS, 0)
         self.active = True
-        tp = self.tp and tensor_parallel
+        tp = self.tensor_parallel and tensor_parallel
         try:
             with count_functional_collectives(self._add_tp) if tp else contextlib.nullcontext():
                 yield
@@ -355,14 +328,21 @@ class CommMeter:
         return CommBytes(**self.bytes)
 
 
-def describe(
+def describe_comm(
     counted: dict[str, float], formula: dict[str, float], strategy: str, grad_sync: str
 ) -> str:
-    """The end-of-run line: the last step's bytes by kind against the strategy's formula (both `CommBytes` as dicts)."""
+    """The end-of-run line: the last step's bytes by kind against the strategy's formula.
+
+    Args:
+        counted: the bytes `CommMeter` counted, by kind (`comm_as_dict`).
+        formula: the strategy's `comm_formula`, by kind.
+        strategy: parallel.strategy, as the line names it.
+        grad_sync: parallel.grad_sync, as the line names it.
+    """
     parts = [
         f"{k.replace('_', '-')} {counted[k] / MIB:,.2f} MiB"
         + (f" ({counted[k] / formula[k]:.4f} x)" if formula[k] else "")
-        for k in KINDS
+        for k in COLLECTIVE_KINDS
     ]
     held = (
         f"; it held {formula['once_per_step'] / MIB:,.2f} MiB of unsharded gradients between "
@@ -381,11 +361,11 @@ def describe(
     return (
         f"communication per rank in the last logged step: {', '.join(parts)}, against the "
         f"{strategy} grad_sync={grad_sync} formula's "
-        f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in KINDS)} MiB{held}{tensor}"
+        f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in COLLECTIVE_KINDS)} MiB{held}{tensor}"
     )
 
 
-def as_dict(comm: CommBytes) -> dict[str, float]:
+def comm_as_dict(comm: CommBytes) -> dict[str, float]:
     """``comm`` as summary.json and `fsdp_zero.training.steplog.StepRecord` hold it."""
     return asdict(comm)
 

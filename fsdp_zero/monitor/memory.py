@@ -243,7 +243,7 @@ def set_malloc_mmap_threshold(nbytes: int) -> bool:
 # ---------------------------------------------------------------------------------
 # Where the bytes of one step go, by category (PyTorch's own memory tracker)
 
-CATEGORIES = (
+MEMORY_CATEGORIES = (
     "params",
     "gathered_params",
     "grads",
@@ -354,7 +354,7 @@ class StepProfiler:
             self.heap_phases.setdefault(name, self._heap(self.sizes.current))
 
     def _heap(self, split: dict[tuple[str, bool], int]) -> dict[str, int]:
-        out = dict.fromkeys(CATEGORIES, 0)
+        out = dict.fromkeys(MEMORY_CATEGORIES, 0)
         for (reftype, heap), nbytes in split.items():
             if heap and reftype in self.mapping:
                 out[self.mapping[reftype]] += nbytes
@@ -381,7 +381,7 @@ class StepProfiler:
         assert self.sizes is not None, "StepProfiler(heap_threshold=...) splits by size"
         out = {}
         for region, split in self.sizes.region_peaks.items():
-            cats = dict.fromkeys(CATEGORIES, 0)
+            cats = dict.fromkeys(MEMORY_CATEGORIES, 0)
             for (reftype, _), nbytes in split.items():
                 if reftype in self.mapping:
                     cats[self.mapping[reftype]] += nbytes
@@ -391,7 +391,7 @@ class StepProfiler:
     def _categories(self, kind: str) -> dict[str, int]:
         snap = self.tracker.get_tracker_snapshot(kind)
         per_device = snap.get(self.device) or snap.get(torch.device(self.device.type)) or {}
-        out = dict.fromkeys(CATEGORIES, 0)
+        out = dict.fromkeys(MEMORY_CATEGORIES, 0)
         for key, value in per_device.items():
             name = getattr(key, "name", None)
             if name in self.mapping:

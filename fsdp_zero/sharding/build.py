@@ -12,43 +12,37 @@ build through here, and compare.py's single-process DataParallel baseline throug
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from fsdp_zero.config.choices import Init, WrapPolicy
-from fsdp_zero.config.schema import Config, ParallelConfig, PrecisionConfig, WrapConfig
+from fsdp_zero.config.schema import Config, WrapConfig
 from fsdp_zero.config.strategies import STRATEGIES, is_fsdp
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model import init as init_lib
 from fsdp_zero.model.construct import construct, real_buffers
+from fsdp_zero.model.contract import model_facts
 from fsdp_zero.model.lora import frozen_count, init_adapters, make_trainable
-from fsdp_zero.sharding.optim import build_optimizer, local_numel
-from fsdp_zero.sharding.parallelize import Compute, model_state_formula, parallelize, unwrap
-from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
-from fsdp_zero.sharding.precision import Precision, resolve
-from fsdp_zero.sharding.quantize import (
-    Float8Plan,
-    NF4Base,
-    adamw_state_bytes,
-    plan_float8,
-    plan_nf4,
-)
-from fsdp_zero.sharding.tensor import tp_whole
+from fsdp_zero.sharding.levers import BuildContext, Stage, made_facets
+from fsdp_zero.sharding.optim import build_optimizer
+from fsdp_zero.sharding.parallelize import formula_note, model_state_formula, parallelize, unwrap
+from fsdp_zero.sharding.precision import Precision, resolve_precision
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-from fsdp_zero.torch_private import hf_init_weights, precompute_float8_scales
+from fsdp_zero.torch_private import hf_init_weights
 
 logger = logging.getLogger("fsdp_zero")
 
 
 def _own_init_takes_seed(model: nn.Module) -> bool:
-    fn = getattr(model, "init_weights", None)
-    return callable(fn) and "seed" in inspect.signature(fn).parameters
+    fn = model_facts(model).init_weights
+    return fn is not None and "seed" in inspect.signature(fn).parameters
 
 
 def initialize(model: nn.Module, how: Init, seed: int) -> str:
@@ -78,7 +72,7 @@ def initialize(model: nn.Module, how: Init, seed: int) -> str:
             f"model.init=model: {type(model).__name__} has no init_weights(seed) or _init_weights; "
             "valid choices: auto, standard"
         )
-    std = getattr(getattr(model, "config", None), "initializer_range", None)
+    std = model_facts(model).initializer_range
     leftover = init_lib.init_standard(model, seed, linear_std=std)
     note = "standard layers" + (
         f" (Hugging Face initializer_range {std})" if std is not None else ""
@@ -112,7 +106,17 @@ def materializer(
     put the constructor's buffers back (on ``buffer_device``, default ``device``: with CPU offload
     the shards live on the CPU and the buffers on the GPU), initialise (``seed`` None: leave the
     memory as allocated; ``base_init`` False: LoRA's adapters only, the base comes from its file).
-    Parameters that hold values already (QLoRA's NF4 base, quantized while sharding) keep them."""
+    Parameters that hold values already (QLoRA's NF4 base, quantized while sharding) keep them.
+
+    Args:
+        device: where each rank's shards are allocated.
+        how: how the parameters are initialised (`initialize`).
+        seed: the initial weights' seed (None: the memory left as allocated).
+        buffers: the constructor's buffers, by name, put back after allocation.
+        notes: what was done, appended to (the start-up line's).
+        buffer_device: where the buffers go (None: ``device``).
+        base_init: False: LoRA's adapters only (the base comes from its file).
+    """
 
     def materialize(model: nn.Module) -> None:
         tied = _tied_names(model)
@@ -159,40 +163,36 @@ def cast_to_stored(model: nn.Module, precision: Precision) -> None:
 
 
 def shard(
-    model: nn.Module,
-    parallel: ParallelConfig,
-    env: DistEnv,
-    *,
-    seed: int | None,
-    init: Init = Init.auto,
-    topology: Topology | None = None,
-    compute: Compute = Compute(),
+    model: nn.Module, ctx: BuildContext, *, seed: int | None, init: Init = Init.auto
 ) -> tuple[nn.Module, WrapPlan, str]:
-    """Applies ``parallel.strategy`` to a `construct`-ed (meta-parameter) model and materialises it;
-    a model with real weights keeps them (FSDP shards what is there). ``compute``: the precision (the
-    stored dtype the model is cast to first, and FSDP2's mixed-precision policy; default fp32),
-    compilation and the DDP wrapper (`fsdp_zero.sharding.parallelize.Compute`). ``topology``:
-    ``parallel`` resolved for ``env``'s world size, if the caller has it (else resolved here).
-    With ``compute.quantize`` (QLoRA's quantizer) the rest of the base is left for its file, not
-    initialised.
+    """Applies ``ctx.cfg.parallel.strategy``, and the levers ``ctx.cfg`` turns on, to a
+    `construct`-ed (meta-parameter) model and materialises it; a model with real weights keeps them
+    (FSDP shards what is there). The model is cast to the stored dtype of ``ctx.cfg.precision``
+    first (FSDP2's mixed-precision policy is the same precision's). When a lever brings the base
+    weights itself (QLoRA's quantizer) the rest of the base is left for its file, not initialised.
 
     Returns the module to call (the sharded model, or its DDP wrapper), the wrap plan, and how the
-    parameters were initialised. ``seed`` None leaves them uninitialised (the planner, or weights
-    loaded next).
+    parameters were initialised.
+
+    Args:
+        model: the model, on the meta device (or with real weights, which it keeps).
+        ctx: the config, ranks, topology and what the levers made so far (`BuildContext`).
+        seed: the initial weights' seed (None: left uninitialised: the planner, or weights loaded
+            next).
+        init: how they are initialised (`initialize`).
 
     Raises:
         ValueError: a wrap setting the model does not fit (see
             `fsdp_zero.sharding.wrap.build_wrap_plan`).
     """
-    precision = compute.precision or resolve(PrecisionConfig())
-    cast_to_stored(model, precision)
-    topology = topology or Topology.of(parallel, env.world_size)
+    cast_to_stored(model, resolve_precision(ctx.cfg.precision))
+    parallel, env = ctx.cfg.parallel, ctx.env
     wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
-    plan = build_wrap_plan(model, wrap, topology.param_shards)
+    plan = build_wrap_plan(model, wrap, ctx.topology.param_shards)
     notes: list[str] = []
-    # With CPU offload FSDP2 wants the shards in host memory from the start; buffers stay on the
+    # Under CPU offload FSDP2 wants the shards in host memory from the start; buffers stay on the
     # device.
-    device = torch.device("cpu") if parallel.cpu_offload else env.device
+    device = ctx.state_device()
     if any(p.is_meta for p in model.parameters()):
         materialize = materializer(
             device,
@@ -201,70 +201,90 @@ def shard(
             real_buffers(model),
             notes,
             buffer_device=env.device,
-            base_init=compute.quantize is None,
+            base_init=not ctx.fills_base(),
         )
     else:
         materialize = lambda m: m.to(device)  # noqa: E731 - weights given: only moved
         notes.append("weights as given")
-    model = parallelize(
-        model,
-        parallel,
-        topology,
-        plan,
-        env,
-        materialize,
-        replace(compute, precision=precision),
-    )
+    model = parallelize(model, ctx, plan, materialize)
     return model, plan, "; ".join(notes)
 
 
 @dataclass
 class Built:
+    """What `build` returns: the module to call, its optimizer and wrap plan, and what the levers
+    made (``levers``: by row name, `fsdp_zero.sharding.levers.LEVERS`); its facts are each lever's
+    facets over it, so no field here names a lever."""
+
     model: nn.Module  # what to call: the sharded model, or its DDP wrapper
     optimizer: torch.optim.Optimizer
     plan: WrapPlan
     num_params: int
     precision: Precision  # how the model state is stored, computed and reduced
+    topology: Topology  # cfg.parallel resolved for the world size
     init_note: str = ""
     num_frozen: int = 0  # parameters that do not train (model.freeze, model.lora)
     trainable_note: str = ""  # what model.freeze and model.lora did ('' when neither is set)
-    topology: Topology | None = None  # cfg.parallel resolved for the world size
-    tp_whole: int = 0  # parameters tensor parallelism leaves whole (`fsdp_zero.sharding.tensor`)
-    # pipeline parallelism: this rank's stages (``model`` is their view), None without
-    stages: RankStages | None = None
-    nf4: NF4Base | None = None  # QLoRA's quantized base (model.lora.quantize=nf4), None without
-    state_bits: int = 32  # optim.state_bits: AdamW's states, 32-bit or torchao's 8- or 4-bit
-    float8: Float8Plan | None = None  # precision.float8's Linears, None without
+    # what each active lever made (QLoRA's NF4 base, float8's plan, pipeline parallelism's stages),
+    # else its setting, by the lever's name
+    levers: dict[str, object] = field(default_factory=dict)
 
     def weights_loaded(self) -> None:
-        """What follows a load into the built model (a checkpoint, model.init_from): tensorwise
-        float8's precomputed scales recomputed from the loaded weights. (Loading a checkpoint creates
-        the optimizer's states by a step with zero gradients, whose post-hook computed them from the
-        weights before the load: the first step after a resume would gather with stale scales.)"""
-        if self.float8 is not None and self.float8.all_gather:
-            precompute_float8_scales(self.model)
+        """What follows a load into the built model (a checkpoint, model.init_from): each lever's
+        ``after_load`` (tensorwise float8's scales recomputed from the loaded weights)."""
+        for after_load, made in made_facets(self.levers, "after_load"):
+            after_load(made, self.model)
 
     @property
     def gathered_bytes(self) -> dict[str, float]:
-        """The weights not gathered in the compute dtype, {name: bytes one gather moves}: QLoRA's NF4
-        (`NF4Base.gathered`) and float8's all-gathered ones (1 B a value)."""
-        out = dict(self.nf4.gathered) if self.nf4 else {}
-        if self.float8 is not None and self.float8.all_gather:
-            out.update(self.float8.weights)
+        """The weights not gathered in the compute dtype, {name: bytes one gather moves}: QLoRA's
+        NF4 (`NF4Base.gathered`) and float8's all-gathered ones (1 B a value)."""
+        out: dict[str, float] = {}
+        for gathered, made in made_facets(self.levers, "gathered"):
+            out.update(gathered(made))
         return out
 
     @property
     def rebuilt(self) -> frozenset[str]:
         """Model tensors checkpoints leave out, rebuilt at every start: QLoRA's NF4 base."""
-        return frozenset(self.nf4.names) if self.nf4 is not None else frozenset()
+        return frozenset().union(*(f(made) for f, made in made_facets(self.levers, "rebuilt")))
+
+    @property
+    def cut_from(self) -> nn.Module | None:
+        """The whole model (on meta) this rank's part was cut from under pipeline parallelism; None
+        when the rank holds the whole model."""
+        found = [whole(made) for whole, made in made_facets(self.levers, "whole")]
+        return found[0] if found else None
 
     @property
     def whole(self) -> nn.Module:
         """The model its facts are read from (vocabulary, sequence length, outputs): the model
         itself without its DDP wrapper, or under pipeline parallelism the whole one, on meta."""
-        if self.stages is not None:
-            return self.stages.whole
-        return unwrap(self.model)
+        cut_from = self.cut_from
+        return unwrap(self.model) if cut_from is None else cut_from
+
+    @property
+    def sharded_parts(self) -> list[tuple[nn.Module, WrapPlan]]:
+        """Each sharded module and its wrap plan: the model, or under pipeline parallelism each of
+        this rank's stages (each sharded on its own)."""
+        found = [parts(made) for parts, made in made_facets(self.levers, "parts")]
+        return found[0] if found else [(unwrap(self.model), self.plan)]
+
+    @property
+    def rank_params(self) -> int:
+        """The parameters whose state this rank holds a share of: the whole model's, or under
+        pipeline parallelism its stages' (what the model-state formula counts)."""
+        if self.cut_from is None:
+            return self.num_params
+        return sum(p.numel() for p in self.model.parameters())
+
+    def state_terms(self) -> dict[str, object]:
+        """The levers' terms of `model_state_formula` (its keyword arguments): the parameters tensor
+        parallelism leaves whole, QLoRA's NF4 bytes, low-bit AdamW's state bytes."""
+        terms: dict[str, object] = {}
+        for state_terms, made in made_facets(self.levers, "state_terms"):
+            terms |= state_terms(made, self.model)
+        return terms
 
     def state_formula(self) -> float:
         """This rank's model state after a step by `model_state_formula`: what the start-up and
@@ -272,28 +292,25 @@ class Built:
         return model_state_formula(
             self.topology,
             self.rank_params,
-            self.precision.bytes_per_param,
-            self.num_frozen,
-            self.tp_whole,
-            (self.nf4.numel, self.nf4.rank_bytes) if self.nf4 else (0, 0.0),
-            self.optimizer_bytes() if self.state_bits != 32 else None,
+            bytes_per_param=self.precision.bytes_per_param,
+            frozen=self.num_frozen,
+            **self.state_terms(),
         )
 
-    def optimizer_bytes(self) -> float:
-        """This rank's AdamW states by `adamw_state_bytes`, tensor by tensor (its shards' sizes)."""
-        return sum(
-            adamw_state_bytes(local_numel(p), self.state_bits)
-            for p in self.model.parameters()
-            if p.requires_grad
-        )
+    def formula_where(self) -> str:
+        """How the model-state formula divides, in words, with the frozen parameters and the levers'
+        words (QLoRA's NF4 ones)."""
+        where = formula_note(self.topology, self.state_terms().get("tp_whole", 0))
+        if self.num_frozen:
+            w = self.precision.bytes_per_param[0]
+            where += f", {self.num_frozen:,} of them frozen (weights only, {w} B)"
+        for words, made in made_facets(self.levers, "where"):
+            where += words(made, self.topology)
+        return where
 
-    @property
-    def rank_params(self) -> int:
-        """The parameters whose state this rank holds a share of: the whole model's, or under
-        pipeline parallelism its stages' (what the model-state formula counts)."""
-        if self.stages is None:
-            return self.num_params
-        return sum(p.numel() for p in self.model.parameters())
+    def notes(self) -> list[str]:
+        """The levers' start-up lines (float8's Linears, low-bit AdamW's states)."""
+        return [note(made, self.model) for note, made in made_facets(self.levers, "note")]
 
 
 def build(
@@ -305,73 +322,55 @@ def build(
     ddp: Callable[[nn.Module], nn.Module] | None = None,
     model: nn.Module | None = None,
 ) -> Built:
-    """The configured model, sharded by ``cfg.parallel`` over ``env``'s ranks and initialised with
-    ``seed`` (None: not initialised), and its optimizer. See `shard` for ``topology`` (with its
-    device mesh); ``ddp``: what wraps the model under the DDP strategies (the planner's stand-in);
-    ``model``: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor
-    mode).
+    """The configured model, sharded by ``cfg.parallel`` over ``env``'s ranks with the levers
+    ``cfg`` turns on, initialised with ``seed`` (None: not initialised), and its optimizer.
+
+    Args:
+        cfg: the run's config.
+        env: ranks and device.
+        seed: the initial weights' seed (None: left uninitialised: the planner, or weights loaded
+            next).
+        topology: ``cfg.parallel`` resolved for ``env``'s world size, its device mesh built (else
+            resolved here).
+        ddp: what wraps the model under the DDP strategies (the planner's stand-in).
+        model: ``construct(cfg.model)`` made already (the planner makes it outside fake-tensor
+            mode).
 
     Raises:
         ValueError: a model.target that does not build, or a wrap setting the model does not fit.
     """
     model = model if model is not None else construct(cfg.model)
-    trainable_note = make_trainable(
-        model, cfg.model
-    )  # before sharding: adapters in their Linear's unit
+    # before sharding: adapters in their Linear's unit
+    trainable_note = make_trainable(model, cfg.model)
     num_params, num_frozen = sum(p.numel() for p in model.parameters()), frozen_count(model)
-    precision = resolve(cfg.precision)
-    topology = topology or Topology.of(cfg.parallel, env.world_size)
-    nf4 = plan_nf4(cfg, model, topology.param_shards)  # QLoRA's base, quantized while sharding
-    compute = Compute(precision, cfg.train.compile, ddp, nf4.quantizer(model) if nf4 else None)
-    float8 = plan_float8(cfg, model, env, topology.param_shards)  # converted here, on meta
-    stages = None
-    if topology.pp > 1:
-        stages, plan, note = _shard_stages(model, cfg, env, seed, topology, compute)
-        model = stages.model
-    else:
-        model, plan, note = shard(
-            model,
-            cfg.parallel,
-            env,
-            seed=seed,
-            init=cfg.model.init,
-            topology=topology,
-            compute=compute,
-        )
-    # With CPU offload the optimizer steps on the CPU, where the shards are.
-    device = torch.device("cpu") if cfg.parallel.cpu_offload else env.device
+    topology = topology or Topology.of(cfg.parallel, env.world_size).on(env.device.type)
+    ctx = BuildContext(cfg, env, topology, ddp=ddp)
+    # CONVERT, on the meta model: QLoRA's base planned (quantized while sharding), float8's Linears
+    for lever in ctx.at(Stage.CONVERT):
+        ctx.made[lever.name] = lever.apply(model, ctx)
+    # CUT: pipeline parallelism cuts this rank's stages and shards each on its own; else the whole
+    # model is sharded (`shard`, whose `parallelize` runs SPLIT to SHARD)
+    one = functools.partial(shard, seed=seed, init=cfg.model.init)
+    cuts = [lever.apply for lever in ctx.at(Stage.CUT)]
+    model, plan, note = cuts[0](model, ctx, one) if cuts else one(model, ctx)
+    # OPTIMIZER: AdamW where the shards are (the host under CPU offload); the levers' hooks on it
     optimizer = build_optimizer(
-        model, cfg.optim, device, zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer
+        model,
+        cfg.optim,
+        ctx.state_device(),
+        zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer,
     )
-    if float8 is not None:
-        float8.after_steps(optimizer, model)
-    whole = tp_whole(model) if topology.tp > 1 else 0
-    built = (model, optimizer, plan, num_params, precision, note, num_frozen, trainable_note)
-    return Built(*built, topology, whole, stages, nf4, cfg.optim.state_bits, float8)
-
-
-def _shard_stages(
-    model: nn.Module,
-    cfg: Config,
-    env: DistEnv,
-    seed: int | None,
-    topology: Topology,
-    compute: Compute,
-) -> tuple[RankStages, WrapPlan, str]:
-    """Pipeline parallelism: this rank's stages of the meta-device ``model``, each sharded by
-    `shard` (its own FSDP units over the data-parallel ranks); their wrap plans as one (each stage's
-    root named ``stage<s>``) and how they were initialised."""
-    notes: list[str] = []
-    parallel, wrap_note = stage_wrap(cfg.parallel)
-    if wrap_note:
-        logger.info("%s", wrap_note)
-
-    def one(part: nn.Module) -> tuple[nn.Module, WrapPlan]:
-        part, plan, note = shard(
-            part, parallel, env, seed=seed, init=cfg.model.init, topology=topology, compute=compute
-        )
-        notes.append(note)
-        return part, plan
-
-    stages = build_stages(model, topology, env.rank, cfg.parallel.pp_schedule, env.device, one)
-    return stages, stages_plan(stages.plans, stages.ids), notes[0]
+    for after_optimizer, made in ctx.facets("after_optimizer"):
+        after_optimizer(made, optimizer, model)
+    return Built(
+        model=model,
+        optimizer=optimizer,
+        plan=plan,
+        num_params=num_params,
+        precision=resolve_precision(cfg.precision),
+        topology=topology,
+        init_note=note,
+        num_frozen=num_frozen,
+        trainable_note=trainable_note,
+        levers=dict(ctx.made),
+    )

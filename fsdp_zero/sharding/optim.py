@@ -8,14 +8,20 @@ the bounded step's groups (``optim.step_group_size``).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fsdp_zero.config.choices import OptimizerImpl
 from fsdp_zero.config.schema import OptimConfig
-from fsdp_zero.torch_private import low_bit_adamw
+from fsdp_zero.sharding.parallelize import unwrap
+from fsdp_zero.torch_private import _init_optim_state, low_bit_adamw
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -64,6 +70,12 @@ def build_optimizer(
     `step_groups`, which AdamW steps one after another (the same bits, temporaries bounded by a
     group). Fused and for_loop AdamW make no temporaries larger than one tensor, so they keep the
     two groups (a warning says the setting has no effect where it would have cut them).
+
+    Args:
+        model: the built model; its trainable parameters are stepped.
+        cfg: the optimizer's settings (``optim.*``).
+        device: where the step runs (the host under CPU offload): auto's implementation follows it.
+        zero1: ZeRO-1's partitioned states (ZeroRedundancyOptimizer).
     """
     impl = optimizer_impl(cfg, device)
     groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, impl)]
@@ -120,3 +132,50 @@ def param_groups(
         for group, wd in ((decay, cfg.weight_decay), (no_decay, decay_1d))
         for ps in _step_groups(group, size)
     ]
+
+
+class OptimizerState:
+    """The optimizer's checkpoint part (a `Stateful`, `fsdp_zero.checkpoint.parts`): AdamW's states
+    keyed by parameter FQN through torch's state-dict API (sharded DTensors under FSDP)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)["state"]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        set_optimizer_state_dict(
+            self.model, self.optimizer, {"state": state, "param_groups": groups}
+        )
+
+
+class Zero1State:
+    """ZeRO-1's partition as the optimizer's checkpoint part. torch's state-dict API does not cover
+    ZeroRedundancyOptimizer: each rank contributes the AdamW states of its own partition, under the
+    same FQN keys, so the checkpoint holds every parameter's state once, in full, like a DDP one
+    (and loads at any world size)."""
+
+    def __init__(self, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        local = self.optimizer.optim  # this rank's AdamW over its partition
+        if not local.state:
+            _init_optim_state(local)  # lazily created states must exist to be loaded into
+        names = {id(p): fqn for fqn, p in unwrap(self.model).named_parameters()}
+        return {names[id(p)]: dict(st) for p, st in local.state.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing left to do: `state_dict`'s values are the live states, loaded in place by DCP."""
+
+
+def optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> OptimizerState | Zero1State:
+    """The checkpoint part of the optimizer `build_optimizer` made for ``model``: ZeRO-1's partition
+    (`Zero1State`) or torch's state-dict API (`OptimizerState`)."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return Zero1State(model, optimizer)
+    return OptimizerState(model, optimizer)

@@ -1,40 +1,32 @@
-"""The one function that applies a data-parallel strategy to a model, and each strategy's
-model-state formula, both read from the strategy table (`fsdp_zero.config.strategies.STRATEGIES`;
-its rendering, with the formulas, is docs/sharding.md's table).
+"""The one function that applies a data-parallel strategy and the levers a config turns on to a
+model, and each strategy's model-state formula, both read from the strategy table
+(`fsdp_zero.config.strategies.STRATEGIES`; its rendering, with the formulas, is docs/sharding.md's
+table).
 
-Order matters and is fixed: activation checkpointing on the block units, then
-``torch.compile`` of each block (if on), then sharding (torchtitan's order). FSDP strategies
-shard the meta-device model unit by unit (bottom-up, then the root) and only then materialise
-it, so no rank allocates more than its shards. DDP strategies need real tensors to wrap, so they
+Order matters and is fixed, stage by stage (`fsdp_zero.sharding.levers.Stage`; each stage a loop
+over its levers' rows): tensor parallelism's split, activation checkpointing on the block units,
+then ``torch.compile`` of each block (if on), then sharding (torchtitan's order). FSDP strategies
+shard the meta-device model unit by unit (bottom-up, then the root) and only then materialise it,
+so no rank allocates more than its shards. DDP strategies need real tensors to wrap, so they
 materialise the whole model first (every rank holds all of it: that is what DDP is).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_zero.config.choices import ActivationCheckpointing
-from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.config.strategies import STRATEGIES, StrategySpec, is_fsdp
-from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.distributed.topology import Topology
-from fsdp_zero.sharding.precision import Precision
-from fsdp_zero.sharding.tensor import apply_tensor_parallel
+from fsdp_zero.distributed.topology import Role, Topology
+from fsdp_zero.sharding.levers import BuildContext, Stage
+from fsdp_zero.sharding.precision import resolve_precision
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter, checkpoint_activations
+from fsdp_zero.torch_private import DefaultAllGather, DefaultReduceScatter
 
 # Bytes per parameter of (parameters, gradients, optimizer states): fp32 AdamW holds 4 + 4 + 8.
 _FP32_ADAMW = (4, 4, 8)
@@ -66,20 +58,34 @@ def model_state_formula(
     holds of them (`fsdp_zero.sharding.quantize.nf4_bytes`, about 0.516 P_q / N) instead of w each.
     ``optimizer_bytes``: the optimizer states a rank holds, where k is not one figure a parameter
     (low-bit AdamW, `fsdp_zero.sharding.quantize.adamw_state_bytes` of each shard), in place of k's term.
+
+    Args:
+        topology: the strategy and its shard group (and tensor parallelism's degree).
+        num_params: the parameters counted (under pipeline parallelism the rank's stages').
+        bytes_per_param: (w, g, k), bytes of weights, gradients and optimizer states a parameter.
+        frozen: of ``num_params``, those that do not train.
+        tp_whole: the parameters tensor parallelism leaves whole.
+        quantized: (count, bytes) of QLoRA's NF4 weights.
+        optimizer_bytes: the optimizer states' bytes, in place of k's term (None: k's).
     """
     if optimizer_bytes is not None:
         w, g, _ = bytes_per_param
         return optimizer_bytes + model_state_formula(
-            topology, num_params, (w, g, 0), frozen, tp_whole, quantized
+            topology,
+            num_params,
+            bytes_per_param=(w, g, 0),
+            frozen=frozen,
+            tp_whole=tp_whole,
+            quantized=quantized,
         )
     sharded = topology.spec.sharded
     whole = sum(b for b, split in zip(bytes_per_param, sharded) if not split)
     split = sum(b for b, split in zip(bytes_per_param, sharded) if split)
     n = topology.shard_group
-    if topology.tp > 1:
+    if topology.size("tp") > 1:
         assert not frozen, "config.rules refuses frozen parameters with tensor parallelism"
         planned = num_params - tp_whole
-        return whole * num_params + split * (planned / (n * topology.tp) + tp_whole / n)
+        return whole * num_params + split * (planned / (n * topology.size("tp")) + tp_whole / n)
     if not frozen:
         # the formula as it always was, bit for bit
         return whole * num_params + split * num_params / n
@@ -91,18 +97,13 @@ def model_state_formula(
 
 
 def formula_note(topology: Topology, tp_whole: int = 0) -> str:
-    """How `model_state_formula` divides the bytes per parameter, in words (for the precision manifest)."""
-    spec = topology.spec
-    if topology.pp > 1:  # the parameters counted are the rank's stages'
-        stages = topology.pp * topology.stages_per_rank
-        return (
-            formula_note(replace(topology, pp=1), tp_whole)
-            + f", of this rank's {topology.stages_per_rank} of {stages} pipeline stages"
-        )
-    if topology.tp > 1:
+    """How `model_state_formula` divides the bytes per parameter, in words (for the precision
+    manifest; under pipeline parallelism `fsdp_zero.sharding.pipeline.stages_note` follows it)."""
+    spec, tp = topology.spec, topology.size("tp")
+    if tp > 1:
         n = topology.shard_group
         return (
-            f"/ {topology.tp * n} (tp {topology.tp} x N={n}; the {tp_whole:,} parameters the "
+            f"/ {tp * n} (tp {tp} x N={n}; the {tp_whole:,} parameters the "
             f"tensor-parallel plan leaves whole / {n})"
         )
     if any(spec.sharded) and not all(spec.sharded):
@@ -165,14 +166,6 @@ def strategy_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def _set_prefetch(units: list[FSDPModule], depth: int) -> None:
-    """Each unit, in forward order, prefetches the next ``depth`` units' all-gathers in forward and
-    the previous ``depth`` in backward (FSDP2's explicit prefetching)."""
-    for i, unit in enumerate(units):
-        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
-        unit.set_modules_to_backward_prefetch(units[max(0, i - depth) : i][::-1])
-
-
 class AllReduceScatter(DefaultReduceScatter):
     """FSDP2's gradient reduce-scatter done as an in-place all-reduce of the unit's padded gradients,
     then a copy of this rank's chunk: installed on gloo runs, where it is faster and lighter.
@@ -222,94 +215,61 @@ def reduce_scatter_comm(backend: str) -> DefaultReduceScatter:
     return AllReduceScatter() if backend == "gloo" else DefaultReduceScatter()
 
 
-def checkpointed(cfg: ParallelConfig, blocks: list[str]) -> list[str]:
-    """The blocks (in forward order) whose activations are recomputed in backward: all of them
-    (``full``), every k-th (``selective``: the k-th, 2k-th, ...), or none."""
-    if cfg.activation_checkpointing is ActivationCheckpointing.full:
-        return list(blocks)
-    if cfg.activation_checkpointing is ActivationCheckpointing.selective:
-        k = cfg.activation_checkpointing_every
-        return [b for i, b in enumerate(blocks, start=1) if i % k == 0]
-    return []
-
-
-def offload_policy(cfg: ParallelConfig, env: DistEnv) -> OffloadPolicy:
-    """CPU offload: sharded state in host memory, pinned on CUDA (for asynchronous copies)."""
-    return (
-        CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-        if cfg.cpu_offload
-        else OffloadPolicy()
-    )
-
-
-@dataclass(frozen=True)
-class Compute:
-    """How a parallelized model computes: its ``precision`` (the stored dtype and FSDP2's
-    mixed-precision policy, `fsdp_zero.sharding.precision`; None: fp32), ``compile``
-    (``torch.compile`` each block unit), for the DDP strategies ``ddp``: what wraps the
-    materialised model (None: DistributedDataParallel with gradients as views into its buckets, one
-    copy of the gradients; the planner passes its stand-in), and QLoRA's ``quantize``."""
-
-    precision: Precision | None = None
-    compile: bool = False
-    ddp: Callable[[nn.Module], nn.Module] | None = None
-    # QLoRA: called with each FSDP unit (its FQN, '' the root) just before it is sharded, to quantize
-    # its base weights whole (`fsdp_zero.sharding.quantize.NF4Base.quantizer`)
-    quantize: Callable[[str, nn.Module], None] | None = None
-
-
 def parallelize(
     model: nn.Module,
-    cfg: ParallelConfig,
-    topology: Topology,
+    ctx: BuildContext,
     plan: WrapPlan,
-    env: DistEnv,
     materialize: Callable[[nn.Module], None],
-    compute: Compute = Compute(),
 ) -> nn.Module:
-    """Applies tensor parallelism, activation checkpointing, compilation and ``cfg.strategy`` to the
-    meta-device ``model``, in that order; returns the module to train.
+    """Applies the levers ``ctx.cfg`` turns on and its strategy to the meta-device ``model``, stage by
+    stage (`fsdp_zero.sharding.levers.Stage`); returns the module to train.
 
     Args:
         model: the model, on the meta device.
-        cfg: the parallel settings.
-        topology: ``cfg`` resolved for ``env``'s world size (and its device mesh, `Topology.mesh`).
+        ctx: the config, ranks, topology (its device mesh) and what the levers made so far.
         plan: the FSDP units (used by the FSDP strategies).
-        env: ranks and device.
         materialize: allocates and initialises the model's (local) tensors in place.
-        compute: precision, compilation, the DDP wrapper and QLoRA's quantizer (`Compute`).
     """
+    cfg, topology, env = ctx.cfg.parallel, ctx.topology, ctx.env
     # registration ~ execution order
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    recompile = ctx.at(Stage.RECOMPUTE) + ctx.at(Stage.COMPILE)
     if not is_fsdp(cfg.strategy):
-        _checkpoint_and_compile(model, cfg, plan, compute.compile, order)
+        # DDP has no units, but the same blocks (worked out only when a lever needs them)
+        blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns if recompile else []
+        for lever in recompile:
+            lever.apply(model, sorted(blocks, key=order.get), ctx)
         materialize(model)
-        return _ddp(model, env, compute)
+        return _ddp(model, ctx)
 
-    # 1. tensor parallelism: the planned layers split over the mesh's tp dimension
-    mesh, pp = topology.mesh(env.device.type), topology.pp
-    if topology.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], cfg.sequence_parallel, cfg.loss_parallel, pp == 1)
-    # 2. activation checkpointing, 3. compile (on the block units)
-    _checkpoint_and_compile(model, cfg, plan, compute.compile, order)
-    # 4. FSDP over the data-parallel ranks: units bottom-up, then the root; 5. materialise
+    # 1. SPLIT: tensor parallelism's planned layers over the mesh's tp dimension
+    for lever in ctx.at(Stage.SPLIT):
+        lever.apply(model, ctx)
+    # 2. RECOMPUTE, 3. COMPILE: activation checkpointing, then torch.compile, on the block units
+    for lever in recompile:
+        lever.apply(model, sorted(plan.block_fqns, key=order.get), ctx)
+    # 4. SHARD: FSDP over the data-parallel ranks, units bottom-up, then the root; 5. materialise
     kwargs = dict(
-        mesh=mesh[topology.dp_dims] if topology.split else mesh,
+        mesh=topology.submesh(Role.SHARD),
         reshard_after_forward=topology.reshard_after_forward,
-        mp_policy=compute.precision.mp_policy() if compute.precision else MixedPrecisionPolicy(),
-        offload_policy=offload_policy(cfg, env),
+        mp_policy=resolve_precision(ctx.cfg.precision).mp_policy(),
     )
-    quantize = compute.quantize or (lambda fqn, unit: None)
+    for fsdp_kwargs, _ in ctx.facets("fsdp_kwargs"):  # CPU offload's policy
+        kwargs |= fsdp_kwargs(ctx)
+    # each unit's hooks just before it is sharded (QLoRA: its base weights quantized whole)
+    hooks = [before(made, model) for before, made in ctx.facets("before_unit")]
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
-        quantize(fqn, model.get_submodule(fqn))
+        for hook in hooks:
+            hook(fqn, model.get_submodule(fqn))
         fully_shard(model.get_submodule(fqn), **kwargs)
-    if cfg.prefetch:
-        units = [model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)]
-        _set_prefetch(units, cfg.prefetch)
+    units = [model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)]
+    for after, made in ctx.facets("after_units"):  # explicit prefetch, in forward order
+        after(units, made)
     # The root keeps its parameters gathered from forward to backward (backward needs them first;
     # an explicit True would reshard it: tests/test_parity.py). A forward without backward
     # (evaluation) leaves them gathered until the next forward's backward.
-    quantize("", model)
+    for hook in hooks:
+        hook("", model)
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     fsdp = {fqn: m for fqn, m in model.named_modules() if isinstance(m, FSDPModule)}
     assert sorted(fsdp) == sorted(u.fqn for u in plan.units), (fsdp, plan.units)
@@ -320,35 +280,17 @@ def parallelize(
     return model
 
 
-def _ddp(model: nn.Module, env: DistEnv, compute: Compute) -> nn.Module:
-    """The DDP strategies' wrapper: ``compute.ddp``, or DistributedDataParallel with gradients as
-    views into its buckets (one copy of the gradients, not two)."""
-    if compute.ddp is not None:
-        return compute.ddp(model)
+def _ddp(model: nn.Module, ctx: BuildContext) -> nn.Module:
+    """The DDP strategies' wrapper: ``ctx.ddp``, or DistributedDataParallel with gradients as views
+    into its buckets (one copy of the gradients, not two)."""
+    if ctx.ddp is not None:
+        return ctx.ddp(model)
+    device = ctx.env.device
     return DistributedDataParallel(
         model,
-        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
-
-
-def _checkpoint_and_compile(
-    model: nn.Module, cfg: ParallelConfig, plan: WrapPlan, compile: bool, order: dict[str, int]
-) -> None:
-    """Activation checkpointing (``cfg.activation_checkpointing``) and ``torch.compile`` on the block
-    units, in place (parameter names do not change)."""
-    blocks = plan.block_fqns
-    if not is_fsdp(cfg.strategy) and (
-        compile or cfg.activation_checkpointing is not ActivationCheckpointing.none
-    ):
-        # DDP has no units, but the same blocks
-        blocks = build_wrap_plan(model, cfg.wrap, 1).block_fqns
-    blocks = sorted(blocks, key=order.get)
-    for fqn in checkpointed(cfg, blocks):
-        checkpoint_activations(model.get_submodule(fqn))
-    if compile:
-        for fqn in blocks:
-            model.get_submodule(fqn).compile()  # in place: parameter names do not change
 
 
 def unwrap(model: nn.Module) -> nn.Module:

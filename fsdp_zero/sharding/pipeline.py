@@ -41,7 +41,10 @@ from torch.distributed.pipelining.schedules import (
 from fsdp_zero.config.choices import PP_SCHEDULES, WrapPolicy
 from fsdp_zero.config.schema import ParallelConfig, WrapConfig
 from fsdp_zero.distributed.topology import Topology
-from fsdp_zero.sharding.wrap import ROOT, WrapPlan
+from fsdp_zero.model.contract import model_facts
+from fsdp_zero.sharding.precision import Precision
+from fsdp_zero.sharding.wrap import ROOT_FQN, WrapPlan
+from fsdp_zero.torch_private import schedule_order
 
 
 def stage_wrap(cfg: ParallelConfig) -> tuple[ParallelConfig, str | None]:
@@ -80,7 +83,7 @@ def pp_plan(model: nn.Module) -> dict[str, Any]:
 def _stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
     """The stages pipeline rank ``pp_rank`` holds, in order: ``pp_rank + k pp`` (loop), or ``pp_rank``
     and ``2 pp - 1 - pp_rank`` for the V-shaped schedules."""
-    if PP_SCHEDULES[schedule].stages == "V":
+    if PP_SCHEDULES[schedule].per_rank == "V":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(per_rank)]
 
@@ -128,7 +131,7 @@ def _check_cut(model: nn.Module, num_stages: int) -> None:
 def declares_stages(model: nn.Module) -> bool:
     """Whether ``model`` declares our pipeline plan (first, layers, last), not another library's
     attribute of the same name (Hugging Face models have a ``pp_plan`` of their own)."""
-    plan = getattr(model, "pp_plan", None)
+    plan = model_facts(model).pp_plan
     return isinstance(plan, dict) and {"first", "layers", "last"} <= plan.keys()
 
 
@@ -142,25 +145,34 @@ def stage_units(model: nn.Module, num_stages: int) -> dict[str, int]:
     return units | {fqn: num_stages - 1 for fqn in plan["last"]}
 
 
-def stage_ids(pp_rank: int, topology: Topology, schedule: str) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds under ``topology`` and ``schedule`` (`_stage_ids`)."""
-    return _stage_ids(pp_rank, topology.pp, topology.stages_per_rank, schedule)
+def num_stages(cfg: ParallelConfig) -> int:
+    """The stages the model is cut into: ``pp_size x`` the stages a rank holds."""
+    return cfg.pp_size * cfg.stages_per_rank
 
 
-def cut_rank(
-    model: nn.Module, topology: Topology, pp_rank: int, schedule: str
-) -> list[tuple[int, nn.Module]]:
-    """Pipeline rank ``pp_rank``'s stages of the meta-device ``model``: (stage index, a copy of
-    ``model`` cut to it), in order (`_stage_ids`, `_cut_stage`).
+def stage_ids(cfg: ParallelConfig, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds under ``cfg`` (`_stage_ids`)."""
+    return _stage_ids(pp_rank, cfg.pp_size, cfg.stages_per_rank, cfg.pp_schedule)
+
+
+def stages_note(cfg: ParallelConfig) -> str:
+    """What the model-state formula's parameters are under pipeline parallelism, in words (for the
+    precision manifest, after `fsdp_zero.sharding.parallelize.formula_note`); '' without it."""
+    if cfg.pp_size == 1:
+        return ""
+    return f", of this rank's {cfg.stages_per_rank} of {num_stages(cfg)} pipeline stages"
+
+
+def cut_rank(model: nn.Module, cfg: ParallelConfig, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """Pipeline rank ``pp_rank``'s stages of the meta-device ``model`` under ``cfg``: (stage index,
+    a copy of ``model`` cut to it), in order (`_stage_ids`, `_cut_stage`).
 
     Raises:
         ValueError: a model that cannot be cut so (`_check_cut`).
     """
-    pp, per_rank = topology.pp, topology.stages_per_rank
-    num_stages = pp * per_rank
-    _check_cut(model, num_stages)
-    ids = _stage_ids(pp_rank, pp, per_rank, schedule)
-    return [(s, _cut_stage(copy.deepcopy(model), s, num_stages)) for s in ids]
+    total = num_stages(cfg)
+    _check_cut(model, total)
+    return [(s, _cut_stage(copy.deepcopy(model), s, total)) for s in stage_ids(cfg, pp_rank)]
 
 
 def _cut_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
@@ -246,21 +258,38 @@ class RankStages:
 
 def build_stages(
     model: nn.Module,
+    cfg: ParallelConfig,
     topology: Topology,
     rank: int,
-    schedule: str,
     device: torch.device,
     parallelize: Callable[[nn.Module], tuple[nn.Module, WrapPlan]],
 ) -> RankStages:
-    """Global rank ``rank``'s stages of the meta-device ``model`` under ``topology``: each a copy of
-    it cut to the stage (on meta: no rank ever holds the whole model), then ``parallelize``-d
-    (sharded, materialised, initialised: the part and its wrap plan); and their view
-    (`RankStages.model`)."""
-    cut = cut_rank(model, topology, topology.pp_rank(rank), schedule)
+    """Global rank ``rank``'s stages of the meta-device ``model``: each a copy of it cut to the
+    stage (on meta: no rank ever holds the whole model), then ``parallelize``-d (sharded,
+    materialised, initialised: the part and its wrap plan); and their view (`RankStages.model`).
+
+    Args:
+        model: the whole model, on the meta device.
+        cfg: the parallel settings (``pp_size``, ``pp_schedule``, the stages a rank holds).
+        topology: ``cfg`` at the world size, its mesh built (`Topology.on`) when a process group is.
+        rank: the global rank whose stages to build.
+        device: where the stages run.
+        parallelize: shards, materialises and initialises one stage's part.
+    """
+    cut = cut_rank(model, cfg, topology.rank("pp", rank))
     parts, plans = zip(*(parallelize(part) for _, part in cut))
-    group = topology.pp_group() if dist.is_initialized() else None
-    num_stages, ids = topology.pp * topology.stages_per_rank, [s for s, _ in cut]
-    stages = RankStages(list(parts), list(plans), ids, num_stages, schedule, group, device, model)
+    group = topology.group_of("pp") if dist.is_initialized() else None
+    ids, schedule = [s for s, _ in cut], cfg.pp_schedule
+    stages = RankStages(
+        parts=list(parts),
+        plans=list(plans),
+        ids=ids,
+        num_stages=num_stages(cfg),
+        schedule=schedule,
+        group=group,
+        device=device,
+        whole=model,
+    )
     stages.model = _rank_view(model, parts)
     return stages
 
@@ -269,9 +298,115 @@ def stages_plan(plans: Sequence[WrapPlan], ids: Sequence[int]) -> WrapPlan:
     """The wrap plans of a rank's stages as one table: each stage's units, its root named
     ``stage<s>`` (a stage's root unit holds what no block unit does: the embedding, the head)."""
     units = [
-        dataclasses.replace(u, fqn=f"stage{s}") if u.fqn == ROOT else u
+        dataclasses.replace(u, fqn=f"stage{s}") if u.fqn == ROOT_FQN else u
         for plan, s in zip(plans, ids)
         for u in plan.units
     ]
     notes = [n for plan in plans for n in plan.notes]
     return WrapPlan(plans[0].policy, plans[0].world_size, units, notes)
+
+
+def untracked_by_memtracker(cfg: ParallelConfig) -> str | None:
+    """Why PyTorch's MemTracker cannot profile a step of ``cfg`` (memory.profile_step), or None."""
+    if cfg.pp_size == 1:
+        return None
+    return (
+        "parallel.pp_size > 1 (PyTorch's MemTracker cannot follow a module forwarded again after "
+        "a backward, as a pipeline schedule does)"
+    )
+
+
+# What the planner's layouts (`fsdp_zero.tools.layout`, `fsdp_zero.tools.layered`) ask of
+# pipeline parallelism: each a pipeline rank's term, and the plain model's (or none) at pp 1.
+
+
+def rank_parts(model: nn.Module, cfg: ParallelConfig, pp_rank: int) -> dict[int, nn.Module]:
+    """Pipeline rank ``pp_rank``'s stages by index, cut as the run cuts them (`cut_rank`); all of
+    ``model``, as stage 0, without pipeline parallelism."""
+    return dict(cut_rank(model, cfg, pp_rank)) if cfg.pp_size > 1 else {0: model}
+
+
+def boundary_width(model: nn.Module, cfg: ParallelConfig) -> int | None:
+    """The width of what crosses a stage boundary: the first stage's embedding's (None: no
+    pipeline parallelism, or no embedding among the first stage's modules)."""
+    if cfg.pp_size == 1:
+        return None
+    for fqn in pp_plan(model)["first"]:
+        first = model.get_submodule(fqn)
+        if isinstance(first, nn.Embedding):
+            return first.embedding_dim
+    return None
+
+
+def held_in_step(cfg: ParallelConfig, per_rank: float, precision: Precision) -> float:
+    """Bytes a pipeline rank holds in a step besides its model state, from the first micro-batch to
+    the last: its stages' ``per_rank`` elements gathered (compute dtype) and their unsharded
+    gradients (reduce dtype); 0 without pipeline parallelism."""
+    if cfg.pp_size == 1:
+        return 0.0
+    return per_rank * (precision.compute.itemsize + precision.reduce.itemsize)
+
+
+def bubble(cfg: ParallelConfig, micro: int) -> float:
+    """The share of a step's compute the pipeline idles: (pp - 1) / (m v) for ``micro`` (m)
+    micro-batches and v stages a rank; none without pipeline parallelism or under the zero-bubble
+    schedules, their aim."""
+    if cfg.pp_size == 1 or PP_SCHEDULES[cfg.pp_schedule].zero_bubble:
+        return 0.0
+    return (cfg.pp_size - 1) / (micro * cfg.stages_per_rank)
+
+
+def boundary_sends(cfg: ParallelConfig, micro: int, boundary: float | None, stages: int) -> float:
+    """Bytes a pipeline rank sends across its stages' boundaries in a step: each micro-batch's
+    hidden states forward and their gradient back; 0 without pipeline parallelism.
+
+    Args:
+        cfg: the parallel settings.
+        micro: micro-batches a step.
+        boundary: bytes a micro-batch sends across one boundary, each way (None: none known).
+        stages: the rank's stages.
+    """
+    return 2 * micro * (boundary or 0) * stages if cfg.pp_size > 1 else 0.0
+
+
+def activation_holds(
+    cfg: ParallelConfig, model: nn.Module, saved: dict[str, int], micro: int
+) -> list[float]:
+    """Bytes of activations each pipeline rank holds at its schedule's peak: what one micro-batch's
+    forward saves, summed by stage (`stage_units`), held as ``cfg.pp_schedule`` holds its
+    micro-batches (`_held`).
+
+    Args:
+        cfg: the parallel settings (the stages, the schedule).
+        model: the whole model (on meta): its pipeline plan.
+        saved: bytes one micro-batch's forward saves, by unit of the plan
+            (`fsdp_zero.tools.layout.saved_per_unit`).
+        micro: micro-batches a step.
+    """
+    total = num_stages(cfg)
+    stage_of = stage_units(model, total)
+    per_stage = [0] * total
+    for unit, nbytes in saved.items():
+        per_stage[stage_of[unit]] += nbytes
+    return [float(_held(per_stage, cfg, micro, r)) for r in range(cfg.pp_size)]
+
+
+def _held(per_stage: list[int], cfg: ParallelConfig, micro: int, pp_rank: int) -> int:
+    """The most bytes of activations pipeline rank ``pp_rank`` holds at once in a step of ``micro``
+    micro-batches (``per_stage``: a micro-batch's on each stage) under ``cfg``'s schedule: GPipe
+    all of a step's, 1F1B pp - rank of them, the multi-stage schedules read from their own action
+    tables (a micro-batch's activations held from its forward to its backward, or to its weight
+    backward under zero bubble: an upper bound there)."""
+    pp, schedule, ids = cfg.pp_size, cfg.pp_schedule, stage_ids(cfg, pp_rank)
+    order = schedule_order(schedule, pp, ids, micro, pp_rank)
+    if order is None:  # GPipe: every forward before any backward; 1F1B: pp - rank in flight
+        in_flight = micro if schedule == "GPipe" else min(micro, pp - pp_rank)
+        return in_flight * per_stage[ids[0]]
+    live = peak = 0
+    for stage, kind, _ in order:
+        if kind == "F":
+            live += per_stage[stage]
+            peak = max(peak, live)
+        elif kind in ("B", "W"):  # "I" (the input half) frees little: held to the weight half
+            live -= per_stage[stage]
+    return peak

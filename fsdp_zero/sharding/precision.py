@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_zero.config.schema import PrecisionConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-NAMES = {v: k for k, v in _DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Precision:
         """What rank 0 prints at start-up: each dtype and its bytes per parameter, and the model state
         per rank (``state_bytes``, from the strategy's formula with these bytes; ``where``: e.g. '/ N=2')."""
         w, g, k = self.bytes_per_param
-        n = NAMES
+        n = DTYPE_NAMES
         return (
             f"precision {self.mode}: stored weights {n[self.stored]} ({w} B/param) | computed in "
             f"{n[self.compute]} ({self.compute.itemsize} B/param, only while a unit is gathered) | "
@@ -69,7 +69,7 @@ class Precision:
         )
 
 
-def resolve(cfg: PrecisionConfig) -> Precision:
+def resolve_precision(cfg: PrecisionConfig) -> Precision:
     """The dtypes ``precision.mode`` stands for, with ``param_dtype``/``reduce_dtype`` overriding
     the computed and reduced ones."""
     stored = torch.bfloat16 if cfg.mode == "bf16-true" else torch.float32

@@ -3,8 +3,8 @@ they must fit, and the quantizer `fsdp_zero.sharding.parallelize.parallelize` ru
 just before ``fully_shard`` shards it. The bytes of the low-bit AdamW states (``optim.state_bits``,
 `adamw_state_bytes`), and which Linears float8 computes (``precision.float8``, `_float8_targets`).
 
-    nf4 = plan_nf4(cfg, model, shards)              # which weights; their blocks checked
-    Compute(..., quantize=nf4.quantizer(model))     # parallelize: each unit's weights quantized, then sharded
+    nf4 = plan_nf4(cfg.model, cfg.parallel.wrap, model, shards)  # which weights; blocks checked
+    nf4.quantizer(model)  # what parallelize runs on each unit: its weights quantized, then sharded
 
 Each weight is quantized whole, from the base's full tensor (``model.pretrained``'s or
 ``model.init_from``'s, read one tensor at a time), never from a rank's rows: NF4's double quantization
@@ -30,7 +30,7 @@ from torch import nn
 
 from fsdp_zero.config.choices import Quantize
 from fsdp_zero.config.lora import LoRAConfig
-from fsdp_zero.config.schema import Config, ModelConfig
+from fsdp_zero.config.schema import ModelConfig, WrapConfig
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.model.source import FullWeights, base_source, match_weights
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
@@ -44,7 +44,15 @@ def nf4_bytes(
     ``itemsize``-byte elements and sharded ``shards`` ways: its codes (4 bits an element), scalers
     (one int8 per ``block``) and factors (one per ``block`` x ``scaler_block``) split, its scaler mean
     and 16-entry table whole on every rank. numel / 2 + numel / 64 + 4 numel / 16,384 + 68 for an
-    fp32 source at the defaults: 0.5159 B per parameter (0.516, the formulas' figure)."""
+    fp32 source at the defaults: 0.5159 B per parameter (0.516, the formulas' figure).
+
+    Args:
+        numel: the tensor's elements.
+        block: elements per 4-bit block (one int8 scaler each).
+        scaler_block: scalers per block of scalers (one factor each).
+        itemsize: bytes an element of the source tensor.
+        shards: the ways the tensor is sharded.
+    """
     return _nf4_gathered_bytes(numel, block, scaler_block, itemsize) / shards + 17 * itemsize
 
 
@@ -143,6 +151,12 @@ def chosen_targets(model: nn.Module, plan: WrapPlan, lora: LoRAConfig) -> list[s
 def check_nf4(shapes: dict[str, torch.Size], shards: int, block: int, scaler_block: int) -> None:
     """Each weight to quantize fits NF4 sharded ``shards`` ways: whole scaler blocks per shard.
 
+    Args:
+        shapes: each weight's shape, by name.
+        shards: the ways each is sharded.
+        block: elements per 4-bit block.
+        scaler_block: scalers per block of scalers.
+
     Raises:
         ValueError: one shard (FSDP2 cannot gather NF4 at one shard, pytorch PR #197999), or a weight
             that does not split into whole blocks, naming it and the fix.
@@ -198,6 +212,13 @@ class NF4Base:
         """The weights of the meta-device ``model`` (LoRA applied) that nf4 quantizes, checked against
         NF4's blocks at ``shards`` and matched to ``source`` (its key and path).
 
+        Args:
+            model: the meta-device model, LoRA applied.
+            plan: its FSDP units (the default targets are inside them).
+            cfg: the model's settings (``model.lora``).
+            shards: the ways each weight is sharded.
+            source: the base's key (model.pretrained or model.init_from) and path.
+
         Raises:
             ValueError: see `chosen_targets`, `check_nf4`, and a source that does not fit the model.
         """
@@ -215,12 +236,12 @@ class NF4Base:
         _, mapping, _ = match_weights(model, path, key)
         block, scaler_block = lora.nf4_block_size, lora.nf4_scaler_block_size
         return cls(
-            key,
-            str(path),
-            {n: mapping[n] for n in weights},
-            block,
-            scaler_block,
-            str(params[weights[0]].dtype).removeprefix("torch.") if weights else "float32",
+            key=key,
+            source=str(path),
+            names={n: mapping[n] for n in weights},
+            block=block,
+            scaler_block=scaler_block,
+            dtype=str(params[weights[0]].dtype).removeprefix("torch.") if weights else "float32",
             numel=sum(params[n].numel() for n in weights),
             rank_bytes=sum(
                 nf4_bytes(params[n].numel(), block, scaler_block, params[n].element_size(), shards)
@@ -287,6 +308,21 @@ class Float8Plan:
         if self.all_gather:
             optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(model))
 
+    def after_load(self, model: nn.Module) -> None:
+        """What follows a load into the built model (a checkpoint, model.init_from): tensorwise
+        float8's precomputed scales recomputed from the loaded weights. (Loading a checkpoint
+        creates the optimizer's states by a step with zero gradients, whose post-hook computed them
+        from the weights before the load: the first step after a resume would gather with stale
+        scales.)"""
+        if self.all_gather:
+            precompute_float8_scales(model)  # the loaded weights', not the last step's
+
+    @property
+    def gathered(self) -> dict[str, float]:
+        """The weights FSDP2 gathers in float8, {name: bytes one gather moves} (1 B a value):
+        tensorwise's; none with the other recipes (they gather in bf16)."""
+        return dict(self.weights) if self.all_gather else {}
+
     def note(self) -> str:
         """The start-up line."""
         how = (
@@ -303,34 +339,54 @@ class Float8Plan:
         )
 
 
-def plan_nf4(cfg: Config, model: nn.Module, shards: int) -> NF4Base | None:
-    """model.lora.quantize=nf4's base for the meta-device ``model`` (LoRA applied) at ``shards``
-    (`NF4Base.plan`); None without it."""
-    if cfg.model.lora.quantize is Quantize.none:
-        return None
-    plan = build_wrap_plan(model, cfg.parallel.wrap, shards)
-    return NF4Base.plan(model, plan, cfg.model, shards, base_source(cfg.model))
+def plan_nf4(model_cfg: ModelConfig, wrap: WrapConfig, model: nn.Module, shards: int) -> NF4Base:
+    """model.lora.quantize=nf4's base for the meta-device ``model`` (LoRA applied) at ``shards``,
+    whose units ``wrap`` plans (`NF4Base.plan`).
+
+    Args:
+        model_cfg: the model's settings (``model.lora``, the base's ``model.pretrained`` or
+            ``model.init_from``).
+        wrap: the wrap settings (the default targets are inside the units).
+        model: the meta-device model, LoRA applied.
+        shards: the ways each weight is sharded.
+    """
+    plan = build_wrap_plan(model, wrap, shards)
+    return NF4Base.plan(model, plan, model_cfg, shards, base_source(model_cfg))
 
 
-def plan_float8(cfg: Config, model: nn.Module, env: DistEnv, shards: int) -> Float8Plan | None:
-    """precision.float8 applied to the meta-device ``model``: `_float8_targets` converted (torchao).
+def plan_float8(
+    recipe: str,
+    wrap: WrapConfig,
+    model: nn.Module,
+    env: DistEnv,
+    shards: int,
+    *,
+    compiled: bool = False,
+) -> Float8Plan:
+    """precision.float8's ``recipe`` applied to the meta-device ``model``: `_float8_targets`
+    converted (torchao).
+
+    Args:
+        recipe: tensorwise, rowwise or mxfp8 (precision.float8).
+        wrap: the wrap settings (the converted Linears are inside the units).
+        model: the meta-device model.
+        env: the device (whether it has float8 units).
+        shards: the shard degree the wrap plan is made for.
+        compiled: whether the blocks are compiled (train.compile).
 
     Raises:
         ValueError: train.compile with emulated float8 (torchtitan's rule: emulation is eager-only).
     """
-    recipe = cfg.precision.float8
-    if recipe == "none":
-        return None
     cuda, mx = env.device.type == "cuda", recipe == "mxfp8"  # MXFP8's units: SM 10.0 (B200) on
     emulate = not (
         cuda and torch.cuda.get_device_capability(env.device) >= ((10, 0) if mx else (8, 9))
     )
-    if emulate and cfg.train.compile:
+    if emulate and compiled:
         raise ValueError(
             f"precision.float8={recipe} with train.compile=true: this device has no float8 units, and "
             "emulated float8 runs eager only; set train.compile=false"
         )
-    plan = build_wrap_plan(model, cfg.parallel.wrap, shards)
+    plan = build_wrap_plan(model, wrap, shards)
     linears = _float8_targets(model, plan, 32 if mx else 16)
     weights = {f"{n}.weight": model.get_submodule(n).weight.numel() for n in linears}
     convert_float8(model, linears, recipe, emulate)

@@ -22,11 +22,12 @@ import contextlib
 import inspect
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -39,6 +40,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_zero.config.schema import ParallelConfig
+from fsdp_zero.model.contract import model_facts
+from fsdp_zero.sharding.precision import Precision
+from fsdp_zero.torch_private import FakeStore
 
 logger = logging.getLogger("fsdp_zero")
 
@@ -60,7 +64,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     Raises:
         ValueError: the model declares none, or a style outside `_STYLES`.
     """
-    plan = getattr(model, "tp_plan", None)
+    plan = model_facts(model).tp_plan
     if not plan:
         raise ValueError(
             f"parallel.tp_size > 1: {type(model).__name__} declares no tensor-parallel plan "
@@ -149,8 +153,14 @@ def apply_tensor_parallel(
     """Splits ``model``'s planned layers over ``mesh`` (its tp dimension), in place: each planned
     parameter becomes a DTensor sharded (or, for sequence-parallel norms, replicated) over it.
     Sequence parallelism applies where the plan has its styles (the built-in model's; Hugging
-    Face's plans have none). ``whole``: False for a pipeline stage. Returns the plan as applied
-    (FQN -> style).
+    Face's plans have none). Returns the plan as applied (FQN -> style).
+
+    Args:
+        model: the model or pipeline stage, on the meta device.
+        mesh: the tensor-parallel ranks (the run mesh's tp dimension).
+        sequence_parallel: parallel.sequence_parallel (where the plan has its styles).
+        loss_parallel: parallel.loss_parallel: the head's logits stay split over the vocabulary.
+        whole: False for a pipeline stage, which lacks some planned modules.
 
     Raises:
         ValueError: the model has no plan, or one it cannot take: a split dimension or a head count
@@ -192,9 +202,7 @@ def _check_splits(model: nn.Module, applied: dict[str, str], tp: int) -> None:
     """Each planned weight's split dimension, and the model config's head counts (Hugging Face's
     num_attention_heads, num_key_value_heads: a head is never split), multiples of ``tp``; no
     planned weight shared with another module."""
-    config = getattr(model, "config", None)
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, key, None)
+    for key, heads in model_facts(model).head_counts.items():
         if isinstance(heads, int) and heads % tp:
             raise ValueError(
                 f"model.kwargs.{key}={heads} must be a multiple of parallel.tp_size={tp} (each "
@@ -249,6 +257,91 @@ def tp_whole(model: nn.Module) -> int:
     """Parameters tensor parallelism leaves whole: every rank of a tensor-parallel group holds all of
     each (norm gains), against the planned ones it splits."""
     return sum(p.numel() for p in model.parameters() if tp_local_shape(p) == tuple(p.shape))
+
+
+def tp_bytes(
+    cfg: ParallelConfig,
+    tokens: int,
+    model: nn.Module,
+    precision: Precision,
+    whole: bool = True,
+) -> dict[str, float]:
+    """Tensor parallelism's collectives in one micro-batch's forward and backward, by kind (the
+    communication formula's tp terms, `fsdp_zero.monitor.comm.comm_formula`), from the plan as
+    applied (docs/parallelism.md#communication): activations of ``tokens`` in the compute dtype, a
+    whole norm gain's gradient in the reduce dtype. A colwise Linear's input gradient is
+    all-reduced; a rowwise output (an embedding's) is reduce-scattered onto the sequence and its
+    gradient gathered back (sequence parallelism), or all-reduced; the head gathers its input from
+    the sequence (its gradient reduce-scattered back) and its logits over the vocabulary; a
+    gather_input module gathers its input. Not in it: the forward collectives activation
+    checkpointing recomputes, and loss parallelism's reductions.
+
+    Args:
+        cfg: the parallel settings (sequence and loss parallelism).
+        tokens: a micro-batch's tokens (micro-batch size x sequence length).
+        model: the model or pipeline stage, unsplit (meta is fine).
+        precision: its dtypes (`fsdp_zero.sharding.precision.resolve_precision`).
+        whole: False for a pipeline stage, which lacks some planned modules.
+    """
+    applied, sp = resolve_plan(model, cfg.sequence_parallel, whole)
+    act = tokens * precision.compute.itemsize
+    out = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0.0)
+    for fqn, style in applied.items():
+        m = model.get_submodule(fqn)
+        if style == "colwise":
+            out["all_reduce"] += act * m.in_features
+        elif style in ("rowwise", "embedding_rowwise"):
+            width = m.out_features if style == "rowwise" else m.embedding_dim
+            for kind in ("reduce_scatter", "all_gather") if sp else ("all_reduce",):
+                out[kind] += act * width
+        elif style == "colwise_gather_output":
+            for kind in ("all_gather", "reduce_scatter") if sp else ("all_reduce",):
+                out[kind] += act * m.in_features
+            out["all_gather"] += 0 if cfg.loss_parallel else act * m.out_features
+        elif style == "gather_input":
+            out["all_gather"] += (
+                act * next(x for x in m.modules() if isinstance(x, nn.Linear)).in_features
+            )
+        else:  # sequence_parallel: the norm gain's gradient summed over the tp ranks
+            out["all_reduce"] += m.weight.numel() * precision.reduce.itemsize
+    return out
+
+
+# What the planner's layouts (`fsdp_zero.tools.layout`) ask of tensor parallelism.
+
+
+def left_whole(parts: Iterable[nn.Module], cfg: ParallelConfig, whole: bool = True) -> int:
+    """Parameters of ``parts`` (a model, or a pipeline rank's stages: ``whole`` False) that the plan
+    leaves whole, every rank of a tensor-parallel group holding all of each; 0 at tp 1."""
+    if cfg.tp_size == 1:
+        return 0
+    parts = list(parts)
+    params = sum(p.numel() for part in parts for p in part.parameters())
+    return params - sum(split_weights(part, cfg.sequence_parallel, whole) for part in parts)
+
+
+def sequence_shards(cfg: ParallelConfig) -> int:
+    """The ranks the residual stream between layers is split over on the sequence: tp under
+    sequence parallelism, else 1."""
+    return cfg.tp_size if cfg.tp_size > 1 and cfg.sequence_parallel else 1
+
+
+@contextlib.contextmanager
+def split_on_fake_ranks(model: nn.Module, cfg: ParallelConfig, tp: int) -> Iterator[None]:
+    """``model``'s plan applied over a fake process group of ``tp`` ranks (nothing at tp 1) for what
+    runs inside: each planned tensor then has one tensor-parallel rank's shape, and no collective
+    runs (the layout's meta-device forward)."""
+    if tp == 1:
+        yield
+        return
+    assert not dist.is_initialized(), "the layout's forward makes its own (fake) process group"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(model, mesh, cfg.sequence_parallel, False)
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def loss_context(cfg: ParallelConfig) -> Callable[[], contextlib.AbstractContextManager]:

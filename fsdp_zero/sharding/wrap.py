@@ -17,9 +17,9 @@ from torch import nn
 
 from fsdp_zero.config.choices import WrapPolicy
 from fsdp_zero.config.schema import WrapConfig
-from fsdp_zero.torch_private import hf_no_split_modules
+from fsdp_zero.model.contract import model_facts
 
-ROOT = ""
+ROOT_FQN = ""
 # Containers have no forward of their own, so FSDP hooks on them would never fire.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -46,7 +46,7 @@ class WrapPlan:
 
     @property
     def submodule_fqns(self) -> list[str]:
-        return [u.fqn for u in self.units if u.fqn != ROOT]
+        return [u.fqn for u in self.units if u.fqn != ROOT_FQN]
 
     @property
     def block_fqns(self) -> list[str]:
@@ -105,10 +105,10 @@ def _block_classes(model: nn.Module, cfg: WrapConfig) -> tuple[list[str], str | 
     """
     if cfg.classes:
         return list(cfg.classes), None
-    block = getattr(type(model), "block_class", None)
-    if block is not None:
-        return [block.__name__], None
-    declared = hf_no_split_modules(model)
+    facts = model_facts(model)
+    if facts.block_class is not None:
+        return [facts.block_class.__name__], None
+    declared = facts.no_split_modules
     present = {type(m).__name__ for m in model.modules()}
     if declared:
         return [c for c in declared if c in present], None
@@ -155,7 +155,7 @@ def _select(model: nn.Module, cfg: WrapConfig, classes: list[str] | None) -> lis
     Raises:
         ValueError: an unknown class name, or a policy that matches no module.
     """
-    named = [(fqn, m) for fqn, m in model.named_modules() if fqn != ROOT]
+    named = [(fqn, m) for fqn, m in model.named_modules() if fqn != ROOT_FQN]
     if cfg.policy is WrapPolicy.none:
         return []
     if cfg.policy is WrapPolicy.transformer:
@@ -254,8 +254,15 @@ def _unit(
         else p.element_size()
         for p in ps
     )
-    block = fqn != ROOT and (classes is None or type(module).__name__ in classes)
-    return _Unit(fqn, type(module).__name__, sum(p.numel() for p in ps), full, per_rank, block)
+    block = fqn != ROOT_FQN and (classes is None or type(module).__name__ in classes)
+    return _Unit(
+        fqn,
+        type(module).__name__,
+        num_params=sum(p.numel() for p in ps),
+        full_bytes=full,
+        bytes_per_rank=per_rank,
+        block=block,
+    )
 
 
 def _with_large_outsiders(named: list[tuple[str, nn.Module]], blocks: list[str]) -> list[str]:
@@ -277,11 +284,11 @@ def _with_large_outsiders(named: list[tuple[str, nn.Module]], blocks: list[str])
 
 
 def _depth(fqn: str) -> int:
-    return -1 if fqn == ROOT else fqn.count(".")
+    return -1 if fqn == ROOT_FQN else fqn.count(".")
 
 
 def _is_under(fqn: str, unit: str) -> bool:
-    return unit == ROOT or fqn == unit or fqn.startswith(unit + ".")
+    return unit == ROOT_FQN or fqn == unit or fqn.startswith(unit + ".")
 
 
 def build_wrap_plan(model: nn.Module, cfg: WrapConfig, shards: int) -> WrapPlan:
@@ -323,7 +330,7 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, shards: int) -> WrapPlan:
                 )
 
     # Each parameter belongs to the deepest chosen unit above its first path.
-    units = sorted(selected, key=_depth, reverse=True) + [ROOT]  # bottom-up, root last
+    units = sorted(selected, key=_depth, reverse=True) + [ROOT_FQN]  # bottom-up, root last
     owned: dict[str, list[object]] = {u: [] for u in units}
     for pid, paths in users.items():
         owner = next(u for u in units if all(_is_under(q, u) for q in paths))

@@ -1,8 +1,16 @@
-"""Offline: the planner, the fit, compare and the rates probe; never imported by training."""
+"""Offline: the planner, the fit, compare, the rates probe and the plan's printouts; never imported
+by training."""
 
-from fsdp_zero.tools.candidates import DEFAULT_SEARCH, DIMENSIONS, Scored, searched_overrides
-from fsdp_zero.tools.compare import DEFAULTS, ORDER, dataparallel_row, read_rows, report
-from fsdp_zero.tools.fit import MARGIN, fit_rates, search
+from fsdp_zero.tools.candidates import DEFAULT_SEARCH, FitSearch, Scored, searched_overrides
+from fsdp_zero.tools.candidates import DIMENSIONS as FIT_DIMENSIONS
+from fsdp_zero.tools.compare import (
+    COMPARE_DEFAULTS,
+    COMPARE_ORDER,
+    compare_report,
+    dataparallel_row,
+    read_rows,
+)
+from fsdp_zero.tools.fit import FIT_MARGIN, fit_rates, fit_search
 from fsdp_zero.tools.formulas import (
     PAPER_K,
     PLAN_MODES,
@@ -10,39 +18,61 @@ from fsdp_zero.tools.formulas import (
     deepspeed_zero3_estimate,
     format_bytes,
     format_gb,
+    plan_communication,
     strategy_states,
     zero_paper_stages,
 )
-from fsdp_zero.tools.launch import bench_main, script_parser, train_command
-from fsdp_zero.tools.layout import StageRow, layout_rows
+from fsdp_zero.tools.launch import bench_main, run_logged, script_parser, train_command
+from fsdp_zero.tools.layout import StageRow, Workload, layout_rows
 from fsdp_zero.tools.planner import Simulator, nf4_saving, simulate
 from fsdp_zero.tools.prediction import HEAP_RETENTION, Prediction
 from fsdp_zero.tools.rates import Rates
+from fsdp_zero.tools.render import (
+    PlanFacts,
+    communication_table,
+    fit_heading,
+    fit_rates_line,
+    fit_table,
+    formulas_table,
+    layout_table,
+    memory_table,
+)
 
 __all__ = [
     "bench_main",
+    "communication_table",
+    "COMPARE_DEFAULTS",
+    "COMPARE_ORDER",
+    "compare_report",
     "dataparallel_row",
     "deepspeed_zero3_estimate",
-    "DEFAULTS",
     "DEFAULT_SEARCH",
-    "DIMENSIONS",
+    "FIT_DIMENSIONS",
+    "fit_heading",
+    "FitSearch",
+    "FIT_MARGIN",
     "fit_rates",
+    "fit_rates_line",
+    "fit_search",
+    "fit_table",
     "format_bytes",
     "format_gb",
+    "formulas_table",
     "HEAP_RETENTION",
     "layout_rows",
-    "MARGIN",
+    "layout_table",
+    "memory_table",
     "nf4_saving",
-    "ORDER",
     "PAPER_K",
+    "plan_communication",
+    "PlanFacts",
     "PLAN_MODES",
     "Prediction",
     "Rates",
     "read_rows",
-    "report",
+    "run_logged",
     "Scored",
     "StageRow",
-    "search",
     "searched_overrides",
     "simulate",
     "Simulator",
@@ -50,5 +80,6 @@ __all__ = [
     "script_parser",
     "train_command",
     "Trained",
+    "Workload",
     "zero_paper_stages",
 ]

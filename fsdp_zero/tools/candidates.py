@@ -5,16 +5,36 @@ pipeline parallel layout), each as overrides."""
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fsdp_zero.config.checks import split_sizes
 from fsdp_zero.config.choices import ActivationCheckpointing
 from fsdp_zero.config.rules import validate
 from fsdp_zero.config.schema import Config
-from fsdp_zero.config.strategies import STRATEGIES, GradSync, Strategy
+from fsdp_zero.config.strategies import STRATEGIES, Strategy
 from fsdp_zero.data.loader import BatchLayout
-from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.distributed.topology import Role, Topology
+from fsdp_zero.sharding.levers import BY_NAME, GRAD_SYNC, OFFLOAD, Lever
 from fsdp_zero.tools.formulas import PLAN_MODES
+from fsdp_zero.tools.layout import Workload
+
+# The levers --search may vary, by their --search name: each row's `search` values, its first key
+# the override (`fsdp_zero.sharding.levers`)
+SEARCHED: dict[str, Lever] = {"offload": OFFLOAD, "grad_sync": GRAD_SYNC}
+
+
+def lever_values(values: Mapping[str, object] | None = None) -> tuple[tuple[str, object], ...]:
+    """(row name, value) of each `SEARCHED` lever, in its order: ``values``' (by row name), else the
+    value that leaves it off."""
+    return tuple((row.name, (values or {}).get(row.name, row.off)) for row in SEARCHED.values())
+
+
+def _text(value: object) -> str:
+    """``value`` as an override writes it (true/false, an enum's value)."""
+    return str(value).lower() if isinstance(value, bool) else str(getattr(value, "value", value))
 
 
 @dataclass(frozen=True)
@@ -22,49 +42,68 @@ class Candidate:
     strategy: Strategy
     precision: str
     checkpointing: ActivationCheckpointing
-    offload: bool
     micro_batch: int
-    grad_sync: GradSync
-    tp: int = 1  # parallel.tp_size
-    pp: int = 1  # parallel.pp_size
+    # the `SEARCHED` levers' values, (row name, value) in its order (`lever_values`)
+    levers: tuple[tuple[str, object], ...] = lever_values()
+    # the sizes of the axes that split the model, (axis, parallel.<axis>_size) as
+    # `fsdp_zero.config.checks.split_sizes` orders them
+    split: tuple[tuple[str, int], ...] = (("tp", 1), ("pp", 1))
+
+    def value(self, lever: str) -> Any:
+        """The value of the lever named ``lever`` (its row's name, e.g. ``grad_sync``)."""
+        return dict(self.levers)[lever]
+
+    def size(self, axis: str) -> int:
+        """The ranks ``axis`` splits the model over (1: not split along it)."""
+        return dict(self.split).get(axis, 1)
 
     @property
     def layered(self) -> bool:
         """Tensor or pipeline parallel: its peak and cost by formula (`fsdp_zero.tools.layout`)."""
-        return self.tp > 1 or self.pp > 1
+        return any(size > 1 for _, size in self.split)
 
     def overrides(self) -> list[str]:
         """The key=value overrides that select this candidate, to paste onto the command line."""
-        return [
-            f"parallel.strategy={self.strategy.value}",
-            f"precision.mode={self.precision}",
-            f"parallel.activation_checkpointing={self.checkpointing.value}",
-            f"parallel.cpu_offload={str(self.offload).lower()}",
-            f"train.micro_batch_size={self.micro_batch}",
-            f"parallel.grad_sync={self.grad_sync.value}",
-            f"parallel.tp_size={self.tp}",
-            f"parallel.pp_size={self.pp}",
-        ]
+        each = {
+            "strategy": [f"parallel.strategy={self.strategy.value}"],
+            "precision": [f"precision.mode={self.precision}"],
+            "checkpointing": [f"parallel.activation_checkpointing={self.checkpointing.value}"],
+            "micro_batch": [f"train.micro_batch_size={self.micro_batch}"],
+            "layout": [f"parallel.{axis}_size={size}" for axis, size in self.split],
+        }
+        for name, row in SEARCHED.items():
+            each[name] = [f"{row.keys[0]}={_text(self.value(row.name))}"]
+        return [override for name in DIMENSIONS for override in each[name]]
 
-    def config(self, cfg: Config) -> Config:
+    def on(self, w: Workload) -> Workload:
+        """``w`` with this candidate's settings: its parallel layout and levers, precision mode and
+        micro-batch."""
         # full_shard's own
-        hpz = cfg.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None
+        hpz = w.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None
+        # the levers' keys, by section (all of them parallel.<key> today)
+        levers: dict[str, dict[str, object]] = {"parallel": {}}
+        for name, value in self.levers:
+            section, key = BY_NAME[name].keys[0].split(".")
+            levers[section][key] = value
         p = replace(
-            cfg.parallel,
+            w.parallel,
             strategy=self.strategy,
             activation_checkpointing=self.checkpointing,
-            cpu_offload=self.offload,
-            grad_sync=self.grad_sync,
             reshard_after_forward=hpz,
-            tp_size=self.tp,
-            pp_size=self.pp,
+            **levers["parallel"],
+            **{f"{axis}_size": size for axis, size in self.split},
         )
         return replace(
-            cfg,
+            w,
             parallel=p,
-            precision=replace(cfg.precision, mode=self.precision),
-            train=replace(cfg.train, micro_batch_size=self.micro_batch),
+            precision=replace(w.precision, mode=self.precision),
+            train=replace(w.train, micro_batch_size=self.micro_batch),
         )
+
+    def config(self, cfg: Config) -> Config:
+        """``cfg`` with this candidate's settings (`on` its parts): the config a run of it loads."""
+        w = self.on(Workload.of(cfg))
+        return replace(cfg, parallel=w.parallel, precision=w.precision, train=w.train)
 
 
 @dataclass
@@ -109,78 +148,124 @@ def searched_overrides(search: tuple[str, ...]) -> list[str]:
     return ["train.micro_batch_size=1"] if "micro_batch" in search else []
 
 
-def candidates(
-    cfg: Config, world_size: int, search: tuple[str, ...] = DEFAULT_SEARCH
-) -> list[Candidate]:
-    """Every valid candidate: the config's own model, data, global batch and other settings, with each
-    strategy, precision mode, checkpointing, offload, micro-batch, grad_sync and layout the config
-    allows (those of the dimensions not in ``search`` as the config sets them).
+@dataclass(frozen=True)
+class FitSearch:
+    """One search of `plan.py fit`: the config its candidates vary, the ranks, and the dimensions
+    searched. The one object of the fit that holds the whole config: the rest takes a candidate,
+    the config's parts (`Workload`) or this."""
 
-    Raises:
-        ValueError: ``search`` names something other than `DIMENSIONS`; no candidate is valid.
-    """
-    for name in search:
-        if name not in DIMENSIONS:
-            raise ValueError(
-                f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: "
-                f"{', '.join(DIMENSIONS)}"
-            )
-    out, refused = [], None
-    for *values, (tp, pp) in itertools.product(*_values(cfg, world_size, search)):
-        cand = Candidate(*values, tp=tp, pp=pp)
-        local = cfg.train.global_batch_size * tp * pp // world_size  # per data-parallel rank
-        if (
-            "grad_sync" in search
-            and local // cand.micro_batch == 1
-            and cand.grad_sync is not GradSync.every_micro_batch
-        ):
-            continue  # without accumulation every mode reduces once: the default stands for them
-        try:
-            c = cand.config(cfg)
-            validate(c)
-            topology = Topology.of(c.parallel, world_size)
-            BatchLayout.of(c.train, topology.dp_size)
-        except ValueError as e:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
-            refused = e
-            continue
-        if topology.spec.hybrid and topology.replicas == 1 and "strategy" in search:
-            continue  # one replica: full_shard's twin
-        out.append(cand)
-    if not out:
-        raise ValueError(
-            f"no setting varying {', '.join(search)} is valid for this config at {world_size} "
-            f"ranks; the last refused: {refused}"
+    cfg: Config
+    world_size: int
+    dims: tuple[str, ...] = DEFAULT_SEARCH
+
+    @property
+    def base(self) -> Workload:
+        """The config's parts the formulas read; a candidate's are `Candidate.on` them."""
+        return Workload.of(self.cfg)
+
+    @property
+    def own(self) -> Candidate:
+        """The config's own settings, as a candidate."""
+        p = self.cfg.parallel
+        return Candidate(
+            strategy=p.strategy,
+            precision=self.cfg.precision.mode,
+            checkpointing=p.activation_checkpointing,
+            micro_batch=self.cfg.train.micro_batch_size,
+            levers=lever_values({row.name: row.value(self.cfg) for row in SEARCHED.values()}),
+            split=tuple(split_sizes(p).items()),
         )
-    return out
+
+    def candidates(self) -> list[Candidate]:
+        """Every valid candidate: the config's own model, data, global batch and other settings, with
+        each strategy, precision mode, checkpointing, offload, micro-batch, grad_sync and layout the
+        config allows (those of the dimensions not in ``dims`` as the config sets them).
+
+        Raises:
+            ValueError: ``dims`` names something other than `DIMENSIONS`; no candidate is valid.
+        """
+        search, world_size = self.dims, self.world_size
+        for name in search:
+            if name not in DIMENSIONS:
+                raise ValueError(
+                    f"--search={','.join(search)}: {name!r} is not a valid choice; valid choices: "
+                    f"{', '.join(DIMENSIONS)}"
+                )
+        out, refused = [], None
+        global_batch = self.cfg.train.global_batch_size
+        choices = _values(self.own, global_batch, self.base.cuda, world_size, search)
+        for values in itertools.product(*choices.values()):
+            pick = dict(zip(choices, values))
+            cand = Candidate(
+                pick["strategy"],
+                pick["precision"],
+                pick["checkpointing"],
+                pick["micro_batch"],
+                lever_values({row.name: pick[name] for name, row in SEARCHED.items()}),
+                split=pick["layout"],
+            )
+            # per data-parallel rank
+            local = global_batch * math.prod(s for _, s in cand.split) // world_size
+            if (
+                "grad_sync" in search
+                and local // cand.micro_batch == 1
+                and cand.value(GRAD_SYNC.name) != GRAD_SYNC.off
+            ):
+                continue  # without accumulation every mode reduces once: the default stands for them
+            try:
+                c = cand.config(self.cfg)
+                validate(c)
+                topology = Topology.of(c.parallel, world_size)
+                BatchLayout.of(c.train, topology.size(Role.BATCH))
+            except (
+                ValueError
+            ) as e:  # e.g. bf16-mixed under DDP, offload or once_per_step without FSDP
+                refused = e
+                continue
+            if topology.spec.hybrid and topology.replicas == 1 and "strategy" in search:
+                continue  # one replica: full_shard's twin
+            out.append(cand)
+        if not out:
+            raise ValueError(
+                f"no setting varying {', '.join(search)} is valid for this config at {world_size} "
+                f"ranks; the last refused: {refused}"
+            )
+        return out
 
 
-def _values(cfg: Config, world_size: int, search: tuple[str, ...]) -> list[list[Any]]:
+def _values(
+    own: Candidate, global_batch: int, cuda: bool, world_size: int, search: tuple[str, ...]
+) -> dict[str, list[Any]]:
     """Each dimension's values, in `DIMENSIONS` order: every choice where ``search`` names it, else
-    the config's own. Micro-batches: the divisors of the most samples a data-parallel rank may
-    take (a layout's own divide fewer: `candidates` drops the rest)."""
-    p = cfg.parallel
+    the config's own (``own``). Micro-batches: the divisors of the most samples a data-parallel rank
+    may take of ``global_batch`` (a layout's own divide fewer: `FitSearch.candidates` drops the
+    rest). A lever that moves state to the host (offload) only where the run targets CUDA
+    (``cuda``): on a CPU host it moves nothing."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    layouts = [(t, q) for t in divisors for q in divisors if world_size % (t * q) == 0]
+    layouts = [
+        tuple(zip(dict(own.split), sizes))
+        for sizes in itertools.product(divisors, repeat=len(own.split))
+        if world_size % math.prod(sizes) == 0
+    ]
     if "layout" not in search:
-        layouts = [(p.tp_size, p.pp_size)]
-    local = cfg.train.global_batch_size * max(t * q for t, q in layouts) // world_size
+        layouts = [own.split]
+    split = max(math.prod(s for _, s in layout) for layout in layouts)
+    local = global_batch * split // world_size
     axes = {
         "strategy": list(STRATEGIES),
         "precision": list(PLAN_MODES),
         "checkpointing": list(ActivationCheckpointing),
-        # On a CPU host offload moves nothing: not a candidate there.
-        "offload": [False, True] if cfg.dist.device.value == "cuda" else [False],
         "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
-        "grad_sync": list(GradSync),
         "layout": layouts,
     }
     fixed = {
-        "strategy": [p.strategy],
-        "precision": [cfg.precision.mode],
-        "checkpointing": [p.activation_checkpointing],
-        "offload": [p.cpu_offload],
-        "micro_batch": [cfg.train.micro_batch_size],
-        "grad_sync": [p.grad_sync],
-        "layout": [(p.tp_size, p.pp_size)],
+        "strategy": [own.strategy],
+        "precision": [own.precision],
+        "checkpointing": [own.checkpointing],
+        "micro_batch": [own.micro_batch],
+        "layout": [own.split],
     }
-    return [axes[d] if d in search else fixed[d] for d in DIMENSIONS]
+    for name, row in SEARCHED.items():
+        axes[name] = [v for v in row.search if cuda or not row.on_host or v == row.off]
+        fixed[name] = [own.value(row.name)]
+    return {d: axes[d] if d in search else fixed[d] for d in DIMENSIONS}

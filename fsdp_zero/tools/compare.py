@@ -2,7 +2,7 @@
 
 `scripts/compare.py` runs ``scripts/train.py`` once per strategy in fresh processes (a process never
 gives back all it freed, so strategies run one after another in the same processes would inherit
-each other's memory) and hands the run folders to `report`. Rows are per strategy, one dict per
+each other's memory) and hands the run folders to `compare_report`. Rows are per strategy, one dict per
 rank: ``strategy, num_params, steps, step_s, final_loss, model_state, breakdown, peak_rss_mib,
 peak_reserved_mib``; `read_rows` builds them from each run's summary.json.
 """
@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from fsdp_zero.config.paths import RunDir
-from fsdp_zero.config.schema import Config, ParallelConfig
+from fsdp_zero.config.schema import (
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from fsdp_zero.config.strategies import STRATEGIES, ZERO_STAGES, Strategy
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
@@ -24,7 +30,7 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import frozen_count, make_trainable
 from fsdp_zero.model.tasks import build_task, vocab_size
-from fsdp_zero.monitor.memory import CATEGORIES, MIB, model_state_bytes
+from fsdp_zero.monitor.memory import MEMORY_CATEGORIES, MIB, model_state_bytes
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import materializer
 from fsdp_zero.sharding.optim import build_optimizer
@@ -33,9 +39,9 @@ from fsdp_zero.training.step import Step, set_lr
 from fsdp_zero.training.summary import Summary
 
 # the ZeRO stages' strategies, in the order they run: ZeRO-3 first
-ORDER = list(reversed(ZERO_STAGES.values()))
+COMPARE_ORDER = list(reversed(ZERO_STAGES.values()))
 # Short runs: the profiled step (2) for the breakdown, steps around it for peak RSS and step time.
-DEFAULTS = [
+COMPARE_DEFAULTS = [
     "train.steps=6",
     "train.log_every=2",
     "memory.profile_step=2",
@@ -43,7 +49,7 @@ DEFAULTS = [
 ]
 
 
-def read_rows(out: Path, strategies: list[Strategy] = ORDER) -> dict[str, list[dict]]:
+def read_rows(out: Path, strategies: list[Strategy] = COMPARE_ORDER) -> dict[str, list[dict]]:
     """Each strategy's per-rank rows, from ``out/<strategy>/summary.json`` (strategies without one,
     e.g. skipped because the settings do not apply to them, are left out)."""
     rows = {}
@@ -80,7 +86,7 @@ def _after_forward(row: dict, category: str) -> int:
     return row["phases"].get(Phase.AFTER_FORWARD.value, {}).get(category, 0)
 
 
-def report(rows: dict[str, list[dict]], n: int, out: Path) -> str:
+def compare_report(rows: dict[str, list[dict]], n: int, out: Path) -> str:
     """Writes compare.md, compare.json, compare.png and tb/compare into ``out``; returns the table."""
     md = table(rows, n)
     (out / "compare.md").write_text(md)
@@ -90,25 +96,36 @@ def report(rows: dict[str, list[dict]], n: int, out: Path) -> str:
     return md
 
 
-def dataparallel_row(cfg: Config) -> dict:
+def dataparallel_row(
+    model_cfg: ModelConfig, data: DataConfig, train: TrainConfig, optim: OptimConfig
+) -> dict:
     """torch.nn.DataParallel over every visible GPU from this one process: the lesson's first baseline.
 
     One process drives all GPUs: the model lives on cuda:0 and is copied to every GPU at each
     forward; the "per-rank" peak is the highest peak reserved over the GPUs.
+
+    Args:
+        model_cfg: the model (its freezing and LoRA as the sharded runs').
+        data: the batches' source.
+        train: the batch, the steps and the seed.
+        optim: the optimizer and its schedule.
+
+    Returns:
+        The row, in `read_rows`'s form.
     """
 
     device = torch.device("cuda", 0)
     devices = list(range(torch.cuda.device_count()))
     for d in devices:
         torch.cuda.reset_peak_memory_stats(d)
-    model = construct(cfg.model)
-    make_trainable(model, cfg.model)  # model.freeze, model.lora: as the sharded runs
-    materializer(device, cfg.model.init, cfg.train.seed, real_buffers(model), [])(model)
+    model = construct(model_cfg)
+    make_trainable(model, model_cfg)  # model.freeze, model.lora: as the sharded runs
+    materializer(device, model_cfg.init, train.seed, real_buffers(model), [])(model)
     parallel = torch.nn.DataParallel(model, device_ids=devices)
-    optimizer = build_optimizer(model, cfg.optim, device)
-    source = build_source(cfg.data, cfg.train.seed, vocab_size(model))
-    cursor = BatchCursor(source, BatchLayout.of(cfg.train, 1), 0)
-    loss_fn = build_task(cfg.model)
+    optimizer = build_optimizer(model, optim, device)
+    source = build_source(data, train.seed, vocab_size(model))
+    cursor = BatchCursor(source, BatchLayout.of(train, 1), 0)
+    loss_fn = build_task(model_cfg)
     state: dict[str, int] = {}
 
     def on_phase(name: Phase) -> None:
@@ -116,9 +133,9 @@ def dataparallel_row(cfg: Config) -> dict:
             state["bytes"] = model_state_bytes(model, optimizer).total
 
     start = time.perf_counter()
-    step_of = Step(parallel, optimizer, loss_fn, device, grad_clip=cfg.optim.grad_clip)
-    for step in range(1, cfg.train.steps + 1):
-        set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
+    step_of = Step(parallel, optimizer, loss_fn, device, grad_clip=optim.grad_clip)
+    for step in range(1, train.steps + 1):
+        set_lr(optimizer, optim, step - 1, train.steps)
         loss = step_of.run(cursor.next_batch(), [on_phase] if step == 1 else []).loss
     final = loss.item()
     elapsed = time.perf_counter() - start
@@ -126,8 +143,8 @@ def dataparallel_row(cfg: Config) -> dict:
     return {
         "strategy": "dataparallel",
         "num_params": sum(p.numel() for p in model.parameters()),
-        "steps": cfg.train.steps,
-        "step_s": elapsed / cfg.train.steps,
+        "steps": train.steps,
+        "step_s": elapsed / train.steps,
         "final_loss": final,
         "model_state": state.get("bytes", 0),
         "formula": model_state_formula(
@@ -136,7 +153,7 @@ def dataparallel_row(cfg: Config) -> dict:
             frozen=frozen_count(model),
         ),
         "precision": "fp32",
-        "breakdown": dict.fromkeys(CATEGORIES, 0),
+        "breakdown": dict.fromkeys(MEMORY_CATEGORIES, 0),
         "peak_rss_mib": peak,
         "peak_reserved_mib": peak,
     }
@@ -145,7 +162,7 @@ def dataparallel_row(cfg: Config) -> dict:
 def table(rows: dict[str, list[dict]], n: int) -> str:
     """The comparison, each figure also as a ratio to DDP's (or, where DDP was not run, to the first
     strategy's); the formula column is each run's own (its strategy and precision)."""
-    present = [s for s in reversed(ORDER) if s.value in rows]  # DDP first, as in the lesson
+    present = [s for s in reversed(COMPARE_ORDER) if s.value in rows]  # DDP first, as in the lesson
     base = present[0].value
     base_peak = max(r["peak_rss_mib"] for r in rows[base])
     base_time = rows[base][0]["step_s"]
@@ -206,7 +223,7 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    strategies = [s.value for s in reversed(ORDER) if s.value in rows]
+    strategies = [s.value for s in reversed(COMPARE_ORDER) if s.value in rows]
     labels = [f"{s}\n{STRATEGIES[Strategy(s)].label}" for s in strategies]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / n
@@ -214,7 +231,7 @@ def chart(rows: dict[str, list[dict]], n: int, path: Path) -> None:
     for r in range(n):
         xs = [i + (r - (n - 1) / 2) * width for i in range(len(strategies))]
         bottom = [0.0] * len(strategies)
-        for c, cat in enumerate(CATEGORIES):
+        for c, cat in enumerate(MEMORY_CATEGORIES):
             vals = [rows[s][r]["breakdown"].get(cat, 0) / MIB for s in strategies]
             left.bar(
                 xs,

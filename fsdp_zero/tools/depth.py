@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from fsdp_zero.config.choices import ActivationCheckpointing, WrapPolicy
-from fsdp_zero.config.schema import Config, ParallelConfig, WrapConfig
-from fsdp_zero.config.strategies import STRATEGIES, Strategy, is_fsdp
+from fsdp_zero.config.schema import ModelConfig, OptimConfig, ParallelConfig, WrapConfig
+from fsdp_zero.config.strategies import Strategy, is_fsdp
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.sharding.optim import optimizer_impl, param_groups
@@ -54,17 +54,17 @@ def _signature(model: nn.Module, prefix: str, units: set[str]) -> tuple:
     )
 
 
-def repeated_blocks(c: Config, shard_degree: int) -> _Repeats | None:
+def repeated_blocks(
+    model_cfg: ModelConfig, parallel: ParallelConfig, shard_degree: int
+) -> _Repeats | None:
     """The container (an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict``) holding the most
     parameters in blocks that are all the same (`_signature`, after model.freeze and LoRA, under the
     config's wrap plan), or None. Any model: the blocks are found by their shapes, not by their
     class."""
-    model = construct(c.model)  # meta: free at any size
+    model = construct(model_cfg)  # meta: free at any size
     try:
-        make_trainable(model, c.model)
-        wrap = (
-            c.parallel.wrap if is_fsdp(c.parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
-        )
+        make_trainable(model, model_cfg)
+        wrap = parallel.wrap if is_fsdp(parallel.strategy) else WrapConfig(policy=WrapPolicy.none)
         units = set(build_wrap_plan(model, wrap, shard_degree).submodule_fqns)
     except ValueError:  # the build will say why, in its own words
         return None
@@ -101,7 +101,14 @@ _ON_LINE = 0.005
 
 def on_line(a: Prediction, b: Prediction, c: Prediction, depths: tuple[int, int, int]) -> bool:
     """Whether ``c``'s tensors at each part's peak lie on the line through ``a``'s and ``b``'s (`_ON_LINE`),
-    AdamW's states left out (`compose` takes them from the share of the parameters a rank steps)."""
+    AdamW's states left out (`compose` takes them from the share of the parameters a rank steps).
+
+    Args:
+        a: the simulation at the first depth.
+        b: the one at the second.
+        c: the one at the third, checked.
+        depths: the three depths, in blocks.
+    """
     x, y, z = depths
     if not a.regions.keys() == b.regions.keys() == c.regions.keys():
         return False
@@ -115,25 +122,34 @@ def on_line(a: Prediction, b: Prediction, c: Prediction, depths: tuple[int, int,
 
 
 def zero1_shares(
-    c: Config, world_size: int, repeats: _Repeats, depths: tuple[int, int]
-) -> tuple[int, ...] | None:
-    """ZeRO-1 only: rank 0's share of the trainable parameters (elements) at each simulated depth and at the
-    whole model's, as `ZeroRedundancyOptimizer` partitions them (each parameter group's tensors,
+    model_cfg: ModelConfig,
+    optim: OptimConfig,
+    world_size: int,
+    repeats: _Repeats,
+    depths: tuple[int, int],
+) -> tuple[int, ...]:
+    """ZeRO-1's rank 0's share of the trainable parameters (elements) at each simulated depth and at
+    the whole model's, as `ZeroRedundancyOptimizer` partitions them (each parameter group's tensors,
     largest first, each to the rank holding the fewest elements so far). Its AdamW states follow
-    that share, which moves in whole tensors and does not grow evenly with the blocks. None for the
-    other strategies."""
-    if not STRATEGIES[c.parallel.strategy].zero_redundancy_optimizer:
-        return None
+    that share, which moves in whole tensors and does not grow evenly with the blocks.
+
+    Args:
+        model_cfg: the simulated model.
+        optim: its optimizer settings (the parameter groups).
+        world_size: the ranks ZeRO-1 partitions over.
+        repeats: the blocks the simulations keep the first of (`repeated_blocks`).
+        depths: the simulated depths.
+    """
     # the grouping only: the same for every implementation
-    impl = optimizer_impl(c.optim, torch.device("cpu"))
+    impl = optimizer_impl(optim, torch.device("cpu"))
     shares = []
     for keep in (*depths, None):
-        model = construct(c.model)
+        model = construct(model_cfg)
         if keep is not None:
             keep_first(model, repeats.container, keep)
-        make_trainable(model, c.model)
+        make_trainable(model, model_cfg)
         sizes = [0] * world_size
-        for params, _ in param_groups(model, c.optim, impl):
+        for params, _ in param_groups(model, optim, impl):
             for p in sorted(params, key=lambda t: t.numel(), reverse=True):
                 sizes[sizes.index(min(sizes))] += p.numel()
         shares.append(sizes[0])
@@ -153,7 +169,17 @@ def compose(
     (the part that peaks can change with the depth: the optimizer step's bytes per block can outgrow
     the backward's), and the highest of them the step's peak. tests/test_plan_formulas.py checks it
     against whole simulations. Under ZeRO-1 the AdamW states follow rank 0's share of the parameters
-    instead (``zero1``: at each depth, then the whole model's)."""
+    instead (``zero1``: at each depth, then the whole model's).
+
+    Args:
+        a: the simulation at the first depth.
+        b: the one at the second.
+        depths: those two depths, in blocks.
+        repeats: the blocks (`repeated_blocks`): their container and how many the model has.
+        target: the device the run targets (what a rank's peak is, `predict_peak`).
+        zero1: rank 0's ZeRO-1 share at each depth and the whole model's (`zero1_shares`); None
+            where the strategy is not ZeRO-1.
+    """
     (da, db), n = depths, repeats.count
 
     def line(va: float, vb: float) -> int:

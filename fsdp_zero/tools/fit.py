@@ -1,4 +1,4 @@
-"""The cheapest setting that fits a memory budget (`scripts/plan.py --fit`): a search, no training.
+"""The cheapest setting that fits a memory budget (`scripts/plan.py fit`): a search, no training.
 
 Candidates are every valid combination of strategy, precision mode, activation checkpointing,
 CPU offload (CUDA only: on a CPU host it moves nothing), micro-batch size (the global batch
@@ -48,18 +48,25 @@ import torch
 from torch import nn
 
 from fsdp_zero.config.choices import ActivationCheckpointing
-from fsdp_zero.config.schema import Config
-from fsdp_zero.config.strategies import STRATEGIES, GradSync
+from fsdp_zero.config.loader import to_yaml
+from fsdp_zero.config.strategies import STRATEGIES
 from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
-from fsdp_zero.monitor.comm import comm_formula, comm_seconds
-from fsdp_zero.sharding.parallelize import checkpointed
-from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.monitor.comm import CommBytes, comm_formula, comm_seconds
+from fsdp_zero.sharding.levers import (
+    GRAD_SYNC,
+    OFFLOAD,
+    checkpointed,
+    holds_unsharded,
+    reductions_per_step,
+)
+from fsdp_zero.sharding.precision import Precision, resolve_precision
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
-from fsdp_zero.tools.candidates import DEFAULT_SEARCH, Candidate, Scored, candidates
+from fsdp_zero.tools.candidates import Candidate, FitSearch, Scored, lever_values
 from fsdp_zero.tools.layered import Layouts, Terms, twin
+from fsdp_zero.tools.layout import Workload
 from fsdp_zero.tools.planner import Simulator
 from fsdp_zero.tools.prediction import CUDA_ALLOCATOR_SLACK, Prediction, cached_baseline
 from fsdp_zero.tools.rates import Measured, Rates, measure
@@ -73,60 +80,64 @@ _SIM: Simulator | None = None
 _ARGS: tuple = ()
 
 
-def _start(cfg: Config, world_size: int, baseline: int) -> None:
+def _simulator(search: FitSearch, baseline: int) -> Simulator:
+    """The search's simulator: its ranks and device, two micro-batches a step at most."""
+    return Simulator(
+        search.cfg.dist.device,
+        search.world_size,
+        accum_cap=2,
+        baseline=baseline,
+        malloc_mmap_threshold=search.cfg.memory.malloc_mmap_threshold,
+    )
+
+
+def _start(search: FitSearch, baseline: int) -> None:
     global _ARGS
-    _ARGS = (cfg, world_size, baseline)
+    _ARGS = (search, baseline)
 
 
-def _predict(c: Config) -> Prediction:
+def _predict(c: Candidate) -> Prediction:
     global _SIM
+    search, baseline = _ARGS
     if _SIM is None:
-        cfg, world_size, baseline = _ARGS
-        _SIM = Simulator(cfg, world_size, accum_cap=2, baseline=baseline).__enter__()
-    return _SIM.predict(c)
+        _SIM = _simulator(search, baseline).__enter__()
+    return _SIM.predict(c.config(search.cfg))
 
 
 def _simulate(
-    cfg: Config, world_size: int, configs: list[Config], processes: int, baseline: int | None
+    search: FitSearch, cands: list[Candidate], processes: int, baseline: int | None
 ) -> list[Prediction]:
-    """`Simulator.predict` of each config, in ``processes`` worker processes (0: in this one)."""
+    """`Simulator.predict` of each candidate's config, in ``processes`` worker processes (0: in this
+    one)."""
     if baseline is None:
-        baseline = cached_baseline(
-            torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
-        )
-    if not processes or len(configs) < _FEW:
-        with Simulator(cfg, world_size, accum_cap=2, baseline=baseline) as sim:
-            return [sim.predict(c) for c in configs]
-    with multiprocessing.get_context("spawn").Pool(
-        processes, _start, (cfg, world_size, baseline)
-    ) as pool:
-        return pool.map(_predict, configs, chunksize=1)
+        baseline = cached_baseline(torch.device("cuda" if search.base.cuda else "cpu"))
+    if not processes or len(cands) < _FEW:
+        with _simulator(search, baseline) as sim:
+            return [sim.predict(c.config(search.cfg)) for c in cands]
+    with multiprocessing.get_context("spawn").Pool(processes, _start, (search, baseline)) as pool:
+        return pool.map(_predict, cands, chunksize=1)
 
 
-def _compute_dtype(cfg: Config, c: Candidate) -> torch.dtype:
+def _compute_dtype(base: Workload, c: Candidate) -> torch.dtype:
     """What activation simulations share besides checkpointing and micro-batch: the compute dtype (not the mode)."""
-    return resolve(c.config(cfg).precision).compute
+    return resolve_precision(c.on(base).precision).compute
 
 
 def _predict_peaks(
-    cfg: Config,
-    world_size: int,
+    search: FitSearch,
     cands: list[Candidate],
+    layouts: Layouts,
     processes: int = 2,
     baseline: int | None = None,
-    layouts: Layouts | None = None,
 ) -> tuple[dict[Candidate, int], int]:
     """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
     and how many simulations it took. A tensor or pipeline parallel candidate's comes from its
-    twin's (`fsdp_zero.tools.layered`); one the model cannot take is left out."""
-    layouts = layouts or Layouts(cfg, world_size)
-    twins = {c: twin(cfg, c, world_size) for c in cands if c.layered}
+    twin's (`fsdp_zero.tools.layered`, ``layouts``); one the model cannot take is left out."""
+    twins = {c: twin(c, layouts.local) for c in cands if c.layered}
     simulated = list(dict.fromkeys([c for c in cands if not c.layered] + list(twins.values())))
-    shared = _Shared(cfg, world_size, simulated)
+    shared = _Shared(search.base, search.world_size, simulated)
     sims = shared.needed(simulated)
-    preds = dict(
-        zip(sims, _simulate(cfg, world_size, [s.config(cfg) for s in sims], processes, baseline))
-    )
+    preds = dict(zip(sims, _simulate(search, sims, processes, baseline)))
     peaks = {c: shared.peak(c, preds) for c in simulated}
     for c, pair in twins.items():
         try:
@@ -142,9 +153,9 @@ class _Shared:
     regime), plus its activations over those of that simulation (full_shard in its compute dtype,
     extrapolated along the accumulating micro-batches)."""
 
-    def __init__(self, cfg: Config, world_size: int, cands: list[Candidate]) -> None:
-        self.cfg = cfg
-        local = cfg.train.global_batch_size // world_size
+    def __init__(self, base: Workload, world_size: int, cands: list[Candidate]) -> None:
+        self.base = base
+        local = base.train.global_batch_size // world_size
         micro = sorted({c.micro_batch for c in cands})
         self.accumulating = [m for m in micro if local // m > 1]
         self.fs = next(
@@ -152,7 +163,7 @@ class _Shared:
         )
         self.rep = {}  # a precision mode per compute dtype, for the activation simulations
         for c in cands:
-            self.rep.setdefault(_compute_dtype(cfg, c), c.precision)
+            self.rep.setdefault(_compute_dtype(base, c), c.precision)
 
     def reference(self, m: int) -> int:
         """The micro-batch the state simulations of m's regime run at."""
@@ -166,20 +177,23 @@ class _Shared:
         return acc[:2]
 
     def state(self, c: Candidate) -> Candidate:
-        # replicas_: the same tensors
-        every = GradSync.every_micro_batch
-        sync = c.grad_sync if c.grad_sync is GradSync.once_per_step else every
+        # only once_per_step holds other tensors (replicas_: the same as every_micro_batch)
+        sync = c.value(GRAD_SYNC.name)
         return replace(
             c,
             checkpointing=ActivationCheckpointing.none,
-            offload=False,
             micro_batch=self.reference(c.micro_batch),
-            grad_sync=sync,
+            levers=lever_values({GRAD_SYNC.name: sync} if holds_unsharded(sync) else {}),
         )
 
     def activation(self, c: Candidate, m: int, ac: ActivationCheckpointing) -> Candidate:
-        rep = self.rep[_compute_dtype(self.cfg, c)]
-        return Candidate(self.fs, rep, ac, False, m, GradSync.every_micro_batch)
+        rep = self.rep[_compute_dtype(self.base, c)]
+        return Candidate(
+            strategy=self.fs,
+            precision=rep,
+            checkpointing=ac,
+            micro_batch=m,
+        )
 
     def needed(self, cands: list[Candidate]) -> list[Candidate]:
         """Every simulation the candidates' peaks are composed from, each once."""
@@ -226,15 +240,14 @@ class _Shared:
         peak = (
             s.peak + act(c.checkpointing, c.micro_batch) - act(none, self.reference(c.micro_batch))
         )
-        if c.offload and self.cfg.dist.device.value == "cuda":  # the model state in host memory
+        if c.value(OFFLOAD.name) and self.base.cuda:  # the model state in host memory
             peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)
         return int(peak)
 
 
 def _step_cost(
-    cfg: Config,
+    search: FitSearch,
     c: Candidate,
-    world_size: int,
     rates: Rates,
     model: nn.Module,
     plan: WrapPlan,
@@ -243,63 +256,70 @@ def _step_cost(
     """``c``'s step cost in seconds and its terms (see the module docstring). ``model``: the config's model
     on the meta device, its frozen parameters marked; ``plan``: its wrap plan; ``layouts``: the
     search's, for a tensor or pipeline parallel ``c`` (its twin's cost, then `Layouts.cost`)."""
+    world_size = search.world_size
     if c.layered:
-        _, parts = _step_cost(cfg, twin(cfg, c, world_size), world_size, rates, model, plan)
-        return (layouts or Layouts(cfg, world_size)).cost(c, rates, parts)
-    cc = c.config(cfg)
-    precision = resolve(cc.precision)
+        layouts = layouts or Layouts(search.base, world_size)
+        _, parts = _step_cost(search, twin(c, layouts.local), rates, model, plan)
+        return layouts.cost(c, rates, parts)
+    cc = c.config(search.cfg)  # comm_formula and checkpointed read the candidate's whole config
+    precision = resolve_precision(cc.precision)
     layout, topology = (
         BatchLayout.rounded(cc.train, world_size),
         Topology.of(cc.parallel, world_size),
     )
-    moved = comm_formula(cc, topology, model, plan, layout.grad_accum_steps, precision)
-    if rates.measured:
-        parts = _measured_cost(cc, c, topology, rates.measured, model, plan, moved)
-        return sum(parts.values()), parts
-    tokens = layout.global_batch_size // world_size * (cc.data.seq_len or 1)
-    params = sum(p.numel() for p in model.parameters())
-    recomputed = sum(
-        sum(p.numel() for p in model.get_submodule(b).parameters())
-        for b in checkpointed(cc.parallel, plan.block_fqns)
+    moved = comm_formula(
+        cc, topology, model, plan, accum=layout.grad_accum_steps, precision=precision
     )
+    samples, blocks = layout.global_batch_size // world_size, checkpointed(cc, plan.block_fqns)
+    if rates.measured:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        parts = _measured_cost(
+            rates.measured,
+            topology,
+            moved,
+            precision,
+            samples=samples,
+            recomputed=len(blocks),
+            trainable=trainable,
+        )
+        return sum(parts.values()), parts
+    tokens = samples * (cc.data.seq_len or 1)
+    params = sum(p.numel() for p in model.parameters())
+    recomputed = sum(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
     flops = 6 * params * tokens + 2 * recomputed * tokens
     slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
     compute = flops * slow / (rates.tflops * 1e12)
     comm = sum(comm_seconds(moved, topology, rates.link_gbps).values())
     offload = 0.0
     # each gather first copies the rank's shard to the device, each reduction copies it back
-    if c.offload:
+    if c.value(OFFLOAD.name):
         shard = params / topology.shard_group * precision.stored.itemsize
         gathers = layout.grad_accum_steps * (
             2 if STRATEGIES[c.strategy].reshard_after_forward else 1
         )
-        reductions = 1 if c.grad_sync is GradSync.once_per_step else layout.grad_accum_steps
+        reductions = reductions_per_step(c.value(GRAD_SYNC.name), layout.grad_accum_steps)
         offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)
     parts = {"compute_s": compute, "comm_s": comm, "optimizer_s": 0.0, "offload_s": offload}
     return compute + comm + offload, parts
 
 
 def _measured_cost(
-    cc: Config,
-    c: Candidate,
-    topology: Topology,
     m: Measured,
-    model: nn.Module,
-    plan: WrapPlan,
-    moved,
-) -> dict[str, float]:  # noqa: ANN001 - a CommBytes
-    """The step cost from what the probe measured on this machine (`fsdp_zero.tools.rates.measure`): each sample's
-    forward and backward (and each checkpointed block's forward again) in the compute dtype, each
-    byte the strategy moves (`fsdp_zero.monitor.comm.comm_formula`) at the rate its collective ran
-    at, and AdamW's step over the parameters this rank steps."""
-    precision = resolve(cc.precision)
-    samples = (
-        BatchLayout.rounded(cc.train, topology.world_size).global_batch_size // topology.world_size
-    )
+    topology: Topology,
+    moved: CommBytes,
+    precision: Precision,
+    samples: int,
+    recomputed: int,
+    trainable: int,
+) -> dict[str, float]:
+    """The step cost from what the probe measured on this machine (`fsdp_zero.tools.rates.measure`): each
+    sample's forward and backward (``samples`` a rank, and each of the ``recomputed`` checkpointed
+    blocks' forward again) in the compute dtype, each byte the strategy moves
+    (`fsdp_zero.monitor.comm.comm_formula`'s ``moved``) at the rate its collective ran at, and
+    AdamW's step over the parameters this rank steps (of ``trainable``)."""
     fixed, block, forward = m.compute[str(precision.compute).removeprefix("torch.")]
-    blocks = checkpointed(cc.parallel, plan.block_fqns)
-    compute = samples * (fixed + m.blocks * block + len(blocks) * forward)
-    spec = STRATEGIES[c.strategy]
+    compute = samples * (fixed + m.blocks * block + recomputed * forward)
+    spec = topology.spec
     if spec.fsdp:
         comm = (
             moved.all_gather * m.gather_s_per_byte
@@ -311,37 +331,39 @@ def _measured_cost(
         comm = (
             moved.all_reduce * m.all_reduce_s_per_byte + moved.all_gather * m.all_gather_s_per_byte
         )
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     stepped = trainable if spec.zero_stage == 0 else trainable / topology.shard_group
     optimizer = stepped / m.adamw_params_per_s[str(precision.stored).removeprefix("torch.")]
     return {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0}
 
 
-def fit_rates(cfg: Config, world_size: int, dims: tuple[str, ...] = DEFAULT_SEARCH) -> Rates:
-    """The rates a search for ``cfg`` assumes when none are given: for the CPU, measured on this machine
+def fit_rates(search: FitSearch) -> Rates:
+    """The rates ``search`` assumes when none are given: for the CPU, measured on this machine
     (`fsdp_zero.tools.rates.measure`, in the compute dtypes the candidates use); for CUDA,
     `Rates.default`'s (an H100: pass --tflops and --link-gbps for other hardware)."""
-    if cfg.dist.device.value == "cuda":
+    if search.base.cuda:
         return Rates.default("cuda")
-    dtypes = {resolve(c.config(cfg).precision).compute for c in candidates(cfg, world_size, dims)}
+    dtypes = {_compute_dtype(search.base, c) for c in search.candidates()}
     # the probe runs data parallel: a layout's compute is its twin's (`Layouts.cost`)
+    cfg = search.cfg
     flat = replace(cfg, parallel=replace(cfg.parallel, tp_size=1, pp_size=1))
-    return measure(flat, world_size, sorted(dtypes, key=str))
+    return measure(to_yaml(flat), search.world_size, sorted(dtypes, key=str))
 
 
 # A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have
 # been within 10% of the measured ones on every configuration of its accuracy table, and 10-14% low on
 # one with four micro-batches of one short sequence (docs/compare-and-plan.md says which).
-MARGIN = 0.10
+FIT_MARGIN = 0.10
 
 
 @dataclass
-class _Search:
+class FitResult:
+    """`fit_search`'s candidates, and which of them fit a budget (`fit`)."""
+
     scored: list[Scored]  # every candidate, cheapest first (ties: the smaller peak)
     simulations: int  # how many configurations were simulated for them
     seconds: float  # how long the search took
 
-    def fit(self, budget: int, margin: float = MARGIN) -> Scored:
+    def fit(self, budget: int, margin: float = FIT_MARGIN) -> Scored:
         """Marks the candidates whose peak plus ``margin`` (a fraction of it) fits ``budget`` (bytes per
         rank); returns the cheapest of them.
 
@@ -355,7 +377,7 @@ class _Search:
             small = min(self.scored, key=lambda s: s.peak)
             need = small.peak * (1 + margin)
             raise ValueError(
-                f"--fit={budget / 2**20:,.0f} MiB: no candidate fits; the smallest, "
+                f"--device-memory={budget / 2**20:,.0f} MiB: no candidate fits; the smallest, "
                 f"{' '.join(small.candidate.overrides())}, needs {small.peak / 2**20:,.0f} MiB per "
                 f"rank + {margin:.0%} margin = {need / 2**20:,.0f} MiB "
                 f"({(need - budget) / 2**20:,.0f} MiB over)"
@@ -363,32 +385,32 @@ class _Search:
         return next(s for s in self.scored if s.fits)
 
 
-def search(
-    cfg: Config,
-    world_size: int,
-    rates: Rates,
-    dims: tuple[str, ...] = DEFAULT_SEARCH,
-    processes: int = 2,
-    baseline: int | None = None,
-) -> _Search:
-    """Every candidate (varying ``dims``) with its predicted peak and cost, cheapest first.
-    ``processes``: worker processes for the simulations (0: this one); ``baseline``:
-    `fsdp_zero.tools.prediction.measure_baseline`'s bytes (None: measured now).
+def fit_search(
+    search: FitSearch, rates: Rates, processes: int = 2, baseline: int | None = None
+) -> FitResult:
+    """Every candidate of ``search`` with its predicted peak and cost under ``rates``, cheapest
+    first.
+
+    Args:
+        search: the config, the ranks and the dimensions searched.
+        rates: what a step's compute and bytes cost (`fit_rates`, or the ones given).
+        processes: worker processes for the simulations (0: this one).
+        baseline: `fsdp_zero.tools.prediction.measure_baseline`'s bytes (None: measured now).
 
     Raises:
-        ValueError: as `candidates`.
+        ValueError: as `FitSearch.candidates`.
     """
     start = time.perf_counter()
-    layouts = Layouts(cfg, world_size)
-    cands = candidates(cfg, world_size, dims)
-    peaks, simulations = _predict_peaks(cfg, world_size, cands, processes, baseline, layouts)
+    base, layouts = search.base, Layouts(search.base, search.world_size)
+    cands = search.candidates()
+    peaks, simulations = _predict_peaks(search, cands, layouts, processes, baseline)
     cands = [c for c in cands if c in peaks]
-    model = construct(cfg.model)  # meta parameters: free at any size
-    make_trainable(model, cfg.model)  # model.freeze, model.lora: frozen parameters are not reduced
-    plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
+    model = construct(base.model)  # meta parameters: free at any size
+    make_trainable(model, base.model)  # model.freeze, model.lora: frozen parameters are not reduced
+    plan = build_wrap_plan(model, base.parallel.wrap, search.world_size)
     scored = [
-        Scored(c, peaks[c], *_step_cost(cfg, c, world_size, rates, model, plan, layouts))
+        Scored(c, peaks[c], *_step_cost(search, c, rates, model, plan, layouts=layouts))
         for c in cands
     ]
     scored.sort(key=lambda s: (s.cost, s.peak))
-    return _Search(scored, simulations, time.perf_counter() - start)
+    return FitResult(scored, simulations, time.perf_counter() - start)

@@ -4,10 +4,12 @@ precision, and DeepSpeed's own ZeRO-3 estimate."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from torch import nn
 
 from fsdp_zero.config.choices import Quantize
-from fsdp_zero.config.rules import check_qlora, validate
+from fsdp_zero.config.rules import check_refusals, validate
 from fsdp_zero.config.schema import (
     Config,
     LoRAConfig,
@@ -17,9 +19,11 @@ from fsdp_zero.config.schema import (
 )
 from fsdp_zero.config.strategies import ZERO_STAGES, Strategy, is_fsdp
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.monitor.comm import comm_formula, comm_seconds
 from fsdp_zero.sharding.parallelize import model_state_formula
-from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.precision import resolve_precision
 from fsdp_zero.sharding.quantize import STATE_BLOCK, nf4_bytes
+from fsdp_zero.sharding.wrap import WrapPlan
 
 # The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 # Parameter Models", Table 1 and Figure 1) sizes model states for mixed-precision Adam: fp16
@@ -94,6 +98,31 @@ class Trained:
     nf4: int = 0
     state_bits: int = 32
 
+    def notes(self) -> list[str]:
+        """The model-states table's lines on them (`fsdp_zero.tools.render.formulas_table`): the
+        frozen parameters' bytes, NF4's, and low-bit AdamW's."""
+        frozen, nf4, bits = self.frozen, self.nf4, self.state_bits
+        lines = []
+        if frozen:
+            lines.append(
+                f"- {frozen:,} of the parameters frozen (LoRA's base, model.freeze): their weights "
+                "only, no gradients or AdamW states"
+                + (
+                    f"; {nf4:,} of those in NF4 (QLoRA): {nf4_bytes(nf4) / nf4:.4f} B each instead "
+                    "of the stored dtype's, / N (the FSDP strategies only)"
+                    if nf4
+                    else ""
+                )
+                + "."
+            )
+        if bits != 32:
+            lines.append(
+                f"- AdamW states in {bits} bits (optim.state_bits, torchao): "
+                f"{2 * (bits / 8 + 4 / STATE_BLOCK[bits]):.4f} B a trained parameter instead of "
+                "8 (shards under 4,096 values keep 8)."
+            )
+        return lines
+
 
 def strategy_states(
     num_params: int,
@@ -118,7 +147,7 @@ def strategy_states(
         largest_unit: the largest FSDP unit's parameters besides the root; None: not known
             (full_shard's ``gathered`` is None).
         root_unit: the root unit's own parameters (those of no other unit), when known.
-        modes: precision modes (`fsdp_zero.config.schema.PRECISION_MODES`).
+        modes: precision modes (`fsdp_zero.config.choices.PrecisionMode`).
         trained: what trains and how (`Trained`).
 
     Returns:
@@ -128,14 +157,14 @@ def strategy_states(
     for stage, strategy in ZERO_STAGES.items():
         topology = Topology.of(ParallelConfig(strategy=strategy), n)
         for mode in modes:
-            precision = resolve(PrecisionConfig(mode=mode))
+            precision = resolve_precision(PrecisionConfig(mode=mode))
             compute = precision.compute.itemsize
             w, g, k = precision.bytes_per_param
             if bits != 32:  # per value of a large shard (each tensor's few tables left out)
                 k = 2 * (bits / 8 + 4 / STATE_BLOCK[bits])
             quantized = (nf4, nf4_bytes(nf4, shards=topology.param_shards)) if nf4 else (0, 0.0)
             at_rest = model_state_formula(
-                topology, num_params, (w, g, k), trained.frozen, 0, quantized
+                topology, num_params, (w, g, k), frozen=trained.frozen, quantized=quantized
             )
             # NF4 weights gather as their codes, scalers and factors (a unit's share taken as the model's)
             packed = (compute * (num_params - nf4) + nf4_bytes(nf4) - nf4_bytes(0)) / num_params
@@ -148,7 +177,11 @@ def strategy_states(
             else:  # a model of one or two units never has more than itself gathered
                 gathered = packed * min(root_unit + 2 * largest_unit, num_params)
             refused = _refusal(strategy, mode, trained)
-            out.append(_StrategyState(strategy, stage, mode, at_rest, gathered, refused))
+            out.append(
+                _StrategyState(
+                    strategy, stage, mode, at_rest=at_rest, gathered=gathered, refused=refused
+                )
+            )
     return out
 
 
@@ -172,7 +205,7 @@ def _nf4_refusal(strategy: Strategy, mode: str) -> str | None:
     cfg.model.init_from = "base.safetensors"  # (the rule that needs one is not the strategy's)
     cfg.model.lora = LoRAConfig(rank=8, targets=["q_proj"], quantize=Quantize.nf4)
     try:
-        check_qlora(cfg)
+        check_refusals(cfg, when="model.lora.quantize")
     except ValueError as e:
         return str(e)
     return None
@@ -195,3 +228,63 @@ def format_gb(n: float) -> str:
     """Bytes as the ZeRO paper prints them: decimal GB (10^9 bytes), three significant digits."""
     gb = n / 1e9
     return f"{gb:,.{max(0, 2 - math.floor(math.log10(gb))) if gb > 0 else 0}f} GB"
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """One strategy and precision mode's bytes per rank per optimizer step, and their time."""
+
+    strategy: str
+    mode: str  # precision.mode
+    all_gather: float
+    reduce_scatter: float
+    all_reduce: float
+    seconds: float  # at the link's rate, ring collectives (`fsdp_zero.monitor.comm.comm_seconds`)
+
+
+def plan_communication(
+    cfg: Config,
+    model: nn.Module,
+    plan: WrapPlan,
+    accum: int,
+    strategies: list[Strategy],
+    link_gbps: float,
+) -> list[CommRow]:
+    """Bytes per rank per optimizer step by kind (`fsdp_zero.monitor.comm.comm_formula`) for each
+    strategy and precision mode (`PLAN_MODES`) the config rules take, and their time.
+
+    Args:
+        cfg: the run's config; each row replaces its strategy and precision mode.
+        model: its model on the meta device, frozen parameters marked.
+        plan: the model's wrap plan at the world size the rows are for.
+        accum: micro-batches per optimizer step.
+        strategies: the strategies, in the rows' order.
+        link_gbps: per-rank collective bandwidth, Gbit/s.
+    """
+    rows = []
+    for strategy in strategies:
+        for mode in PLAN_MODES:
+            c = replace(
+                cfg,
+                parallel=replace(cfg.parallel, strategy=strategy),
+                precision=replace(cfg.precision, mode=mode),
+            )
+            try:
+                validate(c)
+            except ValueError:  # e.g. bf16-mixed under DDP; grad_sync=once_per_step under DDP
+                continue
+            topology = Topology.of(c.parallel, plan.world_size)
+            precision = resolve_precision(c.precision)
+            moved = comm_formula(c, topology, model, plan, accum=accum, precision=precision)
+            seconds = sum(comm_seconds(moved, topology, link_gbps).values())
+            rows.append(
+                CommRow(
+                    strategy.value,
+                    mode,
+                    all_gather=moved.all_gather,
+                    reduce_scatter=moved.reduce_scatter,
+                    all_reduce=moved.all_reduce,
+                    seconds=seconds,
+                )
+            )
+    return rows

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fsdp_zero.config.choices import PP_SCHEDULES
-from fsdp_zero.config.schema import Config
-from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.data.loader import BatchLayout
-from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.construct import construct
-from fsdp_zero.monitor.comm import CommBytes, comm_seconds, tp_bytes
-from fsdp_zero.sharding.pipeline import cut_rank
-from fsdp_zero.sharding.precision import Precision, resolve
+from fsdp_zero.monitor.comm import CommBytes, comm_seconds
+from fsdp_zero.sharding.levers import (
+    GRAD_SYNC,
+    all_reduces_per_step,
+    reductions_per_step,
+    sync_in_effect,
+)
+from fsdp_zero.sharding.pipeline import boundary_sends, bubble, rank_parts
+from fsdp_zero.sharding.precision import Precision, resolve_precision
+from fsdp_zero.sharding.tensor import tp_bytes
 from fsdp_zero.tools.candidates import Candidate
-from fsdp_zero.tools.layout import StageRow, layout_rows, saved_per_unit
+from fsdp_zero.tools.layout import StageRow, Workload, layout_rows, saved_per_unit
 from fsdp_zero.tools.rates import Rates
 
 _TP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -39,29 +43,30 @@ class Terms:
     activations: float  # activations at the peak
 
 
-def twin(cfg: Config, c: Candidate, world_size: int) -> Candidate:
+def twin(c: Candidate, local: int) -> Candidate:
     """The candidate a tensor or pipeline parallel one is composed from: the same settings at
     tp = pp = 1 (every rank data-parallel), at the largest micro-batch that divides its samples
-    per rank and is no larger than ``c``'s (activations then scale by what each saves)."""
-    local = cfg.train.global_batch_size // world_size
+    per rank (``local``, the global batch over the world size) and is no larger than ``c``'s
+    (activations then scale by what each saves)."""
     micro = max(m for m in range(1, min(local, c.micro_batch) + 1) if local % m == 0)
-    return replace(c, tp=1, pp=1, micro_batch=micro)
+    return replace(c, split=tuple((axis, 1) for axis, _ in c.split), micro_batch=micro)
 
 
 class Layouts:
-    """One search's layout candidates over ``cfg`` at ``world_size`` ranks: each layout's rows
-    (`fsdp_zero.tools.layout.layout_rows`) computed once."""
+    """One search's layout candidates, each a variation of ``base`` (`Candidate.on`), at
+    ``world_size`` ranks: each layout's rows (`fsdp_zero.tools.layout.layout_rows`) computed once."""
 
-    def __init__(self, cfg: Config, world_size: int) -> None:
-        self.cfg, self.world_size = cfg, world_size
+    def __init__(self, base: Workload, world_size: int) -> None:
+        self.base, self.world_size = base, world_size
+        self.local = base.train.global_batch_size // world_size  # samples per rank at tp = pp = 1
         self._rows: dict[tuple, list[StageRow]] = {}
         self._saved: dict[tuple, int] = {}  # (micro-batch, precision) -> bytes saved at tp 1
 
     def rows(self, c: Candidate) -> list[StageRow]:
         """``c``'s layout by formula, per pipeline rank."""
-        key = (c.tp, c.pp, c.micro_batch, c.precision, c.strategy)
+        key = (c.split, c.micro_batch, c.precision, c.strategy)
         if key not in self._rows:
-            self._rows[key] = layout_rows(c.config(self.cfg), self.world_size)
+            self._rows[key] = layout_rows(c.on(self.base), self.world_size)
         return self._rows[key]
 
     def peak(self, c: Candidate, twin_peak: int, terms: Terms) -> int:
@@ -75,14 +80,16 @@ class Layouts:
         Raises:
             ValueError: a layout the model cannot take (heads, layers, tied weights).
         """
-        pair = twin(self.cfg, c, self.world_size)
+        pair = twin(c, self.local)
         key = (pair.micro_batch, pair.precision)
         if key not in self._saved:
-            self._saved[key] = sum(saved_per_unit(pair.config(self.cfg), 1).values())
+            self._saved[key] = sum(saved_per_unit(pair.on(self.base), 1).values())
         at_twin = self._saved[key]
         peaks = []
         for row in self.rows(c):
-            held = row.held_in_step if c.pp > 1 else terms.gathered * row.per_rank / row.params
+            held = (
+                row.held_in_step if c.size("pp") > 1 else terms.gathered * row.per_rank / row.params
+            )
             activations = terms.activations * row.activations / at_twin
             peaks.append(
                 twin_peak
@@ -100,20 +107,17 @@ class Layouts:
         samples, the same FLOPs), the bubble ((pp - 1) / (m v) of the compute for m micro-batches
         and v stages a rank; none under the zero-bubble schedules, their aim), and the busiest
         pipeline rank's bytes (`_bytes`) at the rates (`_seconds`)."""
-        cc = c.config(self.cfg)
-        topology = Topology.of(cc.parallel, self.world_size)
-        micro = BatchLayout.rounded(cc.train, topology.dp_size).grad_accum_steps
+        w = c.on(self.base)
+        topology = Topology.of(w.parallel, self.world_size)
+        micro = BatchLayout.rounded(w.train, topology.size(Role.BATCH)).grad_accum_steps
         row = max(self.rows(c), key=lambda r: r.per_rank)
-        zero_bubble = PP_SCHEDULES[cc.parallel.pp_schedule].zero_bubble
-        bubble = (
-            0.0 if c.pp == 1 or zero_bubble else (c.pp - 1) / (micro * topology.stages_per_rank)
-        )
-        moved = _bytes(cc, topology, resolve(cc.precision), micro, row)
-        sends = 2 * micro * (row.boundary or 0) * len(row.stages) if c.pp > 1 else 0.0
+        idle = bubble(w.parallel, micro)
+        moved = _bytes(w, topology, resolve_precision(w.precision), micro, row)
+        sends = boundary_sends(w.parallel, micro, row.boundary, len(row.stage_ids))
         fsdp, tp, p2p = _seconds(moved, sends, topology, rates)
         out = {
             "compute_s": twin_parts["compute_s"],
-            "bubble_s": twin_parts["compute_s"] * bubble,
+            "bubble_s": twin_parts["compute_s"] * idle,
             "comm_s": fsdp,
             "tp_comm_s": tp,
             "p2p_s": p2p,
@@ -124,26 +128,24 @@ class Layouts:
 
 
 def _bytes(
-    cc: Config, topology: Topology, precision: Precision, micro: int, row: StageRow
+    w: Workload, topology: Topology, precision: Precision, micro: int, row: StageRow
 ) -> CommBytes:
-    """Bytes per step of pipeline rank ``row`` under ``cc``'s layout: FSDP's over its data-parallel
+    """Bytes per step of pipeline rank ``row`` under ``w``'s layout: FSDP's over its data-parallel
     group (a tp rank's part of each parameter, ``row.per_rank`` elements, unpadded; a pipeline
     stage gathers once a step) and tensor parallelism's collectives (the run's formula,
-    `fsdp_zero.monitor.comm.tp_bytes`, for each of the rank's stages)."""
-    n, sync = topology.shard_group, cc.parallel.grad_sync_in_effect
-    gathers = 1 if topology.pp > 1 else micro * (2 if topology.reshard_after_forward is True else 1)
-    reductions = 1 if sync is GradSync.once_per_step else micro
-    all_reduces = micro if sync is GradSync.every_micro_batch else 1
+    `fsdp_zero.sharding.tensor.tp_bytes`, for each of the rank's stages)."""
+    n, sync = topology.shard_group, sync_in_effect(GRAD_SYNC.value(w), topology)
+    # a pipeline stage gathers once a step (its units stay gathered to the step's end)
+    stages = topology.size("pp")
+    gathers = 1 if stages > 1 else micro * (2 if topology.reshard_after_forward is True else 1)
+    reductions, all_reduces = reductions_per_step(sync, micro), all_reduces_per_step(sync, micro)
     reduced = row.per_rank * precision.reduce.itemsize
-    model = construct(cc.model)
-    parts = (
-        [part for _, part in cut_rank(model, topology, row.pp_rank, cc.parallel.pp_schedule)]
-        if topology.pp > 1
-        else [model]
-    )
+    model = construct(w.model)
+    parts = rank_parts(model, w.parallel, row.rank).values()
     tp = dict.fromkeys(_TP_KINDS, 0.0)
-    for part in parts if topology.tp > 1 else ():
-        for kind, b in tp_bytes(cc, part, precision, topology.pp == 1).items():
+    tokens = w.train.micro_batch_size * w.data.seq_len
+    for part in parts if topology.size("tp") > 1 else ():
+        for kind, b in tp_bytes(w.parallel, tokens, part, precision, stages == 1).items():
             tp[kind] += micro * b
     return CommBytes(
         all_gather=gathers * row.per_rank * precision.compute.itemsize if n > 1 else 0,
@@ -162,13 +164,13 @@ def _seconds(
     probe measured for its kind (tensor parallelism's all-reduces at the all-reduce rate, its
     gathers and the sends at the all-gather rate), scaled from the probe's ring over every rank to
     the group's own ((n - 1) / n of the bytes per rank over n)."""
-    tp = {k: getattr(moved, f"tp_{k}") for k in _TP_KINDS}
     m = rates.measured
     if m is None:
-        per_byte, ring = 8 / (rates.link_gbps * 1e9), (topology.tp - 1) / topology.tp
+        tp = topology.size("tp")
+        per_byte, ring = 8 / (rates.link_gbps * 1e9), (tp - 1) / tp
         fsdp = sum(comm_seconds(moved, topology, rates.link_gbps).values())
-        tp_s = per_byte * ring * (2 * tp["all_reduce"] + tp["all_gather"] + tp["reduce_scatter"])
-        return fsdp, tp_s, sends * per_byte
+        kinds = 2 * moved.tp_all_reduce + moved.tp_all_gather + moved.tp_reduce_scatter
+        return fsdp, per_byte * ring * kinds, sends * per_byte
     world = topology.world_size
 
     def ring_of(n: int) -> float:
@@ -180,8 +182,8 @@ def _seconds(
         + moved.reduce_scatter * m.reduce_s_per_byte * shard
         + moved.all_reduce * m.all_reduce_s_per_byte * ring_of(topology.replicas)
     )
-    tp_s = ring_of(topology.tp) * (
-        tp["all_reduce"] * m.all_reduce_s_per_byte
-        + (tp["all_gather"] + tp["reduce_scatter"]) * m.all_gather_s_per_byte
+    tp_s = ring_of(topology.size("tp")) * (
+        moved.tp_all_reduce * m.all_reduce_s_per_byte
+        + (moved.tp_all_gather + moved.tp_reduce_scatter) * m.all_gather_s_per_byte
     )
     return fsdp, tp_s, sends * m.all_gather_s_per_byte

@@ -29,35 +29,72 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_zero.config.schema import Config
+from fsdp_zero.config.choices import Device
+from fsdp_zero.config.schema import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
-from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.tasks import build_task, to_device, vocab_size
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.pipeline import (
-    cut_rank,
+    activation_holds,
+    boundary_width,
     declares_stages,
-    pp_plan,
-    stage_ids,
+    held_in_step,
+    rank_parts,
     stage_units,
 )
-from fsdp_zero.sharding.precision import resolve
-from fsdp_zero.sharding.tensor import apply_tensor_parallel, split_weights
-from fsdp_zero.torch_private import FakeStore, schedule_order, storage_key
+from fsdp_zero.sharding.precision import resolve_precision
+from fsdp_zero.sharding.tensor import left_whole, sequence_shards, split_on_fake_ranks
+from fsdp_zero.torch_private import storage_key
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the planner's formulas read of a config: the model, its data and batch, the layout and
+    the precision, and the device the run targets. Made once from a config by `of`; a fit candidate
+    varies it (`fsdp_zero.tools.candidates.Candidate.on`)."""
+
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    device: Device
+
+    @classmethod
+    def of(cls, cfg: Config) -> Workload:
+        return cls(
+            model=cfg.model,
+            data=cfg.data,
+            train=cfg.train,
+            parallel=cfg.parallel,
+            precision=cfg.precision,
+            device=cfg.dist.device,
+        )
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the run targets CUDA (device memory; else the process's peak RSS)."""
+        return self.device.value == "cuda"
 
 
 @dataclass(frozen=True)
 class StageRow:
     """One pipeline rank's stages (all of the model when pp is 1), per rank of its group."""
 
-    pp_rank: int
-    stages: tuple[int, ...]
+    rank: int  # the pipeline rank
+    stage_ids: tuple[int, ...]
     params: int  # the stages' parameters
     whole: int  # of them, those tensor parallelism leaves whole (every tp rank holds them)
     per_rank: float  # elements of the stages a tp rank computes with: (params - whole) / tp + whole
@@ -67,88 +104,63 @@ class StageRow:
     activations: float = 0.0  # bytes saved for backward at the schedule's peak (`activation_peaks`)
 
 
-def _parts(
-    model: nn.Module, topology: Topology, schedule: str, pp_rank: int
-) -> dict[int, nn.Module]:
-    """Pipeline rank ``pp_rank``'s stages, cut as the run cuts them (all of ``model`` when pp is 1)."""
-    return dict(cut_rank(model, topology, pp_rank, schedule)) if topology.pp > 1 else {0: model}
-
-
-def _hidden(model: nn.Module) -> int | None:
-    """The width of what crosses a stage boundary: the first stage's embedding's (None: no
-    embedding among the first stage's modules)."""
-    for fqn in pp_plan(model)["first"]:
-        first = model.get_submodule(fqn)
-        if isinstance(first, nn.Embedding):
-            return first.embedding_dim
-    return None
-
-
-def layout_rows(cfg: Config, world_size: int) -> list[StageRow]:
-    """Each pipeline rank's row for ``cfg`` at ``world_size`` ranks (one row when pp is 1).
+def layout_rows(w: Workload, world_size: int) -> list[StageRow]:
+    """Each pipeline rank's row for ``w`` at ``world_size`` ranks (one row when pp is 1).
 
     Raises:
         ValueError: as `Topology.of`, or a model without the plans the layout needs.
     """
-    topology = Topology.of(cfg.parallel, world_size)
-    precision = resolve(cfg.precision)
-    model = construct(cfg.model)  # meta: free at any size
-    tp, sp = topology.tp, cfg.parallel.sequence_parallel
-    hidden = _hidden(model) if topology.pp > 1 else None
+    topology = Topology.of(w.parallel, world_size)
+    precision = resolve_precision(w.precision)
+    model = construct(w.model)  # meta: free at any size
+    tp, stages = topology.size("tp"), topology.size("pp")
+    hidden = boundary_width(model, w.parallel)
     rows = []
-    for pp_rank in range(topology.pp):
-        parts = _parts(model, topology, cfg.parallel.pp_schedule, pp_rank)
+    for rank in range(stages):
+        parts = rank_parts(model, w.parallel, rank)
         params = sum(p.numel() for part in parts.values() for p in part.parameters())
-        split = (
-            sum(split_weights(part, sp, topology.pp == 1) for part in parts.values())
-            if tp > 1
-            else 0
-        )
-        whole = params - split if tp > 1 else 0
+        whole = left_whole(parts.values(), w.parallel, stages == 1)
         state = model_state_formula(topology, params, precision.bytes_per_param, 0, whole)
         per_rank = (params - whole) / tp + whole  # elements of the stages a tp rank computes with
-        held = (
-            per_rank * (precision.compute.itemsize + precision.reduce.itemsize)
-            if topology.pp > 1
-            else 0.0
-        )
+        held = held_in_step(w.parallel, per_rank, precision)
         boundary = None
         if hidden is not None:
-            tokens = cfg.train.micro_batch_size * cfg.data.seq_len / (tp if tp > 1 and sp else 1)
+            tokens = w.train.micro_batch_size * w.data.seq_len / sequence_shards(w.parallel)
             boundary = tokens * hidden * precision.compute.itemsize
-        rows.append(StageRow(pp_rank, tuple(parts), params, whole, per_rank, state, held, boundary))
-    peaks = activation_peaks(cfg, world_size)
+        rows.append(
+            StageRow(
+                rank=rank,
+                stage_ids=tuple(parts),
+                params=params,
+                whole=whole,
+                per_rank=per_rank,
+                model_state=state,
+                held_in_step=held,
+                boundary=boundary,
+            )
+        )
+    peaks = activation_peaks(w, world_size)
     return [replace(row, activations=a) for row, a in zip(rows, peaks)]
 
 
-def saved_per_unit(cfg: Config, tp: int) -> dict[str, int]:
+def saved_per_unit(w: Workload, tp: int) -> dict[str, int]:
     """Bytes autograd saves for backward in one micro-batch's forward and loss on one tensor-parallel
     rank of ``tp``, by the pipeline unit that saved them ("" for a model without a pipeline plan),
-    each storage once, the parameters not counted. On the meta device (``cfg``'s model with its
-    parameters in the compute dtype, a batch of ``cfg.train.micro_batch_size`` of its data), with its
+    each storage once, the parameters not counted. On the meta device (``w``'s model with its
+    parameters in the compute dtype, a batch of ``w.train.micro_batch_size`` of its data), with its
     plan applied over a fake process group of ``tp`` ranks when ``tp`` > 1."""
-    model = construct(cfg.model)  # meta parameters, real buffers
-    compute = resolve(cfg.precision).compute
+    model = construct(w.model)  # meta parameters, real buffers
+    compute = resolve_precision(w.precision).compute
     for param in model.parameters():  # as FSDP's mixed precision gathers them (buffers stay)
         param.data = param.data.to(compute)
-    fake = tp > 1
-    if fake:
-        assert not dist.is_initialized(), "the layout's forward makes its own (fake) process group"
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
-    try:
-        if fake:
-            mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-            apply_tensor_parallel(model, mesh, cfg.parallel.sequence_parallel, False)
-        return _saved(cfg, model)
-    finally:
-        if fake:
-            dist.destroy_process_group()
+    with split_on_fake_ranks(model, w.parallel, tp):
+        return _saved(w, model)
 
 
-def _saved(cfg: Config, model: nn.Module) -> dict[str, int]:
+def _saved(w: Workload, model: nn.Module) -> dict[str, int]:
     """`saved_per_unit` once ``model`` is split (or not)."""
-    layout = BatchLayout(cfg.train.micro_batch_size, cfg.train.micro_batch_size, 1, 1)
-    source = build_source(cfg.data, cfg.train.seed or 0, vocab_size(model))
+    layout = BatchLayout(w.train.micro_batch_size, w.train.micro_batch_size, 1, 1)
+    source = build_source(w.data, w.train.seed or 0, vocab_size(model))
     batch = BatchCursor(source, layout, 0).next_batch()[0]
     for name, buf in list(model.named_buffers()):  # the (real) buffers to meta too
         owner, _, leaf = name.rpartition(".")
@@ -173,7 +185,7 @@ def _saved(cfg: Config, model: nn.Module) -> dict[str, int]:
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            build_task(cfg.model)(model, to_device(batch, torch.device("meta")))
+            build_task(w.model)(model, to_device(batch, torch.device("meta")))
     finally:
         for h in handles:
             h.remove()
@@ -183,44 +195,17 @@ def _saved(cfg: Config, model: nn.Module) -> dict[str, int]:
     return out
 
 
-def activation_peaks(cfg: Config, world_size: int) -> list[float]:
+def activation_peaks(w: Workload, world_size: int) -> list[float]:
     """Bytes of activations each pipeline rank holds at its schedule's peak (one entry when pp is 1:
-    one micro-batch's), from `saved_per_unit` (see the module docstring).
+    one micro-batch's), from `saved_per_unit` (see the module docstring;
+    `fsdp_zero.sharding.pipeline.activation_holds`).
 
     Raises:
         ValueError: as `Topology.of`.
     """
-    topology = Topology.of(cfg.parallel, world_size)
-    saved = saved_per_unit(cfg, topology.tp)
-    if topology.pp == 1:
+    topology = Topology.of(w.parallel, world_size)
+    saved = saved_per_unit(w, topology.size("tp"))
+    if topology.size("pp") == 1:
         return [float(sum(saved.values()))]
-    pp, schedule = topology.pp, cfg.parallel.pp_schedule
-    num_stages = pp * topology.stages_per_rank
-    stage_of = stage_units(construct(cfg.model), num_stages)
-    per_stage = [0] * num_stages
-    for unit, nbytes in saved.items():
-        per_stage[stage_of[unit]] += nbytes
-    micro = BatchLayout.rounded(cfg.train, topology.dp_size).grad_accum_steps
-    return [
-        float(_held(per_stage, stage_ids(r, topology, schedule), schedule, pp, micro, r))
-        for r in range(pp)
-    ]
-
-
-def _held(
-    per_stage: list[int], ids: list[int], schedule: str, pp: int, micro: int, pp_rank: int
-) -> int:
-    """The most bytes of activations pipeline rank ``pp_rank`` (its stages ``ids``) holds at once in
-    a step of ``micro`` micro-batches under ``schedule``."""
-    order = schedule_order(schedule, pp, ids, micro, pp_rank)
-    if order is None:  # GPipe: every forward before any backward; 1F1B: pp - rank in flight
-        in_flight = micro if schedule == "GPipe" else min(micro, pp - pp_rank)
-        return in_flight * per_stage[ids[0]]
-    live = peak = 0
-    for stage, kind, _ in order:
-        if kind == "F":
-            live += per_stage[stage]
-            peak = max(peak, live)
-        elif kind in ("B", "W"):  # "I" (the input half) frees little: held to the weight half
-            live -= per_stage[stage]
-    return peak
+    micro = BatchLayout.rounded(w.train, topology.size(Role.BATCH)).grad_accum_steps
+    return activation_holds(w.parallel, construct(w.model), saved, micro)

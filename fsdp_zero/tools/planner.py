@@ -21,18 +21,26 @@ measured on the spot for the libraries and a retention term for the heap (see
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.config.choices import Quantize
+from fsdp_zero.config.choices import Device, Quantize
 from fsdp_zero.config.rules import validate
-from fsdp_zero.config.schema import Config
-from fsdp_zero.config.strategies import Strategy, is_fsdp
+from fsdp_zero.config.schema import (
+    Config,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
+from fsdp_zero.config.strategies import STRATEGIES, Strategy, is_fsdp
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.env import DistEnv
@@ -43,8 +51,9 @@ from fsdp_zero.model.tasks import build_task, vocab_size
 from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build, cast_to_stored
+from fsdp_zero.sharding.levers import FLOAT8, GRAD_SYNC, LOW_BIT_ADAMW, NF4, OFFLOAD, deferral
 from fsdp_zero.sharding.optim import optimizer_impl
-from fsdp_zero.sharding.precision import resolve
+from fsdp_zero.sharding.precision import resolve_precision
 from fsdp_zero.sharding.quantize import adamw_state_bytes, chosen_targets, nf4_bytes
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.depth import (
@@ -138,20 +147,33 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
             logger.warning("not planned: %s", e)
             continue
         configs.append(c)
-    with Simulator(cfg, world_size) as sim:
+    heap = cfg.memory.malloc_mmap_threshold
+    with Simulator(cfg.dist.device, world_size, malloc_mmap_threshold=heap) as sim:
         return [sim.predict(c) for c in configs]
 
 
-def nf4_saving(c: Config, world_size: int) -> tuple[int, float]:
+def nf4_saving(
+    model_cfg: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, world_size: int
+) -> tuple[int, float]:
     """QLoRA: the weights model.lora.quantize=nf4 stores in NF4 (`fsdp_zero.sharding.quantize.chosen_targets`
     on the meta model) and the bytes a rank saves by it: each weight's stored bytes / N less its NF4
-    shard (`nf4_bytes`)."""
-    model = construct(c.model)
-    make_trainable(model, c.model)
-    shards = Topology.of(c.parallel, world_size).param_shards
-    plan = build_wrap_plan(model, c.parallel.wrap, shards)
-    lora, count, saved = c.model.lora, 0, 0.0
-    stored = resolve(c.precision).stored.itemsize
+    shard (`nf4_bytes`).
+
+    Args:
+        model_cfg: the model, its LoRA settings among them.
+        parallel: the strategy and wrap plan (the shards).
+        precision: the stored dtype the NF4 weights replace.
+        world_size: the ranks.
+
+    Returns:
+        The NF4 weights' elements, and the bytes a rank saves by them.
+    """
+    model = construct(model_cfg)
+    make_trainable(model, model_cfg)
+    shards = Topology.of(parallel, world_size).param_shards
+    plan = build_wrap_plan(model, parallel.wrap, shards)
+    lora, count, saved = model_cfg.lora, 0, 0.0
+    stored = resolve_precision(precision).stored.itemsize
     for name in chosen_targets(model, plan, lora):
         numel = model.get_submodule(name).weight.numel()
         count += numel
@@ -161,19 +183,21 @@ def nf4_saving(c: Config, world_size: int) -> tuple[int, float]:
     return count, saved
 
 
-def _state_saving(c: Config, world_size: int) -> float:
+def _state_saving(
+    model_cfg: ModelConfig, parallel: ParallelConfig, state_bits: int, world_size: int
+) -> float:
     """Low-bit AdamW states (optim.state_bits): the bytes rank 0 saves against fp32 AdamW's 8 a value,
     tensor by tensor (`adamw_state_bytes` of its shard: FSDP2's first dim-0 chunk, or the whole tensor
     where the strategy does not shard)."""
-    model = construct(c.model)
-    make_trainable(model, c.model)
-    topology = Topology.of(c.parallel, world_size)
-    n = topology.param_shards if is_fsdp(c.parallel.strategy) else 1
+    model = construct(model_cfg)
+    make_trainable(model, model_cfg)
+    topology = Topology.of(parallel, world_size)
+    n = topology.param_shards if is_fsdp(parallel.strategy) else 1
     saved = 0.0
     for p in model.parameters():
         if p.requires_grad:
             local = min(-(-p.shape[0] // n), p.shape[0]) * p[0].numel() if p.dim() else 1
-            saved += 8 * local - adamw_state_bytes(local, c.optim.state_bits)
+            saved += 8 * local - adamw_state_bytes(local, state_bits)
     return saved
 
 
@@ -188,21 +212,24 @@ class Simulator:
     """One rank of ``world_size`` on a fake process group: `predict` simulates a step of any
     (validated) config of that world size. A context manager: it owns the fake process group.
 
-    ``baseline``: `measure_baseline`'s bytes, when already measured. ``accum_cap`` bounds the
-    micro-batches simulated per step (the search uses 2: a step's peak is the same from the second
-    micro-batch on, when the previous ones' gradients are held) and the first step, which only
-    creates the AdamW states, runs one micro-batch.
+    ``device``: the runs' ``dist.device`` (what a rank's peak is: device memory on CUDA, else the
+    process's RSS). ``baseline``: `measure_baseline`'s bytes, when already measured. ``accum_cap``
+    bounds the micro-batches simulated per step (the search uses 2: a step's peak is the same from
+    the second micro-batch on, when the previous ones' gradients are held) and the first step,
+    which only creates the AdamW states, runs one micro-batch. ``malloc_mmap_threshold``: the runs'
+    ``memory.malloc_mmap_threshold`` (what glibc's heap keeps, on CPU).
     """
 
     def __init__(
         self,
-        cfg: Config,
+        device: Device,
         world_size: int,
         accum_cap: int | None = None,
         baseline: int | None = None,
+        malloc_mmap_threshold: str = "auto",
     ) -> None:
         self.world_size, self.accum_cap = world_size, accum_cap
-        self.target = torch.device("cuda" if cfg.dist.device.value == "cuda" else "cpu")
+        self.target = torch.device("cuda" if device.value == "cuda" else "cpu")
         # The step is simulated on the CPU whatever the target: the tensors are the same, and a
         # process that plans (a test, a login node) must not start CUDA. What the target changes is
         # applied explicitly: the optimizer's implementation (`predict`) and what a rank shows
@@ -211,9 +238,7 @@ class Simulator:
         self.baseline = cached_baseline(self.target) if baseline is None else baseline
         # glibc serves tensors below this from its heap (CPU); the split decides what the heap
         # keeps.
-        self.heap_threshold = (
-            mmap_threshold(cfg.memory.malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
-        )
+        self.heap_threshold = mmap_threshold(malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
 
     def __enter__(self) -> "Simulator":
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
@@ -231,33 +256,44 @@ class Simulator:
         states (optim.state_bits 8 or 4) torch's AdamW's, less what they save by formula
         (`_state_saving`): torchao's compiled update does not run in fake-tensor mode. float8 compute
         (precision.float8) as bf16's: it saves no memory."""
-        nf4, bits = c.model.lora.quantize is not Quantize.none, c.optim.state_bits
-        float8 = c.precision.float8 != "none"
-        if not nf4 and bits == 32 and not float8:
-            return self._predict(c, whole)
-        lora = replace(c.model.lora, quantize=Quantize.none, quantize_targets=[])
-        plain = replace(
-            c,
-            model=replace(c.model, lora=lora),
-            optim=replace(c.optim, state_bits=32),
-            precision=replace(c.precision, float8="none"),
+        nf4, low_bit, float8 = NF4.active(c), LOW_BIT_ADAMW.active(c), FLOAT8.active(c)
+        plain = c
+        if nf4 or low_bit or float8:
+            lora = replace(c.model.lora, quantize=Quantize.none, quantize_targets=[])
+            plain = replace(
+                c,
+                model=replace(c.model, lora=lora),
+                optim=replace(c.optim, state_bits=32),
+                precision=replace(c.precision, float8="none"),
+            )
+        # The optimizer the target runs: fused AdamW on CUDA (foreach would add temporaries as large
+        # as the shard), foreach where it steps on the CPU (CPU offload).
+        stepped_on = torch.device("cpu") if OFFLOAD.active(plain) else self.target
+        impl = optimizer_impl(plain.optim, stepped_on)
+        plain = replace(plain, optim=replace(plain.optim, implementation=impl))
+        pred = self._predict(
+            functools.partial(self._simulate, plain),
+            model_cfg=plain.model,
+            parallel=plain.parallel,
+            optim=plain.optim,
+            whole=whole,
         )
-        pred = self._predict(plain, whole)
         if float8:
             pred.notes.append(
-                f"float8 {c.precision.float8}: simulated as bf16 (it saves no memory; tensorwise gathers "
+                f"float8 {FLOAT8.value(c)}: simulated as bf16 (it saves no memory; tensorwise gathers "
                 "its weights in 1 B instead of 2: an overestimate of the gathered units)"
             )
         if nf4:
-            count, saved = nf4_saving(c, self.world_size)
+            count, saved = nf4_saving(c.model, c.parallel, c.precision, self.world_size)
             _take(pred, "params", saved)
             pred.notes.append(
                 f"QLoRA: the LoRA model simulated, its {count:,} NF4 weights' saving "
                 f"({saved / 2**20:,.1f} MiB a rank) taken by formula; gathered units still counted in "
                 "the compute dtype (NF4 gathers 0.516 B a parameter: an overestimate)"
             )
-        if bits != 32:
-            saved = _state_saving(c, self.world_size)
+        if low_bit:
+            bits = LOW_BIT_ADAMW.value(c)
+            saved = _state_saving(c.model, c.parallel, bits, self.world_size)
             _take(pred, "optimizer", saved)
             pred.optimizer_state -= saved
             pred.notes.append(
@@ -267,8 +303,17 @@ class Simulator:
             )
         return pred
 
-    def _predict(self, c: Config, whole: bool = False) -> Prediction:
-        """Simulates two steps of ``c`` (its strategy, precision, levers, batch); the second's peak.
+    def _predict(
+        self,
+        run: Callable[[tuple[str, int] | None], Prediction],
+        model_cfg: ModelConfig,
+        parallel: ParallelConfig,
+        optim: OptimConfig,
+        whole: bool,
+    ) -> Prediction:
+        """``run`` (`_simulate` of a config: two steps, the second's peak), of the whole model or
+        composed from the first blocks of it; ``model_cfg``, ``parallel`` and ``optim`` are that
+        config's.
 
         A model whose blocks repeat (`repeated_blocks`) is simulated with only its first few blocks,
         at three depths a step apart, and composed (`compose`): from some depth on, each block adds
@@ -278,23 +323,16 @@ class Simulator:
         step. So the simulation's cost does not grow with the layer count; a model that needs all
         its blocks to run (or has few), or ``whole``, is simulated whole.
         """
-        # The optimizer the target runs: fused AdamW on CUDA (foreach would add temporaries as large
-        # as the shard), foreach where it steps on the CPU (CPU offload).
-        stepped_on = torch.device("cpu") if c.parallel.cpu_offload else self.target
-        c = replace(c, optim=replace(c.optim, implementation=optimizer_impl(c.optim, stepped_on)))
-        repeats = (
-            None
-            if whole
-            else repeated_blocks(c, Topology.of(c.parallel, self.world_size).param_shards)
-        )
+        shards = Topology.of(parallel, self.world_size).param_shards
+        repeats = None if whole else repeated_blocks(model_cfg, parallel, shards)
         if repeats is None:
-            return self._simulate(c)
-        first, step = first_depth(c.parallel)
+            return run(None)
+        first, step = first_depth(parallel)
         sims: dict[int, Prediction] = {}
 
         def at(depth: int) -> Prediction:
             if depth not in sims:
-                sims[depth] = self._simulate(c, (repeats.container, depth))
+                sims[depth] = run((repeats.container, depth))
             return sims[depth]
 
         try:
@@ -302,7 +340,7 @@ class Simulator:
             while True:
                 x, y, z = depth, depth + step, depth + 2 * step
                 if x + y + z >= repeats.count:  # no cheaper than the whole model
-                    return self._simulate(c)
+                    return run(None)
                 if on_line(at(x), at(y), at(z), (x, y, z)):
                     break
                 depth += step
@@ -316,26 +354,28 @@ class Simulator:
                 e,
                 repeats.count,
             )
-            return self._simulate(c)
+            return run(None)
         return compose(
             at(y),
             at(z),
-            (y, z),
-            repeats,
-            self.target,
-            zero1_shares(c, self.world_size, repeats, (y, z)),
+            depths=(y, z),
+            repeats=repeats,
+            target=self.target,
+            zero1=zero1_shares(model_cfg, optim, self.world_size, repeats, (y, z))
+            if STRATEGIES[parallel.strategy].zero_redundancy_optimizer
+            else None,
         )
 
     def _simulate(self, c: Config, keep: tuple[str, int] | None = None) -> Prediction:
         """`predict` of ``c`` as it is, or with only the first ``keep[1]`` blocks of container ``keep[0]``."""
-        env, device, strategy = self.env, self.device, c.parallel.strategy
-        layout, topology = self._layout(c), Topology.of(c.parallel, self.world_size)
+        env, device = self.env, self.device
+        layout, topology = self._layout(c.train), Topology.of(c.parallel, self.world_size)
         loss_fn = build_task(c.model)
-        mesh = topology.mesh(env.device.type) if is_fsdp(strategy) else None  # needs real tensors
+        topology = topology.on(env.device.type)  # its mesh needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
         if keep:
             keep_first(meta, *keep)
-        cast_to_stored(meta, resolve(c.precision))  # (bf16-true) also outside it
+        cast_to_stored(meta, resolve_precision(c.precision))  # (bf16-true) also outside it
         # Real batches of the configured data (their shapes and dtypes are what matter).
         micro = BatchCursor(
             build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0
@@ -347,7 +387,7 @@ class Simulator:
                     c,
                     env,
                     seed=None,
-                    topology=topology.with_mesh(mesh),
+                    topology=topology,
                     ddp=_DDPStandIn,
                     model=meta,
                 )
@@ -358,7 +398,7 @@ class Simulator:
                 loss_fn,
                 device,
                 grad_clip=c.optim.grad_clip,
-                grad_sync=c.parallel.grad_sync,
+                defer=deferral(model, GRAD_SYNC.value(c)),
             )
             step.run(first)  # creates AdamW states
             with (
@@ -382,12 +422,12 @@ class Simulator:
 
             with profiler:
                 step.run(micro, [on_phase])
-        return self._prediction(c, profiler, state)
+        return self._prediction(c.parallel, profiler, state, on_host=OFFLOAD.active(c))
 
-    def _layout(self, c: Config) -> BatchLayout:
-        """``c``'s batch layout at this world size (rounded), its accumulation capped at
+    def _layout(self, train: TrainConfig) -> BatchLayout:
+        """``train``'s batch layout at this world size (rounded), its accumulation capped at
         ``accum_cap`` (the micro-batches after the cap's add nothing to the peak)."""
-        layout = BatchLayout.rounded(c.train, self.world_size)
+        layout = BatchLayout.rounded(train, self.world_size)
         if not self.accum_cap:
             return layout
         accum = min(layout.grad_accum_steps, self.accum_cap)
@@ -397,16 +437,23 @@ class Simulator:
             global_batch_size=layout.global_batch_size // layout.grad_accum_steps * accum,
         )
 
-    def _prediction(self, c: Config, profiler: StepProfiler, state: dict[str, int]) -> Prediction:
-        """What the simulated step's profiler saw, and the peak a rank will show."""
-        strategy = c.parallel.strategy
+    def _prediction(
+        self,
+        parallel: ParallelConfig,
+        profiler: StepProfiler,
+        state: dict[str, int],
+        on_host: bool,
+    ) -> Prediction:
+        """What the simulated step's profiler saw, and the peak a rank will show (``on_host``: the
+        model state lives in host memory, CPU offload's)."""
+        strategy = parallel.strategy
         pred = Prediction(
             strategy.value,
             self.world_size,
             profiler.peak(),
             self.baseline,
             model_state=state.get("bytes", 0),
-            host_state=state.get("bytes", 0) if c.parallel.cpu_offload else 0,
+            host_state=state.get("bytes", 0) if on_host else 0,
             heap_at_peak=sum(profiler.heap_peak().values()),
             heap_activations=profiler.heap_phases[Phase.AFTER_FORWARD]["activations"],
             optimizer_state=state.get("optimizer", 0),

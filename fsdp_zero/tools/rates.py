@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from fsdp_zero.config.choices import WrapPolicy
-from fsdp_zero.config.loader import load_config, to_yaml
-from fsdp_zero.config.schema import ParallelConfig, WrapConfig
+from fsdp_zero.config.loader import load_config
+from fsdp_zero.config.schema import Config, ParallelConfig, WrapConfig
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.env import DistEnv
@@ -54,6 +54,7 @@ from fsdp_zero.model.construct import construct, real_buffers
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.model.tasks import build_task, to_device, vocab_size
 from fsdp_zero.sharding.build import materializer
+from fsdp_zero.sharding.levers import BuildContext
 from fsdp_zero.sharding.parallelize import parallelize
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.depth import keep_first, repeated_blocks
@@ -140,15 +141,17 @@ class Rates:
 # The probe: `measure` in this process, `_probe_rank` in each probe process
 
 
-def measure(cfg, world_size: int, dtypes: list[torch.dtype]) -> Rates:  # noqa: ANN001 - a Config
-    """Measures this machine's rates for ``cfg`` at ``world_size`` ranks on the CPU (see the module
-    docstring): one process per rank, up to `_MAX_PROBE_RANKS`, with ``dtypes`` the compute dtypes
-    to time. Raises RuntimeError with the probe's error when a probe process fails."""
+def measure(config_yaml: str, world_size: int, dtypes: list[torch.dtype]) -> Rates:
+    """Measures this machine's rates for the config ``config_yaml`` holds
+    (`fsdp_zero.config.loader.to_yaml`'s text: what each probe process loads) at ``world_size``
+    ranks on the CPU (see the module docstring): one process per rank, up to `_MAX_PROBE_RANKS`,
+    with ``dtypes`` the compute dtypes to time. Raises RuntimeError with the probe's error when a
+    probe process fails."""
     ranks = min(world_size, _MAX_PROBE_RANKS)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fsdp-zero-probe-") as tmp:
         config, out = Path(tmp) / "probe.yaml", Path(tmp) / "rates.json"
-        config.write_text(to_yaml(cfg))
+        config.write_text(config_yaml)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -260,7 +263,8 @@ def _compute(
     together=lambda: None,  # noqa: ANN001
 ) -> tuple[dict[str, tuple[float, float, float]], int, list[str]]:
     """Seconds per sample outside the blocks, per block and per block's forward, by dtype name; the blocks; notes."""
-    repeats = repeated_blocks(cfg, 1)  # (the blocks are the same whatever the sharding)
+    # (the blocks are the same whatever the sharding)
+    repeats = repeated_blocks(cfg.model, cfg.parallel, 1)
     notes, out, fp32_matmul = [], {}, _matmul_seconds(torch.float32)
     # fp32 first: a slow dtype is scaled from it
     order = sorted(dtypes, key=lambda d: d != "float32")
@@ -302,14 +306,9 @@ def _comm(unit_bytes: int) -> tuple[float, float, float, float]:
         device=torch.device("cpu"),
         backend="gloo",
     )
-    model = parallelize(
-        model,
-        parallel,
-        Topology.of(parallel, n),
-        build_wrap_plan(model, parallel.wrap, n),
-        env,
-        lambda m: None,
-    )  # ZeRO-3
+    ctx = BuildContext(Config(parallel=parallel), env, Topology.of(parallel, n).on(env.device.type))
+    plan = build_wrap_plan(model, parallel.wrap, n)
+    model = parallelize(model, ctx, plan, materialize=lambda m: None)  # ZeRO-3
     x = torch.randn(1, d)
 
     def forward() -> None:

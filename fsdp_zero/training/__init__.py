@@ -1,7 +1,7 @@
 """The run: step, stopping, evaluation, logging, run directory, trainer."""
 
 from fsdp_zero.training.evaluate import EvalResult, Evaluator
-from fsdp_zero.training.rundir import RunDecision, decide
+from fsdp_zero.training.rundir import RunDecision, decide_run
 from fsdp_zero.training.step import Step, clip_grad_norm_, lr_factor, set_lr
 from fsdp_zero.training.steplog import StepLogger, StepRecord
 from fsdp_zero.training.stopping import StepGuard, Verdict
@@ -10,7 +10,7 @@ from fsdp_zero.training.trainer import TrainResult, setup, train
 
 __all__ = [
     "clip_grad_norm_",
-    "decide",
+    "decide_run",
     "EvalResult",
     "Evaluator",
     "lr_factor",

@@ -44,10 +44,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_zero.config.choices import DataSource, Task
-from fsdp_zero.config.schema import Config
+from fsdp_zero.config.schema import Config, DataConfig
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.tasks import TASKS, check_classes_fit, to_device, vocab_size
 from fsdp_zero.sharding.parallelize import unwrap
 from fsdp_zero.torch_private import reset_fsdp_iter_state
@@ -81,7 +81,7 @@ class _TokenWindows:
         return self.source.num_windows  # floor((T - 1) / seq_len)
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        # a mask file's untrained targets: IGNORE
+        # a mask file's untrained targets: IGNORE_INDEX
         return self.source.pairs([k * self.seq_len for k in indices])
 
 
@@ -160,11 +160,10 @@ class Evaluator:
     ) -> None:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
         self.micro_batch_size = micro_batch_size
-        self.env, self.group = env, topology.data_group()
+        self.env, self.group = env, topology.group(Role.LOSS)
         # split over the data-parallel ranks (a tensor-parallel group forwards the same items)
-        self.batches = _rank_batches(
-            num_items, topology.dp_size, topology.dp_rank(env.rank), micro_batch_size
-        )
+        ranks, rank = topology.size(Role.BATCH), topology.rank(Role.BATCH, env.rank)
+        self.batches = _rank_batches(num_items, ranks, rank, micro_batch_size)
         self.spec = TASKS[task]
         assert self.spec.eval_sums is not None, (
             f"model.task={task.value} has no evaluation (config.validate refuses it)"
@@ -197,7 +196,7 @@ class Evaluator:
         totals = torch.zeros(3, dtype=torch.float64, device=device)
         was_training = module.training
         module.eval()
-        roots = pipeline.stages.parts if pipeline else [module]
+        roots = pipeline.parts if pipeline else [module]
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 if pipeline:
@@ -220,7 +219,7 @@ class Evaluator:
             # the evaluation's one reduction: loss sum, count, right
             dist.all_reduce(totals, group=self.group)
             if pipeline:  # the last stage's sums, to every stage
-                dist.all_reduce(totals, group=pipeline.stages.group)
+                dist.all_reduce(totals, group=pipeline.group)
         loss_sum, count, right = totals.tolist()  # a sync point, once per evaluation
         # a masked held-out set without one trained token
         loss = loss_sum / count if count else math.nan
@@ -243,12 +242,8 @@ class Evaluator:
             data = [
                 to_device(self.items.batch(ix + [0] * (size - len(ix))), device) for ix in group
             ]
-            with pipeline.context():  # (the schedule computes its loss on the last stage)
-                out = pipeline.schedule.eval(
-                    arg_mbs=[(d[0],) for d in data] if pipeline.stages.is_first else None,
-                    target_mbs=[d[1] for d in data] if pipeline.stages.is_last else None,
-                )
-            if not pipeline.stages.is_last:
+            out = pipeline.forward_only(data)
+            if out is None:  # not the last stage
                 continue
             for ix, d, logits in zip(group, data, out.split(size)):
                 if ix:
@@ -259,33 +254,33 @@ class Evaluator:
         return totals
 
 
-def _token_windows(cfg: Config, vocab: int | None) -> _TokenWindows:
-    """eval.path read by the training's own token-file reader (dtype, vocabulary check), windows in file order."""
-    data = dataclasses.replace(cfg.data, source=DataSource.tokens, path=cfg.eval.path)
+def _token_windows(data: DataConfig, path: str, seed: int, vocab: int | None) -> _TokenWindows:
+    """eval.path (``path``) read by the training's own token-file reader (dtype, vocabulary check),
+    windows of data.seq_len in file order."""
+    held_out = dataclasses.replace(data, source=DataSource.tokens, path=path)
     try:
         # the seed orders training windows only
-        source = build_source(data, cfg.train.seed or 0, vocab)
+        source = build_source(held_out, seed, vocab)
     except ValueError as e:  # the reader names data.path: here the file is eval.path
         raise ValueError(str(e).replace("data.path=", "eval.path=")) from None
-    return _TokenWindows(source, cfg.data.seq_len)
+    return _TokenWindows(source, data.seq_len)
 
 
-def _folder_images(cfg: Config, model: nn.Module, train_source: object) -> _FolderImages:
-    """eval.path's images, checked against the model's outputs and the training folder's classes."""
-    images = _FolderImages(cfg.eval.path, cfg.data.image_size)
+def _folder_images(
+    data: DataConfig, path: str, model: nn.Module, train_source: object
+) -> _FolderImages:
+    """eval.path's (``path``'s) images, checked against the model's outputs and the training
+    folder's classes."""
+    images = _FolderImages(path, data.image_size)
     classes = images.dataset.classes
     trained = getattr(getattr(train_source, "dataset", None), "classes", None)
-    if (
-        cfg.data.source is DataSource.images
-        and trained is not None
-        and list(trained) != list(classes)
-    ):
+    if data.source is DataSource.images and trained is not None and list(trained) != list(classes):
         # ImageFolder numbers classes by sorted folder name: other folders would shift every label.
         raise ValueError(
-            f"eval.path={cfg.eval.path!r} has classes {classes}, but data.path has "
+            f"eval.path={path!r} has classes {classes}, but data.path has "
             f"{list(trained)}; give both the same class folders"
         )
-    check_classes_fit(f"eval.path={cfg.eval.path!r}", len(classes), model)
+    check_classes_fit(f"eval.path={path!r}", len(classes), model)
     return images
 
 
@@ -299,6 +294,13 @@ def build_evaluator(
     """The evaluator ``eval.*`` asks for (None: eval.every=0), its data opened and checked, split
     over ``topology``'s data-parallel ranks (default: ``cfg.parallel`` at ``env``'s world size).
 
+    Args:
+        cfg: the run's config (``eval.*``, and the data, batch and task it evaluates like).
+        env: ranks and device.
+        model: the whole model (on meta under pipeline parallelism): its vocabulary and outputs.
+        train_source: the training data, whose image classes eval.path's must match.
+        topology: ``cfg.parallel`` at the world size, with its mesh (`Topology.on`).
+
     Raises:
         ValueError: an eval.path the model cannot read (token ids past its vocabulary, fewer tokens
             than data.seq_len + 1, classes it has no output for), naming eval.path.
@@ -309,9 +311,9 @@ def build_evaluator(
             logger.warning("eval.path=%s has no effect with eval.every=0 (no evaluation)", e.path)
         return None
     items: _Items = (
-        _token_windows(cfg, vocab_size(model))
+        _token_windows(cfg.data, e.path, cfg.train.seed or 0, vocab_size(model))
         if TASKS[cfg.model.task].eval_source is DataSource.tokens
-        else _folder_images(cfg, model, train_source)
+        else _folder_images(cfg.data, e.path, model, train_source)
     )
     limit = e.max_batches * cfg.train.global_batch_size
     num_items = min(len(items), limit) if limit else len(items)
@@ -320,11 +322,11 @@ def build_evaluator(
     evaluator = Evaluator(
         items,
         num_items,
-        cfg.model.task,
-        e.every,
-        cfg.train.micro_batch_size,
-        env,
-        topology or Topology.of(cfg.parallel, env.world_size),
+        task=cfg.model.task,
+        every=e.every,
+        micro_batch_size=cfg.train.micro_batch_size,
+        env=env,
+        topology=topology or Topology.of(cfg.parallel, env.world_size),
     )
     logger.info(
         "evaluation every %d steps and at the last: %d %s of %s (%d forwards a rank, micro-batch "

@@ -1,11 +1,11 @@
 """The run directory: whether a run starts fresh, continues, or is refused; what it writes.
 
-Rank 0 decides the run's name, seed and resume point (`plan_run_dir`, plain and testable
-in-process), every rank learns the `RunDecision` in one broadcast (`decide`), and nothing is written
-until set-up has succeeded (`write_run_dir`). The config is never changed: the decided name and seed
-reach config.yaml through `RunDecision.resolve`. A config that would overwrite a user's run, or
-continue a checkpoint with settings that change what it means, is refused with the reason; a file
-that changes is kept beside the new one (name.<step>), never overwritten.
+Rank 0 decides the run's name, seed and resume point (`_plan_run_dir`, plain and testable
+in-process), every rank learns the `RunDecision` in one broadcast (`decide_run`), and nothing is
+written until set-up has succeeded (`write_run_dir`). The config is never changed: the decided name
+and seed reach config.yaml through `RunDecision.resolve`. A config that would overwrite a user's
+run, or continue a checkpoint with settings that change what it means, is refused with the reason;
+a file that changes is kept beside the new one (name.<step>), never overwritten.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fsdp_zero.checkpoint.dcp import read_train_state
 from fsdp_zero.checkpoint.folders import checkpoint_step, latest_checkpoint, list_checkpoints
 from fsdp_zero.config.loader import read_saved_config, to_yaml
 from fsdp_zero.config.paths import RunDir
-from fsdp_zero.config.schema import Config
+from fsdp_zero.config.schema import Config, ModelConfig
 from fsdp_zero.distributed.env import DistEnv, broadcast_object, draw_seed
 from fsdp_zero.model.hf import run_dir_files
 
@@ -112,7 +112,7 @@ def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision
     """
     _check_writable(run_dir, cfg.run.root)
     saved_cfg = RunDir(run_dir).config
-    resume_from, seed = _resume_point(cfg, run_dir), cfg.train.seed
+    resume_from, seed = _resume_point(cfg.checkpoint.resume, run_dir), cfg.train.seed
     if resume_from is not None:
         old = to_plain(read_saved_config(resume_from))
         new = to_plain(cfg)
@@ -127,14 +127,13 @@ def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision
     return RunDecision(run_dir, resume_from, seed)
 
 
-def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
-    """The checkpoint checkpoint.resume names (none, auto: the newest, or a path).
+def _resume_point(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint ``resume`` (checkpoint.resume) names (none, auto: the newest, or a path).
 
     Raises:
         ValueError: checkpoints a fresh run would overwrite; newer checkpoints than the one named.
     """
     ckpts = list_checkpoints(RunDir(run_dir).checkpoints)
-    resume = cfg.checkpoint.resume
     if resume == "none":
         if ckpts:
             raise ValueError(
@@ -184,13 +183,13 @@ def _check_continues(resume_from: Path, old: dict, new: dict) -> None:
         )
 
 
-def decide(cfg: Config, env: DistEnv) -> RunDecision:
+def decide_run(cfg: Config, env: DistEnv) -> RunDecision:
     """The run directory, the checkpoint to resume from and the seed: rank 0 decides (a timestamp
     for an unset run.name, a drawn seed for an unset train.seed) and every rank learns it in one
     broadcast. Writes nothing, and leaves ``cfg`` as it is.
 
     Raises:
-        ValueError: as `plan_run_dir`, on every rank.
+        ValueError: as `_plan_run_dir`, on every rank.
     """
     decision: RunDecision | str | None = None
     if env.is_rank0:
@@ -237,16 +236,23 @@ def write_run_dir(run_dir: Path, files: dict[str, str | bytes], tag: str) -> Non
 
 
 def run_files(
-    cfg: Config, run_dir: Path, step: int, wrap_table: str | None
+    config_yaml: str, model: ModelConfig, run_dir: Path, step: int, wrap_table: str | None
 ) -> dict[str, str | bytes]:
     """What rank 0 writes into the run directory once set-up has succeeded (see `write_run_dir`);
     with model.pretrained, the folder's config and tokenizer files in hf/ (for the export).
 
     After a crash, steps past the checkpoint are trained again: metrics.jsonl keeps only the
     steps up to ``step`` (the full old log is kept as metrics.jsonl.<step>).
+
+    Args:
+        config_yaml: the resolved config (`fsdp_zero.config.to_yaml`), written as config.yaml.
+        model: its model section (a pretrained folder's files are copied).
+        run_dir: the run directory.
+        step: the step the run starts after (0, or the resumed checkpoint's).
+        wrap_table: the wrap plan's table (None: no plan to write).
     """
     paths = RunDir(run_dir)
-    files: dict[str, str | bytes] = {paths.config.name: to_yaml(cfg), **run_dir_files(cfg.model)}
+    files: dict[str, str | bytes] = {paths.config.name: config_yaml, **run_dir_files(model)}
     if wrap_table:
         files[paths.wrap_plan.name] = wrap_table + "\n"
     history = paths.metrics

@@ -23,7 +23,6 @@ from torch import nn
 
 from fsdp_zero.config.choices import Schedule, Warmup
 from fsdp_zero.config.schema import OptimConfig
-from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.model.tasks import LossFn, to_device
 from fsdp_zero.monitor.phases import Phase, PhaseHook
 from fsdp_zero.sharding.pipeline import RankStages
@@ -93,7 +92,15 @@ def set_lr(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int
 ) -> float:
     """Sets the learning rate of optimizer step ``step`` (0-based) from the step number alone
-    (nothing to save or restore on resume: a changed optim.lr or train.steps applies at once)."""
+    (nothing to save or restore on resume: a changed optim.lr or train.steps applies at once);
+    returns it.
+
+    Args:
+        optimizer: its groups get the rate (a tensor one, torchao's, in place).
+        cfg: the schedule (``optim.*``).
+        step: the optimizer step, 0-based.
+        total_steps: the run's steps (train.steps), where the schedule ends.
+    """
     lr = cfg.lr * lr_factor(step, cfg, total_steps)
     for group in optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor):  # torchao's low-bit AdamW keeps it a tensor
@@ -188,19 +195,6 @@ def _token_weight(
     return ranks / max(trained, 1), trained
 
 
-def _deferral(model: nn.Module, grad_sync: GradSync) -> Callable[[bool], None] | None:
-    """What tells FSDP2 whether a micro-batch's backward reduces (called with True for the last one), or
-    None: every backward reduces (every_micro_batch), or the model defers by itself (DDP's ``no_sync``)."""
-    grad_sync = GradSync(grad_sync)
-    if grad_sync is GradSync.once_per_step and hasattr(model, "set_requires_gradient_sync"):
-        # neither reduce-scatter nor all-reduce until the last
-        return model.set_requires_gradient_sync
-    if grad_sync is GradSync.replicas_once_per_step and hasattr(model, "set_requires_all_reduce"):
-        # HSDP: each reduce-scatter's output summed until the last
-        return model.set_requires_all_reduce
-    return None
-
-
 class _StageLoss:
     """A pipeline schedule's ``loss_fn``: the task's loss of the last stage's output for one
     micro-batch, times the step's ``weight`` (1 / micro-batches, or masked N / trained tokens: the
@@ -227,6 +221,7 @@ class Pipeline:
     schedule: object
     loss: _StageLoss
     micro_batches: int  # a step's, on each data-parallel rank: the schedule's n_microbatches
+    device: torch.device
     # what the schedule's forwards and backwards run inside (loss parallelism: torch's loss_parallel)
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
@@ -238,25 +233,67 @@ class Pipeline:
         loss_fn: LossFn,
         context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> Pipeline:
-        loss = _StageLoss(loss_fn)
-        return cls(stages, stages.schedule_for(micro_batches, loss), loss, micro_batches, context)
+        """The schedule over ``stages`` for a step of ``micro_batches``.
 
-    def run(self, micro_batches: list, weight: float, device: torch.device) -> torch.Tensor:
-        """One step's forwards and backwards; returns the micro-batches' summed (unweighted) losses,
-        on every rank (the last stage computes them; one all-reduce over the pipeline group)."""
-        self.loss.weight, self.loss.raw = weight, []
+        Args:
+            stages: this rank's pipeline stages.
+            micro_batches: a step's on each data-parallel rank (the schedule's n_microbatches).
+            loss_fn: the task's loss (`_StageLoss` weights it on the last stage).
+            context: what the forwards and backwards run inside (loss parallelism's).
+        """
+        loss = _StageLoss(loss_fn)
+        schedule = stages.schedule_for(micro_batches, loss)
+        return cls(
+            stages,
+            schedule,
+            loss,
+            micro_batches=micro_batches,
+            device=stages.device,
+            context=context,
+        )
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """This rank's stages, each sharded on its own (what evaluation resets after its pass)."""
+        return self.stages.parts
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The pipeline's ranks: what the last stage computes reaches every stage over it."""
+        return self.stages.group
+
+    def forward_only(self, data: list) -> torch.Tensor | None:
+        """The schedule's forward-only pass over ``data``'s micro-batches (inputs, targets), on the
+        device: the last stage's outputs, concatenated (None on the other stages)."""
+        with self.context():  # (the schedule computes its loss on the last stage)
+            out = self.schedule.eval(**self._feeds(data))
+        return out if self.stages.is_last else None
+
+    def _feeds(self, batches: list) -> dict[str, list | None]:
+        """The schedule's arguments for ``batches`` (inputs, targets): the inputs on the first
+        stage, the targets on the last."""
+        return {
+            "arg_mbs": [(b[0],) for b in batches] if self.stages.is_first else None,
+            "target_mbs": [b[1] for b in batches] if self.stages.is_last else None,
+        }
+
+    def __call__(
+        self, micro_batches: list, hooks: Sequence[PhaseHook], weight: float | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`Step.run`'s forwards and backwards, as `Step._accumulate`'s (the schedule reports no
+        phases and no scalars of the task): returns the micro-batches' summed (unweighted) losses on
+        every rank (the last stage computes them; one all-reduce over the pipeline group)."""
+        device = self.device
+        self.loss.weight, self.loss.raw = weight or 1 / len(micro_batches), []
         batches = [to_device(b, device) for b in micro_batches]
         with self.context():
-            self.schedule.step(
-                arg_mbs=[(b[0],) for b in batches] if self.stages.is_first else None,
-                target_mbs=[b[1] for b in batches] if self.stages.is_last else None,
-            )
+            self.schedule.step(**self._feeds(batches))
         # the last stage's losses, one a micro-batch (on the first step the stage's shape
         # inference calls the loss once more, first, on an output of no meaning)
         raw = self.loss.raw[len(self.loss.raw) - len(micro_batches) :]
         total = torch.stack(raw).sum() if raw else torch.zeros((), device=device)
         dist.all_reduce(total, group=self.stages.group)
-        return total
+        return total, {}
 
 
 @dataclass(frozen=True)
@@ -269,7 +306,8 @@ class Step:
         (`fsdp_zero.training.stopping.StepGuard.check`).
     ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns
         summed losses.
-    ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients.
+    ``defer`` (parallel.grad_sync's switch, `fsdp_zero.sharding.levers.deferral`): what tells
+        FSDP2 whether a micro-batch's backward reduces gradients (None: every one does).
     """
 
     model: nn.Module
@@ -280,14 +318,18 @@ class Step:
     scaler: LossScaler | None = None
     gate: Callable[[torch.Tensor, torch.Tensor], Verdict] | None = None
     token_count: Callable[[object], torch.Tensor] | None = None
-    grad_sync: GradSync = GradSync.every_micro_batch
+    defer: Callable[[bool], None] | None = None
     # the data-parallel ranks, whose batches make the global batch (None: every rank; under tensor
     # parallelism a group of its own)
     data_group: dist.ProcessGroup | None = None
     # what each forward and backward runs inside (loss parallelism: torch's loss_parallel)
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    # pipeline parallelism: the schedule that runs the micro-batches through this rank's stages
-    pipeline: Pipeline | None = None
+    # what runs the forwards and backwards, as `_accumulate` (None: `_accumulate`'s loop; pipeline
+    # parallelism: the schedule over this rank's stages, `Pipeline`)
+    runner: Pipeline | None = None
+    # ranks whose gradients are other parameters', summed into the norm too (pipeline parallelism:
+    # the stages' group)
+    norm_group: dist.ProcessGroup | None = None
 
     def run(self, micro_batches: list, hooks: Sequence[PhaseHook] = ()) -> StepResult:
         """Forward/backward over this rank's micro-batches, then one optimizer step (at the
@@ -303,10 +345,9 @@ class Step:
         ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns
             summed
         losses, and the step's loss is their mean over the trained tokens of the whole global batch.
-        ``grad_sync`` (parallel.grad_sync): which micro-batches' backwards reduce gradients (FSDP
-            models;
-        DDP reduces after the last one whatever it says). The gradients, and so the step, are the
-        same.
+        ``defer`` (parallel.grad_sync's switch): which micro-batches' backwards reduce gradients
+        (FSDP models; DDP reduces after the last one whatever it says). The gradients, and so the
+        step, are the same.
         """
         groups = _by_mesh(list(self.model.parameters()))  # once: the norm and the clipping read it
         weight, trained = None, None
@@ -315,11 +356,7 @@ class Step:
                 self.token_count, micro_batches, self.device, self.data_group
             )
         n = len(micro_batches)
-        if self.pipeline:
-            loss_sum = self.pipeline.run(micro_batches, weight or 1 / n, self.device)
-            extra_sum: dict[str, torch.Tensor] = {}
-        else:
-            loss_sum, extra_sum = self._accumulate(micro_batches, hooks, weight)
+        loss_sum, extra_sum = (self.runner or self._accumulate)(micro_batches, hooks, weight)
         _report(hooks, Phase.AFTER_BACKWARD)
         extra = {k: v / n for k, v in extra_sum.items()}
         # masked: the ranks' mean is the token mean
@@ -328,7 +365,7 @@ class Step:
             # the true gradients (inf/NaN if any rank's overflowed) for the norm
             self.scaler.unscale_(self.optimizer)
         # one all-reduce a device mesh (and one over the pipeline's stages)
-        grad_norm = _grad_norm_(groups, self.pipeline.stages.group if self.pipeline else None)
+        grad_norm = _grad_norm_(groups, self.norm_group)
         verdict = self.gate(loss, grad_norm) if self.gate else _TAKEN
         # A global batch without one trained token has nothing to learn from: its loss and gradients
         # are 0, and the optimizer step is skipped (AdamW would still move the weights by momentum
@@ -354,7 +391,7 @@ class Step:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`run`'s forwards and backwards: the gradients of the micro-batches' mean (or, masked, of
         their token-weighted sum) accumulated; returns the summed losses and the task's summed scalars."""
-        defer = _deferral(self.model, self.grad_sync)
+        defer = self.defer
         try:
             loss_sum = torch.zeros((), device=self.device)
             extra_sum: dict[str, torch.Tensor] = {}
@@ -368,7 +405,7 @@ class Step:
                 # DDP: all-reduce only after the last micro-batch (gradients accumulate locally,
                 # whole, as DDP holds them anyway). FSDP: each backward reduce-scatters into the
                 # sharded gradient, so no unsharded gradient is kept across micro-batches (more
-                # communication, ZeRO-3 memory), unless grad_sync defers it (`_deferral`).
+                # communication, ZeRO-3 memory), unless grad_sync defers it (`defer`).
                 with (
                     no_sync()
                     if no_sync and i < len(micro_batches) - 1

@@ -40,10 +40,12 @@ from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import TOKEN_SOURCES, Config
 from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.monitor.comm import CommMeter, as_dict
+from fsdp_zero.monitor.comm import CommMeter, comm_as_dict
 from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
 from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.sharding.levers import LOW_BIT_ADAMW
+from fsdp_zero.sharding.pipeline import untracked_by_memtracker
 from fsdp_zero.training.evaluate import EvalResult
 
 logger = logging.getLogger("fsdp_zero")
@@ -104,30 +106,26 @@ class LogPlan:
         tokens = cfg.data.source in TOKEN_SOURCES
         per_rank = layout.global_batch_size // layout.dp_size * (cfg.data.seq_len if tokens else 1)
         profile = cfg.memory.profile_step
-        if profile and cfg.parallel.pp_size > 1:
-            logger.info(
-                "memory.profile_step=%d: not profiled under parallel.pp_size > 1 (PyTorch's "
-                "MemTracker cannot follow a module forwarded again after a backward, as a "
-                "pipeline schedule does)",
-                profile,
-            )
+        untracked = untracked_by_memtracker(cfg.parallel)
+        if profile and untracked:
+            logger.info("memory.profile_step=%d: not profiled under %s", profile, untracked)
             profile = 0
-        if profile and cfg.optim.state_bits != 32:
+        if profile and LOW_BIT_ADAMW.active(cfg):
             logger.info(
                 "memory.profile_step=%d: not profiled with optim.state_bits=%d (torch.compile, which "
                 "torchao's low-bit AdamW runs its update in, refuses to run under PyTorch's "
                 "MemTracker)",
                 profile,
-                cfg.optim.state_bits,
+                LOW_BIT_ADAMW.value(cfg),
             )
             profile = 0
         return cls(
-            cfg.train.log_every,
-            last_step,
-            profile,
-            per_rank,
-            "tokens" if tokens else "samples",
-            cfg.metrics.tensorboard,
+            log_every=cfg.train.log_every,
+            last_step=last_step,
+            profile_step=profile,
+            items_per_rank_step=per_rank,
+            unit="tokens" if tokens else "samples",
+            tensorboard=cfg.metrics.tensorboard,
         )
 
 
@@ -157,7 +155,7 @@ class StepLogger:
             JsonLinesLogger(RunDir(run_dir).metrics) if env.is_rank0 else NoOpLogger()
         )
         self.monitor = MemoryMonitor(env.device)
-        self.record = StepRecord(comm_formula=as_dict(comm.formula) if comm else {})
+        self.record = StepRecord(comm_formula=comm_as_dict(comm.formula) if comm else {})
         self.profiler: StepProfiler | None = None
         # the peaks read when the profiled step ended (before their reset)
         self._held: dict[str, float] = {}
@@ -225,7 +223,15 @@ class StepLogger:
         lr: float,
         extra: dict[str, torch.Tensor],
     ) -> None:
-        """Called after every optimizer step; logs on log steps only."""
+        """Called after every optimizer step; logs on log steps only.
+
+        Args:
+            step: the optimizer step just taken (1-based).
+            loss: this rank's loss (on log steps averaged over the ranks: a sync point).
+            grad_norm: its global gradient norm, before clipping.
+            lr: the learning rate it stepped at.
+            extra: the task's other scalars and the loss scale.
+        """
         profiled = self.profiler is not None
         if profiled:
             self._log_profile(step)
@@ -270,7 +276,7 @@ class StepLogger:
         with the step's communication counted."""
         comm = self.comm.counted() if self.comm else None  # this step's (counted on the host)
         if comm:
-            self.record.comm_bytes = as_dict(comm)
+            self.record.comm_bytes = comm_as_dict(comm)
         counted = comm.scalars() if comm else {}
         self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem | counted, step)
         rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | counted

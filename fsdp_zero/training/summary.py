@@ -12,12 +12,14 @@ from typing import Any
 import torch.distributed as dist
 
 from fsdp_zero.config.paths import RunDir
-from fsdp_zero.config.schema import Config
+from fsdp_zero.config.schema import ParallelConfig
+from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.monitor.comm import KINDS, TP_KINDS, describe
+from fsdp_zero.monitor.comm import COLLECTIVE_KINDS, TP_KINDS, describe_comm
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import Built
+from fsdp_zero.sharding.levers import GRAD_SYNC, sync_in_effect
 from fsdp_zero.training.steplog import StepRecord
 
 logger = logging.getLogger("fsdp_zero")
@@ -59,10 +61,25 @@ class Summary:
 
 
 def write_summary(
-    cfg: Config, env: DistEnv, record: StepRecord, built: Built, run_dir: Path, last: int
+    parallel: ParallelConfig,
+    env: DistEnv,
+    record: StepRecord,
+    built: Built,
+    run_dir: Path,
+    last: int,
 ) -> None:
     """The end-of-run line (model state against the strategy's own formula, frozen parameters costing
-    only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads."""
+    only their stored bytes) and summary.json (rank 0), with every rank's figures: what scripts/compare.py reads.
+
+    Args:
+        parallel: the run's strategy.
+        env: this rank and the world size.
+        record: what the run measured on this rank.
+        built: the model as built (its parameters, precision and formulas).
+        run_dir: where summary.json goes.
+        last: the run's last step.
+    """
+    mode = built.precision.mode  # precision.mode
     num_params, num_frozen = built.num_params, built.num_frozen
     formula = built.state_formula()  # under pipeline parallelism this rank's stages'
     logger.info(
@@ -70,18 +87,19 @@ def write_summary(
         "MiB)",
         record.model_state_bytes / MIB,
         record.model_state_bytes / formula,
-        cfg.parallel.strategy.value,
-        cfg.precision.mode,
+        parallel.strategy.value,
+        mode,
         formula / MIB,
     )
+    sync = GradSync(GRAD_SYNC.made_in(built.levers))  # parallel.grad_sync
     if record.comm_bytes:
         logger.info(
             "%s",
-            describe(
+            describe_comm(
                 record.comm_bytes,
                 record.comm_formula,
-                cfg.parallel.strategy.value,
-                cfg.parallel.grad_sync_in_effect.value,
+                parallel.strategy.value,
+                sync_in_effect(sync, built.topology).value,
             ),
         )
     mine = {
@@ -103,15 +121,15 @@ def write_summary(
     dist.all_gather_object(ranks, mine)
     if env.is_rank0:
         Summary(
-            strategy=cfg.parallel.strategy.value,
-            precision=cfg.precision.mode,
+            strategy=parallel.strategy.value,
+            precision=mode,
             steps=last,
             final_loss=record.losses.get(last),
             num_params=num_params,
             num_frozen=num_frozen,
             world_size=env.world_size,
             model_state_formula_bytes=formula,
-            grad_sync=cfg.parallel.grad_sync.value,
+            grad_sync=sync.value,
             comm_formula_bytes=record.comm_formula or None,
             ranks=ranks,
         ).write(run_dir)
@@ -121,4 +139,4 @@ def _by_kind(comm: dict[str, float] | None) -> dict[str, float] | None:
     """A step's counted bytes by kind (tensor parallelism's where it ran), as summary.json holds them."""
     if not comm:
         return None
-    return {k: comm[k] for k in KINDS + TP_KINDS if k in KINDS or comm[k]}
+    return {k: comm[k] for k in COLLECTIVE_KINDS + TP_KINDS if k in COLLECTIVE_KINDS or comm[k]}

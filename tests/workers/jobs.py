@@ -115,10 +115,10 @@ setattr(dist, _GATHER, _recording_all_gather)
 _save, _commit = checkpoint_lib.Checkpointer.save, checkpoint_lib.Checkpointer._commit
 
 
-def _timed_save(self, step, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-    record = [step, time.monotonic(), None, None]
+def _timed_save(self, parts, train_state, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    record = [train_state.step, time.monotonic(), None, None]
     _seen["save_times"].append(record)
-    out = _save(self, step, *args, **kwargs)
+    out = _save(self, parts, train_state, *args, **kwargs)
     record[2] = time.monotonic()
     return out
 
@@ -289,8 +289,8 @@ def run_job(  # noqa: ANN001
             torch.save({"error": error}, out)
         return
     parts = setup(cfg, env)
-    pipeline = parts.built.stages is not None
-    nf4 = parts.built.nf4
+    pipeline = parts.built.cut_from is not None
+    nf4 = parts.built.levers.get("nf4")
     weights = (lambda m, _: _nf4_full_weights(m)) if nf4 else full_weights
     initial = weights(parts.model, pipeline)
     held = _observe_first_forward(parts)

@@ -14,12 +14,14 @@ from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.data.batches import _SyntheticBigram
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed import Topology, exit_process
+from fsdp_zero.distributed.topology import Role
 
 dist.init_process_group("gloo")
 layout = BatchLayout(global_batch_size=4, micro_batch_size=2, dp_size=2, grad_accum_steps=1)
 for kind in ("tp_size", "pp_size"):
-    topology = Topology.of(ParallelConfig(**{kind: 2}), 2).with_own_mesh("cpu")
-    rank = topology.dp_rank(dist.get_rank()) if sys.argv[1] == "same" else dist.get_rank()
+    topology = Topology.of(ParallelConfig(**{kind: 2}), 2).on("cpu")
+    batch_rank = topology.rank(Role.BATCH, dist.get_rank())
+    rank = batch_rank if sys.argv[1] == "same" else dist.get_rank()
     cursor = BatchCursor(_SyntheticBigram(64, 8, 0), layout, rank, same_as=topology.same_batch())
     try:
         cursor.next_batch()

@@ -1,0 +1,142 @@
+"""What fsdp-zero reads of a model: `FsdpZeroModel` names what a model may declare (every member
+optional; the built-in `Transformer` declares them all), `model_facts` reads it, here and nowhere
+else, and `DECLARED` says what each member does and what happens without it (docs/your-model.md
+renders it: `contract_table`).
+
+    facts = model_facts(model)          # a frozen ModelFacts; None where the model declares nothing
+    facts.tp_plan, facts.max_seq_len
+
+A plain ``nn.Module`` declares nothing and still trains: every member has a fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from torch import nn
+
+from fsdp_zero.torch_private import hf_no_split_modules
+
+# The Hugging Face config's head counts: a head is never split by tensor parallelism.
+HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+
+
+class FsdpZeroModel(Protocol):
+    """The members fsdp-zero reads of a model, all optional (a structural type: nothing to
+    inherit)."""
+
+    block_class: ClassVar[type[nn.Module]]
+    _no_split_modules: list[str]
+    tp_plan: dict[str, str]
+    pp_plan: dict[str, Any]
+    max_seq_len: int
+    config: Any  # a Hugging Face config
+
+    def init_weights(self, seed: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One member of `FsdpZeroModel`: what fsdp-zero does with it, and without it."""
+
+    name: str
+    kind: str  # its type, as a model writes it
+    use: str
+    without: str
+
+
+DECLARED = (
+    Declared(
+        "block_class",
+        "class attribute, an `nn.Module` subclass",
+        "the transformer wrap policy's unit: one FSDP unit per block (`parallel.wrap.classes` "
+        "overrides it)",
+        "`_no_split_modules`, else the class repeated in the outermost `ModuleList` or "
+        "`Sequential` (noted in the plan)",
+    ),
+    Declared(
+        "_no_split_modules",
+        "list of class names (Hugging Face's)",
+        "the block classes, as Accelerate wraps them",
+        "as `block_class`'s",
+    ),
+    Declared(
+        "tp_plan",
+        "dict: module-name pattern -> style",
+        "`parallel.tp_size` > 1 splits the matching modules (styles: `sharding/tensor.py`)",
+        "`parallel.tp_size` > 1 is refused",
+    ),
+    Declared(
+        "pp_plan",
+        'dict with "first", "layers", "last"',
+        "`parallel.pp_size` > 1 cuts the model into stages (`sharding/pipeline.py`)",
+        "`parallel.pp_size` > 1 is refused",
+    ),
+    Declared(
+        "init_weights(seed)",
+        "method",
+        "`model.init=model` (and `auto`) initialises each rank's shards with it",
+        "Hugging Face's `_init_weights`, else `model.init=standard`",
+    ),
+    Declared(
+        "max_seq_len",
+        "int",
+        "the longest sequence: longer `data.seq_len` is refused at start-up",
+        "the config's `max_position_embeddings`, else no limit",
+    ),
+    Declared(
+        "config",
+        "a Hugging Face config",
+        "`vocab_size` (token ids checked), `max_position_embeddings`, `initializer_range` "
+        "(standard init's std), `num_attention_heads` and `num_key_value_heads` (multiples of "
+        "`parallel.tp_size`)",
+        "the first embedding's rows as the vocabulary; none of the others",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What one model declares of `FsdpZeroModel` (None, or empty, where it declares nothing)."""
+
+    block_class: type[nn.Module] | None
+    no_split_modules: list[str]  # Hugging Face's _no_split_modules
+    tp_plan: Any  # as declared (`fsdp_zero.sharding.tensor.tp_plan` checks it)
+    pp_plan: Any  # as declared (`fsdp_zero.sharding.pipeline.declares_stages` checks it)
+    init_weights: Callable[..., None] | None
+    max_seq_len: int | None  # its own, else its config's max_position_embeddings
+    vocab_size: Any  # its config's
+    initializer_range: float | None  # its config's
+    head_counts: dict[str, Any]  # its config's `HEAD_KEYS`
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """What ``model`` declares (a wrapper, such as DDP's, declares nothing of its module's)."""
+    config = getattr(model, "config", None)
+    limit = getattr(model, "max_seq_len", None)
+    if limit is None:
+        limit = getattr(config, "max_position_embeddings", None)
+    init = getattr(model, "init_weights", None)
+    return ModelFacts(
+        block_class=getattr(type(model), "block_class", None),
+        no_split_modules=hf_no_split_modules(model),
+        tp_plan=getattr(model, "tp_plan", None),
+        pp_plan=getattr(model, "pp_plan", None),
+        init_weights=init if callable(init) else None,
+        max_seq_len=int(limit) if isinstance(limit, int) else None,
+        vocab_size=getattr(config, "vocab_size", None),
+        initializer_range=getattr(config, "initializer_range", None),
+        head_counts={key: getattr(config, key, None) for key in HEAD_KEYS},
+    )
+
+
+def contract_table() -> str:
+    """`DECLARED` as a markdown table (docs/your-model.md)."""
+    rows = [
+        "| member | what it is | what fsdp-zero does with it | without it |",
+        "|---|---|---|---|",
+    ]
+    rows += [f"| `{d.name}` | {d.kind} | {d.use} | {d.without} |" for d in DECLARED]
+    return "\n".join(rows)
