@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -194,17 +194,18 @@ class Topology:
         sizes = tuple(self.sizes[a] for a in dims)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=tuple(dims))
         topology = replace(self, device_mesh=mesh)
-        flat = [a for r in (Role.BATCH, Role.LOSS) if len(a := topology._mesh_axes(r)) > 1]
-        flat = [a for a in flat if topology.size(*a) < self.world_size]
+        flat = [a for r in (Role.BATCH, Role.LOSS) if len(a := self._mesh_axes(r, dims)) > 1]
+        flat = [a for a in flat if self.size(*a) < self.world_size]
         if not self.spec.hybrid and len(shard) > 1:  # FSDP's 1-D mesh over an axis that joins it
             flat.append(shard)
         for axes in dict.fromkeys(flat):
             flatten_mesh(mesh, axes, _dim_name(axes))
         return topology
 
-    def _mesh_axes(self, role: Role) -> tuple[str, ...]:
-        """``role``'s axes that are dimensions of the mesh (an axis of one rank may be none)."""
-        names = self.mesh.mesh_dim_names or ()
+    def _mesh_axes(self, role: Role, names: Sequence[str] | None = None) -> tuple[str, ...]:
+        """``role``'s axes that are dimensions of the mesh (``names``: its dimensions; an axis of
+        one rank may be none)."""
+        names = (self.mesh.mesh_dim_names or ()) if names is None else names
         return tuple(a for a in self.axes(role) if a in names)
 
 
