@@ -6,6 +6,9 @@ expression of ours replaced) is tests/mutant_site/source_mutants.py's. Each has 
 
 # The tests that catch the source mutants below without a training run (their pytest node ids' last part).
 _DS_DEFAULTS = "test_the_optimizer_settings_a_ds_config_leaves_out_are_deepspeeds_defaults"
+_REFUSAL_ROWS = "test_each_refusal_refuses_its_example_alone_in_one_line"
+_FIELD_BOUND = "test_bad_input_names_the_key_and_the_choices"
+_GRID_JOINS = "test_a_declared_axis_joins_the_grid_its_roles_and_its_errors"
 _REPEATED = "test_a_model_that_declares_no_block_wraps_the_class_its_outermost_list_repeats"
 _END_LINE = "test_a_bad_setting_shows_its_line_under_torchrun_whichever_rank_exits_first"
 _SPLITS = "test_each_split_has_its_own_mask_and_the_val_split_trains_on_its_completions"
@@ -509,5 +512,22 @@ MUTANTS = {
         "steps), not the optimizer's state",
         [f"tests/test_ds_import.py::{_DS_ADAM_STEP}"],
         [_DS_ADAM_STEP],
+    ),
+    # issue 44's tables: the refusal rows, the constraints beside the fields, the grid's declared roles
+    "refusal-rows-after-the-first-skipped": (
+        "config.rules.REFUSALS: only the first row of the table is checked",
+        [f"tests/test_rules.py::{_REFUSAL_ROWS}"],
+        [_REFUSAL_ROWS],
+    ),
+    "field-constraint-unchecked": (
+        "config.constraints.check_fields: a value outside the bound its field declares passes",
+        [f"tests/test_config.py::{_FIELD_BOUND}"],
+        [_FIELD_BOUND],
+    ),
+    "grid-joins-ignored": (
+        "distributed.topology: a declared axis never joins the roles it names (context parallelism "
+        "left out of the loss and FSDP's shard groups)",
+        [f"tests/test_topology.py::{_GRID_JOINS}"],
+        [_GRID_JOINS],
     ),
 }

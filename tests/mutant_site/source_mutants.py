@@ -378,4 +378,19 @@ SOURCE = {
         'adam_step=float(moments.get("step", ckpt.step)),',
         "adam_step=float(__mutant__(ckpt.step)),",
     ),
+    "refusal-rows-after-the-first-skipped": (
+        "fsdp_zero.config.rules",
+        "    for row in REFUSALS:\n        if (when is None",
+        "    for row in __mutant__(REFUSALS[:1]):\n        if (when is None",
+    ),
+    "field-constraint-unchecked": (
+        "fsdp_zero.config.constraints",
+        "if rule is not None and not rule.holds(value):",
+        "if rule is not None and not rule.holds(value) and __mutant__(False):",
+    ),
+    "grid-joins-ignored": (
+        "fsdp_zero.distributed.topology",
+        "a in data or a in self.joins.get(role, ())",
+        "a in data or (a in self.joins.get(role, ()) and __mutant__(False))",
+    ),
 }
