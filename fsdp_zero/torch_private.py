@@ -26,6 +26,7 @@ __all__ = [
     "checkpoint_activations",
     "FakeStore",
     "FakeTensorMode",
+    "is_fake",
     "NormBase",
     "SizeClasses",
     "_init_optim_state",
@@ -56,7 +57,7 @@ __all__ = [
 # whether it completed), recorded by gloo and NCCL themselves. Read when a collective fails or times
 # out, to say which one this rank was in and to leave the record beside the run.
 from torch._C._distributed_c10d import _dump_fr_trace_json as flight_recorder_json
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 # Activation checkpointing as a composable API: marks a module so that its forward is recomputed
 # in backward (non-reentrant) without wrapping it, so parameter names, and with them checkpoints,
@@ -386,6 +387,12 @@ def schedule_order(
         assert kind, f"an action {action} this reading does not know"
         out.append((action.stage_index, kind, action.microbatch_index))
     return out
+
+
+def is_fake(tensor: Any) -> bool:
+    """Whether ``tensor`` is a FakeTensorMode tensor (the planner's simulation): shapes, no
+    storage. (FakeTensor is private to torch.)"""
+    return isinstance(tensor, FakeTensor)
 
 
 def storage_key(tensor: Any) -> tuple[int, int]:

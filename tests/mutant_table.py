@@ -38,6 +38,7 @@ _PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
 _SPLIT_EVAL = "test_pipeline_validation_matches_zero3"
 _PP_HELD = "test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_stage_saves"
 _LAYOUT_FIT = "test_a_layout_search_composes_each_layout_from_zero3_by_formula"
+_TIERED = "test_groups_step_where_they_live_with_the_in_memory_bits"
 _NF4_WHOLE = "test_the_base_is_nf4_on_every_rank_quantized_whole_and_never_changes"
 _NF4_RESUME = "test_resume_rebuilds_the_base_and_continues_exactly"
 _LOW_BIT = "test_states_are_low_bit_where_a_shard_is_whole_blocks_and_train_like_adamw"
@@ -529,5 +530,22 @@ MUTANTS = {
         "left out of the loss and FSDP's shard groups)",
         [f"tests/test_topology.py::{_GRID_JOINS}"],
         [_GRID_JOINS],
+    ),
+    # issue 45: optimizer states in host memory or files, group by group
+    "offload-group-never-written-back": (
+        "offload.states: a group's stepped states never written back to their tier (the next step "
+        "reads the old ones)",
+        [f"tests/test_offload.py::{_TIERED}"],
+        [_TIERED],
+    ),
+    "offload-prefetch-wrong-group": (
+        "offload.states: the read-ahead fills the next group's buffer with the group just stepped",
+        [f"tests/test_offload.py::{_TIERED}"],
+        [_TIERED],
+    ),
+    "offload-ratio-ignored": (
+        "offload.ratio: every step group offloaded whatever the ratio",
+        [f"tests/test_offload.py::{_TIERED}"],
+        [_TIERED],
     ),
 }

@@ -394,6 +394,13 @@ SECTION_RULES = [
         "parallel.activation_checkpointing='some' is not a valid choice",
     ),
     ("parallel.prefetch", -1, "parallel.prefetch=-1: must be >= 0"),
+    (
+        "offload.states",
+        "nvme",
+        "offload.states='nvme' is not a valid choice; valid choices: none, cpu, disk",
+    ),
+    ("offload.ratio", 1.5, "offload.ratio=1.5: must be in [0, 1]"),
+    ("offload.prefetch", 0, "offload.prefetch=0: must be > 0"),
     ("parallel.reshard_after_forward", 0, "parallel.reshard_after_forward=0: must be > 0"),
     (
         "parallel.activation_checkpointing_every",

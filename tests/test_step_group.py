@@ -1,4 +1,4 @@
-"""A bounded optimizer step: optim.step_group_size (fsdp_zero/sharding/build.py::_step_groups, docs/memory-levers.md).
+"""A bounded optimizer step: optim.step_group_size (fsdp_zero/sharding/optim.py::step_groups, docs/memory-levers.md).
 
 Stepping AdamW group by group gives the whole-shard step's bits: the runs ``group``, ``group-bf16``
 and ``group-zero1`` of tests/batches/ (2 ranks, groups of 5,000 local elements) against ``n2``,
@@ -27,7 +27,7 @@ from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.memory import StepProfiler
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build
-from fsdp_zero.sharding.optim import _step_groups, build_optimizer, local_numel
+from fsdp_zero.sharding.optim import step_groups, build_optimizer, local_numel
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
 
@@ -113,16 +113,14 @@ def test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards():
     )
 
 
-def test_step_groups_cut_in_order_with_a_large_tensor_alone():
+def teststep_groups_cut_in_order_with_a_large_tensor_alone():
     sizes = [3, 4, 10, 2, 2, 1, 6]
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
-    cut = _step_groups(params, 6)
+    cut = step_groups(params, 6)
     assert [[p.numel() for p in g] for g in cut] == [[3], [4], [10], [2, 2, 1], [6]]
     assert [p for g in cut for p in g] == params  # every parameter once, in order
     assert (
-        _step_groups(params, 0) == [params]
-        and _step_groups([], 6) == []
-        and _step_groups([], 0) == []
+        step_groups(params, 0) == [params] and step_groups([], 6) == [] and step_groups([], 0) == []
     )
 
 

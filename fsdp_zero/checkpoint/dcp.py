@@ -52,6 +52,7 @@ from fsdp_zero.checkpoint.folders import (
 from fsdp_zero.checkpoint.parts import MODEL, OPTIM, RngState
 from fsdp_zero.checkpoint.safe_read import SafeFileSystemReader
 from fsdp_zero.config.paths import CONFIG_FILE, STATE_FILE
+from fsdp_zero.distributed.env import fault_point
 from fsdp_zero.errors import CheckpointFailed
 from fsdp_zero.model.source import does_not_fit
 
@@ -251,7 +252,7 @@ class Checkpointer:
         if box[0]:
             raise ValueError(box[0])
         state = {**_tensor_state(parts), _rng_key(self.rank): RngState(self.device).state_dict()}
-        _fault_point("before_write", step)
+        fault_point("before_write", step)
         writer = dcp.FileSystemWriter(str(partial))
         if self.async_group is not None:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
@@ -262,7 +263,7 @@ class Checkpointer:
         # DCP raises on every rank once any rank's write failed
         except (Exception, CheckpointException) as e:
             raise self._failed(partial, final, e) from None
-        _fault_point("after_write", step)
+        fault_point("after_write", step)
         self._commit(partial, final)
         dist.barrier()
 
@@ -334,12 +335,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fault_point(where: str, step: int) -> None:
-    """Test hook: FSDP_ZERO_FAULT=<where>:<step> kills this process there (SIGKILL, no clean-up)."""
-    if os.environ.get("FSDP_ZERO_FAULT") == f"{where}:{step}":
-        os.kill(os.getpid(), 9)
 
 
 # ---------------------------------------------------------------------------------

@@ -137,6 +137,16 @@ class StateBits(enum.IntEnum):
     bits4 = 4  # torchao's AdamW4bit
 
 
+class StateTier(enum.StrEnum):
+    """Where AdamW's states live between steps (``offload.states``, docs/memory-levers.md)."""
+
+    none = "none"  # with the parameters (the device; the host under parallel.cpu_offload)
+    # host memory (pinned on CUDA), swapped onto the device group by group for the step (ZeRO-Offload)
+    cpu = "cpu"
+    # one file per step group under offload.path, read ahead and written behind (ZeRO-Infinity)
+    disk = "disk"
+
+
 class OptimizerImpl(str, enum.Enum):
     auto = "auto"  # fused on CUDA, foreach on CPU
     fused = "fused"

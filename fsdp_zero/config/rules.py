@@ -22,6 +22,7 @@ from fsdp_zero.config.choices import (
     Float8Recipe,
     PrecisionMode,
     Quantize,
+    StateTier,
     Task,
 )
 from fsdp_zero.config.presets import BUILTIN_FIELDS, TransformerArgs, model_args
@@ -107,6 +108,7 @@ def _untested_rows(key: str, active: Callable[[ParallelConfig], bool], name: str
         ("model.lora.rank", lambda c: c.model.lora.rank > 0, ("model.lora.targets=[wq]",), ""),
         ("model.freeze", lambda c: bool(c.model.freeze), (), ""),
         ("parallel.cpu_offload", lambda c: c.parallel.cpu_offload, (), ""),
+        ("offload.states", lambda c: c.offload.states is not StateTier.none, (), ""),
         # measured at dp 2 x tp 2 (torch 2.15)
         (
             "train.compile",
@@ -121,6 +123,7 @@ def _untested_rows(key: str, active: Callable[[ParallelConfig], bool], name: str
         "model.lora.rank": "4",
         "model.freeze": "[x]",
         "parallel.cpu_offload": "true",
+        "offload.states": "cpu",
         "train.compile": "true",
         "optim.state_bits": "8",
         "precision.float8": "rowwise",
@@ -261,6 +264,60 @@ REFUSALS: tuple[Refusal, ...] = (
                 (_BF16, "model.lora.rank=4", "model.lora.targets=[wq]"),
             ),
         )
+    ),
+    # offload.states: AdamW's states in host memory or files, swapped in around each group's step
+    *(
+        Refusal(
+            "offload.states",
+            lambda c: c.offload.states is not StateTier.none,
+            key,
+            bad,
+            why,
+            yet=yet,
+            example=("offload.states=cpu", *ex),
+        )
+        for key, bad, why, yet, ex in (
+            (
+                _STRATEGY,
+                lambda c: not is_fsdp(c.parallel.strategy),
+                _FSDP,
+                False,
+                ("parallel.strategy=zero1",),
+            ),
+            (
+                "optim.state_bits",
+                lambda c: c.optim.state_bits != 32,
+                "torchao's low-bit AdamW keeps its states in tensors of its own",
+                True,
+                ("optim.state_bits=8",),
+            ),
+        )
+    ),
+    Refusal(
+        "offload.states",
+        lambda c: c.offload.states is StateTier.cpu,
+        "parallel.cpu_offload",
+        lambda c: c.parallel.cpu_offload,
+        "FSDP2's offload keeps the states in host memory already (offload.states=disk moves them "
+        "on to files)",
+        example=("offload.states=cpu", "parallel.cpu_offload=true"),
+    ),
+    Refusal(
+        "offload.states",
+        lambda c: c.offload.states is StateTier.disk,
+        "checkpoint.async_save",
+        lambda c: c.checkpoint.async_save,
+        "an asynchronous save stages every state in memory first",
+        example=("offload.states=disk", "offload.path={tmp}", "checkpoint.async_save=true"),
+    ),
+    Refusal(
+        "offload.ratio",
+        lambda c: c.offload.ratio != 1,
+        "offload.states",
+        lambda c: c.offload.states is StateTier.none,
+        "the ratio divides the step groups between the device and offload.states' tier; set "
+        "offload.states=cpu or disk",
+        example=("offload.ratio=0.5",),
     ),
     # tensor parallelism
     *_untested_rows(_TP, lambda p: p.tp_size > 1, "tensor parallelism"),
@@ -421,6 +478,7 @@ def validate(cfg: Config) -> None:
         cfg.train,
         cfg.dist,
         cfg.optim,
+        cfg.offload,
         cfg.parallel,
         cfg.precision,
         cfg.memory,

@@ -37,6 +37,7 @@ from fsdp_zero.config.choices import (
     PrecisionMode,
     Schedule,
     StateBits,
+    StateTier,
     Task,
     TokenDtype,
     Warmup,
@@ -380,6 +381,39 @@ class OptimConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """Where AdamW's states live between steps: with the parameters, in host memory, or in files on
+    a local disk, for all of optim.step_group_size's groups or the last ``ratio`` of them
+    (docs/memory-levers.md, "Optimizer states off the device"). parallel.cpu_offload moves the
+    parameters, gradients and the step to the host as well (FSDP2's offload)."""
+
+    # none | cpu (ZeRO-Offload: host memory, swapped onto the device around each group's step) |
+    # disk (ZeRO-Infinity for optimizer states: a file per group under offload.path)
+    states: StateTier = StateTier.none
+    # the fraction of step groups whose states go down a tier, the last ones (DeepSpeed's
+    # offload_optimizer.ratio: group i is offloaded when i >= int((1 - ratio) * groups))
+    ratio: float = field(default=1.0, metadata=within(0, 1))
+    # disk: a folder on a local disk; each rank writes its files in a folder of its own under it,
+    # removed at the end of the run (checked at start-up for the free space its files need)
+    path: str | None = None
+    # groups read ahead of the one stepping (and so buffers in flight: prefetch + 1 groups)
+    prefetch: int = field(default=1, metadata=gt(0))
+    # cpu on CUDA: host buffers pinned (asynchronous copies); disk: staging buffers pinned
+    pin_memory: bool = True
+
+    def check(self) -> None:
+        """The declared constraints, and a folder for the disk tier."""
+        check_fields(self, "offload")
+        if self.states == StateTier.disk and not self.path:
+            raise ValueError(
+                "offload.path is required with offload.states=disk: a folder on a local disk "
+                "(DeepSpeed's nvme_path)"
+            )
+        if self.path and self.states == StateTier.disk and not Path(self.path).is_dir():
+            raise ValueError(f"offload.path={self.path!r}: no such folder")
+
+
+@dataclass
 class TrainConfig:
     steps: int = field(default=150, metadata=gt(0))
     # sequences per optimizer step, over all ranks
@@ -569,6 +603,7 @@ class Config:
     parallel: ParallelConfig
     precision: PrecisionConfig
     optim: OptimConfig
+    offload: OffloadConfig
     train: TrainConfig
     checkpoint: CheckpointConfig
     run: _RunConfig

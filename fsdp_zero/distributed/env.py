@@ -287,6 +287,14 @@ def report_end(line: str, every_rank: bool = False) -> None:
         json.dump({"message": {"message": line, "extraInfo": info}}, f)
 
 
+def fault_point(where: str, count: int) -> None:
+    """Test hook: FSDP_ZERO_FAULT=<where>:<count> kills this process there (SIGKILL, no clean-up):
+    a checkpoint's ``before_write``/``after_write`` of step ``count``, offload's ``offload_write``
+    (its ``count``-th group written, half of it on disk)."""
+    if os.environ.get("FSDP_ZERO_FAULT") == f"{where}:{count}":
+        os.kill(os.getpid(), 9)
+
+
 def exit_process(code: int) -> NoReturn:
     """Ends the process once everything is closed, skipping the interpreter's teardown.
 

@@ -27,6 +27,7 @@ forward, and the scalar all-reduces of the gradient norm and the step's gate.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator
@@ -65,6 +66,7 @@ logger = logging.getLogger("fsdp_zero")
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 TP_KINDS = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
+OFFLOAD_KINDS = ("host_to_device", "device_to_host", "disk_read", "disk_written")
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,22 @@ class CommBytes:
     tp_all_gather: float = 0
     tp_reduce_scatter: float = 0
     tp_all_reduce: float = 0
+    # offload.states' traffic: the states moved between host and device, and from and to disk, by
+    # kind: `OFFLOAD_KINDS` (`fsdp_zero.sharding.offload.Traffic`)
+    host_to_device: float = 0
+    device_to_host: float = 0
+    disk_read: float = 0
+    disk_written: float = 0
 
     def scalars(self) -> dict[str, float]:
-        """The metrics' names and values: comm/<kind>_mib (tensor parallelism's kinds where it ran)."""
-        kinds = COLLECTIVE_KINDS + (TP_KINDS if any(getattr(self, k) for k in TP_KINDS) else ())
+        """The metrics' names and values: comm/<kind>_mib (tensor parallelism's kinds where it ran,
+        offload's where it moved anything)."""
+        kinds = COLLECTIVE_KINDS + tuple(
+            k
+            for group in (TP_KINDS, OFFLOAD_KINDS)
+            if any(getattr(self, k) for k in group)
+            for k in group
+        )
         return {f"comm/{k}_mib": getattr(self, k) / MIB for k in kinds}
 
 
@@ -269,6 +283,10 @@ class CommMeter:
             for part, plan in parts
         ]
         self.formula = CommBytes(**{k: sum(f[k] for f in formulas) for k in formulas[0]})
+        # offload.states: what its optimizer moves each step, and its formula
+        self.traffic = getattr(optimizer, "traffic", None)
+        if self.traffic is not None:
+            self.formula = dataclasses.replace(self.formula, **asdict(optimizer.traffic_formula()))
         self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS, 0)
         self.active = False
         self.tensor_parallel = topology.size("tp") > 1  # (its collectives counted apart)
@@ -325,7 +343,9 @@ class CommMeter:
         self.bytes[f"tp_{kind}"] += nbytes
 
     def counted(self) -> CommBytes:
-        return CommBytes(**self.bytes)
+        """The collectives counted, and offload's traffic of the last step."""
+        moved = asdict(self.traffic()) if self.traffic is not None else {}
+        return CommBytes(**self.bytes, **moved)
 
 
 def describe_comm(
@@ -358,10 +378,19 @@ def describe_comm(
         if tp
         else ""
     )
+    moved = [k for k in OFFLOAD_KINDS if formula.get(k)]
+    offload = (
+        "; offload.states moved "
+        + ", ".join(f"{k.replace('_', ' ')} {counted[k] / MIB:,.2f} MiB" for k in moved)
+        + f" against {', '.join(f'{formula[k] / MIB:,.2f}' for k in moved)} MiB"
+        if moved
+        else ""
+    )
     return (
         f"communication per rank in the last logged step: {', '.join(parts)}, against the "
         f"{strategy} grad_sync={grad_sync} formula's "
         f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in COLLECTIVE_KINDS)} MiB{held}{tensor}"
+        f"{offload}"
     )
 
 

@@ -107,6 +107,10 @@ def memory_scalars(
     out["memory/model_state_params_mib"] = state.params / MIB
     out["memory/model_state_grads_mib"] = state.grads / MIB
     out["memory/model_state_optimizer_mib"] = state.optimizer / MIB
+    # offload.states: the states off the device, and the buffers they move through
+    resident = getattr(optimizer, "resident", None)
+    for where, nbytes in (resident() if resident else {}).items():
+        out[f"memory/offload_{where}_mib"] = nbytes / MIB
     return out
 
 

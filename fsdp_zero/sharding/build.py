@@ -359,7 +359,12 @@ def build(
         cfg.optim,
         ctx.state_device(),
         zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer,
+        cut_groups=ctx.cuts_groups(),
     )
+    # where its states live (offload.states): the optimizer the step calls
+    for lever in ctx.at(Stage.OPTIMIZER):
+        if lever.apply is not None:
+            optimizer = ctx.made[lever.name] = lever.apply(optimizer, model, ctx)
     for after_optimizer, made in ctx.facets("after_optimizer"):
         after_optimizer(made, optimizer, model)
     return Built(

@@ -15,8 +15,8 @@ RECOMPUTE  activation checkpointing on the block units
 COMPILE    torch.compile of each block unit
 SHARD      fully_shard's keyword arguments (CPU offload), a hook on each unit just before it is
            sharded (NF4's quantizer), the units in forward order after (explicit prefetch)
-OPTIMIZER  where AdamW steps (CPU offload: the host), its states (low-bit, step groups), float8's
-           scales after each step
+OPTIMIZER  where AdamW steps (CPU offload: the host), its states (low-bit, step groups, offloaded
+           to the host or a disk), float8's scales after each step
 STEP       each step: which micro-batches' backwards reduce (`fsdp_zero.training.step.Step`)
 
 The review's sketch (../shared/research/aesthetics-review.md, E2) puts CONVERT after COMPILE; the
@@ -42,11 +42,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from fsdp_zero.config.choices import ActivationCheckpointing, Quantize
+from fsdp_zero.config.choices import ActivationCheckpointing, Quantize, StateTier
 from fsdp_zero.config.schema import Config
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.sharding.offload import TieredOptimizer
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.quantize import (
     STATE_BLOCK,
@@ -94,7 +95,8 @@ class Lever:
     off: object
     # what it does at its stage: CONVERT (model, ctx) -> made; CUT (model, ctx, shard) -> (module,
     # plan, note), its made into ctx.made; SPLIT (model, ctx); RECOMPUTE, COMPILE (model, the block
-    # units in forward order, ctx)
+    # units in forward order, ctx); OPTIMIZER (optimizer, model, ctx) -> the optimizer the step
+    # calls, its made
     apply: Callable[..., Any] | None = None
     # SHARD: fully_shard's keyword arguments; a hook (made, model) -> (unit FQN, unit) run just
     # before each unit is sharded ('' the root); (units in forward order, made) once they are
@@ -105,6 +107,8 @@ class Lever:
     # the values `plan.py fit` searches (`fsdp_zero.tools.candidates`); () where it searches none
     search: tuple[object, ...] = ()
     fills_base: bool = False  # the base weights come from the lever (a file), not the initialiser
+    # the optimizer's groups are cut into step groups whatever its implementation (its swap units)
+    cuts_groups: bool = False
     after_optimizer: Callable[[Any, torch.optim.Optimizer, nn.Module], None] | None = None
     # what `Built` reads, given (made, ...)
     whole: Callable[[Any], nn.Module] | None = None  # the whole model the rank's part is cut from
@@ -159,6 +163,11 @@ class BuildContext:
         the shards there from the start; buffers stay on the device), else the device."""
         on_host = any(BY_NAME[name].on_host for name in self.made)
         return torch.device("cpu") if on_host else self.env.device
+
+    def cuts_groups(self) -> bool:
+        """Whether a lever needs the optimizer's step groups cut under any AdamW implementation (the
+        offloaded states' swap units)."""
+        return any(BY_NAME[name].cuts_groups for name in self.made)
 
     def fills_base(self) -> bool:
         """Whether a lever brings the base weights itself (QLoRA's from their file): the
@@ -275,6 +284,25 @@ def _low_bit_note(bits: int, model: nn.Module) -> str:
     )
 
 
+def _tiered(optimizer: torch.optim.Optimizer, model: nn.Module, ctx: BuildContext) -> Any:
+    """offload.states: the optimizer's states moved to the host or a disk for the last
+    offload.ratio of its step groups (`fsdp_zero.sharding.offload`)."""
+    tier, ratio, path, prefetch, pin = (OFFLOAD_STATES.value(ctx.cfg, k) for k in range(5))
+    return TieredOptimizer(
+        optimizer,
+        tier,
+        ratio=ratio,
+        folder=path,
+        rank=ctx.env.rank,
+        prefetch=prefetch,
+        pin_memory=pin,
+    )
+
+
+def _tiered_where(tiered: TieredOptimizer, topology: Topology) -> str:
+    return "; " + tiered.describe()
+
+
 def _nf4_where(nf4: NF4Base, topology: Topology) -> str:
     per_param = nf4.rank_bytes * topology.param_shards / nf4.numel
     return (
@@ -368,6 +396,17 @@ LOW_BIT_ADAMW = Lever(
 )
 # the optimizer builder reads it (`fsdp_zero.sharding.optim`): bit-identical groups, no facet
 STEP_GROUPS = Lever("step_groups", ("optim.step_group_size",), Stage.OPTIMIZER, off=0)
+OFFLOAD_STATES = Lever(
+    "offload_states",
+    ("offload.states", "offload.ratio", "offload.path", "offload.prefetch", "offload.pin_memory"),
+    Stage.OPTIMIZER,
+    off=StateTier.none,
+    apply=_tiered,
+    cuts_groups=True,
+    state_terms=lambda tiered, model: {"optimizer_bytes": tiered.on_device()},
+    where=_tiered_where,
+    search=tuple(StateTier),
+)
 # `fsdp_zero.training.step.Step` calls its switch (`deferral`); the formulas count its reductions
 # (`reductions_per_step`, `all_reduces_per_step`) and the gradients it holds (`holds_unsharded`)
 GRAD_SYNC = Lever(
@@ -389,6 +428,7 @@ LEVERS: tuple[Lever, ...] = (
     PREFETCH,
     LOW_BIT_ADAMW,
     STEP_GROUPS,
+    OFFLOAD_STATES,
     GRAD_SYNC,
 )
 assert list(LEVERS) == sorted(LEVERS, key=lambda lever: lever.stage), "LEVERS run in stage order"

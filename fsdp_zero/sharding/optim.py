@@ -31,7 +31,7 @@ def local_numel(p: torch.Tensor) -> int:
     return (p.to_local() if hasattr(p, "to_local") else p).numel()
 
 
-def _step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
+def step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Parameter]]:
     """``params`` cut, in order, into consecutive groups of at most ``size`` local elements (a tensor
     larger than ``size`` is a group of its own); ``size`` 0: one group. (DeepSpeed's ZeRO-3 closes a
     sub-group once it reaches ``sub_group_size``, so its groups may pass it by one tensor; these
@@ -57,7 +57,11 @@ def _step_groups(params: list[nn.Parameter], size: int) -> list[list[nn.Paramete
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device: torch.device, zero1: bool = False
+    model: nn.Module,
+    cfg: OptimConfig,
+    device: torch.device,
+    zero1: bool = False,
+    cut_groups: bool = False,
 ) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and embeddings, and on 1-D parameters (norm gains, biases)
     only with ``optim.decay_1d``.
@@ -76,9 +80,11 @@ def build_optimizer(
         cfg: the optimizer's settings (``optim.*``).
         device: where the step runs (the host under CPU offload): auto's implementation follows it.
         zero1: ZeRO-1's partitioned states (ZeroRedundancyOptimizer).
+        cut_groups: cut the step groups whatever the implementation (offload.states' swap units).
     """
     impl = optimizer_impl(cfg, device)
-    groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, impl)]
+    cut_as = OptimizerImpl.foreach if cut_groups else impl
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, cut_as)]
     kwargs = dict(
         lr=cfg.lr,
         betas=tuple(cfg.betas),
@@ -119,7 +125,7 @@ def param_groups(
     decay_1d = cfg.weight_decay if cfg.decay_1d else 0.0
     size = cfg.step_group_size
     if size and impl is not OptimizerImpl.foreach:
-        if any(len(_step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
+        if any(len(step_groups(ps, size)) > 1 for ps in (decay, no_decay)):
             logger.warning(
                 "optim.step_group_size=%d has no effect with %s AdamW (no temporaries larger than "
                 "one tensor); it bounds foreach AdamW's",
@@ -130,7 +136,7 @@ def param_groups(
     return [
         (ps, wd)
         for group, wd in ((decay, cfg.weight_decay), (no_decay, decay_1d))
-        for ps in _step_groups(group, size)
+        for ps in step_groups(group, size)
     ]
 
 
@@ -178,4 +184,5 @@ def optimizer_state(
     (`Zero1State`) or torch's state-dict API (`OptimizerState`)."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return Zero1State(model, optimizer)
-    return OptimizerState(model, optimizer)
+    part = getattr(optimizer, "state_part", None)  # offload.states' (`fsdp_zero.sharding.offload`)
+    return part(unwrap(model)) if part is not None else OptimizerState(model, optimizer)

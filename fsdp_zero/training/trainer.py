@@ -359,6 +359,9 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
         guard.close()
         log.finish()
         log.close()
+        close = getattr(optimizer, "close", None)  # offload.states' files and I/O thread
+        if close is not None:
+            close()
     if verdict and verdict.stop and step < last:
         raise _stopped(step, verdict, parts.run_dir)
     result = TrainResult(**vars(log.record), components=parts)

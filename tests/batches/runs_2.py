@@ -8,12 +8,14 @@ from tests.batches.settings import (
     BASE,
     BF16,
     COMMON,
+    DISK,
     EVAL,
     FF_UNITS,
     FOUR_LAYERS,
     FP8_4,
     FREEZE,
     GROUPED,
+    HOST,
     LLAMA,
     LORA,
     LOW_BIT,
@@ -32,6 +34,7 @@ from tests.batches.settings import (
     K,
     L,
     M,
+    O,
     P,
     Q,
     Run,
@@ -47,7 +50,7 @@ RUNS_2 = [
         "n2",
         "2",
         (*BASE, *PROFILED, "checkpoint.every=2", "checkpoint.keep_last=2"),
-        (P, C, "test_cli", E, T, S, K),
+        (P, C, "test_cli", E, T, S, K, O),
     ),
     # n2 with validation (and TensorBoard on, to read eval/* back): the same training losses, bit for bit.
     Run(
@@ -97,7 +100,7 @@ RUNS_2 = [
         (P,),
     ),
     Run(
-        "split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C, S, T)
+        "split", "2", (*BASE, "train.stop_after=4", "checkpoint.every=0"), (C, S, T, O)
     ),  # T: full_shard-to-ddp-n4 reads it
     Run(
         "async",
@@ -201,9 +204,21 @@ RUNS_2 = [
         (T,),
     ),
     # n2, bf16-mixed and zero1 with the optimizer stepped group by group: the same bits.
-    Run("group", "2", (*BASE, *GROUPED, "checkpoint.every=4"), (S,)),
-    Run("group-bf16", "2", (*BASE, *GROUPED, "precision=bf16-mixed"), (S,)),
+    Run("group", "2", (*BASE, *GROUPED, "checkpoint.every=4"), (S, O)),
+    Run("group-bf16", "2", (*BASE, *GROUPED, "precision=bf16-mixed"), (S, O)),
     Run("group-zero1", "2", (*BASE, *GROUPED, "parallel.zero_stage=1", "checkpoint.every=4"), (S,)),
+    # ... with AdamW's moments offloaded (offload.states): in files, in host memory, half of the
+    # groups, under bf16-mixed: the grouped runs' bits
+    Run("offload-disk", "2", (*BASE, *GROUPED, *DISK, "checkpoint.every=4"), (O,)),
+    Run("offload-cpu", "2", (*BASE, *GROUPED, *HOST, "checkpoint.every=4"), (O,)),
+    Run(
+        "offload-half",
+        "2",
+        (*BASE, *GROUPED, *DISK, "offload.ratio=0.5", "metrics.tensorboard=true"),
+        (O,),
+    ),
+    Run("offload-disk-bf16", "2", (*BASE, *GROUPED, *DISK, *BF16), (O,)),
+    Run("offload-cpu-half-bf16", "2", (*BASE, *GROUPED, *HOST, "offload.ratio=0.5", *BF16), (O,)),
     # Pipeline parallelism, 1F1B: two stages, one a rank, 4 micro-batches; zero bubble (a V of four
     # stages, two a rank) on the four-layer model
     Run("pp2", "2", (*BASE, PP2), (P,)),
@@ -327,6 +342,24 @@ RUNS_2 = [
             "checkpoint.resume={root}/split/checkpoints/step-0000004",
         ),
         (S,),
+    ),
+    # The in-memory step-4 checkpoint continued with the moments in files, and the files' run's
+    # continued in memory: the straight run's bits.
+    Run(
+        "offload-resumed",
+        "2-resume",
+        (*BASE, *GROUPED, *DISK, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
+        (O,),
+    ),
+    Run(
+        "offload-to-memory",
+        "2-resume",
+        (
+            *BASE,
+            "checkpoint.every=0",
+            "checkpoint.resume={root}/offload-disk/checkpoints/step-0000004",
+        ),
+        (O,),
     ),
     Run(
         "group-to-whole",

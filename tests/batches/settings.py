@@ -107,6 +107,11 @@ LORA = ("model.lora.rank=4", "model.lora.targets=[wq,wv,w2]", "model.lora.train=
 # tests/test_step_group.py's bounded optimizer step: groups of at most 5,000 local elements (gpt_nano's
 # ~70k a rank at 2 ranks: 13 groups under FSDP, a 64 x 64 matrix's 2,048-element shards two to a group).
 GROUPED = ("optim.step_group_size=5000",)
+# tests/test_offload.py's: AdamW's moments in files under the launch's folder (each rank a folder of
+# its own), in host memory, or the last half of the step groups only; GROUPED's groups are the swap units
+O = "test_offload"
+DISK = ("offload.states=disk", "offload.path={root}")
+HOST = ("offload.states=cpu",)
 # tests/test_qlora.py's: LoRA's settings on a pretrained base (a seeded gpt_nano saved as a state dict),
 # every block Linear stored in NF4. Scaler blocks of 16 (not 256): gpt_nano's 64 x 64 matrices then
 # split into whole blocks of 64 x 16 elements at 2 and 4 ranks.

@@ -204,14 +204,14 @@ def _step_groups_ignored() -> None:
     steps the whole shard at once."""
 
     def patch(module):  # noqa: ANN001
-        original = module._step_groups
+        original = module.step_groups
 
-        def _step_groups(params, size):  # noqa: ANN001
+        def step_groups(params, size):  # noqa: ANN001
             if size and len(original(params, size)) > 1:
                 _applied_once()
             return original(params, 0)
 
-        module._step_groups = _step_groups
+        module.step_groups = step_groups
 
     _on_import("fsdp_zero.sharding.optim", patch)
 

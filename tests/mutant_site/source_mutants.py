@@ -393,4 +393,20 @@ SOURCE = {
         "a in data or a in self.joins.get(role, ())",
         "a in data or (a in self.joins.get(role, ()) and __mutant__(False))",
     ),
+    # issue 45: optimizer states off the device
+    "offload-group-never-written-back": (
+        "fsdp_zero.sharding.offload",
+        "self._last = self._submit(self.store.write, g, buf)",
+        "self._last = __mutant__(None)",
+    ),
+    "offload-prefetch-wrong-group": (
+        "fsdp_zero.sharding.offload",
+        "inflight.append((nxt, buf, self._submit(self.store.read, nxt, buf)))",
+        "inflight.append((nxt, buf, self._submit(self.store.read, __mutant__(g), buf)))",
+    ),
+    "offload-ratio-ignored": (
+        "fsdp_zero.sharding.offload",
+        "first = offloaded_from(len(cut), ratio)",
+        "first = offloaded_from(len(cut), __mutant__(1.0))",
+    ),
 }

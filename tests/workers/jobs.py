@@ -48,6 +48,7 @@ what the tests observe of the run itself (each observation is of the effect, not
 import contextlib
 import gc
 import json
+import os
 import sys
 import time
 
@@ -330,7 +331,8 @@ def run_job(  # noqa: ANN001
     mine = (
         result.model_state_bytes,
         sorted({int(st["step"]) for st in opt_states}),
-        sorted({str(st["exp_avg"].dtype) for st in opt_states}),
+        # (offload.states: only the device's groups hold their moments between steps)
+        sorted({str(st["exp_avg"].dtype) for st in opt_states if "exp_avg" in st}),
         sorted(devices),
         held,
         sorted(_seen["reduce_dtypes"]),
@@ -349,6 +351,21 @@ def run_job(  # noqa: ANN001
             float(parts.optimizer.param_groups[0]["lr"]),
         ),
     )
+    offload = None
+    if hasattr(parts.optimizer, "resident"):  # offload.states (fsdp_zero/sharding/offload.py)
+        store = parts.optimizer.store
+        folder = getattr(store, "folder", None)
+        offload = {
+            "resident": parts.optimizer.resident(),
+            "on_device": parts.optimizer.on_device(),
+            "traffic": vars(parts.optimizer.traffic()),
+            "formula": vars(parts.optimizer.traffic_formula()),
+            "folder": folder,
+            "folder_left": folder is not None and os.path.exists(folder),
+            "groups": [(g.tier.value, g.nbytes) for g in parts.optimizer.groups],
+            "disk_writes": getattr(store, "writes", 0),
+        }
+    mine = (*mine, offload)
     states = [None] * env.world_size
     dist.all_gather_object(states, mine)
     units = {
@@ -414,6 +431,9 @@ def run_job(  # noqa: ANN001
                     if isinstance(m, torch.nn.Linear)
                 },
                 "nf4_numel": nf4.numel if nf4 else 0,
+                "offload": [s[9] for s in states],
+                # the last logged step's row (memory/*, comm/*)
+                "last_row": [r for r in log if "loss" in r][-1] if log else {},
             },
             out,
         )
