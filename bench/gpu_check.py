@@ -6,16 +6,17 @@
     python bench/gpu_check.py --dry-run              # no GPU: the same steps on the CPU, gpt_nano (15 s, 2 cores)
     make gpu-check                                   # pytest -m gpu, then this
 
-Four settings, each `scripts/train.py` in a fresh process at world size 1 (a process never gives
-back all it reserved): fp32, bf16-mixed, fp32 with full activation checkpointing, fp32 with CPU
-offload. From each run's summary (`Summary.read`), metrics and TensorBoard events it reads every
-rank's peak reserved and allocated device memory, both after the step, the model state, the first
-step's memory at its three phases, and tokens/s; beside them, the planner's prediction for the same
-setting (`scripts/plan.py simulate --world-size N --strategy full_shard --json F`, its `peak`) and
-measured /
-predicted. MFU is 6 x parameters x tokens/s over the GPU's dense peak (`PEAK_TFLOPS`, by
-`torch.cuda.get_device_name()`; fp32 runs against its fp32 peak: TF32 is off). A worker process then
-prints `torch.cuda.memory_summary()` before and after the model is built and sharded, and times
+Six settings, each `scripts/train.py` in a fresh process at world size 1 (a process never gives back
+all it reserved): fp32, bf16-mixed, fp32 with full activation checkpointing, fp32 with CPU offload
+(FSDP2's: everything on the host), and fp32 with AdamW's moments on the host (all of them, and the
+last half of the step groups: offload.states=cpu, offload.ratio=0.5). From each run's summary
+(`Summary.read`), metrics and TensorBoard events it reads every rank's peak reserved and allocated
+device memory, both after the step, the model state, the first step's memory at its three phases,
+and tokens/s; beside them, the planner's prediction for the same setting (`scripts/plan.py simulate
+--world-size N --strategy full_shard --json F`, its `peak`) and measured / predicted. MFU is 6 x
+parameters x tokens/s over the GPU's dense peak (`PEAK_TFLOPS`, by `torch.cuda.get_device_name()`;
+fp32 runs against its fp32 peak: TF32 is off). A worker process then prints
+`torch.cuda.memory_summary()` before and after the model is built and sharded, and times
 bench/step_time.py's minimal hand-written `fully_shard` loop (`raw_loop`) against our whole loop
 (fp32, alternating, `REPEATS` times). With 2 GPUs or more it also runs fp32 on 2 ranks over NCCL;
 with one, that part prints why it was skipped.
@@ -71,6 +72,14 @@ SETTINGS = {  # name -> overrides, each on top of plain fp32 ZeRO-3
     "bf16-mixed": ("precision=bf16-mixed",),
     "fp32 + activation checkpointing (full)": ("parallel.activation_checkpointing=full",),
     "fp32 + CPU offload": ("parallel.cpu_offload=true",),
+    # offload.states (issue 45): AdamW's moments on the host, swapped in 64 Mi-element groups around
+    # the device step; all of them, then the last half (Twin-Flow's ratio)
+    "fp32 + optimizer states on the host": ("offload.states=cpu", "optim.step_group_size=67108864"),
+    "fp32 + half the optimizer states on the host": (
+        "offload.states=cpu",
+        "offload.ratio=0.5",
+        "optim.step_group_size=67108864",
+    ),
 }
 # 2 micro-batches of 4 x 1024 tokens; gpt_1b.yaml's 32 takes 4x longer
 GPU_BATCH = ("train.global_batch_size=8",)

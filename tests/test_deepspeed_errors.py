@@ -41,11 +41,46 @@ def _read_text(tmp_path: Path, text: str) -> tuple[list[str], list[str]]:
         ),
         (
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-            "ds_config zero_optimization.offload_param.device='nvme': valid choices: cpu, none",
+            "ds_config zero_optimization.offload_param.device='nvme': parameters on disk are not "
+            "supported under FSDP2, which all-gathers each unit from its resident shard "
+            "(docs/deepspeed.md); valid choices: cpu, none",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
+            "ds_config zero_optimization.offload_param.device='gpu': valid choices: cpu, none",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+            "ds_config zero_optimization.offload_optimizer.device='nvme': needs "
+            "zero_optimization.offload_optimizer.nvme_path, a folder on a local disk",
+        ),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+            "ds_config zero_optimization.offload_optimizer.device='gpu': valid choices: cpu, nvme, "
+            "none",
         ),
         (
             {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
             "ds_config zero_optimization.offload_optimizer.device='cpu': offload needs ZeRO stage 2 or 3",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 0,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+                }
+            },
+            "ds_config zero_optimization.offload_optimizer.device='nvme': offload needs ZeRO stage "
+            "2 or 3 here (FSDP2); zero_optimization.stage=0",
+        ),
+        (
+            {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}},
+            "ds_config zero_optimization.offload_param.device='cpu': offload needs ZeRO stage 2 or 3",
+        ),
+        (
+            {"aio": {"block_size": 1048576, "threads": 4}},
+            "ds_config aio.threads=4: unknown DeepSpeed key; keys of 'aio' read here: "
+            "aio.block_size, aio.queue_depth, aio.thread_count,",
         ),
         (
             {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
@@ -144,6 +179,33 @@ WRONG_KIND = (
             "expected two numbers",
         )
         for value in ("[NaN, 0.9]", "[0.9, 1e400]", "[true, 0.9]", '["0.9", 0.99]', "0.9")
+    ]
+    + [
+        (
+            '{"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": @}}}',
+            value,
+            "zero_optimization.offload_optimizer.ratio",
+            "expected a number in [0, 1]",
+        )
+        for value in ("NaN", "-0.5", "1.5", "true", '"abc"')
+    ]
+    + [
+        (
+            '{"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": @}}}',
+            value,
+            "zero_optimization.offload_optimizer.buffer_count",
+            "expected an integer >= 0",
+        )
+        for value in ("-1", "2.5", "true", '"abc"')
+    ]
+    + [
+        (
+            '{"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": @}}}',
+            value,
+            "zero_optimization.offload_optimizer.nvme_path",
+            "expected a folder's path",
+        )
+        for value in ('""', "3", "true", "[]")
     ]
     + [
         ('{"fp16": {"enabled": @}}', value, "fp16.enabled", "expected true or false")

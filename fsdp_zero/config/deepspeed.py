@@ -3,7 +3,7 @@
 `read_deepspeed` turns the JSON a DeepSpeed user already has into our ``key=value`` overrides
 (applied after ``--config`` and before the command line's own, so those win) and one printed
 line for every key that has no effect here, saying what fsdp-zero does instead. A key DeepSpeed
-does not know, a value we cannot honour (NVMe offload, quantized communication, an optimizer
+does not know, a value we cannot honour (parameters on NVMe, quantized communication, an optimizer
 other than Adam/AdamW), a value of the wrong kind (NaN, a fraction where a count goes) or a
 contradiction (a batch that does not divide) is a ValueError naming the key. ``"auto"`` (which
 only the Hugging Face and Accelerate integrations resolve) means: ours to decide; the batch sizes
@@ -24,7 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_zero.config.ds_values import Convert, bad, choice, flag, is_auto, number, pair, text
+from fsdp_zero.config.choices import StateTier
+from fsdp_zero.config.ds_values import (
+    Convert,
+    bad,
+    choice,
+    flag,
+    folder,
+    is_auto,
+    number,
+    pair,
+    text,
+)
 from fsdp_zero.config.schema import OptimConfig
 from fsdp_zero.config.strategies import ZERO_STAGES, is_fsdp
 
@@ -34,6 +45,13 @@ _STAGES = {stage: strategy.value for stage, strategy in ZERO_STAGES.items()}
 # ``precision.mode=MODE`` (config._apply_aliases).
 _SHORTHAND = {"precision": "precision.mode"}
 
+# What offload_param's NVMe pool sizes stand for here.
+_HOST_SHARDS = "FSDP2's CPU offload keeps every parameter shard in host memory (no NVMe pool)"
+# How offload.states=disk does its I/O (`fsdp_zero.sharding.offload._DiskStore`), for aio's keys.
+_OUR_IO = (
+    "one I/O thread per rank (preadv/pwritev, no libaio), each file synced and dropped from the "
+    "page cache after its group"
+)
 # Keys FSDP2 handles differently or makes unnecessary: what fsdp-zero does instead.
 _NO_EFFECT = {
     "overlap_comm": "FSDP2 overlaps all-gathers and reduce-scatters with compute on its own streams",
@@ -53,13 +71,16 @@ _NO_EFFECT = {
     "ignore_unused_parameters": "FSDP2 handles parameters without gradients",
     "load_from_fp32_weights": "checkpoints hold the fp32 master weights",
     "memory_efficient_linear": "no effect with FSDP2",
-    "offload_optimizer.pin_memory": "pinned on CUDA, unpinned on CPU-only runs",
-    "offload_param.pin_memory": "pinned on CUDA, unpinned on CPU-only runs",
-    "offload_optimizer.buffer_count": "no effect with FSDP2's CPU offload",
-    "offload_optimizer.fast_init": "no effect with FSDP2's CPU offload",
-    "offload_param.buffer_count": "no effect with FSDP2's CPU offload",
-    "offload_param.buffer_size": "no effect with FSDP2's CPU offload",
-    "offload_param.max_in_cpu": "no effect with FSDP2's CPU offload",
+    "offload_optimizer.fast_init": "the states' files are allocated as zeros at start-up",
+    "offload_optimizer.pipeline_read": "the next offload.prefetch groups are always read ahead",
+    "offload_optimizer.pipeline_write": "each group is always written back behind the next step",
+    "offload_optimizer.super_offload": "AdamW steps where its parameters are (device or host)",
+    "offload_optimizer.cpuadam_cores_perc": "torch's AdamW on torch's threads, where on the host",
+    "offload_param.pin_memory": "FSDP2's CPU offload pins the host shards on CUDA",
+    "offload_param.nvme_path": "parameters stay in memory (offload_param.device: cpu or none)",
+    "offload_param.buffer_count": _HOST_SHARDS,
+    "offload_param.buffer_size": _HOST_SHARDS,
+    "offload_param.max_in_cpu": _HOST_SHARDS,
     "fp16.hysteresis": "the scale halves on every overflow (torch's GradScaler)",
     "fp16.min_loss_scale": "no floor: the scale halves on every overflow (torch's GradScaler)",
     "fp16.consecutive_hysteresis": "the scale halves on every overflow (torch's GradScaler)",
@@ -80,6 +101,14 @@ _NO_EFFECT = {
     "optimizer.params.adam_w_mode": "AdamW (decoupled weight decay)",
     "optimizer.params.amsgrad": "AdamW without amsgrad",
     "dump_state": "the resolved config is printed and saved as config.yaml",
+    # DeepSpeed's asynchronous I/O for NVMe offload (libaio, GPUDirect Storage)
+    "aio.block_size": f"each group's file is read and written whole; {_OUR_IO}",
+    "aio.queue_depth": f"one request in flight per rank; {_OUR_IO}",
+    "aio.thread_count": _OUR_IO,
+    "aio.intra_op_parallelism": _OUR_IO,
+    "aio.single_submit": _OUR_IO,
+    "aio.overlap_events": f"reads ahead and writes behind overlap the step; {_OUR_IO}",
+    "aio.use_gds": "no GPUDirect Storage: files go through host buffers (offload.pin_memory)",
 }
 # Keys whose values we cannot honour, with the valid choices.
 _UNSUPPORTED = {
@@ -89,7 +118,6 @@ _UNSUPPORTED = {
     "amp": "apex AMP: not supported; use fp16 or bf16",
     "pipeline": "pipeline parallelism: not supported",
     "sparse_attention": "not supported",
-    "aio": "NVMe offload: not supported",
     "compression_training": "not supported",
     "elasticity": "DeepSpeed elasticity: not supported (see torchrun --max-restarts)",
     "autotuning": "not supported",
@@ -97,15 +125,6 @@ _UNSUPPORTED = {
     "curriculum_learning": "not supported",
 }
 _SCHEDULES = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
-
-
-def _offload_device(key: str, value: Any) -> str | None:
-    """``cpu``, or ``none`` in any case (None: no offload)."""
-    if isinstance(value, str) and value.lower() == "none":
-        return None
-    if value != "cpu":
-        raise bad(key, value, "valid choices: cpu, none (NVMe offload is not supported)")
-    return value
 
 
 @dataclass
@@ -241,17 +260,86 @@ _STAGE = _Rule(
     number(int, choices=_STAGES),
     ", ".join(f"{stage} {name}" for stage, name in _STAGES.items()),
 )
+# Offload. DeepSpeed's offload_optimizer keeps AdamW's states (and steps them, its CPU Adam) in host
+# memory or on NVMe; here they live in offload.states' tier and are swapped onto the device, step
+# group by step group (sub_group_size), for a step there. offload_param is FSDP2's CPU offload:
+# parameters, gradients, AdamW's states and its step on the host.
 _OFFLOAD_OPTIMIZER = _Rule(
     "zero_optimization.offload_optimizer.device",
-    "parallel.cpu_offload",
-    _offload_device,
-    "cpu: shards and the optimizer step on the CPU (FSDP2 offloads parameters too)",
+    "offload.states",
+    choice(
+        {"cpu": StateTier.cpu.value, "nvme": StateTier.disk.value, "none": StateTier.none.value},
+    ),
+    "cpu: AdamW's moments in host memory (ZeRO-Offload); nvme: in a file under nvme_path "
+    "(ZeRO-Infinity); swapped onto the device group by group (sub_group_size) and stepped there; "
+    "cpu with offload_param cpu: parallel.cpu_offload alone, which holds them on the host already",
 )
+_NVME_PATH = _Rule(
+    "zero_optimization.offload_optimizer.nvme_path",
+    "offload.path",
+    folder,
+    "required with nvme: a folder on a local disk; each rank's files in a folder of its own under "
+    "it, removed at the end of the run",
+)
+_RATIO = _Rule(
+    "zero_optimization.offload_optimizer.ratio",
+    "offload.ratio",
+    number(float, min=0, max=1),
+    "the fraction of step groups offloaded, the last ones (Twin-Flow); the others' states stay on "
+    "the device",
+)
+# DeepSpeed's buffer_count counts pinned buffers of one tensor each: its swapper takes 4 a sub-group
+# in flight (the fp32 parameter, exp_avg, exp_avg_sq and the gradient; two sub-groups, 8, under
+# pipeline_read/write: deepspeed/runtime/swap_tensor/partitioned_optimizer_swapper.py). Ours hold a
+# step group's two moments each, offload.prefetch + 1 groups. So buffer_count // 4 groups in flight,
+# at least 2 here (one read ahead): DeepSpeed's default 4 is our default prefetch 1, where
+# buffer_count - 1 would keep 4 groups in flight for DeepSpeed's 1.
+_DS_BUFFERS_PER_GROUP = 4
+
+
+def _prefetch(key: str, value: Any) -> int:
+    """offload.prefetch for DeepSpeed's buffer_count: groups in flight, less the one stepping."""
+    return max(1, number(int, min=0)(key, value) // _DS_BUFFERS_PER_GROUP - 1)
+
+
+_BUFFER_COUNT = _Rule(
+    "zero_optimization.offload_optimizer.buffer_count",
+    "offload.prefetch",
+    _prefetch,
+    f"max(1, buffer_count // {_DS_BUFFERS_PER_GROUP} - 1): DeepSpeed's buffers hold a tensor each, "
+    f"{_DS_BUFFERS_PER_GROUP} a sub-group in flight; ours a group's moments, prefetch + 1 groups",
+)
+_PIN = _Rule(
+    "zero_optimization.offload_optimizer.pin_memory",
+    "offload.pin_memory",
+    flag,
+    "host buffers pinned on CUDA",
+)
+# The settings of offload_optimizer that mean something only with its device cpu or nvme.
+_OFFLOAD_SETTINGS = (_NVME_PATH, _RATIO, _BUFFER_COUNT, _PIN)
+
+
+def _param_device(key: str, value: Any) -> bool:
+    """Whether the parameters go to the host: ``cpu``, or ``none`` (in any case)."""
+    name = value.lower() if isinstance(value, str) else value
+    if name == "nvme":
+        raise bad(
+            key,
+            value,
+            "parameters on disk are not supported under FSDP2, which all-gathers each unit from "
+            "its resident shard (docs/deepspeed.md); valid choices: cpu, none",
+        )
+    if name not in ("cpu", "none"):
+        raise bad(key, value, "valid choices: cpu, none")
+    return name == "cpu"
+
+
 _OFFLOAD_PARAM = _Rule(
     "zero_optimization.offload_param.device",
     "parallel.cpu_offload",
-    _offload_device,
-    "cpu: as offload_optimizer",
+    _param_device,
+    "cpu: FSDP2's CPU offload (parameter shards, gradients, AdamW's states and its step on the "
+    "host); nvme: an error",
 )
 _HPZ = _Rule(
     "zero_optimization.zero_hpz_partition_size",
@@ -287,21 +375,30 @@ def _zero(ds: _Reader) -> list[str]:
 
 
 def _offload(ds: _Reader, stage: int | None) -> list[str]:
-    """FSDP2 has one switch for both of DeepSpeed's offloads, and only its sharded strategies honour it."""
-    parts = [rule for rule in (_OFFLOAD_OPTIMIZER, _OFFLOAD_PARAM) if ds[rule] == "cpu"]
-    if not parts:
-        return []
-    if stage is not None and not is_fsdp(ZERO_STAGES[stage]):
+    """offload_param cpu is parallel.cpu_offload; offload_optimizer cpu or nvme is offload.states
+    cpu or disk with its settings, except cpu under parallel.cpu_offload, which holds AdamW's states
+    on the host already (config.rules refuses the two together). Only the sharded strategies honour
+    either; settings that then mean nothing are noted."""
+    tier, on_host = StateTier(ds[_OFFLOAD_OPTIMIZER] or "none"), bool(ds[_OFFLOAD_PARAM])
+    asked = (
+        _OFFLOAD_OPTIMIZER if tier is not StateTier.none else _OFFLOAD_PARAM if on_host else None
+    )
+    if asked and stage is not None and not is_fsdp(ZERO_STAGES[stage]):
         fsdp = " or ".join(str(s) for s, strategy in ZERO_STAGES.items() if is_fsdp(strategy))
-        raise ds.bad(
-            parts[0].ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {_STAGE.ds}={stage}"
-        )
-    if parts == [_OFFLOAD_OPTIMIZER]:
-        ds.notes.append(
-            "ds_config zero_optimization.offload_optimizer: FSDP2's CPU offload moves the "
-            "parameter shards to host memory too (as offload_param would)"
-        )
-    return ["parallel.cpu_offload=true"]
+        raise ds.bad(asked.ds, f"offload needs ZeRO stage {fsdp} here (FSDP2); {_STAGE.ds}={stage}")
+    why = f"{_OFFLOAD_OPTIMIZER.ds} is {ds.raw(_OFFLOAD_OPTIMIZER.ds) or 'none'}"
+    if tier is StateTier.cpu and on_host:
+        tier = StateTier.none
+        why += f" under {_OFFLOAD_PARAM.ds} cpu (parallel.cpu_offload: the states on the host)"
+    if tier is StateTier.disk and ds[_NVME_PATH] is None:
+        raise ds.bad(_OFFLOAD_OPTIMIZER.ds, f"needs {_NVME_PATH.ds}, a folder on a local disk")
+    used = {StateTier.cpu: _OFFLOAD_SETTINGS[1:], StateTier.disk: _OFFLOAD_SETTINGS}.get(tier, ())
+    for rule in _OFFLOAD_SETTINGS:
+        if (value := ds.raw(rule.ds)) is not None and rule not in used:
+            ds.notes.append(f"ds_config {rule.ds}={json.dumps(value)}: no effect; {why}")
+    out = _OFFLOAD_PARAM.overrides(True) if on_host else []
+    out += _OFFLOAD_OPTIMIZER.overrides(tier.value) if used else []
+    return out + [o for rule in used if (v := ds[rule]) is not None for o in rule.overrides(v)]
 
 
 def _sub_group(key: str, value: Any) -> int:
@@ -316,7 +413,8 @@ _SUB_GROUP = _Rule(
     "optim.step_group_size",
     _sub_group,
     "elements of a rank's shard AdamW steps at once (bit-identical; bounds foreach AdamW's "
-    "temporaries); 0, one tensor at a time, is 1 here",
+    "temporaries), and under offload_optimizer the swap unit: one group's states read, stepped "
+    "and written back at a time; 0, one tensor at a time, is 1 here",
 )
 
 
@@ -515,7 +613,7 @@ TABLE: tuple[_Rule | _Joint, ...] = (
         "gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"
     ),
     _Rule("steps_per_print", "train.log_every", number(int, min=0), "steps between log lines"),
-    _Joint(_zero, (_STAGE, _OFFLOAD_OPTIMIZER, _OFFLOAD_PARAM, _HPZ, _MICS)),
+    _Joint(_zero, (_STAGE, _OFFLOAD_OPTIMIZER, *_OFFLOAD_SETTINGS, _OFFLOAD_PARAM, _HPZ, _MICS)),
     _SUB_GROUP,
     _Joint(_precision, (_FP16, _LOSS_SCALE, _SCALE_POWER, _SCALE_WINDOW, BF16)),
     _Rule(
@@ -557,8 +655,23 @@ TABLE: tuple[_Rule | _Joint, ...] = (
 # The rows, as docs/deepspeed.md lists them.
 _MAPPED = tuple(rule for entry in TABLE for rule in entry.rules)
 _MAPPED_KEYS = {rule.ds for rule in _MAPPED}
-# Sections whose unknown keys are answered with the keys of theirs we read.
-_SECTIONS = tuple(dict.fromkeys(rule.ds.split(".")[0] for rule in _MAPPED if "." in rule.ds))
+
+
+def _sections() -> dict[str, list[str]]:
+    """Each section's keys we read or note, by which its unknown keys are answered. (`_NO_EFFECT`
+    names zero_optimization's keys without it: ``offload_param.max_in_cpu`` is not a section's.)"""
+    keys = [rule.ds for rule in _MAPPED] + list(_NO_EFFECT)
+    nested = {
+        k.split(".")[1] for k in keys if k.startswith("zero_optimization.") and k.count(".") > 1
+    }
+    out: dict[str, list[str]] = {}
+    for key in keys:
+        if "." in key and key.split(".")[0] not in nested:
+            out.setdefault(key.split(".")[0], []).append(key)
+    return out
+
+
+_SECTIONS = _sections()
 
 
 def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
@@ -604,8 +717,7 @@ def _check_keys(flat: dict[str, Any]) -> list[str]:
         if not _known(key):
             section = key.split(".")[0]
             hint = (
-                f"; keys of '{section}' read here: "
-                + ", ".join(rule.ds for rule in _MAPPED if rule.ds.startswith(section + "."))
+                f"; keys of '{section}' read here: " + ", ".join(_SECTIONS[section])
                 if section in _SECTIONS
                 else ""
             )

@@ -1,5 +1,6 @@
-"""How a DeepSpeed value is read: numbers (``"auto"`` included, NaN refused), flags, choices and pairs,
-each a converter that names the key in its error (`fsdp_zero.config.deepspeed`'s rows use them)."""
+"""How a DeepSpeed value is read: numbers (``"auto"`` included, NaN refused), flags, choices,
+folders and pairs, each a converter that names the key in its error (`fsdp_zero.config.deepspeed`'s
+rows use them)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,18 @@ def number(
     kind: type[int] | type[float],
     *,
     min: float | None = None,
+    max: float | None = None,
     choices: Collection[int] | None = None,
 ) -> Convert:
-    """A converter to ``kind``: not a bool, finite, integral for an int, at least ``min``, one of ``choices``."""
+    """A converter to ``kind``: not a bool, finite, integral for an int, in [``min``, ``max``], one
+    of ``choices``."""
+    bounds = f" >= {min}" if min is not None else ""
+    if max is not None:
+        bounds = f" <= {max}" if min is None else f" in [{min}, {max}]"
     valid = (
         f"valid choices: {', '.join(map(str, choices))}"
         if choices is not None
-        else f"expected {'an integer' if kind is int else 'a number'}{f' >= {min}' if min is not None else ''}"
+        else f"expected {'an integer' if kind is int else 'a number'}{bounds}"
     )
 
     def convert(key: str, value: Any) -> int | float:
@@ -71,6 +77,7 @@ def number(
             or not _finite(read)
             or (kind is int and read != int(read))
             or (min is not None and read < min)
+            or (max is not None and read > max)
             or (choices is not None and read not in choices)
         ):
             # "32" where DeepSpeed wants 32
@@ -118,6 +125,13 @@ def choice(options: dict[str, str], valid: str = "", *, fold_case: bool = True) 
         return options[name]
 
     return convert
+
+
+def folder(key: str, value: Any) -> str:
+    """A folder's path: a non-empty string (whether it exists, `fsdp_zero.config.schema` checks)."""
+    if not isinstance(value, str) or not value.strip():
+        raise bad(key, value, "expected a folder's path")
+    return value
 
 
 def pair(key: str, value: Any) -> list[int | float]:

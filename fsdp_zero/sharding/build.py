@@ -359,7 +359,7 @@ def build(
         cfg.optim,
         ctx.state_device(),
         zero1=STRATEGIES[cfg.parallel.strategy].zero_redundancy_optimizer,
-        cut_groups=ctx.cuts_groups(),
+        whole_groups=ctx.cuts_groups(),
     )
     # where its states live (offload.states): the optimizer the step calls
     for lever in ctx.at(Stage.OPTIMIZER):

@@ -107,7 +107,8 @@ class Lever:
     # the values `plan.py fit` searches (`fsdp_zero.tools.candidates`); () where it searches none
     search: tuple[object, ...] = ()
     fills_base: bool = False  # the base weights come from the lever (a file), not the initialiser
-    # the optimizer's groups are cut into step groups whatever its implementation (its swap units)
+    # it cuts the optimizer's step groups itself (its swap units, a tensor across groups): the
+    # optimizer's two groups are left whole
     cuts_groups: bool = False
     after_optimizer: Callable[[Any, torch.optim.Optimizer, nn.Module], None] | None = None
     # what `Built` reads, given (made, ...)
@@ -165,8 +166,7 @@ class BuildContext:
         return torch.device("cpu") if on_host else self.env.device
 
     def cuts_groups(self) -> bool:
-        """Whether a lever needs the optimizer's step groups cut under any AdamW implementation (the
-        offloaded states' swap units)."""
+        """Whether a lever cuts the optimizer's step groups itself (offload.states' swap units)."""
         return any(BY_NAME[name].cuts_groups for name in self.made)
 
     def fills_base(self) -> bool:
@@ -292,6 +292,7 @@ def _tiered(optimizer: torch.optim.Optimizer, model: nn.Module, ctx: BuildContex
         optimizer,
         tier,
         ratio=ratio,
+        group_size=STEP_GROUPS.value(ctx.cfg),
         folder=path,
         rank=ctx.env.rank,
         prefetch=prefetch,

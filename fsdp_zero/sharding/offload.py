@@ -1,25 +1,29 @@
 """Optimizer states off the device (``offload.states``): AdamW's moments kept in host memory
-(ZeRO-Offload) or in files on a local disk (ZeRO-Infinity for optimizer states), for all of
-``optim.step_group_size``'s groups or the last ``offload.ratio`` of them (DeepSpeed's Twin-Flow),
-while the parameters, the gradients and the step stay on the device.
+(ZeRO-Offload) or in a file on a local disk (ZeRO-Infinity for optimizer states), for all of the
+step groups or the last ``offload.ratio`` of them (DeepSpeed's Twin-Flow), while the parameters,
+the gradients and the step stay on the device.
 
-    tiered = TieredOptimizer(adamw, StateTier.disk, ratio=0.5, folder="/nvme/swap", rank=0,
-                             prefetch=1, pin_memory=True)
+    tiered = TieredOptimizer(adamw, StateTier.disk, ratio=0.5, group_size=2**23,
+                             folder="/nvme/swap", rank=0, prefetch=1, pin_memory=True)
     tiered.step()              # each group: its states swapped in, stepped, written back
 
-The unit of a swap is a step group: AdamW's update is elementwise and per tensor, so stepping the
-groups one after another with their states brought in gives the same bits as the in-memory step
-over the same groups (`fsdp_zero.sharding.optim`'s bounded step). One I/O thread reads the next
-``prefetch`` offloaded groups ahead of the one stepping and writes each back behind it, in one
-queue, through ``prefetch + 1`` buffers: nothing but those groups is resident. The disk tier's
-reads and writes go around the page cache's keeping (each file synced and dropped from it after
-use), so the cache does not stand in for the memory saved. Files live in a folder of the rank's own
-under ``offload.path``, removed when the optimizer is closed or the process exits; a killed run's
-files are never read again (a resume loads the states from its checkpoint into fresh files).
+The unit of a swap is a step group: ``optim.step_group_size`` consecutive local elements of the
+rank's shard, a large tensor cut across groups as DeepSpeed's flat sub-groups are (0: each AdamW
+parameter group whole). AdamW's update is elementwise, and each piece of a tensor keeps its own
+copy of the tensor's step count, so stepping the groups one after another with their states
+brought in gives the bits of AdamW's own step (`torch.optim.adamw.adamw`, the function its
+``step`` calls, over views of the same elements). One I/O thread reads the next ``prefetch``
+offloaded groups ahead of the one stepping and writes each back behind it, in one queue, through
+``prefetch + 1`` buffers of one group: nothing else of the tier is resident. The disk tier's reads
+and writes go around the page cache's keeping (its file synced and dropped from it after each
+group), so the cache does not stand in for the memory saved. The file lives in a folder of the
+rank's own under ``offload.path``, removed when the optimizer is closed; a killed run's folder is
+never read again (a resume loads the states from its checkpoint into a fresh file).
 
-The checkpoint part (`TieredState`) gives DCP the states where they live (device tensors, views of
-the host buffers, memory maps of the files) under the same keys as torch's optimizer state dict, so
-checkpoints move freely between runs with and without offload, at any world size.
+A store (host memory, the file) holds each of its parameters' two moments whole and contiguous, so
+the checkpoint part (`TieredState`) gives DCP every state where it lives (a device tensor, a view
+of the host buffer, a memory map of the file) under torch's optimizer-state keys: checkpoints move
+freely between runs with and without offload, at any world size.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_zero.config.choices import StateTier
@@ -45,8 +50,9 @@ from fsdp_zero.distributed.env import fault_point
 from fsdp_zero.torch_private import is_fake
 
 MIB = 2**20
-_ALIGN = 64  # each state tensor starts on a 64-byte boundary of its group's buffer
-_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments: what moves; its step counts stay resident
+_ALIGN = 64  # each moment starts on a 64-byte boundary of its store and of a group's buffer
+_CUT = 64  # a tensor cut across groups is cut at a multiple of this many elements
+_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's moments: what moves; the step counts stay resident
 
 
 def offloaded_from(groups: int, ratio: float) -> int:
@@ -59,49 +65,70 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 @dataclass
-class _Slot:
-    """One state tensor's place in its group's buffer."""
+class _Piece:
+    """Local elements ``start:end`` of ``param`` (its shard, flattened), with their own step count."""
 
     param: nn.Parameter
-    key: str
-    offset: int
-    nbytes: int
+    start: int
+    end: int
+    step: torch.Tensor | None = None
 
 
 @dataclass
 class SwapGroup:
-    """One step group: its AdamW parameter group, where its states live, and their layout in its
-    buffer (each parameter's moments, in order)."""
+    """One step group: the AdamW parameter group whose settings it steps with, its pieces, its tier
+    by Twin-Flow's order (none: the device), and the byte ranges its stored pieces' moments take in
+    the store and in a buffer (``nbytes``: what one read or write of it moves)."""
 
     index: int
     group: dict[str, Any]
     tier: StateTier
-    slots: list[_Slot] = field(default_factory=list)
-    nbytes: int = 0
+    pieces: list[_Piece] = field(default_factory=list)
+    # (store offset, buffer offset, bytes) of each stored piece's moment, in order
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    nbytes: int = 0  # the buffer it needs (each moment's slice 64-byte aligned)
 
-    def lay_out(self) -> None:
-        offset = 0
-        for p in self.group["params"]:
-            local = _local(p)
-            for key in _KEYS:
-                nbytes = local.numel() * local.element_size()
-                self.slots.append(_Slot(p, key, offset, nbytes))
-                offset += -(-nbytes // _ALIGN) * _ALIGN
-        self.nbytes = offset
+    @property
+    def numel(self) -> int:
+        """Local elements it steps."""
+        return sum(p.end - p.start for p in self.pieces)
+
+    @property
+    def moved(self) -> int:
+        """Bytes one read (or write) of its stored moments moves."""
+        return sum(n for _, _, n in self.ranges)
 
 
-def _state_view(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
-    """``slot``'s state as a tensor over ``buffer``'s bytes, shaped (and, for a DTensor parameter,
-    placed) as its parameter, as AdamW's ``zeros_like(p)`` would be."""
-    p = slot.param
-    local = _local(p)
-    view = buffer[slot.offset : slot.offset + slot.nbytes].view(local.dtype).view(local.shape)
-    if isinstance(p, DTensor):
-        return DTensor.from_local(
-            view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
-    return view
+def cut_groups(param_groups: list[dict[str, Any]], size: int) -> list[tuple[dict, list[_Piece]]]:
+    """Each AdamW parameter group's trainable local elements, in order, cut into step groups of at
+    most ``size`` (a tensor cut across groups at a multiple of 64 elements; 0: each group whole)."""
+    out: list[tuple[dict, list[_Piece]]] = []
+    for group in param_groups:
+        pieces: list[_Piece] = []
+        room = size
+        for p in group["params"]:
+            n, start = _local(p).numel(), 0
+            while start < n:
+                if size and room < size and room < min(n - start, _CUT):
+                    out.append((group, pieces))  # no room for a whole cut: the next group
+                    pieces, room = [], size
+                take = n - start if not size else min(n - start, room)
+                if size and start + take < n:
+                    take -= take % _CUT
+                pieces.append(_Piece(p, start, start + take))
+                start += take
+                room -= take if size else 0
+                if size and room == 0:
+                    out.append((group, pieces))
+                    pieces, room = [], size
+        if pieces:
+            out.append((group, pieces))
+    return out
 
 
 @dataclass
@@ -129,48 +156,18 @@ class _Buffer:
         )
 
 
-class _HostStore:
-    """The cpu tier: each offloaded group's states in one host buffer (pinned on CUDA), copied into
-    a device buffer for its step and back after it."""
-
-    def __init__(self, groups: list[SwapGroup], device: torch.device, pin: bool) -> None:
-        pin = pin and device.type == "cuda"
-        self.host = {
-            g.index: torch.zeros(g.nbytes, dtype=torch.uint8, pin_memory=pin) for g in groups
-        }
-        self.nbytes = sum(g.nbytes for g in groups)
-
-    def read(self, g: SwapGroup, buf: _Buffer, traffic: Traffic) -> None:
-        _copy(buf.device[: g.nbytes], self.host[g.index])
-        traffic.host_to_device += g.nbytes
-
-    def write(self, g: SwapGroup, buf: _Buffer, traffic: Traffic) -> None:
-        _copy(self.host[g.index], buf.device[: g.nbytes])
-        traffic.device_to_host += g.nbytes
-
-    def view(self, g: SwapGroup) -> torch.Tensor:
-        return self.host[g.index]
-
-    def loaded(self) -> None:
-        """Nothing to do: DCP loaded into the host buffers themselves."""
-
-    def close(self) -> None:
-        self.host.clear()
-
-    def bytes(self) -> tuple[int, int]:
-        """(host, disk) bytes this store holds."""
-        return self.nbytes, 0
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, finished when it returns (on CUDA: on this thread's side stream)."""
-    if dst.is_cuda or src.is_cuda:
-        stream = _side_stream(dst.device if dst.is_cuda else src.device)
-        with torch.cuda.stream(stream):
+def _copies(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each pair, finished when it returns (on CUDA: on a side stream)."""
+    cuda = [d if d.is_cuda else s for d, s in pairs if d.is_cuda or s.is_cuda]
+    if not cuda:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    stream = _side_stream(cuda[0].device)
+    with torch.cuda.stream(stream):
+        for dst, src in pairs:
             dst.copy_(src, non_blocking=True)
-        stream.synchronize()
-    else:
-        dst.copy_(src)
+    stream.synchronize()
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -182,6 +179,37 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
+class _HostStore:
+    """The cpu tier: its parameters' moments in one host buffer (pinned on CUDA), each group's
+    copied into a device buffer for its step and back after it."""
+
+    def __init__(self, nbytes: int, device: torch.device, pin: bool) -> None:
+        pin = pin and device.type == "cuda"
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.nbytes = nbytes
+
+    def read(self, g: SwapGroup, buf: _Buffer, traffic: Traffic) -> None:
+        _copies([(buf.device[b : b + n], self.host[s : s + n]) for s, b, n in g.ranges])
+        traffic.host_to_device += g.moved
+
+    def write(self, g: SwapGroup, buf: _Buffer, traffic: Traffic) -> None:
+        _copies([(self.host[s : s + n], buf.device[b : b + n]) for s, b, n in g.ranges])
+        traffic.device_to_host += g.moved
+
+    def view(self) -> torch.Tensor:
+        return self.host
+
+    def loaded(self) -> None:
+        """Nothing to do: DCP loaded into the host buffer itself."""
+
+    def close(self) -> None:
+        self.host = torch.empty(0, dtype=torch.uint8)
+
+    def bytes(self) -> tuple[int, int]:
+        """(host, disk) bytes this store holds."""
+        return self.nbytes, 0
+
+
 def _drop_cache(fd: int) -> None:
     """The file's pages out of the page cache (synced first: dirty pages are not dropped)."""
     os.fdatasync(fd)
@@ -189,101 +217,95 @@ def _drop_cache(fd: int) -> None:
 
 
 class _DiskStore:
-    """The disk tier: each offloaded group's states in a file of its own, in a folder this rank
-    makes under ``root`` (removed by `close`, or when the process exits)."""
+    """The disk tier: its parameters' moments in one file, in a folder this rank makes under
+    ``root`` (removed by `close`, or when the interpreter exits normally)."""
 
-    def __init__(self, groups: list[SwapGroup], root: str, rank: int) -> None:
-        need = sum(g.nbytes for g in groups)
+    def __init__(self, nbytes: int, root: str, rank: int) -> None:
         free = shutil.disk_usage(root).free
-        if free < need:
+        if free < nbytes:
             raise ValueError(
                 f"offload.path={root!r}: {free / MIB:,.0f} MiB free, and rank {rank}'s optimizer "
-                f"states need {need / MIB:,.0f} MiB there"
+                f"states need {nbytes / MIB:,.0f} MiB there"
             )
         self.folder = tempfile.mkdtemp(prefix=f"fsdp_zero-states-rank{rank}-", dir=root)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, True)
-        self.fds: dict[int, int] = {}
-        self.sizes = {g.index: g.nbytes for g in groups}
-        for g in groups:
-            fd = os.open(self._file(g.index), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.posix_fallocate(fd, 0, max(g.nbytes, 1))  # zeros, and the space taken now
-            self.fds[g.index] = fd
-        self._maps: dict[int, np.memmap] = {}
+        self.file = os.path.join(self.folder, "states.bin")
+        self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.posix_fallocate(self.fd, 0, max(nbytes, 1))  # zeros, and the space taken now
+        self.nbytes = nbytes
+        self._map: np.memmap | None = None
         self.writes = 0  # groups written so far
 
-    def _file(self, index: int) -> str:
-        return os.path.join(self.folder, f"group{index:05d}.bin")
-
     def read(self, g: SwapGroup, buf: _Buffer, traffic: Traffic) -> None:
-        view = memoryview(buf.host[: g.nbytes].numpy()).cast("B")
-        fd, done = self.fds[g.index], 0
-        while done < g.nbytes:
-            n = os.preadv(fd, [view[done:]], done)
-            if n <= 0:
-                raise OSError(f"{self._file(g.index)}: {g.nbytes - done} bytes missing")
-            done += n
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        traffic.disk_read += g.nbytes
+        host = memoryview(buf.host.numpy()).cast("B")
+        for s, b, n in g.ranges:
+            done = 0
+            while done < n:
+                got = os.preadv(self.fd, [host[b + done : b + n]], s + done)
+                if got <= 0:
+                    raise OSError(f"{self.file}: {n - done} bytes missing at {s + done}")
+                done += got
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        traffic.disk_read += g.moved
         if buf.host is not buf.device:
-            _copy(buf.device[: g.nbytes], buf.host[: g.nbytes])
-            traffic.host_to_device += g.nbytes
+            _copies([(buf.device[b : b + n], buf.host[b : b + n]) for _, b, n in g.ranges])
+            traffic.host_to_device += g.moved
 
     def write(self, g: SwapGroup, buf: _Buffer, traffic: Traffic) -> None:
         if buf.host is not buf.device:
-            _copy(buf.host[: g.nbytes], buf.device[: g.nbytes])
-            traffic.device_to_host += g.nbytes
-        view = memoryview(buf.host[: g.nbytes].numpy()).cast("B")
-        fd, done = self.fds[g.index], 0
+            _copies([(buf.host[b : b + n], buf.device[b : b + n]) for _, b, n in g.ranges])
+            traffic.device_to_host += g.moved
+        host = memoryview(buf.host.numpy()).cast("B")
         self.writes += 1
-        while done < g.nbytes:
-            half = max(g.nbytes // 2, 1) if done == 0 else g.nbytes
-            done += os.pwritev(fd, [view[done:half]], done)
-            fault_point("offload_write", self.writes)  # (a test's kill with a group half written)
-        _drop_cache(fd)
-        traffic.disk_written += g.nbytes
+        for i, (s, b, n) in enumerate(g.ranges):
+            done = 0
+            while done < n:
+                done += os.pwritev(self.fd, [host[b + done : b + n]], s + done)
+            if i == len(g.ranges) // 2:
+                fault_point("offload_write", self.writes)  # (a test's kill, the group half written)
+        _drop_cache(self.fd)
+        traffic.disk_written += g.moved
 
-    def view(self, g: SwapGroup) -> torch.Tensor:
-        """The group's file mapped into memory (file pages, not this process's own), for DCP to
-        read from at a save and write into at a load."""
-        mapped = np.memmap(self._file(g.index), dtype=np.uint8, mode="r+", shape=(g.nbytes,))
-        self._maps[g.index] = mapped  # (kept until the next save or load settles)
-        return torch.from_numpy(mapped)
+    def view(self) -> torch.Tensor:
+        """The file mapped into memory (file pages, not this process's own), for DCP to read from
+        at a save and write into at a load; kept until the next save or load settles."""
+        self._map = np.memmap(self.file, dtype=np.uint8, mode="r+", shape=(max(self.nbytes, 1),))
+        return torch.from_numpy(self._map)
 
     def loaded(self) -> None:
-        """After DCP wrote the loaded states into the maps: each flushed to its file, unmapped, and
-        dropped from the page cache."""
-        for mapped in self._maps.values():
-            mapped.flush()
-        self._maps.clear()
-        for fd in self.fds.values():
-            _drop_cache(fd)
+        """After DCP wrote the loaded states into the map: flushed, unmapped, dropped from the page
+        cache."""
+        if self._map is not None:
+            self._map.flush()
+            self._map = None
+        _drop_cache(self.fd)
 
     def close(self) -> None:
-        self._maps.clear()
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self._cleanup()
 
     def bytes(self) -> tuple[int, int]:
-        return 0, sum(self.sizes.values())
+        return 0, self.nbytes
 
 
 class _CountingStore:
     """The store of a simulated build (fake parameters: `fsdp_zero.tools.planner`,
-    `fsdp_zero.tools.formulas.rank_tiers`): no host memory and no files, only the bytes the tier would hold.
-    Nothing moves (a plan reads `TieredOptimizer.traffic_formula`)."""
+    `fsdp_zero.tools.formulas.rank_tiers`): no host memory and no files, only the bytes the tier
+    would hold. Nothing moves (a plan reads `TieredOptimizer.traffic_formula`)."""
 
-    def __init__(self, groups: list[SwapGroup], tier: StateTier) -> None:
-        self.tier, self.nbytes = tier, sum(g.nbytes for g in groups)
+    def __init__(self, nbytes: int, tier: StateTier) -> None:
+        self.tier, self.nbytes = tier, nbytes
 
     def read(self, g: SwapGroup, buf: _Buffer, traffic: Traffic) -> None:
         """Nothing to read: the buffer's (fake) bytes stand for the states."""
 
     write = read
 
-    def view(self, g: SwapGroup) -> torch.Tensor:
-        return torch.empty(g.nbytes, dtype=torch.uint8, device="meta")
+    def view(self) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device="meta")
 
     def loaded(self) -> None:
         """Nothing to settle."""
@@ -295,39 +317,47 @@ class _CountingStore:
 
 
 def round_trip_seconds(
-    tier: StateTier, nbytes: int, device: torch.device, folder: str | None
+    tier: StateTier, nbytes: int, device: torch.device, folder: str | None, repeats: int = 2
 ) -> float:
     """Seconds one group of ``nbytes`` takes to go down ``tier`` and back through the stores' own
-    code: the cpu tier's copies from a ``device`` buffer to pinned host memory (on CUDA) and back,
-    the disk tier's write (synced, dropped from the page cache) and read of a file in a folder of
-    its own under ``folder``, removed after. What `fsdp_zero.tools.rates.probe_bandwidths` times."""
-    g = SwapGroup(0, {"params": []}, tier, nbytes=nbytes)
+    code, the shortest of ``repeats`` round trips after an untimed one (its pages first touched):
+    the cpu tier's copies from a ``device`` buffer to pinned host memory (on CUDA) and back, the
+    disk tier's write (synced, dropped from the page cache) and read of a file in a folder of its
+    own under ``folder``, removed after. What `fsdp_zero.tools.rates.probe_bandwidths` times."""
+    g = SwapGroup(0, {"params": []}, tier, ranges=[(0, 0, nbytes)], nbytes=nbytes)
     disk = tier is StateTier.disk
     buf = _Buffer(nbytes, torch.device("cpu") if disk else device, False, pin=True)
     assert folder is not None or not disk, "the disk tier writes under a folder"
-    store = _DiskStore([g], folder, 0) if disk else _HostStore([g], device, pin=True)
+    store = _DiskStore(nbytes, folder, 0) if disk else _HostStore(nbytes, device, pin=True)
+    times = []
     try:
-        start = time.perf_counter()
-        store.write(g, buf, Traffic())
-        store.read(g, buf, Traffic())
-        return time.perf_counter() - start
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            store.write(g, buf, Traffic())
+            store.read(g, buf, Traffic())
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
     finally:
         store.close()
 
 
 class TieredOptimizer:
-    """An AdamW (torch's, built by `fsdp_zero.sharding.optim.build_optimizer`) whose states live in
-    ``tier`` for the last ``ratio`` of its step groups: `step` steps the groups one after another,
-    each offloaded group's states read into a buffer in flight, stepped on the device, written back.
+    """An AdamW (torch's, built by `fsdp_zero.sharding.optim.build_optimizer`) whose moments live
+    in ``tier`` for the parameters of the last ``ratio`` of its step groups: `step` steps the groups
+    one after another, each offloaded group's moments read into a buffer in flight, stepped on the
+    device, written back.
 
     It is what the training step calls as its optimizer (``step``, ``zero_grad``, ``param_groups``
     for the learning rate and the gradient scaler); `TieredState` is its checkpoint part.
 
     Args:
-        optimizer: the AdamW, before its first step, its groups cut into step groups
-            (`fsdp_zero.sharding.optim.build_optimizer`'s ``cut_groups``): the swap units.
-        tier: where the offloaded groups' states live (`StateTier.cpu` or `StateTier.disk`).
-        ratio: the fraction of step groups offloaded, the last ones (Twin-Flow).
+        optimizer: the AdamW, before its first step: its parameter groups' settings, learning
+            rates and elements.
+        tier: where the offloaded moments live (`StateTier.cpu` or `StateTier.disk`).
+        ratio: the fraction of step groups offloaded, the last ones (Twin-Flow); a tensor with a
+            piece in an offloaded group is held by the tier whole.
+        group_size: local elements per step group (``optim.step_group_size``; 0: each AdamW
+            parameter group whole).
         folder: the disk tier's ``offload.path``.
         rank: this rank (its folder's name).
         prefetch: offloaded groups read ahead of the one stepping.
@@ -340,33 +370,39 @@ class TieredOptimizer:
         tier: StateTier,
         *,
         ratio: float,
+        group_size: int,
         folder: str | None,
         rank: int,
         prefetch: int,
         pin_memory: bool,
     ) -> None:
         self.optimizer, self.tier = optimizer, StateTier(tier)
-        cut = optimizer.param_groups
+        cut = cut_groups(optimizer.param_groups, group_size)
         first = offloaded_from(len(cut), ratio)
         self.groups = [
-            SwapGroup(i, g, self.tier if i >= first else StateTier.none) for i, g in enumerate(cut)
+            SwapGroup(i, group, self.tier if i >= first else StateTier.none, pieces)
+            for i, (group, pieces) in enumerate(cut)
         ]
-        for g in self.groups:
-            g.lay_out()
-        self.offloaded = [g for g in self.groups if g.tier is not StateTier.none]
-        params = [p for g in self.groups for p in g.group["params"]]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         self.device = params[0].device if params else torch.device("cpu")
-        self._init_states()
+        held = {
+            id(pc.param) for g in self.groups if g.tier is not StateTier.none for pc in g.pieces
+        }
+        self.stored = [p for p in params if id(p) in held]
+        nbytes = self._lay_out()
+        self._init_states(params)
+        self.io = [g for g in self.groups if g.ranges]  # the groups whose moments move
+        self.offloaded = [g for g in self.groups if g.tier is not StateTier.none]
         self.store: _HostStore | _DiskStore | _CountingStore
         if params and is_fake(_local(params[0])):  # a plan's simulated build
-            self.store = _CountingStore(self.offloaded, self.tier)
+            self.store = _CountingStore(nbytes, self.tier)
         elif self.tier is StateTier.disk:
             assert folder is not None, "config.rules asks for offload.path with the disk tier"
-            self.store = _DiskStore(self.offloaded, folder, rank)
+            self.store = _DiskStore(nbytes, folder, rank)
         else:
-            self.store = _HostStore(self.offloaded, self.device, pin_memory)
-        largest = max((g.nbytes for g in self.offloaded), default=0)
-        count = min(prefetch + 1, len(self.offloaded))
+            self.store = _HostStore(nbytes, self.device, pin_memory)
+        largest = max((g.nbytes for g in self.io), default=0)
+        count = min(prefetch + 1, len(self.io))
         staging = self.tier is StateTier.disk
         self.buffers = [_Buffer(largest, self.device, staging, pin_memory) for _ in range(count)]
         self._traffic = Traffic()  # the last step's (its writes may still be going on)
@@ -384,8 +420,8 @@ class TieredOptimizer:
 
     @property
     def state(self) -> dict[nn.Parameter, dict[str, Any]]:
-        """The states resident with the parameters (every group's step counts; the moments of the
-        groups left on the device): what the memory tracker counts as the device's."""
+        """The states resident with the parameters (every parameter's step count; the moments of
+        those the tier does not hold): what the memory tracker counts as the device's."""
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -405,29 +441,27 @@ class TieredOptimizer:
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
-        """Each step group in order: the device's stepped as they are; an offloaded one's states
-        waited for (read ahead), stepped, queued to be written back, and its buffer queued to read
-        the next group ``prefetch`` ahead."""
+        """Each step group in order: its moments on the device stepped as they are; a group with
+        moments in the tier waited for (read ahead), stepped, queued to be written back, and its
+        buffer queued to read the next such group ``prefetch`` ahead."""
         assert closure is None, "no closure: the training step computes the loss"
         for hook in list(self._pre_hooks.values()):
             hook(self, (), {})
         self._traffic = Traffic()
-        queue = collections.deque(self.offloaded)
+        queue = collections.deque(self.io)
         inflight: collections.deque[tuple[SwapGroup, _Buffer, Future]] = collections.deque()
         for buf in self.buffers:
             if queue:
                 g = queue.popleft()
                 inflight.append((g, buf, self._submit(self.store.read, g, buf)))
         for g in self.groups:
-            if g.tier is StateTier.none:
-                self._step_one(g)
+            if not g.ranges:
+                self._step_one(g, None)
                 continue
             ready, buf, future = inflight.popleft()
             assert ready is g, "groups are read in the order they step"
             future.result()
-            self._attach(g, buf.device)
-            self._step_one(g)
-            self._detach(g)
+            self._step_one(g, buf.device)
             if buf.device.is_cuda:
                 torch.cuda.current_stream(buf.device.device).synchronize()
             self._last = self._submit(self.store.write, g, buf)
@@ -449,14 +483,10 @@ class TieredOptimizer:
         self.store.close()
 
     def resident(self) -> dict[str, int]:
-        """This rank's offloaded state bytes by where they live ({"host": ..., "disk": ...}) and
-        the buffers in flight ("buffers")."""
+        """This rank's offloaded moments' bytes by where they live ({"host": ..., "disk": ...})
+        and the buffers in flight ("buffers")."""
         host, disk = self.store.bytes()
-        return {
-            "host": host,
-            "disk": disk,
-            "buffers": sum(b.device.numel() for b in self.buffers),
-        }
+        return {"host": host, "disk": disk, "buffers": sum(b.device.numel() for b in self.buffers)}
 
     def traffic(self) -> Traffic:
         """What the last step moved, counted by the I/O thread (its writes waited for)."""
@@ -464,34 +494,35 @@ class TieredOptimizer:
         return self._traffic
 
     def traffic_formula(self) -> Traffic:
-        """What a step moves: each offloaded group's bytes read once and written once; by the cpu
-        tier between host and device, by the disk tier from and to its files (and, on an
-        accelerator, through host staging buffers)."""
+        """What a step moves: every stored moment read once and written once; by the cpu tier
+        between host and device, by the disk tier from and to its file (and, on an accelerator,
+        through host staging buffers)."""
         b = self.offloaded_bytes()
         copies = b if self.tier is StateTier.cpu or self.device.type != "cpu" else 0
         disk = b if self.tier is StateTier.disk else 0
         return Traffic(copies, copies, disk, disk)
 
     def on_device(self) -> int:
-        """Bytes of AdamW's moments that stay with the parameters (the groups left on the device)."""
+        """Bytes of AdamW's moments that stay with the parameters (those the tier does not hold)."""
+        held = {id(p) for p in self.stored}
         return sum(
             2 * _local(p).numel() * _local(p).element_size()
-            for g in self.groups
-            if g.tier is StateTier.none
-            for p in g.group["params"]
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if id(p) not in held
         )
 
     def offloaded_bytes(self) -> int:
-        """Bytes of AdamW's moments in the tier (what each step reads and writes back once)."""
-        return sum(g.nbytes for g in self.offloaded)
+        """Bytes of AdamW's moments in the tier: what each step reads, and writes back, once."""
+        return sum(g.moved for g in self.io)
 
     def describe(self) -> str:
         """Where the states live, for the start-up line."""
         n, k = len(self.groups), len(self.offloaded)
         where = (
-            f"in files under {self.store.folder}"
+            f"in a file under {self.store.folder}"
             if isinstance(self.store, _DiskStore)
-            else {StateTier.cpu: "in host memory", StateTier.disk: "in files"}[self.tier]
+            else {StateTier.cpu: "in host memory", StateTier.disk: "in a file"}[self.tier]
         )
         return (
             f"AdamW's moments of the last {k} of {n} step groups, "
@@ -505,47 +536,102 @@ class TieredOptimizer:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _submit(self, fn: Callable[..., None], g: SwapGroup, buf: _Buffer) -> Future:
-        return self._io.submit(fn, g, buf, self._traffic)
-
-    def _step_one(self, g: SwapGroup) -> None:
-        groups = self.optimizer.param_groups
-        self.optimizer.param_groups = [g.group]
-        try:
-            self.optimizer.step()
-        finally:
-            self.optimizer.param_groups = groups
-
-    def _attach(self, g: SwapGroup, buffer: torch.Tensor) -> None:
-        for slot in g.slots:
-            self.optimizer.state[slot.param][slot.key] = _state_view(buffer, slot)
-
-    def _detach(self, g: SwapGroup) -> None:
-        for slot in g.slots:
-            del self.optimizer.state[slot.param][slot.key]
-
-    def _init_states(self) -> None:
-        """Every parameter's step count (as AdamW makes it), and the moments of the device's
-        groups, at zero: AdamW's lazy start, made before the first step so that a checkpoint can
-        load into them (the offloaded groups' zeros are their stores')."""
+    def _lay_out(self) -> int:
+        """Each stored parameter's two moments whole and contiguous in the store, and each group's
+        ranges: its stored pieces' slices of them, one after another in a buffer. The store's
+        bytes."""
+        self.offsets: dict[int, tuple[int, int]] = {}  # id(param): (exp_avg's, exp_avg_sq's)
+        offset = 0
+        for p in self.stored:
+            nbytes = _aligned(_local(p).numel() * _local(p).element_size())
+            self.offsets[id(p)] = (offset, offset + nbytes)
+            offset += 2 * nbytes
         for g in self.groups:
-            fused_or_capturable = g.group.get("fused") or g.group.get("capturable")
-            for p in g.group["params"]:
-                state = self.optimizer.state[p]
-                state["step"] = (
-                    torch.zeros((), dtype=torch.float32, device=p.device)
-                    if fused_or_capturable
+            at = 0
+            for pc in g.pieces:
+                if id(pc.param) not in self.offsets:
+                    continue
+                size = _local(pc.param).element_size()
+                for base in self.offsets[id(pc.param)]:
+                    n = (pc.end - pc.start) * size
+                    g.ranges.append((base + pc.start * size, at, n))
+                    at += _aligned(n)
+            g.nbytes = at
+        return offset
+
+    def _init_states(self, params: list[nn.Parameter]) -> None:
+        """Each piece's step count (as AdamW makes a tensor's: the first piece's is the tensor's
+        in ``state``), and the moments of the parameters the tier does not hold, at zero: AdamW's
+        lazy start, made before the first step so that a checkpoint can load into them."""
+        for g in self.groups:
+            on_device = g.group.get("fused") or g.group.get("capturable")
+            for pc in g.pieces:
+                pc.step = (
+                    torch.zeros((), dtype=torch.float32, device=pc.param.device)
+                    if on_device
                     else torch.tensor(0.0, dtype=torch.float32)
                 )
-                if g.tier is StateTier.none:
-                    for key in _KEYS:
-                        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state = self.optimizer.state[pc.param]
+                state.setdefault("step", pc.step)
+        for p in params:
+            if id(p) not in self.offsets:
+                for key in _KEYS:
+                    self.optimizer.state[p][key] = torch.zeros_like(p)
+
+    def _moments(self, g: SwapGroup, buffer: torch.Tensor | None) -> list[list[torch.Tensor]]:
+        """(exp_avgs, exp_avg_sqs) of ``g``'s pieces: slices of the buffer its stored ones were read
+        into, or of the moments on the device."""
+        out: list[list[torch.Tensor]] = [[], []]
+        ranges = iter(g.ranges)
+        for pc in g.pieces:
+            dtype = _local(pc.param).dtype
+            for k, key in enumerate(_KEYS):
+                if id(pc.param) in self.offsets:
+                    _, b, n = next(ranges)
+                    out[k].append(buffer[b : b + n].view(dtype))
+                else:
+                    whole = _local(self.optimizer.state[pc.param][key]).view(-1)
+                    out[k].append(whole[pc.start : pc.end])
+        return out
+
+    def _step_one(self, g: SwapGroup, buffer: torch.Tensor | None) -> None:
+        """AdamW's step (torch's, as `torch.optim.AdamW.step` calls it) over ``g``'s pieces that
+        have gradients, with the group's settings."""
+        exp_avgs, exp_avg_sqs = self._moments(g, buffer)
+        live = [i for i, pc in enumerate(g.pieces) if pc.param.grad is not None]
+        if not live:
+            return
+        pieces = [g.pieces[i] for i in live]
+        s = g.group
+        beta1, beta2 = s["betas"]
+        adamw(
+            [_local(pc.param).detach().view(-1)[pc.start : pc.end] for pc in pieces],
+            [_local(pc.param.grad).view(-1)[pc.start : pc.end] for pc in pieces],
+            [exp_avgs[i] for i in live],
+            [exp_avg_sqs[i] for i in live],
+            [],
+            [pc.step for pc in pieces],
+            foreach=s["foreach"],
+            capturable=s["capturable"],
+            differentiable=s["differentiable"],
+            fused=s["fused"],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=s["lr"],
+            weight_decay=s["weight_decay"],
+            eps=s["eps"],
+            maximize=s["maximize"],
+        )
+
+    def _submit(self, fn: Callable[..., None], g: SwapGroup, buf: _Buffer) -> Future:
+        return self._io.submit(fn, g, buf, self._traffic)
 
 
 class TieredState:
     """A `TieredOptimizer`'s checkpoint part (a `Stateful`): AdamW's states keyed by parameter FQN,
-    as torch's optimizer state dict keys them, each where it lives (a device tensor, a view of its
-    host buffer, a memory map of its file), so DCP saves from them and loads into them in place."""
+    as torch's optimizer state dict keys them, each where it lives (a device tensor, a view of the
+    host buffer, a memory map of the file), so DCP saves from them and loads into them in place."""
 
     def __init__(self, model: nn.Module, tiered: TieredOptimizer) -> None:
         self.tiered = tiered
@@ -554,19 +640,40 @@ class TieredState:
     def state_dict(self) -> dict[str, Any]:
         t = self.tiered
         t.sync()
+        store = t.store.view() if t.stored else None
         out: dict[str, Any] = {}
-        for g in t.groups:
-            for p in g.group["params"]:
-                out[self.names[id(p)]] = {"step": t.optimizer.state[p]["step"]}
-            if g.tier is StateTier.none:
-                for p in g.group["params"]:
-                    out[self.names[id(p)]] |= {k: t.optimizer.state[p][k] for k in _KEYS}
-                continue
-            buffer = t.store.view(g)
-            for slot in g.slots:
-                out[self.names[id(slot.param)]][slot.key] = _state_view(buffer, slot)
+        for group in t.optimizer.param_groups:
+            for p in group["params"]:
+                state = t.optimizer.state[p]
+                entry = {"step": state["step"]}
+                if id(p) in t.offsets:
+                    local = _local(p)
+                    for key, offset in zip(_KEYS, t.offsets[id(p)]):
+                        nbytes = local.numel() * local.element_size()
+                        view = store[offset : offset + nbytes].view(local.dtype).view(local.shape)
+                        entry[key] = _placed(view, p)
+                else:
+                    entry |= {key: state[key] for key in _KEYS}
+                out[self.names[id(p)]] = entry
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """DCP loaded into `state_dict`'s tensors themselves: the stores only settle."""
-        self.tiered.store.loaded()
+        """DCP loaded into `state_dict`'s tensors themselves: the stores settle, and each tensor's
+        step count (loaded into its first piece's) reaches its other pieces."""
+        t = self.tiered
+        t.store.loaded()
+        for g in t.groups:
+            for pc in g.pieces:
+                first = t.optimizer.state[pc.param]["step"]
+                if pc.step is not first:
+                    pc.step.copy_(first)
+
+
+def _placed(view: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+    """``view`` (a local moment) placed as its parameter is: a DTensor of the same mesh and
+    placements for a sharded one, as AdamW's ``zeros_like(p)`` is."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(
+            view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return view

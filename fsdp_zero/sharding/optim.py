@@ -7,6 +7,7 @@ the bounded step's groups (``optim.step_group_size``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -61,7 +62,7 @@ def build_optimizer(
     cfg: OptimConfig,
     device: torch.device,
     zero1: bool = False,
-    cut_groups: bool = False,
+    whole_groups: bool = False,
 ) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and embeddings, and on 1-D parameters (norm gains, biases)
     only with ``optim.decay_1d``.
@@ -80,11 +81,12 @@ def build_optimizer(
         cfg: the optimizer's settings (``optim.*``).
         device: where the step runs (the host under CPU offload): auto's implementation follows it.
         zero1: ZeRO-1's partitioned states (ZeroRedundancyOptimizer).
-        cut_groups: cut the step groups whatever the implementation (offload.states' swap units).
+        whole_groups: the two groups left whole (offload.states cuts its own step groups, a
+            tensor across groups: `fsdp_zero.sharding.offload`).
     """
     impl = optimizer_impl(cfg, device)
-    cut_as = OptimizerImpl.foreach if cut_groups else impl
-    groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cfg, cut_as)]
+    cut = dataclasses.replace(cfg, step_group_size=0) if whole_groups else cfg
+    groups = [{"params": ps, "weight_decay": wd} for ps, wd in param_groups(model, cut, impl)]
     kwargs = dict(
         lr=cfg.lr,
         betas=tuple(cfg.betas),

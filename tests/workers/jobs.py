@@ -362,7 +362,8 @@ def run_job(  # noqa: ANN001
             "formula": vars(parts.optimizer.traffic_formula()),
             "folder": folder,
             "folder_left": folder is not None and os.path.exists(folder),
-            "groups": [(g.tier.value, g.nbytes) for g in parts.optimizer.groups],
+            "groups": [(g.tier.value, g.moved) for g in parts.optimizer.groups],
+            "numel": sum(g.numel for g in parts.optimizer.groups),
             "disk_writes": getattr(store, "writes", 0),
         }
     mine = (*mine, offload)
