@@ -39,6 +39,7 @@ _SPLIT_EVAL = "test_pipeline_validation_matches_zero3"
 _PP_HELD = "test_a_layouts_activations_are_what_its_schedule_holds_of_what_each_stage_saves"
 _LAYOUT_FIT = "test_a_layout_search_composes_each_layout_from_zero3_by_formula"
 _TIERED = "test_groups_step_where_they_live_with_the_in_memory_bits"
+_DS_OFFLOAD = "test_deepspeeds_offloads_map_onto_offload_states_and_cpu_offload"
 _NF4_WHOLE = "test_the_base_is_nf4_on_every_rank_quantized_whole_and_never_changes"
 _NF4_RESUME = "test_resume_rebuilds_the_base_and_continues_exactly"
 _LOW_BIT = "test_states_are_low_bit_where_a_shard_is_whole_blocks_and_train_like_adamw"
@@ -547,5 +548,11 @@ MUTANTS = {
         "offload.ratio: every step group offloaded whatever the ratio",
         [f"tests/test_offload.py::{_TIERED}"],
         [_TIERED],
+    ),
+    "ds-nvme-offload-in-memory": (
+        "--deepspeed: offload_optimizer.device=nvme keeps the moments in host memory instead of its "
+        "nvme_path",
+        [f"tests/test_deepspeed.py::{_DS_OFFLOAD}"],
+        [_DS_OFFLOAD],
     ),
 }

@@ -409,4 +409,9 @@ SOURCE = {
         "first = offloaded_from(len(cut), ratio)",
         "first = offloaded_from(len(cut), __mutant__(1.0))",
     ),
+    "ds-nvme-offload-in-memory": (
+        "fsdp_zero.config.deepspeed",
+        '"nvme": StateTier.disk.value',
+        '"nvme": __mutant__(StateTier.cpu.value)',
+    ),
 }
