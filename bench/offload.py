@@ -26,8 +26,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from fsdp_zero.config.choices import StateTier
-from fsdp_zero.sharding.offload import round_trip_seconds
+from fsdp_zero.config import StateTier
+from fsdp_zero.sharding import round_trip_seconds
 from fsdp_zero.tools import script_parser, train_command
 from fsdp_zero.training import Summary
 

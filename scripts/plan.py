@@ -16,13 +16,15 @@ each strategy's model state at rest and inside the step (fsdp_zero.tools.formula
 strategy and precision mode communicates per step (fsdp_zero.monitor.comm) with their time at
 --link-gbps.
 
-formulas: the same model-state formulas for a parameter count alone (--params), nothing built.
+formulas: the same model-state formulas for a parameter count alone (--params), nothing built, and
+where AdamW's moments live under each offload.states tier (--step-group-size, --offload-ratio).
 
 layout: with parallel.tp_size or parallel.pp_size > 1, their layout by formula (no simulation runs
 them: fsdp_zero.tools.layout).
 
 fit: searches strategy x precision x activation checkpointing x CPU offload x micro-batch x
-parallel.grad_sync (fsdp_zero.tools.fit), and with `--search ...,layout` every parallel.tp_size x
+parallel.grad_sync x offload.states and offload.ratio (fsdp_zero.tools.fit; the states' links
+measured by a short probe), and with `--search ...,layout` every parallel.tp_size x
 parallel.pp_size too (their peaks and costs by formula, fsdp_zero.tools.layout), and prints the
 candidates ranked by a relative step cost, and the cheapest that fits --device-memory as key=value
 overrides to paste onto the training command line.
@@ -62,10 +64,13 @@ from fsdp_zero.tools import (
     layout_table,
     memory_table,
     nf4_saving,
+    offload_rates,
     plan_communication,
     script_parser,
     searched_overrides,
     simulate,
+    tier_rows,
+    tiers_table,
 )
 
 ALL = list(ZERO_STAGES.values())  # the ZeRO stages' strategies, stage 0 first
@@ -86,9 +91,18 @@ def run_formulas(args: argparse.Namespace) -> int:
             f"--frozen={frozen:g}, --nf4={nf4:g}: 0 <= --nf4 <= --frozen <= "
             f"--params={args.params:g} (NF4 stores frozen parameters only)"
         )
+    if not 0 <= args.offload_ratio <= 1:
+        raise ValueError(
+            f"--offload-ratio={args.offload_ratio:g}: a fraction of the groups, in [0, 1]"
+        )
+    if args.step_group_size < 0:
+        raise ValueError(f"--step-group-size={args.step_group_size}: elements, >= 0 (0: one group)")
     largest = int(args.largest_layer) if args.largest_layer else None
     trained = Trained(frozen, nf4, args.state_bits)
-    print(formulas_table(int(args.params), largest, args.world_size, trained=trained))
+    params, n, size = int(args.params), args.world_size, args.step_group_size
+    print(formulas_table(params, largest, n, trained=trained))
+    rows = tier_rows(params, n, size, args.offload_ratio, trained)
+    print(tiers_table(rows, params, n, size))
     return 0
 
 
@@ -154,6 +168,8 @@ def run_fit(args: argparse.Namespace) -> int:
     given = any(getattr(args, k) is not None for k in ("tflops", "link_gbps", "host_gbps"))
     search = FitSearch(cfg, n, dims)
     rates = rates if given else fit_rates(search)
+    links = {"host_gbps": args.host_gbps, "disk_gbps": args.disk_gbps}
+    rates = offload_rates(search, rates, links)
     print(fit_rates_line(rates), flush=True)
     found = fit_search(search, rates)
     best = found.fit(budget, args.margin)
@@ -168,7 +184,7 @@ def run_fit(args: argparse.Namespace) -> int:
 
 
 def _rates(args: argparse.Namespace, device: str) -> Rates:
-    given = {k: getattr(args, k, None) for k in ("tflops", "link_gbps", "host_gbps")}
+    given = {k: getattr(args, k, None) for k in ("tflops", "link_gbps", "host_gbps", "disk_gbps")}
     for key, value in given.items():
         if value is not None and not value > 0:
             raise ValueError(f"--{key.replace('_', '-')}={value:g}: must be > 0")
@@ -228,6 +244,20 @@ def _formulas_flags(sub: argparse.ArgumentParser) -> None:
         type=float,
         help="the largest unit's parameters (DeepSpeed's estimate; default: none)",
     )
+    sub.add_argument(
+        "--step-group-size",
+        type=int,
+        default=0,
+        help="elements per AdamW step group, the unit offload.states swaps "
+        "(optim.step_group_size; default 0: the whole shard)",
+    )
+    sub.add_argument(
+        "--offload-ratio",
+        type=float,
+        default=1.0,
+        help="the fraction of step groups offload.states moves, the last ones (offload.ratio; "
+        "default 1)",
+    )
 
 
 def _fit_flags(sub: argparse.ArgumentParser) -> None:
@@ -239,7 +269,16 @@ def _fit_flags(sub: argparse.ArgumentParser) -> None:
         help="achieved 16-bit compute per rank, TFLOP/s (default: 400 for cuda, 0.05 for cpu)",
     )
     sub.add_argument(
-        "--host-gbps", type=float, help="host <-> device copies (CPU offload), Gbit/s (default 200)"
+        "--host-gbps",
+        type=float,
+        help="host <-> device copies (CPU offload, offload.states), Gbit/s (default: measured "
+        "where the search varies offload_states and this host has the plan's device, else 200)",
+    )
+    sub.add_argument(
+        "--disk-gbps",
+        type=float,
+        help="offload.states=disk's writes and reads, Gbit/s (default: measured under "
+        "offload.path; without one the disk tier is not searched)",
     )
     sub.add_argument(
         "--search",

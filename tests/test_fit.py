@@ -167,8 +167,9 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
     assert {c.value("cpu_offload") for c in cuda} == {False, True}
     assert not any(c.value("cpu_offload") and c.strategy.value in ("ddp", "zero1") for c in cuda)
     for c in every[:: max(1, len(every) // 20)]:
-        # one override a dimension, two for the layout (tp_size, pp_size)
-        assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS) + 1
+        # one override a dimension, two for the layout (tp_size, pp_size) and offload_states
+        # (offload.states, offload.ratio)
+        assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS) + 2
         pasted = load_config(None, NANO + c.overrides())  # what a user pastes selects the candidate
         assert pasted == c.config(cfg)
     with pytest.raises(
@@ -314,7 +315,13 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
     for cand, (compute, comm, optimizer) in cases.items():
         cost, parts = _step_cost(FitSearch(cfg, 2), cand, rates, model, plan)
         assert parts == pytest.approx(
-            {"compute_s": compute, "comm_s": comm, "optimizer_s": optimizer, "offload_s": 0.0},
+            {
+                "compute_s": compute,
+                "comm_s": comm,
+                "optimizer_s": optimizer,
+                "offload_s": 0.0,
+                "states_s": 0.0,
+            },
             rel=1e-9,
         ), cand
         assert cost == pytest.approx(compute + comm + optimizer, rel=1e-12)

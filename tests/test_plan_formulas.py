@@ -166,8 +166,20 @@ DEEP = [
         ),
         # CPU offload planned for GPUs: the model state lives on the host, off the device's peak
         (["dist.device=cuda", "parallel.cpu_offload=true", "train.global_batch_size=2"], 2),
+        # offload.states: which groups' moments the ratio leaves on the device, and the largest
+        # offloaded group's buffers, change in steps with the blocks (taken by formula); on a
+        # CPU host the cpu tier's host memory is the process's own
+        (
+            [
+                "offload.states=cpu",
+                "offload.ratio=0.25",
+                "optim.step_group_size=3000",
+                "train.global_batch_size=2",
+            ],
+            2,
+        ),
     ],
-    ids=["zero1", "zero3-optimizer-step-peaks", "cuda-offload"],
+    ids=["zero1", "zero3-optimizer-step-peaks", "cuda-offload", "offload-states"],
 )
 def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     """The planner simulates a few of the repeated blocks at three depths and composes the rest
@@ -178,11 +190,21 @@ def test_a_composed_prediction_equals_the_whole_models_simulation(case, world):
     cfg = load_config(None, [*DEEP, *case])
     with Simulator(cfg.dist.device, world, baseline=0) as sim:
         composed, whole = sim.predict(cfg), sim.predict(cfg, whole=True)
-    assert (
-        composed.notes == ["composed: layers simulated with 4 and 5 of its 13 blocks"]
-        and not whole.notes
+    # (offload.states' note on both)
+    assert composed.notes == [
+        "composed: layers simulated with 4 and 5 of its 13 blocks",
+        *whole.notes,
+    ]
+    assert len(whole.notes) == ("offload.states=cpu" in case)
+    names = (
+        "peak",
+        "model_state",
+        "host_state",
+        "heap_activations",
+        "optimizer_state",
+        "offloaded",
     )
-    for name in ("peak", "model_state", "host_state", "heap_activations", "optimizer_state"):
+    for name in names:
         assert getattr(composed, name) == pytest.approx(getattr(whole, name), rel=1e-3, abs=1024), (
             name
         )

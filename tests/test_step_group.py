@@ -27,7 +27,7 @@ from fsdp_zero.model.construct import construct
 from fsdp_zero.monitor.memory import StepProfiler
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build
-from fsdp_zero.sharding.optim import step_groups, build_optimizer, local_numel
+from fsdp_zero.sharding.optim import build_optimizer, local_numel, step_groups
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode
 from tests.conftest import checkpoint_tensors, figure
 

@@ -2,6 +2,7 @@
 
 from fsdp_zero.sharding.build import Built, build, cast_to_stored, materializer, shard
 from fsdp_zero.sharding.levers import BuildContext, Stage, checkpointed, lever_table
+from fsdp_zero.sharding.offload import TieredOptimizer, round_trip_seconds
 from fsdp_zero.sharding.optim import (
     build_optimizer,
     optimizer_impl,
@@ -53,8 +54,10 @@ __all__ = [
     "reduce_scatter_comm",
     "resolve_precision",
     "ROOT_FQN",
+    "round_trip_seconds",
     "shard",
     "Stage",
+    "TieredOptimizer",
     "strategy_table",
     "unwrap",
     "WrapPlan",

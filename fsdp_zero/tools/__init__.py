@@ -10,16 +10,19 @@ from fsdp_zero.tools.compare import (
     dataparallel_row,
     read_rows,
 )
-from fsdp_zero.tools.fit import FIT_MARGIN, fit_rates, fit_search
+from fsdp_zero.tools.fit import FIT_MARGIN, fit_rates, fit_search, offload_rates
 from fsdp_zero.tools.formulas import (
     PAPER_K,
     PLAN_MODES,
+    TierBytes,
     Trained,
     deepspeed_zero3_estimate,
     format_bytes,
     format_gb,
     plan_communication,
+    rank_tiers,
     strategy_states,
+    tier_rows,
     zero_paper_stages,
 )
 from fsdp_zero.tools.launch import bench_main, run_logged, script_parser, train_command
@@ -36,6 +39,7 @@ from fsdp_zero.tools.render import (
     formulas_table,
     layout_table,
     memory_table,
+    tiers_table,
 )
 
 __all__ = [
@@ -63,12 +67,14 @@ __all__ = [
     "layout_table",
     "memory_table",
     "nf4_saving",
+    "offload_rates",
     "PAPER_K",
     "plan_communication",
     "PlanFacts",
     "PLAN_MODES",
     "Prediction",
     "Rates",
+    "rank_tiers",
     "read_rows",
     "run_logged",
     "Scored",
@@ -79,6 +85,9 @@ __all__ = [
     "strategy_states",
     "script_parser",
     "train_command",
+    "TierBytes",
+    "tier_rows",
+    "tiers_table",
     "Trained",
     "Workload",
     "zero_paper_stages",

@@ -1,6 +1,6 @@
 """What ``plan.py --fit`` searches: the candidate settings over the asked dimensions (strategy,
-precision, checkpointing, offload, micro-batch, gradient sync, and, when asked, the tensor and
-pipeline parallel layout), each as overrides."""
+precision, checkpointing, offload, micro-batch, gradient sync, where AdamW's states live, and, when
+asked, the tensor and pipeline parallel layout), each as overrides."""
 
 from __future__ import annotations
 
@@ -11,25 +11,52 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fsdp_zero.config.checks import split_sizes
-from fsdp_zero.config.choices import ActivationCheckpointing
+from fsdp_zero.config.choices import ActivationCheckpointing, StateTier
 from fsdp_zero.config.rules import validate
 from fsdp_zero.config.schema import Config
 from fsdp_zero.config.strategies import STRATEGIES, Strategy
 from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.topology import Role, Topology
-from fsdp_zero.sharding.levers import BY_NAME, GRAD_SYNC, OFFLOAD, Lever
+from fsdp_zero.sharding.levers import BY_NAME, GRAD_SYNC, OFFLOAD, OFFLOAD_STATES, Lever
 from fsdp_zero.tools.formulas import PLAN_MODES
 from fsdp_zero.tools.layout import Workload
 
 # The levers --search may vary, by their --search name: each row's `search` values, its first key
-# the override (`fsdp_zero.sharding.levers`)
-SEARCHED: dict[str, Lever] = {"offload": OFFLOAD, "grad_sync": GRAD_SYNC}
+# the override (`fsdp_zero.sharding.levers`); offload_states' a (tier, ratio) pair, its first two
+# keys' (`_WIDTH`), the tiers at each of `OFFLOAD_RATIOS`
+SEARCHED: dict[str, Lever] = {
+    "offload": OFFLOAD,
+    "grad_sync": GRAD_SYNC,
+    "offload_states": OFFLOAD_STATES,
+}
+# how many of a searched row's keys its value sets (a tuple of that many when more than one)
+_WIDTH = {OFFLOAD_STATES.name: 2}
+# offload.ratio's values searched with a tier (a fraction of the step groups, the last ones)
+OFFLOAD_RATIOS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _settings(row: Lever, value: object) -> dict[str, object]:
+    """The keys a searched ``value`` of ``row`` sets, and their values."""
+    width = _WIDTH.get(row.name, 1)
+    return dict(zip(row.keys[:width], value if width > 1 else (value,)))
+
+
+def _own(row: Lever, cfg: Config | Workload) -> object:
+    """``row``'s searched value in ``cfg`` (a tuple of its first keys' where it sets several)."""
+    values = tuple(row.value(cfg, k) for k in range(_WIDTH.get(row.name, 1)))
+    return values if len(values) > 1 else values[0]
+
+
+# The value that leaves each searched row off (its other keys at their defaults)
+_OFF = {row.name: _own(row, Config()) for row in SEARCHED.values()}
 
 
 def lever_values(values: Mapping[str, object] | None = None) -> tuple[tuple[str, object], ...]:
     """(row name, value) of each `SEARCHED` lever, in its order: ``values``' (by row name), else the
     value that leaves it off."""
-    return tuple((row.name, (values or {}).get(row.name, row.off)) for row in SEARCHED.values())
+    return tuple(
+        (row.name, (values or {}).get(row.name, _OFF[row.name])) for row in SEARCHED.values()
+    )
 
 
 def _text(value: object) -> str:
@@ -72,7 +99,8 @@ class Candidate:
             "layout": [f"parallel.{axis}_size={size}" for axis, size in self.split],
         }
         for name, row in SEARCHED.items():
-            each[name] = [f"{row.keys[0]}={_text(self.value(row.name))}"]
+            settings = _settings(row, self.value(row.name))
+            each[name] = [f"{key}={_text(value)}" for key, value in settings.items()]
         return [override for name in DIMENSIONS for override in each[name]]
 
     def on(self, w: Workload) -> Workload:
@@ -80,11 +108,12 @@ class Candidate:
         micro-batch."""
         # full_shard's own
         hpz = w.parallel.reshard_after_forward if STRATEGIES[self.strategy].hpz else None
-        # the levers' keys, by section (all of them parallel.<key> today)
-        levers: dict[str, dict[str, object]] = {"parallel": {}}
+        # the levers' keys, by section (parallel.<key>, offload.<key>)
+        levers: dict[str, dict[str, object]] = {"parallel": {}, "offload": {}}
         for name, value in self.levers:
-            section, key = BY_NAME[name].keys[0].split(".")
-            levers[section][key] = value
+            for dotted, v in _settings(BY_NAME[name], value).items():
+                section, key = dotted.split(".")
+                levers[section][key] = v
         p = replace(
             w.parallel,
             strategy=self.strategy,
@@ -98,12 +127,15 @@ class Candidate:
             parallel=p,
             precision=replace(w.precision, mode=self.precision),
             train=replace(w.train, micro_batch_size=self.micro_batch),
+            offload=replace(w.offload, **levers["offload"]),
         )
 
     def config(self, cfg: Config) -> Config:
         """``cfg`` with this candidate's settings (`on` its parts): the config a run of it loads."""
         w = self.on(Workload.of(cfg))
-        return replace(cfg, parallel=w.parallel, precision=w.precision, train=w.train)
+        return replace(
+            cfg, parallel=w.parallel, precision=w.precision, train=w.train, offload=w.offload
+        )
 
 
 @dataclass
@@ -126,7 +158,9 @@ class Scored:
 
 
 # What --search may name: the settings a candidate varies (the others stay as the config has them).
-# "layout": every parallel.tp_size x parallel.pp_size the world size divides into.
+# "offload_states": offload.states x offload.ratio (`OFFLOAD_RATIOS`): the cpu tier where the run
+# targets CUDA, the disk tier where offload.path names a folder. "layout": every parallel.tp_size x
+# parallel.pp_size the world size divides into.
 DIMENSIONS = (
     "strategy",
     "precision",
@@ -134,6 +168,7 @@ DIMENSIONS = (
     "offload",
     "micro_batch",
     "grad_sync",
+    "offload_states",
     "layout",
 )
 # What --fit searches unless told: all but the layout (on a CPU host tensor and pipeline
@@ -172,7 +207,7 @@ class FitSearch:
             precision=self.cfg.precision.mode,
             checkpointing=p.activation_checkpointing,
             micro_batch=self.cfg.train.micro_batch_size,
-            levers=lever_values({row.name: row.value(self.cfg) for row in SEARCHED.values()}),
+            levers=lever_values({row.name: _own(row, self.cfg) for row in SEARCHED.values()}),
             split=tuple(split_sizes(p).items()),
         )
 
@@ -193,7 +228,7 @@ class FitSearch:
                 )
         out, refused = [], None
         global_batch = self.cfg.train.global_batch_size
-        choices = _values(self.own, global_batch, self.base.cuda, world_size, search)
+        choices = _values(self.own, global_batch, self.base, world_size, search)
         for values in itertools.product(*choices.values()):
             pick = dict(zip(choices, values))
             cand = Candidate(
@@ -234,13 +269,15 @@ class FitSearch:
 
 
 def _values(
-    own: Candidate, global_batch: int, cuda: bool, world_size: int, search: tuple[str, ...]
+    own: Candidate, global_batch: int, base: Workload, world_size: int, search: tuple[str, ...]
 ) -> dict[str, list[Any]]:
     """Each dimension's values, in `DIMENSIONS` order: every choice where ``search`` names it, else
     the config's own (``own``). Micro-batches: the divisors of the most samples a data-parallel rank
     may take of ``global_batch`` (a layout's own divide fewer: `FitSearch.candidates` drops the
-    rest). A lever that moves state to the host (offload) only where the run targets CUDA
-    (``cuda``): on a CPU host it moves nothing."""
+    rest). A lever that moves state to the host (offload, offload.states=cpu) only where the run
+    targets CUDA (``base``'s device): on a CPU host it moves nothing; the disk tier only where
+    ``base`` names a folder for it (offload.path)."""
+    cuda = base.cuda
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     layouts = [
         tuple(zip(dict(own.split), sizes))
@@ -268,4 +305,11 @@ def _values(
     for name, row in SEARCHED.items():
         axes[name] = [v for v in row.search if cuda or not row.on_host or v == row.off]
         fixed[name] = [own.value(row.name)]
+    tiers = {StateTier.cpu: cuda, StateTier.disk: bool(OFFLOAD_STATES.value(base, 2))}  # a path
+    axes["offload_states"] = [_OFF[OFFLOAD_STATES.name]] + [
+        (tier, ratio)
+        for tier in OFFLOAD_STATES.search
+        if tiers.get(tier)
+        for ratio in OFFLOAD_RATIOS
+    ]
     return {d: axes[d] if d in search else fixed[d] for d in DIMENSIONS}

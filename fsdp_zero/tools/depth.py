@@ -163,6 +163,7 @@ def compose(
     repeats: _Repeats,
     target: torch.device,
     zero1: tuple[int, ...] | None,
+    uneven: tuple[tuple[int, int], ...] | None = None,
 ) -> Prediction:
     """The prediction for all ``repeats.count`` blocks from simulations of the first ``depths`` ones: every
     figure extrapolated along the line through the two, each part of the step's peak on its own line
@@ -179,6 +180,10 @@ def compose(
         target: the device the run targets (what a rank's peak is, `predict_peak`).
         zero1: rank 0's ZeRO-1 share at each depth and the whole model's (`zero1_shares`); None
             where the strategy is not ZeRO-1.
+        uneven: offload.states: the AdamW bytes on the device that do not grow evenly with the
+            blocks (the moments the ratio leaves there, the buffers of the largest offloaded group),
+            and those of them the heap serves, at each depth and the whole model's, by formula:
+            taken off their lines, the whole model's added back.
     """
     (da, db), n = depths, repeats.count
 
@@ -187,7 +192,16 @@ def compose(
 
     # bytes per element of the share: b's, times the share
     def states(bytes_at_b: int, bytes_at_a: int) -> int:
-        return round(bytes_at_b * zero1[2] / zero1[1]) if zero1 else line(bytes_at_a, bytes_at_b)
+        if zero1:
+            return round(bytes_at_b * zero1[2] / zero1[1])
+        if uneven:
+            return line(bytes_at_a - uneven[0][0], bytes_at_b - uneven[1][0]) + uneven[2][0]
+        return line(bytes_at_a, bytes_at_b)
+
+    def heap(heap_a: int, heap_b: int) -> int:
+        if uneven:
+            return line(heap_a - uneven[0][1], heap_b - uneven[1][1]) + uneven[2][1]
+        return line(heap_a, heap_b)
 
     regions = {}
     for region, ((cats_a, heap_a), (cats_b, heap_b)) in (
@@ -195,7 +209,7 @@ def compose(
     ):
         cats = {k: line(cats_a[k], cats_b[k]) for k in cats_b}
         cats["optimizer"] = states(cats_b["optimizer"], cats_a["optimizer"])
-        regions[region] = (cats, line(heap_a, heap_b))
+        regions[region] = (cats, heap(heap_a, heap_b))
     tensors, heap_at_peak = max(regions.values(), key=lambda part: sum(part[0].values()))
     optimizer_state = states(b.optimizer_state, a.optimizer_state)
     model_state = (

@@ -2,15 +2,21 @@
 
 Candidates are every valid combination of strategy, precision mode, activation checkpointing,
 CPU offload (CUDA only: on a CPU host it moves nothing), micro-batch size (the global batch
-fixed) and ``parallel.grad_sync``, and, when asked, the tensor x pipeline parallel layout (those
-candidates composed from a data-parallel twin's: `fsdp_zero.tools.layered`). Each gets a predicted
-peak per rank and a relative step cost; the pick is the cheapest candidate whose peak fits.
+fixed), ``parallel.grad_sync`` and where AdamW's states live (``offload.states`` x
+``offload.ratio``: the cpu tier on CUDA only, the disk tier where offload.path names a folder), and,
+when asked, the tensor x pipeline parallel layout (those candidates composed from a data-parallel
+twin's: `fsdp_zero.tools.layered`). Each gets a predicted peak per rank and a relative step cost;
+the pick is the cheapest candidate whose peak fits.
 
 The peak. Simulating every candidate (`fsdp_zero.tools.planner.Simulator`, about 4 s each for a 134M
 model) would take too long, so candidates that share tensors share simulations:
 - offload moves the model state to the host: the same tensors (on CUDA the prediction subtracts
   the model state from device memory); ``replicas_once_per_step`` holds the same tensors as
   ``every_micro_batch``;
+- offload.states moves the moments of the last groups off the device and adds the buffers they move
+  through: the same tensors but those, which the prediction takes off and adds by formula
+  (`fsdp_zero.tools.formulas.rank_tiers`, the mechanism's own count; with the allocator's slack on
+  CUDA, the heap's retention on a CPU host);
 - activation checkpointing and the micro-batch size change what forward keeps, not what the
   strategy holds. So each (strategy, precision, grad_sync) is simulated once at a reference
   micro-batch without checkpointing (its "state" simulation) and each (compute dtype,
@@ -33,8 +39,11 @@ candidates:
   checkpointed blocks' parameters x tokens recomputed, at ``tflops`` (fp32 at 1 / ``fp32_speed`` of that),
   plus the bytes each rank moves at ``link_gbps`` as ring collectives, plus, with CPU offload, the
   host-device copies at ``host_gbps``.
-Both ignore overlap of communication with compute (they add them: a pessimistic bound for FSDP's
-prefetching); the second also kernel efficiency at small micro-batches and the optimizer step;
+Both add offload.states' traffic (`TieredOptimizer.traffic_formula`: each offloaded byte read and
+written back once a step) at the host link's and the disk's rates (``host_gbps``, ``disk_gbps``:
+given, or measured here by `fsdp_zero.tools.rates.probe_bandwidths`). Both ignore overlap of
+communication with compute (they add them: a pessimistic bound for FSDP's prefetching); the
+second also kernel efficiency at small micro-batches and the optimizer step;
 docs/compare-and-plan.md says so.
 """
 
@@ -47,7 +56,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from fsdp_zero.config.choices import ActivationCheckpointing
+from fsdp_zero.config.choices import ActivationCheckpointing, StateTier
 from fsdp_zero.config.loader import to_yaml
 from fsdp_zero.config.strategies import STRATEGIES
 from fsdp_zero.data.loader import BatchLayout
@@ -58,6 +67,7 @@ from fsdp_zero.monitor.comm import CommBytes, comm_formula, comm_seconds
 from fsdp_zero.sharding.levers import (
     GRAD_SYNC,
     OFFLOAD,
+    OFFLOAD_STATES,
     checkpointed,
     holds_unsharded,
     reductions_per_step,
@@ -65,11 +75,17 @@ from fsdp_zero.sharding.levers import (
 from fsdp_zero.sharding.precision import Precision, resolve_precision
 from fsdp_zero.sharding.wrap import WrapPlan, build_wrap_plan
 from fsdp_zero.tools.candidates import Candidate, FitSearch, Scored, lever_values
+from fsdp_zero.tools.formulas import TierBytes, rank_tiers
 from fsdp_zero.tools.layered import Layouts, Terms, twin
 from fsdp_zero.tools.layout import Workload
-from fsdp_zero.tools.planner import Simulator
-from fsdp_zero.tools.prediction import CUDA_ALLOCATOR_SLACK, Prediction, cached_baseline
-from fsdp_zero.tools.rates import Measured, Rates, measure
+from fsdp_zero.tools.planner import Simulator, heap_threshold
+from fsdp_zero.tools.prediction import (
+    CUDA_ALLOCATOR_SLACK,
+    HEAP_RETENTION,
+    Prediction,
+    cached_baseline,
+)
+from fsdp_zero.tools.rates import Measured, Rates, measure, probe_bandwidths
 
 # Fewer simulations than this run in this process: starting workers (each imports torch) costs more.
 _FEW = 6
@@ -123,19 +139,70 @@ def _compute_dtype(base: Workload, c: Candidate) -> torch.dtype:
     return resolve_precision(c.on(base).precision).compute
 
 
+class _Tiers:
+    """offload.states by formula for a search's candidates (`rank_tiers`), each shard layout, dtype
+    and tier once: a candidate's `TierBytes`, and what its tier changes in its peak."""
+
+    def __init__(self, search: FitSearch) -> None:
+        self.search, self.cache = search, {}
+        self.threshold = heap_threshold(search.cfg.memory.malloc_mmap_threshold)
+
+    def of(self, c: Candidate) -> tuple[TierBytes, TierBytes]:
+        """``c``'s `TierBytes`, and those of the same candidate with the states on the device."""
+        cc, n = c.config(self.search.cfg), self.search.world_size
+        shards = Topology.of(cc.parallel, n).param_shards
+        stored = resolve_precision(cc.precision).stored
+        key = (stored, shards, OFFLOAD.value(cc), c.value(OFFLOAD_STATES.name))
+        if key not in self.cache:
+            left = replace(cc, offload=replace(cc.offload, states=StateTier.none, ratio=1.0))
+            self.cache[key] = rank_tiers(cc, n), rank_tiers(left, n)
+        return self.cache[key]
+
+    def saved(self, c: Candidate) -> float:
+        """What ``c``'s tier takes off its peak against its state simulation's (which holds the same
+        tensors but the moments left on the device, and no buffers): on CUDA with the allocator's
+        slack; on a CPU host with the heap's retention of them, less the cpu tier's host memory
+        (the process's own there)."""
+        on, off = self.of(c)
+        if self.search.base.cuda:
+            return on.saved * (1 + CUDA_ALLOCATOR_SLACK)
+        heap = off.heap(self.threshold) - on.heap(self.threshold)
+        return on.saved + HEAP_RETENTION["fsdp"] * heap - on.host
+
+    def seconds(self, c: Candidate, rates: Rates) -> float:
+        """What ``c``'s tier moves a step (`TieredOptimizer.traffic_formula`) at the host link's and
+        the disk's rates.
+
+        Raises:
+            ValueError: a disk tier and no disk rate (plan.py: --disk-gbps, or the probe's).
+        """
+        if c.value(OFFLOAD_STATES.name)[0] is StateTier.none:
+            return 0.0
+        moved = self.of(c)[0].traffic
+        disk = moved.disk_read + moved.disk_written
+        if disk and not rates.disk_gbps:
+            raise ValueError(
+                "offload.states=disk: no disk rate to cost it at; give --disk-gbps, or an "
+                "offload.path for the probe to measure"
+            )
+        host = (moved.host_to_device + moved.device_to_host) * 8 / (rates.host_gbps * 1e9)
+        return host + (disk * 8 / (rates.disk_gbps * 1e9) if disk else 0.0)
+
+
 def _predict_peaks(
     search: FitSearch,
     cands: list[Candidate],
     layouts: Layouts,
     processes: int = 2,
     baseline: int | None = None,
+    tiers: _Tiers | None = None,
 ) -> tuple[dict[Candidate, int], int]:
     """Each candidate's peak per rank, composed from shared simulations (see the module docstring),
     and how many simulations it took. A tensor or pipeline parallel candidate's comes from its
     twin's (`fsdp_zero.tools.layered`, ``layouts``); one the model cannot take is left out."""
     twins = {c: twin(c, layouts.local) for c in cands if c.layered}
     simulated = list(dict.fromkeys([c for c in cands if not c.layered] + list(twins.values())))
-    shared = _Shared(search.base, search.world_size, simulated)
+    shared = _Shared(search.base, search.world_size, simulated, tiers or _Tiers(search))
     sims = shared.needed(simulated)
     preds = dict(zip(sims, _simulate(search, sims, processes, baseline)))
     peaks = {c: shared.peak(c, preds) for c in simulated}
@@ -151,10 +218,13 @@ class _Shared:
     """The simulations candidates share, and how a candidate's peak is composed from them: its model
     state from a simulation without checkpointing or offload (at the reference micro-batch of its
     regime), plus its activations over those of that simulation (full_shard in its compute dtype,
-    extrapolated along the accumulating micro-batches)."""
+    extrapolated along the accumulating micro-batches), less what its offload.states saves
+    (``tiers``)."""
 
-    def __init__(self, base: Workload, world_size: int, cands: list[Candidate]) -> None:
-        self.base = base
+    def __init__(
+        self, base: Workload, world_size: int, cands: list[Candidate], tiers: _Tiers
+    ) -> None:
+        self.base, self.tiers = base, tiers
         local = base.train.global_batch_size // world_size
         micro = sorted({c.micro_batch for c in cands})
         self.accumulating = [m for m in micro if local // m > 1]
@@ -241,7 +311,9 @@ class _Shared:
             s.peak + act(c.checkpointing, c.micro_batch) - act(none, self.reference(c.micro_batch))
         )
         if c.value(OFFLOAD.name) and self.base.cuda:  # the model state in host memory
-            peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)
+            peak -= s.model_state * (1 + CUDA_ALLOCATOR_SLACK)  # (the states' with it)
+        elif c.value(OFFLOAD_STATES.name)[0] is not StateTier.none:
+            peak -= self.tiers.saved(c)
         return int(peak)
 
 
@@ -252,10 +324,12 @@ def _step_cost(
     model: nn.Module,
     plan: WrapPlan,
     layouts: Layouts | None = None,
+    tiers: _Tiers | None = None,
 ) -> tuple[float, dict[str, float]]:
     """``c``'s step cost in seconds and its terms (see the module docstring). ``model``: the config's model
     on the meta device, its frozen parameters marked; ``plan``: its wrap plan; ``layouts``: the
-    search's, for a tensor or pipeline parallel ``c`` (its twin's cost, then `Layouts.cost`)."""
+    search's, for a tensor or pipeline parallel ``c`` (its twin's cost, then `Layouts.cost`);
+    ``tiers``: the search's offload.states formulas (`_Tiers`)."""
     world_size = search.world_size
     if c.layered:
         layouts = layouts or Layouts(search.base, world_size)
@@ -271,16 +345,20 @@ def _step_cost(
         cc, topology, model, plan, accum=layout.grad_accum_steps, precision=precision
     )
     samples, blocks = layout.global_batch_size // world_size, checkpointed(cc, plan.block_fqns)
+    states = {"states_s": (tiers or _Tiers(search)).seconds(c, rates)}
     if rates.measured:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        parts = _measured_cost(
-            rates.measured,
-            topology,
-            moved,
-            precision,
-            samples=samples,
-            recomputed=len(blocks),
-            trainable=trainable,
+        parts = (
+            _measured_cost(
+                rates.measured,
+                topology,
+                moved,
+                precision,
+                samples=samples,
+                recomputed=len(blocks),
+                trainable=trainable,
+            )
+            | states
         )
         return sum(parts.values()), parts
     tokens = samples * (cc.data.seq_len or 1)
@@ -299,8 +377,13 @@ def _step_cost(
         )
         reductions = reductions_per_step(c.value(GRAD_SYNC.name), layout.grad_accum_steps)
         offload = (gathers + reductions) * shard * 8 / (rates.host_gbps * 1e9)
-    parts = {"compute_s": compute, "comm_s": comm, "optimizer_s": 0.0, "offload_s": offload}
-    return compute + comm + offload, parts
+    parts = {
+        "compute_s": compute,
+        "comm_s": comm,
+        "optimizer_s": 0.0,
+        "offload_s": offload,
+    } | states
+    return sum(parts.values()), parts
 
 
 def _measured_cost(
@@ -347,6 +430,23 @@ def fit_rates(search: FitSearch) -> Rates:
     cfg = search.cfg
     flat = replace(cfg, parallel=replace(cfg.parallel, tp_size=1, pp_size=1))
     return measure(to_yaml(flat), search.world_size, sorted(dtypes, key=str))
+
+
+def offload_rates(search: FitSearch, rates: Rates, given: dict[str, float | None]) -> Rates:
+    """``rates`` with offload.states' links where ``search`` varies it: those ``given`` (host_gbps,
+    disk_gbps: the command line's), else measured here (`fsdp_zero.tools.rates.probe_bandwidths`):
+    the host link on the device a CPU plan runs on, or a CUDA plan's where this host has a GPU (else
+    its given or default rate, as its compute's), the disk under offload.path where one is set."""
+    if "offload_states" not in search.dims:
+        return rates
+    cuda = search.base.cuda
+    device = None if given.get("host_gbps") else "cuda" if cuda else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():  # (no CUDA started where none is)
+        device = None
+    folder = None if given.get("disk_gbps") else OFFLOAD_STATES.value(search.cfg, 2)  # its path
+    if device is None and folder is None:
+        return replace(rates, **{k: v for k, v in given.items() if v})
+    return rates.with_bandwidths(probe_bandwidths(device, folder), given)
 
 
 # A candidate fits when its predicted peak plus this fraction of it does: the planner's peaks have
@@ -402,14 +502,15 @@ def fit_search(
     """
     start = time.perf_counter()
     base, layouts = search.base, Layouts(search.base, search.world_size)
+    tiers = _Tiers(search)
     cands = search.candidates()
-    peaks, simulations = _predict_peaks(search, cands, layouts, processes, baseline)
+    peaks, simulations = _predict_peaks(search, cands, layouts, processes, baseline, tiers)
     cands = [c for c in cands if c in peaks]
     model = construct(base.model)  # meta parameters: free at any size
     make_trainable(model, base.model)  # model.freeze, model.lora: frozen parameters are not reduced
     plan = build_wrap_plan(model, base.parallel.wrap, search.world_size)
     scored = [
-        Scored(c, peaks[c], *_step_cost(search, c, rates, model, plan, layouts=layouts))
+        Scored(c, peaks[c], *_step_cost(search, c, rates, model, plan, layouts, tiers))
         for c in cands
     ]
     scored.sort(key=lambda s: (s.cost, s.peak))

@@ -1,29 +1,39 @@
 """Model state by formula, for the plan's tables: the ZeRO paper's stages, each strategy's shares by
-precision, and DeepSpeed's own ZeRO-3 estimate."""
+precision, where AdamW's moments live under offload.states (`rank_tiers`), and DeepSpeed's own
+ZeRO-3 estimate."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
-from fsdp_zero.config.choices import Quantize
+from fsdp_zero.config.choices import OptimizerImpl, Quantize, StateTier
 from fsdp_zero.config.rules import check_refusals, validate
 from fsdp_zero.config.schema import (
     Config,
     LoRAConfig,
+    OffloadConfig,
     OptimConfig,
     ParallelConfig,
     PrecisionConfig,
 )
 from fsdp_zero.config.strategies import ZERO_STAGES, Strategy, is_fsdp
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model.construct import construct
+from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.monitor.comm import comm_formula, comm_seconds
+from fsdp_zero.sharding.levers import OFFLOAD, OFFLOAD_STATES, STEP_GROUPS
+from fsdp_zero.sharding.offload import TieredOptimizer, Traffic
+from fsdp_zero.sharding.optim import build_optimizer, optimizer_impl
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.precision import resolve_precision
 from fsdp_zero.sharding.quantize import STATE_BLOCK, nf4_bytes
 from fsdp_zero.sharding.wrap import WrapPlan
+from fsdp_zero.tools.depth import keep_first
+from fsdp_zero.torch_private import FakeTensorMode
 
 # The ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 # Parameter Models", Table 1 and Figure 1) sizes model states for mixed-precision Adam: fp16
@@ -209,6 +219,179 @@ def _nf4_refusal(strategy: Strategy, mode: str) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Where one rank's AdamW moments live under ``offload.states`` and what a step moves, in bytes,
+    as the mechanism (`fsdp_zero.sharding.offload.TieredOptimizer`) counts them (`rank_tiers`)."""
+
+    tier: StateTier
+    ratio: float  # offload.ratio: the last int(ratio x groups) ... of the step groups, offloaded
+    groups: int  # step groups: the swap units (optim.step_group_size's, by decay class)
+    offloaded_groups: int  # of them, the last ones, in the tier
+    moments: int  # every group's moments, as AdamW holds them on the device without offload
+    device: int  # of them, the moments left on the device
+    host: int  # the cpu tier's: the offloaded groups' moments (each state 64-byte aligned)
+    disk: int  # the disk tier's: the same, in files
+    buffers: int  # on the device: prefetch + 1 buffers of the largest offloaded group
+    temporaries: int  # on the device in the step: foreach AdamW's of one group (fused: none)
+    traffic: Traffic  # what a step moves (`TieredOptimizer.traffic_formula`)
+    # the bytes of each tensor behind ``device`` and ``buffers``, an allocation each (`heap`)
+    allocations: tuple[int, ...] = ()
+
+    @property
+    def saved(self) -> int:
+        """Device bytes offload saves against the same groups' moments left there: the offloaded
+        moments less the buffers they move through (negative: it costs device memory)."""
+        return self.moments - self.device - self.buffers
+
+    def heap(self, threshold: int) -> int:
+        """Of ``device`` and ``buffers``, the bytes in tensors glibc's heap serves on a CPU host
+        (those under the mmap ``threshold``: `fsdp_zero.tools.prediction.HEAP_RETENTION`)."""
+        return sum(n for n in self.allocations if n < threshold)
+
+
+def _local_shape(shape: torch.Size, shards: int) -> tuple[int, ...]:
+    """Rank 0's shard of a parameter of ``shape`` split over ``shards`` ranks: FSDP2's first dim-0
+    chunk (the largest)."""
+    return (min(-(-shape[0] // shards), shape[0]), *shape[1:]) if len(shape) else ()
+
+
+def _tiers(
+    shapes: list[tuple[tuple[int, ...], bool]],
+    dtype: torch.dtype,
+    cfg: Config,
+    device: torch.device,
+) -> TierBytes:
+    """`TierBytes` of a rank whose parameters have ``shapes`` (with whether each trains), stored in
+    ``dtype`` on ``device``: a `TieredOptimizer` built as the build builds it under ``cfg``'s
+    offload and optimizer settings, over them under FakeTensorMode (no memory, no files: its store
+    only counts)."""
+    tier, ratio, path, prefetch = (OFFLOAD_STATES.value(cfg, k) for k in range(4))
+    optim = cfg.optim
+    impl = optimizer_impl(optim, device)
+    with FakeTensorMode():
+        params = nn.ParameterList(
+            nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=trains)
+            for shape, trains in shapes
+        )
+        # (the implementation steps the groups: it changes no byte held, only the temporaries)
+        foreach = replace(optim, implementation=OptimizerImpl.foreach)
+        adamw = build_optimizer(params, foreach, device, whole_groups=True)
+        tiered = TieredOptimizer(
+            adamw,
+            tier,
+            ratio=ratio,
+            group_size=STEP_GROUPS.value(cfg),
+            folder=path,
+            rank=0,
+            prefetch=prefetch,
+            pin_memory=False,
+        )
+    held, stored = tiered.resident(), {id(p) for p in tiered.stored}
+    groups = [g.numel for g in tiered.groups]
+    # each moment the tier does not hold is a tensor of its own, as each buffer is
+    left = [p.numel() * dtype.itemsize for p in params if p.requires_grad and id(p) not in stored]
+    allocations = [*left, *left, *(b.device.numel() for b in tiered.buffers)]
+    out = TierBytes(
+        tier=StateTier(tier),
+        ratio=ratio,
+        groups=len(tiered.groups),
+        offloaded_groups=len(tiered.offloaded),
+        moments=2 * sum(groups) * dtype.itemsize,
+        device=tiered.on_device(),
+        host=held["host"],
+        disk=held["disk"],
+        buffers=held["buffers"],
+        temporaries=max(groups, default=0) * dtype.itemsize * (impl is OptimizerImpl.foreach),
+        traffic=tiered.traffic_formula(),
+        allocations=tuple(allocations),
+    )
+    tiered.close()
+    return out
+
+
+def rank_tiers(cfg: Config, world_size: int, keep: tuple[str, int] | None = None) -> TierBytes:
+    """Rank 0's AdamW moments by where they live under ``cfg``'s ``offload`` section: its
+    trainable parameters' shards (FSDP2's dim-0 chunks over the shard group) in the stored dtype,
+    on the device the states live on (the host under parallel.cpu_offload) and the config targets.
+
+    Args:
+        cfg: the run's config.
+        world_size: the ranks.
+        keep: (container, n): the model cut to its first n blocks (the planner's depths).
+    """
+    model = construct(cfg.model)  # meta: free at any size
+    if keep is not None:
+        keep_first(model, *keep)
+    make_trainable(model, cfg.model)
+    shards = Topology.of(cfg.parallel, world_size).param_shards
+    shapes = [(_local_shape(p.shape, shards), p.requires_grad) for p in model.parameters()]
+    # (the planner's target: CUDA only where dist.device says so)
+    device = "cuda" if cfg.dist.device.value == "cuda" and not OFFLOAD.value(cfg) else "cpu"
+    stored = resolve_precision(cfg.precision).stored
+    return _tiers(shapes, stored, cfg, torch.device(device))
+
+
+def _flat_tiers(
+    trainable: int, n: int, dtype: torch.dtype, group_size: int, offload: OffloadConfig
+) -> TierBytes:
+    """`TierBytes` for a parameter count alone, on an accelerator: ``trainable`` parameters over
+    ``n`` ranks, a rank's shard taken as one run of elements cut into groups of ``group_size`` (0:
+    one group; the tensors, and so the 1-D no-decay groups, unknown)."""
+    local = -(-trainable // n)
+    size = group_size or local
+    sizes = [size] * (local // size) + [local % size] * bool(local % size)
+    cfg = Config(optim=OptimConfig(step_group_size=group_size), offload=offload)
+    return _tiers([((k, 1), True) for k in sizes], dtype, cfg, torch.device("cuda"))
+
+
+@dataclass(frozen=True)
+class TierRow:
+    """One tier's row of the formulas' offload table, by stored dtype's name (float32: fp32 and
+    bf16-mixed; bfloat16: bf16-true): full_shard's device bytes per rank at rest (`strategy_states`'
+    at rest, less what the tier saves) and the tier's `TierBytes`."""
+
+    tier: StateTier
+    at_rest: dict[str, float]
+    tiers: dict[str, TierBytes]
+
+
+def tier_rows(
+    num_params: int, n: int, group_size: int, ratio: float, trained: Trained = Trained()
+) -> list[TierRow] | str:
+    """Each ``offload.states`` tier's row for ``num_params`` parameters over ``n`` ranks under
+    full_shard (`_flat_tiers`: groups of ``group_size`` elements, the last ``ratio`` of them
+    offloaded, offload.prefetch's default), or, where the config rules refuse offload with
+    ``trained``'s states, why."""
+    offload = OffloadConfig(ratio=ratio)
+    try:
+        cpu = replace(offload, states=StateTier.cpu)
+        validate(Config(optim=OptimConfig(state_bits=trained.state_bits), offload=cpu))
+    except ValueError as e:
+        return str(e)
+    states = strategy_states(num_params, n, modes=("fp32", "bf16-true"), trained=trained)
+    rest = {
+        str(resolve_precision(PrecisionConfig(mode=s.mode)).stored).removeprefix("torch."): s
+        for s in states
+        if s.strategy is ZERO_STAGES[3]  # ZeRO-3's rows
+    }
+    rows = []
+    for tier in StateTier:
+        each = {
+            name: _flat_tiers(
+                num_params - trained.frozen,
+                n,
+                getattr(torch, name),
+                group_size,
+                replace(offload, states=tier),
+            )
+            for name in rest
+        }
+        at_rest = {name: rest[name].at_rest - t.saved for name, t in each.items()}
+        rows.append(TierRow(tier, at_rest, each))
+    return rows
 
 
 def deepspeed_zero3_estimate(num_params: int, largest_layer_params: int, n: int) -> int:

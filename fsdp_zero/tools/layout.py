@@ -36,6 +36,7 @@ from fsdp_zero.config.schema import (
     Config,
     DataConfig,
     ModelConfig,
+    OffloadConfig,
     ParallelConfig,
     PrecisionConfig,
     TrainConfig,
@@ -71,6 +72,7 @@ class Workload:
     parallel: ParallelConfig
     precision: PrecisionConfig
     device: Device
+    offload: OffloadConfig  # where AdamW's states live (`fsdp_zero.tools.formulas.rank_tiers`)
 
     @classmethod
     def of(cls, cfg: Config) -> Workload:
@@ -81,6 +83,7 @@ class Workload:
             parallel=cfg.parallel,
             precision=cfg.precision,
             device=cfg.dist.device,
+            offload=cfg.offload,
         )
 
     @property

@@ -51,7 +51,16 @@ from fsdp_zero.model.tasks import build_task, vocab_size
 from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build, cast_to_stored
-from fsdp_zero.sharding.levers import FLOAT8, GRAD_SYNC, LOW_BIT_ADAMW, NF4, OFFLOAD, deferral
+from fsdp_zero.sharding.levers import (
+    FLOAT8,
+    GRAD_SYNC,
+    LOW_BIT_ADAMW,
+    NF4,
+    OFFLOAD,
+    OFFLOAD_STATES,
+    deferral,
+)
+from fsdp_zero.sharding.offload import TieredOptimizer
 from fsdp_zero.sharding.optim import optimizer_impl
 from fsdp_zero.sharding.precision import resolve_precision
 from fsdp_zero.sharding.quantize import adamw_state_bytes, chosen_targets, nf4_bytes
@@ -64,6 +73,7 @@ from fsdp_zero.tools.depth import (
     repeated_blocks,
     zero1_shares,
 )
+from fsdp_zero.tools.formulas import TierBytes, rank_tiers
 from fsdp_zero.tools.prediction import Prediction, cached_baseline, predict_peak
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode, real_post_forward_meshes
 from fsdp_zero.training.step import Step
@@ -132,6 +142,40 @@ class _DDPStandIn(nn.Module):
 
     def forward(self, *args: object, **kwargs: object) -> object:
         return self.module(*args, **kwargs)
+
+
+def heap_threshold(setting: str) -> int:
+    """The bytes under which glibc's heap serves a tensor on a CPU host, under the runs'
+    ``memory.malloc_mmap_threshold`` (what `HEAP_RETENTION` splits by)."""
+    return mmap_threshold(setting) or GLIBC_MAX_MMAP_THRESHOLD
+
+
+class _Tracked:
+    """A `TieredOptimizer` (offload.states) as the memory tracker reads it: its step hooks and
+    states, and its buffers in flight among the states from the start of the step (the build made
+    them and the device holds them all along; the tracker would see them first in the step)."""
+
+    def __init__(self, tiered: TieredOptimizer) -> None:
+        self.state = {**tiered.state, "buffers": dict(enumerate(b.device for b in tiered.buffers))}
+        self.register_step_pre_hook = tiered.register_step_pre_hook
+        self.register_step_post_hook = tiered.register_step_post_hook
+
+    @staticmethod
+    def of(optimizer: object) -> object:
+        """``optimizer`` as the tracker should read it."""
+        return _Tracked(optimizer) if isinstance(optimizer, TieredOptimizer) else optimizer
+
+
+def _uneven_states(
+    c: Config, world_size: int, threshold: int, keep: tuple[str, int] | None
+) -> tuple[int, int]:
+    """offload.states: the device's AdamW bytes that do not grow evenly with the blocks (the moments
+    of the groups left there and the buffers of the largest offloaded group: the step groups and
+    which of them the ratio leaves on the device change in steps) with ``keep``'s blocks of ``c``'s
+    model (None: all of them), by formula (`rank_tiers`), and those of them under the heap's
+    ``threshold``."""
+    tiers = rank_tiers(c, world_size, keep)
+    return tiers.device + tiers.buffers, tiers.heap(threshold)
 
 
 def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[Prediction]:
@@ -238,7 +282,7 @@ class Simulator:
         self.baseline = cached_baseline(self.target) if baseline is None else baseline
         # glibc serves tensors below this from its heap (CPU); the split decides what the heap
         # keeps.
-        self.heap_threshold = mmap_threshold(malloc_mmap_threshold) or GLIBC_MAX_MMAP_THRESHOLD
+        self.heap_threshold = heap_threshold(malloc_mmap_threshold)
 
     def __enter__(self) -> "Simulator":
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
@@ -271,13 +315,19 @@ class Simulator:
         stepped_on = torch.device("cpu") if OFFLOAD.active(plain) else self.target
         impl = optimizer_impl(plain.optim, stepped_on)
         plain = replace(plain, optim=replace(plain.optim, implementation=impl))
+        tiered = OFFLOAD_STATES.active(plain)
         pred = self._predict(
             functools.partial(self._simulate, plain),
             model_cfg=plain.model,
             parallel=plain.parallel,
             optim=plain.optim,
             whole=whole,
+            uneven=functools.partial(_uneven_states, plain, self.world_size, self.heap_threshold)
+            if tiered
+            else None,
         )
+        if tiered:
+            self._offloaded(pred, rank_tiers(plain, self.world_size))
         if float8:
             pred.notes.append(
                 f"float8 {FLOAT8.value(c)}: simulated as bf16 (it saves no memory; tensorwise gathers "
@@ -310,6 +360,7 @@ class Simulator:
         parallel: ParallelConfig,
         optim: OptimConfig,
         whole: bool,
+        uneven: Callable[[tuple[str, int] | None], tuple[int, int]] | None = None,
     ) -> Prediction:
         """``run`` (`_simulate` of a config: two steps, the second's peak), of the whole model or
         composed from the first blocks of it; ``model_cfg``, ``parallel`` and ``optim`` are that
@@ -321,7 +372,9 @@ class Simulator:
         through two depths. The third depth checks that they do (at the smallest depths the units
         FSDP2 holds in flight still grow with the blocks); where it misses, the depths move up a
         step. So the simulation's cost does not grow with the layer count; a model that needs all
-        its blocks to run (or has few), or ``whole``, is simulated whole.
+        its blocks to run (or has few), or ``whole``, is simulated whole. ``uneven``:
+        offload.states' AdamW bytes on the device that do not grow evenly with the blocks, by
+        formula, at a cut (container, depth) or the whole model (None) (`_uneven_states`).
         """
         shards = Topology.of(parallel, self.world_size).param_shards
         repeats = None if whole else repeated_blocks(model_cfg, parallel, shards)
@@ -363,6 +416,9 @@ class Simulator:
             target=self.target,
             zero1=zero1_shares(model_cfg, optim, self.world_size, repeats, (y, z))
             if STRATEGIES[parallel.strategy].zero_redundancy_optimizer
+            else None,
+            uneven=(uneven((repeats.container, y)), uneven((repeats.container, z)), uneven(None))
+            if uneven
             else None,
         )
 
@@ -407,7 +463,7 @@ class Simulator:
                 else contextlib.nullcontext()
             ):
                 profiler = StepProfiler(
-                    model, optimizer, device, heap_threshold=self.heap_threshold
+                    model, _Tracked.of(optimizer), device, heap_threshold=self.heap_threshold
                 )
             state: dict[str, int] = {}
 
@@ -423,6 +479,18 @@ class Simulator:
             with profiler:
                 step.run(micro, [on_phase])
         return self._prediction(c.parallel, profiler, state, on_host=OFFLOAD.active(c))
+
+    def _offloaded(self, pred: Prediction, tiers: TierBytes) -> None:
+        """offload.states: where ``pred``'s rank keeps its offloaded moments (`rank_tiers`); on a
+        CPU host the cpu tier's host memory is the process's own, in its peak."""
+        pred.offloaded = {"host": tiers.host, "disk": tiers.disk, "buffers": tiers.buffers}
+        if self.target.type == "cpu":
+            pred.peak += tiers.host
+        pred.notes.append(
+            f"offload.states={tiers.tier.value}: AdamW's moments of {tiers.offloaded_groups} of "
+            f"{tiers.groups} step groups off the device ({(tiers.host + tiers.disk) / 2**20:,.1f} "
+            f"MiB a rank), {tiers.buffers / 2**20:,.1f} MiB of buffers on it"
+        )
 
     def _layout(self, train: TrainConfig) -> BatchLayout:
         """``train``'s batch layout at this world size (rounded), its accumulation capped at

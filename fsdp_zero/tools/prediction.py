@@ -44,6 +44,9 @@ class Prediction:
     heap_at_peak: int = 0  # CPU: bytes of the peak's tensors that glibc serves from its heap
     heap_activations: int = 0  # CPU: heap-allocated activations after the first forward
     optimizer_state: int = 0  # of model_state, the AdamW states
+    # offload.states: the rank's AdamW moments off the device, by where they live ("host", "disk"),
+    # and the buffers on the device they move through ("buffers"; in the tensors already)
+    offloaded: dict[str, int] = field(default_factory=dict)
     # The step in parts (from each phase to the next;
     # `fsdp_zero.monitor.memory.StepProfiler.region_peaks`): bytes by category at the part's own
     # peak, and how many of them the heap serves. What `compose` extrapolates.

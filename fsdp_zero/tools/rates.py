@@ -25,10 +25,17 @@ each) and measures, all ranks at once as in training:
   ZeroRedundancyOptimizer's broadcasts). Each the shortest of three; the reduction, a difference of two
   timings, the median of three backwards less the gathers.
 - AdamW's step, per parameter, in each stored dtype.
+
+And where the search varies offload.states, offload's two links (`probe_bandwidths`, in this
+process, about a second): the host link, one 64 MiB group copied from the device to pinned host
+memory and back (CUDA; a memcpy on a CPU host), and the disk under offload.path, the group written
+(synced, dropped from the page cache) and read back, both through the stores' own code
+(`fsdp_zero.sharding.offload.round_trip_seconds`). Each once a process (a second fit reuses them).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -43,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_zero.config.choices import WrapPolicy
+from fsdp_zero.config.choices import StateTier, WrapPolicy
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.schema import Config, ParallelConfig, WrapConfig
 from fsdp_zero.data.batches import build_source
@@ -55,6 +62,7 @@ from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.model.tasks import build_task, to_device, vocab_size
 from fsdp_zero.sharding.build import materializer
 from fsdp_zero.sharding.levers import BuildContext
+from fsdp_zero.sharding.offload import round_trip_seconds
 from fsdp_zero.sharding.parallelize import parallelize
 from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.depth import keep_first, repeated_blocks
@@ -111,17 +119,41 @@ class Measured:
 
 
 @dataclass(frozen=True)
+class Bandwidths:
+    """What `probe_bandwidths` measured here: offload's host link and disk, Gbit/s each way of a
+    round trip (None: not measured)."""
+
+    host_gbps: float | None  # a group from the device to host memory and back
+    disk_gbps: float | None  # a group written to a file under offload.path and read back
+    where: str  # what was probed: the device, the folder
+    seconds: float  # the probe's own wall time
+
+    def describe(self) -> str:
+        each = [
+            f"{name} {gbps:.3g} Gbit/s"
+            for name, gbps in (("host link", self.host_gbps), ("disk", self.disk_gbps))
+            if gbps is not None
+        ]
+        return f"offload measured here ({self.where}, {self.seconds:.1f} s): {', '.join(each)}"
+
+
+@dataclass(frozen=True)
 class Rates:
-    """What the cost assumes of the hardware (scripts/plan.py's --tflops, --link-gbps, --host-gbps), or,
-    with ``measured``, what the probe measured (which then replaces the first two)."""
+    """What the cost assumes of the hardware (scripts/plan.py's --tflops, --link-gbps, --host-gbps,
+    --disk-gbps), or, with ``measured``, what the probe measured (which then replaces the first
+    two); ``bandwidths``: what the offload probe measured (in ``host_gbps`` and ``disk_gbps``)."""
 
     tflops: float  # achieved compute per rank in 16-bit dtypes, 10^12 FLOP/s
     link_gbps: float  # per-rank collective bandwidth, Gbit/s
-    host_gbps: float = 200.0  # host <-> device copies (CPU offload), Gbit/s
+    # host <-> device copies (CPU offload, offload.states' cpu tier and the disk's staging), Gbit/s
+    host_gbps: float = 200.0
+    # offload.states=disk: a file's writes and reads under offload.path, Gbit/s (None: not known)
+    disk_gbps: float | None = None
     # How much faster 16-bit compute runs than fp32. An H100: 989 dense bf16 TFLOP/s against 67 in
     # fp32 (we do not turn TF32 on); a CPU: about the same (where it is not measured).
     fp32_speed: float = 15.0
     measured: Measured | None = None
+    bandwidths: Bandwidths | None = None
 
     @classmethod
     def default(cls, device: str) -> "Rates":
@@ -129,12 +161,48 @@ class Rates:
         return cls(400.0, 400.0) if device == "cuda" else cls(0.05, 20.0, fp32_speed=1.0)
 
     def describe(self) -> str:
+        probed = f"; {self.bandwidths.describe()}" if self.bandwidths else ""
         if self.measured:
-            return self.measured.describe()
+            return self.measured.describe() + probed
+        disk = f", disk {self.disk_gbps:.3g} Gbit/s" if self.disk_gbps else ""
         return (
             f"given or default: {self.tflops:g} TFLOP/s (16-bit; fp32 {self.fp32_speed:g}x "
-            f"slower), link {self.link_gbps:g} Gbit/s, host {self.host_gbps:g} Gbit/s"
+            f"slower), link {self.link_gbps:g} Gbit/s, host {self.host_gbps:.3g} Gbit/s{disk}"
+            + probed
         )
+
+    def with_bandwidths(self, probed: Bandwidths, given: dict[str, float | None]) -> Rates:
+        """These rates with the offload probe's figures (``probed``) where ``given`` (host_gbps,
+        disk_gbps: the command line's) has none."""
+        found = {"host_gbps": probed.host_gbps, "disk_gbps": probed.disk_gbps}
+        use = {k: given.get(k) or v for k, v in found.items() if given.get(k) or v}
+        return replace(self, bandwidths=probed, **use)
+
+
+# The offload probe's group: this many bytes down a tier and back, the shortest of two round trips
+_PROBE_BYTES = 64 * 2**20
+
+
+@functools.cache
+def probe_bandwidths(device: str | None, folder: str | None) -> Bandwidths:
+    """offload.states' links measured here, once a process: the host link from a ``device``
+    buffer (cuda: to pinned host memory and back; cpu: a memcpy; None: not measured) and the disk
+    under ``folder`` (None: not measured), each the shortest of two round trips of a 64 MiB group
+    after an untimed one, through the stores' own code (`round_trip_seconds`); what the disk probe
+    writes lives in a folder of its own under ``folder``, removed after."""
+    start = time.perf_counter()
+
+    def gbps(tier: StateTier, dev: str) -> float:
+        seconds = round_trip_seconds(tier, _PROBE_BYTES, torch.device(dev), folder)
+        return 2 * _PROBE_BYTES * 8 / seconds / 1e9
+
+    host = gbps(StateTier.cpu, device) if device else None
+    disk = gbps(StateTier.disk, "cpu") if folder else None
+    where = ", ".join(
+        [f"{device} <-> pinned host memory" if device == "cuda" else "a memcpy"] * bool(device)
+        + [f"a file under {folder}"] * bool(folder)
+    )
+    return Bandwidths(host, disk, where, time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------------------------

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_zero.config.choices import StateTier
 from fsdp_zero.monitor.memory import MEMORY_CATEGORIES, MIB
-from fsdp_zero.sharding.levers import GRAD_SYNC, OFFLOAD
+from fsdp_zero.sharding.levers import GRAD_SYNC, OFFLOAD, OFFLOAD_STATES
 from fsdp_zero.tools.candidates import Scored
 from fsdp_zero.tools.fit import FitResult
 from fsdp_zero.tools.formulas import (
     PAPER_K,
     PLAN_MODES,
     CommRow,
+    TierRow,
     Trained,
     deepspeed_zero3_estimate,
     format_bytes,
@@ -39,6 +41,7 @@ class PlanFacts:
     seq_len: int
     cuda: bool  # dist.device=cuda: device memory; else the process's peak RSS
     cpu_offload: bool
+    offload_states: str  # offload.states, and its ratio when it is on
     grad_sync: str
     tp: int
     pp: int
@@ -58,11 +61,17 @@ class PlanFacts:
             seq_len=w.data.seq_len,
             cuda=w.cuda,
             cpu_offload=OFFLOAD.value(w),
+            offload_states=_states(OFFLOAD_STATES.value(w), OFFLOAD_STATES.value(w, 1)),
             grad_sync=GRAD_SYNC.value(w).value,
             tp=p.tp_size,
             pp=p.pp_size,
             pp_schedule=p.pp_schedule,
         )
+
+
+def _states(tier: StateTier, ratio: float) -> str:
+    """offload.states as the plan's lines name it: the tier, and its ratio when it is on."""
+    return tier.value if tier is StateTier.none else f"{tier.value} (ratio {ratio:g})"
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -132,11 +141,14 @@ def memory_table(
         f"# memory plan: {f.model}, {num_params:,} parameters, {f.world_size} ranks, micro-batch "
         f"{f.micro_batch} x {f.seq_len} tokens, {f.mode} AdamW"
         + (", CPU offload" if f.cpu_offload else "")
+        + (f", offload.states={f.offload_states}" if f.offload_states != "none" else "")
         + "\n"
     )
     retained = "" if cuda else "heap kept MiB"  # what glibc's heap keeps beyond the live tensors
     head = ["strategy", *(f"{c} MiB" for c in MEMORY_CATEGORIES), "tensors MiB", "baseline MiB"]
     head += [retained] * (not cuda) + [f"{kind} MiB", "model state MiB"]
+    tiers = any(p.offloaded for p in preds)  # offload.states: the moments off the device
+    head += ["states on host MiB", "states on disk MiB"] if tiers else []
     head += [f"fits {format_bytes(limit)}"] if limit else []
     rows = []
     for p in preds:
@@ -145,6 +157,8 @@ def memory_table(
         cells += [f"{tensors / MIB:,.1f}", f"{p.baseline / MIB:,.0f}"]
         cells += [f"{(p.peak - p.baseline - tensors) / MIB:,.0f}"] * (not cuda)
         cells += [f"{p.peak / MIB:,.0f}", f"{p.model_state / MIB:,.1f}"]
+        if tiers:
+            cells += [f"{p.offloaded.get(k, 0) / MIB:,.1f}" for k in ("host", "disk")]
         if limit:
             cells.append("yes" if p.peak <= limit else f"no (needs {format_bytes(p.peak)})")
         rows.append(cells)
@@ -275,6 +289,56 @@ def formulas_table(
     return "\n".join(lines)
 
 
+def tiers_table(rows: list[TierRow] | str, num_params: int, n: int, group_size: int) -> str:
+    """Where AdamW's moments live under each ``offload.states`` tier, by stored dtype: full_shard's
+    device bytes per rank at rest, the host's and the disk's, and the bytes a step moves.
+
+    Args:
+        rows: `fsdp_zero.tools.formulas.tier_rows`' (a string: why offload is refused).
+        num_params: the model's parameters.
+        n: ranks.
+        group_size: the step groups' elements (optim.step_group_size; 0: the whole shard).
+    """
+    lines = [
+        f"\n## AdamW's moments by tier (offload.states): full_shard, {num_params:,} parameters "
+        f"over {n} ranks, on an accelerator\n"
+    ]
+    if isinstance(rows, str):
+        return "\n".join([*lines, f"refused: {rows}"])
+    t = next(iter(rows[-1].tiers.values()))
+    groups = f"groups of {group_size:,} elements" if group_size else "one group"
+    lines += [
+        f"- a rank's moments in step groups (optim.step_group_size: {groups}; the tensors are not "
+        f"known here: the shard taken as one run of elements), the last {t.offloaded_groups} of "
+        f"{t.groups} in the tier (offload.ratio={t.ratio:g}); on the device besides: prefetch + 1 "
+        "buffers of the largest offloaded group (offload.prefetch); fused AdamW (no temporaries "
+        "larger than a tensor).",
+        "- device at rest: parameters, gradients, the moments left on the device and the buffers. "
+        "Each step reads every offloaded byte and writes it back: cpu over the host link, disk "
+        "from and to the disk and over the host link through staging buffers.\n",
+    ]
+    modes = {"float32": "fp32, bf16-mixed", "bfloat16": "bf16-true"}
+    head = ["offload.states", "precision", "groups off the device", "device at rest", "host"]
+    head += ["disk", "host link a step", "disk a step"]
+    cells = []
+    for r in rows:
+        for name, mode in modes.items():
+            t, moved = r.tiers[name], r.tiers[name].traffic
+            cells.append(
+                [r.tier.value, mode, f"{t.offloaded_groups} of {t.groups}"]
+                + [format_bytes(v) for v in (r.at_rest[name], t.host, t.disk)]
+                + [format_bytes(moved.host_to_device + moved.device_to_host)]
+                + [format_bytes(moved.disk_read + moved.disk_written)]
+            )
+    lines += _table(head, cells)
+    if not group_size:
+        lines.append(
+            "\n(one group: its buffer is the whole shard's moments, so offload saves no device "
+            "memory; --step-group-size cuts the shard into groups swapped one at a time)"
+        )
+    return "\n".join(lines)
+
+
 def fit_heading(facts: PlanFacts, budget: int, margin: float) -> str:
     """The fit's first line: the model, ranks, global batch, budget and margin."""
     f = facts
@@ -289,7 +353,7 @@ def fit_rates_line(rates: Rates) -> str:
     """The rates the costs assume, and what a cost adds up."""
     return (
         f"rates: {rates.describe()}\ncost = compute + communication + optimizer step + offload "
-        "copies, no overlap\n"
+        "copies + offload.states' reads and writes, no overlap\n"
     )
 
 
@@ -309,8 +373,9 @@ def fit_table(found: FitResult, best: Scored, show: int, budget: int, margin: fl
         f"{len(scored)} candidates ({found.simulations} simulations, {found.seconds:.0f} s), "
         f"{len(fitting)} fit; the {min(show, len(fitting))} cheapest that fit:\n"
     ]
-    head = ["#", "cost ms", "compute ms", "comm ms", "optimizer ms", "offload ms", "peak"]
-    head += ["strategy", "precision", "checkpointing", "offload", "micro-batch", "grad_sync"]
+    head = ["#", "cost ms", "compute ms", "comm ms", "optimizer ms", "offload ms", "states ms"]
+    head += ["peak", "strategy", "precision", "checkpointing", "offload", "micro-batch"]
+    head += ["grad_sync", "offload.states"]
     rows = []
     for i, s in enumerate(fitting[:show], start=1):
         c, part = s.candidate, s.parts.get
@@ -322,12 +387,14 @@ def fit_table(found: FitResult, best: Scored, show: int, budget: int, margin: fl
                 part("comm_s", 0) + part("tp_comm_s", 0) + part("p2p_s", 0),
                 part("optimizer_s", 0),
                 part("offload_s", 0),
+                part("states_s", 0),  # offload.states' traffic
             )
         ]
         rows.append(
             [str(i), *ms, format_bytes(s.peak), c.strategy.value, c.precision]
             + [c.checkpointing.value, "yes" if c.value(OFFLOAD.name) else "no", str(c.micro_batch)]
-            + [c.value(GRAD_SYNC.name).value, str(c.size("tp")), str(c.size("pp"))]
+            + [c.value(GRAD_SYNC.name).value, _states(*c.value(OFFLOAD_STATES.name))]
+            + [str(c.size("tp")), str(c.size("pp"))]
         )
     lines += _table([*head, "tp", "pp"], rows)
     lines += [

@@ -180,8 +180,7 @@ class Batches:
         jobs = [
             [
                 str(self.root / f"{r.name}.pt"),
-                [a.format(root=self.root) for a in r.args]
-                + [f"run.root={self.root}", f"run.name={r.run_name or r.name}"],
+                r.job_args(self.root),
                 r.options,
             ]
             for r in RUNS

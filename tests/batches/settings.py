@@ -78,6 +78,21 @@ FOUR_LAYERS = ("model.n_layers=4",)
 HSDP_MB1 = ("parallel.strategy=hybrid_shard", "parallel.shard_size=2", "train.micro_batch_size=1")
 
 
+# A run that sets no checkpoint key saves its final checkpoint only where a test reads it (these);
+# the others train with checkpoint.enabled=false (`Batches`: a save is a few tenths of a second of a
+# 2-core machine, some 40 runs).
+FINAL_READ = frozenset(
+    {
+        "bf16-mixed",  # tests/test_step_group.py's and test_offload.py's final AdamW states
+        "group-bf16",
+        "offload-half",
+        "offload-disk-bf16",
+        "offload-cpu-half-bf16",
+        "overflow",  # tests/test_parity.py: the scaler's state in train_state.json
+    }
+)
+
+
 @dataclass(frozen=True)
 class Run:
     name: str
@@ -86,6 +101,14 @@ class Run:
     readers: tuple[str, ...]  # the test modules that read it
     run_name: str = ""  # the run directory under the launch root (default: name)
     options: dict = field(default_factory=dict)  # tests/workers/jobs.py's per-job options
+
+    def job_args(self, root: Path) -> list[str]:
+        """Its overrides as the launch passes them: ``{root}`` filled in, its run directory, and no
+        checkpoints where it asks for none and no test reads its last (`FINAL_READ`)."""
+        args = [a.format(root=root) for a in self.args]
+        if not any(a.startswith("checkpoint.") for a in self.args) and self.name not in FINAL_READ:
+            args.append("checkpoint.enabled=false")
+        return args + [f"run.root={root}", f"run.name={self.run_name or self.name}"]
 
 
 @dataclass(frozen=True)

@@ -139,8 +139,8 @@ SOURCE = {
     ),
     "compose-zero1-evenly": (
         "fsdp_zero.tools.depth",
-        "return round(bytes_at_b * zero1[2] / zero1[1]) if zero1 else line(bytes_at_a, bytes_at_b)",
-        "return line(bytes_at_a, bytes_at_b) if not zero1 else __mutant__(line(bytes_at_a, bytes_at_b))",
+        "            return round(bytes_at_b * zero1[2] / zero1[1])",
+        "            return __mutant__(line(bytes_at_a, bytes_at_b))",
     ),
     "planner-simulates-on-the-target": (
         "fsdp_zero.tools.planner",
