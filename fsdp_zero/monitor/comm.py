@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -371,26 +371,36 @@ def describe_comm(
         else ""
     )
     tp = [k for k in TP_KINDS if formula.get(k)]
-    tensor = (
-        "; tensor parallelism's "
-        + ", ".join(f"{k[3:].replace('_', '-')} {counted[k] / MIB:,.2f} MiB" for k in tp)
-        + f" against {', '.join(f'{formula[k] / MIB:,.2f}' for k in tp)} MiB"
-        if tp
-        else ""
+    tensor = _against(
+        "tensor parallelism's", tp, counted, formula, lambda k: k[3:].replace("_", "-")
     )
     moved = [k for k in OFFLOAD_KINDS if formula.get(k)]
-    offload = (
-        "; offload.states moved "
-        + ", ".join(f"{k.replace('_', ' ')} {counted[k] / MIB:,.2f} MiB" for k in moved)
-        + f" against {', '.join(f'{formula[k] / MIB:,.2f}' for k in moved)} MiB"
-        if moved
-        else ""
+    offload = _against(
+        "offload.states moved", moved, counted, formula, lambda k: k.replace("_", " ")
     )
     return (
         f"communication per rank in the last logged step: {', '.join(parts)}, against the "
         f"{strategy} grad_sync={grad_sync} formula's "
         f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in COLLECTIVE_KINDS)} MiB{held}{tensor}"
         f"{offload}"
+    )
+
+
+def _against(
+    words: str,
+    kinds: list[str],
+    counted: dict[str, float],
+    formula: dict[str, float],
+    name: Callable[[str], str],
+) -> str:
+    """'; ``words`` <kind> X MiB, ... against F, ... MiB' for ``kinds`` (each shown as ``name``
+    says), or '' when there are none."""
+    if not kinds:
+        return ""
+    return (
+        f"; {words} "
+        + ", ".join(f"{name(k)} {counted[k] / MIB:,.2f} MiB" for k in kinds)
+        + f" against {', '.join(f'{formula[k] / MIB:,.2f}' for k in kinds)} MiB"
     )
 
 
