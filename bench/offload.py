@@ -99,6 +99,38 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, dict[in
     return proc.returncode, peaks, ((errors or lines)[-1] if lines else "")
 
 
+def _memory_rows(mem: dict[int, dict], dsk: dict[int, dict], predicted: float) -> list[str]:
+    """Each rank's peaks in memory and with the file, what the file saved, and ``predicted``."""
+    rows = [
+        "| rank | peak RssAnon in memory (MiB) | in a file (MiB) | saved (MiB) | "
+        "predicted: 8 P / N - 2 groups (MiB) | peak VmData in memory / in a file (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rank in sorted(mem):
+        a, b = mem[rank], dsk[rank]
+        rows.append(
+            f"| {rank} | {a['RssAnon'] / MIB:,.0f} | {b['RssAnon'] / MIB:,.0f} | "
+            f"{(a['RssAnon'] - b['RssAnon']) / MIB:,.0f} | {predicted / MIB:,.0f} | "
+            f"{a['VmData'] / MIB:,.0f} / {b['VmData'] / MIB:,.0f} |"
+        )
+    return rows
+
+
+def _capped(cap: int, n: int, base: list[str], runs: dict[str, list[str]]) -> list[str]:
+    """Each of ``runs`` again under ``prlimit --data=cap`` (250 MiB below the in-memory run's highest
+    VmData): its table row, exit code and last line."""
+    rows = []
+    for name, extra in runs.items():
+        cmd = [
+            "prlimit",
+            f"--data={cap}",
+            *train_command(n, [*base, *extra, f"run.name=capped-{name.replace(' ', '-')}"]),
+        ]
+        code, _, last = run(cmd)
+        rows.append(f"| {name} | {code} | {last[:160]} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser(__doc__, nproc=2, out="offload", overrides=True)
     parser.add_argument("--group", type=int, default=8_388_608)
@@ -135,29 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds = round_trip_seconds(StateTier.disk, group_bytes, torch.device("cpu"), str(swap))
     bandwidth = 2 * group_bytes / seconds  # bytes a second, written then read
     moved = 2 * moments * n  # every rank's moments read and written once a step, one disk
-    rows = [
-        "| rank | peak RssAnon in memory (MiB) | in a file (MiB) | saved (MiB) | "
-        "predicted: 8 P / N - 2 groups (MiB) | peak VmData in memory / in a file (MiB) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for rank in sorted(mem[0]):
-        a, b = mem[0][rank], dsk[0][rank]
-        rows.append(
-            f"| {rank} | {a['RssAnon'] / MIB:,.0f} | {b['RssAnon'] / MIB:,.0f} | "
-            f"{(a['RssAnon'] - b['RssAnon']) / MIB:,.0f} | {(moments - buffers) / MIB:,.0f} | "
-            f"{a['VmData'] / MIB:,.0f} / {b['VmData'] / MIB:,.0f} |"
-        )
-    # the cap: 250 MiB below the in-memory run's highest VmData
+    rows = _memory_rows(mem[0], dsk[0], moments - buffers)
     cap = max(p["VmData"] for p in mem[0].values()) - 250 * MIB
-    capped = []
-    for name, extra in runs.items():
-        cmd = [
-            "prlimit",
-            f"--data={cap}",
-            *train_command(n, [*base, *extra, f"run.name=capped-{name.replace(' ', '-')}"]),
-        ]
-        code, _, last = run(cmd)
-        capped.append(f"| {name} | {code} | {last[:160]} |")
+    capped = _capped(cap, n, base, runs)
     print(
         f"\n## offload.states=disk: gpt_small ({mem[1].num_params:,} parameters) at {n} ranks, "
         f"groups of {args.group:,} elements, {args.steps} steps\n\n"

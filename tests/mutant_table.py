@@ -552,7 +552,7 @@ MUTANTS = {
     "ds-nvme-offload-in-memory": (
         "--deepspeed: offload_optimizer.device=nvme keeps the moments in host memory instead of its "
         "nvme_path",
-        [f"tests/test_deepspeed.py::{_DS_OFFLOAD}"],
+        [f"tests/test_deepspeed_offload.py::{_DS_OFFLOAD}"],
         [_DS_OFFLOAD],
     ),
 }

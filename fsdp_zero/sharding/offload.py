@@ -323,7 +323,14 @@ def round_trip_seconds(
     code, the shortest of ``repeats`` round trips after an untimed one (its pages first touched):
     the cpu tier's copies from a ``device`` buffer to pinned host memory (on CUDA) and back, the
     disk tier's write (synced, dropped from the page cache) and read of a file in a folder of its
-    own under ``folder``, removed after. What `fsdp_zero.tools.rates.probe_bandwidths` times."""
+    own under ``folder``, removed after. What `fsdp_zero.tools.rates.probe_bandwidths` times.
+
+    Args:
+        tier: `StateTier.cpu` (host memory) or `StateTier.disk` (a file).
+        nbytes: the group's bytes.
+        device: where the group's buffer lives (the cpu tier copies from it).
+        folder: the disk tier's folder (None for the cpu tier).
+    """
     g = SwapGroup(0, {"params": []}, tier, ranges=[(0, 0, nbytes)], nbytes=nbytes)
     disk = tier is StateTier.disk
     buf = _Buffer(nbytes, torch.device("cpu") if disk else device, False, pin=True)

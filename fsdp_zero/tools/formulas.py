@@ -25,7 +25,7 @@ from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.monitor.comm import comm_formula, comm_seconds
-from fsdp_zero.sharding.levers import OFFLOAD, OFFLOAD_STATES, STEP_GROUPS
+from fsdp_zero.sharding.levers import OFFLOAD
 from fsdp_zero.sharding.offload import TieredOptimizer, Traffic
 from fsdp_zero.sharding.optim import build_optimizer, optimizer_impl
 from fsdp_zero.sharding.parallelize import model_state_formula
@@ -261,15 +261,14 @@ def _local_shape(shape: torch.Size, shards: int) -> tuple[int, ...]:
 def _tiers(
     shapes: list[tuple[tuple[int, ...], bool]],
     dtype: torch.dtype,
-    cfg: Config,
+    optim: OptimConfig,
+    offload: OffloadConfig,
     device: torch.device,
 ) -> TierBytes:
     """`TierBytes` of a rank whose parameters have ``shapes`` (with whether each trains), stored in
-    ``dtype`` on ``device``: a `TieredOptimizer` built as the build builds it under ``cfg``'s
-    offload and optimizer settings, over them under FakeTensorMode (no memory, no files: its store
+    ``dtype`` on ``device``: a `TieredOptimizer` built as the build builds it under the ``offload``
+    and ``optim`` settings, over them under FakeTensorMode (no memory, no files: its store
     only counts)."""
-    tier, ratio, path, prefetch = (OFFLOAD_STATES.value(cfg, k) for k in range(4))
-    optim = cfg.optim
     impl = optimizer_impl(optim, device)
     with FakeTensorMode():
         params = nn.ParameterList(
@@ -281,12 +280,12 @@ def _tiers(
         adamw = build_optimizer(params, foreach, device, whole_groups=True)
         tiered = TieredOptimizer(
             adamw,
-            tier,
-            ratio=ratio,
-            group_size=STEP_GROUPS.value(cfg),
-            folder=path,
+            offload.states,
+            ratio=offload.ratio,
+            group_size=optim.step_group_size,
+            folder=offload.path,
             rank=0,
-            prefetch=prefetch,
+            prefetch=offload.prefetch,
             pin_memory=False,
         )
     held, stored = tiered.resident(), {id(p) for p in tiered.stored}
@@ -295,8 +294,8 @@ def _tiers(
     left = [p.numel() * dtype.itemsize for p in params if p.requires_grad and id(p) not in stored]
     allocations = [*left, *left, *(b.device.numel() for b in tiered.buffers)]
     out = TierBytes(
-        tier=StateTier(tier),
-        ratio=ratio,
+        tier=StateTier(offload.states),
+        ratio=offload.ratio,
         groups=len(tiered.groups),
         offloaded_groups=len(tiered.offloaded),
         moments=2 * sum(groups) * dtype.itemsize,
@@ -331,7 +330,7 @@ def rank_tiers(cfg: Config, world_size: int, keep: tuple[str, int] | None = None
     # (the planner's target: CUDA only where dist.device says so)
     device = "cuda" if cfg.dist.device.value == "cuda" and not OFFLOAD.value(cfg) else "cpu"
     stored = resolve_precision(cfg.precision).stored
-    return _tiers(shapes, stored, cfg, torch.device(device))
+    return _tiers(shapes, stored, cfg.optim, cfg.offload, torch.device(device))
 
 
 def _flat_tiers(
@@ -343,8 +342,8 @@ def _flat_tiers(
     local = -(-trainable // n)
     size = group_size or local
     sizes = [size] * (local // size) + [local % size] * bool(local % size)
-    cfg = Config(optim=OptimConfig(step_group_size=group_size), offload=offload)
-    return _tiers([((k, 1), True) for k in sizes], dtype, cfg, torch.device("cuda"))
+    optim = OptimConfig(step_group_size=group_size)
+    return _tiers([((k, 1), True) for k in sizes], dtype, optim, offload, torch.device("cuda"))
 
 
 @dataclass(frozen=True)
@@ -364,7 +363,15 @@ def tier_rows(
     """Each ``offload.states`` tier's row for ``num_params`` parameters over ``n`` ranks under
     full_shard (`_flat_tiers`: groups of ``group_size`` elements, the last ``ratio`` of them
     offloaded, offload.prefetch's default), or, where the config rules refuse offload with
-    ``trained``'s states, why."""
+    ``trained``'s states, why.
+
+    Args:
+        num_params: the model's parameters.
+        n: ranks.
+        group_size: elements per step group (``optim.step_group_size``; 0: one group).
+        ratio: ``offload.ratio``.
+        trained: what trains and how (`Trained`).
+    """
     offload = OffloadConfig(ratio=ratio)
     try:
         cpu = replace(offload, states=StateTier.cpu)

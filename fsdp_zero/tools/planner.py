@@ -166,15 +166,11 @@ class _Tracked:
         return _Tracked(optimizer) if isinstance(optimizer, TieredOptimizer) else optimizer
 
 
-def _uneven_states(
-    c: Config, world_size: int, threshold: int, keep: tuple[str, int] | None
-) -> tuple[int, int]:
+def _uneven_states(tiers: TierBytes, threshold: int) -> tuple[int, int]:
     """offload.states: the device's AdamW bytes that do not grow evenly with the blocks (the moments
     of the groups left there and the buffers of the largest offloaded group: the step groups and
-    which of them the ratio leaves on the device change in steps) with ``keep``'s blocks of ``c``'s
-    model (None: all of them), by formula (`rank_tiers`), and those of them under the heap's
-    ``threshold``."""
-    tiers = rank_tiers(c, world_size, keep)
+    which of them the ratio leaves on the device change in steps), by formula (``tiers``,
+    `rank_tiers`), and those of them under the heap's ``threshold``."""
     return tiers.device + tiers.buffers, tiers.heap(threshold)
 
 
@@ -322,7 +318,11 @@ class Simulator:
             parallel=plain.parallel,
             optim=plain.optim,
             whole=whole,
-            uneven=functools.partial(_uneven_states, plain, self.world_size, self.heap_threshold)
+            uneven=(
+                lambda keep: _uneven_states(
+                    rank_tiers(plain, self.world_size, keep), self.heap_threshold
+                )
+            )
             if tiered
             else None,
         )
