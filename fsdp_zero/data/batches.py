@@ -12,6 +12,7 @@ the world size without losing its place).
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 from pathlib import Path
 from typing import Protocol
 
@@ -24,9 +25,19 @@ from fsdp_zero.data.token_files import IGNORE_INDEX, META, mask_file, read_meta
 
 
 class Source(Protocol):
+    """A source whose ``batch`` reseeds torch's global generator says so with a class attribute
+    ``reseeds_global_rng = True``: `fsdp_zero.data.loader.BatchCursor` then never calls it from a
+    thread while a step (dropout, say) draws from that generator."""
+
     def batch(self, indices: range) -> tuple[torch.Tensor, ...]:
         """The samples at these global indices, collated: e.g. (inputs, targets), or (images, labels)."""
         ...
+
+
+# Up to this many samples a call, `_SyntheticBigram` walks its chain in Python, a sample at a time
+# (about 0.07 ms a 1,024-token sample); beyond, in numpy, a position at a time over all samples
+# (about 1.3 ms a call for up to 32 samples of 1,024 tokens). bench/synthetic_data.py measures both.
+_ROWS_WALKED_IN_PYTHON = 16
 
 
 class _SyntheticBigram:
@@ -44,12 +55,15 @@ class _SyntheticBigram:
         self.successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=gen)
         odds = torch.tensor([2.0**-i for i in range(branching)])
         self.probs = odds / odds.sum()
+        self._tables: list[list[int]] | None = None
 
     def entropy(self) -> float:
         """The loss floor in nats (ignoring repeated successors)."""
         return float(-(self.probs * self.probs.log()).sum())
 
     def samples(self, indices: range) -> torch.Tensor:
+        """(len(indices), seq_len + 1) tokens: sample i's first token and its successor choices are
+        drawn from a generator seeded by (seed, i), then the chain is walked from them."""
         n = len(indices)
         first = torch.empty(n, dtype=torch.long)
         choices = torch.empty(n, self.seq_len, dtype=torch.long)
@@ -61,11 +75,31 @@ class _SyntheticBigram:
             choices[row] = torch.multinomial(
                 self.probs, self.seq_len, replacement=True, generator=gen
             )
-        out = torch.empty(n, self.seq_len + 1, dtype=torch.long)
-        out[:, 0] = first
+        walk = self._walk_rows if n <= _ROWS_WALKED_IN_PYTHON else self._walk_columns
+        return torch.from_numpy(walk(first.numpy(), choices.numpy()))
+
+    def _walk_rows(self, first: np.ndarray, choices: np.ndarray) -> np.ndarray:
+        """The walk in plain Python, a sample at a time: one list lookup a token (a torch or numpy
+        call a token would cost more than the lookup)."""
+        if self._tables is None:  # successor c of every token, by c: built once, on first use
+            self._tables = self.successors.T.tolist()
+        tables = self._tables
+        rows = [
+            list(accumulate(row, lambda token, c: tables[c][token], initial=start))
+            for start, row in zip(first.tolist(), choices.tolist())
+        ]
+        return np.array(rows, dtype=np.int64).reshape(len(rows), self.seq_len + 1)
+
+    def _walk_columns(self, first: np.ndarray, choices: np.ndarray) -> np.ndarray:
+        """The walk in numpy, a position at a time over every sample: a flat gather a position."""
+        flat = self.successors.numpy().ravel()
+        branching = self.successors.shape[1]
+        steps = np.ascontiguousarray(choices.T)
+        out = np.empty((self.seq_len + 1, len(first)), dtype=np.int64)
+        out[0] = first
         for pos in range(self.seq_len):
-            out[:, pos + 1] = self.successors[out[:, pos], choices[:, pos]]
-        return out
+            out[pos + 1] = flat[out[pos] * branching + steps[pos]]
+        return np.ascontiguousarray(out.T)
 
     def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
         return _next_token_pairs(self.samples(indices))
@@ -260,6 +294,9 @@ class _ImageSamples:
     global batches). Random augmentations draw from a generator seeded by (seed, index), so
     a sample is the same whoever reads it and whenever.
     """
+
+    # torchvision's random transforms draw from the global generator, which `batch` reseeds
+    reseeds_global_rng = True
 
     def __init__(self, dataset: "torch.utils.data.Dataset", seed: int, shuffle: bool) -> None:
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle

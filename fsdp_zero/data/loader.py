@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 import signal
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -95,12 +96,18 @@ def _ignore_sigterm(worker_id: int) -> None:
 class BatchCursor:
     """Hands each rank its micro-batches of the next global batch.
 
-    A DataLoader fetches this rank's slice of each global batch (with ``num_workers``
-    processes, ahead of the training step); which samples make up a step depends only on
-    the global position, so a resume at any world size continues where the run left off.
+    A DataLoader fetches this rank's slice of each global batch; which samples make up a step
+    depends only on the global position, so a resume at any world size continues where the run
+    left off. The next batch is fetched while the step computes on this one: by the DataLoader's
+    ``num_workers`` processes, or, with none (token data's default), by a thread of the cursor's,
+    one batch ahead (a source that reseeds torch's global generator, see
+    `fsdp_zero.data.batches.Source`, is read in the caller's thread instead: the step draws from
+    that generator). ``pin_memory`` (a CUDA run): batches come in pinned host memory, which
+    `fsdp_zero.model.tasks.to_device` copies without making the host wait.
 
     Attributes:
-        position: global samples consumed so far, the whole of the data state.
+        position: global samples consumed so far, the whole of the data state (a batch fetched
+            ahead is not consumed; setting ``position`` drops it).
     """
 
     def __init__(
@@ -111,13 +118,20 @@ class BatchCursor:
         num_workers: int = 0,
         position: int = 0,
         same_as: tuple[dist.ProcessGroup, ...] = (),
+        pin_memory: bool = False,
     ) -> None:
         self.source, self.layout, self.rank, self.num_workers = source, layout, rank, num_workers
+        self.pin_memory = pin_memory
         self._position = position
         self._batches: Iterator | None = None
         # groups of ranks that must read the same batches (a tensor-parallel group, a pipeline's
         # stages), checked on the first
         self._same_as = same_as
+        ahead = num_workers == 0 and not getattr(source, "reseeds_global_rng", False)
+        self._fetcher = ThreadPoolExecutor(1, "fsdp-zero-data") if ahead else None
+        self._ahead: Future | None = None  # the batch at `position`, being fetched
+        # the last batch handed out: its pinned memory is not reused while its copy may be in flight
+        self._held: Sequence[torch.Tensor] | None = None
 
     @property
     def position(self) -> int:
@@ -125,28 +139,62 @@ class BatchCursor:
 
     @position.setter
     def position(self, value: int) -> None:
-        self._position, self._batches = value, None  # the loader restarts from there
+        if self._ahead is not None:  # fetched for the old position: dropped (it may still finish)
+            self._ahead.cancel()
+        self._position, self._batches, self._ahead = value, None, None  # the loader restarts there
 
     def next_batch(self) -> list[tuple]:
-        """This rank's micro-batches of the next global batch, e.g. (inputs, targets) pairs."""
-        if self._batches is None:
-            loader = torch.utils.data.DataLoader(
-                _StepSlices(self.source, self.layout, self.rank),
-                batch_size=None,
-                sampler=itertools.count(self._position, self.layout.global_batch_size),
-                num_workers=self.num_workers,
-                prefetch_factor=2 if self.num_workers else None,
-                persistent_workers=False,
-                worker_init_fn=_ignore_sigterm if self.num_workers else None,
-            )
-            self._batches = iter(loader)
-        batch = next(self._batches)
+        """This rank's micro-batches of the next global batch, e.g. (inputs, targets) pairs.
+
+        Raises:
+            Exception: whatever the source raised fetching it (in the cursor's thread), as raised.
+        """
+        batch = self._take()
         for group in self._same_as:
             _check_same_batch(batch, group)
         self._same_as = ()
         self._position += self.layout.global_batch_size
+        if self._fetcher is not None:  # the next step's, while this one computes
+            self._ahead = self._fetcher.submit(next, self._batches)
+        self._held = batch
         micro = self.layout.micro_batch_size
         return list(zip(*(t.split(micro) for t in batch)))
+
+    def close(self) -> None:
+        """Ends the cursor's thread (a batch being fetched is dropped); the cursor then reads in the
+        caller's thread. Without it the thread ends when the cursor is collected, or at exit."""
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._fetcher, self._ahead, self._batches = None, None, None  # restarts at `position`
+
+    def _take(self) -> Sequence[torch.Tensor]:
+        """The batch at `position`: the one fetched ahead, else fetched now."""
+        if self._batches is None:
+            # made here, in the caller's thread: making it draws the DataLoader's base seed from
+            # torch's global generator, as it always has
+            self._batches = iter(self._loader())
+        if self._fetcher is None:
+            return next(self._batches)
+        ahead = self._ahead or self._fetcher.submit(next, self._batches)
+        self._ahead = None
+        try:
+            return ahead.result()
+        except BaseException:
+            self._batches = None  # a next call starts again at this position
+            raise
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        """This rank's slices of the global batches from `position` on."""
+        return torch.utils.data.DataLoader(
+            _StepSlices(self.source, self.layout, self.rank),
+            batch_size=None,
+            sampler=itertools.count(self._position, self.layout.global_batch_size),
+            num_workers=self.num_workers,
+            prefetch_factor=2 if self.num_workers else None,
+            persistent_workers=False,
+            worker_init_fn=_ignore_sigterm if self.num_workers else None,
+            pin_memory=self.pin_memory,
+        )
 
 
 def _check_same_batch(batch: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> None:

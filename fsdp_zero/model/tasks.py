@@ -112,9 +112,17 @@ def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Moves every tensor in a (nested) tuple, list or dict to ``device``."""
+    """Moves every tensor in a (nested) tuple, list or dict to ``device``.
+
+    A copy to an accelerator does not make the host wait when the tensor is in pinned host memory
+    (`fsdp_zero.data.loader.BatchCursor` pins batches on CUDA): it is queued on the current stream,
+    so every kernel queued after it there reads the copied data; the host tensor must stay alive
+    until the copy is done (the cursor keeps each batch until the next, and PyTorch's pinned-memory
+    cache does not hand a block out again before the copies queued from it have run). A copy to the
+    host blocks: an asynchronous one could be read before it lands.
+    """
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch.to(device, non_blocking=torch.device(device).type != "cpu")
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, dict):
