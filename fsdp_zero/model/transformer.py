@@ -33,18 +33,20 @@ class RMSNorm(nn.Module):
 def _rotary_tables(
     head_dim: int, max_seq_len: int, theta: float, device: torch.device
 ) -> torch.Tensor:
-    """(max_seq_len, head_dim) table holding cos in the first half of the last dim, sin in the second."""
+    """(max_seq_len, head_dim / 2, 2) fp32: the (cos, sin) of each position's angle per frequency,
+    pairs that `torch.view_as_complex` reads as cos + i sin without a copy."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     )
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
 def _apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotates pairs (x[..., :h/2], x[..., h/2:]) of x: (batch, heads, seq, head_dim)."""
+    """Rotates pairs (x[..., :h/2], x[..., h/2:]) of x: (batch, heads, seq, head_dim) by ``table``,
+    (max_seq_len, head_dim / 2) complex64 cos + i sin, in fp32 whatever x's dtype."""
+    cos, sin = table.real[: x.shape[-2]], table.imag[: x.shape[-2]]
     half = x.shape[-1] // 2
-    cos, sin = table[: x.shape[-2], :half], table[: x.shape[-2], half:]
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
@@ -152,7 +154,9 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not a parameter and not saved. Computed on the default device, so a model whose
-        # parameters are built on the meta device still has it (init_weights recomputes it).
+        # parameters are built on the meta device still has it (init_weights recomputes it). Real
+        # (cos, sin) pairs, viewed as complex only in forward: a complex buffer would lose its sin
+        # to a `model.to(dtype)` (which casts complex tensors to the real dtype, with a warning).
         rope = _rotary_tables(
             args.dim // args.n_heads, args.max_seq_len, args.rope_theta, torch.get_default_device()
         )
@@ -171,8 +175,13 @@ class Transformer(nn.Module):
         # A pipeline stage holds some of the parts (the first the embedding, the last the head):
         # what it lacks it passes through.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # The blocks get the table as complex64 cos + i sin, a view of the fp32 buffer: FSDP2's
+        # mixed precision casts each unit's floating-point inputs to the compute dtype (a real
+        # table would reach rotary in bf16 under bf16-mixed) and leaves complex ones alone.
+        # (.float(): a no-op but under bf16-true, whose model cast rounded the buffer to bf16.)
+        rope = torch.view_as_complex(self.rope.float())
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         return self.output(self.norm(h)) if self.output is not None else h
 
     @torch.no_grad()
@@ -182,10 +191,9 @@ class Transformer(nn.Module):
         Linear and embedding weights ~ N(0, 0.02^2); the projections that write into the
         residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers); norms are 1.
         """
+        head_dim = self.args.dim // self.args.n_heads
         self.rope.copy_(
-            _rotary_tables(
-                self.rope.shape[1], self.args.max_seq_len, self.args.rope_theta, self.rope.device
-            )
+            _rotary_tables(head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
         )
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
         for name, param in self.named_parameters():

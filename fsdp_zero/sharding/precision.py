@@ -48,8 +48,11 @@ class Precision:
         return s, s, 2 * s
 
     def mp_policy(self) -> MixedPrecisionPolicy:
-        """FSDP2's policy: cast to ``compute`` when gathering, reduce in ``reduce``; floating inputs
-        of each unit are cast to ``compute`` too. The default policy when nothing differs."""
+        """FSDP2's policy: cast to ``compute`` when gathering, reduce in ``reduce``. Every
+        floating-point input of each unit is cast to ``compute`` too (``cast_forward_inputs``),
+        complex ones are not: a unit that computes with an fp32 table takes it as complex64, as the
+        built-in model's blocks take their rotary table (`fsdp_zero.monitor.casts.input_casts`
+        lists what a model's units have cast). The default policy when nothing differs."""
         if self.compute == self.stored and self.reduce == self.stored:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self.compute, reduce_dtype=self.reduce)
