@@ -5,6 +5,7 @@ from fsdp_zero.errors import (
     CheckpointFailed,
     CollectiveFailed,
     Diverged,
+    OutOfMemory,
     RunEnded,
     Stopped,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "CollectiveFailed",
     "Diverged",
     "LAYERS",
+    "OutOfMemory",
     "RunEnded",
     "Stopped",
     "__version__",

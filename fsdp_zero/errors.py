@@ -3,7 +3,15 @@ table (a bad setting, file or path is `USAGE_ERROR`; the others are `RunEnded`'s
 
 from __future__ import annotations
 
-__all__ = ["USAGE_ERROR", "CheckpointFailed", "CollectiveFailed", "Diverged", "RunEnded", "Stopped"]
+__all__ = [
+    "USAGE_ERROR",
+    "CheckpointFailed",
+    "CollectiveFailed",
+    "Diverged",
+    "OutOfMemory",
+    "RunEnded",
+    "Stopped",
+]
 
 USAGE_ERROR = 2  # a bad setting, file or path (a ValueError): nothing was written
 
@@ -42,3 +50,11 @@ class CheckpointFailed(RunEnded):
     checkpoints before it are untouched."""
 
     exit_code = 6
+
+
+class OutOfMemory(RunEnded):
+    """The device ran out of memory in a step; with memory.snapshot_on_oom the line names the
+    allocator history this rank dumped (`fsdp_zero.monitor.trace.OomSnapshot`)."""
+
+    exit_code = 7
+    every_rank = True  # each rank that ran out names its own file

@@ -48,6 +48,14 @@ class RunDir:
     def tensorboard(self, rank: int) -> Path:
         return self.tensorboard_root / f"rank{rank}"
 
+    def trace(self, rank: int, first: int, last: int) -> Path:
+        """A rank's torch.profiler trace of steps ``first``..``last`` (metrics.trace_steps)."""
+        return self.root / "traces" / f"rank{rank}_step{first}-{last}.json.gz"
+
+    def oom_snapshot(self, rank: int) -> Path:
+        """The allocator history a rank dumps on running out of memory (memory.snapshot_on_oom)."""
+        return self.root / "memory" / f"oom_rank{rank}.pickle"
+
     def flight_recorder(self, rank: int) -> Path:
         """Where a rank's flight-recorder record goes when a collective fails."""
         return self.root / "flight_recorder" / f"rank{rank}.json"

@@ -502,10 +502,21 @@ class DistConfig:
 @dataclass
 class _MetricsConfig:
     tensorboard: bool = True
+    # Optimizer steps (1-based) recorded with torch.profiler: each rank writes a chrome trace per run
+    # of consecutive steps, <run dir>/traces/rank<R>_step<first>-<last>.json.gz, and rank 0 prints
+    # its summary (device busy and idle, time by category, host syncs, FSDP's phases; also beside
+    # it as .summary.json). These steps are left out of the throughput. []: none.
+    trace_steps: list[int] = field(default_factory=list)
 
     def check(self) -> None:
-        """A switch: true or false."""
+        """A switch, and optimizer steps to trace that are steps (1-based)."""
         check_fields(self, "metrics")
+        bad = [s for s in self.trace_steps if s < 1]
+        if bad:
+            raise ValueError(
+                f"metrics.trace_steps={list(self.trace_steps)}: {bad[0]} is not an optimizer "
+                "step; valid: steps >= 1 (the first step is 1), e.g. [2, 3]"
+            )
 
 
 @dataclass
@@ -519,6 +530,10 @@ class _MemoryConfig:
     # optimizer, activations, comm buffers) with PyTorch's MemTracker; 0: none. One step
     # only: the tracker intercepts every op and is slow.
     profile_step: int = field(default=2, metadata=ge(0, "0: no profiling"))
+    # CUDA: record the caching allocator's history from the start, and when a step runs out of
+    # memory dump it to <run dir>/memory/oom_rank<R>.pickle (https://pytorch.org/memory_viz draws
+    # it), ending the run with a line that names the file. On CPU it does nothing.
+    snapshot_on_oom: bool = False
 
     def check(self) -> None:
         check_fields(self, "memory")

@@ -1,4 +1,4 @@
-"""What a step measures: memory, communication, metrics."""
+"""What a step measures: memory, communication, metrics, and traces on request."""
 
 from fsdp_zero.monitor.comm import (
     COLLECTIVE_KINDS,
@@ -23,6 +23,7 @@ from fsdp_zero.monitor.memory import (
 )
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
 from fsdp_zero.monitor.phases import Phase, PhaseHook
+from fsdp_zero.monitor.trace import OomSnapshot, Tracer, render, summarize
 
 __all__ = [
     "apply_malloc_policy",
@@ -42,10 +43,14 @@ __all__ = [
     "mmap_threshold",
     "model_state_bytes",
     "NoOpLogger",
+    "OomSnapshot",
     "parse_size",
     "Phase",
     "PhaseHook",
     "release_free_heap",
+    "render",
     "StepProfiler",
+    "summarize",
     "TensorBoardLogger",
+    "Tracer",
 ]

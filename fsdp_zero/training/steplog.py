@@ -8,7 +8,8 @@ and to metrics.jsonl (rank 0):
 
     loss, lr, grad_norm                global: the mean over ranks, the rate, the global norm
     <unit>_per_s_rank                  this rank's throughput (tokens, or samples for images)
-    <unit>_per_s_all_ranks             the sum over ranks
+    <unit>_per_s_all_ranks             the sum over ranks (both leave out metrics.trace_steps'
+                                       steps, and are absent when the interval had no other)
     accuracy, <custom scalars>         the mean over ranks
     peak_mem_mib_per_rank (jsonl)      every rank's peak (peak reserved on CUDA, peak RSS on CPU)
     comm/all_gather_mib, comm/reduce_scatter_mib, comm/all_reduce_mib
@@ -44,6 +45,7 @@ from fsdp_zero.monitor.comm import CommMeter, comm_as_dict
 from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_scalars
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
 from fsdp_zero.monitor.phases import Phase
+from fsdp_zero.monitor.trace import OomSnapshot, Tracer
 from fsdp_zero.sharding.levers import LOW_BIT_ADAMW
 from fsdp_zero.sharding.pipeline import untracked_by_memtracker
 from fsdp_zero.training.evaluate import EvalResult
@@ -99,6 +101,8 @@ class LogPlan:
     items_per_rank_step: int  # tokens (or samples) a rank trains on per optimizer step
     unit: str  # "tokens" or "samples"
     tensorboard: bool = True
+    trace_steps: tuple[int, ...] = ()  # metrics.trace_steps: left out of the throughput
+    snapshot_on_oom: bool = False
 
     @classmethod
     def of(cls, cfg: Config, layout: BatchLayout, last_step: int) -> LogPlan:
@@ -119,6 +123,13 @@ class LogPlan:
                 LOW_BIT_ADAMW.value(cfg),
             )
             profile = 0
+        if profile in cfg.metrics.trace_steps:
+            logger.info(
+                "memory.profile_step=%d: not profiled, metrics.trace_steps traces it (the memory "
+                "tracker's work on every op would be most of the trace)",
+                profile,
+            )
+            profile = 0
         return cls(
             log_every=cfg.train.log_every,
             last_step=last_step,
@@ -126,6 +137,8 @@ class LogPlan:
             items_per_rank_step=per_rank,
             unit="tokens" if tokens else "samples",
             tensorboard=cfg.metrics.tensorboard,
+            trace_steps=tuple(cfg.metrics.trace_steps),
+            snapshot_on_oom=cfg.memory.snapshot_on_oom,
         )
 
 
@@ -163,6 +176,10 @@ class StepLogger:
         self._clean_steps = 0
         self._first = True
         self._interval_start, self._interval_steps = time.perf_counter(), 0
+        self.tracer = Tracer(plan.trace_steps, env.device, run_dir, env.rank, env.is_rank0)
+        self._traced = False  # the step just run was traced: not in the throughput
+        where = RunDir(run_dir).oom_snapshot(env.rank)
+        self.oom = OomSnapshot.start(plan.snapshot_on_oom, env.device, where, env.rank)
         self.first_step_phase(Phase.AFTER_BUILD)
 
     # -- hooks for Step.run --------------------------------------------------------
@@ -193,6 +210,18 @@ class StepLogger:
             self.comm.counting(tensor_parallel=logged) if self.comm else contextlib.nullcontext(),
         ):
             yield
+
+    @contextlib.contextmanager
+    def watching(self, step: int) -> Iterator[None]:
+        """Around a whole optimizer step of the loop (its batch, its run): the profiler on
+        metrics.trace_steps, whose steps (with the profiler's start and the trace's writing) are
+        left out of the throughput, as an evaluation's time is; memory.snapshot_on_oom's dump."""
+        with self.oom.guard() if self.oom else contextlib.nullcontext():
+            with self.tracer.step(step) as traced:
+                yield
+        self._traced = bool(traced)
+        if traced:
+            self._interval_start += traced[0]
 
     def first_step_phase(self, phase: Phase) -> None:
         if phase not in _FIRST_STEP_PHASES:
@@ -240,25 +269,32 @@ class StepLogger:
             # bookkeeping.
             self._held = self.monitor.read()
             self.monitor.reset_peaks()
-        self._interval_steps += 1
+        self._interval_steps += 0 if self._traced else 1
         self._clean_steps = 0 if profiled else self._clean_steps + 1
         if step % self.log_every and step != self.last_step:
             return
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._interval_start
-        rank_rate = self.items_per_rank_step * self._interval_steps / elapsed
-        self.record.step_seconds = elapsed / self._interval_steps
+        steps = self._interval_steps  # None: every step of the interval was traced
+        rank_rate = self.items_per_rank_step * steps / elapsed if steps else None
+        if rank_rate:
+            self.record.step_seconds = elapsed / self._interval_steps
         mem = self._interval_memory()
         peak = self.monitor.headline_peak(mem)
         names = sorted(extra)
-        gathered = self._gather([loss, peak, rank_rate, *(extra[k] for k in names)], loss.device)
+        gathered = self._gather(
+            [loss, peak, rank_rate or 0.0, *(extra[k] for k in names)], loss.device
+        )
+        rates = {
+            f"{self.unit}_per_s_rank": rank_rate,
+            f"{self.unit}_per_s_all_ranks": gathered[:, 2].sum().item(),
+        }
         scalars = {
             "loss": gathered[:, 0].mean().item(),
             "lr": lr,
             "grad_norm": grad_norm.item(),
-            f"{self.unit}_per_s_rank": rank_rate,
-            f"{self.unit}_per_s_all_ranks": gathered[:, 2].sum().item(),
+            **(rates if rank_rate else {}),
             **{k: gathered[:, 3 + i].mean().item() for i, k in enumerate(names)},
         }
         peaks = gathered[:, 1].tolist()
@@ -313,6 +349,7 @@ class StepLogger:
     def _print(
         self, step: int, scalars: dict[str, float], names: list[str], peaks: list[float]
     ) -> None:
+        rate = scalars.get(f"{self.unit}_per_s_all_ranks")
         logger.info(
             "step %5d | loss %.4f%s | lr %.2e | grad norm %.3f | %s %s/s | peak mem/rank MiB %s",
             step,
@@ -320,7 +357,7 @@ class StepLogger:
             "".join(f" | {k} {scalars[k]:.4f}" for k in names),
             scalars["lr"],
             scalars["grad_norm"],
-            f"{scalars[f'{self.unit}_per_s_all_ranks']:,.0f}",
+            "(traced)" if rate is None else f"{rate:,.0f}",
             "tok" if self.unit == "tokens" else self.unit,
             "[" + ", ".join(f"{p:,.0f}" for p in peaks) + "]",
         )
@@ -330,7 +367,9 @@ class StepLogger:
         self.record.peak_rss_mib = max(self.record.peak_rss_mib or 0.0, mib)
 
     def finish(self) -> None:
-        """At the end of the run: why no peak RSS was measured, if none was."""
+        """At the end of the run: a profiler still running stopped; why no peak RSS was measured,
+        if none was."""
+        self.tracer.close()
         if self.record.peak_rss_mib is None:
             self.record.peak_rss_note = (
                 f"not measured: the only step run was the profiled one (memory.profile_step="

@@ -110,6 +110,8 @@ RUNS_2 = [
         options={"slow_writes": 0.3},
     ),
     Run("vit", "2", (*VIT, *COMMON), (M,)),
+    # tests/test_trace.py's: steps 2 and 3 traced (one trace a rank), left out of the throughput
+    Run("trace", "2", (*BASE, "train.steps=4", "metrics.trace_steps=[2,3]"), ("test_trace",)),
     Run("llama", "2", (*LLAMA, *COMMON), (M,)),
     # The ViT with the default optimizer: weight decay on matrices only, warm-up and cosine decay.
     Run(
