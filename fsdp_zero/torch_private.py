@@ -23,6 +23,8 @@ __all__ = [
     "DefaultAllGather",
     "DefaultReduceScatter",
     "count_zero_broadcasts",
+    "skips_on_device",
+    "skipped_on_device",
     "checkpoint_activations",
     "FakeStore",
     "FakeTensorMode",
@@ -38,6 +40,8 @@ __all__ = [
     "hf_init_weights",
     "hf_no_split_modules",
     "mem_tracker",
+    "record_memory_history",
+    "dump_memory_snapshot",
     "real_post_forward_meshes",
     "schedule_order",
     "storage_key",
@@ -226,6 +230,37 @@ def count_zero_broadcasts(optimizer: Any, count: Any) -> None:
         return broadcast(rank)
 
     optimizer._broadcast_params_from_rank = counted
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can skip its step on the device: torch's fused Adam and AdamW read a
+    ``found_inf`` attribute (what GradScaler sets on optimizers with ``_step_supports_amp_scaling``)
+    and leave parameters, moments and step counts as they were where it is 1, without a host read."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+@contextlib.contextmanager
+def skipped_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Iterator[None]:
+    """``optimizer.step()`` inside is skipped on the device where ``found_inf`` (float32, 0-dim) is 1
+    (`skips_on_device` optimizers only)."""
+    assert skips_on_device(optimizer), type(optimizer)
+    optimizer.found_inf = found_inf
+    try:
+        yield
+    finally:
+        del optimizer.found_inf
+
+
+def record_memory_history(max_entries: int) -> None:
+    """CUDA's caching allocator records every allocation and free (with its stack), keeping the
+    last ``max_entries``: what `dump_memory_snapshot` writes (memory.snapshot_on_oom)."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The recorded allocator history and the segments now held, as a pickle that
+    https://pytorch.org/memory_viz draws."""
+    torch.cuda.memory._dump_snapshot(path)
 
 
 def mem_tracker() -> Any:

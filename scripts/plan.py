@@ -50,9 +50,9 @@ from fsdp_zero.tools import (
     FIT_MARGIN,
     FitSearch,
     PlanFacts,
-    Rates,
     Trained,
     Workload,
+    add_rate_flags,
     communication_table,
     fit_heading,
     fit_rates,
@@ -60,6 +60,7 @@ from fsdp_zero.tools import (
     fit_search,
     fit_table,
     formulas_table,
+    given_rates,
     layout_rows,
     layout_table,
     memory_table,
@@ -85,12 +86,7 @@ def run_formulas(args: argparse.Namespace) -> int:
             f"--largest-layer={args.largest_layer:g}: the largest unit's parameters, > 0 and "
             f"<= --params={args.params:g}"
         )
-    frozen, nf4 = int(args.frozen or 0), int(args.nf4 or 0)
-    if not 0 <= nf4 <= frozen <= args.params:
-        raise ValueError(
-            f"--frozen={frozen:g}, --nf4={nf4:g}: 0 <= --nf4 <= --frozen <= "
-            f"--params={args.params:g} (NF4 stores frozen parameters only)"
-        )
+    trained = Trained.given(args.params, args.frozen, args.nf4, args.state_bits)
     if not 0 <= args.offload_ratio <= 1:
         raise ValueError(
             f"--offload-ratio={args.offload_ratio:g}: a fraction of the groups, in [0, 1]"
@@ -98,7 +94,6 @@ def run_formulas(args: argparse.Namespace) -> int:
     if args.step_group_size < 0:
         raise ValueError(f"--step-group-size={args.step_group_size}: elements, >= 0 (0: one group)")
     largest = int(args.largest_layer) if args.largest_layer else None
-    trained = Trained(frozen, nf4, args.state_bits)
     params, n, size = int(args.params), args.world_size, args.step_group_size
     print(formulas_table(params, largest, n, trained=trained))
     rows = tier_rows(params, n, size, args.offload_ratio, trained)
@@ -123,7 +118,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             "parallel.tp_size/pp_size > 1: plan.py gives their layout by formula (no simulation): "
             "run `plan.py layout`, or search with `plan.py fit`"
         )
-    rates = _rates(args, cfg.dist.device.value)
+    rates = given_rates(args, cfg.dist.device.value)
     limit = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     preds = simulate(cfg, n, [Strategy(s) for s in args.strategy] if args.strategy else ALL)
     model = construct(cfg.model)  # meta parameters: free at any size
@@ -143,11 +138,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     strategies = [Strategy(p.strategy) for p in preds]
     moved = plan_communication(cfg, model, plan, accum, strategies, rates.link_gbps)
     print(communication_table(facts, accum, moved, rates.link_gbps))
-    drop = ("notes", "regions")
-    _write_json(
-        args.json,
-        [{k: v for k, v in dataclasses.asdict(p).items() if k not in drop} for p in preds],
-    )
+    drop = ("notes", "regions")  # (not JSON)
+    _write_json(args.json, [{k: v for k, v in vars(p).items() if k not in drop} for p in preds])
     return 0
 
 
@@ -157,7 +149,7 @@ def run_fit(args: argparse.Namespace) -> int:
     dims = tuple(d for d in args.search.split(",") if d) if args.search else DEFAULT_SEARCH
     cfg = load_config(args.config, [*args.overrides, *searched_overrides(dims)])
     n, budget = args.world_size, parse_size(args.device_memory, "--device-memory")
-    rates = _rates(args, cfg.dist.device.value)
+    rates = given_rates(args, cfg.dist.device.value)
     if not 0 <= args.margin < 1:
         raise ValueError(f"--margin={args.margin:g}: a fraction of the predicted peak, in [0, 1)")
     if args.show < 1:
@@ -183,16 +175,6 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rates(args: argparse.Namespace, device: str) -> Rates:
-    given = {k: getattr(args, k, None) for k in ("tflops", "link_gbps", "host_gbps", "disk_gbps")}
-    for key, value in given.items():
-        if value is not None and not value > 0:
-            raise ValueError(f"--{key.replace('_', '-')}={value:g}: must be > 0")
-    return dataclasses.replace(
-        Rates.default(device), **{k: v for k, v in given.items() if v is not None}
-    )
-
-
 def _write_json(path: str | None, value: object) -> None:
     if path:
         with open(path, "w") as f:
@@ -210,14 +192,6 @@ def _subcommand(subs: argparse._SubParsersAction, name: str, help: str, config: 
         sub.add_argument("--json", help="also write the predictions here")
         sub.add_argument("overrides", nargs="*")
     return sub
-
-
-def _link_gbps(sub: argparse.ArgumentParser) -> None:
-    sub.add_argument(
-        "--link-gbps",
-        type=float,
-        help="per-rank collective bandwidth, Gbit/s (default: 400 for dist.device=cuda, 20 for cpu)",
-    )
 
 
 def _formulas_flags(sub: argparse.ArgumentParser) -> None:
@@ -262,24 +236,7 @@ def _formulas_flags(sub: argparse.ArgumentParser) -> None:
 
 def _fit_flags(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--device-memory", required=True, help="memory per rank to fit in, e.g. 3GiB")
-    _link_gbps(sub)
-    sub.add_argument(
-        "--tflops",
-        type=float,
-        help="achieved 16-bit compute per rank, TFLOP/s (default: 400 for cuda, 0.05 for cpu)",
-    )
-    sub.add_argument(
-        "--host-gbps",
-        type=float,
-        help="host <-> device copies (CPU offload, offload.states), Gbit/s (default: measured "
-        "where the search varies offload_states and this host has the plan's device, else 200)",
-    )
-    sub.add_argument(
-        "--disk-gbps",
-        type=float,
-        help="offload.states=disk's writes and reads, Gbit/s (default: measured under "
-        "offload.path; without one the disk tier is not searched)",
-    )
+    add_rate_flags(sub)
     sub.add_argument(
         "--search",
         help=f"the settings to vary, comma-separated, of {','.join(FIT_DIMENSIONS)} "
@@ -309,7 +266,7 @@ def parser() -> argparse.ArgumentParser:
         help="repeatable; default: ddp, zero1, shard_grad_op, full_shard",
     )
     sim.add_argument("--device-memory", help="memory per rank to fit in, e.g. 80GB")
-    _link_gbps(sim)
+    add_rate_flags(sim, link_only=True)
     _formulas_flags(_subcommand(subs, "formulas", "the model-state formulas alone", config=False))
     _subcommand(subs, "layout", "tensor and pipeline parallel layouts by formula")
     _fit_flags(_subcommand(subs, "fit", "the cheapest setting that fits --device-memory"))

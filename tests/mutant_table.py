@@ -27,6 +27,12 @@ _KWARGS = "test_a_pretrained_runs_export_applies_its_model_kwargs_over_the_folde
 _DEFER = "test_a_micro_batch_that_raises_leaves_the_reduction_on"
 _COMPOSED = "test_a_composed_prediction_equals_the_whole_models_simulation"
 _GPU_HOST = "test_the_suites_own_process_leaves_cuda_alone_on_a_gpu_host"
+_TRACE_RATE = "test_the_throughput_of_an_interval_counts_its_untraced_steps_only"
+_TRACE_RUNS = "test_consecutive_steps_share_a_trace"
+_AHEAD = "test_the_next_batch_is_made_in_the_cursors_thread_before_it_is_asked_for"
+_SEEK = "test_a_seek_drops_the_batch_fetched_ahead_and_reads_what_a_fresh_cursor_reads"
+_ONE_READ = "test_a_step_reads_the_host_once_in_its_gate_and_fused_adamw_is_launched_before"
+_SKIP_ON_DEVICE = "test_fused_adamw_skips_a_non_finite_step_on_the_device"
 _GPU_PLAN = "test_planner_plans_for_gpus_from_a_machine_without_one"
 _LOSS_PARALLEL = "test_loss_parallel_keeps_the_logits_split_over_the_vocabulary"
 _SAME_BATCH = "test_a_tensor_parallel_group_reading_different_batches_is_refused"
@@ -554,5 +560,57 @@ MUTANTS = {
         "nvme_path",
         [f"tests/test_deepspeed_offload.py::{_DS_OFFLOAD}"],
         [_DS_OFFLOAD],
+    ),
+    "step-reads-the-loss": (
+        "Step.run: one more host read a step (the loss read with .item() before the optimizer step)",
+        [f"tests/test_host_reads.py::{_ONE_READ}"],
+        [_ONE_READ],
+    ),
+    "gate-read-before-fused-adamw": (
+        "Step.run: fused AdamW launched only after the gate's read (the device idles while the host "
+        "waits for the backward, then launches the step)",
+        [f"tests/test_host_reads.py::{_ONE_READ}"],
+        [_ONE_READ],
+    ),
+    "fused-skip-ignored": (
+        "fused AdamW launched before the gate's read does not skip a non-finite step on the device",
+        [f"tests/test_host_reads.py::{_SKIP_ON_DEVICE}"],
+        [_SKIP_ON_DEVICE],
+    ),
+    "trace-steps-in-throughput": (
+        "metrics.trace_steps: the traced steps counted in the throughput (tokens/s, step_s)",
+        [f"tests/test_trace.py::{_TRACE_RATE}"],
+        [_TRACE_RATE],
+    ),
+    "trace-runs-split": (
+        "metrics.trace_steps: consecutive traced steps not sharing one trace",
+        [f"tests/test_trace.py::{_TRACE_RUNS}"],
+        [_TRACE_RUNS],
+    ),
+    "rope-cast-to-compute": (
+        "the rotary table reaches rotary in the compute dtype under the -mixed precisions (as "
+        "FSDP2's input cast made it)",
+        ["tests/test_casts.py"],
+        ["test_each_block_receives_the_rope_table_in_fp32_and_rotary_rounds_once"],
+    ),
+    "cast-finder-blind": (
+        "the cast finder sees none of the inputs FSDP2 casts",
+        ["tests/test_casts.py"],
+        ["test_the_cast_finder_lists_what_fsdp_casts_per_unit_and_argument"],
+    ),
+    "last-unit-resharded": (
+        "the last unit resharded after its forward and gathered again for its backward at once",
+        ["tests/test_comm.py"],
+        ["test_counted_bytes_per_step_equal_the_formula"],
+    ),
+    "data-prefetch-never-started": (
+        "data.loader: the next batch is never fetched while the step runs (made when asked for)",
+        [f"tests/test_data_path.py::{_AHEAD}"],
+        [_AHEAD],
+    ),
+    "data-prefetch-kept-after-seek": (
+        "data.loader: after position is set, the batch fetched for the old position is served",
+        [f"tests/test_data_path.py::{_SEEK}"],
+        [_SEEK],
     ),
 }

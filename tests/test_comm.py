@@ -219,12 +219,14 @@ def test_grad_sync_trains_the_same_with_fewer_reductions(batches, name, baseline
 
 def test_formula_by_hand():
     """The formula's identities on gpt_nano (every dim 0 divides by 2 and 4: no padding): P parameters,
-    R of them the root's, fp32."""
+    R of them the root's and the last unit's, fp32."""
     cfg = load_config(None, list(BASE))
     model = construct(cfg.model)
     p = sum(x.numel() for x in model.parameters())
     plan = build_wrap_plan(model, cfg.parallel.wrap, 2)
-    root = plan.units[-1].num_params
+    # gathered once a micro-batch: the root, and the last unit (layers.1), whose backward comes next
+    root = plan.units[-1].num_params + plan.units[-2].num_params
+    assert plan.last_unit(model) == plan.units[-2].fqn == "layers.1"
     fp32 = resolve_precision(cfg.precision)
 
     def formula(world: int = 2, accum: int = 3, precision=fp32, **parallel) -> CommBytes:  # noqa: ANN001

@@ -50,6 +50,10 @@ def test_private_torch_apis_are_where_we_expect_them():
     assert (
         "rank" in inspect.signature(ZeroRedundancyOptimizer._broadcast_params_from_rank).parameters
     )
+    # what skips_on_device reads: fused AdamW says it takes GradScaler's found_inf, foreach does not
+    w = [torch.nn.Parameter(torch.ones(2))]
+    assert torch_private.skips_on_device(torch.optim.AdamW(w, fused=True))
+    assert not torch_private.skips_on_device(torch.optim.AdamW(w, foreach=True))
     # pybind: no inspectable signature
     assert "backend" in torch_private.flight_recorder_json.__doc__
     assert callable(torch_private.default_store)

@@ -103,15 +103,15 @@ class CommBytes:
         return {f"comm/{k}_mib": getattr(self, k) / MIB for k in kinds}
 
 
-def _unit_params(model: nn.Module, plan: WrapPlan) -> Iterator[tuple[bool, list[nn.Parameter]]]:
-    """(is the root, the parameters it owns) for each unit: FSDP2's rule, bottom-up, a unit owns what no
+def _unit_params(model: nn.Module, plan: WrapPlan) -> Iterator[tuple[str, list[nn.Parameter]]]:
+    """(its name, the parameters it owns) for each unit: FSDP2's rule, bottom-up, a unit owns what no
     unit inside it already owns (the plan moved shared parameters to a unit holding all their users)."""
     seen: set[int] = set()
     for unit in plan.units:
         module = model.get_submodule(unit.fqn) if unit.fqn != ROOT_FQN else model
         own = [p for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
-        yield unit.fqn == ROOT_FQN, own
+        yield unit.fqn, own
 
 
 def _padded(p: nn.Parameter, n: int) -> int:
@@ -135,16 +135,17 @@ def comm_formula(
     micro-batches a step (what `CommMeter` counts; a step taken, not skipped).
 
     FSDP strategies, per micro-batch: each unit gathered twice (full_shard: forward, and again for
-    backward) or once (shard_grad_op; the root always, which stays gathered from forward to
-    backward), in the compute dtype, over the shard group, each parameter's dim 0 padded to a
-    multiple of the group's size; its trainable parameters' gradients reduce-scattered in the reduce
-    dtype (frozen ones are gathered, never reduced); hybrid_shard all-reduces the reduced shard (1 /
-    shard_size of it) across replicas. parallel.grad_sync=replicas_once_per_step all-reduces once a
-    step, once_per_step reduces (and all-reduces) once a step. A shard group of one rank gathers and
-    reduce-scatters nothing. DDP and zero1: one all-reduce of the trainable gradients a step
-    (no_sync on the other micro-batches); zero1 also broadcasts every updated parameter once
-    (all_gather). Under pipeline parallelism ``model`` and ``plan`` are one stage's (the meter sums
-    a rank's stages): its units are gathered once a step and stay gathered, and reduce once a step.
+    backward) or once (shard_grad_op; the root and the last unit always, which stay gathered
+    from forward to backward: `WrapPlan.last_unit`), in the compute dtype, over the shard group,
+    each parameter's dim 0 padded to a multiple of the group's size; its trainable parameters'
+    gradients reduce-scattered in the reduce dtype (frozen ones are gathered, never reduced);
+    hybrid_shard all-reduces the reduced shard (1 / shard_size of it) across replicas.
+    parallel.grad_sync=replicas_once_per_step all-reduces once a step, once_per_step reduces (and
+    all-reduces) once a step. A shard group of one rank gathers and reduce-scatters nothing. DDP
+    and zero1: one all-reduce of the trainable gradients a step (no_sync on the other
+    micro-batches); zero1 also broadcasts every updated parameter once (all_gather). Under
+    pipeline parallelism ``model`` and ``plan`` are one stage's (the meter sums a rank's stages):
+    its units are gathered once a step and stay gathered, and reduce once a step.
 
     Args:
         cfg: the run's config (``parallel``, and the micro-batch's tokens tensor parallelism moves).
@@ -169,9 +170,10 @@ def comm_formula(
     )
     by_id = {id(p): packed[name] for name, p in model.named_parameters() if name in (packed or {})}
     gathered = reduced = held = 0
-    for root, params in _unit_params(model, plan):
+    last = plan.last_unit(model)  # (stays gathered from its forward to its backward)
+    for fqn, params in _unit_params(model, plan):
         one = sum(by_id.get(id(p), _padded(p, n) * precision.compute.itemsize) for p in params)
-        gathered += (1 if root else gathers_per_unit) * one
+        gathered += (1 if fqn in (ROOT_FQN, last) else gathers_per_unit) * one
         reduced += sum(_padded(p, n) for p in params if p.requires_grad)
         held += sum(p.numel() for p in params if p.requires_grad)
     reductions, all_reduces = reductions_per_step(sync, accum), all_reduces_per_step(sync, accum)

@@ -258,10 +258,12 @@ def parallelize(
         kwargs |= fsdp_kwargs(ctx)
     # each unit's hooks just before it is sharded (QLoRA: its base weights quantized whole)
     hooks = [before(made, model) for before, made in ctx.facets("before_unit")]
+    last = plan.last_unit(model)  # gathered from its forward to its backward, which comes next
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         for hook in hooks:
             hook(fqn, model.get_submodule(fqn))
-        fully_shard(model.get_submodule(fqn), **kwargs)
+        kept = {"reshard_after_forward": False} if fqn == last else {}
+        fully_shard(model.get_submodule(fqn), **(kwargs | kept))
     units = [model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)]
     for after, made in ctx.facets("after_units"):  # explicit prefetch, in forward order
         after(units, made)

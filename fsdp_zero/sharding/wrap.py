@@ -52,6 +52,14 @@ class WrapPlan:
     def block_fqns(self) -> list[str]:
         return [u.fqn for u in self.units if u.block]
 
+    def last_unit(self, model: nn.Module) -> str | None:
+        """The unit (not the root) whose forward runs last, registration order standing for forward
+        order (as explicit prefetch assumes): its backward comes next, so it stays gathered from its
+        forward to its backward instead of being resharded and gathered again at once (torchtitan
+        leaves its last block so). None: the root is the only unit."""
+        order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+        return max(self.submodule_fqns, key=order.__getitem__, default=None)
+
     def table(self) -> str:
         """The plan as a fixed-width table, one row a unit."""
         rows = [("unit", "class", "params", "full MiB", f"MiB/rank (N={self.world_size})")]

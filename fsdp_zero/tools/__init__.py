@@ -29,7 +29,7 @@ from fsdp_zero.tools.launch import bench_main, run_logged, script_parser, train_
 from fsdp_zero.tools.layout import StageRow, Workload, layout_rows
 from fsdp_zero.tools.planner import Simulator, nf4_saving, simulate
 from fsdp_zero.tools.prediction import HEAP_RETENTION, Prediction
-from fsdp_zero.tools.rates import Rates
+from fsdp_zero.tools.rates import Rates, add_rate_flags, given_rates
 from fsdp_zero.tools.render import (
     PlanFacts,
     communication_table,
@@ -43,6 +43,7 @@ from fsdp_zero.tools.render import (
 )
 
 __all__ = [
+    "add_rate_flags",
     "bench_main",
     "communication_table",
     "COMPARE_DEFAULTS",
@@ -61,6 +62,7 @@ __all__ = [
     "fit_table",
     "format_bytes",
     "format_gb",
+    "given_rates",
     "formulas_table",
     "HEAP_RETENTION",
     "layout_rows",

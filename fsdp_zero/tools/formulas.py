@@ -108,6 +108,27 @@ class Trained:
     nf4: int = 0
     state_bits: int = 32
 
+    @classmethod
+    def given(cls, params: float, frozen: float | None, nf4: float | None, bits: int) -> Trained:
+        """scripts/plan.py formulas' --frozen and --nf4 of --params.
+
+        Args:
+            params: the parameter count.
+            frozen: of them, those that do not train (None: 0).
+            nf4: of the frozen, those in NF4 (None: 0).
+            bits: optim.state_bits.
+
+        Raises:
+            ValueError: not 0 <= nf4 <= frozen <= params.
+        """
+        frozen, nf4 = int(frozen or 0), int(nf4 or 0)
+        if not 0 <= nf4 <= frozen <= params:
+            raise ValueError(
+                f"--frozen={frozen:g}, --nf4={nf4:g}: 0 <= --nf4 <= --frozen <= "
+                f"--params={params:g} (NF4 stores frozen parameters only)"
+            )
+        return cls(frozen, nf4, bits)
+
     def notes(self) -> list[str]:
         """The model-states table's lines on them (`fsdp_zero.tools.render.formulas_table`): the
         frozen parameters' bytes, NF4's, and low-bit AdamW's."""

@@ -35,6 +35,7 @@ memory and back (CUDA; a memcpy on a CPU host), and the disk under offload.path,
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
@@ -181,6 +182,47 @@ class Rates:
 
 # The offload probe's group: this many bytes down a tier and back, the shortest of two round trips
 _PROBE_BYTES = 64 * 2**20
+
+
+def add_rate_flags(sub: argparse.ArgumentParser, link_only: bool = False) -> None:
+    """scripts/plan.py's flags that override `Rates.default` (read back by `given_rates`)."""
+    sub.add_argument(
+        "--link-gbps",
+        type=float,
+        help="per-rank collective bandwidth, Gbit/s (default: 400 for dist.device=cuda, 20 for cpu)",
+    )
+    if link_only:
+        return
+    sub.add_argument(
+        "--tflops",
+        type=float,
+        help="achieved 16-bit compute per rank, TFLOP/s (default: 400 for cuda, 0.05 for cpu)",
+    )
+    sub.add_argument(
+        "--host-gbps",
+        type=float,
+        help="host <-> device copies (CPU offload, offload.states), Gbit/s (default: measured "
+        "where the search varies offload_states and this host has the plan's device, else 200)",
+    )
+    sub.add_argument(
+        "--disk-gbps",
+        type=float,
+        help="offload.states=disk's writes and reads, Gbit/s (default: measured under "
+        "offload.path; without one the disk tier is not searched)",
+    )
+
+
+def given_rates(args: argparse.Namespace, device: str) -> Rates:
+    """`Rates.default` for ``device`` with the rates the command line gave (`add_rate_flags`).
+
+    Raises:
+        ValueError: a rate that is not > 0.
+    """
+    given = {k: getattr(args, k, None) for k in ("tflops", "link_gbps", "host_gbps", "disk_gbps")}
+    for key, value in given.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"--{key.replace('_', '-')}={value:g}: must be > 0")
+    return replace(Rates.default(device), **{k: v for k, v in given.items() if v is not None})
 
 
 @functools.cache

@@ -94,14 +94,6 @@ class RunDecision:
     resume: Path | None  # the checkpoint to continue from (None: a fresh start)
     seed: int  # train.seed, one drawn by rank 0, or (train.seed=null) the resumed checkpoint's
 
-    def resolve(self, cfg: Config) -> Config:
-        """``cfg`` with the decided run.name and train.seed, as config.yaml records it."""
-        return replace(
-            cfg,
-            run=replace(cfg.run, name=self.run_dir.name),
-            train=replace(cfg.train, seed=self.seed),
-        )
-
 
 def _plan_run_dir(cfg: Config, run_dir: Path, seed_was_set: bool) -> RunDecision:
     """Rank 0's decision for ``cfg`` (its run.name and train.seed already chosen): which checkpoint
@@ -183,20 +175,25 @@ def _check_continues(resume_from: Path, old: dict, new: dict) -> None:
         )
 
 
-def decide_run(cfg: Config, env: DistEnv) -> RunDecision:
+def decide_run(cfg: Config, env: DistEnv) -> tuple[Config, RunDecision]:
     """The run directory, the checkpoint to resume from and the seed: rank 0 decides (a timestamp
     for an unset run.name, a drawn seed for an unset train.seed) and every rank learns it in one
-    broadcast. Writes nothing, and leaves ``cfg`` as it is.
+    broadcast. Writes nothing; returns ``cfg`` with the decided run.name and train.seed (as
+    config.yaml records it) and the decision.
 
     Raises:
         ValueError: as `_plan_run_dir`, on every rank.
     """
+
+    def decided(name: str, seed: int):  # noqa: ANN202 (cfg as config.yaml records it)
+        return replace(cfg, run=replace(cfg.run, name=name), train=replace(cfg.train, seed=seed))
+
     decision: RunDecision | str | None = None
     if env.is_rank0:
         name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
         seed = cfg.train.seed if cfg.train.seed is not None else draw_seed()
         run_dir = Path(cfg.run.root) / name
-        chosen = RunDecision(run_dir, None, seed).resolve(cfg)
+        chosen = decided(name, seed)
         try:
             decision = _plan_run_dir(chosen, run_dir, seed_was_set=cfg.train.seed is not None)
         except Exception as e:  # any failure must reach the other ranks, or they wait forever
@@ -206,7 +203,7 @@ def decide_run(cfg: Config, env: DistEnv) -> RunDecision:
     decision = broadcast_object(decision, env)
     if isinstance(decision, str):
         raise ValueError(decision)
-    return decision
+    return decided(decision.run_dir.name, decision.seed), decision
 
 
 def _keep(path: Path, tag: str) -> None:

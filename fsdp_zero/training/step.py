@@ -4,10 +4,12 @@ The trainer's loop, the planner's simulation (`fsdp_zero.tools.planner`), the Da
 (`fsdp_zero.tools.compare`) and the own-loop API (`fsdp_zero.api`) all step through this module, so
 what they measure is what training does.
 
-Sync points: a step waits for the device once, in its gate (`StepGuard.check` reads the verdict
-every rank agreed on, two integers, after one all-reduce), plus fp16's overflow check inside
-the loss scaler's step and, on masked data only, the read of the global batch's trained-token
-count before the first forward; the loop's other sync points are the logger's, on log steps only.
+Sync points: a step waits for the device once, in its gate (`Agreement.read` reads the verdict
+every rank agreed on, two integers, after one all-reduce; an optimizer that skips on the device,
+fused AdamW, is launched before that read, so the device has it queued while the host waits),
+plus fp16's overflow check inside the loss scaler's step and, on masked data only, the read of the
+global batch's trained-token count before the first forward; the loop's other sync points are the
+logger's, on log steps only (`tests/test_host_reads.py` counts them).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from fsdp_zero.model.tasks import LossFn, to_device
 from fsdp_zero.monitor.phases import Phase, PhaseHook
 from fsdp_zero.sharding.pipeline import RankStages
 from fsdp_zero.sharding.precision import LossScaler
-from fsdp_zero.training.stopping import Verdict
+from fsdp_zero.torch_private import skipped_on_device, skips_on_device
+from fsdp_zero.training.stopping import Agreement, Verdict
 
 # A step without a gate is always taken.
 _TAKEN = Verdict(finite=True, stop=None)
@@ -302,7 +305,7 @@ class Step:
 
     ``scaler`` (fp16): the loss is scaled before backward and the gradients unscaled before
         clipping.
-    ``gate(loss, grad_norm)``: the `Verdict` every rank agreed on
+    ``gate(loss, grad_norm)``: the `Agreement` of every rank, read into a `Verdict`
         (`fsdp_zero.training.stopping.StepGuard.check`).
     ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns
         summed losses.
@@ -316,7 +319,7 @@ class Step:
     device: torch.device
     grad_clip: float = 0.0  # optim.grad_clip (0: not clipped)
     scaler: LossScaler | None = None
-    gate: Callable[[torch.Tensor, torch.Tensor], Verdict] | None = None
+    gate: Callable[[torch.Tensor, torch.Tensor], Agreement] | None = None
     token_count: Callable[[object], torch.Tensor] | None = None
     defer: Callable[[bool], None] | None = None
     # the data-parallel ranks, whose batches make the global batch (None: every rank; under tensor
@@ -339,9 +342,10 @@ class Step:
         other scalars and the gate's verdict (`StepResult`). With a ``scaler`` (fp16) the loss is
         scaled before backward and the gradients unscaled before clipping; a step whose gradients
         overflowed on any rank is skipped by every rank (``loss_scale`` and ``skipped_steps`` join
-        the scalars). ``gate(loss, grad_norm)``, asked between the gradient norm and the optimizer
-        step, returns the `Verdict` every rank agreed on: a step it finds non-finite is skipped (the
-        parameters and optimizer states stay as they were); its ``stop`` is the caller's to act on.
+        the scalars). ``gate(loss, grad_norm)``, asked after the gradient norm, returns the
+        ranks' `Agreement`, read into the `Verdict`: a step it finds non-finite is skipped (the
+        parameters and optimizer states stay as they were; fused AdamW skips on the device, launched
+        before the read); its ``stop`` is the caller's to act on.
         ``token_count`` (masked data, `fsdp_zero.model.tasks.trained_tokens`): ``loss_fn`` returns
             summed
         losses, and the step's loss is their mean over the trained tokens of the whole global batch.
@@ -366,11 +370,21 @@ class Step:
             self.scaler.unscale_(self.optimizer)
         # one all-reduce a device mesh (and one over the pipeline's stages)
         grad_norm = _grad_norm_(groups, self.norm_group)
-        verdict = self.gate(loss, grad_norm) if self.gate else _TAKEN
+        agreed = self.gate(loss, grad_norm) if self.gate else None
         # A global batch without one trained token has nothing to learn from: its loss and gradients
         # are 0, and the optimizer step is skipped (AdamW would still move the weights by momentum
         # and decay).
-        if verdict.finite and trained != 0:
+        learns = trained != 0
+        # Off the critical path: an optimizer that skips on the device (fused AdamW) is launched
+        # before the gate's read, and skips there if any rank's numbers are not finite; the read
+        # then waits for the backward while the device already has clipping and AdamW queued.
+        early = bool(agreed and learns and not self.scaler and skips_on_device(self.optimizer))
+        if early:
+            _clip_grads_(groups, self.grad_clip, grad_norm)  # (non-finite: gradients dropped below)
+            with skipped_on_device(self.optimizer, agreed.nonfinite):
+                self.optimizer.step()
+        verdict = agreed.read() if agreed else _TAKEN  # the step's one host read
+        if verdict.finite and learns and not early:
             _clip_grads_(groups, self.grad_clip, grad_norm)
             if self.scaler:
                 self.scaler.step(self.optimizer)  # skipped when any rank's gradients overflowed

@@ -61,6 +61,24 @@ def budget_job() -> str | None:
     return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
+class Agreement:
+    """The ranks' agreement on a step, all-reduced on the device and not yet read."""
+
+    def __init__(self, flags: torch.Tensor) -> None:
+        self._flags = flags  # (any rank non-finite, the largest stop reason), int32
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 where some rank's numbers are not finite, else 0.0 (float32, on the device): what an
+        optimizer that skips on the device reads (`fsdp_zero.torch_private.skipped_on_device`)."""
+        return self._flags[0].float()
+
+    def read(self) -> Verdict:
+        """The verdict, on the host: the step's one sync point."""
+        nonfinite, stop = self._flags.tolist()
+        return Verdict(not nonfinite, _REASONS.get(stop))
+
+
 class StepGuard:
     """SIGTERM, the time budget and non-finite numbers, agreed across ranks once a step.
 
@@ -82,10 +100,11 @@ class StepGuard:
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.signalled = True
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Verdict:
-        """What every rank agreed on about this step: whether its numbers are finite on every rank
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> Agreement:
+        """What every rank agrees on about this step: whether its numbers are finite on every rank
         (the optimizer step is taken only then) and whether to stop after it. One all-reduce of two
-        integers, on the loss's device, and one sync to read them (`Step.run`'s gate)."""
+        integers, on the loss's device, launched here; `Agreement.read` is the one sync that reads
+        them (`Step.run`'s gate), which a step may take after launching its optimizer step."""
         stop = (
             2
             if self.signalled
@@ -100,8 +119,7 @@ class StepGuard:
             [bad.to(torch.int32), torch.tensor(stop, dtype=torch.int32, device=loss.device)]
         )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, stop = flags.tolist()
-        return Verdict(not nonfinite, _REASONS.get(stop))
+        return Agreement(flags)
 
     def close(self) -> None:
         if self._previous is not None:

@@ -154,8 +154,7 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     strategy = cfg.parallel.strategy
     for note in topology.notes:
         logger.warning("%s", note)
-    decision = decide_run(cfg, env)
-    cfg = decision.resolve(cfg)
+    cfg, decision = decide_run(cfg, env)
     seed_all(decision.seed)
 
     # Parameters on the meta device: shapes only, sharded before any memory is allocated.
@@ -169,7 +168,9 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     evaluator = build_evaluator(cfg, env, built.whole, source, topology)
 
     rank, same = topology.rank(Role.BATCH, env.rank), topology.same_batch()
-    cursor = BatchCursor(source, layout, rank, cfg.data.workers, same_as=same)
+    cursor = BatchCursor(
+        source, layout, rank, cfg.data.workers, same_as=same, pin_memory=env.device.type == "cuda"
+    )
     state = _resume(cfg.model, env, decision, built, scaler)
     cursor.position = state.data_position
     _start_budget(cfg.train.max_minutes, state, decision.resume)
@@ -316,13 +317,15 @@ def train(cfg: Config, env: DistEnv, parts: _Components | None = None) -> TrainR
     verdict, step, step_of = None, first, _step_of(parts, guard, env.device)
     try:
         for step in range(first, last + 1):
-            micro_batches = cursor.next_batch()
-            # the first step's memory reads; the profiler on memory.profile_step
-            hooks = log.hooks(step)
-            lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
-            # the profiler on its step; the step's collectives counted (not evaluation's)
-            with log.measuring(step):
-                out = step_of.run(micro_batches, hooks)
+            # metrics.trace_steps' profiler (out of the throughput); memory.snapshot_on_oom
+            with log.watching(step):
+                micro_batches = cursor.next_batch()
+                # the first step's memory reads; the profiler on memory.profile_step
+                hooks = log.hooks(step)
+                lr = set_lr(optimizer, cfg.optim, step - 1, cfg.train.steps)
+                # the profiler on its step; the step's collectives counted (not evaluation's)
+                with log.measuring(step):
+                    out = step_of.run(micro_batches, hooks)
             # the same on every rank: they skip, stop and save at the same step
             verdict = out.verdict
             # every rank skipped the optimizer step; nothing non-finite is ever saved

@@ -414,4 +414,55 @@ SOURCE = {
         '"nvme": StateTier.disk.value',
         '"nvme": __mutant__(StateTier.cpu.value)',
     ),
+    "step-reads-the-loss": (
+        "fsdp_zero.training.step",
+        "learns = trained != 0",
+        "learns = trained != 0 and __mutant__(math.isfinite(loss.item()) or True)",
+    ),
+    "gate-read-before-fused-adamw": (
+        "fsdp_zero.training.step",
+        "early = bool(agreed and learns and not self.scaler and skips_on_device(self.optimizer))",
+        "early = __mutant__(False)",
+    ),
+    "fused-skip-ignored": (
+        "fsdp_zero.torch_private",
+        "optimizer.found_inf = found_inf",
+        "optimizer.found_inf = __mutant__(torch.zeros_like(found_inf))",
+    ),
+    "trace-steps-in-throughput": (
+        "fsdp_zero.training.steplog",
+        "self._interval_steps += 0 if self._traced else 1",
+        "self._interval_steps += __mutant__(1)",
+    ),
+    "trace-runs-split": (
+        "fsdp_zero.monitor.trace",
+        "if runs and step == runs[-1][1] + 1:",
+        "if runs and step == __mutant__(runs[-1][1]):",
+    ),
+    "rope-cast-to-compute": (
+        "fsdp_zero.model.transformer",
+        "cos, sin = table.real[: x.shape[-2]], table.imag[: x.shape[-2]]",
+        "cos, sin = __mutant__(table.real[: x.shape[-2]]).to(x.dtype), "
+        "table.imag[: x.shape[-2]].to(x.dtype)",
+    ),
+    "cast-finder-blind": (
+        "fsdp_zero.monitor.casts",
+        "if cast.before != cast.after and cast not in found:",
+        "if __mutant__(False):",
+    ),
+    "last-unit-resharded": (
+        "fsdp_zero.sharding.parallelize",
+        'kept = {"reshard_after_forward": False} if fqn == last else {}',
+        "kept = __mutant__({})",
+    ),
+    "data-prefetch-never-started": (
+        "fsdp_zero.data.loader",
+        "self._ahead = self._fetcher.submit(next, self._batches)",
+        "self._ahead = __mutant__(None)",
+    ),
+    "data-prefetch-kept-after-seek": (
+        "fsdp_zero.data.loader",
+        "self._position, self._batches, self._ahead = value, None, None",
+        "self._position, self._batches, self._ahead = value, None, __mutant__(self._ahead)",
+    ),
 }
