@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: install train test test-quick test-gpu-host mutants bench docs format gpu-check deepspeed-runs
+.PHONY: install train test test-quick test-gpu-host mutants bench docs format gpu-check deepspeed-runs ds-vs-ours
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -57,8 +57,16 @@ gpu-check: $(VENV)/.installed
 # DeepSpeed goes into .deepspeed/ (pip --target: not in .venv, not a dependency; its build imports torch, hence
 # --no-build-isolation), then runs on the CPU over gloo at 2 and 3 ranks (about 1 minute).
 DEEPSPEED ?= deepspeed==0.19.8
-deepspeed-runs: $(VENV)/.installed
+.deepspeed/.installed: $(VENV)/.installed
 	DS_BUILD_OPS=0 $(VENV)/bin/pip install -q --no-build-isolation --no-deps --target .deepspeed "$(DEEPSPEED)" \
 		einops hjson msgpack ninja py-cpuinfo pydantic pydantic-core annotated-types typing-inspection
+	touch $@
+
+deepspeed-runs: .deepspeed/.installed
 	for n in 2 3; do PYTHONPATH=.deepspeed DS_ACCELERATOR=cpu $(VENV)/bin/torchrun --standalone \
 		--nproc_per_node=$$n tests/deepspeed_runs/make.py || exit 1; done
+
+# fsdp-zero against DeepSpeed ZeRO-3 side by side, 2 ranks on the CPU (about 4 minutes on a quiet machine;
+# docs/benchmarks.md); ARGS=--quick for a dry run
+ds-vs-ours: .deepspeed/.installed
+	$(VENV)/bin/python bench/ds_vs_ours.py $(ARGS)

@@ -11,7 +11,9 @@ A bad setting prints one line naming the key and the valid choices, and exits wi
 diverges (a non-finite loss or gradient norm) stops at that step without saving it and exits with 3;
 on SIGTERM or after train.max_minutes every rank finishes its step, the step is saved, and the run
 exits with 4 (launch it again to continue); a rank that died or hung makes the others exit with 5; a
-checkpoint that cannot be written (disk full) ends the run with 6, the checkpoints before it intact.
+checkpoint that cannot be written (disk full) ends the run with 6, the checkpoints before it intact;
+with memory.snapshot_on_oom (CUDA) a step that runs out of memory ends it with 7, naming the
+allocator snapshot it dumped.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         with distributed(cfg.dist) as env:
             train(cfg, env)
     # A user error (every rank raises the same one); a run that diverged (3), stopped with a save (4),
-    # saw a collective fail (5) or a save fail (6): its line shown whichever rank exits first.
+    # saw a collective fail (5), a save fail (6) or ran out of memory with memory.snapshot_on_oom (7):
+    # its line shown whichever rank exits first.
     except ValueError as e:
         report_end(f"error: {e}")
         return USAGE_ERROR

@@ -613,4 +613,10 @@ MUTANTS = {
         [f"tests/test_data_path.py::{_SEEK}"],
         [_SEEK],
     ),
+    "ds-no-scheduler-ours": (
+        "--deepspeed: a ds_config without a scheduler trains with our warm-up and cosine instead of "
+        "DeepSpeed's constant learning rate",
+        ["tests/test_deepspeed.py::test_every_mapped_key_resolves_as_its_native_equivalent"],
+        ["test_every_mapped_key_resolves_as_its_native_equivalent"],
+    ),
 }

@@ -9,7 +9,14 @@ Covers: fsdp_zero/config/deepspeed.py
 from __future__ import annotations
 
 from fsdp_zero.config.loader import load_config
-from tests.test_deepspeed import _read
+from tests.test_deepspeed import NO_SCHEDULER
+from tests.test_deepspeed import _read as _read_all
+
+
+def _read(tmp_path, ds: dict) -> tuple[list[str], list[str]]:  # noqa: ANN001
+    """`tests.test_deepspeed._read` without the constant schedule of a ds_config with no scheduler."""
+    mapped, notes = _read_all(tmp_path, ds)
+    return [m for m in mapped if m not in NO_SCHEDULER], notes
 
 
 def _offload(offload_optimizer: dict | None = None, offload_param: dict | None = None) -> dict:

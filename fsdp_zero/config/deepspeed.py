@@ -555,8 +555,9 @@ def _schedule(ds: _Reader) -> list[str]:
     total_num_steps; WarmupCosineLR to the optimizer's lr, then a cosine down to ``cos_min_ratio``.
     """
     lr, schedule = ds[LR], ds[_SCHEDULER]
-    if schedule is None:
-        return [] if lr is None else LR.overrides(lr)
+    if schedule is None:  # DeepSpeed without a scheduler steps at the optimizer's lr throughout
+        constant = _SCHEDULER.overrides(_SCHEDULES["WarmupLR"]) + _WARMUP.overrides(0)
+        return constant + ([] if lr is None else LR.overrides(lr))
     out = _SCHEDULER.overrides(schedule)
     cosine, decay = _SCHEDULES["WarmupCosineLR"], _SCHEDULES["WarmupDecayLR"]
     peak = ds[_WARMUP_MAX_LR]

@@ -465,4 +465,9 @@ SOURCE = {
         "self._position, self._batches, self._ahead = value, None, None",
         "self._position, self._batches, self._ahead = value, None, __mutant__(self._ahead)",
     ),
+    "ds-no-scheduler-ours": (
+        "fsdp_zero.config.deepspeed",
+        'constant = _SCHEDULER.overrides(_SCHEDULES["WarmupLR"]) + _WARMUP.overrides(0)',
+        "constant = __mutant__([])",
+    ),
 }
