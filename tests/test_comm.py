@@ -134,9 +134,10 @@ def test_a_pipeline_stage_gathers_and_reduces_once_a_step(batches):
 def test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit(batches):
     """dp 2 x tp 2: FSDP gathers and reduces each tensor-parallel rank's part of a unit, half of each
     planned weight and the whole norm gains. By hand for gpt_nano: a block holds 53,248 planned and
-    128 whole elements, the root 32,768 and 64; 2 micro-batches a step, blocks gathered twice (ZeRO-3),
-    the root once, fp32. Counted on every rank, and the run's own formula, to the byte; and tensor
-    parallelism's own collectives (docs/parallelism.md#communication)."""
+    128 whole elements, the root 32,768 and 64; 2 micro-batches a step, the first block gathered twice
+    (ZeRO-3), the last block and the root once (they stay gathered until their backward), fp32.
+    Counted on every rank, and the run's own formula, to the byte; and tensor parallelism's own
+    collectives (docs/parallelism.md#communication)."""
     _, summary, _ = _run(batches, "tp2")
     block, root = 53_248 // 2 + 128, 32_768 // 2 + 64
     # Tensor parallelism's own, with sequence parallelism: A = 2 x 32 tokens x 64 dims x 4 bytes of
@@ -146,7 +147,7 @@ def test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit(batches):
     # the five norm gains' gradients (64 x 4) all-reduced.
     a = 2 * 32 * 64 * 4
     expected = {
-        "all_gather": 2 * (2 * 2 * block + root) * 4,
+        "all_gather": 2 * (2 * block + block + root) * 4,
         "reduce_scatter": 2 * (2 * block + root) * 4,
         "all_reduce": 0,
         "tp_all_gather": 2 * (10 * a + 2 * 32 * 256 * 4),

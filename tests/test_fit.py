@@ -290,7 +290,10 @@ def test_a_measured_cost_is_the_probes_seconds_by_hand():
     rates = dataclasses.replace(Rates.default("cpu"), measured=m)
     model = construct(cfg.model)
     plan = build_wrap_plan(model, cfg.parallel.wrap, 2)
-    p, root = sum(x.numel() for x in model.parameters()), plan.units[-1].num_params
+    p = sum(x.numel() for x in model.parameters())
+    # gathered once a micro-batch: the root, and the last unit, whose backward comes next
+    last = plan.last_unit(model)
+    root = plan.units[-1].num_params + next(u.num_params for u in plan.units if u.fqn == last)
     none, full = ActivationCheckpointing.none, ActivationCheckpointing.full
     cases = {  # candidate: (compute, comm, optimizer) seconds
         Candidate(Strategy.full_shard, "fp32", full, 4):  # 2 micro-batches of 4

@@ -257,15 +257,17 @@ def _held_after_forward(
     run: dict, reshard: bool | int, compute_bytes: int, stored_bytes: int, degree: int
 ) -> float:
     """Parameter bytes a rank holds between forward and backward: every unit's shard (stored dtype, over
-    the shard degree), except what stays gathered (compute dtype): the root always, every unit under
-    ZeRO-2 (``reshard`` False), 1/k of each unit under hpZ (``reshard`` k); none under ZeRO-3 (True)."""
+    the shard degree), except what stays gathered (compute dtype): the root and the last unit always
+    (backward needs them first), every unit under ZeRO-2 (``reshard`` False), 1/k of each other unit
+    under hpZ (``reshard`` k); no other under ZeRO-3 (True)."""
     units = run["unit_params"]
-    root, others = units["<root>"], sum(n for unit, n in units.items() if unit != "<root>")
+    kept = units["<root>"] + units[run["last_unit"]]
+    others = sum(n for unit, n in units.items() if unit not in ("<root>", run["last_unit"]))
     if reshard is False:
-        return compute_bytes * (root + others)
+        return compute_bytes * (kept + others)
     if reshard is True:
-        return compute_bytes * root + stored_bytes * others / degree
-    return compute_bytes * root + compute_bytes * others / reshard
+        return compute_bytes * kept + stored_bytes * others / degree
+    return compute_bytes * kept + compute_bytes * others / reshard
 
 
 # (what FSDP2 must reshard non-root units to after forward, compute bytes, stored bytes, shard degree)
@@ -283,9 +285,10 @@ GATHERED = {
 @pytest.mark.parametrize("name", sorted(GATHERED))
 def test_what_stays_gathered_between_forward_and_backward(runs, name):
     """ZeRO-3 frees each unit's gathered parameters after its forward, ZeRO-2 keeps every unit gathered
-    until its backward, hpZ keeps 1/k of each; the root stays gathered under all three (backward needs
-    it first). Measured as the bytes of the parameters the modules hold after step 1's first forward,
-    against each strategy's count; the memory tracker's gathered parameters at that point agree."""
+    until its backward, hpZ keeps 1/k of each; the root and the last unit (`WrapPlan.last_unit`) stay
+    gathered under all three (backward needs them first). Measured as the bytes of the parameters the
+    modules hold after step 1's first forward, against each strategy's count; the memory tracker's
+    gathered parameters at that point agree."""
     run = runs[name]
     reshard, compute, stored, degree = GATHERED[name]
     expected = _held_after_forward(run, reshard, compute, stored, degree)
@@ -295,15 +298,18 @@ def test_what_stays_gathered_between_forward_and_backward(runs, name):
         assert held["before_step"] == pytest.approx(
             stored * run["num_params"] / degree, rel=0.01
         ), rank
+    last = run["last_unit"]
+    assert last == list(run["unit_params"])[-2]  # (the last block: registered, and run, last)
     assert {unit: held["reshard_after_forward"] for unit, held in run["units"].items()} == (
-        {unit: reshard for unit in run["units"]} | {"<root>": False}
+        {unit: reshard for unit in run["units"]} | {"<root>": False, last: False}
     )
-    # The tracker (profiled step, rank 0) counts the gathered copies alone: the root's, or every unit's.
+    # The tracker (profiled step, rank 0) counts the gathered copies alone: the root's and the last
+    # unit's, or every unit's.
     gathered = run["phases"]["after_forward"]["gathered_params"]
     if reshard is False:
         assert gathered == compute * run["num_params"]
     elif reshard is True:
-        assert gathered == compute * run["unit_params"]["<root>"]
+        assert gathered == compute * (run["unit_params"]["<root>"] + run["unit_params"][last])
 
 
 def test_explicit_prefetch_starts_the_next_units_all_gather_before_a_unit_computes(runs):

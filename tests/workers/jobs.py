@@ -307,7 +307,8 @@ def run_job(  # noqa: ANN001
     # the parameters with AdamW states (rank 0)
     optim_names = sorted(names[id(p)] for p in parts.optimizer.state)
     # Where this rank's shards and AdamW states live, read before the forward below: a forward without
-    # backward leaves the root unit gathered (on the device), since its backward never comes.
+    # backward leaves the root and the last unit gathered (on the device), since their backward
+    # never comes.
     devices = {
         str((p.to_local() if hasattr(p, "to_local") else p).device)
         for p in parts.model.parameters()
@@ -318,6 +319,8 @@ def run_job(  # noqa: ANN001
         for v in st.values()
         if torch.is_tensor(v) and v.dim() > 0
     }
+    # (read before the forward below too: it leaves the root and the last unit gathered)
+    nf4_locals = _nf4_locals(parts.model, nf4.names) if nf4 else None
     with torch.no_grad():  # the sharded model's outputs on a fixed batch (not of a pipeline stage)
         inputs = parts.cursor.source.batch(range(2))[0]
         output = logits_of(parts.model(inputs.to(env.device)) if not pipeline else torch.zeros(1))
@@ -337,7 +340,7 @@ def run_job(  # noqa: ANN001
         held,
         sorted(_seen["reduce_dtypes"]),
         (result.peak_rss_mib, result.eval_peak_mib),
-        _nf4_locals(parts.model, nf4.names) if nf4 else None,
+        nf4_locals,
         (
             sorted(
                 {
@@ -412,6 +415,7 @@ def run_job(  # noqa: ANN001
                 "num_params": parts.num_params,
                 "shard_bytes": [u.bytes_per_rank for u in parts.plan.units],
                 "unit_params": {u.fqn or "<root>": u.num_params for u in parts.plan.units},
+                "last_unit": None if pipeline else parts.plan.last_unit(parts.model),
                 "same_reduce_scatter": same_reduce_scatter,
                 "evals": result.evals,
                 "peak_mib": [s[6] for s in states],
