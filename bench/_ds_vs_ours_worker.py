@@ -54,6 +54,7 @@ class RssSampler:
         self.thread.start()
 
     def read(self) -> int:
+        """The resident set size now, in bytes."""
         return int(os.pread(self.fd, 128, 0).split()[1]) * self.page
 
     def _loop(self) -> None:
@@ -76,6 +77,9 @@ def vm_hwm() -> int:
     return 0
 
 
+SAMPLER: RssSampler  # this process's (main's)
+
+
 class StepRecorder:
     """Wraps a task's loss function: the start time and the detached loss of each call (one call a
     step: one micro-batch a rank); with ``profile`` (first step, count, file), torch.profiler over
@@ -84,8 +88,13 @@ class StepRecorder:
     def __init__(self, loss_fn, profile: tuple[int, int, Path] | None = None) -> None:  # noqa: ANN001
         self.loss_fn, self.starts, self.cpu, self.losses = loss_fn, [], [], []
         self.profile, self.profiler = profile, None
+        # the resident set size when the first step starts: libraries, the built model, the
+        # engine's buffers, before any activation, gradient or optimizer state
+        self.ready_rss = 0
 
     def __call__(self, model, batch):  # noqa: ANN001, ANN204
+        if not self.starts:
+            self.ready_rss = SAMPLER.read()
         self.starts.append(time.perf_counter())
         self.cpu.append(time.process_time())
         if self.profile:
@@ -210,6 +219,7 @@ def _gather(recorder: StepRecorder, state: int) -> list:
         "starts": recorder.starts,
         "cpu": recorder.cpu,
         "model_state_bytes": state,
+        "ready_rss_bytes": recorder.ready_rss,
     }
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
@@ -228,7 +238,8 @@ def main() -> None:
     parser.add_argument("settings", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(1)  # two ranks on two cores, both sides
-    sampler = RssSampler()
+    global SAMPLER
+    SAMPLER = sampler = RssSampler()
     run = run_ours if args.side == "ours" else run_ds
     rank = int(os.environ["RANK"])
     profile = None

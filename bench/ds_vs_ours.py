@@ -148,6 +148,7 @@ def summary(record: dict, warmup: int) -> dict:
         "state": max(r["model_state_bytes"] for r in ranks),
         "peak": max(r["peak_rss_bytes"] for r in ranks),
         "hwm": max(r["vm_hwm_bytes"] for r in ranks),
+        "ready": max(r["ready_rss_bytes"] for r in ranks),
         "step": statistics.median(times) if times else float("nan"),
         "mean": statistics.fmean(times) if times else float("nan"),
         "cpu": statistics.median(cpu) if cpu else float("nan"),
@@ -223,8 +224,9 @@ def keep_profiles(tmp: Path, args: argparse.Namespace, n: int) -> None:
 def print_round(n: int, ours: dict, ds: dict, diff: float) -> None:
     for side, s in (("fsdp-zero", ours), ("DeepSpeed", ds)):
         print(
-            f"round {n} {side:9}: model state {s['state'] / MIB:7.1f} MiB/rank | peak RSS "
-            f"{s['peak'] / MIB:7.1f} MiB (VmHWM at exit {s['hwm'] / MIB:7.1f}) | step "
+            f"round {n} {side:9}: model state {s['state'] / MIB:7.1f} MiB/rank | RSS at the first "
+            f"step {s['ready'] / MIB:7.1f} MiB, peak {s['peak'] / MIB:7.1f} MiB (VmHWM at exit "
+            f"{s['hwm'] / MIB:7.1f}) | step "
             f"{s['step']:.3f} s median, {s['mean']:.3f} s mean, {s['cpu']:.3f} CPU-s median | "
             f"last loss {s['losses'][-1]:.5f}",
             flush=True,
@@ -239,11 +241,11 @@ def print_table(rows: list, args: argparse.Namespace) -> None:
         f"after {args.warmup}, logging every {args.log_every}"
     )
     print(
-        "| round | model state | peak RSS | step time (median) | step time (mean) | step CPU time "
-        "(median) | loss diff |"
+        "| round | model state | RSS at the first step | peak RSS | step time (median) | step time "
+        "(mean) | step CPU time (median) | loss diff |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    keys = ("state", "peak", "step", "mean", "cpu")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    keys = ("state", "ready", "peak", "step", "mean", "cpu")
     ratios = []
     for n, ours, ds, diff in rows:
         r = [ours[k] / ds[k] for k in keys]

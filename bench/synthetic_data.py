@@ -19,13 +19,16 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests' reference
 from fsdp_zero.config import DataConfig
 from fsdp_zero.data import BatchCursor, BatchLayout, build_source
 from fsdp_zero.tools import script_parser
+from tests.test_data_path import reference_samples  # noqa: E402
 
 ROWS = (4, 8, 32)
 BOUNDED_ROWS = (4, 8)  # the per-rank batches of the GPU benchmark's shapes
@@ -34,20 +37,9 @@ STEP_S = 0.020
 
 def torch_loop(src: Any, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
     """data.source=synthetic's batch as it was (`fsdp_zero.data.batches._SyntheticBigram`, ``src``):
-    the same draws, then a torch indexing op a position."""
-    n = len(indices)
-    first = torch.empty(n, dtype=torch.long)
-    choices = torch.empty(n, src.seq_len, dtype=torch.long)
-    gen = torch.Generator()
-    for row, index in enumerate(indices):
-        gen.manual_seed(src.seed * 1_000_003 + index)
-        first[row] = torch.randint(0, src.vocab_size, (1,), generator=gen)
-        choices[row] = torch.multinomial(src.probs, src.seq_len, replacement=True, generator=gen)
-    out = torch.empty(n, src.seq_len + 1, dtype=torch.long)
-    out[:, 0] = first
-    for pos in range(src.seq_len):
-        out[:, pos + 1] = src.successors[out[:, pos], choices[:, pos]]
-    return out[:, :-1], out[:, 1:]
+    the same draws, then a torch indexing op a position (tests/test_data_path.py's reference)."""
+    tokens = reference_samples(src, indices)
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 def ms_per_batch(fetch, rows: int, repeats: int) -> tuple[float, float]:  # noqa: ANN001

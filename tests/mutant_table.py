@@ -4,6 +4,12 @@ A behaviour mutant (a public API wrapped) is tests/mutant_site/sitecustomize.py'
 expression of ours replaced) is tests/mutant_site/source_mutants.py's. Each has a row here.
 """
 
+
+def _only(file: str, test: str) -> tuple[list[str], list[str]]:
+    """A row's catcher: the one test ``test`` of ``file``, run alone and required to fail."""
+    return [f"{file}::{test}"], [test]
+
+
 # The tests that catch the source mutants below without a training run (their pytest node ids' last part).
 _DS_DEFAULTS = "test_the_optimizer_settings_a_ds_config_leaves_out_are_deepspeeds_defaults"
 _REFUSAL_ROWS = "test_each_refusal_refuses_its_example_alone_in_one_line"
@@ -144,19 +150,16 @@ MUTANTS = {
     "ds-optimizer-defaults-ours": (
         "--deepspeed: the optimizer settings a ds_config leaves out take ours (weight decay 0.1, betas 0.95), "
         "not DeepSpeed's",
-        [f"tests/test_deepspeed.py::{_DS_DEFAULTS}"],
-        [_DS_DEFAULTS],
+        *_only("tests/test_deepspeed.py", _DS_DEFAULTS),
     ),
     "wrap-repeats-unseen": (
         "the transformer policy: a model that declares no block is refused, the class its ModuleList repeats "
         "never looked for",
-        [f"tests/test_wrap.py::{_REPEATED}"],
-        [_REPEATED],
+        *_only("tests/test_wrap.py", _REPEATED),
     ),
     "end-line-rank0-only": (
         "a run's last line (a bad setting's) printed by rank 0 alone: lost when torchrun ends rank 0 first",
-        [f"tests/test_cli.py::{_END_LINE}"],
-        [_END_LINE],
+        *_only("tests/test_cli.py", _END_LINE),
     ),
     "masked-grad-unweighted": (
         "masked data: the backward's loss not token-weighted (the logged loss still is)",
@@ -168,54 +171,44 @@ MUTANTS = {
     ),
     "val-mask-in-train": (
         "prepare_data: the validation split's masks written to train.mask.bin",
-        [f"tests/test_masked.py::{_SPLITS}"],
-        [_SPLITS],
+        *_only("tests/test_masked.py", _SPLITS),
     ),
     "chat-eos-always-trained": (
         "prepare_data: a chat's final EOS trained after a user or system turn too",
-        [f"tests/test_masked.py::{_EOS}"],
-        [_EOS],
+        *_only("tests/test_masked.py", _EOS),
     ),
     "table-row-groups-reversed": (
         "prepare_data: a Parquet file's row groups read last first",
-        [f"tests/test_datasets.py::{_TABLES}"],
-        [_TABLES],
+        *_only("tests/test_datasets.py", _TABLES),
     ),
     "table-column-flags-ignored": (
         "prepare_data: --field, --prompt-field and --completion-field ignored for tables (their "
         "default columns read)",
-        [f"tests/test_datasets.py::{_TABLES}"],
-        [_TABLES],
+        *_only("tests/test_datasets.py", _TABLES),
     ),
     "table-read-whole": (
         "prepare_data: a Parquet file read whole into one Arrow table, not a batch of rows at a time",
-        [f"tests/test_datasets.py::{_TABLE_MEMORY}"],
-        [_TABLE_MEMORY],
+        *_only("tests/test_datasets.py", _TABLE_MEMORY),
     ),
     "lora-a-bound-out": (
         "LoRA's A drawn within 1/sqrt(out_features), not in_features",
-        [f"tests/test_lora.py::{_INIT}"],
-        [_INIT],
+        *_only("tests/test_lora.py", _INIT),
     ),
     "lora-dropout-ignored": (
         "model.lora.dropout never applied",
-        [f"tests/test_lora.py::{_DROPOUT}"],
-        [_DROPOUT],
+        *_only("tests/test_lora.py", _DROPOUT),
     ),
     "lora-scaling-alpha": (
         "LoRA scaled by alpha, not alpha / rank",
-        [f"tests/test_lora.py::{_SUM}"],
-        [_SUM],
+        *_only("tests/test_lora.py", _SUM),
     ),
     "adapters-only-drops-lora-train": (
         "export.py --adapters-only of a run that trained model.lora.train not refused",
-        [f"tests/test_lora.py::{_ADAPTERS}"],
-        [_ADAPTERS],
+        *_only("tests/test_lora.py", _ADAPTERS),
     ),
     "freeze-prefix-match": (
         "model.freeze and model.lora.train matched as prefixes (re.match)",
-        [f"tests/test_lora.py::{_FULL}"],
-        [_FULL],
+        *_only("tests/test_lora.py", _FULL),
     ),
     "comm-seconds-replicas": (
         "comm_seconds: DDP's and ZeRO-1's all-reduce over one replica (0 s)",
@@ -224,95 +217,77 @@ MUTANTS = {
     ),
     "fit-fp32-as-fast": (
         "the fit on CUDA: fp32 computes as fast as bf16",
-        [f"tests/test_fit.py::{_CUDA}"],
-        [_CUDA],
+        *_only("tests/test_fit.py", _CUDA),
     ),
     "fit-offload-peak-kept": (
         "the fit on CUDA: offload's host-resident model state still counted on the device",
-        [f"tests/test_fit.py::{_CUDA}"],
-        [_CUDA],
+        *_only("tests/test_fit.py", _CUDA),
     ),
     "fit-offload-copies-free": (
         "the fit on CUDA: offload's host-device copies cost nothing",
-        [f"tests/test_fit.py::{_CUDA}"],
-        [_CUDA],
+        *_only("tests/test_fit.py", _CUDA),
     ),
     "fit-ties-unbroken": (
         "the fit: candidates of equal cost not ranked by their peak",
-        [f"tests/test_fit.py::{_TIES}"],
-        [_TIES],
+        *_only("tests/test_fit.py", _TIES),
     ),
     "fit-probe-dtype-ignored": (
         "the fit's measured cost: every precision at fp32's measured speed",
-        [f"tests/test_fit.py::{_MEASURED}"],
-        [_MEASURED],
+        *_only("tests/test_fit.py", _MEASURED),
     ),
     "fit-micro-batch-not-freed": (
         "plan.py fit: the config's micro-batch refuses a global batch although it is searched",
-        [f"tests/test_fit.py::{_MICRO}"],
-        [_MICRO],
+        *_only("tests/test_fit.py", _MICRO),
     ),
     "fit-slow-dtype-run": (
         "the rates probe trains the model in a dtype whose matmuls are many times slower than "
         "fp32's (minutes on a CPU without bf16 instructions)",
-        [f"tests/test_fit.py::{_SLOW}"],
-        [_SLOW],
+        *_only("tests/test_fit.py", _SLOW),
     ),
     "pretrained-kwargs-dropped": (
         "export of a model.pretrained run: model.kwargs not applied over its config.json",
-        [f"tests/test_pretrained.py::{_KWARGS}"],
-        [_KWARGS],
+        *_only("tests/test_pretrained.py", _KWARGS),
     ),
     "deferral-not-restored": (
         "parallel.grad_sync: FSDP2's reduction left deferred after a micro-batch raised",
-        [f"tests/test_comm.py::{_DEFER}"],
-        [_DEFER],
+        *_only("tests/test_comm.py", _DEFER),
     ),
     "compose-one-peak": (
         "the planner's composition: the step's peak taken from one part of the step at every depth",
-        [f"tests/test_plan_formulas.py::{_COMPOSED}"],
-        [_COMPOSED],
+        *_only("tests/test_plan_formulas.py", _COMPOSED),
     ),
     "compose-zero1-evenly": (
         "the planner's composition: ZeRO-1's AdamW states grown evenly with the blocks",
-        [f"tests/test_plan_formulas.py::{_COMPOSED}"],
-        [_COMPOSED],
+        *_only("tests/test_plan_formulas.py", _COMPOSED),
     ),
     "planner-simulates-on-the-target": (
         "the planner simulates a CUDA plan on the target device, not the CPU",
-        [f"tests/test_compare.py::{_GPU_PLAN}"],
-        [_GPU_PLAN],
+        *_only("tests/test_compare.py", _GPU_PLAN),
     ),
     "tp-plan-skipped": (
         "parallel.tp_size: the model's tensor-parallel plan never applied (FSDP alone, tp ranks repeat)",
-        [f"tests/test_parity.py::{_TP_STATE}"],
-        [_TP_STATE],
+        *_only("tests/test_parity.py", _TP_STATE),
     ),
     "loss-parallel-ignored": (
         "parallel.loss_parallel: the logits gathered whole all the same",
-        [f"tests/test_parity.py::{_LOSS_PARALLEL}"],
-        [_LOSS_PARALLEL],
+        *_only("tests/test_parity.py", _LOSS_PARALLEL),
     ),
     "same-batch-unchecked": (
         "a tensor-parallel group's ranks never checked to read the same batch",
-        [f"tests/test_units.py::{_SAME_BATCH}"],
-        [_SAME_BATCH],
+        *_only("tests/test_units.py", _SAME_BATCH),
     ),
     "tp-collectives-uncounted": (
         "comm/tp_*: tensor parallelism's collectives never counted",
-        [f"tests/test_comm.py::{_TP_COMM}"],
-        [_TP_COMM],
+        *_only("tests/test_comm.py", _TP_COMM),
     ),
     "tokens-over-world": (
         "masked data under tensor or pipeline parallelism: trained tokens counted over every rank, "
         "not the data-parallel ones",
-        [f"tests/test_masked.py::{_TP_TOKENS}"],
-        [_TP_TOKENS],
+        *_only("tests/test_masked.py", _TP_TOKENS),
     ),
     "stage-built-whole": (
         "parallel.pp_size: each rank builds the whole model, not its stages",
-        [f"tests/test_model_plans.py::{_PP_STAGES}"],
-        [_PP_STAGES],
+        *_only("tests/test_model_plans.py", _PP_STAGES),
     ),
     "hybrid-data-group-one-dim": (
         "hybrid_shard with tp or pp: the data-parallel group over dp_shard alone, not replicate x "
@@ -328,83 +303,67 @@ MUTANTS = {
     ),
     "pp-holds-every-micro-batch": (
         "plan.py's layouts: 1F1B holds all of a step's micro-batches' activations, as GPipe does",
-        [f"tests/test_fit.py::{_PP_HELD}"],
-        [_PP_HELD],
+        *_only("tests/test_fit.py", _PP_HELD),
     ),
     "layout-keeps-twin-activations": (
         "plan.py fit --search layout: a layout's peak keeps its ZeRO-3 twin's activations, not its own",
-        [f"tests/test_fit.py::{_LAYOUT_FIT}"],
-        [_LAYOUT_FIT],
+        *_only("tests/test_fit.py", _LAYOUT_FIT),
     ),
     "nf4-per-shard": (
         "QLoRA: each shard's rows quantized on their own (their own scaler mean), not the whole tensor",
-        [f"tests/test_qlora.py::{_NF4_WHOLE}"],
-        [_NF4_WHOLE],
+        *_only("tests/test_qlora.py", _NF4_WHOLE),
     ),
     "nf4-base-checkpointed": (
         "QLoRA: checkpoints keep the NF4 base (pickled shards no export or reshard reads)",
-        [f"tests/test_qlora.py::{_NF4_RESUME}"],
-        [_NF4_RESUME],
+        *_only("tests/test_qlora.py", _NF4_RESUME),
     ),
     "nf4-base-unchecked": (
         "QLoRA: a resume rebuilds the base from whatever file is given, unchecked against the trained one",
-        [f"tests/test_qlora.py::{_NF4_RESUME}"],
-        [_NF4_RESUME],
+        *_only("tests/test_qlora.py", _NF4_RESUME),
     ),
     "nf4-counted-as-stored": (
         "QLoRA: the model-state formula counts the NF4 base at the stored dtype's bytes",
-        [f"tests/test_qlora.py::{_NF4_WHOLE}"],
-        [_NF4_WHOLE],
+        *_only("tests/test_qlora.py", _NF4_WHOLE),
     ),
     "low-bit-lr-frozen": (
         "low-bit AdamW: the schedule never reaches torchao's tensor learning rate (it stays optim.lr)",
-        [f"tests/test_lowbit_adamw.py::{_LOW_BIT}"],
-        [_LOW_BIT],
+        *_only("tests/test_lowbit_adamw.py", _LOW_BIT),
     ),
     "low-bit-states-ignored": (
         "optim.state_bits: torch's AdamW built whatever it says",
-        [f"tests/test_lowbit_adamw.py::{_LOW_BIT}"],
-        [_LOW_BIT],
+        *_only("tests/test_lowbit_adamw.py", _LOW_BIT),
     ),
     "low-bit-bytes-as-fp32": (
         "low-bit AdamW: the model-state formula counts its states at fp32's 8 B a value",
-        [f"tests/test_lowbit_adamw.py::{_LOW_BIT}"],
-        [_LOW_BIT],
+        *_only("tests/test_lowbit_adamw.py", _LOW_BIT),
     ),
     "float8-ignored": (
         "precision.float8: no Linear converted (bf16 matmuls under a float8 setting)",
-        [f"tests/test_float8.py::{_FP8_LINEARS}"],
-        [_FP8_LINEARS],
+        *_only("tests/test_float8.py", _FP8_LINEARS),
     ),
     "float8-stale-scales-after-load": (
         "float8 tensorwise: a resumed run gathers with scales computed before its weights were loaded",
-        [f"tests/test_float8.py::{_FP8_RESUME}"],
-        [_FP8_RESUME],
+        *_only("tests/test_float8.py", _FP8_RESUME),
     ),
     "float8-gathered-at-bf16": (
         "float8 tensorwise: the communication formula counts its weights' all-gather at bf16's 2 B",
-        [f"tests/test_float8.py::{_FP8_GATHER}"],
-        [_FP8_GATHER],
+        *_only("tests/test_float8.py", _FP8_GATHER),
     ),
     "float8-bytes-unviewed": (
         "gloo: float8 tensors all-gathered as themselves (gloo has no float8 dtype)",
-        [f"tests/test_float8.py::{_FP8_BYTES}"],
-        [_FP8_BYTES],
+        *_only("tests/test_float8.py", _FP8_BYTES),
     ),
     "test-process-sees-gpus": (
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",
-        [f"tests/test_cli.py::{_GPU_HOST}"],
-        [_GPU_HOST],
+        *_only("tests/test_cli.py", _GPU_HOST),
     ),
     "ds-zero3-floor": (
         "DeepSpeed import: ZeRO-3's partitions taken as floor(numel / N), not ceil (padding misread)",
-        [f"tests/test_ds_import.py::{_DS_BITS}"],
-        [_DS_BITS],
+        *_only("tests/test_ds_import.py", _DS_BITS),
     ),
     "ds-schedule-unlagged": (
         "--deepspeed's schedulers: step s at the rate of s, not DeepSpeed's s - 1",
-        [f"tests/test_ds_import.py::{_DS_LR}"],
-        [_DS_LR],
+        *_only("tests/test_ds_import.py", _DS_LR),
     ),
     "ds-samples-dropped": (
         "DeepSpeed import: the data position starts at 0, not at DeepSpeed's global samples",
@@ -418,60 +377,49 @@ MUTANTS = {
     ),
     "ds-unpickle-anything": (
         "DeepSpeed import: its files unpickled with weights_only=False (any class, any code)",
-        [f"tests/test_ds_import.py::{_DS_DAMAGED}"],
-        [_DS_DAMAGED],
+        *_only("tests/test_ds_import.py", _DS_DAMAGED),
     ),
     "nf4-block-size-ignored": (
         "QLoRA: model.lora.nf4_block_size never reaches the quantizer (always 64; the record says otherwise)",
-        [f"tests/test_qlora.py::{_NF4_BLOCK}"],
-        [_NF4_BLOCK],
+        *_only("tests/test_qlora.py", _NF4_BLOCK),
     ),
     "nf4-resume-checks-source-path": (
         "QLoRA resume: the rebuilt base checked by its file path, not its NF4 digest",
-        [f"tests/test_qlora.py::{_NF4_DIGEST}"],
-        [_NF4_DIGEST],
+        *_only("tests/test_qlora.py", _NF4_DIGEST),
     ),
     "lowbit-eps-ignored": (
         "optim.state_bits=8/4: optim.eps never reaches torchao's AdamW (its default 1e-8)",
-        [f"tests/test_lowbit_adamw.py::{_LOW_BIT_SETTINGS}"],
-        [_LOW_BIT_SETTINGS],
+        *_only("tests/test_lowbit_adamw.py", _LOW_BIT_SETTINGS),
     ),
     "lowbit-partial-blocks-counted": (
         "adamw_state_bytes: a shard of 4,096+ values that is not whole blocks counted as low-bit (torchao "
         "keeps it fp32)",
-        [f"tests/test_lowbit_adamw.py::{_LOW_BIT_BYTES}"],
-        [_LOW_BIT_BYTES],
+        *_only("tests/test_lowbit_adamw.py", _LOW_BIT_BYTES),
     ),
     "float8-rowwise-counted-as-float8-gather": (
         "float8 rowwise and mxfp8 planned as all-gathering in float8 (the formula's 1 B a weight, the "
         "start-up line)",
-        [f"tests/test_float8.py::{_FP8_WHICH}"],
-        [_FP8_WHICH],
+        *_only("tests/test_float8.py", _FP8_WHICH),
     ),
     "ds-ranks-sorted-as-text": (
         "DeepSpeed import: rank files taken in file-name order (rank_10 before rank_2)",
-        [f"tests/test_ds_import.py::{_DS_RANKS}"],
-        [_DS_RANKS],
+        *_only("tests/test_ds_import.py", _DS_RANKS),
     ),
     "ds-import-ignores-deepspeed-flag": (
         "import_deepspeed.py --deepspeed JSON ignored: the ds_config saved in the checkpoint used instead",
-        [f"tests/test_ds_import.py::{_DS_FLAG}"],
-        [_DS_FLAG],
+        *_only("tests/test_ds_import.py", _DS_FLAG),
     ),
     "table-struct-nulls-kept": (
         "prepare_data: a chat message's null struct fields kept (name: None where its JSON had no name)",
-        [f"tests/test_datasets.py::{_TABLE_FIELDS}"],
-        [_TABLE_FIELDS],
+        *_only("tests/test_datasets.py", _TABLE_FIELDS),
     ),
     "tp-plan-index-one-digit": (
         "parallel.tp_size: a plan pattern's * matched as one digit: from layers.10 on no layer is split",
-        [f"tests/test_model_plans.py::{_TP_TWELVE}"],
-        [_TP_TWELVE],
+        *_only("tests/test_model_plans.py", _TP_TWELVE),
     ),
     "pp-remainder-layers-dropped": (
         "parallel.pp_size: the layers the stages do not divide evenly go to no stage",
-        [f"tests/test_model_plans.py::{_PP_STAGES}"],
-        [_PP_STAGES],
+        *_only("tests/test_model_plans.py", _PP_STAGES),
     ),
     "tp-norm-first-mesh-only": (
         "parallel.tp_size without sequence parallelism: the gradient norm (and the clipping) of the split "
@@ -486,18 +434,15 @@ MUTANTS = {
     ),
     "layout-pp-held-no-gradients": (
         "plan.py's pipeline layouts: a stage's unsharded gradients left out of what it holds in the step",
-        [f"tests/test_fit.py::{_LAYOUT_PEAK}"],
-        [_LAYOUT_PEAK],
+        *_only("tests/test_fit.py", _LAYOUT_PEAK),
     ),
     "layout-p2p-one-way": (
         "plan.py fit --search layout: the bytes crossing a stage boundary counted one way, not forward and back",
-        [f"tests/test_fit.py::{_LAYOUT_FIT}"],
-        [_LAYOUT_FIT],
+        *_only("tests/test_fit.py", _LAYOUT_FIT),
     ),
     "layout-tp-gathered-whole": (
         "plan.py fit --search layout: a tp candidate holds its twin's gathered parameters whole, not a tp rank's part",
-        [f"tests/test_fit.py::{_LAYOUT_PEAK}"],
-        [_LAYOUT_PEAK],
+        *_only("tests/test_fit.py", _LAYOUT_PEAK),
     ),
     "compose-host-state-shallow": (
         "the planner's composition, CPU offload on CUDA: the shallow simulation's host state taken off the peak",
@@ -507,85 +452,70 @@ MUTANTS = {
     "rates-block-slope-off-by-one": (
         "the rates probe: a block's seconds the slope over its deeper cut's blocks, not the blocks between "
         "the cuts",
-        [f"tests/test_fit.py::{_PROBE_SLOPE}"],
-        [_PROBE_SLOPE],
+        *_only("tests/test_fit.py", _PROBE_SLOPE),
     ),
     "decay-1d-ignored": (
         "optim.decay_1d never reaches AdamW's groups: the 1-D parameters are not decayed",
-        [f"tests/test_ds_import.py::{_DS_CONTINUED}"],
-        [_DS_CONTINUED],
+        *_only("tests/test_ds_import.py", _DS_CONTINUED),
     ),
     "ds-adam-step-from-global-steps": (
         "DeepSpeed import, ZeRO-1/2: AdamW's step taken from global_steps (which counts fp16's skipped "
         "steps), not the optimizer's state",
-        [f"tests/test_ds_import.py::{_DS_ADAM_STEP}"],
-        [_DS_ADAM_STEP],
+        *_only("tests/test_ds_import.py", _DS_ADAM_STEP),
     ),
     # issue 44's tables: the refusal rows, the constraints beside the fields, the grid's declared roles
     "refusal-rows-after-the-first-skipped": (
         "config.rules.REFUSALS: only the first row of the table is checked",
-        [f"tests/test_rules.py::{_REFUSAL_ROWS}"],
-        [_REFUSAL_ROWS],
+        *_only("tests/test_rules.py", _REFUSAL_ROWS),
     ),
     "field-constraint-unchecked": (
         "config.constraints.check_fields: a value outside the bound its field declares passes",
-        [f"tests/test_config.py::{_FIELD_BOUND}"],
-        [_FIELD_BOUND],
+        *_only("tests/test_config.py", _FIELD_BOUND),
     ),
     "grid-joins-ignored": (
         "distributed.topology: a declared axis never joins the roles it names (context parallelism "
         "left out of the loss and FSDP's shard groups)",
-        [f"tests/test_topology.py::{_GRID_JOINS}"],
-        [_GRID_JOINS],
+        *_only("tests/test_topology.py", _GRID_JOINS),
     ),
     # issue 45: optimizer states in host memory or files, group by group
     "offload-group-never-written-back": (
         "offload.states: a group's stepped states never written back to their tier (the next step "
         "reads the old ones)",
-        [f"tests/test_offload.py::{_TIERED}"],
-        [_TIERED],
+        *_only("tests/test_offload.py", _TIERED),
     ),
     "offload-prefetch-wrong-group": (
         "offload.states: the read-ahead fills the next group's buffer with the group just stepped",
-        [f"tests/test_offload.py::{_TIERED}"],
-        [_TIERED],
+        *_only("tests/test_offload.py", _TIERED),
     ),
     "offload-ratio-ignored": (
         "offload.ratio: every step group offloaded whatever the ratio",
-        [f"tests/test_offload.py::{_TIERED}"],
-        [_TIERED],
+        *_only("tests/test_offload.py", _TIERED),
     ),
     "ds-nvme-offload-in-memory": (
         "--deepspeed: offload_optimizer.device=nvme keeps the moments in host memory instead of its "
         "nvme_path",
-        [f"tests/test_deepspeed_offload.py::{_DS_OFFLOAD}"],
-        [_DS_OFFLOAD],
+        *_only("tests/test_deepspeed_offload.py", _DS_OFFLOAD),
     ),
     "step-reads-the-loss": (
         "Step.run: one more host read a step (the loss read with .item() before the optimizer step)",
-        [f"tests/test_host_reads.py::{_ONE_READ}"],
-        [_ONE_READ],
+        *_only("tests/test_host_reads.py", _ONE_READ),
     ),
     "gate-read-before-fused-adamw": (
         "Step.run: fused AdamW launched only after the gate's read (the device idles while the host "
         "waits for the backward, then launches the step)",
-        [f"tests/test_host_reads.py::{_ONE_READ}"],
-        [_ONE_READ],
+        *_only("tests/test_host_reads.py", _ONE_READ),
     ),
     "fused-skip-ignored": (
         "fused AdamW launched before the gate's read does not skip a non-finite step on the device",
-        [f"tests/test_host_reads.py::{_SKIP_ON_DEVICE}"],
-        [_SKIP_ON_DEVICE],
+        *_only("tests/test_host_reads.py", _SKIP_ON_DEVICE),
     ),
     "trace-steps-in-throughput": (
         "metrics.trace_steps: the traced steps counted in the throughput (tokens/s, step_s)",
-        [f"tests/test_trace.py::{_TRACE_RATE}"],
-        [_TRACE_RATE],
+        *_only("tests/test_trace.py", _TRACE_RATE),
     ),
     "trace-runs-split": (
         "metrics.trace_steps: consecutive traced steps not sharing one trace",
-        [f"tests/test_trace.py::{_TRACE_RUNS}"],
-        [_TRACE_RUNS],
+        *_only("tests/test_trace.py", _TRACE_RUNS),
     ),
     "rope-cast-to-compute": (
         "the rotary table reaches rotary in the compute dtype under the -mixed precisions (as "
@@ -605,13 +535,11 @@ MUTANTS = {
     ),
     "data-prefetch-never-started": (
         "data.loader: the next batch is never fetched while the step runs (made when asked for)",
-        [f"tests/test_data_path.py::{_AHEAD}"],
-        [_AHEAD],
+        *_only("tests/test_data_path.py", _AHEAD),
     ),
     "data-prefetch-kept-after-seek": (
         "data.loader: after position is set, the batch fetched for the old position is served",
-        [f"tests/test_data_path.py::{_SEEK}"],
-        [_SEEK],
+        *_only("tests/test_data_path.py", _SEEK),
     ),
     "ds-no-scheduler-ours": (
         "--deepspeed: a ds_config without a scheduler trains with our warm-up and cosine instead of "
