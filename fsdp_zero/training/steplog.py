@@ -276,7 +276,7 @@ class StepLogger:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._interval_start
-        steps = self._interval_steps  # None: every step of the interval was traced
+        steps = self._interval_steps  # 0: every step of the interval was traced
         rank_rate = self.items_per_rank_step * steps / elapsed if steps else None
         if rank_rate:
             self.record.step_seconds = elapsed / self._interval_steps
