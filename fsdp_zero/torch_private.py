@@ -26,6 +26,7 @@ __all__ = [
     "skips_on_device",
     "skipped_on_device",
     "checkpoint_activations",
+    "recomputing",
     "FakeStore",
     "FakeTensorMode",
     "is_fake",
@@ -38,7 +39,9 @@ __all__ = [
     "fsdp_mem_tracker",
     "fsdp_unit_settings",
     "hf_init_weights",
+    "hf_attention_interface",
     "hf_no_split_modules",
+    "set_hf_attention",
     "mem_tracker",
     "record_memory_history",
     "dump_memory_snapshot",
@@ -117,6 +120,13 @@ DCP_METADATA_PRIVATE = {
 }
 
 
+def recomputing(module: Any) -> bool:
+    """Whether ``module``'s forward (a module `checkpoint_activations` marked) runs as the
+    recompute in backward: the composable checkpoint turns its own hooks off around it
+    (``_no_hook``); activation offload's hooks stand aside then too."""
+    return not checkpoint_activations.state(module).enable_hook
+
+
 def hf_init_weights(model: Any, seed: int) -> bool:
     """Initialises a Hugging Face model with its own initialiser (``PreTrainedModel._init_weights``,
     applied module by module, after ``torch.manual_seed(seed)``); False: the model has none. Modules
@@ -141,6 +151,24 @@ def hf_no_split_modules(model: Any) -> list[str]:
     """The block classes a Hugging Face model declares must not be split (``_no_split_modules``,
     what Accelerate wraps by default); [] for any other model."""
     return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def hf_attention_interface(model: Any) -> bool:
+    """Whether a transformers model's attention modules look their function up by the config's
+    ``_attn_implementation`` in transformers' attention interface (``_supports_attention_backend``:
+    Llama, Mistral, Qwen2/3, Gemma and most decoder-only models of transformers 5)."""
+    return bool(getattr(model, "_supports_attention_backend", False)) and hasattr(
+        getattr(model, "config", None), "_attn_implementation"
+    )
+
+
+def set_hf_attention(model: Any, name: str) -> None:
+    """Every config of ``model`` (a composite model's sub-configs too) set to the attention function
+    registered as ``name``."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
 
 
 def fsdp_unit_settings(module: Any) -> dict[str, Any]:

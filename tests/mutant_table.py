@@ -44,7 +44,7 @@ _LOSS_PARALLEL = "test_loss_parallel_keeps_the_logits_split_over_the_vocabulary"
 _SAME_BATCH = "test_a_tensor_parallel_group_reading_different_batches_is_refused"
 _TP_COMM = "test_tensor_parallel_fsdp_moves_a_tp_ranks_part_of_each_unit"
 _TP_STATE = "test_model_state_per_rank_follows_the_tensor_parallel_formula"
-_TP_TOKENS = "test_tp_and_pp_count_the_trained_tokens_over_the_data_parallel_ranks"
+_TP_TOKENS = "test_tp_pp_and_sp_count_the_trained_tokens_over_the_loss_ranks"
 _PP_STAGES = "test_each_pipeline_stage_holds_its_own_layers_under_their_full_names"
 _PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
 _SPLIT_EVAL = "test_pipeline_validation_matches_zero3"
@@ -81,6 +81,14 @@ _TABLE_FIELDS = "test_a_chat_messages_fields_are_only_its_own"
 _DS_ADAM_STEP = "test_adamws_step_is_the_optimizers_not_deepspeeds_global_step"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
+_PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
+_SP_BYTES = "test_each_layer_sends_4_slice_h_b_over_sp_and_attention_gathers_nothing"
+_SP2_PARITY = ([f"tests/test_parity.py::{_PARITY}[sp2]"], [_PARITY])
+_OFFLOADED = (
+    ["tests/test_act_offload.py"],
+    ["test_offload_trains_bit_for_bit_and_counts_the_checkpointed_inputs"],
+)
+
 MUTANTS = {
     "reduce-in-bf16": (
         "bf16-mixed and fp16-mixed reduce gradients in 16 bits, not fp32",
@@ -546,5 +554,47 @@ MUTANTS = {
         "DeepSpeed's constant learning rate",
         ["tests/test_deepspeed.py::test_every_mapped_key_resolves_as_its_native_equivalent"],
         ["test_every_mapped_key_resolves_as_its_native_equivalent"],
+    ),
+    # issue 47: long sequences
+    "sp-all-to-all-wrong-dim": (
+        "sequence parallelism: the gathered slices interleaved into the sequence (wrong dimension)",
+        *_SP2_PARITY,
+    ),
+    "sp-positions-restart": (
+        "sequence parallelism: each slice rotated at positions 0.. of its own (restarted per slice)",
+        *_SP2_PARITY,
+    ),
+    "sp-loss-per-rank": (
+        "sequence parallelism: the masked loss weighted per rank's slice, not per group's token",
+        [f"tests/test_masked.py::{_TP_TOKENS}[masked-sp2]"],
+        [_TP_TOKENS],
+    ),
+    "sp-all-to-all-uncounted": (
+        "sequence parallelism: the all-to-alls' bytes not counted",
+        *_only("tests/test_sequence.py", _SP_BYTES),
+    ),
+    "tiled-loss-logits-kept": (
+        "train.loss_chunk: each chunk's logits kept for backward, not recomputed: the untiled peak",
+        *_only("tests/test_tiled_loss.py", "test_the_logits_of_one_chunk_only_are_alive"),
+    ),
+    "tiled-loss-chunk-dropped": (
+        "train.loss_chunk: the last chunk's tokens left out of the loss",
+        *_only(
+            "tests/test_tiled_loss.py", "test_the_tiled_loss_and_gradients_are_the_untiled_ones"
+        ),
+    ),
+    "act-offload-no-copy": (
+        "activation offload's pack keeps the tensor instead of a host copy",
+        *_only(
+            "tests/test_act_offload.py", "test_the_hooks_move_only_the_blocks_inputs_as_host_copies"
+        ),
+    ),
+    "act-offload-hook-not-first": (
+        "activation offload's hooks entered after checkpointing's: nothing is moved",
+        *_OFFLOADED,
+    ),
+    "act-offload-in-recompute": (
+        "activation offload's hooks also catch what the recompute saves",
+        *_OFFLOADED,
     ),
 }

@@ -404,6 +404,8 @@ MOVES = [
     ("tp2", "full_shard", 4),  # dp 2 x tp 2 (saved at 4 ranks) -> dp 4
     ("full_shard", "pp2-dp2", 4),  # dp 2 -> pp 2 x dp 2
     ("pp2-dp2", "full_shard", 4),  # pp 2 x dp 2 (saved at 4 ranks) -> dp 4
+    ("full_shard", "sp4", 4),  # dp 2 -> dp 1 x sp 4
+    ("sp2", "full_shard", 4),  # dp 1 x sp 2 -> dp 4
 ]
 
 

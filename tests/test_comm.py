@@ -20,7 +20,7 @@ from fsdp_zero.config import RunDir
 from fsdp_zero.config.loader import load_config
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.data.loader import BatchLayout
-from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.monitor.comm import COLLECTIVE_KINDS, CommBytes, comm_formula, comm_seconds
@@ -58,6 +58,8 @@ RUNS = [
     "full_shard-to-ddp-n4",
     "zero1-n4",
     "zero2-n4",
+    "sp2",
+    "sp4",
 ]
 
 
@@ -65,10 +67,12 @@ def _formula(cfg, world_size: int) -> CommBytes:  # noqa: ANN001
     model = construct(cfg.model)  # meta
     make_trainable(model, cfg.model)
     plan = build_wrap_plan(model, cfg.parallel.wrap, world_size)
-    accum = BatchLayout.of(cfg.train, world_size).grad_accum_steps
+    topology = Topology.of(cfg.parallel, world_size)
+    # (a sequence-parallel group reads one batch)
+    accum = BatchLayout.of(cfg.train, topology.size(Role.BATCH)).grad_accum_steps
     return comm_formula(
         cfg,
-        Topology.of(cfg.parallel, world_size),
+        topology,
         model,
         plan,
         accum,
@@ -103,9 +107,12 @@ def test_counted_bytes_per_step_equal_the_formula(batches, name):
                 kind,
             )
     for rank in summary["ranks"]:
-        assert rank["comm_bytes"] == pytest.approx(
+        counted = {k: rank["comm_bytes"][k] for k in COLLECTIVE_KINDS}
+        assert counted == pytest.approx(
             {k: getattr(expected, k) for k in COLLECTIVE_KINDS}, rel=0.01
         )
+        # (sequence parallelism's all-to-alls: tests/test_sequence.py)
+        assert set(rank["comm_bytes"]) - set(COLLECTIVE_KINDS) <= {"sp_all_to_all"}
     figure(
         f"comm / formula, {name}",
         ", ".join(

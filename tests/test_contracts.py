@@ -16,7 +16,7 @@ from fsdp_zero.model import DECLARED, FsdpZeroModel, ModelFacts, construct, mode
 
 
 def test_the_table_names_each_member_the_protocol_declares():
-    members = set(FsdpZeroModel.__annotations__) | {"init_weights(seed)"}
+    members = set(FsdpZeroModel.__annotations__) | {"init_weights(seed)", "get_output_embeddings()"}
     assert {d.name for d in DECLARED} == members
 
 
@@ -27,6 +27,7 @@ def test_the_built_in_model_declares_every_member_and_a_plain_module_none():
     assert facts.block_class.__name__ == "TransformerBlock"
     assert facts.tp_plan and set(facts.pp_plan) == {"first", "layers", "last"}
     assert facts.init_weights is not None and facts.max_seq_len == model.args.max_seq_len
+    assert facts.head is model.output
     plain = model_facts(nn.Linear(2, 2))
     assert plain == ModelFacts(
         block_class=None,
@@ -38,6 +39,7 @@ def test_the_built_in_model_declares_every_member_and_a_plain_module_none():
         vocab_size=None,
         initializer_range=None,
         head_counts={"num_attention_heads": None, "num_key_value_heads": None},
+        head=None,
     )
 
 

@@ -245,6 +245,17 @@ def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(tmp_path):
         ["train.global_batch_size=32", "train.micro_batch_size=8", "parallel.tp_size=2"],
         world_size=8,
     )
+    # ALST: a sequence-parallel group reads one batch too (DeepSpeed's data-parallel world excludes it)
+    _same(
+        tmp_path,
+        {"train_batch_size": 8, "gradient_accumulation_steps": 2, "sequence_parallel_size": 4},
+        [
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "parallel.sp_size=4",
+        ],
+        world_size=8,
+    )
 
 
 def test_keys_without_effect_are_each_listed_with_what_we_do_instead(tmp_path):

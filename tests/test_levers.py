@@ -42,6 +42,8 @@ ON = {
     "pipeline": ("parallel", "pp_size", 2),
     "tensor": ("parallel", "tp_size", 2),
     "activation_checkpointing": ("parallel", "activation_checkpointing", "full"),
+    "activation_offload": ("parallel", "activation_offload", True),
+    "sequence": ("parallel", "sp_size", 2),
     "compile": ("train", "compile", True),
     "cpu_offload": ("parallel", "cpu_offload", True),
     "prefetch": ("parallel", "prefetch", 1),

@@ -468,18 +468,27 @@ def test_the_masked_loss_is_the_same_at_one_and_two_ranks_and_any_micro_batch(ba
     assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL
 
 
-@pytest.mark.parametrize("name", ["masked-tp2", "masked-pp2"])
-def test_tp_and_pp_count_the_trained_tokens_over_the_data_parallel_ranks(batches, name):
-    """dp 2 x tp 2, and pp 2 x dp 2, read ``masked``'s batches (a tensor-parallel pair, or a
-    pipeline's two stages, read one): the same token weighting, so the same losses, gradient norms
-    and weights, and the same validation loss."""
+LAYOUT_WORDS = {
+    "masked-tp2": "dp 2 x tp 2",
+    "masked-pp2": "pp 2 x dp 2",
+    "masked-sp2": "dp 2 x sp 2",
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_WORDS))
+def test_tp_pp_and_sp_count_the_trained_tokens_over_the_loss_ranks(batches, name):
+    """dp 2 x tp 2, pp 2 x dp 2 and dp 2 x sp 2 read ``masked``'s batches (a tensor-parallel pair,
+    or a pipeline's two stages, read one; a sequence-parallel pair a half of each of its
+    sequences, the trained tokens of each half differing): the same token weighting over every
+    trained token of the global batch, so the same losses, gradient norms and weights, and the
+    same validation loss."""
     got, two = batches[name], batches["masked"]
     losses = max(abs(got["losses"][s] - two["losses"][s]) for s in two["losses"])
     norms = max(abs(got["grad_norms"][s] - two["grad_norms"][s]) for s in two["grad_norms"])
     weights = max((got["final"][k] - two["final"][k]).abs().max().item() for k in two["final"])
     evals = abs(got["evals"][8]["eval/loss"] - two["evals"][8]["eval/loss"])
     figure(
-        f"masked training, {'dp 2 x tp 2' if 'tp' in name else 'pp 2 x dp 2'} against N = 2",
+        f"masked training, {LAYOUT_WORDS[name]} against N = 2",
         f"losses {losses:.2e}, grad norms {norms:.2e}, weights {weights:.2e}, eval/loss {evals:.2e}",
     )
     assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL and evals < 1e-5

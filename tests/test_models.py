@@ -54,14 +54,21 @@ def runs(batches):
 def references() -> dict:
     return {
         name: reference_run(run_config(name))
-        for name in ("vit", "vit-defaults", "llama", "llama-tp2")
+        for name in ("vit", "vit-defaults", "llama", "llama-tp2", "llama-sp2")
         if not name.startswith("llama") or HAS_HF
     }
 
 
-# vit-defaults: weight decay, warm-up, cosine; llama-tp2: dp 2 x tp 2 by the model's own plan
+# vit-defaults: weight decay, warm-up, cosine; llama-tp2: dp 2 x tp 2 by the model's own plan;
+# llama-sp2: sp 2, attention through fsdp-zero's function registered with transformers
 @pytest.mark.parametrize(
-    "name", [*PARAMS, "vit-defaults", pytest.param("llama-tp2", marks=needs_hf)]
+    "name",
+    [
+        *PARAMS,
+        "vit-defaults",
+        pytest.param("llama-tp2", marks=needs_hf),
+        pytest.param("llama-sp2", marks=needs_hf),
+    ],
 )
 def test_foreign_model_trains_like_single_process(runs, references, name):
     got, ref = runs[name], references[name]

@@ -66,6 +66,9 @@ NAMES = [
     "pp2-dp2",
     "pp2-tp2",
     "hsdp-tp2",
+    "sp2",
+    "sp4",
+    "hsdp-sp2",
 ]
 PRECISIONS = ("bf16-mixed", "fp16-mixed", "bf16-true")
 FP32 = [name for name in NAMES if name not in PRECISIONS]

@@ -27,7 +27,14 @@ class _WithContext(ParallelConfig):
 
 def test_a_declared_axis_joins_the_grid_its_roles_and_its_errors():
     topology = Topology.of(_WithContext(tp_size=2, cp_size=2), 16)
-    assert dict(topology.sizes) == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 2}
+    assert dict(topology.sizes) == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": 4,
+        "sp": 1,
+        "tp": 2,
+        "cp": 2,
+    }
     assert topology.axes(Role.BATCH) == ("dp_replicate", "dp_shard")  # cp ranks read one batch
     assert topology.axes(Role.LOSS) == ("dp_replicate", "dp_shard", "cp")
     assert topology.axes(Role.SHARD) == ("dp_shard", "cp")
@@ -66,6 +73,6 @@ def test_the_declared_axis_gets_its_groups_and_fsdps_one_dimensional_mesh():
 
 def test_the_package_grid_is_pipeline_outermost_and_tensor_innermost():
     topology = Topology.of(ParallelConfig(tp_size=2, pp_size=2), 8)
-    assert list(topology.sizes) == ["pp", "dp_replicate", "dp_shard", "tp"]
+    assert list(topology.sizes) == ["pp", "dp_replicate", "dp_shard", "sp", "tp"]
     assert [topology.rank("pp", r) for r in (0, 3, 4, 7)] == [0, 0, 1, 1]
     assert topology.axes(Role.LOSS) == topology.axes(Role.BATCH) == ("dp_replicate", "dp_shard")

@@ -103,6 +103,12 @@ def data_parallel(world_size: int, sizes: dict[str, int]) -> int:
     return world_size // split
 
 
+def shard_joined(cfg: Any) -> int:
+    """The ranks the split axes that join FSDP's shard group span together (``cfg``: the parallel
+    section): each data-parallel rank's group of sequence-parallel ranks (1: none)."""
+    return math.prod(getattr(cfg, f"{a.name}_size") for a in grid_axes(cfg) if "shard" in a.joins)
+
+
 def world_notes(cfg: Any, world_size: int) -> list[str]:
     """`ParallelConfig.check_world`'s rules (``cfg``: the parallel section): the sizes that must
     divide the world size or the data-parallel ranks, and the notes on settings that have no
@@ -110,10 +116,14 @@ def world_notes(cfg: Any, world_size: int) -> list[str]:
     sizes = split_sizes(cfg)
     dp = data_parallel(world_size, sizes)
     ranks = f"the world size {world_size}" if dp == world_size else f"the {dp} data-parallel ranks"
-    size = cfg.shard_size
-    if STRATEGIES[cfg.strategy].hybrid and (size < 1 or dp % size):
+    size, joined = cfg.shard_size, shard_joined(cfg)
+    if STRATEGIES[cfg.strategy].hybrid and (size < 1 or (dp * joined) % size or size % joined):
+        # the shard group holds whole sequence-parallel groups
+        valid = [d for d in _divisors(dp * joined) if d % joined == 0]
+        ranks = ranks if joined == 1 else f"the {dp * joined} ranks FSDP shards over"
+        within = "" if joined == 1 else f" and be a multiple of parallel.sp_size={joined}"
         raise ValueError(
-            f"parallel.shard_size={size} must divide {ranks}; valid choices: {_divisors(dp)}"
+            f"parallel.shard_size={size} must divide {ranks}{within}; valid choices: {valid}"
         )
     k = cfg.reshard_after_forward
     if k is not None and k != dp and (dp % k or k >= dp):

@@ -226,9 +226,9 @@ _GRAD_ACCUM = _Rule(
 
 def _batch(ds: _Reader) -> list[str]:
     """DeepSpeed's rule, train_batch_size = micro x accumulation x data-parallel ranks (the world
-    size / AutoTP's degree): any two give the third."""
+    size / AutoTP's and Ulysses' degrees, whose groups read one batch): any two give the third."""
     tbs, micro, gas = ds[_TRAIN_BATCH], ds[_MICRO_BATCH], ds[_GRAD_ACCUM]
-    ranks = ds.world_size // (ds[_AUTOTP] or 1)
+    ranks = ds.world_size // ((ds[_AUTOTP] or 1) * (ds[_ULYSSES] or 1))
     if tbs is not None and micro is not None and gas is not None and tbs != micro * gas * ranks:
         raise ds.bad(
             _TRAIN_BATCH.ds,
@@ -250,6 +250,14 @@ def _batch(ds: _Reader) -> list[str]:
 # AutoTP: the model's layers split over groups of autotp_size ranks (here: the model's own plan).
 _AUTOTP = _Rule(
     "tensor_parallel.autotp_size", "parallel.tp_size", number(int, min=1), "AutoTP's degree"
+)
+
+# Ulysses sequence parallelism (ALST): each sequence cut over groups of sequence_parallel_size ranks.
+_ULYSSES = _Rule(
+    "sequence_parallel_size",
+    "parallel.sp_size",
+    number(int, min=1),
+    "Ulysses' degree (ALST): each sequence cut over this many ranks",
 )
 
 
@@ -610,6 +618,7 @@ def _wall_clock(ds: _Reader) -> list[str]:
 TABLE: tuple[_Rule | _Joint, ...] = (
     _Joint(_batch, (_TRAIN_BATCH, _MICRO_BATCH, _GRAD_ACCUM)),
     _AUTOTP,
+    _ULYSSES,
     _Rule(
         "gradient_clipping", "optim.grad_clip", number(float, min=0), "max global L2 norm (0: off)"
     ),

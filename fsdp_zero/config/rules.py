@@ -58,7 +58,7 @@ class Refusal:
 
 
 _FSDP = f"it needs an FSDP strategy ({strategies_that('fsdp')})"
-_TP, _PP = "parallel.tp_size", "parallel.pp_size"
+_TP, _PP, _SP = "parallel.tp_size", "parallel.pp_size", "parallel.sp_size"
 _STRATEGY = "parallel.strategy"
 _QLORA = ("model.lora.rank=4", "model.lora.targets=[wq]", "model.lora.quantize=nf4")
 _BF16 = "precision=bf16-mixed"
@@ -319,6 +319,49 @@ REFUSALS: tuple[Refusal, ...] = (
         "offload.states=cpu or disk",
         example=("offload.ratio=0.5",),
     ),
+    # sequence parallelism (fsdp_zero/sharding/sequence.py): the model sharded over its ranks
+    *(
+        Refusal(
+            _SP, lambda c: c.parallel.sp_size > 1, key, bad, why, yet=yet, example=(*ex, f"{_SP}=2")
+        )
+        for key, bad, why, yet, ex in (
+            (
+                _STRATEGY,
+                lambda c: not is_fsdp(c.parallel.strategy),
+                f"{_FSDP}: its ranks shard the model (ALST's layout)",
+                False,
+                ("parallel.strategy=ddp",),
+            ),
+            (
+                "model.task",
+                lambda c: c.model.task is not Task.causal_lm,
+                "each rank holds a slice of every sequence: it needs model.task=causal_lm",
+                False,
+                ("model.task=custom", "model.loss=tests.user_model:overflow_on_rank1"),
+            ),
+            (
+                _TP,
+                lambda c: c.parallel.tp_size > 1,
+                "not built with tensor parallelism",
+                True,
+                (f"{_TP}=2",),
+            ),
+            (
+                _PP,
+                lambda c: c.parallel.pp_size > 1,
+                "not built with pipeline parallelism",
+                True,
+                (f"{_PP}=2",),
+            ),
+            (
+                "parallel.reshard_after_forward",
+                lambda c: c.parallel.reshard_after_forward is not None,
+                "hpZ's groups are not laid out over the sequence-parallel ranks",
+                True,
+                ("parallel.reshard_after_forward=2",),
+            ),
+        )
+    ),
     # tensor parallelism
     *_untested_rows(_TP, lambda p: p.tp_size > 1, "tensor parallelism"),
     Refusal(
@@ -343,8 +386,31 @@ REFUSALS: tuple[Refusal, ...] = (
         "model.tie_embeddings=false",
         example=("model.tie_embeddings=true", f"{_TP}=2"),
     ),
+    # activation offload moves what checkpointing keeps (fsdp_zero/sharding/act_offload.py)
+    Refusal(
+        "parallel.activation_offload",
+        lambda c: c.parallel.activation_offload,
+        "parallel.activation_checkpointing",
+        lambda c: c.parallel.activation_checkpointing is ActivationCheckpointing.none,
+        "it moves the inputs checkpointing keeps per block to the host, so it needs "
+        "checkpointing; set parallel.activation_checkpointing=full or selective",
+        example=("parallel.activation_offload=true",),
+    ),
     # pipeline parallelism
     *_untested_rows(_PP, lambda p: p.pp_size > 1, "pipeline parallelism"),
+    Refusal(
+        "parallel.activation_offload",
+        lambda c: c.parallel.activation_offload,
+        _PP,
+        lambda c: c.parallel.pp_size > 1,
+        "untested with pipeline parallelism",
+        yet=True,
+        example=(
+            "parallel.activation_offload=true",
+            "parallel.activation_checkpointing=full",
+            f"{_PP}=2",
+        ),
+    ),
     Refusal(
         "precision.mode",
         lambda c: c.precision.mode == PrecisionMode.fp16_mixed,
@@ -398,6 +464,42 @@ REFUSALS: tuple[Refusal, ...] = (
         "the embedding lives on the first stage, the head on the last; set "
         "model.tie_embeddings=false",
         example=("model.tie_embeddings=true", f"{_PP}=2"),
+    ),
+    # the tiled loss: causal_lm's head, whole on the rank that computes the loss
+    *(
+        Refusal(
+            "train.loss_chunk",
+            lambda c: c.train.loss_chunk > 0,
+            key,
+            bad,
+            why,
+            yet=yet,
+            example=("train.loss_chunk=64", *ex),
+        )
+        for key, bad, why, yet, ex in (
+            (
+                "model.task",
+                lambda c: c.model.task is not Task.causal_lm,
+                "it tiles model.task=causal_lm's head and cross-entropy; valid: causal_lm",
+                False,
+                ("model.task=custom", "model.loss=tests.user_model:overflow_on_rank1"),
+            ),
+            (
+                _TP,
+                lambda c: c.parallel.tp_size > 1,
+                "the head's weight is split over the tensor-parallel ranks (parallel.loss_parallel "
+                "keeps its logits split instead)",
+                True,
+                (f"{_TP}=2",),
+            ),
+            (
+                _PP,
+                lambda c: c.parallel.pp_size > 1,
+                "the last stage's loss is given the head's logits, not the head",
+                True,
+                (f"{_PP}=2",),
+            ),
+        )
     ),
     # a run that stops early continues from its checkpoint
     *(
@@ -500,6 +602,7 @@ def validate(cfg: Config) -> None:
         or _torchao_missing(needs)
         or _mxfp8_blocks(cfg.precision, cfg.train, cfg.data)
         or _splits(cfg.parallel, cfg.model, cfg.data)
+        or _sequence_slices(cfg.parallel, cfg.model, cfg.data)
     )
 
 
@@ -597,4 +700,29 @@ def _splits(par: ParallelConfig, m: ModelConfig, data: DataConfig) -> str | None
             f"(parallel.pp_size={par.pp_size} x parallel.pp_stages_per_rank={par.stages_per_rank}); "
             "each stage holds at least one layer"
         )
+    return None
+
+
+def _sequence_slices(par: ParallelConfig, m: ModelConfig, data: DataConfig) -> str | None:
+    """Sequence parallelism's cuts: the sequence into sp_size slices, and (the built-in model's;
+    others' when they are built, `fsdp_zero.sharding.sequence.check_heads`) the heads and KV heads
+    into sp_size shares."""
+    sp = par.sp_size
+    if sp == 1:
+        return None
+    if data.seq_len % sp:
+        valid = [d for d in range(1, sp * 4 + 1) if data.seq_len % d == 0][:8]
+        return (
+            f"parallel.sp_size={sp} must divide data.seq_len={data.seq_len} (each rank holds "
+            f"1/{sp} of every sequence); sp sizes that divide it: {valid}"
+        )
+    args = _builtin_args(m)
+    for key, value in (
+        (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads)) if args else ()
+    ):
+        if value % sp:
+            return (
+                f"{key}={value} must be a multiple of parallel.sp_size={sp} (each rank attends "
+                f"with 1/{sp} of the heads)"
+            )
     return None

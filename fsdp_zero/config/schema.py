@@ -250,6 +250,11 @@ class ParallelConfig:
     # (every k-th block, k = activation_checkpointing_every). Applied before compiling and sharding.
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     activation_checkpointing_every: int = field(default=2, metadata=gt(0))
+    # With activation checkpointing: the inputs each checkpointed block keeps for its recompute
+    # are moved to host memory in forward (pinned, copied on a side stream on CUDA) and brought
+    # back for the recompute in backward (`fsdp_zero.sharding.act_offload`). It lowers a peak set
+    # at the end of forward by those bytes, not one set in the recompute (`plan.py` says which).
+    activation_offload: bool = False
     # When gradients are reduced under gradient accumulation. every_micro_batch: each micro-batch's
     # backward reduce-scatters (FSDP; DDP and zero1 all-reduce once a step whatever this says).
     # replicas_once_per_step (hybrid_shard): reduce-scatter within the shard group every
@@ -259,6 +264,12 @@ class ParallelConfig:
     # precisions; 2 B under bf16-true). The same results within float rounding (a 16-bit reduce
     # dtype sums the micro-batches in 16 bits); fewer bytes.
     grad_sync: GradSync = GradSync.every_micro_batch
+    # Ulysses sequence parallelism (docs/parallelism.md#sequence-parallelism-ulysses): each rank
+    # of a group of sp_size ranks holds a slice of every sequence, and attention trades it for a
+    # slice of the heads (an all-to-all before and after); the group's ranks are ranks the model
+    # is sharded over (ALST's layout: FSDP shards over the data-parallel ranks times sp_size), and
+    # read one batch between them. data.seq_len and the model's heads must divide by sp_size.
+    sp_size: int = field(default=1, metadata=gt(0) | grid_axis("sp", joins=("loss", "shard")))
     # Tensor parallelism (docs/parallelism.md): the model's planned layers split their weights over
     # groups of tp_size ranks (the mesh's innermost dimension: the GPUs of a node), and the strategy
     # shards over the world size / tp_size data-parallel ranks.
@@ -435,6 +446,12 @@ class TrainConfig:
     # before stopping as diverged (exit code 3); a skipped step leaves weights and AdamW states as
     # they were. 0: stop at the first. Counted in TensorBoard (train/skipped_nonfinite).
     skip_nonfinite: int = field(default=0, metadata=ge(0, "0: stop at the first non-finite step"))
+    # The tiled loss: model.task=causal_lm's head (the output projection) and fp32 cross-entropy
+    # over chunks of this many tokens, one chunk's logits alive at a time and recomputed in
+    # backward: the same loss and gradients, a lower peak for large vocabularies (Liger's and
+    # DeepSpeed's tiled logits loss; `fsdp_zero.model.tasks.tiled_cross_entropy`). 0: the whole
+    # micro-batch's logits at once.
+    loss_chunk: int = field(default=0, metadata=ge(0, "0: the whole micro-batch's logits at once"))
 
     def check(self) -> None:
         """The declared constraints, and whole micro-batches in a step."""

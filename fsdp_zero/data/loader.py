@@ -119,13 +119,17 @@ class BatchCursor:
         position: int = 0,
         same_as: tuple[dist.ProcessGroup, ...] = (),
         pin_memory: bool = False,
+        seq_part: tuple[int, int] = (0, 1),
     ) -> None:
         self.source, self.layout, self.rank, self.num_workers = source, layout, rank, num_workers
         self.pin_memory = pin_memory
+        # (this rank's slice, slices): sequence parallelism's ranks each take a slice of every
+        # sequence of the batch they read together (`sequence_part`)
+        self.seq_part = seq_part
         self._position = position
         self._batches: Iterator | None = None
-        # groups of ranks that must read the same batches (a tensor-parallel group, a pipeline's
-        # stages), checked on the first
+        # groups of ranks that must read the same batches (a tensor- or sequence-parallel group, a
+        # pipeline's stages), checked on the first
         self._same_as = same_as
         ahead = num_workers == 0 and not getattr(source, "reseeds_global_rng", False)
         self._fetcher = ThreadPoolExecutor(1, "fsdp-zero-data") if ahead else None
@@ -157,6 +161,8 @@ class BatchCursor:
         if self._fetcher is not None:  # the next step's, while this one computes
             self._ahead = self._fetcher.submit(next, self._batches)
         self._held = batch
+        if self.seq_part[1] > 1:
+            batch = sequence_part(batch, *self.seq_part)
         micro = self.layout.micro_batch_size
         return list(zip(*(t.split(micro) for t in batch)))
 
@@ -198,14 +204,21 @@ class BatchCursor:
 
 
 def _check_same_batch(batch: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> None:
-    """Every rank of ``group`` holds ``batch`` (DeepSpeed AutoTP's guard): a tensor-parallel group (or
-    a pipeline's stages) whose ranks read different samples would train on a mix of them without an
-    error."""
+    """Every rank of ``group`` holds ``batch`` (DeepSpeed AutoTP's guard): a tensor- or
+    sequence-parallel group (or a pipeline's stages) whose ranks read different samples would train
+    on a mix of them without an error."""
     digest = zlib.crc32(b"".join(t.contiguous().numpy().tobytes() for t in batch))
     every: list[int | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, digest, group=group)  # once a run: any backend's device
     if len(set(every)) != 1:
         raise RuntimeError(
-            "the ranks of a tensor- or pipeline-parallel group read different batches "
+            "the ranks of a tensor-, sequence- or pipeline-parallel group read different batches "
             f"(checksums {every}): each must read its data-parallel rank's"
         )
+
+
+def sequence_part(batch: Sequence[torch.Tensor], rank: int, size: int) -> list[torch.Tensor]:
+    """Sequence parallelism's cut (`fsdp_zero.sharding.sequence`): this rank's slice of each
+    (batch, seq) tensor of ``batch`` (inputs and the targets already shifted against them), columns
+    [rank S / size, (rank + 1) S / size)."""
+    return [t.tensor_split(size, dim=1)[rank] for t in batch]

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_zero.config.checks import data_parallel, grid_axes, split_sizes
+from fsdp_zero.config.checks import data_parallel, grid_axes, shard_joined, split_sizes
 from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.config.strategies import STRATEGIES, Strategy, StrategySpec
 from fsdp_zero.torch_private import flatten_mesh
@@ -60,7 +60,8 @@ class Topology:
     # each axis of the grid and its size, outermost first (`grid`): their product is the world
     # size (compared, not hashed: a dict)
     sizes: Mapping[str, int] = field(hash=False)
-    # ranks a sharded state is split over: hybrid_shard's shard_size, else every data-parallel rank
+    # ranks a sharded state is split over: hybrid_shard's shard_size, else every data-parallel rank;
+    # times the split axes that join FSDP's mesh (`GridAxis.joins`: sequence parallelism's)
     shard_group: int
     # ranks each parameter is split over (1: every rank holds them all: ddp, zero1)
     param_shards: int
@@ -82,7 +83,11 @@ class Topology:
         spec = STRATEGIES[cfg.strategy]
         split = split_sizes(cfg)
         dp = data_parallel(world_size, split)
-        group = cfg.shard_size if spec.hybrid else dp
+        # the ranks FSDP shards over: hybrid_shard's shard_size, else the data-parallel ranks times
+        # the axes that join them (sequence parallelism's: ALST's layout, no rank idle, the state
+        # divided by all of them)
+        joined = shard_joined(cfg)
+        group = cfg.shard_size if spec.hybrid else dp * joined
         k = cfg.reshard_after_forward
         reshard = spec.reshard_after_forward if k is None or k == dp else k
         # A pipeline stage keeps its units' gradients unsharded until the step's last micro-batch
@@ -90,7 +95,7 @@ class Topology:
         # under pp): each unit is gathered once a step instead of twice a micro-batch.
         reshard = False if split["pp"] > 1 else reshard
         shards = group if spec.sharded[0] else 1
-        data = {"dp_replicate": dp // group, "dp_shard": group}
+        data = {"dp_replicate": dp * joined // group, "dp_shard": group // joined}
         sizes = {axis: data[axis] if axis in data else split[axis] for axis in grid(cfg)}
         joins = {r: tuple(a.name for a in grid_axes(cfg) if r.value in a.joins) for r in Role}
         return cls(
@@ -120,7 +125,8 @@ class Topology:
         """The axes ``role``'s ranks span. FSDP's mesh is 2-D under hybrid_shard (HSDP, even with
         one replica) and 1-D otherwise (even of one rank)."""
         data = ("dp_shard",) if role is Role.SHARD and not self.spec.hybrid else DATA_AXES
-        return tuple(a for a in self.sizes if a in data or a in self.joins.get(role, ()))
+        joined = tuple(a for a in self.joins.get(role, ()) if self.sizes[a] > 1)  # (one rank: none)
+        return tuple(a for a in self.sizes if a in data or a in joined)
 
     def size(self, *axes: str | Role) -> int:
         """The ranks the axes (or roles' axes) span together: ``size("tp")``, ``size(Role.BATCH)``
@@ -167,9 +173,22 @@ class Topology:
         """The part of the mesh ``role`` spans (`Role.SHARD`: the mesh FSDP shards over)."""
         axes = self.axes(role)
         # one shard group over several axes (dp_shard and an axis that joins it): flattened by `on`
-        if role is Role.SHARD and not self.spec.hybrid and len(axes) > 1:
-            return self.mesh[_dim_name(axes)]
+        # (under hybrid_shard, beside the replicas' dimension: HSDP's mesh is 2-D)
+        if role is Role.SHARD and len(shard := self._shard_axes()) > 1:
+            replicas = ("dp_replicate",) if self.spec.hybrid else ()
+            return (
+                self.mesh[(*replicas, _dim_name(shard))]
+                if replicas
+                else self.mesh[_dim_name(shard)]
+            )
         return self.mesh if axes == self.mesh.mesh_dim_names else self.mesh[axes]
+
+    def _shard_axes(self) -> tuple[str, ...]:
+        """The axes of FSDP's shard dimension: dp_shard and the split axes that join it (without
+        hybrid_shard's replicas)."""
+        return tuple(
+            a for a in self.axes(Role.SHARD) if a != "dp_replicate" or not self.spec.hybrid
+        )
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -196,8 +215,8 @@ class Topology:
         topology = replace(self, device_mesh=mesh)
         flat = [a for r in (Role.BATCH, Role.LOSS) if len(a := self._mesh_axes(r, dims)) > 1]
         flat = [a for a in flat if self.size(*a) < self.world_size]
-        if not self.spec.hybrid and len(shard) > 1:  # FSDP's 1-D mesh over an axis that joins it
-            flat.append(shard)
+        if len(self._shard_axes()) > 1:  # FSDP's shard dimension over an axis that joins it
+            flat.append(self._shard_axes())
         for axes in dict.fromkeys(flat):
             flatten_mesh(mesh, axes, _dim_name(axes))
         return topology

@@ -36,6 +36,8 @@ class FsdpZeroModel(Protocol):
 
     def init_weights(self, seed: int) -> None: ...
 
+    def get_output_embeddings(self) -> nn.Module | None: ...
+
 
 @dataclass(frozen=True)
 class Declared:
@@ -81,6 +83,13 @@ DECLARED = (
         "Hugging Face's `_init_weights`, else `model.init=standard`",
     ),
     Declared(
+        "get_output_embeddings()",
+        "method returning the output head (Hugging Face's name)",
+        "`train.loss_chunk` > 0 computes the head (a plain `nn.Linear`) and the cross-entropy "
+        "chunk by chunk",
+        "`train.loss_chunk` > 0 is refused",
+    ),
+    Declared(
         "max_seq_len",
         "int",
         "the longest sequence: longer `data.seq_len` is refused at start-up",
@@ -110,6 +119,7 @@ class ModelFacts:
     vocab_size: Any  # its config's
     initializer_range: float | None  # its config's
     head_counts: dict[str, Any]  # its config's `HEAD_KEYS`
+    head: nn.Module | None  # its output head: get_output_embeddings()'s
 
 
 def model_facts(model: nn.Module) -> ModelFacts:
@@ -119,6 +129,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
     if limit is None:
         limit = getattr(config, "max_position_embeddings", None)
     init = getattr(model, "init_weights", None)
+    head = getattr(model, "get_output_embeddings", None)
     return ModelFacts(
         block_class=getattr(type(model), "block_class", None),
         no_split_modules=hf_no_split_modules(model),
@@ -129,6 +140,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
         vocab_size=getattr(config, "vocab_size", None),
         initializer_range=getattr(config, "initializer_range", None),
         head_counts={key: getattr(config, key, None) for key in HEAD_KEYS},
+        head=head() if callable(head) else None,
     )
 
 

@@ -14,18 +14,26 @@ targets left out with `IGNORE_INDEX`; its task is `masked_causal_lm`, which retu
 loss over the trained targets, and `trained_tokens` counts them, which
 `fsdp_zero.training.step.Step.run` (its ``token_count``) uses to divide by the trained tokens of
 the whole global batch.
+
+``train.loss_chunk`` > 0 tiles causal_lm's loss (plain and masked, and the evaluation's sums): the
+model's output head (`fsdp_zero.model.contract.ModelFacts.head`) and the fp32 cross-entropy run
+over chunks of that many tokens, one chunk's logits alive at a time (`tiled_cross_entropy`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_zero.config.choices import DataSource, Task
 from fsdp_zero.config.schema import ModelConfig
@@ -70,6 +78,159 @@ def trained_tokens(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return (batch[1] != IGNORE_INDEX).sum()
 
 
+# The tiled loss (train.loss_chunk): while the loss runs a forward, the model's output head returns
+# the loss of its input instead of logits, computed chunk by chunk inside the head's own forward,
+# where FSDP has its weight gathered (the root unit's, or a unit of its own), and recomputed chunk
+# by chunk in its backward, after FSDP's pre-backward hook on the head's output gathered it again.
+
+
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+) -> torch.Tensor:
+    """The summed fp32 cross-entropy of one chunk's logits (0 where a target is IGNORE_INDEX)."""
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="sum")
+
+
+def tiled_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """The fp32 cross-entropy of ``F.linear(hidden, weight, bias)`` against ``targets``, summed over
+    the tokens, ``chunk`` tokens at a time: each chunk's logits are freed after its sum and
+    recomputed in backward (non-reentrant activation checkpointing), so the logits of one chunk
+    only are alive at a time. The weight's gradient is the sum of the chunks'.
+
+    Args:
+        hidden: (tokens, dim), the head's input.
+        weight, bias: the head's (vocab, dim) and (vocab,) or None.
+        targets: (tokens,) token ids; IGNORE_INDEX counts 0.
+        chunk: tokens per chunk (> 0).
+
+    Returns:
+        A 0-dim fp32 tensor: the sum over tokens.
+    """
+    # a matmul and a cross-entropy: no random state to replay in the recompute
+    recomputed = partial(checkpoint, _chunk_loss, use_reentrant=False, preserve_rng_state=False)
+    sums = [
+        recomputed(hidden[i : i + chunk], weight, bias, targets[i : i + chunk])
+        for i in range(0, len(targets), chunk)
+    ]
+    return torch.stack(sums).sum()
+
+
+def _chunked_sums(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """`_lm_sums`'s loss sum without gradients, ``chunk`` tokens at a time: each token's fp32
+    cross-entropy, summed in float64."""
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    for i in range(0, len(targets), chunk):
+        logits = F.linear(hidden[i : i + chunk], weight, bias).float()
+        total += F.cross_entropy(logits, targets[i : i + chunk], reduction="none").double().sum()
+    return total
+
+
+def _tiled_head(model: nn.Module, chunk: int) -> nn.Linear:
+    """``model``'s output head (`fsdp_zero.model.contract.ModelFacts.head`), a plain nn.Linear.
+
+    Raises:
+        ValueError: the model declares no head, or its head is not a plain nn.Linear.
+    """
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    head = model_facts(inner).head
+    if head is None:
+        raise ValueError(
+            f"train.loss_chunk={chunk}: {type(inner).__name__} declares no output head "
+            "(get_output_embeddings()); set train.loss_chunk=0"
+        )
+    # FSDP2's class for a unit of its own keeps nn.Linear's forward; LoRA's and float8's replace it
+    if not (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward):
+        raise ValueError(
+            f"train.loss_chunk={chunk}: the output head is a {type(head).__name__}, not a plain "
+            "nn.Linear (a LoRA-wrapped, float8 or quantized head is not tiled); set "
+            "train.loss_chunk=0"
+        )
+    return head
+
+
+@contextmanager
+def _head_reduces(
+    head: nn.Linear, chunk: int, reduce: Callable[..., torch.Tensor]
+) -> Iterator[list[torch.Tensor]]:
+    """While open, ``head(hidden)`` returns ``reduce(hidden as (tokens, dim), weight, bias)``, not
+    logits; the list it yields holds what each call returned.
+
+    Raises:
+        ValueError: (in the head's forward) a weight that is not a plain tensor: split by tensor
+            parallelism (a DTensor) or quantized.
+    """
+    returned: list[torch.Tensor] = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        weight = head.weight
+        if type(weight) not in (torch.Tensor, nn.Parameter):
+            raise ValueError(
+                f"train.loss_chunk={chunk}: the output head's weight is a {type(weight).__name__} "
+                "(split by tensor parallelism, or quantized), not a plain tensor; set "
+                "train.loss_chunk=0"
+            )
+        returned.append(reduce(hidden.flatten(0, -2), weight, head.bias))
+        return returned[-1]
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ runs it, hooks and all
+    try:
+        yield returned
+    finally:
+        del head.forward
+
+
+def _through_head(
+    model: nn.Module, inputs: torch.Tensor, chunk: int, reduce: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """``model(inputs)`` with its head returning ``reduce``'s result (`_head_reduces`), which the
+    model must return as it is (as its output or its ``.logits``).
+
+    Raises:
+        ValueError: as `_tiled_head`; a model that changes its head's output (a logit soft-cap or
+            scale) or calls the head other than once.
+    """
+    with _head_reduces(_tiled_head(model, chunk), chunk, reduce) as returned:
+        out = logits_of(model(inputs))
+    if len(returned) != 1 or out is not returned[0]:
+        raise ValueError(
+            f"train.loss_chunk={chunk}: {type(model).__name__} does not return its head's output "
+            "as it is (it changes the logits, e.g. a soft-cap or a scale, or calls the head "
+            f"{len(returned)} times); set train.loss_chunk=0"
+        )
+    return out
+
+
+def _tiled_causal_lm(chunk: int, masked: bool) -> LossFn:
+    """causal_lm's loss (``masked``: `_masked_causal_lm`'s sum) by `tiled_cross_entropy`."""
+
+    def tiled_causal_lm(
+        model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inputs, targets = batch
+        flat = targets.flatten()
+
+        def reduce(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            return tiled_cross_entropy(h, w, b, flat, chunk)
+
+        total = _through_head(model, inputs, chunk, reduce)
+        # plain: F.cross_entropy's mean, over the targets that are not IGNORE_INDEX
+        return (total if masked else total / trained_tokens(batch)), {}
+
+    return tiled_causal_lm
+
+
 def classification(
     model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -79,8 +240,10 @@ def classification(
     return F.cross_entropy(logits, labels), {"accuracy": accuracy}
 
 
-def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
-    """The loss function for ``model.task``; ``masked``: the token data has a mask file (`masked_causal_lm`).
+def build_task(cfg: ModelConfig, masked: bool = False, loss_chunk: int = 0) -> LossFn:
+    """The loss function for ``model.task``; ``masked``: the token data has a mask file
+    (`masked_causal_lm`); ``loss_chunk`` (train.loss_chunk, causal_lm only): tokens per chunk of
+    the tiled loss (`tiled_cross_entropy`), 0 for the whole micro-batch's logits at once.
 
     Raises:
         ValueError: a model.loss that does not import; a mask file under another task than
@@ -91,6 +254,8 @@ def build_task(cfg: ModelConfig, masked: bool = False) -> LossFn:
             f"model.task={cfg.task.value}: the token file has a mask file beside it, which only "
             "model.task=causal_lm reads (valid: causal_lm, or remove the mask file)"
         )
+    if cfg.task is Task.causal_lm and loss_chunk:
+        return _tiled_causal_lm(loss_chunk, masked)
     if cfg.task is Task.causal_lm:
         return _masked_causal_lm if masked else causal_lm
     if cfg.task is Task.classification:
@@ -154,21 +319,33 @@ def num_outputs(model: nn.Module) -> int | None:
     return last.out_features if last is not None else None
 
 
-def _lm_sums(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _lm_sums(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], chunk: int = 0
+) -> torch.Tensor:
     """(summed next-token cross-entropy, predictions, 0) of one batch, in float64: the training loss
-    (`fsdp_zero.model.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of averaged."""
+    (`fsdp_zero.model.tasks.causal_lm`: fp32 cross-entropy on the logits) summed instead of
+    averaged; ``chunk`` (train.loss_chunk): the head and the cross-entropy ``chunk`` tokens at a
+    time."""
     inputs, targets = batch
-    logits = logits_of(model(inputs))
-    # vocabulary-sharded logits (loss parallelism) gathered: evaluation forwards without backward
-    logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float()
-    # 0 where IGNORE_INDEX
-    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    if chunk:
+        flat = targets.flatten()
+
+        def reduce(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            return _chunked_sums(h, w, b, flat, chunk)
+
+        loss_sum = _through_head(model, inputs, chunk, reduce)
+    else:
+        logits = logits_of(model(inputs))
+        # vocabulary-sharded logits (loss parallelism) gathered: evaluation forwards without
+        # backward
+        logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float()
+        # 0 where IGNORE_INDEX
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        loss_sum = losses.double().sum()
     counted = (
         (targets != IGNORE_INDEX).sum().double()
     )  # every target, unless a mask file leaves some out
-    return torch.stack(
-        [losses.double().sum(), counted, torch.zeros((), dtype=torch.float64, device=losses.device)]
-    )
+    return torch.stack([loss_sum, counted, torch.zeros_like(loss_sum)])
 
 
 def _classification_sums(

@@ -44,11 +44,31 @@ def _rotary_tables(
 
 def _apply_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotates pairs (x[..., :h/2], x[..., h/2:]) of x: (batch, heads, seq, head_dim) by ``table``,
-    (max_seq_len, head_dim / 2) complex64 cos + i sin, in fp32 whatever x's dtype."""
-    cos, sin = table.real[: x.shape[-2]], table.imag[: x.shape[-2]]
+    the complex64 cos + i sin of positions 0, 1, ... (max_seq_len, head_dim / 2), or of each of x's
+    positions (batch or 1, seq, head_dim / 2), in fp32 whatever x's dtype."""
+    table = table[..., : x.shape[-2], :]  # (the whole table: its first positions)
+    cos, sin = table.real, table.imag
+    if table.dim() == 3:  # per sequence of the batch: the same for every head
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class CausalAttention(nn.Module):
+    """Causal attention of (batch, heads, seq, head_dim) queries over keys and values of
+    ``kv_heads`` heads each shared by ``repeat`` query heads: whole sequences in, the heads given
+    (all, or a share of them)."""
+
+    def __init__(self, repeat: int) -> None:
+        super().__init__()
+        self.repeat = repeat
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.repeat > 1:
+            k = k.repeat_interleave(self.repeat, dim=1)
+            v = v.repeat_interleave(self.repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -61,6 +81,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.core = CausalAttention(self.n_heads // self.n_kv_heads)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -69,10 +90,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = _apply_rotary(q, rope), _apply_rotary(k, rope)
-        if self.n_kv_heads != self.n_heads:
-            repeat = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -128,6 +146,10 @@ class Transformer(nn.Module):
     # Pipeline parallelism's cut (`fsdp_zero.sharding.pipeline`): the embedding on the first stage,
     # the blocks in contiguous runs, the final norm and the head on the last.
     pp_plan = {"first": ("tok_embeddings",), "layers": "layers", "last": ("norm", "output")}
+    # Sequence parallelism's cores (`fsdp_zero.sharding.sequence`): the modules that attend over
+    # whole sequences, (q, k, v) -> out in (batch, heads, seq, head_dim), wrapped by the all-to-alls
+    # that trade a slice of the sequence for a slice of the heads and back.
+    sp_plan = ("layers.*.attention.core",)
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
@@ -166,8 +188,18 @@ class Transformer(nn.Module):
     def max_seq_len(self) -> int:
         return self.args.max_seq_len
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(batch, seq) token ids -> (batch, seq, vocab) logits."""
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The output head (Hugging Face's name, `fsdp_zero.model.contract`); None on a pipeline
+        stage without it."""
+        return self.output
+
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(batch, seq) token ids -> (batch, seq, vocab) logits; ``position_ids`` (seq) or (batch
+        or 1, seq): each token's position in its sequence (None: 0, 1, ..., seq - 1), as a Hugging
+        Face model takes them: a part of longer sequences is rotated at its own positions."""
+        # (positions given: their table's rows, which end at max_seq_len; read without a sync)
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} > model.max_seq_len={self.args.max_seq_len}"
@@ -180,6 +212,7 @@ class Transformer(nn.Module):
         # table would reach rotary in bf16 under bf16-mixed) and leaves complex ones alone.
         # (.float(): a no-op but under bf16-true, whose model cast rounded the buffer to bf16.)
         rope = torch.view_as_complex(self.rope.float())
+        rope = rope if position_ids is None else rope[position_ids]
         for layer in self.layers.values():
             h = layer(h, rope)
         return self.output(self.norm(h)) if self.output is not None else h

@@ -12,6 +12,8 @@ Three kinds, in bytes per rank per optimizer step:
                     gradients in the reduce dtype (on gloo `AllReduceScatter` does it as an all-reduce;
                     still counted here, as what FSDP2 asked for)
     all_reduce      gradient all-reduce across replicas: HSDP's reduced shard, DDP's (and ZeRO-1's) buckets
+    sp_all_to_all   sequence parallelism's all-to-alls around attention (parallel.sp_size > 1): what
+                    each rank sends its peers, from the shapes its own functions hand gloo
     tp_*            tensor parallelism's own collectives (parallel.tp_size > 1): activations, and the
                     gradients of the norm gains its plan leaves whole; counted from the functional
                     collectives DTensor issues (`fsdp_zero.torch_private.count_functional_collectives`)
@@ -47,13 +49,16 @@ from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
 from fsdp_zero.sharding.levers import (
     GRAD_SYNC,
+    SEQUENCE,
     all_reduces_per_step,
+    checkpointed,
     holds_unsharded,
     reductions_per_step,
     sync_in_effect,
 )
 from fsdp_zero.sharding.parallelize import ByteAllGather, reduce_scatter_comm
 from fsdp_zero.sharding.precision import DTYPE_NAMES, Precision
+from fsdp_zero.sharding.sequence import step_bytes
 from fsdp_zero.sharding.tensor import tp_bytes, tp_local_shape
 from fsdp_zero.sharding.wrap import ROOT_FQN, WrapPlan
 from fsdp_zero.torch_private import (
@@ -67,6 +72,7 @@ logger = logging.getLogger("fsdp_zero")
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 TP_KINDS = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
 OFFLOAD_KINDS = ("host_to_device", "device_to_host", "disk_read", "disk_written")
+SP_KINDS = ("sp_all_to_all",)
 
 
 @dataclass(frozen=True)
@@ -90,13 +96,16 @@ class CommBytes:
     device_to_host: float = 0
     disk_read: float = 0
     disk_written: float = 0
+    # sequence parallelism's all-to-alls around attention (what each rank sends its peers:
+    # `fsdp_zero.sharding.sequence.step_bytes`)
+    sp_all_to_all: float = 0
 
     def scalars(self) -> dict[str, float]:
         """The metrics' names and values: comm/<kind>_mib (tensor parallelism's kinds where it ran,
         offload's where it moved anything)."""
         kinds = COLLECTIVE_KINDS + tuple(
             k
-            for group in (TP_KINDS, OFFLOAD_KINDS)
+            for group in (TP_KINDS, OFFLOAD_KINDS, SP_KINDS)
             if any(getattr(self, k) for k in group)
             for k in group
         )
@@ -183,7 +192,13 @@ def comm_formula(
     tp = tp_bytes(cfg.parallel, tokens, model, precision, whole) if topology.size("tp") > 1 else {}
     # a pipeline stage's units stay gathered from their first forward to the step's end
     gathers = 1 if topology.size("pp") > 1 else accum
+    sp = topology.size("sp")
+    if sp > 1:  # whole sequences' tokens: each rank holds 1 / sp of them
+        recomputed = len(checkpointed(cfg, plan.block_fqns))
+        itemsize = precision.compute.itemsize
+        sent = step_bytes(model, tokens, sp, itemsize, recomputed, accum)
     return CommBytes(
+        sp_all_to_all=sent if sp > 1 else 0,
         all_gather=gathers * gathered if n > 1 else 0,
         reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
         all_reduce=all_reduces * reduce_bytes / n if topology.replicas > 1 else 0,
@@ -289,9 +304,11 @@ class CommMeter:
         self.traffic = getattr(optimizer, "traffic", None)
         if self.traffic is not None:
             self.formula = dataclasses.replace(self.formula, **asdict(optimizer.traffic_formula()))
-        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS, 0)
+        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS + SP_KINDS, 0)
         self.active = False
         self.tensor_parallel = topology.size("tp") > 1  # (its collectives counted apart)
+        # sequence parallelism's all-to-alls (counted by its own functions)
+        self.sequence = built.levers.get(SEQUENCE.name) if topology.size("sp") > 1 else None
         spec = topology.spec
         if spec.fsdp:
             # The all-reduce hook only where FSDP2 all-reduces: on 1-D FSDP's units it would run
@@ -332,14 +349,18 @@ class CommMeter:
         """Counts from zero what runs inside (one optimizer step); `counted` reads it. Tensor
         parallelism's collectives only with ``tensor_parallel`` (their dispatch mode looks at every
         op: the trainer counts them on log steps)."""
-        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS, 0)
+        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS + SP_KINDS, 0)
         self.active = True
         tp = self.tensor_parallel and tensor_parallel
+        if self.sequence is not None:
+            self.sequence.count.take()  # (an evaluation's are not the step's)
         try:
             with count_functional_collectives(self._add_tp) if tp else contextlib.nullcontext():
                 yield
         finally:
             self.active = False
+            if self.sequence is not None:
+                self.bytes["sp_all_to_all"] = self.sequence.count.take()[0]
 
     def _add_tp(self, kind: str, nbytes: int) -> None:
         self.bytes[f"tp_{kind}"] += nbytes
@@ -376,6 +397,13 @@ def describe_comm(
     tensor = _against(
         "tensor parallelism's", tp, counted, formula, lambda k: k[3:].replace("_", "-")
     )
+    sequence = _against(
+        "sequence parallelism's",
+        [k for k in SP_KINDS if formula.get(k)],
+        counted,
+        formula,
+        lambda k: "all-to-all",
+    )
     moved = [k for k in OFFLOAD_KINDS if formula.get(k)]
     offload = _against(
         "offload.states moved", moved, counted, formula, lambda k: k.replace("_", " ")
@@ -384,7 +412,7 @@ def describe_comm(
         f"communication per rank in the last logged step: {', '.join(parts)}, against the "
         f"{strategy} grad_sync={grad_sync} formula's "
         f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in COLLECTIVE_KINDS)} MiB{held}{tensor}"
-        f"{offload}"
+        f"{sequence}{offload}"
     )
 
 

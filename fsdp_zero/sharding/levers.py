@@ -10,8 +10,9 @@ The stages, in the order the build runs them (`Stage`):
 
 CONVERT    on the meta model, before anything is cut: QLoRA's NF4 base planned, float8's Linears
 CUT        pipeline parallelism: this rank's stages cut from the model, each sharded on its own
-SPLIT      tensor parallelism: the planned layers split over the mesh's tp dimension
-RECOMPUTE  activation checkpointing on the block units
+SPLIT      tensor parallelism: the planned layers split over the mesh's tp dimension; sequence
+           parallelism: attention wrapped with its all-to-alls
+RECOMPUTE  activation checkpointing on the block units; their inputs offloaded to the host
 COMPILE    torch.compile of each block unit
 SHARD      fully_shard's keyword arguments (CPU offload), a hook on each unit just before it is
            sharded (NF4's quantizer), the units in forward order after (explicit prefetch)
@@ -47,6 +48,7 @@ from fsdp_zero.config.schema import Config
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.sharding.act_offload import offload_activations
 from fsdp_zero.sharding.offload import TieredOptimizer
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.quantize import (
@@ -56,6 +58,7 @@ from fsdp_zero.sharding.quantize import (
     plan_float8,
     plan_nf4,
 )
+from fsdp_zero.sharding.sequence import apply_sequence_parallel
 from fsdp_zero.sharding.tensor import apply_tensor_parallel, tp_whole
 from fsdp_zero.sharding.wrap import WrapPlan
 from fsdp_zero.torch_private import checkpoint_activations
@@ -203,6 +206,13 @@ def _recompute(model: nn.Module, blocks: list[str], ctx: BuildContext) -> None:
         checkpoint_activations(model.get_submodule(fqn))
 
 
+def _offload_activations(model: nn.Module, blocks: list[str], ctx: BuildContext) -> None:
+    """The checkpointed blocks' inputs moved to the host in forward, back for the recompute
+    (`fsdp_zero.sharding.act_offload`); what counts them goes to ``ctx.made``."""
+    made = offload_activations(model, checkpointed(ctx.cfg, blocks))
+    ctx.made[ACTIVATION_OFFLOAD.name] = made
+
+
 def _compile(model: nn.Module, blocks: list[str], ctx: BuildContext) -> None:
     for fqn in blocks:
         model.get_submodule(fqn).compile()  # in place: parameter names do not change
@@ -214,6 +224,15 @@ def _split(model: nn.Module, ctx: BuildContext) -> None:
     sequence, loss = TENSOR.value(ctx.cfg, 1), TENSOR.value(ctx.cfg, 2)
     whole = ctx.topology.size("pp") == 1
     apply_tensor_parallel(model, ctx.topology.mesh["tp"], sequence, loss, whole)
+
+
+def _sequence(model: nn.Module, ctx: BuildContext) -> None:
+    """Sequence parallelism: the model's attention wrapped with the all-to-alls over this rank's
+    sequence-parallel group (`fsdp_zero.sharding.sequence`); what it made goes to ``ctx.made``."""
+    group = ctx.topology.group_of("sp")
+    assert group is not None, "parallel.sp_size > 1 has a group"
+    rank = ctx.topology.rank("sp", ctx.env.rank)
+    ctx.made[SEQUENCE.name] = apply_sequence_parallel(model, group, rank, SEQUENCE.value(ctx.cfg))
 
 
 def _cut(model: nn.Module, ctx: BuildContext, shard: ShardFn) -> tuple[nn.Module, WrapPlan, str]:
@@ -369,12 +388,28 @@ TENSOR = Lever(
     apply=_split,
     state_terms=lambda _, model: {"tp_whole": tp_whole(model)},
 )
+SEQUENCE = Lever(
+    "sequence",
+    ("parallel.sp_size",),
+    Stage.SPLIT,
+    off=1,
+    apply=_sequence,
+    note=lambda sp, model: sp.note(),
+)
 RECOMPUTE = Lever(
     "activation_checkpointing",
     ("parallel.activation_checkpointing", "parallel.activation_checkpointing_every"),
     Stage.RECOMPUTE,
     off=ActivationCheckpointing.none,
     apply=_recompute,
+)
+# after RECOMPUTE: its hooks open before checkpoint's and close after them
+ACTIVATION_OFFLOAD = Lever(
+    "activation_offload",
+    ("parallel.activation_offload",),
+    Stage.RECOMPUTE,
+    off=False,
+    apply=_offload_activations,
 )
 COMPILE = Lever("compile", ("train.compile",), Stage.COMPILE, off=False, apply=_compile)
 OFFLOAD = Lever(
@@ -423,7 +458,9 @@ LEVERS: tuple[Lever, ...] = (
     FLOAT8,
     PIPELINE,
     TENSOR,
+    SEQUENCE,
     RECOMPUTE,
+    ACTIVATION_OFFLOAD,
     COMPILE,
     OFFLOAD,
     PREFETCH,

@@ -74,7 +74,7 @@ class Candidate:
     levers: tuple[tuple[str, object], ...] = lever_values()
     # the sizes of the axes that split the model, (axis, parallel.<axis>_size) as
     # `fsdp_zero.config.checks.split_sizes` orders them
-    split: tuple[tuple[str, int], ...] = (("tp", 1), ("pp", 1))
+    split: tuple[tuple[str, int], ...] = (("sp", 1), ("tp", 1), ("pp", 1))
 
     def value(self, lever: str) -> Any:
         """The value of the lever named ``lever`` (its row's name, e.g. ``grad_sync``)."""

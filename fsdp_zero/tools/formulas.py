@@ -431,6 +431,24 @@ def deepspeed_zero3_estimate(num_params: int, largest_layer_params: int, n: int)
     return int(4 * largest_layer_params + 18 * num_params / n)
 
 
+def loss_logits_bytes(tokens: int, vocab: int, compute_bytes: int, chunk: int = 0) -> int:
+    """The bytes of logits the causal_lm loss holds at its peak on one rank for a micro-batch of
+    ``tokens`` tokens: per logit, 4 (the fp32 logits: the log-probabilities the cross-entropy keeps
+    for backward), ``compute_bytes`` (the head's output in the compute dtype) and 4 (their fp32
+    gradient in backward). The tiled loss (``chunk`` = train.loss_chunk > 0,
+    `fsdp_zero.model.tasks.tiled_cross_entropy`) holds one chunk's: ``min(chunk, tokens)`` rows
+    instead of ``tokens``.
+
+    Args:
+        tokens: the micro-batch's tokens on this rank (train.micro_batch_size x data.seq_len).
+        vocab: the head's outputs.
+        compute_bytes: bytes per value of the compute dtype (4 fp32, 2 bf16 or fp16).
+        chunk: train.loss_chunk; 0: untiled.
+    """
+    rows = min(chunk, tokens) if chunk else tokens
+    return rows * vocab * (4 + compute_bytes + 4)
+
+
 def format_bytes(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
@@ -499,3 +517,63 @@ def plan_communication(
                 )
             )
     return rows
+
+
+@dataclass(frozen=True)
+class ActivationPeaks:
+    """One micro-batch's activation bytes at the two moments activation checkpointing's peak can
+    be (`activation_peaks_by_block`), and what activation offload moves to the host."""
+
+    forward: int  # at the end of forward (the loss computed)
+    recompute: int  # the highest while a checkpointed block is recomputed in backward
+    offloaded: int  # the checkpointed blocks' inputs (parallel.activation_offload moves them)
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward, self.recompute)
+
+    @property
+    def where(self) -> str:
+        """Which moment sets the peak: "forward" or "recompute"."""
+        return "forward" if self.forward >= self.recompute else "recompute"
+
+
+def activation_peaks_by_block(
+    saved: dict[str, int],
+    blocks: list[str],
+    checkpointed: list[str],
+    boundary: int,
+    offload: bool = False,
+) -> ActivationPeaks:
+    """Activation bytes at the end of forward and at the worst recompute, under checkpointing.
+
+    A checkpointed block keeps only its input (``boundary`` bytes) from forward to backward; any
+    other block keeps all it saves. At the end of forward every block's kept bytes are alive, with
+    what the units before and after the blocks saved (the embedding's, the head's and the loss's).
+    In backward, when block i is recomputed, its full activations are alive with what the blocks
+    before it kept (and the units before the blocks: the head's are freed by then). Offload moves
+    the checkpointed blocks' inputs to the host, each brought back for its own recompute only: it
+    takes them out of both sums, but not a recomputed block's own activations, so a recompute peak
+    falls by the inputs of the blocks before that block, a forward peak by all of them.
+
+    Args:
+        saved: bytes autograd saves in one micro-batch's forward, by unit
+            (`fsdp_zero.tools.layout.saved_per_unit`); each block's include its input.
+        blocks: the blocks, in forward order (units of ``saved``).
+        checkpointed: those recomputed in backward (`fsdp_zero.sharding.levers.checkpointed`).
+        boundary: one checkpointed block's input bytes (tokens x dim x the compute dtype's bytes).
+        offload: parallel.activation_offload.
+
+    Returns:
+        the forward and recompute peaks, and the bytes offload moves (whether or not it is on).
+    """
+    order = list(saved)
+    first = sum(saved[u] for u in order[: order.index(blocks[0])]) if blocks else 0
+    last = sum(saved[u] for u in order[order.index(blocks[-1]) + 1 :]) if blocks else 0
+    kept = 0 if offload else boundary
+    held, recompute = first, 0
+    for block in blocks:
+        if block in checkpointed:
+            recompute = max(recompute, held + saved[block])
+        held += kept if block in checkpointed else saved[block]
+    return ActivationPeaks(held + last, recompute, boundary * len(checkpointed))

@@ -1,4 +1,5 @@
-"""A tensor or pipeline parallel candidate of `plan.py --fit` (``parallel.tp_size`` or ``pp_size`` > 1):
+"""A tensor, pipeline or sequence parallel candidate of `plan.py --fit` (``parallel.tp_size``,
+``pp_size`` or ``sp_size`` > 1):
 its peak and step cost, composed from its data-parallel twin's and the layout's formulas.
 
 No simulation runs a pipeline's sends or tensor parallelism's DTensors on a fake process group
@@ -21,12 +22,15 @@ from fsdp_zero.monitor.comm import CommBytes, comm_seconds
 from fsdp_zero.sharding.levers import (
     GRAD_SYNC,
     all_reduces_per_step,
+    checkpointed,
     reductions_per_step,
     sync_in_effect,
 )
 from fsdp_zero.sharding.pipeline import boundary_sends, bubble, rank_parts
 from fsdp_zero.sharding.precision import Precision, resolve_precision
+from fsdp_zero.sharding.sequence import step_bytes
 from fsdp_zero.sharding.tensor import tp_bytes
+from fsdp_zero.sharding.wrap import build_wrap_plan
 from fsdp_zero.tools.candidates import Candidate
 from fsdp_zero.tools.layout import StageRow, Workload, layout_rows, saved_per_unit
 from fsdp_zero.tools.rates import Rates
@@ -115,11 +119,16 @@ class Layouts:
         moved = _bytes(w, topology, resolve_precision(w.precision), micro, row)
         sends = boundary_sends(w.parallel, micro, row.boundary, len(row.stage_ids))
         fsdp, tp, p2p = _seconds(moved, sends, topology, rates)
+        # sequence parallelism's all-to-alls: what each rank sends, at the link's (or the probe's
+        # all-gather) rate per byte
+        m = rates.measured
+        per_byte = m.all_gather_s_per_byte if m else 8 / (rates.link_gbps * 1e9)
         out = {
             "compute_s": twin_parts["compute_s"],
             "bubble_s": twin_parts["compute_s"] * idle,
             "comm_s": fsdp,
             "tp_comm_s": tp,
+            "sp_comm_s": moved.sp_all_to_all * per_byte,
             "p2p_s": p2p,
             "optimizer_s": twin_parts["optimizer_s"],
             "offload_s": 0.0,
@@ -147,7 +156,13 @@ def _bytes(
     for part in parts if topology.size("tp") > 1 else ():
         for kind, b in tp_bytes(w.parallel, tokens, part, precision, stages == 1).items():
             tp[kind] += micro * b
+    sp = topology.size("sp")
+    if sp > 1:  # the run's formula: whole sequences' tokens, 1 / sp of them a rank
+        recomputed = len(checkpointed(w, build_wrap_plan(model, w.parallel.wrap, n).block_fqns))
+        itemsize = precision.compute.itemsize
+        tp["sp_all_to_all"] = step_bytes(model, tokens, sp, itemsize, recomputed, micro)
     return CommBytes(
+        sp_all_to_all=tp.pop("sp_all_to_all", 0.0),
         all_gather=gathers * row.per_rank * precision.compute.itemsize if n > 1 else 0,
         reduce_scatter=reductions * reduced if n > 1 else 0,
         all_reduce=all_reduces * reduced / n if topology.replicas > 1 else 0,

@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallel layouts, by formula: what each rank of each pipeline stage holds.
+"""Tensor, pipeline and sequence parallel layouts, by formula: what each rank of each pipeline stage holds.
 
 The planner's simulation runs one rank of N with fake tensors on a fake process group; a pipeline's
 point-to-point sends (and their shape inference) and DTensor's tensor-parallel collectives do not run
@@ -14,7 +14,9 @@ and its tensor-parallel plan as the run resolves it (`fsdp_zero.sharding.tensor`
 - what crosses a stage boundary, each way, per micro-batch (the hidden states, / tp under sequence
   parallelism, in the compute dtype);
 - the activations a rank holds at its schedule's peak (`activation_peaks`): what autograd saves
-  for backward in one micro-batch's forward and loss, read on the meta device (no memory, no
+  for backward in one micro-batch's forward and loss (under sequence parallelism 1 / sp of the whole
+  sequences': each rank's slice of the tokens, and attention over whole sequences for its share of
+  the heads), read on the meta device (no memory, no
   compute) with the tensor-parallel plan applied on a fake process group, so each saved tensor
   has one tp rank's shape; attributed to the pipeline unit that saved it (the plan's first
   modules, each block, its last modules: the loss goes with the last); then, per pipeline rank,
@@ -46,18 +48,23 @@ from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.tasks import build_task, to_device, vocab_size
+from fsdp_zero.sharding.levers import ACTIVATION_OFFLOAD, RECOMPUTE, checkpointed
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.pipeline import (
     activation_holds,
     boundary_width,
     declares_stages,
     held_in_step,
+    pp_plan,
     rank_parts,
     stage_units,
 )
 from fsdp_zero.sharding.precision import resolve_precision
 from fsdp_zero.sharding.tensor import left_whole, sequence_shards, split_on_fake_ranks
+from fsdp_zero.tools.formulas import ActivationPeaks, activation_peaks_by_block
 from fsdp_zero.torch_private import storage_key
+
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -188,7 +195,8 @@ def _saved(w: Workload, model: nn.Module) -> dict[str, int]:
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            build_task(w.model)(model, to_device(batch, torch.device("meta")))
+            loss = build_task(w.model, loss_chunk=w.train.loss_chunk)
+            loss(model, to_device(batch, torch.device("meta")))
     finally:
         for h in handles:
             h.remove()
@@ -209,6 +217,58 @@ def activation_peaks(w: Workload, world_size: int) -> list[float]:
     topology = Topology.of(w.parallel, world_size)
     saved = saved_per_unit(w, topology.size("tp"))
     if topology.size("pp") == 1:
-        return [float(sum(saved.values()))]
+        # sequence parallelism: each rank saves its slice's tokens, and attention's whole
+        # sequences for 1 / sp of the heads: 1 / sp of the whole sequence's either way
+        return [sum(saved.values()) / topology.size("sp")]
     micro = BatchLayout.rounded(w.train, topology.size(Role.BATCH)).grad_accum_steps
     return activation_holds(w.parallel, construct(w.model), saved, micro)
+
+
+def offload_peaks(w: Workload) -> tuple[ActivationPeaks, ActivationPeaks] | None:
+    """One micro-batch's activation peaks under ``w``'s checkpointing without and with activation
+    offload (`fsdp_zero.tools.formulas.activation_peaks_by_block`), on one rank without tensor or
+    pipeline parallelism; None for a model that declares no blocks (no pipeline plan) or no
+    embedding to read the width of the blocks' input from."""
+    model = construct(w.model)
+    if not declares_stages(model):
+        return None
+    plan = pp_plan(model)
+    first = [model.get_submodule(fqn) for fqn in plan["first"]]
+    width = next((m.embedding_dim for m in first if isinstance(m, nn.Embedding)), None)
+    if width is None:
+        return None
+    layers = model.get_submodule(plan["layers"])
+    blocks = [f"{plan['layers']}.{name}" for name, _ in layers.named_children()]
+    saved = saved_per_unit(w, 1)
+    tokens = w.train.micro_batch_size * w.data.seq_len
+    boundary = tokens * width * resolve_precision(w.precision).compute.itemsize
+    ckpt = checkpointed(w, blocks)  # (it reads w.parallel as a Config's)
+    return tuple(  # type: ignore[return-value]
+        activation_peaks_by_block(saved, blocks, ckpt, boundary, offload)
+        for offload in (False, True)
+    )
+
+
+def offload_note(w: Workload) -> str | None:
+    """The planner's line on activation checkpointing's peak (`offload_peaks`): whether it is in
+    the forward or the recompute, and what activation offload moves and saves; None without
+    checkpointing or where `offload_peaks` has none."""
+    if not RECOMPUTE.active(w):  # (the rows read w.parallel as a Config's)
+        return None
+    peaks = offload_peaks(w)
+    if peaks is None:
+        return None
+    off, on = peaks
+    where = {
+        "forward": "the end of forward",
+        "recompute": "the backward's recompute of a block (its activations, with what the blocks "
+        "before it keep)",
+    }[off.where]
+    state = "on" if ACTIVATION_OFFLOAD.active(w) else "off"
+    return (
+        f"activation checkpointing: a micro-batch's activation peak is at {where}: "
+        f"{off.peak / MIB:,.2f} MiB (forward {off.forward / MIB:,.2f}, recompute "
+        f"{off.recompute / MIB:,.2f}, by formula); parallel.activation_offload ({state}) moves "
+        f"{off.offloaded / MIB:,.2f} MiB of block inputs to the host a micro-batch and lowers it by "
+        f"{(off.peak - on.peak) / MIB:,.2f} MiB, to {on.peak / MIB:,.2f} MiB at {on.where}"
+    )

@@ -74,6 +74,7 @@ from fsdp_zero.tools.depth import (
     zero1_shares,
 )
 from fsdp_zero.tools.formulas import TierBytes, rank_tiers
+from fsdp_zero.tools.layout import Workload, offload_note
 from fsdp_zero.tools.prediction import Prediction, cached_baseline, predict_peak
 from fsdp_zero.torch_private import FakeStore, FakeTensorMode, real_post_forward_meshes
 from fsdp_zero.training.step import Step
@@ -189,7 +190,11 @@ def simulate(cfg: Config, world_size: int, strategies: list[Strategy]) -> list[P
         configs.append(c)
     heap = cfg.memory.malloc_mmap_threshold
     with Simulator(cfg.dist.device, world_size, malloc_mmap_threshold=heap) as sim:
-        return [sim.predict(c) for c in configs]
+        preds = [sim.predict(c) for c in configs]
+    note = offload_note(Workload.of(cfg))  # checkpointing's peak: forward or recompute
+    for pred in preds if note else ():
+        pred.notes.append(note)
+    return preds
 
 
 def nf4_saving(
@@ -426,7 +431,7 @@ class Simulator:
         """`predict` of ``c`` as it is, or with only the first ``keep[1]`` blocks of container ``keep[0]``."""
         env, device = self.env, self.device
         layout, topology = self._layout(c.train), Topology.of(c.parallel, self.world_size)
-        loss_fn = build_task(c.model)
+        loss_fn = build_task(c.model, loss_chunk=c.train.loss_chunk)
         topology = topology.on(env.device.type)  # its mesh needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
         if keep:

@@ -346,7 +346,9 @@ def _model_seconds(
     batch = to_device(
         BatchCursor(source, BatchLayout(1, 1, 1, 1), 0).next_batch()[0], torch.device("cpu")
     )
-    loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
+    loss_fn = build_task(
+        cfg.model, masked=getattr(source, "masked", False), loss_chunk=cfg.train.loss_chunk
+    )
 
     def step() -> tuple[float, float]:
         together()

@@ -384,7 +384,7 @@ def fit_table(found: FitResult, best: Scored, show: int, budget: int, margin: fl
             for v in (
                 s.cost,
                 part("compute_s", 0) + part("bubble_s", 0),  # a pipeline's bubble is idle compute
-                part("comm_s", 0) + part("tp_comm_s", 0) + part("p2p_s", 0),
+                part("comm_s", 0) + part("tp_comm_s", 0) + part("sp_comm_s", 0) + part("p2p_s", 0),
                 part("optimizer_s", 0),
                 part("offload_s", 0),
                 part("states_s", 0),  # offload.states' traffic

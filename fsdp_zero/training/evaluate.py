@@ -46,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_zero.config.choices import DataSource, Task
 from fsdp_zero.config.schema import Config, DataConfig
 from fsdp_zero.data.batches import IMAGENET_MEAN, IMAGENET_STD, build_source
+from fsdp_zero.data.loader import sequence_part
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.tasks import TASKS, check_classes_fit, to_device, vocab_size
@@ -157,13 +158,18 @@ class Evaluator:
         micro_batch_size: int,
         env: DistEnv,
         topology: Topology,
+        loss_chunk: int = 0,
     ) -> None:
         self.items, self.num_items, self.task, self.every = items, num_items, task, every
+        # train.loss_chunk: causal_lm's sums chunk by chunk (`fsdp_zero.model.tasks._lm_sums`)
+        self.chunked = {"chunk": loss_chunk} if loss_chunk else {}
         self.micro_batch_size = micro_batch_size
         self.env, self.group = env, topology.group(Role.LOSS)
         # split over the data-parallel ranks (a tensor-parallel group forwards the same items)
         ranks, rank = topology.size(Role.BATCH), topology.rank(Role.BATCH, env.rank)
         self.batches = _rank_batches(num_items, ranks, rank, micro_batch_size)
+        # sequence parallelism: each rank of the group forwards its slice of the same items
+        self.seq_part = (topology.rank("sp", env.rank), topology.size("sp"))
         self.spec = TASKS[task]
         assert self.spec.eval_sums is not None, (
             f"model.task={task.value} has no evaluation (config.validate refuses it)"
@@ -204,9 +210,10 @@ class Evaluator:
                 for indices in self.batches if not pipeline else ():
                     # An empty share still forwards (item 0), so that every rank takes part in every
                     # all-gather.
-                    sums = self.spec.eval_sums(
-                        module, to_device(self.items.batch(indices or [0]), device)
-                    )
+                    batch = self.items.batch(indices or [0])
+                    if self.seq_part[1] > 1:
+                        batch = sequence_part(batch, *self.seq_part)
+                    sums = self.spec.eval_sums(module, to_device(batch, device), **self.chunked)
                     if indices:
                         totals += sums
         finally:
@@ -327,6 +334,7 @@ def build_evaluator(
         micro_batch_size=cfg.train.micro_batch_size,
         env=env,
         topology=topology or Topology.of(cfg.parallel, env.world_size),
+        loss_chunk=cfg.train.loss_chunk,
     )
     logger.info(
         "evaluation every %d steps and at the last: %d %s of %s (%d forwards a rank, micro-batch "

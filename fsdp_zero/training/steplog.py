@@ -15,6 +15,8 @@ and to metrics.jsonl (rank 0):
     comm/all_gather_mib, comm/reduce_scatter_mib, comm/all_reduce_mib
                                        this rank's bytes of that step's collectives (`fsdp_zero.monitor.comm`;
                                        metrics.jsonl: rank 0's)
+    memory/offloaded_activations_mib   parallel.activation_offload: this rank's bytes its last step
+                                       moved to the host (`fsdp_zero.sharding.act_offload`)
 
 After an evaluation (`evaluation`), eval/loss and eval/perplexity or eval/accuracy, in a row of
 their own.
@@ -46,6 +48,7 @@ from fsdp_zero.monitor.memory import MIB, MemoryMonitor, StepProfiler, memory_sc
 from fsdp_zero.monitor.metrics import JsonLinesLogger, MetricLogger, NoOpLogger, TensorBoardLogger
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.monitor.trace import OomSnapshot, Tracer
+from fsdp_zero.sharding.act_offload import ActivationOffload
 from fsdp_zero.sharding.levers import LOW_BIT_ADAMW
 from fsdp_zero.sharding.pipeline import untracked_by_memtracker
 from fsdp_zero.training.evaluate import EvalResult
@@ -151,8 +154,10 @@ class StepLogger:
         optimizer: torch.optim.Optimizer,
         plan: LogPlan,
         comm: CommMeter | None = None,
+        offload: ActivationOffload | None = None,
     ) -> None:
         self.env, self.model, self.optimizer, self.comm = env, model, optimizer, comm
+        self.offload = offload  # parallel.activation_offload: its bytes taken once a step
         self.log_every, self.last_step, self.profile_step = (
             plan.log_every,
             plan.last_step,
@@ -262,6 +267,7 @@ class StepLogger:
             extra: the task's other scalars and the loss scale.
         """
         profiled = self.profiler is not None
+        offloaded = self.offload.take() if self.offload else None  # this step's
         if profiled:
             self._log_profile(step)
             # The peaks so far (the profiled step's own included, for this interval's log row), then
@@ -281,6 +287,8 @@ class StepLogger:
         if rank_rate:
             self.record.step_seconds = elapsed / self._interval_steps
         mem = self._interval_memory()
+        if offloaded is not None:
+            mem["memory/offloaded_activations_mib"] = offloaded / MIB
         peak = self.monitor.headline_peak(mem)
         names = sorted(extra)
         gathered = self._gather(

@@ -162,14 +162,22 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     source = build_source(cfg.data, decision.seed, vocab_size(built.whole))
     _check_data_fits(cfg.data, cfg.model.task, built.whole, source)
     # a mask file: token-weighted loss
-    loss_fn = build_task(cfg.model, masked=getattr(source, "masked", False))
+    loss_fn = build_task(
+        cfg.model, masked=getattr(source, "masked", False), loss_chunk=cfg.train.loss_chunk
+    )
     scaler = loss_scaler(cfg.precision, built.precision, env.device)
     log_setup(cfg, env, decision, built, layout)
     evaluator = build_evaluator(cfg, env, built.whole, source, topology)
 
     rank, same = topology.rank(Role.BATCH, env.rank), topology.same_batch()
     cursor = BatchCursor(
-        source, layout, rank, cfg.data.workers, same_as=same, pin_memory=env.device.type == "cuda"
+        source,
+        layout,
+        rank,
+        cfg.data.workers,
+        same_as=same,
+        pin_memory=env.device.type == "cuda",
+        seq_part=(topology.rank("sp", env.rank), topology.size("sp")),
     )
     state = _resume(cfg.model, env, decision, built, scaler)
     cursor.position = state.data_position
@@ -505,7 +513,10 @@ def _logger(parts: _Components, env: DistEnv, last: int) -> StepLogger:
     cfg = parts.config
     comm = CommMeter(cfg, env, parts.built, parts.layout.grad_accum_steps)
     plan = LogPlan.of(cfg, parts.layout, last)
-    return StepLogger(env, parts.run_dir, parts.model, parts.optimizer, plan=plan, comm=comm)
+    offload = parts.built.levers.get("activation_offload")  # its ActivationOffload, if on
+    return StepLogger(
+        env, parts.run_dir, parts.model, parts.optimizer, plan=plan, comm=comm, offload=offload
+    )
 
 
 def _stopped(step: int, verdict: Verdict, run_dir: Path) -> Stopped:

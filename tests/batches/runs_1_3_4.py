@@ -19,6 +19,8 @@ from tests.batches.settings import (
     PROFILED,
     QLORA,
     QLORA_4,
+    SP2,
+    SP4,
     SPLIT,
     TP2,
     UNTIED_EVEN,
@@ -38,7 +40,7 @@ from tests.batches.settings import (
 )
 
 RUNS_1_3_4 = [
-    Run("n4", "4", (*BASE, *PROFILED), (P, T)),
+    Run("n4", "4", (*BASE, *PROFILED), (P, T, "test_sequence")),
     Run("lora-n4", "4", (*BASE, *LORA), (L,)),
     # qlora's step-4 checkpoint continued at 4 ranks: the base rebuilt in 4 shards, the adapters resharded
     Run(
@@ -159,6 +161,35 @@ RUNS_1_3_4 = [
         "4",
         (*LLAMA, *UNTIED_EVEN, *COMMON, TP2, "checkpoint.enabled=false"),
         (M, T),
+    ),
+    # Ulysses at 4: sp 4 (every block checkpointed: its all-to-alls run again in backward); sp 2 x
+    # hybrid_shard (2 replicas of a 2-rank shard group that is one sequence-parallel group); masked
+    # data at dp 2 x sp 2 (the trained tokens counted over all four); n2's checkpoint continued at
+    # sp 4, and sp2's (launch "2") without sequence parallelism
+    Run(
+        "sp4",
+        "4",
+        (*BASE, SP4, "parallel.activation_checkpointing=full"),
+        (P, "test_sequence", "test_comm"),
+    ),
+    Run(
+        "hsdp-sp2",
+        "4",
+        (*BASE, "parallel.strategy=hybrid_shard", "parallel.shard_size=2", SP2, *EVAL),
+        (P,),
+    ),
+    Run("masked-sp2", "4", (*BASE, *MASKED, SP2), ("test_masked",)),
+    Run(
+        "full_shard-to-sp4-n4",
+        "4",
+        (*BASE, SP4, "checkpoint.every=0", f"checkpoint.resume={SPLIT}"),
+        (C,),
+    ),
+    Run(
+        "sp2-to-full_shard-n4",
+        "4",
+        (*BASE, "checkpoint.every=0", "checkpoint.resume={root}/sp2/checkpoints/step-0000004"),
+        (C,),
     ),
     # pp 2 x dp 2 (1F1B, 2 micro-batches a dp rank), validated as "eval" is
     Run("pp2-dp2", "4", (*BASE, PP2, "checkpoint.every=4", *EVAL), (P, C, T)),

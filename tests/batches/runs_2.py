@@ -24,6 +24,7 @@ from tests.batches.settings import (
     PROFILED,
     QLORA,
     QLORA_4,
+    SP2,
     SPLIT,
     TIED,
     VIT,
@@ -65,6 +66,11 @@ RUNS_2 = [
     Run("ddp", "2", (*BASE, "parallel.strategy=ddp", "checkpoint.every=4", *EVAL), (P, C, T, E)),
     # DeepSpeed's name for it
     Run("zero1", "2", (*BASE, "parallel.zero_stage=1", "checkpoint.every=4"), (P, C, T, S)),
+    # Ulysses: both ranks hold half of every sequence (dp 1 x sp 2), validated as "eval" is; its
+    # step-4 checkpoint continues without sequence parallelism at 4 ranks
+    Run(
+        "sp2", "2", (*BASE, SP2, "checkpoint.every=4", *EVAL), (P, C, "test_sequence", "test_comm")
+    ),
     # FSDP1's name for it
     Run("zero2", "2", (*BASE, *PROFILED, "parallel.strategy=SHARD_GRAD_OP", *EVAL), (P, T, E)),
     # The memory levers: plain ZeRO-3's numbers bit for bit; CPU offload and full checkpointing share a run.
@@ -72,7 +78,22 @@ RUNS_2 = [
         "ac-full",
         "2",
         (*BASE, *PROFILED, "parallel.activation_checkpointing=full", "parallel.cpu_offload=true"),
-        (P,),
+        (P, "test_act_offload"),
+    ),
+    # ac-full with its checkpointed blocks' inputs moved to the host: ac-full's numbers bit for bit
+    # (tests/test_act_offload.py), TensorBoard on for memory/offloaded_activations_mib
+    Run(
+        "ac-offload",
+        "2",
+        (
+            *BASE,
+            *PROFILED,
+            "parallel.activation_checkpointing=full",
+            "parallel.cpu_offload=true",
+            "parallel.activation_offload=true",
+            "metrics.tensorboard=true",
+        ),
+        ("test_act_offload",),
     ),
     Run(
         "ac-selective",
@@ -113,6 +134,8 @@ RUNS_2 = [
     # tests/test_trace.py's: steps 2 and 3 traced (one trace a rank), left out of the throughput
     Run("trace", "2", (*BASE, "train.steps=4", "metrics.trace_steps=[2,3]"), ("test_trace",)),
     Run("llama", "2", (*LLAMA, *COMMON), (M,)),
+    # ... under sequence parallelism: attention through transformers' interface, fsdp-zero's function
+    Run("llama-sp2", "2", (*LLAMA, *COMMON, SP2, "checkpoint.enabled=false"), (M, "test_sequence")),
     # The ViT with the default optimizer: weight decay on matrices only, warm-up and cosine decay.
     Run(
         "vit-defaults",
@@ -135,7 +158,9 @@ RUNS_2 = [
         ("test_pretrained",),
     ),
     # Masked instruction data (tests/test_masked.py): the token-weighted loss at N = 2, micro-batch 2.
-    Run("masked", "2", (*BASE, *MASKED), ("test_masked",)),
+    Run("masked", "2", (*BASE, *MASKED), ("test_masked", "test_tiled_loss")),
+    # The tiled loss (tests/test_tiled_loss.py): ``masked`` with chunks of 7 of a micro-batch's 64 tokens.
+    Run("masked-tiled", "2", (*BASE, *MASKED, "train.loss_chunk=7"), ("test_tiled_loss",)),
     # The same without clipping: AdamW's steps then follow the gradient's scale, which clipping hides.
     Run("masked-noclip", "2", (*BASE, *MASKED, "optim.grad_clip=0"), ("test_masked",)),
     Run("freeze", "2", (*BASE, *FREEZE), (L, T)),

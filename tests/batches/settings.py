@@ -72,6 +72,8 @@ FP8_4 = "{root}/fp8-tw/checkpoints/step-0000004"
 EVAL = ("eval.every=3", "eval.path={root}/val.bin")
 EVAL_TOKENS = 170
 TP2 = "parallel.tp_size=2"
+# Ulysses sequence parallelism (tests/test_sequence.py): each sequence cut over 2 (4) ranks
+SP2, SP4 = "parallel.sp_size=2", "parallel.sp_size=4"
 # pipeline parallelism: two stages (gpt_nano's two layers, one each; four under the V schedule)
 PP2 = "parallel.pp_size=2"
 FOUR_LAYERS = ("model.n_layers=4",)

@@ -390,8 +390,8 @@ SOURCE = {
     ),
     "grid-joins-ignored": (
         "fsdp_zero.distributed.topology",
-        "a in data or a in self.joins.get(role, ())",
-        "a in data or (a in self.joins.get(role, ()) and __mutant__(False))",
+        "a in data or a in joined",
+        "a in data or (a in joined and __mutant__(False))",
     ),
     # issue 45: optimizer states off the device
     "offload-group-never-written-back": (
@@ -441,9 +441,8 @@ SOURCE = {
     ),
     "rope-cast-to-compute": (
         "fsdp_zero.model.transformer",
-        "cos, sin = table.real[: x.shape[-2]], table.imag[: x.shape[-2]]",
-        "cos, sin = __mutant__(table.real[: x.shape[-2]]).to(x.dtype), "
-        "table.imag[: x.shape[-2]].to(x.dtype)",
+        "cos, sin = table.real, table.imag",
+        "cos, sin = __mutant__(table.real).to(x.dtype), table.imag.to(x.dtype)",
     ),
     "cast-finder-blind": (
         "fsdp_zero.monitor.casts",
@@ -469,5 +468,51 @@ SOURCE = {
         "fsdp_zero.config.deepspeed",
         'constant = _SCHEDULER.overrides(_SCHEDULES["WarmupLR"]) + _WARMUP.overrides(0)',
         "constant = __mutant__([])",
+    ),
+    # issue 47: long sequences
+    "sp-all-to-all-wrong-dim": (
+        "fsdp_zero.sharding.sequence",
+        "return got.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * s, d)",
+        "return __mutant__(got.permute(1, 2, 3, 0, 4)).reshape(b, h // sp, sp * s, d)",
+    ),
+    "sp-positions-restart": (
+        "fsdp_zero.sharding.sequence",
+        "start = self.rank * s",
+        "start = __mutant__(0) * s",
+    ),
+    "sp-loss-per-rank": (
+        "fsdp_zero.training.trainer",
+        "data_group=parts.built.topology.group(Role.LOSS),",
+        "data_group=parts.built.topology.group(__mutant__(Role.BATCH)),",
+    ),
+    "sp-all-to-all-uncounted": (
+        "fsdp_zero.sharding.sequence",
+        "count.add(x, dist.get_world_size(group))",
+        "__mutant__(None)",
+    ),
+    "tiled-loss-logits-kept": (
+        "fsdp_zero.model.tasks",
+        "recomputed(hidden[i : i + chunk]",
+        "__mutant__(_chunk_loss)(hidden[i : i + chunk]",
+    ),
+    "tiled-loss-chunk-dropped": (
+        "fsdp_zero.model.tasks",
+        "torch.stack(sums).sum()",
+        "torch.stack(__mutant__(sums[:-1])).sum()",
+    ),
+    "act-offload-no-copy": (
+        "fsdp_zero.sharding.act_offload",
+        'return _Packed(torch.empty_like(source, device="cpu").copy_(source), tensor.device)',
+        "return __mutant__(tensor)",
+    ),
+    "act-offload-hook-not-first": (
+        "fsdp_zero.sharding.act_offload",
+        "block.register_forward_pre_hook(self._enter, prepend=True)",
+        "block.register_forward_pre_hook(self._enter, prepend=__mutant__(False))",
+    ),
+    "act-offload-in-recompute": (
+        "fsdp_zero.sharding.act_offload",
+        "if torch.is_grad_enabled() and not recomputing(block):",
+        "if torch.is_grad_enabled() and not __mutant__(False):",
     ),
 }
