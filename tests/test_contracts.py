@@ -26,6 +26,7 @@ def test_the_built_in_model_declares_every_member_and_a_plain_module_none():
     assert isinstance(facts, ModelFacts)
     assert facts.block_class.__name__ == "TransformerBlock"
     assert facts.tp_plan and set(facts.pp_plan) == {"first", "layers", "last"}
+    assert facts.sp_plan == ("layers.*.attention.core",)
     assert facts.init_weights is not None and facts.max_seq_len == model.args.max_seq_len
     assert facts.head is model.output
     plain = model_facts(nn.Linear(2, 2))
@@ -34,6 +35,7 @@ def test_the_built_in_model_declares_every_member_and_a_plain_module_none():
         no_split_modules=[],
         tp_plan=None,
         pp_plan=None,
+        sp_plan=None,
         init_weights=None,
         max_seq_len=None,
         vocab_size=None,

@@ -31,6 +31,7 @@ class FsdpZeroModel(Protocol):
     _no_split_modules: list[str]
     tp_plan: dict[str, str]
     pp_plan: dict[str, Any]
+    sp_plan: tuple[str, ...]
     max_seq_len: int
     config: Any  # a Hugging Face config
 
@@ -77,6 +78,15 @@ DECLARED = (
         "`parallel.pp_size` > 1 is refused",
     ),
     Declared(
+        "sp_plan",
+        "tuple of module-name patterns (the attention cores), and a `position_ids` keyword of "
+        "`forward`",
+        "`parallel.sp_size` > 1 wraps each core, (q, k, v) -> out over whole sequences, with the "
+        "all-to-alls, and gives each slice its positions (`sharding/sequence.py`)",
+        "a Hugging Face model's attention through transformers' attention interface, else "
+        "`parallel.sp_size` > 1 is refused",
+    ),
+    Declared(
         "init_weights(seed)",
         "method",
         "`model.init=model` (and `auto`) initialises each rank's shards with it",
@@ -114,6 +124,7 @@ class ModelFacts:
     no_split_modules: list[str]  # Hugging Face's _no_split_modules
     tp_plan: Any  # as declared (`fsdp_zero.sharding.tensor.tp_plan` checks it)
     pp_plan: Any  # as declared (`fsdp_zero.sharding.pipeline.declares_stages` checks it)
+    sp_plan: Any  # as declared (`fsdp_zero.sharding.sequence.apply_sequence_parallel` reads it)
     init_weights: Callable[..., None] | None
     max_seq_len: int | None  # its own, else its config's max_position_embeddings
     vocab_size: Any  # its config's
@@ -135,6 +146,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
         no_split_modules=hf_no_split_modules(model),
         tp_plan=getattr(model, "tp_plan", None),
         pp_plan=getattr(model, "pp_plan", None),
+        sp_plan=getattr(model, "sp_plan", None),
         init_weights=init if callable(init) else None,
         max_seq_len=int(limit) if isinstance(limit, int) else None,
         vocab_size=getattr(config, "vocab_size", None),

@@ -40,6 +40,7 @@ from fsdp_zero.config.schema import ModelConfig
 from fsdp_zero.config.targets import import_target
 from fsdp_zero.data.token_files import IGNORE_INDEX
 from fsdp_zero.model.contract import model_facts
+from fsdp_zero.torch_private import is_fake
 
 LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -175,7 +176,8 @@ def _head_reduces(
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         weight = head.weight
-        if type(weight) not in (torch.Tensor, nn.Parameter):
+        # (the planner's simulation hands it a fake one: shapes only)
+        if type(weight) not in (torch.Tensor, nn.Parameter) and not is_fake(weight):
             raise ValueError(
                 f"train.loss_chunk={chunk}: the output head's weight is a {type(weight).__name__} "
                 "(split by tensor parallelism, or quantized), not a plain tensor; set "

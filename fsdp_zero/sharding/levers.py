@@ -517,7 +517,8 @@ def holds_unsharded(sync: GradSync) -> bool:
 _FACETS = tuple(
     f.name
     for f in dataclasses.fields(Lever)
-    if f.name not in ("name", "keys", "stage", "off", "on_host", "fills_base", "search")
+    if f.name
+    not in ("name", "keys", "stage", "off", "on_host", "fills_base", "cuts_groups", "search")
 )
 
 
@@ -531,7 +532,8 @@ def lever_table() -> str:
     for lever in LEVERS:
         off = getattr(lever.off, "value", lever.off)
         facets = [name for name in _FACETS if getattr(lever, name) is not None]
-        facets += [name for name in ("on_host", "fills_base", "search") if getattr(lever, name)]
+        flags = ("on_host", "fills_base", "cuts_groups", "search")
+        facets += [name for name in flags if getattr(lever, name)]
         rows.append(
             f"| `{lever.name}` | {', '.join(f'`{k}`' for k in lever.keys)} | "
             f"{lever.stage.name.lower()} | `{off}` | {', '.join(facets) or '(read by its module)'} |"

@@ -1,13 +1,14 @@
 """Ulysses sequence parallelism (``parallel.sp_size``; DeepSpeed's ``ulysses_sp.py``, ALST).
 
 Each rank of a sequence-parallel group holds a slice of every sequence of its data-parallel rank's
-batch (`fsdp_zero.data.loader.sequence_part`: inputs and targets alike, the targets shifted before the cut). Everything
-but attention is per token, so it runs on the slice as it would on the whole. Around attention one
+batch (`fsdp_zero.data.loader.sequence_part`: inputs and targets alike, the targets shifted before
+the cut). Everything but attention is per token, so it runs on the slice as it would on the whole.
+Around attention one
 `all_to_all_single` per tensor trades the slice of the sequence for a slice of the heads
 (`seq_to_heads`: q, k and v; (batch, heads, S / sp, head_dim) -> (batch, heads / sp, S, head_dim)),
 so each rank attends over whole sequences for its heads, and one trades it back (`heads_to_seq`:
 the output). The backward of each is the other. Rotary embeddings rotate each slice at its own
-positions in the sequence (`positions`: a ``position_ids`` keyword the root module's forward
+positions in the sequence (`_Positions`: a ``position_ids`` keyword the root module's forward
 takes, as Hugging Face models do).
 
 The model says where its attention is:
@@ -29,7 +30,8 @@ every token of the global batch.
 
 Bytes: each all-to-all sends (sp - 1) / sp of its input; a layer of ``h`` = heads x head_dim
 sends 4 (S / sp) h b (sp - 1) / sp bytes a sequence forward (q, k, v, out with as many key-value
-heads as query heads; fewer key-value heads send fewer) and as many backward (`layer_bytes`).
+heads as query heads; fewer key-value heads send fewer) and as many backward (`layer_bytes`), and
+once more for each block activation checkpointing recomputes (`step_bytes`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.model.contract import HEAD_KEYS
+from fsdp_zero.model.contract import HEAD_KEYS, model_facts
 from fsdp_zero.torch_private import hf_attention_interface, set_hf_attention
 
 # the name fsdp-zero's attention function is registered under with transformers
@@ -219,7 +221,7 @@ def apply_sequence_parallel(
 ) -> SequenceParallel:
     """Wraps ``model``'s attention (its ``sp_plan`` cores, else a Hugging Face model's attention
     interface) with the all-to-alls over ``group`` (``size`` ranks, this one ``rank``), and has the
-    root forward give each slice its positions (`positions`).
+    root forward give each slice its positions (`_Positions`).
 
     Raises:
         ValueError: heads that do not divide by ``size``; a model that declares no ``sp_plan`` and
@@ -227,7 +229,7 @@ def apply_sequence_parallel(
     """
     check_heads(model, size)
     made = SequenceParallel(group, rank, size, how="")
-    plan = getattr(model, "sp_plan", None)
+    plan = model_facts(model).sp_plan
     if plan:
         cores = [
             (name, m)

@@ -75,6 +75,8 @@ class Candidate:
     # the sizes of the axes that split the model, (axis, parallel.<axis>_size) as
     # `fsdp_zero.config.checks.split_sizes` orders them
     split: tuple[tuple[str, int], ...] = (("sp", 1), ("tp", 1), ("pp", 1))
+    # train.loss_chunk: tokens per chunk of the tiled loss (0: the micro-batch's logits at once)
+    loss_chunk: int = 0
 
     def value(self, lever: str) -> Any:
         """The value of the lever named ``lever`` (its row's name, e.g. ``grad_sync``)."""
@@ -97,6 +99,7 @@ class Candidate:
             "checkpointing": [f"parallel.activation_checkpointing={self.checkpointing.value}"],
             "micro_batch": [f"train.micro_batch_size={self.micro_batch}"],
             "layout": [f"parallel.{axis}_size={size}" for axis, size in self.split],
+            "loss_chunk": [f"train.loss_chunk={self.loss_chunk}"],
         }
         for name, row in SEARCHED.items():
             settings = _settings(row, self.value(row.name))
@@ -126,7 +129,7 @@ class Candidate:
             w,
             parallel=p,
             precision=replace(w.precision, mode=self.precision),
-            train=replace(w.train, micro_batch_size=self.micro_batch),
+            train=replace(w.train, micro_batch_size=self.micro_batch, loss_chunk=self.loss_chunk),
             offload=replace(w.offload, **levers["offload"]),
         )
 
@@ -159,8 +162,9 @@ class Scored:
 
 # What --search may name: the settings a candidate varies (the others stay as the config has them).
 # "offload_states": offload.states x offload.ratio (`OFFLOAD_RATIOS`): the cpu tier where the run
-# targets CUDA, the disk tier where offload.path names a folder. "layout": every parallel.tp_size x
-# parallel.pp_size the world size divides into.
+# targets CUDA, the disk tier where offload.path names a folder. "layout": every parallel.sp_size x
+# parallel.tp_size x parallel.pp_size the world size divides into. "loss_chunk": the logits at once,
+# or the tiled loss in chunks of `LOSS_CHUNK` tokens (where a micro-batch has more).
 DIMENSIONS = (
     "strategy",
     "precision",
@@ -170,10 +174,13 @@ DIMENSIONS = (
     "grad_sync",
     "offload_states",
     "layout",
+    "loss_chunk",
 )
-# What --fit searches unless told: all but the layout (on a CPU host tensor and pipeline
-# parallelism prove correctness, not speed; ask for them with --search ...,layout).
-DEFAULT_SEARCH = DIMENSIONS[:-1]
+# What --fit searches unless told: all but the layout (on a CPU host tensor, pipeline and sequence
+# parallelism prove correctness, not speed; ask for them with --search ...,layout) and the tiled
+# loss (--search ...,loss_chunk).
+DEFAULT_SEARCH = DIMENSIONS[:-2]
+LOSS_CHUNK = 1024
 
 
 def searched_overrides(search: tuple[str, ...]) -> list[str]:
@@ -209,6 +216,7 @@ class FitSearch:
             micro_batch=self.cfg.train.micro_batch_size,
             levers=lever_values({row.name: _own(row, self.cfg) for row in SEARCHED.values()}),
             split=tuple(split_sizes(p).items()),
+            loss_chunk=self.cfg.train.loss_chunk,
         )
 
     def candidates(self) -> list[Candidate]:
@@ -238,6 +246,7 @@ class FitSearch:
                 pick["micro_batch"],
                 lever_values({row.name: pick[name] for name, row in SEARCHED.items()}),
                 split=pick["layout"],
+                loss_chunk=pick["loss_chunk"],
             )
             # per data-parallel rank
             local = global_batch * math.prod(s for _, s in cand.split) // world_size
@@ -247,6 +256,9 @@ class FitSearch:
                 and cand.value(GRAD_SYNC.name) != GRAD_SYNC.off
             ):
                 continue  # without accumulation every mode reduces once: the default stands for them
+            tokens = cand.micro_batch * self.cfg.data.seq_len // cand.size("sp")
+            if cand.loss_chunk >= max(tokens, 1):
+                continue  # one chunk: the logits at once
             try:
                 c = cand.config(self.cfg)
                 validate(c)
@@ -294,6 +306,7 @@ def _values(
         "checkpointing": list(ActivationCheckpointing),
         "micro_batch": [m for m in range(1, local + 1) if local % m == 0],
         "layout": layouts,
+        "loss_chunk": [0, LOSS_CHUNK],
     }
     fixed = {
         "strategy": [own.strategy],
@@ -301,6 +314,7 @@ def _values(
         "checkpointing": [own.checkpointing],
         "micro_batch": [own.micro_batch],
         "layout": [own.split],
+        "loss_chunk": [own.loss_chunk],
     }
     for name, row in SEARCHED.items():
         axes[name] = [v for v in row.search if cuda or not row.on_host or v == row.off]

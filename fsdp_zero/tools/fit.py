@@ -62,6 +62,7 @@ from fsdp_zero.config.strategies import STRATEGIES
 from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.model.construct import construct
+from fsdp_zero.model.contract import model_facts
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.monitor.comm import CommBytes, comm_formula, comm_seconds
 from fsdp_zero.sharding.levers import (
@@ -263,6 +264,7 @@ class _Shared:
             precision=rep,
             checkpointing=ac,
             micro_batch=m,
+            loss_chunk=c.loss_chunk,  # (the loss's logits are activations)
         )
 
     def needed(self, cands: list[Candidate]) -> list[Candidate]:
@@ -365,6 +367,9 @@ def _step_cost(
     params = sum(p.numel() for p in model.parameters())
     recomputed = sum(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
     flops = 6 * params * tokens + 2 * recomputed * tokens
+    if c.loss_chunk:  # the tiled loss computes the head's forward again in backward
+        head = model_facts(model).head
+        flops += 2 * sum(p.numel() for p in head.parameters()) * tokens if head is not None else 0
     slow = rates.fp32_speed if precision.compute == torch.float32 else 1.0
     compute = flops * slow / (rates.tflops * 1e12)
     comm = sum(comm_seconds(moved, topology, rates.link_gbps).values())

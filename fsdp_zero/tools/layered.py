@@ -64,11 +64,12 @@ class Layouts:
         self.base, self.world_size = base, world_size
         self.local = base.train.global_batch_size // world_size  # samples per rank at tp = pp = 1
         self._rows: dict[tuple, list[StageRow]] = {}
-        self._saved: dict[tuple, int] = {}  # (micro-batch, precision) -> bytes saved at tp 1
+        # (micro-batch, precision, loss chunk) -> bytes saved at tp 1
+        self._saved: dict[tuple, int] = {}
 
     def rows(self, c: Candidate) -> list[StageRow]:
         """``c``'s layout by formula, per pipeline rank."""
-        key = (c.split, c.micro_batch, c.precision, c.strategy)
+        key = (c.split, c.micro_batch, c.precision, c.strategy, c.loss_chunk)
         if key not in self._rows:
             self._rows[key] = layout_rows(c.on(self.base), self.world_size)
         return self._rows[key]
@@ -85,7 +86,7 @@ class Layouts:
             ValueError: a layout the model cannot take (heads, layers, tied weights).
         """
         pair = twin(c, self.local)
-        key = (pair.micro_batch, pair.precision)
+        key = (pair.micro_batch, pair.precision, pair.loss_chunk)
         if key not in self._saved:
             self._saved[key] = sum(saved_per_unit(pair.on(self.base), 1).values())
         at_twin = self._saved[key]

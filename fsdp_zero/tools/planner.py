@@ -44,7 +44,7 @@ from fsdp_zero.config.strategies import STRATEGIES, Strategy, is_fsdp
 from fsdp_zero.data.batches import build_source
 from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.model.tasks import build_task, vocab_size
@@ -430,7 +430,8 @@ class Simulator:
     def _simulate(self, c: Config, keep: tuple[str, int] | None = None) -> Prediction:
         """`predict` of ``c`` as it is, or with only the first ``keep[1]`` blocks of container ``keep[0]``."""
         env, device = self.env, self.device
-        layout, topology = self._layout(c.train), Topology.of(c.parallel, self.world_size)
+        topology = Topology.of(c.parallel, self.world_size)
+        layout = self._layout(c.train, topology.size(Role.BATCH))
         loss_fn = build_task(c.model, loss_chunk=c.train.loss_chunk)
         topology = topology.on(env.device.type)  # its mesh needs real tensors
         meta = construct(c.model)  # meta parameters, real buffers: made outside fake mode
@@ -438,9 +439,9 @@ class Simulator:
             keep_first(meta, *keep)
         cast_to_stored(meta, resolve_precision(c.precision))  # (bf16-true) also outside it
         # Real batches of the configured data (their shapes and dtypes are what matter).
-        micro = BatchCursor(
-            build_source(c.data, c.train.seed or 0, vocab_size(meta)), layout, 0
-        ).next_batch()
+        source = build_source(c.data, c.train.seed or 0, vocab_size(meta))
+        # (sequence parallelism: the rank's slice of each sequence)
+        micro = BatchCursor(source, layout, 0, seq_part=(0, topology.size("sp"))).next_batch()
         first = micro[:1] if self.accum_cap else micro
         with FakeTensorMode(allow_non_fake_inputs=True):
             with real_post_forward_meshes():  # hpZ's meshes
@@ -497,10 +498,10 @@ class Simulator:
             f"MiB a rank), {tiers.buffers / 2**20:,.1f} MiB of buffers on it"
         )
 
-    def _layout(self, train: TrainConfig) -> BatchLayout:
-        """``train``'s batch layout at this world size (rounded), its accumulation capped at
-        ``accum_cap`` (the micro-batches after the cap's add nothing to the peak)."""
-        layout = BatchLayout.rounded(train, self.world_size)
+    def _layout(self, train: TrainConfig, ranks: int) -> BatchLayout:
+        """``train``'s batch layout over ``ranks`` data-parallel ranks (rounded), its accumulation
+        capped at ``accum_cap`` (the micro-batches after the cap's add nothing to the peak)."""
+        layout = BatchLayout.rounded(train, ranks)
         if not self.accum_cap:
             return layout
         accum = min(layout.grad_accum_steps, self.accum_cap)

@@ -394,9 +394,11 @@ def fit_table(found: FitResult, best: Scored, show: int, budget: int, margin: fl
             [str(i), *ms, format_bytes(s.peak), c.strategy.value, c.precision]
             + [c.checkpointing.value, "yes" if c.value(OFFLOAD.name) else "no", str(c.micro_batch)]
             + [c.value(GRAD_SYNC.name).value, _states(*c.value(OFFLOAD_STATES.name))]
-            + [str(c.size("tp")), str(c.size("pp"))]
+            + [str(c.size(axis)) for axis, _ in c.split]
+            + [str(c.loss_chunk)]
         )
-    lines += _table([*head, "tp", "pp"], rows)
+    axes = [axis for axis, _ in fitting[0].candidate.split] if fitting else []
+    lines += _table([*head, *axes, "loss chunk"], rows)
     lines += [
         f"\npick: cost {best.cost * 1e3:,.1f} ms, peak {format_bytes(best.peak)} (+ {margin:.0%}: "
         f"{format_bytes(best.peak * (1 + margin))}) of {format_bytes(budget)}:",
