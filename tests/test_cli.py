@@ -243,7 +243,7 @@ def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
         (["parallel.wrap.policy=blocks"], "valid choices: transformer, size_based, modules, none"),
         (
             ["parallel.wrap.classes=[Block]"],
-            "unknown module class 'Block'; this model has: Attention, Embedding",
+            "unknown module class 'Block'; this model has: Attention, CausalAttention, Embedding",
         ),
         (
             ["train.global_batch_size=6", "train.micro_batch_size=4"],

@@ -167,9 +167,9 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
     assert {c.value("cpu_offload") for c in cuda} == {False, True}
     assert not any(c.value("cpu_offload") and c.strategy.value in ("ddp", "zero1") for c in cuda)
     for c in every[:: max(1, len(every) // 20)]:
-        # one override a dimension, two for the layout (tp_size, pp_size) and offload_states
-        # (offload.states, offload.ratio)
-        assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS) + 2
+        # one override a dimension, three for the layout (sp_size, tp_size, pp_size), two for
+        # offload_states (offload.states, offload.ratio)
+        assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS) + 3
         pasted = load_config(None, NANO + c.overrides())  # what a user pastes selects the candidate
         assert pasted == c.config(cfg)
     with pytest.raises(
@@ -468,7 +468,9 @@ def test_a_layout_search_composes_each_layout_from_zero3_by_formula():
         search = FitSearch(cfg, 4, ("layout",))
         result = fit_search(search, Rates.default("cpu"), processes=0, baseline=0)
         found[schedule] = {
-            (s.candidate.size("tp"), s.candidate.size("pp")): s for s in result.scored
+            (s.candidate.size("tp"), s.candidate.size("pp")): s
+            for s in result.scored
+            if s.candidate.size("sp") == 1  # (sequence parallelism: tests/test_sequence.py)
         }
     one = found["1F1B"]
     assert set(one) == {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)}

@@ -124,7 +124,7 @@ def test_a_tensor_parallel_group_reading_different_batches_is_refused():
     assert sorted(same.stdout.splitlines()) == [f"{kind}: read" for kind in kinds], same.stdout
     own = check(launch(2, worker, "own", torchrun=False))
     lines = sorted(own.stdout.strip().splitlines())
-    refused = "the ranks of a tensor- or pipeline-parallel group read different batches"
+    refused = "the ranks of a tensor-, sequence- or pipeline-parallel group read different batches"
     assert [line.split(": ", 1)[0] for line in lines] == kinds and all(
         line.split(": ", 1)[1].startswith(refused) for line in lines
     ), own.stdout
