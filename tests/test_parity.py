@@ -359,7 +359,9 @@ def test_record_the_measured_differences(runs, references):
         )
     for name in FP32:
         got, ref = runs[name], references[_key(name)]
-        if name.startswith(("tp", "pp", "hsdp-")):  # docs/parallelism.md quotes them, one by one
+        if name.startswith(
+            ("tp", "pp", "sp", "hsdp-")
+        ):  # docs/parallelism.md quotes them, one by one
             figure(
                 f"parity vs single process, {name} ({len(got['model_state_bytes'])} ranks)",
                 "losses {:.1e}, grad norms {:.1e}, final weights {:.1e}".format(
@@ -375,7 +377,7 @@ def test_record_the_measured_differences(runs, references):
         )
     figure(
         "parity vs single process, fp32 (max over N=1/2/3/4, tied, ddp, zero1, zero2, hsdp, hpz + prefetch, offload, "
-        "AC, tp2, tp2-loss, tp4, pp2, pp2-zbv, pp2-dp2, pp2-tp2, hsdp-tp2)",
+        "AC, tp2, tp2-loss, tp4, pp2, pp2-zbv, pp2-dp2, pp2-tp2, hsdp-tp2, sp2, sp4, hsdp-sp2)",
         f"losses {loss:.1e} (tolerance {LOSS_ATOL:.0e}), grad norms {norm:.1e} ({NORM_ATOL:.0e}), "
         f"final weights {weight:.1e} ({WEIGHT_ATOL:.0e})",
     )
