@@ -52,7 +52,9 @@ def test_each_layer_sends_4_slice_h_b_over_sp_and_attention_gathers_nothing(batc
     sp, recomputed = SP_RUNS[name]
     summary, rows = _summary(batches, name)
     per_layer = 4 * (32 // sp) * 64 * 2 * 4 * (sp - 1) / sp  # a micro-batch of 2 sequences
-    assert per_layer == layer_bytes(2 * 32, 4, 4, 16, 4, sp)
+    assert per_layer == layer_bytes(
+        tokens=2 * 32, heads=4, kv_heads=4, head_dim=16, itemsize=4, size=sp
+    )
     step = 4 * per_layer * (2 * 2 + recomputed)
     assert summary["comm_formula_bytes"]["sp_all_to_all"] == step
     for rank in summary["ranks"]:

@@ -196,7 +196,14 @@ def comm_formula(
     if sp > 1:  # whole sequences' tokens: each rank holds 1 / sp of them
         recomputed = len(checkpointed(cfg, plan.block_fqns))
         itemsize = precision.compute.itemsize
-        sent = step_bytes(model, tokens, sp, itemsize, recomputed, accum)
+        sent = step_bytes(
+            model,
+            tokens=tokens,
+            size=sp,
+            itemsize=itemsize,
+            recomputed=recomputed,
+            micro_batches=accum,
+        )
     return CommBytes(
         sp_all_to_all=sent if sp > 1 else 0,
         all_gather=gathers * gathered if n > 1 else 0,

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.model.contract import HEAD_KEYS, model_facts
+from fsdp_zero.model.contract import model_facts
 from fsdp_zero.torch_private import hf_attention_interface, set_hf_attention
 
 # the name fsdp-zero's attention function is registered under with transformers
@@ -167,8 +167,7 @@ def _hf_attention(group: dist.ProcessGroup, count: AllToAllCount) -> Any:
 def _head_counts(model: nn.Module) -> dict[str, int]:
     """The model's query and key-value heads: its config's (Hugging Face), else its attention
     modules' (the built-in's ``n_heads`` and ``n_kv_heads``)."""
-    config = getattr(model, "config", None)
-    counts = {k: getattr(config, k, None) for k in HEAD_KEYS}
+    counts = dict(model_facts(model).head_counts)
     if counts["num_attention_heads"] is not None:
         counts["num_key_value_heads"] = (
             counts["num_key_value_heads"] or counts["num_attention_heads"]
@@ -220,8 +219,14 @@ def apply_sequence_parallel(
     model: nn.Module, group: dist.ProcessGroup, rank: int, size: int
 ) -> SequenceParallel:
     """Wraps ``model``'s attention (its ``sp_plan`` cores, else a Hugging Face model's attention
-    interface) with the all-to-alls over ``group`` (``size`` ranks, this one ``rank``), and has the
-    root forward give each slice its positions (`_Positions`).
+    interface) with the all-to-alls over ``group``, and has the root forward give each slice its
+    positions (`_Positions`).
+
+    Args:
+        model: on the meta device or not, before it is sharded.
+        group: this rank's sequence-parallel group.
+        rank: this rank's place in it (which slice it holds).
+        size: the group's ranks (parallel.sp_size).
 
     Raises:
         ValueError: heads that do not divide by ``size``; a model that declares no ``sp_plan`` and
@@ -290,23 +295,45 @@ def attention_dims(model: nn.Module) -> tuple[int, int, int, int]:
 
 
 def step_bytes(
-    model: nn.Module, tokens: int, size: int, itemsize: int, recomputed: int, micro_batches: int
+    model: nn.Module,
+    *,
+    tokens: int,
+    size: int,
+    itemsize: int,
+    recomputed: int,
+    micro_batches: int,
 ) -> float:
     """Bytes the all-to-alls of one optimizer step send per rank: each attention layer's
-    `layer_bytes` for a micro-batch of ``tokens`` tokens of whole sequences, twice (forward and
-    backward) and once more for each of the ``recomputed`` layers activation checkpointing runs
-    again in backward, for ``micro_batches`` micro-batches."""
+    `layer_bytes` twice (forward and backward) and once more for each layer activation
+    checkpointing runs again in backward.
+
+    Args:
+        model: its attention's dimensions are read (`attention_dims`; meta is fine).
+        tokens: a micro-batch's tokens of whole sequences (each rank holds 1 / ``size``).
+        size: the sequence-parallel ranks (parallel.sp_size).
+        itemsize: the compute dtype's bytes.
+        recomputed: the attention layers activation checkpointing recomputes.
+        micro_batches: a step's.
+    """
     layers, heads, kv, head_dim = attention_dims(model)
-    one = layer_bytes(tokens, heads, kv, head_dim, itemsize, size)
+    one = layer_bytes(
+        tokens=tokens, heads=heads, kv_heads=kv, head_dim=head_dim, itemsize=itemsize, size=size
+    )
     return micro_batches * one * (2 * layers + recomputed)
 
 
 def layer_bytes(
-    tokens: int, heads: int, kv_heads: int, head_dim: int, itemsize: int, size: int
+    *, tokens: int, heads: int, kv_heads: int, head_dim: int, itemsize: int, size: int
 ) -> float:
     """Bytes one attention layer's all-to-alls send per rank in a forward (the backward sends as
-    many) for ``tokens`` tokens of whole sequences over ``size`` ranks: q and the output with
-    ``heads``, k and v with ``kv_heads``, each its slice's (tokens / size) x heads x head_dim
-    values, (size - 1) / size of them sent."""
+    many): q and the output with ``heads``, k and v with ``kv_heads``, each its slice's
+    (``tokens`` / ``size``) x heads x ``head_dim`` values, (size - 1) / size of them sent.
+
+    Args:
+        tokens: tokens of whole sequences (a micro-batch's).
+        heads: query heads; kv_heads: key-value heads; head_dim: each head's width.
+        itemsize: the compute dtype's bytes.
+        size: the sequence-parallel ranks.
+    """
     values = tokens / size * head_dim * (2 * heads + 2 * kv_heads)
     return values * itemsize * (size - 1) / size

@@ -161,7 +161,14 @@ def _bytes(
     if sp > 1:  # the run's formula: whole sequences' tokens, 1 / sp of them a rank
         recomputed = len(checkpointed(w, build_wrap_plan(model, w.parallel.wrap, n).block_fqns))
         itemsize = precision.compute.itemsize
-        tp["sp_all_to_all"] = step_bytes(model, tokens, sp, itemsize, recomputed, micro)
+        tp["sp_all_to_all"] = step_bytes(
+            model,
+            tokens=tokens,
+            size=sp,
+            itemsize=itemsize,
+            recomputed=recomputed,
+            micro_batches=micro,
+        )
     return CommBytes(
         sp_all_to_all=tp.pop("sp_all_to_all", 0.0),
         all_gather=gathers * row.per_rank * precision.compute.itemsize if n > 1 else 0,
