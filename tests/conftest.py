@@ -76,6 +76,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _COLLECTED.update(Path(str(item.fspath)).stem for item in session.items)
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """A process group of one (gloo, in the test's own process) and its environment: what an
+    in-process build (`fsdp_zero.sharding.build`) needs."""
+    import torch.distributed as dist
+
+    from fsdp_zero.distributed.env import DistEnv
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DistEnv(
+            rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def batches(tmp_path_factory: pytest.TempPathFactory):
     """The training runs the test modules read, launched in batches (tests/batches/)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,18 +30,6 @@ from tests.test_cli import scalars
 TINY = ("model.preset=gpt_tiny",)
 BATCH, SEQ = 2, 32
 MIB = 2**20
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A process group of one (gloo, in this process) and its environment."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DistEnv(
-            rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo"
-        )
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(env: DistEnv, *overrides: str, steps: int = 3) -> list[tuple]:

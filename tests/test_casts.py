@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -27,18 +26,6 @@ from tests.conftest import figure
 
 NANO = ("model.preset=gpt_nano",)
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A process group of one (gloo, in this process) and its environment."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DistEnv(
-            rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo"
-        )
-    finally:
-        dist.destroy_process_group()
 
 
 def _built(env: DistEnv, *overrides: str) -> nn.Module:

@@ -27,6 +27,7 @@ from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.sequence import check_heads, layer_bytes
 from tests.batches import BASE
 from tests.conftest import REPO, figure, run_script
+from tests.hf_fixtures import LLAMA_CONFIG
 
 HAS_HF = __import__("importlib").util.find_spec("transformers") is not None
 
@@ -160,16 +161,8 @@ def test_cuts_that_do_not_divide_are_one_line(overrides, message):
 def test_a_hugging_face_model_whose_heads_do_not_divide_is_one_line():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    with torch.device("meta"):  # 4 heads, 2 key-value heads
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG))
     check_heads(model, 2)
     with pytest.raises(
         ValueError,

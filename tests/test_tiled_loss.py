@@ -15,7 +15,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -171,16 +170,6 @@ def test_a_chunked_evaluation_sums_what_the_untiled_one_does(chunk: int):
         ref, got = _lm_sums(model, batch), _lm_sums(model, batch, chunk=chunk)
     assert got.dtype == torch.float64 and got[1] == ref[1] == TOKENS - 14
     assert abs(got[0] - ref[0]) <= 1e-9 * abs(ref[0]), (got, ref)
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A process group of one (gloo, in this process)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _head_unit(model: Transformer) -> nn.Module:

@@ -96,38 +96,31 @@ def _to_sequence(x: torch.Tensor, group: dist.ProcessGroup, count: AllToAllCount
     return got.transpose(0, 1).reshape(b, sp * h, n // sp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two exchanges (``to_heads``: `_to_heads`, else `_to_sequence`); its backward is
+    the other."""
+
     @staticmethod
-    def forward(ctx, x, group, count):  # noqa: ANN001, ANN205
-        ctx.group, ctx.count = group, count
-        return _to_heads(x, group, count)
+    def forward(ctx, x, group, count, to_heads):  # noqa: ANN001, ANN205
+        ctx.group, ctx.count, ctx.to_heads = group, count, to_heads
+        return (_to_heads if to_heads else _to_sequence)(x, group, count)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        return _to_sequence(grad, ctx.group, ctx.count), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, count):  # noqa: ANN001, ANN205
-        ctx.group, ctx.count = group, count
-        return _to_sequence(x, group, count)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        return _to_heads(grad, ctx.group, ctx.count), None, None
+        back = _to_sequence if ctx.to_heads else _to_heads
+        return back(grad, ctx.group, ctx.count), None, None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, count: AllToAllCount) -> torch.Tensor:
     """(batch, heads, S / sp, head_dim) on each rank -> (batch, heads / sp, S, head_dim): the
     group's slices of the sequence for this rank's share of the heads (differentiable)."""
-    return _SeqToHeads.apply(x, group, count)
+    return _Exchange.apply(x, group, count, True)
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, count: AllToAllCount) -> torch.Tensor:
     """`seq_to_heads`' inverse: (batch, heads / sp, S, head_dim) -> (batch, heads, S / sp,
     head_dim)."""
-    return _HeadsToSeq.apply(x, group, count)
+    return _Exchange.apply(x, group, count, False)
 
 
 class Ulysses(nn.Module):
