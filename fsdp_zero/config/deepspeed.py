@@ -93,7 +93,8 @@ _NO_EFFECT = {
     "memory_breakdown": "the memory breakdown is logged at memory.profile_step",
     "flops_profiler": "no flops profiler; tokens/s are logged",
     "activation_checkpointing": "configures DeepSpeed's checkpointing API for model code; use "
-    "parallel.activation_checkpointing=full|selective",
+    "parallel.activation_checkpointing=full|selective (cpu_checkpointing: "
+    "parallel.activation_offload=true)",
     "tensorboard.output_path": "TensorBoard events go to <run dir>/tb (run.root, run.name)",
     "tensorboard.job_name": "TensorBoard events go to <run dir>/tb (run.root, run.name)",
     "scheduler.params.last_batch_iteration": "the learning rate is set from the step number on resume",
