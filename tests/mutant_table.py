@@ -82,7 +82,9 @@ _DS_ADAM_STEP = "test_adamws_step_is_the_optimizers_not_deepspeeds_global_step"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
 _PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
+_SEQ = "tests/test_sequence.py"
 _SP_BYTES = "test_each_layer_sends_4_slice_h_b_over_sp_and_attention_gathers_nothing"
+_SP_EVAL = ([f"tests/test_parity.py::{_SPLIT_EVAL}[sp2]"], [_SPLIT_EVAL])
 _SP2_PARITY = ([f"tests/test_parity.py::{_PARITY}[sp2]"], [_PARITY])
 _OFFLOADED = (
     ["tests/test_act_offload.py"],
@@ -569,10 +571,8 @@ MUTANTS = {
         [f"tests/test_masked.py::{_TP_TOKENS}[masked-sp2]"],
         [_TP_TOKENS],
     ),
-    "sp-all-to-all-uncounted": (
-        "sequence parallelism: the all-to-alls' bytes not counted",
-        *_only("tests/test_sequence.py", _SP_BYTES),
-    ),
+    "sp-all-to-all-uncounted": ("sp: the all-to-alls' bytes not counted", *_only(_SEQ, _SP_BYTES)),
+    "sp-eval-unsliced": ("sp: evaluation forwards whole windows on each rank", *_SP_EVAL),
     "tiled-loss-logits-kept": (
         "train.loss_chunk: each chunk's logits kept for backward, not recomputed: the untiled peak",
         *_only("tests/test_tiled_loss.py", "test_the_logits_of_one_chunk_only_are_alive"),

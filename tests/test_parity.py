@@ -494,13 +494,14 @@ def test_the_planners_layout_is_what_each_rank_holds(runs, batches, name, overri
         assert rows[rank // per_stage].model_state == mine["model_state_formula_bytes"], rank
 
 
-@pytest.mark.parametrize("name", ["pp2-dp2", "pp2-tp2", "hsdp-tp2"])
+@pytest.mark.parametrize("name", ["pp2-dp2", "pp2-tp2", "hsdp-tp2", "sp2", "hsdp-sp2"])
 def test_pipeline_validation_matches_zero3(runs, name):
-    """Validation at pp 2 x dp 2, and at pp 2 x tp 2 with loss parallelism (the last stage's logits
-    split over the vocabulary): the schedule's forward-only pass over each data-parallel rank's
-    windows, filled up to whole micro-batches, the fill dropped: the eval losses of ZeRO-3 at 2
-    ranks. And hybrid_shard x tp 2, whose data-parallel ranks span two mesh dimensions (the sums
-    reduced over their flattened group)."""
+    """The eval losses of ZeRO-3 at 2 ranks, at: pp 2 x dp 2, and pp 2 x tp 2 with loss parallelism
+    (the last stage's logits split over the vocabulary; the schedule's forward-only pass over each
+    data-parallel rank's windows, filled up to whole micro-batches, the fill dropped); hybrid_shard x
+    tp 2, whose data-parallel ranks span two mesh dimensions (the sums reduced over their flattened
+    group); and sp 2 and 2 replicas x sp 2 (each rank its slice of the same windows, the sums over
+    dp x sp)."""
     got, want = runs[name]["evals"], runs["eval"]["evals"]
     assert sorted(got) == sorted(want) == [3, 6, 8]
     for step in want:

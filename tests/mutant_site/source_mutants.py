@@ -515,4 +515,9 @@ SOURCE = {
         "if torch.is_grad_enabled() and not recomputing(block):",
         "if torch.is_grad_enabled() and not __mutant__(False):",
     ),
+    "sp-eval-unsliced": (
+        "fsdp_zero.training.evaluate",
+        "if self.seq_part[1] > 1:",
+        "if __mutant__(False):",
+    ),
 }
