@@ -186,7 +186,8 @@ class SequenceParallel:
     def note(self) -> str:
         return (
             f"sequence parallelism: each sequence cut into {self.size} slices over a group of "
-            f"{self.size} ranks that shard the model; attention through all-to-alls ({self.how})"
+            f"{self.size} ranks that shard the model, each rank's activations 1/{self.size} of the "
+            f"whole sequences'; attention through all-to-alls ({self.how})"
         )
 
 
