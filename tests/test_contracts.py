@@ -27,6 +27,12 @@ def test_the_built_in_model_declares_every_member_and_a_plain_module_none():
     assert facts.block_class.__name__ == "TransformerBlock"
     assert facts.tp_plan and set(facts.pp_plan) == {"first", "layers", "last"}
     assert facts.sp_plan == ("layers.*.attention.core",)
+    assert facts.attention == {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+    }
     assert facts.init_weights is not None and facts.max_seq_len == model.args.max_seq_len
     assert facts.head is model.output
     plain = model_facts(nn.Linear(2, 2))
@@ -42,6 +48,7 @@ def test_the_built_in_model_declares_every_member_and_a_plain_module_none():
         initializer_range=None,
         head_counts={"num_attention_heads": None, "num_key_value_heads": None},
         head=None,
+        attention=None,
     )
 
 
@@ -61,6 +68,14 @@ def test_a_hugging_face_config_is_read_for_what_the_model_does_not_say():
     assert (facts.vocab_size, facts.max_seq_len, facts.initializer_range) == (50, 64, 0.01)
     assert facts.head_counts == {"num_attention_heads": 4, "num_key_value_heads": None}
     assert facts.no_split_modules == ["Block"]
+    assert facts.attention is None  # (no layers, no width: sequence parallelism is refused)
+    Config.num_hidden_layers, Config.hidden_size = 3, 32
+    assert model_facts(Model()).attention == {
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 8,
+    }
 
 
 def test_a_checkpoint_is_its_parts_model_first():

@@ -21,6 +21,9 @@ from fsdp_zero.torch_private import hf_no_split_modules
 
 # The Hugging Face config's head counts: a head is never split by tensor parallelism.
 HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
+# What sequence parallelism reads of a model's attention (Hugging Face config names): its layers,
+# heads, key-value heads and each head's width.
+ATTENTION_KEYS = ("num_hidden_layers", *HEAD_KEYS, "head_dim")
 
 
 class FsdpZeroModel(Protocol):
@@ -32,6 +35,7 @@ class FsdpZeroModel(Protocol):
     tp_plan: dict[str, str]
     pp_plan: dict[str, Any]
     sp_plan: tuple[str, ...]
+    attention_shape: dict[str, int]
     max_seq_len: int
     config: Any  # a Hugging Face config
 
@@ -87,6 +91,13 @@ DECLARED = (
         "`parallel.sp_size` > 1 is refused",
     ),
     Declared(
+        "attention_shape",
+        "dict of `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`",
+        "`parallel.sp_size` checks that it divides the heads and counts the all-to-alls' bytes",
+        "the Hugging Face config's keys of those names (`head_dim`: hidden_size / heads), else "
+        "`parallel.sp_size` > 1 is refused",
+    ),
+    Declared(
         "init_weights(seed)",
         "method",
         "`model.init=model` (and `auto`) initialises each rank's shards with it",
@@ -130,6 +141,8 @@ class ModelFacts:
     vocab_size: Any  # its config's
     initializer_range: float | None  # its config's
     head_counts: dict[str, Any]  # its config's `HEAD_KEYS`
+    # its `ATTENTION_KEYS`: its attention_shape, else its config's (None: neither says)
+    attention: dict[str, int] | None
     head: nn.Module | None  # its output head: get_output_embeddings()'s
 
 
@@ -153,7 +166,24 @@ def model_facts(model: nn.Module) -> ModelFacts:
         initializer_range=getattr(config, "initializer_range", None),
         head_counts={key: getattr(config, key, None) for key in HEAD_KEYS},
         head=head() if callable(head) else None,
+        attention=getattr(model, "attention_shape", None) or _config_attention(config),
     )
+
+
+def _config_attention(config: Any) -> dict[str, int] | None:
+    """A Hugging Face config's `ATTENTION_KEYS` (key-value heads: the heads where it has none;
+    head_dim: hidden_size / heads), or None for a config without attention heads."""
+    heads = getattr(config, "num_attention_heads", None)
+    layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", 0)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else None)
+    if not (isinstance(heads, int) and isinstance(layers, int) and head_dim):
+        return None
+    return {
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+    }
 
 
 def contract_table() -> str:

@@ -138,6 +138,14 @@ def _chunked_sums(
     return total
 
 
+def check_loss_chunk(model: nn.Module, chunk: int) -> None:
+    """At start-up, before a run leaves anything on disk: a model whose head the tiled loss cannot
+    take (`_tiled_head`'s errors). A model that changes its head's output is found at its first
+    loss (`_through_head`)."""
+    if chunk:
+        _tiled_head(model, chunk)
+
+
 def _tiled_head(model: nn.Module, chunk: int) -> nn.Linear:
     """``model``'s output head (`fsdp_zero.model.contract.ModelFacts.head`), a plain nn.Linear.
 

@@ -188,6 +188,18 @@ class Transformer(nn.Module):
     def max_seq_len(self) -> int:
         return self.args.max_seq_len
 
+    @property
+    def attention_shape(self) -> dict[str, int]:
+        """Its attention's layers, heads, key-value heads and head width (the contract's
+        `fsdp_zero.model.contract.ATTENTION_KEYS`, Hugging Face's names)."""
+        a = self.args
+        return {
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.kv_heads,
+            "head_dim": a.dim // a.n_heads,
+        }
+
     def get_output_embeddings(self) -> nn.Module | None:
         """The output head (Hugging Face's name, `fsdp_zero.model.contract`); None on a pipeline
         stage without it."""

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_zero.model.contract import model_facts
+from fsdp_zero.model.contract import HEAD_KEYS, model_facts
 from fsdp_zero.torch_private import hf_attention_interface, set_hf_attention
 
 # the name fsdp-zero's attention function is registered under with transformers
@@ -157,21 +157,6 @@ def _hf_attention(group: dist.ProcessGroup, count: AllToAllCount) -> Any:
     return attention
 
 
-def _head_counts(model: nn.Module) -> dict[str, int]:
-    """The model's query and key-value heads: its config's (Hugging Face), else its attention
-    modules' (the built-in's ``n_heads`` and ``n_kv_heads``)."""
-    counts = dict(model_facts(model).head_counts)
-    if counts["num_attention_heads"] is not None:
-        counts["num_key_value_heads"] = (
-            counts["num_key_value_heads"] or counts["num_attention_heads"]
-        )
-        return counts
-    for m in model.modules():
-        if hasattr(m, "n_heads") and hasattr(m, "n_kv_heads"):
-            return {"num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads}
-    return {}
-
-
 @dataclass
 class SequenceParallel:
     """What `apply_sequence_parallel` made: the group, this rank's place in it, the all-to-alls'
@@ -194,13 +179,15 @@ class SequenceParallel:
 def check_heads(model: nn.Module, size: int) -> None:
     """Raises a ValueError when the model's query or key-value heads do not divide by ``size``
     (parallel.sp_size): each rank attends with a whole share of both."""
-    counts = _head_counts(model)
-    if not counts:
+    shape = model_facts(model).attention
+    if shape is None:
         raise ValueError(
-            f"parallel.sp_size={size}: the model's attention heads cannot be read (no Hugging Face "
-            "config with num_attention_heads, no attention module with n_heads)"
+            f"parallel.sp_size={size}: the model's attention heads cannot be read (no "
+            "attention_shape, no Hugging Face config with num_attention_heads); valid: "
+            "parallel.sp_size=1"
         )
-    for key, n in counts.items():
+    for key in HEAD_KEYS:
+        n = shape[key]
         if n % size:
             valid = [d for d in range(1, n + 1) if n % d == 0]
             raise ValueError(
@@ -274,20 +261,6 @@ class _Positions:
         return args, kwargs
 
 
-def attention_dims(model: nn.Module) -> tuple[int, int, int, int]:
-    """(attention layers, query heads, key-value heads, head dim) of ``model`` (meta is fine): its
-    attention modules' (the built-in's ``n_heads``, ``n_kv_heads``, ``head_dim``), else its
-    Hugging Face config's."""
-    own = [m for m in model.modules() if hasattr(m, "n_kv_heads") and hasattr(m, "head_dim")]
-    if own:
-        return len(own), own[0].n_heads, own[0].n_kv_heads, own[0].head_dim
-    config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, heads, kv, head_dim
-
-
 def step_bytes(
     model: nn.Module,
     *,
@@ -302,18 +275,24 @@ def step_bytes(
     checkpointing runs again in backward.
 
     Args:
-        model: its attention's dimensions are read (`attention_dims`; meta is fine).
+        model: its attention's shape is read (`ModelFacts.attention`; meta is fine).
         tokens: a micro-batch's tokens of whole sequences (each rank holds 1 / ``size``).
         size: the sequence-parallel ranks (parallel.sp_size).
         itemsize: the compute dtype's bytes.
         recomputed: the attention layers activation checkpointing recomputes.
         micro_batches: a step's.
     """
-    layers, heads, kv, head_dim = attention_dims(model)
+    shape = model_facts(model).attention
+    assert shape is not None, "sequence parallelism's model declares its attention (check_heads)"
     one = layer_bytes(
-        tokens=tokens, heads=heads, kv_heads=kv, head_dim=head_dim, itemsize=itemsize, size=size
+        tokens=tokens,
+        heads=shape["num_attention_heads"],
+        kv_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"],
+        itemsize=itemsize,
+        size=size,
     )
-    return micro_batches * one * (2 * layers + recomputed)
+    return micro_batches * one * (2 * shape["num_hidden_layers"] + recomputed)
 
 
 def layer_bytes(

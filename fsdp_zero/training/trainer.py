@@ -53,6 +53,7 @@ from fsdp_zero.model.tasks import (
     LossFn,
     build_task,
     check_classes_fit,
+    check_loss_chunk,
     max_seq_len,
     trained_tokens,
     vocab_size,
@@ -161,6 +162,7 @@ def setup(cfg: Config, env: DistEnv) -> _Components:
     built = build(cfg, env, decision.seed, topology=topology)
     source = build_source(cfg.data, decision.seed, vocab_size(built.whole))
     _check_data_fits(cfg.data, cfg.model.task, built.whole, source)
+    check_loss_chunk(built.model, cfg.train.loss_chunk)
     # a mask file: token-weighted loss
     loss_fn = build_task(
         cfg.model, masked=getattr(source, "masked", False), loss_chunk=cfg.train.loss_chunk
