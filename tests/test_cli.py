@@ -253,6 +253,11 @@ def test_wrap_policy_swapped_from_the_command_line(tmp_path: Path):
             ["optim.step_group_size=-1"],
             "optim.step_group_size=-1: must be >= 0 (elements per AdamW group",
         ),
+        # the tiled loss's head, checked once the model is built, before the run writes anything
+        (
+            ["model.lora.rank=4", "model.lora.targets=[output]", "train.loss_chunk=8"],
+            "train.loss_chunk=8: the output head is a LoRALinear, not a plain nn.Linear",
+        ),
     ],
 )
 def test_user_errors_exit_2_with_one_clear_line_and_write_nothing(tmp_path: Path, args, message):

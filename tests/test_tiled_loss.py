@@ -29,7 +29,7 @@ from fsdp_zero.model.tasks import _lm_sums, build_task
 from fsdp_zero.model.transformer import Transformer
 from fsdp_zero.tools.formulas import loss_logits_bytes
 from tests.batches import HAS_HF
-from tests.conftest import assert_user_error, figure
+from tests.conftest import figure
 from tests.test_parity import LOSS_ATOL, NORM_ATOL, WEIGHT_ATOL
 
 VOCAB = 3000  # large beside gpt_nano's dim 64: the logits are the largest tensors
@@ -261,18 +261,3 @@ def test_two_ranks_train_the_same_with_the_tiled_loss(batches):
     assert losses < LOSS_ATOL and norms < NORM_ATOL and weights < WEIGHT_ATOL and evals < 1e-6
     # the chunks' sums round differently: the tiled loss ran, not ``masked`` twice
     assert weights > 0
-
-
-def test_a_head_it_cannot_tile_is_refused_at_start_up_writing_nothing(tmp_path):
-    """scripts/train.py with LoRA on the head and the tiled loss: exit 2, one line, no run directory
-    (the head is checked once the model is built, before the run leaves anything on disk)."""
-    assert_user_error(
-        tmp_path,
-        "train.loss_chunk=8: the output head is a LoRALinear, not a plain nn.Linear",
-        "model.preset=gpt_nano",
-        "data.seq_len=32",
-        "train.steps=1",
-        "model.lora.rank=4",
-        "model.lora.targets=[output]",
-        "train.loss_chunk=8",
-    )
