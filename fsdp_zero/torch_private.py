@@ -51,6 +51,7 @@ __all__ = [
     "reset_fsdp_iter_state",
     "set_group_timeout",
     "local_shape_and_offset",
+    "local_parameters",
     "count_functional_collectives",
     "to_nf4",
     "low_bit_adamw",
@@ -519,3 +520,23 @@ def precompute_float8_scales(model: torch.nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+@contextlib.contextmanager
+def local_parameters(module: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While open, ``module``'s own parameters read as their local tensors (a DTensor's
+    ``to_local()``, differentiable; others as they are), so its forward computes on this rank's
+    slice: expert parallelism's experts, whose token counts no DTensor can express (torchtitan's
+    ``GroupedExperts`` calls ``to_local`` in its forward). Yields them. Reads ``nn.Module``'s
+    private ``_parameters``: a plain attribute shadows no registered parameter."""
+    saved = dict(module._parameters)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in saved.values()]
+    try:
+        for name, t in zip(saved, local):
+            del module._parameters[name]
+            module.__dict__[name] = t
+        yield local
+    finally:
+        for name, p in saved.items():
+            module.__dict__.pop(name, None)
+            module._parameters[name] = p

@@ -25,6 +25,20 @@ class TransformerArgs:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Mixture of experts (`fsdp_zero.model.transformer.MoE`): every block's feed-forward is n_experts
+    # SwiGLU experts of which a router picks experts_top_k a token (0: a dense feed-forward).
+    n_experts: int = 0
+    experts_top_k: int = 2
+    # each expert's hidden width (None: the dense hidden width / experts_top_k, so that a token's
+    # experts compute what the dense feed-forward would: the active parameters stay the dense ones)
+    expert_hidden_dim: int | None = None
+    shared_expert: bool = False  # one more expert of that width that every token goes through
+    router_score: str = "softmax"  # softmax over the experts, or sigmoid (DeepSeek-V3's)
+    # the load-balancing loss's weight in the training loss (`fsdp_zero.model.tasks`; 0: none)
+    aux_loss_coef: float = 0.01
+    # experts take at most ceil(capacity_factor x tokens x top_k / n_experts) tokens a forward,
+    # the later ones dropped (0: no limit)
+    capacity_factor: float = 0.0
 
     @property
     def kv_heads(self) -> int:
@@ -36,11 +50,21 @@ class TransformerArgs:
             return self.ffn_hidden_dim
         return 64 * math.ceil(8 * self.dim / 3 / 64)
 
-    def num_params(self) -> int:
-        """Parameter count, computed from the shapes (tied embeddings counted once)."""
+    @property
+    def expert_width(self) -> int:
+        return self.expert_hidden_dim or max(1, self.hidden_dim // self.experts_top_k)
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count, computed from the shapes (tied embeddings counted once); ``active``:
+        those a token computes with (its top-k experts of a mixture, not all of them)."""
         head_dim = self.dim // self.n_heads
         attn = self.dim * self.dim * 2 + 2 * self.dim * self.kv_heads * head_dim
         mlp = 3 * self.dim * self.hidden_dim
+        if self.n_experts:
+            experts = self.experts_top_k if active else self.n_experts
+            mlp = self.dim * self.n_experts + 3 * self.dim * self.expert_width * (
+                experts + self.shared_expert
+            )
         block = attn + mlp + 2 * self.dim
         embed = self.vocab_size * self.dim
         return self.n_layers * block + embed * (1 if self.tie_embeddings else 2) + self.dim
@@ -59,6 +83,15 @@ PRESETS: dict[str, TransformerArgs] = {
     ),
     "gpt_1b": TransformerArgs(
         vocab_size=32000, dim=2048, n_layers=18, n_heads=16, max_seq_len=2048
+    ),
+    # mixtures of experts: 8 experts, top 2, each half the dense width (a token computes what
+    # gpt_nano's / gpt_small's feed-forward does): moe_nano for tests, moe_small GPT-2-small's
+    # active size (~134M active of ~304M)
+    "moe_nano": TransformerArgs(
+        vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=256, n_experts=8
+    ),
+    "moe_small": TransformerArgs(
+        vocab_size=32000, dim=768, n_layers=12, n_heads=12, max_seq_len=1024, n_experts=8
     ),
 }
 
@@ -110,5 +143,16 @@ def check_model_config(cfg: ModelConfig) -> None:
                 "pass the model's own arguments in model.kwargs"
             )
     for name in BUILTIN_FIELDS:
-        if name != "tie_embeddings":
+        if name in ("aux_loss_coef", "capacity_factor"):
+            value = getattr(cfg, name)
+            if value is not None and value < 0:
+                raise ValueError(f"model.{name}={value} must be >= 0")
+        elif name not in ("tie_embeddings", "shared_expert"):
             check_positive(f"model.{name}", getattr(cfg, name))
+    if cfg.target is None and cfg.pretrained is None:
+        args = model_args(cfg.preset, **{n: getattr(cfg, n) for n in BUILTIN_FIELDS})
+        if args.n_experts and args.experts_top_k > args.n_experts:
+            raise ValueError(
+                f"model.experts_top_k={args.experts_top_k} must be at most model.n_experts="
+                f"{args.n_experts}"
+            )

@@ -24,6 +24,7 @@ from fsdp_zero.config.choices import (
     Quantize,
     StateTier,
     Task,
+    WrapPolicy,
 )
 from fsdp_zero.config.presets import BUILTIN_FIELDS, TransformerArgs, model_args
 from fsdp_zero.config.schema import (
@@ -59,6 +60,7 @@ class Refusal:
 
 _FSDP = f"it needs an FSDP strategy ({strategies_that('fsdp')})"
 _TP, _PP, _SP = "parallel.tp_size", "parallel.pp_size", "parallel.sp_size"
+_EP = "parallel.ep_size"
 _STRATEGY = "parallel.strategy"
 _QLORA = ("model.lora.rank=4", "model.lora.targets=[wq]", "model.lora.quantize=nf4")
 _BF16 = "precision=bf16-mixed"
@@ -359,6 +361,56 @@ REFUSALS: tuple[Refusal, ...] = (
                 "hpZ's groups are not laid out over the sequence-parallel ranks",
                 True,
                 ("parallel.reshard_after_forward=2",),
+            ),
+        )
+    ),
+    # expert parallelism (fsdp_zero/sharding/experts.py): the experts sharded over its ranks
+    *(
+        Refusal(
+            _EP, lambda c: c.parallel.ep_size > 1, key, bad, why, yet=yet, example=(*ex, f"{_EP}=2")
+        )
+        for key, bad, why, yet, ex in (
+            (
+                _STRATEGY,
+                lambda c: not is_fsdp(c.parallel.strategy),
+                f"{_FSDP}: its ranks shard the experts (FSDP2 + EP)",
+                False,
+                ("model.preset=moe_nano", "parallel.strategy=ddp"),
+            ),
+            (
+                "parallel.wrap.policy",
+                lambda c: c.parallel.wrap.policy is WrapPolicy.none,
+                "the experts are FSDP units of their own, on their own mesh",
+                False,
+                ("model.preset=moe_nano", "parallel.wrap.policy=none"),
+            ),
+            (
+                _TP,
+                lambda c: c.parallel.tp_size > 1,
+                "not built with tensor parallelism",
+                True,
+                ("model.preset=moe_nano", f"{_TP}=2"),
+            ),
+            (
+                _PP,
+                lambda c: c.parallel.pp_size > 1,
+                "not built with pipeline parallelism",
+                True,
+                ("model.preset=moe_nano", f"{_PP}=2"),
+            ),
+            (
+                _SP,
+                lambda c: c.parallel.sp_size > 1,
+                "not built with sequence parallelism",
+                True,
+                ("model.preset=moe_nano", f"{_SP}=2"),
+            ),
+            (
+                "parallel.reshard_after_forward",
+                lambda c: c.parallel.reshard_after_forward is not None,
+                "hpZ's groups are not laid out over the expert-parallel ranks",
+                True,
+                ("model.preset=moe_nano", "parallel.reshard_after_forward=2"),
             ),
         )
     ),

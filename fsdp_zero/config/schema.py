@@ -71,6 +71,13 @@ class ModelConfig:
     ffn_hidden_dim: int | None = None
     max_seq_len: int | None = None
     tie_embeddings: bool | None = None
+    # the built-in mixture of experts (presets moe_nano, moe_small; n_experts > 0 on any preset):
+    # experts a block holds, and picked a token; the load-balancing loss's weight; the experts'
+    # capacity (tokens x top-k / experts x this; 0: none). Null: the preset's.
+    n_experts: int | None = None
+    experts_top_k: int | None = None
+    aux_loss_coef: float | None = None
+    capacity_factor: float | None = None
     # A standard, non-sharded state dict to start from: a torch.save(model.state_dict())
     # .pt file, a .safetensors file, or a folder of safetensors shards with an index.
     init_from: str | None = None
@@ -264,6 +271,15 @@ class ParallelConfig:
     # precisions; 2 B under bf16-true). The same results within float rounding (a 16-bit reduce
     # dtype sums the micro-batches in 16 bits); fewer bytes.
     grad_sync: GradSync = GradSync.every_micro_batch
+    # Expert parallelism (docs/parallelism.md#mixture-of-experts-and-expert-parallelism): a
+    # mixture's routed experts divided over groups of ep_size ranks, each token sent to the rank
+    # that holds its expert and back (an all-to-all each way). The group's ranks read different
+    # data and are data-parallel ranks FSDP shards the other parameters over; each expert's
+    # weights are sharded over the ranks ep_size leaves (torchtitan's dp_shard_mod_ep). The
+    # model's experts must divide by ep_size.
+    ep_size: int = field(
+        default=1, metadata=gt(0) | grid_axis("ep", joins=("batch", "loss", "shard"))
+    )
     # Ulysses sequence parallelism (docs/parallelism.md#sequence-parallelism-ulysses): each rank
     # of a group of sp_size ranks holds a slice of every sequence, and attention trades it for a
     # slice of the heads (an all-to-all before and after); the group's ranks are ranks the model

@@ -165,8 +165,11 @@ class Topology:
 
     def same_batch(self) -> tuple[dist.ProcessGroup, ...]:
         """The groups whose ranks read one batch, innermost first: the axes outside `DATA_AXES`
-        (this rank's tensor-parallel group, its pipeline)."""
-        groups = (self.group_of(a) for a in reversed(self.sizes) if a not in DATA_AXES)
+        that do not join the batch (this rank's tensor-parallel group, its pipeline)."""
+        batch = self.joins.get(Role.BATCH, ())
+        groups = (
+            self.group_of(a) for a in reversed(self.sizes) if a not in DATA_AXES + batch
+        )
         return tuple(g for g in groups if g is not None)
 
     def submesh(self, role: Role) -> DeviceMesh:
@@ -182,6 +185,12 @@ class Topology:
                 else self.mesh[_dim_name(shard)]
             )
         return self.mesh if axes == self.mesh.mesh_dim_names else self.mesh[axes]
+
+    def expert_mesh(self, axis: str) -> DeviceMesh:
+        """The mesh FSDP shards what ``axis`` splits over: `Role.SHARD`'s axes without ``axis``
+        (expert parallelism's experts: over the data-parallel ranks the ep axis leaves, and
+        hybrid_shard's replicas)."""
+        return self.mesh[tuple(a for a in self.axes(Role.SHARD) if a != axis)]
 
     def _shard_axes(self) -> tuple[str, ...]:
         """The axes of FSDP's shard dimension: dp_shard and the split axes that join it (without

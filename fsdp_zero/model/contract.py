@@ -24,6 +24,10 @@ HEAD_KEYS = ("num_attention_heads", "num_key_value_heads")
 # What sequence parallelism reads of a model's attention (Hugging Face config names): its layers,
 # heads, key-value heads and each head's width.
 ATTENTION_KEYS = ("num_hidden_layers", *HEAD_KEYS, "head_dim")
+# What a mixture of experts says of itself (Hugging Face config names): its routed experts,
+# experts a token, the load-balancing loss's weight, and how the router scores (softmax: the
+# Hugging Face models'; sigmoid: DeepSeek-V3's).
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef", "scoring_func")
 
 
 class FsdpZeroModel(Protocol):
@@ -36,6 +40,8 @@ class FsdpZeroModel(Protocol):
     pp_plan: dict[str, Any]
     sp_plan: tuple[str, ...]
     attention_shape: dict[str, int]
+    ep_plan: tuple[str, ...]
+    moe_shape: dict[str, Any] | None
     max_seq_len: int
     config: Any  # a Hugging Face config
 
@@ -98,6 +104,24 @@ DECLARED = (
         "`parallel.sp_size` > 1 is refused",
     ),
     Declared(
+        "ep_plan",
+        "tuple of module-name patterns (the routed experts: weights stacked on dim 0, "
+        "(tokens, experts, weights) -> out)",
+        "each is an FSDP unit of its own; `parallel.ep_size` > 1 gives each rank a slice of the "
+        "experts and sends it their tokens (`sharding/experts.py`)",
+        "a Hugging Face mixture's modules whose class name ends in `Experts` (Qwen3-MoE's, "
+        "Mixtral's), else none: `parallel.ep_size` > 1 is refused",
+    ),
+    Declared(
+        "moe_shape",
+        "dict of `num_experts`, `num_experts_per_tok`, `router_aux_loss_coef`, `scoring_func`, "
+        "and `num_active_params` (optional)",
+        "the load-balancing loss on the router logits the model returns (`router_logits`), the "
+        "experts `parallel.ep_size` must divide, active against total parameters at start-up",
+        "the Hugging Face config's keys of those names (`num_local_experts`: Mixtral's), else a "
+        "dense model",
+    ),
+    Declared(
         "init_weights(seed)",
         "method",
         "`model.init=model` (and `auto`) initialises each rank's shards with it",
@@ -144,6 +168,8 @@ class ModelFacts:
     # its `ATTENTION_KEYS`: its attention_shape, else its config's (None: neither says)
     attention: dict[str, int] | None
     head: nn.Module | None  # its output head: get_output_embeddings()'s
+    ep_plan: tuple[str, ...]  # its experts' module-name patterns (`sharding/experts.py` reads them)
+    moe: dict[str, Any] | None  # its `MOE_KEYS`: its moe_shape, else its config's (None: dense)
 
 
 def model_facts(model: nn.Module) -> ModelFacts:
@@ -167,7 +193,41 @@ def model_facts(model: nn.Module) -> ModelFacts:
         head_counts={key: getattr(config, key, None) for key in HEAD_KEYS},
         head=head() if callable(head) else None,
         attention=getattr(model, "attention_shape", None) or _config_attention(config),
+        ep_plan=tuple(getattr(model, "ep_plan", None) or _hf_experts(model, config)),
+        moe=getattr(model, "moe_shape", None) or _config_moe(config),
     )
+
+
+def _config_moe(config: Any) -> dict[str, Any] | None:
+    """A Hugging Face mixture's `MOE_KEYS` from its config (Mixtral's ``num_local_experts``;
+    softmax scores), or None: a dense config."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not (isinstance(experts, int) and isinstance(top_k, int) and experts > 1):
+        return None
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "router_aux_loss_coef": float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0),
+        "scoring_func": "softmax",
+    }
+
+
+def _hf_experts(model: nn.Module, config: Any) -> tuple[str, ...]:
+    """A Hugging Face mixture's routed experts: its modules whose class name ends in ``Experts``
+    and whose parameters stack the config's experts on dim 0, as patterns (the layer index a
+    ``*``)."""
+    moe = _config_moe(config)
+    if moe is None:
+        return ()
+    found = {
+        ".".join("*" if part.isdigit() else part for part in name.split("."))
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("Experts")
+        and all(p.dim() == 3 and p.shape[0] == moe["num_experts"] for p in module.parameters())
+        and any(True for _ in module.parameters())
+    }
+    return tuple(sorted(found))
 
 
 def _config_attention(config: Any) -> dict[str, int] | None:

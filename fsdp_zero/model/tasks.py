@@ -15,6 +15,11 @@ loss over the trained targets, and `trained_tokens` counts them, which
 `fsdp_zero.training.step.Step.run` (its ``token_count``) uses to divide by the trained tokens of
 the whole global batch.
 
+A mixture of experts (`fsdp_zero.model.contract.ModelFacts.moe`) that returns its router logits
+(``router_logits``: the built-in's `MoEOutput`, a Hugging Face mixture's with
+``output_router_logits``) adds its load-balancing loss times its ``router_aux_loss_coef`` to
+causal_lm's (`load_balance_loss`; logged as ``moe/aux_loss``).
+
 ``train.loss_chunk`` > 0 tiles causal_lm's loss (plain and masked, and the evaluation's sums): the
 model's output head (`fsdp_zero.model.contract.ModelFacts.head`) and the fp32 cross-entropy run
 over chunks of that many tokens, one chunk's logits alive at a time (`tiled_cross_entropy`).
@@ -56,22 +61,75 @@ def logits_of(output: Any) -> torch.Tensor:
     return logits
 
 
+def load_balance_loss(
+    router_logits: tuple[torch.Tensor, ...], moe: dict[str, Any], sequences: int
+) -> torch.Tensor:
+    """The load-balancing loss of a mixture's router logits, per sequence (DeepSeek-V3's
+    sequence-wise form, torchtitan's): for each layer and sequence, E x sum_e f_e P_e, where f_e is
+    the share of the sequence's k slots routed to expert e (top-k of the logits; no gradient) and
+    P_e its mean score (softmax, or sigmoid normalised over the experts); 1 when balanced. The mean
+    over layers and sequences: a batch's is the mean of its parts', so it is the same however the
+    global batch is cut over ranks and micro-batches.
+
+    Args:
+        router_logits: each layer's (tokens, experts) or (sequences, tokens, experts).
+        moe: `fsdp_zero.model.contract.MOE_KEYS` (num_experts, num_experts_per_tok, scoring_func).
+        sequences: the batch's sequences (each layer's tokens are theirs, in order).
+
+    Returns:
+        A 0-dim fp32 tensor.
+    """
+    experts, k = moe["num_experts"], moe["num_experts_per_tok"]
+    total = torch.zeros((), device=router_logits[0].device)
+    for logits in router_logits:
+        logits = logits.reshape(sequences, -1, experts).float()
+        if moe.get("scoring_func", "softmax") == "softmax":
+            scores = logits.softmax(-1)
+        else:
+            scores = logits.sigmoid()
+            scores = scores / scores.sum(-1, keepdim=True)
+        with torch.no_grad():
+            picked = F.one_hot(logits.topk(k, dim=-1).indices, experts).sum((1, 2)).float()
+            share = picked / (logits.shape[1] * k)  # (sequences, experts)
+        total = total + experts * (share * scores.mean(1)).sum(-1).mean()
+    return total / len(router_logits)
+
+
+def _with_aux(
+    model: nn.Module, out: Any, loss: torch.Tensor, inputs: torch.Tensor, weight: Any = 1
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss`` plus a mixture's load-balancing loss times its coefficient (times ``weight``: a
+    summed loss's tokens) where ``out`` carries router logits; the scalars to log."""
+    router = getattr(out, "router_logits", None)
+    if not router:
+        return loss, {}
+    moe = model_facts(model.module if isinstance(model, DistributedDataParallel) else model).moe
+    if moe is None:
+        return loss, {}
+    aux = load_balance_loss(tuple(router), moe, inputs.shape[0])
+    loss = loss + moe["router_aux_loss_coef"] * aux * weight
+    return loss, {"moe/aux_loss": aux.detach()}
+
+
 def causal_lm(
     model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     inputs, targets = batch
-    logits = logits_of(model(inputs))
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()), {}
+    out = model(inputs)
+    loss = F.cross_entropy(logits_of(out).flatten(0, 1).float(), targets.flatten())
+    return _with_aux(model, out, loss, inputs)
 
 
 def _masked_causal_lm(
     model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """causal_lm's cross-entropy summed over the trained targets (those not `IGNORE_INDEX`; 0 when
-    none is)."""
+    none is); a mixture's load-balancing loss weighted by them (the step divides by the global
+    batch's)."""
     inputs, targets = batch
-    logits = logits_of(model(inputs))
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"), {}
+    out = model(inputs)
+    loss = F.cross_entropy(logits_of(out).flatten(0, 1).float(), targets.flatten(), reduction="sum")
+    return _with_aux(model, out, loss, inputs, trained_tokens(batch))
 
 
 def trained_tokens(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -203,7 +261,7 @@ def _head_reduces(
 
 def _through_head(
     model: nn.Module, inputs: torch.Tensor, chunk: int, reduce: Callable[..., torch.Tensor]
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, Any]:
     """``model(inputs)`` with its head returning ``reduce``'s result (`_head_reduces`), which the
     model must return as it is (as its output or its ``.logits``).
 
@@ -212,14 +270,15 @@ def _through_head(
             scale) or calls the head other than once.
     """
     with _head_reduces(_tiled_head(model, chunk), chunk, reduce) as returned:
-        out = logits_of(model(inputs))
+        output = model(inputs)
+        out = logits_of(output)
     if len(returned) != 1 or out is not returned[0]:
         raise ValueError(
             f"train.loss_chunk={chunk}: {type(model).__name__} does not return its head's output "
             "as it is (it changes the logits, e.g. a soft-cap or a scale, or calls the head "
             f"{len(returned)} times); set train.loss_chunk=0"
         )
-    return out
+    return out, output
 
 
 def _tiled_causal_lm(chunk: int, masked: bool) -> LossFn:
@@ -234,9 +293,11 @@ def _tiled_causal_lm(chunk: int, masked: bool) -> LossFn:
         def reduce(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
             return tiled_cross_entropy(h, w, b, flat, chunk)
 
-        total = _through_head(model, inputs, chunk, reduce)
+        total, out = _through_head(model, inputs, chunk, reduce)
         # plain: F.cross_entropy's mean, over the targets that are not IGNORE_INDEX
-        return (total if masked else total / trained_tokens(batch)), {}
+        if masked:
+            return _with_aux(model, out, total, inputs, trained_tokens(batch))
+        return _with_aux(model, out, total / trained_tokens(batch), inputs)
 
     return tiled_causal_lm
 
@@ -343,7 +404,7 @@ def _lm_sums(
         def reduce(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
             return _chunked_sums(h, w, b, flat, chunk)
 
-        loss_sum = _through_head(model, inputs, chunk, reduce)
+        loss_sum, _ = _through_head(model, inputs, chunk, reduce)
     else:
         logits = logits_of(model(inputs))
         # vocabulary-sharded logits (loss parallelism) gathered: evaluation forwards without

@@ -1,4 +1,5 @@
-"""A decoder-only transformer in the modern style: RMSNorm, rotary embeddings, SwiGLU.
+"""A decoder-only transformer in the modern style: RMSNorm, rotary embeddings, SwiGLU; with
+``n_experts`` > 0 each block's feed-forward is a mixture of experts (`MoE`).
 
 The model knows nothing about distribution: sharding, checkpointing of activations
 and offload are applied from outside (``fsdp_zero.sharding.parallelize``). It is built on the
@@ -8,6 +9,7 @@ meta device, sharded, then materialised with ``to_empty`` and ``init_weights``.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -107,16 +109,122 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Router(nn.Module):
+    """Top-k routing: (tokens, dim) -> (logits (tokens, experts), weights (tokens, k), experts
+    (tokens, k)). Scores are the softmax over the experts (Mixtral, Qwen3-MoE) or each expert's
+    sigmoid (DeepSeek-V3); the k best's weights are their scores renormalised to sum to 1. Under a
+    capacity, the slots past an expert's capacity (in token order) get the expert index
+    ``n_experts``: no expert computes them."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        if args.router_score not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"router_score={args.router_score!r}; valid choices: softmax, sigmoid"
+            )
+        self.n_experts, self.top_k = args.n_experts, args.experts_top_k
+        self.score, self.capacity_factor = args.router_score, args.capacity_factor
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.gate(x)
+        scores = logits.float().softmax(-1) if self.score == "softmax" else logits.float().sigmoid()
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        if self.capacity_factor:
+            experts = self._over_capacity_dropped(experts)
+        return logits, weights.to(x.dtype), experts
+
+    def _over_capacity_dropped(self, experts: torch.Tensor) -> torch.Tensor:
+        """``experts`` with each expert's slots past its capacity (token order) set to n_experts."""
+        tokens, k = experts.shape
+        capacity = math.ceil(self.capacity_factor * tokens * k / self.n_experts)
+        flat = experts.reshape(-1)
+        hot = F.one_hot(flat, self.n_experts)
+        place = (hot.cumsum(0) * hot).sum(-1) - 1  # each slot's place among its expert's slots
+        return torch.where(place < capacity, flat, self.n_experts).view(tokens, k)
+
+
+class Experts(nn.Module):
+    """``n`` SwiGLU experts held as stacked weights (expert on dim 0, so a rank can hold a slice of
+    them): (tokens (T, dim), experts (T, k), weights (T, k)) -> (T, dim), each token's experts'
+    outputs weighted and summed in the order of the experts (Hugging Face's experts' interface,
+    Qwen3-MoE's and Mixtral's). An expert index >= n is no expert (a dropped slot)."""
+
+    def __init__(self, n: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.n_experts = n
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the slots grouped by expert, in token order
+        counts = torch.bincount(flat, minlength=self.n_experts + 1).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts[: self.n_experts]):
+            if n:
+                slots = order[start : start + n]
+                tokens = slots // k
+                h = x[tokens]
+                y = F.linear(F.silu(F.linear(h, self.w1[e])) * F.linear(h, self.w3[e]), self.w2[e])
+                out.index_add_(0, tokens, (y * weights.reshape(-1)[slots, None]).to(out.dtype))
+            start += n
+        return out
+
+
+class MoE(nn.Module):
+    """A mixture of experts in a block's feed-forward: the router picks each token's top-k experts,
+    whose weighted outputs are summed (plus a shared expert's, where there is one). Returns the
+    output and the router's logits (what the load-balancing loss reads)."""
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.router = Router(args)
+        self.experts = Experts(args.n_experts, args.dim, args.expert_width)
+        self.shared = FeedForward(args.dim, args.expert_width) if args.shared_expert else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        logits, weights, experts = self.router(flat)
+        out = self.experts(flat, experts, weights)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view_as(x), logits
+
+
+class MoEOutput(NamedTuple):
+    """A mixture's output (a tuple, so FSDP sees its tensors): the logits, and each block's router
+    logits (tokens, experts), Hugging Face's ``router_logits``."""
+
+    logits: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...]
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        if args.n_experts:
+            self.moe = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The block's output; a mixture's block also its router's logits."""
         x = x + self.attention(self.attention_norm(x), rope)
+        if hasattr(self, "moe"):
+            out, router_logits = self.moe(self.ffn_norm(x))
+            return x + out, router_logits
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -150,6 +258,9 @@ class Transformer(nn.Module):
     # whole sequences, (q, k, v) -> out in (batch, heads, seq, head_dim), wrapped by the all-to-alls
     # that trade a slice of the sequence for a slice of the heads and back.
     sp_plan = ("layers.*.attention.core",)
+    # Expert parallelism's experts (`fsdp_zero.sharding.experts`): the modules that hold the routed
+    # experts stacked on dim 0, (tokens, experts, weights) -> out.
+    ep_plan = ("layers.*.moe.experts",)
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
@@ -200,6 +311,21 @@ class Transformer(nn.Module):
             "head_dim": a.dim // a.n_heads,
         }
 
+    @property
+    def moe_shape(self) -> dict[str, object] | None:
+        """Its mixture's experts, experts a token, load-balancing weight and scores (the contract's
+        `fsdp_zero.model.contract.MOE_KEYS`, Hugging Face's names); None: dense."""
+        a = self.args
+        if not a.n_experts:
+            return None
+        return {
+            "num_experts": a.n_experts,
+            "num_experts_per_tok": a.experts_top_k,
+            "router_aux_loss_coef": a.aux_loss_coef,
+            "scoring_func": a.router_score,
+            "num_active_params": a.num_params(active=True),
+        }
+
     def get_output_embeddings(self) -> nn.Module | None:
         """The output head (Hugging Face's name, `fsdp_zero.model.contract`); None on a pipeline
         stage without it."""
@@ -207,10 +333,11 @@ class Transformer(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """(batch, seq) token ids -> (batch, seq, vocab) logits; ``position_ids`` (seq) or (batch
-        or 1, seq): each token's position in its sequence (None: 0, 1, ..., seq - 1), as a Hugging
-        Face model takes them: a part of longer sequences is rotated at its own positions."""
+    ) -> torch.Tensor | MoEOutput:
+        """(batch, seq) token ids -> (batch, seq, vocab) logits (a mixture's: `MoEOutput`, with
+        its router logits); ``position_ids`` (seq) or (batch or 1, seq): each token's position in
+        its sequence (None: 0, 1, ..., seq - 1), as a Hugging Face model takes them: a part of
+        longer sequences is rotated at its own positions."""
         # (positions given: their table's rows, which end at max_seq_len; read without a sync)
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(
@@ -225,9 +352,14 @@ class Transformer(nn.Module):
         # (.float(): a no-op but under bf16-true, whose model cast rounded the buffer to bf16.)
         rope = torch.view_as_complex(self.rope.float())
         rope = rope if position_ids is None else rope[position_ids]
+        router_logits = []
         for layer in self.layers.values():
             h = layer(h, rope)
-        return self.output(self.norm(h)) if self.output is not None else h
+            if isinstance(h, tuple):  # a mixture's block
+                h, logits = h
+                router_logits.append(logits)
+        out = self.output(self.norm(h)) if self.output is not None else h
+        return MoEOutput(out, tuple(router_logits)) if router_logits else out
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -244,7 +376,7 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 init.constant_(param, 1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 init.normal_(param, std=residual_std, seed=seed, name=name)
             else:
                 init.normal_(param, std=0.02, seed=seed, name=name)

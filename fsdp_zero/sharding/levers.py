@@ -11,11 +11,13 @@ The stages, in the order the build runs them (`Stage`):
 CONVERT    on the meta model, before anything is cut: QLoRA's NF4 base planned, float8's Linears
 CUT        pipeline parallelism: this rank's stages cut from the model, each sharded on its own
 SPLIT      tensor parallelism: the planned layers split over the mesh's tp dimension; sequence
-           parallelism: attention wrapped with its all-to-alls
+           parallelism: attention wrapped with its all-to-alls; expert parallelism: each rank's
+           slice of the experts, their tokens dispatched by all-to-all
 RECOMPUTE  activation checkpointing on the block units; their inputs offloaded to the host
 COMPILE    torch.compile of each block unit
-SHARD      fully_shard's keyword arguments (CPU offload), a hook on each unit just before it is
-           sharded (NF4's quantizer), the units in forward order after (explicit prefetch)
+SHARD      fully_shard's keyword arguments (CPU offload), a unit's own mesh (expert parallelism's
+           experts), a hook on each unit just before it is sharded (NF4's quantizer), the units in
+           forward order after (explicit prefetch; the experts' gradient divisor)
 OPTIMIZER  where AdamW steps (CPU offload: the host), its states (low-bit, step groups, offloaded
            to the host or a disk), float8's scales after each step
 STEP       each step: which micro-batches' backwards reduce (`fsdp_zero.training.step.Step`)
@@ -48,7 +50,9 @@ from fsdp_zero.config.schema import Config
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.distributed.topology import Role
 from fsdp_zero.sharding.act_offload import offload_activations
+from fsdp_zero.sharding.experts import apply_expert_parallel
 from fsdp_zero.sharding.offload import TieredOptimizer
 from fsdp_zero.sharding.pipeline import RankStages, build_stages, stage_wrap, stages_plan
 from fsdp_zero.sharding.quantize import (
@@ -106,6 +110,8 @@ class Lever:
     fsdp_kwargs: Callable[[BuildContext], dict[str, object]] | None = None
     before_unit: Callable[[Any, nn.Module], Callable[[str, nn.Module], None]] | None = None
     after_units: Callable[[list[FSDPModule], Any], None] | None = None
+    # (made, unit FQN) -> the mesh FSDP shards that unit over (None: the run's)
+    unit_mesh: Callable[[Any, str], Any] | None = None
     on_host: bool = False  # the shards (from the start) and the optimizer's step live on the CPU
     # the values `plan.py fit` searches (`fsdp_zero.tools.candidates`); () where it searches none
     search: tuple[object, ...] = ()
@@ -233,6 +239,15 @@ def _sequence(model: nn.Module, ctx: BuildContext) -> None:
     assert group is not None, "parallel.sp_size > 1 has a group"
     rank = ctx.topology.rank("sp", ctx.env.rank)
     ctx.made[SEQUENCE.name] = apply_sequence_parallel(model, group, rank, SEQUENCE.value(ctx.cfg))
+
+
+def _experts(model: nn.Module, ctx: BuildContext) -> None:
+    """Expert parallelism: each rank's slice of the experts, their tokens dispatched over its
+    expert-parallel group (`fsdp_zero.sharding.experts`); what it made goes to ``ctx.made``."""
+    topology = ctx.topology
+    ctx.made[EXPERT.name] = apply_expert_parallel(
+        model, topology.mesh["ep"], topology.expert_mesh("ep"), topology.size(Role.SHARD)
+    )
 
 
 def _cut(model: nn.Module, ctx: BuildContext, shard: ShardFn) -> tuple[nn.Module, WrapPlan, str]:
@@ -388,6 +403,16 @@ TENSOR = Lever(
     apply=_split,
     state_terms=lambda _, model: {"tp_whole": tp_whole(model)},
 )
+EXPERT = Lever(
+    "expert",
+    ("parallel.ep_size",),
+    Stage.SPLIT,
+    off=1,
+    apply=_experts,
+    unit_mesh=lambda ep, fqn: ep.mesh_for(fqn),
+    after_units=lambda units, ep: ep.divided(units),
+    note=lambda ep, model: ep.note(),
+)
 SEQUENCE = Lever(
     "sequence",
     ("parallel.sp_size",),
@@ -458,6 +483,7 @@ LEVERS: tuple[Lever, ...] = (
     FLOAT8,
     PIPELINE,
     TENSOR,
+    EXPERT,
     SEQUENCE,
     RECOMPUTE,
     ACTIVATION_OFFLOAD,

@@ -258,14 +258,18 @@ def parallelize(
         kwargs |= fsdp_kwargs(ctx)
     # each unit's hooks just before it is sharded (QLoRA: its base weights quantized whole)
     hooks = [before(made, model) for before, made in ctx.facets("before_unit")]
+    meshes = ctx.facets("unit_mesh")  # a unit's own (expert parallelism's experts)
     last = plan.last_unit(model)  # gathered from its forward to its backward, which comes next
     for fqn in plan.submodule_fqns:  # bottom-up: inner units first
         for hook in hooks:
             hook(fqn, model.get_submodule(fqn))
         kept = {"reshard_after_forward": False} if fqn == last else {}
+        own = [m for mesh_of, made in meshes if (m := mesh_of(made, fqn)) is not None]
+        kept |= {"mesh": own[0]} if own else {}
         fully_shard(model.get_submodule(fqn), **(kwargs | kept))
     units = [model.get_submodule(f) for f in sorted(plan.submodule_fqns, key=order.get)]
-    for after, made in ctx.facets("after_units"):  # explicit prefetch, in forward order
+    # explicit prefetch, in forward order; the experts' gradient divisor
+    for after, made in ctx.facets("after_units"):
         after(units, made)
     # The root keeps its parameters gathered from forward to backward (backward needs them first;
     # an explicit True would reshard it: tests/test_parity.py). A forward without backward

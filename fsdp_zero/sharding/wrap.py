@@ -18,6 +18,7 @@ from torch import nn
 from fsdp_zero.config.choices import WrapPolicy
 from fsdp_zero.config.schema import WrapConfig
 from fsdp_zero.model.contract import model_facts
+from fsdp_zero.sharding.experts import expert_fqns
 
 ROOT_FQN = ""
 # Containers have no forward of their own, so FSDP hooks on them would never fire.
@@ -315,6 +316,10 @@ def build_wrap_plan(model: nn.Module, cfg: WrapConfig, shards: int) -> WrapPlan:
         _block_classes(model, cfg) if cfg.policy is WrapPolicy.transformer else (None, None)
     )
     selected = _select(model, cfg, classes)
+    # a mixture's routed experts: units of their own (the ones expert parallelism shards over its
+    # own mesh; torchtitan's fully_shard of each block's experts)
+    if cfg.policy is not WrapPolicy.none:
+        selected += [f for f in expert_fqns(model) if f not in selected]
     for fqn in selected:
         module = model.get_submodule(fqn)
         if isinstance(module, _CONTAINERS):

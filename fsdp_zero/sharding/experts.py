@@ -1,0 +1,247 @@
+"""Expert parallelism (``parallel.ep_size``; torchtitan's ``ExpertParallel`` and
+``AllToAllTokenDispatcher``, DeepSpeed-MoE's layout).
+
+A mixture's routed experts (the model's ``ep_plan``, `fsdp_zero.model.contract`: modules holding
+the experts' weights stacked on dim 0, (tokens, experts, weights) -> out) are divided over the ranks
+of an expert-parallel group: rank r holds experts [r E / ep, (r + 1) E / ep). Their weights become
+DTensors ``Shard(0)`` on the mesh's ``ep`` dimension, and FSDP shards each unit of experts over the
+data-parallel ranks ep leaves (`fsdp_zero.distributed.Topology.expert_mesh`: torchtitan's
+``dp_shard_mod_ep``; FSDP2's 2-D FSDP + EP), while every other parameter is sharded over all the
+data-parallel ranks: a rank gathers only its group's share of the experts, never another group's.
+
+Each experts module's forward is replaced by the dispatch (`ExpertParallel.forward`):
+
+1. this rank's (token, slot) pairs sorted by expert (stable: token order within an expert), and
+   the count for every expert exchanged (one small all-to-all), so each rank knows what it
+   receives;
+2. the tokens sent to the ranks that hold their experts (``all_to_all_single``, uneven splits);
+3. the received tokens run through the module's own forward with its local slice of the weights,
+   each as a slot of weight 1 of its local expert;
+4. the outputs sent back the same way, weighted by the router's weights and summed into each token
+   in the order of the experts (as the module's own forward sums them).
+
+A rank's result is thus independent of the EP degree (the same sorted order, the same sums). The
+backward of each exchange is the reverse exchange. Each expert's gradient sums the tokens of
+every rank of the group; FSDP then reduces it over the ranks ep leaves and divides by all the
+data-parallel ranks (``set_gradient_divide_factor``), as it does the others.
+
+Bytes: each exchange sends this rank's tokens for experts on other ranks, ``dim`` values each:
+R h b for R such (token, slot) pairs, dispatch and combine, forward and backward (`DispatchCount`;
+R is about tokens x top-k x (ep - 1) / ep when the router balances), again for each recompute.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_zero.model.contract import model_facts
+from fsdp_zero.torch_private import local_parameters
+
+
+def expert_fqns(model: nn.Module) -> list[str]:
+    """The names of ``model``'s routed-experts modules (its ``ep_plan``'s matches), in model
+    order."""
+    patterns = model_facts(model).ep_plan
+    return [
+        name
+        for name, _ in model.named_modules()
+        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
+
+
+def expert_params(model: nn.Module) -> int:
+    """The parameters of ``model``'s routed experts (all of them, whichever rank holds them)."""
+    return sum(
+        math.prod(p.shape) for f in expert_fqns(model) for p in model.get_submodule(f).parameters()
+    )
+
+
+@dataclass
+class DispatchCount:
+    """What this rank's exchanges sent since the last `take`: bytes (to other ranks: each token's
+    ``dim`` values; dispatch and combine, forward and backward) and the (token, slot) pairs routed
+    to experts on other ranks (dispatch forwards only), counted on the host from the splits."""
+
+    sent: int = 0
+    remote: int = 0
+
+    def take(self) -> tuple[int, int]:
+        out, self.sent, self.remote = (self.sent, self.remote), 0, 0
+        return out
+
+
+class _Exchange(torch.autograd.Function):
+    """``x``'s rows, ``send[j]`` of them to rank j, and ``receive[j]`` from each back; the backward
+    is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, send, receive, group, count):  # noqa: ANN001, ANN205
+        ctx.send, ctx.receive, ctx.group, ctx.count = send, receive, group, count
+        return _exchange(x, send, receive, group, count)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        back = _exchange(grad, ctx.receive, ctx.send, ctx.group, ctx.count)
+        return back, None, None, None, None
+
+
+def _exchange(
+    x: torch.Tensor,
+    send: list[int],
+    receive: list[int],
+    group: dist.ProcessGroup,
+    count: DispatchCount,
+) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    row = math.prod(x.shape[1:]) * x.element_size()
+    me = dist.get_rank(group)
+    count.sent += sum(n for j, n in enumerate(send) if j != me) * row
+    dist.all_to_all_single(out, x, receive, send, group=group)
+    return out
+
+
+@dataclass
+class ExpertParallel:
+    """Expert parallelism over this rank's group (what the lever made): the experts modules, their
+    group and this rank's place in it, the dispatch's count, and the factor their gradients are
+    divided by (every data-parallel rank)."""
+
+    fqns: list[str]
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    experts: int  # routed experts a module holds in all
+    divide: int  # the data-parallel ranks FSDP averages the other gradients over
+    mesh: DeviceMesh  # what FSDP shards the experts over (`Topology.expert_mesh`)
+    count: DispatchCount = field(default_factory=DispatchCount)
+
+    @property
+    def local(self) -> int:
+        """Experts this rank holds a module."""
+        return self.experts // self.size
+
+    def mesh_for(self, fqn: str) -> DeviceMesh | None:
+        """The mesh FSDP shards unit ``fqn`` over (None: the run's, `Role.SHARD`'s)."""
+        return self.mesh if fqn in self.fqns else None
+
+    def divided(self, units: list[FSDPModule]) -> None:
+        """The experts units' gradients divided by every data-parallel rank, as the others' are
+        (FSDP's default divides by the ranks of the unit's own mesh, ep fewer)."""
+        for unit in units:
+            if getattr(unit, "_fsdp_zero_experts", False):
+                unit.set_gradient_divide_factor(float(self.divide))
+                # a sum, then scaled (gloo has no PREMUL_SUM); not where the experts' shard group
+                # is one rank: FSDP2 (torch 2.15) then divides its copy and again after it
+                if self.mesh.shape[-1] > 1:
+                    unit.set_force_sum_reduction_for_comms(True)
+
+    def note(self) -> str:
+        return (
+            f"expert parallelism: ep {self.size}, {self.local} of {self.experts} experts a layer "
+            f"on this rank (experts {self.rank * self.local}-{(self.rank + 1) * self.local - 1}), "
+            f"sharded over the {self.mesh.size()} data-parallel ranks ep leaves; tokens sent to "
+            "them and back by all-to-all"
+        )
+
+    def dispatch(
+        self, module: nn.Module, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts module's forward under expert parallelism (the module docstring's steps)."""
+        k, n = experts.shape[1], self.experts
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # slots by expert, token order within one
+        per_expert = torch.bincount(flat, minlength=n + 1)[:n]  # (dropped slots: index n, last)
+        send_all = per_expert.tolist()
+        order = order[: sum(send_all)]
+        # 1. each rank's count for each of this rank's experts
+        counts = torch.empty_like(per_expert)
+        dist.all_to_all_single(counts, per_expert, group=self.group)
+        counts = counts.view(self.size, self.local)  # [j, e]: rank j's tokens for local expert e
+        send = per_expert.view(self.size, self.local).sum(1).tolist()
+        receive = counts.sum(1).tolist()
+        self.count.remote += sum(s for j, s in enumerate(send) if j != self.rank)
+        # 2. the tokens to their experts' ranks
+        tokens = order // k
+        got = _Exchange.apply(x[tokens], send, receive, self.group, self.count)
+        # 3. this rank's experts, each received token a slot of weight 1 of its local expert
+        local = torch.arange(self.local, device=x.device).repeat(self.size)
+        local = local.repeat_interleave(counts.reshape(-1)).unsqueeze(1)
+        with local_parameters(module) as params:
+            out = type(module).forward(module, got, local, torch.ones_like(local, dtype=x.dtype))
+            if sum(receive) == 0:  # no token: the weights still get a (0) gradient
+                out = out + sum(p.reshape(-1)[:1].sum() * 0 for p in params)
+        # 4. back to the tokens' ranks, weighted, summed in the order of the experts
+        back = _Exchange.apply(out, receive, send, self.group, self.count)
+        weighted = back * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
+
+
+def check_experts(model: nn.Module, size: int) -> tuple[list[str], int]:
+    """The experts modules ``parallel.ep_size`` = ``size`` divides, and their experts.
+
+    Raises:
+        ValueError: a model without routed experts, or experts ``size`` does not divide.
+    """
+    fqns, moe = expert_fqns(model), model_facts(model).moe
+    if not fqns or moe is None:
+        raise ValueError(
+            f"parallel.ep_size={size}: {type(model).__name__} has no routed experts (no ep_plan, "
+            "no Hugging Face mixture's Experts modules); valid: parallel.ep_size=1"
+        )
+    n = moe["num_experts"]
+    if n % size:
+        valid = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(
+            f"parallel.ep_size={size} must divide the model's {n} experts (each rank holds a "
+            f"whole share of them); valid choices: {valid}"
+        )
+    return fqns, n
+
+
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh, divide: int
+) -> ExpertParallel:
+    """Each experts module of the meta-device ``model`` holding this rank's slice of its weights
+    (DTensors ``Shard(0)`` on ``ep_mesh``) and dispatching tokens to the group's ranks.
+
+    Args:
+        model: the model, on the meta device (before FSDP).
+        ep_mesh: the mesh's ``ep`` dimension.
+        expert_mesh: what FSDP shards the experts over (`Topology.expert_mesh`).
+        divide: the data-parallel ranks the other gradients are averaged over.
+
+    Raises:
+        ValueError: as `check_experts`.
+    """
+    size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    fqns, n = check_experts(model, size)
+    made = ExpertParallel(fqns, ep_mesh.get_group(), size, rank, n, divide, expert_mesh)
+    for fqn in fqns:
+        module = model.get_submodule(fqn)
+        for name, p in list(module.named_parameters(recurse=False)):
+            share = p.shape[0] // size
+            local = p.detach()[rank * share : (rank + 1) * share]
+            split = DTensor.from_local(
+                local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
+            )
+            setattr(module, name, nn.Parameter(split, requires_grad=p.requires_grad))
+        module._fsdp_zero_experts = True  # (what `ExpertParallel.divided` finds after FSDP)
+        module.forward = _dispatcher(made, module)
+    return made
+
+
+def _dispatcher(made: ExpertParallel, module: nn.Module):  # noqa: ANN202
+    def forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return made.dispatch(module, x, experts, weights)
+
+    return forward
