@@ -52,6 +52,7 @@ __all__ = [
     "set_group_timeout",
     "local_shape_and_offset",
     "local_parameters",
+    "in_backward",
     "count_functional_collectives",
     "to_nf4",
     "low_bit_adamw",
@@ -540,3 +541,9 @@ def local_parameters(module: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
         for name, p in saved.items():
             module.__dict__.pop(name, None)
             module._parameters[name] = p
+
+
+def in_backward() -> bool:
+    """Whether this runs inside autograd's backward (a checkpointed block's recompute): what the
+    expert-parallel dispatch counts apart from the forward (``torch._C``'s graph-task id)."""
+    return torch._C._current_graph_task_id() != -1

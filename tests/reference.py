@@ -111,6 +111,34 @@ def reference_lr(cfg: OptimConfig, step: int, total_steps: int) -> float:
     return floor + (cfg.lr - floor) * (math.cos(math.pi * done) + 1) / 2
 
 
+def _balance_loss(model: nn.Module, router_logits: tuple, sequences: int) -> torch.Tensor:
+    """A mixture's load-balancing loss times its weight, by docs/parallelism.md's words: per layer
+    and sequence, E x sum_e (share of the sequence's top-k slots routed to e) x (mean softmax or
+    normalised sigmoid score of e), averaged over layers and sequences."""
+    args = getattr(model, "args", None)
+    if args is not None:  # the built-in model
+        e, k, coef, score = args.n_experts, args.experts_top_k, args.aux_loss_coef, args.router_score
+    else:
+        c = model.config
+        e = getattr(c, "num_experts", None) or c.num_local_experts
+        k, coef, score = c.num_experts_per_tok, c.router_aux_loss_coef, "softmax"
+    per_layer = []
+    for logits in router_logits:
+        logits = logits.float().view(sequences, -1, e)
+        tokens = logits.shape[1]
+        if score == "softmax":
+            scores = torch.softmax(logits, -1)
+        else:
+            scores = torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True)
+        chosen = logits.topk(k, -1).indices  # (sequences, tokens, k)
+        share = torch.zeros(sequences, e)
+        for b in range(sequences):
+            for i in chosen[b].flatten().tolist():
+                share[b, i] += 1 / (tokens * k)
+        per_layer.append((e * (share * scores.mean(1)).sum(-1)).mean())
+    return coef * torch.stack(per_layer).mean()
+
+
 def reference_run(
     cfg: Config, initial: dict[str, torch.Tensor] | None = None, device: str = "cpu"
 ) -> dict:
@@ -182,6 +210,8 @@ def reference_run(
         if cfg.model.task is Task.causal_lm:
             logits, targets = logits.flatten(0, 1), targets.flatten()
         loss = F.cross_entropy(logits, targets)
+        if getattr(out, "router_logits", None):
+            loss = loss + _balance_loss(model, out.router_logits, inputs.shape[0])
         (loss * scale).backward()
         if shadow is not model:
             for ps, pm in zip(shadow.parameters(), model.parameters()):

@@ -167,9 +167,7 @@ class Topology:
         """The groups whose ranks read one batch, innermost first: the axes outside `DATA_AXES`
         that do not join the batch (this rank's tensor-parallel group, its pipeline)."""
         batch = self.joins.get(Role.BATCH, ())
-        groups = (
-            self.group_of(a) for a in reversed(self.sizes) if a not in DATA_AXES + batch
-        )
+        groups = (self.group_of(a) for a in reversed(self.sizes) if a not in DATA_AXES + batch)
         return tuple(g for g in groups if g is not None)
 
     def submesh(self, role: Role) -> DeviceMesh:

@@ -119,9 +119,7 @@ class Router(nn.Module):
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         if args.router_score not in ("softmax", "sigmoid"):
-            raise ValueError(
-                f"router_score={args.router_score!r}; valid choices: softmax, sigmoid"
-            )
+            raise ValueError(f"router_score={args.router_score!r}; valid choices: softmax, sigmoid")
         self.n_experts, self.top_k = args.n_experts, args.experts_top_k
         self.score, self.capacity_factor = args.router_score, args.capacity_factor
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)

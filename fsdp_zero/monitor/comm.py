@@ -14,6 +14,10 @@ Three kinds, in bytes per rank per optimizer step:
     all_reduce      gradient all-reduce across replicas: HSDP's reduced shard, DDP's (and ZeRO-1's) buckets
     sp_all_to_all   sequence parallelism's all-to-alls around attention (parallel.sp_size > 1): what
                     each rank sends its peers, from the shapes its own functions hand gloo
+    ep_all_to_all   expert parallelism's dispatch and combine (parallel.ep_size > 1): the tokens this
+                    rank sends to other ranks' experts and their outputs it sends back, forward and
+                    backward; its formula is the step's own routing counts' (the pairs routed to
+                    and from other ranks: `fsdp_zero.sharding.experts.dispatch_formula`)
     tp_*            tensor parallelism's own collectives (parallel.tp_size > 1): activations, and the
                     gradients of the norm gains its plan leaves whole; counted from the functional
                     collectives DTensor issues (`fsdp_zero.torch_private.count_functional_collectives`)
@@ -47,7 +51,9 @@ from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
+from fsdp_zero.sharding.experts import dispatch_formula, expert_fqns
 from fsdp_zero.sharding.levers import (
+    EXPERT,
     GRAD_SYNC,
     SEQUENCE,
     all_reduces_per_step,
@@ -72,7 +78,7 @@ logger = logging.getLogger("fsdp_zero")
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 TP_KINDS = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
 OFFLOAD_KINDS = ("host_to_device", "device_to_host", "disk_read", "disk_written")
-SP_KINDS = ("sp_all_to_all",)
+SP_KINDS = ("sp_all_to_all", "ep_all_to_all")  # the all-to-alls of the split axes
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,8 @@ class CommBytes:
     # sequence parallelism's all-to-alls around attention (what each rank sends its peers:
     # `fsdp_zero.sharding.sequence.step_bytes`)
     sp_all_to_all: float = 0
+    # expert parallelism's dispatch and combine (`fsdp_zero.sharding.experts.DispatchCount`)
+    ep_all_to_all: float = 0
 
     def scalars(self) -> dict[str, float]:
         """The metrics' names and values: comm/<kind>_mib (tensor parallelism's kinds where it ran,
@@ -150,7 +158,9 @@ def comm_formula(
     gradients reduce-scattered in the reduce dtype (frozen ones are gathered, never reduced);
     hybrid_shard all-reduces the reduced shard (1 / shard_size of it) across replicas.
     parallel.grad_sync=replicas_once_per_step all-reduces once a step, once_per_step reduces (and
-    all-reduces) once a step. A shard group of one rank gathers and reduce-scatters nothing. DDP
+    all-reduces) once a step. A shard group of one rank gathers and reduce-scatters nothing. Under
+    expert parallelism an experts unit holds 1 / ep of the experts, gathered and reduced over the
+    shard group's ranks ep leaves (shard group / ep), none across its expert-parallel group. DDP
     and zero1: one all-reduce of the trainable gradients a step (no_sync on the other
     micro-batches); zero1 also broadcasts every updated parameter once (all_gather). Under
     pipeline parallelism ``model`` and ``plan`` are one stage's (the meter sums a rank's stages):
@@ -178,13 +188,18 @@ def comm_formula(
         2 if reshard is True or (not isinstance(reshard, bool) and reshard > 1) else 1
     )
     by_id = {id(p): packed[name] for name, p in model.named_parameters() if name in (packed or {})}
-    gathered = reduced = held = 0
+    gathered = reduced = across = held = 0
     last = plan.last_unit(model)  # (stays gathered from its forward to its backward)
+    ep = topology.size("ep")
+    experts = set(expert_fqns(model)) if ep > 1 else set()
     for fqn, params in _unit_params(model, plan):
-        one = sum(by_id.get(id(p), _padded(p, n) * precision.compute.itemsize) for p in params)
-        gathered += (1 if fqn in (ROOT_FQN, last) else gathers_per_unit) * one
-        reduced += sum(_padded(p, n) for p in params if p.requires_grad)
-        held += sum(p.numel() for p in params if p.requires_grad)
+        group = n // ep if fqn in experts else n  # (each expert-parallel rank's share: its own)
+        one = sum(by_id.get(id(p), _padded(p, group) * precision.compute.itemsize) for p in params)
+        gathered += (1 if fqn in (ROOT_FQN, last) else gathers_per_unit) * one if group > 1 else 0
+        unit_reduced = sum(_padded(p, group) for p in params if p.requires_grad)
+        reduced += unit_reduced if group > 1 else 0
+        across += unit_reduced / group
+        held += sum(p.numel() for p in params if p.requires_grad) // (n // group)
     reductions, all_reduces = reductions_per_step(sync, accum), all_reduces_per_step(sync, accum)
     reduce_bytes = reduced * precision.reduce.itemsize
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len  # a micro-batch's, on each rank
@@ -206,9 +221,11 @@ def comm_formula(
         )
     return CommBytes(
         sp_all_to_all=sent if sp > 1 else 0,
-        all_gather=gathers * gathered if n > 1 else 0,
-        reduce_scatter=reductions * reduce_bytes if n > 1 else 0,
-        all_reduce=all_reduces * reduce_bytes / n if topology.replicas > 1 else 0,
+        all_gather=gathers * gathered,
+        reduce_scatter=reductions * reduce_bytes,
+        all_reduce=(
+            all_reduces * across * precision.reduce.itemsize if topology.replicas > 1 else 0
+        ),
         once_per_step=held * precision.reduce.itemsize if holds_unsharded(sync) else 0,
         **{f"tp_{kind}": accum * b for kind, b in tp.items()},
     )
@@ -316,6 +333,14 @@ class CommMeter:
         self.tensor_parallel = topology.size("tp") > 1  # (its collectives counted apart)
         # sequence parallelism's all-to-alls (counted by its own functions)
         self.sequence = built.levers.get(SEQUENCE.name) if topology.size("sp") > 1 else None
+        # expert parallelism's dispatch (counted by its own functions, its formula from the routing)
+        self.experts = built.levers.get(EXPERT.name) if topology.size("ep") > 1 else None
+        blocks = checkpointed(cfg, built.plan.block_fqns)
+        self.recomputed = {
+            f
+            for f in getattr(self.experts, "fqns", ())
+            if any(f.startswith(b + ".") for b in blocks)
+        }
         spec = topology.spec
         if spec.fsdp:
             # The all-reduce hook only where FSDP2 all-reduces: on 1-D FSDP's units it would run
@@ -359,8 +384,9 @@ class CommMeter:
         self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS + SP_KINDS, 0)
         self.active = True
         tp = self.tensor_parallel and tensor_parallel
-        if self.sequence is not None:
-            self.sequence.count.take()  # (an evaluation's are not the step's)
+        for made in (self.sequence, self.experts):
+            if made is not None:
+                made.count.take()  # (an evaluation's are not the step's)
         try:
             with count_functional_collectives(self._add_tp) if tp else contextlib.nullcontext():
                 yield
@@ -368,6 +394,11 @@ class CommMeter:
             self.active = False
             if self.sequence is not None:
                 self.bytes["sp_all_to_all"] = self.sequence.count.take()[0]
+            if self.experts is not None:
+                sent, _, routed = self.experts.count.take()
+                self.bytes["ep_all_to_all"] = sent
+                routing = dispatch_formula(routed, self.recomputed)
+                self.formula = dataclasses.replace(self.formula, ep_all_to_all=routing)
 
     def _add_tp(self, kind: str, nbytes: int) -> None:
         self.bytes[f"tp_{kind}"] += nbytes
@@ -406,7 +437,14 @@ def describe_comm(
     )
     sequence = _against(
         "sequence parallelism's",
-        [k for k in SP_KINDS if formula.get(k)],
+        [k for k in SP_KINDS[:1] if formula.get(k)],
+        counted,
+        formula,
+        lambda k: "all-to-all",
+    )
+    sequence += _against(
+        "expert parallelism's dispatch and combine",
+        [k for k in SP_KINDS[1:] if formula.get(k)],
         counted,
         formula,
         lambda k: "all-to-all",

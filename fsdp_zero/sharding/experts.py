@@ -25,9 +25,12 @@ backward of each exchange is the reverse exchange. Each expert's gradient sums t
 every rank of the group; FSDP then reduces it over the ranks ep leaves and divides by all the
 data-parallel ranks (``set_gradient_divide_factor``), as it does the others.
 
-Bytes: each exchange sends this rank's tokens for experts on other ranks, ``dim`` values each:
-R h b for R such (token, slot) pairs, dispatch and combine, forward and backward (`DispatchCount`;
-R is about tokens x top-k x (ep - 1) / ep when the router balances), again for each recompute.
+Bytes: a rank's dispatch sends its (token, slot) pairs routed to experts on other ranks, S of
+them, and its combine sends back the R pairs it received from other ranks, ``dim`` values of b
+bytes each; their backwards send the same counts the other way. So a forward and backward move
+2 (S + R) dim b bytes a rank, and a checkpointed block's recompute (S + R) dim b more
+(`DispatchCount`, `dispatch_formula`). When the router balances, S and R are each about
+tokens x top-k x (ep - 1) / ep.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_zero.model.contract import model_facts
-from fsdp_zero.torch_private import local_parameters
+from fsdp_zero.torch_private import in_backward, local_parameters
 
 
 def expert_fqns(model: nn.Module) -> list[str]:
@@ -67,16 +70,27 @@ def expert_params(model: nn.Module) -> int:
 
 @dataclass
 class DispatchCount:
-    """What this rank's exchanges sent since the last `take`: bytes (to other ranks: each token's
-    ``dim`` values; dispatch and combine, forward and backward) and the (token, slot) pairs routed
-    to experts on other ranks (dispatch forwards only), counted on the host from the splits."""
+    """What this rank's exchanges sent since the last `take`, counted on the host from the splits:
+    ``sent``, the bytes to other ranks (each pair's ``dim`` values; dispatch and combine, forward,
+    backward and recompute); from the forwards only (not a recompute): ``remote``, the (token,
+    slot) pairs this rank routed to experts on other ranks, and ``routed``, the bytes of the pairs
+    it sent and received, by experts module (what `dispatch_formula` reads)."""
 
     sent: int = 0
     remote: int = 0
+    routed: dict[str, int] = field(default_factory=dict)
 
-    def take(self) -> tuple[int, int]:
-        out, self.sent, self.remote = (self.sent, self.remote), 0, 0
+    def take(self) -> tuple[int, int, dict[str, int]]:
+        out = (self.sent, self.remote, self.routed)
+        self.sent, self.remote, self.routed = 0, 0, {}
         return out
+
+
+def dispatch_formula(routed: dict[str, int], recomputed: set[str]) -> int:
+    """The bytes a rank's exchanges send for the routing ``routed`` (`DispatchCount.routed`: by
+    experts module, the bytes of the pairs it sent and received in forward): twice each (forward
+    and backward), once more where the module's block is ``recomputed``."""
+    return sum((3 if fqn in recomputed else 2) * n for fqn, n in routed.items())
 
 
 class _Exchange(torch.autograd.Function):
@@ -154,7 +168,12 @@ class ExpertParallel:
         )
 
     def dispatch(
-        self, module: nn.Module, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+        self,
+        fqn: str,
+        module: nn.Module,
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
     ) -> torch.Tensor:
         """The experts module's forward under expert parallelism (the module docstring's steps)."""
         k, n = experts.shape[1], self.experts
@@ -169,7 +188,13 @@ class ExpertParallel:
         counts = counts.view(self.size, self.local)  # [j, e]: rank j's tokens for local expert e
         send = per_expert.view(self.size, self.local).sum(1).tolist()
         receive = counts.sum(1).tolist()
-        self.count.remote += sum(s for j, s in enumerate(send) if j != self.rank)
+        if not in_backward():  # (a recompute routes the same pairs again)
+            out_of, into = (
+                sum(c for j, c in enumerate(n) if j != self.rank) for n in (send, receive)
+            )
+            self.count.remote += out_of
+            row = x.shape[-1] * x.element_size()
+            self.count.routed[fqn] = self.count.routed.get(fqn, 0) + (out_of + into) * row
         # 2. the tokens to their experts' ranks
         tokens = order // k
         got = _Exchange.apply(x[tokens], send, receive, self.group, self.count)
@@ -236,12 +261,12 @@ def apply_expert_parallel(
             )
             setattr(module, name, nn.Parameter(split, requires_grad=p.requires_grad))
         module._fsdp_zero_experts = True  # (what `ExpertParallel.divided` finds after FSDP)
-        module.forward = _dispatcher(made, module)
+        module.forward = _dispatcher(made, fqn, module)
     return made
 
 
-def _dispatcher(made: ExpertParallel, module: nn.Module):  # noqa: ANN202
+def _dispatcher(made: ExpertParallel, fqn: str, module: nn.Module):  # noqa: ANN202
     def forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return made.dispatch(module, x, experts, weights)
+        return made.dispatch(fqn, module, x, experts, weights)
 
     return forward

@@ -49,8 +49,7 @@ from fsdp_zero.config.choices import ActivationCheckpointing, Quantize, StateTie
 from fsdp_zero.config.schema import Config
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.distributed.topology import Topology
-from fsdp_zero.distributed.topology import Role
+from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.sharding.act_offload import offload_activations
 from fsdp_zero.sharding.experts import apply_expert_parallel
 from fsdp_zero.sharding.offload import TieredOptimizer

@@ -241,15 +241,17 @@ def split_weights(model: nn.Module, sequence_parallel: bool, whole: bool = True)
 
 
 def tp_local_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """The shape of ``p``'s part on one tensor-parallel rank (what FSDP shards and gathers): its
-    split dimension divided by tp, or the whole shape for a parameter the plan leaves whole."""
+    """The shape of ``p``'s part on one tensor-parallel (or expert-parallel) rank (what FSDP shards
+    and gathers): its split dimension divided by tp (by ep: a slice of the experts), or the whole
+    shape for a parameter the plan leaves whole."""
     shape = list(p.shape)
     mesh = getattr(p, "device_mesh", None)
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-    if "tp" in names:
-        placement = p.placements[names.index("tp")]
-        if isinstance(placement, Shard):
-            shape[placement.dim] //= mesh.size(names.index("tp"))
+    for axis in ("tp", "ep"):
+        if axis in names:
+            placement = p.placements[names.index(axis)]
+            if isinstance(placement, Shard):
+                shape[placement.dim] //= mesh.size(names.index(axis))
     return tuple(shape)
 
 

@@ -321,6 +321,8 @@ class StepLogger:
         comm = self.comm.counted() if self.comm else None  # this step's (counted on the host)
         if comm:
             self.record.comm_bytes = comm_as_dict(comm)
+            # (expert parallelism's: the step's own routing's)
+            self.record.comm_formula = comm_as_dict(self.comm.formula)
         counted = comm.scalars() if comm else {}
         self.tb.log({f"train/{k}": v for k, v in scalars.items()} | mem | counted, step)
         rank0 = {k: v for k, v in scalars.items() if k != f"{self.unit}_per_s_rank"} | counted

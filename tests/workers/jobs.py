@@ -66,8 +66,9 @@ from fsdp_zero.config.loader import load_config
 from fsdp_zero.distributed.env import distributed, exit_process
 from fsdp_zero.model.tasks import logits_of
 from fsdp_zero.monitor.memory import model_state_bytes
+from fsdp_zero.sharding.experts import expert_fqns
 from fsdp_zero.sharding.parallelize import AllReduceScatter
-from fsdp_zero.torch_private import fsdp_unit_settings
+from fsdp_zero.torch_private import fsdp_unit_settings, local_shape_and_offset
 from fsdp_zero.training.trainer import setup, train
 
 # ---------------------------------------------------------------------------------
@@ -369,7 +370,14 @@ def run_job(  # noqa: ANN001
             "numel": sum(g.numel for g in parts.optimizer.groups),
             "disk_writes": getattr(store, "writes", 0),
         }
-    mine = (*mine, offload)
+    # expert parallelism: each expert weight's local shard on this rank, (shape, offset) in the whole
+    experts = {
+        f"{fqn}.{n}": tuple(tuple(x) for x in local_shape_and_offset(p))
+        for fqn in expert_fqns(parts.model)
+        for n, p in parts.model.get_submodule(fqn).named_parameters()
+        if hasattr(p, "to_local")
+    }
+    mine = (*mine, offload, experts)
     states = [None] * env.world_size
     dist.all_gather_object(states, mine)
     units = {
@@ -437,6 +445,7 @@ def run_job(  # noqa: ANN001
                 },
                 "nf4_numel": nf4.numel if nf4 else 0,
                 "offload": [s[9] for s in states],
+                "experts": [s[10] for s in states],
                 # the last logged step's row (memory/*, comm/*)
                 "last_row": [r for r in log if "loss" in r][-1] if log else {},
             },
