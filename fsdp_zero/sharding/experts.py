@@ -35,8 +35,10 @@ tokens x top-k x (ep - 1) / ep.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -201,7 +203,7 @@ class ExpertParallel:
         # 3. this rank's experts, each received token a slot of weight 1 of its local expert
         local = torch.arange(self.local, device=x.device).repeat(self.size)
         local = local.repeat_interleave(counts.reshape(-1)).unsqueeze(1)
-        with local_parameters(module) as params:
+        with local_parameters(module) as params, _local_count(module, self.experts, self.local):
             out = type(module).forward(module, got, local, torch.ones_like(local, dtype=x.dtype))
             if sum(receive) == 0:  # no token: the weights still get a (0) gradient
                 out = out + sum(p.reshape(-1)[:1].sum() * 0 for p in params)
@@ -209,6 +211,24 @@ class ExpertParallel:
         back = _Exchange.apply(out, receive, send, self.group, self.count)
         weighted = back * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
+
+
+# the attributes an experts module counts its experts in (Hugging Face's, the built-in's)
+_COUNTS = ("num_experts", "n_experts")
+
+
+@contextlib.contextmanager
+def _local_count(module: nn.Module, experts: int, local: int) -> Iterator[None]:
+    """While open, ``module``'s count of its experts (`_COUNTS`) reads ``local``: it computes as a
+    module of this rank's experts (Hugging Face's grouped_mm forward bins tokens by it)."""
+    names = [n for n in _COUNTS if getattr(module, n, None) == experts]
+    try:
+        for n in names:
+            setattr(module, n, local)
+        yield
+    finally:
+        for n in names:
+            setattr(module, n, experts)
 
 
 def check_experts(model: nn.Module, size: int) -> tuple[list[str], int]:
