@@ -1,12 +1,12 @@
 """The mutants tests/mutants.py runs: what each breaks, where its catchers are, which tests must fail.
-
 A behaviour mutant (a public API wrapped) is tests/mutant_site/sitecustomize.py's; a source mutant (one
-expression of ours replaced) is tests/mutant_site/source_mutants.py's. Each has a row here.
-"""
+expression of ours replaced) is tests/mutant_site/source_mutants.py's. Each has a row here."""
 
 
 def _only(file: str, test: str) -> tuple[list[str], list[str]]:
-    """A row's catcher: the one test ``test`` of ``file``, run alone and required to fail."""
+    """A row's catcher: the one test ``test`` of ``file`` (a path, or X for tests/test_X.py), run
+    alone and required to fail."""
+    file = file if "/" in file else f"tests/test_{file}.py"
     return [f"{file}::{test}"], [test]
 
 
@@ -81,7 +81,6 @@ _TABLE_FIELDS = "test_a_chat_messages_fields_are_only_its_own"
 _DS_ADAM_STEP = "test_adamws_step_is_the_optimizers_not_deepspeeds_global_step"
 
 # name: (the wrong behaviour, the test files (or node ids) to run, the tests (function names) that must catch it)
-_PARITY = "test_losses_grad_norms_and_learning_rates_match_single_process"
 _SEQ = "tests/test_sequence.py"
 _SP_BYTES = "test_each_layer_sends_4_slice_h_b_over_sp_and_attention_gathers_nothing"
 _SP_EVAL = ([f"tests/test_parity.py::{_SPLIT_EVAL}[sp2]"], [_SPLIT_EVAL])
@@ -90,17 +89,21 @@ _OFFLOADED = (
     ["tests/test_act_offload.py"],
     ["test_offload_trains_bit_for_bit_and_counts_the_checkpointed_inputs"],
 )
+_EP_PARITY = "test_expert_parallel_training_matches_one_process"
+
+
+def _ep(run: str) -> tuple[list[str], list[str]]:
+    return [f"tests/test_experts.py::{_EP_PARITY}[{run}]"], [_EP_PARITY]
+
 
 MUTANTS = {
     "reduce-in-bf16": (
         "bf16-mixed and fp16-mixed reduce gradients in 16 bits, not fp32",
-        ["tests/test_parity.py"],
-        ["test_gradients_reach_the_reduction_in_the_reduce_dtype"],
+        *_only("parity", "test_gradients_reach_the_reduction_in_the_reduce_dtype"),
     ),
     "offload-ignored": (
         "parallel.cpu_offload never reaches FSDP2",
-        ["tests/test_parity.py"],
-        ["test_cpu_offload_policy_reaches_every_unit"],
+        *_only("parity", "test_cpu_offload_policy_reaches_every_unit"),
     ),
     "always-reshard": (
         "reshard_after_forward forced to True on the units: ZeRO-2 and hpZ run as ZeRO-3",
@@ -112,8 +115,7 @@ MUTANTS = {
     ),
     "root-resharded": (
         "the root unit freed after forward, gathered again at once for backward",
-        ["tests/test_parity.py"],
-        ["test_what_stays_gathered_between_forward_and_backward"],
+        *_only("parity", "test_what_stays_gathered_between_forward_and_backward"),
     ),
     "prefetch-ignored": (
         "parallel.prefetch: FSDP2's prefetch lists never set",
@@ -122,13 +124,11 @@ MUTANTS = {
     ),
     "clipping-ignored": (
         "optim.grad_clip: the norm is logged, the gradients never scaled",
-        ["tests/test_parity.py"],
-        ["test_losses_grad_norms_and_learning_rates_match_single_process"],
+        *_only("parity", _PARITY),
     ),
     "checkpointing-ignored": (
         "parallel.activation_checkpointing: no block is recomputed",
-        ["tests/test_parity.py"],
-        ["test_activation_checkpointing_lowers_the_activation_peak"],
+        *_only("parity", "test_activation_checkpointing_lowers_the_activation_peak"),
     ),
     "async-save-waits": (
         "checkpoint.async_save: each save written before training goes on",
@@ -137,39 +137,35 @@ MUTANTS = {
     ),
     "schedule-one-step-late": (
         "the learning-rate schedule runs one step behind",
-        ["tests/test_parity.py"],
-        ["test_losses_grad_norms_and_learning_rates_match_single_process"],
+        *_only("parity", _PARITY),
     ),
     "grad-sync-ignored": (
         "parallel.grad_sync: FSDP2's deferral switches ignored, every micro-batch reduces",
-        ["tests/test_comm.py"],
-        ["test_grad_sync_trains_the_same_with_fewer_reductions"],
+        *_only("comm", "test_grad_sync_trains_the_same_with_fewer_reductions"),
     ),
     "all-reduce-uncounted": (
         "comm/all_reduce_mib: HSDP's all-reduce never counted",
-        ["tests/test_comm.py"],
-        ["test_counted_bytes_per_step_equal_the_formula"],
+        *_only("comm", "test_counted_bytes_per_step_equal_the_formula"),
     ),
     "step-groups-ignored": (
         "optim.step_group_size: AdamW steps the whole shard at once",
         ["tests/test_step_group.py"],
         ["test_the_optimizer_steps_temporaries_are_one_groups_not_the_shards"],
     ),
-    # Source mutants (tests/mutant_site/source_mutants.py's SOURCE): one expression of ours changed. Where the
-    # catchers need no training run, only they run (pytest node ids).
+    # Source mutants (source_mutants.py's SOURCE): one expression changed; some catchers node ids
     "ds-optimizer-defaults-ours": (
         "--deepspeed: the optimizer settings a ds_config leaves out take ours (weight decay 0.1, betas 0.95), "
         "not DeepSpeed's",
-        *_only("tests/test_deepspeed.py", _DS_DEFAULTS),
+        *_only("deepspeed", _DS_DEFAULTS),
     ),
     "wrap-repeats-unseen": (
         "the transformer policy: a model that declares no block is refused, the class its ModuleList repeats "
         "never looked for",
-        *_only("tests/test_wrap.py", _REPEATED),
+        *_only("wrap", _REPEATED),
     ),
     "end-line-rank0-only": (
         "a run's last line (a bad setting's) printed by rank 0 alone: lost when torchrun ends rank 0 first",
-        *_only("tests/test_cli.py", _END_LINE),
+        *_only("cli", _END_LINE),
     ),
     "masked-grad-unweighted": (
         "masked data: the backward's loss not token-weighted (the logged loss still is)",
@@ -181,123 +177,114 @@ MUTANTS = {
     ),
     "val-mask-in-train": (
         "prepare_data: the validation split's masks written to train.mask.bin",
-        *_only("tests/test_masked.py", _SPLITS),
+        *_only("masked", _SPLITS),
     ),
     "chat-eos-always-trained": (
         "prepare_data: a chat's final EOS trained after a user or system turn too",
-        *_only("tests/test_masked.py", _EOS),
+        *_only("masked", _EOS),
     ),
     "table-row-groups-reversed": (
         "prepare_data: a Parquet file's row groups read last first",
-        *_only("tests/test_datasets.py", _TABLES),
+        *_only("datasets", _TABLES),
     ),
     "table-column-flags-ignored": (
         "prepare_data: --field, --prompt-field and --completion-field ignored for tables (their "
         "default columns read)",
-        *_only("tests/test_datasets.py", _TABLES),
+        *_only("datasets", _TABLES),
     ),
     "table-read-whole": (
         "prepare_data: a Parquet file read whole into one Arrow table, not a batch of rows at a time",
-        *_only("tests/test_datasets.py", _TABLE_MEMORY),
+        *_only("datasets", _TABLE_MEMORY),
     ),
     "lora-a-bound-out": (
         "LoRA's A drawn within 1/sqrt(out_features), not in_features",
-        *_only("tests/test_lora.py", _INIT),
+        *_only("lora", _INIT),
     ),
-    "lora-dropout-ignored": (
-        "model.lora.dropout never applied",
-        *_only("tests/test_lora.py", _DROPOUT),
-    ),
-    "lora-scaling-alpha": (
-        "LoRA scaled by alpha, not alpha / rank",
-        *_only("tests/test_lora.py", _SUM),
-    ),
+    "lora-dropout-ignored": ("model.lora.dropout never applied", *_only("lora", _DROPOUT)),
+    "lora-scaling-alpha": ("LoRA scaled by alpha, not alpha / rank", *_only("lora", _SUM)),
     "adapters-only-drops-lora-train": (
         "export.py --adapters-only of a run that trained model.lora.train not refused",
-        *_only("tests/test_lora.py", _ADAPTERS),
+        *_only("lora", _ADAPTERS),
     ),
     "freeze-prefix-match": (
         "model.freeze and model.lora.train matched as prefixes (re.match)",
-        *_only("tests/test_lora.py", _FULL),
+        *_only("lora", _FULL),
     ),
     "comm-seconds-replicas": (
         "comm_seconds: DDP's and ZeRO-1's all-reduce over one replica (0 s)",
         ["tests/test_comm.py::test_formula_by_hand"],
         ["test_formula_by_hand"],
     ),
-    "fit-fp32-as-fast": (
-        "the fit on CUDA: fp32 computes as fast as bf16",
-        *_only("tests/test_fit.py", _CUDA),
-    ),
+    "fit-fp32-as-fast": ("the fit on CUDA: fp32 computes as fast as bf16", *_only("fit", _CUDA)),
     "fit-offload-peak-kept": (
         "the fit on CUDA: offload's host-resident model state still counted on the device",
-        *_only("tests/test_fit.py", _CUDA),
+        *_only("fit", _CUDA),
     ),
     "fit-offload-copies-free": (
         "the fit on CUDA: offload's host-device copies cost nothing",
-        *_only("tests/test_fit.py", _CUDA),
+        *_only("fit", _CUDA),
     ),
     "fit-ties-unbroken": (
         "the fit: candidates of equal cost not ranked by their peak",
-        *_only("tests/test_fit.py", _TIES),
+        *_only("fit", _TIES),
     ),
     "fit-probe-dtype-ignored": (
         "the fit's measured cost: every precision at fp32's measured speed",
-        *_only("tests/test_fit.py", _MEASURED),
+        *_only("fit", _MEASURED),
     ),
     "fit-micro-batch-not-freed": (
         "plan.py fit: the config's micro-batch refuses a global batch although it is searched",
-        *_only("tests/test_fit.py", _MICRO),
+        *_only("fit", _MICRO),
     ),
     "fit-slow-dtype-run": (
         "the rates probe trains the model in a dtype whose matmuls are many times slower than "
         "fp32's (minutes on a CPU without bf16 instructions)",
-        *_only("tests/test_fit.py", _SLOW),
+        *_only("fit", _SLOW),
     ),
     "pretrained-kwargs-dropped": (
         "export of a model.pretrained run: model.kwargs not applied over its config.json",
-        *_only("tests/test_pretrained.py", _KWARGS),
+        *_only("pretrained", _KWARGS),
     ),
     "deferral-not-restored": (
         "parallel.grad_sync: FSDP2's reduction left deferred after a micro-batch raised",
-        *_only("tests/test_comm.py", _DEFER),
+        *_only("comm", _DEFER),
     ),
     "compose-one-peak": (
         "the planner's composition: the step's peak taken from one part of the step at every depth",
-        *_only("tests/test_plan_formulas.py", _COMPOSED),
+        *_only("plan_formulas", _COMPOSED),
     ),
     "compose-zero1-evenly": (
         "the planner's composition: ZeRO-1's AdamW states grown evenly with the blocks",
-        *_only("tests/test_plan_formulas.py", _COMPOSED),
+        *_only("plan_formulas", _COMPOSED),
     ),
     "planner-simulates-on-the-target": (
         "the planner simulates a CUDA plan on the target device, not the CPU",
-        *_only("tests/test_compare.py", _GPU_PLAN),
+        *_only("compare", _GPU_PLAN),
     ),
     "tp-plan-skipped": (
         "parallel.tp_size: the model's tensor-parallel plan never applied (FSDP alone, tp ranks repeat)",
-        *_only("tests/test_parity.py", _TP_STATE),
+        *_only("parity", _TP_STATE),
     ),
     "loss-parallel-ignored": (
         "parallel.loss_parallel: the logits gathered whole all the same",
-        *_only("tests/test_parity.py", _LOSS_PARALLEL),
+        *_only("parity", _LOSS_PARALLEL),
     ),
     "same-batch-unchecked": (
         "a tensor-parallel group's ranks never checked to read the same batch",
-        *_only("tests/test_units.py", _SAME_BATCH),
+        *_only("units", _SAME_BATCH),
     ),
     "tp-collectives-uncounted": (
         "comm/tp_*: tensor parallelism's collectives never counted",
-        *_only("tests/test_comm.py", _TP_COMM),
+        *_only("comm", _TP_COMM),
     ),
     "tokens-over-world": (
         "masked data under tensor or pipeline parallelism: trained tokens counted over every rank, "
         "not the data-parallel ones",
-        *_only("tests/test_masked.py", _TP_TOKENS),
+        *_only("masked", _TP_TOKENS),
     ),
     "stage-built-whole": (
         "parallel.pp_size: each rank builds the whole model, not its stages",
-        *_only("tests/test_model_plans.py", _PP_STAGES),
+        *_only("model_plans", _PP_STAGES),
     ),
     "hybrid-data-group-one-dim": (
         "hybrid_shard with tp or pp: the data-parallel group over dp_shard alone, not replicate x "
@@ -313,67 +300,67 @@ MUTANTS = {
     ),
     "pp-holds-every-micro-batch": (
         "plan.py's layouts: 1F1B holds all of a step's micro-batches' activations, as GPipe does",
-        *_only("tests/test_fit.py", _PP_HELD),
+        *_only("fit", _PP_HELD),
     ),
     "layout-keeps-twin-activations": (
         "plan.py fit --search layout: a layout's peak keeps its ZeRO-3 twin's activations, not its own",
-        *_only("tests/test_fit.py", _LAYOUT_FIT),
+        *_only("fit", _LAYOUT_FIT),
     ),
     "nf4-per-shard": (
         "QLoRA: each shard's rows quantized on their own (their own scaler mean), not the whole tensor",
-        *_only("tests/test_qlora.py", _NF4_WHOLE),
+        *_only("qlora", _NF4_WHOLE),
     ),
     "nf4-base-checkpointed": (
         "QLoRA: checkpoints keep the NF4 base (pickled shards no export or reshard reads)",
-        *_only("tests/test_qlora.py", _NF4_RESUME),
+        *_only("qlora", _NF4_RESUME),
     ),
     "nf4-base-unchecked": (
         "QLoRA: a resume rebuilds the base from whatever file is given, unchecked against the trained one",
-        *_only("tests/test_qlora.py", _NF4_RESUME),
+        *_only("qlora", _NF4_RESUME),
     ),
     "nf4-counted-as-stored": (
         "QLoRA: the model-state formula counts the NF4 base at the stored dtype's bytes",
-        *_only("tests/test_qlora.py", _NF4_WHOLE),
+        *_only("qlora", _NF4_WHOLE),
     ),
     "low-bit-lr-frozen": (
         "low-bit AdamW: the schedule never reaches torchao's tensor learning rate (it stays optim.lr)",
-        *_only("tests/test_lowbit_adamw.py", _LOW_BIT),
+        *_only("lowbit_adamw", _LOW_BIT),
     ),
     "low-bit-states-ignored": (
         "optim.state_bits: torch's AdamW built whatever it says",
-        *_only("tests/test_lowbit_adamw.py", _LOW_BIT),
+        *_only("lowbit_adamw", _LOW_BIT),
     ),
     "low-bit-bytes-as-fp32": (
         "low-bit AdamW: the model-state formula counts its states at fp32's 8 B a value",
-        *_only("tests/test_lowbit_adamw.py", _LOW_BIT),
+        *_only("lowbit_adamw", _LOW_BIT),
     ),
     "float8-ignored": (
         "precision.float8: no Linear converted (bf16 matmuls under a float8 setting)",
-        *_only("tests/test_float8.py", _FP8_LINEARS),
+        *_only("float8", _FP8_LINEARS),
     ),
     "float8-stale-scales-after-load": (
         "float8 tensorwise: a resumed run gathers with scales computed before its weights were loaded",
-        *_only("tests/test_float8.py", _FP8_RESUME),
+        *_only("float8", _FP8_RESUME),
     ),
     "float8-gathered-at-bf16": (
         "float8 tensorwise: the communication formula counts its weights' all-gather at bf16's 2 B",
-        *_only("tests/test_float8.py", _FP8_GATHER),
+        *_only("float8", _FP8_GATHER),
     ),
     "float8-bytes-unviewed": (
         "gloo: float8 tensors all-gathered as themselves (gloo has no float8 dtype)",
-        *_only("tests/test_float8.py", _FP8_BYTES),
+        *_only("float8", _FP8_BYTES),
     ),
     "test-process-sees-gpus": (
         "the suite's own process keeps the machine's GPUs visible (its optimizer steps start CUDA)",
-        *_only("tests/test_cli.py", _GPU_HOST),
+        *_only("cli", _GPU_HOST),
     ),
     "ds-zero3-floor": (
         "DeepSpeed import: ZeRO-3's partitions taken as floor(numel / N), not ceil (padding misread)",
-        *_only("tests/test_ds_import.py", _DS_BITS),
+        *_only("ds_import", _DS_BITS),
     ),
     "ds-schedule-unlagged": (
         "--deepspeed's schedulers: step s at the rate of s, not DeepSpeed's s - 1",
-        *_only("tests/test_ds_import.py", _DS_LR),
+        *_only("ds_import", _DS_LR),
     ),
     "ds-samples-dropped": (
         "DeepSpeed import: the data position starts at 0, not at DeepSpeed's global samples",
@@ -387,49 +374,49 @@ MUTANTS = {
     ),
     "ds-unpickle-anything": (
         "DeepSpeed import: its files unpickled with weights_only=False (any class, any code)",
-        *_only("tests/test_ds_import.py", _DS_DAMAGED),
+        *_only("ds_import", _DS_DAMAGED),
     ),
     "nf4-block-size-ignored": (
         "QLoRA: model.lora.nf4_block_size never reaches the quantizer (always 64; the record says otherwise)",
-        *_only("tests/test_qlora.py", _NF4_BLOCK),
+        *_only("qlora", _NF4_BLOCK),
     ),
     "nf4-resume-checks-source-path": (
         "QLoRA resume: the rebuilt base checked by its file path, not its NF4 digest",
-        *_only("tests/test_qlora.py", _NF4_DIGEST),
+        *_only("qlora", _NF4_DIGEST),
     ),
     "lowbit-eps-ignored": (
         "optim.state_bits=8/4: optim.eps never reaches torchao's AdamW (its default 1e-8)",
-        *_only("tests/test_lowbit_adamw.py", _LOW_BIT_SETTINGS),
+        *_only("lowbit_adamw", _LOW_BIT_SETTINGS),
     ),
     "lowbit-partial-blocks-counted": (
         "adamw_state_bytes: a shard of 4,096+ values that is not whole blocks counted as low-bit (torchao "
         "keeps it fp32)",
-        *_only("tests/test_lowbit_adamw.py", _LOW_BIT_BYTES),
+        *_only("lowbit_adamw", _LOW_BIT_BYTES),
     ),
     "float8-rowwise-counted-as-float8-gather": (
         "float8 rowwise and mxfp8 planned as all-gathering in float8 (the formula's 1 B a weight, the "
         "start-up line)",
-        *_only("tests/test_float8.py", _FP8_WHICH),
+        *_only("float8", _FP8_WHICH),
     ),
     "ds-ranks-sorted-as-text": (
         "DeepSpeed import: rank files taken in file-name order (rank_10 before rank_2)",
-        *_only("tests/test_ds_import.py", _DS_RANKS),
+        *_only("ds_import", _DS_RANKS),
     ),
     "ds-import-ignores-deepspeed-flag": (
         "import_deepspeed.py --deepspeed JSON ignored: the ds_config saved in the checkpoint used instead",
-        *_only("tests/test_ds_import.py", _DS_FLAG),
+        *_only("ds_import", _DS_FLAG),
     ),
     "table-struct-nulls-kept": (
         "prepare_data: a chat message's null struct fields kept (name: None where its JSON had no name)",
-        *_only("tests/test_datasets.py", _TABLE_FIELDS),
+        *_only("datasets", _TABLE_FIELDS),
     ),
     "tp-plan-index-one-digit": (
         "parallel.tp_size: a plan pattern's * matched as one digit: from layers.10 on no layer is split",
-        *_only("tests/test_model_plans.py", _TP_TWELVE),
+        *_only("model_plans", _TP_TWELVE),
     ),
     "pp-remainder-layers-dropped": (
         "parallel.pp_size: the layers the stages do not divide evenly go to no stage",
-        *_only("tests/test_model_plans.py", _PP_STAGES),
+        *_only("model_plans", _PP_STAGES),
     ),
     "tp-norm-first-mesh-only": (
         "parallel.tp_size without sequence parallelism: the gradient norm (and the clipping) of the split "
@@ -444,15 +431,15 @@ MUTANTS = {
     ),
     "layout-pp-held-no-gradients": (
         "plan.py's pipeline layouts: a stage's unsharded gradients left out of what it holds in the step",
-        *_only("tests/test_fit.py", _LAYOUT_PEAK),
+        *_only("fit", _LAYOUT_PEAK),
     ),
     "layout-p2p-one-way": (
         "plan.py fit --search layout: the bytes crossing a stage boundary counted one way, not forward and back",
-        *_only("tests/test_fit.py", _LAYOUT_FIT),
+        *_only("fit", _LAYOUT_FIT),
     ),
     "layout-tp-gathered-whole": (
         "plan.py fit --search layout: a tp candidate holds its twin's gathered parameters whole, not a tp rank's part",
-        *_only("tests/test_fit.py", _LAYOUT_PEAK),
+        *_only("fit", _LAYOUT_PEAK),
     ),
     "compose-host-state-shallow": (
         "the planner's composition, CPU offload on CUDA: the shallow simulation's host state taken off the peak",
@@ -462,70 +449,70 @@ MUTANTS = {
     "rates-block-slope-off-by-one": (
         "the rates probe: a block's seconds the slope over its deeper cut's blocks, not the blocks between "
         "the cuts",
-        *_only("tests/test_fit.py", _PROBE_SLOPE),
+        *_only("fit", _PROBE_SLOPE),
     ),
     "decay-1d-ignored": (
         "optim.decay_1d never reaches AdamW's groups: the 1-D parameters are not decayed",
-        *_only("tests/test_ds_import.py", _DS_CONTINUED),
+        *_only("ds_import", _DS_CONTINUED),
     ),
     "ds-adam-step-from-global-steps": (
         "DeepSpeed import, ZeRO-1/2: AdamW's step taken from global_steps (which counts fp16's skipped "
         "steps), not the optimizer's state",
-        *_only("tests/test_ds_import.py", _DS_ADAM_STEP),
+        *_only("ds_import", _DS_ADAM_STEP),
     ),
     # issue 44's tables: the refusal rows, the constraints beside the fields, the grid's declared roles
     "refusal-rows-after-the-first-skipped": (
         "config.rules.REFUSALS: only the first row of the table is checked",
-        *_only("tests/test_rules.py", _REFUSAL_ROWS),
+        *_only("rules", _REFUSAL_ROWS),
     ),
     "field-constraint-unchecked": (
         "config.constraints.check_fields: a value outside the bound its field declares passes",
-        *_only("tests/test_config.py", _FIELD_BOUND),
+        *_only("config", _FIELD_BOUND),
     ),
     "grid-joins-ignored": (
         "distributed.topology: a declared axis never joins the roles it names (context parallelism "
         "left out of the loss and FSDP's shard groups)",
-        *_only("tests/test_topology.py", _GRID_JOINS),
+        *_only("topology", _GRID_JOINS),
     ),
     # issue 45: optimizer states in host memory or files, group by group
     "offload-group-never-written-back": (
         "offload.states: a group's stepped states never written back to their tier (the next step "
         "reads the old ones)",
-        *_only("tests/test_offload.py", _TIERED),
+        *_only("offload", _TIERED),
     ),
     "offload-prefetch-wrong-group": (
         "offload.states: the read-ahead fills the next group's buffer with the group just stepped",
-        *_only("tests/test_offload.py", _TIERED),
+        *_only("offload", _TIERED),
     ),
     "offload-ratio-ignored": (
         "offload.ratio: every step group offloaded whatever the ratio",
-        *_only("tests/test_offload.py", _TIERED),
+        *_only("offload", _TIERED),
     ),
     "ds-nvme-offload-in-memory": (
         "--deepspeed: offload_optimizer.device=nvme keeps the moments in host memory instead of its "
         "nvme_path",
-        *_only("tests/test_deepspeed_offload.py", _DS_OFFLOAD),
+        *_only("deepspeed_offload", _DS_OFFLOAD),
     ),
     "step-reads-the-loss": (
         "Step.run: one more host read a step (the loss read with .item() before the optimizer step)",
-        *_only("tests/test_host_reads.py", _ONE_READ),
+        *_only("host_reads", _ONE_READ),
     ),
     "gate-read-before-fused-adamw": (
         "Step.run: fused AdamW launched only after the gate's read (the device idles while the host "
         "waits for the backward, then launches the step)",
-        *_only("tests/test_host_reads.py", _ONE_READ),
+        *_only("host_reads", _ONE_READ),
     ),
     "fused-skip-ignored": (
         "fused AdamW launched before the gate's read does not skip a non-finite step on the device",
-        *_only("tests/test_host_reads.py", _SKIP_ON_DEVICE),
+        *_only("host_reads", _SKIP_ON_DEVICE),
     ),
     "trace-steps-in-throughput": (
         "metrics.trace_steps: the traced steps counted in the throughput (tokens/s, step_s)",
-        *_only("tests/test_trace.py", _TRACE_RATE),
+        *_only("trace", _TRACE_RATE),
     ),
     "trace-runs-split": (
         "metrics.trace_steps: consecutive traced steps not sharing one trace",
-        *_only("tests/test_trace.py", _TRACE_RUNS),
+        *_only("trace", _TRACE_RUNS),
     ),
     "rope-cast-to-compute": (
         "the rotary table reaches rotary in the compute dtype under the -mixed precisions (as "
@@ -540,16 +527,15 @@ MUTANTS = {
     ),
     "last-unit-resharded": (
         "the last unit resharded after its forward and gathered again for its backward at once",
-        ["tests/test_comm.py"],
-        ["test_counted_bytes_per_step_equal_the_formula"],
+        *_only("comm", "test_counted_bytes_per_step_equal_the_formula"),
     ),
     "data-prefetch-never-started": (
         "data.loader: the next batch is never fetched while the step runs (made when asked for)",
-        *_only("tests/test_data_path.py", _AHEAD),
+        *_only("data_path", _AHEAD),
     ),
     "data-prefetch-kept-after-seek": (
         "data.loader: after position is set, the batch fetched for the old position is served",
-        *_only("tests/test_data_path.py", _SEEK),
+        *_only("data_path", _SEEK),
     ),
     "ds-no-scheduler-ours": (
         "--deepspeed: a ds_config without a scheduler trains with our warm-up and cosine instead of "
@@ -575,7 +561,7 @@ MUTANTS = {
     "sp-eval-unsliced": ("sp: evaluation forwards whole windows on each rank", *_SP_EVAL),
     "tiled-loss-logits-kept": (
         "train.loss_chunk: each chunk's logits kept for backward, not recomputed: the untiled peak",
-        *_only("tests/test_tiled_loss.py", "test_the_logits_of_one_chunk_only_are_alive"),
+        *_only("tiled_loss", "test_the_logits_of_one_chunk_only_are_alive"),
     ),
     "tiled-loss-chunk-dropped": (
         "train.loss_chunk: the last chunk's tokens left out of the loss",
@@ -596,5 +582,18 @@ MUTANTS = {
     "act-offload-in-recompute": (
         "activation offload's hooks also catch what the recompute saves",
         *_OFFLOADED,
+    ),
+    "ep-combine-misrouted": (
+        "ep: the experts' outputs summed into the wrong tokens",
+        *_ep("ep2-dp2"),
+    ),
+    "ep-aux-dropped": ("the load-balancing loss left out of the training loss", *_ep("ep2")),
+    "ep-norm-per-rank": (
+        "the norm's local squares summed over every rank (replicas)",
+        *_ep("hsdp-ep2"),
+    ),
+    "ep-grads-undivided": (
+        "ep: the experts' gradients averaged over the ranks ep leaves",
+        *_ep("ep2-dp2"),
     ),
 }

@@ -205,8 +205,10 @@ class ExpertParallel:
         local = local.repeat_interleave(counts.reshape(-1)).unsqueeze(1)
         with local_parameters(module) as params, _local_count(module, self.experts, self.local):
             out = type(module).forward(module, got, local, torch.ones_like(local, dtype=x.dtype))
-            if sum(receive) == 0:  # no token: the weights still get a (0) gradient
-                out = out + sum(p.reshape(-1)[:1].sum() * 0 for p in params)
+            if sum(receive) == 0:
+                # no token: the weights still get a (0) gradient, which FSDP reduces with the
+                # other ranks', and the empty exchange its backward, which its peers' wait for
+                out = out + got.sum() * 0 + sum(p.reshape(-1)[:1].sum() * 0 for p in params)
         # 4. back to the tokens' ranks, weighted, summed in the order of the experts
         back = _Exchange.apply(out, receive, send, self.group, self.count)
         weighted = back * weights.reshape(-1)[order, None]

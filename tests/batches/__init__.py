@@ -27,6 +27,7 @@ from fsdp_zero.config.loader import load_config
 from tests.batches.launches import LAUNCHES, _qlora_bases
 from tests.batches.runs_1_3_4 import RUNS_1_3_4
 from tests.batches.runs_2 import RUNS_2
+from tests.batches.runs_experts import RUNS_EXPERTS
 from tests.batches.settings import (  # what test modules import from tests.batches, as before
     ADAMW8_4,
     BASE,
@@ -134,7 +135,7 @@ __all__ = [
     "run_config",
 ]
 
-RUNS: list[Run] = [*RUNS_2, *RUNS_1_3_4]
+RUNS: list[Run] = [*RUNS_2, *RUNS_1_3_4, *RUNS_EXPERTS]
 BY_NAME = {run.name: run for run in RUNS}
 assert len(BY_NAME) == len(RUNS)
 

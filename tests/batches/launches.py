@@ -99,6 +99,29 @@ def _qlora_bases(root: Path) -> None:
     torch.save(state, folder / "qlora-nudged.pt")
 
 
+def _one_expert_base(root: Path) -> None:
+    """moe_nano at top 1 initialised by the build for the runs' seed, its routers' weights zero:
+    every token's scores tie, and the first expert takes them all (tests/test_experts.py)."""
+    path = root / "bases" / "moe-one-expert.pt"
+    if path.exists() or "test_experts" not in _COLLECTED:
+        return
+    path.parent.mkdir(exist_ok=True)
+    from fsdp_zero.config.loader import load_config
+    from fsdp_zero.model.construct import construct, real_buffers
+    from fsdp_zero.sharding.build import materializer
+
+    cfg = load_config(None, [*BASE, "model.preset=moe_nano", "model.experts_top_k=1"])
+    model = construct(cfg.model)
+    materializer(torch.device("cpu"), cfg.model.init, cfg.train.seed, real_buffers(model), [])(
+        model
+    )
+    state = model.state_dict()
+    for name in state:
+        if name.endswith("router.gate.weight"):
+            state[name].zero_()
+    torch.save(state, path)
+
+
 def _ds_imports(root: Path, ranks: int) -> None:
     """scripts/import_deepspeed.py of each DeepSpeed checkpoint continued at ``ranks`` ranks (in this
     process; when tests/test_ds_import.py runs)."""
@@ -126,6 +149,7 @@ def _resume2_files(root: Path) -> None:
 
 def _launch2_files(root: Path) -> None:
     _qlora_bases(root)
+    _one_expert_base(root)
     _hf_folder(root)
     _eval_tokens(root)
     _masked_tokens(root)

@@ -74,6 +74,29 @@ EVAL_TOKENS = 170
 TP2 = "parallel.tp_size=2"
 # Ulysses sequence parallelism (tests/test_sequence.py): each sequence cut over 2 (4) ranks
 SP2, SP4 = "parallel.sp_size=2", "parallel.sp_size=4"
+# the built-in mixture of experts (tests/test_experts.py): 8 experts, top 2; expert parallelism
+MOE = ("model.preset=moe_nano",)
+EP2, EP4 = "parallel.ep_size=2", "parallel.ep_size=4"
+# its top-1 twin whose router starts at zero: every token routed to expert 0 on the first step
+ONE_EXPERT = ("model.experts_top_k=1", "model.init_from={root}/bases/moe-one-expert.pt")
+# a tiny Hugging Face Qwen3-MoE: 4 experts, top 2, every layer a mixture
+QWEN3_MOE = (
+    "model.target=transformers:Qwen3MoeForCausalLM",
+    "model.kwargs.vocab_size=101",
+    "model.kwargs.hidden_size=32",
+    "model.kwargs.intermediate_size=64",
+    "model.kwargs.moe_intermediate_size=32",
+    "model.kwargs.num_experts=4",
+    "model.kwargs.num_experts_per_tok=2",
+    "model.kwargs.num_hidden_layers=2",
+    "model.kwargs.num_attention_heads=4",
+    "model.kwargs.num_key_value_heads=2",
+    "model.kwargs.head_dim=8",
+    "model.kwargs.max_position_embeddings=64",
+    "model.kwargs.router_aux_loss_coef=0.01",
+    "data.seq_len=16",
+)
+X = "test_experts"
 # pipeline parallelism: two stages (gpt_nano's two layers, one each; four under the V schedule)
 PP2 = "parallel.pp_size=2"
 FOUR_LAYERS = ("model.n_layers=4",)

@@ -520,4 +520,25 @@ SOURCE = {
         "if self.seq_part[1] > 1:",
         "if __mutant__(False):",
     ),
+    "ep-combine-misrouted": (
+        "fsdp_zero.sharding.experts",
+        "return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))",
+        "return torch.zeros_like(x).index_add_(0, __mutant__(tokens.flip(0)), weighted.to(x.dtype))",
+    ),
+    "ep-aux-dropped": (
+        "fsdp_zero.model.tasks",
+        'loss = loss + moe["router_aux_loss_coef"] * aux * weight',
+        "loss = loss + __mutant__(0) * aux * weight",
+    ),
+    "ep-norm-per-rank": (
+        "fsdp_zero.training.step",
+        'norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)',
+        "norms.append(__mutant__((lambda t: (dist.all_reduce(q := t.to_local().float().square()), "
+        'q.sqrt())[1])(norm)) if hasattr(norm, "full_tensor") else norm)',
+    ),
+    "ep-grads-undivided": (
+        "fsdp_zero.sharding.experts",
+        "unit.set_gradient_divide_factor(float(self.divide))",
+        "__mutant__(None)",
+    ),
 }

@@ -322,6 +322,14 @@ def run_job(  # noqa: ANN001
     }
     # (read before the forward below too: it leaves the root and the last unit gathered)
     nf4_locals = _nf4_locals(parts.model, nf4.names) if nf4 else None
+    # expert parallelism: each expert weight's local shard on this rank, (shape, offset) in the whole (sharded:
+    # before the forward below)
+    experts = {
+        f"{fqn}.{n}": tuple(tuple(x) for x in local_shape_and_offset(p))
+        for fqn in expert_fqns(parts.model)
+        for n, p in parts.model.get_submodule(fqn).named_parameters()
+        if hasattr(p, "to_local")
+    }
     with torch.no_grad():  # the sharded model's outputs on a fixed batch (not of a pipeline stage)
         inputs = parts.cursor.source.batch(range(2))[0]
         output = logits_of(parts.model(inputs.to(env.device)) if not pipeline else torch.zeros(1))
@@ -370,13 +378,6 @@ def run_job(  # noqa: ANN001
             "numel": sum(g.numel for g in parts.optimizer.groups),
             "disk_writes": getattr(store, "writes", 0),
         }
-    # expert parallelism: each expert weight's local shard on this rank, (shape, offset) in the whole
-    experts = {
-        f"{fqn}.{n}": tuple(tuple(x) for x in local_shape_and_offset(p))
-        for fqn in expert_fqns(parts.model)
-        for n, p in parts.model.get_submodule(fqn).named_parameters()
-        if hasattr(p, "to_local")
-    }
     mine = (*mine, offload, experts)
     states = [None] * env.world_size
     dist.all_gather_object(states, mine)
