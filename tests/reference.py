@@ -117,7 +117,12 @@ def _balance_loss(model: nn.Module, router_logits: tuple, sequences: int) -> tor
     normalised sigmoid score of e), averaged over layers and sequences."""
     args = getattr(model, "args", None)
     if args is not None:  # the built-in model
-        e, k, coef, score = args.n_experts, args.experts_top_k, args.aux_loss_coef, args.router_score
+        e, k, coef, score = (
+            args.n_experts,
+            args.experts_top_k,
+            args.aux_loss_coef,
+            args.router_score,
+        )
     else:
         c = model.config
         e = getattr(c, "num_experts", None) or c.num_local_experts

@@ -42,6 +42,8 @@ def test_the_built_in_model_declares_every_member_and_a_plain_module_none():
         tp_plan=None,
         pp_plan=None,
         sp_plan=None,
+        ep_plan=(),
+        moe=None,
         init_weights=None,
         max_seq_len=None,
         vocab_size=None,

@@ -44,6 +44,7 @@ ON = {
     "activation_checkpointing": ("parallel", "activation_checkpointing", "full"),
     "activation_offload": ("parallel", "activation_offload", True),
     "sequence": ("parallel", "sp_size", 2),
+    "expert": ("parallel", "ep_size", 2),
     "compile": ("train", "compile", True),
     "cpu_offload": ("parallel", "cpu_offload", True),
     "prefetch": ("parallel", "prefetch", 1),

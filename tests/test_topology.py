@@ -31,6 +31,7 @@ def test_a_declared_axis_joins_the_grid_its_roles_and_its_errors():
         "pp": 1,
         "dp_replicate": 1,
         "dp_shard": 4,
+        "ep": 1,
         "sp": 1,
         "tp": 2,
         "cp": 2,
@@ -73,6 +74,6 @@ def test_the_declared_axis_gets_its_groups_and_fsdps_one_dimensional_mesh():
 
 def test_the_package_grid_is_pipeline_outermost_and_tensor_innermost():
     topology = Topology.of(ParallelConfig(tp_size=2, pp_size=2), 8)
-    assert list(topology.sizes) == ["pp", "dp_replicate", "dp_shard", "sp", "tp"]
+    assert list(topology.sizes) == ["pp", "dp_replicate", "dp_shard", "ep", "sp", "tp"]
     assert [topology.rank("pp", r) for r in (0, 3, 4, 7)] == [0, 0, 1, 1]
     assert topology.axes(Role.LOSS) == topology.axes(Role.BATCH) == ("dp_replicate", "dp_shard")

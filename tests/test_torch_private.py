@@ -23,6 +23,12 @@ def test_private_torch_apis_are_where_we_expect_them():
     from fsdp_zero import torch_private
 
     assert callable(torch_private._init_optim_state)
+    # expert parallelism's: the graph task id (-1 outside backward), a module's _parameters
+    assert not torch_private.in_backward() and torch._C._current_graph_task_id() == -1
+    linear = torch.nn.Linear(2, 2)
+    with torch_private.local_parameters(linear) as local:
+        assert "weight" not in linear._parameters and linear.weight is local[0]
+    assert isinstance(linear._parameters["weight"], torch.nn.Parameter)
     assert "optim" in inspect.signature(torch_private._init_optim_state).parameters
     from torch.distributed.fsdp import FSDPModule
 

@@ -140,6 +140,7 @@ class ExpertParallel:
     divide: int  # the data-parallel ranks FSDP averages the other gradients over
     mesh: DeviceMesh  # what FSDP shards the experts over (`Topology.expert_mesh`)
     count: DispatchCount = field(default_factory=DispatchCount)
+    modules: list[nn.Module] = field(default_factory=list)  # the experts modules (FSDP units)
 
     @property
     def local(self) -> int:
@@ -154,7 +155,7 @@ class ExpertParallel:
         """The experts units' gradients divided by every data-parallel rank, as the others' are
         (FSDP's default divides by the ranks of the unit's own mesh, ep fewer)."""
         for unit in units:
-            if getattr(unit, "_fsdp_zero_experts", False):
+            if any(unit is m for m in self.modules):
                 unit.set_gradient_divide_factor(float(self.divide))
                 # a sum, then scaled (gloo has no PREMUL_SUM); not where the experts' shard group
                 # is one rank: FSDP2 (torch 2.15) then divides its copy and again after it
@@ -282,7 +283,7 @@ def apply_expert_parallel(
                 local, ep_mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
             )
             setattr(module, name, nn.Parameter(split, requires_grad=p.requires_grad))
-        module._fsdp_zero_experts = True  # (what `ExpertParallel.divided` finds after FSDP)
+        made.modules.append(module)  # (what `ExpertParallel.divided` finds after FSDP)
         module.forward = _dispatcher(made, fqn, module)
     return made
 

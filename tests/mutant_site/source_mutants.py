@@ -214,8 +214,8 @@ SOURCE = {
     ),
     "pp-same-batch-unchecked": (
         "fsdp_zero.distributed.topology",
-        "for a in reversed(self.sizes) if a not in DATA_AXES)",
-        'for a in reversed(self.sizes) if a not in (*DATA_AXES, __mutant__("pp")))',
+        "for a in reversed(self.sizes) if a not in DATA_AXES + batch",
+        'for a in reversed(self.sizes) if a not in (*DATA_AXES, *batch, __mutant__("pp"))',
     ),
     "layout-pp-held-no-gradients": (
         "fsdp_zero.sharding.pipeline",
