@@ -200,25 +200,35 @@ def fsdp_unit_settings(module: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def real_post_forward_meshes() -> Iterator[None]:
-    """hpZ (``reshard_after_forward=k``) under the planner's FakeTensorMode: ``fully_shard`` makes the
+    """hpZ (``reshard_after_forward=k``) and expert parallelism's experts under the planner's
+    FakeTensorMode: ``fully_shard`` makes the
     post-forward mesh from a view of its mesh's rank tensor
     (``_fsdp_init._get_post_forward_mesh_info``), which fake mode turns into a tensor whose ranks
     cannot be read (``DataDependentOutputException``). Inside this, that one function runs outside
     fake mode: the meshes are made of real rank tensors, as outside a simulation."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp._fully_shard import _fully_shard
 
     original = _fully_shard._get_post_forward_mesh_info
+    # FSDP2 + EP's 2-D mesh (``_fsdp_param._init_sharding_spec_tp``) the same way
+    concatenate = DeviceMesh._concatenate
 
     def outside_fake_mode(*args: Any, **kwargs: Any) -> Any:
         with unset_fake_temporarily():
             return original(*args, **kwargs)
 
+    def concatenated(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return concatenate(*args, **kwargs)
+
     _fully_shard._get_post_forward_mesh_info = outside_fake_mode
+    DeviceMesh._concatenate = staticmethod(concatenated)
     try:
         yield
     finally:
         _fully_shard._get_post_forward_mesh_info = original
+        DeviceMesh._concatenate = staticmethod(concatenate)
 
 
 def reset_fsdp_iter_state(root: Any) -> None:

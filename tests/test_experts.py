@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -284,3 +285,48 @@ def test_the_presets_active_and_total_parameters():
     assert small.num_params() > 2 * small.num_params(active=True)
     model = Transformer(nano)
     assert sum(p.numel() for p in model.parameters()) == nano.num_params()
+
+
+def test_the_planner_simulates_expert_parallelism_and_matches_the_run(runs):
+    """plan.py simulate of ep 1, 2 and 4 at 4 ranks (a balanced router: fake tensors carry no data
+    to route by): the same model state, which the ep 2 x dp 2 run measured; the gathered
+    parameters at the peak fall as ep grows (each rank gathers its share of the experts), and the
+    all-gather formula is what the run counted."""
+    from fsdp_zero.config.strategies import Strategy
+    from fsdp_zero.tools.planner import simulate
+
+    preds = {}
+    for ep in (1, 2, 4):
+        cfg = load_config(None, [*BASE, "model.preset=moe_nano", f"parallel.ep_size={ep}"])
+        (preds[ep],) = simulate(cfg, 4, [Strategy.full_shard])
+    run = runs["ep2-dp2"]
+    assert preds[2].model_state == pytest.approx(run["model_state_bytes"][0], rel=0.01)
+    assert preds[1].model_state == pytest.approx(preds[2].model_state, rel=1e-3)
+    gathered = [preds[ep].tensors["gathered_params"] for ep in (1, 2, 4)]
+    assert gathered[0] > gathered[1] > gathered[2]
+    figure(
+        "moe_nano at 4 ranks: simulated gathered MiB at ep 1 / 2 / 4",
+        " / ".join(f"{g / 2**20:.2f}" for g in gathered),
+    )
+
+
+def test_the_fit_keeps_a_given_ep_and_prices_its_dispatch():
+    """plan.py fit with parallel.ep_size=2: every candidate keeps ep 2, simulated as it is (not
+    composed by formula), and its communication has the balanced router's dispatch bytes."""
+    from fsdp_zero.model.construct import construct
+    from fsdp_zero.monitor.comm import comm_formula
+    from fsdp_zero.sharding.precision import resolve_precision
+    from fsdp_zero.sharding.wrap import build_wrap_plan
+    from fsdp_zero.tools.candidates import Candidate
+
+    cfg = load_config(None, [*BASE, "model.preset=moe_nano", "parallel.ep_size=2"])
+    assert not Candidate.layered.fget(SimpleNamespace(split=(("ep", 2), ("sp", 1), ("tp", 1))))
+    model = construct(cfg.model)
+    topology = Topology.of(cfg.parallel, 4)
+    plan = build_wrap_plan(model, cfg.parallel.wrap, topology.param_shards)
+    moved = comm_formula(
+        cfg, topology, model, plan, accum=1, precision=resolve_precision(cfg.precision)
+    )
+    args = model_args("moe_nano")
+    # 2 layers x 2 (forward and backward) x (S + R) x dim x 4 B, S = R = 64 tokens x 2 x 1/2
+    assert moved.ep_all_to_all == 2 * 2 * 2 * 64 * args.dim * 4

@@ -49,9 +49,10 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_zero.config.schema import Config
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
+from fsdp_zero.model.contract import model_facts
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
-from fsdp_zero.sharding.experts import dispatch_formula, expert_fqns
+from fsdp_zero.sharding.experts import balanced_bytes, dispatch_formula, expert_fqns
 from fsdp_zero.sharding.levers import (
     EXPERT,
     GRAD_SYNC,
@@ -131,11 +132,13 @@ def _unit_params(model: nn.Module, plan: WrapPlan) -> Iterator[tuple[str, list[n
         yield unit.fqn, own
 
 
-def _padded(p: nn.Parameter, n: int) -> int:
+def _padded(p: nn.Parameter, n: int, ep: int = 1) -> int:
     """Elements of ``p`` as FSDP2 gathers it over ``n`` ranks: dim 0 padded to a multiple of n (of a
-    tensor-parallel rank's part, under tensor parallelism)."""
+    tensor-parallel rank's part, under tensor parallelism; of an expert-parallel rank's experts,
+    1 / ``ep`` of them, where ``p`` is not split yet: the planner's unsharded model)."""
     shape = tp_local_shape(p)
     rows = shape[0] if shape else 1
+    rows = rows // ep if shape and shape == tuple(p.shape) else rows
     return math.ceil(rows / n) * n * math.prod(shape[1:])
 
 
@@ -193,10 +196,13 @@ def comm_formula(
     ep = topology.size("ep")
     experts = set(expert_fqns(model)) if ep > 1 else set()
     for fqn, params in _unit_params(model, plan):
-        group = n // ep if fqn in experts else n  # (each expert-parallel rank's share: its own)
-        one = sum(by_id.get(id(p), _padded(p, group) * precision.compute.itemsize) for p in params)
+        # (each expert-parallel rank's share of the experts: its own)
+        group, split = (n // ep, ep) if fqn in experts else (n, 1)
+        one = sum(
+            by_id.get(id(p), _padded(p, group, split) * precision.compute.itemsize) for p in params
+        )
         gathered += (1 if fqn in (ROOT_FQN, last) else gathers_per_unit) * one if group > 1 else 0
-        unit_reduced = sum(_padded(p, group) for p in params if p.requires_grad)
+        unit_reduced = sum(_padded(p, group, split) for p in params if p.requires_grad)
         reduced += unit_reduced if group > 1 else 0
         across += unit_reduced / group
         held += sum(p.numel() for p in params if p.requires_grad) // (n // group)
@@ -219,7 +225,22 @@ def comm_formula(
             recomputed=recomputed,
             micro_batches=accum,
         )
+    dispatched = 0.0
+    if experts:  # a balanced router's pairs (the meter puts each step's own routing in its place)
+        blocks = checkpointed(cfg, plan.block_fqns)
+        dispatched = accum * sum(
+            balanced_bytes(
+                model.get_submodule(fqn),
+                tokens=tokens,
+                top_k=model_facts(model).moe["num_experts_per_tok"],
+                size=ep,
+                itemsize=precision.compute.itemsize,
+                recomputed=any(fqn.startswith(b + ".") for b in blocks),
+            )
+            for fqn in experts
+        )
     return CommBytes(
+        ep_all_to_all=dispatched,
         sp_all_to_all=sent if sp > 1 else 0,
         all_gather=gathers * gathered,
         reduce_scatter=reductions * reduce_bytes,
@@ -252,6 +273,8 @@ def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[
         "all_gather": comm.all_gather * per_byte * ring(shard),
         "reduce_scatter": comm.reduce_scatter * per_byte * ring(shard),
         "all_reduce": 2 * comm.all_reduce * per_byte * ring(replicas),
+        # (what each rank sends its peers, counted as sent)
+        "ep_all_to_all": comm.ep_all_to_all * per_byte,
     }
 
 

@@ -43,13 +43,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_zero.model.contract import model_facts
-from fsdp_zero.torch_private import in_backward, local_parameters
+from fsdp_zero.torch_private import in_backward, is_fake, local_parameters
 
 
 def expert_fqns(model: nn.Module) -> list[str]:
@@ -86,6 +87,28 @@ class DispatchCount:
         out = (self.sent, self.remote, self.routed)
         self.sent, self.remote, self.routed = 0, 0, {}
         return out
+
+
+def balanced_bytes(
+    module: nn.Module, *, tokens: int, top_k: int, size: int, itemsize: int, recomputed: bool
+) -> float:
+    """The bytes one experts module's exchanges send a micro-batch of ``tokens`` on a rank when the
+    router balances: S = R = tokens x top_k x (size - 1) / size pairs of ``dim`` values (its
+    weights' last dimension) each way, `dispatch_formula`'s (2 or 3) x (S + R) x dim x itemsize."""
+    dim = next(module.parameters()).shape[-1]
+    pairs = tokens * top_k * (size - 1) / size
+    return (3 if recomputed else 2) * 2 * pairs * dim * itemsize
+
+
+def active_params(model: nn.Module) -> int:
+    """The parameters a token computes with: all of ``model``'s, less the routed experts it does
+    not pick (a mixture's: (E - k) / E of the experts' parameters)."""
+    total = sum(p.numel() for p in model.parameters())
+    moe = model_facts(model).moe
+    if moe is None:
+        return total
+    experts, k = moe["num_experts"], moe["num_experts_per_tok"]
+    return total - round(expert_params(model) * (experts - k) / experts)
 
 
 def dispatch_formula(routed: dict[str, int], recomputed: set[str]) -> int:
@@ -180,6 +203,8 @@ class ExpertParallel:
     ) -> torch.Tensor:
         """The experts module's forward under expert parallelism (the module docstring's steps)."""
         k, n = experts.shape[1], self.experts
+        if is_fake(x):  # the planner's simulation: shapes only, routing balanced
+            return self._balanced(module, x, weights)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slots by expert, token order within one
         per_expert = torch.bincount(flat, minlength=n + 1)[:n]  # (dropped slots: index n, last)
@@ -215,6 +240,18 @@ class ExpertParallel:
         weighted = back * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
 
+    def _balanced(self, module: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`dispatch` on fake tensors (`simulated_routing`): each rank's pairs spread evenly over
+        the group's ranks and their experts, what a balanced router sends."""
+        k = weights.shape[1]
+        rows = x.repeat_interleave(k, 0)
+        share = [len(rows) // self.size] * self.size
+        share[-1] += len(rows) - sum(share)
+        got = _Exchange.apply(rows, share, share, self.group, self.count)
+        out = balanced_compute(module, got, self.local)
+        back = _Exchange.apply(out, share, share, self.group, self.count)
+        return (back.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
 
 # the attributes an experts module counts its experts in (Hugging Face's, the built-in's)
 _COUNTS = ("num_experts", "n_experts")
@@ -232,6 +269,40 @@ def _local_count(module: nn.Module, experts: int, local: int) -> Iterator[None]:
     finally:
         for n in names:
             setattr(module, n, experts)
+
+
+def balanced_compute(module: nn.Module, rows: torch.Tensor, experts: int) -> torch.Tensor:
+    """What an experts module computes for ``rows`` (its tokens, gathered) when each of its
+    ``experts`` takes an equal share, shapes only (the planner's stand-in: its own forward routes
+    by the data). A SwiGLU expert of stacked weights: the last parameter the down projection, the
+    others the up (two, or one holding both halves)."""
+    h = rows.shape[-1]
+    n = -(-rows.shape[0] // experts)
+    padded = torch.cat([rows, rows.new_zeros(n * experts - rows.shape[0], h)])
+    group = padded.view(experts, n, h)
+    with local_parameters(module) as params:
+        ups = [torch.bmm(group, p.transpose(1, 2)) for p in params[:-1]]
+        first, second = ups if len(ups) == 2 else ups[0].chunk(2, dim=-1)
+        out = torch.bmm(F.silu(first) * second, params[-1].transpose(1, 2))
+    return out.reshape(-1, h)[: rows.shape[0]]
+
+
+def simulated_routing(model: nn.Module) -> None:
+    """The planner's simulation (fake tensors: no data to route by): each experts module of
+    ``model`` not under expert parallelism computes as a balanced router would have it
+    (`balanced_compute`); under expert parallelism `ExpertParallel.dispatch` does so itself."""
+    for fqn in expert_fqns(model):
+        module = model.get_submodule(fqn)
+        if "forward" in vars(module):  # (expert parallelism's dispatch)
+            continue
+        count = model_facts(model).moe["num_experts"]
+
+        def forward(x, experts, weights, module=module, count=count):  # noqa: ANN001, ANN202
+            rows = x.repeat_interleave(experts.shape[1], 0)
+            out = balanced_compute(module, rows, count)
+            return (out.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+        module.forward = forward
 
 
 def check_experts(model: nn.Module, size: int) -> tuple[list[str], int]:

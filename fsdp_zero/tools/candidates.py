@@ -88,8 +88,9 @@ class Candidate:
 
     @property
     def layered(self) -> bool:
-        """Tensor or pipeline parallel: its peak and cost by formula (`fsdp_zero.tools.layout`)."""
-        return any(size > 1 for _, size in self.split)
+        """Tensor, pipeline or sequence parallel: its peak and cost by formula
+        (`fsdp_zero.tools.layout`); expert parallelism is simulated as it is."""
+        return any(size > 1 for axis, size in self.split if axis != "ep")
 
     def overrides(self) -> list[str]:
         """The key=value overrides that select this candidate, to paste onto the command line."""

@@ -65,6 +65,7 @@ from fsdp_zero.model.construct import construct
 from fsdp_zero.model.contract import model_facts
 from fsdp_zero.model.lora import make_trainable
 from fsdp_zero.monitor.comm import CommBytes, comm_formula, comm_seconds
+from fsdp_zero.sharding.experts import active_params
 from fsdp_zero.sharding.levers import (
     GRAD_SYNC,
     OFFLOAD,
@@ -364,7 +365,7 @@ def _step_cost(
         )
         return sum(parts.values()), parts
     tokens = samples * (cc.data.seq_len or 1)
-    params = sum(p.numel() for p in model.parameters())
+    params = active_params(model)  # (a mixture's: the experts a token picks)
     recomputed = sum(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks)
     flops = 6 * params * tokens + 2 * recomputed * tokens
     if c.loss_chunk:  # the tiled loss computes the head's forward again in backward

@@ -48,6 +48,7 @@ from fsdp_zero.data.loader import BatchCursor, BatchLayout
 from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.construct import construct
 from fsdp_zero.model.tasks import build_task, to_device, vocab_size
+from fsdp_zero.sharding.experts import simulated_routing
 from fsdp_zero.sharding.levers import ACTIVATION_OFFLOAD, RECOMPUTE, checkpointed
 from fsdp_zero.sharding.parallelize import model_state_formula
 from fsdp_zero.sharding.pipeline import (
@@ -160,6 +161,7 @@ def saved_per_unit(w: Workload, tp: int) -> dict[str, int]:
     parameters in the compute dtype, a batch of ``w.train.micro_batch_size`` of its data), with its
     plan applied over a fake process group of ``tp`` ranks when ``tp`` > 1."""
     model = construct(w.model)  # meta parameters, real buffers
+    simulated_routing(model)  # a mixture's experts: a balanced router's work (no data on meta)
     compute = resolve_precision(w.precision).compute
     for param in model.parameters():  # as FSDP's mixed precision gathers them (buffers stay)
         param.data = param.data.to(compute)

@@ -51,6 +51,7 @@ from fsdp_zero.model.tasks import build_task, vocab_size
 from fsdp_zero.monitor.memory import GLIBC_MAX_MMAP_THRESHOLD, StepProfiler, mmap_threshold
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import build, cast_to_stored
+from fsdp_zero.sharding.experts import simulated_routing
 from fsdp_zero.sharding.levers import (
     FLOAT8,
     GRAD_SYNC,
@@ -454,6 +455,8 @@ class Simulator:
                     model=meta,
                 )
             model, optimizer = built.model, built.optimizer
+            # a mixture's experts: a balanced router's work (the DDP stand-in: its module's)
+            simulated_routing(getattr(model, "module", model))
             step = Step(
                 model,
                 optimizer,

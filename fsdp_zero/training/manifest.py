@@ -15,8 +15,10 @@ from fsdp_zero.data.loader import BatchLayout
 from fsdp_zero.distributed.env import (
     DistEnv,
 )
+from fsdp_zero.model.contract import model_facts
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
+from fsdp_zero.sharding.experts import active_params, expert_params
 from fsdp_zero.sharding.pipeline import stages_note
 from fsdp_zero.training.rundir import (
     RunDecision,
@@ -63,6 +65,18 @@ def log_setup(
         cfg.model.task.value,
         strategy.value,
     )
+    moe = model_facts(built.whole).moe
+    if moe is not None:
+        logger.info(
+            "mixture of experts: %d experts a layer, %d a token; %s of the %s parameters active a "
+            "token (the experts: %s); load-balancing loss x %g (moe/aux_loss)",
+            moe["num_experts"],
+            moe["num_experts_per_tok"],
+            f"{active_params(built.whole):,}",
+            f"{num_params:,}",
+            f"{expert_params(built.whole):,}",
+            moe["router_aux_loss_coef"],
+        )
     logger.info("initialised: %s", built.init_note)
     if built.trainable_note:
         logger.info("trained: %s", built.trainable_note)
