@@ -11,8 +11,8 @@ the larger rank's figures from the run's summary.json:
 
 - model state: parameters, gradients and AdamW states a rank holds after a step (measured), which
   is 16 P / N whatever ep is: the experts are split over ep x the ranks ep leaves;
-- peak: the tracker's largest sum of every category at step 2's peak (the gathered experts of a
-  unit are 1 / ep of ZeRO-3's);
+- peak: the tracker's largest sum of every category at step 2's peak, and the parameters held
+  gathered at the tracker's phases (a unit of experts gathers 1 / ep of ZeRO-3's);
 - all-gathered: the bytes FSDP's all-gathers bring a rank a step (counted; equal to the formula);
 - dispatch: expert parallelism's all-to-all bytes a step (counted; equal to its routing's);
 - step time: the mean of steps 2-3 (step 1 builds caches; the tracker's step 2 is slower:
@@ -73,6 +73,13 @@ def run(name: str, ep: int, preset: str, root: Path) -> dict:
         "model_state_mib": max(r["model_state_bytes"] for r in ranks) / MIB,
         "formula_mib": summary["model_state_formula_bytes"] / MIB,
         "peak_mib": max(sum(r["breakdown"].values()) for r in ranks) / MIB,
+        # the parameters held gathered at the step's phases (after forward: the root and the last
+        # unit; the tracker's phase snapshots), and at its peak
+        "gathered_phases_mib": max(
+            p.get("gathered_params", 0) for r in ranks for p in r["phases"].values()
+        )
+        / MIB,
+        "gathered_at_peak_mib": max(r["breakdown"].get("gathered_params", 0) for r in ranks) / MIB,
         "all_gather_mib": max(r["comm_bytes"]["all_gather"] for r in ranks) / MIB,
         "all_gather_formula_mib": max(r["comm_formula_bytes"]["all_gather"] for r in ranks) / MIB,
         "dispatch_mib": max(r["comm_bytes"].get("ep_all_to_all", 0) for r in ranks) / MIB,
@@ -93,12 +100,13 @@ def main() -> int:
     base = rows[0]
     print(
         f"{preset} at {RANKS} ranks, fp32, 2 x 128 tokens a rank a step\n"
-        f"{'setting':8s} {'model state':>12s} {'peak':>10s} {'all-gathered':>13s} "
+        f"{'setting':8s} {'model state':>12s} {'peak':>10s} {'gathered':>9s} {'all-gathered':>13s} "
         f"{'dispatch':>9s} {'step':>8s}   (MiB per rank; the step's seconds)"
     )
     for r in rows:
         print(
             f"{r['name']:8s} {r['model_state_mib']:12.1f} {r['peak_mib']:10.1f} "
+            f"{r['gathered_phases_mib']:9.1f} "
             f"{r['all_gather_mib']:13.1f} {r['dispatch_mib']:9.2f} {r['step_s']:8.2f}"
             f"   peak {r['peak_mib'] / base['peak_mib']:.3f}x, all-gathered "
             f"{r['all_gather_mib'] / base['all_gather_mib']:.3f}x, step "

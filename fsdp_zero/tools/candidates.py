@@ -164,7 +164,7 @@ class Scored:
 # What --search may name: the settings a candidate varies (the others stay as the config has them).
 # "offload_states": offload.states x offload.ratio (`OFFLOAD_RATIOS`): the cpu tier where the run
 # targets CUDA, the disk tier where offload.path names a folder. "layout": every parallel.sp_size x
-# parallel.tp_size x parallel.pp_size the world size divides into. "loss_chunk": the logits at once,
+# parallel.tp_size x parallel.pp_size the world size divides into (parallel.ep_size as configured). "loss_chunk": the logits at once,
 # or the tiled loss in chunks of `LOSS_CHUNK` tokens (where a micro-batch has more).
 DIMENSIONS = (
     "strategy",
@@ -292,9 +292,11 @@ def _values(
     ``base`` names a folder for it (offload.path)."""
     cuda = base.cuda
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    # (expert parallelism is not searched: the config's ep_size stays, simulated as it is)
+    each = [[size] if axis == "ep" else divisors for axis, size in own.split]
     layouts = [
         tuple(zip(dict(own.split), sizes))
-        for sizes in itertools.product(divisors, repeat=len(own.split))
+        for sizes in itertools.product(*each)
         if world_size % math.prod(sizes) == 0
     ]
     if "layout" not in search:
