@@ -18,7 +18,7 @@ from torch import nn
 
 from fsdp_zero.config.schema import ModelConfig
 from fsdp_zero.config.targets import import_target
-from fsdp_zero.model.contract import model_facts
+from fsdp_zero.model.contract import returns_router_logits
 from fsdp_zero.model.hf import build_pretrained
 from fsdp_zero.model.transformer import from_config
 
@@ -57,7 +57,7 @@ def construct(cfg: ModelConfig) -> nn.Module:
     with meta_parameters():
         # a Hugging Face folder: the class and config from its config.json
         if cfg.pretrained is not None:
-            return _router_logits(build_pretrained(cfg))
+            return returns_router_logits(build_pretrained(cfg))
         if cfg.target is None:
             return from_config(cfg)
         factory = import_target(cfg.target, "model.target")
@@ -80,16 +80,7 @@ def construct(cfg: ModelConfig) -> nn.Module:
         raise ValueError(
             f"model.target={cfg.target} returned a {type(model).__name__}, not a torch.nn.Module"
         )
-    return _router_logits(model)
-
-
-def _router_logits(model: nn.Module) -> nn.Module:
-    """A Hugging Face mixture of experts set to return its router logits (``output_router_logits``),
-    which the load-balancing loss reads (`fsdp_zero.model.tasks.load_balance_loss`)."""
-    config = getattr(model, "config", None)
-    if model_facts(model).moe is not None and hasattr(config, "output_router_logits"):
-        config.output_router_logits = True
-    return model
+    return returns_router_logits(model)
 
 
 def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

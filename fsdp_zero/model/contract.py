@@ -254,3 +254,13 @@ def contract_table() -> str:
     ]
     rows += [f"| `{d.name}` | {d.kind} | {d.use} | {d.without} |" for d in DECLARED]
     return "\n".join(rows)
+
+
+def returns_router_logits(model: nn.Module) -> nn.Module:
+    """``model``, a Hugging Face mixture of experts set to return its router logits
+    (``output_router_logits``, which the load-balancing loss reads:
+    `fsdp_zero.model.tasks.load_balance_loss`); any other model as it is."""
+    config = getattr(model, "config", None)
+    if _config_moe(config) is not None and hasattr(config, "output_router_logits"):
+        config.output_router_logits = True
+    return model

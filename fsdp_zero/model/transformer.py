@@ -159,6 +159,16 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
+        """The experts' weighted outputs summed into each token.
+
+        Args:
+            x: (tokens, dim).
+            experts: (tokens, k) each token's experts (an index >= n_experts: none).
+            weights: (tokens, k) the router's weight of each.
+
+        Returns:
+            (tokens, dim).
+        """
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the slots grouped by expert, in token order

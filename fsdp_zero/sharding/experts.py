@@ -92,9 +92,18 @@ class DispatchCount:
 def balanced_bytes(
     module: nn.Module, *, tokens: int, top_k: int, size: int, itemsize: int, recomputed: bool
 ) -> float:
-    """The bytes one experts module's exchanges send a micro-batch of ``tokens`` on a rank when the
-    router balances: S = R = tokens x top_k x (size - 1) / size pairs of ``dim`` values (its
-    weights' last dimension) each way, `dispatch_formula`'s (2 or 3) x (S + R) x dim x itemsize."""
+    """The bytes one experts module's exchanges send a micro-batch on a rank when the router
+    balances: S = R = tokens x top_k x (size - 1) / size pairs of ``dim`` values each way,
+    `dispatch_formula`'s (2 or 3) x (S + R) x dim x itemsize.
+
+    Args:
+        module: the experts module (``dim``: its weights' last dimension).
+        tokens: a micro-batch's tokens on the rank.
+        top_k: experts a token.
+        size: the expert-parallel ranks.
+        itemsize: the compute dtype's bytes.
+        recomputed: its block is recomputed in backward (the exchanges run again).
+    """
     dim = next(module.parameters()).shape[-1]
     pairs = tokens * top_k * (size - 1) / size
     return (3 if recomputed else 2) * 2 * pairs * dim * itemsize
@@ -201,7 +210,18 @@ class ExpertParallel:
         experts: torch.Tensor,
         weights: torch.Tensor,
     ) -> torch.Tensor:
-        """The experts module's forward under expert parallelism (the module docstring's steps)."""
+        """The experts module's forward under expert parallelism (the module docstring's steps).
+
+        Args:
+            fqn: the module's name (its routing counted under it).
+            module: the experts module, this rank's slice of the experts.
+            x: (tokens, dim) this rank's tokens.
+            experts: (tokens, k) each token's experts (global indices; >= the experts: none).
+            weights: (tokens, k) the router's weights.
+
+        Returns:
+            (tokens, dim): each token's experts' outputs, weighted and summed.
+        """
         k, n = experts.shape[1], self.experts
         if is_fake(x):  # the planner's simulation: shapes only, routing balanced
             return self._balanced(module, x, weights)

@@ -164,8 +164,8 @@ class Scored:
 # What --search may name: the settings a candidate varies (the others stay as the config has them).
 # "offload_states": offload.states x offload.ratio (`OFFLOAD_RATIOS`): the cpu tier where the run
 # targets CUDA, the disk tier where offload.path names a folder. "layout": every parallel.sp_size x
-# parallel.tp_size x parallel.pp_size the world size divides into (parallel.ep_size as configured). "loss_chunk": the logits at once,
-# or the tiled loss in chunks of `LOSS_CHUNK` tokens (where a micro-batch has more).
+# parallel.tp_size x parallel.pp_size the world size divides into (parallel.ep_size as configured).
+# "loss_chunk": the logits at once, or the tiled loss in chunks of `LOSS_CHUNK` tokens (where a micro-batch has more).
 DIMENSIONS = (
     "strategy",
     "precision",

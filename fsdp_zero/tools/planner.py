@@ -456,7 +456,7 @@ class Simulator:
                 )
             model, optimizer = built.model, built.optimizer
             # a mixture's experts: a balanced router's work (the DDP stand-in: its module's)
-            simulated_routing(getattr(model, "module", model))
+            simulated_routing(model.module if isinstance(model, _DDPStandIn) else model)
             step = Step(
                 model,
                 optimizer,
