@@ -167,9 +167,9 @@ def test_candidates_are_valid_configs_and_bad_dimensions_are_named():
     assert {c.value("cpu_offload") for c in cuda} == {False, True}
     assert not any(c.value("cpu_offload") and c.strategy.value in ("ddp", "zero1") for c in cuda)
     for c in every[:: max(1, len(every) // 20)]:
-        # one override a dimension, three for the layout (sp_size, tp_size, pp_size), two for
-        # offload_states (offload.states, offload.ratio)
-        assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS) + 3
+        # one override a dimension, four for the layout (ep_size, sp_size, tp_size, pp_size), two
+        # for offload_states (offload.states, offload.ratio)
+        assert isinstance(c, Candidate) and len(c.overrides()) == len(DIMENSIONS) + 4
         pasted = load_config(None, NANO + c.overrides())  # what a user pastes selects the candidate
         assert pasted == c.config(cfg)
     with pytest.raises(

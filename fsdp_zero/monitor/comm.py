@@ -269,13 +269,13 @@ def comm_seconds(comm: CommBytes, topology: Topology, link_gbps: float) -> dict[
     def ring(n: int) -> float:
         return (n - 1) / n
 
+    # expert parallelism's dispatch, where it runs: what each rank sends its peers, counted as sent
+    dispatch = {"ep_all_to_all": comm.ep_all_to_all * per_byte} if comm.ep_all_to_all else {}
     return {
         "all_gather": comm.all_gather * per_byte * ring(shard),
         "reduce_scatter": comm.reduce_scatter * per_byte * ring(shard),
         "all_reduce": 2 * comm.all_reduce * per_byte * ring(replicas),
-        # (what each rank sends its peers, counted as sent)
-        "ep_all_to_all": comm.ep_all_to_all * per_byte,
-    }
+    } | dispatch
 
 
 class _CountedAllGather(ByteAllGather):

@@ -74,7 +74,7 @@ class Candidate:
     levers: tuple[tuple[str, object], ...] = lever_values()
     # the sizes of the axes that split the model, (axis, parallel.<axis>_size) as
     # `fsdp_zero.config.checks.split_sizes` orders them
-    split: tuple[tuple[str, int], ...] = (("sp", 1), ("tp", 1), ("pp", 1))
+    split: tuple[tuple[str, int], ...] = (("ep", 1), ("sp", 1), ("tp", 1), ("pp", 1))
     # train.loss_chunk: tokens per chunk of the tiled loss (0: the micro-batch's logits at once)
     loss_chunk: int = 0
 
