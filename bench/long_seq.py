@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from _train_run import train_run
 
 REPO = Path(__file__).resolve().parents[1]
 RANKS = 4
@@ -77,25 +76,8 @@ def run(name: str, length: int, model: list[str], root: Path) -> dict:
         f"data.seq_len={length}",
         "train.micro_batch_size=1",
         "train.steps=2",
-        "train.log_every=1",
-        "memory.profile_step=2",
-        "checkpoint.enabled=false",
-        "metrics.tensorboard=false",
-        f"run.root={root}",
-        f"run.name={folder}",
     ]
-    cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
-        "--standalone",
-        f"--nproc_per_node={RANKS}",
-        str(REPO / "scripts" / "train.py"),
-        *args,
-    ]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{name} at {length} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-    summary = json.loads((root / folder / "summary.json").read_text())
+    summary = train_run(args, root, folder, RANKS)
     ranks = summary["ranks"]
 
     def activations(r: dict) -> int:

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from _train_run import train_run
 
 REPO = Path(__file__).resolve().parents[1]
 RANKS = 4
@@ -45,25 +44,8 @@ def run(name: str, ep: int, preset: str, root: Path) -> dict:
         "train.global_batch_size=8",
         "train.micro_batch_size=2",
         "train.steps=3",
-        "train.log_every=1",
-        "memory.profile_step=2",
-        "checkpoint.enabled=false",
-        "metrics.tensorboard=false",
-        f"run.root={root}",
-        f"run.name={name}",
     ]
-    cmd = [
-        str(Path(sys.executable).parent / "torchrun"),
-        "--standalone",
-        f"--nproc_per_node={RANKS}",
-        str(REPO / "scripts" / "train.py"),
-        *args,
-    ]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-    summary = json.loads((root / name / "summary.json").read_text())
+    summary = train_run(args, root, name, RANKS)
     ranks = summary["ranks"]
     rows = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_s"] for r in rows if "step_s" in r]

@@ -69,6 +69,24 @@ _BF16 = "precision=bf16-mixed"
 _ZERO_BUBBLE = "parallel.pp_schedule=ZBVZeroBubble"
 
 
+def _while_split(key: str, rows: tuple) -> tuple[Refusal, ...]:
+    """The refusals while a split axis's size ``key`` (``parallel.<axis>_size``) is above 1: each
+    row (refused key, bad, why, yet, example), its example with ``key=2``."""
+    size = key.partition(".")[2]
+    return tuple(
+        Refusal(
+            key,
+            lambda c: getattr(c.parallel, size) > 1,
+            refused,
+            bad,
+            why,
+            yet=yet,
+            example=(*ex, f"{key}=2"),
+        )
+        for refused, bad, why, yet, ex in rows
+    )
+
+
 def _zero_bubble(p: ParallelConfig) -> bool:
     return p.pp_size > 1 and PP_SCHEDULES[p.pp_schedule].zero_bubble
 
@@ -322,11 +340,9 @@ REFUSALS: tuple[Refusal, ...] = (
         example=("offload.ratio=0.5",),
     ),
     # sequence parallelism (fsdp_zero/sharding/sequence.py): the model sharded over its ranks
-    *(
-        Refusal(
-            _SP, lambda c: c.parallel.sp_size > 1, key, bad, why, yet=yet, example=(*ex, f"{_SP}=2")
-        )
-        for key, bad, why, yet, ex in (
+    *_while_split(
+        _SP,
+        (
             (
                 _STRATEGY,
                 lambda c: not is_fsdp(c.parallel.strategy),
@@ -362,14 +378,12 @@ REFUSALS: tuple[Refusal, ...] = (
                 True,
                 ("parallel.reshard_after_forward=2",),
             ),
-        )
+        ),
     ),
     # expert parallelism (fsdp_zero/sharding/experts.py): the experts sharded over its ranks
-    *(
-        Refusal(
-            _EP, lambda c: c.parallel.ep_size > 1, key, bad, why, yet=yet, example=(*ex, f"{_EP}=2")
-        )
-        for key, bad, why, yet, ex in (
+    *_while_split(
+        _EP,
+        (
             (
                 _STRATEGY,
                 lambda c: not is_fsdp(c.parallel.strategy),
@@ -412,7 +426,7 @@ REFUSALS: tuple[Refusal, ...] = (
                 True,
                 ("model.preset=moe_nano", "parallel.reshard_after_forward=2"),
             ),
-        )
+        ),
     ),
     # tensor parallelism
     *_untested_rows(_TP, lambda p: p.tp_size > 1, "tensor parallelism"),
