@@ -10,9 +10,9 @@ the same global batch (tests/reference.py, which writes the load-balancing loss 
 the parity suite's fp32 tolerances; each rank holds its slice of the experts, sharded over the
 ranks ep leaves; the dispatch's counted bytes are its routing's.
 
-Covers: fsdp_zero/sharding/experts.py, fsdp_zero/model/transformer.py (MoE), fsdp_zero/model/tasks.py
-(load_balance_loss), fsdp_zero/model/contract.py (ep_plan, moe_shape), fsdp_zero/monitor/comm.py
-(ep_all_to_all), fsdp_zero/distributed/topology.py (the ep axis)
+Covers: fsdp_zero/sharding/experts.py, fsdp_zero/model/transformer.py, fsdp_zero/model/tasks.py,
+    fsdp_zero/model/contract.py, fsdp_zero/monitor/comm.py, fsdp_zero/distributed/topology.py,
+    fsdp_zero/tools/planner.py
 """
 
 from __future__ import annotations
