@@ -67,6 +67,10 @@ def references(runs) -> dict:
         initial = None
         if cfg.model.init_from:  # (the one-expert base)
             initial = torch.load(cfg.model.init_from, weights_only=True)
+        if cfg.model.pretrained:  # (the Hub-format folder: transformers' own load of it)
+            from transformers import AutoModelForCausalLM
+
+            initial = AutoModelForCausalLM.from_pretrained(cfg.model.pretrained).state_dict()
         out[name] = reference_run(cfg, initial=initial)
     return out
 
@@ -210,7 +214,7 @@ def test_a_hugging_face_mixture_exports_to_a_folder_from_pretrained_loads(runs, 
     assert (tmp_path / "hf" / "config.json").exists()
     plain = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert plain.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
-    cfg = run_config("qwen3-moe-ep2")
+    cfg = _config(runs, "qwen3-moe-ep2")
     inputs = build_source(cfg.data, cfg.train.seed, 101).batch(range(2))[0]
     with torch.no_grad():
         torch.testing.assert_close(
@@ -330,3 +334,40 @@ def test_the_fit_keeps_a_given_ep_and_prices_its_dispatch():
     args = model_args("moe_nano")
     # 2 layers x 2 (forward and backward) x (S + R) x dim x 4 B, S = R = 64 tokens x 2 x 1/2
     assert moved.ep_all_to_all == 2 * 2 * 2 * 64 * args.dim * 4
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_a_hub_checkpoints_expert_by_expert_weights_load_stacked(kind, tmp_path):
+    """transformers 5 saves a mixture's experts one Linear each (the Hub's format: Qwen3-MoE's
+    experts.<e>.gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2) and holds them stacked; the
+    weights a run starts from (model.pretrained) read them stacked, each expert's gate and up rows
+    joined, and every other tensor under transformers 5's names, equal to what from_pretrained
+    holds."""
+    import transformers
+
+    from fsdp_zero.model.source import FullWeights
+
+    small = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    small |= dict(num_key_value_heads=1, head_dim=8, num_experts_per_tok=2)
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**small, num_experts=4, moe_intermediate_size=8)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.MixtralConfig(**small, num_local_experts=4, intermediate_size=8)
+        cls = transformers.MixtralForCausalLM
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path)
+    weights = FullWeights(tmp_path / "model.safetensors")
+    held = cls.from_pretrained(tmp_path).state_dict()
+    stacked = [
+        n for n in weights.shapes if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    ]
+    assert len(stacked) == 2 and not any(".experts.0." in n for n in weights.shapes)
+    for name in stacked:
+        assert torch.equal(weights.rows(name, 1, 3), held[name][1:3]), name
+    # every tensor under transformers 5's names (Mixtral's block_sparse_moe is its mlp), the same
+    assert set(held) - {"lm_head.weight"} <= set(weights.shapes)
+    for name in set(held) & set(weights.shapes):
+        rows = held[name].shape[0] if held[name].dim() else 0
+        assert torch.equal(weights.rows(name, 0, rows), held[name]), name

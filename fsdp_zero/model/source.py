@@ -10,6 +10,7 @@ it); `match_weights` says which file tensor fills each of a model's. The importe
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -70,7 +71,15 @@ class FullWeights:
                     "(torch.save(model.state_dict()))"
                 )
             self._pt = loaded
-        self.shapes = self._read_shapes()
+        self._read = self._read_shapes()
+        # a Hugging Face mixture saved in the Hub's format: its modules under transformers 5's
+        # names (`_RENAMED`), its experts stacked in place of their parts (`_stacked_experts`)
+        self._alias = {_renamed(n): n for n in self._read if _renamed(n) != n}
+        named = {_renamed(n): s for n, s in self._read.items()}
+        self._stacked = _stacked_experts(named)
+        parts = {p for _, names in self._stacked.values() for each in names for p in each}
+        self.shapes = {n: s for n, s in named.items() if n not in parts}
+        self.shapes |= {name: shape for name, (shape, _) in self._stacked.items()}
 
     def _read_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._pt is not None:
@@ -85,7 +94,19 @@ class FullWeights:
         return shapes
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of tensor ``name`` (the whole of a 0-d tensor)."""
+        """Rows [start, stop) of tensor ``name`` (the whole of a 0-d tensor; of a stacked experts
+        tensor, those experts, each its parts' rows joined)."""
+        if name in self._stacked:
+            parts = self._stacked[name][1]
+            return torch.stack(
+                [
+                    torch.cat(
+                        [self.rows(p, 0, self._read[self._alias.get(p, p)][0]) for p in parts[e]]
+                    )
+                    for e in range(start, stop)
+                ]
+            )
+        name = self._alias.get(name, name)
         if self._pt is not None:
             t = self._pt[name]
             return t if t.dim() == 0 else t[start:stop]
@@ -94,6 +115,49 @@ class FullWeights:
         with safe_open(self._files[name], framework="pt") as f:
             sl = f.get_slice(name)
             return f.get_tensor(name) if len(sl.get_shape()) == 0 else sl[start:stop]
+
+
+# A mixture's experts as transformers 5 holds them, stacked on dim 0, from the Hub's checkpoints'
+# expert-by-expert Linears (transformers' own conversion_mapping: Qwen2/3-MoE's gate_proj, up_proj
+# and down_proj, Mixtral's w1, w3 and w2): a stacked name and, for each naming, the parts joined on
+# dim 0 for one expert.
+_STACKED = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+# transformers 5's module renames of a Hub checkpoint (its conversion_mapping: Mixtral's sparse block)
+_RENAMED = ((".block_sparse_moe.", ".mlp."),)
+_EXPERT = re.compile(r"(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<part>\w+)\.weight")
+
+
+def _renamed(name: str) -> str:
+    for old, new in _RENAMED:
+        name = name.replace(old, new)
+    return name
+
+
+def _stacked_experts(
+    shapes: dict[str, tuple[int, ...]],
+) -> dict[str, tuple[tuple[int, ...], list[list[str]]]]:
+    """The stacked experts tensors a file's expert-by-expert weights make: {stacked name: (its
+    shape, each expert's part names in order)}, where every expert of a prefix has every part."""
+    experts: dict[str, dict[int, set[str]]] = {}
+    for name in shapes:
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault(m["prefix"], {}).setdefault(int(m["e"]), set()).add(m["part"])
+    out = {}
+    for prefix, found in experts.items():
+        n = len(found)
+        if sorted(found) != list(range(n)):
+            continue
+        for stacked, namings in _STACKED.items():
+            for parts in namings:
+                if all(set(parts) <= found[e] for e in range(n)):
+                    names = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(n)]
+                    first = [shapes[q] for q in names[0]]
+                    shape = (n, sum(s[0] for s in first), *first[0][1:])
+                    out[f"{prefix}.{stacked}"] = (shape, names)
+    return out
 
 
 def _safetensors_names(path: Path) -> list[str]:

@@ -15,6 +15,7 @@ from tests.batches.settings import (
     HAS_HF,
     MASKED_TOKENS,
     QLORA_BASE_SEED,
+    QWEN3_MOE_CONFIG,
     L,
     Launch,
     Q,
@@ -122,6 +123,17 @@ def _one_expert_base(root: Path) -> None:
     torch.save(state, path)
 
 
+def _hub_moe(root: Path) -> None:
+    """The tiny Qwen3-MoE folder the mixture's pretrained run starts from: seeded weights saved by
+    transformers' save_pretrained (the Hub's format: each expert's Linears apart)."""
+    if not HAS_HF or "test_experts" not in _COLLECTED or (root / "qwen3-moe").exists():
+        return
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(23)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE_CONFIG)).save_pretrained(root / "qwen3-moe")
+
+
 def _ds_imports(root: Path, ranks: int) -> None:
     """scripts/import_deepspeed.py of each DeepSpeed checkpoint continued at ``ranks`` ranks (in this
     process; when tests/test_ds_import.py runs)."""
@@ -150,6 +162,7 @@ def _resume2_files(root: Path) -> None:
 def _launch2_files(root: Path) -> None:
     _qlora_bases(root)
     _one_expert_base(root)
+    _hub_moe(root)
     _hf_folder(root)
     _eval_tokens(root)
     _masked_tokens(root)

@@ -79,22 +79,22 @@ MOE = ("model.preset=moe_nano",)
 EP2, EP4 = "parallel.ep_size=2", "parallel.ep_size=4"
 # its top-1 twin whose router starts at zero: every token routed to expert 0 on the first step
 ONE_EXPERT = ("model.experts_top_k=1", "model.init_from={root}/bases/moe-one-expert.pt")
-# a tiny Hugging Face Qwen3-MoE: 4 experts, top 2, every layer a mixture
-QWEN3_MOE = (
-    "model.target=transformers:Qwen3MoeForCausalLM",
-    "model.kwargs.vocab_size=101",
-    "model.kwargs.hidden_size=32",
-    "model.kwargs.intermediate_size=64",
-    "model.kwargs.moe_intermediate_size=32",
-    "model.kwargs.num_experts=4",
-    "model.kwargs.num_experts_per_tok=2",
-    "model.kwargs.num_hidden_layers=2",
-    "model.kwargs.num_attention_heads=4",
-    "model.kwargs.num_key_value_heads=2",
-    "model.kwargs.head_dim=8",
-    "model.kwargs.max_position_embeddings=64",
-    "model.kwargs.router_aux_loss_coef=0.01",
-    "data.seq_len=16",
+# a tiny Hugging Face Qwen3-MoE (4 experts, top 2, every layer a mixture) saved by transformers in
+# the Hub's format, its experts one Linear each (tests/batches/launches.py makes it)
+QWEN3_MOE = ("model.pretrained={root}/qwen3-moe", "data.seq_len=16")
+QWEN3_MOE_CONFIG = dict(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    router_aux_loss_coef=0.01,
 )
 X = "test_experts"
 # pipeline parallelism: two stages (gpt_nano's two layers, one each; four under the V schedule)
