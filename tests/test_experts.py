@@ -30,7 +30,7 @@ from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.distributed.topology import Role, Topology
 from fsdp_zero.model.tasks import load_balance_loss
 from fsdp_zero.model.transformer import Router, Transformer
-from tests.batches import BASE, BY_NAME, run_config
+from tests.batches import BASE, BY_NAME
 from tests.batches.settings import HAS_HF
 from tests.conftest import figure
 from tests.reference import reference_run
