@@ -173,6 +173,15 @@ class ExpertParallel:
     mesh: DeviceMesh  # what FSDP shards the experts over (`Topology.expert_mesh`)
     count: DispatchCount = field(default_factory=DispatchCount)
     modules: list[nn.Module] = field(default_factory=list)  # the experts modules (FSDP units)
+    params: int = 0  # the routed experts' parameters, all of them
+
+    def where(self) -> str:
+        """The model-state formula's experts term, in words (its dense term is the same / N)."""
+        shard = self.mesh.shape[-1]  # (hybrid_shard: within a replica)
+        return (
+            f"; of them the {self.params:,} experts' over ep {self.size} x the {shard} ranks ep "
+            f"leaves (/ {self.size * shard}), the others over all {self.size * shard}"
+        )
 
     @property
     def local(self) -> int:
@@ -365,6 +374,7 @@ def apply_expert_parallel(
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     fqns, n = check_experts(model, size)
     made = ExpertParallel(fqns, ep_mesh.get_group(), size, rank, n, divide, expert_mesh)
+    made.params = expert_params(model)
     for fqn in fqns:
         module = model.get_submodule(fqn)
         for name, p in list(module.named_parameters(recurse=False)):

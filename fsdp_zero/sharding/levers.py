@@ -411,6 +411,7 @@ EXPERT = Lever(
     unit_mesh=lambda ep, fqn: ep.mesh_for(fqn),
     after_units=lambda units, ep: ep.divided(units),
     note=lambda ep, model: ep.note(),
+    where=lambda ep, topology: ep.where(),
 )
 SEQUENCE = Lever(
     "sequence",
