@@ -114,8 +114,7 @@ DECLARED = (
     ),
     Declared(
         "moe_shape",
-        "dict of `num_experts`, `num_experts_per_tok`, `router_aux_loss_coef`, `scoring_func`, "
-        "and `num_active_params` (optional)",
+        "dict of `num_experts`, `num_experts_per_tok`, `router_aux_loss_coef`, `scoring_func`",
         "the load-balancing loss on the router logits the model returns (`router_logits`), the "
         "experts `parallel.ep_size` must divide, active against total parameters at start-up",
         "the Hugging Face config's keys of those names (`num_local_experts`: Mixtral's), else a "
@@ -194,8 +193,13 @@ def model_facts(model: nn.Module) -> ModelFacts:
         head=head() if callable(head) else None,
         attention=getattr(model, "attention_shape", None) or _config_attention(config),
         ep_plan=tuple(getattr(model, "ep_plan", None) or _hf_experts(model, config)),
-        moe=getattr(model, "moe_shape", None) or _config_moe(config),
+        moe=moe_of(model),
     )
+
+
+def moe_of(model: nn.Module) -> dict[str, Any] | None:
+    """`ModelFacts.moe` alone, without walking the model (what each micro-batch's loss reads)."""
+    return getattr(model, "moe_shape", None) or _config_moe(getattr(model, "config", None))
 
 
 def _config_moe(config: Any) -> dict[str, Any] | None:

@@ -44,7 +44,7 @@ from fsdp_zero.config.choices import DataSource, Task
 from fsdp_zero.config.schema import ModelConfig
 from fsdp_zero.config.targets import import_target
 from fsdp_zero.data.token_files import IGNORE_INDEX
-from fsdp_zero.model.contract import model_facts
+from fsdp_zero.model.contract import model_facts, moe_of
 from fsdp_zero.torch_private import is_fake
 
 LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
@@ -103,7 +103,7 @@ def _with_aux(
     router = getattr(out, "router_logits", None)
     if not router:
         return loss, {}
-    moe = model_facts(model.module if isinstance(model, DistributedDataParallel) else model).moe
+    moe = moe_of(model.module if isinstance(model, DistributedDataParallel) else model)
     if moe is None:
         return loss, {}
     aux = load_balance_loss(tuple(router), moe, inputs.shape[0])

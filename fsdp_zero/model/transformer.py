@@ -331,7 +331,6 @@ class Transformer(nn.Module):
             "num_experts_per_tok": a.experts_top_k,
             "router_aux_loss_coef": a.aux_loss_coef,
             "scoring_func": a.router_score,
-            "num_active_params": a.num_params(active=True),
         }
 
     def get_output_embeddings(self) -> nn.Module | None:

@@ -49,7 +49,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_zero.config.schema import Config
 from fsdp_zero.distributed.env import DistEnv
 from fsdp_zero.distributed.topology import Topology
-from fsdp_zero.model.contract import model_facts
+from fsdp_zero.model.contract import moe_of
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.sharding.build import Built
 from fsdp_zero.sharding.experts import balanced_bytes, dispatch_formula, expert_fqns
@@ -79,7 +79,11 @@ logger = logging.getLogger("fsdp_zero")
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 TP_KINDS = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
 OFFLOAD_KINDS = ("host_to_device", "device_to_host", "disk_read", "disk_written")
-SP_KINDS = ("sp_all_to_all", "ep_all_to_all")  # the all-to-alls of the split axes
+# the split axes' all-to-alls, and how the end-of-run line names each
+A2A_KINDS = {
+    "sp_all_to_all": "sequence parallelism's",
+    "ep_all_to_all": "expert parallelism's dispatch and combine",
+}
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ class CommBytes:
         offload's where it moved anything)."""
         kinds = COLLECTIVE_KINDS + tuple(
             k
-            for group in (TP_KINDS, OFFLOAD_KINDS, SP_KINDS)
+            for group in (TP_KINDS, OFFLOAD_KINDS, tuple(A2A_KINDS))
             if any(getattr(self, k) for k in group)
             for k in group
         )
@@ -227,12 +231,12 @@ def comm_formula(
         )
     dispatched = 0.0
     if experts:  # a balanced router's pairs (the meter puts each step's own routing in its place)
-        blocks = checkpointed(cfg, plan.block_fqns)
+        blocks, top_k = checkpointed(cfg, plan.block_fqns), moe_of(model)["num_experts_per_tok"]
         dispatched = accum * sum(
             balanced_bytes(
                 model.get_submodule(fqn),
                 tokens=tokens,
-                top_k=model_facts(model).moe["num_experts_per_tok"],
+                top_k=top_k,
                 size=ep,
                 itemsize=precision.compute.itemsize,
                 recomputed=any(fqn.startswith(b + ".") for b in blocks),
@@ -351,7 +355,7 @@ class CommMeter:
         self.traffic = getattr(optimizer, "traffic", None)
         if self.traffic is not None:
             self.formula = dataclasses.replace(self.formula, **asdict(optimizer.traffic_formula()))
-        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS + SP_KINDS, 0)
+        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS + tuple(A2A_KINDS), 0)
         self.active = False
         self.tensor_parallel = topology.size("tp") > 1  # (its collectives counted apart)
         # sequence parallelism's all-to-alls (counted by its own functions)
@@ -404,7 +408,7 @@ class CommMeter:
         """Counts from zero what runs inside (one optimizer step); `counted` reads it. Tensor
         parallelism's collectives only with ``tensor_parallel`` (their dispatch mode looks at every
         op: the trainer counts them on log steps)."""
-        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS + SP_KINDS, 0)
+        self.bytes = dict.fromkeys(COLLECTIVE_KINDS + TP_KINDS + tuple(A2A_KINDS), 0)
         self.active = True
         tp = self.tensor_parallel and tensor_parallel
         for made in (self.sequence, self.experts):
@@ -418,7 +422,7 @@ class CommMeter:
             if self.sequence is not None:
                 self.bytes["sp_all_to_all"] = self.sequence.count.take()[0]
             if self.experts is not None:
-                sent, _, routed = self.experts.count.take()
+                sent, routed = self.experts.count.take()
                 self.bytes["ep_all_to_all"] = sent
                 routing = dispatch_formula(routed, self.recomputed)
                 self.formula = dataclasses.replace(self.formula, ep_all_to_all=routing)
@@ -458,19 +462,10 @@ def describe_comm(
     tensor = _against(
         "tensor parallelism's", tp, counted, formula, lambda k: k[3:].replace("_", "-")
     )
-    sequence = _against(
-        "sequence parallelism's",
-        [k for k in SP_KINDS[:1] if formula.get(k)],
-        counted,
-        formula,
-        lambda k: "all-to-all",
-    )
-    sequence += _against(
-        "expert parallelism's dispatch and combine",
-        [k for k in SP_KINDS[1:] if formula.get(k)],
-        counted,
-        formula,
-        lambda k: "all-to-all",
+    split = "".join(
+        _against(words, [k], counted, formula, lambda k: "all-to-all")
+        for k, words in A2A_KINDS.items()
+        if formula.get(k)
     )
     moved = [k for k in OFFLOAD_KINDS if formula.get(k)]
     offload = _against(
@@ -480,7 +475,7 @@ def describe_comm(
         f"communication per rank in the last logged step: {', '.join(parts)}, against the "
         f"{strategy} grad_sync={grad_sync} formula's "
         f"{', '.join(f'{formula[k] / MIB:,.2f}' for k in COLLECTIVE_KINDS)} MiB{held}{tensor}"
-        f"{sequence}{offload}"
+        f"{split}{offload}"
     )
 
 

@@ -9,7 +9,7 @@ data-parallel ranks ep leaves (`fsdp_zero.distributed.Topology.expert_mesh`: tor
 ``dp_shard_mod_ep``; FSDP2's 2-D FSDP + EP), while every other parameter is sharded over all the
 data-parallel ranks: a rank gathers only its group's share of the experts, never another group's.
 
-Each experts module's forward is replaced by the dispatch (`ExpertParallel.forward`):
+Each experts module's forward is replaced by the dispatch (`ExpertParallel.dispatch`):
 
 1. this rank's (token, slot) pairs sorted by expert (stable: token order within an expert), and
    the count for every expert exchanged (one small all-to-all), so each rank knows what it
@@ -75,17 +75,16 @@ def expert_params(model: nn.Module) -> int:
 class DispatchCount:
     """What this rank's exchanges sent since the last `take`, counted on the host from the splits:
     ``sent``, the bytes to other ranks (each pair's ``dim`` values; dispatch and combine, forward,
-    backward and recompute); from the forwards only (not a recompute): ``remote``, the (token,
-    slot) pairs this rank routed to experts on other ranks, and ``routed``, the bytes of the pairs
-    it sent and received, by experts module (what `dispatch_formula` reads)."""
+    backward and recompute); and from the forwards only (not a recompute) ``routed``, the bytes of
+    the (token, slot) pairs it sent to and received from other ranks, by experts module (what
+    `dispatch_formula` reads)."""
 
     sent: int = 0
-    remote: int = 0
     routed: dict[str, int] = field(default_factory=dict)
 
-    def take(self) -> tuple[int, int, dict[str, int]]:
-        out = (self.sent, self.remote, self.routed)
-        self.sent, self.remote, self.routed = 0, 0, {}
+    def take(self) -> tuple[int, dict[str, int]]:
+        out = (self.sent, self.routed)
+        self.sent, self.routed = 0, {}
         return out
 
 
@@ -237,21 +236,18 @@ class ExpertParallel:
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slots by expert, token order within one
         per_expert = torch.bincount(flat, minlength=n + 1)[:n]  # (dropped slots: index n, last)
-        send_all = per_expert.tolist()
-        order = order[: sum(send_all)]
-        # 1. each rank's count for each of this rank's experts
+        # 1. each rank's count for each of this rank's experts; the host reads both (two syncs)
         counts = torch.empty_like(per_expert)
         dist.all_to_all_single(counts, per_expert, group=self.group)
+        mine = per_expert.tolist()
+        send = [sum(mine[j * self.local : (j + 1) * self.local]) for j in range(self.size)]
         counts = counts.view(self.size, self.local)  # [j, e]: rank j's tokens for local expert e
-        send = per_expert.view(self.size, self.local).sum(1).tolist()
         receive = counts.sum(1).tolist()
+        order = order[: sum(send)]
         if not in_backward():  # (a recompute routes the same pairs again)
-            out_of, into = (
-                sum(c for j, c in enumerate(n) if j != self.rank) for n in (send, receive)
-            )
-            self.count.remote += out_of
+            remote = sum(s + r for j, (s, r) in enumerate(zip(send, receive)) if j != self.rank)
             row = x.shape[-1] * x.element_size()
-            self.count.routed[fqn] = self.count.routed.get(fqn, 0) + (out_of + into) * row
+            self.count.routed[fqn] = self.count.routed.get(fqn, 0) + remote * row
         # 2. the tokens to their experts' ranks
         tokens = order // k
         got = _Exchange.apply(x[tokens], send, receive, self.group, self.count)
@@ -279,7 +275,13 @@ class ExpertParallel:
         got = _Exchange.apply(rows, share, share, self.group, self.count)
         out = balanced_compute(module, got, self.local)
         back = _Exchange.apply(out, share, share, self.group, self.count)
-        return (back.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        return _weighted(back, weights, x.dtype)
+
+
+def _weighted(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k rows of ``out`` (in slot order) weighted by ``weights`` (tokens, k) and
+    summed: the planner's stand-ins' combine."""
+    return (out.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(1).to(dtype)
 
 
 # the attributes an experts module counts its experts in (Hugging Face's, the built-in's)
@@ -320,16 +322,16 @@ def simulated_routing(model: nn.Module) -> None:
     """The planner's simulation (fake tensors: no data to route by): each experts module of
     ``model`` not under expert parallelism computes as a balanced router would have it
     (`balanced_compute`); under expert parallelism `ExpertParallel.dispatch` does so itself."""
-    for fqn in expert_fqns(model):
+    fqns = expert_fqns(model)
+    count = model_facts(model).moe["num_experts"] if fqns else 0
+    for fqn in fqns:
         module = model.get_submodule(fqn)
         if "forward" in vars(module):  # (expert parallelism's dispatch)
             continue
-        count = model_facts(model).moe["num_experts"]
 
-        def forward(x, experts, weights, module=module, count=count):  # noqa: ANN001, ANN202
+        def forward(x, experts, weights, module=module):  # noqa: ANN001, ANN202
             rows = x.repeat_interleave(experts.shape[1], 0)
-            out = balanced_compute(module, rows, count)
-            return (out.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+            return _weighted(balanced_compute(module, rows, count), weights, x.dtype)
 
         module.forward = forward
 

@@ -15,7 +15,7 @@ from fsdp_zero.config.paths import RunDir
 from fsdp_zero.config.schema import ParallelConfig
 from fsdp_zero.config.strategies import GradSync
 from fsdp_zero.distributed.env import DistEnv
-from fsdp_zero.monitor.comm import COLLECTIVE_KINDS, SP_KINDS, TP_KINDS, describe_comm
+from fsdp_zero.monitor.comm import A2A_KINDS, COLLECTIVE_KINDS, TP_KINDS, describe_comm
 from fsdp_zero.monitor.memory import MIB
 from fsdp_zero.monitor.phases import Phase
 from fsdp_zero.sharding.build import Built
@@ -139,5 +139,5 @@ def _by_kind(comm: dict[str, float] | None) -> dict[str, float] | None:
     """A step's counted bytes by kind (tensor parallelism's where it ran), as summary.json holds them."""
     if not comm:
         return None
-    kinds = COLLECTIVE_KINDS + TP_KINDS + SP_KINDS
+    kinds = COLLECTIVE_KINDS + TP_KINDS + tuple(A2A_KINDS)
     return {k: comm[k] for k in kinds if k in COLLECTIVE_KINDS or comm[k]}
